@@ -1,0 +1,90 @@
+//! Shared workload code for the engine benches: the criterion bench (`benches/engine.rs`) and
+//! the `engine-load` binary that `compare_raw.sh` runs beside fio.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use ferrite_engine::{Pool, PoolOptions, Volume};
+
+/// One fio-like workload.
+#[derive(Debug, Clone, Copy)]
+pub struct Workload {
+    pub name: &'static str,
+    pub block: usize,
+    pub random: bool,
+    pub write: bool,
+    /// Requests in flight: one issuing thread per request for the blocking engine API.
+    pub qd: usize,
+}
+
+/// The workloads of the foundation issue.
+pub const WORKLOADS: [Workload; 6] = [
+    Workload { name: "randwrite-4k-qd1", block: 4096, random: true, write: true, qd: 1 },
+    Workload { name: "randwrite-4k-qd32", block: 4096, random: true, write: true, qd: 32 },
+    Workload { name: "randread-4k-qd1", block: 4096, random: true, write: false, qd: 1 },
+    Workload { name: "randread-4k-qd32", block: 4096, random: true, write: false, qd: 32 },
+    Workload { name: "seqwrite-128k-qd1", block: 128 << 10, random: false, write: true, qd: 1 },
+    Workload { name: "seqread-128k-qd1", block: 128 << 10, random: false, write: false, qd: 1 },
+];
+
+/// Creates a file-backed pool (io_uring backend) with one volume of `vol_size` bytes.
+pub fn setup(dir: &Path, pool_size: u64, vol_size: u64) -> (Pool, Volume) {
+    let opts = PoolOptions::default();
+    let pool = Pool::create(&dir.join("pool.img"), &dir.join("meta"), pool_size, opts).expect("create pool");
+    pool.create_volume("bench", vol_size).expect("create volume");
+    let vol = pool.open_volume("bench").expect("open volume");
+    (pool, vol)
+}
+
+/// Writes the whole volume once so reads hit real data.
+pub fn prefill(vol: &Volume) {
+    let size = vol.size().expect("size");
+    let chunk = vec![0x5Au8; 1 << 20];
+    let mut off = 0;
+    while off < size {
+        let n = (size - off).min(chunk.len() as u64) as usize;
+        vol.write(off, &chunk[..n]).expect("prefill");
+        off += n as u64;
+    }
+    vol.flush().expect("flush");
+}
+
+fn next(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// Runs `w` until `ops` requests complete or `limit` passes; returns (requests, elapsed).
+pub fn run(vol: &Volume, w: Workload, ops: u64, limit: Duration) -> (u64, Duration) {
+    let size = vol.size().expect("size");
+    let slots = size / w.block as u64;
+    let issued = AtomicU64::new(0);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..w.qd {
+            let (vol, issued) = (vol.clone(), &issued);
+            s.spawn(move || {
+                let mut buf = vec![0xA5u8; w.block];
+                let mut x = 0x1234_5678_9ABC_DEF1u64 ^ ((t as u64 + 1) << 32);
+                loop {
+                    let n = issued.fetch_add(1, Ordering::Relaxed);
+                    if n >= ops || start.elapsed() >= limit {
+                        break;
+                    }
+                    let slot = if w.random { next(&mut x) % slots } else { n % slots };
+                    let off = slot * w.block as u64;
+                    if w.write {
+                        vol.write(off, &buf).expect("bench write");
+                    } else {
+                        vol.read(off, &mut buf).expect("bench read");
+                    }
+                }
+            });
+        }
+    });
+    let done = issued.load(Ordering::Relaxed).min(ops);
+    (done, start.elapsed())
+}

@@ -1,0 +1,60 @@
+//! Human sizes: `10G`, `512MiB`, `4096`, `1.5T`. K/M/G/T/P with or without `i`/`iB`/`B` are
+//! all powers of 1024, as block-storage users expect.
+
+/// Parses a size; the error says what was wrong.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "ki" | "kib" => 10,
+        "m" | "mb" | "mi" | "mib" => 20,
+        "g" | "gb" | "gi" | "gib" => 30,
+        "t" | "tb" | "ti" | "tib" => 40,
+        "p" | "pb" | "pi" | "pib" => 50,
+        u => return Err(format!("unknown size unit {u:?} in {s:?} (use K, M, G, T or P)")),
+    };
+    let value: f64 = num.parse().map_err(|_| format!("invalid size {s:?}: expected a number with an optional unit"))?;
+    let bytes = value * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 || bytes.fract() != 0.0 {
+        return Err(format!("invalid size {s:?}: not a whole number of bytes"));
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    Ok(bytes as u64)
+}
+
+/// Formats bytes with a binary unit, e.g. `1.5 GiB`.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[i]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_units() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("10G").unwrap(), 10 << 30);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5k").unwrap(), 1536);
+        assert_eq!(parse_size(" 2 TB ").unwrap(), 2 << 40);
+        for bad in ["", "G", "10X", "1.3", "-5", "1e3"] {
+            assert!(parse_size(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn formats() {
+        assert_eq!(format_size(512), "512 B");
+        assert_eq!(format_size(3 << 29), "1.5 GiB");
+    }
+}

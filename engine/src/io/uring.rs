@@ -1,0 +1,160 @@
+//! The io_uring backend: O_DIRECT reads and writes submitted through rings.
+//!
+//! Each call borrows a ring from a small pool (a thread that calls again gets one back without
+//! allocating), pushes its operations, and reaps every completion before returning. The buffers
+//! are borrowed by the call, and the call does not return while the kernel may still touch them:
+//! that is the invariant the `unsafe` pushes below rely on. Many threads calling at once keep many
+//! requests in flight; `read_many` keeps a whole batch in flight from one thread.
+
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+use io_uring::{IoUring, opcode, squeue, types};
+use parking_lot::Mutex;
+
+use super::file::BackingFile;
+use super::{Backend, ReadOp, check_request};
+
+const RING_ENTRIES: u32 = 64;
+
+/// io_uring backend over a file or block device.
+#[derive(Debug)]
+pub struct UringBackend {
+    file: BackingFile,
+    rings: Mutex<Vec<IoUring>>,
+}
+
+impl UringBackend {
+    /// Opens an existing file or device; fails if io_uring is unavailable (callers fall back).
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let file = BackingFile::open(path)?;
+        let ring = IoUring::new(RING_ENTRIES)?;
+        Ok(Self { file, rings: Mutex::new(vec![ring]) })
+    }
+
+    /// True if O_DIRECT is in effect.
+    pub fn is_direct(&self) -> bool {
+        self.file.direct
+    }
+
+    fn with_ring<T>(&self, f: impl FnOnce(&mut IoUring) -> io::Result<T>) -> io::Result<T> {
+        let pooled = self.rings.lock().pop();
+        let mut ring = match pooled {
+            Some(r) => r,
+            None => IoUring::new(RING_ENTRIES)?,
+        };
+        let out = f(&mut ring);
+        self.rings.lock().push(ring);
+        out
+    }
+
+    /// Runs `ops` (opcode entries whose user_data is their index) to completion, resubmitting
+    /// short transfers. `spans[i]` is the (pointer, length, offset) of op i, for resubmission.
+    fn run(&self, ring: &mut IoUring, spans: &mut [(*mut u8, usize, u64)], write: bool) -> io::Result<()> {
+        let fd = types::Fd(self.file.file.as_raw_fd());
+        let build = |i: usize, (ptr, len, off): (*mut u8, usize, u64)| -> squeue::Entry {
+            let len32 = u32::try_from(len).expect("backend requests are below 4 GiB");
+            let e = if write {
+                opcode::Write::new(fd, ptr.cast_const(), len32).offset(off).build()
+            } else {
+                opcode::Read::new(fd, ptr, len32).offset(off).build()
+            };
+            e.user_data(i as u64)
+        };
+        let mut next = 0;
+        let mut in_flight = 0usize;
+        let mut first_err: Option<io::Error> = None;
+        let mut retry: Vec<usize> = Vec::new();
+        while next < spans.len() || in_flight > 0 || !retry.is_empty() {
+            // Queue as much as fits: retries first, then new operations (unless failing).
+            loop {
+                let idx = if let Some(i) = retry.pop() {
+                    i
+                } else if next < spans.len() && first_err.is_none() {
+                    next += 1;
+                    next - 1
+                } else {
+                    break;
+                };
+                let entry = build(idx, spans[idx]);
+                // SAFETY: the buffer behind spans[idx] is borrowed for this whole call, and the
+                // loop below does not return before every pushed entry's completion is reaped,
+                // so the kernel never touches it after the borrow ends.
+                if unsafe { ring.submission().push(&entry) }.is_err() {
+                    // Queue full: put it back and submit what we have.
+                    if idx + 1 == next {
+                        next -= 1;
+                    } else {
+                        retry.push(idx);
+                    }
+                    break;
+                }
+                in_flight += 1;
+            }
+            if in_flight == 0 {
+                break;
+            }
+            ring.submit_and_wait(1)?;
+            for cqe in ring.completion() {
+                in_flight -= 1;
+                let idx = usize::try_from(cqe.user_data()).expect("index fits usize");
+                let res = cqe.result();
+                if res < 0 {
+                    first_err.get_or_insert(io::Error::from_raw_os_error(-res));
+                    continue;
+                }
+                let done = usize::try_from(res).expect("non-negative");
+                let (ptr, len, off) = spans[idx];
+                if done == 0 && len > 0 {
+                    first_err.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "short transfer"));
+                } else if done < len {
+                    // SAFETY: done < len, so the advanced pointer stays inside the same buffer.
+                    spans[idx] = (unsafe { ptr.add(done) }, len - done, off + done as u64);
+                    if first_err.is_none() {
+                        retry.push(idx);
+                    }
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Backend for UringBackend {
+    fn len(&self) -> u64 {
+        self.file.len
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.read_many(&mut [ReadOp { offset, buf }])
+    }
+
+    fn read_many(&self, ops: &mut [ReadOp<'_>]) -> io::Result<()> {
+        let mut spans = Vec::with_capacity(ops.len());
+        for op in ops.iter_mut() {
+            check_request(op.buf.len(), op.offset, self.file.len, op.buf.as_ptr())?;
+            spans.push((op.buf.as_mut_ptr(), op.buf.len(), op.offset));
+        }
+        self.with_ring(|ring| self.run(ring, &mut spans, false))
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        check_request(buf.len(), offset, self.file.len, buf.as_ptr())?;
+        // The kernel only reads through this pointer for a write.
+        let mut spans = [(buf.as_ptr().cast_mut(), buf.len(), offset)];
+        self.with_ring(|ring| self.run(ring, &mut spans, true))
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync()
+    }
+
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.file.allocate(offset, len)
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.file.punch_hole(offset, len)
+    }
+}

@@ -1,0 +1,293 @@
+//! The log writer: one thread that turns concurrent requests into batches.
+//!
+//! ```text
+//!  writers --Req--> channel --> [drain up to max batch] --> header+data, one aligned write
+//!                                                         --> apply to maps (state lock)
+//!                                                         --> ack (FUA / FLUSH: after sync)
+//! ```
+//! A write is acknowledged once its batch is on the store and in the maps, before it is
+//! durable (a volatile write cache); FUA writes and flushes are acknowledged after a sync that
+//! covers every batch written before them. A media error other than ENOSPC poisons the pool:
+//! after it, a later flush could not honestly claim anything.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{BatchHeader, Entry, EntryKind, block_crc};
+use crate::io::{AlignedBuf, BLOCK};
+use crate::pool::{Inner, State};
+use crate::segments::SegState;
+
+/// Completion callback of a request.
+pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// A request to the writer.
+pub(crate) enum Req {
+    /// Map `data` (whole blocks) at `lba` of `layer`.
+    Write { layer: u64, lba: u64, data: Vec<u8>, fua: bool, done: Done },
+    /// Unmap `blocks` blocks at `lba` of `layer`.
+    Unmap { layer: u64, lba: u64, blocks: u64, done: Done },
+    /// Make everything acknowledged so far durable.
+    Flush { done: Done },
+}
+
+impl Req {
+    fn data_blocks(&self) -> u64 {
+        match self {
+            Req::Write { data, .. } => (data.len() / BLOCK) as u64,
+            _ => 0,
+        }
+    }
+}
+
+/// A position in the log: the next batch's sequence number and where it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LogPos {
+    pub seq: u64,
+    pub seg: usize,
+    pub off: u64,
+}
+
+const MAX_ENTRIES: usize = 512;
+
+pub(crate) fn writer_loop(inner: &Inner, rx: &mpsc::Receiver<Req>) {
+    let mut carry: Option<Req> = None;
+    loop {
+        let first = match carry.take() {
+            Some(r) => r,
+            None => match rx.recv() {
+                Ok(r) => r,
+                Err(_) => return,
+            },
+        };
+        let mut reqs = vec![first];
+        let mut blocks = reqs[0].data_blocks();
+        while reqs.len() < MAX_ENTRIES {
+            match rx.try_recv() {
+                Ok(r) => {
+                    if blocks + r.data_blocks() > inner.max_batch_blocks {
+                        carry = Some(r);
+                        break;
+                    }
+                    blocks += r.data_blocks();
+                    reqs.push(r);
+                }
+                Err(_) => break,
+            }
+        }
+        process(inner, reqs);
+    }
+}
+
+fn process(inner: &Inner, reqs: Vec<Req>) {
+    if let Err(e) = inner.check_open() {
+        return fail_all(reqs, &e);
+    }
+    let mut acks: Vec<(Done, Result<()>)> = Vec::new();
+    let mut after_sync: Vec<Done> = Vec::new();
+    let mut batch: Vec<Req> = Vec::new();
+    let mut need_sync = false;
+    for r in reqs {
+        match r {
+            Req::Flush { done } => {
+                need_sync = true;
+                after_sync.push(done);
+            }
+            r => batch.push(r),
+        }
+    }
+    let mut result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch) };
+    if result.as_ref().is_err_and(|e| e.kind() == ErrorKind::NoSpace) {
+        // Full: trims may still go (into the reserve) so that space can come back.
+        let (unmaps, writes): (Vec<Req>, Vec<Req>) = batch.into_iter().partition(|r| matches!(r, Req::Unmap { .. }));
+        let e = result.expect_err("checked above");
+        fail_all(writes, &e);
+        batch = unmaps;
+        result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch) };
+    }
+    for r in batch {
+        let (done, fua) = match r {
+            Req::Write { done, fua, .. } => (done, fua),
+            Req::Unmap { done, .. } => (done, false),
+            Req::Flush { .. } => unreachable!("flushes were split out"),
+        };
+        match (&result, fua) {
+            (Ok(()), true) => {
+                need_sync = true;
+                after_sync.push(done);
+            }
+            (Ok(()), false) => acks.push((done, Ok(()))),
+            (Err(e), _) => acks.push((done, Err(clone_err(e)))),
+        }
+    }
+    for (done, r) in acks {
+        done(r);
+    }
+    if need_sync {
+        let r = inner.check_open().and_then(|()| {
+            inner.backend.sync().map_err(|e| {
+                let e = Error::io("syncing the pool store", e);
+                inner.poison(&e);
+                e
+            })
+        });
+        for done in after_sync {
+            done(r.as_ref().map(|_| ()).map_err(clone_err));
+        }
+    }
+}
+
+fn clone_err(e: &Error) -> Error {
+    Error::new(e.kind(), e.to_string())
+}
+
+fn fail_all(reqs: Vec<Req>, e: &Error) {
+    for r in reqs {
+        let done = match r {
+            Req::Write { done, .. } | Req::Unmap { done, .. } | Req::Flush { done } => done,
+        };
+        done(Err(clone_err(e)));
+    }
+}
+
+/// Builds, writes and applies one batch. Fails the whole batch with NoSpace if no segment can
+/// take it; an unmap-only batch may use the reserve.
+fn write_batch(inner: &Inner, reqs: &[Req]) -> Result<()> {
+    let mut entries = Vec::with_capacity(reqs.len());
+    let mut data_blocks = 0usize;
+    for r in reqs {
+        match r {
+            Req::Write { layer, lba, data, .. } => {
+                let blocks = u32::try_from(data.len() / BLOCK).expect("requests are split below 4 GiB");
+                entries.push(Entry { layer: *layer, lba: *lba, blocks, kind: EntryKind::Data });
+                data_blocks += data.len() / BLOCK;
+            }
+            Req::Unmap { layer, lba, blocks, .. } => {
+                let mut done = 0;
+                while done < *blocks {
+                    let n = (*blocks - done).min(u64::from(u32::MAX));
+                    let n32 = u32::try_from(n).expect("bounded");
+                    entries.push(Entry { layer: *layer, lba: lba + done, blocks: n32, kind: EntryKind::Unmap });
+                    done += n;
+                }
+            }
+            Req::Flush { .. } => {}
+        }
+    }
+    let hb = BatchHeader::blocks_for(entries.len(), data_blocks);
+    let mut buf = AlignedBuf::new((hb + data_blocks) * BLOCK);
+    let mut crcs = Vec::with_capacity(data_blocks);
+    let mut at = hb * BLOCK;
+    for r in reqs {
+        if let Req::Write { data, .. } = r {
+            buf[at..at + data.len()].copy_from_slice(data);
+            crcs.extend(data.chunks(BLOCK).map(block_crc));
+            at += data.len();
+        }
+    }
+    let pos = reserve_room(inner, buf.len() as u64, data_blocks == 0)?;
+    let header = BatchHeader {
+        seq: pos.seq,
+        generation: inner.state.read().generation,
+        uuid_tag: inner.sb.uuid_tag(),
+        entries,
+        crcs,
+    };
+    header.encode_into(&mut buf[..hb * BLOCK]);
+    let offset = inner.state.read().segs.byte_offset(pos.seg, pos.off);
+    if let Err(e) = inner.backend.write_at(&buf, offset) {
+        let e = Error::io(format!("writing log batch {} at segment {} offset {}", pos.seq, pos.seg, pos.off), e);
+        // ENOSPC from the filesystem under a sparse file: nothing was acknowledged, the head does
+        // not move, and the next batch overwrites whatever part of this one landed.
+        if e.kind() != ErrorKind::NoSpace {
+            inner.poison(&e);
+        }
+        return Err(e);
+    }
+    inner.media_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+    inner.client_bytes.fetch_add((data_blocks * BLOCK) as u64, Ordering::Relaxed);
+    let mut st = inner.state.write();
+    apply(&mut st, &header, pos);
+    if st.log_bytes_since_ckpt >= inner.opts.checkpoint_bytes {
+        inner.ckpt.request();
+    }
+    Ok(())
+}
+
+/// Applies a batch written (or replayed) at `pos` to the maps, crc tables and live counts, and
+/// moves the applied position past it. Entries for layers that no longer exist are skipped.
+pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
+    let hb = h.header_blocks() as u64;
+    let mut pba = st.segs.pba(pos.seg, pos.off / BLOCK as u64 + hb);
+    if !h.crcs.is_empty() {
+        st.segs.set_crcs(pba, &h.crcs);
+    }
+    let mut freed = Vec::new();
+    let State { layers, segs, dirty_chunks, .. } = st;
+    for e in &h.entries {
+        let n = u64::from(e.blocks);
+        let map = layers.get_mut(&e.layer);
+        match e.kind {
+            EntryKind::Data => {
+                if let Some(map) = map {
+                    map.set(e.lba, n, Some(pba), &mut freed, |c| {
+                        dirty_chunks.insert((e.layer, c));
+                    });
+                    segs.add_live(pba, n, true);
+                }
+                pba += n;
+            }
+            EntryKind::Unmap => {
+                if let Some(map) = map {
+                    map.unmap(e.lba, n, &mut freed, |c| {
+                        dirty_chunks.insert((e.layer, c));
+                    });
+                }
+            }
+        }
+    }
+    for (p, n) in freed {
+        segs.add_live(p, n, false);
+    }
+    segs.segs[pos.seg].last_seq = h.seq;
+    let len = h.batch_len();
+    st.applied = LogPos { seq: h.seq + 1, seg: pos.seg, off: pos.off + len };
+    st.log_bytes_since_ckpt += len;
+}
+
+/// Finds room for `len` bytes at the log head, opening a new segment if needed (recording the
+/// move durably first). Returns where the batch goes.
+fn reserve_room(inner: &Inner, len: u64, unmap_only: bool) -> Result<LogPos> {
+    let seg_size = inner.sb.segment_size;
+    let head = inner.state.read().applied;
+    let head_is_open = inner.state.read().segs.segs[head.seg].state == SegState::Open;
+    if head_is_open && head.off + len <= seg_size {
+        return Ok(head);
+    }
+    let reserve = if unmap_only { 0 } else { inner.opts.reserve_segments };
+    let mut seg = inner.state.write().segs.take_free(reserve);
+    if seg.is_none() {
+        // Empty segments may be waiting for a checkpoint to release them.
+        inner.checkpoint()?;
+        seg = inner.state.write().segs.take_free(reserve);
+    }
+    let Some(seg) = seg else {
+        return Err(Error::new(ErrorKind::NoSpace, "pool is full: no free segment for new writes"));
+    };
+    let ready = inner
+        .backend
+        .allocate(inner.state.read().segs.byte_offset(seg, 0), seg_size)
+        .map_err(|e| Error::io(format!("allocating segment {seg}"), e))
+        .and_then(|()| inner.meta.put_chain(head.seq, seg as u64));
+    let mut st = inner.state.write();
+    if let Err(e) = ready {
+        st.segs.segs[seg].state = SegState::Free;
+        return Err(e);
+    }
+    if head_is_open {
+        st.segs.segs[head.seg].state = SegState::Sealed;
+    }
+    st.applied = LogPos { seq: head.seq, seg, off: 0 };
+    Ok(st.applied)
+}

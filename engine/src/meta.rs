@@ -1,0 +1,312 @@
+//! The metadata store: RocksDB holding the catalog, checkpoints and the log's segment chain.
+//!
+//! Keys (all integers big-endian so iteration is ordered):
+//! ```text
+//! p/uuid               pool uuid (must match the superblock)
+//! p/next_id            next volume/layer id (ids are never reused: the log may name old ones)
+//! v/<id>               volume record
+//! c/ckpt               checkpoint record: replay position, sequence and generation
+//! m/<layer><chunk>     extent-map chunk as of the last checkpoint
+//! s/<segment>          per-block crc32c table of a segment as of the last checkpoint
+//! l/<seq>              segment the log head moved to at batch <seq> (only after the checkpoint)
+//! ```
+//! Every write is synchronous: a catalog change is durable when its call returns.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use rocksdb::{DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
+
+use crate::error::{Error, ErrorKind, Result, corrupt};
+use crate::extent_map::Chunk;
+use crate::format::le64;
+
+/// A volume as stored in the catalog.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct VolumeRecord {
+    pub id: u64,
+    pub layer: u64,
+    pub size: u64,
+    pub created_unix: u64,
+    pub name: String,
+}
+
+/// Where replay starts, and the generation new batches carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CheckpointRecord {
+    pub seq: u64,
+    pub seg: u64,
+    pub off: u64,
+    pub generation: u64,
+}
+
+const KEY_UUID: &[u8] = b"p/uuid";
+const KEY_NEXT_ID: &[u8] = b"p/next_id";
+const KEY_CKPT: &[u8] = b"c/ckpt";
+
+fn key(prefix: &[u8], parts: &[u64]) -> Vec<u8> {
+    let mut k = prefix.to_vec();
+    for p in parts {
+        k.extend_from_slice(&p.to_be_bytes());
+    }
+    k
+}
+
+fn be64(b: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+impl VolumeRecord {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = vec![1u8];
+        for x in [self.id, self.layer, self.size, self.created_unix] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v.extend_from_slice(self.name.as_bytes());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < 33 || b[0] != 1 {
+            return None;
+        }
+        Some(Self {
+            id: le64(b, 1),
+            layer: le64(b, 9),
+            size: le64(b, 17),
+            created_unix: le64(b, 25),
+            name: String::from_utf8(b[33..].to_vec()).ok()?,
+        })
+    }
+}
+
+impl CheckpointRecord {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = vec![1u8];
+        for x in [self.seq, self.seg, self.off, self.generation] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        (b.len() == 33 && b[0] == 1).then(|| Self {
+            seq: le64(b, 1),
+            seg: le64(b, 9),
+            off: le64(b, 17),
+            generation: le64(b, 25),
+        })
+    }
+}
+
+/// What one checkpoint writes, applied atomically.
+#[derive(Debug, Default)]
+pub(crate) struct CheckpointWrite {
+    pub chunks: Vec<((u64, u64), Option<Vec<u8>>)>,
+    pub crcs: Vec<(u64, Option<Vec<u8>>)>,
+    pub record: Option<CheckpointRecord>,
+}
+
+/// The RocksDB-backed metadata store.
+#[derive(Debug)]
+pub(crate) struct Meta {
+    db: DB,
+}
+
+fn sync_opts() -> WriteOptions {
+    let mut wo = WriteOptions::default();
+    wo.set_sync(true);
+    wo
+}
+
+fn db_options(create: bool) -> Options {
+    let mut o = Options::default();
+    o.create_if_missing(create);
+    o.set_error_if_exists(create);
+    o.set_compression_type(rocksdb::DBCompressionType::None);
+    o.set_keep_log_file_num(4);
+    o.set_max_log_file_size(4 << 20);
+    o.set_write_buffer_size(16 << 20);
+    o
+}
+
+impl Meta {
+    /// Creates a new store for a new pool; fails if one exists in `dir`.
+    pub fn create(dir: &Path, uuid: &[u8; 16], first: CheckpointRecord) -> Result<Self> {
+        let db = DB::open(&db_options(true), dir).map_err(|e| {
+            Error::new(ErrorKind::AlreadyExists, format!("cannot create metadata store at {}", dir.display()))
+                .with_source(e)
+        })?;
+        let mut b = WriteBatch::default();
+        b.put(KEY_UUID, uuid);
+        b.put(KEY_NEXT_ID, 1u64.to_le_bytes());
+        b.put(KEY_CKPT, first.encode());
+        db.write_opt(b, &sync_opts())?;
+        Ok(Self { db })
+    }
+
+    /// Opens an existing store.
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.join("CURRENT").exists() {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!("metadata store {} does not exist (was the pool created?)", dir.display()),
+            ));
+        }
+        let db = DB::open(&db_options(false), dir).map_err(|e| {
+            Error::new(ErrorKind::Io, format!("cannot open metadata store at {}", dir.display())).with_source(e)
+        })?;
+        Ok(Self { db })
+    }
+
+    pub fn uuid(&self) -> Result<Option<Vec<u8>>> {
+        Ok(self.db.get(KEY_UUID)?)
+    }
+
+    /// Allocates a fresh id (durable before it is handed out).
+    pub fn next_id(&self) -> Result<u64> {
+        let cur = self.db.get(KEY_NEXT_ID)?.filter(|v| v.len() == 8).ok_or_else(|| corrupt("next id missing"))?;
+        let id = le64(&cur, 0);
+        self.db.put_opt(KEY_NEXT_ID, (id + 1).to_le_bytes(), &sync_opts())?;
+        Ok(id)
+    }
+
+    pub fn put_volume(&self, v: &VolumeRecord) -> Result<()> {
+        Ok(self.db.put_opt(key(b"v/", &[v.id]), v.encode(), &sync_opts())?)
+    }
+
+    /// Removes a volume and its layer's checkpointed map in one atomic write.
+    pub fn delete_volume(&self, v: &VolumeRecord) -> Result<()> {
+        let mut b = WriteBatch::default();
+        b.delete(key(b"v/", &[v.id]));
+        b.delete_range(key(b"m/", &[v.layer]), key(b"m/", &[v.layer + 1]));
+        Ok(self.db.write_opt(b, &sync_opts())?)
+    }
+
+    fn scan(&self, prefix: &[u8], mut f: impl FnMut(&[u8], &[u8]) -> Result<()>) -> Result<()> {
+        for item in self.db.iterator(IteratorMode::From(prefix, Direction::Forward)) {
+            let (k, v) = item?;
+            if !k.starts_with(prefix) {
+                break;
+            }
+            f(&k[prefix.len()..], &v)?;
+        }
+        Ok(())
+    }
+
+    pub fn volumes(&self) -> Result<Vec<VolumeRecord>> {
+        let mut out = Vec::new();
+        self.scan(b"v/", |_, v| {
+            out.push(VolumeRecord::decode(v).ok_or_else(|| corrupt("malformed volume record"))?);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    pub fn chunks(&self, mut f: impl FnMut(u64, u64, Chunk)) -> Result<()> {
+        self.scan(b"m/", |k, v| {
+            let chunk = Chunk::decode(v).filter(|_| k.len() == 16).ok_or_else(|| corrupt("malformed map chunk"))?;
+            f(be64(k, 0), be64(k, 8), chunk);
+            Ok(())
+        })
+    }
+
+    pub fn crc_tables(&self, mut f: impl FnMut(u64, &[u8])) -> Result<()> {
+        self.scan(b"s/", |k, v| {
+            if k.len() != 8 {
+                return Err(corrupt("malformed crc table key"));
+            }
+            f(be64(k, 0), v);
+            Ok(())
+        })
+    }
+
+    pub fn checkpoint(&self) -> Result<CheckpointRecord> {
+        let v = self.db.get(KEY_CKPT)?.ok_or_else(|| corrupt("checkpoint record missing"))?;
+        CheckpointRecord::decode(&v).ok_or_else(|| corrupt("malformed checkpoint record"))
+    }
+
+    /// The segment chain: batch sequence at which the head moved -> segment.
+    pub fn chain(&self) -> Result<BTreeMap<u64, u64>> {
+        let mut out = BTreeMap::new();
+        self.scan(b"l/", |k, v| {
+            if k.len() != 8 || v.len() != 8 {
+                return Err(corrupt("malformed log chain record"));
+            }
+            out.insert(be64(k, 0), le64(v, 0));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Records, durably, that batch `seq` and its successors go to segment `seg`.
+    pub fn put_chain(&self, seq: u64, seg: u64) -> Result<()> {
+        Ok(self.db.put_opt(key(b"l/", &[seq]), seg.to_le_bytes(), &sync_opts())?)
+    }
+
+    /// Applies a checkpoint atomically; chain records before its sequence are dropped.
+    pub fn write_checkpoint(&self, w: CheckpointWrite) -> Result<()> {
+        let mut b = WriteBatch::default();
+        for ((layer, chunk), v) in w.chunks {
+            match v {
+                Some(v) => b.put(key(b"m/", &[layer, chunk]), v),
+                None => b.delete(key(b"m/", &[layer, chunk])),
+            }
+        }
+        for (seg, v) in w.crcs {
+            match v {
+                Some(v) => b.put(key(b"s/", &[seg]), v),
+                None => b.delete(key(b"s/", &[seg])),
+            }
+        }
+        if let Some(r) = w.record {
+            b.put(KEY_CKPT, r.encode());
+            b.delete_range(key(b"l/", &[0]), key(b"l/", &[r.seq]));
+        }
+        Ok(self.db.write_opt(b, &sync_opts())?)
+    }
+
+    /// Drops every chain record (after recovery has written a fresh checkpoint).
+    pub fn clear_chain(&self) -> Result<()> {
+        let mut b = WriteBatch::default();
+        b.delete_range(key(b"l/", &[0]), key(b"l/", &[u64::MAX]));
+        Ok(self.db.write_opt(b, &sync_opts())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_roundtrip() {
+        let v = VolumeRecord { id: 3, layer: 4, size: 1 << 30, created_unix: 9, name: "vol-a".into() };
+        assert_eq!(VolumeRecord::decode(&v.encode()), Some(v));
+        let c = CheckpointRecord { seq: 5, seg: 6, off: 7, generation: 8 };
+        assert_eq!(CheckpointRecord::decode(&c.encode()), Some(c));
+        assert_eq!(CheckpointRecord::decode(&[1, 2]), None);
+    }
+
+    #[test]
+    fn create_open_and_chain() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = CheckpointRecord { seq: 1, seg: 0, off: 0, generation: 1 };
+        {
+            let m = Meta::create(dir.path(), &[1; 16], first).unwrap();
+            assert_eq!(m.next_id().unwrap(), 1);
+            assert_eq!(m.next_id().unwrap(), 2);
+            m.put_chain(10, 3).unwrap();
+            m.put_chain(20, 4).unwrap();
+        }
+        assert_eq!(Meta::create(dir.path(), &[1; 16], first).unwrap_err().kind(), ErrorKind::AlreadyExists);
+        let m = Meta::open(dir.path()).unwrap();
+        assert_eq!(m.next_id().unwrap(), 3);
+        assert_eq!(m.chain().unwrap().len(), 2);
+        let rec = CheckpointRecord { seq: 15, ..first };
+        m.write_checkpoint(CheckpointWrite { record: Some(rec), ..Default::default() }).unwrap();
+        assert_eq!(m.chain().unwrap().into_iter().collect::<Vec<_>>(), vec![(20, 4)]);
+        assert_eq!(m.checkpoint().unwrap(), rec);
+        let missing = dir.path().join("nope");
+        assert_eq!(Meta::open(&missing).unwrap_err().kind(), ErrorKind::NotFound);
+    }
+}

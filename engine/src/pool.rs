@@ -1,0 +1,585 @@
+//! The pool: opening and creating, the catalog of volumes, space accounting, shutdown.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::OpenOptions;
+use std::io::Read;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::checkpoint::CheckpointCtl;
+use crate::error::{Error, ErrorKind, Result, invalid};
+use crate::extent_map::ExtentMap;
+use crate::format::{DATA_START, FORMAT_VERSION, Superblock};
+use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringBackend};
+use crate::log::{LogPos, Req};
+use crate::meta::{CheckpointRecord, Meta, VolumeRecord};
+use crate::recovery::RecoveryReport;
+use crate::segments::{SegState, SegmentTable};
+use crate::volume::Volume;
+
+/// Tunables of an open pool. Geometry (segment size) is fixed when the pool is created.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// Segment size for a new pool (default 32 MiB; a multiple of 4 KiB, at least 64 KiB).
+    pub segment_size: u64,
+    /// Free segments kept back from client writes so trims (and the cleaner) can always run
+    /// (default 2).
+    pub reserve_segments: usize,
+    /// Most data bytes in one log batch (default 4 MiB; capped at half a segment).
+    pub max_batch_bytes: usize,
+    /// A checkpoint is taken at least this often while there are changes (default 5 s).
+    pub checkpoint_interval: Duration,
+    /// ... and after this many bytes of log (default 1 GiB), bounding recovery time.
+    pub checkpoint_bytes: u64,
+    /// Backend for file- and device-backed pools (default io_uring, falling back to syscalls).
+    pub backend: BackendKind,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        Self {
+            segment_size: 32 << 20,
+            reserve_segments: 2,
+            max_batch_bytes: 4 << 20,
+            checkpoint_interval: Duration::from_secs(5),
+            checkpoint_bytes: 1 << 30,
+            backend: BackendKind::Uring,
+        }
+    }
+}
+
+/// A volume as the catalog describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeInfo {
+    pub id: u64,
+    pub name: String,
+    /// Provisioned size in bytes.
+    pub size: u64,
+    /// Bytes of the volume that are mapped to data in the pool.
+    pub allocated: u64,
+    pub created_unix: u64,
+}
+
+/// Space and log state of a pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolStats {
+    pub uuid: [u8; 16],
+    /// Bytes of data area (segments) in the pool.
+    pub size: u64,
+    /// Bytes in segments that are not free.
+    pub used: u64,
+    /// Bytes of free segments usable by client writes (the reserve excluded).
+    pub free: u64,
+    /// Bytes of blocks some volume maps.
+    pub live: u64,
+    /// Bytes in sealed segments that nothing maps: what a cleaner can give back.
+    pub reclaimable: u64,
+    pub segment_size: u64,
+    pub segments: u64,
+    pub segments_free: u64,
+    pub volumes: usize,
+    /// Next batch sequence number and the current generation (pool opens).
+    pub log_seq: u64,
+    pub generation: u64,
+    /// Bytes clients wrote, and bytes the log wrote to media (headers included).
+    pub client_bytes_written: u64,
+    pub media_bytes_written: u64,
+}
+
+/// Injection points for crash tests: when armed, the pool fails there as if the machine died.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// After the store is synced, before the checkpoint's metadata commit.
+    CheckpointBeforeCommit,
+    /// After the metadata commit, before freed segments are released.
+    CheckpointAfterCommit,
+}
+
+pub(crate) struct VolumeEntry {
+    pub rec: VolumeRecord,
+}
+
+/// Everything the writer, readers and checkpoints share, behind one RwLock.
+pub(crate) struct State {
+    pub volumes: BTreeMap<u64, VolumeEntry>,
+    pub names: HashMap<String, u64>,
+    pub layers: HashMap<u64, ExtentMap>,
+    pub segs: SegmentTable,
+    pub dirty_chunks: BTreeSet<(u64, u64)>,
+    /// Segments whose crc table must be deleted from the store at the next checkpoint.
+    pub freed_crc_tables: BTreeSet<u64>,
+    /// Position after the last applied batch (and the next sequence number).
+    pub applied: LogPos,
+    pub generation: u64,
+    pub log_bytes_since_ckpt: u64,
+}
+
+pub(crate) struct Inner {
+    pub backend: Arc<dyn Backend>,
+    pub meta: Meta,
+    pub sb: Superblock,
+    pub opts: PoolOptions,
+    pub state: RwLock<State>,
+    /// Serialises catalog changes with checkpoints.
+    pub meta_lock: Mutex<()>,
+    pub tx: RwLock<Option<mpsc::Sender<Req>>>,
+    pub failed: AtomicBool,
+    pub stripes: Box<[Mutex<()>]>,
+    pub ckpt: CheckpointCtl,
+    pub faults: Mutex<Vec<FaultPoint>>,
+    pub client_bytes: AtomicU64,
+    pub media_bytes: AtomicU64,
+    pub max_batch_blocks: u64,
+    pub recovery: RecoveryReport,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("uuid", &self.sb.uuid).finish_non_exhaustive()
+    }
+}
+
+impl Inner {
+    pub fn check_open(&self) -> Result<()> {
+        if self.failed.load(Ordering::Acquire) {
+            return Err(Error::new(ErrorKind::Closed, "pool stopped after a media failure; reopen it to recover"));
+        }
+        Ok(())
+    }
+
+    pub fn poison(&self, why: &Error) {
+        if !self.failed.swap(true, Ordering::AcqRel) {
+            tracing::error!(error = %why, "pool failed; every further write is refused until it is reopened");
+        }
+    }
+
+    /// Fails (and poisons the pool) if `point` is armed.
+    pub fn fault(&self, point: FaultPoint) -> Result<()> {
+        if self.faults.lock().contains(&point) {
+            let e = Error::new(ErrorKind::Io, format!("injected fault at {point:?}"));
+            self.poison(&e);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    pub fn send(&self, req: Req) -> Result<()> {
+        match self.tx.read().as_ref() {
+            Some(tx) => tx.send(req).map_err(|_| closed()),
+            None => Err(closed()),
+        }
+    }
+}
+
+fn closed() -> Error {
+    Error::new(ErrorKind::Closed, "pool is closed")
+}
+
+/// An open pool. Dropping it shuts it down cleanly (as [`Pool::close`], errors logged).
+#[derive(Debug)]
+pub struct Pool {
+    pub(crate) inner: Arc<Inner>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn random_uuid() -> Result<[u8; 16]> {
+    let mut u = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut u))
+        .map_err(|e| Error::io("reading /dev/urandom for the pool uuid", e))?;
+    u[6] = (u[6] & 0x0f) | 0x40;
+    u[8] = (u[8] & 0x3f) | 0x80;
+    Ok(u)
+}
+
+/// Formats a uuid the usual way.
+pub fn format_uuid(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+fn open_backend(path: &Path, kind: BackendKind) -> Result<Arc<dyn Backend>> {
+    let ctx = || format!("opening pool store {}", path.display());
+    if kind == BackendKind::Uring {
+        match UringBackend::open(path) {
+            Ok(b) => return Ok(Arc::new(b)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Error::io(ctx(), e)),
+            Err(e) => tracing::warn!(error = %e, "io_uring unavailable, using pread/pwrite"),
+        }
+    }
+    Ok(Arc::new(SyncFileBackend::open(path).map_err(|e| Error::io(ctx(), e))?))
+}
+
+fn validate_name(name: &str) -> Result<()> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > 128 || !name.chars().all(ok_char) || name.starts_with(['.', '-']) {
+        return Err(invalid(format!(
+            "invalid volume name {name:?}: use 1-128 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
+        )));
+    }
+    Ok(())
+}
+
+fn validate_size(size: u64) -> Result<()> {
+    if size == 0 || size % BLOCK as u64 != 0 {
+        return Err(invalid(format!("invalid volume size {size}: must be a non-zero multiple of 4096 bytes")));
+    }
+    if size > (1 << 60) {
+        return Err(invalid(format!("invalid volume size {size}: larger than 1 EiB")));
+    }
+    Ok(())
+}
+
+impl Pool {
+    /// Creates a new file-backed pool of `size` bytes (a sparse file) and opens it. Refuses to
+    /// touch an existing file. `path` may also name a block device, whose size is used.
+    pub fn create(path: &Path, meta_dir: &Path, size: u64, opts: PoolOptions) -> Result<Pool> {
+        let is_device = std::fs::metadata(path).map(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_block_device()
+        });
+        match is_device {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!("{} exists; refusing to overwrite it with a new pool", path.display()),
+                ));
+            }
+            Err(_) => {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(path)
+                    .map_err(|e| Error::io(format!("creating pool file {}", path.display()), e))?;
+                f.set_len(size).map_err(|e| Error::io(format!("sizing pool file {}", path.display()), e))?;
+            }
+        }
+        let backend = open_backend(path, opts.backend)?;
+        Self::create_on(backend, meta_dir, opts)
+    }
+
+    /// Opens an existing file- or device-backed pool.
+    pub fn open(path: &Path, meta_dir: &Path, opts: PoolOptions) -> Result<Pool> {
+        let backend = open_backend(path, opts.backend)?;
+        Self::open_on(backend, meta_dir, opts)
+    }
+
+    /// Formats `backend` as a new pool with its metadata in `meta_dir`, and opens it.
+    pub fn create_on(backend: Arc<dyn Backend>, meta_dir: &Path, opts: PoolOptions) -> Result<Pool> {
+        let seg = opts.segment_size;
+        if seg < 64 << 10 || seg % BLOCK as u64 != 0 || seg > 1 << 30 {
+            return Err(invalid(format!("segment size {seg} must be a multiple of 4 KiB between 64 KiB and 1 GiB")));
+        }
+        let count = backend.len().saturating_sub(DATA_START) / seg;
+        let min = opts.reserve_segments as u64 + 2;
+        if count < min {
+            return Err(invalid(format!(
+                "store of {} bytes is too small: it holds {count} segments of {seg} bytes, and a pool needs at least {min}",
+                backend.len()
+            )));
+        }
+        let sb = Superblock {
+            version: FORMAT_VERSION,
+            uuid: random_uuid()?,
+            segment_size: seg,
+            segment_count: count,
+            created_unix: now_unix(),
+        };
+        let first = CheckpointRecord { seq: 1, seg: 0, off: 0, generation: 1 };
+        Meta::create(meta_dir, &sb.uuid, first)?;
+        let mut block = AlignedBuf::new(BLOCK);
+        block.copy_from_slice(&sb.encode());
+        backend.write_at(&block, 0).map_err(|e| Error::io("writing the superblock", e))?;
+        backend.sync().map_err(|e| Error::io("syncing the superblock", e))?;
+        Self::open_on(backend, meta_dir, opts)
+    }
+
+    /// Opens the pool on `backend`: verifies the superblock, loads the last checkpoint, replays
+    /// the log after it and writes a fresh checkpoint. Nothing is written before the superblock
+    /// and metadata have been verified.
+    pub fn open_on(backend: Arc<dyn Backend>, meta_dir: &Path, opts: PoolOptions) -> Result<Pool> {
+        if backend.len() < DATA_START {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("store is {} bytes, too small to hold a Ferrite pool", backend.len()),
+            ));
+        }
+        let mut block = AlignedBuf::new(BLOCK);
+        backend.read_at(&mut block, 0).map_err(|e| Error::io("reading the superblock", e))?;
+        let sb = Superblock::decode(&block)?;
+        if backend.len() < sb.required_len() {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "pool store is truncated: the superblock describes {} bytes but the store has {}",
+                    sb.required_len(),
+                    backend.len()
+                ),
+            ));
+        }
+        let meta = Meta::open(meta_dir)?;
+        if meta.uuid()?.as_deref() != Some(&sb.uuid[..]) {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("metadata store {} belongs to another pool (uuid mismatch)", meta_dir.display()),
+            ));
+        }
+        let (state, report) = crate::recovery::recover(&meta, backend.as_ref(), &sb)?;
+        let max_batch_blocks = (opts.max_batch_bytes.min(usize::try_from(sb.segment_size / 2).unwrap_or(usize::MAX))
+            / BLOCK)
+            .max(1) as u64;
+        let inner = Arc::new(Inner {
+            backend,
+            meta,
+            sb,
+            state: RwLock::new(state),
+            meta_lock: Mutex::new(()),
+            tx: RwLock::new(None),
+            failed: AtomicBool::new(false),
+            stripes: (0..256).map(|_| Mutex::new(())).collect(),
+            ckpt: CheckpointCtl::default(),
+            faults: Mutex::new(Vec::new()),
+            client_bytes: AtomicU64::new(0),
+            media_bytes: AtomicU64::new(0),
+            max_batch_blocks,
+            recovery: report,
+            opts,
+        });
+        // A fresh checkpoint before any write: replayed state becomes durable, stale chain
+        // records go, and the new generation fences off anything a crash left past the end.
+        inner.checkpoint()?;
+        inner.meta.clear_chain()?;
+        let (tx, rx) = mpsc::channel();
+        *inner.tx.write() = Some(tx);
+        let writer = {
+            let inner = Arc::clone(&inner);
+            std::thread::Builder::new()
+                .name("ferrite-log".into())
+                .spawn(move || crate::log::writer_loop(&inner, &rx))
+                .map_err(|e| Error::io("starting the log writer thread", e))?
+        };
+        let ckpt = {
+            let inner = Arc::clone(&inner);
+            std::thread::Builder::new()
+                .name("ferrite-ckpt".into())
+                .spawn(move || crate::checkpoint::checkpointer_loop(&inner))
+                .map_err(|e| Error::io("starting the checkpoint thread", e))?
+        };
+        Ok(Pool { inner, threads: Mutex::new(vec![writer, ckpt]) })
+    }
+
+    /// What recovery found when this pool was opened.
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.inner.recovery
+    }
+
+    /// Creates a thin volume of `size` bytes (a multiple of 4 KiB). Durable on return.
+    pub fn create_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        validate_name(name)?;
+        validate_size(size)?;
+        let inner = &self.inner;
+        inner.check_open()?;
+        let _m = inner.meta_lock.lock();
+        if inner.state.read().names.contains_key(name) {
+            return Err(Error::new(ErrorKind::AlreadyExists, format!("volume {name:?} already exists")));
+        }
+        let id = inner.meta.next_id()?;
+        let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: name.to_owned() };
+        inner.meta.put_volume(&rec)?;
+        let mut st = inner.state.write();
+        st.names.insert(rec.name.clone(), id);
+        st.layers.insert(rec.layer, ExtentMap::default());
+        let info = info_of(&st, &rec);
+        st.volumes.insert(id, VolumeEntry { rec });
+        Ok(info)
+    }
+
+    /// Every volume, by name.
+    pub fn volumes(&self) -> Vec<VolumeInfo> {
+        let st = self.inner.state.read();
+        let mut v: Vec<_> = st.volumes.values().map(|e| info_of(&st, &e.rec)).collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// One volume's description.
+    pub fn volume_info(&self, name: &str) -> Result<VolumeInfo> {
+        let st = self.inner.state.read();
+        let id = lookup(&st, name)?;
+        Ok(info_of(&st, &st.volumes[&id].rec))
+    }
+
+    /// A handle for I/O on a volume.
+    pub fn open_volume(&self, name: &str) -> Result<Volume> {
+        let st = self.inner.state.read();
+        let id = lookup(&st, name)?;
+        let rec = &st.volumes[&id].rec;
+        Ok(Volume::new(Arc::clone(&self.inner), rec.id, rec.layer, rec.name.clone()))
+    }
+
+    /// Grows a volume to `new_size` bytes (shrinking is refused). Durable on return.
+    pub fn grow_volume(&self, name: &str, new_size: u64) -> Result<VolumeInfo> {
+        validate_size(new_size)?;
+        let inner = &self.inner;
+        inner.check_open()?;
+        let _m = inner.meta_lock.lock();
+        let mut rec = {
+            let st = inner.state.read();
+            st.volumes[&lookup(&st, name)?].rec.clone()
+        };
+        if new_size < rec.size {
+            return Err(invalid(format!(
+                "volume {name:?} is {} bytes; shrinking to {new_size} is not supported",
+                rec.size
+            )));
+        }
+        rec.size = new_size;
+        inner.meta.put_volume(&rec)?;
+        let mut st = inner.state.write();
+        let info = info_of(&st, &rec);
+        if let Some(e) = st.volumes.get_mut(&rec.id) {
+            e.rec = rec;
+        }
+        Ok(info)
+    }
+
+    /// Deletes a volume and unmaps all of its data. Durable on return.
+    pub fn delete_volume(&self, name: &str) -> Result<()> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let _m = inner.meta_lock.lock();
+        let rec = {
+            let st = inner.state.read();
+            st.volumes[&lookup(&st, name)?].rec.clone()
+        };
+        inner.meta.delete_volume(&rec)?;
+        let mut st = inner.state.write();
+        st.volumes.remove(&rec.id);
+        st.names.remove(&rec.name);
+        if let Some(map) = st.layers.remove(&rec.layer) {
+            for (_, pba, n) in map.runs() {
+                st.segs.add_live(pba, n, false);
+            }
+        }
+        let layer = rec.layer;
+        st.dirty_chunks.retain(|&(l, _)| l != layer);
+        Ok(())
+    }
+
+    /// Makes every acknowledged write durable.
+    pub fn flush(&self) -> Result<()> {
+        crate::volume::flush(&self.inner)
+    }
+
+    /// Takes a checkpoint now.
+    pub fn checkpoint(&self) -> Result<()> {
+        self.inner.checkpoint()
+    }
+
+    /// Arms a fault injection point (crash tests).
+    pub fn inject_fault(&self, point: FaultPoint) {
+        self.inner.faults.lock().push(point);
+    }
+
+    /// Space, log and traffic figures.
+    pub fn stats(&self) -> PoolStats {
+        let inner = &self.inner;
+        let st = inner.state.read();
+        let seg = inner.sb.segment_size;
+        let free_segs = st.segs.count(SegState::Free) as u64;
+        let reclaimable: u64 = st
+            .segs
+            .segs
+            .iter()
+            .filter(|s| s.state == SegState::Sealed)
+            .map(|s| seg - s.live * BLOCK as u64)
+            .sum();
+        PoolStats {
+            uuid: inner.sb.uuid,
+            size: seg * inner.sb.segment_count,
+            used: (inner.sb.segment_count - free_segs) * seg,
+            free: free_segs.saturating_sub(inner.opts.reserve_segments as u64) * seg,
+            live: st.segs.live_blocks() * BLOCK as u64,
+            reclaimable,
+            segment_size: seg,
+            segments: inner.sb.segment_count,
+            segments_free: free_segs,
+            volumes: st.volumes.len(),
+            log_seq: st.applied.seq,
+            generation: st.generation,
+            client_bytes_written: inner.client_bytes.load(Ordering::Relaxed),
+            media_bytes_written: inner.media_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Drains the log, takes a final checkpoint and stops the pool's threads.
+    pub fn close(self) -> Result<()> {
+        self.shutdown()
+    }
+
+    fn shutdown(&self) -> Result<()> {
+        let threads = std::mem::take(&mut *self.threads.lock());
+        if threads.is_empty() {
+            return Ok(());
+        }
+        self.inner.tx.write().take();
+        self.inner.ckpt.stop();
+        for t in threads {
+            let _ = t.join();
+        }
+        if self.inner.failed.load(Ordering::Acquire) {
+            return Err(Error::new(ErrorKind::Closed, "pool had failed; closed without a final checkpoint"));
+        }
+        self.inner.checkpoint()
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            tracing::debug!(error = %e, "pool closed with an error");
+        }
+    }
+}
+
+fn lookup(st: &State, name: &str) -> Result<u64> {
+    st.names.get(name).copied().ok_or_else(|| Error::new(ErrorKind::NotFound, format!("volume {name:?} not found")))
+}
+
+fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
+    let mapped = st.layers.get(&rec.layer).map_or(0, ExtentMap::mapped_blocks);
+    VolumeInfo {
+        id: rec.id,
+        name: rec.name.clone(),
+        size: rec.size,
+        allocated: mapped * BLOCK as u64,
+        created_unix: rec.created_unix,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_sizes_are_validated() {
+        for bad in ["", ".x", "-x", "a b", "a/b", "a@b", &"x".repeat(129)] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+        }
+        validate_name("pvc-1234_a.b").unwrap();
+        assert!(validate_size(0).is_err());
+        assert!(validate_size(4097).is_err());
+        validate_size(1 << 30).unwrap();
+        assert_eq!(format_uuid(&[0xab; 16]), "abababab-abab-abab-abab-abababababab");
+    }
+}

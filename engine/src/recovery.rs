@@ -1,0 +1,199 @@
+//! Opening a pool's state: load the last checkpoint, then replay the log after it.
+//!
+//! Recovery policy (named, and logged): **truncate at the first invalid batch**. Replay starts
+//! at the checkpoint's position and sequence and accepts a batch only if its header checksum,
+//! pool tag, sequence (exactly the next one) and generation (not older than the checkpoint's)
+//! are right and every data block matches its crc. When a segment holds no further valid batch,
+//! replay follows the durable chain record for the next sequence, if any. Anything after the
+//! first failure is ignored and reported: it was never covered by a completed flush, since a
+//! flush syncs every batch before it. The new generation written by the post-recovery
+//! checkpoint makes sure nothing past the truncation point can be picked up later.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::error::{Error, Result, corrupt};
+use crate::extent_map::ExtentMap;
+use crate::format::{BatchHeader, Superblock};
+use crate::io::{AlignedBuf, BLOCK, Backend};
+use crate::log::{LogPos, apply};
+use crate::meta::Meta;
+use crate::pool::{State, VolumeEntry};
+use crate::segments::{SegState, SegmentTable};
+
+/// What recovery did when the pool was opened.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Sequence number replay started from (the checkpoint's).
+    pub from_seq: u64,
+    /// Batches replayed from the log.
+    pub batches_replayed: u64,
+    /// Data blocks those batches carried.
+    pub blocks_replayed: u64,
+    /// If replay stopped at a batch that looked like ours but was damaged: why and where.
+    pub truncated: Option<String>,
+}
+
+/// Why a candidate batch was not accepted.
+enum Stop {
+    /// Nothing that looks like the next batch: the normal end of the log.
+    End,
+    /// The next batch is there but damaged (torn or corrupt).
+    Damaged(String),
+}
+
+/// Loads the checkpointed state from `meta` and replays the log on `backend`.
+pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Result<(State, RecoveryReport)> {
+    let ckpt = meta.checkpoint()?;
+    let mut segs = SegmentTable::new(sb.segment_size, sb.segment_count);
+    let mut volumes = BTreeMap::new();
+    let mut names = HashMap::new();
+    let mut layers = HashMap::new();
+    for rec in meta.volumes()? {
+        names.insert(rec.name.clone(), rec.id);
+        layers.insert(rec.layer, ExtentMap::default());
+        volumes.insert(rec.id, VolumeEntry { rec });
+    }
+    let mut stale_chunks = BTreeSet::new();
+    meta.chunks(|layer, c, chunk| match layers.get_mut(&layer) {
+        Some(m) => m.load_chunk(c, chunk),
+        None => {
+            stale_chunks.insert((layer, c));
+        }
+    })?;
+    let bps = usize::try_from(segs.blocks_per_seg).expect("fits");
+    let mut bad_table = None;
+    meta.crc_tables(|seg, bytes| {
+        let Some(s) = usize::try_from(seg).ok().and_then(|i| segs.segs.get_mut(i)) else {
+            bad_table = Some(seg);
+            return;
+        };
+        if bytes.len() != bps * 4 {
+            bad_table = Some(seg);
+            return;
+        }
+        s.crcs = Some(bytes.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4"))).collect());
+    })?;
+    if let Some(seg) = bad_table {
+        return Err(corrupt(format!("metadata: malformed crc table for segment {seg}")));
+    }
+    for map in layers.values() {
+        for (_, pba, n) in map.runs() {
+            let (seg, blk) = segs.locate(pba);
+            if seg >= segs.segs.len() || blk as u64 + n > segs.blocks_per_seg * (segs.segs.len() - seg) as u64 {
+                return Err(corrupt(format!("metadata: a map points outside the pool (block {pba})")));
+            }
+            segs.add_live(pba, n, true);
+        }
+    }
+    let head_seg = usize::try_from(ckpt.seg).ok().filter(|&s| s < segs.segs.len());
+    let Some(head_seg) = head_seg else {
+        return Err(corrupt(format!("checkpoint names segment {} outside the pool", ckpt.seg)));
+    };
+    let mut st = State {
+        volumes,
+        names,
+        layers,
+        segs,
+        dirty_chunks: stale_chunks,
+        freed_crc_tables: BTreeSet::new(),
+        applied: LogPos { seq: ckpt.seq, seg: head_seg, off: ckpt.off },
+        generation: ckpt.generation + 1,
+        log_bytes_since_ckpt: 0,
+    };
+    let report = replay(meta, backend, sb, &mut st, ckpt.generation)?;
+    // Segment states: the head is open; anything with live data is sealed; the rest is free.
+    let head = st.applied.seg;
+    for (i, s) in st.segs.segs.iter_mut().enumerate() {
+        s.state = if i == head {
+            SegState::Open
+        } else if s.live > 0 {
+            SegState::Sealed
+        } else {
+            if s.crcs.take().is_some() {
+                st.freed_crc_tables.insert(i as u64);
+            }
+            SegState::Free
+        };
+        s.crc_dirty = s.crcs.is_some() && s.crc_dirty;
+    }
+    Ok((st, report))
+}
+
+fn replay(meta: &Meta, backend: &dyn Backend, sb: &Superblock, st: &mut State, gen_floor: u64) -> Result<RecoveryReport> {
+    let chain = meta.chain()?;
+    let mut report = RecoveryReport { from_seq: st.applied.seq, ..Default::default() };
+    let mut floor = gen_floor;
+    // The read cursor; `st.applied` (moved by `apply`) stays after the last batch replayed.
+    let mut pos = st.applied;
+    loop {
+        let stop = match read_batch(backend, sb, &st.segs, pos, floor) {
+            Ok(h) => {
+                floor = h.generation;
+                report.batches_replayed += 1;
+                report.blocks_replayed += h.crcs.len() as u64;
+                apply(st, &h, pos);
+                pos = st.applied;
+                continue;
+            }
+            Err(stop) => stop,
+        };
+        // The writer records a segment move durably before writing the batch that starts the new
+        // segment, so a chain record for this sequence means nothing here belongs to the log.
+        match chain.get(&pos.seq).and_then(|&s| usize::try_from(s).ok()) {
+            Some(seg) if seg < st.segs.segs.len() && !(seg == pos.seg && pos.off == 0) => {
+                pos = LogPos { seq: pos.seq, seg, off: 0 };
+            }
+            _ => {
+                if let Stop::Damaged(why) = stop {
+                    tracing::warn!(seq = pos.seq, segment = pos.seg, offset = pos.off, reason = %why,
+                        "recovery truncated the log here: what follows was never flushed and is dropped");
+                    report.truncated = Some(why);
+                }
+                return Ok(report);
+            }
+        }
+    }
+}
+
+/// Reads and verifies the batch at `pos`, if it is the next one.
+fn read_batch(backend: &dyn Backend, sb: &Superblock, segs: &SegmentTable, pos: LogPos, floor: u64) -> Result<BatchHeader, Stop> {
+    let seg_size = sb.segment_size;
+    if pos.off + BLOCK as u64 > seg_size {
+        return Err(Stop::End);
+    }
+    let at = segs.byte_offset(pos.seg, pos.off);
+    let io_err = |e: std::io::Error| Stop::Damaged(Error::io(format!("reading segment {} at {}", pos.seg, pos.off), e).to_string());
+    let mut first = AlignedBuf::new(BLOCK);
+    backend.read_at(&mut first, at).map_err(io_err)?;
+    let Some(hb) = BatchHeader::peek_header_blocks(&first) else { return Err(Stop::End) };
+    let hlen = (hb * BLOCK) as u64;
+    if pos.off + hlen > seg_size {
+        return Err(Stop::End);
+    }
+    let mut hbuf = AlignedBuf::new(hb * BLOCK);
+    hbuf[..BLOCK].copy_from_slice(&first);
+    if hb > 1 {
+        backend.read_at(&mut hbuf[BLOCK..], at + BLOCK as u64).map_err(io_err)?;
+    }
+    let where_ = || format!("batch {} at segment {} offset {}", pos.seq, pos.seg, pos.off);
+    let Some(h) = BatchHeader::decode(&hbuf) else {
+        // Our magic but a bad header: torn if it is where the next batch should be.
+        return Err(Stop::Damaged(format!("{}: header checksum mismatch (torn or corrupt)", where_())));
+    };
+    if h.uuid_tag != sb.uuid_tag() || h.seq != pos.seq || h.generation < floor {
+        return Err(Stop::End);
+    }
+    if pos.off + h.batch_len() > seg_size {
+        return Err(Stop::Damaged(format!("{}: batch runs past the segment end", where_())));
+    }
+    let mut data = AlignedBuf::new(h.crcs.len() * BLOCK);
+    if !h.crcs.is_empty() {
+        backend.read_at(&mut data, at + hlen).map_err(io_err)?;
+    }
+    for (i, (block, crc)) in data.chunks(BLOCK).zip(&h.crcs).enumerate() {
+        if crate::format::block_crc(block) != *crc {
+            return Err(Stop::Damaged(format!("{}: data block {i} checksum mismatch (torn write)", where_())));
+        }
+    }
+    Ok(h)
+}

@@ -1,0 +1,142 @@
+//! The segment table: state, live blocks and per-block checksums of every segment.
+//!
+//! Invariants (kept by the pool under its state lock):
+//! - exactly one segment is `Open` (the log head) once the pool is running;
+//! - a segment's `live` counts the mapped blocks pointing into it;
+//! - a `Sealed` segment becomes `Free` only when a checkpoint captured while its `live` was 0
+//!   is durable and no reader is between resolving a block in it and reading that block.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::format::DATA_START;
+use crate::io::BLOCK;
+
+/// Lifecycle of a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegState {
+    /// Holds nothing anyone needs; may be written.
+    Free,
+    /// The log head: batches are being appended.
+    Open,
+    /// Full (or left behind by the head); its live blocks are still referenced.
+    Sealed,
+}
+
+#[derive(Debug)]
+pub(crate) struct Segment {
+    pub state: SegState,
+    pub live: u64,
+    /// Highest batch sequence written into it.
+    pub last_seq: u64,
+    /// crc32c of each block, present while the segment is not free.
+    pub crcs: Option<Box<[u32]>>,
+    /// crcs changed since the last checkpoint.
+    pub crc_dirty: bool,
+}
+
+/// Geometry plus per-segment state.
+#[derive(Debug)]
+pub(crate) struct SegmentTable {
+    pub seg_size: u64,
+    pub blocks_per_seg: u64,
+    pub segs: Vec<Segment>,
+    /// Readers between resolving a block in a segment and finishing their media read.
+    readers: Box<[AtomicU32]>,
+}
+
+impl SegmentTable {
+    pub fn new(seg_size: u64, count: u64) -> Self {
+        let n = usize::try_from(count).expect("segment count fits usize");
+        let segs = (0..n)
+            .map(|_| Segment { state: SegState::Free, live: 0, last_seq: 0, crcs: None, crc_dirty: false })
+            .collect();
+        let readers = (0..n).map(|_| AtomicU32::new(0)).collect();
+        Self { seg_size, blocks_per_seg: seg_size / BLOCK as u64, segs, readers }
+    }
+
+    /// Physical block number of block `off` of segment `seg`.
+    pub fn pba(&self, seg: usize, block: u64) -> u64 {
+        DATA_START / BLOCK as u64 + seg as u64 * self.blocks_per_seg + block
+    }
+
+    /// (segment, block within segment) of a physical block.
+    pub fn locate(&self, pba: u64) -> (usize, usize) {
+        let rel = pba - DATA_START / BLOCK as u64;
+        let seg = usize::try_from(rel / self.blocks_per_seg).expect("segment index fits usize");
+        let blk = usize::try_from(rel % self.blocks_per_seg).expect("block index fits usize");
+        (seg, blk)
+    }
+
+    /// Byte offset on the store of a segment-relative position.
+    pub fn byte_offset(&self, seg: usize, off: u64) -> u64 {
+        DATA_START + seg as u64 * self.seg_size + off
+    }
+
+    /// crc of a physical block (None if its segment holds no table: a bug or a corrupt map).
+    pub fn crc(&self, pba: u64) -> Option<u32> {
+        let (s, b) = self.locate(pba);
+        self.segs.get(s)?.crcs.as_ref().map(|c| c[b])
+    }
+
+    /// Records the crcs of blocks just written at `pba..`.
+    pub fn set_crcs(&mut self, pba: u64, crcs: &[u32]) {
+        let (s, b) = self.locate(pba);
+        let bps = usize::try_from(self.blocks_per_seg).expect("fits");
+        let seg = &mut self.segs[s];
+        let table = seg.crcs.get_or_insert_with(|| vec![0; bps].into_boxed_slice());
+        table[b..b + crcs.len()].copy_from_slice(crcs);
+        seg.crc_dirty = true;
+    }
+
+    /// Adjusts live counts for `blocks` blocks at `pba..` (a run may cross segments).
+    pub fn add_live(&mut self, pba: u64, blocks: u64, add: bool) {
+        let mut done = 0;
+        while done < blocks {
+            let (s, b) = self.locate(pba + done);
+            let n = (self.blocks_per_seg - b as u64).min(blocks - done);
+            let seg = &mut self.segs[s];
+            if add {
+                seg.live += n;
+            } else {
+                debug_assert!(seg.live >= n, "live count underflow in segment {s}");
+                seg.live = seg.live.saturating_sub(n);
+            }
+            done += n;
+        }
+    }
+
+    pub fn reader_enter(&self, seg: usize) {
+        self.readers[seg].fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn reader_exit(&self, seg: usize) {
+        self.readers[seg].fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub fn has_readers(&self, seg: usize) -> bool {
+        self.readers[seg].load(Ordering::Acquire) > 0
+    }
+
+    pub fn count(&self, state: SegState) -> usize {
+        self.segs.iter().filter(|s| s.state == state).count()
+    }
+
+    pub fn live_blocks(&self) -> u64 {
+        self.segs.iter().map(|s| s.live).sum()
+    }
+
+    /// Takes a free segment for the log head, lowest index first; `reserve` free segments are
+    /// left for unmap-only batches (and, later, the cleaner).
+    pub fn take_free(&mut self, reserve: usize) -> Option<usize> {
+        if self.count(SegState::Free) <= reserve {
+            return None;
+        }
+        let i = self.segs.iter().position(|s| s.state == SegState::Free)?;
+        let seg = &mut self.segs[i];
+        seg.state = SegState::Open;
+        seg.live = 0;
+        seg.crcs = None;
+        seg.crc_dirty = false;
+        Some(i)
+    }
+}

@@ -1,0 +1,325 @@
+//! I/O on one volume: byte-granular reads and writes over the block-granular log and maps.
+//!
+//! Reads resolve blocks under the state lock, then read media outside it (segments they touch
+//! are pinned against reuse until the read is done), verifying every block's crc32c. Writes are
+//! split into batch-sized requests; a write that does not cover whole blocks reads the partial
+//! edge blocks and writes them back whole, holding a per-block stripe lock so two partial writes
+//! to one block never lose each other's bytes.
+
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::block_crc;
+use crate::io::{AlignedBuf, BLOCK, ReadOp};
+use crate::log::Req;
+use crate::pool::Inner;
+
+const B: u64 = BLOCK as u64;
+
+/// A handle for I/O on one volume. Cheap to clone; fails with NotFound once the volume is
+/// deleted and with Closed once the pool is closed.
+#[derive(Debug, Clone)]
+pub struct Volume {
+    inner: Arc<Inner>,
+    id: u64,
+    layer: u64,
+    name: String,
+}
+
+/// Counts outstanding requests and keeps the first error.
+struct Waiter {
+    left: Mutex<(usize, Option<Error>)>,
+    cv: Condvar,
+}
+
+impl Waiter {
+    fn new() -> Arc<Self> {
+        Arc::new(Self { left: Mutex::new((0, None)), cv: Condvar::new() })
+    }
+
+    fn add(self: &Arc<Self>) -> Box<dyn FnOnce(Result<()>) + Send> {
+        self.left.lock().0 += 1;
+        let me = Arc::clone(self);
+        Box::new(move |r| {
+            let mut g = me.left.lock();
+            g.0 -= 1;
+            if let Err(e) = r {
+                g.1.get_or_insert(e);
+            }
+            if g.0 == 0 {
+                me.cv.notify_all();
+            }
+        })
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut g = self.left.lock();
+        while g.0 > 0 {
+            self.cv.wait(&mut g);
+        }
+        g.1.take().map_or(Ok(()), Err)
+    }
+}
+
+/// Flushes the whole pool's log.
+pub(crate) fn flush(inner: &Inner) -> Result<()> {
+    inner.check_open()?;
+    let w = Waiter::new();
+    inner.send(Req::Flush { done: w.add() })?;
+    w.wait()
+}
+
+/// Segments pinned by a read in flight.
+struct Pins<'a> {
+    inner: &'a Inner,
+    segs: Vec<usize>,
+}
+
+impl Drop for Pins<'_> {
+    fn drop(&mut self) {
+        let st = self.inner.state.read();
+        for &s in &self.segs {
+            st.segs.reader_exit(s);
+        }
+    }
+}
+
+impl Volume {
+    pub(crate) fn new(inner: Arc<Inner>, id: u64, layer: u64, name: String) -> Self {
+        Self { inner, id, layer, name }
+    }
+
+    /// The volume's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Current size in bytes.
+    pub fn size(&self) -> Result<u64> {
+        let st = self.inner.state.read();
+        st.volumes.get(&self.id).map(|e| e.rec.size).ok_or_else(|| self.gone())
+    }
+
+    fn gone(&self) -> Error {
+        Error::new(ErrorKind::NotFound, format!("volume {:?} was deleted", self.name))
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        let size = self.size()?;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::new(
+                ErrorKind::OutOfRange,
+                format!("volume {:?}: range {offset}+{len} is past its end ({size} bytes)", self.name),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads `buf.len()` bytes at `offset`. Never-written ranges read as zeros without touching
+    /// media; a checksum mismatch is an error naming the volume and offset, never data.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let first = offset / B;
+        let last = (offset + buf.len() as u64 - 1) / B;
+        let n = usize::try_from(last - first + 1).expect("read fits memory");
+        // Resolve every block, pinning the segments we will read from.
+        let mut resolved: Vec<Option<(u64, u32)>> = Vec::with_capacity(n);
+        let mut pins = Pins { inner: &self.inner, segs: Vec::new() };
+        {
+            let st = self.inner.state.read();
+            let map = st.layers.get(&self.layer).ok_or_else(|| self.gone())?;
+            for lba in first..=last {
+                let r = match map.lookup(lba) {
+                    Some(pba) => {
+                        let crc = st.segs.crc(pba).ok_or_else(|| {
+                            Error::new(
+                                ErrorKind::Corrupt,
+                                format!("volume {:?}: no checksum for pool block {pba} (offset {})", self.name, lba * B),
+                            )
+                        })?;
+                        let seg = st.segs.locate(pba).0;
+                        if pins.segs.last() != Some(&seg) {
+                            st.segs.reader_enter(seg);
+                            pins.segs.push(seg);
+                        }
+                        Some((pba, crc))
+                    }
+                    None => None,
+                };
+                resolved.push(r);
+            }
+        }
+        let mapped = resolved.iter().filter(|r| r.is_some()).count();
+        let mut media = AlignedBuf::new(mapped * BLOCK);
+        // Coalesce runs of consecutive physical blocks into one request each.
+        let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (pba, first slot in media, blocks)
+        let mut slot = 0;
+        for r in resolved.iter().flatten() {
+            match runs.last_mut() {
+                Some((p, s, k)) if *p + *k as u64 == r.0 && *s + *k == slot => *k += 1,
+                _ => runs.push((r.0, slot, 1)),
+            }
+            slot += 1;
+        }
+        {
+            let mut rest: &mut [u8] = &mut media;
+            let mut ops = Vec::with_capacity(runs.len());
+            for &(pba, _, k) in &runs {
+                let (head, tail) = rest.split_at_mut(k * BLOCK);
+                ops.push(ReadOp { offset: pba * B, buf: head });
+                rest = tail;
+            }
+            self.inner.backend.read_many(&mut ops).map_err(|e| {
+                Error::io(format!("volume {:?}: reading {} bytes at offset {offset}", self.name, buf.len()), e)
+            })?;
+        }
+        drop(pins);
+        let mut slot = 0;
+        for (i, r) in resolved.iter().enumerate() {
+            let lba = first + i as u64;
+            let block_start = lba * B;
+            let lo = offset.max(block_start);
+            let hi = (offset + buf.len() as u64).min(block_start + B);
+            let dst = &mut buf[usize::try_from(lo - offset).expect("fits")..usize::try_from(hi - offset).expect("fits")];
+            match r {
+                None => dst.fill(0),
+                Some((pba, crc)) => {
+                    let src = &media[slot * BLOCK..(slot + 1) * BLOCK];
+                    if block_crc(src) != *crc {
+                        return Err(Error::new(
+                            ErrorKind::Corrupt,
+                            format!(
+                                "volume {:?}: checksum mismatch at offset {block_start} (pool block {pba})",
+                                self.name
+                            ),
+                        ));
+                    }
+                    let from = usize::try_from(lo - block_start).expect("fits");
+                    dst.copy_from_slice(&src[from..from + dst.len()]);
+                    slot += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.write_inner(offset, data, false)
+    }
+
+    /// Writes `data` at `offset` and returns only once it is durable (FUA).
+    pub fn write_fua(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.write_inner(offset, data, true)
+    }
+
+    fn stripe(&self, lba: u64) -> usize {
+        let h = (self.layer.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ lba).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        usize::try_from(h >> 56).expect("8 bits") % self.inner.stripes.len()
+    }
+
+    /// Locks the stripes of the partial edge blocks of [offset, offset+len), in index order.
+    fn lock_edges(&self, offset: u64, len: u64) -> Vec<MutexGuard<'_, ()>> {
+        let end = offset + len;
+        let mut idx = Vec::with_capacity(2);
+        if offset % B != 0 || len < B {
+            idx.push(self.stripe(offset / B));
+        }
+        if end % B != 0 {
+            idx.push(self.stripe((end - 1) / B));
+        }
+        idx.sort_unstable();
+        idx.dedup();
+        idx.into_iter().map(|i| self.inner.stripes[i].lock()).collect()
+    }
+
+    fn write_inner(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        self.inner.check_open()?;
+        if data.is_empty() {
+            return if fua { flush(&self.inner) } else { Ok(()) };
+        }
+        let len = data.len() as u64;
+        let start = offset - offset % B;
+        let end = (offset + len).div_ceil(B) * B;
+        if start == offset && end == offset + len {
+            return self.submit_blocks(start, data, fua);
+        }
+        let _edges = self.lock_edges(offset, len);
+        let mut whole = vec![0u8; usize::try_from(end - start).expect("fits")];
+        self.read(start, &mut whole[..BLOCK])?;
+        if end - start > B {
+            let at = whole.len() - BLOCK;
+            self.read(end - B, &mut whole[at..])?;
+        }
+        let rel = usize::try_from(offset - start).expect("fits");
+        whole[rel..rel + data.len()].copy_from_slice(data);
+        self.submit_blocks(start, &whole, fua)
+    }
+
+    /// Sends whole blocks at block-aligned `offset` as batch-sized requests and waits for all.
+    fn submit_blocks(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        let w = Waiter::new();
+        let piece = usize::try_from(self.inner.max_batch_blocks).expect("fits") * BLOCK;
+        let mut sent = Ok(());
+        for (i, chunk) in data.chunks(piece).enumerate() {
+            let lba = offset / B + (i * piece / BLOCK) as u64;
+            let req = Req::Write { layer: self.layer, lba, data: chunk.to_vec(), fua, done: w.add() };
+            if let Err(e) = self.inner.send(req) {
+                sent = Err(e);
+                break;
+            }
+        }
+        let r = w.wait();
+        sent.and(r)
+    }
+
+    /// Discards whole blocks inside [offset, offset+len): they read as zeros afterwards and their
+    /// space becomes reclaimable. Partial blocks at the edges are left as they are.
+    pub fn trim(&self, offset: u64, len: u64) -> Result<()> {
+        self.check_range(offset, len)?;
+        let start = offset.div_ceil(B);
+        let end = (offset + len) / B;
+        if end <= start {
+            return Ok(());
+        }
+        self.unmap(start, end - start)
+    }
+
+    /// Zeroes [offset, offset+len): whole blocks are unmapped (no space used), partial edge
+    /// blocks are rewritten with zeros.
+    pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_range(offset, len)?;
+        let start = offset.div_ceil(B) * B;
+        let end = (offset + len) / B * B;
+        if end <= start {
+            let zeros = vec![0u8; usize::try_from(len).expect("below one block")];
+            return self.write_inner(offset, &zeros, fua);
+        }
+        if offset < start {
+            self.write_inner(offset, &vec![0u8; usize::try_from(start - offset).expect("fits")], false)?;
+        }
+        if end < offset + len {
+            self.write_inner(end, &vec![0u8; usize::try_from(offset + len - end).expect("fits")], false)?;
+        }
+        self.unmap(start / B, (end - start) / B)?;
+        if fua { flush(&self.inner) } else { Ok(()) }
+    }
+
+    fn unmap(&self, lba: u64, blocks: u64) -> Result<()> {
+        self.inner.check_open()?;
+        let w = Waiter::new();
+        self.inner.send(Req::Unmap { layer: self.layer, lba, blocks, done: w.add() })?;
+        w.wait()
+    }
+
+    /// Makes every write acknowledged so far (on any volume of the pool) durable.
+    pub fn flush(&self) -> Result<()> {
+        flush(&self.inner)
+    }
+}

@@ -1,0 +1,65 @@
+//! Fixtures shared by the engine's integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrite_engine::format::DATA_START;
+use ferrite_engine::io::CrashBackend;
+use ferrite_engine::{Pool, PoolOptions};
+
+/// Small geometry so tests cross segment boundaries and fill pools quickly.
+pub const SEG: u64 = 256 << 10;
+
+pub fn small_opts() -> PoolOptions {
+    PoolOptions {
+        segment_size: SEG,
+        reserve_segments: 1,
+        max_batch_bytes: 64 << 10,
+        // Checkpoints only when a test asks (or on open/close), so tests control them.
+        checkpoint_interval: Duration::from_secs(3600),
+        checkpoint_bytes: u64::MAX,
+        ..PoolOptions::default()
+    }
+}
+
+/// A pool on the crash-simulating backend, with its metadata in a temporary directory.
+pub struct Fixture {
+    pub backend: Arc<CrashBackend>,
+    pub dir: tempfile::TempDir,
+    pub opts: PoolOptions,
+}
+
+impl Fixture {
+    pub fn new(segments: u64) -> (Self, Pool) {
+        Self::with_opts(segments, small_opts())
+    }
+
+    pub fn with_opts(segments: u64, opts: PoolOptions) -> (Self, Pool) {
+        let backend = Arc::new(CrashBackend::new(DATA_START + segments * opts.segment_size));
+        let dir = tempfile::tempdir().unwrap();
+        let pool = Pool::create_on(backend.clone(), &dir.path().join("meta"), opts.clone()).unwrap();
+        (Self { backend, dir, opts }, pool)
+    }
+
+    pub fn meta(&self) -> PathBuf {
+        self.dir.path().join("meta")
+    }
+
+    pub fn reopen(&self) -> Pool {
+        Pool::open_on(self.backend.clone(), &self.meta(), self.opts.clone()).unwrap()
+    }
+}
+
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

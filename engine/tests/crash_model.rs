@@ -1,0 +1,243 @@
+//! Property test of the durability contract against a reference model.
+//!
+//! Random sequences of create / write / trim / write-zeroes / flush / grow / delete /
+//! checkpoint / crash / clean reopen run on the crash-simulating backend. The model keeps, for
+//! every block, its current content and every content it may have after a crash (the content at
+//! the last completed flush plus everything written since). After every crash the engine must
+//! show, for every block, one of those; after a clean reopen, exactly the current content.
+//!
+//! `FERRITE_PROPTEST_CASES` sets the number of sequences (default 1000); `FERRITE_LONG=1` runs
+//! 20000.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{Fixture, pattern};
+use ferrite_engine::io::CrashMode;
+use ferrite_engine::{ErrorKind, Pool};
+use proptest::prelude::*;
+
+const B: usize = 4096;
+const NAMES: [&str; 3] = ["a", "b", "c"];
+
+#[derive(Debug, Clone)]
+enum Op {
+    Create { vol: usize, blocks: u64 },
+    Write { vol: usize, at: u64, len: usize, seed: u64, fua: bool },
+    Trim { vol: usize, at: u64, len: u64 },
+    Zero { vol: usize, at: u64, len: u64 },
+    Flush,
+    Grow { vol: usize, blocks: u64 },
+    Delete { vol: usize },
+    Checkpoint,
+    Read { vol: usize },
+    Crash { seed: u64 },
+    Reopen,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let vol = 0..NAMES.len();
+    prop_oneof![
+        2 => (vol.clone(), 4u64..48).prop_map(|(vol, blocks)| Op::Create { vol, blocks }),
+        10 => (vol.clone(), any::<u64>(), 1usize..24_000, any::<u64>(), prop::bool::weighted(0.1))
+            .prop_map(|(vol, at, len, seed, fua)| Op::Write { vol, at, len, seed, fua }),
+        2 => (vol.clone(), any::<u64>(), 1u64..40_000).prop_map(|(vol, at, len)| Op::Trim { vol, at, len }),
+        2 => (vol.clone(), any::<u64>(), 1u64..40_000).prop_map(|(vol, at, len)| Op::Zero { vol, at, len }),
+        3 => Just(Op::Flush),
+        1 => (vol.clone(), 1u64..16).prop_map(|(vol, blocks)| Op::Grow { vol, blocks }),
+        1 => vol.clone().prop_map(|vol| Op::Delete { vol }),
+        1 => Just(Op::Checkpoint),
+        2 => vol.prop_map(|vol| Op::Read { vol }),
+        3 => any::<u64>().prop_map(|seed| Op::Crash { seed }),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+/// One block of the model: its content now, and every content a crash may leave.
+#[derive(Debug, Clone)]
+struct ModelBlock {
+    cur: Vec<u8>,
+    possible: Vec<Vec<u8>>,
+}
+
+impl ModelBlock {
+    fn zero() -> Self {
+        Self { cur: vec![0; B], possible: vec![vec![0; B]] }
+    }
+
+    fn set(&mut self, new: Vec<u8>) {
+        if !self.possible.contains(&new) {
+            self.possible.push(new.clone());
+        }
+        self.cur = new;
+    }
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    vols: BTreeMap<usize, Vec<ModelBlock>>,
+}
+
+impl Model {
+    fn flushed(&mut self) {
+        for b in self.vols.values_mut().flatten() {
+            b.possible = vec![b.cur.clone()];
+        }
+    }
+
+    /// Applies a byte-range change through `f`, which edits each touched block's bytes.
+    fn edit(&mut self, vol: usize, at: u64, len: u64, mut f: impl FnMut(u64, &mut [u8])) {
+        let blocks = self.vols.get_mut(&vol).unwrap();
+        let first = at / B as u64;
+        let last = (at + len - 1) / B as u64;
+        for lba in first..=last {
+            let mut content = blocks[lba as usize].cur.clone();
+            f(lba, &mut content);
+            blocks[lba as usize].set(content);
+        }
+    }
+}
+
+fn clip(size: u64, at: u64, len: u64) -> (u64, u64) {
+    let at = at % size;
+    (at, len.min(size - at).max(1))
+}
+
+/// Checks every volume against the model; `exact` after a clean reopen, sets after a crash.
+fn verify(pool: &Pool, model: &mut Model, exact: bool) -> Result<(), TestCaseError> {
+    for (&vol, blocks) in model.vols.iter_mut() {
+        let v = pool.open_volume(NAMES[vol]).unwrap();
+        let mut buf = vec![0u8; blocks.len() * B];
+        v.read(0, &mut buf).unwrap();
+        for (i, (got, m)) in buf.chunks(B).zip(blocks.iter_mut()).enumerate() {
+            if exact {
+                prop_assert!(got == &m.cur[..], "volume {} block {i} differs from its acknowledged content", NAMES[vol]);
+            } else {
+                prop_assert!(
+                    m.possible.iter().any(|p| p == got),
+                    "volume {} block {i}: content after crash is neither old nor new ({} candidates)",
+                    NAMES[vol],
+                    m.possible.len()
+                );
+            }
+            m.cur = got.to_vec();
+            m.possible = vec![m.cur.clone()];
+        }
+    }
+    Ok(())
+}
+
+fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let (f, mut pool) = Fixture::new(32);
+    let mut model = Model::default();
+    for op in ops {
+        match op {
+            Op::Create { vol, blocks } => {
+                let r = pool.create_volume(NAMES[vol], blocks * B as u64);
+                if model.vols.contains_key(&vol) {
+                    prop_assert_eq!(r.unwrap_err().kind(), ErrorKind::AlreadyExists);
+                } else {
+                    r.unwrap();
+                    model.vols.insert(vol, vec![ModelBlock::zero(); blocks as usize]);
+                }
+            }
+            Op::Write { vol, at, len, seed, fua } => {
+                let Some(blocks) = model.vols.get(&vol) else { continue };
+                let (at, len) = clip((blocks.len() * B) as u64, at, len as u64);
+                let data = pattern(seed, len as usize);
+                let v = pool.open_volume(NAMES[vol]).unwrap();
+                if fua { v.write_fua(at, &data).unwrap() } else { v.write(at, &data).unwrap() }
+                model.edit(vol, at, len, |lba, content| {
+                    let bs = lba * B as u64;
+                    let lo = at.max(bs);
+                    let hi = (at + len).min(bs + B as u64);
+                    content[(lo - bs) as usize..(hi - bs) as usize].copy_from_slice(&data[(lo - at) as usize..(hi - at) as usize]);
+                });
+                if fua {
+                    // FUA makes this write durable; earlier unflushed writes elsewhere are not
+                    // promised, but this write's blocks are.
+                    let blocks = model.vols.get_mut(&vol).unwrap();
+                    for lba in at / B as u64..=(at + len - 1) / B as u64 {
+                        let b = &mut blocks[lba as usize];
+                        b.possible = vec![b.cur.clone()];
+                    }
+                }
+            }
+            Op::Trim { vol, at, len } | Op::Zero { vol, at, len } => {
+                let Some(blocks) = model.vols.get(&vol) else { continue };
+                let (at, len) = clip((blocks.len() * B) as u64, at, len);
+                let v = pool.open_volume(NAMES[vol]).unwrap();
+                let zero_all = matches!(op, Op::Zero { .. });
+                if zero_all { v.write_zeroes(at, len, false).unwrap() } else { v.trim(at, len).unwrap() }
+                model.edit(vol, at, len, |lba, content| {
+                    let bs = lba * B as u64;
+                    let (lo, hi) = (at.max(bs), (at + len).min(bs + B as u64));
+                    if zero_all || (lo == bs && hi == bs + B as u64) {
+                        content[(lo - bs) as usize..(hi - bs) as usize].fill(0);
+                    }
+                });
+            }
+            Op::Flush => {
+                pool.flush().unwrap();
+                model.flushed();
+            }
+            Op::Grow { vol, blocks } => {
+                let Some(m) = model.vols.get_mut(&vol) else { continue };
+                let new = m.len() as u64 + blocks;
+                pool.grow_volume(NAMES[vol], new * B as u64).unwrap();
+                m.resize(new as usize, ModelBlock::zero());
+            }
+            Op::Delete { vol } => {
+                let r = pool.delete_volume(NAMES[vol]);
+                if model.vols.remove(&vol).is_some() { r.unwrap() } else { prop_assert!(r.is_err()) }
+            }
+            Op::Checkpoint => pool.checkpoint().unwrap(),
+            Op::Read { vol } => {
+                let Some(blocks) = model.vols.get(&vol) else { continue };
+                let v = pool.open_volume(NAMES[vol]).unwrap();
+                let mut buf = vec![0u8; blocks.len() * B];
+                v.read(0, &mut buf).unwrap();
+                for (i, (got, m)) in buf.chunks(B).zip(blocks).enumerate() {
+                    prop_assert!(got == &m.cur[..], "live read of {} block {i}", NAMES[vol]);
+                }
+            }
+            Op::Crash { seed } => {
+                f.backend.crash();
+                drop(pool);
+                f.backend.restart(CrashMode::Random(seed));
+                pool = f.reopen();
+                verify(&pool, &mut model, false)?;
+            }
+            Op::Reopen => {
+                pool.close().unwrap();
+                pool = f.reopen();
+                verify(&pool, &mut model, true)?;
+            }
+        }
+    }
+    // Finally: a crash after a flush loses nothing.
+    pool.flush().unwrap();
+    model.flushed();
+    f.backend.crash();
+    drop(pool);
+    f.backend.restart(CrashMode::Random(7));
+    let pool = f.reopen();
+    verify(&pool, &mut model, true)
+}
+
+fn cases() -> u32 {
+    if std::env::var("FERRITE_LONG").is_ok_and(|v| v == "1") {
+        return 20_000;
+    }
+    std::env::var("FERRITE_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn durability_contract_holds(ops in prop::collection::vec(op(), 1..40)) {
+        run(ops)?;
+    }
+}

@@ -1,0 +1,239 @@
+//! Thin volumes: catalog operations, byte-granular I/O, space, and persistence across reopen.
+
+mod common;
+
+use common::{Fixture, SEG, pattern};
+use ferrite_engine::{ErrorKind, Pool, PoolOptions};
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn catalog_create_list_grow_delete() {
+    let (_f, pool) = Fixture::new(8);
+    let a = pool.create_volume("a", 4 * MIB).unwrap();
+    pool.create_volume("b", MIB).unwrap();
+    assert_eq!(pool.create_volume("a", MIB).unwrap_err().kind(), ErrorKind::AlreadyExists);
+    assert_eq!(pool.create_volume("bad name", MIB).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(pool.create_volume("c", 1000).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    let names: Vec<_> = pool.volumes().into_iter().map(|v| v.name).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(a.size, 4 * MIB);
+    assert_eq!(a.allocated, 0);
+    assert_eq!(pool.grow_volume("a", 8 * MIB).unwrap().size, 8 * MIB);
+    assert_eq!(pool.grow_volume("a", MIB).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(pool.grow_volume("zz", MIB).unwrap_err().kind(), ErrorKind::NotFound);
+    pool.delete_volume("b").unwrap();
+    assert_eq!(pool.delete_volume("b").unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(pool.volume_info("b").unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(pool.volumes().len(), 1);
+}
+
+#[test]
+fn unwritten_reads_zero_and_byte_granular_io() {
+    let (_f, pool) = Fixture::new(8);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    let mut buf = vec![1u8; 10_000];
+    v.read(12_345, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+
+    // Reference image of the volume, updated alongside.
+    let mut model = vec![0u8; MIB as usize];
+    let writes: [(u64, usize); 7] = [(0, 4096), (100, 1), (4095, 2), (8192, 12_288), (5000, 9000), (MIB - 7, 7), (777, 65_536)];
+    for (i, (off, len)) in writes.into_iter().enumerate() {
+        let data = pattern(i as u64, len);
+        v.write(off, &data).unwrap();
+        model[off as usize..off as usize + len].copy_from_slice(&data);
+        let mut back = vec![0u8; MIB as usize];
+        v.read(0, &mut back).unwrap();
+        assert!(back == model, "after write {i} at {off}+{len}");
+    }
+    // Sub-block writes never corrupt their neighbours, even when they race.
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let v = v.clone();
+            s.spawn(move || {
+                for k in 0..16u64 {
+                    // Each thread owns bytes t*512.. of block 200+k: all threads share each block.
+                    v.write((200 + k) * 4096 + t * 512, &[t as u8 + 1; 512]).unwrap();
+                }
+            });
+        }
+    });
+    for k in 0..16u64 {
+        let mut b = vec![0u8; 4096];
+        v.read((200 + k) * 4096, &mut b).unwrap();
+        for t in 0..8usize {
+            assert!(b[t * 512..(t + 1) * 512].iter().all(|&x| x == t as u8 + 1), "block {k} part {t}");
+        }
+    }
+}
+
+#[test]
+fn out_of_range_is_rejected() {
+    let (_f, pool) = Fixture::new(8);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    let mut b = [0u8; 4096];
+    assert_eq!(v.read(MIB - 100, &mut b).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(v.write(MIB, &b).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(v.write(u64::MAX - 10, &b).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(v.trim(0, MIB + 1).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(v.write_zeroes(MIB, 1, false).unwrap_err().kind(), ErrorKind::OutOfRange);
+    // After growing, the new range works and reads as zeros.
+    pool.grow_volume("v", 2 * MIB).unwrap();
+    v.read(MIB - 100, &mut b).unwrap();
+    assert!(b.iter().all(|&x| x == 0));
+    v.write(MIB, &b).unwrap();
+}
+
+#[test]
+fn trim_and_write_zeroes() {
+    let (_f, pool) = Fixture::new(8);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    let data = pattern(7, 64 << 10);
+    v.write(0, &data).unwrap();
+    assert_eq!(pool.volume_info("v").unwrap().allocated, 64 << 10);
+    // Trim with unaligned edges: only whole blocks go.
+    v.trim(1000, 20_000).unwrap();
+    let mut back = vec![0u8; 64 << 10];
+    v.read(0, &mut back).unwrap();
+    assert_eq!(&back[..4096], &data[..4096]);
+    assert!(back[4096..20480].iter().all(|&b| b == 0));
+    assert_eq!(&back[20480..], &data[20480..]);
+    assert_eq!(pool.volume_info("v").unwrap().allocated, (64 << 10) - 4 * 4096);
+    // Write-zeroes zeroes exactly its bytes.
+    v.write_zeroes(30_000, 10_000, true).unwrap();
+    v.read(0, &mut back).unwrap();
+    assert!(back[30_000..40_000].iter().all(|&b| b == 0));
+    assert_eq!(&back[29_990..30_000], &data[29_990..30_000]);
+    assert_eq!(&back[40_000..40_010], &data[40_000..40_010]);
+    v.write_zeroes(5, 3, false).unwrap();
+    v.read(0, &mut back[..16]).unwrap();
+    assert_eq!(&back[..5], &data[..5]);
+    assert_eq!(&back[5..8], &[0, 0, 0]);
+}
+
+#[test]
+fn data_survives_clean_reopen_and_deleted_volumes_stay_gone() {
+    let (f, pool) = Fixture::new(16);
+    pool.create_volume("keep", 2 * MIB).unwrap();
+    pool.create_volume("drop", MIB).unwrap();
+    let keep = pool.open_volume("keep").unwrap();
+    let data = pattern(1, 2 * MIB as usize);
+    keep.write(0, &data).unwrap();
+    pool.open_volume("drop").unwrap().write(0, &pattern(2, 4096)).unwrap();
+    pool.delete_volume("drop").unwrap();
+    pool.close().unwrap();
+    assert!(keep.write(0, &[0; 4096]).is_err(), "handles fail after close");
+
+    let pool = f.reopen();
+    assert_eq!(pool.recovery_report().batches_replayed, 0, "clean close leaves nothing to replay");
+    let mut back = vec![0u8; 2 * MIB as usize];
+    pool.open_volume("keep").unwrap().read(0, &mut back).unwrap();
+    assert!(back == data);
+    assert_eq!(pool.volume_info("drop").unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(pool.volume_info("keep").unwrap().allocated, 2 * MIB);
+}
+
+#[test]
+fn full_pool_gives_enospc_reads_work_and_trim_frees_space() {
+    // 8 segments of 256 KiB, one held in reserve.
+    let (_f, pool) = Fixture::new(8);
+    pool.create_volume("v", 8 * MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    let chunk = pattern(3, 64 << 10);
+    let mut written = 0u64;
+    let err = loop {
+        match v.write(written, &chunk) {
+            Ok(()) => written += chunk.len() as u64,
+            Err(e) => break e,
+        }
+        assert!(written < 8 * MIB, "the pool never filled");
+    };
+    assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
+    assert_eq!(err.errno(), libc_enospc());
+    assert!(written >= 5 * SEG, "most of the pool was usable (wrote {written})");
+    // Reads still work.
+    let mut back = vec![0u8; chunk.len()];
+    v.read(0, &mut back).unwrap();
+    assert_eq!(back, chunk);
+    assert_eq!(pool.stats().free, 0);
+    // Trim half of it: writes resume without a restart.
+    v.trim(0, written / 2).unwrap();
+    assert!(pool.stats().reclaimable > 0 || pool.stats().segments_free > 1);
+    v.write(0, &chunk).unwrap();
+    v.read(0, &mut back).unwrap();
+    assert_eq!(back, chunk);
+}
+
+fn libc_enospc() -> i32 {
+    28
+}
+
+#[test]
+fn stats_account_for_space() {
+    let (_f, pool) = Fixture::new(16);
+    let s0 = pool.stats();
+    assert_eq!(s0.size, 16 * SEG);
+    assert_eq!(s0.live, 0);
+    pool.create_volume("v", 4 * MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    v.write(0, &pattern(1, MIB as usize)).unwrap();
+    let s = pool.stats();
+    assert_eq!(s.live, MIB);
+    assert!(s.used >= MIB);
+    assert_eq!(s.client_bytes_written, MIB);
+    assert!(s.media_bytes_written > MIB);
+    v.write(0, &pattern(2, MIB as usize)).unwrap();
+    let s = pool.stats();
+    assert_eq!(s.live, MIB, "overwrites do not grow live data");
+    assert!(s.reclaimable >= MIB / 2, "overwritten data in sealed segments is reclaimable: {s:?}");
+    // Fully dead segments are released by a checkpoint.
+    let free_before = s.segments_free;
+    pool.checkpoint().unwrap();
+    assert!(pool.stats().segments_free > free_before);
+}
+
+#[test]
+fn file_pool_create_open_and_bad_images() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("pool.img");
+    let meta = dir.path().join("meta");
+    let opts = PoolOptions { segment_size: SEG, reserve_segments: 1, ..PoolOptions::default() };
+    let pool = Pool::create(&img, &meta, 8 * MIB, opts.clone()).unwrap();
+    pool.create_volume("v", MIB).unwrap();
+    pool.open_volume("v").unwrap().write(4096, &pattern(9, 8192)).unwrap();
+    pool.close().unwrap();
+    // Refuses to overwrite.
+    assert_eq!(Pool::create(&img, &meta, 8 * MIB, opts.clone()).unwrap_err().kind(), ErrorKind::AlreadyExists);
+
+    let pristine = std::fs::read(&img).unwrap();
+    let check_refused = |mutate: &dyn Fn(&mut Vec<u8>), want: &str| {
+        let mut bytes = pristine.clone();
+        mutate(&mut bytes);
+        std::fs::write(&img, &bytes).unwrap();
+        let err = Pool::open(&img, &meta, opts.clone()).unwrap_err();
+        assert!(err.to_string().contains(want), "{want}: got {err}");
+        assert_eq!(std::fs::read(&img).unwrap(), bytes, "a refused open changes nothing");
+    };
+    check_refused(&|b| b[0] = b'X', "magic");
+    check_refused(&|b| b[8] = 7, "version");
+    check_refused(&|b| b[200] ^= 1, "checksum");
+    check_refused(&|b| b.truncate(4 * MIB as usize), "truncated");
+    check_refused(&|b| b.truncate(100), "too small");
+    std::fs::write(&img, &pristine).unwrap();
+    let pool = Pool::open(&img, &meta, opts.clone()).unwrap();
+    let mut back = vec![0u8; 8192];
+    pool.open_volume("v").unwrap().read(4096, &mut back).unwrap();
+    assert_eq!(back, pattern(9, 8192));
+    drop(pool);
+    // A metadata directory of another pool is refused.
+    let other = dir.path().join("other.img");
+    drop(Pool::create(&other, &dir.path().join("meta2"), 8 * MIB, opts.clone()).unwrap());
+    let err = Pool::open(&img, &dir.path().join("meta2"), opts.clone()).unwrap_err();
+    assert!(err.to_string().contains("another pool"), "{err}");
+    let err = Pool::open(&img, &dir.path().join("missing"), opts).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound);
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what building and testing Ferrite needs on Debian 12: system packages (only those
+# missing) and checks the Rust toolchain. Safe to run again; non-interactive.
+set -euo pipefail
+
+PKGS=(libclang-dev clang build-essential pkg-config fio qemu-utils)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}" >&2
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null; then
+  [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
+fi
+command -v cargo >/dev/null || { echo "setup: cargo not found; install Rust 1.95 (rustup) first" >&2; exit 1; }
+for c in fmt clippy; do
+  cargo "$c" --version >/dev/null 2>&1 || rustup component add "$( [ "$c" = fmt ] && echo rustfmt || echo clippy )"
+done
+cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
+
+# One target directory outside the clone, shared by every checkout on this machine: cargo's
+# fingerprints keep it correct across clones, and RocksDB's C++ (the slow part) builds once.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ferrite/target}"
+mkdir -p "$CARGO_TARGET_DIR"
+echo "setup: ok (target dir $CARGO_TARGET_DIR)" >&2
