@@ -9,8 +9,8 @@ use ferrite_bench::{WORKLOADS, prefill, run, setup};
 const VOL: u64 = 256 << 20;
 
 fn engine(c: &mut Criterion) {
-    let dir = tempfile::tempdir_in(std::env::var("FERRITE_BENCH_DIR").unwrap_or_else(|_| ".".into()))
-        .expect("bench dir");
+    let dir =
+        tempfile::tempdir_in(std::env::var("FERRITE_BENCH_DIR").unwrap_or_else(|_| ".".into())).expect("bench dir");
     let (pool, vol) = setup(dir.path(), 16 << 30, VOL);
     prefill(&vol);
     let mut g = c.benchmark_group("engine");

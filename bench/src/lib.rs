@@ -43,7 +43,7 @@ pub fn prefill(vol: &Volume) {
     let chunk = vec![0x5Au8; 1 << 20];
     let mut off = 0;
     while off < size {
-        let n = (size - off).min(chunk.len() as u64) as usize;
+        let n = usize::try_from((size - off).min(chunk.len() as u64)).expect("below 1 MiB");
         vol.write(off, &chunk[..n]).expect("prefill");
         off += n as u64;
     }

@@ -123,7 +123,11 @@ fn demo(dir: &std::path::Path, pool_size: u64, volume_size: u64, write: u64) -> 
     }
     eprintln!();
     let secs = t.elapsed().as_secs_f64();
-    println!("read back and verified {} in {secs:.2}s ({:.0} MiB/s)", format_size(write), write as f64 / secs / 1048576.0);
+    println!(
+        "read back and verified {} in {secs:.2}s ({:.0} MiB/s)",
+        format_size(write),
+        write as f64 / secs / 1048576.0
+    );
     let s = pool.stats();
     println!(
         "pool: size {}, used {}, live {}, reclaimable {}, free {}; volume demo allocated {}",

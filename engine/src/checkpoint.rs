@@ -62,10 +62,11 @@ pub(crate) fn checkpointer_loop(inner: &Arc<Inner>) {
             let st = inner.state.read();
             st.log_bytes_since_ckpt > 0 || !st.dirty_chunks.is_empty()
         };
-        if changed && inner.check_open().is_ok() {
-            if let Err(e) = inner.checkpoint() {
-                tracing::warn!(error = %e, "background checkpoint failed");
-            }
+        if changed
+            && inner.check_open().is_ok()
+            && let Err(e) = inner.checkpoint()
+        {
+            tracing::warn!(error = %e, "background checkpoint failed");
         }
     }
 }
@@ -112,12 +113,8 @@ impl Inner {
             }
         }
         let pos = st.applied;
-        w.record = Some(CheckpointRecord {
-            seq: pos.seq,
-            seg: pos.seg as u64,
-            off: pos.off,
-            generation: st.generation,
-        });
+        w.record =
+            Some(CheckpointRecord { seq: pos.seq, seg: pos.seg as u64, off: pos.off, generation: st.generation });
         st.log_bytes_since_ckpt = 0;
         let candidates = st
             .segs

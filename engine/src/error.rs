@@ -50,11 +50,7 @@ impl Error {
 
     /// An I/O error from the backing store, with context.
     pub fn io(msg: impl Into<String>, source: io::Error) -> Self {
-        let kind = if source.raw_os_error() == Some(libc::ENOSPC) {
-            ErrorKind::NoSpace
-        } else {
-            ErrorKind::Io
-        };
+        let kind = if source.raw_os_error() == Some(libc::ENOSPC) { ErrorKind::NoSpace } else { ErrorKind::Io };
         Self { kind, msg: msg.into(), source: Some(Box::new(source)) }
     }
 

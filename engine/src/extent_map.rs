@@ -213,6 +213,7 @@ impl ExtentMap {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
     use proptest::prelude::*;

@@ -9,8 +9,8 @@
 //!           (header padded to whole 4 KiB blocks; a batch never crosses a segment end)
 //! ```
 
-use crate::error::{Result, corrupt};
 use crate::error::{Error, ErrorKind};
+use crate::error::{Result, corrupt};
 use crate::io::BLOCK;
 
 /// Magic at offset 0 of every Ferrite pool.
@@ -21,6 +21,8 @@ pub const FORMAT_VERSION: u32 = 1;
 /// aligned for any device).
 pub const DATA_START: u64 = 1 << 20;
 const SUPER_CRC_AT: usize = BLOCK - 4;
+#[allow(clippy::cast_possible_truncation)] // 4096 fits
+const BLOCK_U32: u32 = BLOCK as u32;
 
 /// Magic of a log batch header ("FLOG").
 pub const BATCH_MAGIC: u32 = 0x464C_4F47;
@@ -49,7 +51,7 @@ impl Superblock {
         b[0..8].copy_from_slice(&SUPER_MAGIC);
         b[8..12].copy_from_slice(&self.version.to_le_bytes());
         b[16..32].copy_from_slice(&self.uuid);
-        b[32..36].copy_from_slice(&(BLOCK as u32).to_le_bytes());
+        b[32..36].copy_from_slice(&BLOCK_U32.to_le_bytes());
         b[40..48].copy_from_slice(&self.segment_size.to_le_bytes());
         b[48..56].copy_from_slice(&self.segment_count.to_le_bytes());
         b[56..64].copy_from_slice(&DATA_START.to_le_bytes());
@@ -79,17 +81,12 @@ impl Superblock {
         }
         let mut uuid = [0u8; 16];
         uuid.copy_from_slice(&b[16..32]);
-        let sb = Self {
-            version,
-            uuid,
-            segment_size: le64(b, 40),
-            segment_count: le64(b, 48),
-            created_unix: le64(b, 64),
-        };
-        if le32(b, 32) as usize != BLOCK || le64(b, 56) != DATA_START {
+        let sb =
+            Self { version, uuid, segment_size: le64(b, 40), segment_count: le64(b, 48), created_unix: le64(b, 64) };
+        if le32(b, 32) != BLOCK_U32 || le64(b, 56) != DATA_START {
             return Err(corrupt("superblock geometry is not one this build writes"));
         }
-        if sb.segment_size == 0 || sb.segment_size % BLOCK as u64 != 0 || sb.segment_count == 0 {
+        if sb.segment_size == 0 || !sb.segment_size.is_multiple_of(BLOCK as u64) || sb.segment_count == 0 {
             return Err(corrupt("superblock has an impossible segment geometry"));
         }
         Ok(sb)
@@ -253,6 +250,7 @@ pub(crate) fn le64(b: &[u8], at: usize) -> u64 {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
 

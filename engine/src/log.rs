@@ -33,6 +33,14 @@ pub(crate) enum Req {
 }
 
 impl Req {
+    /// Completes the request with an error.
+    pub(crate) fn fail(self, e: &Error) {
+        let done = match self {
+            Req::Write { done, .. } | Req::Unmap { done, .. } | Req::Flush { done } => done,
+        };
+        done(Err(clone_err(e)));
+    }
+
     fn data_blocks(&self) -> u64 {
         match self {
             Req::Write { data, .. } => (data.len() / BLOCK) as u64,
@@ -144,10 +152,7 @@ fn clone_err(e: &Error) -> Error {
 
 fn fail_all(reqs: Vec<Req>, e: &Error) {
     for r in reqs {
-        let done = match r {
-            Req::Write { done, .. } | Req::Unmap { done, .. } | Req::Flush { done } => done,
-        };
-        done(Err(clone_err(e)));
+        r.fail(e);
     }
 }
 

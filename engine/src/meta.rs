@@ -99,10 +99,13 @@ impl CheckpointRecord {
     }
 }
 
+/// A map chunk's key (layer, chunk index) and its new encoding, or None to delete it.
+pub(crate) type ChunkUpdate = ((u64, u64), Option<Vec<u8>>);
+
 /// What one checkpoint writes, applied atomically.
 #[derive(Debug, Default)]
 pub(crate) struct CheckpointWrite {
-    pub chunks: Vec<((u64, u64), Option<Vec<u8>>)>,
+    pub chunks: Vec<ChunkUpdate>,
     pub crcs: Vec<(u64, Option<Vec<u8>>)>,
     pub record: Option<CheckpointRecord>,
 }

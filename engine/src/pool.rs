@@ -9,7 +9,7 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 
 use crate::checkpoint::CheckpointCtl;
 use crate::error::{Error, ErrorKind, Result, invalid};
@@ -168,11 +168,17 @@ impl Inner {
         Ok(())
     }
 
+    /// Hands a request to the writer; if the pool is closed, completes it with an error.
     pub fn send(&self, req: Req) -> Result<()> {
-        match self.tx.read().as_ref() {
-            Some(tx) => tx.send(req).map_err(|_| closed()),
-            None => Err(closed()),
-        }
+        let unsent = match self.tx.read().as_ref() {
+            Some(tx) => match tx.send(req) {
+                Ok(()) => return Ok(()),
+                Err(mpsc::SendError(req)) => req,
+            },
+            None => req,
+        };
+        unsent.fail(&closed());
+        Err(closed())
     }
 }
 
@@ -230,7 +236,7 @@ fn validate_name(name: &str) -> Result<()> {
 }
 
 fn validate_size(size: u64) -> Result<()> {
-    if size == 0 || size % BLOCK as u64 != 0 {
+    if size == 0 || !size.is_multiple_of(BLOCK as u64) {
         return Err(invalid(format!("invalid volume size {size}: must be a non-zero multiple of 4096 bytes")));
     }
     if size > (1 << 60) {
@@ -277,7 +283,7 @@ impl Pool {
     /// Formats `backend` as a new pool with its metadata in `meta_dir`, and opens it.
     pub fn create_on(backend: Arc<dyn Backend>, meta_dir: &Path, opts: PoolOptions) -> Result<Pool> {
         let seg = opts.segment_size;
-        if seg < 64 << 10 || seg % BLOCK as u64 != 0 || seg > 1 << 30 {
+        if seg < 64 << 10 || !seg.is_multiple_of(BLOCK as u64) || seg > 1 << 30 {
             return Err(invalid(format!("segment size {seg} must be a multiple of 4 KiB between 64 KiB and 1 GiB")));
         }
         let count = backend.len().saturating_sub(DATA_START) / seg;
@@ -424,7 +430,7 @@ impl Pool {
         let st = self.inner.state.read();
         let id = lookup(&st, name)?;
         let rec = &st.volumes[&id].rec;
-        Ok(Volume::new(Arc::clone(&self.inner), rec.id, rec.layer, rec.name.clone()))
+        Ok(Volume::new(Arc::downgrade(&self.inner), rec.id, rec.layer, rec.name.clone()))
     }
 
     /// Grows a volume to `new_size` bytes (shrinking is refused). Durable on return.
@@ -497,13 +503,8 @@ impl Pool {
         let st = inner.state.read();
         let seg = inner.sb.segment_size;
         let free_segs = st.segs.count(SegState::Free) as u64;
-        let reclaimable: u64 = st
-            .segs
-            .segs
-            .iter()
-            .filter(|s| s.state == SegState::Sealed)
-            .map(|s| seg - s.live * BLOCK as u64)
-            .sum();
+        let reclaimable: u64 =
+            st.segs.segs.iter().filter(|s| s.state == SegState::Sealed).map(|s| seg - s.live * BLOCK as u64).sum();
         PoolStats {
             uuid: inner.sb.uuid,
             size: seg * inner.sb.segment_count,

@@ -78,8 +78,8 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
     }
     for map in layers.values() {
         for (_, pba, n) in map.runs() {
-            let (seg, blk) = segs.locate(pba);
-            if seg >= segs.segs.len() || blk as u64 + n > segs.blocks_per_seg * (segs.segs.len() - seg) as u64 {
+            let inside = pba >= segs.pba(0, 0) && pba + n <= segs.pba(segs.segs.len(), 0);
+            if !inside {
                 return Err(corrupt(format!("metadata: a map points outside the pool (block {pba})")));
             }
             segs.add_live(pba, n, true);
@@ -119,7 +119,13 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
     Ok((st, report))
 }
 
-fn replay(meta: &Meta, backend: &dyn Backend, sb: &Superblock, st: &mut State, gen_floor: u64) -> Result<RecoveryReport> {
+fn replay(
+    meta: &Meta,
+    backend: &dyn Backend,
+    sb: &Superblock,
+    st: &mut State,
+    gen_floor: u64,
+) -> Result<RecoveryReport> {
     let chain = meta.chain()?;
     let mut report = RecoveryReport { from_seq: st.applied.seq, ..Default::default() };
     let mut floor = gen_floor;
@@ -156,13 +162,21 @@ fn replay(meta: &Meta, backend: &dyn Backend, sb: &Superblock, st: &mut State, g
 }
 
 /// Reads and verifies the batch at `pos`, if it is the next one.
-fn read_batch(backend: &dyn Backend, sb: &Superblock, segs: &SegmentTable, pos: LogPos, floor: u64) -> Result<BatchHeader, Stop> {
+fn read_batch(
+    backend: &dyn Backend,
+    sb: &Superblock,
+    segs: &SegmentTable,
+    pos: LogPos,
+    floor: u64,
+) -> Result<BatchHeader, Stop> {
     let seg_size = sb.segment_size;
     if pos.off + BLOCK as u64 > seg_size {
         return Err(Stop::End);
     }
     let at = segs.byte_offset(pos.seg, pos.off);
-    let io_err = |e: std::io::Error| Stop::Damaged(Error::io(format!("reading segment {} at {}", pos.seg, pos.off), e).to_string());
+    let io_err = |e: std::io::Error| {
+        Stop::Damaged(Error::io(format!("reading segment {} at {}", pos.seg, pos.off), e).to_string())
+    };
     let mut first = AlignedBuf::new(BLOCK);
     backend.read_at(&mut first, at).map_err(io_err)?;
     let Some(hb) = BatchHeader::peek_header_blocks(&first) else { return Err(Stop::End) };

@@ -6,7 +6,7 @@
 //! edge blocks and writes them back whole, holding a per-block stripe lock so two partial writes
 //! to one block never lose each other's bytes.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
@@ -19,10 +19,10 @@ use crate::pool::Inner;
 const B: u64 = BLOCK as u64;
 
 /// A handle for I/O on one volume. Cheap to clone; fails with NotFound once the volume is
-/// deleted and with Closed once the pool is closed.
+/// deleted and with Closed once the pool is closed. It does not keep the pool open.
 #[derive(Debug, Clone)]
 pub struct Volume {
-    inner: Arc<Inner>,
+    inner: Weak<Inner>,
     id: u64,
     layer: u64,
     name: String,
@@ -87,8 +87,12 @@ impl Drop for Pins<'_> {
 }
 
 impl Volume {
-    pub(crate) fn new(inner: Arc<Inner>, id: u64, layer: u64, name: String) -> Self {
+    pub(crate) fn new(inner: Weak<Inner>, id: u64, layer: u64, name: String) -> Self {
         Self { inner, id, layer, name }
+    }
+
+    fn pool(&self) -> Result<Arc<Inner>> {
+        self.inner.upgrade().ok_or_else(|| Error::new(ErrorKind::Closed, "pool is closed"))
     }
 
     /// The volume's name.
@@ -98,7 +102,11 @@ impl Volume {
 
     /// Current size in bytes.
     pub fn size(&self) -> Result<u64> {
-        let st = self.inner.state.read();
+        self.size_in(&*self.pool()?)
+    }
+
+    fn size_in(&self, inner: &Inner) -> Result<u64> {
+        let st = inner.state.read();
         st.volumes.get(&self.id).map(|e| e.rec.size).ok_or_else(|| self.gone())
     }
 
@@ -106,8 +114,8 @@ impl Volume {
         Error::new(ErrorKind::NotFound, format!("volume {:?} was deleted", self.name))
     }
 
-    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
-        let size = self.size()?;
+    fn check_range(&self, inner: &Inner, offset: u64, len: u64) -> Result<()> {
+        let size = self.size_in(inner)?;
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::new(
                 ErrorKind::OutOfRange,
@@ -120,7 +128,11 @@ impl Volume {
     /// Reads `buf.len()` bytes at `offset`. Never-written ranges read as zeros without touching
     /// media; a checksum mismatch is an error naming the volume and offset, never data.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.check_range(offset, buf.len() as u64)?;
+        self.read_in(&*self.pool()?, offset, buf)
+    }
+
+    fn read_in(&self, inner: &Inner, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(inner, offset, buf.len() as u64)?;
         if buf.is_empty() {
             return Ok(());
         }
@@ -129,9 +141,9 @@ impl Volume {
         let n = usize::try_from(last - first + 1).expect("read fits memory");
         // Resolve every block, pinning the segments we will read from.
         let mut resolved: Vec<Option<(u64, u32)>> = Vec::with_capacity(n);
-        let mut pins = Pins { inner: &self.inner, segs: Vec::new() };
+        let mut pins = Pins { inner, segs: Vec::new() };
         {
-            let st = self.inner.state.read();
+            let st = inner.state.read();
             let map = st.layers.get(&self.layer).ok_or_else(|| self.gone())?;
             for lba in first..=last {
                 let r = match map.lookup(lba) {
@@ -139,7 +151,11 @@ impl Volume {
                         let crc = st.segs.crc(pba).ok_or_else(|| {
                             Error::new(
                                 ErrorKind::Corrupt,
-                                format!("volume {:?}: no checksum for pool block {pba} (offset {})", self.name, lba * B),
+                                format!(
+                                    "volume {:?}: no checksum for pool block {pba} (offset {})",
+                                    self.name,
+                                    lba * B
+                                ),
                             )
                         })?;
                         let seg = st.segs.locate(pba).0;
@@ -158,13 +174,11 @@ impl Volume {
         let mut media = AlignedBuf::new(mapped * BLOCK);
         // Coalesce runs of consecutive physical blocks into one request each.
         let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (pba, first slot in media, blocks)
-        let mut slot = 0;
-        for r in resolved.iter().flatten() {
+        for (slot, r) in resolved.iter().flatten().enumerate() {
             match runs.last_mut() {
                 Some((p, s, k)) if *p + *k as u64 == r.0 && *s + *k == slot => *k += 1,
                 _ => runs.push((r.0, slot, 1)),
             }
-            slot += 1;
         }
         {
             let mut rest: &mut [u8] = &mut media;
@@ -174,7 +188,7 @@ impl Volume {
                 ops.push(ReadOp { offset: pba * B, buf: head });
                 rest = tail;
             }
-            self.inner.backend.read_many(&mut ops).map_err(|e| {
+            inner.backend.read_many(&mut ops).map_err(|e| {
                 Error::io(format!("volume {:?}: reading {} bytes at offset {offset}", self.name, buf.len()), e)
             })?;
         }
@@ -185,7 +199,8 @@ impl Volume {
             let block_start = lba * B;
             let lo = offset.max(block_start);
             let hi = (offset + buf.len() as u64).min(block_start + B);
-            let dst = &mut buf[usize::try_from(lo - offset).expect("fits")..usize::try_from(hi - offset).expect("fits")];
+            let dst =
+                &mut buf[usize::try_from(lo - offset).expect("fits")..usize::try_from(hi - offset).expect("fits")];
             match r {
                 None => dst.fill(0),
                 Some((pba, crc)) => {
@@ -210,67 +225,67 @@ impl Volume {
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.write_inner(offset, data, false)
+        self.write_in(&*self.pool()?, offset, data, false)
     }
 
     /// Writes `data` at `offset` and returns only once it is durable (FUA).
     pub fn write_fua(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.write_inner(offset, data, true)
+        self.write_in(&*self.pool()?, offset, data, true)
     }
 
-    fn stripe(&self, lba: u64) -> usize {
+    fn stripe(&self, inner: &Inner, lba: u64) -> usize {
         let h = (self.layer.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ lba).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        usize::try_from(h >> 56).expect("8 bits") % self.inner.stripes.len()
+        usize::try_from(h >> 56).expect("8 bits") % inner.stripes.len()
     }
 
     /// Locks the stripes of the partial edge blocks of [offset, offset+len), in index order.
-    fn lock_edges(&self, offset: u64, len: u64) -> Vec<MutexGuard<'_, ()>> {
+    fn lock_edges<'a>(&self, inner: &'a Inner, offset: u64, len: u64) -> Vec<MutexGuard<'a, ()>> {
         let end = offset + len;
         let mut idx = Vec::with_capacity(2);
-        if offset % B != 0 || len < B {
-            idx.push(self.stripe(offset / B));
+        if !offset.is_multiple_of(B) || len < B {
+            idx.push(self.stripe(inner, offset / B));
         }
-        if end % B != 0 {
-            idx.push(self.stripe((end - 1) / B));
+        if !end.is_multiple_of(B) {
+            idx.push(self.stripe(inner, (end - 1) / B));
         }
         idx.sort_unstable();
         idx.dedup();
-        idx.into_iter().map(|i| self.inner.stripes[i].lock()).collect()
+        idx.into_iter().map(|i| inner.stripes[i].lock()).collect()
     }
 
-    fn write_inner(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.check_range(offset, data.len() as u64)?;
-        self.inner.check_open()?;
+    fn write_in(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(inner, offset, data.len() as u64)?;
+        inner.check_open()?;
         if data.is_empty() {
-            return if fua { flush(&self.inner) } else { Ok(()) };
+            return if fua { flush(inner) } else { Ok(()) };
         }
         let len = data.len() as u64;
         let start = offset - offset % B;
         let end = (offset + len).div_ceil(B) * B;
         if start == offset && end == offset + len {
-            return self.submit_blocks(start, data, fua);
+            return self.submit_blocks(inner, start, data, fua);
         }
-        let _edges = self.lock_edges(offset, len);
+        let _edges = self.lock_edges(inner, offset, len);
         let mut whole = vec![0u8; usize::try_from(end - start).expect("fits")];
-        self.read(start, &mut whole[..BLOCK])?;
+        self.read_in(inner, start, &mut whole[..BLOCK])?;
         if end - start > B {
             let at = whole.len() - BLOCK;
-            self.read(end - B, &mut whole[at..])?;
+            self.read_in(inner, end - B, &mut whole[at..])?;
         }
         let rel = usize::try_from(offset - start).expect("fits");
         whole[rel..rel + data.len()].copy_from_slice(data);
-        self.submit_blocks(start, &whole, fua)
+        self.submit_blocks(inner, start, &whole, fua)
     }
 
     /// Sends whole blocks at block-aligned `offset` as batch-sized requests and waits for all.
-    fn submit_blocks(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+    fn submit_blocks(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         let w = Waiter::new();
-        let piece = usize::try_from(self.inner.max_batch_blocks).expect("fits") * BLOCK;
+        let piece = usize::try_from(inner.max_batch_blocks).expect("fits") * BLOCK;
         let mut sent = Ok(());
         for (i, chunk) in data.chunks(piece).enumerate() {
             let lba = offset / B + (i * piece / BLOCK) as u64;
             let req = Req::Write { layer: self.layer, lba, data: chunk.to_vec(), fua, done: w.add() };
-            if let Err(e) = self.inner.send(req) {
+            if let Err(e) = inner.send(req) {
                 sent = Err(e);
                 break;
             }
@@ -282,44 +297,46 @@ impl Volume {
     /// Discards whole blocks inside [offset, offset+len): they read as zeros afterwards and their
     /// space becomes reclaimable. Partial blocks at the edges are left as they are.
     pub fn trim(&self, offset: u64, len: u64) -> Result<()> {
-        self.check_range(offset, len)?;
+        let inner = self.pool()?;
+        self.check_range(&inner, offset, len)?;
         let start = offset.div_ceil(B);
         let end = (offset + len) / B;
         if end <= start {
             return Ok(());
         }
-        self.unmap(start, end - start)
+        self.unmap(&inner, start, end - start)
     }
 
     /// Zeroes [offset, offset+len): whole blocks are unmapped (no space used), partial edge
     /// blocks are rewritten with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.check_range(offset, len)?;
+        let inner = &*self.pool()?;
+        self.check_range(inner, offset, len)?;
         let start = offset.div_ceil(B) * B;
         let end = (offset + len) / B * B;
         if end <= start {
             let zeros = vec![0u8; usize::try_from(len).expect("below one block")];
-            return self.write_inner(offset, &zeros, fua);
+            return self.write_in(inner, offset, &zeros, fua);
         }
         if offset < start {
-            self.write_inner(offset, &vec![0u8; usize::try_from(start - offset).expect("fits")], false)?;
+            self.write_in(inner, offset, &vec![0u8; usize::try_from(start - offset).expect("fits")], false)?;
         }
         if end < offset + len {
-            self.write_inner(end, &vec![0u8; usize::try_from(offset + len - end).expect("fits")], false)?;
+            self.write_in(inner, end, &vec![0u8; usize::try_from(offset + len - end).expect("fits")], false)?;
         }
-        self.unmap(start / B, (end - start) / B)?;
-        if fua { flush(&self.inner) } else { Ok(()) }
+        self.unmap(inner, start / B, (end - start) / B)?;
+        if fua { flush(inner) } else { Ok(()) }
     }
 
-    fn unmap(&self, lba: u64, blocks: u64) -> Result<()> {
-        self.inner.check_open()?;
+    fn unmap(&self, inner: &Inner, lba: u64, blocks: u64) -> Result<()> {
+        inner.check_open()?;
         let w = Waiter::new();
-        self.inner.send(Req::Unmap { layer: self.layer, lba, blocks, done: w.add() })?;
+        inner.send(Req::Unmap { layer: self.layer, lba, blocks, done: w.add() })?;
         w.wait()
     }
 
     /// Makes every write acknowledged so far (on any volume of the pool) durable.
     pub fn flush(&self) -> Result<()> {
-        flush(&self.inner)
+        flush(&*self.pool()?)
     }
 }

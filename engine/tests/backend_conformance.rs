@@ -1,5 +1,7 @@
 //! One conformance suite, run on every I/O backend.
 
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)] // test arithmetic on small values
+
 use std::fs::OpenOptions;
 use std::sync::Arc;
 

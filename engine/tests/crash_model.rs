@@ -9,6 +9,8 @@
 //! `FERRITE_PROPTEST_CASES` sets the number of sequences (default 1000); `FERRITE_LONG=1` runs
 //! 20000.
 
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)] // test arithmetic on small values
+
 mod common;
 
 use std::collections::BTreeMap;
@@ -112,7 +114,11 @@ fn verify(pool: &Pool, model: &mut Model, exact: bool) -> Result<(), TestCaseErr
         v.read(0, &mut buf).unwrap();
         for (i, (got, m)) in buf.chunks(B).zip(blocks.iter_mut()).enumerate() {
             if exact {
-                prop_assert!(got == &m.cur[..], "volume {} block {i} differs from its acknowledged content", NAMES[vol]);
+                prop_assert!(
+                    got == &m.cur[..],
+                    "volume {} block {i} differs from its acknowledged content",
+                    NAMES[vol]
+                );
             } else {
                 prop_assert!(
                     m.possible.iter().any(|p| p == got),
@@ -135,11 +141,11 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         match op {
             Op::Create { vol, blocks } => {
                 let r = pool.create_volume(NAMES[vol], blocks * B as u64);
-                if model.vols.contains_key(&vol) {
-                    prop_assert_eq!(r.unwrap_err().kind(), ErrorKind::AlreadyExists);
-                } else {
+                if let std::collections::btree_map::Entry::Vacant(e) = model.vols.entry(vol) {
                     r.unwrap();
-                    model.vols.insert(vol, vec![ModelBlock::zero(); blocks as usize]);
+                    e.insert(vec![ModelBlock::zero(); blocks as usize]);
+                } else {
+                    prop_assert_eq!(r.unwrap_err().kind(), ErrorKind::AlreadyExists);
                 }
             }
             Op::Write { vol, at, len, seed, fua } => {
@@ -147,12 +153,17 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let (at, len) = clip((blocks.len() * B) as u64, at, len as u64);
                 let data = pattern(seed, len as usize);
                 let v = pool.open_volume(NAMES[vol]).unwrap();
-                if fua { v.write_fua(at, &data).unwrap() } else { v.write(at, &data).unwrap() }
+                if fua {
+                    v.write_fua(at, &data).unwrap()
+                } else {
+                    v.write(at, &data).unwrap()
+                }
                 model.edit(vol, at, len, |lba, content| {
                     let bs = lba * B as u64;
                     let lo = at.max(bs);
                     let hi = (at + len).min(bs + B as u64);
-                    content[(lo - bs) as usize..(hi - bs) as usize].copy_from_slice(&data[(lo - at) as usize..(hi - at) as usize]);
+                    content[(lo - bs) as usize..(hi - bs) as usize]
+                        .copy_from_slice(&data[(lo - at) as usize..(hi - at) as usize]);
                 });
                 if fua {
                     // FUA makes this write durable; earlier unflushed writes elsewhere are not
@@ -169,7 +180,11 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let (at, len) = clip((blocks.len() * B) as u64, at, len);
                 let v = pool.open_volume(NAMES[vol]).unwrap();
                 let zero_all = matches!(op, Op::Zero { .. });
-                if zero_all { v.write_zeroes(at, len, false).unwrap() } else { v.trim(at, len).unwrap() }
+                if zero_all {
+                    v.write_zeroes(at, len, false).unwrap()
+                } else {
+                    v.trim(at, len).unwrap()
+                }
                 model.edit(vol, at, len, |lba, content| {
                     let bs = lba * B as u64;
                     let (lo, hi) = (at.max(bs), (at + len).min(bs + B as u64));

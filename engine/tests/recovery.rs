@@ -1,6 +1,8 @@
 //! Recovery: torn tails, corruption in the middle of the log, crashes inside a checkpoint, and
 //! crashes after segments were freed and reused.
 
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)] // test arithmetic on small values
+
 mod common;
 
 use common::{Fixture, SEG, pattern};
@@ -160,7 +162,10 @@ fn crash_after_freed_segments_are_reused() {
         assert!(got[(MIB + MIB / 2) as usize..] == third[..], "{mode:?}: flushed data lost");
         let head = &got[..64 << 10];
         assert!(
-            head.chunks(4096).zip(second.chunks(4096)).zip(pattern(4, 64 << 10).chunks(4096)).all(|((g, s), n)| g == s || g == n),
+            head.chunks(4096)
+                .zip(second.chunks(4096))
+                .zip(pattern(4, 64 << 10).chunks(4096))
+                .all(|((g, s), n)| g == s || g == n),
             "{mode:?}: unflushed blocks must be old or new"
         );
     }

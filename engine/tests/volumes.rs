@@ -1,5 +1,7 @@
 //! Thin volumes: catalog operations, byte-granular I/O, space, and persistence across reopen.
 
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)] // test arithmetic on small values
+
 mod common;
 
 use common::{Fixture, SEG, pattern};
@@ -39,7 +41,8 @@ fn unwritten_reads_zero_and_byte_granular_io() {
 
     // Reference image of the volume, updated alongside.
     let mut model = vec![0u8; MIB as usize];
-    let writes: [(u64, usize); 7] = [(0, 4096), (100, 1), (4095, 2), (8192, 12_288), (5000, 9000), (MIB - 7, 7), (777, 65_536)];
+    let writes: [(u64, usize); 7] =
+        [(0, 4096), (100, 1), (4095, 2), (8192, 12_288), (5000, 9000), (MIB - 7, 7), (777, 65_536)];
     for (i, (off, len)) in writes.into_iter().enumerate() {
         let data = pattern(i as u64, len);
         v.write(off, &data).unwrap();

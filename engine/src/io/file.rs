@@ -55,9 +55,7 @@ impl BackingFile {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "range too large"));
         };
         // SAFETY: fallocate only reads its scalar arguments; the fd is owned by self.file.
-        let rc = unsafe {
-            libc::fallocate(self.file.as_raw_fd(), mode | libc::FALLOC_FL_KEEP_SIZE, off, len)
-        };
+        let rc = unsafe { libc::fallocate(self.file.as_raw_fd(), mode | libc::FALLOC_FL_KEEP_SIZE, off, len) };
         match rc {
             0 => Ok(()),
             _ => match io::Error::last_os_error() {

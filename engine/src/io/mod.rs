@@ -90,7 +90,8 @@ pub enum BackendKind {
 
 /// Checks a request against the backend contract.
 pub(crate) fn check_request(len: usize, offset: u64, store_len: u64, ptr: *const u8) -> io::Result<()> {
-    let aligned = len % BLOCK == 0 && offset % BLOCK as u64 == 0 && (ptr as usize) % BLOCK == 0;
+    let aligned =
+        len.is_multiple_of(BLOCK) && offset.is_multiple_of(BLOCK as u64) && (ptr as usize).is_multiple_of(BLOCK);
     if !aligned {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "unaligned backend request"));
     }

@@ -19,10 +19,15 @@ use super::{Backend, ReadOp, check_request};
 const RING_ENTRIES: u32 = 64;
 
 /// io_uring backend over a file or block device.
-#[derive(Debug)]
 pub struct UringBackend {
     file: BackingFile,
     rings: Mutex<Vec<IoUring>>,
+}
+
+impl std::fmt::Debug for UringBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringBackend").field("file", &self.file).finish_non_exhaustive()
+    }
 }
 
 impl UringBackend {
@@ -95,7 +100,15 @@ impl UringBackend {
             if in_flight == 0 {
                 break;
             }
-            ring.submit_and_wait(1)?;
+            if let Err(e) = ring.submit_and_wait(1) {
+                // Operations in flight still own their buffers: never return before they are
+                // reaped. Transient errors (EINTR, EAGAIN, EBUSY) clear on retry.
+                if !matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) {
+                    tracing::warn!(error = %e, in_flight, "io_uring_enter failed; retrying until in-flight I/O completes");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                continue;
+            }
             for cqe in ring.completion() {
                 in_flight -= 1;
                 let idx = usize::try_from(cqe.user_data()).expect("index fits usize");
