@@ -301,6 +301,27 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Decoders take arbitrary bytes without panicking.
+        #[test]
+        fn decoders_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..9000)) {
+            let _ = Superblock::decode(&bytes);
+            let _ = BatchHeader::peek_header_blocks(&bytes);
+            let _ = BatchHeader::decode(&bytes);
+            let _ = crate::extent_map::Chunk::decode(&bytes);
+        }
+
+        /// A valid header with one byte changed never decodes to something else.
+        #[test]
+        fn any_single_flip_is_caught(at in 0usize..BLOCK, bit in 0u8..8) {
+            let h = header();
+            let mut buf = vec![0u8; BLOCK];
+            h.encode_into(&mut buf);
+            buf[at] ^= 1 << bit;
+            proptest::prop_assert_eq!(BatchHeader::decode(&buf), None);
+        }
+    }
+
     #[test]
     fn large_header_spans_blocks() {
         let mut h = header();

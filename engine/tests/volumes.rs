@@ -73,6 +73,41 @@ fn unwritten_reads_zero_and_byte_granular_io() {
 }
 
 #[test]
+fn unwritten_ranges_cost_no_media_read() {
+    let (f, pool) = Fixture::new(8);
+    pool.create_volume("v", 4 * MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    v.write(MIB, &pattern(1, 4096)).unwrap();
+    let before = f.backend.counters().reads;
+    let mut buf = vec![1u8; MIB as usize];
+    v.read(0, &mut buf).unwrap();
+    v.read(2 * MIB, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    assert_eq!(f.backend.counters().reads, before, "holes are served without touching media");
+    // A read spanning data and holes costs one request per contiguous run of data.
+    let mut buf = vec![0u8; 3 * 4096];
+    v.read(MIB - 4096, &mut buf).unwrap();
+    assert_eq!(f.backend.counters().reads, before + 1);
+    assert_eq!(&buf[4096..8192], &pattern(1, 4096)[..]);
+}
+
+#[test]
+fn catalog_changes_are_durable_on_return() {
+    let (f, pool) = Fixture::new(8);
+    pool.create_volume("a", MIB).unwrap();
+    pool.create_volume("b", MIB).unwrap();
+    pool.grow_volume("a", 3 * MIB).unwrap();
+    pool.delete_volume("b").unwrap();
+    // Power loss right after the calls returned, nothing flushed or checkpointed since.
+    f.backend.crash();
+    drop(pool);
+    f.backend.restart(ferrite_engine::io::CrashMode::DropAll);
+    let pool = f.reopen();
+    assert_eq!(pool.volume_info("a").unwrap().size, 3 * MIB);
+    assert_eq!(pool.volume_info("b").unwrap_err().kind(), ErrorKind::NotFound);
+}
+
+#[test]
 fn out_of_range_is_rejected() {
     let (_f, pool) = Fixture::new(8);
     pool.create_volume("v", MIB).unwrap();
@@ -193,8 +228,10 @@ fn stats_account_for_space() {
     let s = pool.stats();
     assert_eq!(s.live, MIB, "overwrites do not grow live data");
     assert!(s.reclaimable >= MIB / 2, "overwritten data in sealed segments is reclaimable: {s:?}");
-    // Fully dead segments are released by a checkpoint.
+    // Fully dead segments are released by a checkpoint, and not before one.
     let free_before = s.segments_free;
+    v.write(2 * MIB, &pattern(3, 4096)).unwrap();
+    assert!(pool.stats().segments_free <= free_before, "no dead segment is reused before a checkpoint");
     pool.checkpoint().unwrap();
     assert!(pool.stats().segments_free > free_before);
 }

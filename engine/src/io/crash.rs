@@ -31,9 +31,18 @@ struct State {
     durable: Vec<u8>,
     unsynced: Vec<(u64, Vec<u8>)>,
     crashed: bool,
+    reads: u64,
     writes: u64,
     syncs: u64,
     fail_after_writes: Option<u64>,
+}
+
+/// Operation counts of a [`CrashBackend`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoCounters {
+    pub reads: u64,
+    pub writes: u64,
+    pub syncs: u64,
 }
 
 /// An in-memory store that can lose its unsynced writes the way a real disk does.
@@ -56,6 +65,7 @@ impl CrashBackend {
             durable: vec![0; n],
             unsynced: Vec::new(),
             crashed: false,
+            reads: 0,
             writes: 0,
             syncs: 0,
             fail_after_writes: None,
@@ -118,10 +128,10 @@ impl CrashBackend {
         damaged
     }
 
-    /// Number of completed writes and syncs so far.
-    pub fn counters(&self) -> (u64, u64) {
+    /// Number of completed reads, writes and syncs so far.
+    pub fn counters(&self) -> IoCounters {
         let s = self.state.lock();
-        (s.writes, s.syncs)
+        IoCounters { reads: s.reads, writes: s.writes, syncs: s.syncs }
     }
 
     /// Overwrites bytes of the current and durable images directly (simulated media corruption).
@@ -140,10 +150,11 @@ impl Backend for CrashBackend {
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         check_request(buf.len(), offset, self.len, buf.as_ptr())?;
-        let s = self.state.lock();
+        let mut s = self.state.lock();
         if s.crashed {
             return Err(crashed());
         }
+        s.reads += 1;
         let off = usize::try_from(offset).expect("checked against the length");
         buf.copy_from_slice(&s.current[off..off + buf.len()]);
         Ok(())

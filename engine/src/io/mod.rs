@@ -25,7 +25,7 @@ use std::fmt;
 use std::io;
 
 pub use aligned::AlignedBuf;
-pub use crash::{CrashBackend, CrashMode};
+pub use crash::{CrashBackend, CrashMode, IoCounters};
 pub use file::SyncFileBackend;
 pub use memory::MemoryBackend;
 pub use uring::UringBackend;
