@@ -69,12 +69,16 @@ pub(crate) fn writer_loop(inner: &Inner, rx: &mpsc::Receiver<Req>) {
                 Err(_) => return,
             },
         };
+        // Fill what is left of the head segment before moving on, so segments end with little
+        // unused space; a request that does not fit there starts a new segment.
+        let room = head_room_blocks(inner);
+        let limit = if first.data_blocks() <= room { room.min(inner.max_batch_blocks) } else { inner.max_batch_blocks };
         let mut reqs = vec![first];
         let mut blocks = reqs[0].data_blocks();
         while reqs.len() < MAX_ENTRIES {
             match rx.try_recv() {
                 Ok(r) => {
-                    if blocks + r.data_blocks() > inner.max_batch_blocks {
+                    if blocks + r.data_blocks() > limit {
                         carry = Some(r);
                         break;
                     }
@@ -86,6 +90,17 @@ pub(crate) fn writer_loop(inner: &Inner, rx: &mpsc::Receiver<Req>) {
         }
         process(inner, reqs);
     }
+}
+
+/// Data blocks a batch can still carry in the head segment, keeping room for the largest header.
+fn head_room_blocks(inner: &Inner) -> u64 {
+    let st = inner.state.read();
+    let head = st.applied;
+    if st.segs.segs[head.seg].state != SegState::Open {
+        return 0;
+    }
+    let header = BatchHeader::blocks_for(MAX_ENTRIES, usize::try_from(inner.max_batch_blocks).unwrap_or(usize::MAX));
+    ((inner.sb.segment_size - head.off) / BLOCK as u64).saturating_sub(header as u64)
 }
 
 fn process(inner: &Inner, reqs: Vec<Req>) {

@@ -280,7 +280,8 @@ impl Volume {
     /// Sends whole blocks at block-aligned `offset` as batch-sized requests and waits for all.
     fn submit_blocks(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         let w = Waiter::new();
-        let piece = usize::try_from(inner.max_batch_blocks).expect("fits") * BLOCK;
+        // Requests of a quarter batch let the writer fill a segment's tail closely.
+        let piece = usize::try_from(inner.max_batch_blocks.div_ceil(4)).expect("fits") * BLOCK;
         let mut sent = Ok(());
         for (i, chunk) in data.chunks(piece).enumerate() {
             let lba = offset / B + (i * piece / BLOCK) as u64;
