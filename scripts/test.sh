@@ -12,7 +12,8 @@ step "build (first cold build compiles RocksDB: ~15-25 min on 2 cores)"
 cargo build --workspace --all-targets --locked
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-step "tests"
-cargo nextest run --workspace --locked --no-fail-fast --status-level fail --final-status-level slow
 step "doc tests"
 cargo test --workspace --doc --locked -q
+# nextest last: its summary line is the suite's closing line.
+step "tests"
+cargo nextest run --workspace --locked --no-fail-fast --status-level fail --final-status-level slow
