@@ -204,6 +204,27 @@ impl ExtentMap {
         }
     }
 
+    /// Mapped runs of logical blocks within [lba, lba+blocks) as (lba, blocks), in order,
+    /// adjacent runs merged. Visits only chunks that exist.
+    pub fn mapped_runs(&self, lba: u64, blocks: u64) -> Vec<(u64, u64)> {
+        let end = lba + blocks;
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (&c, ch) in self.chunks.range(lba / CHUNK_BLOCKS..=(end - 1) / CHUNK_BLOCKS) {
+            for e in &ch.ext {
+                let lo = (c * CHUNK_BLOCKS + u64::from(e.off)).max(lba);
+                let hi = (c * CHUNK_BLOCKS + u64::from(e.end())).min(end);
+                if lo >= hi {
+                    continue;
+                }
+                match out.last_mut() {
+                    Some((s, n)) if *s + *n == lo => *n += hi - lo,
+                    _ => out.push((lo, hi - lo)),
+                }
+            }
+        }
+        out
+    }
+
     /// Every mapped run as (lba, pba, blocks).
     pub fn runs(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
         self.chunks.iter().flat_map(|(&c, ch)| {
@@ -273,6 +294,16 @@ mod tests {
                 prop_assert_eq!(m.lookup(i as u64), *r);
             }
             prop_assert_eq!(m.mapped_blocks(), reference.iter().filter(|x| x.is_some()).count() as u64);
+            let runs = m.mapped_runs(100, 4000);
+            let mut mapped = vec![false; 4500];
+            for (l, n) in runs {
+                for i in l..l + n {
+                    mapped[i as usize] = true;
+                }
+            }
+            for i in 100..4100 {
+                prop_assert_eq!(mapped[i], reference[i].is_some(), "block {}", i);
+            }
         }
     }
 }

@@ -336,6 +336,37 @@ impl Volume {
         w.wait()
     }
 
+    /// Allocation of [offset, offset+len) as runs of (bytes, mapped), in order, at block
+    /// granularity: what NBD `base:allocation` and changed-block queries report. No media I/O.
+    pub fn allocation(&self, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
+        let inner = self.pool()?;
+        self.check_range(&inner, offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let (first, end) = (offset / B, (offset + len).div_ceil(B));
+        let mapped = {
+            let st = inner.state.read();
+            st.layers.get(&self.layer).ok_or_else(|| self.gone())?.mapped_runs(first, end - first)
+        };
+        // Turn block runs into byte runs clipped to the request, with the holes between them.
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        let mut push = |from: u64, to: u64, m: bool| {
+            let (from, to) = (from.max(offset), to.min(offset + len));
+            if from < to {
+                runs.push((to - from, m));
+            }
+        };
+        let mut at = offset;
+        for (lba, n) in mapped {
+            push(at, lba * B, false);
+            push(lba * B, (lba + n) * B, true);
+            at = (lba + n) * B;
+        }
+        push(at, offset + len, false);
+        Ok(runs)
+    }
+
     /// Makes every write acknowledged so far (on any volume of the pool) durable.
     pub fn flush(&self) -> Result<()> {
         flush(&*self.pool()?)

@@ -277,3 +277,17 @@ fn file_pool_create_open_and_bad_images() {
     let err = Pool::open(&img, &dir.path().join("missing"), opts).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound);
 }
+
+#[test]
+fn allocation_reports_mapped_runs() {
+    let (_f, pool) = Fixture::new(8);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    assert_eq!(v.allocation(0, MIB).unwrap(), vec![(MIB, false)]);
+    v.write(8192, &pattern(1, 8192)).unwrap();
+    assert_eq!(v.allocation(0, MIB).unwrap(), vec![(8192, false), (8192, true), (MIB - 16384, false)]);
+    assert_eq!(v.allocation(100, 9000).unwrap(), vec![(8092, false), (908, true)]);
+    v.trim(8192, 4096).unwrap();
+    assert_eq!(v.allocation(8192, 8192).unwrap(), vec![(4096, false), (4096, true)]);
+    assert_eq!(v.allocation(MIB, 1).unwrap_err().kind(), ErrorKind::OutOfRange);
+}

@@ -1,0 +1,228 @@
+//! Fixed newstyle negotiation: from the greeting to the start of transmission.
+//!
+//! Every option gets the reply the protocol specifies; malformed options get
+//! `NBD_REP_ERR_INVALID`, unknown ones `NBD_REP_ERR_UNSUP`, unknown export names
+//! `NBD_REP_ERR_UNKNOWN` (or, for `NBD_OPT_EXPORT_NAME`, which has no error reply, a
+//! disconnect). Anything that breaks framing (bad magic, an absurd option length) ends the
+//! connection; nothing in negotiation touches any export's data.
+
+use std::io;
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::export::{Export, Exports};
+use crate::proto::*;
+
+/// Longest option payload accepted (a name and a few queries need far less).
+const MAX_OPTION_LEN: u32 = 64 << 10;
+/// Longest string (export name, context query) the protocol allows.
+const MAX_STRING: usize = 4096;
+/// Largest request payload or read length served.
+pub const MAX_REQUEST: u32 = 32 << 20;
+/// Context id of `base:allocation` once selected.
+pub const BASE_ALLOCATION_ID: u32 = 1;
+const BASE_ALLOCATION: &str = "base:allocation";
+
+/// What negotiation agreed on.
+#[derive(Debug)]
+pub struct Session {
+    pub export: Arc<Export>,
+    pub structured: bool,
+    pub base_allocation: bool,
+}
+
+/// Transmission flags of an export for this session.
+pub fn transmission_flags(export: &Export, structured: bool) -> u16 {
+    let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA | TF_CAN_MULTI_CONN | TF_SEND_CACHE;
+    if export.read_only {
+        f |= TF_READ_ONLY;
+    } else {
+        f |= TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO;
+    }
+    if structured {
+        f |= TF_SEND_DF;
+    }
+    f
+}
+
+fn protocol_error(msg: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+async fn reply<S: AsyncWrite + Unpin>(s: &mut S, option: u32, kind: u32, payload: &[u8]) -> io::Result<()> {
+    s.write_all(&option_reply(option, kind, payload)).await
+}
+
+async fn reply_err<S: AsyncWrite + Unpin>(s: &mut S, option: u32, kind: u32, msg: &str) -> io::Result<()> {
+    reply(s, option, kind, msg.as_bytes()).await
+}
+
+/// Runs negotiation. `Ok(None)` means the client ended it cleanly (abort, or an unknown name
+/// with `NBD_OPT_EXPORT_NAME`).
+pub async fn negotiate<S>(s: &mut S, exports: &Exports) -> io::Result<Option<Session>>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
+    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    s.write_all(&greeting).await?;
+    let client_flags = s.read_u32().await?;
+    if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(protocol_error(format!("unknown client flags {client_flags:#x}")));
+    }
+    let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
+    let mut structured = false;
+    let mut base_allocation = false;
+    loop {
+        let mut header = [0u8; OPTION_HEADER_LEN];
+        s.read_exact(&mut header).await?;
+        let (option, len) =
+            decode_option_header(&header).map_err(|m| protocol_error(format!("bad option magic {m:#x}")))?;
+        if len > MAX_OPTION_LEN {
+            return Err(protocol_error(format!("option {option} payload of {len} bytes is too large")));
+        }
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data).await?;
+        match option {
+            OPT_EXPORT_NAME => {
+                let Some(export) = std::str::from_utf8(&data).ok().and_then(|n| exports.get(n)) else {
+                    tracing::debug!("NBD_OPT_EXPORT_NAME for an unknown export; disconnecting");
+                    return Ok(None);
+                };
+                let mut out = Vec::with_capacity(10 + 124);
+                out.extend_from_slice(&export.volume.size().map_err(io::Error::other)?.to_be_bytes());
+                out.extend_from_slice(&transmission_flags(&export, structured).to_be_bytes());
+                if !no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                s.write_all(&out).await?;
+                return Ok(Some(Session { export, structured, base_allocation }));
+            }
+            OPT_ABORT => {
+                let _ = reply(s, option, REP_ACK, &[]).await;
+                return Ok(None);
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    reply_err(s, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data").await?;
+                    continue;
+                }
+                for e in exports.list() {
+                    let mut p = Vec::with_capacity(4 + e.name.len());
+                    p.extend_from_slice(&u32::try_from(e.name.len()).unwrap_or(0).to_be_bytes());
+                    p.extend_from_slice(e.name.as_bytes());
+                    reply(s, option, REP_SERVER, &p).await?;
+                }
+                reply(s, option, REP_ACK, &[]).await?;
+            }
+            OPT_STARTTLS => reply_err(s, option, REP_ERR_POLICY, "TLS is not configured on this listener").await?,
+            OPT_INFO | OPT_GO => {
+                let Some((name, infos)) = parse_info(&data) else {
+                    reply_err(s, option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO request").await?;
+                    continue;
+                };
+                let Some(export) = exports.get(name) else {
+                    reply_err(s, option, REP_ERR_UNKNOWN, &format!("no export named {name:?}")).await?;
+                    continue;
+                };
+                send_info(s, option, &export, &infos, structured).await?;
+                reply(s, option, REP_ACK, &[]).await?;
+                if option == OPT_GO {
+                    return Ok(Some(Session { export, structured, base_allocation }));
+                }
+            }
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    reply_err(s, option, REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data").await?;
+                    continue;
+                }
+                structured = true;
+                reply(s, option, REP_ACK, &[]).await?;
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let set = option == OPT_SET_META_CONTEXT;
+                if set && !structured {
+                    reply_err(s, option, REP_ERR_INVALID, "negotiate structured replies first").await?;
+                    continue;
+                }
+                let Some((name, queries)) = parse_meta(&data) else {
+                    reply_err(s, option, REP_ERR_INVALID, "malformed meta context request").await?;
+                    continue;
+                };
+                if exports.get(name).is_none() {
+                    reply_err(s, option, REP_ERR_UNKNOWN, &format!("no export named {name:?}")).await?;
+                    continue;
+                }
+                let wanted = if queries.is_empty() {
+                    !set
+                } else {
+                    queries.iter().any(|q| *q == BASE_ALLOCATION || (!set && (*q == "base:" || q.is_empty())))
+                };
+                if set {
+                    base_allocation = wanted;
+                }
+                if wanted {
+                    let mut p = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+                    p.extend_from_slice(BASE_ALLOCATION.as_bytes());
+                    reply(s, option, REP_META_CONTEXT, &p).await?;
+                }
+                reply(s, option, REP_ACK, &[]).await?;
+            }
+            _ => reply_err(s, option, REP_ERR_UNSUP, "option not supported").await?,
+        }
+    }
+}
+
+fn parse_info(data: &[u8]) -> Option<(&str, Vec<u16>)> {
+    let mut c = Cursor::new(data);
+    let name = c.string(MAX_STRING)?;
+    let n = c.u16()?;
+    let infos = (0..n).map(|_| c.u16()).collect::<Option<Vec<_>>>()?;
+    c.is_empty().then_some((name, infos))
+}
+
+fn parse_meta(data: &[u8]) -> Option<(&str, Vec<&str>)> {
+    let mut c = Cursor::new(data);
+    let name = c.string(MAX_STRING)?;
+    let n = c.u32()?;
+    if n > 256 {
+        return None;
+    }
+    let queries = (0..n).map(|_| c.string(MAX_STRING)).collect::<Option<Vec<_>>>()?;
+    c.is_empty().then_some((name, queries))
+}
+
+async fn send_info<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    option: u32,
+    export: &Export,
+    infos: &[u16],
+    structured: bool,
+) -> io::Result<()> {
+    let size = export.volume.size().map_err(io::Error::other)?;
+    let mut p = INFO_EXPORT.to_be_bytes().to_vec();
+    p.extend_from_slice(&size.to_be_bytes());
+    p.extend_from_slice(&transmission_flags(export, structured).to_be_bytes());
+    reply(s, option, REP_INFO, &p).await?;
+    // Block sizes are always sent: any byte alignment works (sub-block writes are
+    // read-modify-write), 4 KiB is what the engine prefers.
+    let mut p = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+    for v in [1u32, 4096, MAX_REQUEST] {
+        p.extend_from_slice(&v.to_be_bytes());
+    }
+    reply(s, option, REP_INFO, &p).await?;
+    if infos.contains(&INFO_NAME) {
+        let mut p = INFO_NAME.to_be_bytes().to_vec();
+        p.extend_from_slice(export.name.as_bytes());
+        reply(s, option, REP_INFO, &p).await?;
+    }
+    if infos.contains(&INFO_DESCRIPTION) && !export.description.is_empty() {
+        let mut p = INFO_DESCRIPTION.to_be_bytes().to_vec();
+        p.extend_from_slice(export.description.as_bytes());
+        reply(s, option, REP_INFO, &p).await?;
+    }
+    Ok(())
+}

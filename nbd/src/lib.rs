@@ -1,0 +1,23 @@
+//! Ferrite's NBD server: fixed newstyle negotiation, simple and structured replies,
+//! `base:allocation` block status, multi-conn, over engine volumes.
+//!
+//! ```text
+//!  listener (unix/tcp) ─► connection task ─► negotiate() ─► Session ─► serve()
+//!                                                                  ├─ reader: headers + payloads
+//!                                                                  └─ one task per request:
+//!                                                                     engine call on the blocking
+//!                                                                     pool, reply under a write lock
+//! ```
+//! Invariants: nothing a client sends can panic the server or touch an export it did not
+//! negotiate; a write reaches the engine only with its whole payload; a flush covers every write
+//! acknowledged on any connection (the engine's flush is pool-wide), which is what
+//! `NBD_FLAG_CAN_MULTI_CONN` promises.
+
+pub mod export;
+pub mod handshake;
+pub mod proto;
+pub mod server;
+pub mod transmission;
+
+pub use export::{Export, Exports};
+pub use server::{Server, ServerStats};

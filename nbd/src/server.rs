@@ -1,0 +1,83 @@
+//! Listeners: Unix sockets and TCP, one task per connection.
+
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::io::{AsyncRead, AsyncWrite, split};
+use tokio::net::{TcpListener, UnixListener};
+
+use crate::export::Exports;
+use crate::handshake::negotiate;
+use crate::transmission::serve;
+
+/// Counters a metrics endpoint reads.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    pub connections_total: AtomicU64,
+    pub connections_open: AtomicU64,
+}
+
+/// An NBD server over a set of exports.
+#[derive(Debug, Default)]
+pub struct Server {
+    pub exports: Arc<Exports>,
+    pub stats: Arc<ServerStats>,
+}
+
+impl Server {
+    pub fn new(exports: Arc<Exports>) -> Self {
+        Self { exports, stats: Arc::default() }
+    }
+
+    /// Serves one accepted connection to its end; errors are logged, never propagated, so one
+    /// bad client cannot affect another.
+    pub async fn connection<S>(&self, stream: S, peer: String)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        self.stats.connections_total.fetch_add(1, Ordering::Relaxed);
+        self.stats.connections_open.fetch_add(1, Ordering::Relaxed);
+        let r = run(stream, &self.exports).await;
+        self.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
+        match r {
+            Ok(()) => tracing::debug!(%peer, "NBD connection closed"),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => tracing::debug!(%peer, "NBD client went away"),
+            Err(e) => tracing::info!(%peer, error = %e, "NBD connection ended with an error"),
+        }
+    }
+
+    /// Accepts on a Unix socket (replacing a stale socket file) until the task is dropped.
+    pub async fn serve_unix(self: Arc<Self>, path: &Path) -> io::Result<()> {
+        if path.exists() {
+            std::fs::remove_file(path)?;
+        }
+        let listener = UnixListener::bind(path)?;
+        loop {
+            let (stream, _) = listener.accept().await?;
+            let me = Arc::clone(&self);
+            tokio::spawn(async move { me.connection(stream, "unix".into()).await });
+        }
+    }
+
+    /// Accepts on a bound TCP listener until the task is dropped.
+    pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener) -> io::Result<()> {
+        loop {
+            let (stream, peer) = listener.accept().await?;
+            let _ = stream.set_nodelay(true);
+            let me = Arc::clone(&self);
+            tokio::spawn(async move { me.connection(stream, peer.to_string()).await });
+        }
+    }
+}
+
+async fn run<S>(mut stream: S, exports: &Exports) -> io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let Some(session) = negotiate(&mut stream, exports).await? else { return Ok(()) };
+    tracing::debug!(export = %session.export.name, structured = session.structured, "NBD transmission starts");
+    let (rd, wr) = split(stream);
+    serve(rd, wr, session).await
+}

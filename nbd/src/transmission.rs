@@ -1,0 +1,250 @@
+//! The transmission phase: requests are read in order, run concurrently on the blocking pool
+//! (the engine API blocks), and replied to in whatever order they finish.
+//!
+//! ```text
+//!  socket --read--> header [+ payload] --spawn_blocking--> engine --reply bytes--> writer lock
+//! ```
+//! A request the protocol lets us refuse gets an error reply and the connection goes on; one
+//! that breaks framing (bad magic, a payload we cannot read) closes the connection. A client
+//! that disconnects in the middle of a write payload changes nothing: the write is only
+//! submitted once its whole payload has arrived.
+
+use std::io;
+use std::sync::Arc;
+
+use ferrite_engine::{Error, ErrorKind, Volume};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Mutex, Semaphore};
+
+use crate::handshake::{BASE_ALLOCATION_ID, MAX_REQUEST, Session};
+use crate::proto::*;
+
+/// Requests of one connection in flight at once.
+const MAX_IN_FLIGHT: usize = 64;
+/// Most descriptors in one block status reply.
+const MAX_EXTENTS: usize = 1 << 16;
+
+/// The NBD error for an engine error.
+pub fn nbd_errno(e: &Error) -> u32 {
+    match e.kind() {
+        ErrorKind::NoSpace => ENOSPC,
+        ErrorKind::InvalidArgument | ErrorKind::OutOfRange => EINVAL,
+        ErrorKind::Closed | ErrorKind::NotFound => ESHUTDOWN,
+        ErrorKind::Unsupported => ENOTSUP,
+        _ => EIO,
+    }
+}
+
+/// One reply, ready to write.
+struct Reply(Vec<u8>);
+
+/// Builds the reply of a request that failed with `error`.
+fn error_reply(structured: bool, cookie: u64, error: u32, msg: &str) -> Reply {
+    if structured { Reply(structured_error(cookie, error, msg)) } else { Reply(simple_reply(error, cookie).to_vec()) }
+}
+
+fn ok_reply(structured: bool, cookie: u64) -> Reply {
+    if structured {
+        Reply(structured_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0).to_vec())
+    } else {
+        Reply(simple_reply(0, cookie).to_vec())
+    }
+}
+
+/// Serves requests until the client disconnects (or breaks framing).
+pub async fn serve<R, W>(mut rd: R, wr: W, session: Session) -> io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let wr = Arc::new(Mutex::new(wr));
+    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let session = Arc::new(session);
+    let result = loop {
+        let mut h = [0u8; REQUEST_LEN];
+        match rd.read_exact(&mut h).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break Ok(()),
+            Err(e) => break Err(e),
+        }
+        let req = match Request::decode(&h) {
+            Ok(r) => r,
+            Err(DecodeError::BadMagic(m)) => {
+                break Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad request magic {m:#x}")));
+            }
+        };
+        if req.kind == CMD_DISC {
+            break Ok(());
+        }
+        let mut payload = Vec::new();
+        if req.kind == CMD_WRITE {
+            if req.length > MAX_REQUEST {
+                // Too big to hold: skip the payload so framing survives, and refuse.
+                let mut left = u64::from(req.length);
+                let mut sink = vec![0u8; 64 << 10];
+                while left > 0 {
+                    let n = usize::try_from(left.min(sink.len() as u64)).expect("bounded");
+                    rd.read_exact(&mut sink[..n]).await?;
+                    left -= n as u64;
+                }
+                let r = error_reply(session.structured, req.cookie, EOVERFLOW, "write larger than 32 MiB");
+                send(&wr, r).await?;
+                continue;
+            }
+            payload = vec![0u8; req.length as usize];
+            rd.read_exact(&mut payload).await?;
+        }
+        let permit = Arc::clone(&slots).acquire_owned().await.expect("semaphore never closed");
+        let (wr, session) = (Arc::clone(&wr), Arc::clone(&session));
+        tokio::spawn(async move {
+            let s = Arc::clone(&session);
+            let reply = tokio::task::spawn_blocking(move || handle(&s, req, payload)).await;
+            let reply = reply.unwrap_or_else(|_| error_reply(session.structured, req.cookie, EIO, "internal error"));
+            if let Err(e) = send(&wr, reply).await {
+                tracing::debug!(error = %e, "writing an NBD reply failed");
+            }
+            drop(permit);
+        });
+    };
+    // Let requests in flight finish and reply before the socket closes (NBD_CMD_DISC).
+    let _ = slots.acquire_many(u32::try_from(MAX_IN_FLIGHT).expect("small")).await;
+    let _ = wr.lock().await.flush().await;
+    result
+}
+
+async fn send<W: AsyncWrite + Unpin>(wr: &Mutex<W>, r: Reply) -> io::Result<()> {
+    wr.lock().await.write_all(&r.0).await
+}
+
+/// Checks `offset + length` against the export size.
+fn in_range(vol: &Volume, req: &Request) -> Result<bool, Error> {
+    let size = vol.size()?;
+    Ok(req.offset.checked_add(u64::from(req.length)).is_some_and(|end| end <= size))
+}
+
+/// Runs one request on the engine (blocking) and builds its reply.
+fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
+    let st = s.structured;
+    let vol = &s.export.volume;
+    let err = |e: u32, msg: &str| error_reply(st, req.cookie, e, msg);
+    let engine_err = |e: Error| error_reply(st, req.cookie, nbd_errno(&e), &e.to_string());
+    let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+    if writes && s.export.read_only {
+        return err(EPERM, "export is read-only");
+    }
+    let ranged = matches!(req.kind, CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES | CMD_CACHE | CMD_BLOCK_STATUS);
+    if ranged {
+        match in_range(vol, &req) {
+            Ok(true) => {}
+            Ok(false) if matches!(req.kind, CMD_WRITE | CMD_WRITE_ZEROES) => {
+                return err(ENOSPC, "request reaches past the end of the export");
+            }
+            Ok(false) => return err(EINVAL, "request reaches past the end of the export"),
+            Err(e) => return engine_err(e),
+        }
+    }
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let done = |r: Result<(), Error>| r.map_or_else(engine_err, |()| ok_reply(st, req.cookie));
+    match req.kind {
+        CMD_READ => read(s, req),
+        CMD_WRITE => done(if fua { vol.write_fua(req.offset, &payload) } else { vol.write(req.offset, &payload) }),
+        CMD_FLUSH => done(vol.flush()),
+        CMD_TRIM => {
+            done(vol.trim(req.offset, u64::from(req.length)).and_then(|()| if fua { vol.flush() } else { Ok(()) }))
+        }
+        CMD_WRITE_ZEROES => {
+            if req.flags & CMD_FLAG_NO_HOLE != 0 {
+                done(write_real_zeroes(vol, req.offset, u64::from(req.length), fua))
+            } else {
+                // Unmapping is always fast, so FAST_ZERO needs nothing special.
+                done(vol.write_zeroes(req.offset, u64::from(req.length), fua))
+            }
+        }
+        CMD_CACHE => ok_reply(st, req.cookie),
+        CMD_BLOCK_STATUS => block_status(s, req),
+        _ => err(EINVAL, "unknown command"),
+    }
+}
+
+fn write_real_zeroes(vol: &Volume, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
+    let zeros = vec![0u8; usize::try_from(len.min(4 << 20)).expect("bounded")];
+    let mut at = offset;
+    while at < offset + len {
+        let n = (offset + len - at).min(zeros.len() as u64);
+        vol.write(at, &zeros[..usize::try_from(n).expect("bounded")])?;
+        at += n;
+    }
+    if fua { vol.flush() } else { Ok(()) }
+}
+
+fn read(s: &Session, req: Request) -> Reply {
+    let st = s.structured;
+    if req.length > MAX_REQUEST {
+        return error_reply(st, req.cookie, if st { EOVERFLOW } else { EINVAL }, "read larger than 32 MiB");
+    }
+    let vol = &s.export.volume;
+    let len = req.length as usize;
+    if !st {
+        let mut out = simple_reply(0, req.cookie).to_vec();
+        out.resize(16 + len, 0);
+        return match vol.read(req.offset, &mut out[16..]) {
+            Ok(()) => Reply(out),
+            Err(e) => error_reply(false, req.cookie, nbd_errno(&e), ""),
+        };
+    }
+    // Structured: holes as OFFSET_HOLE chunks, data as OFFSET_DATA (one chunk if DF).
+    let runs = if req.flags & CMD_FLAG_DF != 0 || len == 0 {
+        vec![(u64::from(req.length), true)]
+    } else {
+        match vol.allocation(req.offset, u64::from(req.length)) {
+            Ok(r) => r,
+            Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
+        }
+    };
+    let mut out = Vec::with_capacity(len + 32 * runs.len());
+    let mut at = req.offset;
+    for (i, &(n, mapped)) in runs.iter().enumerate() {
+        let flags = if i + 1 == runs.len() { REPLY_FLAG_DONE } else { 0 };
+        let n32 = u32::try_from(n).expect("within a 32 MiB read");
+        if mapped {
+            out.extend_from_slice(&structured_header(flags, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + n32));
+            out.extend_from_slice(&at.to_be_bytes());
+            let from = out.len();
+            out.resize(from + n32 as usize, 0);
+            if let Err(e) = vol.read(at, &mut out[from..]) {
+                return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string());
+            }
+        } else {
+            out.extend_from_slice(&structured_header(flags, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12));
+            out.extend_from_slice(&at.to_be_bytes());
+            out.extend_from_slice(&n32.to_be_bytes());
+        }
+        at += n;
+    }
+    Reply(out)
+}
+
+fn block_status(s: &Session, req: Request) -> Reply {
+    let st = s.structured;
+    if !st || !s.base_allocation {
+        return error_reply(st, req.cookie, EINVAL, "no metadata context negotiated");
+    }
+    if req.length == 0 {
+        return error_reply(st, req.cookie, EINVAL, "zero-length block status");
+    }
+    let runs = match s.export.volume.allocation(req.offset, u64::from(req.length)) {
+        Ok(r) => r,
+        Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
+    };
+    let limit = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
+    let mut body = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+    for &(n, mapped) in runs.iter().take(limit) {
+        let flags = if mapped { 0 } else { STATE_HOLE | STATE_ZERO };
+        body.extend_from_slice(&u32::try_from(n).expect("request length is a u32").to_be_bytes());
+        body.extend_from_slice(&flags.to_be_bytes());
+    }
+    let len = u32::try_from(body.len()).expect("bounded by MAX_EXTENTS");
+    let mut out = structured_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, len).to_vec();
+    out.extend_from_slice(&body);
+    Reply(out)
+}
