@@ -11,7 +11,7 @@ const VOL: u64 = 256 << 20;
 fn engine(c: &mut Criterion) {
     let dir =
         tempfile::tempdir_in(std::env::var("FERRITE_BENCH_DIR").unwrap_or_else(|_| ".".into())).expect("bench dir");
-    let (pool, vol) = setup(dir.path(), 16 << 30, VOL);
+    let (pool, vol) = setup(dir.path(), 6 << 30, VOL);
     prefill(&vol);
     let mut g = c.benchmark_group("engine");
     g.sample_size(20).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));

@@ -28,10 +28,24 @@ pub const WORKLOADS: [Workload; 6] = [
     Workload { name: "seqread-128k-qd1", block: 128 << 10, random: false, write: false, qd: 1 },
 ];
 
-/// Creates a file-backed pool (io_uring backend) with one volume of `vol_size` bytes.
+/// Creates a pool (io_uring backend) with one volume of `vol_size` bytes on a file that is
+/// first written in full, like a block device (or the raw file fio is compared against): a fresh
+/// sparse file would also measure ext4 converting unwritten extents on first write.
 pub fn setup(dir: &Path, pool_size: u64, vol_size: u64) -> (Pool, Volume) {
-    let opts = PoolOptions::default();
-    let pool = Pool::create(&dir.join("pool.img"), &dir.join("meta"), pool_size, opts).expect("create pool");
+    let path = dir.join("pool.img");
+    {
+        let mut f = std::fs::File::create(&path).expect("create pool file");
+        let zeros = vec![0u8; 8 << 20];
+        let mut left = pool_size;
+        while left > 0 {
+            let n = usize::try_from(left.min(zeros.len() as u64)).expect("bounded");
+            std::io::Write::write_all(&mut f, &zeros[..n]).expect("precondition pool file");
+            left -= n as u64;
+        }
+        f.sync_all().expect("sync pool file");
+    }
+    let backend = std::sync::Arc::new(ferrite_engine::io::UringBackend::open(&path).expect("open pool file"));
+    let pool = Pool::create_on(backend, &dir.join("meta"), PoolOptions::default()).expect("create pool");
     pool.create_volume("bench", vol_size).expect("create volume");
     let vol = pool.open_volume("bench").expect("open volume");
     (pool, vol)

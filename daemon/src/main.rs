@@ -1,145 +1,187 @@
-//! `ferrite`: for now, a demonstration of the engine on an embedded default pool. The daemon,
-//! its admin API and the CLI proper come next (see ARCHITECTURE.md).
+//! `ferrite`: the block storage daemon (`ferrite daemon`) and its command-line client.
 
+mod admin;
+mod cli;
+mod config;
+mod daemon;
 mod size;
 
 use std::path::PathBuf;
-use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
-use ferrite_engine::{ErrorKind, Pool, PoolOptions, format_uuid};
-use size::{format_size, parse_size};
+use cli::{Output, connect, rpc_error};
+use ferrite_proto::ferrite::v1 as pb;
+use size::parse_size;
 
 #[derive(Parser)]
-#[command(name = "ferrite", version, about = "Ferrite block storage engine")]
+#[command(name = "ferrite", version, about = "Ferrite block storage: daemon and command-line client")]
 struct Cli {
+    /// The daemon's admin socket (default: <data dir>/admin.sock).
+    #[arg(long, global = true, env = "FERRITE_ADMIN_SOCKET")]
+    admin_socket: Option<PathBuf>,
+    /// Output format of client commands.
+    #[arg(long, short, global = true, value_enum, default_value = "table")]
+    output: Output,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Create (or open) a pool under DIR, write a volume through the engine, reopen the pool and
-    /// verify every byte.
-    Demo {
-        /// Data directory holding pool.img and meta/.
-        #[arg(long, default_value = "./ferrite-data")]
-        dir: PathBuf,
-        /// Size of the pool file (sparse) when it is created.
-        #[arg(long, default_value = "4G", value_parser = parse_size)]
-        pool_size: u64,
-        /// Size of the demo volume.
-        #[arg(long, default_value = "1G", value_parser = parse_size)]
-        volume_size: u64,
-        /// Bytes to write and verify.
-        #[arg(long, default_value = "256M", value_parser = parse_size)]
-        write: u64,
+    /// Run the daemon in the foreground.
+    Daemon {
+        /// TOML configuration file (every key optional; see the config docs).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Data directory (overrides the config file).
+        #[arg(long, env = "FERRITE_DATA_DIR")]
+        data_dir: Option<PathBuf>,
     },
+    /// Manage volumes.
+    #[command(subcommand)]
+    Volume(VolumeCmd),
+    /// Manage NBD exports.
+    #[command(subcommand)]
+    Export(ExportCmd),
+    /// Pool information.
+    #[command(subcommand)]
+    Pool(PoolCmd),
+}
+
+#[derive(Subcommand)]
+enum VolumeCmd {
+    /// Create a thin volume, e.g. `ferrite volume create db 10G`.
+    Create {
+        name: String,
+        #[arg(value_parser = parse_size)]
+        size: u64,
+    },
+    /// List volumes.
+    List,
+    /// Show one volume.
+    Show { name: String },
+    /// Grow a volume to a new size.
+    Resize {
+        name: String,
+        #[arg(value_parser = parse_size)]
+        size: u64,
+    },
+    /// Delete a volume and its data.
+    Delete { name: String },
+}
+
+#[derive(Subcommand)]
+enum ExportCmd {
+    /// Export a volume over NBD.
+    Nbd {
+        volume: String,
+        /// Export name (default: the volume name).
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        read_only: bool,
+    },
+    /// List exports.
+    List,
+    /// Stop an export.
+    Stop { name: String },
+}
+
+#[derive(Subcommand)]
+enum PoolCmd {
+    /// Space, log and traffic figures.
+    Status,
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FERRITE_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
-    let r = match cli.cmd {
-        Cmd::Demo { dir, pool_size, volume_size, write } => demo(&dir, pool_size, volume_size, write),
+    let filter = match &cli.cmd {
+        Cmd::Daemon { config, data_dir } => match config::Config::load(config.as_deref(), data_dir.clone()) {
+            Ok(cfg) => {
+                init_logging(&cfg.log_level);
+                return exit(runtime().block_on(daemon::run(cfg)));
+            }
+            Err(e) => return exit(Err(e)),
+        },
+        _ => "warn",
     };
+    init_logging(filter);
+    exit(runtime().block_on(client(cli)));
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime")
+}
+
+fn init_logging(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FERRITE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn exit(r: Result<()>) {
     if let Err(e) = r {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn pattern(offset: u64, buf: &mut [u8]) {
-    for (i, chunk) in buf.chunks_mut(8).enumerate() {
-        let v = (offset / 8 + i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
-    }
-}
-
-fn open_or_create(dir: &std::path::Path, pool_size: u64) -> Result<Pool> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating data directory {}", dir.display()))?;
-    let (img, meta) = (dir.join("pool.img"), dir.join("meta"));
-    if img.exists() {
-        let pool = Pool::open(&img, &meta, PoolOptions::default()).context("opening the pool")?;
-        println!("opened pool {} at {}", format_uuid(&pool.stats().uuid), img.display());
-        Ok(pool)
-    } else {
-        let pool = Pool::create(&img, &meta, pool_size, PoolOptions::default()).context("creating the pool")?;
-        println!("created pool {} at {} ({})", format_uuid(&pool.stats().uuid), img.display(), format_size(pool_size));
-        Ok(pool)
-    }
-}
-
-fn demo(dir: &std::path::Path, pool_size: u64, volume_size: u64, write: u64) -> Result<()> {
-    if write > volume_size {
-        bail!("--write ({}) is larger than --volume-size ({})", format_size(write), format_size(volume_size));
-    }
-    let pool = open_or_create(dir, pool_size)?;
-    match pool.create_volume("demo", volume_size) {
-        Ok(v) => println!("created volume demo ({})", format_size(v.size)),
-        Err(e) if e.kind() == ErrorKind::AlreadyExists => println!("volume demo exists; writing over it"),
-        Err(e) => return Err(e).context("creating volume demo"),
-    }
-    let vol = pool.open_volume("demo")?;
-    let step = 4u64 << 20;
-    let mut buf = vec![0u8; usize::try_from(step)?];
-    let t = Instant::now();
-    let mut off = 0;
-    while off < write {
-        let n = (write - off).min(step);
-        let b = &mut buf[..usize::try_from(n)?];
-        pattern(off, b);
-        vol.write(off, b).with_context(|| format!("writing at offset {off}"))?;
-        off += n;
-        eprint!("\rwriting: {:>3}%", off * 100 / write);
-    }
-    vol.flush().context("flushing")?;
-    eprintln!();
-    let secs = t.elapsed().as_secs_f64();
-    println!("wrote {} in {secs:.2}s ({:.0} MiB/s), flushed", format_size(write), write as f64 / secs / 1048576.0);
-    drop(vol);
-    pool.close().context("closing the pool")?;
-
-    let pool = open_or_create(dir, pool_size)?;
-    let r = pool.recovery_report();
-    println!("recovery: replayed {} batches from sequence {}", r.batches_replayed, r.from_seq);
-    let vol = pool.open_volume("demo")?;
-    let mut want = vec![0u8; buf.len()];
-    let t = Instant::now();
-    let mut off = 0;
-    while off < write {
-        let n = usize::try_from((write - off).min(step))?;
-        vol.read(off, &mut buf[..n]).with_context(|| format!("reading at offset {off}"))?;
-        pattern(off, &mut want[..n]);
-        if buf[..n] != want[..n] {
-            bail!("data mismatch in the 4 MiB at offset {off}");
+async fn client(cli: Cli) -> Result<()> {
+    let socket = cli.admin_socket.unwrap_or_else(|| config::default_data_dir().join("admin.sock"));
+    let mut c = connect(&socket).await?;
+    let out = cli.output;
+    match cli.cmd {
+        Cmd::Daemon { .. } => unreachable!("handled in main"),
+        Cmd::Volume(v) => match v {
+            VolumeCmd::Create { name, size } => {
+                let v = c.create_volume(pb::CreateVolumeRequest { name, size }).await.map_err(rpc_error)?;
+                cli::print_volume(out, v.get_ref());
+            }
+            VolumeCmd::List => {
+                let r = c.list_volumes(pb::ListVolumesRequest {}).await.map_err(rpc_error)?;
+                cli::print_volumes(out, &r.get_ref().volumes);
+            }
+            VolumeCmd::Show { name } => {
+                let v = c.get_volume(pb::GetVolumeRequest { name }).await.map_err(rpc_error)?;
+                cli::print_volume(out, v.get_ref());
+            }
+            VolumeCmd::Resize { name, size } => {
+                let v = c.grow_volume(pb::GrowVolumeRequest { name, new_size: size }).await.map_err(rpc_error)?;
+                cli::print_volume(out, v.get_ref());
+            }
+            VolumeCmd::Delete { name } => {
+                c.delete_volume(pb::DeleteVolumeRequest { name: name.clone() }).await.map_err(rpc_error)?;
+                if out == Output::Json {
+                    println!("{}", serde_json::json!({"deleted": name}));
+                } else {
+                    println!("deleted volume {name}");
+                }
+            }
+        },
+        Cmd::Export(e) => match e {
+            ExportCmd::Nbd { volume, name, read_only } => {
+                let req = pb::StartExportRequest { volume, name: name.unwrap_or_default(), read_only };
+                let e = c.start_export(req).await.map_err(rpc_error)?;
+                cli::print_export(out, e.get_ref());
+            }
+            ExportCmd::List => {
+                let r = c.list_exports(pb::ListExportsRequest {}).await.map_err(rpc_error)?;
+                cli::print_exports(out, &r.get_ref().exports);
+            }
+            ExportCmd::Stop { name } => {
+                c.stop_export(pb::StopExportRequest { name: name.clone() }).await.map_err(rpc_error)?;
+                if out == Output::Json {
+                    println!("{}", serde_json::json!({"stopped": name}));
+                } else {
+                    println!("stopped export {name}");
+                }
+            }
+        },
+        Cmd::Pool(PoolCmd::Status) => {
+            let s = c.pool_status(pb::PoolStatusRequest {}).await.map_err(rpc_error)?;
+            cli::print_pool(out, s.get_ref());
         }
-        off += n as u64;
-        eprint!("\rverifying: {:>3}%", off * 100 / write);
     }
-    eprintln!();
-    let secs = t.elapsed().as_secs_f64();
-    println!(
-        "read back and verified {} in {secs:.2}s ({:.0} MiB/s)",
-        format_size(write),
-        write as f64 / secs / 1048576.0
-    );
-    let s = pool.stats();
-    println!(
-        "pool: size {}, used {}, live {}, reclaimable {}, free {}; volume demo allocated {}",
-        format_size(s.size),
-        format_size(s.used),
-        format_size(s.live),
-        format_size(s.reclaimable),
-        format_size(s.free),
-        format_size(pool.volume_info("demo")?.allocated)
-    );
-    drop(vol);
-    pool.close().context("closing the pool")?;
-    println!("OK");
     Ok(())
 }

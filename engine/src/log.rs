@@ -61,6 +61,8 @@ const MAX_ENTRIES: usize = 512;
 
 pub(crate) fn writer_loop(inner: &Inner, rx: &mpsc::Receiver<Req>) {
     let mut carry: Option<Req> = None;
+    // One batch buffer, reused: a fresh large allocation per batch costs an mmap and page faults.
+    let mut scratch = AlignedBuf::new(BLOCK);
     loop {
         let first = match carry.take() {
             Some(r) => r,
@@ -88,7 +90,7 @@ pub(crate) fn writer_loop(inner: &Inner, rx: &mpsc::Receiver<Req>) {
                 Err(_) => break,
             }
         }
-        process(inner, reqs);
+        process(inner, reqs, &mut scratch);
     }
 }
 
@@ -103,7 +105,7 @@ fn head_room_blocks(inner: &Inner) -> u64 {
     ((inner.sb.segment_size - head.off) / BLOCK as u64).saturating_sub(header as u64)
 }
 
-fn process(inner: &Inner, reqs: Vec<Req>) {
+fn process(inner: &Inner, reqs: Vec<Req>, scratch: &mut AlignedBuf) {
     if let Err(e) = inner.check_open() {
         return fail_all(reqs, &e);
     }
@@ -120,14 +122,14 @@ fn process(inner: &Inner, reqs: Vec<Req>) {
             r => batch.push(r),
         }
     }
-    let mut result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch) };
+    let mut result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch, scratch) };
     if result.as_ref().is_err_and(|e| e.kind() == ErrorKind::NoSpace) {
         // Full: trims may still go (into the reserve) so that space can come back.
         let (unmaps, writes): (Vec<Req>, Vec<Req>) = batch.into_iter().partition(|r| matches!(r, Req::Unmap { .. }));
         let e = result.expect_err("checked above");
         fail_all(writes, &e);
         batch = unmaps;
-        result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch) };
+        result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch, scratch) };
     }
     for r in batch {
         let (done, fua) = match r {
@@ -173,7 +175,7 @@ fn fail_all(reqs: Vec<Req>, e: &Error) {
 
 /// Builds, writes and applies one batch. Fails the whole batch with NoSpace if no segment can
 /// take it; an unmap-only batch may use the reserve.
-fn write_batch(inner: &Inner, reqs: &[Req]) -> Result<()> {
+fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<()> {
     let mut entries = Vec::with_capacity(reqs.len());
     let mut data_blocks = 0usize;
     for r in reqs {
@@ -196,7 +198,12 @@ fn write_batch(inner: &Inner, reqs: &[Req]) -> Result<()> {
         }
     }
     let hb = BatchHeader::blocks_for(entries.len(), data_blocks);
-    let mut buf = AlignedBuf::new((hb + data_blocks) * BLOCK);
+    let len = (hb + data_blocks) * BLOCK;
+    if scratch.len() < len {
+        *scratch = AlignedBuf::new(len);
+    }
+    // Every byte of buf[..len] is written below: the header (zero-padded by encode_into) and data.
+    let buf = &mut scratch[..len];
     let mut crcs = Vec::with_capacity(data_blocks);
     let mut at = hb * BLOCK;
     for r in reqs {
@@ -215,8 +222,9 @@ fn write_batch(inner: &Inner, reqs: &[Req]) -> Result<()> {
         crcs,
     };
     header.encode_into(&mut buf[..hb * BLOCK]);
+    let buf = &*buf;
     let offset = inner.state.read().segs.byte_offset(pos.seg, pos.off);
-    if let Err(e) = inner.backend.write_at(&buf, offset) {
+    if let Err(e) = inner.backend.write_at(buf, offset) {
         let e = Error::io(format!("writing log batch {} at segment {} offset {}", pos.seq, pos.seg, pos.off), e);
         // ENOSPC from the filesystem under a sparse file: nothing was acknowledged, the head does
         // not move, and the next batch overwrites whatever part of this one landed.

@@ -129,6 +129,7 @@ pub(crate) struct Inner {
     pub meta_lock: Mutex<()>,
     pub tx: RwLock<Option<mpsc::Sender<Req>>>,
     pub failed: AtomicBool,
+    pub closed: AtomicBool,
     pub stripes: Box<[Mutex<()>]>,
     pub ckpt: CheckpointCtl,
     pub faults: Mutex<Vec<FaultPoint>>,
@@ -146,6 +147,9 @@ impl std::fmt::Debug for Inner {
 
 impl Inner {
     pub fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(closed());
+        }
         if self.failed.load(Ordering::Acquire) {
             return Err(Error::new(ErrorKind::Closed, "pool stopped after a media failure; reopen it to recover"));
         }
@@ -352,6 +356,7 @@ impl Pool {
             meta_lock: Mutex::new(()),
             tx: RwLock::new(None),
             failed: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             stripes: (0..256).map(|_| Mutex::new(())).collect(),
             ckpt: CheckpointCtl::default(),
             faults: Mutex::new(Vec::new()),
@@ -528,7 +533,9 @@ impl Pool {
         self.shutdown()
     }
 
-    fn shutdown(&self) -> Result<()> {
+    /// As [`Pool::close`], for a pool shared behind an `Arc`: every later call fails with
+    /// `Closed`. Calling it again does nothing.
+    pub fn shutdown(&self) -> Result<()> {
         let threads = std::mem::take(&mut *self.threads.lock());
         if threads.is_empty() {
             return Ok(());
@@ -541,7 +548,9 @@ impl Pool {
         if self.inner.failed.load(Ordering::Acquire) {
             return Err(Error::new(ErrorKind::Closed, "pool had failed; closed without a final checkpoint"));
         }
-        self.inner.checkpoint()
+        let r = self.inner.checkpoint();
+        self.inner.closed.store(true, Ordering::Release);
+        r
     }
 }
 

@@ -53,7 +53,11 @@ impl Server {
         if path.exists() {
             std::fs::remove_file(path)?;
         }
-        let listener = UnixListener::bind(path)?;
+        self.serve_unix_listener(UnixListener::bind(path)?).await
+    }
+
+    /// Accepts on a bound Unix listener until the task is dropped.
+    pub async fn serve_unix_listener(self: Arc<Self>, listener: UnixListener) -> io::Result<()> {
         loop {
             let (stream, _) = listener.accept().await?;
             let me = Arc::clone(&self);

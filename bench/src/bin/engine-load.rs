@@ -27,8 +27,8 @@ fn main() {
     };
     let secs: f64 = args[3].parse().expect("seconds");
     let vol_size: u64 = args[4].parse().expect("volume bytes");
-    // Room for the prefill plus everything the run may append (no cleaner yet).
-    let (pool, vol) = setup(dir, vol_size * 8 + (4 << 30), vol_size);
+    // Room for the prefill plus everything a 5-10 s run appends (no cleaner yet).
+    let (pool, vol) = setup(dir, vol_size * 3 + (2 << 30), vol_size);
     if !w.write || !w.random {
         prefill(&vol);
     }

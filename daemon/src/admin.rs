@@ -1,0 +1,262 @@
+//! The admin gRPC service: volumes, exports, pool status. Engine calls run on the blocking
+//! pool, so a slow catalog change never stalls the runtime or the data path. Engine errors
+//! become gRPC statuses here and nowhere else.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ferrite_engine::{ErrorKind, Pool, format_uuid};
+use ferrite_nbd::{Export, Exports, Server};
+use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::admin_server::Admin;
+use serde::{Deserialize, Serialize};
+use tonic::{Request, Response, Status};
+
+use crate::config::Config;
+
+/// Maps an engine error to a gRPC status (the one place this happens).
+pub fn status(e: ferrite_engine::Error) -> Status {
+    let msg = e.to_string();
+    match e.kind() {
+        ErrorKind::NotFound => Status::not_found(msg),
+        ErrorKind::AlreadyExists => Status::already_exists(msg),
+        ErrorKind::InvalidArgument => Status::invalid_argument(msg),
+        ErrorKind::OutOfRange => Status::out_of_range(msg),
+        ErrorKind::NoSpace => Status::resource_exhausted(msg),
+        ErrorKind::Closed => Status::unavailable(msg),
+        ErrorKind::Corrupt => Status::data_loss(msg),
+        ErrorKind::Unsupported => Status::unimplemented(msg),
+        _ => Status::internal(msg),
+    }
+}
+
+/// An export as persisted in `<data-dir>/exports.json`, so exports survive restarts.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExportRecord {
+    pub name: String,
+    pub volume: String,
+    pub read_only: bool,
+}
+
+/// The admin service's state.
+#[derive(Debug)]
+pub struct AdminService {
+    pub pool: Arc<Pool>,
+    pub nbd: Arc<Server>,
+    pub cfg: Config,
+    records: tokio::sync::Mutex<Vec<ExportRecord>>,
+}
+
+fn exports_file(cfg: &Config) -> PathBuf {
+    cfg.data_dir.join("exports.json")
+}
+
+/// Loads persisted exports; a missing file is an empty list.
+pub fn load_exports(cfg: &Config) -> anyhow::Result<Vec<ExportRecord>> {
+    let p = exports_file(cfg);
+    match std::fs::read(&p) {
+        Ok(b) => Ok(serde_json::from_slice(&b).map_err(|e| anyhow::anyhow!("parsing {}: {e}", p.display()))?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(anyhow::anyhow!("reading {}: {e}", p.display())),
+    }
+}
+
+fn save_exports(cfg: &Config, records: &[ExportRecord]) -> std::io::Result<()> {
+    let p = exports_file(cfg);
+    let tmp = p.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(records).expect("serialisable"))?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, &p)
+}
+
+/// Publishes an export on the NBD server.
+pub fn publish(pool: &Pool, exports: &Exports, r: &ExportRecord) -> Result<(), ferrite_engine::Error> {
+    let volume = pool.open_volume(&r.volume)?;
+    exports.add(Export {
+        name: r.name.clone(),
+        volume,
+        read_only: r.read_only,
+        description: format!("ferrite volume {}", r.volume),
+    });
+    Ok(())
+}
+
+impl AdminService {
+    pub fn new(pool: Arc<Pool>, nbd: Arc<Server>, cfg: Config, records: Vec<ExportRecord>) -> Self {
+        Self { pool, nbd, cfg, records: tokio::sync::Mutex::new(records) }
+    }
+
+    fn export_msg(&self, r: &ExportRecord) -> pb::Export {
+        let sock = self.cfg.nbd_socket.display().to_string();
+        let mut uris = vec![format!("nbd+unix:///{}?socket={sock}", r.name)];
+        let tcp = self.cfg.nbd_listen.map(|a| a.to_string()).unwrap_or_default();
+        if !tcp.is_empty() {
+            uris.push(format!("nbd://{tcp}/{}", r.name));
+        }
+        pb::Export {
+            name: r.name.clone(),
+            volume: r.volume.clone(),
+            read_only: r.read_only,
+            unix_socket: sock,
+            tcp_address: tcp,
+            uris,
+        }
+    }
+
+    async fn volume_msg(&self, info: ferrite_engine::VolumeInfo) -> pb::Volume {
+        let exports = self.records.lock().await.iter().filter(|r| r.volume == info.name).map(|r| r.name.clone()).collect();
+        pb::Volume {
+            name: info.name,
+            id: info.id,
+            size: info.size,
+            allocated: info.allocated,
+            created_unix: info.created_unix,
+            exports,
+        }
+    }
+
+    /// Runs an engine call on the blocking pool.
+    async fn engine<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Pool) -> Result<T, ferrite_engine::Error> + Send + 'static,
+    ) -> Result<T, Status> {
+        let pool = Arc::clone(&self.pool);
+        tokio::task::spawn_blocking(move || f(&pool))
+            .await
+            .map_err(|e| Status::internal(format!("engine task failed: {e}")))?
+            .map_err(status)
+    }
+}
+
+fn require(field: &str, value: &str) -> Result<(), Status> {
+    if value.is_empty() {
+        return Err(Status::invalid_argument(format!("{field} is required")));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn create_volume(&self, req: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        if r.size == 0 {
+            return Err(Status::invalid_argument("size is required"));
+        }
+        let info = self.engine(move |p| p.create_volume(&r.name, r.size)).await?;
+        tracing::info!(volume = %info.name, size = info.size, "volume created");
+        Ok(Response::new(self.volume_msg(info).await))
+    }
+
+    async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesResponse>, Status> {
+        let infos = self.engine(|p| Ok(p.volumes())).await?;
+        let mut volumes = Vec::with_capacity(infos.len());
+        for i in infos {
+            volumes.push(self.volume_msg(i).await);
+        }
+        Ok(Response::new(pb::ListVolumesResponse { volumes }))
+    }
+
+    async fn get_volume(&self, req: Request<pb::GetVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let name = req.into_inner().name;
+        require("name", &name)?;
+        let info = self.engine(move |p| p.volume_info(&name)).await?;
+        Ok(Response::new(self.volume_msg(info).await))
+    }
+
+    async fn grow_volume(&self, req: Request<pb::GrowVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        let info = self.engine(move |p| p.grow_volume(&r.name, r.new_size)).await?;
+        tracing::info!(volume = %info.name, size = info.size, "volume grown");
+        Ok(Response::new(self.volume_msg(info).await))
+    }
+
+    async fn delete_volume(&self, req: Request<pb::DeleteVolumeRequest>) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
+        let name = req.into_inner().name;
+        require("name", &name)?;
+        let mut records = self.records.lock().await;
+        if records.iter().any(|r| r.volume == name) {
+            let names: Vec<_> = records.iter().filter(|r| r.volume == name).map(|r| r.name.as_str()).collect();
+            return Err(Status::failed_precondition(format!(
+                "volume {name:?} is exported as {}; stop the export first",
+                names.join(", ")
+            )));
+        }
+        let n = name.clone();
+        self.engine(move |p| p.delete_volume(&n)).await?;
+        records.retain(|r| r.volume != name);
+        tracing::info!(volume = %name, "volume deleted");
+        Ok(Response::new(pb::DeleteVolumeResponse {}))
+    }
+
+    async fn start_export(&self, req: Request<pb::StartExportRequest>) -> Result<Response<pb::Export>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        let name = if r.name.is_empty() { r.volume.clone() } else { r.name.clone() };
+        if name.len() > 4096 {
+            return Err(Status::invalid_argument("export name longer than 4096 bytes"));
+        }
+        let rec = ExportRecord { name, volume: r.volume, read_only: r.read_only };
+        let mut records = self.records.lock().await;
+        if let Some(old) = records.iter().find(|x| x.name == rec.name) {
+            if *old == rec {
+                return Ok(Response::new(self.export_msg(&rec)));
+            }
+            return Err(Status::already_exists(format!("export {:?} already serves volume {:?}", old.name, old.volume)));
+        }
+        publish(&self.pool, &self.nbd.exports, &rec).map_err(status)?;
+        records.push(rec.clone());
+        if let Err(e) = save_exports(&self.cfg, &records) {
+            records.pop();
+            self.nbd.exports.remove(&rec.name);
+            return Err(Status::internal(format!("saving the export list: {e}")));
+        }
+        tracing::info!(export = %rec.name, volume = %rec.volume, "export started");
+        Ok(Response::new(self.export_msg(&rec)))
+    }
+
+    async fn stop_export(&self, req: Request<pb::StopExportRequest>) -> Result<Response<pb::StopExportResponse>, Status> {
+        let name = req.into_inner().name;
+        require("name", &name)?;
+        let mut records = self.records.lock().await;
+        let Some(i) = records.iter().position(|r| r.name == name) else {
+            return Err(Status::not_found(format!("export {name:?} not found")));
+        };
+        let rec = records.remove(i);
+        self.nbd.exports.remove(&name);
+        if let Err(e) = save_exports(&self.cfg, &records) {
+            records.insert(i, rec);
+            return Err(Status::internal(format!("saving the export list: {e}")));
+        }
+        tracing::info!(export = %name, "export stopped");
+        Ok(Response::new(pb::StopExportResponse {}))
+    }
+
+    async fn list_exports(&self, _: Request<pb::ListExportsRequest>) -> Result<Response<pb::ListExportsResponse>, Status> {
+        let records = self.records.lock().await;
+        Ok(Response::new(pb::ListExportsResponse { exports: records.iter().map(|r| self.export_msg(r)).collect() }))
+    }
+
+    async fn pool_status(&self, _: Request<pb::PoolStatusRequest>) -> Result<Response<pb::PoolStatusResponse>, Status> {
+        let s = self.engine(|p| Ok(p.stats())).await?;
+        Ok(Response::new(pb::PoolStatusResponse {
+            uuid: format_uuid(&s.uuid),
+            path: self.cfg.pool_path.display().to_string(),
+            size: s.size,
+            used: s.used,
+            free: s.free,
+            live: s.live,
+            reclaimable: s.reclaimable,
+            segment_size: s.segment_size,
+            segments: s.segments,
+            segments_free: s.segments_free,
+            volumes: s.volumes as u64,
+            log_seq: s.log_seq,
+            generation: s.generation,
+            client_bytes_written: s.client_bytes_written,
+            media_bytes_written: s.media_bytes_written,
+            nbd_connections: self.nbd.stats.connections_open.load(std::sync::atomic::Ordering::Relaxed),
+        }))
+    }
+}

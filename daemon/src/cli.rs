@@ -1,0 +1,155 @@
+//! The command-line client: each subcommand is one admin API call, printed as a table or JSON.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::admin_client::AdminClient;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::size::format_size;
+
+/// How results are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+/// Connects to the daemon's admin socket.
+pub async fn connect(socket: &Path) -> Result<AdminClient<Channel>> {
+    let path: PathBuf = socket.to_path_buf();
+    let channel = Endpoint::try_from("http://ferrite.invalid")?
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+        }))
+        .await
+        .with_context(|| format!("cannot reach the ferrite daemon at {} (is it running?)", socket.display()))?;
+    Ok(AdminClient::new(channel))
+}
+
+/// Turns a gRPC status into a one-line error.
+pub fn rpc_error(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{}", s.message())
+}
+
+fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string()
+    };
+    let mut out = vec![line(headers.iter().map(|h| (*h).to_string()).collect())];
+    out.extend(rows.into_iter().map(line));
+    out.join("\n")
+}
+
+fn volume_json(v: &pb::Volume) -> serde_json::Value {
+    json!({"name": v.name, "id": v.id, "size": v.size, "allocated": v.allocated,
+           "created_unix": v.created_unix, "exports": v.exports})
+}
+
+fn export_json(e: &pb::Export) -> serde_json::Value {
+    json!({"name": e.name, "volume": e.volume, "read_only": e.read_only,
+           "unix_socket": e.unix_socket, "tcp_address": e.tcp_address, "uris": e.uris})
+}
+
+pub fn print_volumes(out: Output, vols: &[pb::Volume]) {
+    match out {
+        Output::Json => println!("{}", serde_json::Value::Array(vols.iter().map(volume_json).collect())),
+        Output::Table => {
+            let rows = vols
+                .iter()
+                .map(|v| vec![v.name.clone(), format_size(v.size), format_size(v.allocated), v.exports.join(",")])
+                .collect();
+            println!("{}", table(&["NAME", "SIZE", "ALLOCATED", "EXPORTS"], rows));
+        }
+    }
+}
+
+pub fn print_volume(out: Output, v: &pb::Volume) {
+    match out {
+        Output::Json => println!("{}", volume_json(v)),
+        Output::Table => {
+            let rows = vec![
+                vec!["name".into(), v.name.clone()],
+                vec!["id".into(), v.id.to_string()],
+                vec!["size".into(), format!("{} ({} bytes)", format_size(v.size), v.size)],
+                vec!["allocated".into(), format!("{} ({} bytes)", format_size(v.allocated), v.allocated)],
+                vec!["exports".into(), if v.exports.is_empty() { "-".into() } else { v.exports.join(", ") }],
+            ];
+            println!("{}", table(&["FIELD", "VALUE"], rows));
+        }
+    }
+}
+
+pub fn print_exports(out: Output, exports: &[pb::Export]) {
+    match out {
+        Output::Json => println!("{}", serde_json::Value::Array(exports.iter().map(export_json).collect())),
+        Output::Table => {
+            let rows = exports
+                .iter()
+                .map(|e| vec![e.name.clone(), e.volume.clone(), if e.read_only { "ro" } else { "rw" }.into(), e.uris.join(" ")])
+                .collect();
+            println!("{}", table(&["EXPORT", "VOLUME", "MODE", "URI"], rows));
+        }
+    }
+}
+
+pub fn print_export(out: Output, e: &pb::Export) {
+    match out {
+        Output::Json => println!("{}", export_json(e)),
+        Output::Table => {
+            println!("exported volume {} as {:?} ({})", e.volume, e.name, if e.read_only { "read-only" } else { "read-write" });
+            for u in &e.uris {
+                println!("  {u}");
+            }
+            if let Some(u) = e.uris.first() {
+                println!("try:  nbdinfo '{u}'");
+                println!("      qemu-img info 'nbd:unix:{}:exportname={}'", e.unix_socket, e.name);
+            }
+        }
+    }
+}
+
+pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"uuid": s.uuid, "path": s.path, "size": s.size, "used": s.used, "free": s.free,
+                   "live": s.live, "reclaimable": s.reclaimable, "segment_size": s.segment_size,
+                   "segments": s.segments, "segments_free": s.segments_free, "volumes": s.volumes,
+                   "log_seq": s.log_seq, "generation": s.generation,
+                   "client_bytes_written": s.client_bytes_written, "media_bytes_written": s.media_bytes_written,
+                   "nbd_connections": s.nbd_connections})
+        ),
+        Output::Table => {
+            let wa = if s.client_bytes_written > 0 {
+                format!("{:.2}", s.media_bytes_written as f64 / s.client_bytes_written as f64)
+            } else {
+                "-".into()
+            };
+            let rows = vec![
+                vec!["uuid".into(), s.uuid.clone()],
+                vec!["path".into(), s.path.clone()],
+                vec!["size".into(), format_size(s.size)],
+                vec!["used".into(), format_size(s.used)],
+                vec!["free".into(), format_size(s.free)],
+                vec!["live".into(), format_size(s.live)],
+                vec!["reclaimable".into(), format_size(s.reclaimable)],
+                vec!["segments".into(), format!("{} of {} free ({} each)", s.segments_free, s.segments, format_size(s.segment_size))],
+                vec!["volumes".into(), s.volumes.to_string()],
+                vec!["write amplification".into(), wa],
+                vec!["nbd connections".into(), s.nbd_connections.to_string()],
+            ];
+            println!("{}", table(&["POOL", ""], rows));
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! The daemon's configuration: one TOML file, every field optional.
+//!
+//! ```toml
+//! data-dir = "/var/lib/ferrite"     # default: $FERRITE_DATA_DIR or ./ferrite-data
+//! pool-path = "/dev/nvme0n1"        # default: <data-dir>/pool.img (a sparse file)
+//! pool-size = "64G"                 # size of a new pool file; default 16G
+//! segment-size = "32M"              # for a new pool; default 32M
+//! admin-socket = "/run/ferrite/admin.sock"  # default: <data-dir>/admin.sock
+//! nbd-socket = "/run/ferrite/nbd.sock"      # default: <data-dir>/nbd.sock
+//! nbd-listen = "127.0.0.1:10809"    # optional TCP listener for NBD
+//! log-level = "info"                # or a tracing filter such as "ferrite=debug"
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+
+use crate::size::parse_size;
+
+/// Daemon configuration as written in the file (kebab-case keys; unknown keys are errors).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct ConfigFile {
+    pub data_dir: Option<PathBuf>,
+    pub pool_path: Option<PathBuf>,
+    pub meta_dir: Option<PathBuf>,
+    pub pool_size: Option<String>,
+    pub segment_size: Option<String>,
+    pub admin_socket: Option<PathBuf>,
+    pub nbd_socket: Option<PathBuf>,
+    pub nbd_listen: Option<SocketAddr>,
+    pub log_level: Option<String>,
+}
+
+/// Configuration with every default filled in and every value checked.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub data_dir: PathBuf,
+    pub pool_path: PathBuf,
+    pub meta_dir: PathBuf,
+    pub pool_size: u64,
+    pub segment_size: u64,
+    pub admin_socket: PathBuf,
+    pub nbd_socket: PathBuf,
+    pub nbd_listen: Option<SocketAddr>,
+    pub log_level: String,
+}
+
+/// The data directory used when neither the config nor the command line names one.
+pub fn default_data_dir() -> PathBuf {
+    std::env::var_os("FERRITE_DATA_DIR").map_or_else(|| PathBuf::from("ferrite-data"), PathBuf::from)
+}
+
+impl Config {
+    /// Reads `path` (if given) and fills in defaults; `data_dir` from the command line wins.
+    pub fn load(path: Option<&Path>, data_dir: Option<PathBuf>) -> Result<Self> {
+        let file = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).with_context(|| format!("reading config {}", p.display()))?;
+                toml::from_str(&text).with_context(|| format!("parsing config {}", p.display()))?
+            }
+            None => ConfigFile::default(),
+        };
+        Self::resolve(file, data_dir)
+    }
+
+    fn resolve(f: ConfigFile, data_dir: Option<PathBuf>) -> Result<Self> {
+        let data_dir = data_dir.or(f.data_dir).unwrap_or_else(default_data_dir);
+        let size = |v: Option<String>, default: &str, what: &str| -> Result<u64> {
+            parse_size(v.as_deref().unwrap_or(default)).map_err(|e| anyhow::anyhow!("{what}: {e}"))
+        };
+        let cfg = Self {
+            pool_path: f.pool_path.unwrap_or_else(|| data_dir.join("pool.img")),
+            meta_dir: f.meta_dir.unwrap_or_else(|| data_dir.join("meta")),
+            pool_size: size(f.pool_size, "16G", "pool-size")?,
+            segment_size: size(f.segment_size, "32M", "segment-size")?,
+            admin_socket: f.admin_socket.unwrap_or_else(|| data_dir.join("admin.sock")),
+            nbd_socket: f.nbd_socket.unwrap_or_else(|| data_dir.join("nbd.sock")),
+            nbd_listen: f.nbd_listen,
+            log_level: f.log_level.unwrap_or_else(|| "info".into()),
+            data_dir,
+        };
+        if cfg.admin_socket == cfg.nbd_socket {
+            bail!("admin-socket and nbd-socket must differ");
+        }
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_overrides() {
+        let c = Config::resolve(ConfigFile::default(), Some("/d".into())).unwrap();
+        assert_eq!(c.pool_path, PathBuf::from("/d/pool.img"));
+        assert_eq!(c.admin_socket, PathBuf::from("/d/admin.sock"));
+        assert_eq!(c.pool_size, 16 << 30);
+        let f: ConfigFile = toml::from_str("pool-size = \"2G\"\nnbd-listen = \"127.0.0.1:10809\"\ndata-dir = \"/x\"").unwrap();
+        let c = Config::resolve(f, None).unwrap();
+        assert_eq!(c.pool_size, 2 << 30);
+        assert_eq!(c.meta_dir, PathBuf::from("/x/meta"));
+        assert!(c.nbd_listen.is_some());
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        assert!(toml::from_str::<ConfigFile>("no-such-key = 1").is_err());
+        let f: ConfigFile = toml::from_str("pool-size = \"12Q\"").unwrap();
+        assert!(Config::resolve(f, None).unwrap_err().to_string().contains("pool-size"));
+        let f: ConfigFile = toml::from_str("admin-socket = \"/s\"\nnbd-socket = \"/s\"").unwrap();
+        assert!(Config::resolve(f, None).is_err());
+    }
+}

@@ -1,0 +1,122 @@
+//! `ferrite daemon`: opens (or creates) the pool, serves NBD and the admin API, and shuts down
+//! cleanly on SIGTERM/SIGINT (stop listening, drain the log, flush, checkpoint).
+
+use std::os::unix::fs::PermissionsExt;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use ferrite_engine::{Pool, PoolOptions, format_uuid};
+use ferrite_nbd::{Exports, Server};
+use ferrite_proto::ferrite::v1::admin_server::AdminServer;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::admin::{AdminService, load_exports, publish};
+use crate::config::Config;
+use crate::size::format_size;
+
+fn open_pool(cfg: &Config) -> Result<Pool> {
+    let opts = PoolOptions { segment_size: cfg.segment_size, ..PoolOptions::default() };
+    if cfg.pool_path.exists() {
+        let pool = Pool::open(&cfg.pool_path, &cfg.meta_dir, opts)
+            .with_context(|| format!("opening pool {}", cfg.pool_path.display()))?;
+        let r = pool.recovery_report();
+        tracing::info!(
+            uuid = %format_uuid(&pool.stats().uuid),
+            path = %cfg.pool_path.display(),
+            replayed_batches = r.batches_replayed,
+            truncated = r.truncated.as_deref().unwrap_or("no"),
+            "pool opened"
+        );
+        Ok(pool)
+    } else {
+        let pool = Pool::create(&cfg.pool_path, &cfg.meta_dir, cfg.pool_size, opts)
+            .with_context(|| format!("creating pool {}", cfg.pool_path.display()))?;
+        tracing::info!(uuid = %format_uuid(&pool.stats().uuid), path = %cfg.pool_path.display(),
+            size = %format_size(cfg.pool_size), "pool created");
+        Ok(pool)
+    }
+}
+
+fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if path.exists() {
+        // A socket left by a daemon that did not shut down cleanly. Refuse if one still answers.
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!("{} is in use by a running process (another ferrite daemon?)", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
+    }
+    let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(l)
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub async fn run(cfg: Config) -> Result<()> {
+    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating {}", cfg.data_dir.display()))?;
+    let admin_listener = bind_unix(&cfg.admin_socket, 0o600)?;
+    let nbd_listener = bind_unix(&cfg.nbd_socket, 0o660)?;
+    let tcp = match cfg.nbd_listen {
+        Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding NBD listener {a}"))?),
+        None => None,
+    };
+    let pool = {
+        let cfg = cfg.clone();
+        Arc::new(tokio::task::spawn_blocking(move || open_pool(&cfg)).await??)
+    };
+    let exports = Arc::new(Exports::default());
+    let records = load_exports(&cfg)?;
+    for r in &records {
+        if let Err(e) = publish(&pool, &exports, r) {
+            tracing::warn!(export = %r.name, volume = %r.volume, error = %e, "cannot restore export");
+        }
+    }
+    let nbd = Arc::new(Server::new(Arc::clone(&exports)));
+    let mut tasks = tokio::task::JoinSet::new();
+    {
+        let nbd = Arc::clone(&nbd);
+        tasks.spawn(async move { nbd.serve_unix_listener(nbd_listener).await.context("NBD unix listener") });
+    }
+    if let Some(l) = tcp {
+        let nbd = Arc::clone(&nbd);
+        tasks.spawn(async move { nbd.serve_tcp(l).await.context("NBD TCP listener") });
+    }
+    let svc = AdminService::new(Arc::clone(&pool), Arc::clone(&nbd), cfg.clone(), records);
+    tasks.spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(AdminServer::new(svc))
+            .serve_with_incoming(UnixListenerStream::new(admin_listener))
+            .await
+            .context("admin API server")
+    });
+    tracing::info!(
+        admin = %cfg.admin_socket.display(),
+        nbd = %cfg.nbd_socket.display(),
+        nbd_tcp = %cfg.nbd_listen.map(|a| a.to_string()).unwrap_or_else(|| "off".into()),
+        "ferrite daemon ready"
+    );
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let outcome = tokio::select! {
+        _ = term.recv() => Ok("SIGTERM"),
+        _ = int.recv() => Ok("SIGINT"),
+        Some(r) = tasks.join_next() => Err(r.map_err(anyhow::Error::from).and_then(|r| r).err()
+            .unwrap_or_else(|| anyhow::anyhow!("a listener stopped"))),
+    };
+    tasks.abort_all();
+    let _ = std::fs::remove_file(&cfg.admin_socket);
+    let _ = std::fs::remove_file(&cfg.nbd_socket);
+    let closed = tokio::task::spawn_blocking(move || pool.shutdown()).await?;
+    match outcome {
+        Ok(sig) => {
+            closed.context("closing the pool")?;
+            tracing::info!(signal = sig, "shut down cleanly: log drained, flushed, checkpointed");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}

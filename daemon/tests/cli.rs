@@ -1,0 +1,75 @@
+//! The daemon and its CLI, end to end: volumes, exports, pool status, errors, clean shutdown,
+//! and restart with exports restored.
+
+mod common;
+
+use common::{Daemon, have};
+use std::process::Command;
+
+#[test]
+fn volume_export_lifecycle_and_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start(dir.path());
+    let out = d.ok(&["volume", "create", "db", "64MiB"]);
+    assert!(out.contains("db") && out.contains("64.0 MiB"), "{out}");
+    let json = d.ok(&["-o", "json", "volume", "show", "db"]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["size"], 64 << 20);
+    assert_eq!(v["allocated"], 0);
+
+    // Errors: one line, non-zero exit, nothing changed.
+    let dup = d.cli(&["volume", "create", "db", "1G"]);
+    assert!(!dup.status.success());
+    let msg = String::from_utf8_lossy(&dup.stderr);
+    assert_eq!(msg.trim().lines().count(), 1, "{msg}");
+    assert!(msg.contains("already exists"), "{msg}");
+    let bad = d.cli(&["volume", "create", "x", "12Q"]);
+    assert!(!bad.status.success());
+    let missing = d.cli(&["volume", "show", "nope"]);
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("not found"));
+    let shrink = d.cli(&["volume", "resize", "db", "1M"]);
+    assert!(String::from_utf8_lossy(&shrink.stderr).contains("shrinking"));
+
+    let out = d.ok(&["export", "nbd", "db"]);
+    assert!(out.contains("nbd+unix:///db?socket="), "{out}");
+    // The printed nbdinfo line works as printed.
+    if have("nbdinfo") {
+        let uri = out.lines().find_map(|l| l.trim().strip_prefix("try:  nbdinfo '")).unwrap().trim_end_matches('\'');
+        let info = Command::new("nbdinfo").arg(uri).output().unwrap();
+        assert!(info.status.success(), "{}", String::from_utf8_lossy(&info.stderr));
+        assert!(String::from_utf8_lossy(&info.stdout).contains("67108864"));
+    }
+    if have("qemu-io") {
+        let w = Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x77 1M 2M", "-c", "flush"]).arg(d.qemu_uri("db")).output().unwrap();
+        assert!(w.status.success(), "{}", String::from_utf8_lossy(&w.stderr));
+        let v: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "volume", "show", "db"])).unwrap();
+        assert_eq!(v["allocated"], 2 << 20);
+    }
+    let busy = d.cli(&["volume", "delete", "db"]);
+    assert!(String::from_utf8_lossy(&busy.stderr).contains("stop the export first"));
+    let status = d.ok(&["pool", "status"]);
+    assert!(status.contains("write amplification"), "{status}");
+
+    // Clean shutdown, restart: data and export are back.
+    assert!(d.stop().success(), "{}", d.log());
+    assert!(d.log().contains("shut down cleanly"), "{}", d.log());
+    let d = Daemon::start(dir.path());
+    let exports = d.ok(&["-o", "json", "export", "list"]);
+    assert!(exports.contains("\"db\""), "{exports}");
+    if have("qemu-io") {
+        let r = Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x77 1M 2M", "-c", "read -P 0 0 1M"]).arg(d.qemu_uri("db")).output().unwrap();
+        let text = String::from_utf8_lossy(&r.stdout);
+        assert!(r.status.success() && !text.contains("verification failed"), "{text}");
+    }
+    d.ok(&["export", "stop", "db"]);
+    d.ok(&["volume", "delete", "db"]);
+    assert!(d.ok(&["volume", "list"]).lines().count() == 1);
+}
+
+#[test]
+fn client_without_daemon_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(common::BIN).arg("--admin-socket").arg(dir.path().join("none.sock")).args(["volume", "list"]).output().unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is it running"), "{}", String::from_utf8_lossy(&o.stderr));
+}

@@ -1,0 +1,108 @@
+//! Runs the real `ferrite` binary: a daemon in a temporary data directory, and CLI calls.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_ferrite");
+
+pub struct Daemon {
+    pub dir: PathBuf,
+    pub child: Option<Child>,
+}
+
+impl Daemon {
+    /// Starts a daemon on `dir` (small pool, 4 MiB segments) and waits until it answers.
+    pub fn start(dir: &Path) -> Self {
+        let cfg = dir.join("ferrite.toml");
+        if !cfg.exists() {
+            std::fs::write(&cfg, "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\n").unwrap();
+        }
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("daemon.log")).unwrap();
+        let child = Command::new(BIN)
+            .args(["daemon", "--config"])
+            .arg(&cfg)
+            .arg("--data-dir")
+            .arg(dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let d = Self { dir: dir.to_path_buf(), child: Some(child) };
+        let start = Instant::now();
+        loop {
+            if d.cli(&["pool", "status"]).status.success() {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "daemon did not come up: {}", d.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    pub fn admin(&self) -> PathBuf {
+        self.dir.join("admin.sock")
+    }
+
+    pub fn nbd(&self) -> PathBuf {
+        self.dir.join("nbd.sock")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(BIN).arg("--admin-socket").arg(self.admin()).args(args).output().unwrap()
+    }
+
+    /// Runs a CLI command that must succeed; returns its stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.cli(args);
+        assert!(o.status.success(), "ferrite {args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    /// SIGTERM and wait; returns the exit status.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().unwrap();
+        // SAFETY: kill(2) with a pid we own and a valid signal number.
+        unsafe { libc_kill(child.id() as i32, 15) };
+        child.wait().unwrap()
+    }
+
+    /// kill -9.
+    pub fn crash(&mut self) {
+        let mut child = self.child.take().unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    pub fn qemu_uri(&self, export: &str) -> String {
+        format!("nbd:unix:{}:exportname={export}", self.nbd().display())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+pub fn have(tool: &str) -> bool {
+    let found = Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success());
+    if !found {
+        eprintln!("SKIPPED: {tool} is not installed (scripts/setup.sh installs it)");
+    }
+    found
+}
