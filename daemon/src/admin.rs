@@ -104,7 +104,8 @@ impl AdminService {
     }
 
     async fn volume_msg(&self, info: ferrite_engine::VolumeInfo) -> pb::Volume {
-        let exports = self.records.lock().await.iter().filter(|r| r.volume == info.name).map(|r| r.name.clone()).collect();
+        let exports =
+            self.records.lock().await.iter().filter(|r| r.volume == info.name).map(|r| r.name.clone()).collect();
         pb::Volume {
             name: info.name,
             id: info.id,
@@ -148,7 +149,10 @@ impl Admin for AdminService {
         Ok(Response::new(self.volume_msg(info).await))
     }
 
-    async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesResponse>, Status> {
+    async fn list_volumes(
+        &self,
+        _: Request<pb::ListVolumesRequest>,
+    ) -> Result<Response<pb::ListVolumesResponse>, Status> {
         let infos = self.engine(|p| Ok(p.volumes())).await?;
         let mut volumes = Vec::with_capacity(infos.len());
         for i in infos {
@@ -172,7 +176,10 @@ impl Admin for AdminService {
         Ok(Response::new(self.volume_msg(info).await))
     }
 
-    async fn delete_volume(&self, req: Request<pb::DeleteVolumeRequest>) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
+    async fn delete_volume(
+        &self,
+        req: Request<pb::DeleteVolumeRequest>,
+    ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
         let mut records = self.records.lock().await;
@@ -203,7 +210,10 @@ impl Admin for AdminService {
             if *old == rec {
                 return Ok(Response::new(self.export_msg(&rec)));
             }
-            return Err(Status::already_exists(format!("export {:?} already serves volume {:?}", old.name, old.volume)));
+            return Err(Status::already_exists(format!(
+                "export {:?} already serves volume {:?}",
+                old.name, old.volume
+            )));
         }
         publish(&self.pool, &self.nbd.exports, &rec).map_err(status)?;
         records.push(rec.clone());
@@ -216,7 +226,10 @@ impl Admin for AdminService {
         Ok(Response::new(self.export_msg(&rec)))
     }
 
-    async fn stop_export(&self, req: Request<pb::StopExportRequest>) -> Result<Response<pb::StopExportResponse>, Status> {
+    async fn stop_export(
+        &self,
+        req: Request<pb::StopExportRequest>,
+    ) -> Result<Response<pb::StopExportResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
         let mut records = self.records.lock().await;
@@ -233,7 +246,10 @@ impl Admin for AdminService {
         Ok(Response::new(pb::StopExportResponse {}))
     }
 
-    async fn list_exports(&self, _: Request<pb::ListExportsRequest>) -> Result<Response<pb::ListExportsResponse>, Status> {
+    async fn list_exports(
+        &self,
+        _: Request<pb::ListExportsRequest>,
+    ) -> Result<Response<pb::ListExportsResponse>, Status> {
         let records = self.records.lock().await;
         Ok(Response::new(pb::ListExportsResponse { exports: records.iter().map(|r| self.export_msg(r)).collect() }))
     }

@@ -96,7 +96,14 @@ pub fn print_exports(out: Output, exports: &[pb::Export]) {
         Output::Table => {
             let rows = exports
                 .iter()
-                .map(|e| vec![e.name.clone(), e.volume.clone(), if e.read_only { "ro" } else { "rw" }.into(), e.uris.join(" ")])
+                .map(|e| {
+                    vec![
+                        e.name.clone(),
+                        e.volume.clone(),
+                        if e.read_only { "ro" } else { "rw" }.into(),
+                        e.uris.join(" "),
+                    ]
+                })
                 .collect();
             println!("{}", table(&["EXPORT", "VOLUME", "MODE", "URI"], rows));
         }
@@ -107,7 +114,12 @@ pub fn print_export(out: Output, e: &pb::Export) {
     match out {
         Output::Json => println!("{}", export_json(e)),
         Output::Table => {
-            println!("exported volume {} as {:?} ({})", e.volume, e.name, if e.read_only { "read-only" } else { "read-write" });
+            println!(
+                "exported volume {} as {:?} ({})",
+                e.volume,
+                e.name,
+                if e.read_only { "read-only" } else { "read-write" }
+            );
             for u in &e.uris {
                 println!("  {u}");
             }
@@ -144,7 +156,10 @@ pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
                 vec!["free".into(), format_size(s.free)],
                 vec!["live".into(), format_size(s.live)],
                 vec!["reclaimable".into(), format_size(s.reclaimable)],
-                vec!["segments".into(), format!("{} of {} free ({} each)", s.segments_free, s.segments, format_size(s.segment_size))],
+                vec![
+                    "segments".into(),
+                    format!("{} of {} free ({} each)", s.segments_free, s.segments, format_size(s.segment_size)),
+                ],
                 vec!["volumes".into(), s.volumes.to_string()],
                 vec!["write amplification".into(), wa],
                 vec!["nbd connections".into(), s.nbd_connections.to_string()],

@@ -99,7 +99,8 @@ mod tests {
         assert_eq!(c.pool_path, PathBuf::from("/d/pool.img"));
         assert_eq!(c.admin_socket, PathBuf::from("/d/admin.sock"));
         assert_eq!(c.pool_size, 16 << 30);
-        let f: ConfigFile = toml::from_str("pool-size = \"2G\"\nnbd-listen = \"127.0.0.1:10809\"\ndata-dir = \"/x\"").unwrap();
+        let f: ConfigFile =
+            toml::from_str("pool-size = \"2G\"\nnbd-listen = \"127.0.0.1:10809\"\ndata-dir = \"/x\"").unwrap();
         let c = Config::resolve(f, None).unwrap();
         assert_eq!(c.pool_size, 2 << 30);
         assert_eq!(c.meta_dir, PathBuf::from("/x/meta"));

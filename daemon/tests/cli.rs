@@ -40,7 +40,11 @@ fn volume_export_lifecycle_and_restart() {
         assert!(String::from_utf8_lossy(&info.stdout).contains("67108864"));
     }
     if have("qemu-io") {
-        let w = Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x77 1M 2M", "-c", "flush"]).arg(d.qemu_uri("db")).output().unwrap();
+        let w = Command::new("qemu-io")
+            .args(["-f", "raw", "-c", "write -P 0x77 1M 2M", "-c", "flush"])
+            .arg(d.qemu_uri("db"))
+            .output()
+            .unwrap();
         assert!(w.status.success(), "{}", String::from_utf8_lossy(&w.stderr));
         let v: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "volume", "show", "db"])).unwrap();
         assert_eq!(v["allocated"], 2 << 20);
@@ -57,7 +61,11 @@ fn volume_export_lifecycle_and_restart() {
     let exports = d.ok(&["-o", "json", "export", "list"]);
     assert!(exports.contains("\"db\""), "{exports}");
     if have("qemu-io") {
-        let r = Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x77 1M 2M", "-c", "read -P 0 0 1M"]).arg(d.qemu_uri("db")).output().unwrap();
+        let r = Command::new("qemu-io")
+            .args(["-f", "raw", "-c", "read -P 0x77 1M 2M", "-c", "read -P 0 0 1M"])
+            .arg(d.qemu_uri("db"))
+            .output()
+            .unwrap();
         let text = String::from_utf8_lossy(&r.stdout);
         assert!(r.status.success() && !text.contains("verification failed"), "{text}");
     }
@@ -69,7 +77,12 @@ fn volume_export_lifecycle_and_restart() {
 #[test]
 fn client_without_daemon_says_so() {
     let dir = tempfile::tempdir().unwrap();
-    let o = Command::new(common::BIN).arg("--admin-socket").arg(dir.path().join("none.sock")).args(["volume", "list"]).output().unwrap();
+    let o = Command::new(common::BIN)
+        .arg("--admin-socket")
+        .arg(dir.path().join("none.sock"))
+        .args(["volume", "list"])
+        .output()
+        .unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("is it running"), "{}", String::from_utf8_lossy(&o.stderr));
 }

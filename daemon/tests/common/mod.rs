@@ -68,8 +68,8 @@ impl Daemon {
     /// SIGTERM and wait; returns the exit status.
     pub fn stop(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().unwrap();
-        // SAFETY: kill(2) with a pid we own and a valid signal number.
-        unsafe { libc_kill(child.id() as i32, 15) };
+        let sent = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+        assert!(sent.success());
         child.wait().unwrap()
     }
 
@@ -94,13 +94,9 @@ impl Drop for Daemon {
     }
 }
 
-unsafe extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
-}
-
 pub fn have(tool: &str) -> bool {
-    let found = Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success());
+    let found =
+        Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success());
     if !found {
         eprintln!("SKIPPED: {tool} is not installed (scripts/setup.sh installs it)");
     }
