@@ -1,0 +1,264 @@
+//! Malformed and hostile requests: each gets the error the protocol specifies or a clean
+//! disconnect; the server keeps serving every other connection and no export's data changes.
+
+#![allow(clippy::cast_possible_truncation)] // test arithmetic on small values
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrite_engine::{Pool, PoolOptions};
+use ferrite_nbd::proto::*;
+use ferrite_nbd::{Export, Exports, Server};
+
+const MIB: u64 = 1 << 20;
+
+struct Harness {
+    _rt: tokio::runtime::Runtime,
+    pool: Pool,
+    dir: tempfile::TempDir,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = PoolOptions { segment_size: 4 * MIB, ..PoolOptions::default() };
+        let pool = Pool::create(&dir.path().join("pool.img"), &dir.path().join("meta"), 256 * MIB, opts).unwrap();
+        let exports = Arc::new(Exports::default());
+        for name in ["a", "b"] {
+            pool.create_volume(name, 4 * MIB).unwrap();
+            let volume = pool.open_volume(name).unwrap();
+            volume.write(0, &vec![name.as_bytes()[0]; 4 * MIB as usize]).unwrap();
+            exports.add(Export { name: name.into(), volume, read_only: false, description: String::new() });
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let server = Arc::new(Server::new(exports));
+        let sock = dir.path().join("nbd.sock");
+        rt.spawn(async move { server.serve_unix(&sock).await });
+        while !dir.path().join("nbd.sock").exists() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self { _rt: rt, pool, dir }
+    }
+
+    fn sock(&self) -> PathBuf {
+        self.dir.path().join("nbd.sock")
+    }
+
+    /// Both exports still hold exactly what they were filled with.
+    fn assert_untouched(&self) {
+        for name in ["a", "b"] {
+            let mut buf = vec![0u8; 4 * MIB as usize];
+            self.pool.open_volume(name).unwrap().read(0, &mut buf).unwrap();
+            assert!(buf.iter().all(|&b| b == name.as_bytes()[0]), "export {name} changed");
+        }
+    }
+}
+
+fn timeout(s: &UnixStream) {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+}
+
+/// Opens a connection and reads the greeting; sends the client flags.
+fn hello(h: &Harness) -> UnixStream {
+    let mut s = UnixStream::connect(h.sock()).unwrap();
+    timeout(&s);
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    assert_eq!(&g[..8], &NBD_MAGIC.to_be_bytes());
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+    s
+}
+
+fn option(s: &mut UnixStream, opt: u32, data: &[u8]) {
+    let mut o = IHAVEOPT.to_be_bytes().to_vec();
+    o.extend_from_slice(&opt.to_be_bytes());
+    o.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    o.extend_from_slice(data);
+    s.write_all(&o).unwrap();
+}
+
+/// Reads one option reply: (reply type, payload).
+fn option_reply(s: &mut UnixStream) -> (u32, Vec<u8>) {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(&h[..8], &REP_MAGIC.to_be_bytes());
+    let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+    let mut p = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
+    s.read_exact(&mut p).unwrap();
+    (kind, p)
+}
+
+fn go_data(name: &str) -> Vec<u8> {
+    let mut d = (name.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(name.as_bytes());
+    d.extend_from_slice(&0u16.to_be_bytes());
+    d
+}
+
+/// A connection in transmission on export `name` with simple replies.
+fn transmission(h: &Harness, name: &str) -> UnixStream {
+    let mut s = hello(h);
+    option(&mut s, OPT_GO, &go_data(name));
+    loop {
+        let (kind, _) = option_reply(&mut s);
+        if kind == REP_ACK {
+            return s;
+        }
+        assert_eq!(kind, REP_INFO);
+    }
+}
+
+fn request(s: &mut UnixStream, kind: u16, flags: u16, offset: u64, length: u32) -> u32 {
+    s.write_all(&Request { flags, kind, cookie: 42, offset, length }.encode()).unwrap();
+    reply(s)
+}
+
+fn reply(s: &mut UnixStream) -> u32 {
+    let mut r = [0u8; 16];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(&r[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+    assert_eq!(&r[8..16], &42u64.to_be_bytes(), "reply carries the request's cookie");
+    u32::from_be_bytes(r[4..8].try_into().unwrap())
+}
+
+fn closed(s: &mut UnixStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+#[test]
+fn negotiation_errors() {
+    let h = Harness::new();
+    // Unknown option: NBD_REP_ERR_UNSUP, and negotiation goes on.
+    let mut s = hello(&h);
+    option(&mut s, 999, b"junk");
+    assert_eq!(option_reply(&mut s).0, REP_ERR_UNSUP);
+    // Unknown export with GO: NBD_REP_ERR_UNKNOWN with a message.
+    option(&mut s, OPT_GO, &go_data("nope"));
+    let (kind, msg) = option_reply(&mut s);
+    assert_eq!(kind, REP_ERR_UNKNOWN);
+    assert!(String::from_utf8_lossy(&msg).contains("nope"));
+    // Malformed GO (name length past the payload): NBD_REP_ERR_INVALID.
+    option(&mut s, OPT_GO, &[0, 0, 1, 0, b'a']);
+    assert_eq!(option_reply(&mut s).0, REP_ERR_INVALID);
+    // SET_META_CONTEXT before structured replies: invalid.
+    option(&mut s, OPT_SET_META_CONTEXT, &[0, 0, 0, 1, b'a', 0, 0, 0, 0]);
+    assert_eq!(option_reply(&mut s).0, REP_ERR_INVALID);
+    // TLS is refused by policy; LIST with data is invalid.
+    option(&mut s, OPT_STARTTLS, &[]);
+    assert_eq!(option_reply(&mut s).0, REP_ERR_POLICY);
+    option(&mut s, OPT_LIST, b"x");
+    assert_eq!(option_reply(&mut s).0, REP_ERR_INVALID);
+    // ABORT: acknowledged, then closed.
+    option(&mut s, OPT_ABORT, &[]);
+    assert_eq!(option_reply(&mut s).0, REP_ACK);
+    assert!(closed(&mut s));
+
+    // EXPORT_NAME with an unknown name has no error reply: the server disconnects.
+    let mut s = hello(&h);
+    option(&mut s, OPT_EXPORT_NAME, b"nope");
+    assert!(closed(&mut s));
+    // Bad option magic: disconnect.
+    let mut s = hello(&h);
+    s.write_all(&[0u8; 16]).unwrap();
+    assert!(closed(&mut s));
+    // An absurd option length: disconnect without trying to read it.
+    let mut s = hello(&h);
+    let mut o = IHAVEOPT.to_be_bytes().to_vec();
+    o.extend_from_slice(&OPT_GO.to_be_bytes());
+    o.extend_from_slice(&u32::MAX.to_be_bytes());
+    s.write_all(&o).unwrap();
+    assert!(closed(&mut s));
+    // Unknown client flags: disconnect.
+    let mut s = UnixStream::connect(h.sock()).unwrap();
+    timeout(&s);
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    s.write_all(&0x8000_0000u32.to_be_bytes()).unwrap();
+    assert!(closed(&mut s));
+    h.assert_untouched();
+}
+
+#[test]
+fn transmission_errors_keep_the_connection_and_the_data() {
+    let h = Harness::new();
+    let mut s = transmission(&h, "a");
+    let size = 4 * MIB;
+    // Out of range: EINVAL for reads, ENOSPC for writes (payload consumed, framing kept).
+    assert_eq!(request(&mut s, CMD_READ, 0, size - 10, 4096), EINVAL);
+    assert_eq!(request(&mut s, CMD_READ, 0, u64::MAX - 100, 4096), EINVAL);
+    s.write_all(&Request { flags: 0, kind: CMD_WRITE, cookie: 42, offset: size, length: 512 }.encode()).unwrap();
+    s.write_all(&[9u8; 512]).unwrap();
+    assert_eq!(reply(&mut s), ENOSPC);
+    assert_eq!(request(&mut s, CMD_TRIM, 0, size, 4096), EINVAL);
+    assert_eq!(request(&mut s, CMD_WRITE_ZEROES, 0, size - 1, 2), ENOSPC);
+    // Oversized read: refused.
+    assert_eq!(request(&mut s, CMD_READ, 0, 0, 64 << 20), EINVAL);
+    // Oversized write: its payload is skipped and the write refused.
+    s.write_all(&Request { flags: 0, kind: CMD_WRITE, cookie: 42, offset: 0, length: 33 << 20 }.encode()).unwrap();
+    s.write_all(&vec![7u8; 33 << 20]).unwrap();
+    assert_eq!(reply(&mut s), EOVERFLOW);
+    // Unknown command: EINVAL. Block status without a negotiated context: EINVAL.
+    assert_eq!(request(&mut s, 77, 0, 0, 0), EINVAL);
+    assert_eq!(request(&mut s, CMD_BLOCK_STATUS, 0, 0, 4096), EINVAL);
+    // The connection still works.
+    assert_eq!(request(&mut s, CMD_FLUSH, 0, 0, 0), 0);
+    s.write_all(&Request { flags: 0, kind: CMD_READ, cookie: 42, offset: 100, length: 10 }.encode()).unwrap();
+    assert_eq!(reply(&mut s), 0);
+    let mut data = [0u8; 10];
+    s.read_exact(&mut data).unwrap();
+    assert_eq!(data, [b'a'; 10]);
+    // Bad request magic: the server disconnects.
+    s.write_all(&[0xFFu8; REQUEST_LEN]).unwrap();
+    assert!(closed(&mut s));
+    h.assert_untouched();
+}
+
+#[test]
+fn disconnect_mid_write_changes_nothing_and_others_keep_working() {
+    let h = Harness::new();
+    let mut other = transmission(&h, "b");
+    for _ in 0..5 {
+        let mut s = transmission(&h, "a");
+        s.write_all(&Request { flags: 0, kind: CMD_WRITE, cookie: 42, offset: 0, length: 1 << 20 }.encode()).unwrap();
+        s.write_all(&vec![0xEEu8; 300 << 10]).unwrap(); // payload shorter than announced
+        drop(s);
+    }
+    // A connection on the other export is unaffected, and so is a new one on the first.
+    assert_eq!(request(&mut other, CMD_FLUSH, 0, 0, 0), 0);
+    let mut s = transmission(&h, "a");
+    assert_eq!(request(&mut s, CMD_FLUSH, 0, 0, 0), 0);
+    std::thread::sleep(Duration::from_millis(100));
+    h.assert_untouched();
+}
+
+#[test]
+fn read_only_export_refuses_every_write_kind() {
+    let h = Harness::new();
+    let exports = Arc::new(Exports::default());
+    let volume = h.pool.open_volume("a").unwrap();
+    exports.add(Export { name: "ro".into(), volume, read_only: true, description: String::new() });
+    let server = Arc::new(Server::new(exports));
+    let sock = h.dir.path().join("ro.sock");
+    let s2 = sock.clone();
+    h._rt.spawn(async move { server.serve_unix(&s2).await });
+    while !sock.exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut s = UnixStream::connect(&sock).unwrap();
+    timeout(&s);
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+    option(&mut s, OPT_GO, &go_data("ro"));
+    while option_reply(&mut s).0 != REP_ACK {}
+    s.write_all(&Request { flags: 0, kind: CMD_WRITE, cookie: 42, offset: 0, length: 4 }.encode()).unwrap();
+    s.write_all(&[1, 2, 3, 4]).unwrap();
+    assert_eq!(reply(&mut s), EPERM);
+    assert_eq!(request(&mut s, CMD_TRIM, 0, 0, 4096), EPERM);
+    assert_eq!(request(&mut s, CMD_WRITE_ZEROES, 0, 0, 4096), EPERM);
+    h.assert_untouched();
+}
