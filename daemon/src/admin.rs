@@ -72,12 +72,7 @@ fn save_exports(cfg: &Config, records: &[ExportRecord]) -> std::io::Result<()> {
 /// Publishes an export on the NBD server.
 pub fn publish(pool: &Pool, exports: &Exports, r: &ExportRecord) -> Result<(), ferrite_engine::Error> {
     let volume = pool.open_volume(&r.volume)?;
-    exports.add(Export {
-        name: r.name.clone(),
-        volume,
-        read_only: r.read_only,
-        description: format!("ferrite volume {}", r.volume),
-    });
+    exports.add(Export::new(r.name.clone(), volume, r.read_only, format!("ferrite volume {}", r.volume)));
     Ok(())
 }
 

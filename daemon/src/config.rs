@@ -8,6 +8,7 @@
 //! admin-socket = "/run/ferrite/admin.sock"  # default: <data-dir>/admin.sock
 //! nbd-socket = "/run/ferrite/nbd.sock"      # default: <data-dir>/nbd.sock
 //! nbd-listen = "127.0.0.1:10809"    # optional TCP listener for NBD
+//! metrics-listen = "127.0.0.1:9574" # optional Prometheus endpoint (GET /metrics)
 //! log-level = "info"                # or a tracing filter such as "ferrite=debug"
 //! ```
 
@@ -31,6 +32,7 @@ pub struct ConfigFile {
     pub admin_socket: Option<PathBuf>,
     pub nbd_socket: Option<PathBuf>,
     pub nbd_listen: Option<SocketAddr>,
+    pub metrics_listen: Option<SocketAddr>,
     pub log_level: Option<String>,
 }
 
@@ -45,6 +47,7 @@ pub struct Config {
     pub admin_socket: PathBuf,
     pub nbd_socket: PathBuf,
     pub nbd_listen: Option<SocketAddr>,
+    pub metrics_listen: Option<SocketAddr>,
     pub log_level: String,
 }
 
@@ -79,6 +82,7 @@ impl Config {
             admin_socket: f.admin_socket.unwrap_or_else(|| data_dir.join("admin.sock")),
             nbd_socket: f.nbd_socket.unwrap_or_else(|| data_dir.join("nbd.sock")),
             nbd_listen: f.nbd_listen,
+            metrics_listen: f.metrics_listen,
             log_level: f.log_level.unwrap_or_else(|| "info".into()),
             data_dir,
         };

@@ -64,6 +64,10 @@ pub async fn run(cfg: Config) -> Result<()> {
         Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding NBD listener {a}"))?),
         None => None,
     };
+    let metrics = match cfg.metrics_listen {
+        Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding metrics listener {a}"))?),
+        None => None,
+    };
     let pool = {
         let cfg = cfg.clone();
         Arc::new(tokio::task::spawn_blocking(move || open_pool(&cfg)).await??)
@@ -85,6 +89,10 @@ pub async fn run(cfg: Config) -> Result<()> {
         let nbd = Arc::clone(&nbd);
         tasks.spawn(async move { nbd.serve_tcp(l).await.context("NBD TCP listener") });
     }
+    if let Some(l) = metrics {
+        let (pool, nbd) = (Arc::clone(&pool), Arc::clone(&nbd));
+        tasks.spawn(async move { crate::metrics::serve(l, pool, nbd).await.context("metrics listener") });
+    }
     let svc = AdminService::new(Arc::clone(&pool), Arc::clone(&nbd), cfg.clone(), records);
     tasks.spawn(async move {
         tonic::transport::Server::builder()
@@ -97,6 +105,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         admin = %cfg.admin_socket.display(),
         nbd = %cfg.nbd_socket.display(),
         nbd_tcp = %cfg.nbd_listen.map(|a| a.to_string()).unwrap_or_else(|| "off".into()),
+        metrics = %cfg.metrics_listen.map(|a| a.to_string()).unwrap_or_else(|| "off".into()),
         "ferrite daemon ready"
     );
     let mut term = signal(SignalKind::terminate())?;

@@ -4,6 +4,7 @@ mod admin;
 mod cli;
 mod config;
 mod daemon;
+mod metrics;
 mod size;
 
 use std::path::PathBuf;

@@ -86,3 +86,47 @@ fn client_without_daemon_says_so() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("is it running"), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+#[test]
+fn metrics_endpoint_reports_pool_volumes_and_traffic() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    std::fs::write(
+        dir.path().join("ferrite.toml"),
+        format!("pool-size = \"1G\"\nsegment-size = \"4M\"\nmetrics-listen = \"127.0.0.1:{port}\"\n"),
+    )
+    .unwrap();
+    let d = Daemon::start(dir.path());
+    d.ok(&["volume", "create", "m", "16M"]);
+    d.ok(&["export", "nbd", "m"]);
+    if have("qemu-io") {
+        let w = Command::new("qemu-io")
+            .args(["-f", "raw", "-c", "write 0 1M", "-c", "read 0 64k"])
+            .arg(d.qemu_uri("m"))
+            .output()
+            .unwrap();
+        assert!(w.status.success());
+    }
+    let get = |path: &str| {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text
+    };
+    let m = get("/metrics");
+    assert!(m.starts_with("HTTP/1.1 200 OK"), "{m}");
+    for needle in [
+        "ferrite_pool_size_bytes ",
+        "ferrite_volume_size_bytes{volume=\"m\"} 16777216",
+        "ferrite_nbd_connections_total",
+    ] {
+        assert!(m.contains(needle), "missing {needle}: {m}");
+    }
+    if have("qemu-io") {
+        assert!(m.contains("ferrite_nbd_write_bytes_total{export=\"m\",volume=\"m\"} 1048576"), "{m}");
+        assert!(m.contains("ferrite_nbd_read_seconds_count{export=\"m\",volume=\"m\"} 1"), "{m}");
+    }
+    assert!(get("/nope").starts_with("HTTP/1.1 404"));
+}

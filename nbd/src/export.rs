@@ -6,6 +6,8 @@ use std::sync::Arc;
 use ferrite_engine::Volume;
 use parking_lot::RwLock;
 
+use crate::metrics::ExportMetrics;
+
 /// One export: a volume under a name.
 #[derive(Debug)]
 pub struct Export {
@@ -13,6 +15,19 @@ pub struct Export {
     pub volume: Volume,
     pub read_only: bool,
     pub description: String,
+    pub metrics: ExportMetrics,
+}
+
+impl Export {
+    pub fn new(name: impl Into<String>, volume: Volume, read_only: bool, description: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            volume,
+            read_only,
+            description: description.into(),
+            metrics: ExportMetrics::default(),
+        }
+    }
 }
 
 /// The set of exports, shared by every listener and changed by the admin API at run time.

@@ -15,6 +15,7 @@
 
 pub mod export;
 pub mod handshake;
+pub mod metrics;
 pub mod proto;
 pub mod server;
 pub mod transmission;

@@ -11,6 +11,7 @@
 
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use ferrite_engine::{Error, ErrorKind, Volume};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -35,19 +36,29 @@ pub fn nbd_errno(e: &Error) -> u32 {
     }
 }
 
-/// One reply, ready to write.
-struct Reply(Vec<u8>);
+/// One reply, ready to write, and whether it reports an error.
+struct Reply {
+    bytes: Vec<u8>,
+    failed: bool,
+}
+
+impl Reply {
+    fn success(bytes: Vec<u8>) -> Self {
+        Self { bytes, failed: false }
+    }
+}
 
 /// Builds the reply of a request that failed with `error`.
 fn error_reply(structured: bool, cookie: u64, error: u32, msg: &str) -> Reply {
-    if structured { Reply(structured_error(cookie, error, msg)) } else { Reply(simple_reply(error, cookie).to_vec()) }
+    let bytes = if structured { structured_error(cookie, error, msg) } else { simple_reply(error, cookie).to_vec() };
+    Reply { bytes, failed: true }
 }
 
 fn ok_reply(structured: bool, cookie: u64) -> Reply {
     if structured {
-        Reply(structured_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0).to_vec())
+        Reply::success(structured_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0).to_vec())
     } else {
-        Reply(simple_reply(0, cookie).to_vec())
+        Reply::success(simple_reply(0, cookie).to_vec())
     }
 }
 
@@ -98,7 +109,13 @@ where
         let (wr, session) = (Arc::clone(&wr), Arc::clone(&session));
         tokio::spawn(async move {
             let s = Arc::clone(&session);
-            let reply = tokio::task::spawn_blocking(move || handle(&s, req, payload)).await;
+            let reply = tokio::task::spawn_blocking(move || {
+                let start = std::time::Instant::now();
+                let reply = handle(&s, req, payload);
+                record(&s, &req, &reply, start.elapsed());
+                reply
+            })
+            .await;
             let reply = reply.unwrap_or_else(|_| error_reply(session.structured, req.cookie, EIO, "internal error"));
             if let Err(e) = send(&wr, reply).await {
                 tracing::debug!(error = %e, "writing an NBD reply failed");
@@ -113,7 +130,29 @@ where
 }
 
 async fn send<W: AsyncWrite + Unpin>(wr: &Mutex<W>, r: Reply) -> io::Result<()> {
-    wr.lock().await.write_all(&r.0).await
+    wr.lock().await.write_all(&r.bytes).await
+}
+
+/// Counts a finished request in its export's metrics.
+fn record(s: &Session, req: &Request, reply: &Reply, took: std::time::Duration) {
+    let m = &s.export.metrics;
+    if reply.failed {
+        m.errors.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    match req.kind {
+        CMD_READ => {
+            m.read_bytes.fetch_add(u64::from(req.length), Ordering::Relaxed);
+            m.read_latency.observe(took);
+        }
+        CMD_WRITE => {
+            m.write_bytes.fetch_add(u64::from(req.length), Ordering::Relaxed);
+            m.write_latency.observe(took);
+        }
+        _ => {
+            m.other_ops.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Checks `offset + length` against the export size.
@@ -188,7 +227,7 @@ fn read(s: &Session, req: Request) -> Reply {
         let mut out = simple_reply(0, req.cookie).to_vec();
         out.resize(16 + len, 0);
         return match vol.read(req.offset, &mut out[16..]) {
-            Ok(()) => Reply(out),
+            Ok(()) => Reply::success(out),
             Err(e) => error_reply(false, req.cookie, nbd_errno(&e), ""),
         };
     }
@@ -221,7 +260,7 @@ fn read(s: &Session, req: Request) -> Reply {
         }
         at += n;
     }
-    Reply(out)
+    Reply::success(out)
 }
 
 fn block_status(s: &Session, req: Request) -> Reply {
@@ -246,5 +285,5 @@ fn block_status(s: &Session, req: Request) -> Reply {
     let len = u32::try_from(body.len()).expect("bounded by MAX_EXTENTS");
     let mut out = structured_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, len).to_vec();
     out.extend_from_slice(&body);
-    Reply(out)
+    Reply::success(out)
 }

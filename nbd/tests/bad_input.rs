@@ -31,7 +31,7 @@ impl Harness {
             pool.create_volume(name, 4 * MIB).unwrap();
             let volume = pool.open_volume(name).unwrap();
             volume.write(0, &vec![name.as_bytes()[0]; 4 * MIB as usize]).unwrap();
-            exports.add(Export { name: name.into(), volume, read_only: false, description: String::new() });
+            exports.add(Export::new(name, volume, false, ""));
         }
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let server = Arc::new(Server::new(exports));
@@ -240,7 +240,7 @@ fn read_only_export_refuses_every_write_kind() {
     let h = Harness::new();
     let exports = Arc::new(Exports::default());
     let volume = h.pool.open_volume("a").unwrap();
-    exports.add(Export { name: "ro".into(), volume, read_only: true, description: String::new() });
+    exports.add(Export::new("ro", volume, true, ""));
     let server = Arc::new(Server::new(exports));
     let sock = h.dir.path().join("ro.sock");
     let s2 = sock.clone();

@@ -45,7 +45,7 @@ impl Harness {
     fn export(&self, name: &str, size: u64, read_only: bool) {
         self.pool.create_volume(name, size).unwrap();
         let volume = self.pool.open_volume(name).unwrap();
-        self.exports.add(Export { name: name.into(), volume, read_only, description: format!("volume {name}") });
+        self.exports.add(Export::new(name, volume, read_only, format!("volume {name}")));
     }
 
     fn uri(&self, name: &str) -> String {

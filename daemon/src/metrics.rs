@@ -1,0 +1,97 @@
+//! The opt-in Prometheus endpoint (`metrics-listen`): `GET /metrics` in the text format.
+//! A tiny HTTP/1.1 responder: one request per connection, anything else gets 404/400.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use ferrite_engine::Pool;
+use ferrite_nbd::Server;
+use ferrite_nbd::metrics::{escape, render_headers};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Renders every metric.
+pub fn render(pool: &Pool, nbd: &Server) -> String {
+    let mut out = String::new();
+    let s = pool.stats();
+    for (name, help, v) in [
+        ("ferrite_pool_size_bytes", "Data area of the pool.", s.size),
+        ("ferrite_pool_used_bytes", "Bytes in segments that are not free.", s.used),
+        ("ferrite_pool_free_bytes", "Bytes free for client writes (reserve excluded).", s.free),
+        ("ferrite_pool_live_bytes", "Bytes mapped by some volume.", s.live),
+        ("ferrite_pool_reclaimable_bytes", "Dead bytes in sealed segments.", s.reclaimable),
+        ("ferrite_pool_segments_free", "Free segments.", s.segments_free),
+        ("ferrite_pool_volumes", "Volumes in the pool.", s.volumes as u64),
+        ("ferrite_nbd_connections_open", "Open NBD connections.", nbd.stats.connections_open.load(Ordering::Relaxed)),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    }
+    for (name, help, v) in [
+        ("ferrite_pool_client_written_bytes_total", "Bytes clients wrote.", s.client_bytes_written),
+        ("ferrite_pool_media_written_bytes_total", "Bytes the log wrote to media.", s.media_bytes_written),
+        (
+            "ferrite_nbd_connections_total",
+            "NBD connections accepted.",
+            nbd.stats.connections_total.load(Ordering::Relaxed),
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+    }
+    let _ = writeln!(out, "# HELP ferrite_volume_size_bytes Provisioned size.\n# TYPE ferrite_volume_size_bytes gauge");
+    let _ = writeln!(
+        out,
+        "# HELP ferrite_volume_allocated_bytes Mapped bytes.\n# TYPE ferrite_volume_allocated_bytes gauge"
+    );
+    for v in pool.volumes() {
+        let l = escape(&v.name);
+        let _ = writeln!(out, "ferrite_volume_size_bytes{{volume=\"{l}\"}} {}", v.size);
+        let _ = writeln!(out, "ferrite_volume_allocated_bytes{{volume=\"{l}\"}} {}", v.allocated);
+    }
+    render_headers(&mut out);
+    for e in nbd.exports.list() {
+        e.metrics.render(&mut out, &e.name, e.volume.name());
+    }
+    out
+}
+
+async fn answer(mut stream: TcpStream, pool: Arc<Pool>, nbd: Arc<Server>) -> std::io::Result<()> {
+    let mut req = Vec::with_capacity(1024);
+    let mut buf = [0u8; 1024];
+    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 || req.len() > 8192 {
+            return Ok(());
+        }
+        req.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8_lossy(&req);
+    let mut parts = line.split_whitespace();
+    let (status, body) = match (parts.next(), parts.next()) {
+        (Some("GET"), Some("/metrics")) => {
+            ("200 OK", tokio::task::spawn_blocking(move || render(&pool, &nbd)).await.unwrap_or_default())
+        }
+        (Some(_), Some(_)) => ("404 Not Found", "not found; try /metrics\n".to_string()),
+        _ => ("400 Bad Request", String::new()),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// Serves the endpoint until the task is dropped.
+pub async fn serve(listener: TcpListener, pool: Arc<Pool>, nbd: Arc<Server>) -> std::io::Result<()> {
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let (pool, nbd) = (Arc::clone(&pool), Arc::clone(&nbd));
+        tokio::spawn(async move {
+            if let Err(e) = answer(stream, pool, nbd).await {
+                tracing::debug!(error = %e, "metrics request failed");
+            }
+        });
+    }
+}
