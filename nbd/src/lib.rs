@@ -14,6 +14,7 @@
 //! `NBD_FLAG_CAN_MULTI_CONN` promises.
 
 pub mod export;
+pub mod fuzzing;
 pub mod handshake;
 pub mod metrics;
 pub mod proto;
