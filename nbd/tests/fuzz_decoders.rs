@@ -12,7 +12,7 @@ fn opening() -> Vec<u8> {
 fn option_bytes(opt: u32, data: &[u8]) -> Vec<u8> {
     let mut o = IHAVEOPT.to_be_bytes().to_vec();
     o.extend_from_slice(&opt.to_be_bytes());
-    o.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    o.extend_from_slice(&u32::try_from(data.len()).unwrap().to_be_bytes());
     o.extend_from_slice(data);
     o
 }
