@@ -5,48 +5,31 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferrite_engine::{Pool, PoolOptions};
+use common::{Harness, MIB};
 use ferrite_nbd::proto::*;
-use ferrite_nbd::{Export, Exports, Server};
+use ferrite_nbd::{Export, Exports};
 
-const MIB: u64 = 1 << 20;
-
-struct Harness {
-    _rt: tokio::runtime::Runtime,
-    pool: Pool,
-    dir: tempfile::TempDir,
+fn harness() -> Harness {
+    let h = Harness::new(256 * MIB);
+    for name in ["a", "b"] {
+        h.pool.create_volume(name, 4 * MIB).unwrap();
+        let volume = h.pool.open_volume(name).unwrap();
+        volume.write(0, &vec![name.as_bytes()[0]; 4 * MIB as usize]).unwrap();
+        h.exports.add(Export::new(name, volume, false, ""));
+    }
+    h
 }
 
-impl Harness {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let opts = PoolOptions { segment_size: 4 * MIB, ..PoolOptions::default() };
-        let pool = Pool::create(&dir.path().join("pool.img"), &dir.path().join("meta"), 256 * MIB, opts).unwrap();
-        let exports = Arc::new(Exports::default());
-        for name in ["a", "b"] {
-            pool.create_volume(name, 4 * MIB).unwrap();
-            let volume = pool.open_volume(name).unwrap();
-            volume.write(0, &vec![name.as_bytes()[0]; 4 * MIB as usize]).unwrap();
-            exports.add(Export::new(name, volume, false, ""));
-        }
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let server = Arc::new(Server::new(exports));
-        let sock = dir.path().join("nbd.sock");
-        rt.spawn(async move { server.serve_unix(&sock).await });
-        while !dir.path().join("nbd.sock").exists() {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Self { _rt: rt, pool, dir }
-    }
+trait Untouched {
+    fn assert_untouched(&self);
+}
 
-    fn sock(&self) -> PathBuf {
-        self.dir.path().join("nbd.sock")
-    }
-
+impl Untouched for Harness {
     /// Both exports still hold exactly what they were filled with.
     fn assert_untouched(&self) {
         for name in ["a", "b"] {
@@ -131,7 +114,7 @@ fn closed(s: &mut UnixStream) -> bool {
 
 #[test]
 fn negotiation_errors() {
-    let h = Harness::new();
+    let h = harness();
     // Unknown option: NBD_REP_ERR_UNSUP, and negotiation goes on.
     let mut s = hello(&h);
     option(&mut s, 999, b"junk");
@@ -184,7 +167,7 @@ fn negotiation_errors() {
 
 #[test]
 fn transmission_errors_keep_the_connection_and_the_data() {
-    let h = Harness::new();
+    let h = harness();
     let mut s = transmission(&h, "a");
     let size = 4 * MIB;
     // Out of range: EINVAL for reads, ENOSPC for writes (payload consumed, framing kept).
@@ -219,7 +202,7 @@ fn transmission_errors_keep_the_connection_and_the_data() {
 
 #[test]
 fn disconnect_mid_write_changes_nothing_and_others_keep_working() {
-    let h = Harness::new();
+    let h = harness();
     let mut other = transmission(&h, "b");
     for _ in 0..5 {
         let mut s = transmission(&h, "a");
@@ -237,17 +220,12 @@ fn disconnect_mid_write_changes_nothing_and_others_keep_working() {
 
 #[test]
 fn read_only_export_refuses_every_write_kind() {
-    let h = Harness::new();
+    let h = harness();
     let exports = Arc::new(Exports::default());
     let volume = h.pool.open_volume("a").unwrap();
     exports.add(Export::new("ro", volume, true, ""));
-    let server = Arc::new(Server::new(exports));
     let sock = h.dir.path().join("ro.sock");
-    let s2 = sock.clone();
-    h._rt.spawn(async move { server.serve_unix(&s2).await });
-    while !sock.exists() {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    h.serve(exports, &sock);
     let mut s = UnixStream::connect(&sock).unwrap();
     timeout(&s);
     let mut g = [0u8; 18];

@@ -3,45 +3,21 @@
 
 #![allow(clippy::cast_possible_truncation)] // test arithmetic on small values
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
-use std::time::Duration;
 
-use ferrite_engine::{Pool, PoolOptions};
-use ferrite_nbd::{Export, Exports, Server};
+use common::{Harness, MIB};
+use ferrite_nbd::Export;
 
-const MIB: u64 = 1 << 20;
-
-/// Fields drop in order: the server's runtime first, the directory last.
-struct Harness {
-    _rt: tokio::runtime::Runtime,
-    exports: Arc<Exports>,
-    pool: Pool,
-    dir: tempfile::TempDir,
+trait ClientHarness {
+    fn export(&self, name: &str, size: u64, read_only: bool);
+    fn uri(&self, name: &str) -> String;
+    fn qemu(&self, name: &str) -> String;
 }
 
-impl Harness {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let opts = PoolOptions { segment_size: 4 * MIB, ..PoolOptions::default() };
-        let pool = Pool::create(&dir.path().join("pool.img"), &dir.path().join("meta"), 512 * MIB, opts).unwrap();
-        let exports = Arc::new(Exports::default());
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let server = Arc::new(Server::new(Arc::clone(&exports)));
-        let sock = dir.path().join("nbd.sock");
-        rt.spawn(async move { server.serve_unix(&sock).await });
-        let h = Self { _rt: rt, exports, pool, dir };
-        while !h.sock().exists() {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        h
-    }
-
-    fn sock(&self) -> PathBuf {
-        self.dir.path().join("nbd.sock")
-    }
-
+impl ClientHarness for Harness {
     fn export(&self, name: &str, size: u64, read_only: bool) {
         self.pool.create_volume(name, size).unwrap();
         let volume = self.pool.open_volume(name).unwrap();
@@ -85,7 +61,7 @@ fn nbdinfo_lists_exports_and_maps_allocation() {
     if !have("nbdinfo") || !have("qemu-io") {
         return;
     }
-    let h = Harness::new();
+    let h = Harness::new(512 * MIB);
     h.export("alpha", 64 * MIB, false);
     h.export("beta", 8 * MIB, true);
     let list = run(Command::new("nbdinfo").arg("--list").arg(format!("nbd+unix://?socket={}", h.sock().display())));
@@ -114,7 +90,7 @@ fn qemu_img_convert_in_and_out_and_compare() {
     if !have("qemu-img") {
         return;
     }
-    let h = Harness::new();
+    let h = Harness::new(512 * MIB);
     h.export("disk", 32 * MIB, false);
     let src = h.dir.path().join("src.raw");
     let mut data = write_file(&src, 32 * MIB as usize, 7);
@@ -135,7 +111,7 @@ fn qemu_io_patterns_discard_and_write_zeroes() {
     if !have("qemu-io") {
         return;
     }
-    let h = Harness::new();
+    let h = Harness::new(512 * MIB);
     h.export("v", 16 * MIB, false);
     let t = h.qemu("v");
     let io = |cmds: &[&str]| {
@@ -182,7 +158,7 @@ fn nbdcopy_roundtrip_with_multiple_connections() {
     if !have("nbdcopy") {
         return;
     }
-    let h = Harness::new();
+    let h = Harness::new(512 * MIB);
     h.export("c", 24 * MIB, false);
     let src = h.dir.path().join("in.raw");
     let data = write_file(&src, 24 * MIB as usize, 3);
@@ -197,7 +173,7 @@ fn read_only_export_refuses_writes() {
     if !have("qemu-io") {
         return;
     }
-    let h = Harness::new();
+    let h = Harness::new(512 * MIB);
     h.export("ro", 4 * MIB, true);
     let out = Command::new("qemu-io").args(["-f", "raw", "-c", "write 0 4k"]).arg(h.qemu("ro")).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);

@@ -1,0 +1,47 @@
+//! A pool and an NBD server on a Unix socket in a temporary directory, shared by the tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrite_engine::{Pool, PoolOptions};
+use ferrite_nbd::{Exports, Server};
+
+pub const MIB: u64 = 1 << 20;
+
+/// Fields drop in order: the server's runtime first, the directory last.
+pub struct Harness {
+    pub rt: tokio::runtime::Runtime,
+    pub exports: Arc<Exports>,
+    pub pool: Pool,
+    pub dir: tempfile::TempDir,
+}
+
+impl Harness {
+    /// A pool of `pool_size` bytes (4 MiB segments) and a server on `<dir>/nbd.sock`.
+    pub fn new(pool_size: u64) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = PoolOptions { segment_size: 4 * MIB, ..PoolOptions::default() };
+        let pool = Pool::create(&dir.path().join("pool.img"), &dir.path().join("meta"), pool_size, opts).unwrap();
+        let exports = Arc::new(Exports::default());
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let h = Self { rt, exports: Arc::clone(&exports), pool, dir };
+        h.serve(exports, &h.sock());
+        h
+    }
+
+    /// Serves `exports` on another socket of the same runtime, once it accepts.
+    pub fn serve(&self, exports: Arc<Exports>, sock: &Path) {
+        let server = Arc::new(Server::new(exports));
+        let path = sock.to_path_buf();
+        self.rt.spawn(async move { server.serve_unix(&path).await });
+        while !sock.exists() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn sock(&self) -> PathBuf {
+        self.dir.path().join("nbd.sock")
+    }
+}
