@@ -1,17 +1,22 @@
-//! The log writer: one thread that turns concurrent requests into batches.
+//! The log writer: concurrent requests become batches, written by a leader.
 //!
 //! ```text
-//!  writers --Req--> channel --> [drain up to max batch] --> header+data, one aligned write
-//!                                                         --> apply to maps (state lock)
-//!                                                         --> ack (FUA / FLUSH: after sync)
+//!  callers --Req--> queue --> leader (the first caller to find no leader) takes up to a batch
+//!                             --> header+data, one aligned write --> apply to maps (state lock)
+//!                             --> ack (FUA / FLUSH: after sync); repeats until the queue is empty
 //! ```
+//! There is no writer thread: at queue depth 1 the caller writes its own batch with no thread
+//! hand-off, and under load one caller leads while the others' requests pile up into the next
+//! batch. Only one leader runs at a time, so batches keep a single order.
 //! A write is acknowledged once its batch is on the store and in the maps, before it is
 //! durable (a volatile write cache); FUA writes and flushes are acknowledged after a sync that
 //! covers every batch written before them. A media error other than ENOSPC poisons the pool:
 //! after it, a later flush could not honestly claim anything.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{BatchHeader, Entry, EntryKind, block_crc};
@@ -30,6 +35,16 @@ pub(crate) enum Req {
     Unmap { layer: u64, lba: u64, blocks: u64, done: Done },
     /// Make everything acknowledged so far durable.
     Flush { done: Done },
+}
+
+impl std::fmt::Debug for Req {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Req::Write { layer, lba, data, fua, .. } => write!(f, "Write({layer}:{lba}+{}, fua={fua})", data.len()),
+            Req::Unmap { layer, lba, blocks, .. } => write!(f, "Unmap({layer}:{lba}+{blocks})"),
+            Req::Flush { .. } => f.write_str("Flush"),
+        }
+    }
 }
 
 impl Req {
@@ -59,39 +74,87 @@ pub(crate) struct LogPos {
 
 const MAX_ENTRIES: usize = 512;
 
-pub(crate) fn writer_loop(inner: &Inner, rx: &mpsc::Receiver<Req>) {
-    let mut carry: Option<Req> = None;
-    // One batch buffer, reused: a fresh large allocation per batch costs an mmap and page faults.
-    let mut scratch = AlignedBuf::new(BLOCK);
-    loop {
-        let first = match carry.take() {
-            Some(r) => r,
-            None => match rx.recv() {
-                Ok(r) => r,
-                Err(_) => return,
-            },
-        };
-        // Fill what is left of the head segment before moving on, so segments end with little
-        // unused space; a request that does not fit there starts a new segment.
-        let room = head_room_blocks(inner);
-        let limit = if first.data_blocks() <= room { room.min(inner.max_batch_blocks) } else { inner.max_batch_blocks };
-        let mut reqs = vec![first];
-        let mut blocks = reqs[0].data_blocks();
-        while reqs.len() < MAX_ENTRIES {
-            match rx.try_recv() {
-                Ok(r) => {
-                    if blocks + r.data_blocks() > limit {
-                        carry = Some(r);
-                        break;
-                    }
-                    blocks += r.data_blocks();
-                    reqs.push(r);
-                }
-                Err(_) => break,
-            }
-        }
-        process(inner, reqs, &mut scratch);
+/// The request queue and the leader's baton (which also holds the reusable batch buffer).
+#[derive(Debug)]
+pub(crate) struct LogQueue {
+    queue: Mutex<Queue>,
+    /// Held by the thread writing batches. A buffer reused across batches avoids an mmap and
+    /// page faults per large batch.
+    leader: Mutex<AlignedBuf>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    reqs: VecDeque<Req>,
+    closed: bool,
+}
+
+impl Default for LogQueue {
+    fn default() -> Self {
+        Self { queue: Mutex::default(), leader: Mutex::new(AlignedBuf::new(BLOCK)) }
     }
+}
+
+impl LogQueue {
+    /// Queues a request; false (and the request back) if the log is closed.
+    fn push(&self, req: Req) -> Result<(), Req> {
+        let mut q = self.queue.lock();
+        if q.closed {
+            return Err(req);
+        }
+        q.reqs.push_back(req);
+        Ok(())
+    }
+
+    /// Refuses new requests and waits for the current leader to finish.
+    pub fn close(&self) {
+        self.queue.lock().closed = true;
+        drop(self.leader.lock());
+    }
+}
+
+/// Hands a request to the log: queues it and, if no other thread is leading, leads until the
+/// queue is empty. On return the request may or may not have completed; its callback says when.
+pub(crate) fn submit(inner: &Inner, req: Req) -> Result<(), Req> {
+    inner.log.push(req)?;
+    loop {
+        let Some(mut scratch) = inner.log.leader.try_lock() else {
+            // The leader takes our request with its next batch (it only stops on an empty queue).
+            return Ok(());
+        };
+        loop {
+            let reqs = take_batch(inner);
+            if reqs.is_empty() {
+                break;
+            }
+            process(inner, reqs, &mut scratch);
+        }
+        drop(scratch);
+        // A request queued between our last look and letting go would have seen us leading.
+        if inner.log.queue.lock().reqs.is_empty() {
+            return Ok(());
+        }
+    }
+}
+
+/// Takes the next batch off the queue: as many requests as fit one batch.
+fn take_batch(inner: &Inner) -> Vec<Req> {
+    // Fill what is left of the head segment before moving on, so segments end with little
+    // unused space; a request that does not fit there starts a new segment.
+    let room = head_room_blocks(inner);
+    let mut q = inner.log.queue.lock();
+    let Some(first) = q.reqs.front() else { return Vec::new() };
+    let limit = if first.data_blocks() <= room { room.min(inner.max_batch_blocks) } else { inner.max_batch_blocks };
+    let mut reqs = Vec::new();
+    let mut blocks = 0;
+    while let Some(r) = q.reqs.front() {
+        if reqs.len() == MAX_ENTRIES || (!reqs.is_empty() && blocks + r.data_blocks() > limit) {
+            break;
+        }
+        blocks += r.data_blocks();
+        reqs.push(q.reqs.pop_front().expect("front exists"));
+    }
+    reqs
 }
 
 /// Data blocks a batch can still carry in the head segment, keeping room for the largest header.

@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::OpenOptions;
 use std::io::Read;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -16,7 +16,7 @@ use crate::error::{Error, ErrorKind, Result, invalid};
 use crate::extent_map::ExtentMap;
 use crate::format::{DATA_START, FORMAT_VERSION, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringBackend};
-use crate::log::{LogPos, Req};
+use crate::log::{LogPos, LogQueue, Req};
 use crate::meta::{CheckpointRecord, Meta, VolumeRecord};
 use crate::recovery::RecoveryReport;
 use crate::segments::{SegState, SegmentTable};
@@ -127,7 +127,7 @@ pub(crate) struct Inner {
     pub state: RwLock<State>,
     /// Serialises catalog changes with checkpoints.
     pub meta_lock: Mutex<()>,
-    pub tx: RwLock<Option<mpsc::Sender<Req>>>,
+    pub log: LogQueue,
     pub failed: AtomicBool,
     pub closed: AtomicBool,
     pub stripes: Box<[Mutex<()>]>,
@@ -172,17 +172,13 @@ impl Inner {
         Ok(())
     }
 
-    /// Hands a request to the writer; if the pool is closed, completes it with an error.
+    /// Hands a request to the log (see `log.rs`); if the pool is closed, completes it with an
+    /// error.
     pub fn send(&self, req: Req) -> Result<()> {
-        let unsent = match self.tx.read().as_ref() {
-            Some(tx) => match tx.send(req) {
-                Ok(()) => return Ok(()),
-                Err(mpsc::SendError(req)) => req,
-            },
-            None => req,
-        };
-        unsent.fail(&closed());
-        Err(closed())
+        crate::log::submit(self, req).map_err(|unsent| {
+            unsent.fail(&closed());
+            closed()
+        })
     }
 }
 
@@ -354,7 +350,7 @@ impl Pool {
             sb,
             state: RwLock::new(state),
             meta_lock: Mutex::new(()),
-            tx: RwLock::new(None),
+            log: LogQueue::default(),
             failed: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             stripes: (0..256).map(|_| Mutex::new(())).collect(),
@@ -370,15 +366,6 @@ impl Pool {
         // records go, and the new generation fences off anything a crash left past the end.
         inner.checkpoint()?;
         inner.meta.clear_chain()?;
-        let (tx, rx) = mpsc::channel();
-        *inner.tx.write() = Some(tx);
-        let writer = {
-            let inner = Arc::clone(&inner);
-            std::thread::Builder::new()
-                .name("ferrite-log".into())
-                .spawn(move || crate::log::writer_loop(&inner, &rx))
-                .map_err(|e| Error::io("starting the log writer thread", e))?
-        };
         let ckpt = {
             let inner = Arc::clone(&inner);
             std::thread::Builder::new()
@@ -386,7 +373,7 @@ impl Pool {
                 .spawn(move || crate::checkpoint::checkpointer_loop(&inner))
                 .map_err(|e| Error::io("starting the checkpoint thread", e))?
         };
-        Ok(Pool { inner, threads: Mutex::new(vec![writer, ckpt]) })
+        Ok(Pool { inner, threads: Mutex::new(vec![ckpt]) })
     }
 
     /// What recovery found when this pool was opened.
@@ -540,7 +527,7 @@ impl Pool {
         if threads.is_empty() {
             return Ok(());
         }
-        self.inner.tx.write().take();
+        self.inner.log.close();
         self.inner.ckpt.stop();
         for t in threads {
             let _ = t.join();
