@@ -1,7 +1,7 @@
 //! Ferrite's engine: a log-structured extent store of thin volumes.
 //!
 //! ```text
-//!   Volume::write ──► log writer thread ──► one aligned write per batch ──► Backend
+//!   Volume::write ──► log queue + leader ──► one aligned write per batch ──► Backend
 //!        │                    │ apply                                        (io_uring,
 //!        │                    ▼                                               pread, memory,
 //!   Volume::read ──► extent maps + crc tables (State, RwLock) ─► Backend      crash sim)
