@@ -96,16 +96,6 @@ impl Default for LogQueue {
 }
 
 impl LogQueue {
-    /// Queues a request; false (and the request back) if the log is closed.
-    fn push(&self, req: Req) -> Result<(), Req> {
-        let mut q = self.queue.lock();
-        if q.closed {
-            return Err(req);
-        }
-        q.reqs.push_back(req);
-        Ok(())
-    }
-
     /// Refuses new requests and waits for the current leader to finish.
     pub fn close(&self) {
         self.queue.lock().closed = true;
@@ -113,13 +103,20 @@ impl LogQueue {
     }
 }
 
-/// Hands a request to the log: queues it and, if no other thread is leading, leads until the
-/// queue is empty. On return the request may or may not have completed; its callback says when.
-pub(crate) fn submit(inner: &Inner, req: Req) -> Result<(), Req> {
-    inner.log.push(req)?;
+/// Hands requests to the log: queues them all (so they can share a batch) and, if no other
+/// thread is leading, leads until the queue is empty. On return a request may or may not have
+/// completed; its callback says when. If the log is closed, the requests not queued come back.
+pub(crate) fn submit(inner: &Inner, reqs: Vec<Req>) -> Result<(), Vec<Req>> {
+    {
+        let mut q = inner.log.queue.lock();
+        if q.closed {
+            return Err(reqs);
+        }
+        q.reqs.extend(reqs);
+    }
     loop {
         let Some(mut scratch) = inner.log.leader.try_lock() else {
-            // The leader takes our request with its next batch (it only stops on an empty queue).
+            // The leader takes our requests with its next batches (it only stops on an empty queue).
             return Ok(());
         };
         loop {

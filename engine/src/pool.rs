@@ -175,9 +175,15 @@ impl Inner {
     /// Hands a request to the log (see `log.rs`); if the pool is closed, completes it with an
     /// error.
     pub fn send(&self, req: Req) -> Result<()> {
-        crate::log::submit(self, req).map_err(|unsent| {
-            unsent.fail(&closed());
-            closed()
+        self.send_all(vec![req])
+    }
+
+    /// As [`Inner::send`] for several requests, which may then share a batch.
+    pub fn send_all(&self, reqs: Vec<Req>) -> Result<()> {
+        crate::log::submit(self, reqs).map_err(|unsent| {
+            let e = closed();
+            unsent.into_iter().for_each(|r| r.fail(&e));
+            e
         })
     }
 }

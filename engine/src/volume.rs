@@ -282,15 +282,15 @@ impl Volume {
         let w = Waiter::new();
         // Requests of a quarter batch let the writer fill a segment's tail closely.
         let piece = usize::try_from(inner.max_batch_blocks.div_ceil(4)).expect("fits") * BLOCK;
-        let mut sent = Ok(());
-        for (i, chunk) in data.chunks(piece).enumerate() {
-            let lba = offset / B + (i * piece / BLOCK) as u64;
-            let req = Req::Write { layer: self.layer, lba, data: chunk.to_vec(), fua, done: w.add() };
-            if let Err(e) = inner.send(req) {
-                sent = Err(e);
-                break;
-            }
-        }
+        let reqs = data
+            .chunks(piece)
+            .enumerate()
+            .map(|(i, chunk)| {
+                let lba = offset / B + (i * piece / BLOCK) as u64;
+                Req::Write { layer: self.layer, lba, data: chunk.to_vec(), fua, done: w.add() }
+            })
+            .collect();
+        let sent = inner.send_all(reqs);
         let r = w.wait();
         sent.and(r)
     }
