@@ -137,9 +137,9 @@ impl Inner {
                 .iter()
                 .filter(|&&i| {
                     let s = &st.segs.segs[i];
-                    s.state == SegState::Sealed && s.live == 0 && !st.segs.has_readers(i)
+                    s.state == SegState::Sealed && s.live == 0 && !self.pins.any(i)
                 })
-                .map(|&i| (i, st.segs.byte_offset(i, 0)))
+                .map(|&i| (i, self.sb.segment_offset(i, 0)))
                 .collect()
         };
         // Give the space back to the filesystem (sparse pool files); best effort.

@@ -97,6 +97,11 @@ impl Superblock {
         DATA_START + self.segment_size * self.segment_count
     }
 
+    /// Byte offset on the store of position `off` within segment `seg`.
+    pub fn segment_offset(&self, seg: usize, off: u64) -> u64 {
+        DATA_START + seg as u64 * self.segment_size + off
+    }
+
     /// The first 8 bytes of the uuid, stamped into every batch header.
     pub fn uuid_tag(&self) -> u64 {
         le64(&self.uuid, 0)

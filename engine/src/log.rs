@@ -283,7 +283,7 @@ fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<
     };
     header.encode_into(&mut buf[..hb * BLOCK]);
     let buf = &*buf;
-    let offset = inner.state.read().segs.byte_offset(pos.seg, pos.off);
+    let offset = inner.sb.segment_offset(pos.seg, pos.off);
     if let Err(e) = inner.backend.write_at(buf, offset) {
         let e = Error::io(format!("writing log batch {} at segment {} offset {}", pos.seq, pos.seg, pos.off), e);
         // ENOSPC from the filesystem under a sparse file: nothing was acknowledged, the head does
@@ -348,8 +348,10 @@ pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
 /// move durably first). Returns where the batch goes.
 fn reserve_room(inner: &Inner, len: u64, unmap_only: bool) -> Result<LogPos> {
     let seg_size = inner.sb.segment_size;
-    let head = inner.state.read().applied;
-    let head_is_open = inner.state.read().segs.segs[head.seg].state == SegState::Open;
+    let (head, head_is_open) = {
+        let st = inner.state.read();
+        (st.applied, st.segs.segs[st.applied.seg].state == SegState::Open)
+    };
     if head_is_open && head.off + len <= seg_size {
         return Ok(head);
     }
@@ -365,7 +367,7 @@ fn reserve_room(inner: &Inner, len: u64, unmap_only: bool) -> Result<LogPos> {
     };
     let ready = inner
         .backend
-        .allocate(inner.state.read().segs.byte_offset(seg, 0), seg_size)
+        .allocate(inner.sb.segment_offset(seg, 0), seg_size)
         .map_err(|e| Error::io(format!("allocating segment {seg}"), e))
         .and_then(|()| inner.meta.put_chain(head.seq, seg as u64));
     let mut st = inner.state.write();

@@ -19,7 +19,7 @@ use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringB
 use crate::log::{LogPos, LogQueue, Req};
 use crate::meta::{CheckpointRecord, Meta, VolumeRecord};
 use crate::recovery::RecoveryReport;
-use crate::segments::{SegState, SegmentTable};
+use crate::segments::{ReadPins, SegState, SegmentTable};
 use crate::volume::Volume;
 
 /// Tunables of an open pool. Geometry (segment size) is fixed when the pool is created.
@@ -125,6 +125,7 @@ pub(crate) struct Inner {
     pub sb: Superblock,
     pub opts: PoolOptions,
     pub state: RwLock<State>,
+    pub pins: ReadPins,
     /// Serialises catalog changes with checkpoints.
     pub meta_lock: Mutex<()>,
     pub log: LogQueue,
@@ -355,6 +356,7 @@ impl Pool {
             meta,
             sb,
             state: RwLock::new(state),
+            pins: ReadPins::new(sb.segment_count),
             meta_lock: Mutex::new(()),
             log: LogQueue::default(),
             failed: AtomicBool::new(false),

@@ -132,7 +132,7 @@ fn replay(
     // The read cursor; `st.applied` (moved by `apply`) stays after the last batch replayed.
     let mut pos = st.applied;
     loop {
-        let stop = match read_batch(backend, sb, &st.segs, pos, floor) {
+        let stop = match read_batch(backend, sb, pos, floor) {
             Ok(h) => {
                 floor = h.generation;
                 report.batches_replayed += 1;
@@ -162,18 +162,12 @@ fn replay(
 }
 
 /// Reads and verifies the batch at `pos`, if it is the next one.
-fn read_batch(
-    backend: &dyn Backend,
-    sb: &Superblock,
-    segs: &SegmentTable,
-    pos: LogPos,
-    floor: u64,
-) -> Result<BatchHeader, Stop> {
+fn read_batch(backend: &dyn Backend, sb: &Superblock, pos: LogPos, floor: u64) -> Result<BatchHeader, Stop> {
     let seg_size = sb.segment_size;
     if pos.off + BLOCK as u64 > seg_size {
         return Err(Stop::End);
     }
-    let at = segs.byte_offset(pos.seg, pos.off);
+    let at = sb.segment_offset(pos.seg, pos.off);
     let io_err = |e: std::io::Error| {
         Stop::Damaged(Error::io(format!("reading segment {} at {}", pos.seg, pos.off), e).to_string())
     };

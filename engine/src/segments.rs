@@ -34,14 +34,36 @@ pub(crate) struct Segment {
     pub crc_dirty: bool,
 }
 
+/// Readers between resolving a block in a segment and finishing their media read, per segment.
+/// Atomics outside the state lock, so a finished read unpins without taking the lock; a read
+/// still pins while it holds the state lock to resolve, which is what makes the pin visible to
+/// `checkpoint.rs::release` before that segment can be freed.
+#[derive(Debug)]
+pub(crate) struct ReadPins(Box<[AtomicU32]>);
+
+impl ReadPins {
+    pub fn new(segments: u64) -> Self {
+        Self((0..segments).map(|_| AtomicU32::new(0)).collect())
+    }
+
+    pub fn enter(&self, seg: usize) {
+        self.0[seg].fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn exit(&self, seg: usize) {
+        self.0[seg].fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub fn any(&self, seg: usize) -> bool {
+        self.0[seg].load(Ordering::Acquire) > 0
+    }
+}
+
 /// Geometry plus per-segment state.
 #[derive(Debug)]
 pub(crate) struct SegmentTable {
-    pub seg_size: u64,
     pub blocks_per_seg: u64,
     pub segs: Vec<Segment>,
-    /// Readers between resolving a block in a segment and finishing their media read.
-    readers: Box<[AtomicU32]>,
 }
 
 impl SegmentTable {
@@ -50,8 +72,7 @@ impl SegmentTable {
         let segs = (0..n)
             .map(|_| Segment { state: SegState::Free, live: 0, last_seq: 0, crcs: None, crc_dirty: false })
             .collect();
-        let readers = (0..n).map(|_| AtomicU32::new(0)).collect();
-        Self { seg_size, blocks_per_seg: seg_size / BLOCK as u64, segs, readers }
+        Self { blocks_per_seg: seg_size / BLOCK as u64, segs }
     }
 
     /// Physical block number of block `off` of segment `seg`.
@@ -65,11 +86,6 @@ impl SegmentTable {
         let seg = usize::try_from(rel / self.blocks_per_seg).expect("segment index fits usize");
         let blk = usize::try_from(rel % self.blocks_per_seg).expect("block index fits usize");
         (seg, blk)
-    }
-
-    /// Byte offset on the store of a segment-relative position.
-    pub fn byte_offset(&self, seg: usize, off: u64) -> u64 {
-        DATA_START + seg as u64 * self.seg_size + off
     }
 
     /// crc of a physical block (None if its segment holds no table: a bug or a corrupt map).
@@ -103,18 +119,6 @@ impl SegmentTable {
             }
             done += n;
         }
-    }
-
-    pub fn reader_enter(&self, seg: usize) {
-        self.readers[seg].fetch_add(1, Ordering::AcqRel);
-    }
-
-    pub fn reader_exit(&self, seg: usize) {
-        self.readers[seg].fetch_sub(1, Ordering::AcqRel);
-    }
-
-    pub fn has_readers(&self, seg: usize) -> bool {
-        self.readers[seg].load(Ordering::Acquire) > 0
     }
 
     pub fn count(&self, state: SegState) -> usize {

@@ -79,9 +79,8 @@ struct Pins<'a> {
 
 impl Drop for Pins<'_> {
     fn drop(&mut self) {
-        let st = self.inner.state.read();
         for &s in &self.segs {
-            st.segs.reader_exit(s);
+            self.inner.pins.exit(s);
         }
     }
 }
@@ -160,7 +159,7 @@ impl Volume {
                         })?;
                         let seg = st.segs.locate(pba).0;
                         if pins.segs.last() != Some(&seg) {
-                            st.segs.reader_enter(seg);
+                            inner.pins.enter(seg);
                             pins.segs.push(seg);
                         }
                         Some((pba, crc))
