@@ -46,6 +46,13 @@ pub fn transmission_flags(export: &Export, structured: bool) -> u16 {
     f
 }
 
+/// The export size and transmission flags as sent by EXPORT_NAME and NBD_INFO_EXPORT.
+fn size_and_flags(export: &Export, structured: bool) -> io::Result<Vec<u8>> {
+    let mut v = export.volume.size().map_err(io::Error::other)?.to_be_bytes().to_vec();
+    v.extend_from_slice(&transmission_flags(export, structured).to_be_bytes());
+    Ok(v)
+}
+
 fn protocol_error(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
 }
@@ -92,9 +99,7 @@ where
                     tracing::debug!("NBD_OPT_EXPORT_NAME for an unknown export; disconnecting");
                     return Ok(None);
                 };
-                let mut out = Vec::with_capacity(10 + 124);
-                out.extend_from_slice(&export.volume.size().map_err(io::Error::other)?.to_be_bytes());
-                out.extend_from_slice(&transmission_flags(&export, structured).to_be_bytes());
+                let mut out = size_and_flags(&export, structured)?;
                 if !no_zeroes {
                     out.extend_from_slice(&[0u8; 124]);
                 }
@@ -202,10 +207,8 @@ async fn send_info<S: AsyncWrite + Unpin>(
     infos: &[u16],
     structured: bool,
 ) -> io::Result<()> {
-    let size = export.volume.size().map_err(io::Error::other)?;
     let mut p = INFO_EXPORT.to_be_bytes().to_vec();
-    p.extend_from_slice(&size.to_be_bytes());
-    p.extend_from_slice(&transmission_flags(export, structured).to_be_bytes());
+    p.extend(size_and_flags(export, structured)?);
     reply(s, option, REP_INFO, &p).await?;
     // Block sizes are always sent: any byte alignment works (sub-block writes are
     // read-modify-write), 4 KiB is what the engine prefers.
