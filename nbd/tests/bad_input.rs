@@ -25,18 +25,12 @@ fn harness() -> Harness {
     h
 }
 
-trait Untouched {
-    fn assert_untouched(&self);
-}
-
-impl Untouched for Harness {
-    /// Both exports still hold exactly what they were filled with.
-    fn assert_untouched(&self) {
-        for name in ["a", "b"] {
-            let mut buf = vec![0u8; 4 * MIB as usize];
-            self.pool.open_volume(name).unwrap().read(0, &mut buf).unwrap();
-            assert!(buf.iter().all(|&b| b == name.as_bytes()[0]), "export {name} changed");
-        }
+/// Both exports still hold exactly what they were filled with.
+fn assert_untouched(h: &Harness) {
+    for name in ["a", "b"] {
+        let mut buf = vec![0u8; 4 * MIB as usize];
+        h.pool.open_volume(name).unwrap().read(0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == name.as_bytes()[0]), "export {name} changed");
     }
 }
 
@@ -162,7 +156,7 @@ fn negotiation_errors() {
     s.read_exact(&mut g).unwrap();
     s.write_all(&0x8000_0000u32.to_be_bytes()).unwrap();
     assert!(closed(&mut s));
-    h.assert_untouched();
+    assert_untouched(&h);
 }
 
 #[test]
@@ -197,7 +191,7 @@ fn transmission_errors_keep_the_connection_and_the_data() {
     // Bad request magic: the server disconnects.
     s.write_all(&[0xFFu8; REQUEST_LEN]).unwrap();
     assert!(closed(&mut s));
-    h.assert_untouched();
+    assert_untouched(&h);
 }
 
 #[test]
@@ -215,7 +209,7 @@ fn disconnect_mid_write_changes_nothing_and_others_keep_working() {
     let mut s = transmission(&h, "a");
     assert_eq!(request(&mut s, CMD_FLUSH, 0, 0, 0), 0);
     std::thread::sleep(Duration::from_millis(100));
-    h.assert_untouched();
+    assert_untouched(&h);
 }
 
 #[test]
@@ -238,5 +232,5 @@ fn read_only_export_refuses_every_write_kind() {
     assert_eq!(reply(&mut s), EPERM);
     assert_eq!(request(&mut s, CMD_TRIM, 0, 0, 4096), EPERM);
     assert_eq!(request(&mut s, CMD_WRITE_ZEROES, 0, 0, 4096), EPERM);
-    h.assert_untouched();
+    assert_untouched(&h);
 }

@@ -9,30 +9,6 @@ use std::path::Path;
 use std::process::Command;
 
 use common::{Harness, MIB};
-use ferrite_nbd::Export;
-
-trait ClientHarness {
-    fn export(&self, name: &str, size: u64, read_only: bool);
-    fn uri(&self, name: &str) -> String;
-    fn qemu(&self, name: &str) -> String;
-}
-
-impl ClientHarness for Harness {
-    fn export(&self, name: &str, size: u64, read_only: bool) {
-        self.pool.create_volume(name, size).unwrap();
-        let volume = self.pool.open_volume(name).unwrap();
-        self.exports.add(Export::new(name, volume, read_only, format!("volume {name}")));
-    }
-
-    fn uri(&self, name: &str) -> String {
-        format!("nbd+unix:///{name}?socket={}", self.sock().display())
-    }
-
-    /// qemu's spelling of the same export.
-    fn qemu(&self, name: &str) -> String {
-        format!("nbd:unix:{}:exportname={name}", self.sock().display())
-    }
-}
 
 fn have(tool: &str) -> bool {
     let found =

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferrite_engine::{Pool, PoolOptions};
-use ferrite_nbd::{Exports, Server};
+use ferrite_nbd::{Export, Exports, Server};
 
 pub const MIB: u64 = 1 << 20;
 
@@ -43,5 +43,22 @@ impl Harness {
 
     pub fn sock(&self) -> PathBuf {
         self.dir.path().join("nbd.sock")
+    }
+
+    /// Creates a volume and exports it under the same name.
+    pub fn export(&self, name: &str, size: u64, read_only: bool) {
+        self.pool.create_volume(name, size).unwrap();
+        let volume = self.pool.open_volume(name).unwrap();
+        self.exports.add(Export::new(name, volume, read_only, format!("volume {name}")));
+    }
+
+    /// libnbd's URI of an export.
+    pub fn uri(&self, name: &str) -> String {
+        format!("nbd+unix:///{name}?socket={}", self.sock().display())
+    }
+
+    /// qemu's spelling of the same export.
+    pub fn qemu(&self, name: &str) -> String {
+        format!("nbd:unix:{}:exportname={name}", self.sock().display())
     }
 }
