@@ -3,7 +3,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use ferrite_engine::{Pool, PoolOptions};
 use ferrite_nbd::{Export, Exports, Server};
@@ -31,14 +30,15 @@ impl Harness {
         h
     }
 
-    /// Serves `exports` on another socket of the same runtime, once it accepts.
+    /// Serves `exports` on another socket of the same runtime. The socket is bound and listening on return (the
+    /// socket file appears at bind, before listen, so waiting for the file alone races with the first connect).
     pub fn serve(&self, exports: Arc<Exports>, sock: &Path) {
         let server = Arc::new(Server::new(exports));
-        let path = sock.to_path_buf();
-        self.rt.spawn(async move { server.serve_unix(&path).await });
-        while !sock.exists() {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let listener = {
+            let _guard = self.rt.enter();
+            tokio::net::UnixListener::bind(sock).unwrap()
+        };
+        self.rt.spawn(async move { server.serve_unix_listener(listener).await });
     }
 
     pub fn sock(&self) -> PathBuf {
