@@ -2,11 +2,11 @@
 //! `base:allocation` block status, multi-conn, over engine volumes.
 //!
 //! ```text
-//!  listener (unix/tcp) ─► connection task ─► negotiate() ─► Session ─► serve()
-//!                                                                  ├─ reader: headers + payloads
-//!                                                                  └─ one task per request:
-//!                                                                     engine call on the blocking
-//!                                                                     pool, reply under a write lock
+//!  listener (unix/tcp) ─► connection task ─► negotiate() ─► Session ─► serve() (threads)
+//!                                                                  worker threads, each: read a
+//!                                                                  request under a read lock,
+//!                                                                  run it on the engine, reply
+//!                                                                  under a write lock
 //! ```
 //! Invariants: nothing a client sends can panic the server or touch an export it did not
 //! negotiate; a write reaches the engine only with its whole payload; a flush covers every write

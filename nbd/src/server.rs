@@ -5,12 +5,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tokio::io::{AsyncRead, AsyncWrite, split};
-use tokio::net::{TcpListener, UnixListener};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
 use crate::export::Exports;
 use crate::handshake::negotiate;
-use crate::transmission::serve;
+use crate::transmission::{Socket, serve};
 
 /// Counters a metrics endpoint reads.
 #[derive(Debug, Default)]
@@ -35,7 +35,7 @@ impl Server {
     /// bad client cannot affect another.
     pub async fn connection<S>(&self, stream: S, peer: String)
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: IntoBlocking,
     {
         self.stats.connections_total.fetch_add(1, Ordering::Relaxed);
         self.stats.connections_open.fetch_add(1, Ordering::Relaxed);
@@ -76,12 +76,33 @@ impl Server {
     }
 }
 
-async fn run<S>(mut stream: S, exports: &Exports) -> io::Result<()>
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
+/// A socket negotiated on the reactor and then served by blocking threads.
+pub trait IntoBlocking: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    type Blocking: Socket + 'static;
+    fn into_blocking(self) -> io::Result<Self::Blocking>;
+}
+
+impl IntoBlocking for UnixStream {
+    type Blocking = std::os::unix::net::UnixStream;
+    fn into_blocking(self) -> io::Result<Self::Blocking> {
+        let s = self.into_std()?;
+        s.set_nonblocking(false)?;
+        Ok(s)
+    }
+}
+
+impl IntoBlocking for TcpStream {
+    type Blocking = std::net::TcpStream;
+    fn into_blocking(self) -> io::Result<Self::Blocking> {
+        let s = self.into_std()?;
+        s.set_nonblocking(false)?;
+        Ok(s)
+    }
+}
+
+async fn run<S: IntoBlocking>(mut stream: S, exports: &Exports) -> io::Result<()> {
     let Some(session) = negotiate(&mut stream, exports).await? else { return Ok(()) };
     tracing::debug!(export = %session.export.name, structured = session.structured, "NBD transmission starts");
-    let (rd, wr) = split(stream);
-    serve(rd, wr, session).await
+    let sock = stream.into_blocking()?;
+    tokio::task::spawn_blocking(move || serve(&sock, &session)).await.map_err(io::Error::other)?
 }

@@ -1,29 +1,52 @@
-//! The transmission phase: requests are read in order, run concurrently on the blocking pool
-//! (the engine API blocks), and replied to in whatever order they finish.
+//! The transmission phase, served by a small pool of threads per connection (the engine API
+//! blocks, and a thread that does its own socket I/O costs no hand-off between a reactor and a
+//! worker: each request is one read, one engine call and one write on the same thread).
 //!
 //! ```text
-//!  socket --read--> header [+ payload] --spawn_blocking--> engine --reply bytes--> writer lock
+//!  worker: [read lock: header + payload] -> engine call -> [write lock: reply] -> again
 //! ```
-//! A request the protocol lets us refuse gets an error reply and the connection goes on; one
-//! that breaks framing (bad magic, a payload we cannot read) closes the connection. A client
-//! that disconnects in the middle of a write payload changes nothing: the write is only
-//! submitted once its whole payload has arrived.
+//! The worker that holds the read lock starts another worker when none is waiting for the lock
+//! (up to `MAX_WORKERS`), so a connection has as many threads as it has requests in flight.
+//! Replies go out in whatever order requests finish. A request the protocol lets us refuse gets
+//! an error reply and the connection goes on; one that breaks framing (bad magic, a payload we
+//! cannot read) ends the connection once the requests in flight have replied. A client that
+//! disconnects in the middle of a write payload changes nothing: a write reaches the engine only
+//! with its whole payload.
 
-use std::io;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::io::{self, Read, Write};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use ferrite_engine::{Error, ErrorKind, Volume};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{Mutex, Semaphore};
+use parking_lot::Mutex;
 
 use crate::handshake::{BASE_ALLOCATION_ID, MAX_REQUEST, Session};
 use crate::proto::*;
 
-/// Requests of one connection in flight at once.
-const MAX_IN_FLIGHT: usize = 64;
+/// Most requests of one connection in flight at once (= worker threads).
+const MAX_WORKERS: usize = 64;
 /// Most descriptors in one block status reply.
 const MAX_EXTENTS: usize = 1 << 16;
+
+/// A connected, blocking socket whose read and write sides can be used from different threads.
+pub trait Socket: Send + Sync {
+    fn read_exact(&self, buf: &mut [u8]) -> io::Result<()>;
+    fn write_all(&self, buf: &[u8]) -> io::Result<()>;
+}
+
+macro_rules! socket_impl {
+    ($t:ty) => {
+        impl Socket for $t {
+            fn read_exact(&self, buf: &mut [u8]) -> io::Result<()> {
+                Read::read_exact(&mut &*self, buf)
+            }
+            fn write_all(&self, buf: &[u8]) -> io::Result<()> {
+                Write::write_all(&mut &*self, buf)
+            }
+        }
+    };
+}
+socket_impl!(std::os::unix::net::UnixStream);
+socket_impl!(std::net::TcpStream);
 
 /// The NBD error for an engine error.
 pub fn nbd_errno(e: &Error) -> u32 {
@@ -62,75 +85,132 @@ fn ok_reply(structured: bool, cookie: u64) -> Reply {
     }
 }
 
-/// Serves requests until the client disconnects (or breaks framing).
-pub async fn serve<R, W>(mut rd: R, wr: W, session: Session) -> io::Result<()>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin + Send + 'static,
-{
-    let wr = Arc::new(Mutex::new(wr));
-    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
-    let session = Arc::new(session);
-    let result = loop {
-        let mut h = [0u8; REQUEST_LEN];
-        match rd.read_exact(&mut h).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break Ok(()),
-            Err(e) => break Err(e),
-        }
-        let req = match Request::decode(&h) {
-            Ok(r) => r,
-            Err(DecodeError::BadMagic(m)) => {
-                break Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad request magic {m:#x}")));
-            }
-        };
-        if req.kind == CMD_DISC {
-            break Ok(());
-        }
-        let mut payload = Vec::new();
-        if req.kind == CMD_WRITE {
-            if req.length > MAX_REQUEST {
-                // Too big to hold: skip the payload so framing survives, and refuse.
-                let mut left = u64::from(req.length);
-                let mut sink = vec![0u8; 64 << 10];
-                while left > 0 {
-                    let n = usize::try_from(left.min(sink.len() as u64)).expect("bounded");
-                    rd.read_exact(&mut sink[..n]).await?;
-                    left -= n as u64;
-                }
-                let r = error_reply(session.structured, req.cookie, EOVERFLOW, "write larger than 32 MiB");
-                send(&wr, r).await?;
-                continue;
-            }
-            payload = vec![0u8; req.length as usize];
-            rd.read_exact(&mut payload).await?;
-        }
-        let permit = Arc::clone(&slots).acquire_owned().await.expect("semaphore never closed");
-        let (wr, session) = (Arc::clone(&wr), Arc::clone(&session));
-        tokio::spawn(async move {
-            let s = Arc::clone(&session);
-            let reply = tokio::task::spawn_blocking(move || {
-                let start = std::time::Instant::now();
-                let reply = handle(&s, req, payload);
-                record(&s, &req, &reply, start.elapsed());
-                reply
-            })
-            .await;
-            let reply = reply.unwrap_or_else(|_| error_reply(session.structured, req.cookie, EIO, "internal error"));
-            if let Err(e) = send(&wr, reply).await {
-                tracing::debug!(error = %e, "writing an NBD reply failed");
-            }
-            drop(permit);
-        });
-    };
-    // Let requests in flight finish and reply before the socket closes (NBD_CMD_DISC).
-    let _ = slots.acquire_many(u32::try_from(MAX_IN_FLIGHT).expect("small")).await;
-    let _ = wr.lock().await.flush().await;
-    result
+/// One connection's shared state.
+struct Conn<'a, S> {
+    sock: &'a S,
+    session: &'a Session,
+    reading: Mutex<()>,
+    writing: Mutex<()>,
+    /// Set once the client disconnected or broke framing; workers stop taking requests.
+    done: AtomicBool,
+    /// How the connection ended (the first reader to see the end records it).
+    end: Mutex<Option<io::Result<()>>>,
+    waiting: AtomicUsize,
+    workers: AtomicUsize,
 }
 
-async fn send<W: AsyncWrite + Unpin>(wr: &Mutex<W>, r: Reply) -> io::Result<()> {
-    wr.lock().await.write_all(&r.bytes).await
+/// What the reader got from the socket.
+enum Next {
+    Run(Request, Vec<u8>),
+    /// Handled without the engine (an oversized write, skipped and refused).
+    Refused(Reply),
+    End(io::Result<()>),
+}
+
+/// Serves requests until the client disconnects (or breaks framing) and every request in flight
+/// has replied.
+pub fn serve<S: Socket>(sock: &S, session: &Session) -> io::Result<()> {
+    let conn = Conn {
+        sock,
+        session,
+        reading: Mutex::new(()),
+        writing: Mutex::new(()),
+        done: AtomicBool::new(false),
+        end: Mutex::new(None),
+        waiting: AtomicUsize::new(0),
+        workers: AtomicUsize::new(1),
+    };
+    std::thread::scope(|scope| worker(scope, &conn));
+    conn.end.into_inner().unwrap_or(Ok(()))
+}
+
+fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'s Conn<'a, S>) {
+    loop {
+        conn.waiting.fetch_add(1, Ordering::SeqCst);
+        let guard = conn.reading.lock();
+        conn.waiting.fetch_sub(1, Ordering::SeqCst);
+        if conn.done.load(Ordering::SeqCst) {
+            return;
+        }
+        let (req, payload) = match next(conn.sock, conn.session) {
+            Next::Run(req, payload) => (req, payload),
+            Next::Refused(reply) => {
+                drop(guard);
+                conn.send(reply);
+                continue;
+            }
+            Next::End(r) => {
+                conn.done.store(true, Ordering::SeqCst);
+                *conn.end.lock() = Some(r);
+                return;
+            }
+        };
+        if conn.waiting.load(Ordering::SeqCst) == 0 && conn.workers.load(Ordering::SeqCst) < MAX_WORKERS {
+            conn.workers.fetch_add(1, Ordering::SeqCst);
+            let spawned = std::thread::Builder::new().name("nbd-worker".into()).spawn_scoped(scope, move || {
+                worker(scope, conn);
+            });
+            if let Err(e) = spawned {
+                conn.workers.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(error = %e, "cannot start another NBD worker thread; serving with fewer");
+            }
+        }
+        drop(guard);
+        let start = std::time::Instant::now();
+        let reply = handle(conn.session, req, payload);
+        record(conn.session, &req, &reply, start.elapsed());
+        conn.send(reply);
+    }
+}
+
+impl<S: Socket> Conn<'_, S> {
+    fn send(&self, reply: Reply) {
+        let _w = self.writing.lock();
+        if let Err(e) = self.sock.write_all(&reply.bytes) {
+            // The client is gone; the reader will see it too.
+            tracing::debug!(error = %e, "writing an NBD reply failed");
+        }
+    }
+}
+
+/// Reads the next request (and its payload) from the socket.
+fn next<S: Socket>(sock: &S, session: &Session) -> Next {
+    let mut h = [0u8; REQUEST_LEN];
+    match sock.read_exact(&mut h) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Next::End(Ok(())),
+        Err(e) => return Next::End(Err(e)),
+    }
+    let req = match Request::decode(&h) {
+        Ok(r) => r,
+        Err(DecodeError::BadMagic(m)) => {
+            return Next::End(Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad request magic {m:#x}"))));
+        }
+    };
+    if req.kind == CMD_DISC {
+        return Next::End(Ok(()));
+    }
+    if req.kind != CMD_WRITE {
+        return Next::Run(req, Vec::new());
+    }
+    if req.length > MAX_REQUEST {
+        // Too big to hold: skip the payload so framing survives, and refuse.
+        let mut left = u64::from(req.length);
+        let mut sink = vec![0u8; 64 << 10];
+        while left > 0 {
+            let n = usize::try_from(left.min(sink.len() as u64)).expect("bounded");
+            if let Err(e) = sock.read_exact(&mut sink[..n]) {
+                return Next::End(Err(e));
+            }
+            left -= n as u64;
+        }
+        return Next::Refused(error_reply(session.structured, req.cookie, EOVERFLOW, "write larger than 32 MiB"));
+    }
+    let mut payload = vec![0u8; req.length as usize];
+    match sock.read_exact(&mut payload) {
+        Ok(()) => Next::Run(req, payload),
+        Err(e) => Next::End(Err(e)),
+    }
 }
 
 /// Counts a finished request in its export's metrics.
