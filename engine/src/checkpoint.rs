@@ -15,7 +15,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
-use crate::meta::{CheckpointRecord, CheckpointWrite};
+use crate::meta::{CatalogOp, CheckpointRecord, CheckpointWrite};
 use crate::pool::{FaultPoint, Inner};
 use crate::segments::SegState;
 
@@ -75,8 +75,16 @@ impl Inner {
     /// Takes a checkpoint (see the module doc for the order of steps).
     pub fn checkpoint(&self) -> Result<()> {
         let _m = self.meta_lock.lock();
+        self.checkpoint_locked(Vec::new())
+    }
+
+    /// Takes a checkpoint that also commits `catalog` atomically; the caller holds `meta_lock`.
+    /// Used by catalog changes that rewrite maps (merging or dropping layers), so that replay
+    /// never has to cross one.
+    pub fn checkpoint_locked(&self, catalog: Vec<CatalogOp>) -> Result<()> {
         self.check_open()?;
-        let (write, candidates) = self.capture();
+        let (mut write, candidates) = self.capture();
+        write.catalog = catalog;
         if let Err(e) = self.backend.sync() {
             let e = Error::io("syncing the pool store for a checkpoint", e);
             self.poison(&e);
@@ -97,7 +105,7 @@ impl Inner {
         let st = &mut *st;
         let mut w = CheckpointWrite::default();
         for (layer, c) in std::mem::take(&mut st.dirty_chunks) {
-            let chunk = st.layers.get(&layer).and_then(|m| m.chunk(c)).map(|ch| ch.encode());
+            let chunk = st.layers.get(&layer).and_then(|l| l.map.chunk(c)).map(|ch| ch.encode());
             w.chunks.push(((layer, c), chunk));
         }
         for seg in std::mem::take(&mut st.freed_crc_tables) {

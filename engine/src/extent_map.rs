@@ -13,6 +13,17 @@ use crate::format::{le16, le64};
 /// Logical blocks per chunk (4 MiB of a volume).
 pub const CHUNK_BLOCKS: u64 = 1024;
 
+/// Physical block numbers from here up are zero markers, not media: a layer over a parent
+/// records "reads as zeros" (a trim) this way, so the read does not fall through to the parent.
+/// A zero marker at logical block `lba` is stored as `ZERO + lba`, so splitting and merging
+/// extents works the same for both kinds.
+pub const ZERO: u64 = 1 << 62;
+
+/// True for a zero marker (see [`ZERO`]).
+pub fn is_zero(pba: u64) -> bool {
+    pba >= ZERO
+}
+
 /// A run of logical blocks mapped to consecutive physical blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Ext {
@@ -37,6 +48,7 @@ pub struct Chunk {
 pub type Freed = Vec<(u64, u64)>;
 
 impl Chunk {
+    #[cfg(test)]
     fn lookup(&self, off: u16) -> Option<u64> {
         let i = self.ext.partition_point(|e| e.end() <= off);
         self.ext.get(i).filter(|e| e.off <= off).map(|e| e.pba + u64::from(off - e.off))
@@ -88,8 +100,9 @@ impl Chunk {
         self.ext.is_empty()
     }
 
+    /// Blocks mapped to data (zero markers excluded).
     fn mapped_blocks(&self) -> u64 {
-        self.ext.iter().map(|e| u64::from(e.len)).sum()
+        self.ext.iter().filter(|e| !is_zero(e.pba)).map(|e| u64::from(e.len)).sum()
     }
 
     /// Serialises for the checkpoint: count, then (off u16, len u16, pba u64) each.
@@ -138,6 +151,7 @@ fn split(lba: u64) -> (u64, u16) {
 
 impl ExtentMap {
     /// The physical block for a logical block, if mapped.
+    #[cfg(test)]
     pub fn lookup(&self, lba: u64) -> Option<u64> {
         let (c, off) = split(lba);
         self.chunks.get(&c)?.lookup(off)
@@ -155,7 +169,9 @@ impl ExtentMap {
             match pba {
                 Some(p) => {
                     self.chunks.entry(c).or_default().set(off, n16, Some(p + done), freed);
-                    self.mapped += n;
+                    if !is_zero(p) {
+                        self.mapped += n;
+                    }
                     dirty(c);
                 }
                 None => {
@@ -166,6 +182,15 @@ impl ExtentMap {
                         }
                         dirty(c);
                     }
+                }
+            }
+            // Replaced zero markers free no space.
+            let mut i = before;
+            while i < freed.len() {
+                if is_zero(freed[i].0) {
+                    freed.swap_remove(i);
+                } else {
+                    i += 1;
                 }
             }
             self.mapped -= freed[before..].iter().map(|r| r.1).sum::<u64>();
@@ -186,6 +211,57 @@ impl ExtentMap {
         }
     }
 
+    /// Marks `blocks` logical blocks from `lba` as reading zeros (over whatever a parent holds).
+    pub fn set_zero(&mut self, lba: u64, blocks: u64, freed: &mut Freed, dirty: impl FnMut(u64)) {
+        self.set(lba, blocks, Some(ZERO + lba), freed, dirty);
+    }
+
+    /// Ranges within [lba, lba+blocks) this layer says nothing about (neither data nor zero
+    /// marker), as (lba, blocks): where a read falls through to the parent.
+    pub fn gaps(&self, lba: u64, blocks: u64) -> Vec<(u64, u64)> {
+        let end = lba + blocks;
+        let mut out = Vec::new();
+        let mut at = lba;
+        for (lo, _, n) in self.entries_in(lba, blocks) {
+            if lo > at {
+                out.push((at, lo - at));
+            }
+            at = lo + n;
+        }
+        if at < end {
+            out.push((at, end - at));
+        }
+        out
+    }
+
+    /// Entries (data and zero markers) overlapping [lba, lba+blocks), clipped to it, as
+    /// (lba, pba, blocks), in order.
+    pub fn entries_in(&self, lba: u64, blocks: u64) -> Vec<(u64, u64, u64)> {
+        let end = lba + blocks;
+        let mut out = Vec::new();
+        if blocks == 0 {
+            return out;
+        }
+        for (&c, ch) in self.chunks.range(lba / CHUNK_BLOCKS..=(end - 1) / CHUNK_BLOCKS) {
+            let base = c * CHUNK_BLOCKS;
+            for e in &ch.ext {
+                let lo = (base + u64::from(e.off)).max(lba);
+                let hi = (base + u64::from(e.end())).min(end);
+                if lo < hi {
+                    out.push((lo, e.pba + (lo - base - u64::from(e.off)), hi - lo));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every entry, data and zero markers, as (lba, pba, blocks).
+    pub fn all_entries(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.chunks.iter().flat_map(|(&c, ch)| {
+            ch.ext.iter().map(move |e| (c * CHUNK_BLOCKS + u64::from(e.off), e.pba, u64::from(e.len)))
+        })
+    }
+
     /// Number of mapped blocks.
     pub fn mapped_blocks(&self) -> u64 {
         self.mapped
@@ -204,32 +280,9 @@ impl ExtentMap {
         }
     }
 
-    /// Mapped runs of logical blocks within [lba, lba+blocks) as (lba, blocks), in order,
-    /// adjacent runs merged. Visits only chunks that exist.
-    pub fn mapped_runs(&self, lba: u64, blocks: u64) -> Vec<(u64, u64)> {
-        let end = lba + blocks;
-        let mut out: Vec<(u64, u64)> = Vec::new();
-        for (&c, ch) in self.chunks.range(lba / CHUNK_BLOCKS..=(end - 1) / CHUNK_BLOCKS) {
-            for e in &ch.ext {
-                let lo = (c * CHUNK_BLOCKS + u64::from(e.off)).max(lba);
-                let hi = (c * CHUNK_BLOCKS + u64::from(e.end())).min(end);
-                if lo >= hi {
-                    continue;
-                }
-                match out.last_mut() {
-                    Some((s, n)) if *s + *n == lo => *n += hi - lo,
-                    _ => out.push((lo, hi - lo)),
-                }
-            }
-        }
-        out
-    }
-
-    /// Every mapped run as (lba, pba, blocks).
+    /// Every run mapped to data (zero markers excluded) as (lba, pba, blocks).
     pub fn runs(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-        self.chunks.iter().flat_map(|(&c, ch)| {
-            ch.ext.iter().map(move |e| (c * CHUNK_BLOCKS + u64::from(e.off), e.pba, u64::from(e.len)))
-        })
+        self.all_entries().filter(|e| !is_zero(e.1))
     }
 }
 
@@ -294,11 +347,16 @@ mod tests {
                 prop_assert_eq!(m.lookup(i as u64), *r);
             }
             prop_assert_eq!(m.mapped_blocks(), reference.iter().filter(|x| x.is_some()).count() as u64);
-            let runs = m.mapped_runs(100, 4000);
             let mut mapped = vec![false; 4500];
-            for (l, n) in runs {
+            for (l, p, n) in m.entries_in(100, 4000) {
+                for i in 0..n {
+                    prop_assert_eq!(reference[(l + i) as usize], Some(p + i));
+                    mapped[(l + i) as usize] = true;
+                }
+            }
+            for (l, n) in m.gaps(100, 4000) {
                 for i in l..l + n {
-                    mapped[i as usize] = true;
+                    prop_assert!(!mapped[i as usize]);
                 }
             }
             for i in 100..4100 {

@@ -25,15 +25,18 @@ mod error;
 mod extent_map;
 pub mod format;
 pub mod io;
+mod layers;
 mod log;
 mod meta;
 mod pool;
 mod recovery;
 mod rng;
 mod segments;
+mod snapshot;
 mod volume;
 
 pub use error::{Error, ErrorKind, Result};
 pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats, VolumeInfo, format_uuid};
 pub use recovery::RecoveryReport;
+pub use snapshot::{CloneSource, SnapshotInfo};
 pub use volume::Volume;

@@ -27,22 +27,33 @@ use crate::segments::SegState;
 /// Completion callback of a request.
 pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
-/// A request to the writer.
+/// Work run by the leader between batches (see [`Req::Barrier`]).
+pub(crate) type BarrierFn = Box<dyn FnOnce(&Inner) -> Result<()> + Send>;
+
+/// A request to the writer. Writes name a volume; the leader maps it to the volume's head
+/// layer when it builds the batch, so a snapshot (a barrier) cleanly splits writes queued
+/// before it from those queued after.
 pub(crate) enum Req {
-    /// Map `data` (whole blocks) at `lba` of `layer`.
-    Write { layer: u64, lba: u64, data: Vec<u8>, fua: bool, done: Done },
-    /// Unmap `blocks` blocks at `lba` of `layer`.
-    Unmap { layer: u64, lba: u64, blocks: u64, done: Done },
+    /// Map `data` (whole blocks) at `lba` of the volume's head.
+    Write { volume: u64, lba: u64, data: Vec<u8>, fua: bool, done: Done },
+    /// Unmap `blocks` blocks at `lba` of the volume's head.
+    Unmap { volume: u64, lba: u64, blocks: u64, done: Done },
     /// Make everything acknowledged so far durable.
     Flush { done: Done },
+    /// Run `run` on the leader with every earlier request applied and no later one started
+    /// (catalog changes that restructure layers: snapshots, clones, deletions).
+    Barrier { run: BarrierFn, done: Done },
 }
 
 impl std::fmt::Debug for Req {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Req::Write { layer, lba, data, fua, .. } => write!(f, "Write({layer}:{lba}+{}, fua={fua})", data.len()),
-            Req::Unmap { layer, lba, blocks, .. } => write!(f, "Unmap({layer}:{lba}+{blocks})"),
+            Req::Write { volume, lba, data, fua, .. } => {
+                write!(f, "Write({volume}:{lba}+{}, fua={fua})", data.len())
+            }
+            Req::Unmap { volume, lba, blocks, .. } => write!(f, "Unmap({volume}:{lba}+{blocks})"),
             Req::Flush { .. } => f.write_str("Flush"),
+            Req::Barrier { .. } => f.write_str("Barrier"),
         }
     }
 }
@@ -51,7 +62,7 @@ impl Req {
     /// Completes the request with an error.
     pub(crate) fn fail(self, e: &Error) {
         let done = match self {
-            Req::Write { done, .. } | Req::Unmap { done, .. } | Req::Flush { done } => done,
+            Req::Write { done, .. } | Req::Unmap { done, .. } | Req::Flush { done } | Req::Barrier { done, .. } => done,
         };
         done(Err(clone_err(e)));
     }
@@ -145,7 +156,13 @@ fn take_batch(inner: &Inner) -> Vec<Req> {
     let mut reqs = Vec::new();
     let mut blocks = 0;
     while let Some(r) = q.reqs.front() {
-        if reqs.len() == MAX_ENTRIES || (!reqs.is_empty() && blocks + r.data_blocks() > limit) {
+        let barrier = matches!(r, Req::Barrier { .. });
+        if !reqs.is_empty() && (barrier || reqs.len() == MAX_ENTRIES || blocks + r.data_blocks() > limit) {
+            break;
+        }
+        if barrier {
+            // Alone in its batch.
+            reqs.push(q.reqs.pop_front().expect("front exists"));
             break;
         }
         blocks += r.data_blocks();
@@ -168,6 +185,10 @@ fn head_room_blocks(inner: &Inner) -> u64 {
 fn process(inner: &Inner, reqs: Vec<Req>, scratch: &mut AlignedBuf) {
     if let Err(e) = inner.check_open() {
         return fail_all(reqs, &e);
+    }
+    if let [Req::Barrier { .. }] = reqs.as_slice() {
+        let Some(Req::Barrier { run, done }) = reqs.into_iter().next() else { unreachable!("matched above") };
+        return done(run(inner));
     }
     let mut acks: Vec<(Done, Result<()>)> = Vec::new();
     let mut after_sync: Vec<Done> = Vec::new();
@@ -195,7 +216,7 @@ fn process(inner: &Inner, reqs: Vec<Req>, scratch: &mut AlignedBuf) {
         let (done, fua) = match r {
             Req::Write { done, fua, .. } => (done, fua),
             Req::Unmap { done, .. } => (done, false),
-            Req::Flush { .. } => unreachable!("flushes were split out"),
+            Req::Flush { .. } | Req::Barrier { .. } => unreachable!("flushes were split out, barriers go alone"),
         };
         match (&result, fua) {
             (Ok(()), true) => {
@@ -238,23 +259,34 @@ fn fail_all(reqs: Vec<Req>, e: &Error) {
 fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<()> {
     let mut entries = Vec::with_capacity(reqs.len());
     let mut data_blocks = 0usize;
-    for r in reqs {
+    // A volume deleted meanwhile maps to layer 0, which never exists: replay and apply skip it.
+    let heads: Vec<u64> = {
+        let st = inner.state.read();
+        let head = |v: &u64| st.volumes.get(v).map_or(0, |e| e.rec.layer);
+        reqs.iter()
+            .map(|r| match r {
+                Req::Write { volume, .. } | Req::Unmap { volume, .. } => head(volume),
+                _ => 0,
+            })
+            .collect()
+    };
+    for (r, &layer) in reqs.iter().zip(&heads) {
         match r {
-            Req::Write { layer, lba, data, .. } => {
+            Req::Write { lba, data, .. } => {
                 let blocks = u32::try_from(data.len() / BLOCK).expect("requests are split below 4 GiB");
-                entries.push(Entry { layer: *layer, lba: *lba, blocks, kind: EntryKind::Data });
+                entries.push(Entry { layer, lba: *lba, blocks, kind: EntryKind::Data });
                 data_blocks += data.len() / BLOCK;
             }
-            Req::Unmap { layer, lba, blocks, .. } => {
+            Req::Unmap { lba, blocks, .. } => {
                 let mut done = 0;
                 while done < *blocks {
                     let n = (*blocks - done).min(u64::from(u32::MAX));
                     let n32 = u32::try_from(n).expect("bounded");
-                    entries.push(Entry { layer: *layer, lba: lba + done, blocks: n32, kind: EntryKind::Unmap });
+                    entries.push(Entry { layer, lba: lba + done, blocks: n32, kind: EntryKind::Unmap });
                     done += n;
                 }
             }
-            Req::Flush { .. } => {}
+            Req::Flush { .. } | Req::Barrier { .. } => {}
         }
     }
     let hb = BatchHeader::blocks_for(entries.len(), data_blocks);
@@ -315,24 +347,18 @@ pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
     let State { layers, segs, dirty_chunks, .. } = st;
     for e in &h.entries {
         let n = u64::from(e.blocks);
-        let map = layers.get_mut(&e.layer);
+        let dirty = |c| {
+            dirty_chunks.insert((e.layer, c));
+        };
         match e.kind {
             EntryKind::Data => {
-                if let Some(map) = map {
-                    map.set(e.lba, n, Some(pba), &mut freed, |c| {
-                        dirty_chunks.insert((e.layer, c));
-                    });
+                if let Some(l) = layers.get_mut(&e.layer) {
+                    l.map.set(e.lba, n, Some(pba), &mut freed, dirty);
                     segs.add_live(pba, n, true);
                 }
                 pba += n;
             }
-            EntryKind::Unmap => {
-                if let Some(map) = map {
-                    map.unmap(e.lba, n, &mut freed, |c| {
-                        dirty_chunks.insert((e.layer, c));
-                    });
-                }
-            }
+            EntryKind::Unmap => crate::layers::unmap(layers, e.layer, e.lba, n, &mut freed, dirty),
         }
     }
     for (p, n) in freed {

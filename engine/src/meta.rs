@@ -4,7 +4,9 @@
 //! ```text
 //! p/uuid               pool uuid (must match the superblock)
 //! p/next_id            next volume/layer id (ids are never reused: the log may name old ones)
-//! v/<id>               volume record
+//! v/<id>               volume record (its head layer, size, name)
+//! y/<layer>            layer record: its parent layer (absent for a root layer)
+//! n/<id>               snapshot record (volume, frozen layer, size, name)
 //! c/ckpt               checkpoint record: replay position, sequence and generation
 //! m/<layer><chunk>     extent-map chunk as of the last checkpoint
 //! s/<segment>          per-block crc32c table of a segment as of the last checkpoint
@@ -29,6 +31,32 @@ pub(crate) struct VolumeRecord {
     pub size: u64,
     pub created_unix: u64,
     pub name: String,
+}
+
+/// A snapshot as stored in the catalog.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SnapshotRecord {
+    pub id: u64,
+    /// The volume it was taken of (which may since have been deleted).
+    pub volume: u64,
+    pub layer: u64,
+    /// The volume's size when the snapshot was taken.
+    pub size: u64,
+    pub created_unix: u64,
+    pub name: String,
+}
+
+/// One change to the catalog, applied with others in one atomic write.
+#[derive(Debug, Clone)]
+pub(crate) enum CatalogOp {
+    PutVolume(VolumeRecord),
+    DeleteVolume(u64),
+    /// A layer and its parent (None: a root layer).
+    PutLayer(u64, Option<u64>),
+    /// Removes a layer's record and every checkpointed chunk of its map.
+    DeleteLayer(u64),
+    PutSnapshot(SnapshotRecord),
+    DeleteSnapshot(u64),
 }
 
 /// Where replay starts, and the generation new batches carry.
@@ -80,6 +108,31 @@ impl VolumeRecord {
     }
 }
 
+impl SnapshotRecord {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = vec![1u8];
+        for x in [self.id, self.volume, self.layer, self.size, self.created_unix] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v.extend_from_slice(self.name.as_bytes());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < 41 || b[0] != 1 {
+            return None;
+        }
+        Some(Self {
+            id: le64(b, 1),
+            volume: le64(b, 9),
+            layer: le64(b, 17),
+            size: le64(b, 25),
+            created_unix: le64(b, 33),
+            name: String::from_utf8(b[41..].to_vec()).ok()?,
+        })
+    }
+}
+
 impl CheckpointRecord {
     fn encode(&self) -> Vec<u8> {
         let mut v = vec![1u8];
@@ -108,6 +161,8 @@ pub(crate) struct CheckpointWrite {
     pub chunks: Vec<ChunkUpdate>,
     pub crcs: Vec<(u64, Option<Vec<u8>>)>,
     pub record: Option<CheckpointRecord>,
+    /// Catalog changes that must become durable together with this checkpoint.
+    pub catalog: Vec<CatalogOp>,
 }
 
 /// The RocksDB-backed metadata store.
@@ -175,14 +230,13 @@ impl Meta {
     }
 
     pub fn put_volume(&self, v: &VolumeRecord) -> Result<()> {
-        Ok(self.db.put_opt(key(b"v/", &[v.id]), v.encode(), &sync_opts())?)
+        self.apply(&[CatalogOp::PutVolume(v.clone())])
     }
 
-    /// Removes a volume and its layer's checkpointed map in one atomic write.
-    pub fn delete_volume(&self, v: &VolumeRecord) -> Result<()> {
+    /// Applies catalog changes in one synchronous, atomic write.
+    pub fn apply(&self, ops: &[CatalogOp]) -> Result<()> {
         let mut b = WriteBatch::default();
-        b.delete(key(b"v/", &[v.id]));
-        b.delete_range(key(b"m/", &[v.layer]), key(b"m/", &[v.layer + 1]));
+        add_ops(&mut b, ops);
         Ok(self.db.write_opt(b, &sync_opts())?)
     }
 
@@ -201,6 +255,28 @@ impl Meta {
         let mut out = Vec::new();
         self.scan(b"v/", |_, v| {
             out.push(VolumeRecord::decode(v).ok_or_else(|| corrupt("malformed volume record"))?);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Every layer record: (layer, parent).
+    pub fn layers(&self) -> Result<Vec<(u64, Option<u64>)>> {
+        let mut out = Vec::new();
+        self.scan(b"y/", |k, v| {
+            if k.len() != 8 || v.len() != 8 {
+                return Err(corrupt("malformed layer record"));
+            }
+            out.push((be64(k, 0), Some(le64(v, 0)).filter(|&p| p != 0)));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    pub fn snapshots(&self) -> Result<Vec<SnapshotRecord>> {
+        let mut out = Vec::new();
+        self.scan(b"n/", |_, v| {
+            out.push(SnapshotRecord::decode(v).ok_or_else(|| corrupt("malformed snapshot record"))?);
             Ok(())
         })?;
         Ok(out)
@@ -262,6 +338,7 @@ impl Meta {
                 None => b.delete(key(b"s/", &[seg])),
             }
         }
+        add_ops(&mut b, &w.catalog);
         if let Some(r) = w.record {
             b.put(KEY_CKPT, r.encode());
             b.delete_range(key(b"l/", &[0]), key(b"l/", &[r.seq]));
@@ -277,6 +354,22 @@ impl Meta {
     }
 }
 
+fn add_ops(b: &mut WriteBatch, ops: &[CatalogOp]) {
+    for op in ops {
+        match op {
+            CatalogOp::PutVolume(v) => b.put(key(b"v/", &[v.id]), v.encode()),
+            CatalogOp::DeleteVolume(id) => b.delete(key(b"v/", &[*id])),
+            CatalogOp::PutLayer(id, parent) => b.put(key(b"y/", &[*id]), parent.unwrap_or(0).to_le_bytes()),
+            CatalogOp::DeleteLayer(id) => {
+                b.delete(key(b"y/", &[*id]));
+                b.delete_range(key(b"m/", &[*id]), key(b"m/", &[*id + 1]));
+            }
+            CatalogOp::PutSnapshot(s) => b.put(key(b"n/", &[s.id]), s.encode()),
+            CatalogOp::DeleteSnapshot(id) => b.delete(key(b"n/", &[*id])),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,6 +378,8 @@ mod tests {
     fn records_roundtrip() {
         let v = VolumeRecord { id: 3, layer: 4, size: 1 << 30, created_unix: 9, name: "vol-a".into() };
         assert_eq!(VolumeRecord::decode(&v.encode()), Some(v));
+        let n = SnapshotRecord { id: 5, volume: 3, layer: 4, size: 8192, created_unix: 1, name: "s1".into() };
+        assert_eq!(SnapshotRecord::decode(&n.encode()), Some(n));
         let c = CheckpointRecord { seq: 5, seg: 6, off: 7, generation: 8 };
         assert_eq!(CheckpointRecord::decode(&c.encode()), Some(c));
         assert_eq!(CheckpointRecord::decode(&[1, 2]), None);

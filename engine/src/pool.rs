@@ -13,14 +13,14 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::checkpoint::CheckpointCtl;
 use crate::error::{Error, ErrorKind, Result, invalid};
-use crate::extent_map::ExtentMap;
 use crate::format::{DATA_START, FORMAT_VERSION, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringBackend};
+use crate::layers::{Layer, Layers};
 use crate::log::{LogPos, LogQueue, Req};
-use crate::meta::{CheckpointRecord, Meta, VolumeRecord};
+use crate::meta::{CatalogOp, CheckpointRecord, Meta, SnapshotRecord, VolumeRecord};
 use crate::recovery::RecoveryReport;
 use crate::segments::{ReadPins, SegState, SegmentTable};
-use crate::volume::Volume;
+use crate::volume::{Target, Volume};
 
 /// Tunables of an open pool. Geometry (segment size) is fixed when the pool is created.
 #[derive(Debug, Clone)]
@@ -60,8 +60,13 @@ pub struct VolumeInfo {
     pub name: String,
     /// Provisioned size in bytes.
     pub size: u64,
-    /// Bytes of the volume that are mapped to data in the pool.
+    /// Bytes of the volume that read from data in the pool (its own or its snapshots').
     pub allocated: u64,
+    /// Bytes only this volume refers to (written since its last snapshot): what deleting it
+    /// frees at least.
+    pub exclusive: u64,
+    /// Layers a read walks: 1 plus the snapshots (and clone origins) under the volume.
+    pub chain_depth: usize,
     pub created_unix: u64,
 }
 
@@ -108,7 +113,8 @@ pub(crate) struct VolumeEntry {
 pub(crate) struct State {
     pub volumes: BTreeMap<u64, VolumeEntry>,
     pub names: HashMap<String, u64>,
-    pub layers: HashMap<u64, ExtentMap>,
+    pub layers: Layers,
+    pub snapshots: BTreeMap<u64, SnapshotRecord>,
     pub segs: SegmentTable,
     pub dirty_chunks: BTreeSet<(u64, u64)>,
     /// Segments whose crc table must be deleted from the store at the next checkpoint.
@@ -200,7 +206,7 @@ pub struct Pool {
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
-fn now_unix() -> u64 {
+pub(crate) fn now_unix() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -232,11 +238,11 @@ fn open_backend(path: &Path, kind: BackendKind) -> Result<Arc<dyn Backend>> {
     Ok(Arc::new(SyncFileBackend::open(path).map_err(|e| Error::io(ctx(), e))?))
 }
 
-fn validate_name(name: &str) -> Result<()> {
+pub(crate) fn validate_name(name: &str) -> Result<()> {
     let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
     if name.is_empty() || name.len() > 128 || !name.chars().all(ok_char) || name.starts_with(['.', '-']) {
         return Err(invalid(format!(
-            "invalid volume name {name:?}: use 1-128 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
+            "invalid name {name:?}: use 1-128 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
         )));
     }
     Ok(())
@@ -401,10 +407,10 @@ impl Pool {
         }
         let id = inner.meta.next_id()?;
         let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: name.to_owned() };
-        inner.meta.put_volume(&rec)?;
+        inner.meta.apply(&[CatalogOp::PutLayer(id, None), CatalogOp::PutVolume(rec.clone())])?;
         let mut st = inner.state.write();
         st.names.insert(rec.name.clone(), id);
-        st.layers.insert(rec.layer, ExtentMap::default());
+        st.layers.insert(rec.layer, Layer::default());
         let info = info_of(&st, &rec);
         st.volumes.insert(id, VolumeEntry { rec });
         Ok(info)
@@ -430,7 +436,7 @@ impl Pool {
         let st = self.inner.state.read();
         let id = lookup(&st, name)?;
         let rec = &st.volumes[&id].rec;
-        Ok(Volume::new(Arc::downgrade(&self.inner), rec.id, rec.layer, rec.name.clone()))
+        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Volume(rec.id), rec.name.clone()))
     }
 
     /// Grows a volume to `new_size` bytes (shrinking is refused). Durable on return.
@@ -457,29 +463,6 @@ impl Pool {
             e.rec = rec;
         }
         Ok(info)
-    }
-
-    /// Deletes a volume and unmaps all of its data. Durable on return.
-    pub fn delete_volume(&self, name: &str) -> Result<()> {
-        let inner = &self.inner;
-        inner.check_open()?;
-        let _m = inner.meta_lock.lock();
-        let rec = {
-            let st = inner.state.read();
-            st.volumes[&lookup(&st, name)?].rec.clone()
-        };
-        inner.meta.delete_volume(&rec)?;
-        let mut st = inner.state.write();
-        st.volumes.remove(&rec.id);
-        st.names.remove(&rec.name);
-        if let Some(map) = st.layers.remove(&rec.layer) {
-            for (_, pba, n) in map.runs() {
-                st.segs.add_live(pba, n, false);
-            }
-        }
-        let layer = rec.layer;
-        st.dirty_chunks.retain(|&(l, _)| l != layer);
-        Ok(())
     }
 
     /// Makes every acknowledged write durable.
@@ -557,18 +540,26 @@ impl Drop for Pool {
     }
 }
 
-fn lookup(st: &State, name: &str) -> Result<u64> {
+pub(crate) fn lookup(st: &State, name: &str) -> Result<u64> {
     st.names.get(name).copied().ok_or_else(|| Error::new(ErrorKind::NotFound, format!("volume {name:?} not found")))
 }
 
-fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
-    let mapped = st.layers.get(&rec.layer).map_or(0, ExtentMap::mapped_blocks);
+pub(crate) fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
+    let b = BLOCK as u64;
+    let visible: u64 = crate::layers::resolve(&st.layers, rec.layer, 0, rec.size / b)
+        .iter()
+        .filter(|r| r.pba.is_some())
+        .map(|r| r.blocks)
+        .sum();
+    let own = st.layers.get(&rec.layer).map_or(0, |l| l.map.mapped_blocks());
     VolumeInfo {
         id: rec.id,
         name: rec.name.clone(),
         size: rec.size,
-        allocated: mapped * BLOCK as u64,
+        allocated: visible * b,
+        exclusive: own * b,
         created_unix: rec.created_unix,
+        chain_depth: crate::layers::depth(&st.layers, rec.layer),
     }
 }
 

@@ -11,6 +11,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::layers::{Layer, Layers};
+
 use crate::error::{Error, Result, corrupt};
 use crate::extent_map::ExtentMap;
 use crate::format::{BatchHeader, Superblock};
@@ -47,15 +49,31 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
     let mut segs = SegmentTable::new(sb.segment_size, sb.segment_count);
     let mut volumes = BTreeMap::new();
     let mut names = HashMap::new();
-    let mut layers = HashMap::new();
+    let mut layers = Layers::new();
     for rec in meta.volumes()? {
         names.insert(rec.name.clone(), rec.id);
-        layers.insert(rec.layer, ExtentMap::default());
+        // A volume's head without a layer record (pools from before snapshots) is a root.
+        layers.insert(rec.layer, Layer::default());
         volumes.insert(rec.id, VolumeEntry { rec });
+    }
+    for (id, parent) in meta.layers()? {
+        layers.insert(id, Layer { map: ExtentMap::default(), parent });
+    }
+    for (&id, l) in &layers {
+        if let Some(p) = l.parent.filter(|p| !layers.contains_key(p)) {
+            return Err(corrupt(format!("metadata: layer {id} names a missing parent layer {p}")));
+        }
+    }
+    let mut snapshots = BTreeMap::new();
+    for rec in meta.snapshots()? {
+        if !layers.contains_key(&rec.layer) {
+            return Err(corrupt(format!("metadata: snapshot {:?} names a missing layer {}", rec.name, rec.layer)));
+        }
+        snapshots.insert(rec.id, rec);
     }
     let mut stale_chunks = BTreeSet::new();
     meta.chunks(|layer, c, chunk| match layers.get_mut(&layer) {
-        Some(m) => m.load_chunk(c, chunk),
+        Some(l) => l.map.load_chunk(c, chunk),
         None => {
             stale_chunks.insert((layer, c));
         }
@@ -76,8 +94,8 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
     if let Some(seg) = bad_table {
         return Err(corrupt(format!("metadata: malformed crc table for segment {seg}")));
     }
-    for map in layers.values() {
-        for (_, pba, n) in map.runs() {
+    for l in layers.values() {
+        for (_, pba, n) in l.map.runs() {
             let inside = pba >= segs.pba(0, 0) && pba + n <= segs.pba(segs.segs.len(), 0);
             if !inside {
                 return Err(corrupt(format!("metadata: a map points outside the pool (block {pba})")));
@@ -93,6 +111,7 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         volumes,
         names,
         layers,
+        snapshots,
         segs,
         dirty_chunks: stale_chunks,
         freed_crc_tables: BTreeSet::new(),

@@ -14,32 +14,38 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
 use crate::io::{AlignedBuf, BLOCK, ReadOp};
 use crate::log::Req;
-use crate::pool::Inner;
+use crate::pool::{Inner, State};
 
 const B: u64 = BLOCK as u64;
 
-/// A handle for I/O on one volume. Cheap to clone; fails with NotFound once the volume is
-/// deleted and with Closed once the pool is closed. It does not keep the pool open.
+/// What a handle reads: a volume (through its current head) or a snapshot (read-only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Target {
+    Volume(u64),
+    Snapshot(u64),
+}
+
+/// A handle for I/O on one volume or snapshot. Cheap to clone; fails with NotFound once the
+/// volume is deleted and with Closed once the pool is closed. It does not keep the pool open.
 #[derive(Debug, Clone)]
 pub struct Volume {
     inner: Weak<Inner>,
-    id: u64,
-    layer: u64,
+    target: Target,
     name: String,
 }
 
 /// Counts outstanding requests and keeps the first error.
-struct Waiter {
+pub(crate) struct Waiter {
     left: Mutex<(usize, Option<Error>)>,
     cv: Condvar,
 }
 
 impl Waiter {
-    fn new() -> Arc<Self> {
+    pub(crate) fn new() -> Arc<Self> {
         Arc::new(Self { left: Mutex::new((0, None)), cv: Condvar::new() })
     }
 
-    fn add(self: &Arc<Self>) -> Box<dyn FnOnce(Result<()>) + Send> {
+    pub(crate) fn add(self: &Arc<Self>) -> Box<dyn FnOnce(Result<()>) + Send> {
         self.left.lock().0 += 1;
         let me = Arc::clone(self);
         Box::new(move |r| {
@@ -54,7 +60,7 @@ impl Waiter {
         })
     }
 
-    fn wait(&self) -> Result<()> {
+    pub(crate) fn wait(&self) -> Result<()> {
         let mut g = self.left.lock();
         while g.0 > 0 {
             self.cv.wait(&mut g);
@@ -86,8 +92,32 @@ impl Drop for Pins<'_> {
 }
 
 impl Volume {
-    pub(crate) fn new(inner: Weak<Inner>, id: u64, layer: u64, name: String) -> Self {
-        Self { inner, id, layer, name }
+    pub(crate) fn new(inner: Weak<Inner>, target: Target, name: String) -> Self {
+        Self { inner, target, name }
+    }
+
+    /// True for a snapshot's handle, which refuses every write.
+    pub fn is_read_only(&self) -> bool {
+        matches!(self.target, Target::Snapshot(_))
+    }
+
+    /// The layer reads start from, and the size, as of now.
+    fn head(&self, st: &State) -> Result<(u64, u64)> {
+        match self.target {
+            Target::Volume(id) => st.volumes.get(&id).map(|e| (e.rec.layer, e.rec.size)),
+            Target::Snapshot(id) => st.snapshots.get(&id).map(|s| (s.layer, s.size)),
+        }
+        .ok_or_else(|| self.gone())
+    }
+
+    /// The volume id writes go to; an error for a snapshot.
+    fn writable(&self) -> Result<u64> {
+        match self.target {
+            Target::Volume(id) => Ok(id),
+            Target::Snapshot(_) => {
+                Err(Error::new(ErrorKind::InvalidArgument, format!("snapshot {:?} is read-only", self.name)))
+            }
+        }
     }
 
     fn pool(&self) -> Result<Arc<Inner>> {
@@ -105,12 +135,11 @@ impl Volume {
     }
 
     fn size_in(&self, inner: &Inner) -> Result<u64> {
-        let st = inner.state.read();
-        st.volumes.get(&self.id).map(|e| e.rec.size).ok_or_else(|| self.gone())
+        Ok(self.head(&inner.state.read())?.1)
     }
 
     fn gone(&self) -> Error {
-        Error::new(ErrorKind::NotFound, format!("volume {:?} was deleted", self.name))
+        Error::new(ErrorKind::NotFound, format!("{:?} was deleted", self.name))
     }
 
     fn check_range(&self, inner: &Inner, offset: u64, len: u64) -> Result<()> {
@@ -143,30 +172,30 @@ impl Volume {
         let mut pins = Pins { inner, segs: Vec::new() };
         {
             let st = inner.state.read();
-            let map = st.layers.get(&self.layer).ok_or_else(|| self.gone())?;
-            for lba in first..=last {
-                let r = match map.lookup(lba) {
-                    Some(pba) => {
-                        let crc = st.segs.crc(pba).ok_or_else(|| {
-                            Error::new(
-                                ErrorKind::Corrupt,
-                                format!(
-                                    "volume {:?}: no checksum for pool block {pba} (offset {})",
-                                    self.name,
-                                    lba * B
-                                ),
-                            )
-                        })?;
-                        let seg = st.segs.locate(pba).0;
-                        if pins.segs.last() != Some(&seg) {
-                            inner.pins.enter(seg);
-                            pins.segs.push(seg);
-                        }
-                        Some((pba, crc))
-                    }
-                    None => None,
+            let (head, _) = self.head(&st)?;
+            for run in crate::layers::resolve(&st.layers, head, first, last - first + 1) {
+                let Some(start) = run.pba else {
+                    resolved.extend(std::iter::repeat_n(None, usize::try_from(run.blocks).expect("fits")));
+                    continue;
                 };
-                resolved.push(r);
+                for pba in start..start + run.blocks {
+                    let crc = st.segs.crc(pba).ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::Corrupt,
+                            format!(
+                                "{:?}: no checksum for pool block {pba} (offset {})",
+                                self.name,
+                                (run.lba + pba - start) * B
+                            ),
+                        )
+                    })?;
+                    let seg = st.segs.locate(pba).0;
+                    if pins.segs.last() != Some(&seg) {
+                        inner.pins.enter(seg);
+                        pins.segs.push(seg);
+                    }
+                    resolved.push(Some((pba, crc)));
+                }
             }
         }
         let mapped = resolved.iter().filter(|r| r.is_some()).count();
@@ -233,7 +262,10 @@ impl Volume {
     }
 
     fn stripe(&self, inner: &Inner, lba: u64) -> usize {
-        let h = (self.layer.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ lba).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        let key = match self.target {
+            Target::Volume(id) | Target::Snapshot(id) => id,
+        };
+        let h = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ lba).wrapping_mul(0xff51_afd7_ed55_8ccd);
         usize::try_from(h >> 56).expect("8 bits") % inner.stripes.len()
     }
 
@@ -253,6 +285,7 @@ impl Volume {
     }
 
     fn write_in(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.writable()?;
         self.check_range(inner, offset, data.len() as u64)?;
         inner.check_open()?;
         if data.is_empty() {
@@ -278,6 +311,7 @@ impl Volume {
 
     /// Sends whole blocks at block-aligned `offset` as batch-sized requests and waits for all.
     fn submit_blocks(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        let volume = self.writable()?;
         let w = Waiter::new();
         // Requests of a quarter batch let the writer fill a segment's tail closely.
         let piece = usize::try_from(inner.max_batch_blocks.div_ceil(4)).expect("fits") * BLOCK;
@@ -286,7 +320,7 @@ impl Volume {
             .enumerate()
             .map(|(i, chunk)| {
                 let lba = offset / B + (i * piece / BLOCK) as u64;
-                Req::Write { layer: self.layer, lba, data: chunk.to_vec(), fua, done: w.add() }
+                Req::Write { volume, lba, data: chunk.to_vec(), fua, done: w.add() }
             })
             .collect();
         let sent = inner.send_all(reqs);
@@ -298,6 +332,7 @@ impl Volume {
     /// space becomes reclaimable. Partial blocks at the edges are left as they are.
     pub fn trim(&self, offset: u64, len: u64) -> Result<()> {
         let inner = self.pool()?;
+        self.writable()?;
         self.check_range(&inner, offset, len)?;
         let start = offset.div_ceil(B);
         let end = (offset + len) / B;
@@ -311,6 +346,7 @@ impl Volume {
     /// blocks are rewritten with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         let inner = &*self.pool()?;
+        self.writable()?;
         self.check_range(inner, offset, len)?;
         let start = offset.div_ceil(B) * B;
         let end = (offset + len) / B * B;
@@ -331,7 +367,7 @@ impl Volume {
     fn unmap(&self, inner: &Inner, lba: u64, blocks: u64) -> Result<()> {
         inner.check_open()?;
         let w = Waiter::new();
-        inner.send(Req::Unmap { layer: self.layer, lba, blocks, done: w.add() })?;
+        inner.send(Req::Unmap { volume: self.writable()?, lba, blocks, done: w.add() })?;
         w.wait()
     }
 
@@ -344,9 +380,19 @@ impl Volume {
             return Ok(Vec::new());
         }
         let (first, end) = (offset / B, (offset + len).div_ceil(B));
-        let mapped = {
+        let mapped: Vec<(u64, u64)> = {
             let st = inner.state.read();
-            st.layers.get(&self.layer).ok_or_else(|| self.gone())?.mapped_runs(first, end - first)
+            let (head, _) = self.head(&st)?;
+            let mut v: Vec<(u64, u64)> = Vec::new();
+            for r in
+                crate::layers::resolve(&st.layers, head, first, end - first).into_iter().filter(|r| r.pba.is_some())
+            {
+                match v.last_mut() {
+                    Some((l, n)) if *l + *n == r.lba => *n += r.blocks,
+                    _ => v.push((r.lba, r.blocks)),
+                }
+            }
+            v
         };
         // Turn block runs into byte runs clipped to the request, with the holes between them.
         let mut runs: Vec<(u64, bool)> = Vec::new();

@@ -1,0 +1,329 @@
+//! Snapshots, clones and deletion: catalog changes that restructure layer chains.
+//!
+//! - A snapshot freezes the volume's head layer and gives the volume a new, empty head whose
+//!   parent is the frozen one: O(1), no data copied. It runs as a log barrier, so every write
+//!   acknowledged before the call is in the snapshot and none issued after it is; the store is
+//!   synced before the catalog records it, so the snapshot is durable on return.
+//! - A clone is a new volume whose head sits on a snapshot's layer (or, cloning a volume, on
+//!   its head frozen as a hidden layer).
+//! - Deleting a snapshot or a volume drops its reference to a layer. A layer nothing refers to
+//!   is freed if no layer depends on it, merged into its child if exactly one does, and kept
+//!   hidden otherwise. Merging moves map entries, never data, and is committed together with a
+//!   checkpoint, so replay never crosses a restructured chain.
+
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::extent_map::Freed;
+use crate::io::BLOCK;
+use crate::layers::{self, Layer};
+use crate::log::Req;
+use crate::meta::{CatalogOp, SnapshotRecord, VolumeRecord};
+use crate::pool::{Inner, Pool, State, VolumeEntry, VolumeInfo, info_of, lookup, now_unix, validate_name};
+use crate::volume::{Target, Volume, Waiter};
+
+const B: u64 = BLOCK as u64;
+
+/// A snapshot as the catalog describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    pub id: u64,
+    pub name: String,
+    /// The volume it was taken of, if that volume still exists.
+    pub volume: Option<String>,
+    pub volume_id: u64,
+    /// The volume's size when the snapshot was taken.
+    pub size: u64,
+    pub created_unix: u64,
+    /// Bytes written to the volume between the previous snapshot and this one.
+    pub layer_bytes: u64,
+    /// Bytes that deleting this snapshot (alone) would free.
+    pub reclaimable_on_delete: u64,
+}
+
+/// What a clone starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloneSource<'a> {
+    Snapshot(&'a str),
+    Volume(&'a str),
+}
+
+impl Inner {
+    /// Runs `f` on the log's leader with every earlier write applied and no later one started.
+    pub(crate) fn barrier<T: Send + 'static>(&self, f: impl FnOnce(&Inner) -> Result<T> + Send + 'static) -> Result<T> {
+        self.check_open()?;
+        let out = Arc::new(parking_lot::Mutex::new(None));
+        let slot = Arc::clone(&out);
+        let w = Waiter::new();
+        let run = Box::new(move |inner: &Inner| {
+            let v = f(inner)?;
+            *slot.lock() = Some(v);
+            Ok(())
+        });
+        self.send(Req::Barrier { run, done: w.add() })?;
+        w.wait()?;
+        let v = out.lock().take();
+        Ok(v.expect("a successful barrier stores its result"))
+    }
+
+    /// Syncs the store so that everything in the log so far is durable (on the leader).
+    fn sync_store(&self) -> Result<()> {
+        self.backend.sync().map_err(|e| {
+            let e = Error::io("syncing the pool store", e);
+            self.poison(&e);
+            e
+        })
+    }
+
+    /// Commits a restructuring catalog change with a checkpoint; a failure here leaves memory
+    /// ahead of the store, so it poisons the pool (reopening recovers the durable state).
+    fn commit_restructure(&self, ops: Vec<CatalogOp>) -> Result<()> {
+        self.checkpoint_locked(ops).inspect_err(|e| self.poison(e))
+    }
+}
+
+fn snapshot_by_name(st: &State, name: &str) -> Result<u64> {
+    st.snapshots
+        .values()
+        .find(|s| s.name == name)
+        .map(|s| s.id)
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("snapshot {name:?} not found")))
+}
+
+/// Whether a volume head or a snapshot names `layer`.
+fn referenced(st: &State, layer: u64) -> bool {
+    st.volumes.values().any(|v| v.rec.layer == layer) || st.snapshots.values().any(|s| s.layer == layer)
+}
+
+/// After a reference to `layer` went away: frees it (and then looks at its parent) if nothing
+/// depends on it, merges it into its only child, or leaves it hidden. Returns the catalog ops.
+fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
+    let mut ops = Vec::new();
+    let mut freed: Freed = Vec::new();
+    loop {
+        if !st.layers.contains_key(&layer) || referenced(st, layer) {
+            break;
+        }
+        let kids = layers::children(&st.layers, layer);
+        match kids.as_slice() {
+            [] => {
+                let parent = layers::free(&mut st.layers, layer, &mut freed).and_then(|l| l.parent);
+                st.dirty_chunks.retain(|&(l, _)| l != layer);
+                ops.push(CatalogOp::DeleteLayer(layer));
+                match parent {
+                    Some(p) => layer = p,
+                    None => break,
+                }
+            }
+            &[kid] => {
+                let dirty = &mut st.dirty_chunks;
+                layers::merge_into(&mut st.layers, layer, kid, &mut freed, |c| {
+                    dirty.insert((kid, c));
+                });
+                dirty.retain(|&(l, _)| l != layer);
+                ops.push(CatalogOp::DeleteLayer(layer));
+                ops.push(CatalogOp::PutLayer(kid, st.layers[&kid].parent));
+                break;
+            }
+            _ => break,
+        }
+    }
+    for (pba, n) in freed {
+        st.segs.add_live(pba, n, false);
+    }
+    ops
+}
+
+fn snapshot_info(st: &State, s: &SnapshotRecord) -> SnapshotInfo {
+    let l = &st.layers[&s.layer];
+    let layer_blocks = l.map.mapped_blocks();
+    let sole = st.volumes.values().all(|v| v.rec.layer != s.layer)
+        && st.snapshots.values().filter(|o| o.layer == s.layer).count() == 1;
+    let reclaimable = if !sole {
+        0
+    } else {
+        match layers::children(&st.layers, s.layer).as_slice() {
+            [] => layer_blocks,
+            [kid] => {
+                let k = &st.layers[kid].map;
+                l.map.runs().map(|(lba, _, n)| n - k.gaps(lba, n).iter().map(|g| g.1).sum::<u64>()).sum()
+            }
+            _ => 0,
+        }
+    };
+    SnapshotInfo {
+        id: s.id,
+        name: s.name.clone(),
+        volume: st.volumes.get(&s.volume).map(|v| v.rec.name.clone()),
+        volume_id: s.volume,
+        size: s.size,
+        created_unix: s.created_unix,
+        layer_bytes: layer_blocks * B,
+        reclaimable_on_delete: reclaimable * B,
+    }
+}
+
+impl Pool {
+    /// Snapshots a volume: O(1), durable on return, containing every write acknowledged before
+    /// the call. Snapshot names are unique in the pool.
+    pub fn create_snapshot(&self, volume: &str, name: &str) -> Result<SnapshotInfo> {
+        validate_name(name)?;
+        let (volume, name) = (volume.to_owned(), name.to_owned());
+        self.inner.barrier(move |inner| {
+            let _m = inner.meta_lock.lock();
+            let mut rec = {
+                let st = inner.state.read();
+                if snapshot_by_name(&st, &name).is_ok() {
+                    return Err(Error::new(ErrorKind::AlreadyExists, format!("snapshot {name:?} already exists")));
+                }
+                st.volumes[&lookup(&st, &volume)?].rec.clone()
+            };
+            let (sid, head) = (inner.meta.next_id()?, inner.meta.next_id()?);
+            let snap = SnapshotRecord {
+                id: sid,
+                volume: rec.id,
+                layer: rec.layer,
+                size: rec.size,
+                created_unix: now_unix(),
+                name,
+            };
+            rec.layer = head;
+            inner.sync_store()?;
+            inner.meta.apply(&[
+                CatalogOp::PutLayer(head, Some(snap.layer)),
+                CatalogOp::PutSnapshot(snap.clone()),
+                CatalogOp::PutVolume(rec.clone()),
+            ])?;
+            let mut st = inner.state.write();
+            st.layers.insert(head, Layer { parent: Some(snap.layer), ..Layer::default() });
+            let id = rec.id;
+            st.volumes.get_mut(&id).expect("looked up above").rec = rec;
+            st.snapshots.insert(sid, snap.clone());
+            tracing::info!(volume = %volume, snapshot = %snap.name, "snapshot created");
+            Ok(snapshot_info(&st, &snap))
+        })
+    }
+
+    /// Snapshots, by name; only those of `volume` if given.
+    pub fn snapshots(&self, volume: Option<&str>) -> Result<Vec<SnapshotInfo>> {
+        let st = self.inner.state.read();
+        let of = volume.map(|v| lookup(&st, v)).transpose()?;
+        let mut v: Vec<_> = st
+            .snapshots
+            .values()
+            .filter(|s| of.is_none_or(|id| s.volume == id))
+            .map(|s| snapshot_info(&st, s))
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(v)
+    }
+
+    /// One snapshot's description.
+    pub fn snapshot_info(&self, name: &str) -> Result<SnapshotInfo> {
+        let st = self.inner.state.read();
+        let id = snapshot_by_name(&st, name)?;
+        Ok(snapshot_info(&st, &st.snapshots[&id]))
+    }
+
+    /// A read-only handle on a snapshot.
+    pub fn open_snapshot(&self, name: &str) -> Result<Volume> {
+        let st = self.inner.state.read();
+        let id = snapshot_by_name(&st, name)?;
+        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Snapshot(id), name.to_owned()))
+    }
+
+    /// Deletes a snapshot, whatever depends on it: what clones or later snapshots still need
+    /// stays (hidden); the rest is freed. Metadata work only. Durable on return.
+    pub fn delete_snapshot(&self, name: &str) -> Result<()> {
+        let name = name.to_owned();
+        self.inner.barrier(move |inner| {
+            let _m = inner.meta_lock.lock();
+            let ops = {
+                let mut st = inner.state.write();
+                let id = snapshot_by_name(&st, &name)?;
+                let rec = st.snapshots.remove(&id).expect("looked up above");
+                let mut ops = vec![CatalogOp::DeleteSnapshot(id)];
+                ops.extend(collect(&mut st, rec.layer));
+                ops
+            };
+            inner.commit_restructure(ops)?;
+            tracing::info!(snapshot = %name, "snapshot deleted");
+            Ok(())
+        })
+    }
+
+    /// Creates a writable volume `name` from a snapshot or (through a hidden, implicit
+    /// snapshot) from a volume's current content. O(1); durable on return. The clone has the
+    /// source's size.
+    pub fn clone_volume(&self, source: CloneSource<'_>, name: &str) -> Result<VolumeInfo> {
+        validate_name(name)?;
+        let name = name.to_owned();
+        let source = match source {
+            CloneSource::Snapshot(s) => Ok(s.to_owned()),
+            CloneSource::Volume(v) => Err(v.to_owned()),
+        };
+        self.inner.barrier(move |inner| {
+            let _m = inner.meta_lock.lock();
+            let st = inner.state.read();
+            if st.names.contains_key(&name) {
+                return Err(Error::new(ErrorKind::AlreadyExists, format!("volume {name:?} already exists")));
+            }
+            let mut ops = Vec::new();
+            let (parent, size, origin) = match &source {
+                Ok(snap) => {
+                    let s = &st.snapshots[&snapshot_by_name(&st, snap)?];
+                    (s.layer, s.size, None)
+                }
+                Err(vol) => {
+                    let mut rec = st.volumes[&lookup(&st, vol)?].rec.clone();
+                    let (frozen, size) = (rec.layer, rec.size);
+                    rec.layer = inner.meta.next_id()?;
+                    ops.push(CatalogOp::PutLayer(rec.layer, Some(frozen)));
+                    ops.push(CatalogOp::PutVolume(rec.clone()));
+                    (frozen, size, Some(rec))
+                }
+            };
+            drop(st);
+            let id = inner.meta.next_id()?;
+            let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: name.clone() };
+            ops.push(CatalogOp::PutLayer(id, Some(parent)));
+            ops.push(CatalogOp::PutVolume(rec.clone()));
+            if origin.is_some() {
+                inner.sync_store()?;
+            }
+            inner.meta.apply(&ops)?;
+            let mut st = inner.state.write();
+            if let Some(o) = origin {
+                st.layers.insert(o.layer, Layer { parent: Some(parent), ..Layer::default() });
+                let id = o.id;
+                st.volumes.get_mut(&id).expect("looked up above").rec = o;
+            }
+            st.layers.insert(id, Layer { parent: Some(parent), ..Layer::default() });
+            st.names.insert(name.clone(), id);
+            st.volumes.insert(id, VolumeEntry { rec: rec.clone() });
+            tracing::info!(volume = %name, "clone created");
+            Ok(info_of(&st, &rec))
+        })
+    }
+
+    /// Deletes a volume, whatever depends on it (its snapshots and their clones keep what they
+    /// need). Durable on return.
+    pub fn delete_volume(&self, name: &str) -> Result<()> {
+        let name = name.to_owned();
+        self.inner.barrier(move |inner| {
+            let _m = inner.meta_lock.lock();
+            let ops = {
+                let mut st = inner.state.write();
+                let id = lookup(&st, &name)?;
+                let rec = st.volumes.remove(&id).expect("looked up above").rec;
+                st.names.remove(&rec.name);
+                let mut ops = vec![CatalogOp::DeleteVolume(id)];
+                ops.extend(collect(&mut st, rec.layer));
+                ops
+            };
+            inner.commit_restructure(ops)?;
+            tracing::info!(volume = %name, "volume deleted");
+            Ok(())
+        })
+    }
+}
