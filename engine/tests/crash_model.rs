@@ -1,7 +1,9 @@
 //! Property test of the durability contract against a reference model.
 //!
 //! Random sequences of create / write / trim / write-zeroes / flush / grow / delete /
-//! checkpoint / crash / clean reopen run on the crash-simulating backend. The model keeps, for
+//! snapshot / clone / snapshot delete / checkpoint / crash / clean reopen run on the
+//! crash-simulating backend. A snapshot is durable on return and reads exactly what the volume
+//! held when it was taken, crash or not; a clone starts as that content. The model keeps, for
 //! every block, its current content and every content it may have after a crash (the content at
 //! the last completed flush plus everything written since). After every crash the engine must
 //! show, for every block, one of those; after a clean reopen, exactly the current content.
@@ -17,11 +19,12 @@ use std::collections::BTreeMap;
 
 use common::{Fixture, pattern};
 use ferrite_engine::io::CrashMode;
-use ferrite_engine::{ErrorKind, Pool};
+use ferrite_engine::{CloneSource, ErrorKind, Pool};
 use proptest::prelude::*;
 
 const B: usize = 4096;
 const NAMES: [&str; 3] = ["a", "b", "c"];
+const SNAPS: [&str; 3] = ["s0", "s1", "s2"];
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -32,6 +35,10 @@ enum Op {
     Flush,
     Grow { vol: usize, blocks: u64 },
     Delete { vol: usize },
+    Snapshot { vol: usize, snap: usize },
+    CloneSnap { snap: usize, vol: usize },
+    CloneVol { from: usize, vol: usize },
+    DeleteSnap { snap: usize },
     Checkpoint,
     Read { vol: usize },
     Crash { seed: u64 },
@@ -49,6 +56,10 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::Flush),
         1 => (vol.clone(), 1u64..16).prop_map(|(vol, blocks)| Op::Grow { vol, blocks }),
         1 => vol.clone().prop_map(|vol| Op::Delete { vol }),
+        2 => (vol.clone(), 0..SNAPS.len()).prop_map(|(vol, snap)| Op::Snapshot { vol, snap }),
+        1 => (0..SNAPS.len(), vol.clone()).prop_map(|(snap, vol)| Op::CloneSnap { snap, vol }),
+        1 => (vol.clone(), vol.clone()).prop_map(|(from, vol)| Op::CloneVol { from, vol }),
+        1 => (0..SNAPS.len()).prop_map(|snap| Op::DeleteSnap { snap }),
         1 => Just(Op::Checkpoint),
         2 => vol.prop_map(|vol| Op::Read { vol }),
         3 => any::<u64>().prop_map(|seed| Op::Crash { seed }),
@@ -79,6 +90,8 @@ impl ModelBlock {
 #[derive(Debug, Default)]
 struct Model {
     vols: BTreeMap<usize, Vec<ModelBlock>>,
+    /// Each snapshot's content, block by block (durable and frozen).
+    snaps: BTreeMap<usize, Vec<Vec<u8>>>,
 }
 
 impl Model {
@@ -131,7 +144,20 @@ fn verify(pool: &Pool, model: &mut Model, exact: bool) -> Result<(), TestCaseErr
             m.possible = vec![m.cur.clone()];
         }
     }
+    for (&snap, blocks) in &model.snaps {
+        let s = pool.open_snapshot(SNAPS[snap]).unwrap();
+        let mut buf = vec![0u8; blocks.len() * B];
+        s.read(0, &mut buf).unwrap();
+        for (i, (got, want)) in buf.chunks(B).zip(blocks).enumerate() {
+            prop_assert!(got == &want[..], "snapshot {} block {i} changed", SNAPS[snap]);
+        }
+    }
     Ok(())
+}
+
+/// A new volume in the model with `content` (durable).
+fn cloned(content: Vec<Vec<u8>>) -> Vec<ModelBlock> {
+    content.into_iter().map(|c| ModelBlock { possible: vec![c.clone()], cur: c }).collect()
 }
 
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
@@ -206,6 +232,45 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Delete { vol } => {
                 let r = pool.delete_volume(NAMES[vol]);
                 if model.vols.remove(&vol).is_some() { r.unwrap() } else { prop_assert!(r.is_err()) }
+            }
+            Op::Snapshot { vol, snap } => {
+                let r = pool.create_snapshot(NAMES[vol], SNAPS[snap]);
+                match model.vols.get(&vol) {
+                    Some(blocks) if !model.snaps.contains_key(&snap) => {
+                        r.unwrap();
+                        let content = blocks.iter().map(|b| b.cur.clone()).collect();
+                        model.snaps.insert(snap, content);
+                        // The snapshot synced the store: everything acknowledged is durable.
+                        model.flushed();
+                    }
+                    _ => prop_assert!(r.is_err()),
+                }
+            }
+            Op::CloneSnap { snap, vol } => {
+                let r = pool.clone_volume(CloneSource::Snapshot(SNAPS[snap]), NAMES[vol]);
+                match model.snaps.get(&snap) {
+                    Some(content) if !model.vols.contains_key(&vol) => {
+                        r.unwrap();
+                        model.vols.insert(vol, cloned(content.clone()));
+                    }
+                    _ => prop_assert!(r.is_err()),
+                }
+            }
+            Op::CloneVol { from, vol } => {
+                let r = pool.clone_volume(CloneSource::Volume(NAMES[from]), NAMES[vol]);
+                match model.vols.get(&from) {
+                    Some(blocks) if !model.vols.contains_key(&vol) => {
+                        r.unwrap();
+                        let content = blocks.iter().map(|b| b.cur.clone()).collect();
+                        model.flushed();
+                        model.vols.insert(vol, cloned(content));
+                    }
+                    _ => prop_assert!(r.is_err()),
+                }
+            }
+            Op::DeleteSnap { snap } => {
+                let r = pool.delete_snapshot(SNAPS[snap]);
+                if model.snaps.remove(&snap).is_some() { r.unwrap() } else { prop_assert!(r.is_err()) }
             }
             Op::Checkpoint => pool.checkpoint().unwrap(),
             Op::Read { vol } => {
