@@ -1,5 +1,7 @@
 //! Snapshots, clones and deletion: content, isolation, space and persistence.
 
+#![allow(clippy::cast_possible_truncation)] // test sizes are small
+
 mod common;
 
 use common::{Fixture, pattern};
