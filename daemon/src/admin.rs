@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use ferrite_engine::{ErrorKind, Pool, format_uuid};
+use ferrite_engine::{CloneSource, ErrorKind, Pool, format_uuid};
 use ferrite_nbd::{Export, Exports, Server};
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_server::Admin;
@@ -69,11 +69,38 @@ fn save_exports(cfg: &Config, records: &[ExportRecord]) -> std::io::Result<()> {
     std::fs::rename(&tmp, &p)
 }
 
-/// Publishes an export on the NBD server.
+/// Publishes an export on the NBD server: a volume, or `volume@snapshot` (read-only).
 pub fn publish(pool: &Pool, exports: &Exports, r: &ExportRecord) -> Result<(), ferrite_engine::Error> {
-    let volume = pool.open_volume(&r.volume)?;
-    exports.add(Export::new(r.name.clone(), volume, r.read_only, format!("ferrite volume {}", r.volume)));
+    let (handle, what) = match r.volume.split_once('@') {
+        Some((vol, snap)) => {
+            let info = pool.snapshot_info(snap)?;
+            // (A snapshot outlives its volume; then only the snapshot name has to match.)
+            if info.volume.as_deref().is_some_and(|v| v != vol) {
+                return Err(ferrite_engine::Error::new(
+                    ErrorKind::NotFound,
+                    format!("volume {vol:?} has no snapshot {snap:?}"),
+                ));
+            }
+            (pool.open_snapshot(snap)?, "snapshot")
+        }
+        None => (pool.open_volume(&r.volume)?, "volume"),
+    };
+    let read_only = r.read_only || handle.is_read_only();
+    exports.add(Export::new(r.name.clone(), handle, read_only, format!("ferrite {what} {}", r.volume)));
     Ok(())
+}
+
+fn snapshot_msg(s: ferrite_engine::SnapshotInfo) -> pb::Snapshot {
+    pb::Snapshot {
+        name: s.name,
+        id: s.id,
+        volume: s.volume.unwrap_or_default(),
+        volume_id: s.volume_id,
+        size: s.size,
+        created_unix: s.created_unix,
+        layer_bytes: s.layer_bytes,
+        reclaimable_on_delete: s.reclaimable_on_delete,
+    }
 }
 
 impl AdminService {
@@ -108,6 +135,8 @@ impl AdminService {
             allocated: info.allocated,
             created_unix: info.created_unix,
             exports,
+            exclusive: info.exclusive,
+            chain_depth: info.chain_depth as u64,
         }
     }
 
@@ -192,6 +221,69 @@ impl Admin for AdminService {
         Ok(Response::new(pb::DeleteVolumeResponse {}))
     }
 
+    async fn clone_volume(&self, req: Request<pb::CloneVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        let source = r.source.ok_or_else(|| Status::invalid_argument("source (snapshot or volume) is required"))?;
+        let name = r.name;
+        let info = self
+            .engine(move |p| match &source {
+                pb::clone_volume_request::Source::Snapshot(s) => p.clone_volume(CloneSource::Snapshot(s), &name),
+                pb::clone_volume_request::Source::Volume(v) => p.clone_volume(CloneSource::Volume(v), &name),
+            })
+            .await?;
+        Ok(Response::new(self.volume_msg(info).await))
+    }
+
+    async fn create_snapshot(&self, req: Request<pb::CreateSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        require("name", &r.name)?;
+        let s = self.engine(move |p| p.create_snapshot(&r.volume, &r.name)).await?;
+        Ok(Response::new(snapshot_msg(s)))
+    }
+
+    async fn list_snapshots(
+        &self,
+        req: Request<pb::ListSnapshotsRequest>,
+    ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
+        let vol = req.into_inner().volume;
+        let list = self.engine(move |p| p.snapshots(Some(vol.as_str()).filter(|v| !v.is_empty()))).await?;
+        Ok(Response::new(pb::ListSnapshotsResponse { snapshots: list.into_iter().map(snapshot_msg).collect() }))
+    }
+
+    async fn get_snapshot(&self, req: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        let name = req.into_inner().name;
+        require("name", &name)?;
+        let s = self.engine(move |p| p.snapshot_info(&name)).await?;
+        Ok(Response::new(snapshot_msg(s)))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        req: Request<pb::DeleteSnapshotRequest>,
+    ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
+        let name = req.into_inner().name;
+        require("name", &name)?;
+        // Held across the deletion so no export of it can start meanwhile.
+        let records = self.records.lock().await;
+        let exported: Vec<String> = records
+            .iter()
+            .filter(|r| r.volume.split_once('@').is_some_and(|(_, s)| s == name))
+            .map(|r| r.name.clone())
+            .collect();
+        if !exported.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "snapshot {name:?} is exported as {}; stop the export first",
+                exported.join(", ")
+            )));
+        }
+        let n = name.clone();
+        self.engine(move |p| p.delete_snapshot(&n)).await?;
+        drop(records);
+        Ok(Response::new(pb::DeleteSnapshotResponse {}))
+    }
+
     async fn start_export(&self, req: Request<pb::StartExportRequest>) -> Result<Response<pb::Export>, Status> {
         let r = req.into_inner();
         require("volume", &r.volume)?;
@@ -199,7 +291,8 @@ impl Admin for AdminService {
         if name.len() > 4096 {
             return Err(Status::invalid_argument("export name longer than 4096 bytes"));
         }
-        let rec = ExportRecord { name, volume: r.volume, read_only: r.read_only };
+        let read_only = r.read_only || r.volume.contains('@');
+        let rec = ExportRecord { name, volume: r.volume, read_only };
         let mut records = self.records.lock().await;
         if let Some(old) = records.iter().find(|x| x.name == rec.name) {
             if *old == rec {

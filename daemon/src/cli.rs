@@ -52,8 +52,60 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
 }
 
 fn volume_json(v: &pb::Volume) -> serde_json::Value {
-    json!({"name": v.name, "id": v.id, "size": v.size, "allocated": v.allocated,
-           "created_unix": v.created_unix, "exports": v.exports})
+    json!({"name": v.name, "id": v.id, "size": v.size, "allocated": v.allocated, "exclusive": v.exclusive,
+           "chain_depth": v.chain_depth, "created_unix": v.created_unix, "exports": v.exports})
+}
+
+fn snapshot_json(s: &pb::Snapshot) -> serde_json::Value {
+    json!({"name": s.name, "id": s.id, "volume": s.volume, "volume_id": s.volume_id, "size": s.size,
+           "created_unix": s.created_unix, "layer_bytes": s.layer_bytes,
+           "reclaimable_on_delete": s.reclaimable_on_delete})
+}
+
+/// One line (or a JSON object) saying what was done to what.
+pub fn print_done(out: Output, what: &str, name: &str) {
+    match out {
+        Output::Json => println!("{}", json!({ what.split(' ').next().unwrap_or(what): name })),
+        Output::Table => println!("{what} {name}"),
+    }
+}
+
+pub fn print_snapshots(out: Output, snaps: &[pb::Snapshot]) {
+    match out {
+        Output::Json => println!("{}", serde_json::Value::Array(snaps.iter().map(snapshot_json).collect())),
+        Output::Table => {
+            let rows = snaps
+                .iter()
+                .map(|s| {
+                    vec![
+                        s.name.clone(),
+                        if s.volume.is_empty() { "(deleted)".into() } else { s.volume.clone() },
+                        format_size(s.size),
+                        format_size(s.layer_bytes),
+                        format_size(s.reclaimable_on_delete),
+                    ]
+                })
+                .collect();
+            println!("{}", table(&["SNAPSHOT", "VOLUME", "SIZE", "CHANGED", "FREED ON DELETE"], rows));
+        }
+    }
+}
+
+pub fn print_snapshot(out: Output, s: &pb::Snapshot) {
+    match out {
+        Output::Json => println!("{}", snapshot_json(s)),
+        Output::Table => {
+            let rows = vec![
+                vec!["name".into(), s.name.clone()],
+                vec!["id".into(), s.id.to_string()],
+                vec!["volume".into(), if s.volume.is_empty() { "(deleted)".into() } else { s.volume.clone() }],
+                vec!["size".into(), format!("{} ({} bytes)", format_size(s.size), s.size)],
+                vec!["changed since previous".into(), format_size(s.layer_bytes)],
+                vec!["freed on delete".into(), format_size(s.reclaimable_on_delete)],
+            ];
+            println!("{}", table(&["FIELD", "VALUE"], rows));
+        }
+    }
 }
 
 fn export_json(e: &pb::Export) -> serde_json::Value {
@@ -83,6 +135,8 @@ pub fn print_volume(out: Output, v: &pb::Volume) {
                 vec!["id".into(), v.id.to_string()],
                 vec!["size".into(), format!("{} ({} bytes)", format_size(v.size), v.size)],
                 vec!["allocated".into(), format!("{} ({} bytes)", format_size(v.allocated), v.allocated)],
+                vec!["exclusive".into(), format_size(v.exclusive)],
+                vec!["chain depth".into(), v.chain_depth.to_string()],
                 vec!["exports".into(), if v.exports.is_empty() { "-".into() } else { v.exports.join(", ") }],
             ];
             println!("{}", table(&["FIELD", "VALUE"], rows));

@@ -42,6 +42,17 @@ enum Cmd {
     /// Manage volumes.
     #[command(subcommand)]
     Volume(VolumeCmd),
+    /// Manage snapshots.
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
+    /// Create a writable volume from a snapshot (`ferrite clone db@nightly db-test`) or from a
+    /// volume's current content (`ferrite clone db db-copy`).
+    Clone {
+        /// `volume@snapshot`, `snapshot`, or a volume name.
+        source: String,
+        /// Name of the new volume.
+        name: String,
+    },
     /// Manage NBD exports.
     #[command(subcommand)]
     Export(ExportCmd),
@@ -73,8 +84,20 @@ enum VolumeCmd {
 }
 
 #[derive(Subcommand)]
+enum SnapshotCmd {
+    /// Snapshot a volume: `ferrite snapshot create db nightly` (O(1), durable on return).
+    Create { volume: String, name: String },
+    /// List snapshots (of one volume if given).
+    List { volume: Option<String> },
+    /// Show one snapshot.
+    Show { name: String },
+    /// Delete a snapshot; clones and later snapshots keep what they need.
+    Delete { name: String },
+}
+
+#[derive(Subcommand)]
 enum ExportCmd {
-    /// Export a volume over NBD.
+    /// Export a volume (or `volume@snapshot`, read-only) over NBD.
     Nbd {
         volume: String,
         /// Export name (default: the volume name).
@@ -153,13 +176,41 @@ async fn client(cli: Cli) -> Result<()> {
             }
             VolumeCmd::Delete { name } => {
                 c.delete_volume(pb::DeleteVolumeRequest { name: name.clone() }).await.map_err(rpc_error)?;
-                if out == Output::Json {
-                    println!("{}", serde_json::json!({"deleted": name}));
-                } else {
-                    println!("deleted volume {name}");
-                }
+                cli::print_done(out, "deleted volume", &name);
             }
         },
+        Cmd::Snapshot(sc) => match sc {
+            SnapshotCmd::Create { volume, name } => {
+                let s = c.create_snapshot(pb::CreateSnapshotRequest { volume, name }).await.map_err(rpc_error)?;
+                cli::print_snapshot(out, s.get_ref());
+            }
+            SnapshotCmd::List { volume } => {
+                let req = pb::ListSnapshotsRequest { volume: volume.unwrap_or_default() };
+                let r = c.list_snapshots(req).await.map_err(rpc_error)?;
+                cli::print_snapshots(out, &r.get_ref().snapshots);
+            }
+            SnapshotCmd::Show { name } => {
+                let s = c.get_snapshot(pb::GetSnapshotRequest { name }).await.map_err(rpc_error)?;
+                cli::print_snapshot(out, s.get_ref());
+            }
+            SnapshotCmd::Delete { name } => {
+                c.delete_snapshot(pb::DeleteSnapshotRequest { name: name.clone() }).await.map_err(rpc_error)?;
+                cli::print_done(out, "deleted snapshot", &name);
+            }
+        },
+        Cmd::Clone { source, name } => {
+            use pb::clone_volume_request::Source;
+            let source = match source.split_once('@') {
+                Some((_, snap)) => Source::Snapshot(snap.to_owned()),
+                None => {
+                    // A bare name is a snapshot if one is called that, else a volume.
+                    let snap = c.get_snapshot(pb::GetSnapshotRequest { name: source.clone() }).await;
+                    if snap.is_ok() { Source::Snapshot(source) } else { Source::Volume(source) }
+                }
+            };
+            let v = c.clone_volume(pb::CloneVolumeRequest { name, source: Some(source) }).await.map_err(rpc_error)?;
+            cli::print_volume(out, v.get_ref());
+        }
         Cmd::Export(e) => match e {
             ExportCmd::Nbd { volume, name, read_only } => {
                 let req = pb::StartExportRequest { volume, name: name.unwrap_or_default(), read_only };
@@ -172,11 +223,7 @@ async fn client(cli: Cli) -> Result<()> {
             }
             ExportCmd::Stop { name } => {
                 c.stop_export(pb::StopExportRequest { name: name.clone() }).await.map_err(rpc_error)?;
-                if out == Output::Json {
-                    println!("{}", serde_json::json!({"stopped": name}));
-                } else {
-                    println!("stopped export {name}");
-                }
+                cli::print_done(out, "stopped export", &name);
             }
         },
         Cmd::Pool(PoolCmd::Status) => {

@@ -130,3 +130,64 @@ fn metrics_endpoint_reports_pool_volumes_and_traffic() {
     }
     assert!(get("/nope").starts_with("HTTP/1.1 404"));
 }
+
+/// Runs qemu-io commands against an export; returns stdout, failing on error or a mismatch.
+fn qemu_io(d: &Daemon, export: &str, cmds: &[&str]) -> String {
+    let mut c = Command::new("qemu-io");
+    c.args(["-f", "raw"]);
+    if export.contains('@') {
+        c.arg("-r"); // snapshot exports are read-only
+    }
+    for cmd in cmds {
+        c.args(["-c", cmd]);
+    }
+    let o = c.arg(d.qemu_uri(export)).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !text.contains("verification failed"), "{cmds:?}: {text} {err}");
+    text
+}
+
+#[test]
+fn snapshots_clones_and_snapshot_exports() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    d.ok(&["volume", "create", "db", "16MiB"]);
+    d.ok(&["export", "nbd", "db"]);
+    qemu_io(&d, "db", &["write -P 0x11 0 4M", "flush"]);
+    let out = d.ok(&["snapshot", "create", "db", "nightly"]);
+    assert!(out.contains("nightly"), "{out}");
+    qemu_io(&d, "db", &["write -P 0x22 0 1M", "discard 2M 1M"]);
+    // The snapshot, exported read-only as volume@snapshot, still holds what was there.
+    let e: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "export", "nbd", "db@nightly"])).unwrap();
+    assert_eq!(e["read_only"], true);
+    qemu_io(&d, "db@nightly", &["read -P 0x11 0 4M", "read -P 0 4M 1M"]);
+    let w = Command::new("qemu-io").args(["-f", "raw", "-c", "write 0 4k"]).arg(d.qemu_uri("db@nightly")).output();
+    assert!(!w.unwrap().status.success(), "a snapshot export refuses writes");
+    // Clones: from the snapshot and from the live volume.
+    d.ok(&["clone", "db@nightly", "restore"]);
+    d.ok(&["clone", "db", "copy"]);
+    d.ok(&["export", "nbd", "restore"]);
+    d.ok(&["export", "nbd", "copy"]);
+    qemu_io(&d, "restore", &["read -P 0x11 0 4M"]);
+    qemu_io(&d, "copy", &["read -P 0x22 0 1M", "read -P 0x11 1M 1M", "read -P 0 2M 1M", "read -P 0x11 3M 1M"]);
+    let snaps: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "snapshot", "list", "db"])).unwrap();
+    assert_eq!(snaps[0]["name"], "nightly");
+    assert_eq!(snaps[0]["size"], 16 << 20);
+    assert_eq!(snaps[0]["layer_bytes"], 4 << 20);
+    let v: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "volume", "show", "restore"])).unwrap();
+    assert_eq!((v["chain_depth"].as_u64(), v["allocated"].as_u64()), (Some(2), Some(4 << 20)));
+    // Deleting an exported snapshot is refused; after the export stops, deletion always works.
+    let busy = d.cli(&["snapshot", "delete", "nightly"]);
+    assert!(String::from_utf8_lossy(&busy.stderr).contains("stop the export first"));
+    d.ok(&["export", "stop", "db@nightly"]);
+    d.ok(&["snapshot", "delete", "nightly"]);
+    qemu_io(&d, "restore", &["read -P 0x11 0 4M"]);
+    let missing = d.cli(&["snapshot", "show", "nightly"]);
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("not found"));
+    let bad = d.cli(&["clone", "nope@x", "y"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("not found"));
+}
