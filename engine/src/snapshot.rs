@@ -268,22 +268,28 @@ impl Pool {
             if st.names.contains_key(&name) {
                 return Err(Error::new(ErrorKind::AlreadyExists, format!("volume {name:?} already exists")));
             }
-            let mut ops = Vec::new();
             let (parent, size, origin) = match &source {
                 Ok(snap) => {
                     let s = &st.snapshots[&snapshot_by_name(&st, snap)?];
                     (s.layer, s.size, None)
                 }
                 Err(vol) => {
-                    let mut rec = st.volumes[&lookup(&st, vol)?].rec.clone();
-                    let (frozen, size) = (rec.layer, rec.size);
-                    rec.layer = inner.meta.next_id()?;
-                    ops.push(CatalogOp::PutLayer(rec.layer, Some(frozen)));
-                    ops.push(CatalogOp::PutVolume(rec.clone()));
-                    (frozen, size, Some(rec))
+                    let rec = st.volumes[&lookup(&st, vol)?].rec.clone();
+                    (rec.layer, rec.size, Some(rec))
                 }
             };
-            drop(st);
+            drop(st); // no catalog I/O under the state lock
+            let mut ops = Vec::new();
+            let origin = match origin {
+                Some(mut rec) => {
+                    // The source's head freezes (hidden) under a new head of its own.
+                    rec.layer = inner.meta.next_id()?;
+                    ops.push(CatalogOp::PutLayer(rec.layer, Some(parent)));
+                    ops.push(CatalogOp::PutVolume(rec.clone()));
+                    Some(rec)
+                }
+                None => None,
+            };
             let id = inner.meta.next_id()?;
             let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: name.clone() };
             ops.push(CatalogOp::PutLayer(id, Some(parent)));
