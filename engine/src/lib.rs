@@ -21,6 +21,7 @@
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 mod checkpoint;
+mod cleaner;
 mod error;
 mod extent_map;
 pub mod format;
@@ -35,6 +36,7 @@ mod segments;
 mod snapshot;
 mod volume;
 
+pub use cleaner::CleanReport;
 pub use error::{Error, ErrorKind, Result};
 pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats, VolumeInfo, format_uuid};
 pub use recovery::RecoveryReport;

@@ -41,8 +41,11 @@ pub(crate) enum Req {
     /// Make everything acknowledged so far durable.
     Flush { done: Done },
     /// Run `run` on the leader with every earlier request applied and no later one started
-    /// (catalog changes that restructure layers: snapshots, clones, deletions).
+    /// (catalog changes that restructure layers: snapshots, clones, deletions; cleaning).
     Barrier { run: BarrierFn, done: Done },
+    /// Re-map `data` at `lba` of `layer` itself (the cleaner moving live blocks; only ever
+    /// built on the leader, see [`write_moves`]).
+    Move { layer: u64, lba: u64, data: Vec<u8> },
 }
 
 impl std::fmt::Debug for Req {
@@ -54,6 +57,7 @@ impl std::fmt::Debug for Req {
             Req::Unmap { volume, lba, blocks, .. } => write!(f, "Unmap({volume}:{lba}+{blocks})"),
             Req::Flush { .. } => f.write_str("Flush"),
             Req::Barrier { .. } => f.write_str("Barrier"),
+            Req::Move { layer, lba, data } => write!(f, "Move({layer}:{lba}+{})", data.len()),
         }
     }
 }
@@ -63,13 +67,14 @@ impl Req {
     pub(crate) fn fail(self, e: &Error) {
         let done = match self {
             Req::Write { done, .. } | Req::Unmap { done, .. } | Req::Flush { done } | Req::Barrier { done, .. } => done,
+            Req::Move { .. } => return, // nobody waits on a move; the cleaner sees the batch fail
         };
         done(Err(clone_err(e)));
     }
 
     fn data_blocks(&self) -> u64 {
         match self {
-            Req::Write { data, .. } => (data.len() / BLOCK) as u64,
+            Req::Write { data, .. } | Req::Move { data, .. } => (data.len() / BLOCK) as u64,
             _ => 0,
         }
     }
@@ -216,7 +221,9 @@ fn process(inner: &Inner, reqs: Vec<Req>, scratch: &mut AlignedBuf) {
         let (done, fua) = match r {
             Req::Write { done, fua, .. } => (done, fua),
             Req::Unmap { done, .. } => (done, false),
-            Req::Flush { .. } | Req::Barrier { .. } => unreachable!("flushes were split out, barriers go alone"),
+            Req::Flush { .. } | Req::Barrier { .. } | Req::Move { .. } => {
+                unreachable!("flushes were split out, barriers go alone, moves never queue")
+            }
         };
         match (&result, fua) {
             (Ok(()), true) => {
@@ -266,13 +273,14 @@ fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<
         reqs.iter()
             .map(|r| match r {
                 Req::Write { volume, .. } | Req::Unmap { volume, .. } => head(volume),
+                Req::Move { layer, .. } => *layer,
                 _ => 0,
             })
             .collect()
     };
     for (r, &layer) in reqs.iter().zip(&heads) {
         match r {
-            Req::Write { lba, data, .. } => {
+            Req::Write { lba, data, .. } | Req::Move { lba, data, .. } => {
                 let blocks = u32::try_from(data.len() / BLOCK).expect("requests are split below 4 GiB");
                 entries.push(Entry { layer, lba: *lba, blocks, kind: EntryKind::Data });
                 data_blocks += data.len() / BLOCK;
@@ -299,13 +307,15 @@ fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<
     let mut crcs = Vec::with_capacity(data_blocks);
     let mut at = hb * BLOCK;
     for r in reqs {
-        if let Req::Write { data, .. } = r {
+        if let Req::Write { data, .. } | Req::Move { data, .. } = r {
             buf[at..at + data.len()].copy_from_slice(data);
             crcs.extend(data.chunks(BLOCK).map(block_crc));
             at += data.len();
         }
     }
-    let pos = reserve_room(inner, buf.len() as u64, data_blocks == 0)?;
+    // Unmap-only batches and the cleaner's moves may use the reserve: both give space back.
+    let may_use_reserve = reqs.iter().all(|r| matches!(r, Req::Unmap { .. } | Req::Move { .. }));
+    let pos = reserve_room(inner, buf.len() as u64, may_use_reserve)?;
     let header = BatchHeader {
         seq: pos.seq,
         generation: inner.state.read().generation,
@@ -331,6 +341,39 @@ fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<
     apply(&mut st, &header, pos);
     if st.log_bytes_since_ckpt >= inner.opts.checkpoint_bytes {
         inner.ckpt.request();
+    }
+    Ok(())
+}
+
+/// Writes the cleaner's moves as batches; only on the leader (inside a barrier). Each move is
+/// (layer, lba, whole blocks of data). Batches fill the head segment's tail before a new
+/// segment is started, as client batches do, so moved data packs densely.
+pub(crate) fn write_moves(inner: &Inner, moves: Vec<(u64, u64, Vec<u8>)>) -> Result<()> {
+    let mut scratch = AlignedBuf::new(BLOCK);
+    let mut queue: VecDeque<(u64, u64, Vec<u8>)> = moves.into();
+    while !queue.is_empty() {
+        let room = head_room_blocks(inner);
+        let limit = if room > 0 { room.min(inner.max_batch_blocks) } else { inner.max_batch_blocks };
+        let mut batch: Vec<Req> = Vec::new();
+        let mut blocks = 0;
+        while let Some((layer, lba, data)) = queue.pop_front() {
+            let n = (data.len() / BLOCK) as u64;
+            if batch.len() == MAX_ENTRIES || blocks == limit {
+                queue.push_front((layer, lba, data));
+                break;
+            }
+            if blocks + n > limit {
+                // Split: what fits goes now, the rest heads the next batch.
+                let fit = usize::try_from(limit - blocks).expect("small") * BLOCK;
+                let rest = data[fit..].to_vec();
+                queue.push_front((layer, lba + (limit - blocks), rest));
+                batch.push(Req::Move { layer, lba, data: data[..fit].to_vec() });
+                break;
+            }
+            blocks += n;
+            batch.push(Req::Move { layer, lba, data });
+        }
+        write_batch(inner, &batch, &mut scratch)?;
     }
     Ok(())
 }
@@ -372,7 +415,7 @@ pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
 
 /// Finds room for `len` bytes at the log head, opening a new segment if needed (recording the
 /// move durably first). Returns where the batch goes.
-fn reserve_room(inner: &Inner, len: u64, unmap_only: bool) -> Result<LogPos> {
+fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos> {
     let seg_size = inner.sb.segment_size;
     let (head, head_is_open) = {
         let st = inner.state.read();
@@ -381,7 +424,7 @@ fn reserve_room(inner: &Inner, len: u64, unmap_only: bool) -> Result<LogPos> {
     if head_is_open && head.off + len <= seg_size {
         return Ok(head);
     }
-    let reserve = if unmap_only { 0 } else { inner.opts.reserve_segments };
+    let reserve = if may_use_reserve { 0 } else { inner.opts.reserve_segments };
     let mut seg = inner.state.write().segs.take_free(reserve);
     if seg.is_none() {
         // Empty segments may be waiting for a checkpoint to release them.
@@ -389,6 +432,7 @@ fn reserve_room(inner: &Inner, len: u64, unmap_only: bool) -> Result<LogPos> {
         seg = inner.state.write().segs.take_free(reserve);
     }
     let Some(seg) = seg else {
+        inner.cleaner.kick();
         return Err(Error::new(ErrorKind::NoSpace, "pool is full: no free segment for new writes"));
     };
     let ready = inner

@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use parking_lot::{Mutex, RwLock};
 
 use crate::checkpoint::CheckpointCtl;
+use crate::cleaner::{CleanReport, CleanerCtl};
 use crate::error::{Error, ErrorKind, Result, invalid};
 use crate::format::{DATA_START, FORMAT_VERSION, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringBackend};
@@ -38,6 +39,10 @@ pub struct PoolOptions {
     pub checkpoint_bytes: u64,
     /// Backend for file- and device-backed pools (default io_uring, falling back to syscalls).
     pub backend: BackendKind,
+    /// Run the cleaner in the background when free space runs low (default on).
+    pub background_cleaner: bool,
+    /// How often the background cleaner looks at free space (default 1 s).
+    pub cleaner_interval: Duration,
 }
 
 impl Default for PoolOptions {
@@ -49,6 +54,8 @@ impl Default for PoolOptions {
             checkpoint_interval: Duration::from_secs(5),
             checkpoint_bytes: 1 << 30,
             backend: BackendKind::Uring,
+            background_cleaner: true,
+            cleaner_interval: Duration::from_secs(1),
         }
     }
 }
@@ -76,7 +83,7 @@ pub struct PoolStats {
     pub uuid: [u8; 16],
     /// Bytes of data area (segments) in the pool.
     pub size: u64,
-    /// Bytes in segments that are not free.
+    /// Bytes of log in segments that are not free (the open segment counted as far as written).
     pub used: u64,
     /// Bytes of free segments usable by client writes (the reserve excluded).
     pub free: u64,
@@ -139,6 +146,7 @@ pub(crate) struct Inner {
     pub closed: AtomicBool,
     pub stripes: Box<[Mutex<()>]>,
     pub ckpt: CheckpointCtl,
+    pub cleaner: CleanerCtl,
     pub faults: Mutex<Vec<FaultPoint>>,
     pub client_bytes: AtomicU64,
     pub media_bytes: AtomicU64,
@@ -369,6 +377,7 @@ impl Pool {
             closed: AtomicBool::new(false),
             stripes: (0..256).map(|_| Mutex::new(())).collect(),
             ckpt: CheckpointCtl::default(),
+            cleaner: CleanerCtl::default(),
             faults: Mutex::new(Vec::new()),
             client_bytes: AtomicU64::new(0),
             media_bytes: AtomicU64::new(0),
@@ -387,7 +396,16 @@ impl Pool {
                 .spawn(move || crate::checkpoint::checkpointer_loop(&inner))
                 .map_err(|e| Error::io("starting the checkpoint thread", e))?
         };
-        Ok(Pool { inner, threads: Mutex::new(vec![ckpt]) })
+        let mut threads = vec![ckpt];
+        if inner.opts.background_cleaner {
+            let inner = Arc::clone(&inner);
+            let t = std::thread::Builder::new()
+                .name("ferrite-cleaner".into())
+                .spawn(move || crate::cleaner::cleaner_loop(&inner))
+                .map_err(|e| Error::io("starting the cleaner thread", e))?;
+            threads.push(t);
+        }
+        Ok(Pool { inner, threads: Mutex::new(threads) })
     }
 
     /// What recovery found when this pool was opened.
@@ -475,6 +493,13 @@ impl Pool {
         self.inner.checkpoint()
     }
 
+    /// Runs the cleaner now: moves live data out of every segment with dead space worth taking
+    /// back (live fraction up to 95%) and frees those segments. Blocks until done.
+    pub fn reclaim(&self) -> Result<CleanReport> {
+        self.inner.check_open()?;
+        self.inner.clean(0.95, |_, _| true)
+    }
+
     /// Arms a fault injection point (crash tests).
     pub fn inject_fault(&self, point: FaultPoint) {
         self.inner.faults.lock().push(point);
@@ -488,10 +513,13 @@ impl Pool {
         let free_segs = st.segs.count(SegState::Free) as u64;
         let reclaimable: u64 =
             st.segs.segs.iter().filter(|s| s.state == SegState::Sealed).map(|s| seg - s.live * BLOCK as u64).sum();
+        // The open head segment counts only as far as it is written.
+        let head = &st.segs.segs[st.applied.seg];
+        let head_unwritten = if head.state == SegState::Open { seg - st.applied.off } else { 0 };
         PoolStats {
             uuid: inner.sb.uuid,
             size: seg * inner.sb.segment_count,
-            used: (inner.sb.segment_count - free_segs) * seg,
+            used: (inner.sb.segment_count - free_segs) * seg - head_unwritten,
             free: free_segs.saturating_sub(inner.opts.reserve_segments as u64) * seg,
             live: st.segs.live_blocks() * BLOCK as u64,
             reclaimable,
@@ -518,6 +546,9 @@ impl Pool {
         if threads.is_empty() {
             return Ok(());
         }
+        self.inner.cleaner.stop();
+        // A cleaning run in progress finishes its step (it holds `running`) before the log closes.
+        drop(self.inner.cleaner.running.lock());
         self.inner.log.close();
         self.inner.ckpt.stop();
         for t in threads {

@@ -1,7 +1,7 @@
 //! Property test of the durability contract against a reference model.
 //!
 //! Random sequences of create / write / trim / write-zeroes / flush / grow / delete /
-//! snapshot / clone / snapshot delete / checkpoint / crash / clean reopen run on the
+//! snapshot / clone / snapshot delete / cleaner run / checkpoint / crash / clean reopen run on the
 //! crash-simulating backend. A snapshot is durable on return and reads exactly what the volume
 //! held when it was taken, crash or not; a clone starts as that content. The model keeps, for
 //! every block, its current content and every content it may have after a crash (the content at
@@ -39,6 +39,7 @@ enum Op {
     CloneSnap { snap: usize, vol: usize },
     CloneVol { from: usize, vol: usize },
     DeleteSnap { snap: usize },
+    Clean,
     Checkpoint,
     Read { vol: usize },
     Crash { seed: u64 },
@@ -60,6 +61,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..SNAPS.len(), vol.clone()).prop_map(|(snap, vol)| Op::CloneSnap { snap, vol }),
         1 => (vol.clone(), vol.clone()).prop_map(|(from, vol)| Op::CloneVol { from, vol }),
         1 => (0..SNAPS.len()).prop_map(|snap| Op::DeleteSnap { snap }),
+        2 => Just(Op::Clean),
         1 => Just(Op::Checkpoint),
         2 => vol.prop_map(|vol| Op::Read { vol }),
         3 => any::<u64>().prop_map(|seed| Op::Crash { seed }),
@@ -271,6 +273,13 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::DeleteSnap { snap } => {
                 let r = pool.delete_snapshot(SNAPS[snap]);
                 if model.snaps.remove(&snap).is_some() { r.unwrap() } else { prop_assert!(r.is_err()) }
+            }
+            // Moves are ordinary batches: they change no content, and the checkpoint that ends the
+            // run syncs the store, so everything acknowledged before it is durable afterwards.
+            Op::Clean => {
+                if pool.reclaim().unwrap().segments_cleaned > 0 {
+                    model.flushed();
+                }
             }
             Op::Checkpoint => pool.checkpoint().unwrap(),
             Op::Read { vol } => {

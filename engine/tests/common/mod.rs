@@ -20,6 +20,8 @@ pub fn small_opts() -> PoolOptions {
         // Checkpoints only when a test asks (or on open/close), so tests control them.
         checkpoint_interval: Duration::from_secs(3600),
         checkpoint_bytes: u64::MAX,
+        // Cleaning only when a test asks, too.
+        background_cleaner: false,
         ..PoolOptions::default()
     }
 }
