@@ -361,6 +361,32 @@ impl Admin for AdminService {
             client_bytes_written: s.client_bytes_written,
             media_bytes_written: s.media_bytes_written,
             nbd_connections: self.nbd.stats.connections_open.load(std::sync::atomic::Ordering::Relaxed),
+            cleaner_active: s.cleaner_active,
+            cleaner_runs: s.cleaner_runs,
+            cleaner_segments_cleaned: s.cleaner_segments_cleaned,
+            cleaner_bytes_moved: s.cleaner_bytes_moved,
+        }))
+    }
+
+    async fn reclaim_pool(
+        &self,
+        _: Request<pb::ReclaimPoolRequest>,
+    ) -> Result<Response<pb::ReclaimPoolResponse>, Status> {
+        let (before, r, after) = self
+            .engine(|p| {
+                let before = p.stats();
+                let r = p.reclaim()?;
+                Ok((before, r, p.stats()))
+            })
+            .await?;
+        tracing::info!(cleaned = r.segments_cleaned, freed = r.segments_freed, "reclaim ran");
+        Ok(Response::new(pb::ReclaimPoolResponse {
+            segments_cleaned: r.segments_cleaned,
+            bytes_moved: r.blocks_moved * 4096,
+            segments_freed: r.segments_freed,
+            used_before: before.used,
+            used_after: after.used,
+            live: after.live,
         }))
     }
 }

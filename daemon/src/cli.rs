@@ -194,7 +194,9 @@ pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
                    "segments": s.segments, "segments_free": s.segments_free, "volumes": s.volumes,
                    "log_seq": s.log_seq, "generation": s.generation,
                    "client_bytes_written": s.client_bytes_written, "media_bytes_written": s.media_bytes_written,
-                   "nbd_connections": s.nbd_connections})
+                   "nbd_connections": s.nbd_connections, "cleaner_active": s.cleaner_active,
+                   "cleaner_runs": s.cleaner_runs, "cleaner_segments_cleaned": s.cleaner_segments_cleaned,
+                   "cleaner_bytes_moved": s.cleaner_bytes_moved})
         ),
         Output::Table => {
             let wa = if s.client_bytes_written > 0 {
@@ -216,9 +218,39 @@ pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
                 ],
                 vec!["volumes".into(), s.volumes.to_string()],
                 vec!["write amplification".into(), wa],
+                vec![
+                    "cleaner".into(),
+                    format!(
+                        "{}; {} runs, {} segments cleaned, {} moved",
+                        if s.cleaner_active { "running" } else { "idle" },
+                        s.cleaner_runs,
+                        s.cleaner_segments_cleaned,
+                        format_size(s.cleaner_bytes_moved)
+                    ),
+                ],
                 vec!["nbd connections".into(), s.nbd_connections.to_string()],
             ];
             println!("{}", table(&["POOL", ""], rows));
         }
+    }
+}
+
+pub fn print_reclaim(out: Output, r: &pb::ReclaimPoolResponse) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"segments_cleaned": r.segments_cleaned, "bytes_moved": r.bytes_moved,
+                   "segments_freed": r.segments_freed, "used_before": r.used_before, "used_after": r.used_after,
+                   "live": r.live})
+        ),
+        Output::Table => println!(
+            "reclaimed: used {} -> {} (live {}); {} segments cleaned, {} moved, {} segments freed",
+            format_size(r.used_before),
+            format_size(r.used_after),
+            format_size(r.live),
+            r.segments_cleaned,
+            format_size(r.bytes_moved),
+            r.segments_freed
+        ),
     }
 }

@@ -114,8 +114,10 @@ enum ExportCmd {
 
 #[derive(Subcommand)]
 enum PoolCmd {
-    /// Space, log and traffic figures.
+    /// Space, log, traffic and cleaner figures.
     Status,
+    /// Run the cleaner now: move live data out of segments with dead space and free them.
+    Reclaim,
 }
 
 fn main() {
@@ -229,6 +231,13 @@ async fn client(cli: Cli) -> Result<()> {
         Cmd::Pool(PoolCmd::Status) => {
             let s = c.pool_status(pb::PoolStatusRequest {}).await.map_err(rpc_error)?;
             cli::print_pool(out, s.get_ref());
+        }
+        Cmd::Pool(PoolCmd::Reclaim) => {
+            if out == Output::Table {
+                eprintln!("reclaiming: cleaning segments with dead space...");
+            }
+            let r = c.reclaim_pool(pb::ReclaimPoolRequest {}).await.map_err(rpc_error)?;
+            cli::print_reclaim(out, r.get_ref());
         }
     }
     Ok(())

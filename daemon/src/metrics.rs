@@ -17,19 +17,22 @@ pub fn render(pool: &Pool, nbd: &Server) -> String {
     let s = pool.stats();
     for (name, help, v) in [
         ("ferrite_pool_size_bytes", "Data area of the pool.", s.size),
-        ("ferrite_pool_used_bytes", "Bytes in segments that are not free.", s.used),
+        ("ferrite_pool_used_bytes", "Bytes of log in segments that are not free.", s.used),
         ("ferrite_pool_free_bytes", "Bytes free for client writes (reserve excluded).", s.free),
         ("ferrite_pool_live_bytes", "Bytes mapped by some volume.", s.live),
         ("ferrite_pool_reclaimable_bytes", "Dead bytes in sealed segments.", s.reclaimable),
         ("ferrite_pool_segments_free", "Free segments.", s.segments_free),
         ("ferrite_pool_volumes", "Volumes in the pool.", s.volumes as u64),
         ("ferrite_nbd_connections_open", "Open NBD connections.", nbd.stats.connections_open.load(Ordering::Relaxed)),
+        ("ferrite_cleaner_active", "1 while the cleaner runs.", u64::from(s.cleaner_active)),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
     }
     for (name, help, v) in [
         ("ferrite_pool_client_written_bytes_total", "Bytes clients wrote.", s.client_bytes_written),
         ("ferrite_pool_media_written_bytes_total", "Bytes the log wrote to media.", s.media_bytes_written),
+        ("ferrite_cleaner_segments_cleaned_total", "Segments the cleaner emptied.", s.cleaner_segments_cleaned),
+        ("ferrite_cleaner_moved_bytes_total", "Live bytes the cleaner moved.", s.cleaner_bytes_moved),
         (
             "ferrite_nbd_connections_total",
             "NBD connections accepted.",

@@ -188,6 +188,19 @@ fn snapshots_clones_and_snapshot_exports() {
     qemu_io(&d, "restore", &["read -P 0x11 0 4M"]);
     let missing = d.cli(&["snapshot", "show", "nightly"]);
     assert!(String::from_utf8_lossy(&missing.stderr).contains("not found"));
+    // Reclaim through the CLI: deleting the volume and clones frees their data; the cleaner
+    // and a checkpoint give the segments back.
+    for e in ["db", "restore", "copy"] {
+        d.ok(&["export", "stop", e]);
+    }
+    for v in ["db", "restore", "copy"] {
+        d.ok(&["volume", "delete", v]);
+    }
+    let r: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "pool", "reclaim"])).unwrap();
+    assert_eq!(r["live"], 0, "{r}");
+    assert!(r["used_after"].as_u64() <= Some(4 << 20), "only the head segment stays: {r}");
+    let status = d.ok(&["pool", "status"]);
+    assert!(status.contains("cleaner") && status.contains("runs"), "{status}");
     let bad = d.cli(&["clone", "nope@x", "y"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("not found"));
 }

@@ -101,6 +101,11 @@ pub struct PoolStats {
     /// Bytes clients wrote, and bytes the log wrote to media (headers included).
     pub client_bytes_written: u64,
     pub media_bytes_written: u64,
+    /// The cleaner: running now, runs so far, segments cleaned and bytes it moved (since open).
+    pub cleaner_active: bool,
+    pub cleaner_runs: u64,
+    pub cleaner_segments_cleaned: u64,
+    pub cleaner_bytes_moved: u64,
 }
 
 /// Injection points for crash tests: when armed, the pool fails there as if the machine died.
@@ -531,6 +536,10 @@ impl Pool {
             generation: st.generation,
             client_bytes_written: inner.client_bytes.load(Ordering::Relaxed),
             media_bytes_written: inner.media_bytes.load(Ordering::Relaxed),
+            cleaner_active: inner.cleaner.stats.active.load(Ordering::Relaxed),
+            cleaner_runs: inner.cleaner.stats.runs.load(Ordering::Relaxed),
+            cleaner_segments_cleaned: inner.cleaner.stats.segments_cleaned.load(Ordering::Relaxed),
+            cleaner_bytes_moved: inner.cleaner.stats.blocks_moved.load(Ordering::Relaxed) * BLOCK as u64,
         }
     }
 
