@@ -32,6 +32,11 @@ pub const WORKLOADS: [Workload; 6] = [
 /// first written in full, like a block device (or the raw file fio is compared against): a fresh
 /// sparse file would also measure ext4 converting unwritten extents on first write.
 pub fn setup(dir: &Path, pool_size: u64, vol_size: u64) -> (Pool, Volume) {
+    setup_with(dir, pool_size, vol_size, PoolOptions::default())
+}
+
+/// As [`setup`], with pool options.
+pub fn setup_with(dir: &Path, pool_size: u64, vol_size: u64, opts: PoolOptions) -> (Pool, Volume) {
     let path = dir.join("pool.img");
     {
         let mut f = std::fs::File::create(&path).expect("create pool file");
@@ -45,7 +50,7 @@ pub fn setup(dir: &Path, pool_size: u64, vol_size: u64) -> (Pool, Volume) {
         f.sync_all().expect("sync pool file");
     }
     let backend = std::sync::Arc::new(ferrite_engine::io::UringBackend::open(&path).expect("open pool file"));
-    let pool = Pool::create_on(backend, &dir.join("meta"), PoolOptions::default()).expect("create pool");
+    let pool = Pool::create_on(backend, &dir.join("meta"), opts).expect("create pool");
     pool.create_volume("bench", vol_size).expect("create volume");
     let vol = pool.open_volume("bench").expect("open volume");
     (pool, vol)

@@ -1,21 +1,24 @@
 //! The cleaner: moves the live blocks out of mostly-dead segments so a checkpoint can free them.
 //!
-//! - **Victims** by cost-benefit (Rosenblum & Ousterhout): among sealed segments, the highest
-//!   `(1 - u) * age / (1 + u)`, where `u` is the live fraction and `age` how many batches ago
-//!   the segment was last written. Cold, mostly-dead segments go first; a segment above
-//!   [`MAX_UTILISATION`] is never worth moving.
-//! - **Moves** run in steps of at most [`STEP_BLOCKS`] as log barriers: inside one, the leader
-//!   re-checks that each candidate block is still mapped where it was (a foreground write may
-//!   have replaced it since), reads it, verifies its crc, and writes it to the log head as an
-//!   ordinary batch naming its layer, in logical order (so a fragmented volume comes out
-//!   sequential). Between steps foreground batches go on, which is the throttle. Moves may use
-//!   the reserve segments: they always give back more than they take.
+//! - **Victims**: greedy — the sealed segment with the lowest live fraction `u` (older first on
+//!   a tie); a segment above [`MAX_UTILISATION`] is not worth moving in the background.
+//!   Cost-benefit (Rosenblum & Ousterhout) was measured worse here (see `pick_victim`).
+//! - **Moves** go in steps of at most [`STEP_BLOCKS`]. A step reads its candidate blocks and
+//!   checks their crcs *outside* any lock (the victim is pinned, so it cannot be freed and
+//!   reused meanwhile, and a written log block never changes), then, as a log barrier, keeps
+//!   only the blocks still mapped where they were (a foreground write may have replaced them)
+//!   and writes them to the log head as ordinary batches naming their layers, in logical order
+//!   (so a fragmented volume comes out sequential). Foreground writes wait only for that
+//!   write; between steps they go on, which is the throttle. Moves may use the reserve
+//!   segments: they always give back more than they take.
+//! - Where live blocks are is found once per run (one pass over every layer's map, bucketed by
+//!   segment), not once per victim.
 //! - **Crash safety** needs nothing new: a move is a normal batch, replayed like any other, and
 //!   the victim is released only by a checkpoint taken after its last block moved.
 //! - A block whose crc does not match is never moved (that would launder the corruption under a
 //!   fresh checksum): the victim is skipped and the error reported.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -29,8 +32,10 @@ use crate::io::{AlignedBuf, BLOCK, ReadOp};
 use crate::pool::Inner;
 use crate::segments::SegState;
 
-/// Blocks moved per barrier (1 MiB): foreground writes wait at most for one step.
-pub const STEP_BLOCKS: u64 = 256;
+/// Blocks moved per barrier (512 KiB): foreground writes wait at most for one step's write.
+pub const STEP_BLOCKS: u64 = 128;
+/// A run checkpoints (freeing what it cleaned) at least after this many segments.
+const CHECKPOINT_EVERY: u64 = 8;
 /// Segments fuller than this are not cleaned in the background.
 pub const MAX_UTILISATION: f64 = 0.9;
 
@@ -78,7 +83,7 @@ impl CleanerCtl {
     }
 }
 
-/// The victim with the best cost-benefit among the `eligible` segments at most `max_u` live.
+/// The emptiest of the `eligible` segments at most `max_u` live.
 fn pick_victim(inner: &Inner, max_u: f64, eligible: &BTreeSet<usize>) -> Option<usize> {
     let st = inner.state.read();
     let per_seg = st.segs.blocks_per_seg as f64;
@@ -87,101 +92,124 @@ fn pick_victim(inner: &Inner, max_u: f64, eligible: &BTreeSet<usize>) -> Option<
         .segs
         .iter()
         .enumerate()
-        .filter(|(i, s)| s.state == SegState::Sealed && eligible.contains(i))
+        // (An empty sealed segment needs only a checkpoint, not cleaning.)
+        .filter(|(i, s)| s.state == SegState::Sealed && s.live > 0 && eligible.contains(i))
         .filter_map(|(i, s)| {
             let u = s.live as f64 / per_seg;
             if u > max_u {
                 return None;
             }
             let age = now.saturating_sub(s.last_seq).max(1) as f64;
-            Some((i, (1.0 - u) * age / (1.0 + u)))
+            // Greedy, with age only breaking ties: measured on uniform random overwrites at 80%
+            // full, cost-benefit ((1-u)*age/(1+u)) gave write amplification 4.5 and greedy 3.7.
+            // Cost-benefit pays off once moved (cold) data gets its own log head; not yet.
+            Some((i, (1.0 - u) + age * 1e-12))
         })
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(i, _)| i)
 }
 
-/// Live runs in segment `seg` as (layer, lba, pba, blocks), in (layer, lba) order.
-fn live_runs(inner: &Inner, seg: usize) -> Vec<(u64, u64, u64, u64)> {
+/// A run of live blocks: (layer, lba, pba, blocks).
+type LiveRun = (u64, u64, u64, u64);
+
+/// Live runs in each of `segs`, each list in (layer, lba) order: one pass over every map.
+fn live_runs(inner: &Inner, segs: &BTreeSet<usize>) -> BTreeMap<usize, Vec<LiveRun>> {
     let st = inner.state.read();
-    let lo = st.segs.pba(seg, 0);
-    let hi = lo + st.segs.blocks_per_seg;
-    let mut out = Vec::new();
+    let per = st.segs.blocks_per_seg;
+    let mut out: BTreeMap<usize, Vec<LiveRun>> = BTreeMap::new();
     for (&layer, l) in &st.layers {
         for (lba, pba, n) in l.map.runs() {
-            let (a, b) = (pba.max(lo), (pba + n).min(hi));
-            if a < b {
-                out.push((layer, lba + (a - pba), a, b - a));
+            let mut at = pba;
+            while at < pba + n {
+                let (seg, _) = st.segs.locate(at);
+                let end = (st.segs.pba(seg, 0) + per).min(pba + n);
+                if segs.contains(&seg) {
+                    out.entry(seg).or_default().push((layer, lba + (at - pba), at, end - at));
+                }
+                at = end;
             }
         }
     }
-    out.sort_unstable();
+    for v in out.values_mut() {
+        v.sort_unstable();
+    }
     out
 }
 
-/// One step, on the leader: moves the candidates that are still mapped where they were.
-fn move_step(inner: &Inner, cands: &[(u64, u64, u64, u64)]) -> Result<u64> {
-    // Re-check under the lock: keep the parts still mapped to the same physical blocks.
-    let mut runs: Vec<(u64, u64, u64, u64, Vec<u32>)> = Vec::new();
-    {
+/// Reads a step's candidates and checks their crcs; the caller pins their segment.
+fn read_step(inner: &Inner, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>> {
+    let crcs: Vec<Vec<Option<u32>>> = {
         let st = inner.state.read();
-        for &(layer, lba, pba, n) in cands {
-            let Some(l) = st.layers.get(&layer) else { continue };
-            for (at, p, k) in l.map.entries_in(lba, n) {
-                if !is_zero(p) && p == pba + (at - lba) {
-                    let crcs = (p..p + k).map(|b| st.segs.crc(b).unwrap_or(0)).collect();
-                    runs.push((layer, at, p, k, crcs));
-                }
-            }
-        }
-    }
-    let total: u64 = runs.iter().map(|r| r.3).sum();
-    if total == 0 {
-        return Ok(0);
-    }
+        cands.iter().map(|c| (c.2..c.2 + c.3).map(|b| st.segs.crc(b)).collect()).collect()
+    };
+    let total: u64 = cands.iter().map(|c| c.3).sum();
     let mut media = AlignedBuf::new(usize::try_from(total).expect("step is small") * BLOCK);
     {
         let mut rest: &mut [u8] = &mut media;
-        let mut ops = Vec::with_capacity(runs.len());
-        for r in &runs {
-            let (head, tail) = rest.split_at_mut(usize::try_from(r.3).expect("small") * BLOCK);
-            ops.push(ReadOp { offset: r.2 * BLOCK as u64, buf: head });
+        let mut ops = Vec::with_capacity(cands.len());
+        for c in cands {
+            let (head, tail) = rest.split_at_mut(usize::try_from(c.3).expect("small") * BLOCK);
+            ops.push(ReadOp { offset: c.2 * BLOCK as u64, buf: head });
             rest = tail;
         }
         inner.backend.read_many(&mut ops).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
     }
-    let mut moves = Vec::with_capacity(runs.len());
+    let mut out = Vec::with_capacity(cands.len());
     let mut at = 0;
-    for (layer, lba, pba, n, crcs) in runs {
-        let len = usize::try_from(n).expect("small") * BLOCK;
+    for (c, crcs) in cands.iter().zip(crcs) {
+        let len = usize::try_from(c.3).expect("small") * BLOCK;
         let data = media[at..at + len].to_vec();
-        for (i, (block, crc)) in data.chunks(BLOCK).zip(&crcs).enumerate() {
-            if block_crc(block) != *crc {
+        for (i, (block, crc)) in data.chunks(BLOCK).zip(crcs).enumerate() {
+            if crc != Some(block_crc(block)) {
                 return Err(Error::new(
                     ErrorKind::Corrupt,
-                    format!("cleaner: checksum mismatch at pool block {}; segment left in place", pba + i as u64),
+                    format!("cleaner: checksum mismatch at pool block {}; segment left in place", c.2 + i as u64),
                 ));
             }
         }
-        // Moves are split to fit one batch.
-        let piece = usize::try_from(inner.max_batch_blocks).expect("small") * BLOCK;
-        for (k, chunk) in data.chunks(piece).enumerate() {
-            moves.push((layer, lba + (k * piece / BLOCK) as u64, chunk.to_vec()));
-        }
+        out.push((*c, data));
         at += len;
     }
+    Ok(out)
+}
+
+/// On the leader: moves the read blocks that are still mapped where they were.
+fn move_step(inner: &Inner, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
+    let piece = usize::try_from(inner.max_batch_blocks).expect("small") * BLOCK;
+    let mut moves = Vec::new();
+    let mut moved = 0;
+    {
+        let st = inner.state.read();
+        for ((layer, lba, pba, n), data) in read {
+            let Some(l) = st.layers.get(&layer) else { continue };
+            for (at, p, k) in l.map.entries_in(lba, n) {
+                if is_zero(p) || p != pba + (at - lba) {
+                    continue;
+                }
+                let from = usize::try_from(at - lba).expect("small") * BLOCK;
+                let bytes = &data[from..from + usize::try_from(k).expect("small") * BLOCK];
+                for (i, chunk) in bytes.chunks(piece).enumerate() {
+                    moves.push((layer, at + (i * piece / BLOCK) as u64, chunk.to_vec()));
+                }
+                moved += k;
+            }
+        }
+    }
     crate::log::write_moves(inner, moves)?;
-    Ok(total)
+    Ok(moved)
 }
 
 impl Inner {
-    /// Moves every live block out of `seg`, a step at a time.
-    fn clean_segment(self: &Arc<Self>, seg: usize) -> Result<u64> {
-        let cands = live_runs(self, seg);
+    /// Moves every live block of `cands` (all in segment `seg`) out of it, a step at a time.
+    fn clean_segment(self: &Arc<Self>, seg: usize, cands: Vec<LiveRun>) -> Result<u64> {
+        self.pins.enter(seg);
+        let _unpin = Unpin(self, seg);
         let mut moved = 0;
-        let mut step: Vec<(u64, u64, u64, u64)> = Vec::new();
+        let mut step: Vec<LiveRun> = Vec::new();
         let mut blocks = 0;
-        let mut flush = |step: Vec<(u64, u64, u64, u64)>| -> Result<()> {
-            moved += self.barrier(move |inner| move_step(inner, &step))?;
+        let mut run_step = |step: &[LiveRun]| -> Result<()> {
+            let read = read_step(self, step)?;
+            moved += self.barrier(move |inner| move_step(inner, read))?;
             Ok(())
         };
         for (layer, lba, pba, n) in cands {
@@ -192,13 +220,13 @@ impl Inner {
                 blocks += k;
                 done += k;
                 if blocks == STEP_BLOCKS {
-                    flush(std::mem::take(&mut step))?;
+                    run_step(&std::mem::take(&mut step))?;
                     blocks = 0;
                 }
             }
         }
         if !step.is_empty() {
-            flush(step)?;
+            run_step(&step)?;
         }
         Ok(moved)
     }
@@ -222,16 +250,26 @@ impl Inner {
             let st = self.state.read();
             st.segs.segs.iter().enumerate().filter(|(_, s)| s.state == SegState::Sealed).map(|(i, _)| i).collect()
         };
+        let mut live = live_runs(self, &eligible);
         let mut result = Ok(());
         while !self.cleaner.stopping() && more(self, &report) {
             let Some(seg) = pick_victim(self, max_u, &eligible) else { break };
             eligible.remove(&seg);
-            match self.clean_segment(seg) {
+            match self.clean_segment(seg, live.remove(&seg).unwrap_or_default()) {
                 Ok(n) => {
                     report.segments_cleaned += 1;
                     report.blocks_moved += n;
                     stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
                     stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
+                    // Cleaned segments come free only with a checkpoint: take one often enough
+                    // that writers are not left waiting for the end of a long run.
+                    let free = self.state.read().segs.count(SegState::Free) as u64;
+                    if (report.segments_cleaned % CHECKPOINT_EVERY == 0 || free < low_water(self))
+                        && let Err(e) = self.checkpoint()
+                    {
+                        result = Err(e);
+                        break;
+                    }
                 }
                 Err(e) if e.kind() == ErrorKind::Corrupt => {
                     tracing::error!(segment = seg, error = %e, "cleaner skipped a damaged segment");
@@ -252,19 +290,56 @@ impl Inner {
     }
 }
 
-/// Free segments (beyond the reserve) below which the background cleaner runs.
-fn low_water(inner: &Inner) -> u64 {
-    (inner.sb.segment_count / 10).max(inner.opts.reserve_segments as u64 + 2)
+/// On the leader, out of space: cleans the best victim (up to 95% live) directly, without
+/// barriers (nothing else writes while the leader is here), and checkpoints so it comes free.
+/// Returns whether a segment was cleaned.
+pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
+    let eligible: BTreeSet<usize> = {
+        let st = inner.state.read();
+        st.segs.segs.iter().enumerate().filter(|(_, s)| s.state == SegState::Sealed).map(|(i, _)| i).collect()
+    };
+    let Some(seg) = pick_victim(inner, 0.95, &eligible) else { return Ok(false) };
+    let cands = live_runs(inner, &BTreeSet::from([seg])).remove(&seg).unwrap_or_default();
+    inner.pins.enter(seg);
+    let _unpin = Unpin(inner, seg);
+    for step in cands.chunks(64) {
+        let read = read_step(inner, step)?;
+        let n = move_step(inner, read)?;
+        inner.cleaner.stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
+    }
+    drop(_unpin);
+    inner.cleaner.stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(segment = seg, "cleaned a segment in the write path (pool was full)");
+    inner.checkpoint()?;
+    Ok(true)
+}
+
+/// Unpins a segment when dropped.
+struct Unpin<'a>(&'a Inner, usize);
+
+impl Drop for Unpin<'_> {
+    fn drop(&mut self) {
+        self.0.pins.exit(self.1);
+    }
+}
+
+/// Free segments below which the background cleaner runs. Kept small: every segment held
+/// free is a segment the dead space cannot use, which raises the live fraction of the victims
+/// and with it write amplification.
+pub(crate) fn low_water(inner: &Inner) -> u64 {
+    (inner.sb.segment_count / 50).max(inner.opts.reserve_segments as u64 + 4)
 }
 
 /// Background cleaning: whenever free space runs low (checked every interval or when kicked),
 /// clean until twice the low-water mark is free or no victim is worth it.
 pub(crate) fn cleaner_loop(inner: &Arc<Inner>) {
     let interval = inner.opts.cleaner_interval.max(Duration::from_millis(10));
+    let mut busy = false;
     loop {
         {
             let mut c = inner.cleaner.ctl.lock();
-            if !c.0 && !c.1 {
+            // Right after a run that still left space low, go on without waiting.
+            if !c.0 && !c.1 && !busy {
                 inner.cleaner.cv.wait_for(&mut c, interval);
             }
             if c.0 {
@@ -274,6 +349,7 @@ pub(crate) fn cleaner_loop(inner: &Arc<Inner>) {
         }
         let free = |i: &Inner| i.state.read().segs.count(SegState::Free) as u64;
         let low = low_water(inner);
+        busy = false;
         if inner.check_open().is_err() || free(inner) >= low {
             continue;
         }
@@ -283,6 +359,7 @@ pub(crate) fn cleaner_loop(inner: &Arc<Inner>) {
         }
         match inner.clean(MAX_UTILISATION, |i, _| free(i) < 2 * low && i.check_open().is_ok()) {
             Ok(r) if r.segments_cleaned > 0 => {
+                busy = free(inner) < low;
                 tracing::info!(
                     cleaned = r.segments_cleaned,
                     moved_blocks = r.blocks_moved,

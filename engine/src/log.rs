@@ -336,7 +336,8 @@ fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<
         return Err(e);
     }
     inner.media_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
-    inner.client_bytes.fetch_add((data_blocks * BLOCK) as u64, Ordering::Relaxed);
+    let client: usize = reqs.iter().map(|r| if let Req::Write { data, .. } = r { data.len() } else { 0 }).sum();
+    inner.client_bytes.fetch_add(client as u64, Ordering::Relaxed);
     let mut st = inner.state.write();
     apply(&mut st, &header, pos);
     if st.log_bytes_since_ckpt >= inner.opts.checkpoint_bytes {
@@ -425,11 +426,34 @@ fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos
         return Ok(head);
     }
     let reserve = if may_use_reserve { 0 } else { inner.opts.reserve_segments };
-    let mut seg = inner.state.write().segs.take_free(reserve);
-    if seg.is_none() {
-        // Empty segments may be waiting for a checkpoint to release them.
+    let (mut seg, free_left) = {
+        let mut st = inner.state.write();
+        let seg = st.segs.take_free(reserve);
+        (seg, st.segs.count(SegState::Free) as u64)
+    };
+    if free_left < crate::cleaner::low_water(inner) {
+        inner.cleaner.kick();
+    }
+    let empty_sealed =
+        |inner: &Inner| inner.state.read().segs.segs.iter().any(|s| s.state == SegState::Sealed && s.live == 0);
+    if seg.is_none() && empty_sealed(inner) {
+        // Empty segments are waiting for a checkpoint to release them.
         inner.checkpoint()?;
         seg = inner.state.write().segs.take_free(reserve);
+    }
+    if seg.is_none() && !may_use_reserve && inner.opts.background_cleaner {
+        // Out of space with dead space left: clean here, on the leader, rather than fail a
+        // write the cleaner could make room for (its moves may use the reserve).
+        // Each victim frees its dead fraction, so it may take several.
+        for _ in 0..64 {
+            if !crate::cleaner::clean_inline(inner)? {
+                break;
+            }
+            seg = inner.state.write().segs.take_free(reserve);
+            if seg.is_some() {
+                break;
+            }
+        }
     }
     let Some(seg) = seg else {
         inner.cleaner.kick();
