@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use ferrite_engine::{CloneSource, ErrorKind, Pool, format_uuid};
+use ferrite_engine::{ErrorKind, Image, Pool, format_uuid};
 use ferrite_nbd::{Export, Exports, Server};
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_server::Admin;
@@ -228,8 +228,8 @@ impl Admin for AdminService {
         let name = r.name;
         let info = self
             .engine(move |p| match &source {
-                pb::clone_volume_request::Source::Snapshot(s) => p.clone_volume(CloneSource::Snapshot(s), &name),
-                pb::clone_volume_request::Source::Volume(v) => p.clone_volume(CloneSource::Volume(v), &name),
+                pb::clone_volume_request::Source::Snapshot(s) => p.clone_volume(Image::Snapshot(s), &name),
+                pb::clone_volume_request::Source::Volume(v) => p.clone_volume(Image::Volume(v), &name),
             })
             .await?;
         Ok(Response::new(self.volume_msg(info).await))
@@ -282,6 +282,28 @@ impl Admin for AdminService {
         self.engine(move |p| p.delete_snapshot(&n)).await?;
         drop(records);
         Ok(Response::new(pb::DeleteSnapshotResponse {}))
+    }
+
+    async fn changed_ranges(
+        &self,
+        req: Request<pb::ChangedRangesRequest>,
+    ) -> Result<Response<pb::ChangedRangesResponse>, Status> {
+        use pb::changed_ranges_request::Image as I;
+        let r = req.into_inner();
+        let image = r.image.ok_or_else(|| Status::invalid_argument("image (volume or snapshot) is required"))?;
+        let since = r.since;
+        let ranges = self
+            .engine(move |p| {
+                let since = Some(since.as_str()).filter(|s| !s.is_empty());
+                match &image {
+                    I::Volume(v) => p.changed_ranges(Image::Volume(v), since),
+                    I::Snapshot(s) => p.changed_ranges(Image::Snapshot(s), since),
+                }
+            })
+            .await?;
+        let bytes = ranges.iter().map(|r| r.1).sum();
+        let ranges = ranges.into_iter().map(|(offset, length)| pb::Range { offset, length }).collect();
+        Ok(Response::new(pb::ChangedRangesResponse { ranges, bytes }))
     }
 
     async fn start_export(&self, req: Request<pb::StartExportRequest>) -> Result<Response<pb::Export>, Status> {

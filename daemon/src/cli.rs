@@ -254,3 +254,18 @@ pub fn print_reclaim(out: Output, r: &pb::ReclaimPoolResponse) {
         ),
     }
 }
+
+pub fn print_ranges(out: Output, r: &pb::ChangedRangesResponse) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"bytes": r.bytes,
+                   "ranges": r.ranges.iter().map(|x| json!({"offset": x.offset, "length": x.length})).collect::<Vec<_>>()})
+        ),
+        Output::Table => {
+            let rows = r.ranges.iter().map(|x| vec![x.offset.to_string(), x.length.to_string()]).collect();
+            println!("{}", table(&["OFFSET", "LENGTH"], rows));
+            println!("{} in {} ranges", format_size(r.bytes), r.ranges.len());
+        }
+    }
+}

@@ -93,6 +93,13 @@ enum SnapshotCmd {
     Show { name: String },
     /// Delete a snapshot; clones and later snapshots keep what they need.
     Delete { name: String },
+    /// Ranges of a volume (`db`) or snapshot (`db@nightly`) changed since an earlier snapshot
+    /// (`--since`), or its allocated ranges without one.
+    Diff {
+        image: String,
+        #[arg(long)]
+        since: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -198,6 +205,16 @@ async fn client(cli: Cli) -> Result<()> {
             SnapshotCmd::Delete { name } => {
                 c.delete_snapshot(pb::DeleteSnapshotRequest { name: name.clone() }).await.map_err(rpc_error)?;
                 cli::print_done(out, "deleted snapshot", &name);
+            }
+            SnapshotCmd::Diff { image, since } => {
+                use pb::changed_ranges_request::Image;
+                let image = match image.split_once('@') {
+                    Some((_, snap)) => Image::Snapshot(snap.to_owned()),
+                    None => Image::Volume(image),
+                };
+                let req = pb::ChangedRangesRequest { image: Some(image), since: since.unwrap_or_default() };
+                let r = c.changed_ranges(req).await.map_err(rpc_error)?;
+                cli::print_ranges(out, r.get_ref());
             }
         },
         Cmd::Clone { source, name } => {

@@ -178,6 +178,15 @@ fn snapshots_clones_and_snapshot_exports() {
     assert_eq!(snaps[0]["name"], "nightly");
     assert_eq!(snaps[0]["size"], 16 << 20);
     assert_eq!(snaps[0]["layer_bytes"], 4 << 20);
+    // What changed in db since the snapshot: the 1 MiB written and the 1 MiB discarded.
+    let diff: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-o", "json", "snapshot", "diff", "db", "--since", "nightly"])).unwrap();
+    assert_eq!(diff["bytes"], 2 << 20, "{diff}");
+    assert_eq!(diff["ranges"][0]["offset"], 0);
+    assert_eq!(diff["ranges"][1]["offset"], 2 << 20);
+    let alloc: serde_json::Value =
+        serde_json::from_str(&d.ok(&["-o", "json", "snapshot", "diff", "db@nightly"])).unwrap();
+    assert_eq!(alloc["bytes"], 4 << 20, "{alloc}");
     let v: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "volume", "show", "restore"])).unwrap();
     assert_eq!((v["chain_depth"].as_u64(), v["allocated"].as_u64()), (Some(2), Some(4 << 20)));
     // Deleting an exported snapshot is refused; after the export stops, deletion always works.

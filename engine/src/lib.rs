@@ -40,5 +40,5 @@ pub use cleaner::CleanReport;
 pub use error::{Error, ErrorKind, Result};
 pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats, VolumeInfo, format_uuid};
 pub use recovery::RecoveryReport;
-pub use snapshot::{CloneSource, SnapshotInfo};
+pub use snapshot::{Image, SnapshotInfo};
 pub use volume::Volume;

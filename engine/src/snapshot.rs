@@ -41,9 +41,9 @@ pub struct SnapshotInfo {
     pub reclaimable_on_delete: u64,
 }
 
-/// What a clone starts from.
+/// A volume or a snapshot, by name: what a clone starts from, what a diff compares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CloneSource<'a> {
+pub enum Image<'a> {
     Snapshot(&'a str),
     Volume(&'a str),
 }
@@ -164,6 +164,68 @@ fn snapshot_info(st: &State, s: &SnapshotRecord) -> SnapshotInfo {
 }
 
 impl Pool {
+    /// Ranges of `image` that differ from snapshot `since` (an earlier snapshot of the same
+    /// chain), as (offset, length) in bytes, in order; with no `since`, the allocated ranges of
+    /// `image`. No media I/O: the layers between the two *are* the change set. What a trim or
+    /// write-zeroes touched counts as changed (it reads as zeros now). Fails with
+    /// InvalidArgument if `since` is not beneath `image`.
+    pub fn changed_ranges(&self, image: Image<'_>, since: Option<&str>) -> Result<Vec<(u64, u64)>> {
+        let st = self.inner.state.read();
+        let (head, size) = match image {
+            Image::Volume(v) => {
+                let rec = &st.volumes[&lookup(&st, v)?].rec;
+                (rec.layer, rec.size)
+            }
+            Image::Snapshot(s) => {
+                let rec = &st.snapshots[&snapshot_by_name(&st, s)?];
+                (rec.layer, rec.size)
+            }
+        };
+        let blocks = size / B;
+        let mut runs: Vec<(u64, u64)> = match since {
+            None => layers::resolve(&st.layers, head, 0, blocks)
+                .into_iter()
+                .filter(|r| r.pba.is_some())
+                .map(|r| (r.lba, r.blocks))
+                .collect(),
+            Some(name) => {
+                let base = st.snapshots[&snapshot_by_name(&st, name)?].layer;
+                let mut out = Vec::new();
+                let mut at = Some(head);
+                loop {
+                    match at {
+                        Some(l) if l == base => break,
+                        Some(l) => {
+                            let layer = &st.layers[&l];
+                            out.extend(layer.map.all_entries().map(|(lba, _, n)| (lba, n)));
+                            at = layer.parent;
+                        }
+                        None => {
+                            return Err(Error::new(
+                                ErrorKind::InvalidArgument,
+                                format!("snapshot {name:?} is not an earlier snapshot of this image"),
+                            ));
+                        }
+                    }
+                }
+                out
+            }
+        };
+        runs.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::new();
+        for (lba, n) in runs {
+            let end = (lba + n).min(blocks);
+            if lba >= end {
+                continue;
+            }
+            match merged.last_mut() {
+                Some((s, m)) if *s + *m >= lba => *m = (*m).max(end - *s),
+                _ => merged.push((lba, end - lba)),
+            }
+        }
+        Ok(merged.into_iter().map(|(l, n)| (l * B, n * B)).collect())
+    }
+
     /// Snapshots a volume: O(1), durable on return, containing every write acknowledged before
     /// the call. Snapshot names are unique in the pool.
     pub fn create_snapshot(&self, volume: &str, name: &str) -> Result<SnapshotInfo> {
@@ -255,12 +317,12 @@ impl Pool {
     /// Creates a writable volume `name` from a snapshot or (through a hidden, implicit
     /// snapshot) from a volume's current content. O(1); durable on return. The clone has the
     /// source's size.
-    pub fn clone_volume(&self, source: CloneSource<'_>, name: &str) -> Result<VolumeInfo> {
+    pub fn clone_volume(&self, source: Image<'_>, name: &str) -> Result<VolumeInfo> {
         validate_name(name)?;
         let name = name.to_owned();
         let source = match source {
-            CloneSource::Snapshot(s) => Ok(s.to_owned()),
-            CloneSource::Volume(v) => Err(v.to_owned()),
+            Image::Snapshot(s) => Ok(s.to_owned()),
+            Image::Volume(v) => Err(v.to_owned()),
         };
         self.inner.barrier(move |inner| {
             let _m = inner.meta_lock.lock();

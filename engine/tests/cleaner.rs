@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{Fixture, pattern, small_opts};
-use ferrite_engine::{CloneSource, ErrorKind, Pool};
+use ferrite_engine::{ErrorKind, Image, Pool};
 
 const B: u64 = 4096;
 const MIB: u64 = 1 << 20;
@@ -34,7 +34,7 @@ fn reclaim_brings_physical_usage_to_within_5_percent_of_live() {
     let v = pool.open_volume("v").unwrap();
     v.write(0, &pattern(1, (8 * MIB) as usize)).unwrap();
     pool.create_snapshot("v", "s").unwrap();
-    pool.clone_volume(CloneSource::Snapshot("s"), "c").unwrap();
+    pool.clone_volume(Image::Snapshot("s"), "c").unwrap();
     // Overwrite 1 MiB at random 4 KiB blocks, twice over, and trim 1 MiB.
     let mut x = 99u64;
     for i in 0..512u64 {

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 
 use common::{Fixture, pattern};
 use ferrite_engine::io::CrashMode;
-use ferrite_engine::{CloneSource, ErrorKind, Pool};
+use ferrite_engine::{ErrorKind, Image, Pool};
 use proptest::prelude::*;
 
 const B: usize = 4096;
@@ -249,7 +249,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
             }
             Op::CloneSnap { snap, vol } => {
-                let r = pool.clone_volume(CloneSource::Snapshot(SNAPS[snap]), NAMES[vol]);
+                let r = pool.clone_volume(Image::Snapshot(SNAPS[snap]), NAMES[vol]);
                 match model.snaps.get(&snap) {
                     Some(content) if !model.vols.contains_key(&vol) => {
                         r.unwrap();
@@ -259,7 +259,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
             }
             Op::CloneVol { from, vol } => {
-                let r = pool.clone_volume(CloneSource::Volume(NAMES[from]), NAMES[vol]);
+                let r = pool.clone_volume(Image::Volume(NAMES[from]), NAMES[vol]);
                 match model.vols.get(&from) {
                     Some(blocks) if !model.vols.contains_key(&vol) => {
                         r.unwrap();

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{Fixture, pattern};
-use ferrite_engine::{CloneSource, ErrorKind, Pool};
+use ferrite_engine::{ErrorKind, Image, Pool};
 
 const B: u64 = 4096;
 const MIB: u64 = 1 << 20;
@@ -45,8 +45,8 @@ fn snapshot_freezes_content_and_clones_diverge() {
     assert_eq!(s.write(0, &[1; 4096]).unwrap_err().kind(), ErrorKind::InvalidArgument);
     assert_eq!(s.trim(0, 4096).unwrap_err().kind(), ErrorKind::InvalidArgument);
     // Clones of the snapshot and of the live volume start from their source and diverge.
-    pool.clone_volume(CloneSource::Snapshot("s1"), "c1").unwrap();
-    pool.clone_volume(CloneSource::Volume("v"), "c2").unwrap();
+    pool.clone_volume(Image::Snapshot("s1"), "c1").unwrap();
+    pool.clone_volume(Image::Volume("v"), "c2").unwrap();
     assert_eq!(read(&pool, "c1", false, MIB as usize), a);
     assert_eq!(read(&pool, "c2", false, MIB as usize), now);
     pool.open_volume("c1").unwrap().write(0, &[7; 4096]).unwrap();
@@ -58,14 +58,14 @@ fn snapshot_freezes_content_and_clones_diverge() {
     assert_eq!(read(&pool, "s1", true, 4096), a[..4096]);
     // Clone of a clone.
     pool.create_snapshot("c1", "c1s").unwrap();
-    pool.clone_volume(CloneSource::Snapshot("c1s"), "c3").unwrap();
+    pool.clone_volume(Image::Snapshot("c1s"), "c3").unwrap();
     assert_eq!(read(&pool, "c3", false, 4096), vec![7; 4096]);
     assert_eq!(pool.volume_info("c3").unwrap().chain_depth, 3);
     // Names: unique, validated.
     assert_eq!(pool.create_snapshot("v", "s1").unwrap_err().kind(), ErrorKind::AlreadyExists);
     assert_eq!(pool.create_snapshot("v", "a b").unwrap_err().kind(), ErrorKind::InvalidArgument);
     assert_eq!(pool.create_snapshot("nope", "s9").unwrap_err().kind(), ErrorKind::NotFound);
-    assert_eq!(pool.clone_volume(CloneSource::Snapshot("s1"), "v").unwrap_err().kind(), ErrorKind::AlreadyExists);
+    assert_eq!(pool.clone_volume(Image::Snapshot("s1"), "v").unwrap_err().kind(), ErrorKind::AlreadyExists);
     assert_eq!(pool.snapshots(Some("v")).unwrap().len(), 1);
     assert_eq!(pool.snapshots(None).unwrap().len(), 2);
 }
@@ -78,7 +78,7 @@ fn deletion_is_always_allowed_and_frees_exactly_what_nothing_needs() {
     let a = pattern(1, MIB as usize);
     v.write(0, &a).unwrap();
     pool.create_snapshot("v", "s1").unwrap();
-    pool.clone_volume(CloneSource::Snapshot("s1"), "c").unwrap();
+    pool.clone_volume(Image::Snapshot("s1"), "c").unwrap();
     // Overwrite a quarter and trim a quarter of the volume after the snapshot.
     v.write(0, &pattern(2, (MIB / 4) as usize)).unwrap();
     v.trim(MIB / 2, MIB / 4).unwrap();
@@ -163,4 +163,32 @@ fn a_thousand_snapshots_of_one_volume() {
         let want = if k <= 5 { pattern(k * 100, 4096) } else { vec![0; 4096] };
         assert_eq!(&s[(k * B) as usize..((k + 1) * B) as usize], &want[..], "block {k}");
     }
+}
+
+#[test]
+fn changed_ranges_between_snapshots_and_the_live_volume() {
+    let (_f, pool) = Fixture::new(64);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    v.write(0, &pattern(1, 64 << 10)).unwrap();
+    v.write(512 << 10, &pattern(2, 8192)).unwrap();
+    let vol = Image::Volume("v");
+    assert_eq!(pool.changed_ranges(vol, None).unwrap(), vec![(0, 64 << 10), (512 << 10, 8192)]);
+    pool.create_snapshot("v", "a").unwrap();
+    v.write(4096, &[1; 4096]).unwrap();
+    v.write(100 << 10, &[2; 5000]).unwrap(); // touches two blocks
+    pool.create_snapshot("v", "b").unwrap();
+    v.trim(512 << 10, 8192).unwrap();
+    let ab = pool.changed_ranges(Image::Snapshot("b"), Some("a")).unwrap();
+    assert_eq!(ab, vec![(4096, 4096), (100 << 10, 8192)]);
+    let a_live = pool.changed_ranges(vol, Some("a")).unwrap();
+    assert_eq!(a_live, vec![(4096, 4096), (100 << 10, 8192), (512 << 10, 8192)], "a trim is a change");
+    assert_eq!(pool.changed_ranges(vol, Some("b")).unwrap(), vec![(512 << 10, 8192)]);
+    // Allocated ranges of a snapshot; a later snapshot is not beneath an earlier one.
+    assert_eq!(pool.changed_ranges(Image::Snapshot("a"), None).unwrap(), vec![(0, 64 << 10), (512 << 10, 8192)]);
+    let err = pool.changed_ranges(Image::Snapshot("a"), Some("b")).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    // Deleting the snapshot in between keeps the diff from the older one exact.
+    pool.delete_snapshot("b").unwrap();
+    assert_eq!(pool.changed_ranges(vol, Some("a")).unwrap(), a_live);
 }
