@@ -162,6 +162,39 @@ fn require(field: &str, value: &str) -> Result<(), Status> {
 
 #[tonic::async_trait]
 impl Admin for AdminService {
+    type ScrubPoolStream = tokio_stream::wrappers::ReceiverStream<Result<pb::ScrubPoolProgress, Status>>;
+
+    async fn scrub_pool(&self, _: Request<pb::ScrubPoolRequest>) -> Result<Response<Self::ScrubPoolStream>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let pool = Arc::clone(&self.pool);
+        tokio::task::spawn_blocking(move || {
+            let msg = |p: ferrite_engine::ScrubProgress| pb::ScrubPoolProgress {
+                checked_bytes: p.checked_bytes,
+                total_bytes: p.total_bytes,
+                damaged_blocks: p.damaged_blocks,
+                ..Default::default()
+            };
+            // Progress is best effort: a full channel (slow client) skips an update.
+            let result = pool.scrub(&mut |p| drop(tx.try_send(Ok(msg(p)))));
+            let last = result.map_err(status).map(|r| pb::ScrubPoolProgress {
+                checked_bytes: r.checked_bytes,
+                total_bytes: r.checked_bytes,
+                damaged_blocks: r.damaged.len() as u64,
+                done: true,
+                damaged: r
+                    .damaged
+                    .into_iter()
+                    .map(|d| pb::DamagedBlock { offset: d.offset, pool_block: d.pool_block, images: d.images })
+                    .collect(),
+            });
+            if let Ok(r) = &last {
+                tracing::info!(checked = r.checked_bytes, damaged = r.damaged_blocks, "scrub finished");
+            }
+            let _ = tx.blocking_send(last);
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+
     async fn create_volume(&self, req: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
         let r = req.into_inner();
         require("name", &r.name)?;

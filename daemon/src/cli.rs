@@ -269,3 +269,28 @@ pub fn print_ranges(out: Output, r: &pb::ChangedRangesResponse) {
         }
     }
 }
+
+/// A one-line progress bar on stderr, redrawn in place.
+pub fn print_progress(what: &str, done: u64, total: u64) {
+    let pct = (done * 100).checked_div(total).unwrap_or(100);
+    let bar = "#".repeat(usize::try_from(pct / 4).unwrap_or(25));
+    eprint!("\r{what}: [{bar:<25}] {pct:>3}% {} of {}", format_size(done), format_size(total));
+}
+
+pub fn print_scrub(out: Output, r: &pb::ScrubPoolProgress) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"checked_bytes": r.checked_bytes, "damaged_blocks": r.damaged_blocks,
+                   "damaged": r.damaged.iter().map(|d| json!({"offset": d.offset, "pool_block": d.pool_block,
+                                                               "images": d.images})).collect::<Vec<_>>()})
+        ),
+        Output::Table => {
+            eprintln!();
+            for d in &r.damaged {
+                println!("damaged: offset {} (pool block {}) in {}", d.offset, d.pool_block, d.images.join(", "));
+            }
+            println!("scrub: {} checked, {} damaged blocks", format_size(r.checked_bytes), r.damaged_blocks);
+        }
+    }
+}

@@ -125,6 +125,9 @@ enum PoolCmd {
     Status,
     /// Run the cleaner now: move live data out of segments with dead space and free them.
     Reclaim,
+    /// Read every live block and verify its checksum; lists damaged blocks with the volumes and
+    /// snapshots that read them (exit code 1 if any).
+    Scrub,
 }
 
 fn main() {
@@ -248,6 +251,23 @@ async fn client(cli: Cli) -> Result<()> {
         Cmd::Pool(PoolCmd::Status) => {
             let s = c.pool_status(pb::PoolStatusRequest {}).await.map_err(rpc_error)?;
             cli::print_pool(out, s.get_ref());
+        }
+        Cmd::Pool(PoolCmd::Scrub) => {
+            let mut stream = c.scrub_pool(pb::ScrubPoolRequest {}).await.map_err(rpc_error)?.into_inner();
+            let mut last = None;
+            while let Some(p) = stream.message().await.map_err(rpc_error)? {
+                if out == Output::Table && !p.done {
+                    cli::print_progress("scrub", p.checked_bytes, p.total_bytes);
+                }
+                if p.done {
+                    last = Some(p);
+                }
+            }
+            let r = last.ok_or_else(|| anyhow::anyhow!("the daemon ended the scrub without a result"))?;
+            cli::print_scrub(out, &r);
+            if r.damaged_blocks > 0 {
+                anyhow::bail!("scrub found {} damaged blocks", r.damaged_blocks);
+            }
         }
         Cmd::Pool(PoolCmd::Reclaim) => {
             if out == Output::Table {

@@ -189,6 +189,13 @@ fn snapshots_clones_and_snapshot_exports() {
     assert_eq!(alloc["bytes"], 4 << 20, "{alloc}");
     let v: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "volume", "show", "restore"])).unwrap();
     assert_eq!((v["chain_depth"].as_u64(), v["allocated"].as_u64()), (Some(2), Some(4 << 20)));
+    // Live data: the snapshot's 4 MiB and db's 1 MiB rewrite (clones share, discards are markers).
+    let scrub: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "pool", "scrub"])).unwrap();
+    assert_eq!(
+        (scrub["damaged_blocks"].as_u64(), scrub["checked_bytes"].as_u64()),
+        (Some(0), Some(5 << 20)),
+        "{scrub}"
+    );
     // Deleting an exported snapshot is refused; after the export stops, deletion always works.
     let busy = d.cli(&["snapshot", "delete", "nightly"]);
     assert!(String::from_utf8_lossy(&busy.stderr).contains("stop the export first"));
@@ -210,6 +217,8 @@ fn snapshots_clones_and_snapshot_exports() {
     assert!(r["used_after"].as_u64() <= Some(4 << 20), "only the head segment stays: {r}");
     let status = d.ok(&["pool", "status"]);
     assert!(status.contains("cleaner") && status.contains("runs"), "{status}");
+    let scrub = d.ok(&["pool", "scrub"]);
+    assert!(scrub.contains("0 damaged blocks"), "{scrub}");
     let bad = d.cli(&["clone", "nope@x", "y"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("not found"));
 }

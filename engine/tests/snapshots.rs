@@ -192,3 +192,25 @@ fn changed_ranges_between_snapshots_and_the_live_volume() {
     pool.delete_snapshot("b").unwrap();
     assert_eq!(pool.changed_ranges(vol, Some("a")).unwrap(), a_live);
 }
+
+#[test]
+fn scrub_finds_a_damaged_block_and_names_every_image_that_reads_it() {
+    let (f, pool) = Fixture::new(64);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    v.write(0, &pattern(3, 8192)).unwrap();
+    pool.create_snapshot("v", "s").unwrap();
+    pool.clone_volume(Image::Snapshot("s"), "c").unwrap();
+    v.write(64 << 10, &pattern(4, 4096)).unwrap();
+    let mut seen = Vec::new();
+    let clean = pool.scrub(&mut |p| seen.push(p)).unwrap();
+    assert_eq!((clean.checked_bytes, clean.damaged.len()), (3 * 4096, 0));
+    assert_eq!(seen.last().unwrap().checked_bytes, seen.last().unwrap().total_bytes);
+    // Damage the second data block of the first batch (after its 1-block header).
+    f.backend.corrupt(ferrite_engine::format::DATA_START + 2 * 4096 + 9, &[0x5A]);
+    let r = pool.scrub(&mut |_| {}).unwrap();
+    assert_eq!(r.damaged.len(), 1, "{r:?}");
+    let d = &r.damaged[0];
+    assert_eq!(d.offset, 4096);
+    assert_eq!(d.images, vec!["c".to_string(), "v".to_string(), "v@s".to_string()]);
+}
