@@ -25,6 +25,7 @@ mod cleaner;
 mod error;
 mod extent_map;
 pub mod format;
+mod group;
 pub mod io;
 mod layers;
 mod log;
@@ -39,6 +40,7 @@ mod volume;
 
 pub use cleaner::CleanReport;
 pub use error::{Error, ErrorKind, Result};
+pub use group::{GroupInfo, GroupSnapshotInfo};
 pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats, VolumeInfo, format_uuid};
 pub use recovery::RecoveryReport;
 pub use scrub::{Damage, ScrubProgress, ScrubReport};

@@ -7,6 +7,8 @@
 //! v/<id>               volume record (its head layer, size, name)
 //! y/<layer>            layer record: its parent layer (absent for a root layer)
 //! n/<id>               snapshot record (volume, frozen layer, size, name)
+//! g/<id>               volume group (member volume ids, name)
+//! h/<id>               group snapshot (group, member snapshot ids, name)
 //! c/ckpt               checkpoint record: replay position, sequence and generation
 //! m/<layer><chunk>     extent-map chunk as of the last checkpoint
 //! s/<segment>          per-block crc32c table of a segment as of the last checkpoint
@@ -46,6 +48,49 @@ pub(crate) struct SnapshotRecord {
     pub name: String,
 }
 
+/// A volume group (also used, with `members` = snapshot ids, for a group snapshot, whose
+/// `group` is then the group it was taken of).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GroupRecord {
+    pub id: u64,
+    pub group: u64,
+    pub created_unix: u64,
+    pub members: Vec<u64>,
+    pub name: String,
+}
+
+impl GroupRecord {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = vec![1u8];
+        for x in [self.id, self.group, self.created_unix, self.members.len() as u64] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        for m in &self.members {
+            v.extend_from_slice(&m.to_le_bytes());
+        }
+        v.extend_from_slice(self.name.as_bytes());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < 33 || b[0] != 1 {
+            return None;
+        }
+        let n = usize::try_from(le64(b, 25)).ok()?;
+        let names_at = 33usize.checked_add(n.checked_mul(8)?)?;
+        if b.len() < names_at {
+            return None;
+        }
+        Some(Self {
+            id: le64(b, 1),
+            group: le64(b, 9),
+            created_unix: le64(b, 17),
+            members: (0..n).map(|i| le64(b, 33 + i * 8)).collect(),
+            name: String::from_utf8(b[names_at..].to_vec()).ok()?,
+        })
+    }
+}
+
 /// One change to the catalog, applied with others in one atomic write.
 #[derive(Debug, Clone)]
 pub(crate) enum CatalogOp {
@@ -57,6 +102,10 @@ pub(crate) enum CatalogOp {
     DeleteLayer(u64),
     PutSnapshot(SnapshotRecord),
     DeleteSnapshot(u64),
+    PutGroup(GroupRecord),
+    DeleteGroup(u64),
+    PutGroupSnapshot(GroupRecord),
+    DeleteGroupSnapshot(u64),
 }
 
 /// Where replay starts, and the generation new batches carry.
@@ -282,6 +331,16 @@ impl Meta {
         Ok(out)
     }
 
+    /// Groups (`g/`) or group snapshots (`h/`).
+    pub fn groups(&self, snapshots: bool) -> Result<Vec<GroupRecord>> {
+        let mut out = Vec::new();
+        self.scan(if snapshots { b"h/" } else { b"g/" }, |_, v| {
+            out.push(GroupRecord::decode(v).ok_or_else(|| corrupt("malformed group record"))?);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
     pub fn chunks(&self, mut f: impl FnMut(u64, u64, Chunk)) -> Result<()> {
         self.scan(b"m/", |k, v| {
             let chunk = Chunk::decode(v).filter(|_| k.len() == 16).ok_or_else(|| corrupt("malformed map chunk"))?;
@@ -366,6 +425,10 @@ fn add_ops(b: &mut WriteBatch, ops: &[CatalogOp]) {
             }
             CatalogOp::PutSnapshot(s) => b.put(key(b"n/", &[s.id]), s.encode()),
             CatalogOp::DeleteSnapshot(id) => b.delete(key(b"n/", &[*id])),
+            CatalogOp::PutGroup(g) => b.put(key(b"g/", &[g.id]), g.encode()),
+            CatalogOp::DeleteGroup(id) => b.delete(key(b"g/", &[*id])),
+            CatalogOp::PutGroupSnapshot(g) => b.put(key(b"h/", &[g.id]), g.encode()),
+            CatalogOp::DeleteGroupSnapshot(id) => b.delete(key(b"h/", &[*id])),
         }
     }
 }
@@ -380,6 +443,9 @@ mod tests {
         assert_eq!(VolumeRecord::decode(&v.encode()), Some(v));
         let n = SnapshotRecord { id: 5, volume: 3, layer: 4, size: 8192, created_unix: 1, name: "s1".into() };
         assert_eq!(SnapshotRecord::decode(&n.encode()), Some(n));
+        let g = GroupRecord { id: 7, group: 0, created_unix: 2, members: vec![3, 9], name: "g1".into() };
+        assert_eq!(GroupRecord::decode(&g.encode()), Some(g.clone()));
+        assert_eq!(GroupRecord::decode(&g.encode()[..40]), None);
         let c = CheckpointRecord { seq: 5, seg: 6, off: 7, generation: 8 };
         assert_eq!(CheckpointRecord::decode(&c.encode()), Some(c));
         assert_eq!(CheckpointRecord::decode(&[1, 2]), None);

@@ -18,7 +18,7 @@ use crate::format::{DATA_START, FORMAT_VERSION, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringBackend};
 use crate::layers::{Layer, Layers};
 use crate::log::{LogPos, LogQueue, Req};
-use crate::meta::{CatalogOp, CheckpointRecord, Meta, SnapshotRecord, VolumeRecord};
+use crate::meta::{CatalogOp, CheckpointRecord, GroupRecord, Meta, SnapshotRecord, VolumeRecord};
 use crate::recovery::RecoveryReport;
 use crate::segments::{ReadPins, SegState, SegmentTable};
 use crate::volume::{Target, Volume};
@@ -128,6 +128,8 @@ pub(crate) struct State {
     pub names: HashMap<String, u64>,
     pub layers: Layers,
     pub snapshots: BTreeMap<u64, SnapshotRecord>,
+    pub groups: BTreeMap<u64, GroupRecord>,
+    pub group_snapshots: BTreeMap<u64, GroupRecord>,
     pub segs: SegmentTable,
     pub dirty_chunks: BTreeSet<(u64, u64)>,
     /// Segments whose crc table must be deleted from the store at the next checkpoint.

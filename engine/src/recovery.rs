@@ -112,6 +112,8 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         names,
         layers,
         snapshots,
+        groups: meta.groups(false)?.into_iter().map(|g| (g.id, g)).collect(),
+        group_snapshots: meta.groups(true)?.into_iter().map(|g| (g.id, g)).collect(),
         segs,
         dirty_chunks: stale_chunks,
         freed_crc_tables: BTreeSet::new(),

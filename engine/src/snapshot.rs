@@ -67,7 +67,7 @@ impl Inner {
     }
 
     /// Syncs the store so that everything in the log so far is durable (on the leader).
-    fn sync_store(&self) -> Result<()> {
+    pub(crate) fn sync_store(&self) -> Result<()> {
         self.backend.sync().map_err(|e| {
             let e = Error::io("syncing the pool store", e);
             self.poison(&e);
@@ -77,12 +77,12 @@ impl Inner {
 
     /// Commits a restructuring catalog change with a checkpoint; a failure here leaves memory
     /// ahead of the store, so it poisons the pool (reopening recovers the durable state).
-    fn commit_restructure(&self, ops: Vec<CatalogOp>) -> Result<()> {
+    pub(crate) fn commit_restructure(&self, ops: Vec<CatalogOp>) -> Result<()> {
         self.checkpoint_locked(ops).inspect_err(|e| self.poison(e))
     }
 }
 
-fn snapshot_by_name(st: &State, name: &str) -> Result<u64> {
+pub(crate) fn snapshot_by_name(st: &State, name: &str) -> Result<u64> {
     st.snapshots
         .values()
         .find(|s| s.name == name)
@@ -131,6 +131,65 @@ fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
     for (pba, n) in freed {
         st.segs.add_live(pba, n, false);
     }
+    ops
+}
+
+/// Plans snapshots of volumes `(volume id, snapshot name)` (on the leader, `meta_lock` held):
+/// checks the names, allocates ids, and returns the new records and the catalog ops. The
+/// caller syncs the store, applies the ops, then [`apply_snapshots`].
+pub(crate) fn plan_snapshots(
+    inner: &Inner,
+    items: &[(u64, String)],
+) -> Result<(Vec<(VolumeRecord, SnapshotRecord)>, Vec<CatalogOp>)> {
+    let recs: Vec<VolumeRecord> = {
+        let st = inner.state.read();
+        for (i, (_, name)) in items.iter().enumerate() {
+            if snapshot_by_name(&st, name).is_ok() || items[..i].iter().any(|o| &o.1 == name) {
+                return Err(Error::new(ErrorKind::AlreadyExists, format!("snapshot {name:?} already exists")));
+            }
+        }
+        items.iter().map(|(id, _)| st.volumes[id].rec.clone()).collect()
+    };
+    let mut out = Vec::with_capacity(items.len());
+    let mut ops = Vec::with_capacity(items.len() * 3);
+    for (mut rec, (_, name)) in recs.into_iter().zip(items) {
+        let (sid, head) = (inner.meta.next_id()?, inner.meta.next_id()?);
+        let snap = SnapshotRecord {
+            id: sid,
+            volume: rec.id,
+            layer: rec.layer,
+            size: rec.size,
+            created_unix: now_unix(),
+            name: name.clone(),
+        };
+        rec.layer = head;
+        ops.push(CatalogOp::PutLayer(head, Some(snap.layer)));
+        ops.push(CatalogOp::PutSnapshot(snap.clone()));
+        ops.push(CatalogOp::PutVolume(rec.clone()));
+        out.push((rec, snap));
+    }
+    Ok((out, ops))
+}
+
+/// Installs planned snapshots in memory: each volume gets its new head over the frozen one.
+pub(crate) fn apply_snapshots(st: &mut State, planned: Vec<(VolumeRecord, SnapshotRecord)>) -> Vec<SnapshotRecord> {
+    planned
+        .into_iter()
+        .map(|(rec, snap)| {
+            st.layers.insert(rec.layer, Layer { parent: Some(snap.layer), ..Layer::default() });
+            let id = rec.id;
+            st.volumes.get_mut(&id).expect("planned from a live volume").rec = rec;
+            st.snapshots.insert(snap.id, snap.clone());
+            snap
+        })
+        .collect()
+}
+
+/// Removes snapshot `id` and collects its layer; returns the catalog ops.
+pub(crate) fn remove_snapshot(st: &mut State, id: u64) -> Vec<CatalogOp> {
+    let Some(rec) = st.snapshots.remove(&id) else { return Vec::new() };
+    let mut ops = vec![CatalogOp::DeleteSnapshot(id)];
+    ops.extend(collect(st, rec.layer));
     ops
 }
 
@@ -233,34 +292,12 @@ impl Pool {
         let (volume, name) = (volume.to_owned(), name.to_owned());
         self.inner.barrier(move |inner| {
             let _m = inner.meta_lock.lock();
-            let mut rec = {
-                let st = inner.state.read();
-                if snapshot_by_name(&st, &name).is_ok() {
-                    return Err(Error::new(ErrorKind::AlreadyExists, format!("snapshot {name:?} already exists")));
-                }
-                st.volumes[&lookup(&st, &volume)?].rec.clone()
-            };
-            let (sid, head) = (inner.meta.next_id()?, inner.meta.next_id()?);
-            let snap = SnapshotRecord {
-                id: sid,
-                volume: rec.id,
-                layer: rec.layer,
-                size: rec.size,
-                created_unix: now_unix(),
-                name,
-            };
-            rec.layer = head;
+            let id = lookup(&inner.state.read(), &volume)?;
+            let (snaps, ops) = plan_snapshots(inner, &[(id, name)])?;
             inner.sync_store()?;
-            inner.meta.apply(&[
-                CatalogOp::PutLayer(head, Some(snap.layer)),
-                CatalogOp::PutSnapshot(snap.clone()),
-                CatalogOp::PutVolume(rec.clone()),
-            ])?;
+            inner.meta.apply(&ops)?;
             let mut st = inner.state.write();
-            st.layers.insert(head, Layer { parent: Some(snap.layer), ..Layer::default() });
-            let id = rec.id;
-            st.volumes.get_mut(&id).expect("looked up above").rec = rec;
-            st.snapshots.insert(sid, snap.clone());
+            let snap = apply_snapshots(&mut st, snaps).pop().expect("one snapshot");
             tracing::info!(volume = %volume, snapshot = %snap.name, "snapshot created");
             Ok(snapshot_info(&st, &snap))
         })
@@ -303,10 +340,13 @@ impl Pool {
             let ops = {
                 let mut st = inner.state.write();
                 let id = snapshot_by_name(&st, &name)?;
-                let rec = st.snapshots.remove(&id).expect("looked up above");
-                let mut ops = vec![CatalogOp::DeleteSnapshot(id)];
-                ops.extend(collect(&mut st, rec.layer));
-                ops
+                if let Some(g) = st.group_snapshots.values().find(|g| g.members.contains(&id)) {
+                    return Err(Error::new(
+                        ErrorKind::InvalidArgument,
+                        format!("snapshot {name:?} belongs to group snapshot {:?}; delete that instead", g.name),
+                    ));
+                }
+                remove_snapshot(&mut st, id)
             };
             inner.commit_restructure(ops)?;
             tracing::info!(snapshot = %name, "snapshot deleted");
@@ -386,6 +426,10 @@ impl Pool {
                 let rec = st.volumes.remove(&id).expect("looked up above").rec;
                 st.names.remove(&rec.name);
                 let mut ops = vec![CatalogOp::DeleteVolume(id)];
+                for g in st.groups.values_mut().filter(|g| g.members.contains(&id)) {
+                    g.members.retain(|&m| m != id);
+                    ops.push(CatalogOp::PutGroup(g.clone()));
+                }
                 ops.extend(collect(&mut st, rec.layer));
                 ops
             };
