@@ -90,6 +90,24 @@ pub fn publish(pool: &Pool, exports: &Exports, r: &ExportRecord) -> Result<(), f
     Ok(())
 }
 
+fn group_msg(g: ferrite_engine::GroupInfo) -> pb::Group {
+    pb::Group { name: g.name, id: g.id, volumes: g.volumes, created_unix: g.created_unix }
+}
+
+fn group_snapshot_msg(g: ferrite_engine::GroupSnapshotInfo) -> pb::GroupSnapshot {
+    pb::GroupSnapshot {
+        name: g.name,
+        id: g.id,
+        group: g.group.unwrap_or_default(),
+        members: g
+            .snapshots
+            .into_iter()
+            .map(|(snapshot, volume)| pb::GroupSnapshotMember { snapshot, volume })
+            .collect(),
+        created_unix: g.created_unix,
+    }
+}
+
 fn snapshot_msg(s: ferrite_engine::SnapshotInfo) -> pb::Snapshot {
     pb::Snapshot {
         name: s.name,
@@ -337,6 +355,96 @@ impl Admin for AdminService {
         let bytes = ranges.iter().map(|r| r.1).sum();
         let ranges = ranges.into_iter().map(|(offset, length)| pb::Range { offset, length }).collect();
         Ok(Response::new(pb::ChangedRangesResponse { ranges, bytes }))
+    }
+
+    async fn create_group(&self, req: Request<pb::CreateGroupRequest>) -> Result<Response<pb::Group>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        let g = self
+            .engine(move |p| p.create_group(&r.name, &r.volumes.iter().map(String::as_str).collect::<Vec<_>>()))
+            .await?;
+        Ok(Response::new(group_msg(g)))
+    }
+
+    async fn update_group(&self, req: Request<pb::UpdateGroupRequest>) -> Result<Response<pb::Group>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        let g = self
+            .engine(move |p| {
+                let add: Vec<&str> = r.add.iter().map(String::as_str).collect();
+                let remove: Vec<&str> = r.remove.iter().map(String::as_str).collect();
+                p.update_group(&r.name, &add, &remove)
+            })
+            .await?;
+        Ok(Response::new(group_msg(g)))
+    }
+
+    async fn delete_group(
+        &self,
+        req: Request<pb::DeleteGroupRequest>,
+    ) -> Result<Response<pb::DeleteGroupResponse>, Status> {
+        let name = req.into_inner().name;
+        require("name", &name)?;
+        self.engine(move |p| p.delete_group(&name)).await?;
+        Ok(Response::new(pb::DeleteGroupResponse {}))
+    }
+
+    async fn list_groups(&self, _: Request<pb::ListGroupsRequest>) -> Result<Response<pb::ListGroupsResponse>, Status> {
+        let groups = self.engine(|p| Ok(p.groups())).await?;
+        Ok(Response::new(pb::ListGroupsResponse { groups: groups.into_iter().map(group_msg).collect() }))
+    }
+
+    async fn create_group_snapshot(
+        &self,
+        req: Request<pb::CreateGroupSnapshotRequest>,
+    ) -> Result<Response<pb::GroupSnapshot>, Status> {
+        let r = req.into_inner();
+        require("group", &r.group)?;
+        require("name", &r.name)?;
+        let g = self.engine(move |p| p.create_group_snapshot(&r.group, &r.name)).await?;
+        Ok(Response::new(group_snapshot_msg(g)))
+    }
+
+    async fn list_group_snapshots(
+        &self,
+        req: Request<pb::ListGroupSnapshotsRequest>,
+    ) -> Result<Response<pb::ListGroupSnapshotsResponse>, Status> {
+        let group = req.into_inner().group;
+        let list = self.engine(move |p| p.group_snapshots(Some(group.as_str()).filter(|g| !g.is_empty()))).await?;
+        Ok(Response::new(pb::ListGroupSnapshotsResponse {
+            snapshots: list.into_iter().map(group_snapshot_msg).collect(),
+        }))
+    }
+
+    async fn delete_group_snapshot(
+        &self,
+        req: Request<pb::DeleteGroupSnapshotRequest>,
+    ) -> Result<Response<pb::DeleteGroupSnapshotResponse>, Status> {
+        let name = req.into_inner().name;
+        require("name", &name)?;
+        let records = self.records.lock().await;
+        if let Some(r) =
+            records.iter().find(|r| r.volume.split_once('@').is_some_and(|(_, s)| s.starts_with(&format!("{name}."))))
+        {
+            return Err(Status::failed_precondition(format!(
+                "a member of group snapshot {name:?} is exported as {}; stop the export first",
+                r.name
+            )));
+        }
+        self.engine(move |p| p.delete_group_snapshot(&name)).await?;
+        drop(records);
+        Ok(Response::new(pb::DeleteGroupSnapshotResponse {}))
+    }
+
+    async fn clone_group_snapshot(
+        &self,
+        req: Request<pb::CloneGroupSnapshotRequest>,
+    ) -> Result<Response<pb::Group>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        require("new_group", &r.new_group)?;
+        let g = self.engine(move |p| p.clone_group_snapshot(&r.name, &r.new_group)).await?;
+        Ok(Response::new(group_msg(g)))
     }
 
     async fn start_export(&self, req: Request<pb::StartExportRequest>) -> Result<Response<pb::Export>, Status> {

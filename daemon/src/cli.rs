@@ -294,3 +294,47 @@ pub fn print_scrub(out: Output, r: &pb::ScrubPoolProgress) {
         }
     }
 }
+
+pub fn print_groups(out: Output, groups: &[pb::Group]) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            serde_json::Value::Array(
+                groups
+                    .iter()
+                    .map(|g| json!({"name": g.name, "id": g.id, "volumes": g.volumes, "created_unix": g.created_unix}))
+                    .collect()
+            )
+        ),
+        Output::Table => {
+            let rows = groups.iter().map(|g| vec![g.name.clone(), g.volumes.join(",")]).collect();
+            println!("{}", table(&["GROUP", "VOLUMES"], rows));
+        }
+    }
+}
+
+pub fn print_group_snapshots(out: Output, snaps: &[pb::GroupSnapshot]) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            serde_json::Value::Array(
+                snaps
+                    .iter()
+                    .map(|g| json!({"name": g.name, "id": g.id, "group": g.group, "created_unix": g.created_unix,
+                                    "members": g.members.iter().map(|m| json!({"snapshot": m.snapshot, "volume": m.volume}))
+                                        .collect::<Vec<_>>()}))
+                    .collect()
+            )
+        ),
+        Output::Table => {
+            let rows = snaps
+                .iter()
+                .map(|g| {
+                    let members: Vec<String> = g.members.iter().map(|m| m.snapshot.clone()).collect();
+                    vec![g.name.clone(), if g.group.is_empty() { "(deleted)".into() } else { g.group.clone() }, members.join(",")]
+                })
+                .collect();
+            println!("{}", table(&["GROUP SNAPSHOT", "GROUP", "MEMBER SNAPSHOTS"], rows));
+        }
+    }
+}

@@ -53,6 +53,9 @@ enum Cmd {
         /// Name of the new volume.
         name: String,
     },
+    /// Manage volume groups and their crash-consistent group snapshots.
+    #[command(subcommand)]
+    Group(GroupCmd),
     /// Manage NBD exports.
     #[command(subcommand)]
     Export(ExportCmd),
@@ -100,6 +103,37 @@ enum SnapshotCmd {
         #[arg(long)]
         since: Option<String>,
     },
+}
+
+#[derive(Subcommand)]
+enum GroupCmd {
+    /// Create a group: `ferrite group create app db log`.
+    Create { name: String, volumes: Vec<String> },
+    /// Add volumes to a group.
+    Add {
+        name: String,
+        #[arg(required = true)]
+        volumes: Vec<String>,
+    },
+    /// Remove volumes from a group.
+    Remove {
+        name: String,
+        #[arg(required = true)]
+        volumes: Vec<String>,
+    },
+    /// Delete a group (its volumes and group snapshots stay).
+    Delete { name: String },
+    /// List groups.
+    List,
+    /// Snapshot every member at one point in time: `ferrite group snapshot app nightly`
+    /// (member snapshots are named nightly.<volume>).
+    Snapshot { group: String, name: String },
+    /// List group snapshots (of one group if given).
+    Snapshots { group: Option<String> },
+    /// Delete a group snapshot and its member snapshots.
+    DeleteSnapshot { name: String },
+    /// Clone every member of a group snapshot into a new group (volumes <new-group>.<volume>).
+    Clone { snapshot: String, new_group: String },
 }
 
 #[derive(Subcommand)]
@@ -233,6 +267,50 @@ async fn client(cli: Cli) -> Result<()> {
             let v = c.clone_volume(pb::CloneVolumeRequest { name, source: Some(source) }).await.map_err(rpc_error)?;
             cli::print_volume(out, v.get_ref());
         }
+        Cmd::Group(g) => match g {
+            GroupCmd::Create { name, volumes } => {
+                let r = c.create_group(pb::CreateGroupRequest { name, volumes }).await.map_err(rpc_error)?;
+                cli::print_groups(out, std::slice::from_ref(r.get_ref()));
+            }
+            GroupCmd::Add { name, volumes } => {
+                let req = pb::UpdateGroupRequest { name, add: volumes, remove: Vec::new() };
+                let r = c.update_group(req).await.map_err(rpc_error)?;
+                cli::print_groups(out, std::slice::from_ref(r.get_ref()));
+            }
+            GroupCmd::Remove { name, volumes } => {
+                let req = pb::UpdateGroupRequest { name, add: Vec::new(), remove: volumes };
+                let r = c.update_group(req).await.map_err(rpc_error)?;
+                cli::print_groups(out, std::slice::from_ref(r.get_ref()));
+            }
+            GroupCmd::Delete { name } => {
+                c.delete_group(pb::DeleteGroupRequest { name: name.clone() }).await.map_err(rpc_error)?;
+                cli::print_done(out, "deleted group", &name);
+            }
+            GroupCmd::List => {
+                let r = c.list_groups(pb::ListGroupsRequest {}).await.map_err(rpc_error)?;
+                cli::print_groups(out, &r.get_ref().groups);
+            }
+            GroupCmd::Snapshot { group, name } => {
+                let req = pb::CreateGroupSnapshotRequest { group, name };
+                let r = c.create_group_snapshot(req).await.map_err(rpc_error)?;
+                cli::print_group_snapshots(out, std::slice::from_ref(r.get_ref()));
+            }
+            GroupCmd::Snapshots { group } => {
+                let req = pb::ListGroupSnapshotsRequest { group: group.unwrap_or_default() };
+                let r = c.list_group_snapshots(req).await.map_err(rpc_error)?;
+                cli::print_group_snapshots(out, &r.get_ref().snapshots);
+            }
+            GroupCmd::DeleteSnapshot { name } => {
+                let req = pb::DeleteGroupSnapshotRequest { name: name.clone() };
+                c.delete_group_snapshot(req).await.map_err(rpc_error)?;
+                cli::print_done(out, "deleted group snapshot", &name);
+            }
+            GroupCmd::Clone { snapshot, new_group } => {
+                let req = pb::CloneGroupSnapshotRequest { name: snapshot, new_group };
+                let r = c.clone_group_snapshot(req).await.map_err(rpc_error)?;
+                cli::print_groups(out, std::slice::from_ref(r.get_ref()));
+            }
+        },
         Cmd::Export(e) => match e {
             ExportCmd::Nbd { volume, name, read_only } => {
                 let req = pb::StartExportRequest { volume, name: name.unwrap_or_default(), read_only };

@@ -222,3 +222,31 @@ fn snapshots_clones_and_snapshot_exports() {
     let bad = d.cli(&["clone", "nope@x", "y"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("not found"));
 }
+
+#[test]
+fn groups_and_group_snapshots_through_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    for v in ["db", "log", "web"] {
+        d.ok(&["volume", "create", v, "8MiB"]);
+    }
+    d.ok(&["group", "create", "app", "db", "log"]);
+    d.ok(&["group", "add", "app", "web"]);
+    d.ok(&["group", "remove", "app", "log"]);
+    let g: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "group", "list"])).unwrap();
+    assert_eq!(g[0]["volumes"], serde_json::json!(["db", "web"]));
+    let taken = d.ok(&["group", "snapshot", "app", "nightly"]);
+    assert!(taken.contains("nightly.db") && taken.contains("nightly.web"), "{taken}");
+    let snaps: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "snapshot", "list"])).unwrap();
+    assert_eq!(snaps.as_array().unwrap().len(), 2);
+    d.ok(&["group", "clone", "nightly", "restore"]);
+    assert!(d.ok(&["volume", "list"]).contains("restore.db"));
+    let busy = d.cli(&["snapshot", "delete", "nightly.db"]);
+    assert!(String::from_utf8_lossy(&busy.stderr).contains("group snapshot"), "{busy:?}");
+    d.ok(&["group", "delete-snapshot", "nightly"]);
+    assert!(d.ok(&["group", "snapshots"]).lines().count() == 1);
+    let dup = d.cli(&["group", "create", "other", "db"]);
+    assert!(String::from_utf8_lossy(&dup.stderr).contains("already in group"));
+    d.ok(&["group", "delete", "app"]);
+    d.ok(&["group", "create", "other", "db"]);
+}
