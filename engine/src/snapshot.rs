@@ -134,13 +134,13 @@ fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
     ops
 }
 
+/// A volume with its new head, and the snapshot that freezes its old one.
+pub(crate) type Planned = (VolumeRecord, SnapshotRecord);
+
 /// Plans snapshots of volumes `(volume id, snapshot name)` (on the leader, `meta_lock` held):
 /// checks the names, allocates ids, and returns the new records and the catalog ops. The
 /// caller syncs the store, applies the ops, then [`apply_snapshots`].
-pub(crate) fn plan_snapshots(
-    inner: &Inner,
-    items: &[(u64, String)],
-) -> Result<(Vec<(VolumeRecord, SnapshotRecord)>, Vec<CatalogOp>)> {
+pub(crate) fn plan_snapshots(inner: &Inner, items: &[(u64, String)]) -> Result<(Vec<Planned>, Vec<CatalogOp>)> {
     let recs: Vec<VolumeRecord> = {
         let st = inner.state.read();
         for (i, (_, name)) in items.iter().enumerate() {
@@ -172,7 +172,7 @@ pub(crate) fn plan_snapshots(
 }
 
 /// Installs planned snapshots in memory: each volume gets its new head over the frozen one.
-pub(crate) fn apply_snapshots(st: &mut State, planned: Vec<(VolumeRecord, SnapshotRecord)>) -> Vec<SnapshotRecord> {
+pub(crate) fn apply_snapshots(st: &mut State, planned: Vec<Planned>) -> Vec<SnapshotRecord> {
     planned
         .into_iter()
         .map(|(rec, snap)| {
