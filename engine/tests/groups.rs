@@ -1,5 +1,7 @@
 //! Volume groups and group snapshots: membership, crash consistency across members, clones.
 
+#![allow(clippy::cast_possible_truncation)] // the shared pattern helper narrows on purpose
+
 mod common;
 
 use std::sync::Arc;
