@@ -5,6 +5,7 @@
 //! pool-path = "/dev/nvme0n1"        # default: <data-dir>/pool.img (a sparse file)
 //! pool-size = "64G"                 # size of a new pool file; default 16G
 //! segment-size = "32M"              # for a new pool; default 32M
+//! overcommit-ratio = 4.0            # volumes may provision at most 4x the pool; default: no cap
 //! admin-socket = "/run/ferrite/admin.sock"  # default: <data-dir>/admin.sock
 //! nbd-socket = "/run/ferrite/nbd.sock"      # default: <data-dir>/nbd.sock
 //! nbd-listen = "127.0.0.1:10809"    # optional TCP listener for NBD
@@ -29,6 +30,7 @@ pub struct ConfigFile {
     pub meta_dir: Option<PathBuf>,
     pub pool_size: Option<String>,
     pub segment_size: Option<String>,
+    pub overcommit_ratio: Option<f64>,
     pub admin_socket: Option<PathBuf>,
     pub nbd_socket: Option<PathBuf>,
     pub nbd_listen: Option<SocketAddr>,
@@ -44,6 +46,7 @@ pub struct Config {
     pub meta_dir: PathBuf,
     pub pool_size: u64,
     pub segment_size: u64,
+    pub overcommit_ratio: Option<f64>,
     pub admin_socket: PathBuf,
     pub nbd_socket: PathBuf,
     pub nbd_listen: Option<SocketAddr>,
@@ -79,6 +82,10 @@ impl Config {
             meta_dir: f.meta_dir.unwrap_or_else(|| data_dir.join("meta")),
             pool_size: size(f.pool_size, "16G", "pool-size")?,
             segment_size: size(f.segment_size, "32M", "segment-size")?,
+            overcommit_ratio: match f.overcommit_ratio {
+                Some(r) if !(r.is_finite() && r >= 1.0) => bail!("overcommit-ratio must be a number >= 1.0, not {r}"),
+                r => r,
+            },
             admin_socket: f.admin_socket.unwrap_or_else(|| data_dir.join("admin.sock")),
             nbd_socket: f.nbd_socket.unwrap_or_else(|| data_dir.join("nbd.sock")),
             nbd_listen: f.nbd_listen,
@@ -114,6 +121,10 @@ mod tests {
     #[test]
     fn bad_configs_are_refused() {
         assert!(toml::from_str::<ConfigFile>("no-such-key = 1").is_err());
+        let f: ConfigFile = toml::from_str("overcommit-ratio = 0.5").unwrap();
+        assert!(Config::resolve(f, None).unwrap_err().to_string().contains("overcommit-ratio"));
+        let f: ConfigFile = toml::from_str("overcommit-ratio = 3.0").unwrap();
+        assert_eq!(Config::resolve(f, None).unwrap().overcommit_ratio, Some(3.0));
         let f: ConfigFile = toml::from_str("pool-size = \"12Q\"").unwrap();
         assert!(Config::resolve(f, None).unwrap_err().to_string().contains("pool-size"));
         let f: ConfigFile = toml::from_str("admin-socket = \"/s\"\nnbd-socket = \"/s\"").unwrap();

@@ -17,7 +17,11 @@ use crate::config::Config;
 use crate::size::format_size;
 
 fn open_pool(cfg: &Config) -> Result<Pool> {
-    let opts = PoolOptions { segment_size: cfg.segment_size, ..PoolOptions::default() };
+    let opts = PoolOptions {
+        segment_size: cfg.segment_size,
+        overcommit_ratio: cfg.overcommit_ratio,
+        ..PoolOptions::default()
+    };
     if cfg.pool_path.exists() {
         let pool = Pool::open(&cfg.pool_path, &cfg.meta_dir, opts)
             .with_context(|| format!("opening pool {}", cfg.pool_path.display()))?;

@@ -270,6 +270,7 @@ impl Pool {
                     debug_assert_eq!(s.name, snap);
                     out.push((clone, s.layer, s.size));
                 }
+                crate::pool::check_overcommit(inner, &st, out.iter().map(|o| o.2).sum())?;
                 out
             };
             let mut ops = Vec::new();

@@ -41,6 +41,10 @@ pub struct PoolOptions {
     pub backend: BackendKind,
     /// Run the cleaner in the background when free space runs low (default on).
     pub background_cleaner: bool,
+    /// Thin overcommit cap: the volumes' provisioned sizes may add up to at most this many
+    /// times the pool's data area (None: no cap). Creating, growing or cloning past it fails
+    /// with NoSpace.
+    pub overcommit_ratio: Option<f64>,
     /// How often the background cleaner looks at free space (default 200 ms; the writer also
     /// wakes it when it takes a segment and few are left).
     pub cleaner_interval: Duration,
@@ -56,6 +60,7 @@ impl Default for PoolOptions {
             checkpoint_bytes: 1 << 30,
             backend: BackendKind::Uring,
             background_cleaner: true,
+            overcommit_ratio: None,
             cleaner_interval: Duration::from_millis(200),
         }
     }
@@ -428,8 +433,12 @@ impl Pool {
         let inner = &self.inner;
         inner.check_open()?;
         let _m = inner.meta_lock.lock();
-        if inner.state.read().names.contains_key(name) {
-            return Err(Error::new(ErrorKind::AlreadyExists, format!("volume {name:?} already exists")));
+        {
+            let st = inner.state.read();
+            if st.names.contains_key(name) {
+                return Err(Error::new(ErrorKind::AlreadyExists, format!("volume {name:?} already exists")));
+            }
+            check_overcommit(inner, &st, size)?;
         }
         let id = inner.meta.next_id()?;
         let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: name.to_owned() };
@@ -475,6 +484,7 @@ impl Pool {
             let st = inner.state.read();
             st.volumes[&lookup(&st, name)?].rec.clone()
         };
+        check_overcommit(inner, &inner.state.read(), new_size.saturating_sub(rec.size))?;
         if new_size < rec.size {
             return Err(invalid(format!(
                 "volume {name:?} is {} bytes; shrinking to {new_size} is not supported",
@@ -581,6 +591,24 @@ impl Drop for Pool {
             tracing::debug!(error = %e, "pool closed with an error");
         }
     }
+}
+
+/// Refuses `extra` more provisioned bytes if they would pass the overcommit cap.
+pub(crate) fn check_overcommit(inner: &Inner, st: &State, extra: u64) -> Result<()> {
+    let Some(ratio) = inner.opts.overcommit_ratio else { return Ok(()) };
+    let cap = (inner.sb.segment_size * inner.sb.segment_count) as f64 * ratio;
+    let provisioned: u64 = st.volumes.values().map(|v| v.rec.size).sum();
+    if (provisioned + extra) as f64 > cap {
+        return Err(Error::new(
+            ErrorKind::NoSpace,
+            format!(
+                "thin overcommit cap: volumes would provision {} bytes, more than {ratio} x the pool's {} bytes",
+                provisioned + extra,
+                inner.sb.segment_size * inner.sb.segment_count
+            ),
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn lookup(st: &State, name: &str) -> Result<u64> {

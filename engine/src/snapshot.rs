@@ -380,6 +380,7 @@ impl Pool {
                     (rec.layer, rec.size, Some(rec))
                 }
             };
+            crate::pool::check_overcommit(inner, &st, size)?;
             drop(st); // no catalog I/O under the state lock
             let mut ops = Vec::new();
             let origin = match origin {

@@ -214,3 +214,18 @@ fn scrub_finds_a_damaged_block_and_names_every_image_that_reads_it() {
     assert_eq!(d.offset, 4096);
     assert_eq!(d.images, vec!["c".to_string(), "v".to_string(), "v@s".to_string()]);
 }
+
+#[test]
+fn thin_overcommit_cap_refuses_create_grow_and_clone_past_it() {
+    let opts = ferrite_engine::PoolOptions { overcommit_ratio: Some(2.0), ..common::small_opts() };
+    let (_f, pool) = Fixture::with_opts(16, opts); // 4 MiB of segments: cap 8 MiB
+    pool.create_volume("a", 6 * MIB).unwrap();
+    assert_eq!(pool.create_volume("b", 3 * MIB).unwrap_err().kind(), ErrorKind::NoSpace);
+    pool.create_volume("b", 2 * MIB).unwrap();
+    assert_eq!(pool.grow_volume("b", 3 * MIB).unwrap_err().kind(), ErrorKind::NoSpace);
+    pool.create_snapshot("b", "s").unwrap();
+    let err = pool.clone_volume(Image::Snapshot("s"), "c").unwrap_err();
+    assert!(err.kind() == ErrorKind::NoSpace && err.to_string().contains("overcommit"), "{err}");
+    pool.delete_volume("a").unwrap();
+    pool.clone_volume(Image::Snapshot("s"), "c").unwrap();
+}
