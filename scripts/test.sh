@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: setup, formatting, lints, then every test. Used by .ci/run.
 #   FERRITE_LONG=1 scripts/test.sh     runs the long property-test mode as well
+#   FERRITE_VM=0 scripts/test.sh       skips the tier that boots a QEMU guest for kernel block devices
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
@@ -14,6 +15,16 @@ step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 step "doc tests"
 cargo test --workspace --doc --locked -q
+# Kernel block devices (kernel NBD client; ublk later) exist only in a QEMU guest here. The
+# harness installs what it needs on first use and prints SKIPPED where it cannot.
+if [ "${FERRITE_VM:-1}" != 0 ]; then
+  step "VM tier: Ferrite volumes as kernel NBD devices in a QEMU guest (TCG, ~1.5 min)"
+  echo "$CARGO_TARGET_DIR/debug/ferrite" > .vm-ferrite
+  trap 'rm -f .vm-ferrite' EXIT
+  VM_TIMEOUT=1200 bash tests/vm/run.sh tests/vm/nbd_lifecycle.sh
+else
+  echo "SKIPPED: VM tier (FERRITE_VM=0)" >&2
+fi
 # nextest last: its summary line is the suite's closing line.
 step "tests"
 cargo nextest run --workspace --locked --no-fail-fast --status-level fail --final-status-level slow

@@ -270,11 +270,21 @@ pub fn print_ranges(out: Output, r: &pb::ChangedRangesResponse) {
     }
 }
 
-/// A one-line progress bar on stderr, redrawn in place.
+/// A one-line progress bar on stderr, redrawn in place on a terminal; elsewhere (logs, CI) a
+/// line at every 25%.
 pub fn print_progress(what: &str, done: u64, total: u64) {
+    use std::io::IsTerminal;
     let pct = (done * 100).checked_div(total).unwrap_or(100);
-    let bar = "#".repeat(usize::try_from(pct / 4).unwrap_or(25));
-    eprint!("\r{what}: [{bar:<25}] {pct:>3}% {} of {}", format_size(done), format_size(total));
+    if std::io::stderr().is_terminal() {
+        let bar = "#".repeat(usize::try_from(pct / 4).unwrap_or(25));
+        eprint!("\r{what}: [{bar:<25}] {pct:>3}% {} of {}", format_size(done), format_size(total));
+    } else {
+        static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+        let quarter = pct / 25;
+        if LAST.swap(quarter, std::sync::atomic::Ordering::Relaxed) != quarter {
+            eprintln!("{what}: {pct}% ({} of {})", format_size(done), format_size(total));
+        }
+    }
 }
 
 pub fn print_scrub(out: Output, r: &pb::ScrubPoolProgress) {
@@ -286,7 +296,9 @@ pub fn print_scrub(out: Output, r: &pb::ScrubPoolProgress) {
                                                                "images": d.images})).collect::<Vec<_>>()})
         ),
         Output::Table => {
-            eprintln!();
+            if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+                eprintln!();
+            }
             for d in &r.damaged {
                 println!("damaged: offset {} (pool block {}) in {}", d.offset, d.pool_block, d.images.join(", "));
             }

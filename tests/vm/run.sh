@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# run.sh SCRIPT: boots the guest (see setup.sh), runs `bash SCRIPT` as root in it
+# (cwd = $PWD, which is mounted read-write at the same path), prints the guest's console and
+# exits with the script's exit code (124: timeout, 255: the guest died before finishing).
+# If the harness is not set up and cannot be, prints "SKIPPED: ..." and exits 0.
+# Env: VM_TIMEOUT (600 s), VM_MEM (2G), VM_CPUS (2).
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+VMDIR=${FERRITE_VM_DIR:-$HOME/.cache/ferrite/vm}
+SCRIPT=$(readlink -f "${1:?usage: run.sh SCRIPT}")
+if [ ! -f "$VMDIR/ready" ]; then
+  out=$(bash "$HERE/setup.sh" 2>&1 | tail -1)
+  case $out in SKIPPED:*) echo "$out"; exit 0;; esac
+  [ -f "$VMDIR/ready" ] || { echo "SKIPPED: VM harness setup did not finish: $out"; exit 0; }
+fi
+KROOT=$VMDIR/kernel; V=$(ls "$KROOT/lib/modules")
+LOG=$(mktemp); trap 'rm -f "$LOG"' EXIT
+echo "vm: booting (TCG) to run $(basename "$SCRIPT")..." >&2
+timeout --foreground -k 5 "${VM_TIMEOUT:-600}" qemu-system-x86_64 \
+  -machine pc -accel tcg,thread=multi -cpu max -smp "${VM_CPUS:-2}" -m "${VM_MEM:-2G}" \
+  -nodefaults -no-user-config -display none -no-reboot -serial stdio \
+  -kernel "$KROOT/boot/vmlinuz-$V" -initrd "$VMDIR/initrd.img" \
+  -append "console=ttyS0 quiet loglevel=1 panic=-1 vmtest.script=$SCRIPT vmtest.cwd=$PWD vmtest.rw=$PWD vmtest.mods=$KROOT/lib/modules/$V" \
+  -fsdev local,id=hr,path=/,security_model=none,readonly=on,multidevs=remap \
+  -device virtio-9p-pci,fsdev=hr,mount_tag=hostroot \
+  -fsdev local,id=hw,path="$PWD",security_model=none,multidevs=remap \
+  -device virtio-9p-pci,fsdev=hw,mount_tag=hostrw </dev/null \
+  | tr -d '\r' | grep --line-buffered -vE '\] (sysrq: Power Off|reboot: Power down)$' | tee "$LOG"
+qrc=${PIPESTATUS[0]}
+rc=$(sed -n 's/.*@@VMTEST_EXIT=\([0-9]*\)@@.*/\1/p' "$LOG" | tail -1)
+[ "$qrc" = 124 ] && [ -z "$rc" ] && { echo "vm: timed out after ${VM_TIMEOUT:-600} s" >&2; exit 124; }
+exit "${rc:-255}"
