@@ -25,7 +25,6 @@ mount -t tmpfs -o mode=0755 rw /rw; mkdir -p /rw/upper /rw/work
 mount -t overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work root /newroot || { echo "overlay failed"; poweroff -f; }
 for d in proc sys dev; do mount --move /$d /newroot/$d; done
 mount -t tmpfs -o mode=0755 tmpfs /newroot/run; mkdir -p /newroot/run/lock
-mount -t tmpfs tmpfs /newroot/tmp
 mkdir -p /newroot/dev/pts; mount -t devpts devpts /newroot/dev/pts
 for w in $(cat /newroot/proc/cmdline); do
   case $w in vmtest.rw=*) RW=${w#vmtest.rw=};; vmtest.mods=*) MODS=${w#vmtest.mods=};; esac

@@ -8,11 +8,9 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 VMDIR=${FERRITE_VM_DIR:-$HOME/.cache/ferrite/vm}
 SCRIPT=$(readlink -f "${1:?usage: run.sh SCRIPT}")
-if [ ! -f "$VMDIR/ready" ]; then
-  out=$(bash "$HERE/setup.sh" 2>&1 | tail -1)
-  case $out in SKIPPED:*) echo "$out"; exit 0;; esac
-  [ -f "$VMDIR/ready" ] || { echo "SKIPPED: VM harness setup did not finish: $out"; exit 0; }
-fi
+out=$(bash "$HERE/setup.sh" 2>&1 | tail -1)
+case $out in SKIPPED:*) echo "$out"; exit 0;; esac
+[ -f "$VMDIR/ready" ] || { echo "SKIPPED: VM harness setup did not finish: $out"; exit 0; }
 KROOT=$VMDIR/kernel; V=$(ls "$KROOT/lib/modules")
 LOG=$(mktemp); trap 'rm -f "$LOG"' EXIT
 echo "vm: booting (TCG) to run $(basename "$SCRIPT")..." >&2

@@ -17,6 +17,8 @@ command -v apt-get >/dev/null || skip "no apt-get"
 [ "$(uname -m)" = x86_64 ] || skip "x86_64 only"
 mkdir -p "$VMDIR"; cd "$VMDIR"
 if [ -f ready ] && [ -d kernel/boot ] && [ -f initrd.img ] && command -v qemu-system-x86_64 >/dev/null; then
+  # A changed initramfs recipe is rebuilt; nothing else needs redoing.
+  [ initrd.img -nt "$HERE/mkinitrd.sh" ] || bash "$HERE/mkinitrd.sh" "$VMDIR/kernel" "$VMDIR/initrd.img"
   echo "vm: ready in $VMDIR"; exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive
