@@ -234,3 +234,19 @@ fn read_only_export_refuses_every_write_kind() {
     assert_eq!(request(&mut s, CMD_WRITE_ZEROES, 0, 0, 4096), EPERM);
     assert_untouched(&h);
 }
+
+#[test]
+fn kernel_attach_handshake_gets_size_and_flags_or_a_clear_refusal() {
+    let h = harness();
+    let mut s = UnixStream::connect(h.sock()).unwrap();
+    timeout(&s);
+    let (size, flags) = ferrite_nbd::kernel::negotiate_client(&mut s, "a").unwrap();
+    assert_eq!(size, h.pool.volume_info("a").unwrap().size);
+    assert!(flags & TF_SEND_FLUSH != 0 && flags & TF_READ_ONLY == 0);
+    // The connection is in transmission now: a flush gets a simple reply.
+    assert_eq!(request(&mut s, CMD_FLUSH, 0, 0, 0), 0);
+    let mut s = UnixStream::connect(h.sock()).unwrap();
+    timeout(&s);
+    let err = ferrite_nbd::kernel::negotiate_client(&mut s, "nope").unwrap_err();
+    assert!(err.to_string().contains("nope"), "{err}");
+}

@@ -1,0 +1,285 @@
+//! Attaching an export as a kernel NBD device (`/dev/nbdN`) over a Unix socket, through the
+//! kernel's generic-netlink NBD interface: we connect, negotiate (fixed newstyle, `OPT_GO`, no
+//! structured replies: the kernel client speaks simple replies only), then hand the connected
+//! socket to the kernel with `NBD_CMD_CONNECT`. The kernel keeps the socket; no process has to
+//! stay behind (unlike the old ioctl interface). `detach` sends `NBD_CMD_DISCONNECT`.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::proto::*;
+
+// include/uapi/linux/nbd-netlink.h and genetlink.h
+const NBD_CMD_CONNECT: u8 = 1;
+const NBD_CMD_DISCONNECT: u8 = 2;
+const NBD_ATTR_INDEX: u16 = 1;
+const NBD_ATTR_SIZE_BYTES: u16 = 2;
+const NBD_ATTR_BLOCK_SIZE_BYTES: u16 = 3;
+const NBD_ATTR_TIMEOUT: u16 = 4;
+const NBD_ATTR_SERVER_FLAGS: u16 = 5;
+const NBD_ATTR_SOCKETS: u16 = 7;
+const NBD_SOCK_ITEM: u16 = 1;
+const NBD_SOCK_FD: u16 = 1;
+const GENL_ID_CTRL: u16 = 0x10;
+const CTRL_CMD_GETFAMILY: u8 = 3;
+const CTRL_ATTR_FAMILY_ID: u16 = 1;
+const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+const NLA_F_NESTED: u16 = 1 << 15;
+// include/uapi/linux/netlink.h (libc has them as i32)
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_ACK: u16 = 4;
+const NLMSG_ERROR: u16 = 2;
+
+/// A kernel NBD device attached to an export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attached {
+    pub index: u32,
+    pub device: PathBuf,
+    pub size: u64,
+    pub read_only: bool,
+}
+
+fn invalid(msg: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+fn read_u16(s: &mut impl Read) -> io::Result<u16> {
+    let mut b = [0u8; 2];
+    s.read_exact(&mut b)?;
+    Ok(u16::from_be_bytes(b))
+}
+
+fn read_u32(s: &mut impl Read) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+
+fn read_u64(s: &mut impl Read) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b)?;
+    Ok(u64::from_be_bytes(b))
+}
+
+/// Client side of the handshake: `OPT_GO` for `export`; returns (size, transmission flags).
+pub fn negotiate_client<S: Read + Write>(s: &mut S, export: &str) -> io::Result<(u64, u16)> {
+    if read_u64(s)? != NBD_MAGIC || read_u64(s)? != IHAVEOPT {
+        return Err(invalid("not an NBD server (bad greeting)"));
+    }
+    let server = read_u16(s)?;
+    if server & FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(invalid("NBD server does not speak fixed newstyle"));
+    }
+    let mut client = FLAG_C_FIXED_NEWSTYLE;
+    if server & FLAG_NO_ZEROES != 0 {
+        client |= FLAG_C_NO_ZEROES;
+    }
+    s.write_all(&client.to_be_bytes())?;
+    let name = export.as_bytes();
+    let len = u32::try_from(name.len() + 6).map_err(|_| invalid("export name too long"))?;
+    let mut opt = Vec::with_capacity(16 + name.len() + 6);
+    opt.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    opt.extend_from_slice(&OPT_GO.to_be_bytes());
+    opt.extend_from_slice(&len.to_be_bytes());
+    opt.extend_from_slice(&u32::try_from(name.len()).expect("checked above").to_be_bytes());
+    opt.extend_from_slice(name);
+    opt.extend_from_slice(&0u16.to_be_bytes()); // no extra info requests: INFO_EXPORT always comes
+    s.write_all(&opt)?;
+    let mut export_info = None;
+    loop {
+        if read_u64(s)? != REP_MAGIC {
+            return Err(invalid("bad option reply magic"));
+        }
+        let (_opt, kind, len) = (read_u32(s)?, read_u32(s)?, read_u32(s)?);
+        if len > 1 << 20 {
+            return Err(invalid("option reply too long"));
+        }
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data)?;
+        match kind {
+            REP_ACK => break,
+            REP_INFO if data.len() >= 12 && u16::from_be_bytes([data[0], data[1]]) == INFO_EXPORT => {
+                let size = u64::from_be_bytes(data[2..10].try_into().expect("8 bytes"));
+                let flags = u16::from_be_bytes([data[10], data[11]]);
+                export_info = Some((size, flags));
+            }
+            REP_INFO => {}
+            k if k & (1 << 31) != 0 => {
+                let msg = String::from_utf8_lossy(&data);
+                return Err(io::Error::new(io::ErrorKind::NotFound, format!("export {export:?} refused: {msg}")));
+            }
+            k => return Err(invalid(format!("unexpected option reply {k}"))),
+        }
+    }
+    export_info.ok_or_else(|| invalid("server acknowledged OPT_GO without the export's size"))
+}
+
+/// A generic netlink socket.
+struct Genl(OwnedFd);
+
+fn attr(buf: &mut Vec<u8>, kind: u16, payload: &[u8]) {
+    let len = u16::try_from(4 + payload.len()).expect("small attribute");
+    buf.extend_from_slice(&len.to_ne_bytes());
+    buf.extend_from_slice(&kind.to_ne_bytes());
+    buf.extend_from_slice(payload);
+    buf.resize(buf.len().next_multiple_of(4), 0);
+}
+
+/// Attributes of a netlink message payload as (type without flags, payload).
+fn attrs(mut b: &[u8]) -> Vec<(u16, &[u8])> {
+    let mut out = Vec::new();
+    while b.len() >= 4 {
+        let len = usize::from(u16::from_ne_bytes([b[0], b[1]]));
+        let kind = u16::from_ne_bytes([b[2], b[3]]) & !NLA_F_NESTED;
+        if len < 4 || len > b.len() {
+            break;
+        }
+        out.push((kind, &b[4..len]));
+        b = &b[len.next_multiple_of(4).min(b.len())..];
+    }
+    out
+}
+
+impl Genl {
+    fn open() -> io::Result<Self> {
+        // SAFETY: plain socket(2) call; the result is checked before use.
+        let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_GENERIC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor we own.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Sends one request and returns the payload (after the genl header) of its reply, if any.
+    fn request(&self, family: u16, cmd: u8, body: &[u8]) -> io::Result<Option<Vec<u8>>> {
+        let len = u32::try_from(16 + 4 + body.len()).expect("small message");
+        let mut m = Vec::with_capacity(len as usize);
+        m.extend_from_slice(&len.to_ne_bytes());
+        m.extend_from_slice(&family.to_ne_bytes());
+        m.extend_from_slice(&(NLM_F_REQUEST | NLM_F_ACK).to_ne_bytes());
+        m.extend_from_slice(&1u32.to_ne_bytes()); // seq
+        m.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel fills it in
+        m.extend_from_slice(&[cmd, 1, 0, 0]); // genl header: cmd, version
+        m.extend_from_slice(body);
+        // SAFETY: m is a valid buffer of m.len() bytes for the duration of the call.
+        let n = unsafe { libc::send(self.0.as_raw_fd(), m.as_ptr().cast(), m.len(), 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut payload = None;
+        let mut buf = vec![0u8; 16 << 10];
+        loop {
+            // SAFETY: buf is a valid, writable buffer of buf.len() bytes.
+            let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mut b = &buf[..usize::try_from(n).expect("non-negative")];
+            while b.len() >= 16 {
+                let len = u32::from_ne_bytes(b[0..4].try_into().expect("4")) as usize;
+                let kind = u16::from_ne_bytes([b[4], b[5]]);
+                if len < 16 || len > b.len() {
+                    return Err(invalid("malformed netlink reply"));
+                }
+                if kind == NLMSG_ERROR {
+                    let err = i32::from_ne_bytes(b[16..20].try_into().expect("4"));
+                    if err != 0 {
+                        return Err(io::Error::from_raw_os_error(-err));
+                    }
+                    return Ok(payload);
+                }
+                if len > 20 {
+                    payload = Some(b[20..len].to_vec());
+                }
+                b = &b[len.next_multiple_of(4).min(b.len())..];
+            }
+        }
+    }
+
+    fn nbd_family(&self) -> io::Result<u16> {
+        let mut body = Vec::new();
+        attr(&mut body, CTRL_ATTR_FAMILY_NAME, b"nbd\0");
+        let reply = self.request(GENL_ID_CTRL, CTRL_CMD_GETFAMILY, &body).map_err(|e| {
+            io::Error::new(e.kind(), format!("the kernel has no NBD netlink family (is the nbd module loaded?): {e}"))
+        })?;
+        reply
+            .as_deref()
+            .and_then(|r| attrs(r).into_iter().find(|a| a.0 == CTRL_ATTR_FAMILY_ID))
+            .and_then(|a| a.1.get(..2).map(|x| u16::from_ne_bytes([x[0], x[1]])))
+            .ok_or_else(|| invalid("no family id in the netlink reply"))
+    }
+}
+
+/// Connects to the NBD server on `socket`, negotiates `export`, and attaches it as the next free
+/// `/dev/nbdN`. Needs root (CAP_SYS_ADMIN) and the nbd module.
+pub fn attach(socket: &Path, export: &str) -> io::Result<Attached> {
+    let mut s = UnixStream::connect(socket)
+        .map_err(|e| io::Error::new(e.kind(), format!("connecting to {}: {e}", socket.display())))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let (size, flags) = negotiate_client(&mut s, export)?;
+    s.set_read_timeout(None)?;
+    let nl = Genl::open()?;
+    let family = nl.nbd_family()?;
+    let mut body = Vec::new();
+    attr(&mut body, NBD_ATTR_SIZE_BYTES, &size.to_ne_bytes());
+    attr(&mut body, NBD_ATTR_BLOCK_SIZE_BYTES, &4096u64.to_ne_bytes());
+    attr(&mut body, NBD_ATTR_TIMEOUT, &120u64.to_ne_bytes());
+    attr(&mut body, NBD_ATTR_SERVER_FLAGS, &u64::from(flags).to_ne_bytes());
+    let fd = u32::try_from(s.as_raw_fd()).expect("descriptors are non-negative");
+    let mut item = Vec::new();
+    attr(&mut item, NBD_SOCK_FD, &fd.to_ne_bytes());
+    let mut socks = Vec::new();
+    attr(&mut socks, NBD_SOCK_ITEM | NLA_F_NESTED, &item);
+    attr(&mut body, NBD_ATTR_SOCKETS | NLA_F_NESTED, &socks);
+    let reply = nl.request(family, NBD_CMD_CONNECT, &body)?;
+    let index = reply
+        .as_deref()
+        .and_then(|r| attrs(r).into_iter().find(|a| a.0 == NBD_ATTR_INDEX))
+        .and_then(|a| a.1.get(..4).map(|x| u32::from_ne_bytes(x.try_into().expect("4"))))
+        .ok_or_else(|| invalid("the kernel did not say which device it attached"))?;
+    // The kernel holds its own reference to the socket now.
+    drop(s);
+    Ok(Attached {
+        index,
+        device: PathBuf::from(format!("/dev/nbd{index}")),
+        size,
+        read_only: flags & TF_READ_ONLY != 0,
+    })
+}
+
+/// Detaches `/dev/nbd<index>` (in-flight requests finish first).
+pub fn detach(index: u32) -> io::Result<()> {
+    let nl = Genl::open()?;
+    let family = nl.nbd_family()?;
+    let mut body = Vec::new();
+    attr(&mut body, NBD_ATTR_INDEX, &index.to_ne_bytes());
+    nl.request(family, NBD_CMD_DISCONNECT, &body).map(|_| ())
+}
+
+/// The device index of a `/dev/nbdN` path (or a bare `N`).
+pub fn parse_device(dev: &str) -> Option<u32> {
+    dev.strip_prefix("/dev/nbd").unwrap_or(dev).parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attributes_roundtrip_and_device_names() {
+        let mut b = Vec::new();
+        attr(&mut b, 2, &7u64.to_ne_bytes());
+        attr(&mut b, 7 | NLA_F_NESTED, b"abc");
+        let a = attrs(&b);
+        assert_eq!(a.len(), 2);
+        assert_eq!((a[0].0, a[0].1), (2, &7u64.to_ne_bytes()[..]));
+        assert_eq!((a[1].0, a[1].1), (7, &b"abc"[..]));
+        assert_eq!(parse_device("/dev/nbd3"), Some(3));
+        assert_eq!(parse_device("12"), Some(12));
+        assert_eq!(parse_device("/dev/sda"), None);
+    }
+}
