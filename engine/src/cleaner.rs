@@ -301,13 +301,21 @@ pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
     let Some(seg) = pick_victim(inner, 0.95, &eligible) else { return Ok(false) };
     let cands = live_runs(inner, &BTreeSet::from([seg])).remove(&seg).unwrap_or_default();
     inner.pins.enter(seg);
-    let _unpin = Unpin(inner, seg);
+    let unpin = Unpin(inner, seg);
     for step in cands.chunks(64) {
-        let read = read_step(inner, step)?;
+        let read = match read_step(inner, step) {
+            Ok(r) => r,
+            // A damaged victim is left alone; the write then fails with ENOSPC, not EIO.
+            Err(e) if e.kind() == ErrorKind::Corrupt => {
+                tracing::error!(segment = seg, error = %e, "cleaner skipped a damaged segment");
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        };
         let n = move_step(inner, read)?;
         inner.cleaner.stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
     }
-    drop(_unpin);
+    drop(unpin);
     inner.cleaner.stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(segment = seg, "cleaned a segment in the write path (pool was full)");
     inner.checkpoint()?;
