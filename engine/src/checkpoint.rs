@@ -156,6 +156,12 @@ impl Inner {
                 tracing::debug!(segment = i, error = %e, "discarding a freed segment failed");
             }
         }
+        {
+            let mut damaged = self.cleaner.damaged.lock();
+            for (i, _) in &ready {
+                damaged.remove(i);
+            }
+        }
         let mut st = self.state.write();
         for (i, _) in ready {
             let s = &mut st.segs.segs[i];

@@ -65,6 +65,9 @@ pub(crate) struct CleanerCtl {
     /// Serialises cleaning runs (background and on demand).
     pub running: Mutex<()>,
     pub stats: CleanerStats,
+    /// Segments holding a block that failed its crc: never victims (moving would launder the
+    /// damage); forgotten when the segment is freed because its data died.
+    pub damaged: Mutex<BTreeSet<usize>>,
 }
 
 impl CleanerCtl {
@@ -85,6 +88,7 @@ impl CleanerCtl {
 
 /// The emptiest of the `eligible` segments at most `max_u` live.
 fn pick_victim(inner: &Inner, max_u: f64, eligible: &BTreeSet<usize>) -> Option<usize> {
+    let damaged = inner.cleaner.damaged.lock().clone();
     let st = inner.state.read();
     let per_seg = st.segs.blocks_per_seg as f64;
     let now = st.applied.seq;
@@ -93,7 +97,7 @@ fn pick_victim(inner: &Inner, max_u: f64, eligible: &BTreeSet<usize>) -> Option<
         .iter()
         .enumerate()
         // (An empty sealed segment needs only a checkpoint, not cleaning.)
-        .filter(|(i, s)| s.state == SegState::Sealed && s.live > 0 && eligible.contains(i))
+        .filter(|(i, s)| s.state == SegState::Sealed && s.live > 0 && eligible.contains(i) && !damaged.contains(i))
         .filter_map(|(i, s)| {
             let u = s.live as f64 / per_seg;
             if u > max_u {
@@ -273,6 +277,7 @@ impl Inner {
                 }
                 Err(e) if e.kind() == ErrorKind::Corrupt => {
                     tracing::error!(segment = seg, error = %e, "cleaner skipped a damaged segment");
+                    self.cleaner.damaged.lock().insert(seg);
                 }
                 Err(e) => {
                     result = Err(e);
@@ -292,7 +297,7 @@ impl Inner {
 
 /// On the leader, out of space: cleans the best victim (up to 95% live) directly, without
 /// barriers (nothing else writes while the leader is here), and checkpoints so it comes free.
-/// Returns whether a segment was cleaned.
+/// Returns false once no victim is left (a damaged one is set aside and counts as tried).
 pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
     let eligible: BTreeSet<usize> = {
         let st = inner.state.read();
@@ -305,10 +310,11 @@ pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
     for step in cands.chunks(64) {
         let read = match read_step(inner, step) {
             Ok(r) => r,
-            // A damaged victim is left alone; the write then fails with ENOSPC, not EIO.
+            // A damaged victim is left alone (and not chosen again); the caller tries the next.
             Err(e) if e.kind() == ErrorKind::Corrupt => {
                 tracing::error!(segment = seg, error = %e, "cleaner skipped a damaged segment");
-                return Ok(false);
+                inner.cleaner.damaged.lock().insert(seg);
+                return Ok(true);
             }
             Err(e) => return Err(e),
         };

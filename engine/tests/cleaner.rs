@@ -142,3 +142,30 @@ fn a_full_pool_comes_back_after_reclaim_without_a_restart() {
     v.write(0, &[7; 4096]).unwrap();
     assert_eq!(read(&pool, "v", 4096), vec![7; 4096]);
 }
+
+#[test]
+fn a_damaged_block_is_never_moved_and_other_segments_still_clean() {
+    let (f, pool) = Fixture::new(32);
+    pool.create_volume("v", 2 * MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    // The first batches fill segment 0; overwrite all but its first data block so it is
+    // mostly dead, and make the rest of the pool mostly dead too.
+    v.write(0, &pattern(1, (2 * MIB) as usize)).unwrap();
+    v.write(B, &pattern(2, (2 * MIB - B) as usize)).unwrap();
+    v.write(B, &pattern(3, (2 * MIB - B) as usize)).unwrap();
+    pool.checkpoint().unwrap();
+    // Damage the one live block left in segment 0 (after the batch header).
+    f.backend.corrupt(ferrite_engine::format::DATA_START + 4096 + 1, &[0xEE]);
+    let r = pool.reclaim().unwrap();
+    assert!(r.segments_cleaned > 0, "the other segments still clean: {r:?}");
+    // The damage is still reported as damage, at the same offset: it was not laundered.
+    let s = pool.scrub(&mut |_| {}).unwrap();
+    assert_eq!(s.damaged.len(), 1, "{s:?}");
+    assert_eq!(s.damaged[0].offset, 0);
+    let mut b = vec![0u8; 4096];
+    assert_eq!(v.read(0, &mut b).unwrap_err().kind(), ErrorKind::Corrupt);
+    // Rewriting the block makes the segment dead, and it is freed like any other.
+    v.write(0, &[1; 4096]).unwrap();
+    pool.reclaim().unwrap();
+    assert!(pool.scrub(&mut |_| {}).unwrap().damaged.is_empty());
+}
