@@ -367,8 +367,9 @@ pub(crate) fn cleaner_loop(inner: &Arc<Inner>) {
         if inner.check_open().is_err() || free(inner) >= low {
             continue;
         }
-        // A checkpoint alone may free wholly dead segments.
-        if inner.checkpoint().is_ok() && free(inner) >= low {
+        // A checkpoint alone frees wholly dead segments (only worth taking if there are some).
+        let empty = inner.state.read().segs.segs.iter().any(|s| s.state == SegState::Sealed && s.live == 0);
+        if empty && inner.checkpoint().is_ok() && free(inner) >= low {
             continue;
         }
         match inner.clean(MAX_UTILISATION, |i, _| free(i) < 2 * low && i.check_open().is_ok()) {
