@@ -26,11 +26,11 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::extent_map::is_zero;
 use crate::format::block_crc;
-use crate::io::{AlignedBuf, BLOCK, ReadOp};
+use crate::io::{BLOCK, read_runs};
+use crate::layers;
 use crate::pool::Inner;
-use crate::segments::SegState;
+use crate::segments::{Pinned, SegState};
 
 /// Blocks moved per barrier (512 KiB): foreground writes wait at most for one step's write.
 pub const STEP_BLOCKS: u64 = 128;
@@ -146,18 +146,8 @@ fn read_step(inner: &Inner, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>
         let st = inner.state.read();
         cands.iter().map(|c| (c.2..c.2 + c.3).map(|b| st.segs.crc(b)).collect()).collect()
     };
-    let total: u64 = cands.iter().map(|c| c.3).sum();
-    let mut media = AlignedBuf::new(usize::try_from(total).expect("step is small") * BLOCK);
-    {
-        let mut rest: &mut [u8] = &mut media;
-        let mut ops = Vec::with_capacity(cands.len());
-        for c in cands {
-            let (head, tail) = rest.split_at_mut(usize::try_from(c.3).expect("small") * BLOCK);
-            ops.push(ReadOp { offset: c.2 * BLOCK as u64, buf: head });
-            rest = tail;
-        }
-        inner.backend.read_many(&mut ops).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
-    }
+    let runs: Vec<(u64, u64)> = cands.iter().map(|c| (c.2, c.3)).collect();
+    let media = read_runs(inner.backend.as_ref(), &runs).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
     let mut out = Vec::with_capacity(cands.len());
     let mut at = 0;
     for (c, crcs) in cands.iter().zip(crcs) {
@@ -185,11 +175,7 @@ fn move_step(inner: &Inner, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
     {
         let st = inner.state.read();
         for ((layer, lba, pba, n), data) in read {
-            let Some(l) = st.layers.get(&layer) else { continue };
-            for (at, p, k) in l.map.entries_in(lba, n) {
-                if is_zero(p) || p != pba + (at - lba) {
-                    continue;
-                }
+            for (at, _, k) in layers::still_mapped(&st.layers, layer, lba, pba, n) {
                 let from = usize::try_from(at - lba).expect("small") * BLOCK;
                 let bytes = &data[from..from + usize::try_from(k).expect("small") * BLOCK];
                 for (i, chunk) in bytes.chunks(piece).enumerate() {
@@ -206,8 +192,8 @@ fn move_step(inner: &Inner, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
 impl Inner {
     /// Moves every live block of `cands` (all in segment `seg`) out of it, a step at a time.
     fn clean_segment(self: &Arc<Self>, seg: usize, cands: Vec<LiveRun>) -> Result<u64> {
-        self.pins.enter(seg);
-        let _unpin = Unpin(self, seg);
+        let mut pinned = Pinned::new(&self.pins);
+        pinned.pin(seg);
         let mut moved = 0;
         let mut step: Vec<LiveRun> = Vec::new();
         let mut blocks = 0;
@@ -250,10 +236,7 @@ impl Inner {
         let mut report = CleanReport::default();
         // Only segments sealed when the run starts: the ones the moves fill are never victims of
         // the same run (with small batches their headers would make them look worth cleaning).
-        let mut eligible: BTreeSet<usize> = {
-            let st = self.state.read();
-            st.segs.segs.iter().enumerate().filter(|(_, s)| s.state == SegState::Sealed).map(|(i, _)| i).collect()
-        };
+        let mut eligible = self.state.read().segs.sealed();
         let mut live = live_runs(self, &eligible);
         let mut result = Ok(());
         while !self.cleaner.stopping() && more(self, &report) {
@@ -299,14 +282,11 @@ impl Inner {
 /// barriers (nothing else writes while the leader is here), and checkpoints so it comes free.
 /// Returns false once no victim is left (a damaged one is set aside and counts as tried).
 pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
-    let eligible: BTreeSet<usize> = {
-        let st = inner.state.read();
-        st.segs.segs.iter().enumerate().filter(|(_, s)| s.state == SegState::Sealed).map(|(i, _)| i).collect()
-    };
+    let eligible = inner.state.read().segs.sealed();
     let Some(seg) = pick_victim(inner, 0.95, &eligible) else { return Ok(false) };
     let cands = live_runs(inner, &BTreeSet::from([seg])).remove(&seg).unwrap_or_default();
-    inner.pins.enter(seg);
-    let unpin = Unpin(inner, seg);
+    let mut pinned = Pinned::new(&inner.pins);
+    pinned.pin(seg);
     for step in cands.chunks(64) {
         let read = match read_step(inner, step) {
             Ok(r) => r,
@@ -321,20 +301,11 @@ pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
         let n = move_step(inner, read)?;
         inner.cleaner.stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
     }
-    drop(unpin);
+    drop(pinned);
     inner.cleaner.stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(segment = seg, "cleaned a segment in the write path (pool was full)");
     inner.checkpoint()?;
     Ok(true)
-}
-
-/// Unpins a segment when dropped.
-struct Unpin<'a>(&'a Inner, usize);
-
-impl Drop for Unpin<'_> {
-    fn drop(&mut self) {
-        self.0.pins.exit(self.1);
-    }
 }
 
 /// Free segments below which the background cleaner runs. Kept small: every segment held
@@ -368,7 +339,7 @@ pub(crate) fn cleaner_loop(inner: &Arc<Inner>) {
             continue;
         }
         // A checkpoint alone frees wholly dead segments (only worth taking if there are some).
-        let empty = inner.state.read().segs.segs.iter().any(|s| s.state == SegState::Sealed && s.live == 0);
+        let empty = inner.state.read().segs.any_empty_sealed();
         if empty && inner.checkpoint().is_ok() && free(inner) >= low {
             continue;
         }

@@ -87,6 +87,14 @@ pub(crate) fn unmap(
     }
 }
 
+/// The parts of the listed run `(layer, lba, pba, blocks)` that `layer` still maps to the same
+/// physical blocks, as (lba, pba, blocks): what a cleaner move or a scrub found may have been
+/// overwritten, trimmed or moved since.
+pub(crate) fn still_mapped(layers: &Layers, layer: u64, lba: u64, pba: u64, blocks: u64) -> Vec<(u64, u64, u64)> {
+    let Some(l) = layers.get(&layer) else { return Vec::new() };
+    l.map.entries_in(lba, blocks).into_iter().filter(|&(at, p, _)| !is_zero(p) && p == pba + (at - lba)).collect()
+}
+
 /// Layers whose parent is `id`.
 pub(crate) fn children(layers: &Layers, id: u64) -> Vec<u64> {
     layers.iter().filter(|(_, l)| l.parent == Some(id)).map(|(&k, _)| k).collect()

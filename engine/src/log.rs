@@ -434,9 +434,7 @@ fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos
     if free_left < crate::cleaner::low_water(inner) {
         inner.cleaner.kick();
     }
-    let empty_sealed =
-        |inner: &Inner| inner.state.read().segs.segs.iter().any(|s| s.state == SegState::Sealed && s.live == 0);
-    if seg.is_none() && empty_sealed(inner) {
+    if seg.is_none() && inner.state.read().segs.any_empty_sealed() {
         // Empty segments are waiting for a checkpoint to release them.
         inner.checkpoint()?;
         seg = inner.state.write().segs.take_free(reserve);

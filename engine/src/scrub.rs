@@ -9,10 +9,11 @@
 use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
-use crate::extent_map::is_zero;
 use crate::format::block_crc;
-use crate::io::{AlignedBuf, BLOCK, ReadOp};
+use crate::io::{BLOCK, read_runs};
+use crate::layers::still_mapped;
 use crate::pool::{Pool, State};
+use crate::segments::Pinned;
 
 /// A listed run still mapped where it was: (pba, layer, lba, blocks, crc of each block).
 type Checked = (u64, u64, u64, u64, Vec<Option<u32>>);
@@ -113,58 +114,40 @@ impl Pool {
 
     fn scrub_chunk(&self, chunk: &[(u64, u64, u64, u64)], report: &mut ScrubReport) -> Result<()> {
         let inner = &self.inner;
-        let segs: BTreeSet<usize> = {
+        let mut pinned = Pinned::new(&inner.pins);
+        {
             let st = inner.state.read();
-            chunk.iter().flat_map(|c| st.segs.locate(c.0).0..=st.segs.locate(c.0 + c.3 - 1).0).collect()
-        };
-        for &s in &segs {
-            inner.pins.enter(s);
+            let segs: BTreeSet<usize> =
+                chunk.iter().flat_map(|c| st.segs.locate(c.0).0..=st.segs.locate(c.0 + c.3 - 1).0).collect();
+            segs.into_iter().for_each(|s| pinned.pin(s));
         }
-        let result = (|| {
-            // Still mapped where listed? Then the crc table describes what we are about to read.
-            let mut keep: Vec<Checked> = Vec::new();
-            {
-                let st = inner.state.read();
-                for &(pba, layer, lba, n) in chunk {
-                    let Some(l) = st.layers.get(&layer) else { continue };
-                    for (at, p, k) in l.map.entries_in(lba, n) {
-                        if !is_zero(p) && p == pba + (at - lba) {
-                            keep.push((p, layer, at, k, (p..p + k).map(|b| st.segs.crc(b)).collect()));
-                        }
-                    }
+        // Still mapped where listed? Then the crc table describes what we are about to read.
+        let mut keep: Vec<Checked> = Vec::new();
+        {
+            let st = inner.state.read();
+            for &(pba, layer, lba, n) in chunk {
+                for (at, p, k) in still_mapped(&st.layers, layer, lba, pba, n) {
+                    keep.push((p, layer, at, k, (p..p + k).map(|b| st.segs.crc(b)).collect()));
                 }
             }
-            let total: u64 = keep.iter().map(|k| k.3).sum();
-            let mut media = AlignedBuf::new(usize::try_from(total).expect("chunk is small") * BLOCK);
-            {
-                let mut rest: &mut [u8] = &mut media;
-                let mut ops = Vec::with_capacity(keep.len());
-                for k in &keep {
-                    let (head, tail) = rest.split_at_mut(usize::try_from(k.3).expect("small") * BLOCK);
-                    ops.push(ReadOp { offset: k.0 * BLOCK as u64, buf: head });
-                    rest = tail;
-                }
-                inner.backend.read_many(&mut ops).map_err(|e| Error::io("scrub: reading live blocks", e))?;
-            }
-            let mut blocks = media.chunks(BLOCK);
-            for (pba, layer, lba, _, crcs) in keep {
-                for (j, crc) in crcs.into_iter().enumerate() {
-                    let data = blocks.next().expect("one buffer block per listed block");
-                    if crc != Some(block_crc(data)) {
-                        let images = images_of(&inner.state.read(), layer);
-                        report.damaged.push(Damage {
-                            offset: (lba + j as u64) * BLOCK as u64,
-                            pool_block: pba + j as u64,
-                            images,
-                        });
-                    }
-                }
-            }
-            Ok(())
-        })();
-        for &s in &segs {
-            inner.pins.exit(s);
         }
-        result
+        let runs: Vec<(u64, u64)> = keep.iter().map(|k| (k.0, k.3)).collect();
+        let media = read_runs(inner.backend.as_ref(), &runs).map_err(|e| Error::io("scrub: reading live blocks", e))?;
+        drop(pinned);
+        let mut blocks = media.chunks(BLOCK);
+        for (pba, layer, lba, _, crcs) in keep {
+            for (j, crc) in crcs.into_iter().enumerate() {
+                let data = blocks.next().expect("one buffer block per listed block");
+                if crc != Some(block_crc(data)) {
+                    let images = images_of(&inner.state.read(), layer);
+                    report.damaged.push(Damage {
+                        offset: (lba + j as u64) * BLOCK as u64,
+                        pool_block: pba + j as u64,
+                        images,
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -59,6 +59,34 @@ impl ReadPins {
     }
 }
 
+/// Segments pinned by one reader, unpinned when it is dropped.
+pub(crate) struct Pinned<'a> {
+    pins: &'a ReadPins,
+    segs: Vec<usize>,
+}
+
+impl<'a> Pinned<'a> {
+    pub fn new(pins: &'a ReadPins) -> Self {
+        Self { pins, segs: Vec::new() }
+    }
+
+    /// Pins `seg` (once when called repeatedly for the same segment in a row).
+    pub fn pin(&mut self, seg: usize) {
+        if self.segs.last() != Some(&seg) {
+            self.pins.enter(seg);
+            self.segs.push(seg);
+        }
+    }
+}
+
+impl Drop for Pinned<'_> {
+    fn drop(&mut self) {
+        for &s in &self.segs {
+            self.pins.exit(s);
+        }
+    }
+}
+
 /// Geometry plus per-segment state.
 #[derive(Debug)]
 pub(crate) struct SegmentTable {
@@ -119,6 +147,16 @@ impl SegmentTable {
             }
             done += n;
         }
+    }
+
+    /// Indices of the sealed segments.
+    pub fn sealed(&self) -> std::collections::BTreeSet<usize> {
+        self.segs.iter().enumerate().filter(|(_, s)| s.state == SegState::Sealed).map(|(i, _)| i).collect()
+    }
+
+    /// True if some sealed segment holds no live block (a checkpoint would free it).
+    pub fn any_empty_sealed(&self) -> bool {
+        self.segs.iter().any(|s| s.state == SegState::Sealed && s.live == 0)
     }
 
     pub fn count(&self, state: SegState) -> usize {

@@ -12,9 +12,10 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
-use crate::io::{AlignedBuf, BLOCK, ReadOp};
+use crate::io::{BLOCK, read_runs};
 use crate::log::Req;
 use crate::pool::{Inner, State};
+use crate::segments::Pinned;
 
 const B: u64 = BLOCK as u64;
 
@@ -75,20 +76,6 @@ pub(crate) fn flush(inner: &Inner) -> Result<()> {
     let w = Waiter::new();
     inner.send(Req::Flush { done: w.add() })?;
     w.wait()
-}
-
-/// Segments pinned by a read in flight.
-struct Pins<'a> {
-    inner: &'a Inner,
-    segs: Vec<usize>,
-}
-
-impl Drop for Pins<'_> {
-    fn drop(&mut self) {
-        for &s in &self.segs {
-            self.inner.pins.exit(s);
-        }
-    }
 }
 
 impl Volume {
@@ -169,7 +156,7 @@ impl Volume {
         let n = usize::try_from(last - first + 1).expect("read fits memory");
         // Resolve every block, pinning the segments we will read from.
         let mut resolved: Vec<Option<(u64, u32)>> = Vec::with_capacity(n);
-        let mut pins = Pins { inner, segs: Vec::new() };
+        let mut pins = Pinned::new(&inner.pins);
         {
             let st = inner.state.read();
             let (head, _) = self.head(&st)?;
@@ -189,37 +176,22 @@ impl Volume {
                             ),
                         )
                     })?;
-                    let seg = st.segs.locate(pba).0;
-                    if pins.segs.last() != Some(&seg) {
-                        inner.pins.enter(seg);
-                        pins.segs.push(seg);
-                    }
+                    pins.pin(st.segs.locate(pba).0);
                     resolved.push(Some((pba, crc)));
                 }
             }
         }
-        let mapped = resolved.iter().filter(|r| r.is_some()).count();
-        let mut media = AlignedBuf::new(mapped * BLOCK);
         // Coalesce runs of consecutive physical blocks into one request each.
-        let mut runs: Vec<(u64, usize, usize)> = Vec::new(); // (pba, first slot in media, blocks)
-        for (slot, r) in resolved.iter().flatten().enumerate() {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for &(pba, _) in resolved.iter().flatten() {
             match runs.last_mut() {
-                Some((p, s, k)) if *p + *k as u64 == r.0 && *s + *k == slot => *k += 1,
-                _ => runs.push((r.0, slot, 1)),
+                Some((p, k)) if *p + *k == pba => *k += 1,
+                _ => runs.push((pba, 1)),
             }
         }
-        {
-            let mut rest: &mut [u8] = &mut media;
-            let mut ops = Vec::with_capacity(runs.len());
-            for &(pba, _, k) in &runs {
-                let (head, tail) = rest.split_at_mut(k * BLOCK);
-                ops.push(ReadOp { offset: pba * B, buf: head });
-                rest = tail;
-            }
-            inner.backend.read_many(&mut ops).map_err(|e| {
-                Error::io(format!("volume {:?}: reading {} bytes at offset {offset}", self.name, buf.len()), e)
-            })?;
-        }
+        let media = read_runs(inner.backend.as_ref(), &runs).map_err(|e| {
+            Error::io(format!("volume {:?}: reading {} bytes at offset {offset}", self.name, buf.len()), e)
+        })?;
         drop(pins);
         let mut slot = 0;
         for (i, r) in resolved.iter().enumerate() {

@@ -42,6 +42,22 @@ pub struct ReadOp<'a> {
     pub buf: &'a mut [u8],
 }
 
+/// Reads runs of whole blocks `(first block, blocks)` into one aligned buffer, back to back in
+/// the order given, all in flight at once.
+pub fn read_runs(backend: &dyn Backend, runs: &[(u64, u64)]) -> io::Result<AlignedBuf> {
+    let total: u64 = runs.iter().map(|r| r.1).sum();
+    let mut media = AlignedBuf::new(usize::try_from(total).expect("a read fits memory") * BLOCK);
+    let mut rest: &mut [u8] = &mut media;
+    let mut ops = Vec::with_capacity(runs.len());
+    for &(block, n) in runs {
+        let (head, tail) = rest.split_at_mut(usize::try_from(n).expect("a read fits memory") * BLOCK);
+        ops.push(ReadOp { offset: block * BLOCK as u64, buf: head });
+        rest = tail;
+    }
+    backend.read_many(&mut ops)?;
+    Ok(media)
+}
+
 /// A byte-addressed backing store: a file, a block device, memory, or a crash simulator.
 pub trait Backend: Send + Sync + fmt::Debug {
     /// Size of the store in bytes.
