@@ -171,6 +171,26 @@ impl AdminService {
     }
 }
 
+impl ExportRecord {
+    /// The snapshot a `volume@snapshot` export serves.
+    fn snapshot(&self) -> Option<&str> {
+        self.volume.split_once('@').map(|(_, s)| s)
+    }
+}
+
+/// Refuses to delete `what` while an export (picked by `serves`) still serves it.
+fn refuse_if_exported(
+    records: &[ExportRecord],
+    what: &str,
+    serves: impl Fn(&ExportRecord) -> bool,
+) -> Result<(), Status> {
+    let names: Vec<&str> = records.iter().filter(|r| serves(r)).map(|r| r.name.as_str()).collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    Err(Status::failed_precondition(format!("{what} is exported as {}; stop the export first", names.join(", "))))
+}
+
 fn require(field: &str, value: &str) -> Result<(), Status> {
     if value.is_empty() {
         return Err(Status::invalid_argument(format!("{field} is required")));
@@ -258,13 +278,7 @@ impl Admin for AdminService {
         let name = req.into_inner().name;
         require("name", &name)?;
         let mut records = self.records.lock().await;
-        if records.iter().any(|r| r.volume == name) {
-            let names: Vec<_> = records.iter().filter(|r| r.volume == name).map(|r| r.name.as_str()).collect();
-            return Err(Status::failed_precondition(format!(
-                "volume {name:?} is exported as {}; stop the export first",
-                names.join(", ")
-            )));
-        }
+        refuse_if_exported(&records, &format!("volume {name:?}"), |r| r.volume == name)?;
         let n = name.clone();
         self.engine(move |p| p.delete_volume(&n)).await?;
         records.retain(|r| r.volume != name);
@@ -318,17 +332,7 @@ impl Admin for AdminService {
         require("name", &name)?;
         // Held across the deletion so no export of it can start meanwhile.
         let records = self.records.lock().await;
-        let exported: Vec<String> = records
-            .iter()
-            .filter(|r| r.volume.split_once('@').is_some_and(|(_, s)| s == name))
-            .map(|r| r.name.clone())
-            .collect();
-        if !exported.is_empty() {
-            return Err(Status::failed_precondition(format!(
-                "snapshot {name:?} is exported as {}; stop the export first",
-                exported.join(", ")
-            )));
-        }
+        refuse_if_exported(&records, &format!("snapshot {name:?}"), |r| r.snapshot() == Some(name.as_str()))?;
         let n = name.clone();
         self.engine(move |p| p.delete_snapshot(&n)).await?;
         drop(records);
@@ -423,14 +427,10 @@ impl Admin for AdminService {
         let name = req.into_inner().name;
         require("name", &name)?;
         let records = self.records.lock().await;
-        if let Some(r) =
-            records.iter().find(|r| r.volume.split_once('@').is_some_and(|(_, s)| s.starts_with(&format!("{name}."))))
-        {
-            return Err(Status::failed_precondition(format!(
-                "a member of group snapshot {name:?} is exported as {}; stop the export first",
-                r.name
-            )));
-        }
+        let prefix = format!("{name}.");
+        refuse_if_exported(&records, &format!("a member of group snapshot {name:?}"), |r| {
+            r.snapshot().is_some_and(|s| s.starts_with(&prefix))
+        })?;
         self.engine(move |p| p.delete_group_snapshot(&name)).await?;
         drop(records);
         Ok(Response::new(pb::DeleteGroupSnapshotResponse {}))
