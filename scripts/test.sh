@@ -15,13 +15,13 @@ step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 step "doc tests"
 cargo test --workspace --doc --locked -q
-# Kernel block devices (kernel NBD client; ublk later) exist only in a QEMU guest here. The
+# Kernel block devices (ublk, kernel NBD client) exist only in a QEMU guest here. The
 # harness installs what it needs on first use and prints SKIPPED where it cannot.
 if [ "${FERRITE_VM:-1}" != 0 ]; then
-  step "VM tier: Ferrite volumes as kernel NBD devices in a QEMU guest (TCG, ~1.5 min)"
+  step "VM tier: Ferrite volumes as ublk and kernel NBD devices in one QEMU guest (TCG, ~4 min)"
   echo "$CARGO_TARGET_DIR/debug/ferrite" > .vm-ferrite
   trap 'rm -f .vm-ferrite' EXIT
-  VM_TIMEOUT=1200 bash tests/vm/run.sh tests/vm/nbd_lifecycle.sh
+  VM_TIMEOUT=1500 bash tests/vm/run.sh tests/vm/guest.sh
 else
   echo "SKIPPED: VM tier (FERRITE_VM=0)" >&2
 fi

@@ -12,6 +12,7 @@ use ferrite_proto::ferrite::v1::admin_server::Admin;
 use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status};
 
+use crate::attach::{self, AttachRecord, Handle, open_image};
 use crate::config::Config;
 
 /// Maps an engine error to a gRPC status (the one place this happens).
@@ -45,6 +46,9 @@ pub struct AdminService {
     pub nbd: Arc<Server>,
     pub cfg: Config,
     records: tokio::sync::Mutex<Vec<ExportRecord>>,
+    /// Devices attached on this node (shared with the daemon, which freezes them on exit).
+    pub attached: Arc<tokio::sync::Mutex<Vec<(AttachRecord, Handle)>>>,
+    pub ublk: ferrite_ublk::Options,
 }
 
 fn exports_file(cfg: &Config) -> PathBuf {
@@ -71,20 +75,8 @@ fn save_exports(cfg: &Config, records: &[ExportRecord]) -> std::io::Result<()> {
 
 /// Publishes an export on the NBD server: a volume, or `volume@snapshot` (read-only).
 pub fn publish(pool: &Pool, exports: &Exports, r: &ExportRecord) -> Result<(), ferrite_engine::Error> {
-    let (handle, what) = match r.volume.split_once('@') {
-        Some((vol, snap)) => {
-            let info = pool.snapshot_info(snap)?;
-            // (A snapshot outlives its volume; then only the snapshot name has to match.)
-            if info.volume.as_deref().is_some_and(|v| v != vol) {
-                return Err(ferrite_engine::Error::new(
-                    ErrorKind::NotFound,
-                    format!("volume {vol:?} has no snapshot {snap:?}"),
-                ));
-            }
-            (pool.open_snapshot(snap)?, "snapshot")
-        }
-        None => (pool.open_volume(&r.volume)?, "volume"),
-    };
+    let handle = open_image(pool, &r.volume)?;
+    let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
     let read_only = r.read_only || handle.is_read_only();
     exports.add(Export::new(r.name.clone(), handle, read_only, format!("ferrite {what} {}", r.volume)));
     Ok(())
@@ -122,8 +114,48 @@ fn snapshot_msg(s: ferrite_engine::SnapshotInfo) -> pb::Snapshot {
 }
 
 impl AdminService {
-    pub fn new(pool: Arc<Pool>, nbd: Arc<Server>, cfg: Config, records: Vec<ExportRecord>) -> Self {
-        Self { pool, nbd, cfg, records: tokio::sync::Mutex::new(records) }
+    pub fn new(
+        pool: Arc<Pool>,
+        nbd: Arc<Server>,
+        cfg: Config,
+        records: Vec<ExportRecord>,
+        attached: Arc<tokio::sync::Mutex<Vec<(AttachRecord, Handle)>>>,
+    ) -> Self {
+        let ublk = cfg.ublk;
+        Self { pool, nbd, cfg, records: tokio::sync::Mutex::new(records), attached, ublk }
+    }
+
+    /// Stops an export an attachment made (best effort: the device is already gone).
+    async fn drop_export(&self, name: &str) {
+        let mut records = self.records.lock().await;
+        records.retain(|r| r.name != name);
+        self.nbd.exports.remove(name);
+        if let Err(e) = save_exports(&self.cfg, &records) {
+            tracing::error!(error = %e, "saving the export list");
+        }
+    }
+
+    /// Starts export `rec` unless the same one runs; true if this call started it.
+    async fn ensure_export(&self, rec: &ExportRecord) -> Result<bool, Status> {
+        let mut records = self.records.lock().await;
+        if let Some(old) = records.iter().find(|x| x.name == rec.name) {
+            if old == rec {
+                return Ok(false);
+            }
+            return Err(Status::already_exists(format!(
+                "export {:?} already serves volume {:?}",
+                old.name, old.volume
+            )));
+        }
+        publish(&self.pool, &self.nbd.exports, rec).map_err(status)?;
+        records.push(rec.clone());
+        if let Err(e) = save_exports(&self.cfg, &records) {
+            records.pop();
+            self.nbd.exports.remove(&rec.name);
+            return Err(Status::internal(format!("saving the export list: {e}")));
+        }
+        tracing::info!(export = %rec.name, volume = %rec.volume, "export started");
+        Ok(true)
     }
 
     fn export_msg(&self, r: &ExportRecord) -> pb::Export {
@@ -155,7 +187,36 @@ impl AdminService {
             exports,
             exclusive: info.exclusive,
             chain_depth: info.chain_depth as u64,
+            notes: Vec::new(),
         }
+    }
+
+    /// Makes the devices attached to `volume` follow its new size, and says how it went.
+    async fn resize_devices(&self, volume: &str, size: u64) -> Vec<String> {
+        let live = self.attached.lock().await;
+        let mut notes = Vec::new();
+        for (r, h) in live.iter().filter(|(r, _)| r.volume == volume) {
+            let note = match h {
+                Handle::Ublk(d) => match tokio::task::block_in_place(|| d.resize(size)) {
+                    Ok(true) => format!("{} resized online", r.device),
+                    Ok(false) => format!(
+                        "{} keeps its old size until it is detached and attached again \
+                         (this kernel's ublk driver has no UPDATE_SIZE, Linux 6.16+)",
+                        r.device
+                    ),
+                    Err(e) => format!("{}: resize failed: {e}", r.device),
+                },
+                Handle::Nbd => format!("{} keeps its old size until it is detached and attached again", r.device),
+            };
+            tracing::info!(device = %r.device, "{note}");
+            notes.push(note);
+        }
+        notes
+    }
+
+    fn attachment_msg(&self, r: &AttachRecord, detail: String) -> pb::Attachment {
+        let size = open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0);
+        attach::message(r, size, detail)
     }
 
     /// Runs an engine call on the blocking pool.
@@ -174,7 +235,7 @@ impl AdminService {
 impl ExportRecord {
     /// The snapshot a `volume@snapshot` export serves.
     fn snapshot(&self) -> Option<&str> {
-        self.volume.split_once('@').map(|(_, s)| s)
+        snapshot_of(&self.volume)
     }
 }
 
@@ -189,6 +250,24 @@ fn refuse_if_exported(
         return Ok(());
     }
     Err(Status::failed_precondition(format!("{what} is exported as {}; stop the export first", names.join(", "))))
+}
+
+/// Refuses to delete `what` while an attached device (picked by `serves`, given the attached
+/// volume or `volume@snapshot`) still serves it.
+fn refuse_if_attached(
+    live: &[(AttachRecord, Handle)],
+    what: &str,
+    serves: impl Fn(&str) -> bool,
+) -> Result<(), Status> {
+    let devs: Vec<&str> = live.iter().filter(|(r, _)| serves(&r.volume)).map(|(r, _)| r.device.as_str()).collect();
+    if devs.is_empty() {
+        return Ok(());
+    }
+    Err(Status::failed_precondition(format!("{what} is attached as {}; detach it first", devs.join(", "))))
+}
+
+fn snapshot_of(spec: &str) -> Option<&str> {
+    spec.split_once('@').map(|(_, s)| s)
 }
 
 fn require(field: &str, value: &str) -> Result<(), Status> {
@@ -268,7 +347,10 @@ impl Admin for AdminService {
         require("name", &r.name)?;
         let info = self.engine(move |p| p.grow_volume(&r.name, r.new_size)).await?;
         tracing::info!(volume = %info.name, size = info.size, "volume grown");
-        Ok(Response::new(self.volume_msg(info).await))
+        let notes = self.resize_devices(&info.name, info.size).await;
+        let mut msg = self.volume_msg(info).await;
+        msg.notes = notes;
+        Ok(Response::new(msg))
     }
 
     async fn delete_volume(
@@ -277,6 +359,9 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
+        // Lock order everywhere: attachments, then exports.
+        let live = self.attached.lock().await;
+        refuse_if_attached(&live, &format!("volume {name:?}"), |v| v == name)?;
         let mut records = self.records.lock().await;
         refuse_if_exported(&records, &format!("volume {name:?}"), |r| r.volume == name)?;
         let n = name.clone();
@@ -331,11 +416,13 @@ impl Admin for AdminService {
         let name = req.into_inner().name;
         require("name", &name)?;
         // Held across the deletion so no export of it can start meanwhile.
+        let live = self.attached.lock().await;
+        refuse_if_attached(&live, &format!("snapshot {name:?}"), |v| snapshot_of(v) == Some(name.as_str()))?;
         let records = self.records.lock().await;
         refuse_if_exported(&records, &format!("snapshot {name:?}"), |r| r.snapshot() == Some(name.as_str()))?;
         let n = name.clone();
         self.engine(move |p| p.delete_snapshot(&n)).await?;
-        drop(records);
+        drop((records, live));
         Ok(Response::new(pb::DeleteSnapshotResponse {}))
     }
 
@@ -426,13 +513,17 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DeleteGroupSnapshotResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
-        let records = self.records.lock().await;
         let prefix = format!("{name}.");
+        let live = self.attached.lock().await;
+        refuse_if_attached(&live, &format!("a member of group snapshot {name:?}"), |v| {
+            snapshot_of(v).is_some_and(|s| s.starts_with(&prefix))
+        })?;
+        let records = self.records.lock().await;
         refuse_if_exported(&records, &format!("a member of group snapshot {name:?}"), |r| {
             r.snapshot().is_some_and(|s| s.starts_with(&prefix))
         })?;
         self.engine(move |p| p.delete_group_snapshot(&name)).await?;
-        drop(records);
+        drop((records, live));
         Ok(Response::new(pb::DeleteGroupSnapshotResponse {}))
     }
 
@@ -456,24 +547,7 @@ impl Admin for AdminService {
         }
         let read_only = r.read_only || r.volume.contains('@');
         let rec = ExportRecord { name, volume: r.volume, read_only };
-        let mut records = self.records.lock().await;
-        if let Some(old) = records.iter().find(|x| x.name == rec.name) {
-            if *old == rec {
-                return Ok(Response::new(self.export_msg(&rec)));
-            }
-            return Err(Status::already_exists(format!(
-                "export {:?} already serves volume {:?}",
-                old.name, old.volume
-            )));
-        }
-        publish(&self.pool, &self.nbd.exports, &rec).map_err(status)?;
-        records.push(rec.clone());
-        if let Err(e) = save_exports(&self.cfg, &records) {
-            records.pop();
-            self.nbd.exports.remove(&rec.name);
-            return Err(Status::internal(format!("saving the export list: {e}")));
-        }
-        tracing::info!(export = %rec.name, volume = %rec.volume, "export started");
+        self.ensure_export(&rec).await?;
         Ok(Response::new(self.export_msg(&rec)))
     }
 
@@ -551,5 +625,115 @@ impl Admin for AdminService {
             used_after: after.used,
             live: after.live,
         }))
+    }
+
+    async fn attach_volume(&self, req: Request<pb::AttachVolumeRequest>) -> Result<Response<pb::Attachment>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        let (transport, detail) = attach::choose_transport(&r.transport)?;
+        let mut opts = self.ublk;
+        if r.queues != 0 {
+            opts.queues = u16::try_from(r.queues).unwrap_or(u16::MAX);
+        }
+        if r.depth != 0 {
+            opts.depth = u16::try_from(r.depth).unwrap_or(u16::MAX);
+        }
+        opts.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut live = self.attached.lock().await;
+        if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == r.volume) {
+            return Err(Status::already_exists(format!("{} is already attached as {}", r.volume, old.device)));
+        }
+        let (rec, handle) = if transport == "ublk" {
+            let (pool, spec) = (Arc::clone(&self.pool), r.volume.clone());
+            let dev = tokio::task::spawn_blocking(move || {
+                let v = open_image(&pool, &spec).map_err(status)?;
+                ferrite_ublk::Device::attach(v, &opts).map_err(|e| Status::internal(e.to_string()))
+            })
+            .await
+            .map_err(|e| Status::internal(format!("attach task failed: {e}")))??;
+            let rec = AttachRecord {
+                volume: r.volume.clone(),
+                transport: transport.into(),
+                device: dev.path().display().to_string(),
+                index: dev.id(),
+                read_only: dev.is_read_only(),
+                export: None,
+            };
+            (rec, Handle::Ublk(dev))
+        } else {
+            let name = r.volume.clone();
+            let export =
+                ExportRecord { name: name.clone(), volume: r.volume.clone(), read_only: r.volume.contains('@') };
+            let created = self.ensure_export(&export).await?;
+            let sock = self.cfg.nbd_socket.clone();
+            let a = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::attach(&sock, &name))
+                .await
+                .map_err(|e| Status::internal(format!("attach task failed: {e}")))?
+                .map_err(|e| Status::failed_precondition(format!("kernel NBD attach: {e}")));
+            let a = match a {
+                Ok(a) => a,
+                Err(e) => {
+                    if created {
+                        self.drop_export(&export.name).await;
+                    }
+                    return Err(e);
+                }
+            };
+            let rec = AttachRecord {
+                volume: r.volume.clone(),
+                transport: transport.into(),
+                device: a.device.display().to_string(),
+                index: a.index,
+                read_only: a.read_only,
+                export: created.then_some(export.name),
+            };
+            (rec, Handle::Nbd)
+        };
+        tracing::info!(volume = %rec.volume, device = %rec.device, transport, %detail, "volume attached");
+        let msg = self.attachment_msg(&rec, detail);
+        live.push((rec, handle));
+        if let Err(e) = attach::save(&self.cfg.data_dir, &live) {
+            tracing::error!(error = %e, "cannot save the attachment list; a restart will not recover this device");
+        }
+        Ok(Response::new(msg))
+    }
+
+    async fn detach_volume(
+        &self,
+        req: Request<pb::DetachVolumeRequest>,
+    ) -> Result<Response<pb::DetachVolumeResponse>, Status> {
+        let device = req.into_inner().device;
+        require("device", &device)?;
+        let mut live = self.attached.lock().await;
+        let Some(i) = live.iter().position(|(r, _)| r.device == device || r.volume == device) else {
+            return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
+        };
+        let (rec, handle) = &mut live[i];
+        let index = rec.index;
+        let done = match handle {
+            Handle::Ublk(d) => tokio::task::block_in_place(|| d.detach()),
+            Handle::Nbd => tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
+                .await
+                .map_err(|e| Status::internal(format!("detach task failed: {e}")))?,
+        };
+        done.map_err(|e| Status::internal(format!("detaching {}: {e}", rec.device)))?;
+        let (rec, _) = live.remove(i);
+        if let Some(export) = &rec.export {
+            self.drop_export(export).await;
+        }
+        if let Err(e) = attach::save(&self.cfg.data_dir, &live) {
+            tracing::error!(error = %e, "cannot save the attachment list");
+        }
+        tracing::info!(volume = %rec.volume, device = %rec.device, "volume detached");
+        Ok(Response::new(pb::DetachVolumeResponse {}))
+    }
+
+    async fn list_attachments(
+        &self,
+        _: Request<pb::ListAttachmentsRequest>,
+    ) -> Result<Response<pb::ListAttachmentsResponse>, Status> {
+        let live = self.attached.lock().await;
+        let attachments = live.iter().map(|(r, _)| self.attachment_msg(r, String::new())).collect();
+        Ok(Response::new(pb::ListAttachmentsResponse { attachments }))
     }
 }

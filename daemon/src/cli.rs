@@ -53,7 +53,8 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
 
 fn volume_json(v: &pb::Volume) -> serde_json::Value {
     json!({"name": v.name, "id": v.id, "size": v.size, "allocated": v.allocated, "exclusive": v.exclusive,
-           "chain_depth": v.chain_depth, "created_unix": v.created_unix, "exports": v.exports})
+           "chain_depth": v.chain_depth, "created_unix": v.created_unix, "exports": v.exports,
+           "notes": v.notes})
 }
 
 fn snapshot_json(s: &pb::Snapshot) -> serde_json::Value {
@@ -127,6 +128,9 @@ pub fn print_volumes(out: Output, vols: &[pb::Volume]) {
 }
 
 pub fn print_volume(out: Output, v: &pb::Volume) {
+    for n in &v.notes {
+        eprintln!("note: {n}");
+    }
     match out {
         Output::Json => println!("{}", volume_json(v)),
         Output::Table => {
@@ -140,6 +144,44 @@ pub fn print_volume(out: Output, v: &pb::Volume) {
                 vec!["exports".into(), if v.exports.is_empty() { "-".into() } else { v.exports.join(", ") }],
             ];
             println!("{}", table(&["FIELD", "VALUE"], rows));
+        }
+    }
+}
+
+fn attachment_json(a: &pb::Attachment) -> serde_json::Value {
+    serde_json::json!({"volume": a.volume, "device": a.device, "transport": a.transport,
+                       "read_only": a.read_only, "size": a.size, "detail": a.detail})
+}
+
+/// `ferrite attach` prints the device alone (for `DEV=$(ferrite attach vol)`) and says on stderr
+/// how it was made.
+pub fn print_attachment(out: Output, a: &pb::Attachment) {
+    match out {
+        Output::Json => println!("{}", attachment_json(a)),
+        Output::Table => {
+            eprintln!("attached {} via {}: {}", a.volume, a.transport, a.detail);
+            println!("{}", a.device);
+        }
+    }
+}
+
+pub fn print_attachments(out: Output, list: &[pb::Attachment]) {
+    match out {
+        Output::Json => println!("{}", serde_json::Value::Array(list.iter().map(attachment_json).collect())),
+        Output::Table => {
+            let rows = list
+                .iter()
+                .map(|a| {
+                    vec![
+                        a.device.clone(),
+                        a.volume.clone(),
+                        a.transport.clone(),
+                        if a.read_only { "ro" } else { "rw" }.into(),
+                        format_size(a.size),
+                    ]
+                })
+                .collect();
+            println!("{}", table(&["DEVICE", "VOLUME", "TRANSPORT", "MODE", "SIZE"], rows));
         }
     }
 }

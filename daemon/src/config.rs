@@ -11,6 +11,8 @@
 //! nbd-listen = "127.0.0.1:10809"    # optional TCP listener for NBD
 //! metrics-listen = "127.0.0.1:9574" # optional Prometheus endpoint (GET /metrics)
 //! log-level = "info"                # or a tracing filter such as "ferrite=debug"
+//! ublk-queues = 4                   # queues (threads) per attached ublk device; default: one per core
+//! ublk-depth = 128                  # requests in flight per ublk queue; default 128
 //! ```
 
 use std::net::SocketAddr;
@@ -36,6 +38,8 @@ pub struct ConfigFile {
     pub nbd_listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
     pub log_level: Option<String>,
+    pub ublk_queues: Option<u16>,
+    pub ublk_depth: Option<u16>,
 }
 
 /// Configuration with every default filled in and every value checked.
@@ -52,6 +56,7 @@ pub struct Config {
     pub nbd_listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
     pub log_level: String,
+    pub ublk: ferrite_ublk::Options,
 }
 
 /// The data directory used when neither the config nor the command line names one.
@@ -91,8 +96,17 @@ impl Config {
             nbd_listen: f.nbd_listen,
             metrics_listen: f.metrics_listen,
             log_level: f.log_level.unwrap_or_else(|| "info".into()),
+            ublk: {
+                let d = ferrite_ublk::Options::default();
+                ferrite_ublk::Options {
+                    queues: f.ublk_queues.unwrap_or(d.queues),
+                    depth: f.ublk_depth.unwrap_or(d.depth),
+                    ..d
+                }
+            },
             data_dir,
         };
+        cfg.ublk.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
         if cfg.admin_socket == cfg.nbd_socket {
             bail!("admin-socket and nbd-socket must differ");
         }
@@ -127,6 +141,10 @@ mod tests {
         assert_eq!(Config::resolve(f, None).unwrap().overcommit_ratio, Some(3.0));
         let f: ConfigFile = toml::from_str("pool-size = \"12Q\"").unwrap();
         assert!(Config::resolve(f, None).unwrap_err().to_string().contains("pool-size"));
+        let f: ConfigFile = toml::from_str("ublk-depth = 0").unwrap();
+        assert!(Config::resolve(f, None).unwrap_err().to_string().contains("depth"));
+        let f: ConfigFile = toml::from_str("ublk-queues = 2").unwrap();
+        assert_eq!(Config::resolve(f, None).unwrap().ublk.queues, 2);
         let f: ConfigFile = toml::from_str("admin-socket = \"/s\"\nnbd-socket = \"/s\"").unwrap();
         assert!(Config::resolve(f, None).is_err());
     }

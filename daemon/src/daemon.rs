@@ -83,6 +83,13 @@ pub async fn run(cfg: Config) -> Result<()> {
             tracing::warn!(export = %r.name, volume = %r.volume, error = %e, "cannot restore export");
         }
     }
+    let attached = {
+        let (pool, cfg) = (Arc::clone(&pool), cfg.clone());
+        let records = crate::attach::load(&cfg.data_dir)?;
+        tokio::task::spawn_blocking(move || crate::attach::restore(&pool, records, &cfg.ublk)).await?
+    };
+    crate::attach::save(&cfg.data_dir, &attached).context("saving the attachment list")?;
+    let attached = Arc::new(tokio::sync::Mutex::new(attached));
     let nbd = Arc::new(Server::new(Arc::clone(&exports)));
     let mut tasks = tokio::task::JoinSet::new();
     {
@@ -97,7 +104,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         let (pool, nbd) = (Arc::clone(&pool), Arc::clone(&nbd));
         tasks.spawn(async move { crate::metrics::serve(l, pool, nbd).await.context("metrics listener") });
     }
-    let svc = AdminService::new(Arc::clone(&pool), Arc::clone(&nbd), cfg.clone(), records);
+    let svc = AdminService::new(Arc::clone(&pool), Arc::clone(&nbd), cfg.clone(), records, Arc::clone(&attached));
     tasks.spawn(async move {
         tonic::transport::Server::builder()
             .add_service(AdminServer::new(svc))
@@ -123,6 +130,9 @@ pub async fn run(cfg: Config) -> Result<()> {
     tasks.abort_all();
     let _ = std::fs::remove_file(&cfg.admin_socket);
     let _ = std::fs::remove_file(&cfg.nbd_socket);
+    // ublk devices stay for the next daemon (USER_RECOVERY): stop feeding them to the engine first.
+    let live = attached.lock().await;
+    tokio::task::block_in_place(|| crate::attach::freeze(&live));
     let closed = tokio::task::spawn_blocking(move || pool.shutdown()).await?;
     match outcome {
         Ok(sig) => {

@@ -1,6 +1,7 @@
 //! `ferrite`: the block storage daemon (`ferrite daemon`) and its command-line client.
 
 mod admin;
+mod attach;
 mod cli;
 mod config;
 mod daemon;
@@ -59,17 +60,25 @@ enum Cmd {
     /// Manage NBD exports.
     #[command(subcommand)]
     Export(ExportCmd),
-    /// Attach a volume (or `volume@snapshot`, read-only) as a local kernel block device through
-    /// the kernel NBD client (netlink) over the daemon's Unix socket; exports it if needed.
-    /// Needs root and the nbd module. Prints the device.
+    /// Attach a volume (or `volume@snapshot`, read-only) as a block device on this machine:
+    /// ublk (/dev/ublkbN) where the kernel has it, else the kernel NBD client (/dev/nbdN) over the
+    /// daemon's Unix socket. The daemon owns the device; needs root. Prints the device.
     Attach {
         volume: String,
-        /// The daemon's NBD socket (default: next to the admin socket).
-        #[arg(long, env = "FERRITE_NBD_SOCKET")]
-        nbd_socket: Option<PathBuf>,
+        /// auto, ublk or nbd.
+        #[arg(long, default_value = "auto")]
+        transport: String,
+        /// ublk queues (default: the daemon's ublk-queues).
+        #[arg(long, default_value_t = 0)]
+        queues: u32,
+        /// ublk queue depth (default: the daemon's ublk-depth).
+        #[arg(long, default_value_t = 0)]
+        depth: u32,
     },
-    /// Detach a device made by `ferrite attach` (/dev/nbdN).
+    /// Detach a device made by `ferrite attach` (by device path or volume name).
     Detach { device: String },
+    /// List the devices attached by the daemon.
+    Attachments,
     /// Pool information.
     #[command(subcommand)]
     Pool(PoolCmd),
@@ -209,14 +218,6 @@ fn exit(r: Result<()>) {
 }
 
 async fn client(cli: Cli) -> Result<()> {
-    // Detaching is local (netlink) and must work with the daemon gone.
-    if let Cmd::Detach { device } = &cli.cmd {
-        let index = ferrite_nbd::kernel::parse_device(device)
-            .ok_or_else(|| anyhow::anyhow!("{device:?} is not an NBD device (/dev/nbdN)"))?;
-        ferrite_nbd::kernel::detach(index).map_err(|err| anyhow::anyhow!("detaching {device}: {err}"))?;
-        cli::print_done(cli.output, "detached", device);
-        return Ok(());
-    }
     let socket = cli.admin_socket.unwrap_or_else(|| config::default_data_dir().join("admin.sock"));
     let mut c = connect(&socket).await?;
     let out = cli.output;
@@ -330,25 +331,19 @@ async fn client(cli: Cli) -> Result<()> {
                 cli::print_groups(out, std::slice::from_ref(r.get_ref()));
             }
         },
-        Cmd::Attach { volume, nbd_socket } => {
-            let req = pb::StartExportRequest { volume: volume.clone(), name: String::new(), read_only: false };
-            let e = c.start_export(req).await.map_err(rpc_error)?.into_inner();
-            let sock = nbd_socket.unwrap_or_else(|| socket.with_file_name("nbd.sock"));
-            let name = e.name.clone();
-            let a = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::attach(&sock, &name))
-                .await?
-                .map_err(|err| anyhow::anyhow!("attaching {volume}: {err}"))?;
-            if out == Output::Json {
-                println!(
-                    "{}",
-                    serde_json::json!({"device": a.device, "index": a.index, "size": a.size,
-                                       "read_only": a.read_only, "export": e.name})
-                );
-            } else {
-                println!("{}", a.device.display());
-            }
+        Cmd::Attach { volume, transport, queues, depth } => {
+            let req = pb::AttachVolumeRequest { volume, transport, queues, depth };
+            let a = c.attach_volume(req).await.map_err(rpc_error)?;
+            cli::print_attachment(out, a.get_ref());
         }
-        Cmd::Detach { .. } => unreachable!("handled before connecting"),
+        Cmd::Detach { device } => {
+            c.detach_volume(pb::DetachVolumeRequest { device: device.clone() }).await.map_err(rpc_error)?;
+            cli::print_done(out, "detached", &device);
+        }
+        Cmd::Attachments => {
+            let r = c.list_attachments(pb::ListAttachmentsRequest {}).await.map_err(rpc_error)?;
+            cli::print_attachments(out, &r.get_ref().attachments);
+        }
         Cmd::Export(e) => match e {
             ExportCmd::Nbd { volume, name, read_only } => {
                 let req = pb::StartExportRequest { volume, name: name.unwrap_or_default(), read_only };

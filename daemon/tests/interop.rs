@@ -27,6 +27,7 @@ fn fio_nbd_engine_verifies_crc32c() {
     for (rw, bs, depth) in [("randwrite", "4k", "16"), ("write", "128k", "4"), ("randrw", "16k", "8")] {
         let out = Command::new("fio")
             .args(["--name=verify", "--ioengine=nbd", "--size=32M", "--verify=crc32c", "--do_verify=1"])
+            .arg("--verify_state_save=0")
             .arg(format!("--uri={uri}"))
             .arg(format!("--rw={rw}"))
             .arg(format!("--bs={bs}"))

@@ -1,5 +1,6 @@
-# In the guest (run by tests/vm/run.sh): Ferrite volumes as kernel NBD block devices over the
-# daemon's Unix socket, attached with nbd-client (interop) and with `ferrite attach` (netlink).
+# In the guest (run by tests/vm/guest.sh, ublk_drv unloaded): Ferrite volumes as kernel NBD block
+# devices over the daemon's Unix socket, attached with nbd-client (interop) and with
+# `ferrite attach`, which falls back to the kernel NBD client (netlink) without ublk.
 # fio verify on the raw device; ext4 and xfs: mkfs, mount, a tree of files, sync, unmount,
 # detach, re-attach, mount, compare checksums; fstrim + reclaim gives space back; a snapshot
 # attaches read-only.
@@ -14,8 +15,11 @@ for _ in $(seq 300); do "$FERRITE" pool status >/dev/null 2>&1 && break; sleep 0
 f() { timeout 120 "$FERRITE" "$@"; }
 step() { echo "== $*"; }
 modprobe nbd nbds_max=4
-# `ferrite attach` prints the device it made.
-attach() { DEV=$(f attach "$1"); test -b "$DEV"; }
+# `ferrite attach` prints the device it made; without ublk it must be a kernel NBD device.
+attach() {
+  DEV=$(f attach "$1"); test -b "$DEV"
+  case $DEV in /dev/nbd*) ;; *) echo "expected the NBD fallback, got $DEV"; exit 1;; esac
+}
 detach() { f detach "$1" >/dev/null; }
 live() { f -o json pool status | sed -n 's/.*"live":\([0-9]*\).*/\1/p'; }
 
@@ -23,9 +27,9 @@ step "fio verify on the raw device (nbd-client)"
 f volume create raw 256M >/dev/null; f export nbd raw >/dev/null
 timeout 60 nbd-client -u $D/nbd.sock /dev/nbd0 -N raw -b 4096 >/dev/null
 timeout 300 fio --name=v --filename=/dev/nbd0 --ioengine=libaio --direct=1 --rw=randwrite --bs=4k \
-  --iodepth=16 --size=32M --verify=crc32c --verify_fatal=1 --eta=never --output=/dev/null
+  --iodepth=16 --size=32M --verify=crc32c --verify_fatal=1 --verify_state_save=0 --eta=never --output=/dev/null
 timeout 300 fio --name=s --filename=/dev/nbd0 --ioengine=libaio --direct=1 --rw=write --bs=128k \
-  --iodepth=4 --offset=64M --size=32M --verify=crc32c --verify_fatal=1 --eta=never --output=/dev/null
+  --iodepth=4 --offset=64M --size=32M --verify=crc32c --verify_fatal=1 --verify_state_save=0 --eta=never --output=/dev/null
 timeout 60 nbd-client -d /dev/nbd0 >/dev/null
 
 for fs in ext4 xfs; do

@@ -1,0 +1,16 @@
+//! Ferrite volumes as Linux block devices through ublk (libublk): `/dev/ublkbN` per attached
+//! volume, one queue thread and ring per hardware queue, requests served by the engine.
+//!
+//! - [`handler`]: one request against the engine, kernel-free (unit tests, bench).
+//! - [`queue`]: a queue thread and its worker pool.
+//! - [`device`]: attach, recover (USER_RECOVERY), resize, detach.
+//! - [`features`]: what the running driver can do, probed once.
+
+pub mod device;
+pub mod features;
+pub mod handler;
+mod queue;
+
+pub use device::{Device, Options, block_path};
+pub use features::{Features, available};
+pub use handler::{Op, Request};
