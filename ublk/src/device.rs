@@ -49,6 +49,9 @@ impl Options {
     }
 }
 
+#[allow(clippy::cast_possible_truncation)] // 4096
+const BLOCK_BYTES: u32 = ferrite_engine::io::BLOCK as u32;
+
 /// Largest discard / write-zeroes request the kernel sends us, in sectors (1 GiB).
 const MAX_DISCARD_SECTORS: u32 = 1 << 21;
 
@@ -187,7 +190,8 @@ fn set_params(dev: &mut UblkDev, size: u64, read_only: bool) {
             ..Default::default()
         },
         discard: sys::ublk_param_discard {
-            discard_granularity: 4096,
+            // Trim frees whole engine blocks only.
+            discard_granularity: BLOCK_BYTES,
             max_discard_sectors: MAX_DISCARD_SECTORS,
             max_write_zeroes_sectors: MAX_DISCARD_SECTORS,
             max_discard_segments: 1,
