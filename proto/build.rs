@@ -6,7 +6,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // SAFETY: build scripts are single-threaded; nothing else reads the environment now.
         unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
     }
-    println!("cargo:rerun-if-changed=ferrite");
+    for dir in ["ferrite", "csi", "csi-addons"] {
+        println!("cargo:rerun-if-changed={dir}");
+    }
     tonic_prost_build::configure().compile_protos(&["ferrite/v1/admin.proto"], &["."])?;
+    // CSI and CSI-Addons: servers for `ferrite csi`, clients for its tests. The well-known types
+    // (descriptor, timestamp, wrappers) come with the vendored protoc.
+    // RPCs a plugin does not advertise answer UNIMPLEMENTED (default stubs), as the spec expects.
+    let wkt = protoc_bin_vendored::include_path()?;
+    tonic_prost_build::configure().generate_default_stubs(true).compile_protos(
+        &[
+            "csi/v1/csi.proto",
+            "csi-addons/identity.proto",
+            "csi-addons/reclaimspace.proto",
+            "csi-addons/fence.proto",
+            "csi-addons/volumegroup.proto",
+        ],
+        &[".", wkt.to_str().ok_or("protoc include path is not UTF-8")?],
+    )?;
     Ok(())
 }

@@ -1,9 +1,36 @@
-//! Generated gRPC code for Ferrite's own protocols.
+//! Generated gRPC code: Ferrite's admin API, and the CSI 1.12 and CSI-Addons protocols.
 
 /// `ferrite.v1`: the daemon's admin API.
 pub mod ferrite {
     pub mod v1 {
         #![allow(clippy::all, clippy::pedantic, missing_debug_implementations)]
         tonic::include_proto!("ferrite.v1");
+    }
+}
+
+/// `csi.v1`: the Container Storage Interface 1.12.
+pub mod csi {
+    pub mod v1 {
+        #![allow(clippy::all, clippy::pedantic, missing_debug_implementations)]
+        tonic::include_proto!("csi.v1");
+    }
+}
+
+/// The CSI-Addons services, one proto package each (as the CSI-Addons spec names them).
+pub mod csi_addons {
+    #![allow(clippy::all, clippy::pedantic, missing_debug_implementations)]
+    // The generated code names CSI types as `super::csi::v1::...`.
+    pub use crate::csi;
+    pub mod identity {
+        tonic::include_proto!("identity");
+    }
+    pub mod reclaimspace {
+        tonic::include_proto!("reclaimspace");
+    }
+    pub mod fence {
+        tonic::include_proto!("fence");
+    }
+    pub mod volumegroup {
+        tonic::include_proto!("volumegroup");
     }
 }
