@@ -1,13 +1,12 @@
 //! The command-line client: each subcommand is one admin API call, printed as a table or JSON.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result};
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_client::AdminClient;
-use hyper_util::rt::TokioIo;
 use serde_json::json;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Channel;
 
 use crate::size::format_size;
 
@@ -20,12 +19,7 @@ pub enum Output {
 
 /// Connects to the daemon's admin socket.
 pub async fn connect(socket: &Path) -> Result<AdminClient<Channel>> {
-    let path: PathBuf = socket.to_path_buf();
-    let channel = Endpoint::try_from("http://ferrite.invalid")?
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
+    let channel = ferrite_proto::connect_unix(socket)
         .await
         .with_context(|| format!("cannot reach the ferrite daemon at {} (is it running?)", socket.display()))?;
     Ok(AdminClient::new(channel))

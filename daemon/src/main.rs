@@ -40,6 +40,21 @@ enum Cmd {
         #[arg(long, env = "FERRITE_DATA_DIR")]
         data_dir: Option<PathBuf>,
     },
+    /// Run the CSI driver (CSI 1.12) over the daemons' admin API.
+    Csi {
+        /// controller (volumes on any node of the directory), node (this node's daemon), or all.
+        #[arg(long, value_enum, default_value = "all")]
+        mode: CsiMode,
+        /// The CSI endpoint (Unix socket) the container orchestrator connects to.
+        #[arg(long, env = "CSI_ENDPOINT")]
+        endpoint: PathBuf,
+        /// This node's name (its topology value `topology.ferrite.dev/node`).
+        #[arg(long, env = "FERRITE_NODE_ID", default_value = "")]
+        node_id: String,
+        /// TOML file mapping node names to their daemons' admin sockets (controller mode).
+        #[arg(long)]
+        node_directory: Option<PathBuf>,
+    },
     /// Manage volumes.
     #[command(subcommand)]
     Volume(VolumeCmd),
@@ -82,6 +97,13 @@ enum Cmd {
     /// Pool information.
     #[command(subcommand)]
     Pool(PoolCmd),
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CsiMode {
+    Controller,
+    Node,
+    All,
 }
 
 #[derive(Subcommand)]
@@ -194,10 +216,42 @@ fn main() {
             }
             Err(e) => return exit(Err(e)),
         },
+        Cmd::Csi { mode, endpoint, node_id, node_directory } => {
+            init_logging("info");
+            let node_id = if node_id.is_empty() { hostname() } else { node_id.clone() };
+            let opts = ferrite_csi::Options {
+                mode: match mode {
+                    CsiMode::Controller => ferrite_csi::Mode::Controller,
+                    CsiMode::Node => ferrite_csi::Mode::Node,
+                    CsiMode::All => ferrite_csi::Mode::All,
+                },
+                endpoint: endpoint.clone(),
+                node_id,
+                admin_socket: cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock")),
+                node_directory: node_directory.clone(),
+            };
+            return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));
+        }
         _ => "warn",
     };
     init_logging(filter);
     exit(runtime().block_on(client(cli)));
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_lowercase()).unwrap_or_default()
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -222,7 +276,7 @@ async fn client(cli: Cli) -> Result<()> {
     let mut c = connect(&socket).await?;
     let out = cli.output;
     match cli.cmd {
-        Cmd::Daemon { .. } => unreachable!("handled in main"),
+        Cmd::Daemon { .. } | Cmd::Csi { .. } => unreachable!("handled in main"),
         Cmd::Volume(v) => match v {
             VolumeCmd::Create { name, size } => {
                 let v = c.create_volume(pb::CreateVolumeRequest { name, size }).await.map_err(rpc_error)?;

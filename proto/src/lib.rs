@@ -34,3 +34,16 @@ pub mod csi_addons {
         tonic::include_proto!("volumegroup");
     }
 }
+
+/// A gRPC channel to a server on a Unix socket (the daemon's admin API, a CSI endpoint).
+pub async fn connect_unix(path: &std::path::Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path = path.to_path_buf();
+    tonic::transport::Endpoint::from_static("http://ferrite.invalid")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await
+}

@@ -1,0 +1,429 @@
+//! CSI Controller over the daemons' admin APIs. Stateless: a volume id is `<node>/<volume>`, and
+//! the node directory says where each node's daemon answers. Required fields are checked first
+//! (InvalidArgument); daemon statuses keep their codes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferrite_proto::csi::v1 as csi;
+use ferrite_proto::ferrite::v1 as pb;
+use tonic::{Code, Request, Response, Status};
+
+use crate::ids;
+use crate::nodes::{NodeDirectory, admin};
+
+/// Topology key naming the node a volume lives on.
+pub const TOPOLOGY_KEY: &str = "topology.ferrite.dev/node";
+/// Size of a volume created without a capacity range.
+const DEFAULT_SIZE: u64 = 1 << 30;
+const BLOCK: u64 = 4096;
+
+#[derive(Debug)]
+pub struct Controller {
+    pub nodes: Arc<dyn NodeDirectory>,
+}
+
+fn require(field: &str, value: &str) -> Result<(), Status> {
+    if value.is_empty() {
+        return Err(Status::invalid_argument(format!("{field} is required")));
+    }
+    Ok(())
+}
+
+fn topology(node: &str) -> csi::Topology {
+    csi::Topology { segments: HashMap::from([(TOPOLOGY_KEY.to_owned(), node.to_owned())]) }
+}
+
+fn volume_msg(node: &str, v: &pb::Volume, source: Option<csi::VolumeContentSource>) -> csi::Volume {
+    csi::Volume {
+        capacity_bytes: i64::try_from(v.size).unwrap_or(i64::MAX),
+        volume_id: ids::make(node, &v.name),
+        volume_context: HashMap::new(),
+        content_source: source,
+        accessible_topology: vec![topology(node)],
+    }
+}
+
+/// The size to create or grow to for a capacity range: `required` rounded up to whole blocks,
+/// within `limit`. OutOfRange when the range cannot be met.
+fn size_for(range: Option<&csi::CapacityRange>, default: u64) -> Result<u64, Status> {
+    let Some(r) = range else { return Ok(default) };
+    let (req, lim) = (u64::try_from(r.required_bytes), u64::try_from(r.limit_bytes));
+    let (Ok(req), Ok(lim)) = (req, lim) else {
+        return Err(Status::out_of_range("capacity_range bytes must not be negative"));
+    };
+    if req == 0 && lim == 0 {
+        return Ok(default);
+    }
+    let want = if req == 0 { default.min(lim / BLOCK * BLOCK) } else { req.div_ceil(BLOCK) * BLOCK };
+    if want == 0 || (lim != 0 && want > lim) {
+        return Err(Status::out_of_range(format!(
+            "no size in whole 4 KiB blocks fits required {req} and limit {lim} bytes"
+        )));
+    }
+    Ok(want)
+}
+
+/// Checks the capabilities we can serve: single-node access, raw block or ext4/xfs mounts.
+pub fn check_capabilities(caps: &[csi::VolumeCapability]) -> Result<(), String> {
+    use csi::volume_capability::access_mode::Mode;
+    if caps.is_empty() {
+        return Err("volume_capabilities is required".into());
+    }
+    for c in caps {
+        let mode = c.access_mode.as_ref().map(|m| m.mode).ok_or("access_mode is required")?;
+        match Mode::try_from(mode) {
+            Ok(Mode::SingleNodeWriter | Mode::SingleNodeReaderOnly | Mode::SingleNodeSingleWriter) => {}
+            Ok(Mode::SingleNodeMultiWriter) => {}
+            _ => return Err(format!("access mode {mode} is not supported (volumes are local to one node)")),
+        }
+        match &c.access_type {
+            Some(csi::volume_capability::AccessType::Block(_)) => {}
+            Some(csi::volume_capability::AccessType::Mount(m)) => {
+                if !matches!(m.fs_type.as_str(), "" | "ext4" | "xfs") {
+                    return Err(format!("fs_type {:?} is not supported (ext4 or xfs)", m.fs_type));
+                }
+            }
+            None => return Err("access_type (block or mount) is required".into()),
+        }
+    }
+    Ok(())
+}
+
+/// Parameters we accept: none of our own yet; the provisioner's `csi.storage.k8s.io/*` metadata
+/// is ignored. Anything else is refused rather than silently ignored.
+fn check_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
+    match params.keys().find(|k| !k.starts_with("csi.storage.k8s.io/")) {
+        Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),
+        None => Ok(()),
+    }
+}
+
+impl Controller {
+    /// The node for a new volume: the first preferred, else the first requisite topology naming a
+    /// known node, else the node with the most free space.
+    async fn place(&self, req: Option<&csi::TopologyRequirement>) -> Result<String, Status> {
+        let known = self.nodes.nodes();
+        if let Some(r) = req {
+            let named: Vec<&str> = r
+                .preferred
+                .iter()
+                .chain(&r.requisite)
+                .filter_map(|t| t.segments.get(TOPOLOGY_KEY).map(String::as_str))
+                .collect();
+            if !named.is_empty() {
+                return named.iter().find(|n| known.iter().any(|k| k == *n)).map(|n| (*n).to_owned()).ok_or_else(
+                    || Status::resource_exhausted(format!("no known node among the required topologies {named:?}")),
+                );
+            }
+        }
+        let mut best: Option<(u64, String)> = None;
+        for node in known {
+            if let Ok(mut c) = admin(&*self.nodes, &node).await
+                && let Ok(s) = c.pool_status(pb::PoolStatusRequest {}).await
+                && best.as_ref().is_none_or(|(free, _)| s.get_ref().free > *free)
+            {
+                best = Some((s.get_ref().free, node));
+            }
+        }
+        best.map(|(_, n)| n).ok_or_else(|| Status::unavailable("no node's daemon answers"))
+    }
+
+    /// The volume named `name` on any node.
+    async fn find(&self, name: &str) -> Result<Option<(String, pb::Volume)>, Status> {
+        for node in self.nodes.nodes() {
+            let mut c = admin(&*self.nodes, &node).await?;
+            match c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await {
+                Ok(v) => return Ok(Some((node, v.into_inner()))),
+                Err(s) if s.code() == Code::NotFound => {}
+                Err(s) => return Err(s),
+            }
+        }
+        Ok(None)
+    }
+
+    async fn get(&self, volume_id: &str) -> Result<(String, pb::Volume), Status> {
+        let not_found = || Status::not_found(format!("volume {volume_id:?} does not exist"));
+        let (node, name) = ids::parse(volume_id).ok_or_else(not_found)?;
+        let mut c =
+            admin(&*self.nodes, node).await.map_err(|s| if s.code() == Code::NotFound { not_found() } else { s })?;
+        let v = c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await?.into_inner();
+        Ok((node.to_owned(), v))
+    }
+}
+
+#[tonic::async_trait]
+impl csi::controller_server::Controller for Controller {
+    async fn create_volume(
+        &self,
+        req: Request<csi::CreateVolumeRequest>,
+    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        check_capabilities(&r.volume_capabilities).map_err(Status::invalid_argument)?;
+        check_parameters(&r.parameters)?;
+        let size = size_for(r.capacity_range.as_ref(), DEFAULT_SIZE)?;
+        let name = ids::engine_name(&r.name);
+        if let Some((node, v)) = self.find(&name).await? {
+            let lim = r.capacity_range.as_ref().map_or(0, |c| u64::try_from(c.limit_bytes).unwrap_or(0));
+            if v.size < size || (lim != 0 && v.size > lim) {
+                return Err(Status::already_exists(format!(
+                    "volume {:?} exists on {node} with {} bytes, incompatible with the request",
+                    r.name, v.size
+                )));
+            }
+            return Ok(Response::new(csi::CreateVolumeResponse {
+                volume: Some(volume_msg(&node, &v, r.volume_content_source)),
+            }));
+        }
+        let source = r.volume_content_source.clone();
+        let clone_of = match source.as_ref().and_then(|s| s.r#type.as_ref()) {
+            None => None,
+            Some(csi::volume_content_source::Type::Snapshot(s)) => {
+                let (node, snap) = ids::parse(&s.snapshot_id)
+                    .ok_or_else(|| Status::not_found(format!("snapshot {:?} does not exist", s.snapshot_id)))?;
+                Some((node.to_owned(), pb::clone_volume_request::Source::Snapshot(snap.to_owned())))
+            }
+            Some(csi::volume_content_source::Type::Volume(v)) => {
+                let (node, vol) = ids::parse(&v.volume_id)
+                    .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", v.volume_id)))?;
+                Some((node.to_owned(), pb::clone_volume_request::Source::Volume(vol.to_owned())))
+            }
+        };
+        let (node, v) = match clone_of {
+            // A clone lives where its source does, whatever the topology asked for.
+            Some((node, src)) => {
+                let mut c = admin(&*self.nodes, &node).await?;
+                let mut v = c
+                    .clone_volume(pb::CloneVolumeRequest { name: name.clone(), source: Some(src) })
+                    .await?
+                    .into_inner();
+                if v.size < size {
+                    v = c.grow_volume(pb::GrowVolumeRequest { name, new_size: size }).await?.into_inner();
+                }
+                (node, v)
+            }
+            None => {
+                let node = self.place(r.accessibility_requirements.as_ref()).await?;
+                let mut c = admin(&*self.nodes, &node).await?;
+                let v = c.create_volume(pb::CreateVolumeRequest { name, size }).await?.into_inner();
+                (node, v)
+            }
+        };
+        tracing::info!(name = %r.name, volume_id = %ids::make(&node, &v.name), size = v.size, "CSI volume created");
+        Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume_msg(&node, &v, source)) }))
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<csi::DeleteVolumeRequest>,
+    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+        let id = req.into_inner().volume_id;
+        require("volume_id", &id)?;
+        // An id we never made, or a node we do not know, names nothing: deleting it succeeds.
+        if let Some((node, name)) = ids::parse(&id)
+            && self.nodes.admin_socket(node).is_some()
+        {
+            let mut c = admin(&*self.nodes, node).await?;
+            match c.delete_volume(pb::DeleteVolumeRequest { name: name.to_owned() }).await {
+                Ok(_) => tracing::info!(volume_id = %id, "CSI volume deleted"),
+                Err(s) if s.code() == Code::NotFound => {}
+                Err(s) => return Err(s),
+            }
+        }
+        Ok(Response::new(csi::DeleteVolumeResponse {}))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        req: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        let r = req.into_inner();
+        require("volume_id", &r.volume_id)?;
+        if r.volume_capabilities.is_empty() {
+            return Err(Status::invalid_argument("volume_capabilities is required"));
+        }
+        self.get(&r.volume_id).await?;
+        let resp = match check_capabilities(&r.volume_capabilities)
+            .and_then(|()| check_parameters(&r.parameters).map_err(|s| s.message().to_owned()))
+        {
+            Ok(()) => csi::ValidateVolumeCapabilitiesResponse {
+                confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
+                    volume_context: r.volume_context,
+                    volume_capabilities: r.volume_capabilities,
+                    parameters: r.parameters,
+                    mutable_parameters: r.mutable_parameters,
+                }),
+                message: String::new(),
+            },
+            Err(why) => csi::ValidateVolumeCapabilitiesResponse { confirmed: None, message: why },
+        };
+        Ok(Response::new(resp))
+    }
+
+    async fn list_volumes(
+        &self,
+        req: Request<csi::ListVolumesRequest>,
+    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
+        let r = req.into_inner();
+        if r.max_entries < 0 {
+            return Err(Status::invalid_argument("max_entries must not be negative"));
+        }
+        let start: usize = if r.starting_token.is_empty() {
+            0
+        } else {
+            r.starting_token
+                .parse()
+                .map_err(|_| Status::aborted(format!("bad starting_token {:?}", r.starting_token)))?
+        };
+        // Every node's volumes in (node, name) order: the token is an index into that order.
+        let mut all = Vec::new();
+        for node in self.nodes.nodes() {
+            let mut c = admin(&*self.nodes, &node).await?;
+            let mut vols = c.list_volumes(pb::ListVolumesRequest {}).await?.into_inner().volumes;
+            vols.sort_by(|a, b| a.name.cmp(&b.name));
+            all.extend(vols.into_iter().map(|v| volume_msg(&node, &v, None)));
+        }
+        if start > all.len() {
+            return Err(Status::aborted(format!("starting_token {start} is past the end ({} volumes)", all.len())));
+        }
+        let n = if r.max_entries == 0 { all.len() } else { usize::try_from(r.max_entries).unwrap_or(usize::MAX) };
+        let end = start.saturating_add(n).min(all.len());
+        let next_token = if end < all.len() { end.to_string() } else { String::new() };
+        let entries = all
+            .drain(start..end)
+            .map(|v| csi::list_volumes_response::Entry { volume: Some(v), status: None })
+            .collect();
+        Ok(Response::new(csi::ListVolumesResponse { entries, next_token }))
+    }
+
+    async fn get_capacity(
+        &self,
+        req: Request<csi::GetCapacityRequest>,
+    ) -> Result<Response<csi::GetCapacityResponse>, Status> {
+        let r = req.into_inner();
+        if !r.volume_capabilities.is_empty() && check_capabilities(&r.volume_capabilities).is_err() {
+            return Ok(Response::new(csi::GetCapacityResponse::default()));
+        }
+        check_parameters(&r.parameters)?;
+        let nodes = match r.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_KEY)) {
+            Some(n) if self.nodes.admin_socket(n).is_some() => vec![n.clone()],
+            Some(_) => vec![],
+            None => self.nodes.nodes(),
+        };
+        let mut free = 0u64;
+        for node in nodes {
+            let mut c = admin(&*self.nodes, &node).await?;
+            free = free.saturating_add(c.pool_status(pb::PoolStatusRequest {}).await?.get_ref().free);
+        }
+        Ok(Response::new(csi::GetCapacityResponse {
+            available_capacity: i64::try_from(free).unwrap_or(i64::MAX),
+            maximum_volume_size: None,
+            minimum_volume_size: Some(i64::try_from(BLOCK).unwrap_or(0)),
+        }))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<csi::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
+        use csi::controller_service_capability::rpc::Type;
+        let capabilities = [
+            Type::CreateDeleteVolume,
+            Type::ListVolumes,
+            Type::GetCapacity,
+            Type::ExpandVolume,
+            Type::GetVolume,
+            Type::CloneVolume,
+        ]
+        .into_iter()
+        .map(|t| csi::ControllerServiceCapability {
+            r#type: Some(csi::controller_service_capability::Type::Rpc(csi::controller_service_capability::Rpc {
+                r#type: t as i32,
+            })),
+        })
+        .collect();
+        Ok(Response::new(csi::ControllerGetCapabilitiesResponse { capabilities }))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        req: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let r = req.into_inner();
+        require("volume_id", &r.volume_id)?;
+        let range = r.capacity_range.as_ref().ok_or_else(|| Status::invalid_argument("capacity_range is required"))?;
+        let (node, v) = self.get(&r.volume_id).await?;
+        let size = size_for(Some(range), v.size)?;
+        let v = if size > v.size {
+            let mut c = admin(&*self.nodes, &node).await?;
+            c.grow_volume(pb::GrowVolumeRequest { name: v.name.clone(), new_size: size }).await?.into_inner()
+        } else {
+            v // already as large: expansion is idempotent, shrinking is never done
+        };
+        let block = matches!(
+            r.volume_capability.as_ref().and_then(|c| c.access_type.as_ref()),
+            Some(csi::volume_capability::AccessType::Block(_))
+        );
+        Ok(Response::new(csi::ControllerExpandVolumeResponse {
+            capacity_bytes: i64::try_from(v.size).unwrap_or(i64::MAX),
+            node_expansion_required: !block,
+        }))
+    }
+
+    async fn controller_get_volume(
+        &self,
+        req: Request<csi::ControllerGetVolumeRequest>,
+    ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
+        let id = req.into_inner().volume_id;
+        require("volume_id", &id)?;
+        let (node, v) = self.get(&id).await?;
+        Ok(Response::new(csi::ControllerGetVolumeResponse {
+            volume: Some(volume_msg(&node, &v, None)),
+            status: Some(csi::controller_get_volume_response::VolumeStatus {
+                published_node_ids: Vec::new(),
+                volume_condition: Some(csi::VolumeCondition { abnormal: false, message: "ok".into() }),
+            }),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(req: i64, lim: i64) -> csi::CapacityRange {
+        csi::CapacityRange { required_bytes: req, limit_bytes: lim }
+    }
+
+    #[test]
+    fn sizes_from_capacity_ranges() {
+        assert_eq!(size_for(None, DEFAULT_SIZE).unwrap(), DEFAULT_SIZE);
+        assert_eq!(size_for(Some(&range(0, 0)), DEFAULT_SIZE).unwrap(), DEFAULT_SIZE);
+        assert_eq!(size_for(Some(&range(1, 0)), DEFAULT_SIZE).unwrap(), 4096);
+        assert_eq!(size_for(Some(&range(10_000, 12_288)), DEFAULT_SIZE).unwrap(), 12_288);
+        assert_eq!(size_for(Some(&range(0, 8192)), DEFAULT_SIZE).unwrap(), 8192);
+        for bad in [range(10_000, 10_000), range(-1, 0), range(0, 100)] {
+            assert_eq!(size_for(Some(&bad), DEFAULT_SIZE).unwrap_err().code(), Code::OutOfRange);
+        }
+    }
+
+    #[test]
+    fn capabilities_we_serve() {
+        use csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
+        let cap = |mode: Mode, t: Option<AccessType>| csi::VolumeCapability {
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+            access_type: t,
+        };
+        let mount = |fs: &str| Some(AccessType::Mount(MountVolume { fs_type: fs.into(), ..Default::default() }));
+        let block = Some(AccessType::Block(BlockVolume {}));
+        assert!(check_capabilities(&[cap(Mode::SingleNodeWriter, block.clone())]).is_ok());
+        assert!(check_capabilities(&[cap(Mode::SingleNodeReaderOnly, mount("xfs"))]).is_ok());
+        assert!(check_capabilities(&[cap(Mode::MultiNodeMultiWriter, block.clone())]).is_err());
+        assert!(check_capabilities(&[cap(Mode::SingleNodeWriter, mount("btrfs"))]).is_err());
+        assert!(check_capabilities(&[cap(Mode::SingleNodeWriter, None)]).is_err());
+        assert!(check_capabilities(&[]).is_err());
+        assert!(check_parameters(&HashMap::from([("csi.storage.k8s.io/pvc/name".into(), "x".into())])).is_ok());
+        assert!(check_parameters(&HashMap::from([("replicas".into(), "3".into())])).is_err());
+    }
+}

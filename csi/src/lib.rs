@@ -1,0 +1,88 @@
+//! `ferrite csi`: the CSI 1.12 driver over the daemons' admin API.
+//!
+//! - [`identity`]: plugin info, capabilities, Probe.
+//! - [`controller`]: volumes (create from nothing, a snapshot or a volume; delete; list with
+//!   pagination; get; capacity; validate; expand), placed by topology `topology.ferrite.dev/node`.
+//! - [`nodes`]: the node directory (static file today; the seam for the Kubernetes API).
+//! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
+//!
+//! Not yet here: the Node service, snapshots, the group controller and the CSI-Addons services
+//! (issue 5 tracks them).
+
+pub mod controller;
+pub mod identity;
+pub mod ids;
+pub mod nodes;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use ferrite_proto::csi::v1 as csi;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::nodes::{NodeDirectory, StaticNodes};
+
+/// Which CSI services this process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Controller,
+    Node,
+    All,
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub mode: Mode,
+    /// The CSI endpoint (a Unix socket path).
+    pub endpoint: PathBuf,
+    /// This node's name (node and all modes).
+    pub node_id: String,
+    /// The local daemon's admin socket (node and all modes).
+    pub admin_socket: PathBuf,
+    /// The node directory file (controller mode; in all mode it defaults to this node alone).
+    pub node_directory: Option<PathBuf>,
+}
+
+impl Options {
+    fn directory(&self) -> anyhow::Result<Arc<dyn NodeDirectory>> {
+        if !nodes::valid_node(&self.node_id) && self.mode != Mode::Controller {
+            anyhow::bail!("node id {:?} is not a valid node name (lowercase letters, digits, '-', '.')", self.node_id);
+        }
+        Ok(match (&self.node_directory, self.mode) {
+            (Some(p), _) => Arc::new(StaticNodes::load(p)?),
+            (None, Mode::Controller) => anyhow::bail!("controller mode needs --node-directory"),
+            (None, _) => Arc::new(StaticNodes::single(&self.node_id, self.admin_socket.clone())),
+        })
+    }
+}
+
+fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!("{} is in use by a running process", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    tokio::net::UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))
+}
+
+/// Serves until `shutdown` resolves.
+pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let dir = opts.directory()?;
+    let listener = bind(&opts.endpoint)?;
+    let controller = opts.mode != Mode::Node;
+    let identity = identity::Identity { nodes: Arc::clone(&dir), controller };
+    let router = tonic::transport::Server::builder()
+        .add_service(csi::identity_server::IdentityServer::new(identity))
+        .add_optional_service(
+            controller.then(|| csi::controller_server::ControllerServer::new(controller::Controller { nodes: dir })),
+        );
+    tracing::info!(endpoint = %opts.endpoint.display(), mode = ?opts.mode, node = %opts.node_id, "CSI driver ready");
+    let served = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown).await;
+    let _ = std::fs::remove_file(&opts.endpoint);
+    served.context("CSI server")
+}

@@ -1,0 +1,103 @@
+//! Where each node's daemon answers. The controller keeps no state: a volume id names its node,
+//! and this directory maps node names to admin endpoints. Today it is a static file (standalone
+//! use, tests); a Kubernetes-backed directory implements the same trait.
+//!
+//! ```toml
+//! [nodes]
+//! node-a = "/run/ferrite/admin.sock"
+//! node-b = "/srv/b/admin.sock"
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use ferrite_proto::ferrite::v1::admin_client::AdminClient;
+use serde::Deserialize;
+use tonic::Status;
+use tonic::transport::Channel;
+
+/// The node → admin endpoint map the controller consults.
+pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
+    /// Every node, in a stable order (pagination depends on it).
+    fn nodes(&self) -> Vec<String>;
+    /// The admin socket of `node`, if the node is known.
+    fn admin_socket(&self, node: &str) -> Option<PathBuf>;
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    nodes: BTreeMap<String, PathBuf>,
+}
+
+/// A directory read once from a TOML file.
+#[derive(Debug, Clone, Default)]
+pub struct StaticNodes(BTreeMap<String, PathBuf>);
+
+impl StaticNodes {
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading node directory {}", path.display()))?;
+        let f: File = toml::from_str(&text).with_context(|| format!("parsing node directory {}", path.display()))?;
+        if let Some(bad) = f.nodes.keys().find(|n| !valid_node(n)) {
+            anyhow::bail!("node directory {}: invalid node name {bad:?}", path.display());
+        }
+        Ok(Self(f.nodes))
+    }
+
+    /// One node (node mode, or `--mode all` without a directory).
+    pub fn single(node: &str, admin_socket: PathBuf) -> Self {
+        Self(BTreeMap::from([(node.to_owned(), admin_socket)]))
+    }
+}
+
+impl NodeDirectory for StaticNodes {
+    fn nodes(&self) -> Vec<String> {
+        self.0.keys().cloned().collect()
+    }
+
+    fn admin_socket(&self, node: &str) -> Option<PathBuf> {
+        self.0.get(node).cloned()
+    }
+}
+
+/// Node names as Kubernetes allows them (DNS subdomain), which also keeps them out of volume ids'
+/// separator.
+pub fn valid_node(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 63
+        && n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+}
+
+/// An admin client for `node`: NotFound for a node the directory does not know, Unavailable
+/// when its daemon does not answer.
+pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Channel>, Status> {
+    let sock = dir.admin_socket(node).ok_or_else(|| Status::not_found(format!("unknown node {node:?}")))?;
+    let ch = ferrite_proto::connect_unix(&sock)
+        .await
+        .map_err(|e| Status::unavailable(format!("node {node}: daemon at {} unreachable: {e}", sock.display())))?;
+    Ok(AdminClient::new(ch))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loads_and_validates() {
+        let dir = std::env::temp_dir().join(format!("ferrite-csi-nodes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("nodes.toml");
+        std::fs::write(&p, "[nodes]\nnode-b = \"/b.sock\"\nnode-a = \"/a.sock\"\n").unwrap();
+        let n = StaticNodes::load(&p).unwrap();
+        assert_eq!(n.nodes(), vec!["node-a", "node-b"]);
+        assert_eq!(n.admin_socket("node-b"), Some(PathBuf::from("/b.sock")));
+        assert_eq!(n.admin_socket("node-c"), None);
+        std::fs::write(&p, "[nodes]\n\"Bad/Node\" = \"/x\"\n").unwrap();
+        assert!(StaticNodes::load(&p).unwrap_err().to_string().contains("invalid node name"));
+        std::fs::write(&p, "[nodez]\n").unwrap();
+        assert!(StaticNodes::load(&p).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

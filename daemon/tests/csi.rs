@@ -1,0 +1,235 @@
+//! CSI conformance over the real gRPC socket of `ferrite csi --mode controller`, with two real
+//! daemons standing for two nodes (node-a, node-b) in its node directory.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+use ferrite_proto::csi::v1 as csi;
+use tonic::Code;
+use tonic::transport::Channel;
+
+struct Csi {
+    child: Child,
+}
+
+impl Drop for Csi {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_csi(dir: &Path, nodes: &[(&str, &Daemon)]) -> Csi {
+    let directory = dir.join("nodes.toml");
+    let mut text = String::from("[nodes]\n");
+    for (name, d) in nodes {
+        text.push_str(&format!("{name} = {:?}\n", d.admin().display().to_string()));
+    }
+    std::fs::write(&directory, text).unwrap();
+    let log = std::fs::File::create(dir.join("csi.log")).unwrap();
+    let child = Command::new(common::BIN)
+        .args(["csi", "--mode", "controller", "--endpoint"])
+        .arg(dir.join("csi.sock"))
+        .arg("--node-directory")
+        .arg(&directory)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    Csi { child }
+}
+
+async fn channel(sock: &Path) -> Channel {
+    let start = Instant::now();
+    loop {
+        if let Ok(c) = ferrite_proto::connect_unix(sock).await {
+            return c;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "CSI endpoint did not come up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn mount_cap(mode: csi::volume_capability::access_mode::Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume {
+            fs_type: "ext4".into(),
+            ..Default::default()
+        })),
+    }
+}
+
+fn on_node(node: &str) -> Option<csi::TopologyRequirement> {
+    let t = csi::Topology { segments: HashMap::from([("topology.ferrite.dev/node".into(), node.into())]) };
+    Some(csi::TopologyRequirement { requisite: vec![t.clone()], preferred: vec![t] })
+}
+
+fn create(name: &str, bytes: i64, node: Option<&str>) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(csi::CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+        volume_capabilities: vec![mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)],
+        accessibility_requirements: node.and_then(on_node),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn controller_conformance_across_two_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (da, db) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    std::fs::create_dir_all(&db).unwrap();
+    let (mut a, mut b) = (Daemon::start(&da), Daemon::start(&db));
+    let _csi = start_csi(dir.path(), &[("node-a", &a), ("node-b", &b)]);
+    let ch = channel(&dir.path().join("csi.sock")).await;
+    let mut id = csi::identity_client::IdentityClient::new(ch.clone());
+    let mut ctl = csi::controller_client::ControllerClient::new(ch);
+
+    // Identity.
+    let info = id.get_plugin_info(csi::GetPluginInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.name, "csi.ferrite.dev");
+    let caps = id.get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {}).await.unwrap().into_inner();
+    let services: Vec<i32> = caps
+        .capabilities
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(csi::plugin_capability::Type::Service(s)) => Some(s.r#type),
+            _ => None,
+        })
+        .collect();
+    use csi::plugin_capability::service::Type as S;
+    assert!(services.contains(&(S::ControllerService as i32)));
+    assert!(services.contains(&(S::VolumeAccessibilityConstraints as i32)));
+    assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
+
+    // CreateVolume: required fields and validation first.
+    let code = |r: Result<tonic::Response<csi::CreateVolumeResponse>, tonic::Status>| r.unwrap_err().code();
+    assert_eq!(code(ctl.create_volume(create("", 1 << 20, None)).await), Code::InvalidArgument);
+    let mut r = create("v1", 1 << 20, None);
+    r.volume_capabilities.clear();
+    assert_eq!(code(ctl.create_volume(r).await), Code::InvalidArgument);
+    let mut r = create("v1", 1 << 20, None);
+    r.volume_capabilities = vec![mount_cap(csi::volume_capability::access_mode::Mode::MultiNodeMultiWriter)];
+    assert_eq!(code(ctl.create_volume(r).await), Code::InvalidArgument);
+    let mut r = create("v1", 1 << 20, None);
+    r.parameters.insert("replicas".into(), "3".into());
+    assert_eq!(code(ctl.create_volume(r).await), Code::InvalidArgument);
+    let mut r = create("v1", 10_000, None);
+    r.capacity_range.as_mut().unwrap().limit_bytes = 10_000;
+    assert_eq!(code(ctl.create_volume(r).await), Code::OutOfRange);
+    assert_eq!(code(ctl.create_volume(create("v1", 1 << 20, Some("node-z"))).await), Code::ResourceExhausted);
+
+    // Placement by topology, idempotency by name, AlreadyExists on an incompatible repeat.
+    let v1 = ctl.create_volume(create("v1", 10_000, Some("node-b"))).await.unwrap().into_inner().volume.unwrap();
+    assert!(v1.volume_id.starts_with("node-b/"), "{}", v1.volume_id);
+    assert_eq!(v1.capacity_bytes, 12_288, "rounded up to whole 4 KiB blocks");
+    assert_eq!(v1.accessible_topology[0].segments["topology.ferrite.dev/node"], "node-b");
+    let again = ctl.create_volume(create("v1", 10_000, Some("node-b"))).await.unwrap().into_inner().volume.unwrap();
+    assert_eq!(again.volume_id, v1.volume_id);
+    assert_eq!(code(ctl.create_volume(create("v1", 1 << 30, None)).await), Code::AlreadyExists);
+    assert!(b.ok(&["volume", "list"]).contains("v1"));
+    // A name the engine does not accept still works, and stays idempotent.
+    let odd = ctl.create_volume(create("my data/ü", 1 << 20, Some("node-a"))).await.unwrap().into_inner();
+    let odd2 = ctl.create_volume(create("my data/ü", 1 << 20, Some("node-a"))).await.unwrap().into_inner();
+    assert_eq!(odd.volume.unwrap().volume_id, odd2.volume.unwrap().volume_id);
+
+    // A clone of a volume lives with its source, whatever topology asked for.
+    let mut r = create("v1-clone", 1 << 20, Some("node-a"));
+    r.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
+            volume_id: v1.volume_id.clone(),
+        })),
+    });
+    let c = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
+    assert!(c.volume_id.starts_with("node-b/") && c.capacity_bytes == 1 << 20, "{c:?}");
+    let mut r = create("bad-clone", 1 << 20, None);
+    r.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
+            volume_id: "node-b/nope".into(),
+        })),
+    });
+    assert_eq!(code(ctl.create_volume(r).await), Code::NotFound);
+
+    // ListVolumes: pagination over both nodes, Aborted on a bad token.
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let req = csi::ListVolumesRequest { max_entries: 2, starting_token: token.clone() };
+        let page = ctl.list_volumes(req).await.unwrap().into_inner();
+        assert!(page.entries.len() <= 2);
+        seen.extend(page.entries.into_iter().map(|e| e.volume.unwrap().volume_id));
+        if page.next_token.is_empty() {
+            break;
+        }
+        token = page.next_token;
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(seen.contains(&v1.volume_id) && seen.contains(&c.volume_id));
+    let bad = ctl.list_volumes(csi::ListVolumesRequest { max_entries: 0, starting_token: "zz".into() }).await;
+    assert_eq!(bad.unwrap_err().code(), Code::Aborted);
+
+    // ControllerGetVolume, ValidateVolumeCapabilities.
+    let g = ctl.controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: v1.volume_id.clone() }).await;
+    assert_eq!(g.unwrap().into_inner().volume.unwrap().capacity_bytes, 12_288);
+    let g = ctl.controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: "node-a/missing".into() }).await;
+    assert_eq!(g.unwrap_err().code(), Code::NotFound);
+    let vreq = |vol: &str, mode| csi::ValidateVolumeCapabilitiesRequest {
+        volume_id: vol.into(),
+        volume_capabilities: vec![mount_cap(mode)],
+        ..Default::default()
+    };
+    use csi::volume_capability::access_mode::Mode as M;
+    let ok = ctl.validate_volume_capabilities(vreq(&v1.volume_id, M::SingleNodeWriter)).await.unwrap();
+    assert!(ok.into_inner().confirmed.is_some());
+    let no = ctl.validate_volume_capabilities(vreq(&v1.volume_id, M::MultiNodeMultiWriter)).await.unwrap();
+    let no = no.into_inner();
+    assert!(no.confirmed.is_none() && !no.message.is_empty());
+    let missing = ctl.validate_volume_capabilities(vreq("node-a/missing", M::SingleNodeWriter)).await;
+    assert_eq!(missing.unwrap_err().code(), Code::NotFound);
+
+    // Expand (idempotent; never shrinks), GetCapacity per topology.
+    let grow = |bytes| csi::ControllerExpandVolumeRequest {
+        volume_id: v1.volume_id.clone(),
+        capacity_range: Some(csi::CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+        ..Default::default()
+    };
+    let e = ctl.controller_expand_volume(grow(1 << 21)).await.unwrap().into_inner();
+    assert!(e.capacity_bytes == 1 << 21 && e.node_expansion_required);
+    let e = ctl.controller_expand_volume(grow(4096)).await.unwrap().into_inner();
+    assert_eq!(e.capacity_bytes, 1 << 21);
+    let cap = |node: Option<&str>| csi::GetCapacityRequest {
+        accessible_topology: node
+            .map(|n| csi::Topology { segments: HashMap::from([("topology.ferrite.dev/node".into(), n.into())]) }),
+        ..Default::default()
+    };
+    let ca = ctl.get_capacity(cap(Some("node-a"))).await.unwrap().into_inner().available_capacity;
+    let cb = ctl.get_capacity(cap(Some("node-b"))).await.unwrap().into_inner().available_capacity;
+    let all = ctl.get_capacity(cap(None)).await.unwrap().into_inner().available_capacity;
+    assert!(ca > 0 && cb > 0 && all == ca + cb, "{ca} {cb} {all}");
+    assert_eq!(ctl.get_capacity(cap(Some("node-z"))).await.unwrap().into_inner().available_capacity, 0);
+
+    // DeleteVolume: in use is FailedPrecondition, then deleted; unknown ids succeed.
+    b.ok(&["export", "nbd", "v1"]);
+    let del = |id: &str| csi::DeleteVolumeRequest { volume_id: id.into(), ..Default::default() };
+    assert_eq!(ctl.delete_volume(del(&v1.volume_id)).await.unwrap_err().code(), Code::FailedPrecondition);
+    b.ok(&["export", "stop", "v1"]);
+    ctl.delete_volume(del(&v1.volume_id)).await.unwrap();
+    ctl.delete_volume(del(&v1.volume_id)).await.unwrap();
+    ctl.delete_volume(del("not-an-id")).await.unwrap();
+    ctl.delete_volume(del("node-z/v1")).await.unwrap();
+    assert_eq!(ctl.delete_volume(del("")).await.unwrap_err().code(), Code::InvalidArgument);
+    assert!(!b.ok(&["volume", "list"]).contains("v1 "));
+
+    // Probe says not ready (without failing) once no daemon answers.
+    a.stop();
+    b.stop();
+    assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(false));
+}
