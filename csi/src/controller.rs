@@ -23,11 +23,31 @@ pub struct Controller {
     pub nodes: Arc<dyn NodeDirectory>,
 }
 
-fn require(field: &str, value: &str) -> Result<(), Status> {
+pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
     if value.is_empty() {
         return Err(Status::invalid_argument(format!("{field} is required")));
     }
     Ok(())
+}
+
+/// One page of `all` (in a stable order): the token is the index to start at; a token we did not
+/// hand out is Aborted, as the spec asks.
+pub(crate) fn paginate<T>(mut all: Vec<T>, max_entries: i32, token: &str) -> Result<(Vec<T>, String), Status> {
+    if max_entries < 0 {
+        return Err(Status::invalid_argument("max_entries must not be negative"));
+    }
+    let start: usize = if token.is_empty() {
+        0
+    } else {
+        token.parse().map_err(|_| Status::aborted(format!("bad starting_token {token:?}")))?
+    };
+    if start > all.len() {
+        return Err(Status::aborted(format!("starting_token {start} is past the end ({} entries)", all.len())));
+    }
+    let n = if max_entries == 0 { all.len() } else { usize::try_from(max_entries).unwrap_or(usize::MAX) };
+    let end = start.saturating_add(n).min(all.len());
+    let next = if end < all.len() { end.to_string() } else { String::new() };
+    Ok((all.drain(start..end).collect(), next))
 }
 
 fn topology(node: &str) -> csi::Topology {
@@ -266,16 +286,6 @@ impl csi::controller_server::Controller for Controller {
         req: Request<csi::ListVolumesRequest>,
     ) -> Result<Response<csi::ListVolumesResponse>, Status> {
         let r = req.into_inner();
-        if r.max_entries < 0 {
-            return Err(Status::invalid_argument("max_entries must not be negative"));
-        }
-        let start: usize = if r.starting_token.is_empty() {
-            0
-        } else {
-            r.starting_token
-                .parse()
-                .map_err(|_| Status::aborted(format!("bad starting_token {:?}", r.starting_token)))?
-        };
         // Every node's volumes in (node, name) order: the token is an index into that order.
         let mut all = Vec::new();
         for node in self.nodes.nodes() {
@@ -284,16 +294,9 @@ impl csi::controller_server::Controller for Controller {
             vols.sort_by(|a, b| a.name.cmp(&b.name));
             all.extend(vols.into_iter().map(|v| volume_msg(&node, &v, None)));
         }
-        if start > all.len() {
-            return Err(Status::aborted(format!("starting_token {start} is past the end ({} volumes)", all.len())));
-        }
-        let n = if r.max_entries == 0 { all.len() } else { usize::try_from(r.max_entries).unwrap_or(usize::MAX) };
-        let end = start.saturating_add(n).min(all.len());
-        let next_token = if end < all.len() { end.to_string() } else { String::new() };
-        let entries = all
-            .drain(start..end)
-            .map(|v| csi::list_volumes_response::Entry { volume: Some(v), status: None })
-            .collect();
+        let (page, next_token) = paginate(all, r.max_entries, &r.starting_token)?;
+        let entries =
+            page.into_iter().map(|v| csi::list_volumes_response::Entry { volume: Some(v), status: None }).collect();
         Ok(Response::new(csi::ListVolumesResponse { entries, next_token }))
     }
 
@@ -335,6 +338,9 @@ impl csi::controller_server::Controller for Controller {
             Type::ExpandVolume,
             Type::GetVolume,
             Type::CloneVolume,
+            Type::CreateDeleteSnapshot,
+            Type::ListSnapshots,
+            Type::GetSnapshot,
         ]
         .into_iter()
         .map(|t| csi::ControllerServiceCapability {
@@ -369,6 +375,37 @@ impl csi::controller_server::Controller for Controller {
             capacity_bytes: i64::try_from(v.size).unwrap_or(i64::MAX),
             node_expansion_required: !block,
         }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        req: Request<csi::CreateSnapshotRequest>,
+    ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+        let snapshot = self.create_snapshot_impl(req.into_inner()).await?;
+        Ok(Response::new(csi::CreateSnapshotResponse { snapshot: Some(snapshot) }))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        req: Request<csi::DeleteSnapshotRequest>,
+    ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        self.delete_snapshot_impl(&req.into_inner().snapshot_id).await?;
+        Ok(Response::new(csi::DeleteSnapshotResponse {}))
+    }
+
+    async fn list_snapshots(
+        &self,
+        req: Request<csi::ListSnapshotsRequest>,
+    ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+        Ok(Response::new(self.list_snapshots_impl(req.into_inner()).await?))
+    }
+
+    async fn get_snapshot(
+        &self,
+        req: Request<csi::GetSnapshotRequest>,
+    ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+        let snapshot = self.get_snapshot_impl(&req.into_inner().snapshot_id).await?;
+        Ok(Response::new(csi::GetSnapshotResponse { snapshot: Some(snapshot) }))
     }
 
     async fn controller_get_volume(

@@ -3,16 +3,18 @@
 //! - [`identity`]: plugin info, capabilities, Probe.
 //! - [`controller`]: volumes (create from nothing, a snapshot or a volume; delete; list with
 //!   pagination; get; capacity; validate; expand), placed by topology `topology.ferrite.dev/node`.
+//! - `snapshots`: create (idempotent by name), delete, list (filters, pagination), get.
 //! - [`nodes`]: the node directory (static file today; the seam for the Kubernetes API).
 //! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
 //!
-//! Not yet here: the Node service, snapshots, the group controller and the CSI-Addons services
+//! Not yet here: the Node service, the group controller and the CSI-Addons services
 //! (issue 5 tracks them).
 
 pub mod controller;
 pub mod identity;
 pub mod ids;
 pub mod nodes;
+mod snapshots;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -171,7 +171,7 @@ async fn controller_conformance_across_two_nodes() {
         }
         token = page.next_token;
     }
-    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert_eq!(seen.len(), 3, "{seen:?}"); // v1, its clone, and the odd name
     assert!(seen.contains(&v1.volume_id) && seen.contains(&c.volume_id));
     let bad = ctl.list_volumes(csi::ListVolumesRequest { max_entries: 0, starting_token: "zz".into() }).await;
     assert_eq!(bad.unwrap_err().code(), Code::Aborted);
@@ -215,6 +215,63 @@ async fn controller_conformance_across_two_nodes() {
     let all = ctl.get_capacity(cap(None)).await.unwrap().into_inner().available_capacity;
     assert!(ca > 0 && cb > 0 && all == ca + cb, "{ca} {cb} {all}");
     assert_eq!(ctl.get_capacity(cap(Some("node-z"))).await.unwrap().into_inner().available_capacity, 0);
+
+    // Snapshots: validation, idempotency, filters, pagination, clone from a snapshot, delete.
+    let snap = |name: &str, source: &str| csi::CreateSnapshotRequest {
+        name: name.into(),
+        source_volume_id: source.into(),
+        ..Default::default()
+    };
+    let scode = |r: Result<tonic::Response<csi::CreateSnapshotResponse>, tonic::Status>| r.unwrap_err().code();
+    assert_eq!(scode(ctl.create_snapshot(snap("", &v1.volume_id)).await), Code::InvalidArgument);
+    assert_eq!(scode(ctl.create_snapshot(snap("s1", "")).await), Code::InvalidArgument);
+    assert_eq!(scode(ctl.create_snapshot(snap("s1", "node-a/missing")).await), Code::NotFound);
+    let s1 = ctl.create_snapshot(snap("s1", &v1.volume_id)).await.unwrap().into_inner().snapshot.unwrap();
+    assert!(s1.snapshot_id == "node-b/s1" && s1.source_volume_id == v1.volume_id && s1.ready_to_use, "{s1:?}");
+    assert_eq!(s1.size_bytes, 1 << 21);
+    let again = ctl.create_snapshot(snap("s1", &v1.volume_id)).await.unwrap().into_inner().snapshot.unwrap();
+    assert_eq!(again.snapshot_id, s1.snapshot_id);
+    assert_eq!(scode(ctl.create_snapshot(snap("s1", &c.volume_id)).await), Code::AlreadyExists);
+    ctl.create_snapshot(snap("s2", &c.volume_id)).await.unwrap();
+    let list = |max: i32, token: &str, source: &str, id: &str| csi::ListSnapshotsRequest {
+        max_entries: max,
+        starting_token: token.into(),
+        source_volume_id: source.into(),
+        snapshot_id: id.into(),
+        ..Default::default()
+    };
+    let ids_of = |r: csi::ListSnapshotsResponse| {
+        (r.entries.into_iter().map(|e| e.snapshot.unwrap().snapshot_id).collect::<Vec<_>>(), r.next_token)
+    };
+    let (all_snaps, _) = ids_of(ctl.list_snapshots(list(0, "", "", "")).await.unwrap().into_inner());
+    assert_eq!(all_snaps, vec!["node-b/s1", "node-b/s2"]);
+    let (by_src, _) = ids_of(ctl.list_snapshots(list(0, "", &v1.volume_id, "")).await.unwrap().into_inner());
+    assert_eq!(by_src, vec!["node-b/s1"]);
+    let (by_id, _) = ids_of(ctl.list_snapshots(list(0, "", "", "node-b/s2")).await.unwrap().into_inner());
+    assert_eq!(by_id, vec!["node-b/s2"]);
+    let (none, _) = ids_of(ctl.list_snapshots(list(0, "", "", "garbage")).await.unwrap().into_inner());
+    assert!(none.is_empty());
+    let (first, token) = ids_of(ctl.list_snapshots(list(1, "", "", "")).await.unwrap().into_inner());
+    let (second, end) = ids_of(ctl.list_snapshots(list(1, &token, "", "")).await.unwrap().into_inner());
+    assert_eq!((first.len(), second.len(), end.as_str()), (1, 1, ""));
+    assert_ne!(first, second);
+    assert_eq!(ctl.list_snapshots(list(0, "x", "", "")).await.unwrap_err().code(), Code::Aborted);
+    let get = |id: &str| csi::GetSnapshotRequest { snapshot_id: id.into(), ..Default::default() };
+    assert_eq!(ctl.get_snapshot(get("node-b/s1")).await.unwrap().into_inner().snapshot.unwrap().size_bytes, 1 << 21);
+    assert_eq!(ctl.get_snapshot(get("node-a/s1")).await.unwrap_err().code(), Code::NotFound);
+    let mut r = create("from-s1", 1 << 22, None);
+    r.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
+            snapshot_id: s1.snapshot_id.clone(),
+        })),
+    });
+    let restored = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
+    assert!(restored.volume_id.starts_with("node-b/") && restored.capacity_bytes == 1 << 22, "{restored:?}");
+    let dels = |id: &str| csi::DeleteSnapshotRequest { snapshot_id: id.into(), ..Default::default() };
+    ctl.delete_snapshot(dels("node-b/s2")).await.unwrap();
+    ctl.delete_snapshot(dels("node-b/s2")).await.unwrap();
+    ctl.delete_snapshot(dels("garbage")).await.unwrap();
+    assert_eq!(ctl.delete_snapshot(dels("")).await.unwrap_err().code(), Code::InvalidArgument);
 
     // DeleteVolume: in use is FailedPrecondition, then deleted; unknown ids succeed.
     b.ok(&["export", "nbd", "v1"]);
