@@ -43,6 +43,7 @@ impl csi::identity_server::Identity for Identity {
         let mut capabilities = vec![service(Type::VolumeAccessibilityConstraints)];
         if self.controller {
             capabilities.push(service(Type::ControllerService));
+            capabilities.push(service(Type::GroupControllerService));
         }
         let online = csi::plugin_capability::VolumeExpansion {
             r#type: csi::plugin_capability::volume_expansion::Type::Online as i32,

@@ -7,10 +7,13 @@
 //! - [`nodes`]: the node directory (static file today; the seam for the Kubernetes API).
 //! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
 //!
-//! Not yet here: the Node service, the group controller and the CSI-Addons services
+//! - [`group`]: crash-consistent group snapshots (GroupController).
+//!
+//! Not yet here: the Node service and the CSI-Addons services
 //! (issue 5 tracks them).
 
 pub mod controller;
+pub mod group;
 pub mod identity;
 pub mod ids;
 pub mod nodes;
@@ -78,11 +81,15 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     let listener = bind(&opts.endpoint)?;
     let controller = opts.mode != Mode::Node;
     let identity = identity::Identity { nodes: Arc::clone(&dir), controller };
-    let router = tonic::transport::Server::builder()
-        .add_service(csi::identity_server::IdentityServer::new(identity))
-        .add_optional_service(
-            controller.then(|| csi::controller_server::ControllerServer::new(controller::Controller { nodes: dir })),
-        );
+    let router =
+        tonic::transport::Server::builder()
+            .add_service(csi::identity_server::IdentityServer::new(identity))
+            .add_optional_service(controller.then(|| {
+                csi::controller_server::ControllerServer::new(controller::Controller { nodes: Arc::clone(&dir) })
+            }))
+            .add_optional_service(controller.then(|| {
+                csi::group_controller_server::GroupControllerServer::new(group::GroupController { nodes: dir })
+            }));
     tracing::info!(endpoint = %opts.endpoint.display(), mode = ?opts.mode, node = %opts.node_id, "CSI driver ready");
     let served = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown).await;
     let _ = std::fs::remove_file(&opts.endpoint);

@@ -8,7 +8,7 @@ use crate::controller::{Controller, paginate, require};
 use crate::ids;
 use crate::nodes::admin;
 
-fn snapshot_msg(node: &str, s: &pb::Snapshot) -> csi::Snapshot {
+pub(crate) fn snapshot_msg(node: &str, s: &pb::Snapshot) -> csi::Snapshot {
     csi::Snapshot {
         size_bytes: i64::try_from(s.size).unwrap_or(i64::MAX),
         snapshot_id: ids::make(node, &s.name),

@@ -91,6 +91,7 @@ async fn controller_conformance_across_two_nodes() {
     let _csi = start_csi(dir.path(), &[("node-a", &a), ("node-b", &b)]);
     let ch = channel(&dir.path().join("csi.sock")).await;
     let mut id = csi::identity_client::IdentityClient::new(ch.clone());
+    let ctl_channel = ch.clone();
     let mut ctl = csi::controller_client::ControllerClient::new(ch);
 
     // Identity.
@@ -108,6 +109,7 @@ async fn controller_conformance_across_two_nodes() {
     use csi::plugin_capability::service::Type as S;
     assert!(services.contains(&(S::ControllerService as i32)));
     assert!(services.contains(&(S::VolumeAccessibilityConstraints as i32)));
+    assert!(services.contains(&(S::GroupControllerService as i32)));
     assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
 
     // CreateVolume: required fields and validation first.
@@ -272,6 +274,58 @@ async fn controller_conformance_across_two_nodes() {
     ctl.delete_snapshot(dels("node-b/s2")).await.unwrap();
     ctl.delete_snapshot(dels("garbage")).await.unwrap();
     assert_eq!(ctl.delete_snapshot(dels("")).await.unwrap_err().code(), Code::InvalidArgument);
+
+    // Group snapshots: one node's volumes, one point of the log; idempotent; ids checked.
+    let mut gc = csi::group_controller_client::GroupControllerClient::new(ctl_channel.clone());
+    let gcaps = gc.group_controller_get_capabilities(csi::GroupControllerGetCapabilitiesRequest {}).await.unwrap();
+    assert_eq!(gcaps.into_inner().capabilities.len(), 1);
+    let g1 = ctl.create_volume(create("g1", 1 << 20, Some("node-a"))).await.unwrap().into_inner().volume.unwrap();
+    let g2 = ctl.create_volume(create("g2", 1 << 20, Some("node-a"))).await.unwrap().into_inner().volume.unwrap();
+    let gsreq = |name: &str, vols: &[&str]| csi::CreateVolumeGroupSnapshotRequest {
+        name: name.into(),
+        source_volume_ids: vols.iter().map(|v| v.to_string()).collect(),
+        ..Default::default()
+    };
+    let gs = gc.create_volume_group_snapshot(gsreq("gs1", &[&g1.volume_id, &g2.volume_id])).await.unwrap();
+    let gs = gs.into_inner().group_snapshot.unwrap();
+    assert_eq!(gs.snapshots.len(), 2);
+    assert!(gs.snapshots.iter().all(|s| s.group_snapshot_id == gs.group_snapshot_id && s.ready_to_use));
+    let again = gc.create_volume_group_snapshot(gsreq("gs1", &[&g2.volume_id, &g1.volume_id])).await.unwrap();
+    assert_eq!(again.into_inner().group_snapshot.unwrap().group_snapshot_id, gs.group_snapshot_id);
+    let gerr =
+        |r: Result<tonic::Response<csi::CreateVolumeGroupSnapshotResponse>, tonic::Status>| r.unwrap_err().code();
+    assert_eq!(gerr(gc.create_volume_group_snapshot(gsreq("gs1", &[&g1.volume_id])).await), Code::AlreadyExists);
+    let cross = gsreq("gs2", &[&g1.volume_id, &c.volume_id]);
+    assert_eq!(gerr(gc.create_volume_group_snapshot(cross).await), Code::FailedPrecondition);
+    assert_eq!(gerr(gc.create_volume_group_snapshot(gsreq("gs3", &[])).await), Code::InvalidArgument);
+    let member_ids: Vec<String> = gs.snapshots.iter().map(|s| s.snapshot_id.clone()).collect();
+    let gget = |ids: Vec<String>| csi::GetVolumeGroupSnapshotRequest {
+        group_snapshot_id: gs.group_snapshot_id.clone(),
+        snapshot_ids: ids,
+        ..Default::default()
+    };
+    assert_eq!(
+        gc.get_volume_group_snapshot(gget(member_ids.clone()))
+            .await
+            .unwrap()
+            .into_inner()
+            .group_snapshot
+            .unwrap()
+            .snapshots
+            .len(),
+        2
+    );
+    let wrong = gc.get_volume_group_snapshot(gget(vec![member_ids[0].clone()])).await;
+    assert_eq!(wrong.unwrap_err().code(), Code::InvalidArgument);
+    let gdel = || csi::DeleteVolumeGroupSnapshotRequest {
+        group_snapshot_id: gs.group_snapshot_id.clone(),
+        snapshot_ids: member_ids.clone(),
+        ..Default::default()
+    };
+    gc.delete_volume_group_snapshot(gdel()).await.unwrap();
+    gc.delete_volume_group_snapshot(gdel()).await.unwrap();
+    assert_eq!(gc.get_volume_group_snapshot(gget(vec![])).await.unwrap_err().code(), Code::NotFound);
+    assert!(a.ok(&["group", "list"]).lines().count() <= 1, "the transient group is gone");
 
     // DeleteVolume: in use is FailedPrecondition, then deleted; unknown ids succeed.
     b.ok(&["export", "nbd", "v1"]);
