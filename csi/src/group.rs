@@ -127,17 +127,16 @@ impl csi::group_controller_server::GroupController for GroupController {
                         g.name
                     )));
                 }
-                let group = format!("csi-group-{}", &ids::engine_name(&format!("{name}\u{0}")));
+                // (A digest: the snapshot name may already use all 128 characters.)
+                let group = ids::engine_name(&format!("group of {name}"));
                 let req = pb::CreateGroupRequest { name: group.clone(), volumes: volumes.iter().cloned().collect() };
                 c.create_group(req).await?;
                 (group, true)
             }
         };
         let made = c.create_group_snapshot(pb::CreateGroupSnapshotRequest { group: group.clone(), name }).await;
-        if transient {
-            if let Err(e) = c.delete_group(pb::DeleteGroupRequest { name: group.clone() }).await {
-                tracing::warn!(group, error = %e.message(), "cannot delete the group made for a group snapshot");
-            }
+        if transient && let Err(e) = c.delete_group(pb::DeleteGroupRequest { name: group.clone() }).await {
+            tracing::warn!(group, error = %e.message(), "cannot delete the group made for a group snapshot");
         }
         let g = made?.into_inner();
         tracing::info!(name = %r.name, members = g.members.len(), "CSI group snapshot created");
