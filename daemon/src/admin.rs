@@ -12,7 +12,7 @@ use ferrite_proto::ferrite::v1::admin_server::Admin;
 use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status};
 
-use crate::attach::{self, AttachRecord, Handle, open_image};
+use crate::attach::{AttachRecord, Handle, open_image};
 use crate::config::Config;
 
 /// Maps an engine error to a gRPC status (the one place this happens).
@@ -126,7 +126,7 @@ impl AdminService {
     }
 
     /// Stops an export an attachment made (best effort: the device is already gone).
-    async fn drop_export(&self, name: &str) {
+    pub(crate) async fn drop_export(&self, name: &str) {
         let mut records = self.records.lock().await;
         records.retain(|r| r.name != name);
         self.nbd.exports.remove(name);
@@ -136,7 +136,7 @@ impl AdminService {
     }
 
     /// Starts export `rec` unless the same one runs; true if this call started it.
-    async fn ensure_export(&self, rec: &ExportRecord) -> Result<bool, Status> {
+    pub(crate) async fn ensure_export(&self, rec: &ExportRecord) -> Result<bool, Status> {
         let mut records = self.records.lock().await;
         if let Some(old) = records.iter().find(|x| x.name == rec.name) {
             if old == rec {
@@ -156,6 +156,18 @@ impl AdminService {
         }
         tracing::info!(export = %rec.name, volume = %rec.volume, "export started");
         Ok(true)
+    }
+
+    /// Runs an engine call on the blocking pool.
+    async fn engine<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Pool) -> Result<T, ferrite_engine::Error> + Send + 'static,
+    ) -> Result<T, Status> {
+        let pool = Arc::clone(&self.pool);
+        tokio::task::spawn_blocking(move || f(&pool))
+            .await
+            .map_err(|e| Status::internal(format!("engine task failed: {e}")))?
+            .map_err(status)
     }
 
     fn export_msg(&self, r: &ExportRecord) -> pb::Export {
@@ -189,46 +201,6 @@ impl AdminService {
             chain_depth: info.chain_depth as u64,
             notes: Vec::new(),
         }
-    }
-
-    /// Makes the devices attached to `volume` follow its new size, and says how it went.
-    async fn resize_devices(&self, volume: &str, size: u64) -> Vec<String> {
-        let live = self.attached.lock().await;
-        let mut notes = Vec::new();
-        for (r, h) in live.iter().filter(|(r, _)| r.volume == volume) {
-            let note = match h {
-                Handle::Ublk(d) => match tokio::task::block_in_place(|| d.resize(size)) {
-                    Ok(true) => format!("{} resized online", r.device),
-                    Ok(false) => format!(
-                        "{} keeps its old size until it is detached and attached again \
-                         (this kernel's ublk driver has no UPDATE_SIZE, Linux 6.16+)",
-                        r.device
-                    ),
-                    Err(e) => format!("{}: resize failed: {e}", r.device),
-                },
-                Handle::Nbd => format!("{} keeps its old size until it is detached and attached again", r.device),
-            };
-            tracing::info!(device = %r.device, "{note}");
-            notes.push(note);
-        }
-        notes
-    }
-
-    fn attachment_msg(&self, r: &AttachRecord, detail: String) -> pb::Attachment {
-        let size = open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0);
-        attach::message(r, size, detail)
-    }
-
-    /// Runs an engine call on the blocking pool.
-    async fn engine<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Pool) -> Result<T, ferrite_engine::Error> + Send + 'static,
-    ) -> Result<T, Status> {
-        let pool = Arc::clone(&self.pool);
-        tokio::task::spawn_blocking(move || f(&pool))
-            .await
-            .map_err(|e| Status::internal(format!("engine task failed: {e}")))?
-            .map_err(status)
     }
 }
 
@@ -270,7 +242,7 @@ fn snapshot_of(spec: &str) -> Option<&str> {
     spec.split_once('@').map(|(_, s)| s)
 }
 
-fn require(field: &str, value: &str) -> Result<(), Status> {
+pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
     if value.is_empty() {
         return Err(Status::invalid_argument(format!("{field} is required")));
     }
@@ -626,114 +598,21 @@ impl Admin for AdminService {
             live: after.live,
         }))
     }
-
     async fn attach_volume(&self, req: Request<pb::AttachVolumeRequest>) -> Result<Response<pb::Attachment>, Status> {
-        let r = req.into_inner();
-        require("volume", &r.volume)?;
-        let (transport, detail) = attach::choose_transport(&r.transport)?;
-        let mut opts = self.ublk;
-        if r.queues != 0 {
-            opts.queues = u16::try_from(r.queues).unwrap_or(u16::MAX);
-        }
-        if r.depth != 0 {
-            opts.depth = u16::try_from(r.depth).unwrap_or(u16::MAX);
-        }
-        opts.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let mut live = self.attached.lock().await;
-        if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == r.volume) {
-            return Err(Status::already_exists(format!("{} is already attached as {}", r.volume, old.device)));
-        }
-        let (rec, handle) = if transport == "ublk" {
-            let (pool, spec) = (Arc::clone(&self.pool), r.volume.clone());
-            let dev = tokio::task::spawn_blocking(move || {
-                let v = open_image(&pool, &spec).map_err(status)?;
-                ferrite_ublk::Device::attach(v, &opts).map_err(|e| Status::internal(e.to_string()))
-            })
-            .await
-            .map_err(|e| Status::internal(format!("attach task failed: {e}")))??;
-            let rec = AttachRecord {
-                volume: r.volume.clone(),
-                transport: transport.into(),
-                device: dev.path().display().to_string(),
-                index: dev.id(),
-                read_only: dev.is_read_only(),
-                export: None,
-            };
-            (rec, Handle::Ublk(dev))
-        } else {
-            let name = r.volume.clone();
-            let export =
-                ExportRecord { name: name.clone(), volume: r.volume.clone(), read_only: r.volume.contains('@') };
-            let created = self.ensure_export(&export).await?;
-            let sock = self.cfg.nbd_socket.clone();
-            let a = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::attach(&sock, &name))
-                .await
-                .map_err(|e| Status::internal(format!("attach task failed: {e}")))?
-                .map_err(|e| Status::failed_precondition(format!("kernel NBD attach: {e}")));
-            let a = match a {
-                Ok(a) => a,
-                Err(e) => {
-                    if created {
-                        self.drop_export(&export.name).await;
-                    }
-                    return Err(e);
-                }
-            };
-            let rec = AttachRecord {
-                volume: r.volume.clone(),
-                transport: transport.into(),
-                device: a.device.display().to_string(),
-                index: a.index,
-                read_only: a.read_only,
-                export: created.then_some(export.name),
-            };
-            (rec, Handle::Nbd)
-        };
-        tracing::info!(volume = %rec.volume, device = %rec.device, transport, %detail, "volume attached");
-        let msg = self.attachment_msg(&rec, detail);
-        live.push((rec, handle));
-        if let Err(e) = attach::save(&self.cfg.data_dir, &live) {
-            tracing::error!(error = %e, "cannot save the attachment list; a restart will not recover this device");
-        }
-        Ok(Response::new(msg))
+        self.attach(req.into_inner()).await.map(Response::new)
     }
 
     async fn detach_volume(
         &self,
         req: Request<pb::DetachVolumeRequest>,
     ) -> Result<Response<pb::DetachVolumeResponse>, Status> {
-        let device = req.into_inner().device;
-        require("device", &device)?;
-        let mut live = self.attached.lock().await;
-        let Some(i) = live.iter().position(|(r, _)| r.device == device || r.volume == device) else {
-            return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
-        };
-        let (rec, handle) = &mut live[i];
-        let index = rec.index;
-        let done = match handle {
-            Handle::Ublk(d) => tokio::task::block_in_place(|| d.detach()),
-            Handle::Nbd => tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
-                .await
-                .map_err(|e| Status::internal(format!("detach task failed: {e}")))?,
-        };
-        done.map_err(|e| Status::internal(format!("detaching {}: {e}", rec.device)))?;
-        let (rec, _) = live.remove(i);
-        if let Some(export) = &rec.export {
-            self.drop_export(export).await;
-        }
-        if let Err(e) = attach::save(&self.cfg.data_dir, &live) {
-            tracing::error!(error = %e, "cannot save the attachment list");
-        }
-        tracing::info!(volume = %rec.volume, device = %rec.device, "volume detached");
-        Ok(Response::new(pb::DetachVolumeResponse {}))
+        self.detach(&req.into_inner().device).await.map(Response::new)
     }
 
     async fn list_attachments(
         &self,
         _: Request<pb::ListAttachmentsRequest>,
     ) -> Result<Response<pb::ListAttachmentsResponse>, Status> {
-        let live = self.attached.lock().await;
-        let attachments = live.iter().map(|(r, _)| self.attachment_msg(r, String::new())).collect();
-        Ok(Response::new(pb::ListAttachmentsResponse { attachments }))
+        Ok(Response::new(self.attachments().await))
     }
 }

@@ -4,12 +4,15 @@
 //! (USER_RECOVERY) instead of leaving them hung.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferrite_engine::{ErrorKind, Pool, Volume};
 use ferrite_proto::ferrite::v1 as pb;
 use serde::{Deserialize, Serialize};
 use tonic::Status;
+
+use crate::admin::{AdminService, ExportRecord, require, status};
 
 /// How long a daemon exit waits for ublk requests already in the engine.
 const FREEZE_LIMIT: Duration = Duration::from_secs(30);
@@ -141,5 +144,140 @@ pub fn message(r: &AttachRecord, size: u64, detail: String) -> pb::Attachment {
         read_only: r.read_only,
         size,
         detail,
+    }
+}
+
+/// The attachment RPCs (the `Admin` trait methods delegate here).
+impl AdminService {
+    /// Makes the devices attached to `volume` follow its new size, and says how it went.
+    pub(crate) async fn resize_devices(&self, volume: &str, size: u64) -> Vec<String> {
+        let live = self.attached.lock().await;
+        let mut notes = Vec::new();
+        for (r, h) in live.iter().filter(|(r, _)| r.volume == volume) {
+            let note = match h {
+                Handle::Ublk(d) => match tokio::task::block_in_place(|| d.resize(size)) {
+                    Ok(true) => format!("{} resized online", r.device),
+                    Ok(false) => format!(
+                        "{} keeps its old size until it is detached and attached again \
+                         (this kernel's ublk driver has no UPDATE_SIZE, Linux 6.16+)",
+                        r.device
+                    ),
+                    Err(e) => format!("{}: resize failed: {e}", r.device),
+                },
+                Handle::Nbd => format!("{} keeps its old size until it is detached and attached again", r.device),
+            };
+            tracing::info!(device = %r.device, "{note}");
+            notes.push(note);
+        }
+        notes
+    }
+
+    fn attachment_msg(&self, r: &AttachRecord, detail: String) -> pb::Attachment {
+        let size = open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0);
+        message(r, size, detail)
+    }
+
+    /// AttachVolume: ublk where the kernel has it (or as asked), else the kernel NBD client.
+    pub(crate) async fn attach(&self, r: pb::AttachVolumeRequest) -> Result<pb::Attachment, Status> {
+        require("volume", &r.volume)?;
+        let (transport, detail) = choose_transport(&r.transport)?;
+        let mut opts = self.ublk;
+        if r.queues != 0 {
+            opts.queues = u16::try_from(r.queues).unwrap_or(u16::MAX);
+        }
+        if r.depth != 0 {
+            opts.depth = u16::try_from(r.depth).unwrap_or(u16::MAX);
+        }
+        opts.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut live = self.attached.lock().await;
+        if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == r.volume) {
+            return Err(Status::already_exists(format!("{} is already attached as {}", r.volume, old.device)));
+        }
+        let (rec, handle) = if transport == "ublk" {
+            let (pool, spec) = (Arc::clone(&self.pool), r.volume.clone());
+            let dev = tokio::task::spawn_blocking(move || {
+                let v = open_image(&pool, &spec).map_err(status)?;
+                ferrite_ublk::Device::attach(v, &opts).map_err(|e| Status::internal(e.to_string()))
+            })
+            .await
+            .map_err(|e| Status::internal(format!("attach task failed: {e}")))??;
+            let rec = AttachRecord {
+                volume: r.volume.clone(),
+                transport: transport.into(),
+                device: dev.path().display().to_string(),
+                index: dev.id(),
+                read_only: dev.is_read_only(),
+                export: None,
+            };
+            (rec, Handle::Ublk(dev))
+        } else {
+            let name = r.volume.clone();
+            let export =
+                ExportRecord { name: name.clone(), volume: r.volume.clone(), read_only: r.volume.contains('@') };
+            let created = self.ensure_export(&export).await?;
+            let sock = self.cfg.nbd_socket.clone();
+            let a = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::attach(&sock, &name))
+                .await
+                .map_err(|e| Status::internal(format!("attach task failed: {e}")))?
+                .map_err(|e| Status::failed_precondition(format!("kernel NBD attach: {e}")));
+            let a = match a {
+                Ok(a) => a,
+                Err(e) => {
+                    if created {
+                        self.drop_export(&export.name).await;
+                    }
+                    return Err(e);
+                }
+            };
+            let rec = AttachRecord {
+                volume: r.volume.clone(),
+                transport: transport.into(),
+                device: a.device.display().to_string(),
+                index: a.index,
+                read_only: a.read_only,
+                export: created.then_some(export.name),
+            };
+            (rec, Handle::Nbd)
+        };
+        tracing::info!(volume = %rec.volume, device = %rec.device, transport, %detail, "volume attached");
+        let msg = self.attachment_msg(&rec, detail);
+        live.push((rec, handle));
+        if let Err(e) = save(&self.cfg.data_dir, &live) {
+            tracing::error!(error = %e, "cannot save the attachment list; a restart will not recover this device");
+        }
+        Ok(msg)
+    }
+
+    /// DetachVolume, by device path or volume name.
+    pub(crate) async fn detach(&self, device: &str) -> Result<pb::DetachVolumeResponse, Status> {
+        require("device", device)?;
+        let mut live = self.attached.lock().await;
+        let Some(i) = live.iter().position(|(r, _)| r.device == device || r.volume == device) else {
+            return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
+        };
+        let (rec, handle) = &mut live[i];
+        let index = rec.index;
+        let done = match handle {
+            Handle::Ublk(d) => tokio::task::block_in_place(|| d.detach()),
+            Handle::Nbd => tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
+                .await
+                .map_err(|e| Status::internal(format!("detach task failed: {e}")))?,
+        };
+        done.map_err(|e| Status::internal(format!("detaching {}: {e}", rec.device)))?;
+        let (rec, _) = live.remove(i);
+        if let Some(export) = &rec.export {
+            self.drop_export(export).await;
+        }
+        if let Err(e) = save(&self.cfg.data_dir, &live) {
+            tracing::error!(error = %e, "cannot save the attachment list");
+        }
+        tracing::info!(volume = %rec.volume, device = %rec.device, "volume detached");
+        Ok(pb::DetachVolumeResponse {})
+    }
+
+    pub(crate) async fn attachments(&self) -> pb::ListAttachmentsResponse {
+        let live = self.attached.lock().await;
+        let attachments = live.iter().map(|(r, _)| self.attachment_msg(r, String::new())).collect();
+        pb::ListAttachmentsResponse { attachments }
     }
 }
