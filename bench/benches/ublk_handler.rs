@@ -2,43 +2,26 @@
 //! sector, sector count) in, the completion value out, on the io_uring file backend. The same
 //! workloads as direct engine calls run alongside, so the handler's own cost shows as a ratio.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use ferrite_bench::{WORKLOADS, Workload, prefill, run, setup};
+use ferrite_bench::{WORKLOADS, Workload, prefill, run, run_with, setup};
 use ferrite_engine::Volume;
 use ferrite_ublk::Request;
 use libublk::sys;
 
 const VOL: u64 = 256 << 20;
 
-/// Like `ferrite_bench::run`, but every I/O is a decoded ublk descriptor.
+/// Every I/O of `w` as a decoded ublk descriptor, executed by the handler.
 fn run_descriptors(vol: &Volume, w: Workload, ops: u64) -> Duration {
     let sectors = u32::try_from(w.block >> 9).expect("block");
-    let slots = VOL / w.block as u64;
     let op = if w.write { sys::UBLK_IO_OP_WRITE } else { sys::UBLK_IO_OP_READ };
-    let issued = AtomicU64::new(0);
-    let start = Instant::now();
-    std::thread::scope(|s| {
-        for t in 0..w.qd {
-            let (vol, issued) = (vol.clone(), &issued);
-            s.spawn(move || {
-                let mut buf = vec![0xA5u8; 512 << 10];
-                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ ((t as u64 + 1) << 32);
-                while issued.fetch_add(1, Ordering::Relaxed) < ops {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let slot = if w.random { x % slots } else { t as u64 };
-                    let req = Request::decode(op, slot * w.block as u64 / 512, sectors).expect("decode");
-                    let res = req.execute(&vol, &mut buf);
-                    assert_eq!(res, i32::try_from(w.block).expect("block"));
-                }
-            });
-        }
-    });
-    start.elapsed()
+    let expect = i32::try_from(w.block).expect("block");
+    run_with(vol, w, ops, Duration::from_secs(3600), |vol, off, buf| {
+        let req = Request::decode(op, off / 512, sectors).expect("decode");
+        assert_eq!(req.execute(vol, buf), expect);
+    })
+    .1
 }
 
 fn ublk_handler(c: &mut Criterion) {

@@ -78,13 +78,31 @@ fn next(x: &mut u64) -> u64 {
 
 /// Runs `w` until `ops` requests complete or `limit` passes; returns (requests, elapsed).
 pub fn run(vol: &Volume, w: Workload, ops: u64, limit: Duration) -> (u64, Duration) {
+    run_with(vol, w, ops, limit, |vol, off, buf| {
+        if w.write {
+            vol.write(off, buf).expect("bench write");
+        } else {
+            vol.read(off, buf).expect("bench read");
+        }
+    })
+}
+
+/// Like [`run`], with `io(volume, offset, buffer of w.block bytes)` doing each request (the
+/// ublk handler bench sends them through a ublk descriptor instead).
+pub fn run_with(
+    vol: &Volume,
+    w: Workload,
+    ops: u64,
+    limit: Duration,
+    io: impl Fn(&Volume, u64, &mut [u8]) + Sync,
+) -> (u64, Duration) {
     let size = vol.size().expect("size");
     let slots = size / w.block as u64;
     let issued = AtomicU64::new(0);
     let start = Instant::now();
     std::thread::scope(|s| {
         for t in 0..w.qd {
-            let (vol, issued) = (vol.clone(), &issued);
+            let (vol, issued, io) = (vol.clone(), &issued, &io);
             s.spawn(move || {
                 let mut buf = vec![0xA5u8; w.block];
                 let mut x = 0x1234_5678_9ABC_DEF1u64 ^ ((t as u64 + 1) << 32);
@@ -94,12 +112,7 @@ pub fn run(vol: &Volume, w: Workload, ops: u64, limit: Duration) -> (u64, Durati
                         break;
                     }
                     let slot = if w.random { next(&mut x) % slots } else { n % slots };
-                    let off = slot * w.block as u64;
-                    if w.write {
-                        vol.write(off, &buf).expect("bench write");
-                    } else {
-                        vol.read(off, &mut buf).expect("bench read");
-                    }
+                    io(&vol, slot * w.block as u64, &mut buf);
                 }
             });
         }

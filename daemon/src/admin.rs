@@ -2,7 +2,7 @@
 //! pool, so a slow catalog change never stalls the runtime or the data path. Engine errors
 //! become gRPC statuses here and nowhere else.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferrite_engine::{ErrorKind, Image, Pool, format_uuid};
@@ -55,22 +55,30 @@ fn exports_file(cfg: &Config) -> PathBuf {
     cfg.data_dir.join("exports.json")
 }
 
-/// Loads persisted exports; a missing file is an empty list.
-pub fn load_exports(cfg: &Config) -> anyhow::Result<Vec<ExportRecord>> {
-    let p = exports_file(cfg);
-    match std::fs::read(&p) {
+/// Reads a list kept as JSON in the data directory; a missing file is an empty list.
+pub fn load_list<T: serde::de::DeserializeOwned>(p: &Path) -> anyhow::Result<Vec<T>> {
+    match std::fs::read(p) {
         Ok(b) => Ok(serde_json::from_slice(&b).map_err(|e| anyhow::anyhow!("parsing {}: {e}", p.display()))?),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
         Err(e) => Err(anyhow::anyhow!("reading {}: {e}", p.display())),
     }
 }
 
-fn save_exports(cfg: &Config, records: &[ExportRecord]) -> std::io::Result<()> {
-    let p = exports_file(cfg);
+/// Replaces such a list durably: a synced temporary file renamed over the old one.
+pub fn save_list<T: Serialize>(p: &Path, items: &[T]) -> std::io::Result<()> {
     let tmp = p.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(records).expect("serialisable"))?;
+    std::fs::write(&tmp, serde_json::to_vec_pretty(items).expect("serialisable"))?;
     std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, &p)
+    std::fs::rename(&tmp, p)
+}
+
+/// Loads persisted exports.
+pub fn load_exports(cfg: &Config) -> anyhow::Result<Vec<ExportRecord>> {
+    load_list(&exports_file(cfg))
+}
+
+fn save_exports(cfg: &Config, records: &[ExportRecord]) -> std::io::Result<()> {
+    save_list(&exports_file(cfg), records)
 }
 
 /// Publishes an export on the NBD server: a volume, or `volume@snapshot` (read-only).

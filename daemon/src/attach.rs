@@ -12,7 +12,7 @@ use ferrite_proto::ferrite::v1 as pb;
 use serde::{Deserialize, Serialize};
 use tonic::Status;
 
-use crate::admin::{AdminService, ExportRecord, require, status};
+use crate::admin::{AdminService, ExportRecord, load_list, require, save_list, status};
 
 /// How long a daemon exit waits for ublk requests already in the engine.
 const FREEZE_LIMIT: Duration = Duration::from_secs(30);
@@ -64,21 +64,12 @@ pub fn attachments_file(data_dir: &Path) -> PathBuf {
 }
 
 pub fn load(data_dir: &Path) -> anyhow::Result<Vec<AttachRecord>> {
-    let p = attachments_file(data_dir);
-    match std::fs::read(&p) {
-        Ok(b) => Ok(serde_json::from_slice(&b).map_err(|e| anyhow::anyhow!("parsing {}: {e}", p.display()))?),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(anyhow::anyhow!("reading {}: {e}", p.display())),
-    }
+    load_list(&attachments_file(data_dir))
 }
 
 pub fn save(data_dir: &Path, live: &[(AttachRecord, Handle)]) -> std::io::Result<()> {
     let records: Vec<&AttachRecord> = live.iter().map(|(r, _)| r).collect();
-    let p = attachments_file(data_dir);
-    let tmp = p.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&records).expect("serialisable"))?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, &p)
+    save_list(&attachments_file(data_dir), &records)
 }
 
 /// The transport to use for `wanted` ("", "auto", "ublk", "nbd"), and why.
