@@ -1,0 +1,79 @@
+# Sourced by the guest test scripts: the daemon, CLI helpers, fio verification and the
+# filesystem lifecycle both transports share. Callers set D (a scratch dir) and DEV_PREFIX (the
+# device path `ferrite attach` must produce, e.g. /dev/ublkb).
+FERRITE=${FERRITE:-$(cat .vm-ferrite 2>/dev/null || echo /root/.cache/ferrite/target/debug/ferrite)}
+export FERRITE_ADMIN_SOCKET=$D/admin.sock
+f() { timeout 120 "$FERRITE" "$@"; }
+step() { echo "== $*"; }
+live() { f -o json pool status | sed -n 's/.*"live":\([0-9]*\).*/\1/p'; }
+sums() { (cd "$1" && find . -type f -print0 | sort -z | xargs -0 sha256sum); }
+
+# start_daemon CONFIG-LINES: (re)starts the daemon on $D, appending to its log; sets DAEMON.
+start_daemon() {
+  [ -f $D/ferrite.toml ] || printf '%b' "$1" > $D/ferrite.toml
+  "$FERRITE" daemon --config $D/ferrite.toml --data-dir $D >> $D/daemon.log 2>&1 &
+  DAEMON=$!
+  for _ in $(seq 300); do "$FERRITE" pool status >/dev/null 2>&1 && return 0; sleep 0.2; done
+  echo "daemon did not start"; cat $D/daemon.log; exit 1
+}
+
+# attach VOLUME [ARGS]: sets DEV to the device `ferrite attach` made (its stderr goes to ours).
+attach() {
+  DEV=$(f attach "$@"); test -b "$DEV"
+  case $DEV in "$DEV_PREFIX"*) ;; *) echo "expected a $DEV_PREFIX device, got $DEV"; exit 1;; esac
+}
+detach() { f detach "$1" >/dev/null; }
+
+# fio_verify DEVICE: crc32c-verified random 4k and sequential 128k writes.
+fio_verify() {
+  local v="--ioengine=libaio --direct=1 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --eta=never --output=/dev/null"
+  timeout 300 fio --name=v --filename="$1" --rw=randwrite --bs=4k --iodepth=16 --size=32M $v
+  timeout 300 fio --name=s --filename="$1" --rw=write --bs=128k --iodepth=4 --offset=64M --size=32M $v
+}
+
+write_tree() {
+  for i in $(seq 40); do
+    mkdir -p "$1/d$((i % 5))"
+    head -c $((i * 37 * 1024)) /dev/urandom > "$1/d$((i % 5))/f$i"
+  done
+  head -c 24M /dev/urandom > "$1/big"
+}
+
+# fs_lifecycle FS (ext4|xfs): mkfs, files, detach, re-attach, compare; delete, fstrim, reclaim.
+fs_lifecycle() {
+  local fs=$1
+  step "$fs: mkfs, files, detach, re-attach, compare"
+  f volume create "$fs" 512M >/dev/null
+  attach "$fs" 2>/dev/null
+  if [ "$fs" = ext4 ]; then mkfs.ext4 -q -F "$DEV"; else mkfs.xfs -q -f "$DEV"; fi
+  mkdir -p /mnt/$fs; mount "$DEV" /mnt/$fs
+  write_tree /mnt/$fs
+  sums /mnt/$fs > /tmp/$fs.sums
+  sync; umount /mnt/$fs; detach "$DEV"
+  attach "$fs" 2>/dev/null; mount "$DEV" /mnt/$fs
+  (cd /mnt/$fs && sha256sum --quiet -c /tmp/$fs.sums)
+  step "$fs: delete files, fstrim, reclaim"
+  local before after
+  before=$(live)
+  rm -rf /mnt/$fs/big /mnt/$fs/d1 /mnt/$fs/d2; sync
+  fstrim -v /mnt/$fs
+  f pool reclaim >/dev/null
+  after=$(live)
+  echo "live bytes: $before -> $after"
+  [ "$after" -lt $((before - 20 * 1024 * 1024)) ] || { echo "fstrim gave back too little"; exit 1; }
+  umount /mnt/$fs; detach "$DEV"
+}
+
+# snapshot_mount: snapshots the ext4 volume as s1, attaches it and mounts it read-only at /mnt/snap.
+snapshot_mount() {
+  f snapshot create ext4 s1 >/dev/null
+  attach ext4@s1 2>/dev/null
+  [ "$(blockdev --getro "$DEV")" = 1 ] || { echo "snapshot device is writable"; exit 1; }
+  mkdir -p /mnt/snap; mount -o ro,noload "$DEV" /mnt/snap
+  test -f /mnt/snap/d0/f5
+}
+
+stop_daemon() {
+  kill -TERM $DAEMON
+  wait $DAEMON || { echo "daemon exited with $?"; cat $D/daemon.log; exit 1; }
+}
