@@ -8,14 +8,19 @@
 //! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
 //!
 //! - [`group`]: crash-consistent group snapshots (GroupController).
+//! - [`node`]: stage (attach, mkfs if blank, mount), publish (bind), expand, stats; `host` runs
+//!   the mount table and the host tools.
+//! - `busy`: one operation per volume at a time (Aborted for the second).
 //!
-//! Not yet here: the Node service and the CSI-Addons services
-//! (issue 5 tracks them).
+//! Not yet here: the CSI-Addons services (issue 5 tracks them).
 
+mod busy;
 pub mod controller;
 pub mod group;
+mod host;
 pub mod identity;
 pub mod ids;
+pub mod node;
 pub mod nodes;
 mod snapshots;
 
@@ -47,6 +52,10 @@ pub struct Options {
     pub admin_socket: PathBuf,
     /// The node directory file (controller mode; in all mode it defaults to this node alone).
     pub node_directory: Option<PathBuf>,
+    /// How the node attaches volumes: auto (ublk if the kernel has it, else NBD), ublk or nbd.
+    pub transport: String,
+    /// What NodeGetInfo reports as the most volumes this node takes.
+    pub max_volumes: i64,
 }
 
 impl Options {
@@ -80,6 +89,13 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     let dir = opts.directory()?;
     let listener = bind(&opts.endpoint)?;
     let controller = opts.mode != Mode::Node;
+    let node = (opts.mode != Mode::Controller).then(|| node::Node {
+        node_id: opts.node_id.clone(),
+        nodes: Arc::clone(&dir),
+        transport: opts.transport.clone(),
+        max_volumes: opts.max_volumes,
+        busy: busy::Busy::default(),
+    });
     let identity = identity::Identity { nodes: Arc::clone(&dir), controller };
     let router =
         tonic::transport::Server::builder()
@@ -89,7 +105,8 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
             }))
             .add_optional_service(controller.then(|| {
                 csi::group_controller_server::GroupControllerServer::new(group::GroupController { nodes: dir })
-            }));
+            }))
+            .add_optional_service(node.map(csi::node_server::NodeServer::new));
     tracing::info!(endpoint = %opts.endpoint.display(), mode = ?opts.mode, node = %opts.node_id, "CSI driver ready");
     let served = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown).await;
     let _ = std::fs::remove_file(&opts.endpoint);

@@ -155,7 +155,16 @@ impl AdminService {
                     ),
                     Err(e) => format!("{}: resize failed: {e}", r.device),
                 },
-                Handle::Nbd => format!("{} keeps its old size until it is detached and attached again", r.device),
+                Handle::Nbd => {
+                    let index = r.index;
+                    match tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size)).await {
+                        Ok(Ok(())) => format!("{} resized online", r.device),
+                        Ok(Err(e)) => {
+                            format!("{}: resize failed ({e}); it keeps its old size until re-attached", r.device)
+                        }
+                        Err(e) => format!("{}: resize task failed: {e}", r.device),
+                    }
+                }
             };
             tracing::info!(device = %r.device, "{note}");
             notes.push(note);

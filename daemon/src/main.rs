@@ -54,6 +54,12 @@ enum Cmd {
         /// TOML file mapping node names to their daemons' admin sockets (controller mode).
         #[arg(long)]
         node_directory: Option<PathBuf>,
+        /// How the node attaches volumes: auto (ublk where the kernel has it, else kernel NBD), ublk, nbd.
+        #[arg(long, default_value = "auto")]
+        attach_transport: String,
+        /// The most volumes this node takes (reported by NodeGetInfo).
+        #[arg(long, default_value_t = 128)]
+        max_volumes: i64,
     },
     /// Manage volumes.
     #[command(subcommand)]
@@ -216,7 +222,7 @@ fn main() {
             }
             Err(e) => return exit(Err(e)),
         },
-        Cmd::Csi { mode, endpoint, node_id, node_directory } => {
+        Cmd::Csi { mode, endpoint, node_id, node_directory, attach_transport, max_volumes } => {
             init_logging("info");
             let node_id = if node_id.is_empty() { hostname() } else { node_id.clone() };
             let opts = ferrite_csi::Options {
@@ -229,6 +235,8 @@ fn main() {
                 node_id,
                 admin_socket: cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock")),
                 node_directory: node_directory.clone(),
+                transport: attach_transport.clone(),
+                max_volumes: *max_volumes,
             };
             return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));
         }

@@ -4,82 +4,11 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::Daemon;
+use common::csi::{channel, code, create, mount_cap, start_csi};
 use ferrite_proto::csi::v1 as csi;
 use tonic::Code;
-use tonic::transport::Channel;
-
-struct Csi {
-    child: Child,
-}
-
-impl Drop for Csi {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_csi(dir: &Path, nodes: &[(&str, &Daemon)]) -> Csi {
-    let directory = dir.join("nodes.toml");
-    let mut text = String::from("[nodes]\n");
-    for (name, d) in nodes {
-        text.push_str(&format!("{name} = {:?}\n", d.admin().display().to_string()));
-    }
-    std::fs::write(&directory, text).unwrap();
-    let log = std::fs::File::create(dir.join("csi.log")).unwrap();
-    let child = Command::new(common::BIN)
-        .args(["csi", "--mode", "controller", "--endpoint"])
-        .arg(dir.join("csi.sock"))
-        .arg("--node-directory")
-        .arg(&directory)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    Csi { child }
-}
-
-async fn channel(sock: &Path) -> Channel {
-    let start = Instant::now();
-    loop {
-        if let Ok(c) = ferrite_proto::connect_unix(sock).await {
-            return c;
-        }
-        assert!(start.elapsed() < Duration::from_secs(30), "CSI endpoint did not come up");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn mount_cap(mode: csi::volume_capability::access_mode::Mode) -> csi::VolumeCapability {
-    csi::VolumeCapability {
-        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
-        access_type: Some(csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume {
-            fs_type: "ext4".into(),
-            ..Default::default()
-        })),
-    }
-}
-
-fn on_node(node: &str) -> Option<csi::TopologyRequirement> {
-    let t = csi::Topology { segments: HashMap::from([("topology.ferrite.dev/node".into(), node.into())]) };
-    Some(csi::TopologyRequirement { requisite: vec![t.clone()], preferred: vec![t] })
-}
-
-fn create(name: &str, bytes: i64, node: Option<&str>) -> csi::CreateVolumeRequest {
-    csi::CreateVolumeRequest {
-        name: name.into(),
-        capacity_range: Some(csi::CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
-        volume_capabilities: vec![mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)],
-        accessibility_requirements: node.and_then(on_node),
-        ..Default::default()
-    }
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn controller_conformance_across_two_nodes() {
@@ -88,7 +17,7 @@ async fn controller_conformance_across_two_nodes() {
     std::fs::create_dir_all(&da).unwrap();
     std::fs::create_dir_all(&db).unwrap();
     let (mut a, mut b) = (Daemon::start(&da), Daemon::start(&db));
-    let _csi = start_csi(dir.path(), &[("node-a", &a), ("node-b", &b)]);
+    let _csi = start_csi(dir.path(), &[("node-a", &a), ("node-b", &b)], &["--mode", "controller"]);
     let ch = channel(&dir.path().join("csi.sock")).await;
     let mut id = csi::identity_client::IdentityClient::new(ch.clone());
     let ctl_channel = ch.clone();
@@ -113,7 +42,6 @@ async fn controller_conformance_across_two_nodes() {
     assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
 
     // CreateVolume: required fields and validation first.
-    let code = |r: Result<tonic::Response<csi::CreateVolumeResponse>, tonic::Status>| r.unwrap_err().code();
     assert_eq!(code(ctl.create_volume(create("", 1 << 20, None)).await), Code::InvalidArgument);
     let mut r = create("v1", 1 << 20, None);
     r.volume_capabilities.clear();

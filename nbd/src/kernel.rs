@@ -15,6 +15,7 @@ use crate::proto::*;
 // include/uapi/linux/nbd-netlink.h and genetlink.h
 const NBD_CMD_CONNECT: u8 = 1;
 const NBD_CMD_DISCONNECT: u8 = 2;
+const NBD_CMD_RECONFIGURE: u8 = 3;
 const NBD_ATTR_INDEX: u16 = 1;
 const NBD_ATTR_SIZE_BYTES: u16 = 2;
 const NBD_ATTR_BLOCK_SIZE_BYTES: u16 = 3;
@@ -258,6 +259,17 @@ pub fn detach(index: u32) -> io::Result<()> {
     let mut body = Vec::new();
     attr(&mut body, NBD_ATTR_INDEX, &index.to_ne_bytes());
     nl.request(family, NBD_CMD_DISCONNECT, &body).map(|_| ())
+}
+
+/// Sets the size of the live `/dev/nbd<index>` (after its export grew): `NBD_CMD_RECONFIGURE`
+/// with a new size, which the kernel applies online (Linux 5.3+) and announces to the disk.
+pub fn resize(index: u32, size: u64) -> io::Result<()> {
+    let nl = Genl::open()?;
+    let family = nl.nbd_family()?;
+    let mut body = Vec::new();
+    attr(&mut body, NBD_ATTR_INDEX, &index.to_ne_bytes());
+    attr(&mut body, NBD_ATTR_SIZE_BYTES, &size.to_ne_bytes());
+    nl.request(family, NBD_CMD_RECONFIGURE, &body).map(|_| ())
 }
 
 /// The device index of a `/dev/nbdN` path (or a bare `N`).

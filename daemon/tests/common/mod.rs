@@ -1,6 +1,8 @@
 //! Runs the real `ferrite` binary: a daemon in a temporary data directory, and CLI calls.
 #![allow(dead_code)]
 
+pub mod csi;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};

@@ -1,0 +1,403 @@
+//! CSI Node: this node's volumes as block devices (ublk where the kernel has it, else the kernel
+//! NBD client; the local daemon attaches them), formatted if blank and mounted at the staging
+//! path, then bind-mounted at each publish target (or, for raw block, the device node bound onto
+//! a file). Stateless like the controller: the daemon's attachment list says which device a volume
+//! has, and the mount table says what is staged or published where.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ferrite_proto::csi::v1 as csi;
+use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::admin_client::AdminClient;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status};
+
+use crate::busy::Busy;
+use crate::controller::{TOPOLOGY_KEY, check_capabilities, require};
+use crate::host;
+use crate::ids;
+use crate::nodes::{self, NodeDirectory};
+
+#[derive(Debug)]
+pub struct Node {
+    pub node_id: String,
+    pub nodes: Arc<dyn NodeDirectory>,
+    /// What AttachVolume is asked for: auto, ublk or nbd.
+    pub transport: String,
+    pub max_volumes: i64,
+    pub busy: Busy,
+}
+
+fn internal(what: &str) -> impl Fn(std::io::Error) -> Status + '_ {
+    move |e| Status::internal(format!("{what}: {e}"))
+}
+
+/// A filesystem volume's type and mount flags.
+struct Fs {
+    kind: String,
+    flags: Vec<String>,
+}
+
+/// The one capability a Node call carries, checked: a filesystem (None: raw block), and whether
+/// the access mode is read-only.
+fn capability(cap: Option<&csi::VolumeCapability>) -> Result<(Option<Fs>, bool), Status> {
+    let cap = cap.ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
+    check_capabilities(std::slice::from_ref(cap)).map_err(Status::invalid_argument)?;
+    use csi::volume_capability::access_mode::Mode;
+    let read_only = cap.access_mode.as_ref().is_some_and(|m| m.mode == Mode::SingleNodeReaderOnly as i32);
+    Ok(match &cap.access_type {
+        Some(csi::volume_capability::AccessType::Mount(m)) => {
+            let kind = if m.fs_type.is_empty() { "ext4".to_owned() } else { m.fs_type.clone() };
+            (Some(Fs { kind, flags: m.mount_flags.clone() }), read_only)
+        }
+        _ => (None, read_only),
+    })
+}
+
+impl Node {
+    /// The engine name of a volume of this node; NotFound for any other id.
+    fn local<'a>(&self, volume_id: &'a str) -> Result<&'a str, Status> {
+        let (node, name) =
+            ids::parse(volume_id).ok_or_else(|| Status::not_found(format!("no volume {volume_id:?}")))?;
+        if node != self.node_id {
+            return Err(Status::not_found(format!(
+                "volume {volume_id} lives on node {node}, not on this node ({})",
+                self.node_id
+            )));
+        }
+        Ok(name)
+    }
+
+    async fn admin(&self) -> Result<AdminClient<Channel>, Status> {
+        nodes::admin(&*self.nodes, &self.node_id).await
+    }
+
+    async fn attachment(c: &mut AdminClient<Channel>, name: &str) -> Result<Option<pb::Attachment>, Status> {
+        let all = c.list_attachments(pb::ListAttachmentsRequest {}).await?.into_inner();
+        Ok(all.attachments.into_iter().find(|a| a.volume == name))
+    }
+
+    /// The device of a staged volume; FailedPrecondition when it is not staged.
+    async fn staged_device(&self, name: &str) -> Result<PathBuf, Status> {
+        let mut c = self.admin().await?;
+        match Self::attachment(&mut c, name).await? {
+            Some(a) => Ok(PathBuf::from(a.device)),
+            None => Err(Status::failed_precondition(format!("volume {name} is not staged on this node"))),
+        }
+    }
+}
+
+/// Creates a publish target: a directory for mounts, an empty file for a device node bind.
+fn create_target(target: &Path, block: bool) -> Result<(), Status> {
+    let made = if block {
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(target).map(drop)
+    } else {
+        std::fs::create_dir_all(target)
+    };
+    made.map_err(|e| Status::internal(format!("creating target {}: {e}", target.display())))
+}
+
+/// Everything except `except` that still shows `device` (publish targets, other mounts).
+fn other_users(device: &Path, except: &Path) -> Result<Vec<PathBuf>, Status> {
+    let mut users = Vec::new();
+    for m in host::mounts().map_err(internal("reading the mount table"))? {
+        if m.target != except && host::shows_device(&m, device).map_err(internal("checking the device"))? {
+            users.push(m.target);
+        }
+    }
+    Ok(users)
+}
+
+#[tonic::async_trait]
+impl csi::node_server::Node for Node {
+    async fn node_stage_volume(
+        &self,
+        request: Request<csi::NodeStageVolumeRequest>,
+    ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
+        let r = request.into_inner();
+        require("volume_id", &r.volume_id)?;
+        require("staging_target_path", &r.staging_target_path)?;
+        let (mount, read_only) = capability(r.volume_capability.as_ref())?;
+        let name = self.local(&r.volume_id)?;
+        let _busy = self.busy.begin(&r.volume_id)?;
+        let mut c = self.admin().await?;
+        c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
+        let device = match Self::attachment(&mut c, name).await? {
+            Some(a) => PathBuf::from(a.device),
+            None => {
+                let req = pb::AttachVolumeRequest {
+                    volume: name.into(),
+                    transport: self.transport.clone(),
+                    ..Default::default()
+                };
+                let a = c.attach_volume(req).await?.into_inner();
+                tracing::info!(volume = %r.volume_id, device = %a.device, transport = %a.transport, "volume attached");
+                PathBuf::from(a.device)
+            }
+        };
+        let Some(Fs { kind: fs, flags }) = mount else {
+            return Ok(Response::new(csi::NodeStageVolumeResponse {})); // raw block: the device is the stage
+        };
+        let staging = Path::new(&r.staging_target_path);
+        if let Some(m) = host::mounted_at(staging).map_err(internal("reading the mount table"))? {
+            if host::shows_device(&m, &device).map_err(internal("checking the device"))? && m.fs_type == fs {
+                return Ok(Response::new(csi::NodeStageVolumeResponse {}));
+            }
+            return Err(Status::already_exists(format!(
+                "{} already has a {} mount that is not this volume's {fs}",
+                staging.display(),
+                m.fs_type
+            )));
+        }
+        match host::content(&device).await? {
+            None => {
+                tracing::info!(volume = %r.volume_id, device = %device.display(), fs, "blank volume: formatting");
+                host::mkfs(&device, &fs).await?;
+            }
+            Some(found) if found == fs => {}
+            Some(found) => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {} holds a {found} filesystem, not the {fs} the capability asks for",
+                    r.volume_id
+                )));
+            }
+        }
+        std::fs::create_dir_all(staging).map_err(internal("creating the staging path"))?;
+        host::mount(&device, staging, &fs, &flags, read_only).await?;
+        // A volume expanded while it was not staged: its filesystem takes the new size now.
+        if !read_only && let Err(e) = host::grow(&fs, &device, staging).await {
+            tracing::warn!(volume = %r.volume_id, error = %e.message(), "could not grow the filesystem at stage");
+        }
+        tracing::info!(volume = %r.volume_id, staging = %staging.display(), fs, "volume staged");
+        Ok(Response::new(csi::NodeStageVolumeResponse {}))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<csi::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
+        let r = request.into_inner();
+        require("volume_id", &r.volume_id)?;
+        require("staging_target_path", &r.staging_target_path)?;
+        let name = self.local(&r.volume_id)?;
+        let _busy = self.busy.begin(&r.volume_id)?;
+        let staging = Path::new(&r.staging_target_path);
+        let mut c = self.admin().await?;
+        let attachment = Self::attachment(&mut c, name).await?;
+        if let Some(a) = &attachment {
+            let users = other_users(Path::new(&a.device), staging)?;
+            if !users.is_empty() {
+                return Err(Status::failed_precondition(format!(
+                    "volume {} is still published at {users:?}; unpublish it first",
+                    r.volume_id
+                )));
+            }
+        }
+        host::unmount_all(staging).await?;
+        if let Some(a) = attachment {
+            match c.detach_volume(pb::DetachVolumeRequest { device: a.device.clone() }).await {
+                Ok(_) => tracing::info!(volume = %r.volume_id, device = %a.device, "volume detached"),
+                Err(e) if e.code() == Code::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<csi::NodePublishVolumeRequest>,
+    ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
+        let r = request.into_inner();
+        require("volume_id", &r.volume_id)?;
+        require("staging_target_path", &r.staging_target_path)?;
+        require("target_path", &r.target_path)?;
+        let (mount, ro_mode) = capability(r.volume_capability.as_ref())?;
+        let read_only = r.readonly || ro_mode;
+        let name = self.local(&r.volume_id)?;
+        let _busy = self.busy.begin(&r.volume_id)?;
+        let device = self.staged_device(name).await?;
+        let (target, staging) = (Path::new(&r.target_path), Path::new(&r.staging_target_path));
+        let source = match &mount {
+            None => device.clone(),
+            Some(_) => {
+                let staged = host::mounted_at(staging).map_err(internal("reading the mount table"))?;
+                match staged {
+                    Some(m) if host::shows_device(&m, &device).map_err(internal("checking the device"))? => {}
+                    _ => {
+                        return Err(Status::failed_precondition(format!(
+                            "volume {} is not staged at {}",
+                            r.volume_id,
+                            staging.display()
+                        )));
+                    }
+                }
+                staging.to_path_buf()
+            }
+        };
+        if let Some(m) = host::mounted_at(target).map_err(internal("reading the mount table"))? {
+            if host::shows_device(&m, &device).map_err(internal("checking the device"))? && m.read_only == read_only {
+                return Ok(Response::new(csi::NodePublishVolumeResponse {}));
+            }
+            return Err(Status::already_exists(format!(
+                "{} is already published with other settings (read-only {}, another volume or access type)",
+                target.display(),
+                m.read_only
+            )));
+        }
+        create_target(target, mount.is_none())?;
+        host::bind(&source, target, read_only).await?;
+        tracing::info!(volume = %r.volume_id, target = %target.display(), read_only, "volume published");
+        Ok(Response::new(csi::NodePublishVolumeResponse {}))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<csi::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
+        let r = request.into_inner();
+        require("volume_id", &r.volume_id)?;
+        require("target_path", &r.target_path)?;
+        self.local(&r.volume_id)?;
+        let _busy = self.busy.begin(&r.volume_id)?;
+        let target = Path::new(&r.target_path);
+        host::unmount_all(target).await?;
+        let removed = match std::fs::symlink_metadata(target) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir(target),
+            Ok(_) => std::fs::remove_file(target),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        };
+        removed.map_err(|e| Status::internal(format!("removing target {}: {e}", target.display())))?;
+        Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
+        use csi::volume_usage::Unit;
+        let r = request.into_inner();
+        require("volume_id", &r.volume_id)?;
+        require("volume_path", &r.volume_path)?;
+        let name = self.local(&r.volume_id)?;
+        let path = Path::new(&r.volume_path);
+        let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Status::not_found(format!("{} does not exist", path.display())),
+            _ => Status::internal(format!("{}: {e}", path.display())),
+        })?;
+        let mut c = self.admin().await?;
+        c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
+        let attachment = Self::attachment(&mut c, name).await?;
+        let mounted = host::mounted_at(path).map_err(internal("reading the mount table"))?;
+        let problem = match (&attachment, &mounted) {
+            (None, _) => Some("the volume is not attached to a block device".to_owned()),
+            (Some(a), Some(m)) if !host::shows_device(m, Path::new(&a.device)).unwrap_or(false) => {
+                Some(format!("{} does not show {}", path.display(), a.device))
+            }
+            (Some(_), None) => Some(format!("nothing is mounted at {}", path.display())),
+            (Some(a), Some(_)) => match host::device_size(Path::new(&a.device)) {
+                Ok(0) | Err(_) => Some(format!("{} has no capacity", a.device)),
+                Ok(_) => None,
+            },
+        };
+        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let usage = if meta.is_dir() {
+            let u = host::usage(path).map_err(internal("statvfs"))?;
+            vec![
+                csi::VolumeUsage {
+                    available: as_i64(u.bytes_available),
+                    total: as_i64(u.bytes_total),
+                    used: as_i64(u.bytes_used),
+                    unit: Unit::Bytes as i32,
+                },
+                csi::VolumeUsage {
+                    available: as_i64(u.inodes_free),
+                    total: as_i64(u.inodes_total),
+                    used: as_i64(u.inodes_used),
+                    unit: Unit::Inodes as i32,
+                },
+            ]
+        } else {
+            let total = attachment.as_ref().and_then(|a| host::device_size(Path::new(&a.device)).ok()).unwrap_or(0);
+            vec![csi::VolumeUsage { available: 0, total: as_i64(total), used: 0, unit: Unit::Bytes as i32 }]
+        };
+        let volume_condition = Some(csi::VolumeCondition {
+            abnormal: problem.is_some(),
+            message: problem.unwrap_or_else(|| "attached and mounted".into()),
+        });
+        Ok(Response::new(csi::NodeGetVolumeStatsResponse { usage, volume_condition }))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        request: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let r = request.into_inner();
+        require("volume_id", &r.volume_id)?;
+        require("volume_path", &r.volume_path)?;
+        let name = self.local(&r.volume_id)?;
+        let _busy = self.busy.begin(&r.volume_id)?;
+        let mut c = self.admin().await?;
+        let volume = c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?.into_inner();
+        let required = r.capacity_range.as_ref().map_or(0, |c| u64::try_from(c.required_bytes).unwrap_or(0));
+        if required > volume.size {
+            return Err(Status::failed_precondition(format!(
+                "volume {} is {} bytes, less than the {required} asked for: ControllerExpandVolume first",
+                r.volume_id, volume.size
+            )));
+        }
+        let device = self.staged_device(name).await?;
+        let size = host::device_size(&device).map_err(internal("reading the device size"))?;
+        if size < volume.size {
+            return Err(Status::failed_precondition(format!(
+                "{} still has {size} of the volume's {} bytes: this kernel cannot grow it online \
+                 (ublk UPDATE_SIZE needs Linux 6.16); it takes the new size when it is staged again",
+                device.display(),
+                volume.size
+            )));
+        }
+        let path = Path::new(&r.volume_path);
+        let mounted = host::mounted_at(path).map_err(internal("reading the mount table"))?;
+        if let Some(m) = mounted.filter(|m| m.fs_type != "devtmpfs") {
+            host::grow(&m.fs_type, &device, path).await?;
+            tracing::info!(volume = %r.volume_id, size, fs = %m.fs_type, "filesystem grown online");
+        }
+        Ok(Response::new(csi::NodeExpandVolumeResponse { capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX) }))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _: Request<csi::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
+        use csi::node_service_capability::rpc::Type;
+        let capabilities = [
+            Type::StageUnstageVolume,
+            Type::GetVolumeStats,
+            Type::ExpandVolume,
+            Type::VolumeCondition,
+            Type::SingleNodeMultiWriter,
+        ]
+        .into_iter()
+        .map(|t| csi::NodeServiceCapability {
+            r#type: Some(csi::node_service_capability::Type::Rpc(csi::node_service_capability::Rpc {
+                r#type: t as i32,
+            })),
+        })
+        .collect();
+        Ok(Response::new(csi::NodeGetCapabilitiesResponse { capabilities }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _: Request<csi::NodeGetInfoRequest>,
+    ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
+        let segments = [(TOPOLOGY_KEY.to_owned(), self.node_id.clone())].into();
+        Ok(Response::new(csi::NodeGetInfoResponse {
+            node_id: self.node_id.clone(),
+            max_volumes_per_node: self.max_volumes,
+            accessible_topology: Some(csi::Topology { segments }),
+        }))
+    }
+}

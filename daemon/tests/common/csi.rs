@@ -1,0 +1,94 @@
+//! A `ferrite csi` process and request builders shared by the CSI tests.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferrite_proto::csi::v1 as csi;
+use tonic::transport::Channel;
+
+use super::{BIN, Daemon};
+
+pub struct Csi {
+    child: Child,
+}
+
+impl Drop for Csi {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `ferrite csi ARGS` on `dir/csi.sock` with a node directory of `nodes`.
+pub fn start_csi(dir: &Path, nodes: &[(&str, &Daemon)], args: &[&str]) -> Csi {
+    let directory = dir.join("nodes.toml");
+    let mut text = String::from("[nodes]\n");
+    for (name, d) in nodes {
+        text.push_str(&format!("{name} = {:?}\n", d.admin().display().to_string()));
+    }
+    std::fs::write(&directory, text).unwrap();
+    let log = std::fs::File::create(dir.join("csi.log")).unwrap();
+    let child = Command::new(BIN)
+        .arg("csi")
+        .args(args)
+        .arg("--endpoint")
+        .arg(dir.join("csi.sock"))
+        .arg("--node-directory")
+        .arg(&directory)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    Csi { child }
+}
+
+pub async fn channel(sock: &Path) -> Channel {
+    let start = Instant::now();
+    loop {
+        if let Ok(c) = ferrite_proto::connect_unix(sock).await {
+            return c;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "CSI endpoint did not come up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub fn mount_cap(mode: csi::volume_capability::access_mode::Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume {
+            fs_type: "ext4".into(),
+            ..Default::default()
+        })),
+    }
+}
+
+pub fn on_node(node: &str) -> Option<csi::TopologyRequirement> {
+    let t = csi::Topology { segments: HashMap::from([("topology.ferrite.dev/node".into(), node.into())]) };
+    Some(csi::TopologyRequirement { requisite: vec![t.clone()], preferred: vec![t] })
+}
+
+pub fn create(name: &str, bytes: i64, node: Option<&str>) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(csi::CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+        volume_capabilities: vec![mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)],
+        accessibility_requirements: node.and_then(on_node),
+        ..Default::default()
+    }
+}
+
+pub fn block_cap(mode: csi::volume_capability::access_mode::Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(csi::volume_capability::AccessType::Block(Default::default())),
+    }
+}
+
+/// The status code of a call that must fail.
+pub fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
+    r.unwrap_err().code()
+}
