@@ -20,7 +20,9 @@ cargo test --workspace --doc --locked -q
 if [ "${FERRITE_VM:-1}" != 0 ]; then
   step "VM tier: Ferrite volumes as ublk and kernel NBD devices in one QEMU guest (TCG, ~4 min)"
   echo "$CARGO_TARGET_DIR/debug/ferrite" > .vm-ferrite
-  trap 'rm -f .vm-ferrite' EXIT
+  cargo test --workspace --locked --no-run --test csi_node --message-format=json 2>/dev/null |
+    sed -n 's/.*"executable":"\([^"]*\/csi_node-[^"]*\)".*/\1/p' > .vm-csi-node
+  trap 'rm -f .vm-ferrite .vm-csi-node' EXIT
   VM_TIMEOUT=1500 bash tests/vm/run.sh tests/vm/guest.sh
 else
   echo "SKIPPED: VM tier (FERRITE_VM=0)" >&2

@@ -98,15 +98,31 @@ fn create_target(target: &Path, block: bool) -> Result<(), Status> {
     made.map_err(|e| Status::internal(format!("creating target {}: {e}", target.display())))
 }
 
-/// Everything except `except` that still shows `device` (publish targets, other mounts).
-fn other_users(device: &Path, except: &Path) -> Result<Vec<PathBuf>, Status> {
+/// The mounts other than at `except` that still show `device` (publish targets, other mounts).
+fn other_users(device: &Path, except: &Path) -> Result<Vec<host::Mount>, Status> {
     let mut users = Vec::new();
     for m in host::mounts().map_err(internal("reading the mount table"))? {
         if m.target != except && host::shows_device(&m, device).map_err(internal("checking the device"))? {
-            users.push(m.target);
+            users.push(m);
         }
     }
     Ok(users)
+}
+
+/// A read-only bind of a device node does not stop writes through it (the mount flag covers
+/// files, not devices), so a read-only raw block publish makes the device itself read-only; a
+/// device is then read-only for all its publishes or for none.
+async fn set_device_read_only(device: &Path, target: &Path, read_only: bool) -> Result<(), Status> {
+    let others = other_users(device, target)?;
+    if let Some(m) = others.iter().find(|m| m.read_only != read_only) {
+        return Err(Status::failed_precondition(format!(
+            "{} is published {} at {}; a raw block volume is read-only for all its publishes or none",
+            device.display(),
+            if m.read_only { "read-only" } else { "read-write" },
+            m.target.display()
+        )));
+    }
+    host::run("blockdev", &[if read_only { "--setro" } else { "--setrw" }, &device.to_string_lossy()]).await.map(drop)
 }
 
 #[tonic::async_trait]
@@ -186,7 +202,8 @@ impl csi::node_server::Node for Node {
         let mut c = self.admin().await?;
         let attachment = Self::attachment(&mut c, name).await?;
         if let Some(a) = &attachment {
-            let users = other_users(Path::new(&a.device), staging)?;
+            let users: Vec<PathBuf> =
+                other_users(Path::new(&a.device), staging)?.into_iter().map(|m| m.target).collect();
             if !users.is_empty() {
                 return Err(Status::failed_precondition(format!(
                     "volume {} is still published at {users:?}; unpublish it first",
@@ -246,6 +263,9 @@ impl csi::node_server::Node for Node {
                 m.read_only
             )));
         }
+        if mount.is_none() {
+            set_device_read_only(&device, target, read_only).await?;
+        }
         create_target(target, mount.is_none())?;
         host::bind(&source, target, read_only).await?;
         tracing::info!(volume = %r.volume_id, target = %target.display(), read_only, "volume published");
@@ -262,7 +282,15 @@ impl csi::node_server::Node for Node {
         self.local(&r.volume_id)?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let target = Path::new(&r.target_path);
+        let shown = host::mounted_at(target).map_err(internal("reading the mount table"))?;
         host::unmount_all(target).await?;
+        // The last publish of a read-only raw block device gives the device its writability back.
+        if let Some(m) = shown.filter(|m| m.fs_type == "devtmpfs" && m.read_only) {
+            let device = Path::new("/dev").join(m.root.trim_start_matches('/'));
+            if other_users(&device, target)?.is_empty() {
+                host::run("blockdev", &["--setrw", &device.to_string_lossy()]).await?;
+            }
+        }
         let removed = match std::fs::symlink_metadata(target) {
             Ok(m) if m.is_dir() => std::fs::remove_dir(target),
             Ok(_) => std::fs::remove_file(target),

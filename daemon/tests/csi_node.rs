@@ -73,10 +73,7 @@ async fn node_service_checks_and_errors_without_kernel_devices() {
     let rpcs: Vec<i32> = caps
         .capabilities
         .iter()
-        .filter_map(|c| match &c.r#type {
-            Some(csi::node_service_capability::Type::Rpc(r)) => Some(r.r#type),
-            None => None,
-        })
+        .filter_map(|c| c.r#type.as_ref().map(|csi::node_service_capability::Type::Rpc(r)| r.r#type))
         .collect();
     for t in [Type::StageUnstageVolume, Type::GetVolumeStats, Type::ExpandVolume, Type::VolumeCondition] {
         assert!(rpcs.contains(&(t as i32)), "{t:?} missing from {rpcs:?}");
@@ -169,4 +166,312 @@ async fn node_service_checks_and_errors_without_kernel_devices() {
     a.stop();
     assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(false));
     assert_eq!(code(node.node_stage_volume(stage("node-a/v1", &staging, w())).await), Code::Unavailable);
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so two trees can be compared byte for byte.
+fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()[0]
+        })
+        .collect()
+}
+
+fn write_tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files = Vec::new();
+    for i in 0..24u64 {
+        let rel = format!("d{}/f{i}", i % 4);
+        let data = bytes(i, usize::try_from(i * 29 * 1024 + 100).unwrap());
+        std::fs::create_dir_all(dir.join(format!("d{}", i % 4))).unwrap();
+        std::fs::write(dir.join(&rel), &data).unwrap();
+        files.push((rel, data));
+    }
+    files.push(("big".into(), bytes(99, 12 << 20)));
+    std::fs::write(dir.join("big"), &files.last().unwrap().1).unwrap();
+    assert!(std::process::Command::new("sync").status().unwrap().success());
+    files
+}
+
+fn check_tree(dir: &Path, files: &[(String, Vec<u8>)]) {
+    for (rel, data) in files {
+        assert!(std::fs::read(dir.join(rel)).unwrap() == *data, "{} differs", dir.join(rel).display());
+    }
+}
+
+fn is_read_only(err: std::io::Error) -> bool {
+    const EROFS: i32 = 30;
+    err.raw_os_error() == Some(EROFS)
+}
+
+struct Lifecycle {
+    dir: tempfile::TempDir,
+    daemon: Daemon,
+    ctl: csi::controller_client::ControllerClient<tonic::transport::Channel>,
+    node: csi::node_client::NodeClient<tonic::transport::Channel>,
+}
+
+impl Lifecycle {
+    fn path(&self, p: &str) -> std::path::PathBuf {
+        self.dir.path().join(p)
+    }
+
+    fn transport(&self) -> &'static str {
+        if self.daemon.ok(&["attachments"]).contains("ublk") { "ublk" } else { "nbd" }
+    }
+
+    async fn create(&mut self, name: &str, bytes: i64, cap: csi::VolumeCapability, source: Option<String>) -> String {
+        let mut r = common::csi::create(name, bytes, Some("node-a"));
+        r.volume_capabilities = vec![cap];
+        r.volume_content_source = source.map(|snapshot_id| csi::VolumeContentSource {
+            r#type: Some(csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
+                snapshot_id,
+            })),
+        });
+        self.ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap().volume_id
+    }
+
+    async fn snapshot(&mut self, name: &str, volume_id: &str) -> String {
+        let r =
+            csi::CreateSnapshotRequest { source_volume_id: volume_id.into(), name: name.into(), ..Default::default() };
+        self.ctl.create_snapshot(r).await.unwrap().into_inner().snapshot.unwrap().snapshot_id
+    }
+
+    async fn stage(&mut self, id: &str, staging: &str, cap: &csi::VolumeCapability) {
+        let staging = self.path(staging);
+        self.node.node_stage_volume(stage(id, &staging, cap.clone())).await.unwrap();
+    }
+
+    async fn publish(&mut self, id: &str, staging: &str, target: &str, cap: &csi::VolumeCapability, ro: bool) {
+        let mut r = publish(id, &self.path(staging), &self.path(target), cap.clone());
+        r.readonly = ro;
+        self.node.node_publish_volume(r).await.unwrap();
+    }
+
+    async fn unpublish(&mut self, id: &str, target: &str) {
+        let r = csi::NodeUnpublishVolumeRequest {
+            volume_id: id.into(),
+            target_path: self.path(target).display().to_string(),
+        };
+        self.node.node_unpublish_volume(r.clone()).await.unwrap();
+        self.node.node_unpublish_volume(r).await.unwrap(); // idempotent
+        assert!(!self.path(target).exists());
+    }
+
+    async fn unstage(&mut self, id: &str, staging: &str) {
+        let r = csi::NodeUnstageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: self.path(staging).display().to_string(),
+        };
+        self.node.node_unstage_volume(r.clone()).await.unwrap();
+        self.node.node_unstage_volume(r).await.unwrap(); // idempotent
+    }
+
+    async fn stats(&mut self, id: &str, path: &str) -> csi::NodeGetVolumeStatsResponse {
+        let r = csi::NodeGetVolumeStatsRequest {
+            volume_id: id.into(),
+            volume_path: self.path(path).display().to_string(),
+            staging_target_path: String::new(),
+        };
+        self.node.node_get_volume_stats(r).await.unwrap().into_inner()
+    }
+
+    /// ControllerExpandVolume, then NodeExpandVolume on `path`. Online where the device can grow
+    /// live (kernel NBD; ublk with UPDATE_SIZE); otherwise the node says so and the next stage
+    /// applies the size, which `restage` does.
+    async fn expand(&mut self, id: &str, path: &str, bytes: i64, cap: &csi::VolumeCapability) -> bool {
+        let r = csi::ControllerExpandVolumeRequest {
+            volume_id: id.into(),
+            capacity_range: Some(csi::CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        };
+        let done = self.ctl.controller_expand_volume(r).await.unwrap().into_inner();
+        assert_eq!(done.capacity_bytes, bytes);
+        let r = csi::NodeExpandVolumeRequest {
+            volume_id: id.into(),
+            volume_path: self.path(path).display().to_string(),
+            capacity_range: Some(csi::CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        };
+        match self.node.node_expand_volume(r).await {
+            Ok(r) => {
+                assert_eq!(r.into_inner().capacity_bytes, bytes);
+                true
+            }
+            Err(e) => {
+                assert_eq!(self.transport(), "ublk", "only ublk before Linux 6.16 cannot grow online: {e:?}");
+                assert!(e.code() == Code::FailedPrecondition && e.message().contains("UPDATE_SIZE"), "{e:?}");
+                println!("   ublk here cannot grow online: {}", e.message());
+                false
+            }
+        }
+    }
+}
+
+fn total_bytes(s: &csi::NodeGetVolumeStatsResponse) -> i64 {
+    s.usage.iter().find(|u| u.unit == csi::volume_usage::Unit::Bytes as i32).unwrap().total
+}
+
+/// Stage → publish (rw and ro) → files → snapshot → clone staged elsewhere → files match →
+/// expand while mounted → unpublish/unstage idempotent, for a filesystem volume.
+async fn filesystem_lifecycle(l: &mut Lifecycle, fs: &str) {
+    println!("== {fs} volume");
+    let mut cap = mount_cap(Mode::SingleNodeWriter);
+    if let Some(csi::volume_capability::AccessType::Mount(m)) = &mut cap.access_type {
+        m.fs_type = fs.into();
+    }
+    // mkfs.xfs wants at least 300 MB.
+    let id = l.create(&format!("{fs}-vol"), 320 << 20, cap.clone(), None).await;
+    // A second stage while the first is still running is Aborted (attach + mkfs take seconds).
+    let first = {
+        let mut node = l.node.clone();
+        let r = stage(&id, &l.path("s1"), cap.clone());
+        tokio::spawn(async move { node.node_stage_volume(r).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert_eq!(code(l.node.node_stage_volume(stage(&id, &l.path("s1"), cap.clone())).await), Code::Aborted);
+    first.await.unwrap().unwrap();
+    println!("   attached over {}", l.transport());
+    l.stage(&id, "s1", &cap).await; // idempotent
+    l.publish(&id, "s1", "t1", &cap, false).await;
+    l.publish(&id, "s1", "t1", &cap, false).await; // idempotent
+    let mut r = publish(&id, &l.path("s1"), &l.path("t1"), cap.clone());
+    r.readonly = true;
+    assert_eq!(code(l.node.node_publish_volume(r).await), Code::AlreadyExists);
+    l.publish(&id, "s1", "t2", &cap, true).await;
+    let files = write_tree(&l.path("t1"));
+    check_tree(&l.path("t2"), &files);
+    assert!(is_read_only(std::fs::write(l.path("t2/new"), b"x").unwrap_err()));
+
+    let s = l.stats(&id, "t1").await;
+    let cond = s.volume_condition.clone().unwrap();
+    assert!(!cond.abnormal, "{cond:?}");
+    let before = total_bytes(&s);
+    assert!(before > 200 << 20 && s.usage.iter().any(|u| u.used > 12 << 20), "{s:?}");
+
+    println!("   snapshot, clone, stage the clone elsewhere");
+    let snap = l.snapshot(&format!("{fs}-snap"), &id).await;
+    let clone = l.create(&format!("{fs}-clone"), 320 << 20, cap.clone(), Some(snap.clone())).await;
+    l.stage(&clone, "s2", &cap).await;
+    l.publish(&clone, "s2", "t3", &cap, false).await;
+    check_tree(&l.path("t3"), &files);
+    std::fs::write(l.path("t3/only-in-clone"), b"clone").unwrap();
+    assert!(!l.path("t1/only-in-clone").exists());
+
+    println!("   expand while mounted");
+    if !l.expand(&id, "t1", 640 << 20, &cap).await {
+        l.unpublish(&id, "t2").await;
+        l.unpublish(&id, "t1").await;
+        l.unstage(&id, "s1").await;
+        l.stage(&id, "s1", &cap).await;
+        l.publish(&id, "s1", "t1", &cap, false).await;
+    }
+    let after = total_bytes(&l.stats(&id, "t1").await);
+    assert!(after > before + (250 << 20), "filesystem did not grow: {before} → {after}");
+    check_tree(&l.path("t1"), &files);
+
+    println!("   teardown: unstage refuses while published; everything idempotent");
+    let r = csi::NodeUnstageVolumeRequest {
+        volume_id: clone.clone(),
+        staging_target_path: l.path("s2").display().to_string(),
+    };
+    assert_eq!(code(l.node.node_unstage_volume(r).await), Code::FailedPrecondition);
+    l.unpublish(&clone, "t3").await;
+    l.unstage(&clone, "s2").await;
+    if l.path("t2").exists() {
+        l.unpublish(&id, "t2").await;
+    }
+    l.unpublish(&id, "t1").await;
+    l.unstage(&id, "s1").await;
+    assert!(!l.daemon.ok(&["attachments"]).contains(&format!("{fs}-")), "{}", l.daemon.ok(&["attachments"]));
+    for v in [&clone, &id] {
+        l.ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: v.clone(), ..Default::default() }).await.unwrap();
+    }
+    l.ctl.delete_snapshot(csi::DeleteSnapshotRequest { snapshot_id: snap, ..Default::default() }).await.unwrap();
+}
+
+/// The same for a raw block volume: the device node bound onto a file.
+async fn block_lifecycle(l: &mut Lifecycle) {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    println!("== raw block volume");
+    let cap = block_cap(Mode::SingleNodeWriter);
+    let id = l.create("blk-vol", 64 << 20, cap.clone(), None).await;
+    l.stage(&id, "s3", &cap).await;
+    l.stage(&id, "s3", &cap).await;
+    l.publish(&id, "s3", "t4", &cap, false).await;
+    l.publish(&id, "s3", "t4", &cap, false).await;
+    let data = bytes(7, 4 << 20);
+    let mut f = std::fs::OpenOptions::new().write(true).open(l.path("t4")).unwrap();
+    f.seek(SeekFrom::Start(1 << 20)).unwrap();
+    f.write_all(&data).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let read_at = |p: &Path| {
+        let mut f = std::fs::File::open(p).unwrap();
+        f.seek(SeekFrom::Start(1 << 20)).unwrap();
+        let mut got = vec![0; 4 << 20];
+        f.read_exact(&mut got).unwrap();
+        got
+    };
+    // Read-only for every publish of the device or for none.
+    let mut r = publish(&id, &l.path("s3"), &l.path("t5"), cap.clone());
+    r.readonly = true;
+    assert_eq!(code(l.node.node_publish_volume(r).await), Code::FailedPrecondition);
+    assert!(!l.path("t5").exists());
+    l.unpublish(&id, "t4").await;
+    l.publish(&id, "s3", "t5", &cap, true).await;
+    assert!(read_at(&l.path("t5")) == data);
+    let refused = match std::fs::OpenOptions::new().write(true).open(l.path("t5")) {
+        Err(e) => e.raw_os_error(),
+        Ok(mut f) => f.write_all(&data[..4096]).and_then(|()| f.sync_all()).err().and_then(|e| e.raw_os_error()),
+    };
+    assert!(matches!(refused, Some(1 | 13 | 30)), "a read-only publish took a write: {refused:?}"); // EPERM, EACCES, EROFS
+    assert_eq!(
+        code(l.node.node_publish_volume(publish(&id, &l.path("s3"), &l.path("t4"), cap.clone())).await),
+        Code::FailedPrecondition
+    );
+    l.unpublish(&id, "t5").await;
+    l.publish(&id, "s3", "t4", &cap, false).await;
+    std::fs::OpenOptions::new().write(true).open(l.path("t4")).unwrap().write_all(&data[..4096]).unwrap();
+    let s = l.stats(&id, "t4").await;
+    assert_eq!(total_bytes(&s), 64 << 20);
+    assert!(!s.volume_condition.unwrap().abnormal);
+
+    let snap = l.snapshot("blk-snap", &id).await;
+    let clone = l.create("blk-clone", 64 << 20, cap.clone(), Some(snap.clone())).await;
+    l.stage(&clone, "s4", &cap).await;
+    l.publish(&clone, "s4", "t6", &cap, false).await;
+    assert!(read_at(&l.path("t6")) == data);
+
+    if l.expand(&id, "t4", 128 << 20, &cap).await {
+        assert_eq!(total_bytes(&l.stats(&id, "t4").await), 128 << 20);
+    }
+    for (v, t, s) in [(&clone, "t6", "s4"), (&id, "t4", "s3")] {
+        l.unpublish(v, t).await;
+        l.unstage(v, s).await;
+    }
+    assert!(!l.daemon.ok(&["attachments"]).contains("blk-"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs root and kernel block devices (ublk or nbd): the VM tier runs it (tests/vm/csi_node.sh)"]
+async fn node_lifecycle_on_block_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let da = dir.path().join("a");
+    std::fs::create_dir_all(&da).unwrap();
+    let daemon = Daemon::start(&da);
+    let _csi = start_csi(dir.path(), &[("node-a", &daemon)], &["--mode", "all", "--node-id", "node-a"]);
+    let ch = channel(&dir.path().join("csi.sock")).await;
+    let ctl = csi::controller_client::ControllerClient::new(ch.clone());
+    let node = csi::node_client::NodeClient::new(ch);
+    let mut l = Lifecycle { dir, daemon, ctl, node };
+    filesystem_lifecycle(&mut l, "ext4").await;
+    filesystem_lifecycle(&mut l, "xfs").await;
+    block_lifecycle(&mut l).await;
+    println!("CSI_NODE_LIFECYCLE_OK");
 }

@@ -1,11 +1,13 @@
 # Everything that needs kernel block devices, in one guest boot (booting under TCG is the slow
-# part): the ublk lifecycle, then the kernel NBD lifecycle with ublk_drv unloaded, which is the
-# fallback `ferrite attach` takes on kernels without ublk.
+# part): the ublk lifecycle and the CSI node lifecycle on ublk, then both again on the kernel
+# NBD client with ublk_drv unloaded, which is the fallback `ferrite attach` takes without ublk.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 echo "guest kernel $(uname -r)"
 bash "$HERE/ublk_lifecycle.sh"
+bash "$HERE/csi_node.sh"
 modprobe -r ublk_drv
 [ ! -e /dev/ublk-control ]
 bash "$HERE/nbd_lifecycle.sh"
+bash "$HERE/csi_node.sh"
 echo "GUEST_SUITE_OK"
