@@ -49,6 +49,8 @@ pub struct AdminService {
     /// Devices attached on this node (shared with the daemon, which freezes them on exit).
     pub attached: Arc<tokio::sync::Mutex<Vec<(AttachRecord, Handle)>>>,
     pub ublk: ferrite_ublk::Options,
+    /// Fenced networks and the TCP clients they apply to.
+    pub fences: Arc<crate::fence::Fences>,
 }
 
 fn exports_file(cfg: &Config) -> PathBuf {
@@ -128,9 +130,10 @@ impl AdminService {
         cfg: Config,
         records: Vec<ExportRecord>,
         attached: Arc<tokio::sync::Mutex<Vec<(AttachRecord, Handle)>>>,
+        fences: Arc<crate::fence::Fences>,
     ) -> Self {
         let ublk = cfg.ublk;
-        Self { pool, nbd, cfg, records: tokio::sync::Mutex::new(records), attached, ublk }
+        Self { pool, nbd, cfg, records: tokio::sync::Mutex::new(records), attached, ublk, fences }
     }
 
     /// Stops an export an attachment made (best effort: the device is already gone).
@@ -622,5 +625,24 @@ impl Admin for AdminService {
         _: Request<pb::ListAttachmentsRequest>,
     ) -> Result<Response<pb::ListAttachmentsResponse>, Status> {
         Ok(Response::new(self.attachments().await))
+    }
+
+    async fn fence_networks(&self, req: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
+        self.update_fences(&req.into_inner().cidrs, true).map(Response::new)
+    }
+
+    async fn unfence_networks(&self, req: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
+        self.update_fences(&req.into_inner().cidrs, false).map(Response::new)
+    }
+
+    async fn list_fences(&self, _: Request<pb::ListFencesRequest>) -> Result<Response<pb::FenceResponse>, Status> {
+        self.update_fences(&[], false).map(Response::new)
+    }
+
+    async fn list_clients(
+        &self,
+        _: Request<pb::ListClientsRequest>,
+    ) -> Result<Response<pb::ListClientsResponse>, Status> {
+        Ok(Response::new(self.clients()))
     }
 }

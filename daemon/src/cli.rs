@@ -180,6 +180,38 @@ pub fn print_attachments(out: Output, list: &[pb::Attachment]) {
     }
 }
 
+pub fn print_fences(out: Output, r: &pb::FenceResponse) {
+    match out {
+        Output::Json => println!("{}", json!({ "fenced": r.cidrs, "connections_cut": r.connections_cut })),
+        Output::Table => {
+            if r.connections_cut > 0 {
+                println!("cut {} open connection(s)", r.connections_cut);
+            }
+            let rows = r.cidrs.iter().map(|c| vec![c.clone()]).collect();
+            println!("{}", table(&["FENCED"], rows));
+        }
+    }
+}
+
+pub fn print_clients(out: Output, clients: &[pb::Client]) {
+    match out {
+        Output::Json => {
+            let v: Vec<_> = clients
+                .iter()
+                .map(|c| json!({ "id": c.id, "address": c.address, "listener": c.listener, "connected_unix": c.connected_unix }))
+                .collect();
+            println!("{}", serde_json::Value::Array(v));
+        }
+        Output::Table => {
+            let rows = clients
+                .iter()
+                .map(|c| vec![c.id.to_string(), c.address.clone(), c.listener.clone(), c.connected_unix.to_string()])
+                .collect();
+            println!("{}", table(&["ID", "ADDRESS", "LISTENER", "SINCE (UNIX)"], rows));
+        }
+    }
+}
+
 pub fn print_exports(out: Output, exports: &[pb::Export]) {
     match out {
         Output::Json => println!("{}", serde_json::Value::Array(exports.iter().map(export_json).collect())),

@@ -10,6 +10,8 @@
 //! nbd-socket = "/run/ferrite/nbd.sock"      # default: <data-dir>/nbd.sock
 //! nbd-listen = "127.0.0.1:10809"    # optional TCP listener for NBD
 //! metrics-listen = "127.0.0.1:9574" # optional Prometheus endpoint (GET /metrics)
+//! admin-listen = "10.0.0.5:7070"    # optional TCP listener for the admin API (for a remote CSI
+//!                                   # controller): no authentication, so a trusted network only
 //! log-level = "info"                # or a tracing filter such as "ferrite=debug"
 //! ublk-queues = 4                   # queues (threads) per attached ublk device; default: one per core
 //! ublk-depth = 128                  # requests in flight per ublk queue; default 128
@@ -37,6 +39,7 @@ pub struct ConfigFile {
     pub nbd_socket: Option<PathBuf>,
     pub nbd_listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
+    pub admin_listen: Option<SocketAddr>,
     pub log_level: Option<String>,
     pub ublk_queues: Option<u16>,
     pub ublk_depth: Option<u16>,
@@ -55,6 +58,7 @@ pub struct Config {
     pub nbd_socket: PathBuf,
     pub nbd_listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
+    pub admin_listen: Option<SocketAddr>,
     pub log_level: String,
     pub ublk: ferrite_ublk::Options,
 }
@@ -95,6 +99,7 @@ impl Config {
             nbd_socket: f.nbd_socket.unwrap_or_else(|| data_dir.join("nbd.sock")),
             nbd_listen: f.nbd_listen,
             metrics_listen: f.metrics_listen,
+            admin_listen: f.admin_listen,
             log_level: f.log_level.unwrap_or_else(|| "info".into()),
             ublk: {
                 let d = ferrite_ublk::Options::default();

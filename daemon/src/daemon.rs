@@ -10,10 +10,12 @@ use ferrite_nbd::{Exports, Server};
 use ferrite_proto::ferrite::v1::admin_server::AdminServer;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::admin::{AdminService, load_exports, publish};
 use crate::config::Config;
+use crate::fence::{Admitted, NbdAdmission};
 use crate::size::format_size;
 
 fn open_pool(cfg: &Config) -> Result<Pool> {
@@ -68,6 +70,11 @@ pub async fn run(cfg: Config) -> Result<()> {
         Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding NBD listener {a}"))?),
         None => None,
     };
+    let admin_tcp = match cfg.admin_listen {
+        Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding admin listener {a}"))?),
+        None => None,
+    };
+    let fences = crate::fence::Fences::load(&cfg.data_dir)?;
     let metrics = match cfg.metrics_listen {
         Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding metrics listener {a}"))?),
         None => None,
@@ -90,7 +97,9 @@ pub async fn run(cfg: Config) -> Result<()> {
     };
     crate::attach::save(&cfg.data_dir, &attached).context("saving the attachment list")?;
     let attached = Arc::new(tokio::sync::Mutex::new(attached));
-    let nbd = Arc::new(Server::new(Arc::clone(&exports)));
+    let mut nbd = Server::new(Arc::clone(&exports));
+    nbd.admission = Some(Arc::new(NbdAdmission(Arc::clone(&fences))));
+    let nbd = Arc::new(nbd);
     let mut tasks = tokio::task::JoinSet::new();
     {
         let nbd = Arc::clone(&nbd);
@@ -104,10 +113,37 @@ pub async fn run(cfg: Config) -> Result<()> {
         let (pool, nbd) = (Arc::clone(&pool), Arc::clone(&nbd));
         tasks.spawn(async move { crate::metrics::serve(l, pool, nbd).await.context("metrics listener") });
     }
-    let svc = AdminService::new(Arc::clone(&pool), Arc::clone(&nbd), cfg.clone(), records, Arc::clone(&attached));
+    let svc = AdminService::new(
+        Arc::clone(&pool),
+        Arc::clone(&nbd),
+        cfg.clone(),
+        records,
+        Arc::clone(&attached),
+        Arc::clone(&fences),
+    );
+    let svc = AdminServer::new(svc);
+    if let Some(l) = admin_tcp {
+        tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),
+            "the admin API listens on TCP without authentication: keep it on a trusted network");
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l).filter_map(move |s| match s {
+            Ok(stream) => {
+                let peer = stream.peer_addr().ok()?;
+                fences.admit(peer, &stream, "admin").map(|a| Ok::<_, std::io::Error>(Admitted::new(stream, a)))
+            }
+            Err(e) => Some(Err(e)),
+        });
+        let svc = svc.clone();
+        tasks.spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(incoming)
+                .await
+                .context("admin API TCP server")
+        });
+    }
     tasks.spawn(async move {
         tonic::transport::Server::builder()
-            .add_service(AdminServer::new(svc))
+            .add_service(svc)
             .serve_with_incoming(UnixListenerStream::new(admin_listener))
             .await
             .context("admin API server")
@@ -116,6 +152,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         admin = %cfg.admin_socket.display(),
         nbd = %cfg.nbd_socket.display(),
         nbd_tcp = %cfg.nbd_listen.map(|a| a.to_string()).unwrap_or_else(|| "off".into()),
+        admin_tcp = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_else(|| "off".into()),
         metrics = %cfg.metrics_listen.map(|a| a.to_string()).unwrap_or_else(|| "off".into()),
         "ferrite daemon ready"
     );

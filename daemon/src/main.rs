@@ -5,6 +5,7 @@ mod attach;
 mod cli;
 mod config;
 mod daemon;
+mod fence;
 mod metrics;
 mod size;
 
@@ -100,6 +101,11 @@ enum Cmd {
     Detach { device: String },
     /// List the devices attached by the daemon.
     Attachments,
+    /// Network fencing: refuse (and cut) TCP clients from CIDR blocks on the NBD and admin listeners.
+    #[command(subcommand)]
+    Fence(FenceCmd),
+    /// List the clients connected over TCP (NBD, admin).
+    Clients,
     /// Pool information.
     #[command(subcommand)]
     Pool(PoolCmd),
@@ -182,6 +188,16 @@ enum GroupCmd {
     DeleteSnapshot { name: String },
     /// Clone every member of a group snapshot into a new group (volumes <new-group>.<volume>).
     Clone { snapshot: String, new_group: String },
+}
+
+#[derive(Subcommand)]
+enum FenceCmd {
+    /// Fence CIDR blocks (`10.0.0.0/8`, `192.0.2.7`): their clients are refused and cut off.
+    Add { cidrs: Vec<String> },
+    /// Lift fences.
+    Remove { cidrs: Vec<String> },
+    /// List fenced blocks.
+    List,
 }
 
 #[derive(Subcommand)]
@@ -405,6 +421,18 @@ async fn client(cli: Cli) -> Result<()> {
         Cmd::Attachments => {
             let r = c.list_attachments(pb::ListAttachmentsRequest {}).await.map_err(rpc_error)?;
             cli::print_attachments(out, &r.get_ref().attachments);
+        }
+        Cmd::Fence(f) => {
+            let r = match f {
+                FenceCmd::Add { cidrs } => c.fence_networks(pb::FenceRequest { cidrs }).await,
+                FenceCmd::Remove { cidrs } => c.unfence_networks(pb::FenceRequest { cidrs }).await,
+                FenceCmd::List => c.list_fences(pb::ListFencesRequest {}).await,
+            };
+            cli::print_fences(out, r.map_err(rpc_error)?.get_ref());
+        }
+        Cmd::Clients => {
+            let r = c.list_clients(pb::ListClientsRequest {}).await.map_err(rpc_error)?;
+            cli::print_clients(out, &r.get_ref().clients);
         }
         Cmd::Export(e) => match e {
             ExportCmd::Nbd { volume, name, read_only } => {

@@ -1,6 +1,7 @@
 //! Listeners: Unix sockets and TCP, one task per connection.
 
 use std::io;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,16 +20,24 @@ pub struct ServerStats {
     pub connections_open: AtomicU64,
 }
 
+/// Decides whether a TCP client may connect (network fencing). What it returns is kept for as
+/// long as the connection lives (a registration, say).
+pub trait Admission: Send + Sync + std::fmt::Debug {
+    fn admit(&self, peer: SocketAddr, stream: &TcpStream) -> Option<Box<dyn Send + Sync>>;
+}
+
 /// An NBD server over a set of exports.
 #[derive(Debug, Default)]
 pub struct Server {
     pub exports: Arc<Exports>,
     pub stats: Arc<ServerStats>,
+    /// Asked about every TCP client; None admits everyone.
+    pub admission: Option<Arc<dyn Admission>>,
 }
 
 impl Server {
     pub fn new(exports: Arc<Exports>) -> Self {
-        Self { exports, stats: Arc::default() }
+        Self { exports, stats: Arc::default(), admission: None }
     }
 
     /// Serves one accepted connection to its end; errors are logged, never propagated, so one
@@ -69,9 +78,19 @@ impl Server {
     pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener) -> io::Result<()> {
         loop {
             let (stream, peer) = listener.accept().await?;
+            let admitted = match &self.admission {
+                Some(a) => match a.admit(peer, &stream) {
+                    Some(registration) => Some(registration),
+                    None => continue, // refused: dropping the stream closes it
+                },
+                None => None,
+            };
             let _ = stream.set_nodelay(true);
             let me = Arc::clone(&self);
-            tokio::spawn(async move { me.connection(stream, peer.to_string()).await });
+            tokio::spawn(async move {
+                me.connection(stream, peer.to_string()).await;
+                drop(admitted);
+            });
         }
     }
 }
