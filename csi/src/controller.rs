@@ -54,7 +54,7 @@ fn topology(node: &str) -> csi::Topology {
     csi::Topology { segments: HashMap::from([(TOPOLOGY_KEY.to_owned(), node.to_owned())]) }
 }
 
-fn volume_msg(node: &str, v: &pb::Volume, source: Option<csi::VolumeContentSource>) -> csi::Volume {
+pub(crate) fn volume_msg(node: &str, v: &pb::Volume, source: Option<csi::VolumeContentSource>) -> csi::Volume {
     csi::Volume {
         capacity_bytes: i64::try_from(v.size).unwrap_or(i64::MAX),
         volume_id: ids::make(node, &v.name),
@@ -163,12 +163,8 @@ impl Controller {
     }
 
     async fn get(&self, volume_id: &str) -> Result<(String, pb::Volume), Status> {
-        let not_found = || Status::not_found(format!("volume {volume_id:?} does not exist"));
-        let (node, name) = ids::parse(volume_id).ok_or_else(not_found)?;
-        let mut c =
-            admin(&*self.nodes, node).await.map_err(|s| if s.code() == Code::NotFound { not_found() } else { s })?;
-        let v = c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await?.into_inner();
-        Ok((node.to_owned(), v))
+        let (node, _, v) = crate::nodes::volume(&*self.nodes, volume_id).await?;
+        Ok((node, v))
     }
 }
 
@@ -242,7 +238,7 @@ impl csi::controller_server::Controller for Controller {
         require("volume_id", &id)?;
         // An id we never made, or a node we do not know, names nothing: deleting it succeeds.
         if let Some((node, name)) = ids::parse(&id)
-            && self.nodes.admin_socket(node).is_some()
+            && self.nodes.admin_endpoint(node).is_some()
         {
             let mut c = admin(&*self.nodes, node).await?;
             match c.delete_volume(pb::DeleteVolumeRequest { name: name.to_owned() }).await {
@@ -310,7 +306,7 @@ impl csi::controller_server::Controller for Controller {
         }
         check_parameters(&r.parameters)?;
         let nodes = match r.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_KEY)) {
-            Some(n) if self.nodes.admin_socket(n).is_some() => vec![n.clone()],
+            Some(n) if self.nodes.admin_endpoint(n).is_some() => vec![n.clone()],
             Some(_) => vec![],
             None => self.nodes.nodes(),
         };

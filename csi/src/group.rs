@@ -62,7 +62,7 @@ fn check_members(node: &str, g: &pb::GroupSnapshot, snapshot_ids: &[String]) -> 
 impl GroupController {
     async fn locate(&self, id: &str) -> Result<Option<(String, AdminClient<Channel>, pb::GroupSnapshot)>, Status> {
         let Some((node, name)) = ids::parse(id) else { return Ok(None) };
-        if self.nodes.admin_socket(node).is_none() {
+        if self.nodes.admin_endpoint(node).is_none() {
             return Ok(None);
         }
         let mut c = admin(&*self.nodes, node).await?;

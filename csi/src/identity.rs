@@ -56,15 +56,18 @@ impl csi::identity_server::Identity for Identity {
     /// Ready when a daemon answers (any node's, for a controller); not ready is an answer, not
     /// an error.
     async fn probe(&self, _: Request<csi::ProbeRequest>) -> Result<Response<csi::ProbeResponse>, Status> {
-        let mut ready = false;
-        for node in self.nodes.nodes() {
-            if let Ok(mut c) = admin(&*self.nodes, &node).await
-                && c.pool_status(pb::PoolStatusRequest {}).await.is_ok()
-            {
-                ready = true;
-                break;
-            }
-        }
-        Ok(Response::new(csi::ProbeResponse { ready: Some(ready) }))
+        Ok(Response::new(csi::ProbeResponse { ready: Some(ready(&*self.nodes).await) }))
     }
+}
+
+/// Whether any daemon of the directory answers.
+pub(crate) async fn ready(nodes: &dyn NodeDirectory) -> bool {
+    for node in nodes.nodes() {
+        if let Ok(mut c) = admin(nodes, &node).await
+            && c.pool_status(pb::PoolStatusRequest {}).await.is_ok()
+        {
+            return true;
+        }
+    }
+    false
 }

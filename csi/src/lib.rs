@@ -11,18 +11,23 @@
 //! - [`node`]: stage (attach, mkfs if blank, mount), publish (bind), expand, stats; `host` runs
 //!   the mount table and the host tools.
 //! - `busy`: one operation per volume at a time (Aborted for the second).
-//!
-//! Not yet here: the CSI-Addons services (issue 5 tracks them).
+//! - CSI-Addons on its own endpoint ([`addons`]): [`reclaim`] (fstrim / zeroed-block discard on
+//!   the node, the cleaner on the controller), [`fence`] (NetworkFence enforced by the daemons),
+//!   [`volume_group`] (VolumeGroup on engine groups).
 
+pub mod addons;
 mod busy;
 pub mod controller;
+pub mod fence;
 pub mod group;
 mod host;
 pub mod identity;
 pub mod ids;
 pub mod node;
 pub mod nodes;
+pub mod reclaim;
 mod snapshots;
+pub mod volume_group;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,6 +51,8 @@ pub struct Options {
     pub mode: Mode,
     /// The CSI endpoint (a Unix socket path).
     pub endpoint: PathBuf,
+    /// The CSI-Addons endpoint (a Unix socket path), if served.
+    pub addons_endpoint: Option<PathBuf>,
     /// This node's name (node and all modes).
     pub node_id: String,
     /// The local daemon's admin socket (node and all modes).
@@ -66,7 +73,7 @@ impl Options {
         Ok(match (&self.node_directory, self.mode) {
             (Some(p), _) => Arc::new(StaticNodes::load(p)?),
             (None, Mode::Controller) => anyhow::bail!("controller mode needs --node-directory"),
-            (None, _) => Arc::new(StaticNodes::single(&self.node_id, self.admin_socket.clone())),
+            (None, _) => Arc::new(StaticNodes::single(&self.node_id, &self.admin_socket)),
         })
     }
 }
@@ -88,6 +95,7 @@ fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
 pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let dir = opts.directory()?;
     let listener = bind(&opts.endpoint)?;
+    let addons_listener = opts.addons_endpoint.as_deref().map(bind).transpose()?;
     let controller = opts.mode != Mode::Node;
     let node = (opts.mode != Mode::Controller).then(|| node::Node {
         node_id: opts.node_id.clone(),
@@ -97,18 +105,55 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         busy: busy::Busy::default(),
     });
     let identity = identity::Identity { nodes: Arc::clone(&dir), controller };
-    let router =
-        tonic::transport::Server::builder()
-            .add_service(csi::identity_server::IdentityServer::new(identity))
-            .add_optional_service(controller.then(|| {
+    let router = tonic::transport::Server::builder()
+        .add_service(csi::identity_server::IdentityServer::new(identity))
+        .add_optional_service(
+            controller.then(|| {
                 csi::controller_server::ControllerServer::new(controller::Controller { nodes: Arc::clone(&dir) })
+            }),
+        )
+        .add_optional_service(controller.then(|| {
+            csi::group_controller_server::GroupControllerServer::new(group::GroupController { nodes: Arc::clone(&dir) })
+        }))
+        .add_optional_service(node.clone().map(csi::node_server::NodeServer::new));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let until = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let addons = addons_listener.map(|l| {
+        use ferrite_proto::csi_addons::{fence as f, identity as i, reclaimspace as r, volumegroup as v};
+        let identity = addons::AddonsIdentity { nodes: Arc::clone(&dir), controller, node: node.is_some() };
+        tonic::transport::Server::builder()
+            .add_service(i::identity_server::IdentityServer::new(identity))
+            .add_optional_service(controller.then(|| {
+                r::reclaim_space_controller_server::ReclaimSpaceControllerServer::new(reclaim::ReclaimController {
+                    nodes: Arc::clone(&dir),
+                })
             }))
             .add_optional_service(controller.then(|| {
-                csi::group_controller_server::GroupControllerServer::new(group::GroupController { nodes: dir })
+                f::fence_controller_server::FenceControllerServer::new(fence::Fence { nodes: Arc::clone(&dir) })
             }))
-            .add_optional_service(node.map(csi::node_server::NodeServer::new));
-    tracing::info!(endpoint = %opts.endpoint.display(), mode = ?opts.mode, node = %opts.node_id, "CSI driver ready");
-    let served = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown).await;
+            .add_optional_service(controller.then(|| {
+                v::controller_server::ControllerServer::new(volume_group::VolumeGroups { nodes: Arc::clone(&dir) })
+            }))
+            .add_optional_service(node.map(r::reclaim_space_node_server::ReclaimSpaceNodeServer::new))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(l), until(stopped.clone()))
+    });
+    tracing::info!(endpoint = %opts.endpoint.display(), addons = ?opts.addons_endpoint, mode = ?opts.mode,
+        node = %opts.node_id, "CSI driver ready");
+    let main = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), until(stopped));
+    let signal = async move {
+        shutdown.await;
+        let _ = stop.send(true);
+        Ok(())
+    };
+    let served = match addons {
+        Some(a) => tokio::try_join!(main, a, signal).map(drop),
+        None => tokio::try_join!(main, signal).map(drop),
+    };
     let _ = std::fs::remove_file(&opts.endpoint);
+    if let Some(p) = &opts.addons_endpoint {
+        let _ = std::fs::remove_file(p);
+    }
     served.context("CSI server")
 }

@@ -19,7 +19,7 @@ use crate::host;
 use crate::ids;
 use crate::nodes::{self, NodeDirectory};
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Node {
     pub node_id: String,
     pub nodes: Arc<dyn NodeDirectory>,
@@ -57,7 +57,7 @@ fn capability(cap: Option<&csi::VolumeCapability>) -> Result<(Option<Fs>, bool),
 
 impl Node {
     /// The engine name of a volume of this node; NotFound for any other id.
-    fn local<'a>(&self, volume_id: &'a str) -> Result<&'a str, Status> {
+    pub(crate) fn local<'a>(&self, volume_id: &'a str) -> Result<&'a str, Status> {
         let (node, name) =
             ids::parse(volume_id).ok_or_else(|| Status::not_found(format!("no volume {volume_id:?}")))?;
         if node != self.node_id {
@@ -69,11 +69,11 @@ impl Node {
         Ok(name)
     }
 
-    async fn admin(&self) -> Result<AdminClient<Channel>, Status> {
+    pub(crate) async fn admin(&self) -> Result<AdminClient<Channel>, Status> {
         nodes::admin(&*self.nodes, &self.node_id).await
     }
 
-    async fn attachment(c: &mut AdminClient<Channel>, name: &str) -> Result<Option<pb::Attachment>, Status> {
+    pub(crate) async fn attachment(c: &mut AdminClient<Channel>, name: &str) -> Result<Option<pb::Attachment>, Status> {
         let all = c.list_attachments(pb::ListAttachmentsRequest {}).await?.into_inner();
         Ok(all.attachments.into_iter().find(|a| a.volume == name))
     }

@@ -4,14 +4,15 @@
 //!
 //! ```toml
 //! [nodes]
-//! node-a = "/run/ferrite/admin.sock"
-//! node-b = "/srv/b/admin.sock"
+//! node-a = "/run/ferrite/admin.sock"   # a Unix socket (a daemon on this machine)
+//! node-b = "tcp://10.0.0.12:7070"      # a daemon's `admin-listen` address
 //! ```
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::Context;
+use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use serde::Deserialize;
 use tonic::Status;
@@ -21,19 +22,19 @@ use tonic::transport::Channel;
 pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     /// Every node, in a stable order (pagination depends on it).
     fn nodes(&self) -> Vec<String>;
-    /// The admin socket of `node`, if the node is known.
-    fn admin_socket(&self, node: &str) -> Option<PathBuf>;
+    /// The admin endpoint of `node` (a Unix socket path or `tcp://host:port`), if the node is known.
+    fn admin_endpoint(&self, node: &str) -> Option<String>;
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
-    nodes: BTreeMap<String, PathBuf>,
+    nodes: BTreeMap<String, String>,
 }
 
 /// A directory read once from a TOML file.
 #[derive(Debug, Clone, Default)]
-pub struct StaticNodes(BTreeMap<String, PathBuf>);
+pub struct StaticNodes(BTreeMap<String, String>);
 
 impl StaticNodes {
     pub fn load(path: &Path) -> anyhow::Result<Self> {
@@ -47,8 +48,8 @@ impl StaticNodes {
     }
 
     /// One node (node mode, or `--mode all` without a directory).
-    pub fn single(node: &str, admin_socket: PathBuf) -> Self {
-        Self(BTreeMap::from([(node.to_owned(), admin_socket)]))
+    pub fn single(node: &str, admin_socket: &Path) -> Self {
+        Self(BTreeMap::from([(node.to_owned(), admin_socket.display().to_string())]))
     }
 }
 
@@ -57,7 +58,7 @@ impl NodeDirectory for StaticNodes {
         self.0.keys().cloned().collect()
     }
 
-    fn admin_socket(&self, node: &str) -> Option<PathBuf> {
+    fn admin_endpoint(&self, node: &str) -> Option<String> {
         self.0.get(node).cloned()
     }
 }
@@ -73,11 +74,24 @@ pub fn valid_node(n: &str) -> bool {
 /// An admin client for `node`: NotFound for a node the directory does not know, Unavailable
 /// when its daemon does not answer.
 pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Channel>, Status> {
-    let sock = dir.admin_socket(node).ok_or_else(|| Status::not_found(format!("unknown node {node:?}")))?;
-    let ch = ferrite_proto::connect_unix(&sock)
+    let at = dir.admin_endpoint(node).ok_or_else(|| Status::not_found(format!("unknown node {node:?}")))?;
+    let ch = ferrite_proto::connect(&at)
         .await
-        .map_err(|e| Status::unavailable(format!("node {node}: daemon at {} unreachable: {e}", sock.display())))?;
+        .map_err(|e| Status::unavailable(format!("node {node}: daemon at {at} unreachable: {e}")))?;
     Ok(AdminClient::new(ch))
+}
+
+/// The node, an admin client for it, and the volume a CSI volume id names; NotFound when any of
+/// them does not exist.
+pub async fn volume(
+    dir: &dyn NodeDirectory,
+    volume_id: &str,
+) -> Result<(String, AdminClient<Channel>, pb::Volume), Status> {
+    let not_found = || Status::not_found(format!("volume {volume_id:?} does not exist"));
+    let (node, name) = crate::ids::parse(volume_id).ok_or_else(not_found)?;
+    let mut c = admin(dir, node).await.map_err(|s| if s.code() == tonic::Code::NotFound { not_found() } else { s })?;
+    let v = c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await?.into_inner();
+    Ok((node.to_owned(), c, v))
 }
 
 #[cfg(test)]
@@ -89,11 +103,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ferrite-csi-nodes-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("nodes.toml");
-        std::fs::write(&p, "[nodes]\nnode-b = \"/b.sock\"\nnode-a = \"/a.sock\"\n").unwrap();
+        std::fs::write(&p, "[nodes]\nnode-b = \"/b.sock\"\nnode-a = \"tcp://127.0.0.2:7070\"\n").unwrap();
         let n = StaticNodes::load(&p).unwrap();
         assert_eq!(n.nodes(), vec!["node-a", "node-b"]);
-        assert_eq!(n.admin_socket("node-b"), Some(PathBuf::from("/b.sock")));
-        assert_eq!(n.admin_socket("node-c"), None);
+        assert_eq!(n.admin_endpoint("node-b").as_deref(), Some("/b.sock"));
+        assert_eq!(n.admin_endpoint("node-a").as_deref(), Some("tcp://127.0.0.2:7070"));
+        assert_eq!(n.admin_endpoint("node-c"), None);
         std::fs::write(&p, "[nodes]\n\"Bad/Node\" = \"/x\"\n").unwrap();
         assert!(StaticNodes::load(&p).unwrap_err().to_string().contains("invalid node name"));
         std::fs::write(&p, "[nodez]\n").unwrap();

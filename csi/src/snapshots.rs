@@ -50,7 +50,7 @@ impl Controller {
     pub(crate) async fn delete_snapshot_impl(&self, id: &str) -> Result<(), Status> {
         require("snapshot_id", id)?;
         let Some((node, name)) = ids::parse(id) else { return Ok(()) };
-        if self.nodes.admin_socket(node).is_none() {
+        if self.nodes.admin_endpoint(node).is_none() {
             return Ok(());
         }
         let mut c = admin(&*self.nodes, node).await?;
@@ -97,7 +97,7 @@ impl Controller {
         require("snapshot_id", id)?;
         let not_found = || Status::not_found(format!("snapshot {id:?} does not exist"));
         let (node, name) = ids::parse(id).ok_or_else(not_found)?;
-        if self.nodes.admin_socket(node).is_none() {
+        if self.nodes.admin_endpoint(node).is_none() {
             return Err(not_found());
         }
         let mut c = admin(&*self.nodes, node).await?;

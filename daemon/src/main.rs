@@ -49,6 +49,9 @@ enum Cmd {
         /// The CSI endpoint (Unix socket) the container orchestrator connects to.
         #[arg(long, env = "CSI_ENDPOINT")]
         endpoint: PathBuf,
+        /// The CSI-Addons endpoint (Unix socket): ReclaimSpace, NetworkFence, VolumeGroup.
+        #[arg(long, env = "CSI_ADDONS_ENDPOINT")]
+        addons_endpoint: Option<PathBuf>,
         /// This node's name (its topology value `topology.ferrite.dev/node`).
         #[arg(long, env = "FERRITE_NODE_ID", default_value = "")]
         node_id: String,
@@ -238,7 +241,7 @@ fn main() {
             }
             Err(e) => return exit(Err(e)),
         },
-        Cmd::Csi { mode, endpoint, node_id, node_directory, attach_transport, max_volumes } => {
+        Cmd::Csi { mode, endpoint, addons_endpoint, node_id, node_directory, attach_transport, max_volumes } => {
             init_logging("info");
             let node_id = if node_id.is_empty() { hostname() } else { node_id.clone() };
             let opts = ferrite_csi::Options {
@@ -248,6 +251,7 @@ fn main() {
                     CsiMode::All => ferrite_csi::Mode::All,
                 },
                 endpoint: endpoint.clone(),
+                addons_endpoint: addons_endpoint.clone(),
                 node_id,
                 admin_socket: cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock")),
                 node_directory: node_directory.clone(),

@@ -47,3 +47,12 @@ pub async fn connect_unix(path: &std::path::Path) -> Result<tonic::transport::Ch
         }))
         .await
 }
+
+/// A gRPC channel to `endpoint`: `tcp://host:port` (a daemon's `admin-listen`), or a Unix socket
+/// path (optionally `unix://`-prefixed).
+pub async fn connect(endpoint: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    match endpoint.strip_prefix("tcp://") {
+        Some(addr) => tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?.connect().await,
+        None => connect_unix(std::path::Path::new(endpoint.strip_prefix("unix://").unwrap_or(endpoint))).await,
+    }
+}

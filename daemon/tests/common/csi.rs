@@ -21,12 +21,18 @@ impl Drop for Csi {
     }
 }
 
-/// Starts `ferrite csi ARGS` on `dir/csi.sock` with a node directory of `nodes`.
+/// Starts `ferrite csi ARGS` on `dir/csi.sock` with a node directory of `nodes`' admin sockets.
 pub fn start_csi(dir: &Path, nodes: &[(&str, &Daemon)], args: &[&str]) -> Csi {
+    let nodes: Vec<(&str, String)> = nodes.iter().map(|(n, d)| (*n, d.admin().display().to_string())).collect();
+    start_csi_with(dir, &nodes, args)
+}
+
+/// The same with a node directory of admin endpoints (socket paths or `tcp://host:port`).
+pub fn start_csi_with(dir: &Path, nodes: &[(&str, String)], args: &[&str]) -> Csi {
     let directory = dir.join("nodes.toml");
     let mut text = String::from("[nodes]\n");
-    for (name, d) in nodes {
-        text.push_str(&format!("{name} = {:?}\n", d.admin().display().to_string()));
+    for (name, endpoint) in nodes {
+        text.push_str(&format!("{name} = {endpoint:?}\n"));
     }
     std::fs::write(&directory, text).unwrap();
     let log = std::fs::File::create(dir.join("csi.log")).unwrap();
