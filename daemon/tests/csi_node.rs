@@ -10,6 +10,7 @@ use std::path::Path;
 use common::Daemon;
 use common::csi::{block_cap, channel, code, mount_cap, start_csi};
 use ferrite_proto::csi::v1 as csi;
+use ferrite_proto::csi_addons::reclaimspace as rs;
 use tonic::Code;
 
 use csi::volume_capability::access_mode::Mode;
@@ -43,9 +44,21 @@ async fn node_service_checks_and_errors_without_kernel_devices() {
     let _csi = start_csi(
         dir.path(),
         &[("node-a", &a)],
-        &["--mode", "node", "--node-id", "node-a", "--attach-transport", "ublk", "--max-volumes", "7"],
+        &[
+            "--mode",
+            "node",
+            "--node-id",
+            "node-a",
+            "--attach-transport",
+            "ublk",
+            "--max-volumes",
+            "7",
+            "--addons-endpoint",
+            &dir.path().join("addons.sock").display().to_string(),
+        ],
     );
     let ch = channel(&dir.path().join("csi.sock")).await;
+    let addons = channel(&dir.path().join("addons.sock")).await;
     let mut id = csi::identity_client::IdentityClient::new(ch.clone());
     let mut node = csi::node_client::NodeClient::new(ch.clone());
 
@@ -152,6 +165,18 @@ async fn node_service_checks_and_errors_without_kernel_devices() {
     assert!(cond.abnormal && cond.message.contains("not attached"), "{cond:?}");
     assert!(s.usage.iter().any(|u| u.unit == csi::volume_usage::Unit::Inodes as i32 && u.total > 0));
 
+    // Node reclaim needs a path, and a staged volume.
+    let mut rn = rs::reclaim_space_node_client::ReclaimSpaceNodeClient::new(addons.clone());
+    let reclaim = |id: &str, p: &Path| rs::NodeReclaimSpaceRequest {
+        volume_id: id.into(),
+        volume_path: p.display().to_string(),
+        ..Default::default()
+    };
+    assert_eq!(code(rn.node_reclaim_space(reclaim("", dir.path())).await), Code::InvalidArgument);
+    assert_eq!(code(rn.node_reclaim_space(reclaim("node-a/v1", Path::new(""))).await), Code::InvalidArgument);
+    assert_eq!(code(rn.node_reclaim_space(reclaim("node-b/v1", dir.path())).await), Code::NotFound);
+    assert_eq!(code(rn.node_reclaim_space(reclaim("node-a/v1", dir.path())).await), Code::FailedPrecondition);
+
     // Unpublish and unstage are idempotent: nothing there is success; a leftover target is removed.
     node.node_unpublish_volume(unpub("node-a/v1", &target)).await.unwrap();
     std::fs::create_dir_all(&target).unwrap();
@@ -212,11 +237,28 @@ struct Lifecycle {
     daemon: Daemon,
     ctl: csi::controller_client::ControllerClient<tonic::transport::Channel>,
     node: csi::node_client::NodeClient<tonic::transport::Channel>,
+    reclaim: rs::reclaim_space_node_client::ReclaimSpaceNodeClient<tonic::transport::Channel>,
+    cleaner: rs::reclaim_space_controller_client::ReclaimSpaceControllerClient<tonic::transport::Channel>,
 }
 
 impl Lifecycle {
     fn path(&self, p: &str) -> std::path::PathBuf {
         self.dir.path().join(p)
+    }
+
+    /// NodeReclaimSpace through `path` (a mount, or "" for a raw block volume): (pre, post) bytes.
+    async fn node_reclaim(&mut self, id: &str, path: &str) -> Result<(i64, i64), tonic::Status> {
+        let r = rs::NodeReclaimSpaceRequest {
+            volume_id: id.into(),
+            volume_path: if path.is_empty() {
+                self.path("unused").display().to_string()
+            } else {
+                self.path(path).display().to_string()
+            },
+            ..Default::default()
+        };
+        let r = self.reclaim.node_reclaim_space(r).await?.into_inner();
+        Ok((r.pre_usage.unwrap().usage_bytes, r.post_usage.unwrap().usage_bytes))
     }
 
     fn transport(&self) -> &'static str {
@@ -375,6 +417,19 @@ async fn filesystem_lifecycle(l: &mut Lifecycle, fs: &str) {
     assert!(after > before + (250 << 20), "filesystem did not grow: {before} → {after}");
     check_tree(&l.path("t1"), &files);
 
+    println!("   delete files, reclaim on the node (fstrim) and the controller (cleaner)");
+    std::fs::remove_file(l.path("t1/big")).unwrap();
+    std::fs::remove_dir_all(l.path("t1/d1")).unwrap();
+    assert!(std::process::Command::new("sync").status().unwrap().success());
+    let (pre, post) = l.node_reclaim(&id, "t1").await.unwrap();
+    println!("   allocated {pre} → {post} bytes");
+    assert!(post + (10 << 20) < pre, "trimming freed the deleted files' blocks: {pre} → {post}");
+    let r = rs::ControllerReclaimSpaceRequest { volume_id: id.clone(), ..Default::default() };
+    let r = l.cleaner.controller_reclaim_space(r).await.unwrap().into_inner();
+    let (pre, post) = (r.pre_usage.unwrap().usage_bytes, r.post_usage.unwrap().usage_bytes);
+    println!("   pool used {pre} → {post} bytes");
+    assert!(post <= pre);
+
     println!("   teardown: unstage refuses while published; everything idempotent");
     let r = csi::NodeUnstageVolumeRequest {
         volume_id: clone.clone(),
@@ -451,6 +506,22 @@ async fn block_lifecycle(l: &mut Lifecycle) {
     if l.expand(&id, "t4", 128 << 20, &cap).await {
         assert_eq!(total_bytes(&l.stats(&id, "t4").await), 128 << 20);
     }
+
+    println!("   zero 2 MiB, reclaim: refused while published, then discards the zeroed blocks");
+    let mut f = std::fs::OpenOptions::new().write(true).open(l.path("t4")).unwrap();
+    f.seek(SeekFrom::Start(2 << 20)).unwrap();
+    f.write_all(&vec![0u8; 2 << 20]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    assert_eq!(l.node_reclaim(&id, "").await.unwrap_err().code(), Code::FailedPrecondition);
+    l.unpublish(&id, "t4").await;
+    let (pre, post) = l.node_reclaim(&id, "").await.unwrap();
+    println!("   allocated {pre} → {post} bytes");
+    assert!(post + (2 << 20) <= pre, "{pre} → {post}");
+    l.publish(&id, "s3", "t4", &cap, false).await;
+    let mut want = data.clone();
+    want[1 << 20..3 << 20].fill(0);
+    assert!(read_at(&l.path("t4")) == want, "only zeroed blocks were discarded");
     for (v, t, s) in [(&clone, "t6", "s4"), (&id, "t4", "s3")] {
         l.unpublish(v, t).await;
         l.unstage(v, s).await;
@@ -465,11 +536,16 @@ async fn node_lifecycle_on_block_devices() {
     let da = dir.path().join("a");
     std::fs::create_dir_all(&da).unwrap();
     let daemon = Daemon::start(&da);
-    let _csi = start_csi(dir.path(), &[("node-a", &daemon)], &["--mode", "all", "--node-id", "node-a"]);
+    let addons = dir.path().join("addons.sock").display().to_string();
+    let args = ["--mode", "all", "--node-id", "node-a", "--addons-endpoint", &addons];
+    let _csi = start_csi(dir.path(), &[("node-a", &daemon)], &args);
     let ch = channel(&dir.path().join("csi.sock")).await;
     let ctl = csi::controller_client::ControllerClient::new(ch.clone());
     let node = csi::node_client::NodeClient::new(ch);
-    let mut l = Lifecycle { dir, daemon, ctl, node };
+    let ach = channel(Path::new(&addons)).await;
+    let reclaim = rs::reclaim_space_node_client::ReclaimSpaceNodeClient::new(ach.clone());
+    let cleaner = rs::reclaim_space_controller_client::ReclaimSpaceControllerClient::new(ach);
+    let mut l = Lifecycle { dir, daemon, ctl, node, reclaim, cleaner };
     filesystem_lifecycle(&mut l, "ext4").await;
     filesystem_lifecycle(&mut l, "xfs").await;
     block_lifecycle(&mut l).await;
