@@ -21,6 +21,8 @@ const BLOCK: u64 = 4096;
 #[derive(Debug)]
 pub struct Controller {
     pub nodes: Arc<dyn NodeDirectory>,
+    /// Operations in flight, by volume id or CSI name (shared with the node service).
+    pub busy: crate::busy::Busy,
 }
 
 pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
@@ -178,6 +180,7 @@ impl csi::controller_server::Controller for Controller {
         require("name", &r.name)?;
         check_capabilities(&r.volume_capabilities).map_err(Status::invalid_argument)?;
         check_parameters(&r.parameters)?;
+        let _busy = self.busy.begin(&format!("volume name {}", r.name))?;
         let size = size_for(r.capacity_range.as_ref(), DEFAULT_SIZE)?;
         let name = ids::engine_name(&r.name);
         if let Some((node, v)) = self.find(&name).await? {
@@ -236,6 +239,7 @@ impl csi::controller_server::Controller for Controller {
     ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
         let id = req.into_inner().volume_id;
         require("volume_id", &id)?;
+        let _busy = self.busy.begin(&id)?;
         // An id we never made, or a node we do not know, names nothing: deleting it succeeds.
         if let Some((node, name)) = ids::parse(&id)
             && self.nodes.admin_endpoint(node).is_some()
@@ -355,6 +359,7 @@ impl csi::controller_server::Controller for Controller {
         let r = req.into_inner();
         require("volume_id", &r.volume_id)?;
         let range = r.capacity_range.as_ref().ok_or_else(|| Status::invalid_argument("capacity_range is required"))?;
+        let _busy = self.busy.begin(&r.volume_id)?;
         let (node, v) = self.get(&r.volume_id).await?;
         let size = size_for(Some(range), v.size)?;
         let v = if size > v.size {

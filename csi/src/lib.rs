@@ -97,21 +97,21 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     let listener = bind(&opts.endpoint)?;
     let addons_listener = opts.addons_endpoint.as_deref().map(bind).transpose()?;
     let controller = opts.mode != Mode::Node;
+    // One operation per volume at a time, across the controller and node services.
+    let busy = busy::Busy::default();
     let node = (opts.mode != Mode::Controller).then(|| node::Node {
         node_id: opts.node_id.clone(),
         nodes: Arc::clone(&dir),
         transport: opts.transport.clone(),
         max_volumes: opts.max_volumes,
-        busy: busy::Busy::default(),
+        busy: busy.clone(),
     });
     let identity = identity::Identity { nodes: Arc::clone(&dir), controller };
     let router = tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::new(identity))
-        .add_optional_service(
-            controller.then(|| {
-                csi::controller_server::ControllerServer::new(controller::Controller { nodes: Arc::clone(&dir) })
-            }),
-        )
+        .add_optional_service(controller.then(|| {
+            csi::controller_server::ControllerServer::new(controller::Controller { nodes: Arc::clone(&dir), busy })
+        }))
         .add_optional_service(controller.then(|| {
             csi::group_controller_server::GroupControllerServer::new(group::GroupController { nodes: Arc::clone(&dir) })
         }))

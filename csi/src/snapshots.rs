@@ -33,6 +33,7 @@ impl Controller {
         let (node, volume) = ids::parse(&r.source_volume_id)
             .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", r.source_volume_id)))?;
         let name = ids::engine_name(&r.name);
+        let _busy = self.busy.begin(&format!("snapshot name {}", r.name))?;
         let mut c = admin(&*self.nodes, node).await?;
         match c.get_snapshot(pb::GetSnapshotRequest { name: name.clone() }).await {
             Ok(s) if s.get_ref().volume == volume => return Ok(snapshot_msg(node, s.get_ref())),
@@ -49,6 +50,7 @@ impl Controller {
 
     pub(crate) async fn delete_snapshot_impl(&self, id: &str) -> Result<(), Status> {
         require("snapshot_id", id)?;
+        let _busy = self.busy.begin(id)?;
         let Some((node, name)) = ids::parse(id) else { return Ok(()) };
         if self.nodes.admin_endpoint(node).is_none() {
             return Ok(());

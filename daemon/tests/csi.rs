@@ -272,3 +272,29 @@ async fn controller_conformance_across_two_nodes() {
     b.stop();
     assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(false));
 }
+
+/// A second operation on a volume while the first is still running is Aborted. The first one
+/// here hangs on purpose: its node's "daemon" accepts connections and never answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_operation_in_flight_aborts_a_second_one_on_the_same_volume() {
+    let dir = tempfile::tempdir().unwrap();
+    let silent = std::net::TcpListener::bind("127.0.0.4:0").unwrap();
+    let endpoint = format!("tcp://{}", silent.local_addr().unwrap());
+    let _csi = common::csi::start_csi_with(dir.path(), &[("node-slow", endpoint)], &["--mode", "controller"]);
+    let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
+    let first = {
+        let mut ctl = ctl.clone();
+        tokio::spawn(async move { ctl.create_volume(create("v", 1 << 20, Some("node-slow"))).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(!first.is_finished(), "the first call is stuck on the silent node");
+    assert_eq!(code(ctl.create_volume(create("v", 1 << 20, Some("node-slow"))).await), Code::Aborted);
+    // Other volumes are not held up by it.
+    let other = ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: "node-x/w".into(), ..Default::default() });
+    other.await.unwrap();
+    drop(silent);
+    let r = tokio::time::timeout(std::time::Duration::from_secs(30), first).await.expect("the first call ends");
+    assert!(r.unwrap().is_err());
+    // Once it has ended, the name is free again (and fails for its own reason).
+    assert_ne!(code(ctl.create_volume(create("v", 1 << 20, Some("node-slow"))).await), Code::Aborted);
+}
