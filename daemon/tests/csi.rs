@@ -1,23 +1,23 @@
 //! CSI conformance over the real gRPC socket of `ferrite csi --mode controller`, with two real
-//! daemons standing for two nodes (node-a, node-b) in its node directory.
+//! daemons on two loopback addresses (127.0.0.2, 127.0.0.3) standing for two nodes (node-a,
+//! node-b) in its node directory.
 
 mod common;
 
 use std::collections::HashMap;
 
-use common::Daemon;
-use common::csi::{channel, code, create, mount_cap, start_csi};
+use common::csi::{channel, code, create, mount_cap, start_csi_with, tcp_node};
 use ferrite_proto::csi::v1 as csi;
 use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn controller_conformance_across_two_nodes() {
     let dir = tempfile::tempdir().unwrap();
-    let (da, db) = (dir.path().join("a"), dir.path().join("b"));
-    std::fs::create_dir_all(&da).unwrap();
-    std::fs::create_dir_all(&db).unwrap();
-    let (mut a, mut b) = (Daemon::start(&da), Daemon::start(&db));
-    let _csi = start_csi(dir.path(), &[("node-a", &a), ("node-b", &b)], &["--mode", "controller"]);
+    // Two nodes on two loopback addresses, reached over their TCP admin listeners.
+    let (mut a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
+    let (mut b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
+    let nodes = [("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}"))];
+    let _csi = start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
     let ch = channel(&dir.path().join("csi.sock")).await;
     let mut id = csi::identity_client::IdentityClient::new(ch.clone());
     let ctl_channel = ch.clone();

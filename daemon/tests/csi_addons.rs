@@ -7,32 +7,15 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::time::Duration;
 
 use common::Daemon;
-use common::csi::{channel, code, create, start_csi_with};
+use common::csi::{channel, code, create, start_csi_with, tcp_node};
 use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::csi_addons::{fence, identity, reclaimspace as rs, volumegroup as vg};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpSocket, TcpStream};
 use tonic::Code;
-
-fn free_port(ip: &str) -> u16 {
-    std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port()
-}
-
-/// A daemon whose admin API and NBD server also listen on `ip`.
-fn node(dir: &Path, ip: &str) -> (Daemon, SocketAddr, SocketAddr) {
-    std::fs::create_dir_all(dir).unwrap();
-    let (admin, nbd): (SocketAddr, SocketAddr) =
-        (format!("{ip}:{}", free_port(ip)).parse().unwrap(), format!("{ip}:{}", free_port(ip)).parse().unwrap());
-    let cfg = format!(
-        "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{admin}\"\nnbd-listen = \"{nbd}\"\n"
-    );
-    std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
-    (Daemon::start(dir), admin, nbd)
-}
 
 /// A TCP connection to `to` from the loopback address `from`.
 async fn connect_from(from: &str, to: SocketAddr) -> TcpStream {
@@ -72,8 +55,8 @@ fn cidrs(list: &[&str]) -> Vec<fence::Cidr> {
 #[tokio::test(flavor = "multi_thread")]
 async fn addons_conformance_with_two_nodes_on_loopback_addresses() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, a_admin, a_nbd) = node(&dir.path().join("a"), "127.0.0.2");
-    let (mut b, b_admin, b_nbd) = node(&dir.path().join("b"), "127.0.0.3");
+    let (a, a_admin, a_nbd) = tcp_node(&dir.path().join("a"), "127.0.0.2");
+    let (mut b, b_admin, b_nbd) = tcp_node(&dir.path().join("b"), "127.0.0.3");
     let _csi = start_csi_with(
         dir.path(),
         &[("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}"))],

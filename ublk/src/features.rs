@@ -35,17 +35,24 @@ pub fn available() -> bool {
 }
 
 impl Features {
-    /// Asks the driver (GET_FEATURES, Linux 6.5+). An error says why ublk cannot be used here.
+    /// Asks the driver (GET_FEATURES, Linux 6.5+) once; later calls only check that the control
+    /// device is still there (the module can be unloaded, or loaded after the daemon started, so a
+    /// failure is never remembered). An error says why ublk cannot be used here.
     pub fn probe() -> io::Result<Self> {
+        static PROBED: std::sync::OnceLock<Features> = std::sync::OnceLock::new();
         if !available() {
             return Err(io::Error::new(
                 io::ErrorKind::NotFound,
                 format!("{CONTROL} does not exist: this kernel has no ublk driver loaded (modprobe ublk_drv)"),
             ));
         }
-        UblkCtrl::get_features().map(Self).ok_or_else(|| {
+        if let Some(f) = PROBED.get() {
+            return Ok(*f);
+        }
+        let f = UblkCtrl::get_features().map(Self).ok_or_else(|| {
             io::Error::new(io::ErrorKind::Unsupported, "the ublk driver does not answer GET_FEATURES (kernel < 6.5?)")
-        })
+        })?;
+        Ok(*PROBED.get_or_init(|| f))
     }
 
     pub fn has(self, flag: u32) -> bool {

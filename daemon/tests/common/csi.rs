@@ -1,6 +1,7 @@
 //! A `ferrite csi` process and request builders shared by the CSI tests.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -97,4 +98,21 @@ pub fn block_cap(mode: csi::volume_capability::access_mode::Mode) -> csi::Volume
 /// The status code of a call that must fail.
 pub fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
     r.unwrap_err().code()
+}
+
+pub fn free_port(ip: &str) -> u16 {
+    std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port()
+}
+
+/// A daemon whose admin API and NBD server also listen on `ip` (a loopback address standing for
+/// a node): the daemon, its admin and NBD addresses.
+pub fn tcp_node(dir: &Path, ip: &str) -> (Daemon, SocketAddr, SocketAddr) {
+    std::fs::create_dir_all(dir).unwrap();
+    let (admin, nbd): (SocketAddr, SocketAddr) =
+        (format!("{ip}:{}", free_port(ip)).parse().unwrap(), format!("{ip}:{}", free_port(ip)).parse().unwrap());
+    let cfg = format!(
+        "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{admin}\"\nnbd-listen = \"{nbd}\"\n"
+    );
+    std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
+    (Daemon::start(dir), admin, nbd)
 }
