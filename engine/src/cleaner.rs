@@ -38,6 +38,8 @@ pub const STEP_BLOCKS: u64 = 128;
 const CHECKPOINT_EVERY: u64 = 8;
 /// Segments fuller than this are not cleaned in the background.
 pub const MAX_UTILISATION: f64 = 0.9;
+/// Segments fuller than this are not cleaned even by a write that found the pool full.
+const INLINE_MAX_U: f64 = 0.95;
 
 /// What one cleaning run did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -96,8 +98,16 @@ fn pick_victim(inner: &Inner, max_u: f64, eligible: &BTreeSet<usize>) -> Option<
         .segs
         .iter()
         .enumerate()
-        // (An empty sealed segment needs only a checkpoint, not cleaning.)
-        .filter(|(i, s)| s.state == SegState::Sealed && s.live > 0 && eligible.contains(i) && !damaged.contains(i))
+        // (An empty sealed segment needs only a checkpoint, not cleaning. A pinned one is being
+        // read — perhaps by the other cleaner, background or inline, moving it right now: cleaning
+        // it twice would leave it unreleasable until that one finishes.)
+        .filter(|(i, s)| {
+            s.state == SegState::Sealed
+                && s.live > 0
+                && eligible.contains(i)
+                && !damaged.contains(i)
+                && !inner.pins.any(*i)
+        })
         .filter_map(|(i, s)| {
             let u = s.live as f64 / per_seg;
             if u > max_u {
@@ -278,12 +288,12 @@ impl Inner {
     }
 }
 
-/// On the leader, out of space: cleans the best victim (up to 95% live) directly, without
+/// On the leader, out of space: cleans the best victim (up to [`INLINE_MAX_U`] live) directly, without
 /// barriers (nothing else writes while the leader is here), and checkpoints so it comes free.
 /// Returns false once no victim is left (a damaged one is set aside and counts as tried).
 pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
     let eligible = inner.state.read().segs.sealed();
-    let Some(seg) = pick_victim(inner, 0.95, &eligible) else { return Ok(false) };
+    let Some(seg) = pick_victim(inner, INLINE_MAX_U, &eligible) else { return Ok(false) };
     let cands = live_runs(inner, &BTreeSet::from([seg])).remove(&seg).unwrap_or_default();
     let mut pinned = Pinned::new(&inner.pins);
     pinned.pin(seg);
@@ -306,6 +316,25 @@ pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
     tracing::debug!(segment = seg, "cleaned a segment in the write path (pool was full)");
     inner.checkpoint()?;
     Ok(true)
+}
+
+/// Whether a write that found the pool full should wait for the cleaner rather than fail: the
+/// background cleaner is on, and the segments a cleaner would take (at most [`INLINE_MAX_U`]
+/// live) hold at least a segment's worth of dead space between them.
+pub(crate) fn worth_waiting(inner: &Inner) -> bool {
+    if !inner.opts.background_cleaner || inner.check_open().is_err() {
+        return false;
+    }
+    let st = inner.state.read();
+    let per = st.segs.blocks_per_seg;
+    let dead: u64 = st
+        .segs
+        .segs
+        .iter()
+        .filter(|s| s.state == SegState::Sealed && s.live as f64 <= per as f64 * INLINE_MAX_U)
+        .map(|s| per - s.live)
+        .sum();
+    dead >= per
 }
 
 /// Free segments below which the background cleaner runs. Kept small: every segment held

@@ -418,11 +418,15 @@ pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
 /// move durably first). Returns where the batch goes.
 fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos> {
     let seg_size = inner.sb.segment_size;
-    let (head, head_is_open) = {
+    let (head, head_is_open, free_now) = {
         let st = inner.state.read();
-        (st.applied, st.segs.segs[st.applied.seg].state == SegState::Open)
+        (st.applied, st.segs.segs[st.applied.seg].state == SegState::Open, st.segs.count(SegState::Free))
     };
-    if head_is_open && head.off + len <= seg_size {
+    // Once the cleaner's moves have dipped into the reserve, the head they opened is theirs:
+    // client writes sharing it would spend the reserve a segment at a time until the cleaner
+    // could not finish its victim (and nothing could ever free space again). They wait instead.
+    let reserve_dipped = free_now < inner.opts.reserve_segments;
+    if head_is_open && head.off + len <= seg_size && (may_use_reserve || !reserve_dipped) {
         return Ok(head);
     }
     let reserve = if may_use_reserve { 0 } else { inner.opts.reserve_segments };
@@ -439,10 +443,14 @@ fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos
         inner.checkpoint()?;
         seg = inner.state.write().segs.take_free(reserve);
     }
-    if seg.is_none() && !may_use_reserve && inner.opts.background_cleaner {
-        // Out of space with dead space left: clean here, on the leader, rather than fail a
-        // write the cleaner could make room for (its moves may use the reserve).
-        // Each victim frees its dead fraction, so it may take several.
+    // Out of space with dead space left: clean here, on the leader, rather than fail a write
+    // the cleaner could make room for (its moves may use the reserve); each victim frees its
+    // dead fraction, so it may take several. Not while the background cleaner runs: two
+    // cleaners moving at once could together spend the whole reserve before either victim is
+    // released, and the background one needs the leader for its moves. The write fails with
+    // NoSpace instead, and the volume retries it once the cleaner has made room.
+    let background_busy = inner.cleaner.stats.active.load(std::sync::atomic::Ordering::Acquire);
+    if seg.is_none() && !may_use_reserve && inner.opts.background_cleaner && !background_busy {
         for _ in 0..64 {
             if !crate::cleaner::clean_inline(inner)? {
                 break;
@@ -457,6 +465,18 @@ fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos
         inner.cleaner.kick();
         return Err(Error::new(ErrorKind::NoSpace, "pool is full: no free segment for new writes"));
     };
+    // Inline cleaning wrote its moves as batches of their own, which may have moved the head
+    // (into a fresh segment, with a later sequence number): continue from where it is now.
+    let (head, head_is_open) = {
+        let mut st = inner.state.write();
+        let head = st.applied;
+        let open = st.segs.segs[head.seg].state == SegState::Open;
+        if head.seg != seg && open && head.off + len <= seg_size {
+            st.segs.segs[seg].state = SegState::Free; // not needed after all
+            return Ok(head);
+        }
+        (head, open)
+    };
     let ready = inner
         .backend
         .allocate(inner.sb.segment_offset(seg, 0), seg_size)
@@ -467,6 +487,7 @@ fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos
         st.segs.segs[seg].state = SegState::Free;
         return Err(e);
     }
+    debug_assert_eq!(st.applied, head, "only the leader moves the head");
     if head_is_open {
         st.segs.segs[head.seg].state = SegState::Sealed;
     }

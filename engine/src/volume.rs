@@ -18,6 +18,8 @@ use crate::pool::{Inner, State};
 use crate::segments::Pinned;
 
 const B: u64 = BLOCK as u64;
+/// How long a write waits for the cleaner to make room before it gives up with ENOSPC.
+const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What a handle reads: a volume (through its current head) or a snapshot (read-only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,8 +283,30 @@ impl Volume {
         self.submit_blocks(inner, start, &whole, fua)
     }
 
-    /// Sends whole blocks at block-aligned `offset` as batch-sized requests and waits for all.
+    /// Sends whole blocks at block-aligned `offset` and waits for them. A pool that is full while
+    /// dead space remains makes the write wait for the cleaner (backing off, up to
+    /// [`NO_SPACE_PATIENCE`]) instead of failing: ENOSPC is for a pool with nothing to reclaim.
+    /// Retrying is safe: the same blocks written again are the same write.
     fn submit_blocks(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        let start = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_millis(1);
+        loop {
+            match self.submit_blocks_once(inner, offset, data, fua) {
+                Err(e)
+                    if e.kind() == ErrorKind::NoSpace
+                        && start.elapsed() < NO_SPACE_PATIENCE
+                        && crate::cleaner::worth_waiting(inner) =>
+                {
+                    inner.cleaner.kick();
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(50));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn submit_blocks_once(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         let volume = self.writable()?;
         let w = Waiter::new();
         // Requests of a quarter batch let the writer fill a segment's tail closely.

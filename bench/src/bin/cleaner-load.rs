@@ -2,7 +2,10 @@
 //! written once, then overwritten at random with 4 KiB writes at QD32 for a fixed time, so the
 //! background cleaner runs continuously. Prints write amplification (bytes written to media /
 //! bytes written by clients, over the overwrite phase) and write latency percentiles while the
-//! cleaner was running and while it was idle, measured in the same run.
+//! cleaner was running and while it was idle, measured in the same run. The run starts from a
+//! sequentially written volume (every segment full), so the first overwrites make the cleaner move
+//! nearly full segments; the amplification per sixth of the run shows when the steady state is
+//! reached, and the last half's figure is the steady-state one.
 //!
 //! Usage: cleaner-load <dir> [seconds=60] [pool-bytes=2G] [fill-percent=80]
 
@@ -44,11 +47,19 @@ fn main() {
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
         let (pool, cleaning, stop) = (Arc::clone(&pool), Arc::clone(&cleaning), Arc::clone(&stop));
+        // (client, media) bytes at each sixth of the run.
         std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let mut marks = vec![(0u64, 0u64)];
             while !stop.load(Ordering::Relaxed) {
-                cleaning.store(pool.stats().cleaner_active, Ordering::Relaxed);
+                let st = pool.stats();
+                cleaning.store(st.cleaner_active, Ordering::Relaxed);
+                if t0.elapsed().as_secs_f64() >= secs as f64 * marks.len() as f64 / 6.0 && marks.len() < 6 {
+                    marks.push((st.client_bytes_written, st.media_bytes_written));
+                }
                 std::thread::sleep(Duration::from_millis(5));
             }
+            marks
         })
     };
     let enospc = AtomicU64::new(0);
@@ -87,8 +98,12 @@ fn main() {
         handles.into_iter().map(|h| h.join().expect("writer")).collect()
     });
     stop.store(true, Ordering::Relaxed);
-    sampler.join().expect("sampler");
+    let mut marks = sampler.join().expect("sampler");
     let s1 = pool.stats();
+    marks[0] = (s0.client_bytes_written, s0.media_bytes_written);
+    marks.push((s1.client_bytes_written, s1.media_bytes_written));
+    let wa = |a: (u64, u64), b: (u64, u64)| (b.1 - a.1) as f64 / (b.0 - a.0).max(1) as f64;
+    let per_sixth: Vec<String> = marks.windows(2).map(|w| format!("{:.2}", wa(w[0], w[1]))).collect();
     let (mut busy, mut idle): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
     for (b, i) in lat {
         busy.extend(b);
@@ -108,6 +123,11 @@ fn main() {
         client >> 20,
         media >> 20,
         media as f64 / client.max(1) as f64
+    );
+    println!(
+        "write amplification per sixth of the run: {}; steady state (last half) {:.2}",
+        per_sixth.join(" "),
+        wa(marks[marks.len() / 2], marks[marks.len() - 1])
     );
     println!(
         "cleaner: {} segments cleaned, {} MiB moved, ENOSPC retries {}",
