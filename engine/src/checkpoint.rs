@@ -170,5 +170,7 @@ impl Inner {
             s.crc_dirty = false;
             st.freed_crc_tables.insert(i as u64);
         }
+        drop(st);
+        self.cleaner.space_freed();
     }
 }

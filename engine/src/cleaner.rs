@@ -70,6 +70,9 @@ pub(crate) struct CleanerCtl {
     /// Segments holding a block that failed its crc: never victims (moving would launder the
     /// damage); forgotten when the segment is freed because its data died.
     pub damaged: Mutex<BTreeSet<usize>>,
+    /// Counts the checkpoints that freed segments; writes waiting for room sleep on `freed_cv`.
+    freed: Mutex<u64>,
+    freed_cv: Condvar,
 }
 
 impl CleanerCtl {
@@ -85,6 +88,24 @@ impl CleanerCtl {
 
     fn stopping(&self) -> bool {
         self.ctl.lock().0
+    }
+
+    pub fn space_freed(&self) {
+        *self.freed.lock() += 1;
+        self.freed_cv.notify_all();
+    }
+
+    /// How many times space has been freed so far (pass it to [`Self::wait_for_space`]).
+    pub fn freed_count(&self) -> u64 {
+        *self.freed.lock()
+    }
+
+    /// Waits until space is freed after `seen` (see [`Self::freed_count`]), or `timeout`.
+    pub fn wait_for_space(&self, seen: u64, timeout: Duration) {
+        let mut n = self.freed.lock();
+        if *n == seen {
+            self.freed_cv.wait_for(&mut n, timeout);
+        }
     }
 }
 

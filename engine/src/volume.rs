@@ -284,13 +284,13 @@ impl Volume {
     }
 
     /// Sends whole blocks at block-aligned `offset` and waits for them. A pool that is full while
-    /// dead space remains makes the write wait for the cleaner (backing off, up to
-    /// [`NO_SPACE_PATIENCE`]) instead of failing: ENOSPC is for a pool with nothing to reclaim.
+    /// dead space remains makes the write wait for the cleaner (woken when a checkpoint frees
+    /// segments, up to [`NO_SPACE_PATIENCE`] in all) instead of failing: ENOSPC is for a pool with nothing to reclaim.
     /// Retrying is safe: the same blocks written again are the same write.
     fn submit_blocks(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         let start = std::time::Instant::now();
-        let mut pause = std::time::Duration::from_millis(1);
         loop {
+            let seen = inner.cleaner.freed_count();
             match self.submit_blocks_once(inner, offset, data, fua) {
                 Err(e)
                     if e.kind() == ErrorKind::NoSpace
@@ -298,8 +298,7 @@ impl Volume {
                         && crate::cleaner::worth_waiting(inner) =>
                 {
                     inner.cleaner.kick();
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(std::time::Duration::from_millis(50));
+                    inner.cleaner.wait_for_space(seen, std::time::Duration::from_millis(20));
                 }
                 r => return r,
             }
