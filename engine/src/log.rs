@@ -418,14 +418,15 @@ pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
 /// move durably first). Returns where the batch goes.
 fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos> {
     let seg_size = inner.sb.segment_size;
-    let (head, head_is_open, free_now) = {
-        let st = inner.state.read();
-        (st.applied, st.segs.segs[st.applied.seg].state == SegState::Open, st.segs.count(SegState::Free))
-    };
     // Once the cleaner's moves have dipped into the reserve, the head they opened is theirs:
     // client writes sharing it would spend the reserve a segment at a time until the cleaner
     // could not finish its victim (and nothing could ever free space again). They wait instead.
-    let reserve_dipped = free_now < inner.opts.reserve_segments;
+    // (Counting free segments is a scan: only done while the head came from the reserve.)
+    let (head, head_is_open, reserve_dipped) = {
+        let st = inner.state.read();
+        let dipped = st.head_in_reserve && st.segs.count(SegState::Free) < inner.opts.reserve_segments;
+        (st.applied, st.segs.segs[st.applied.seg].state == SegState::Open, dipped)
+    };
     if head_is_open && head.off + len <= seg_size && (may_use_reserve || !reserve_dipped) {
         return Ok(head);
     }
@@ -492,5 +493,6 @@ fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos
         st.segs.segs[head.seg].state = SegState::Sealed;
     }
     st.applied = LogPos { seq: head.seq, seg, off: 0 };
+    st.head_in_reserve = st.segs.count(SegState::Free) < inner.opts.reserve_segments;
     Ok(st.applied)
 }

@@ -120,6 +120,7 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         applied: LogPos { seq: ckpt.seq, seg: head_seg, off: ckpt.off },
         generation: ckpt.generation + 1,
         log_bytes_since_ckpt: 0,
+        head_in_reserve: false,
     };
     let report = replay(meta, backend, sb, &mut st, ckpt.generation)?;
     // Segment states: the head is open; anything with live data is sealed; the rest is free.
