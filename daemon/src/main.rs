@@ -55,11 +55,12 @@ enum Cmd {
         /// This node's name (its topology value `topology.ferrite.dev/node`).
         #[arg(long, env = "FERRITE_NODE_ID", default_value = "")]
         node_id: String,
-        /// TOML file mapping node names to their daemons' admin sockets (controller mode).
+        /// TOML file mapping node names to their daemons' admin endpoints: a socket path or
+        /// `tcp://host:port` (controller mode).
         #[arg(long)]
         node_directory: Option<PathBuf>,
         /// How the node attaches volumes: auto (ublk where the kernel has it, else kernel NBD), ublk, nbd.
-        #[arg(long, default_value = "auto")]
+        #[arg(long, default_value = "auto", value_parser = ["auto", "ublk", "nbd"])]
         attach_transport: String,
         /// The most volumes this node takes (reported by NodeGetInfo).
         #[arg(long, default_value_t = 128)]
