@@ -88,6 +88,14 @@ impl Node {
     }
 }
 
+fn mounted_at(path: &Path) -> Result<Option<host::Mount>, Status> {
+    host::mounted_at(path).map_err(internal("reading the mount table"))
+}
+
+fn shows(m: &host::Mount, device: &Path) -> Result<bool, Status> {
+    host::shows_device(m, device).map_err(internal("checking the device"))
+}
+
 /// Creates a publish target: a directory for mounts, an empty file for a device node bind.
 fn create_target(target: &Path, block: bool) -> Result<(), Status> {
     let made = if block {
@@ -102,7 +110,7 @@ fn create_target(target: &Path, block: bool) -> Result<(), Status> {
 fn other_users(device: &Path, except: &Path) -> Result<Vec<host::Mount>, Status> {
     let mut users = Vec::new();
     for m in host::mounts().map_err(internal("reading the mount table"))? {
-        if m.target != except && host::shows_device(&m, device).map_err(internal("checking the device"))? {
+        if m.target != except && shows(&m, device)? {
             users.push(m);
         }
     }
@@ -156,8 +164,8 @@ impl csi::node_server::Node for Node {
             return Ok(Response::new(csi::NodeStageVolumeResponse {})); // raw block: the device is the stage
         };
         let staging = Path::new(&r.staging_target_path);
-        if let Some(m) = host::mounted_at(staging).map_err(internal("reading the mount table"))? {
-            if host::shows_device(&m, &device).map_err(internal("checking the device"))? && m.fs_type == fs {
+        if let Some(m) = mounted_at(staging)? {
+            if shows(&m, &device)? && m.fs_type == fs {
                 return Ok(Response::new(csi::NodeStageVolumeResponse {}));
             }
             return Err(Status::already_exists(format!(
@@ -239,9 +247,9 @@ impl csi::node_server::Node for Node {
         let source = match &mount {
             None => device.clone(),
             Some(_) => {
-                let staged = host::mounted_at(staging).map_err(internal("reading the mount table"))?;
+                let staged = mounted_at(staging)?;
                 match staged {
-                    Some(m) if host::shows_device(&m, &device).map_err(internal("checking the device"))? => {}
+                    Some(m) if shows(&m, &device)? => {}
                     _ => {
                         return Err(Status::failed_precondition(format!(
                             "volume {} is not staged at {}",
@@ -253,8 +261,8 @@ impl csi::node_server::Node for Node {
                 staging.to_path_buf()
             }
         };
-        if let Some(m) = host::mounted_at(target).map_err(internal("reading the mount table"))? {
-            if host::shows_device(&m, &device).map_err(internal("checking the device"))? && m.read_only == read_only {
+        if let Some(m) = mounted_at(target)? {
+            if shows(&m, &device)? && m.read_only == read_only {
                 return Ok(Response::new(csi::NodePublishVolumeResponse {}));
             }
             return Err(Status::already_exists(format!(
@@ -282,7 +290,7 @@ impl csi::node_server::Node for Node {
         self.local(&r.volume_id)?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let target = Path::new(&r.target_path);
-        let shown = host::mounted_at(target).map_err(internal("reading the mount table"))?;
+        let shown = mounted_at(target)?;
         host::unmount_all(target).await?;
         // The last publish of a read-only raw block device gives the device its writability back.
         if let Some(m) = shown.filter(|m| m.fs_type == "devtmpfs" && m.read_only) {
@@ -318,7 +326,7 @@ impl csi::node_server::Node for Node {
         let mut c = self.admin().await?;
         c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
         let attachment = Self::attachment(&mut c, name).await?;
-        let mounted = host::mounted_at(path).map_err(internal("reading the mount table"))?;
+        let mounted = mounted_at(path)?;
         let problem = match (&attachment, &mounted) {
             (None, _) => Some("the volume is not attached to a block device".to_owned()),
             (Some(a), Some(m)) if !host::shows_device(m, Path::new(&a.device)).unwrap_or(false) => {
@@ -387,7 +395,7 @@ impl csi::node_server::Node for Node {
             )));
         }
         let path = Path::new(&r.volume_path);
-        let mounted = host::mounted_at(path).map_err(internal("reading the mount table"))?;
+        let mounted = mounted_at(path)?;
         if let Some(m) = mounted.filter(|m| m.fs_type != "devtmpfs") {
             host::grow(&m.fs_type, &device, path).await?;
             tracing::info!(volume = %r.volume_id, size, fs = %m.fs_type, "filesystem grown online");
