@@ -32,6 +32,14 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// For calls that take no parameters of ours: any given one is refused rather than ignored.
+pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
+    match params.keys().next() {
+        Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),
+        None => Ok(()),
+    }
+}
+
 /// One page of `all` (in a stable order): the token is the index to start at; a token we did not
 /// hand out is Aborted, as the spec asks.
 pub(crate) fn paginate<T>(mut all: Vec<T>, max_entries: i32, token: &str) -> Result<(Vec<T>, String), Status> {

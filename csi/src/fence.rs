@@ -10,6 +10,7 @@ use ferrite_proto::csi_addons::fence as pb_fence;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
+use crate::controller::no_parameters;
 use crate::nodes::{NodeDirectory, admin};
 
 #[derive(Debug)]
@@ -29,16 +30,9 @@ fn cidrs(list: Vec<pb_fence::Cidr>) -> Result<Vec<String>, Status> {
     Ok(out)
 }
 
-/// Parameters we accept: none; anything else is refused rather than ignored.
-fn no_parameters(p: &std::collections::HashMap<String, String>) -> Result<(), Status> {
-    match p.keys().next() {
-        Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),
-        None => Ok(()),
-    }
-}
-
 impl Fence {
-    /// Runs `call` against every node's daemon; returns the union of the lists they report.
+    /// Fences (`Some(true)`), unfences (`Some(false)`) or lists (`None`) on every node's daemon;
+    /// returns the union of the lists they report.
     async fn on_every_node(&self, cidrs: &[String], fence: Option<bool>) -> Result<BTreeSet<String>, Status> {
         let mut union = BTreeSet::new();
         for node in self.nodes.nodes() {

@@ -12,7 +12,7 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
-use crate::controller::require;
+use crate::controller::{no_parameters, require};
 use crate::ids;
 use crate::nodes::{NodeDirectory, admin};
 use crate::snapshots::snapshot_msg;
@@ -91,9 +91,7 @@ impl csi::group_controller_server::GroupController for GroupController {
         if r.source_volume_ids.is_empty() {
             return Err(Status::invalid_argument("source_volume_ids is required"));
         }
-        if let Some(k) = r.parameters.keys().next() {
-            return Err(Status::invalid_argument(format!("unknown parameter {k:?}")));
-        }
+        no_parameters(&r.parameters)?;
         let mut node = None;
         let mut volumes = BTreeSet::new();
         for id in &r.source_volume_ids {

@@ -79,20 +79,19 @@ impl Node {
     }
 
     /// The device of a staged volume; FailedPrecondition when it is not staged.
-    async fn staged_device(&self, name: &str) -> Result<PathBuf, Status> {
-        let mut c = self.admin().await?;
-        match Self::attachment(&mut c, name).await? {
+    pub(crate) async fn staged_device(c: &mut AdminClient<Channel>, name: &str) -> Result<PathBuf, Status> {
+        match Self::attachment(c, name).await? {
             Some(a) => Ok(PathBuf::from(a.device)),
             None => Err(Status::failed_precondition(format!("volume {name} is not staged on this node"))),
         }
     }
 }
 
-fn mounted_at(path: &Path) -> Result<Option<host::Mount>, Status> {
+pub(crate) fn mounted_at(path: &Path) -> Result<Option<host::Mount>, Status> {
     host::mounted_at(path).map_err(internal("reading the mount table"))
 }
 
-fn shows(m: &host::Mount, device: &Path) -> Result<bool, Status> {
+pub(crate) fn shows(m: &host::Mount, device: &Path) -> Result<bool, Status> {
     host::shows_device(m, device).map_err(internal("checking the device"))
 }
 
@@ -106,11 +105,11 @@ fn create_target(target: &Path, block: bool) -> Result<(), Status> {
     made.map_err(|e| Status::internal(format!("creating target {}: {e}", target.display())))
 }
 
-/// The mounts other than at `except` that still show `device` (publish targets, other mounts).
-fn other_users(device: &Path, except: &Path) -> Result<Vec<host::Mount>, Status> {
+/// The mounts that show `device` (its filesystem, or binds of its node), except one at `except`.
+pub(crate) fn other_users(device: &Path, except: Option<&Path>) -> Result<Vec<host::Mount>, Status> {
     let mut users = Vec::new();
     for m in host::mounts().map_err(internal("reading the mount table"))? {
-        if m.target != except && shows(&m, device)? {
+        if Some(m.target.as_path()) != except && shows(&m, device)? {
             users.push(m);
         }
     }
@@ -121,7 +120,7 @@ fn other_users(device: &Path, except: &Path) -> Result<Vec<host::Mount>, Status>
 /// files, not devices), so a read-only raw block publish makes the device itself read-only; a
 /// device is then read-only for all its publishes or for none.
 async fn set_device_read_only(device: &Path, target: &Path, read_only: bool) -> Result<(), Status> {
-    let others = other_users(device, target)?;
+    let others = other_users(device, Some(target))?;
     if let Some(m) = others.iter().find(|m| m.read_only != read_only) {
         return Err(Status::failed_precondition(format!(
             "{} is published {} at {}; a raw block volume is read-only for all its publishes or none",
@@ -211,7 +210,7 @@ impl csi::node_server::Node for Node {
         let attachment = Self::attachment(&mut c, name).await?;
         if let Some(a) = &attachment {
             let users: Vec<PathBuf> =
-                other_users(Path::new(&a.device), staging)?.into_iter().map(|m| m.target).collect();
+                other_users(Path::new(&a.device), Some(staging))?.into_iter().map(|m| m.target).collect();
             if !users.is_empty() {
                 return Err(Status::failed_precondition(format!(
                     "volume {} is still published at {users:?}; unpublish it first",
@@ -242,7 +241,7 @@ impl csi::node_server::Node for Node {
         let read_only = r.readonly || ro_mode;
         let name = self.local(&r.volume_id)?;
         let _busy = self.busy.begin(&r.volume_id)?;
-        let device = self.staged_device(name).await?;
+        let device = Self::staged_device(&mut self.admin().await?, name).await?;
         let (target, staging) = (Path::new(&r.target_path), Path::new(&r.staging_target_path));
         let source = match &mount {
             None => device.clone(),
@@ -295,7 +294,7 @@ impl csi::node_server::Node for Node {
         // The last publish of a read-only raw block device gives the device its writability back.
         if let Some(m) = shown.filter(|m| m.fs_type == "devtmpfs" && m.read_only) {
             let device = Path::new("/dev").join(m.root.trim_start_matches('/'));
-            if other_users(&device, target)?.is_empty() {
+            if other_users(&device, Some(target))?.is_empty() {
                 host::run("blockdev", &["--setrw", &device.to_string_lossy()]).await?;
             }
         }
@@ -384,7 +383,7 @@ impl csi::node_server::Node for Node {
                 r.volume_id, volume.size
             )));
         }
-        let device = self.staged_device(name).await?;
+        let device = Self::staged_device(&mut c, name).await?;
         let size = host::device_size(&device).map_err(internal("reading the device size"))?;
         if size < volume.size {
             return Err(Status::failed_precondition(format!(

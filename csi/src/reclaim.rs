@@ -17,9 +17,9 @@ use ferrite_proto::csi_addons::reclaimspace as rs;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::controller::require;
+use crate::controller::{no_parameters, require};
 use crate::host;
-use crate::node::Node;
+use crate::node::{Node, mounted_at, other_users, shows};
 use crate::nodes::{self, NodeDirectory};
 
 const BLOCK: usize = 4096;
@@ -43,9 +43,7 @@ impl rs::reclaim_space_controller_server::ReclaimSpaceController for ReclaimCont
     ) -> Result<Response<rs::ControllerReclaimSpaceResponse>, Status> {
         let r = req.into_inner();
         require("volume_id", &r.volume_id)?;
-        if let Some(k) = r.parameters.keys().next() {
-            return Err(Status::invalid_argument(format!("unknown parameter {k:?}")));
-        }
+        no_parameters(&r.parameters)?;
         let (node, mut c, _) = nodes::volume(&*self.nodes, &r.volume_id).await?;
         let done = c.reclaim_pool(pb::ReclaimPoolRequest {}).await?.into_inner();
         tracing::info!(volume_id = %r.volume_id, node, used_before = done.used_before, used_after = done.used_after,
@@ -114,16 +112,14 @@ impl rs::reclaim_space_node_server::ReclaimSpaceNode for Node {
         let mut c = self.admin().await?;
         let get = pb::GetVolumeRequest { name: name.into() };
         let pre = c.get_volume(get.clone()).await?.into_inner().allocated;
-        let a = Node::attachment(&mut c, name)
-            .await?
-            .ok_or_else(|| Status::failed_precondition(format!("volume {} is not staged on this node", r.volume_id)))?;
-        let device = Path::new(&a.device);
-        let internal = |e: std::io::Error| Status::internal(format!("reclaiming {}: {e}", a.device));
+        let device = Node::staged_device(&mut c, name).await?;
         // A filesystem volume: trim through whichever of its mounts we were given.
         let mut fs_mount = None;
         for p in [&r.staging_target_path, &r.volume_path].into_iter().filter(|p| !p.is_empty()) {
-            let m = host::mounted_at(Path::new(p)).map_err(internal)?;
-            if m.is_some_and(|m| m.fs_type != "devtmpfs" && host::shows_device(&m, device).unwrap_or(false)) {
+            if let Some(m) = mounted_at(Path::new(p))?
+                && m.fs_type != "devtmpfs"
+                && shows(&m, &device)?
+            {
                 fs_mount = Some(p.clone());
                 break;
             }
@@ -132,12 +128,8 @@ impl rs::reclaim_space_node_server::ReclaimSpaceNode for Node {
             let out = host::run("fstrim", &["-v", &p]).await?;
             tracing::info!(volume_id = %r.volume_id, mount = p, "{}", out.trim());
         } else {
-            let users: Vec<String> = host::mounts()
-                .map_err(internal)?
-                .into_iter()
-                .filter(|m| host::shows_device(m, device).unwrap_or(false))
-                .map(|m| m.target.display().to_string())
-                .collect();
+            let users: Vec<String> =
+                other_users(&device, None)?.into_iter().map(|m| m.target.display().to_string()).collect();
             if !users.is_empty() {
                 return Err(Status::failed_precondition(format!(
                     "raw block volume {} is published at {users:?}: unused blocks can only be told from data \
@@ -153,11 +145,11 @@ impl rs::reclaim_space_node_server::ReclaimSpaceNode for Node {
                 .await?
                 .into_inner()
                 .ranges;
-            let dev = device.to_path_buf();
+            let dev = device.clone();
             let discarded = tokio::task::spawn_blocking(move || discard_zeroes(&dev, &ranges))
                 .await
                 .map_err(|e| Status::internal(format!("reclaim task failed: {e}")))?
-                .map_err(internal)?;
+                .map_err(|e| Status::internal(format!("reclaiming {}: {e}", device.display())))?;
             tracing::info!(volume_id = %r.volume_id, discarded, "zeroed blocks of a raw block volume discarded");
         }
         let post = c.get_volume(get).await?.into_inner().allocated;

@@ -4,7 +4,7 @@ use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Code, Status};
 
-use crate::controller::{Controller, paginate, require};
+use crate::controller::{Controller, no_parameters, paginate, require};
 use crate::ids;
 use crate::nodes::admin;
 
@@ -27,9 +27,7 @@ impl Controller {
     pub(crate) async fn create_snapshot_impl(&self, r: csi::CreateSnapshotRequest) -> Result<csi::Snapshot, Status> {
         require("name", &r.name)?;
         require("source_volume_id", &r.source_volume_id)?;
-        if let Some(k) = r.parameters.keys().next() {
-            return Err(Status::invalid_argument(format!("unknown parameter {k:?}")));
-        }
+        no_parameters(&r.parameters)?;
         let (node, volume) = ids::parse(&r.source_volume_id)
             .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", r.source_volume_id)))?;
         let name = ids::engine_name(&r.name);

@@ -12,7 +12,7 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
-use crate::controller::{paginate, require, volume_msg};
+use crate::controller::{no_parameters, paginate, require, volume_msg};
 use crate::ids;
 use crate::nodes::{NodeDirectory, admin};
 
@@ -129,9 +129,7 @@ impl vg::controller_server::Controller for VolumeGroups {
     ) -> Result<Response<vg::ModifyVolumeGroupMembershipResponse>, Status> {
         let r = req.into_inner();
         require("volume_group_id", &r.volume_group_id)?;
-        if let Some(k) = r.parameters.keys().next() {
-            return Err(Status::invalid_argument(format!("unknown parameter {k:?}")));
-        }
+        no_parameters(&r.parameters)?;
         let (node, mut c, g) = self.locate(&r.volume_group_id).await?;
         let (vol_node, names) = members(&r.volume_ids)?;
         if vol_node.as_ref().is_some_and(|n| *n != node) {
