@@ -61,24 +61,23 @@ fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener> {
     Ok(l)
 }
 
+/// Binds an optional TCP listener.
+async fn bind_tcp(addr: Option<std::net::SocketAddr>, what: &str) -> Result<Option<TcpListener>> {
+    match addr {
+        Some(a) => Ok(Some(TcpListener::bind(a).await.with_context(|| format!("binding {what} {a}"))?)),
+        None => Ok(None),
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(cfg: Config) -> Result<()> {
     std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating {}", cfg.data_dir.display()))?;
     let admin_listener = bind_unix(&cfg.admin_socket, 0o600)?;
     let nbd_listener = bind_unix(&cfg.nbd_socket, 0o660)?;
-    let tcp = match cfg.nbd_listen {
-        Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding NBD listener {a}"))?),
-        None => None,
-    };
-    let admin_tcp = match cfg.admin_listen {
-        Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding admin listener {a}"))?),
-        None => None,
-    };
+    let tcp = bind_tcp(cfg.nbd_listen, "NBD listener").await?;
+    let admin_tcp = bind_tcp(cfg.admin_listen, "admin listener").await?;
     let fences = crate::fence::Fences::load(&cfg.data_dir)?;
-    let metrics = match cfg.metrics_listen {
-        Some(a) => Some(TcpListener::bind(a).await.with_context(|| format!("binding metrics listener {a}"))?),
-        None => None,
-    };
+    let metrics = bind_tcp(cfg.metrics_listen, "metrics listener").await?;
     let pool = {
         let cfg = cfg.clone();
         Arc::new(tokio::task::spawn_blocking(move || open_pool(&cfg)).await??)

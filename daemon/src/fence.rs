@@ -141,8 +141,8 @@ impl Fences {
         Some(Admission { fences: Arc::clone(self), id })
     }
 
-    /// Changes the fence list durably (the file first, then memory); on fencing, cuts the open
-    /// connections the new list covers. Returns the list and how many connections were cut.
+    /// Changes the fence list durably (the file first, then memory; nothing is written when
+    /// nothing changes, as for a plain listing); cuts the open connections the list covers. Returns the list and how many connections were cut.
     pub fn update(&self, add: &[Cidr], remove: &[Cidr]) -> io::Result<(Vec<Cidr>, u64)> {
         let list = {
             let mut cidrs = lock(&self.cidrs);
@@ -150,9 +150,11 @@ impl Fences {
             next.extend(add.iter().filter(|c| !cidrs.contains(c)));
             next.sort();
             next.dedup();
-            let text: Vec<String> = next.iter().map(ToString::to_string).collect();
-            save_list(&self.file, &text)?;
-            *cidrs = next.clone();
+            if next != *cidrs {
+                let text: Vec<String> = next.iter().map(ToString::to_string).collect();
+                save_list(&self.file, &text)?;
+                *cidrs = next.clone();
+            }
             next
         };
         let mut cut = 0;
