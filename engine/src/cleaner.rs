@@ -9,8 +9,11 @@
 //!   only the blocks still mapped where they were (a foreground write may have replaced them)
 //!   and writes them to the log head as ordinary batches naming their layers, in logical order
 //!   (so a fragmented volume comes out sequential). Foreground writes wait only for that
-//!   write; between steps they go on, which is the throttle. Moves may use the reserve
-//!   segments: they always give back more than they take.
+//!   write; between steps they go on. Moves may use the reserve segments: they always give
+//!   back more than they take.
+//! - **Throttle**: while the background cleaner runs, client writes are paced by what its moves
+//!   give back (`pace.rs`), so cleaning and writing share the disk evenly instead of writers
+//!   running the pool dry and then all stalling until a victim is freed.
 //! - Where live blocks are is found once per run (one pass over every layer's map, bucketed by
 //!   segment), not once per victim.
 //! - **Crash safety** needs nothing new: a move is a normal batch, replayed like any other, and
@@ -29,6 +32,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
 use crate::io::{BLOCK, read_runs};
 use crate::layers;
+use crate::pace::Pace;
 use crate::pool::Inner;
 use crate::segments::{Pinned, SegState};
 
@@ -66,6 +70,8 @@ pub(crate) struct CleanerCtl {
     cv: Condvar,
     /// Serialises cleaning runs (background and on demand).
     pub running: Mutex<()>,
+    /// Client writes pay for their room while the background cleaner runs.
+    pub pace: Pace,
     pub stats: CleanerStats,
     /// Segments holding a block that failed its crc: never victims (moving would launder the
     /// damage); forgotten when the segment is freed because its data died.
@@ -148,20 +154,37 @@ fn pick_victim(inner: &Inner, max_u: f64, eligible: &BTreeSet<usize>) -> Option<
 type LiveRun = (u64, u64, u64, u64);
 
 /// Live runs in each of `segs`, each list in (layer, lba) order: one pass over every map.
+///
+/// The pass takes the state lock a slice of the maps at a time, so batches (which need it to
+/// apply) are not held up for a whole pass. No consistent view is needed: blocks are only ever
+/// written at the log head, so a sealed segment's live blocks can only go away meanwhile; a run
+/// missed (a layer merge moving entries across the pass) leaves the victim with live blocks
+/// after cleaning, and a segment with any live block is never freed.
 fn live_runs(inner: &Inner, segs: &BTreeSet<usize>) -> BTreeMap<usize, Vec<LiveRun>> {
-    let st = inner.state.read();
-    let per = st.segs.blocks_per_seg;
+    /// Map chunks per lock hold.
+    const SLICE: u64 = 16;
+    let layers: Vec<u64> = inner.state.read().layers.keys().copied().collect();
     let mut out: BTreeMap<usize, Vec<LiveRun>> = BTreeMap::new();
-    for (&layer, l) in &st.layers {
-        for (lba, pba, n) in l.map.runs() {
-            let mut at = pba;
-            while at < pba + n {
-                let (seg, _) = st.segs.locate(at);
-                let end = (st.segs.pba(seg, 0) + per).min(pba + n);
-                if segs.contains(&seg) {
-                    out.entry(seg).or_default().push((layer, lba + (at - pba), at, end - at));
+    for layer in layers {
+        let mut chunk = 0;
+        loop {
+            let st = inner.state.read();
+            let Some(l) = st.layers.get(&layer) else { break };
+            let per = st.segs.blocks_per_seg;
+            for (lba, pba, n) in l.map.runs_in_chunks(chunk..chunk + SLICE) {
+                let mut at = pba;
+                while at < pba + n {
+                    let (seg, _) = st.segs.locate(at);
+                    let end = (st.segs.pba(seg, 0) + per).min(pba + n);
+                    if segs.contains(&seg) {
+                        out.entry(seg).or_default().push((layer, lba + (at - pba), at, end - at));
+                    }
+                    at = end;
                 }
-                at = end;
+            }
+            chunk += SLICE;
+            if chunk >= l.map.chunk_end() {
+                break;
             }
         }
     }
@@ -221,16 +244,28 @@ fn move_step(inner: &Inner, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
 }
 
 impl Inner {
-    /// Moves every live block of `cands` (all in segment `seg`) out of it, a step at a time.
+    /// Moves every live block of `cands` (all in segment `seg`) out of it, a step at a time,
+    /// earning client writes their room as it goes (see `pace.rs`).
     fn clean_segment(self: &Arc<Self>, seg: usize, cands: Vec<LiveRun>) -> Result<u64> {
         let mut pinned = Pinned::new(&self.pins);
         pinned.pin(seg);
+        let (per_seg, live) = {
+            let st = self.state.read();
+            (st.segs.blocks_per_seg as f64, st.segs.segs[seg].live.max(1) as f64)
+        };
+        let (low, reserve) = (low_water(self) as f64, self.opts.reserve_segments as f64);
         let mut moved = 0;
         let mut step: Vec<LiveRun> = Vec::new();
         let mut blocks = 0;
         let mut run_step = |step: &[LiveRun]| -> Result<()> {
             let read = read_step(self, step)?;
-            moved += self.barrier(move |inner| move_step(inner, read))?;
+            let n = self.barrier(move |inner| move_step(inner, read))?;
+            moved += n;
+            // Below the low-water mark, earn less than is given back (the lower free space is, the
+            // less), so free space climbs back.
+            let free = self.state.read().segs.count(SegState::Free) as f64;
+            let share = ((free - reserve) / (low - reserve)).clamp(0.25, 1.0);
+            self.cleaner.pace.earn(n as f64 * (per_seg - live) / live * share);
             Ok(())
         };
         for (layer, lba, pba, n) in cands {
@@ -253,10 +288,14 @@ impl Inner {
     }
 
     /// Cleans victims while `more()` says so and good victims remain; ends with a checkpoint
-    /// that frees the cleaned segments.
+    /// that frees the cleaned segments. A `background` run only asks the checkpoint thread for
+    /// its checkpoints and does not wait for them (paced writers are waiting on its moves
+    /// meanwhile; its report then counts no segments freed), and it looks for victims again
+    /// every few, so a long run also sees the segments sealed since it started.
     pub(crate) fn clean(
         self: &Arc<Self>,
         max_u: f64,
+        background: bool,
         mut more: impl FnMut(&Inner, &CleanReport) -> bool,
     ) -> Result<CleanReport> {
         let _one = self.cleaner.running.lock();
@@ -265,12 +304,23 @@ impl Inner {
         stats.runs.fetch_add(1, Ordering::Relaxed);
         let free_before = self.state.read().segs.count(SegState::Free) as u64;
         let mut report = CleanReport::default();
-        // Only segments sealed when the run starts: the ones the moves fill are never victims of
-        // the same run (with small batches their headers would make them look worth cleaning).
+        // An on-demand run only takes segments sealed when it starts: the ones its moves fill
+        // are never its victims (with small batches their headers would make them look worth
+        // cleaning, and a run until no victim is left could go on moving the same blocks round).
+        // A background run stops at a free-space mark, and must keep seeing new segments.
         let mut eligible = self.state.read().segs.sealed();
         let mut live = live_runs(self, &eligible);
         let mut result = Ok(());
+        let mut picked = 0u64;
         while !self.cleaner.stopping() && more(self, &report) {
+            if background && picked > 0 && picked.is_multiple_of(CHECKPOINT_EVERY) {
+                // The pass earns nothing itself: credit in advance keeps paced writers going
+                // meanwhile (the low-water feedback takes back what it overspends).
+                self.cleaner.pace.earn(self.state.read().segs.blocks_per_seg as f64 / 2.0);
+                eligible = self.state.read().segs.sealed();
+                live = live_runs(self, &eligible);
+            }
+            picked += 1;
             let Some(seg) = pick_victim(self, max_u, &eligible) else { break };
             eligible.remove(&seg);
             match self.clean_segment(seg, live.remove(&seg).unwrap_or_default()) {
@@ -279,14 +329,11 @@ impl Inner {
                     report.blocks_moved += n;
                     stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
                     stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
-                    // Cleaned segments come free only with a checkpoint: take one often enough
+                    // Cleaned segments come free only with a checkpoint: ask for one often enough
                     // that writers are not left waiting for the end of a long run.
                     let free = self.state.read().segs.count(SegState::Free) as u64;
-                    if (report.segments_cleaned % CHECKPOINT_EVERY == 0 || free < low_water(self))
-                        && let Err(e) = self.checkpoint()
-                    {
-                        result = Err(e);
-                        break;
+                    if report.segments_cleaned % CHECKPOINT_EVERY == 0 || free < low_water(self) {
+                        self.ckpt.request();
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::Corrupt => {
@@ -299,7 +346,7 @@ impl Inner {
                 }
             }
         }
-        let ckpt = if report.segments_cleaned > 0 { self.checkpoint() } else { Ok(()) };
+        let ckpt = if report.segments_cleaned > 0 && !background { self.checkpoint() } else { Ok(()) };
         stats.active.store(false, Ordering::Relaxed);
         result?;
         ckpt?;
@@ -358,53 +405,71 @@ pub(crate) fn worth_waiting(inner: &Inner) -> bool {
     dead >= per
 }
 
-/// Free segments below which the background cleaner runs. Kept small: every segment held
-/// free is a segment the dead space cannot use, which raises the live fraction of the victims
-/// and with it write amplification.
+/// Free segments below which the background cleaner runs: two above the reserve. Kept small and
+/// independent of pool size: every segment held free is one the dead space cannot use, which
+/// raises the live fraction of the victims and with it write amplification (on a 1 GiB pool of
+/// 4 MiB segments at 80% full, each segment held costs about 0.1 of it); pacing, not a large
+/// free pool, is what keeps writes going while the cleaner catches up.
 pub(crate) fn low_water(inner: &Inner) -> u64 {
-    (inner.sb.segment_count / 50).max(inner.opts.reserve_segments as u64 + 4)
+    inner.opts.reserve_segments as u64 + 2
 }
 
 /// Background cleaning: whenever free space runs low (checked every interval or when kicked),
-/// clean until twice the low-water mark is free or no victim is worth it.
+/// clean until twice the low-water mark is free or no victim is worth it, with client writes
+/// paced meanwhile.
 pub(crate) fn cleaner_loop(inner: &Arc<Inner>) {
     let interval = inner.opts.cleaner_interval.max(Duration::from_millis(10));
-    let mut busy = false;
+    let pace = &inner.cleaner.pace;
+    let mut pacing = false;
     loop {
         {
             let mut c = inner.cleaner.ctl.lock();
-            // Right after a run that still left space low, go on without waiting.
-            if !c.0 && !c.1 && !busy {
+            if !c.0 && !c.1 && !pacing {
                 inner.cleaner.cv.wait_for(&mut c, interval);
             }
             if c.0 {
+                pace.stop();
                 return;
             }
             c.1 = false;
         }
         let free = |i: &Inner| i.state.read().segs.count(SegState::Free) as u64;
         let low = low_water(inner);
-        busy = false;
-        if inner.check_open().is_err() || free(inner) >= low {
-            continue;
-        }
+        let enough = if pacing { 2 * low } else { low };
         // A checkpoint alone frees wholly dead segments (only worth taking if there are some).
-        let empty = inner.state.read().segs.any_empty_sealed();
-        if empty && inner.checkpoint().is_ok() && free(inner) >= low {
+        let done = inner.check_open().is_err()
+            || free(inner) >= enough
+            || (inner.state.read().segs.any_empty_sealed(&inner.pins)
+                && inner.checkpoint().is_ok()
+                && free(inner) >= enough);
+        if done {
+            pace.stop();
+            pacing = false;
             continue;
         }
-        match inner.clean(MAX_UTILISATION, |i, _| free(i) < 2 * low && i.check_open().is_ok()) {
+        // Each run starts with credit in advance for the pass that finds its victims' blocks,
+        // which earns nothing itself (the low-water feedback takes back what this overspends).
+        let per_seg = inner.state.read().segs.blocks_per_seg;
+        if pacing {
+            pace.earn(per_seg as f64 / 2.0);
+        } else {
+            pace.start(per_seg / 2, per_seg);
+            pacing = true;
+        }
+        let run = inner.clean(MAX_UTILISATION, true, |i, _| free(i) < 2 * low && i.check_open().is_ok());
+        match run {
             Ok(r) if r.segments_cleaned > 0 => {
-                busy = free(inner) < low;
-                tracing::info!(
-                    cleaned = r.segments_cleaned,
-                    moved_blocks = r.blocks_moved,
-                    freed = r.segments_freed,
-                    "cleaner ran"
-                );
+                tracing::debug!(cleaned = r.segments_cleaned, moved_blocks = r.blocks_moved, "cleaner ran");
             }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "cleaner run failed"),
+            Ok(_) => {
+                pace.stop();
+                pacing = false;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cleaner run failed");
+                pace.stop();
+                pacing = false;
+            }
         }
     }
 }

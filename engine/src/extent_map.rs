@@ -284,6 +284,21 @@ impl ExtentMap {
     pub fn runs(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
         self.all_entries().filter(|e| !is_zero(e.1))
     }
+
+    /// The runs mapped to data in chunks `chunks` (of [`CHUNK_BLOCKS`] logical blocks each).
+    pub fn runs_in_chunks(&self, chunks: std::ops::Range<u64>) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.chunks
+            .range(chunks)
+            .flat_map(|(&c, ch)| {
+                ch.ext.iter().map(move |e| (c * CHUNK_BLOCKS + u64::from(e.off), e.pba, u64::from(e.len)))
+            })
+            .filter(|e| !is_zero(e.1))
+    }
+
+    /// One past the last chunk index in use.
+    pub fn chunk_end(&self) -> u64 {
+        self.chunks.keys().next_back().map_or(0, |c| c + 1)
+    }
 }
 
 #[cfg(test)]

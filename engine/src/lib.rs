@@ -30,6 +30,7 @@ pub mod io;
 mod layers;
 mod log;
 mod meta;
+mod pace;
 mod pool;
 mod recovery;
 mod rng;

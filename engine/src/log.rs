@@ -439,7 +439,7 @@ fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos
     if free_left < crate::cleaner::low_water(inner) {
         inner.cleaner.kick();
     }
-    if seg.is_none() && inner.state.read().segs.any_empty_sealed() {
+    if seg.is_none() && inner.state.read().segs.any_empty_sealed(&inner.pins) {
         // Empty segments are waiting for a checkpoint to release them.
         inner.checkpoint()?;
         seg = inner.state.write().segs.take_free(reserve);

@@ -518,7 +518,7 @@ impl Pool {
     /// back (live fraction up to 95%) and frees those segments. Blocks until done.
     pub fn reclaim(&self) -> Result<CleanReport> {
         self.inner.check_open()?;
-        self.inner.clean(0.95, |_, _| true)
+        self.inner.clean(0.95, false, |_, _| true)
     }
 
     /// Arms a fault injection point (crash tests).

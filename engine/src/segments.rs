@@ -154,9 +154,11 @@ impl SegmentTable {
         self.segs.iter().enumerate().filter(|(_, s)| s.state == SegState::Sealed).map(|(i, _)| i).collect()
     }
 
-    /// True if some sealed segment holds no live block (a checkpoint would free it).
-    pub fn any_empty_sealed(&self) -> bool {
-        self.segs.iter().any(|s| s.state == SegState::Sealed && s.live == 0)
+    /// True if some sealed segment holds no live block and no reader (a checkpoint would free
+    /// it). A pinned one is usually the cleaner's victim, still being read: checkpointing for it
+    /// would free nothing.
+    pub fn any_empty_sealed(&self, pins: &ReadPins) -> bool {
+        self.segs.iter().enumerate().any(|(i, s)| s.state == SegState::Sealed && s.live == 0 && !pins.any(i))
     }
 
     pub fn count(&self, state: SegState) -> usize {

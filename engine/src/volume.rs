@@ -288,6 +288,7 @@ impl Volume {
     /// segments, up to [`NO_SPACE_PATIENCE`] in all) instead of failing: ENOSPC is for a pool with nothing to reclaim.
     /// Retrying is safe: the same blocks written again are the same write.
     fn submit_blocks(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        inner.cleaner.pace.pay((data.len() / BLOCK) as u64);
         let start = std::time::Instant::now();
         loop {
             let seen = inner.cleaner.freed_count();
