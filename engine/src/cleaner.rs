@@ -243,6 +243,30 @@ fn move_step(inner: &Inner, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
     Ok(moved)
 }
 
+/// `cands` cut into steps of at most [`STEP_BLOCKS`] blocks.
+fn split_steps(cands: Vec<LiveRun>) -> Vec<Vec<LiveRun>> {
+    let mut steps = Vec::new();
+    let mut step = Vec::new();
+    let mut blocks = 0;
+    for (layer, lba, pba, n) in cands {
+        let mut done = 0;
+        while done < n {
+            let k = (n - done).min(STEP_BLOCKS - blocks);
+            step.push((layer, lba + done, pba + done, k));
+            blocks += k;
+            done += k;
+            if blocks == STEP_BLOCKS {
+                steps.push(std::mem::take(&mut step));
+                blocks = 0;
+            }
+        }
+    }
+    if !step.is_empty() {
+        steps.push(step);
+    }
+    steps
+}
+
 impl Inner {
     /// Moves every live block of `cands` (all in segment `seg`) out of it, a step at a time,
     /// earning client writes their room as it goes (see `pace.rs`).
@@ -254,35 +278,26 @@ impl Inner {
             (st.segs.blocks_per_seg as f64, st.segs.segs[seg].live.max(1) as f64)
         };
         let (low, reserve) = (low_water(self) as f64, self.opts.reserve_segments as f64);
+        let steps = split_steps(cands);
         let mut moved = 0;
-        let mut step: Vec<LiveRun> = Vec::new();
-        let mut blocks = 0;
-        let mut run_step = |step: &[LiveRun]| -> Result<()> {
-            let read = read_step(self, step)?;
-            let n = self.barrier(move |inner| move_step(inner, read))?;
+        let mut next = steps.first().map(|step| read_step(self, step)).transpose()?;
+        for i in 0..steps.len() {
+            let read = next.take().expect("each step is read before it is moved");
+            // The next step is read while this one is moved: reads need no lock (the victim stays
+            // pinned and written log blocks never change), so the disk is kept busy with both.
+            let (n, ahead) = std::thread::scope(|s| {
+                let ahead = steps.get(i + 1).map(|step| s.spawn(move || read_step(self, step)));
+                let n = self.barrier(move |inner| move_step(inner, read));
+                (n, ahead.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))))
+            });
+            let n = n?;
+            next = ahead.transpose()?;
             moved += n;
             // Below the low-water mark, earn less than is given back (the lower free space is, the
             // less), so free space climbs back.
             let free = self.state.read().segs.count(SegState::Free) as f64;
             let share = ((free - reserve) / (low - reserve)).clamp(0.25, 1.0);
             self.cleaner.pace.earn(n as f64 * (per_seg - live) / live * share);
-            Ok(())
-        };
-        for (layer, lba, pba, n) in cands {
-            let mut done = 0;
-            while done < n {
-                let k = (n - done).min(STEP_BLOCKS - blocks);
-                step.push((layer, lba + done, pba + done, k));
-                blocks += k;
-                done += k;
-                if blocks == STEP_BLOCKS {
-                    run_step(&std::mem::take(&mut step))?;
-                    blocks = 0;
-                }
-            }
-        }
-        if !step.is_empty() {
-            run_step(&step)?;
         }
         Ok(moved)
     }
