@@ -15,7 +15,7 @@
 //!   give back (`pace.rs`), so cleaning and writing share the disk evenly instead of writers
 //!   running the pool dry and then all stalling until a victim is freed.
 //! - Where live blocks are is found once per run (one pass over every layer's map, bucketed by
-//!   segment), not once per victim.
+//!   segment; again every few victims in a long background run), not once per victim.
 //! - **Crash safety** needs nothing new: a move is a normal batch, replayed like any other, and
 //!   the victim is released only by a checkpoint taken after its last block moved.
 //! - A block whose crc does not match is never moved (that would launder the corruption under a
@@ -323,15 +323,16 @@ impl Inner {
         // are never its victims (with small batches their headers would make them look worth
         // cleaning, and a run until no victim is left could go on moving the same blocks round).
         // A background run stops at a free-space mark, and must keep seeing new segments.
-        let mut eligible = self.state.read().segs.sealed();
-        let mut live = live_runs(self, &eligible);
+        let (mut eligible, mut live) = (BTreeSet::new(), BTreeMap::new());
         let mut result = Ok(());
         let mut picked = 0u64;
         while !self.cleaner.stopping() && more(self, &report) {
-            if background && picked > 0 && picked.is_multiple_of(CHECKPOINT_EVERY) {
-                // The pass earns nothing itself: credit in advance keeps paced writers going
-                // meanwhile (the low-water feedback takes back what it overspends).
-                self.cleaner.pace.earn(self.state.read().segs.blocks_per_seg as f64 / 2.0);
+            if picked == 0 || (background && picked.is_multiple_of(CHECKPOINT_EVERY)) {
+                if background {
+                    // The pass earns nothing itself: credit in advance keeps paced writers going
+                    // meanwhile (the low-water feedback takes back what it overspends).
+                    self.cleaner.pace.earn(self.state.read().segs.blocks_per_seg as f64 / 2.0);
+                }
                 eligible = self.state.read().segs.sealed();
                 live = live_runs(self, &eligible);
             }
@@ -462,13 +463,8 @@ pub(crate) fn cleaner_loop(inner: &Arc<Inner>) {
             pacing = false;
             continue;
         }
-        // Each run starts with credit in advance for the pass that finds its victims' blocks,
-        // which earns nothing itself (the low-water feedback takes back what this overspends).
-        let per_seg = inner.state.read().segs.blocks_per_seg;
-        if pacing {
-            pace.earn(per_seg as f64 / 2.0);
-        } else {
-            pace.start(per_seg / 2, per_seg);
+        if !pacing {
+            pace.start(inner.state.read().segs.blocks_per_seg);
             pacing = true;
         }
         let run = inner.clean(MAX_UTILISATION, true, |i, _| free(i) < 2 * low && i.check_open().is_ok());

@@ -257,7 +257,12 @@ impl ExtentMap {
 
     /// Every entry, data and zero markers, as (lba, pba, blocks).
     pub fn all_entries(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-        self.chunks.iter().flat_map(|(&c, ch)| {
+        self.entries_in_chunks(0..u64::MAX)
+    }
+
+    /// The entries of chunks `chunks` (of [`CHUNK_BLOCKS`] logical blocks each), as (lba, pba, blocks).
+    fn entries_in_chunks(&self, chunks: std::ops::Range<u64>) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.chunks.range(chunks).flat_map(|(&c, ch)| {
             ch.ext.iter().map(move |e| (c * CHUNK_BLOCKS + u64::from(e.off), e.pba, u64::from(e.len)))
         })
     }
@@ -287,12 +292,7 @@ impl ExtentMap {
 
     /// The runs mapped to data in chunks `chunks` (of [`CHUNK_BLOCKS`] logical blocks each).
     pub fn runs_in_chunks(&self, chunks: std::ops::Range<u64>) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-        self.chunks
-            .range(chunks)
-            .flat_map(|(&c, ch)| {
-                ch.ext.iter().map(move |e| (c * CHUNK_BLOCKS + u64::from(e.off), e.pba, u64::from(e.len)))
-            })
-            .filter(|e| !is_zero(e.1))
+        self.entries_in_chunks(chunks).filter(|e| !is_zero(e.1))
     }
 
     /// One past the last chunk index in use.

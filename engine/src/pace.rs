@@ -28,8 +28,8 @@ struct Balance {
     on: bool,
     /// Client blocks asked for since pacing started.
     demanded: f64,
-    /// Client blocks the cleaner has made room for since pacing started (plus a starting
-    /// credit), never more than `cap` ahead of `demanded`: credit earned while nobody writes
+    /// Client blocks the cleaner has made room for since pacing started, never more than `cap`
+    /// ahead of `demanded`: credit earned while nobody writes
     /// does not come back as an unpaced burst.
     earned: f64,
     cap: f64,
@@ -42,9 +42,9 @@ pub(crate) struct Pace {
 }
 
 impl Pace {
-    /// Writes pay from now on, starting with `credit` blocks; at most `cap` blocks are kept.
-    pub fn start(&self, credit: u64, cap: u64) {
-        *self.balance.lock() = Balance { on: true, demanded: 0.0, earned: credit as f64, cap: cap as f64 };
+    /// Writes pay from now on, with no credit yet; at most `cap` blocks of credit are kept.
+    pub fn start(&self, cap: u64) {
+        *self.balance.lock() = Balance { on: true, demanded: 0.0, earned: 0.0, cap: cap as f64 };
     }
 
     /// Writes go unpaced again.
@@ -95,7 +95,7 @@ mod tests {
     #[test]
     fn a_write_waits_for_credit_and_a_large_one_runs_into_debt() {
         let p = Arc::new(Pace::default());
-        p.start(0, 1000);
+        p.start(1000);
         p.earn(10.0);
         p.pay(64); // positive balance: proceeds, owes 54
         let (tx, rx) = std::sync::mpsc::channel();
@@ -117,7 +117,7 @@ mod tests {
     #[test]
     fn credit_is_capped_and_stopping_releases_waiting_writes() {
         let p = Arc::new(Pace::default());
-        p.start(0, 8);
+        p.start(8);
         p.earn(100.0);
         p.pay(8);
         let b = p.balance.lock();
