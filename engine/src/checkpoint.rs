@@ -2,7 +2,8 @@
 //! together with the log position they cover.
 //!
 //! Order matters and is the whole durability argument:
-//! 1. capture (under the state lock) the dirty chunks, dirty crc tables, the applied position,
+//! 1. write the open batch (see `tail.rs`), then capture (under the state lock, with no batch
+//!    open) the dirty chunks, dirty crc tables, the applied position,
 //!    and the sealed segments nothing maps any more;
 //! 2. sync the store, so every batch the captured maps point into is durable;
 //! 3. commit the capture in one synchronous RocksDB write;
@@ -83,7 +84,10 @@ impl Inner {
     /// never has to cross one.
     pub fn checkpoint_locked(&self, catalog: Vec<CatalogOp>) -> Result<()> {
         self.check_open()?;
-        let (mut write, candidates) = self.capture();
+        let (mut write, candidates) = {
+            let _tail = crate::tail::close_and_hold(self)?;
+            self.capture()
+        };
         write.catalog = catalog;
         if let Err(e) = self.backend.sync() {
             let e = Error::io("syncing the pool store for a checkpoint", e);

@@ -30,7 +30,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
-use crate::io::{BLOCK, read_runs};
+use crate::io::BLOCK;
 use crate::layers;
 use crate::pace::Pace;
 use crate::pool::Inner;
@@ -201,7 +201,7 @@ fn read_step(inner: &Inner, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>
         cands.iter().map(|c| (c.2..c.2 + c.3).map(|b| st.segs.crc(b)).collect()).collect()
     };
     let runs: Vec<(u64, u64)> = cands.iter().map(|c| (c.2, c.3)).collect();
-    let media = read_runs(inner.backend.as_ref(), &runs).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
+    let media = crate::tail::read_runs(inner, &runs).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
     let mut out = Vec::with_capacity(cands.len());
     let mut at = 0;
     for (c, crcs) in cands.iter().zip(crcs) {

@@ -37,6 +37,7 @@ mod rng;
 mod scrub;
 mod segments;
 mod snapshot;
+mod tail;
 mod volume;
 
 pub use cleaner::CleanReport;

@@ -72,7 +72,7 @@ impl Req {
         done(Err(clone_err(e)));
     }
 
-    fn data_blocks(&self) -> u64 {
+    pub(crate) fn data_blocks(&self) -> u64 {
         match self {
             Req::Write { data, .. } | Req::Move { data, .. } => (data.len() / BLOCK) as u64,
             _ => 0,
@@ -94,6 +94,8 @@ const MAX_ENTRIES: usize = 512;
 #[derive(Debug)]
 pub(crate) struct LogQueue {
     queue: Mutex<Queue>,
+    /// The open batch small writes go into (see `tail.rs`).
+    pub tail: crate::tail::Tail,
     /// Held by the thread writing batches. A buffer reused across batches avoids an mmap and
     /// page faults per large batch.
     leader: Mutex<AlignedBuf>,
@@ -107,7 +109,7 @@ struct Queue {
 
 impl Default for LogQueue {
     fn default() -> Self {
-        Self { queue: Mutex::default(), leader: Mutex::new(AlignedBuf::new(BLOCK)) }
+        Self { queue: Mutex::default(), tail: crate::tail::Tail::default(), leader: Mutex::new(AlignedBuf::new(BLOCK)) }
     }
 }
 
@@ -193,7 +195,8 @@ fn process(inner: &Inner, reqs: Vec<Req>, scratch: &mut AlignedBuf) {
     }
     if let [Req::Barrier { .. }] = reqs.as_slice() {
         let Some(Req::Barrier { run, done }) = reqs.into_iter().next() else { unreachable!("matched above") };
-        return done(run(inner));
+        // The barrier sees every earlier write on the store, not only in the maps.
+        return done(crate::tail::close(inner).and_then(|()| run(inner)));
     }
     let mut acks: Vec<(Done, Result<()>)> = Vec::new();
     let mut after_sync: Vec<Done> = Vec::new();
@@ -208,16 +211,12 @@ fn process(inner: &Inner, reqs: Vec<Req>, scratch: &mut AlignedBuf) {
             r => batch.push(r),
         }
     }
-    let mut result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch, scratch) };
-    if result.as_ref().is_err_and(|e| e.kind() == ErrorKind::NoSpace) {
-        // Full: trims may still go (into the reserve) so that space can come back.
-        let (unmaps, writes): (Vec<Req>, Vec<Req>) = batch.into_iter().partition(|r| matches!(r, Req::Unmap { .. }));
-        let e = result.expect_err("checked above");
-        fail_all(writes, &e);
-        batch = unmaps;
-        result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch, scratch) };
-    }
-    for r in batch {
+    let outcomes = if !batch.is_empty() && batch.iter().all(|r| crate::tail::takes(inner, r)) {
+        crate::tail::append(inner, batch)
+    } else {
+        write_direct(inner, batch, scratch)
+    };
+    for (r, result) in outcomes {
         let (done, fua) = match r {
             Req::Write { done, fua, .. } => (done, fua),
             Req::Unmap { done, .. } => (done, false),
@@ -225,33 +224,51 @@ fn process(inner: &Inner, reqs: Vec<Req>, scratch: &mut AlignedBuf) {
                 unreachable!("flushes were split out, barriers go alone, moves never queue")
             }
         };
-        match (&result, fua) {
+        match (result, fua) {
             (Ok(()), true) => {
                 need_sync = true;
                 after_sync.push(done);
             }
-            (Ok(()), false) => acks.push((done, Ok(()))),
-            (Err(e), _) => acks.push((done, Err(clone_err(e)))),
+            (result, _) => acks.push((done, result)),
         }
     }
     for (done, r) in acks {
         done(r);
     }
     if need_sync {
-        let r = inner.check_open().and_then(|()| {
-            inner.backend.sync().map_err(|e| {
-                let e = Error::io("syncing the pool store", e);
-                inner.poison(&e);
-                e
-            })
-        });
+        let r = inner.check_open().and_then(|()| crate::tail::close(inner)).and_then(|()| inner.sync_store());
         for done in after_sync {
             done(r.as_ref().map(|_| ()).map_err(clone_err));
         }
     }
 }
 
-fn clone_err(e: &Error) -> Error {
+/// Writes `batch` as a batch of its own (after the open batch, which is closed first).
+fn write_direct(inner: &Inner, mut batch: Vec<Req>, scratch: &mut AlignedBuf) -> Vec<(Req, Result<()>)> {
+    if batch.is_empty() {
+        return Vec::new();
+    }
+    if let Err(e) = crate::tail::close(inner) {
+        return batch.into_iter().map(|r| (r, Err(clone_err(&e)))).collect();
+    }
+    let mut outcomes = Vec::with_capacity(batch.len());
+    let mut result = write_batch(inner, &batch, scratch);
+    if result.as_ref().is_err_and(|e| e.kind() == ErrorKind::NoSpace) {
+        // Full: trims may still go (into the reserve) so that space can come back.
+        let (unmaps, writes): (Vec<Req>, Vec<Req>) = batch.into_iter().partition(|r| matches!(r, Req::Unmap { .. }));
+        let e = result.expect_err("checked above");
+        outcomes.extend(writes.into_iter().map(|r| (r, Err(clone_err(&e)))));
+        batch = unmaps;
+        result = if batch.is_empty() { Ok(()) } else { write_batch(inner, &batch, scratch) };
+    }
+    outcomes.extend(batch.into_iter().map(|r| {
+        let res = result.as_ref().map(|_| ()).map_err(clone_err);
+        (r, res)
+    }));
+    outcomes
+}
+
+pub(crate) fn clone_err(e: &Error) -> Error {
     Error::new(e.kind(), e.to_string())
 }
 
@@ -383,13 +400,18 @@ pub(crate) fn write_moves(inner: &Inner, moves: Vec<(u64, u64, Vec<u8>)>) -> Res
 /// moves the applied position past it. Entries for layers that no longer exist are skipped.
 pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
     let hb = h.header_blocks() as u64;
-    let mut pba = st.segs.pba(pos.seg, pos.off / BLOCK as u64 + hb);
-    if !h.crcs.is_empty() {
-        st.segs.set_crcs(pba, &h.crcs);
+    map_entries(st, &h.entries, st.segs.pba(pos.seg, pos.off / BLOCK as u64 + hb), &h.crcs);
+    finish_batch(st, h.seq, pos, h.batch_len());
+}
+
+/// Maps `entries`, whose data blocks (with `crcs`) start at pool block `pba`.
+pub(crate) fn map_entries(st: &mut State, entries: &[Entry], mut pba: u64, crcs: &[u32]) {
+    if !crcs.is_empty() {
+        st.segs.set_crcs(pba, crcs);
     }
     let mut freed = Vec::new();
     let State { layers, segs, dirty_chunks, .. } = st;
-    for e in &h.entries {
+    for e in entries {
         let n = u64::from(e.blocks);
         let dirty = |c| {
             dirty_chunks.insert((e.layer, c));
@@ -408,15 +430,18 @@ pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
     for (p, n) in freed {
         segs.add_live(p, n, false);
     }
-    segs.segs[pos.seg].last_seq = h.seq;
-    let len = h.batch_len();
-    st.applied = LogPos { seq: h.seq + 1, seg: pos.seg, off: pos.off + len };
+}
+
+/// Moves the applied position past batch `seq` of `len` bytes, written at `pos`.
+pub(crate) fn finish_batch(st: &mut State, seq: u64, pos: LogPos, len: u64) {
+    st.segs.segs[pos.seg].last_seq = seq;
+    st.applied = LogPos { seq: seq + 1, seg: pos.seg, off: pos.off + len };
     st.log_bytes_since_ckpt += len;
 }
 
 /// Finds room for `len` bytes at the log head, opening a new segment if needed (recording the
 /// move durably first). Returns where the batch goes.
-fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos> {
+pub(crate) fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos> {
     let seg_size = inner.sb.segment_size;
     // Once the cleaner's moves have dipped into the reserve, the head they opened is theirs:
     // client writes sharing it would spend the reserve a segment at a time until the cleaner

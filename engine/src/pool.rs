@@ -45,6 +45,10 @@ pub struct PoolOptions {
     /// times the pool's data area (None: no cap). Creating, growing or cloning past it fails
     /// with NoSpace.
     pub overcommit_ratio: Option<f64>,
+    /// How long acknowledged small writes may wait in memory, gathered into one log batch,
+    /// before they are written (default 1 ms). Flushes and FUA writes never wait; zero writes
+    /// every batch before acknowledging it.
+    pub write_delay: Duration,
     /// How often the background cleaner looks at free space (default 200 ms; the writer also
     /// wakes it when it takes a segment and few are left).
     pub cleaner_interval: Duration,
@@ -62,6 +66,7 @@ impl Default for PoolOptions {
             background_cleaner: true,
             overcommit_ratio: None,
             cleaner_interval: Duration::from_millis(200),
+            write_delay: Duration::from_millis(1),
         }
     }
 }
@@ -413,6 +418,14 @@ impl Pool {
                 .map_err(|e| Error::io("starting the checkpoint thread", e))?
         };
         let mut threads = vec![ckpt];
+        if !inner.opts.write_delay.is_zero() {
+            let inner = Arc::clone(&inner);
+            let t = std::thread::Builder::new()
+                .name("ferrite-flush".into())
+                .spawn(move || crate::tail::flusher_loop(&inner))
+                .map_err(|e| Error::io("starting the log flusher thread", e))?;
+            threads.push(t);
+        }
         if inner.opts.background_cleaner {
             let inner = Arc::clone(&inner);
             let t = std::thread::Builder::new()
@@ -575,6 +588,7 @@ impl Pool {
         // A cleaning run in progress finishes its step (it holds `running`) before the log closes.
         drop(self.inner.cleaner.running.lock());
         self.inner.log.close();
+        self.inner.log.tail.stop();
         self.inner.ckpt.stop();
         for t in threads {
             let _ = t.join();

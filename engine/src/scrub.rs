@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 
 use crate::error::{Error, Result};
 use crate::format::block_crc;
-use crate::io::{BLOCK, read_runs};
+use crate::io::BLOCK;
 use crate::layers::still_mapped;
 use crate::pool::{Pool, State};
 use crate::segments::Pinned;
@@ -132,7 +132,7 @@ impl Pool {
             }
         }
         let runs: Vec<(u64, u64)> = keep.iter().map(|k| (k.0, k.3)).collect();
-        let media = read_runs(inner.backend.as_ref(), &runs).map_err(|e| Error::io("scrub: reading live blocks", e))?;
+        let media = crate::tail::read_runs(inner, &runs).map_err(|e| Error::io("scrub: reading live blocks", e))?;
         drop(pinned);
         let mut blocks = media.chunks(BLOCK);
         for (pba, layer, lba, _, crcs) in keep {

@@ -12,7 +12,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
-use crate::io::{BLOCK, read_runs};
+use crate::io::BLOCK;
 use crate::log::Req;
 use crate::pool::{Inner, State};
 use crate::segments::Pinned;
@@ -191,7 +191,7 @@ impl Volume {
                 _ => runs.push((pba, 1)),
             }
         }
-        let media = read_runs(inner.backend.as_ref(), &runs).map_err(|e| {
+        let media = crate::tail::read_runs(inner, &runs).map_err(|e| {
             Error::io(format!("volume {:?}: reading {} bytes at offset {offset}", self.name, buf.len()), e)
         })?;
         drop(pins);
