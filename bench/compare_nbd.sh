@@ -19,8 +19,9 @@ for t in fio nbdkit qemu-nbd; do
   command -v "$t" >/dev/null || { echo "SKIPPED: $t is not installed (scripts/setup.sh installs it)"; exit 0; }
 done
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "SKIPPED: this fio has no nbd engine"; exit 0; }
-cargo build --locked -p ferrite >&2
-FERRITE="$CARGO_TARGET_DIR/debug/ferrite"
+# FERRITE_BIN=path runs that binary instead of building (A/B runs of two builds).
+if [ -z "${FERRITE_BIN:-}" ]; then cargo build --locked -p ferrite >&2; fi
+FERRITE="${FERRITE_BIN:-$CARGO_TARGET_DIR/debug/ferrite}"
 
 rm -rf "$DIR"; mkdir -p "$DIR"
 PIDS=()
