@@ -410,29 +410,19 @@ impl Pool {
         // records go, and the new generation fences off anything a crash left past the end.
         inner.checkpoint()?;
         inner.meta.clear_chain()?;
-        let ckpt = {
+        let spawn = |name: &str, what: &str, run: fn(&Arc<Inner>)| {
             let inner = Arc::clone(&inner);
             std::thread::Builder::new()
-                .name("ferrite-ckpt".into())
-                .spawn(move || crate::checkpoint::checkpointer_loop(&inner))
-                .map_err(|e| Error::io("starting the checkpoint thread", e))?
+                .name(name.into())
+                .spawn(move || run(&inner))
+                .map_err(|e| Error::io(format!("starting the {what} thread"), e))
         };
-        let mut threads = vec![ckpt];
+        let mut threads = vec![spawn("ferrite-ckpt", "checkpoint", crate::checkpoint::checkpointer_loop)?];
         if !inner.opts.write_delay.is_zero() {
-            let inner = Arc::clone(&inner);
-            let t = std::thread::Builder::new()
-                .name("ferrite-flush".into())
-                .spawn(move || crate::tail::flusher_loop(&inner))
-                .map_err(|e| Error::io("starting the log flusher thread", e))?;
-            threads.push(t);
+            threads.push(spawn("ferrite-flush", "log flusher", crate::tail::flusher_loop)?);
         }
         if inner.opts.background_cleaner {
-            let inner = Arc::clone(&inner);
-            let t = std::thread::Builder::new()
-                .name("ferrite-cleaner".into())
-                .spawn(move || crate::cleaner::cleaner_loop(&inner))
-                .map_err(|e| Error::io("starting the cleaner thread", e))?;
-            threads.push(t);
+            threads.push(spawn("ferrite-cleaner", "cleaner", crate::cleaner::cleaner_loop)?);
         }
         Ok(Pool { inner, threads: Mutex::new(threads) })
     }

@@ -18,6 +18,7 @@
 //! Until the batch is written, reads of those addresses are served from its buffer
 //! ([`read_runs`]); it is taken down only after its write completed, under the same lock.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -128,12 +129,12 @@ pub(crate) fn append(inner: &Inner, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
             let pba = b.first_pba + b.blocks() as u64;
             let at = (1 + b.blocks()) * BLOCK;
             b.buf[at..at + data.len()].copy_from_slice(data);
-            let crcs: Vec<u32> = data.chunks(BLOCK).map(block_crc).collect();
+            let first_crc = b.crcs.len();
+            b.crcs.extend(data.chunks(BLOCK).map(block_crc));
             let entry = Entry { layer, lba: *lba, blocks, kind: EntryKind::Data };
             tail.hi.store(pba + u64::from(blocks), Ordering::Release);
-            map_entries(&mut st, std::slice::from_ref(&entry), pba, &crcs);
+            map_entries(&mut st, std::slice::from_ref(&entry), pba, &b.crcs[first_crc..]);
             b.entries.push(entry);
-            b.crcs.extend(crcs);
             inner.client_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
             out.push((r, Ok(())));
         }
@@ -221,7 +222,7 @@ fn write(inner: &Inner, b: &mut OpenBatch) -> Result<()> {
 
 /// The flusher thread: closes each batch `write_delay` after it opened, unless something
 /// closed it first.
-pub(crate) fn flusher_loop(inner: &Inner) {
+pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
     let tail = &inner.log.tail;
     let mut slot = tail.slot.lock();
     while !slot.stop {
