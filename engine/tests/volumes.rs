@@ -78,6 +78,8 @@ fn unwritten_ranges_cost_no_media_read() {
     pool.create_volume("v", 4 * MIB).unwrap();
     let v = pool.open_volume("v").unwrap();
     v.write(MIB, &pattern(1, 4096)).unwrap();
+    // Written to the store, so the read below cannot be served from the open batch.
+    v.flush().unwrap();
     let before = f.backend.counters().reads;
     let mut buf = vec![1u8; MIB as usize];
     v.read(0, &mut buf).unwrap();
