@@ -3,8 +3,10 @@
 //!
 //! ```text
 //!  leader: write --> copy into the open batch, map it (state lock), ack
-//!  flusher thread: `write_delay` after the batch opened --> close: header + data, one write
-//!  flush, FUA, barrier, checkpoint, a write that does not fit, any other batch --> close first
+//!  `write_delay` after it opened, or when full --> sealed: the log moves past it, and it is
+//!      handed to the flusher thread, which writes it (header + data, one write) while the
+//!      leader fills the next one
+//!  flush, FUA, barrier, checkpoint, any other batch --> wait for that write; close the open one
 //! ```
 //! This is the volatile write cache the durability contract allows (DESIGN §1): an
 //! acknowledged write may be lost in a crash until a flush covers it, and a flush closes the
@@ -15,8 +17,9 @@
 //!
 //! The batch's place in the log is fixed when it opens (nothing else is written until it
 //! closes), so its blocks have pool addresses from the start and the maps can point at them.
-//! Until the batch is written, reads of those addresses are served from its buffer
-//! ([`read_runs`]); it is taken down only after its write completed, under the same lock.
+//! Until a batch is written, reads of those addresses are served from its buffer
+//! ([`read_runs`]): at most two batches are unwritten, the open one and the one in flight,
+//! and each is taken down only after its write completed, under the slot lock.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,29 +65,72 @@ impl OpenBatch {
     }
 }
 
+/// A sealed batch: in the log and the maps, its header encoded, not yet on the store.
+#[derive(Debug)]
+struct Sealed {
+    pos: LogPos,
+    first_pba: u64,
+    blocks: usize,
+    /// Bytes to write: the header block and the data blocks.
+    len: u64,
+    buf: AlignedBuf,
+}
+
+impl Sealed {
+    /// The buffered block at pool block `pba`, if this batch holds it.
+    fn block(&self, pba: u64) -> Option<&[u8]> {
+        let i = usize::try_from(pba.checked_sub(self.first_pba)?).ok().filter(|&i| i < self.blocks)?;
+        Some(&self.buf[(1 + i) * BLOCK..(2 + i) * BLOCK])
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Slot {
     batch: Option<OpenBatch>,
+    /// The sealed batch the flusher is writing (shared with it while the lock is let go).
+    flight: Option<Arc<Sealed>>,
     /// The last batch's buffer, reused (a fresh 1 MiB buffer per batch would cost page faults).
     spare: Option<AlignedBuf>,
     stop: bool,
 }
 
-/// The open batch and what reads need to find it without taking its lock.
+/// Pool blocks `[lo, hi)` of an unwritten batch (`lo == hi`: none), readable without a lock.
 #[derive(Debug, Default)]
-pub(crate) struct Tail {
-    slot: Mutex<Slot>,
-    /// Wakes the flusher when a batch opens, or to stop.
-    cv: Condvar,
-    /// Pool blocks `[lo, hi)` held by the open batch (`lo == hi`: none). Set before a block is
-    /// mapped and cleared after the batch is written, so a reader that found a block in the
-    /// maps and not in this range reads it from the store.
+struct Range {
     lo: AtomicU64,
     hi: AtomicU64,
 }
 
+impl Range {
+    fn set(&self, lo: u64, hi: u64) {
+        self.lo.store(lo, Ordering::Release);
+        self.hi.store(hi, Ordering::Release);
+    }
+
+    fn overlaps(&self, runs: &[(u64, u64)]) -> bool {
+        let (lo, hi) = (self.lo.load(Ordering::Acquire), self.hi.load(Ordering::Acquire));
+        runs.iter().any(|&(p, n)| p < hi && p + n > lo)
+    }
+}
+
+/// The open batch, the one in flight, and what reads need to find them without the lock.
+#[derive(Debug, Default)]
+pub(crate) struct Tail {
+    slot: Mutex<Slot>,
+    /// Wakes the flusher (a batch opened or was sealed, or stop) and those waiting for a
+    /// flight to land.
+    cv: Condvar,
+    /// Blocks of the open batch: its `hi` grows before each block is mapped. A sealed batch's
+    /// range is set in `flight` before it is cleared here, and `flight` is cleared after the
+    /// write, so a reader that found a block in the maps and in neither range (loading `open`
+    /// first) reads it from the store.
+    open: Range,
+    flight: Range,
+}
+
 impl Tail {
-    /// Stops the flusher thread (the final checkpoint closes the open batch).
+    /// Stops the flusher thread once the batch in flight is written (the final checkpoint
+    /// closes the open one).
     pub fn stop(&self) {
         self.slot.lock().stop = true;
         self.cv.notify_all();
@@ -100,7 +146,7 @@ pub(crate) fn takes(inner: &Inner, r: &Req) -> bool {
     matches!(r, Req::Write { data, .. } if data.len() / BLOCK <= MAX_WRITE_BLOCKS) && !inner.opts.write_delay.is_zero()
 }
 
-/// On the leader: puts every request (all of them [`takes`]) into the open batch, closing full
+/// On the leader: puts every request (all of them [`takes`]) into the open batch, sealing full
 /// ones and opening new ones as needed. Returns each request with its outcome; writes that
 /// found no room (the pool is full) fail with `NoSpace`.
 pub(crate) fn append(inner: &Inner, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
@@ -111,9 +157,9 @@ pub(crate) fn append(inner: &Inner, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
         let need = blocks_of(first);
         let mut slot = tail.slot.lock();
         if !slot.batch.as_ref().is_some_and(|b| b.fits(need)) {
-            let closed = close_locked(inner, &mut slot);
+            let sealed = if slot.stop { close_locked(inner, &mut slot) } else { hand_off(inner, &mut slot) };
             drop(slot);
-            if let Err(e) = closed.and_then(|()| open(inner, need)) {
+            if let Err(e) = sealed.and_then(|()| open(inner, need)) {
                 out.extend(reqs.map(|r| (r, Err(crate::log::clone_err(&e)))));
                 break;
             }
@@ -132,7 +178,7 @@ pub(crate) fn append(inner: &Inner, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
             let first_crc = b.crcs.len();
             b.crcs.extend(data.chunks(BLOCK).map(block_crc));
             let entry = Entry { layer, lba: *lba, blocks, kind: EntryKind::Data };
-            tail.hi.store(pba + u64::from(blocks), Ordering::Release);
+            tail.open.hi.store(pba + u64::from(blocks), Ordering::Release);
             map_entries(&mut st, std::slice::from_ref(&entry), pba, &b.crcs[first_crc..]);
             b.entries.push(entry);
             inner.client_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
@@ -152,10 +198,9 @@ fn open(inner: &Inner, need: usize) -> Result<()> {
     let first_pba = inner.state.read().segs.pba(pos.seg, pos.off / BLOCK as u64 + 1);
     let tail = &inner.log.tail;
     let mut slot = tail.slot.lock();
-    debug_assert!(slot.batch.is_none(), "only the leader opens batches, after closing the last");
+    debug_assert!(slot.batch.is_none(), "only the leader opens batches, after sealing the last");
     let buf = slot.spare.take().unwrap_or_else(|| AlignedBuf::new((1 + MAX_BLOCKS) * BLOCK));
-    tail.lo.store(first_pba, Ordering::Release);
-    tail.hi.store(first_pba, Ordering::Release);
+    tail.open.set(first_pba, first_pba);
     slot.batch = Some(OpenBatch {
         pos,
         opened: Instant::now(),
@@ -169,34 +214,73 @@ fn open(inner: &Inner, need: usize) -> Result<()> {
     Ok(())
 }
 
-/// Writes the open batch, if any, and moves the log past it.
+/// Writes the open batch, if any, after the one in flight, and moves the log past it.
 pub(crate) fn close(inner: &Inner) -> Result<()> {
     close_locked(inner, &mut inner.log.tail.slot.lock())
 }
 
-/// Closes the open batch and returns with the slot still locked (and so no batch open): a
-/// checkpoint holds it while it captures the maps, which then point only at written blocks.
+/// Closes the open batch and returns with the slot still locked (and so no batch unwritten):
+/// a checkpoint holds it while it captures the maps, which then point only at written blocks.
 pub(crate) fn close_and_hold(inner: &Inner) -> Result<MutexGuard<'_, Slot>> {
     let mut slot = inner.log.tail.slot.lock();
     close_locked(inner, &mut slot)?;
     Ok(slot)
 }
 
-fn close_locked(inner: &Inner, slot: &mut Slot) -> Result<()> {
-    let Some(mut b) = slot.batch.take() else { return Ok(()) };
+fn close_locked(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
     let tail = &inner.log.tail;
-    let result = if b.entries.is_empty() { Ok(()) } else { write(inner, &mut b) };
+    while slot.flight.is_some() {
+        tail.cv.wait(slot);
+    }
+    // The flight may have failed (and poisoned the pool): nothing after it may claim success.
+    inner.check_open()?;
+    let Some(sealed) = take_sealed(inner, slot) else { return Ok(()) };
+    let result = write(inner, &sealed);
     // Only now (the batch is on the store, or the pool is poisoned) may readers stop looking here.
-    tail.lo.store(0, Ordering::Release);
-    tail.hi.store(0, Ordering::Release);
-    slot.spare = Some(b.buf);
+    tail.open.set(0, 0);
+    slot.spare = Some(sealed.buf);
     result
 }
 
-fn write(inner: &Inner, b: &mut OpenBatch) -> Result<()> {
+/// Seals the open batch, if any, and hands it to the flusher, after the one in flight landed.
+fn hand_off(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
+    let tail = &inner.log.tail;
+    if slot.batch.as_ref().is_none_or(|b| b.entries.is_empty()) {
+        take_sealed(inner, slot); // nothing to wait for: drops an empty batch
+        return Ok(());
+    }
+    while slot.flight.is_some() {
+        tail.cv.wait(slot);
+    }
+    inner.check_open()?;
+    let Some(sealed) = take_sealed(inner, slot) else { return Ok(()) };
+    // In this order: see `Tail::open`.
+    tail.flight.set(sealed.first_pba, sealed.first_pba + sealed.blocks as u64);
+    tail.open.set(0, 0);
+    slot.flight = Some(Arc::new(sealed));
+    tail.cv.notify_all();
+    Ok(())
+}
+
+/// Takes the open batch off the slot and seals it. An empty one (a checkpoint may close a
+/// batch between its opening and its first write) takes no place in the log: it is dropped.
+fn take_sealed(inner: &Inner, slot: &mut Slot) -> Option<Sealed> {
+    let b = slot.batch.take()?;
+    if b.entries.is_empty() {
+        inner.log.tail.open.set(0, 0);
+        slot.spare = Some(b.buf);
+        return None;
+    }
+    Some(seal(inner, b))
+}
+
+/// Encodes the batch's header and moves the log past it: the next batch may open behind it
+/// before it is written.
+fn seal(inner: &Inner, mut b: OpenBatch) -> Sealed {
+    let mut st = inner.state.write();
     let header = BatchHeader {
         seq: b.pos.seq,
-        generation: inner.state.read().generation,
+        generation: st.generation,
         uuid_tag: inner.sb.uuid_tag(),
         entries: std::mem::take(&mut b.entries),
         crcs: std::mem::take(&mut b.crcs),
@@ -204,36 +288,56 @@ fn write(inner: &Inner, b: &mut OpenBatch) -> Result<()> {
     debug_assert_eq!(header.header_blocks(), 1, "fits() keeps the header to one block");
     header.encode_into(&mut b.buf[..BLOCK]);
     let len = header.batch_len();
+    finish_batch(&mut st, header.seq, b.pos, len);
+    if st.log_bytes_since_ckpt >= inner.opts.checkpoint_bytes {
+        inner.ckpt.request();
+    }
+    Sealed { pos: b.pos, first_pba: b.first_pba, blocks: header.crcs.len(), len, buf: b.buf }
+}
+
+fn write(inner: &Inner, b: &Sealed) -> Result<()> {
     let offset = inner.sb.segment_offset(b.pos.seg, b.pos.off);
-    if let Err(e) = inner.backend.write_at(&b.buf[..usize::try_from(len).expect("small")], offset) {
+    if let Err(e) = inner.backend.write_at(&b.buf[..usize::try_from(b.len).expect("small")], offset) {
         // Its writes were acknowledged: whatever the error, a later flush must not succeed.
         let e = Error::io(format!("writing log batch {} at segment {} offset {}", b.pos.seq, b.pos.seg, b.pos.off), e);
         inner.poison(&e);
         return Err(e);
     }
-    inner.media_bytes.fetch_add(len, Ordering::Relaxed);
-    let mut st = inner.state.write();
-    finish_batch(&mut st, header.seq, b.pos, len);
-    if st.log_bytes_since_ckpt >= inner.opts.checkpoint_bytes {
-        inner.ckpt.request();
-    }
+    inner.media_bytes.fetch_add(b.len, Ordering::Relaxed);
     Ok(())
 }
 
-/// The flusher thread: closes each batch `write_delay` after it opened, unless something
-/// closed it first.
+/// The flusher thread: writes each sealed batch, and seals the open one `write_delay` after it
+/// opened unless something closed it first.
 pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
     let tail = &inner.log.tail;
     let mut slot = tail.slot.lock();
-    while !slot.stop {
+    loop {
+        if let Some(sealed) = slot.flight.clone() {
+            let result = MutexGuard::unlocked(&mut slot, || write(inner, &sealed));
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "writing a log batch failed");
+            }
+            tail.flight.set(0, 0);
+            slot.flight = None;
+            slot.spare = Arc::into_inner(sealed).map(|s| s.buf);
+            tail.cv.notify_all();
+            continue;
+        }
+        if slot.stop {
+            return;
+        }
         match slot.batch.as_ref().map(|b| b.opened + inner.opts.write_delay) {
             None => tail.cv.wait(&mut slot),
             Some(due) if Instant::now() < due => {
                 tail.cv.wait_until(&mut slot, due);
             }
             Some(_) => {
-                if let Err(e) = close_locked(inner, &mut slot) {
-                    tracing::warn!(error = %e, "writing the open log batch failed");
+                if let Err(e) = hand_off(inner, &mut slot) {
+                    tracing::warn!(error = %e, "sealing the open log batch failed");
+                    // Poisoned: the batch stays open; nothing will write it, and waiting for
+                    // the next event is all that is left.
+                    tail.cv.wait(&mut slot);
                 }
             }
         }
@@ -241,26 +345,32 @@ pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
 }
 
 /// Reads `runs` (pool block, count) into one buffer, as [`crate::io::read_runs`], taking the
-/// blocks that are still in the open batch from its buffer.
+/// blocks that are still in the open or the sealed batch from their buffers.
 pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<AlignedBuf> {
     let tail = &inner.log.tail;
-    let (lo, hi) = (tail.lo.load(Ordering::Acquire), tail.hi.load(Ordering::Acquire));
-    if !runs.iter().any(|&(p, n)| p < hi && p + n > lo) {
+    // `open` first: see `Tail::open`.
+    if !tail.open.overlaps(runs) && !tail.flight.overlaps(runs) {
         return crate::io::read_runs(inner.backend.as_ref(), runs);
     }
     let total: u64 = runs.iter().map(|r| r.1).sum();
     let mut out = AlignedBuf::new(usize::try_from(total).expect("a read fits memory") * BLOCK);
-    // Blocks not in the batch: (pool block, count, slot in `out`).
+    // Blocks not buffered: (pool block, count, slot in `out`).
     let mut rest: Vec<(u64, u64, usize)> = Vec::new();
     {
         let slot = tail.slot.lock();
+        let open = slot.batch.as_ref().map(|b| (b.first_pba, b.blocks(), &b.buf));
         let mut at = 0;
         for &(p, n) in runs {
             for pba in p..p + n {
-                let held = slot.batch.as_ref().filter(|b| pba >= b.first_pba && pba < b.first_pba + b.blocks() as u64);
-                if let Some(b) = held {
-                    let from = (1 + usize::try_from(pba - b.first_pba).expect("small")) * BLOCK;
-                    out[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(&b.buf[from..from + BLOCK]);
+                let held = match open {
+                    Some((first, blocks, buf)) if pba >= first && pba < first + blocks as u64 => {
+                        let i = usize::try_from(pba - first).expect("small");
+                        Some(&buf[(1 + i) * BLOCK..(2 + i) * BLOCK])
+                    }
+                    _ => slot.flight.as_ref().and_then(|f| f.block(pba)),
+                };
+                if let Some(block) = held {
+                    out[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(block);
                 } else {
                     match rest.last_mut() {
                         Some((q, k, s)) if *q + *k == pba && *s + usize::try_from(*k).expect("small") == at => *k += 1,

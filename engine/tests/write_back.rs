@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{Fixture, pattern, small_opts};
@@ -131,4 +133,103 @@ fn concurrent_writers_and_readers_see_their_last_write() {
     });
     let used = pool.stats().live;
     assert_eq!(used, 128 * B as u64);
+}
+
+/// A store whose writes wait while a gate is closed: a batch can be held in flight.
+#[derive(Debug)]
+struct Gated {
+    inner: ferrite_engine::io::CrashBackend,
+    closed: Mutex<bool>,
+    cv: Condvar,
+    held: AtomicU64,
+}
+
+impl Gated {
+    fn set(&self, closed: bool) {
+        *self.closed.lock().unwrap() = closed;
+        self.cv.notify_all();
+    }
+
+    fn store(&self) -> &ferrite_engine::io::CrashBackend {
+        &self.inner
+    }
+}
+
+impl ferrite_engine::io::Backend for Gated {
+    fn len(&self) -> u64 {
+        self.store().len()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.store().read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        let mut closed = self.closed.lock().unwrap();
+        if *closed {
+            self.held.fetch_add(1, Ordering::SeqCst);
+        }
+        while *closed {
+            closed = self.cv.wait(closed).unwrap();
+        }
+        drop(closed);
+        self.store().write_at(buf, offset)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.store().sync()
+    }
+}
+
+#[test]
+fn a_batch_in_flight_is_readable_and_does_not_hold_up_the_next() {
+    use std::sync::Arc;
+    let opts = PoolOptions { write_delay: Duration::from_millis(2), ..held_opts() };
+    let store = ferrite_engine::io::CrashBackend::new(ferrite_engine::format::DATA_START + 16 * opts.segment_size);
+    let gated =
+        Arc::new(Gated { inner: store, closed: Mutex::new(false), cv: Condvar::new(), held: AtomicU64::new(0) });
+    // Opens the gate however the test ends: a failed assertion must not hang the pool's drop.
+    struct OpenOnDrop(Arc<Gated>);
+    impl Drop for OpenOnDrop {
+        fn drop(&mut self) {
+            self.0.set(false);
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pool = ferrite_engine::Pool::create_on(gated.clone(), &dir.path().join("meta"), opts).unwrap();
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    let _gate = OpenOnDrop(gated.clone());
+    gated.set(true);
+    v.write(0, &pattern(1, B)).unwrap();
+    // The flusher seals the batch after the delay and its write waits at the gate.
+    let t0 = Instant::now();
+    while gated.held.load(Ordering::SeqCst) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the batch was never written");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(read(&pool, 0, B), pattern(1, B), "served from the batch in flight");
+    // The next write opens a batch behind the one in flight and is acknowledged without it.
+    let writing = std::thread::spawn({
+        let v = pool.open_volume("v").unwrap();
+        move || v.write(B as u64, &pattern(2, B))
+    });
+    let t0 = Instant::now();
+    while !writing.is_finished() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(writing.is_finished(), "a write waited for the batch in flight");
+    writing.join().unwrap().unwrap();
+    assert_eq!(read(&pool, 0, 2 * B), [pattern(1, B), pattern(2, B)].concat());
+    // A flush waits for the write in flight; the gate opens while it waits.
+    let flushing = std::thread::spawn({
+        let v = pool.open_volume("v").unwrap();
+        move || v.flush()
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!flushing.is_finished(), "a flush cannot complete before the batch in flight lands");
+    gated.set(false);
+    flushing.join().unwrap().unwrap();
+    assert_eq!(read(&pool, 0, 2 * B), [pattern(1, B), pattern(2, B)].concat());
+    drop(v);
+    pool.close().unwrap();
+    let pool = ferrite_engine::Pool::open_on(gated.clone(), &dir.path().join("meta"), held_opts()).unwrap();
+    assert_eq!(read(&pool, 0, 2 * B), [pattern(1, B), pattern(2, B)].concat(), "both batches replayed");
 }
