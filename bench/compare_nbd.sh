@@ -8,6 +8,7 @@
 # Peers are configured to bypass the page cache as Ferrite does (qemu-nbd --cache=none,
 # nbdkit file cache=none), so all three measure the same disk.
 #   ROUNDS=3 SECS=5 SIZE=1G BENCH_DIR=/work/bench-nbd bench/compare_nbd.sh
+# ONLY=regex runs only the workloads whose name (e.g. randrw-4k-qd1-c1) matches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -76,6 +77,7 @@ for round in $(seq 1 "$ROUNDS"); do
   while read -r rw bs qd conns; do
     for server in ferrite nbdkit qemu-nbd; do
       name="$rw-$bs-qd$qd-c$conns"
+      [[ "$name" =~ ${ONLY:-.} ]] || continue
       echo "round $round/$ROUNDS: $name on $server" >&2
       c0=$(cpu "${PID[$server]}")
       json=$(fio --name="$name" --ioengine=nbd --uri="${URI[$server]}" --size="$SIZE" --rw="$rw" --rwmixread=70 \

@@ -15,6 +15,9 @@
 //! log-level = "info"                # or a tracing filter such as "ferrite=debug"
 //! ublk-queues = 4                   # queues (threads) per attached ublk device; default: one per core
 //! ublk-depth = 128                  # requests in flight per ublk queue; default 128
+//! write-delay-us = 1000             # how long small writes may wait in memory for others to
+//!                                   # share their log batch (a flush or FUA write never waits);
+//!                                   # 0 writes each batch at once; default 1000, at most 100000
 //! ```
 
 use std::net::SocketAddr;
@@ -24,6 +27,9 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 use crate::size::parse_size;
+
+/// Longest `write-delay-us`: acknowledged writes wait at most this long to reach the store.
+const MAX_WRITE_DELAY_US: u64 = 100_000;
 
 /// Daemon configuration as written in the file (kebab-case keys; unknown keys are errors).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -43,6 +49,7 @@ pub struct ConfigFile {
     pub log_level: Option<String>,
     pub ublk_queues: Option<u16>,
     pub ublk_depth: Option<u16>,
+    pub write_delay_us: Option<u64>,
 }
 
 /// Configuration with every default filled in and every value checked.
@@ -61,6 +68,7 @@ pub struct Config {
     pub admin_listen: Option<SocketAddr>,
     pub log_level: String,
     pub ublk: ferrite_ublk::Options,
+    pub write_delay: std::time::Duration,
 }
 
 /// The data directory used when neither the config nor the command line names one.
@@ -109,6 +117,13 @@ impl Config {
                     ..d
                 }
             },
+            write_delay: match f.write_delay_us {
+                Some(us) if us > MAX_WRITE_DELAY_US => {
+                    bail!("write-delay-us must be at most {MAX_WRITE_DELAY_US} (100 ms), not {us}")
+                }
+                Some(us) => std::time::Duration::from_micros(us),
+                None => ferrite_engine::PoolOptions::default().write_delay,
+            },
             data_dir,
         };
         cfg.ublk.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -129,6 +144,7 @@ mod tests {
         assert_eq!(c.pool_path, PathBuf::from("/d/pool.img"));
         assert_eq!(c.admin_socket, PathBuf::from("/d/admin.sock"));
         assert_eq!(c.pool_size, 16 << 30);
+        assert_eq!(c.write_delay, std::time::Duration::from_millis(1));
         let f: ConfigFile =
             toml::from_str("pool-size = \"2G\"\nnbd-listen = \"127.0.0.1:10809\"\ndata-dir = \"/x\"").unwrap();
         let c = Config::resolve(f, None).unwrap();
@@ -150,6 +166,10 @@ mod tests {
         assert!(Config::resolve(f, None).unwrap_err().to_string().contains("depth"));
         let f: ConfigFile = toml::from_str("ublk-queues = 2").unwrap();
         assert_eq!(Config::resolve(f, None).unwrap().ublk.queues, 2);
+        let f: ConfigFile = toml::from_str("write-delay-us = 100001").unwrap();
+        assert!(Config::resolve(f, None).unwrap_err().to_string().contains("write-delay-us"));
+        let f: ConfigFile = toml::from_str("write-delay-us = 0").unwrap();
+        assert!(Config::resolve(f, None).unwrap().write_delay.is_zero());
         let f: ConfigFile = toml::from_str("admin-socket = \"/s\"\nnbd-socket = \"/s\"").unwrap();
         assert!(Config::resolve(f, None).is_err());
     }

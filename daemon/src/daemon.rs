@@ -22,6 +22,7 @@ fn open_pool(cfg: &Config) -> Result<Pool> {
     let opts = PoolOptions {
         segment_size: cfg.segment_size,
         overcommit_ratio: cfg.overcommit_ratio,
+        write_delay: cfg.write_delay,
         ..PoolOptions::default()
     };
     if cfg.pool_path.exists() {
