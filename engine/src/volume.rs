@@ -132,7 +132,10 @@ impl Volume {
     }
 
     fn check_range(&self, inner: &Inner, offset: u64, len: u64) -> Result<()> {
-        let size = self.size_in(inner)?;
+        self.check_within(self.size_in(inner)?, offset, len)
+    }
+
+    fn check_within(&self, size: u64, offset: u64, len: u64) -> Result<()> {
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::new(
                 ErrorKind::OutOfRange,
@@ -145,23 +148,38 @@ impl Volume {
     /// Reads `buf.len()` bytes at `offset`. Never-written ranges read as zeros without touching
     /// media; a checksum mismatch is an error naming the volume and offset, never data.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.read_in(&*self.pool()?, offset, buf)
+        self.read_in(&*self.pool()?, offset, buf, None)
     }
 
-    fn read_in(&self, inner: &Inner, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.check_range(inner, offset, buf.len() as u64)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let first = offset / B;
-        let last = (offset + buf.len() as u64 - 1) / B;
-        let n = usize::try_from(last - first + 1).expect("read fits memory");
-        // Resolve every block, pinning the segments we will read from.
-        let mut resolved: Vec<Option<(u64, u32)>> = Vec::with_capacity(n);
+    /// As [`Volume::read`], and also returns the range's allocation as [`Volume::allocation`]
+    /// does, from the same lookup (an NBD structured read needs both).
+    pub fn read_sparse(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<(u64, bool)>> {
+        let mut runs = Vec::new();
+        self.read_in(&*self.pool()?, offset, buf, Some(&mut runs))?;
+        Ok(runs)
+    }
+
+    fn read_in(
+        &self,
+        inner: &Inner,
+        offset: u64,
+        buf: &mut [u8],
+        mut alloc: Option<&mut Vec<(u64, bool)>>,
+    ) -> Result<()> {
+        // Resolve every block, pinning the segments we will read from (one lock hold, which
+        // also checks the range).
+        let mut resolved: Vec<Option<(u64, u32)>> = Vec::new();
         let mut pins = Pinned::new(&inner.pins);
+        let first = offset / B;
         {
             let st = inner.state.read();
-            let (head, _) = self.head(&st)?;
+            let (head, size) = self.head(&st)?;
+            self.check_within(size, offset, buf.len() as u64)?;
+            if buf.is_empty() {
+                return Ok(());
+            }
+            let last = (offset + buf.len() as u64 - 1) / B;
+            resolved.reserve(usize::try_from(last - first + 1).expect("read fits memory"));
             for run in crate::layers::resolve(&st.layers, head, first, last - first + 1) {
                 let Some(start) = run.pba else {
                     resolved.extend(std::iter::repeat_n(None, usize::try_from(run.blocks).expect("fits")));
@@ -203,6 +221,12 @@ impl Volume {
             let hi = (offset + buf.len() as u64).min(block_start + B);
             let dst =
                 &mut buf[usize::try_from(lo - offset).expect("fits")..usize::try_from(hi - offset).expect("fits")];
+            if let Some(alloc) = alloc.as_deref_mut() {
+                match alloc.last_mut() {
+                    Some((n, mapped)) if *mapped == r.is_some() => *n += hi - lo,
+                    _ => alloc.push((hi - lo, r.is_some())),
+                }
+            }
             match r {
                 None => dst.fill(0),
                 Some((pba, crc)) => {
@@ -273,10 +297,10 @@ impl Volume {
         }
         let _edges = self.lock_edges(inner, offset, len);
         let mut whole = vec![0u8; usize::try_from(end - start).expect("fits")];
-        self.read_in(inner, start, &mut whole[..BLOCK])?;
+        self.read_in(inner, start, &mut whole[..BLOCK], None)?;
         if end - start > B {
             let at = whole.len() - BLOCK;
-            self.read_in(inner, end - B, &mut whole[at..])?;
+            self.read_in(inner, end - B, &mut whole[at..], None)?;
         }
         let rel = usize::try_from(offset - start).expect("fits");
         whole[rel..rel + data.len()].copy_from_slice(data);

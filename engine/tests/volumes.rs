@@ -295,3 +295,25 @@ fn allocation_reports_mapped_runs() {
     assert_eq!(v.allocation(8192, 8192).unwrap(), vec![(4096, false), (4096, true)]);
     assert_eq!(v.allocation(MIB, 1).unwrap_err().kind(), ErrorKind::OutOfRange);
 }
+
+#[test]
+fn read_sparse_agrees_with_read_and_allocation() {
+    let (_f, pool) = Fixture::new(8);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    v.write(4096, &pattern(1, 2 * 4096)).unwrap();
+    v.write(8 * 4096, &pattern(2, 4096)).unwrap();
+    v.trim(4096, 4096).unwrap();
+    // Unaligned ranges that start and end in data and in holes.
+    for (offset, len) in [(0u64, 40960usize), (5000, 4000), (8200, 30000), (4096 * 8 + 7, 100), (100, 200)] {
+        let mut a = vec![0xAAu8; len];
+        let mut b = vec![0u8; len];
+        let runs = v.read_sparse(offset, &mut a).unwrap();
+        v.read(offset, &mut b).unwrap();
+        assert_eq!(a, b, "data at {offset}+{len}");
+        assert_eq!(runs, v.allocation(offset, len as u64).unwrap(), "allocation at {offset}+{len}");
+        assert_eq!(runs.iter().map(|r| r.0).sum::<u64>(), len as u64);
+    }
+    let mut past = vec![0u8; 4096];
+    assert_eq!(v.read_sparse(MIB - 2048, &mut past).unwrap_err().kind(), ferrite_engine::ErrorKind::OutOfRange);
+}

@@ -175,9 +175,12 @@ pub fn simple_reply(error: u32, cookie: u64) -> [u8; 16] {
     b
 }
 
+/// Bytes of a structured reply chunk's header.
+pub const STRUCTURED_HEADER_LEN: usize = 20;
+
 /// A structured reply chunk header for a payload of `len` bytes.
-pub fn structured_header(flags: u16, kind: u16, cookie: u64, len: u32) -> [u8; 20] {
-    let mut b = [0u8; 20];
+pub fn structured_header(flags: u16, kind: u16, cookie: u64, len: u32) -> [u8; STRUCTURED_HEADER_LEN] {
+    let mut b = [0u8; STRUCTURED_HEADER_LEN];
     b[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
     b[4..6].copy_from_slice(&flags.to_be_bytes());
     b[6..8].copy_from_slice(&kind.to_be_bytes());

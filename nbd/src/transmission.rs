@@ -253,7 +253,8 @@ fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
     if writes && s.export.read_only {
         return err(EPERM, "export is read-only");
     }
-    let ranged = matches!(req.kind, CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES | CMD_CACHE | CMD_BLOCK_STATUS);
+    // Reads are checked by the engine (OutOfRange is EINVAL too), in the lookup they need anyway.
+    let ranged = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES | CMD_CACHE | CMD_BLOCK_STATUS);
     if ranged {
         match in_range(vol, &req) {
             Ok(true) => {}
@@ -313,36 +314,48 @@ fn read(s: &Session, req: Request) -> Reply {
             Err(e) => error_reply(false, req.cookie, nbd_errno(&e), ""),
         };
     }
-    // Structured: holes as OFFSET_HOLE chunks, data as OFFSET_DATA (one chunk if DF).
+    // Structured: holes as OFFSET_HOLE chunks, data as OFFSET_DATA (one chunk if DF). The data
+    // is read right behind the room for one data chunk's header, which is all most reads need.
+    const DATA_AT: usize = STRUCTURED_HEADER_LEN + 8;
+    let mut out = vec![0u8; DATA_AT + len];
     let runs = if req.flags & CMD_FLAG_DF != 0 || len == 0 {
-        vec![(u64::from(req.length), true)]
+        vol.read(req.offset, &mut out[DATA_AT..]).map(|()| vec![(u64::from(req.length), true)])
     } else {
-        match vol.allocation(req.offset, u64::from(req.length)) {
-            Ok(r) => r,
-            Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
-        }
+        vol.read_sparse(req.offset, &mut out[DATA_AT..])
     };
-    let mut out = Vec::with_capacity(len + 32 * runs.len());
-    let mut at = req.offset;
+    let runs = match runs {
+        Ok(r) => r,
+        Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
+    };
+    if let [(_, true)] = runs.as_slice() {
+        out[..STRUCTURED_HEADER_LEN].copy_from_slice(&structured_header(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            req.cookie,
+            8 + req.length,
+        ));
+        out[STRUCTURED_HEADER_LEN..DATA_AT].copy_from_slice(&req.offset.to_be_bytes());
+        return Reply::success(out);
+    }
+    let data = &out[DATA_AT..];
+    let mut chunks = Vec::with_capacity(len + 32 * runs.len());
+    let mut at = 0usize;
     for (i, &(n, mapped)) in runs.iter().enumerate() {
         let flags = if i + 1 == runs.len() { REPLY_FLAG_DONE } else { 0 };
         let n32 = u32::try_from(n).expect("within a 32 MiB read");
+        let offset = req.offset + at as u64;
         if mapped {
-            out.extend_from_slice(&structured_header(flags, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + n32));
-            out.extend_from_slice(&at.to_be_bytes());
-            let from = out.len();
-            out.resize(from + n32 as usize, 0);
-            if let Err(e) = vol.read(at, &mut out[from..]) {
-                return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string());
-            }
+            chunks.extend_from_slice(&structured_header(flags, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + n32));
+            chunks.extend_from_slice(&offset.to_be_bytes());
+            chunks.extend_from_slice(&data[at..at + n32 as usize]);
         } else {
-            out.extend_from_slice(&structured_header(flags, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12));
-            out.extend_from_slice(&at.to_be_bytes());
-            out.extend_from_slice(&n32.to_be_bytes());
+            chunks.extend_from_slice(&structured_header(flags, REPLY_TYPE_OFFSET_HOLE, req.cookie, 12));
+            chunks.extend_from_slice(&offset.to_be_bytes());
+            chunks.extend_from_slice(&n32.to_be_bytes());
         }
-        at += n;
+        at += n32 as usize;
     }
-    Reply::success(out)
+    Reply::success(chunks)
 }
 
 fn block_status(s: &Session, req: Request) -> Reply {
