@@ -75,7 +75,11 @@ read 128k 1 1
 write 128k 1 1"
 for round in $(seq 1 "$ROUNDS"); do
   while read -r rw bs qd conns; do
-    for server in ferrite nbdkit qemu-nbd; do
+    # Each round starts with a different server, so a machine that speeds up or slows down
+    # during a row does not always favour the same one.
+    servers=(ferrite nbdkit qemu-nbd)
+    for i in 0 1 2; do
+      server=${servers[$(( (i + round) % 3 ))]}
       name="$rw-$bs-qd$qd-c$conns"
       [[ "$name" =~ ${ONLY:-.} ]] || continue
       echo "round $round/$ROUNDS: $name on $server" >&2
