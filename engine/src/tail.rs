@@ -89,9 +89,19 @@ pub(crate) struct Slot {
     batch: Option<OpenBatch>,
     /// The sealed batch the flusher is writing (shared with it while the lock is let go).
     flight: Option<Arc<Sealed>>,
-    /// The last batch's buffer, reused (a fresh 1 MiB buffer per batch would cost page faults).
-    spare: Option<AlignedBuf>,
+    /// Written batches' buffers, reused (see [`Slot::recycle`]).
+    spares: Vec<AlignedBuf>,
     stop: bool,
+}
+
+impl Slot {
+    /// Keeps a written batch's buffer for a later batch: two are in use at most (the open
+    /// batch and the one in flight), and a fresh one costs a 1 MiB allocation and zeroing.
+    fn recycle(&mut self, buf: AlignedBuf) {
+        if self.spares.len() < 2 {
+            self.spares.push(buf);
+        }
+    }
 }
 
 /// Pool blocks `[lo, hi)` of an unwritten batch (`lo == hi`: none), readable without a lock.
@@ -199,7 +209,7 @@ fn open(inner: &Inner, need: usize) -> Result<()> {
     let tail = &inner.log.tail;
     let mut slot = tail.slot.lock();
     debug_assert!(slot.batch.is_none(), "only the leader opens batches, after sealing the last");
-    let buf = slot.spare.take().unwrap_or_else(|| AlignedBuf::new((1 + MAX_BLOCKS) * BLOCK));
+    let buf = slot.spares.pop().unwrap_or_else(|| AlignedBuf::new((1 + MAX_BLOCKS) * BLOCK));
     tail.open.set(first_pba, first_pba);
     slot.batch = Some(OpenBatch {
         pos,
@@ -238,7 +248,7 @@ fn close_locked(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
     let result = write(inner, &sealed);
     // Only now (the batch is on the store, or the pool is poisoned) may readers stop looking here.
     tail.open.set(0, 0);
-    slot.spare = Some(sealed.buf);
+    slot.recycle(sealed.buf);
     result
 }
 
@@ -268,7 +278,7 @@ fn take_sealed(inner: &Inner, slot: &mut Slot) -> Option<Sealed> {
     let b = slot.batch.take()?;
     if b.entries.is_empty() {
         inner.log.tail.open.set(0, 0);
-        slot.spare = Some(b.buf);
+        slot.recycle(b.buf);
         return None;
     }
     Some(seal(inner, b))
@@ -320,7 +330,9 @@ pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
             }
             tail.flight.set(0, 0);
             slot.flight = None;
-            slot.spare = Arc::into_inner(sealed).map(|s| s.buf);
+            if let Some(s) = Arc::into_inner(sealed) {
+                slot.recycle(s.buf);
+            }
             tail.cv.notify_all();
             continue;
         }
