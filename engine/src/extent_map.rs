@@ -48,16 +48,21 @@ pub struct Chunk {
 pub type Freed = Vec<(u64, u64)>;
 
 impl Chunk {
+    /// Index of the first extent that ends past `off` (extents are sorted and disjoint).
+    fn first_ending_after(&self, off: u16) -> usize {
+        self.ext.partition_point(|e| e.end() <= off)
+    }
+
     #[cfg(test)]
     fn lookup(&self, off: u16) -> Option<u64> {
-        let i = self.ext.partition_point(|e| e.end() <= off);
+        let i = self.first_ending_after(off);
         self.ext.get(i).filter(|e| e.off <= off).map(|e| e.pba + u64::from(off - e.off))
     }
 
     /// Maps [off, off+len) to pba.. (or unmaps it), pushing replaced runs into `freed`.
     fn set(&mut self, off: u16, len: u16, pba: Option<u64>, freed: &mut Freed) {
         let end = off + len;
-        let first = self.ext.partition_point(|e| e.end() <= off);
+        let first = self.first_ending_after(off);
         let mut last = first;
         let mut keep: Vec<Ext> = Vec::with_capacity(3);
         while last < self.ext.len() && self.ext[last].off < end {
@@ -244,13 +249,10 @@ impl ExtentMap {
         }
         for (&c, ch) in self.chunks.range(lba / CHUNK_BLOCKS..=(end - 1) / CHUNK_BLOCKS) {
             let base = c * CHUNK_BLOCKS;
-            // Extents are sorted and disjoint: skip to the first that ends past `lba` (a
-            // fragmented chunk holds up to a thousand, and most reads want one or two).
-            let first = match lba.checked_sub(base) {
-                Some(off) => ch.ext.partition_point(|e| u64::from(e.end()) <= off),
-                None => 0,
-            };
-            for e in &ch.ext[first..] {
+            // Skip to the first extent that ends past `lba` (a fragmented chunk holds up to a
+            // thousand, and most reads want one or two); chunks after the first start at 0.
+            let off = u16::try_from(lba.saturating_sub(base)).expect("inside the chunk");
+            for e in &ch.ext[ch.first_ending_after(off)..] {
                 let lo = (base + u64::from(e.off)).max(lba);
                 let hi = (base + u64::from(e.end())).min(end);
                 if lo >= hi {

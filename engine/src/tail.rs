@@ -59,6 +59,10 @@ impl OpenBatch {
         self.crcs.len()
     }
 
+    fn block(&self, pba: u64) -> Option<&[u8]> {
+        buffered_block(&self.buf, self.first_pba, self.blocks(), pba)
+    }
+
     fn fits(&self, blocks: usize) -> bool {
         let total = self.blocks() + blocks;
         total <= self.capacity && BatchHeader::blocks_for(self.entries.len() + 1, total) == 1
@@ -77,11 +81,16 @@ struct Sealed {
 }
 
 impl Sealed {
-    /// The buffered block at pool block `pba`, if this batch holds it.
     fn block(&self, pba: u64) -> Option<&[u8]> {
-        let i = usize::try_from(pba.checked_sub(self.first_pba)?).ok().filter(|&i| i < self.blocks)?;
-        Some(&self.buf[(1 + i) * BLOCK..(2 + i) * BLOCK])
+        buffered_block(&self.buf, self.first_pba, self.blocks, pba)
     }
+}
+
+/// Block `pba` of a batch buffer (header block, then `blocks` data blocks from pool block
+/// `first_pba`), if the batch holds it.
+fn buffered_block(buf: &AlignedBuf, first_pba: u64, blocks: usize, pba: u64) -> Option<&[u8]> {
+    let i = usize::try_from(pba.checked_sub(first_pba)?).ok().filter(|&i| i < blocks)?;
+    Some(&buf[(1 + i) * BLOCK..(2 + i) * BLOCK])
 }
 
 #[derive(Debug, Default)]
@@ -237,13 +246,18 @@ pub(crate) fn close_and_hold(inner: &Inner) -> Result<MutexGuard<'_, Slot>> {
     Ok(slot)
 }
 
+/// Waits until the batch in flight, if any, is written. It may have failed (and poisoned the
+/// pool): then nothing after it may claim success.
+fn land_flight(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
+    while slot.flight.is_some() {
+        inner.log.tail.cv.wait(slot);
+    }
+    inner.check_open()
+}
+
 fn close_locked(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
     let tail = &inner.log.tail;
-    while slot.flight.is_some() {
-        tail.cv.wait(slot);
-    }
-    // The flight may have failed (and poisoned the pool): nothing after it may claim success.
-    inner.check_open()?;
+    land_flight(inner, slot)?;
     let Some(sealed) = take_sealed(inner, slot) else { return Ok(()) };
     let result = write(inner, &sealed);
     // Only now (the batch is on the store, or the pool is poisoned) may readers stop looking here.
@@ -259,10 +273,7 @@ fn hand_off(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
         take_sealed(inner, slot); // nothing to wait for: drops an empty batch
         return Ok(());
     }
-    while slot.flight.is_some() {
-        tail.cv.wait(slot);
-    }
-    inner.check_open()?;
+    land_flight(inner, slot)?;
     let Some(sealed) = take_sealed(inner, slot) else { return Ok(()) };
     // In this order: see `Tail::open`.
     tail.flight.set(sealed.first_pba, sealed.first_pba + sealed.blocks as u64);
@@ -370,18 +381,11 @@ pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<A
     let mut rest: Vec<(u64, u64, usize)> = Vec::new();
     {
         let slot = tail.slot.lock();
-        let open = slot.batch.as_ref().map(|b| (b.first_pba, b.blocks(), &b.buf));
         let mut at = 0;
         for &(p, n) in runs {
             for pba in p..p + n {
-                let held = match open {
-                    Some((first, blocks, buf)) if pba >= first && pba < first + blocks as u64 => {
-                        let i = usize::try_from(pba - first).expect("small");
-                        Some(&buf[(1 + i) * BLOCK..(2 + i) * BLOCK])
-                    }
-                    _ => slot.flight.as_ref().and_then(|f| f.block(pba)),
-                };
-                if let Some(block) = held {
+                let held = slot.batch.as_ref().and_then(|b| b.block(pba));
+                if let Some(block) = held.or_else(|| slot.flight.as_ref().and_then(|f| f.block(pba))) {
                     out[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(block);
                 } else {
                     match rest.last_mut() {
