@@ -18,6 +18,21 @@ use crate::pool::{Inner, State};
 use crate::segments::Pinned;
 
 const B: u64 = BLOCK as u64;
+
+/// One block of a read, resolved: unmapped (reads as zeros), or its pool block and checksum.
+type Resolved = Option<(u64, u32)>;
+
+/// The pool blocks of resolved reads as runs of consecutive blocks, one request each, in order.
+fn media_runs<'a>(blocks: impl IntoIterator<Item = &'a Resolved>) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &(pba, _) in blocks.into_iter().flatten() {
+        match runs.last_mut() {
+            Some((p, k)) if *p + *k == pba => *k += 1,
+            _ => runs.push((pba, 1)),
+        }
+    }
+    runs
+}
 /// How long a write waits for the cleaner to make room before it gives up with ENOSPC.
 const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -159,64 +174,112 @@ impl Volume {
         Ok(runs)
     }
 
-    fn read_in(
-        &self,
-        inner: &Inner,
-        offset: u64,
-        buf: &mut [u8],
-        mut alloc: Option<&mut Vec<(u64, bool)>>,
-    ) -> Result<()> {
-        // Resolve every block, pinning the segments we will read from (one lock hold, which
-        // also checks the range).
-        let mut resolved: Vec<Option<(u64, u32)>> = Vec::new();
+    /// Reads several ranges as one: every range is resolved in one hold of the state lock and
+    /// all their media blocks are read in one batch (one submission for the lot on io_uring).
+    /// Each range gets its own outcome, with its allocation as [`Volume::read_sparse`] returns
+    /// it; a media read error fails every range that had blocks to read.
+    pub fn read_sparse_many(&self, parts: &mut [(u64, &mut [u8])]) -> Vec<Result<Vec<(u64, bool)>>> {
+        let inner = match self.pool() {
+            Ok(i) => i,
+            Err(e) => return parts.iter().map(|_| Err(crate::log::clone_err(&e))).collect(),
+        };
         let mut pins = Pinned::new(&inner.pins);
-        let first = offset / B;
-        {
+        let resolved: Vec<Result<Vec<Resolved>>> = {
             let st = inner.state.read();
-            let (head, size) = self.head(&st)?;
-            self.check_within(size, offset, buf.len() as u64)?;
-            if buf.is_empty() {
-                return Ok(());
-            }
-            let last = (offset + buf.len() as u64 - 1) / B;
-            resolved.reserve(usize::try_from(last - first + 1).expect("read fits memory"));
-            for run in crate::layers::resolve(&st.layers, head, first, last - first + 1) {
-                let Some(start) = run.pba else {
-                    resolved.extend(std::iter::repeat_n(None, usize::try_from(run.blocks).expect("fits")));
-                    continue;
-                };
-                for pba in start..start + run.blocks {
-                    let crc = st.segs.crc(pba).ok_or_else(|| {
-                        Error::new(
-                            ErrorKind::Corrupt,
-                            format!(
-                                "{:?}: no checksum for pool block {pba} (offset {})",
-                                self.name,
-                                (run.lba + pba - start) * B
-                            ),
-                        )
-                    })?;
-                    pins.pin(st.segs.locate(pba).0);
-                    resolved.push(Some((pba, crc)));
-                }
-            }
-        }
-        // Coalesce runs of consecutive physical blocks into one request each.
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for &(pba, _) in resolved.iter().flatten() {
-            match runs.last_mut() {
-                Some((p, k)) if *p + *k == pba => *k += 1,
-                _ => runs.push((pba, 1)),
-            }
-        }
-        let media = crate::tail::read_runs(inner, &runs).map_err(|e| {
-            Error::io(format!("volume {:?}: reading {} bytes at offset {offset}", self.name, buf.len()), e)
-        })?;
+            parts.iter().map(|(offset, buf)| self.resolve(&st, &mut pins, *offset, buf.len() as u64)).collect()
+        };
+        let runs = media_runs(resolved.iter().flatten().flatten());
+        let media = crate::tail::read_runs(&inner, &runs);
         drop(pins);
         let mut slot = 0;
+        parts
+            .iter_mut()
+            .zip(resolved)
+            .map(|((offset, buf), blocks)| {
+                let blocks = blocks?;
+                let media: &[u8] = match &media {
+                    Ok(m) => &m[slot * BLOCK..],
+                    Err(e) if blocks.iter().any(Option::is_some) => {
+                        return Err(self.media_error(*offset, buf.len(), e));
+                    }
+                    Err(_) => &[],
+                };
+                let mut alloc = Vec::new();
+                let used = self.fill(*offset, buf, &blocks, media, Some(&mut alloc))?;
+                slot += used;
+                Ok(alloc)
+            })
+            .collect()
+    }
+
+    fn read_in(&self, inner: &Inner, offset: u64, buf: &mut [u8], alloc: Option<&mut Vec<(u64, bool)>>) -> Result<()> {
+        let mut pins = Pinned::new(&inner.pins);
+        let blocks = self.resolve(&inner.state.read(), &mut pins, offset, buf.len() as u64)?;
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let media =
+            crate::tail::read_runs(inner, &media_runs(&blocks)).map_err(|e| self.media_error(offset, buf.len(), &e))?;
+        drop(pins);
+        self.fill(offset, buf, &blocks, &media, alloc).map(|_| ())
+    }
+
+    fn media_error(&self, offset: u64, len: usize, e: &std::io::Error) -> Error {
+        let e = e
+            .raw_os_error()
+            .map_or_else(|| std::io::Error::new(e.kind(), e.to_string()), std::io::Error::from_raw_os_error);
+        Error::io(format!("volume {:?}: reading {len} bytes at offset {offset}", self.name), e)
+    }
+
+    /// Resolves every block of `[offset, offset + len)` (checking the range), pinning the
+    /// segments it will be read from.
+    fn resolve(&self, st: &State, pins: &mut Pinned<'_>, offset: u64, len: u64) -> Result<Vec<Resolved>> {
+        let (head, size) = self.head(st)?;
+        self.check_within(size, offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let first = offset / B;
+        let last = (offset + len - 1) / B;
+        let mut resolved = Vec::with_capacity(usize::try_from(last - first + 1).expect("read fits memory"));
+        for run in crate::layers::resolve(&st.layers, head, first, last - first + 1) {
+            let Some(start) = run.pba else {
+                resolved.extend(std::iter::repeat_n(None, usize::try_from(run.blocks).expect("fits")));
+                continue;
+            };
+            for pba in start..start + run.blocks {
+                let crc = st.segs.crc(pba).ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::Corrupt,
+                        format!(
+                            "{:?}: no checksum for pool block {pba} (offset {})",
+                            self.name,
+                            (run.lba + pba - start) * B
+                        ),
+                    )
+                })?;
+                pins.pin(st.segs.locate(pba).0);
+                resolved.push(Some((pba, crc)));
+            }
+        }
+        Ok(resolved)
+    }
+
+    /// Copies the resolved blocks of a read into `buf` (zeros for holes) from `media`, which
+    /// holds the mapped ones back to back, verifying each checksum; returns how many media
+    /// blocks it used.
+    fn fill(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        resolved: &[Resolved],
+        media: &[u8],
+        mut alloc: Option<&mut Vec<(u64, bool)>>,
+    ) -> Result<usize> {
+        let first = offset / B;
+        let mut slot = 0;
         for (i, r) in resolved.iter().enumerate() {
-            let lba = first + i as u64;
-            let block_start = lba * B;
+            let block_start = (first + i as u64) * B;
             let lo = offset.max(block_start);
             let hi = (offset + buf.len() as u64).min(block_start + B);
             let dst =
@@ -246,7 +309,7 @@ impl Volume {
                 }
             }
         }
-        Ok(())
+        Ok(slot)
     }
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).

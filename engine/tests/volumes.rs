@@ -317,3 +317,35 @@ fn read_sparse_agrees_with_read_and_allocation() {
     let mut past = vec![0u8; 4096];
     assert_eq!(v.read_sparse(MIB - 2048, &mut past).unwrap_err().kind(), ferrite_engine::ErrorKind::OutOfRange);
 }
+
+#[test]
+fn read_sparse_many_answers_each_range_as_read_sparse_does() {
+    let (_f, pool) = Fixture::new(8);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    for i in 0..64u64 {
+        if i % 3 != 2 {
+            v.write(i * 4096, &pattern(i, 4096)).unwrap();
+        }
+    }
+    v.flush().unwrap();
+    v.write(20 * 4096, &pattern(99, 4096)).unwrap(); // still in the open batch
+    v.trim(9 * 4096, 4096).unwrap();
+    // Ranges in any order, overlapping, unaligned, over holes, one past the end, one empty.
+    let ranges =
+        [(40 * 4096u64, 8192usize), (5000, 4000), (MIB - 2048, 4096), (0, 65536), (20 * 4096 + 7, 100), (4096, 0)];
+    let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|&(_, len)| vec![0xAA; len]).collect();
+    let mut parts: Vec<(u64, &mut [u8])> = ranges.iter().zip(&mut bufs).map(|(r, b)| (r.0, &mut b[..])).collect();
+    let results = v.read_sparse_many(&mut parts);
+    assert_eq!(results.len(), ranges.len());
+    for ((&(offset, len), got), result) in ranges.iter().zip(&bufs).zip(results) {
+        let mut want = vec![0u8; len];
+        match v.read_sparse(offset, &mut want) {
+            Ok(runs) => {
+                assert_eq!(result.unwrap(), runs, "allocation at {offset}+{len}");
+                assert_eq!(got, &want, "data at {offset}+{len}");
+            }
+            Err(e) => assert_eq!(result.unwrap_err().kind(), e.kind(), "error at {offset}+{len}"),
+        }
+    }
+}

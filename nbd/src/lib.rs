@@ -16,6 +16,7 @@
 pub mod export;
 pub mod fuzzing;
 pub mod handshake;
+pub mod inbox;
 pub mod kernel;
 pub mod metrics;
 pub mod proto;

@@ -102,6 +102,8 @@ pub const EOVERFLOW: u32 = 75;
 pub const ENOTSUP: u32 = 95;
 pub const ESHUTDOWN: u32 = 108;
 
+/// Length of a simple reply header.
+pub const SIMPLE_REPLY_LEN: usize = 16;
 /// Length of a transmission request header.
 pub const REQUEST_LEN: usize = 28;
 /// Length of an option request header (magic, option, length).
@@ -167,7 +169,7 @@ pub fn option_reply(option: u32, kind: u32, payload: &[u8]) -> Vec<u8> {
 }
 
 /// A simple reply header.
-pub fn simple_reply(error: u32, cookie: u64) -> [u8; 16] {
+pub fn simple_reply(error: u32, cookie: u64) -> [u8; SIMPLE_REPLY_LEN] {
     let mut b = [0u8; 16];
     b[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
     b[4..8].copy_from_slice(&error.to_be_bytes());

@@ -13,34 +13,54 @@
 //! disconnects in the middle of a write payload changes nothing: a write reaches the engine only
 //! with its whole payload.
 
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use ferrite_engine::{Error, ErrorKind, Volume};
 use parking_lot::Mutex;
 
 use crate::handshake::{BASE_ALLOCATION_ID, MAX_REQUEST, Session};
+use crate::inbox::{Inbox, Source};
 use crate::proto::*;
 
 /// Most requests of one connection in flight at once (= worker threads).
 const MAX_WORKERS: usize = 64;
+/// Most reads one worker takes from the socket's buffer and runs together.
+const MAX_BATCH: usize = 32;
+/// Longest read that joins another's batch (a batch's replies are held until all are read).
+const MAX_BATCHED_READ: u32 = 256 << 10;
 /// Most descriptors in one block status reply.
 const MAX_EXTENTS: usize = 1 << 16;
 
 /// A connected, blocking socket whose read and write sides can be used from different threads.
-pub trait Socket: Send + Sync {
-    fn read_exact(&self, buf: &mut [u8]) -> io::Result<()>;
+pub trait Socket: Source + Send + Sync {
     fn write_all(&self, buf: &[u8]) -> io::Result<()>;
+    /// Writes all of `bufs` (one syscall for all of them when the socket takes them).
+    fn write_all_vectored(&self, bufs: &mut [IoSlice<'_>]) -> io::Result<()>;
 }
 
 macro_rules! socket_impl {
     ($t:ty) => {
-        impl Socket for $t {
-            fn read_exact(&self, buf: &mut [u8]) -> io::Result<()> {
-                Read::read_exact(&mut &*self, buf)
+        impl Source for $t {
+            fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
+                Read::read(&mut &*self, buf)
             }
+        }
+        impl Socket for $t {
             fn write_all(&self, buf: &[u8]) -> io::Result<()> {
                 Write::write_all(&mut &*self, buf)
+            }
+            fn write_all_vectored(&self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+                IoSlice::advance_slices(&mut bufs, 0);
+                while !bufs.is_empty() {
+                    match Write::write_vectored(&mut &*self, bufs) {
+                        Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                        Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
             }
         }
     };
@@ -89,9 +109,10 @@ fn ok_reply(structured: bool, cookie: u64) -> Reply {
 struct Conn<'a, S> {
     sock: &'a S,
     session: &'a Session,
-    /// std's futex mutex, not parking_lot's: idle workers queue here, and parking_lot's spin
-    /// phase yields the CPU over and over (a tenth of the server's CPU at QD32 in a profile).
-    reading: std::sync::Mutex<()>,
+    /// The receive side. std's futex mutex, not parking_lot's: idle workers queue here, and
+    /// parking_lot's spin phase yields the CPU over and over (a tenth of the server's CPU at
+    /// QD32 in a profile).
+    reading: std::sync::Mutex<Inbox>,
     writing: Mutex<()>,
     /// Set once the client disconnected or broke framing; workers stop taking requests.
     done: AtomicBool,
@@ -115,7 +136,7 @@ pub fn serve<S: Socket>(sock: &S, session: &Session) -> io::Result<()> {
     let conn = Conn {
         sock,
         session,
-        reading: std::sync::Mutex::new(()),
+        reading: std::sync::Mutex::new(Inbox::default()),
         writing: Mutex::new(()),
         done: AtomicBool::new(false),
         end: Mutex::new(None),
@@ -129,16 +150,16 @@ pub fn serve<S: Socket>(sock: &S, session: &Session) -> io::Result<()> {
 fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'s Conn<'a, S>) {
     loop {
         conn.waiting.fetch_add(1, Ordering::SeqCst);
-        let guard = conn.reading.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut inbox = conn.reading.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         conn.waiting.fetch_sub(1, Ordering::SeqCst);
         if conn.done.load(Ordering::SeqCst) {
             return;
         }
-        let (req, payload) = match next(conn.sock, conn.session) {
+        let (req, payload) = match next(&mut inbox, conn.sock, conn.session) {
             Next::Run(req, payload) => (req, payload),
             Next::Refused(reply) => {
-                drop(guard);
-                conn.send(reply);
+                drop(inbox);
+                conn.send(vec![reply]);
                 continue;
             }
             Next::End(r) => {
@@ -147,6 +168,15 @@ fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'
                 return;
             }
         };
+        // Reads already in the buffer behind this one run with it: one lookup, one media
+        // submission and one reply write for all of them.
+        let mut reqs = vec![req];
+        while req.kind == CMD_READ && reqs.len() < MAX_BATCH {
+            match inbox.next_buffered(|r| r.kind == CMD_READ && r.length <= MAX_BATCHED_READ) {
+                Some(r) => reqs.push(r),
+                None => break,
+            }
+        }
         if conn.waiting.load(Ordering::SeqCst) == 0 && conn.workers.load(Ordering::SeqCst) < MAX_WORKERS {
             conn.workers.fetch_add(1, Ordering::SeqCst);
             let spawned = std::thread::Builder::new().name("nbd-worker".into()).spawn_scoped(scope, move || {
@@ -157,18 +187,26 @@ fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'
                 tracing::warn!(error = %e, "cannot start another NBD worker thread; serving with fewer");
             }
         }
-        drop(guard);
+        drop(inbox);
         let start = std::time::Instant::now();
-        let reply = handle(conn.session, req, payload);
-        record(conn.session, &req, &reply, start.elapsed());
-        conn.send(reply);
+        let replies =
+            if req.kind == CMD_READ { reads(conn.session, &reqs) } else { vec![handle(conn.session, req, payload)] };
+        let took = start.elapsed();
+        for (req, reply) in reqs.iter().zip(&replies) {
+            record(conn.session, req, reply, took);
+        }
+        conn.send(replies);
     }
 }
 
 impl<S: Socket> Conn<'_, S> {
-    fn send(&self, reply: Reply) {
+    fn send(&self, replies: Vec<Reply>) {
         let _w = self.writing.lock();
-        if let Err(e) = self.sock.write_all(&reply.bytes) {
+        let sent = match replies.as_slice() {
+            [one] => self.sock.write_all(&one.bytes),
+            many => self.sock.write_all_vectored(&mut many.iter().map(|r| IoSlice::new(&r.bytes)).collect::<Vec<_>>()),
+        };
+        if let Err(e) = sent {
             // The client is gone; the reader will see it too.
             tracing::debug!(error = %e, "writing an NBD reply failed");
         }
@@ -176,9 +214,9 @@ impl<S: Socket> Conn<'_, S> {
 }
 
 /// Reads the next request (and its payload) from the socket.
-fn next<S: Socket>(sock: &S, session: &Session) -> Next {
+fn next<S: Socket>(inbox: &mut Inbox, sock: &S, session: &Session) -> Next {
     let mut h = [0u8; REQUEST_LEN];
-    match sock.read_exact(&mut h) {
+    match inbox.read_exact(sock, &mut h) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Next::End(Ok(())),
         Err(e) => return Next::End(Err(e)),
@@ -201,7 +239,7 @@ fn next<S: Socket>(sock: &S, session: &Session) -> Next {
         let mut sink = vec![0u8; 64 << 10];
         while left > 0 {
             let n = usize::try_from(left.min(sink.len() as u64)).expect("bounded");
-            if let Err(e) = sock.read_exact(&mut sink[..n]) {
+            if let Err(e) = inbox.read_exact(sock, &mut sink[..n]) {
                 return Next::End(Err(e));
             }
             left -= n as u64;
@@ -209,7 +247,7 @@ fn next<S: Socket>(sock: &S, session: &Session) -> Next {
         return Next::Refused(error_reply(session.structured, req.cookie, EOVERFLOW, "write larger than 32 MiB"));
     }
     let mut payload = vec![0u8; req.length as usize];
-    match sock.read_exact(&mut payload) {
+    match inbox.read_exact(sock, &mut payload) {
         Ok(()) => Next::Run(req, payload),
         Err(e) => Next::End(Err(e)),
     }
@@ -268,7 +306,7 @@ fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let done = |r: Result<(), Error>| r.map_or_else(engine_err, |()| ok_reply(st, req.cookie));
     match req.kind {
-        CMD_READ => read(s, req),
+        CMD_READ => reads(s, &[req]).remove(0),
         CMD_WRITE => done(if fua { vol.write_fua(req.offset, &payload) } else { vol.write(req.offset, &payload) }),
         CMD_FLUSH => done(vol.flush()),
         CMD_TRIM => {
@@ -299,35 +337,39 @@ fn write_real_zeroes(vol: &Volume, offset: u64, len: u64, fua: bool) -> Result<(
     if fua { vol.flush() } else { Ok(()) }
 }
 
-fn read(s: &Session, req: Request) -> Reply {
+/// Runs reads together: one engine call resolves them all and reads their blocks as one batch.
+/// Each reply's data is read in place, behind the room for its header: a simple reply's, or
+/// one data chunk's (all most structured reads need).
+fn reads(s: &Session, reqs: &[Request]) -> Vec<Reply> {
     let st = s.structured;
-    if req.length > MAX_REQUEST {
-        return error_reply(st, req.cookie, if st { EOVERFLOW } else { EINVAL }, "read larger than 32 MiB");
-    }
-    let vol = &s.export.volume;
-    let len = req.length as usize;
+    let at = if st { STRUCTURED_HEADER_LEN + 8 } else { SIMPLE_REPLY_LEN };
+    let mut outs: Vec<Option<Vec<u8>>> =
+        reqs.iter().map(|r| (r.length <= MAX_REQUEST).then(|| vec![0u8; at + r.length as usize])).collect();
+    let mut parts: Vec<(u64, &mut [u8])> =
+        reqs.iter().zip(&mut outs).filter_map(|(r, out)| Some((r.offset, &mut out.as_mut()?[at..]))).collect();
+    let mut results = s.export.volume.read_sparse_many(&mut parts).into_iter();
+    reqs.iter()
+        .zip(outs)
+        .map(|(req, out)| match out {
+            None => error_reply(st, req.cookie, if st { EOVERFLOW } else { EINVAL }, "read larger than 32 MiB"),
+            Some(out) => match results.next().expect("one result per part") {
+                Ok(runs) => read_reply(st, req, out, &runs),
+                Err(e) => error_reply(st, req.cookie, nbd_errno(&e), &e.to_string()),
+            },
+        })
+        .collect()
+}
+
+/// The reply to a read whose data is in `out` behind the header room; `runs` is its
+/// allocation: holes go out as OFFSET_HOLE chunks, unless the client asked for one data chunk
+/// (DF).
+fn read_reply(st: bool, req: &Request, mut out: Vec<u8>, runs: &[(u64, bool)]) -> Reply {
     if !st {
-        let mut out = simple_reply(0, req.cookie).to_vec();
-        out.resize(16 + len, 0);
-        return match vol.read(req.offset, &mut out[16..]) {
-            Ok(()) => Reply::success(out),
-            Err(e) => error_reply(false, req.cookie, nbd_errno(&e), ""),
-        };
+        out[..SIMPLE_REPLY_LEN].copy_from_slice(&simple_reply(0, req.cookie));
+        return Reply::success(out);
     }
-    // Structured: holes as OFFSET_HOLE chunks, data as OFFSET_DATA (one chunk if DF). The data
-    // is read right behind the room for one data chunk's header, which is all most reads need.
     const DATA_AT: usize = STRUCTURED_HEADER_LEN + 8;
-    let mut out = vec![0u8; DATA_AT + len];
-    let runs = if req.flags & CMD_FLAG_DF != 0 || len == 0 {
-        vol.read(req.offset, &mut out[DATA_AT..]).map(|()| vec![(u64::from(req.length), true)])
-    } else {
-        vol.read_sparse(req.offset, &mut out[DATA_AT..])
-    };
-    let runs = match runs {
-        Ok(r) => r,
-        Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
-    };
-    if let [(_, true)] = runs.as_slice() {
+    if req.flags & CMD_FLAG_DF != 0 || req.length == 0 || matches!(runs, [(_, true)]) {
         out[..STRUCTURED_HEADER_LEN].copy_from_slice(&structured_header(
             REPLY_FLAG_DONE,
             REPLY_TYPE_OFFSET_DATA,
@@ -338,7 +380,7 @@ fn read(s: &Session, req: Request) -> Reply {
         return Reply::success(out);
     }
     let data = &out[DATA_AT..];
-    let mut chunks = Vec::with_capacity(len + 32 * runs.len());
+    let mut chunks = Vec::with_capacity(data.len() + 32 * runs.len());
     let mut at = 0usize;
     for (i, &(n, mapped)) in runs.iter().enumerate() {
         let flags = if i + 1 == runs.len() { REPLY_FLAG_DONE } else { 0 };

@@ -250,3 +250,63 @@ fn kernel_attach_handshake_gets_size_and_flags_or_a_clear_refusal() {
     let err = ferrite_nbd::kernel::negotiate_client(&mut s, "nope").unwrap_err();
     assert!(err.to_string().contains("nope"), "{err}");
 }
+
+#[test]
+fn pipelined_requests_each_get_their_own_reply() {
+    let h = harness();
+    let vol = h.pool.open_volume("a").unwrap();
+    for i in 0..64u64 {
+        vol.write(i * 4096, &[i as u8; 4096]).unwrap();
+    }
+    let mut s = transmission(&h, "a");
+    // Everything goes out in one write, so the server finds many requests in one socket read:
+    // reads of different blocks and lengths, one past the end, one oversized, a write among
+    // them, and a bad magic at the end.
+    let mut bytes = Vec::new();
+    let mut reads = std::collections::HashMap::new();
+    for c in 0..48u64 {
+        let (block, len) = (c % 40, 512 * (1 + c as u32 % 8));
+        bytes.extend_from_slice(
+            &Request { flags: 0, kind: CMD_READ, cookie: c, offset: block * 4096, length: len }.encode(),
+        );
+        reads.insert(c, (block as u8, len as usize));
+        if c == 20 {
+            bytes.extend_from_slice(
+                &Request { flags: 0, kind: CMD_WRITE, cookie: 1000, offset: 50 * 4096, length: 4096 }.encode(),
+            );
+            bytes.extend_from_slice(&[0xCC; 4096]);
+            bytes.extend_from_slice(
+                &Request { flags: 0, kind: CMD_READ, cookie: 1001, offset: 4 * MIB - 10, length: 4096 }.encode(),
+            );
+            bytes.extend_from_slice(
+                &Request { flags: 0, kind: CMD_READ, cookie: 1002, offset: 0, length: 64 << 20 }.encode(),
+            );
+        }
+    }
+    bytes.extend_from_slice(&[0xFF; REQUEST_LEN]);
+    s.write_all(&bytes).unwrap();
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..reads.len() + 3 {
+        let mut r = [0u8; 16];
+        s.read_exact(&mut r).unwrap();
+        assert_eq!(&r[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+        let error = u32::from_be_bytes(r[4..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(r[8..16].try_into().unwrap());
+        assert!(seen.insert(cookie), "cookie {cookie} answered twice");
+        match cookie {
+            1000 => assert_eq!(error, 0),
+            1001 | 1002 => assert_eq!(error, EINVAL, "cookie {cookie}"),
+            c => {
+                assert_eq!(error, 0, "cookie {c}");
+                let (fill, len) = reads[&c];
+                let mut data = vec![0u8; len];
+                s.read_exact(&mut data).unwrap();
+                assert!(data.iter().all(|&b| b == fill), "cookie {c}: wrong data");
+            }
+        }
+    }
+    assert!(closed(&mut s), "bad magic ends the connection once the others replied");
+    let mut block = vec![0u8; 4096];
+    vol.read(50 * 4096, &mut block).unwrap();
+    assert_eq!(block, [0xCC; 4096]);
+}
