@@ -14,6 +14,8 @@
 //! after it, a later flush could not honestly claim anything.
 
 use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use parking_lot::Mutex;
@@ -23,6 +25,35 @@ use crate::format::{BatchHeader, Entry, EntryKind, block_crc};
 use crate::io::{AlignedBuf, BLOCK};
 use crate::pool::{Inner, State};
 use crate::segments::SegState;
+
+/// Whole blocks of data to write: a range of a shared buffer, so a write split into several
+/// requests, or retried, is never copied again (the caller's buffer is copied once, into the
+/// batch).
+#[derive(Clone)]
+pub(crate) struct Payload {
+    buf: Arc<Vec<u8>>,
+    range: Range<usize>,
+}
+
+impl Payload {
+    pub fn new(buf: Vec<u8>) -> Self {
+        let range = 0..buf.len();
+        Self { buf: Arc::new(buf), range }
+    }
+
+    /// Bytes `r` of this payload.
+    pub fn slice(&self, r: Range<usize>) -> Self {
+        assert!(r.end <= self.range.len(), "slice within the payload");
+        Self { buf: Arc::clone(&self.buf), range: self.range.start + r.start..self.range.start + r.end }
+    }
+}
+
+impl std::ops::Deref for Payload {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.range.clone()]
+    }
+}
 
 /// Completion callback of a request.
 pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
@@ -35,7 +66,7 @@ pub(crate) type BarrierFn = Box<dyn FnOnce(&Inner) -> Result<()> + Send>;
 /// before it from those queued after.
 pub(crate) enum Req {
     /// Map `data` (whole blocks) at `lba` of the volume's head.
-    Write { volume: u64, lba: u64, data: Vec<u8>, fua: bool, done: Done },
+    Write { volume: u64, lba: u64, data: Payload, fua: bool, done: Done },
     /// Unmap `blocks` blocks at `lba` of the volume's head.
     Unmap { volume: u64, lba: u64, blocks: u64, done: Done },
     /// Make everything acknowledged so far durable.
@@ -45,7 +76,7 @@ pub(crate) enum Req {
     Barrier { run: BarrierFn, done: Done },
     /// Re-map `data` at `lba` of `layer` itself (the cleaner moving live blocks; only ever
     /// built on the leader, see [`write_moves`]).
-    Move { layer: u64, lba: u64, data: Vec<u8> },
+    Move { layer: u64, lba: u64, data: Payload },
 }
 
 impl std::fmt::Debug for Req {
@@ -368,7 +399,8 @@ fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<
 /// segment is started, as client batches do, so moved data packs densely.
 pub(crate) fn write_moves(inner: &Inner, moves: Vec<(u64, u64, Vec<u8>)>) -> Result<()> {
     let mut scratch = AlignedBuf::new(BLOCK);
-    let mut queue: VecDeque<(u64, u64, Vec<u8>)> = moves.into();
+    let mut queue: VecDeque<(u64, u64, Payload)> =
+        moves.into_iter().map(|(layer, lba, data)| (layer, lba, Payload::new(data))).collect();
     while !queue.is_empty() {
         let room = head_room_blocks(inner);
         let limit = if room > 0 { room.min(inner.max_batch_blocks) } else { inner.max_batch_blocks };
@@ -383,9 +415,8 @@ pub(crate) fn write_moves(inner: &Inner, moves: Vec<(u64, u64, Vec<u8>)>) -> Res
             if blocks + n > limit {
                 // Split: what fits goes now, the rest heads the next batch.
                 let fit = usize::try_from(limit - blocks).expect("small") * BLOCK;
-                let rest = data[fit..].to_vec();
-                queue.push_front((layer, lba + (limit - blocks), rest));
-                batch.push(Req::Move { layer, lba, data: data[..fit].to_vec() });
+                queue.push_front((layer, lba + (limit - blocks), data.slice(fit..data.len())));
+                batch.push(Req::Move { layer, lba, data: data.slice(0..fit) });
                 break;
             }
             blocks += n;

@@ -6,6 +6,7 @@
 //! edge blocks and writes them back whole, holding a per-block stripe lock so two partial writes
 //! to one block never lose each other's bytes.
 
+use std::borrow::Cow;
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -13,7 +14,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
 use crate::io::BLOCK;
-use crate::log::Req;
+use crate::log::{Payload, Req};
 use crate::pool::{Inner, State};
 use crate::segments::Pinned;
 
@@ -314,12 +315,18 @@ impl Volume {
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.write_in(&*self.pool()?, offset, data, false)
+        self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), false)
     }
 
     /// Writes `data` at `offset` and returns only once it is durable (FUA).
     pub fn write_fua(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.write_in(&*self.pool()?, offset, data, true)
+        self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), true)
+    }
+
+    /// As [`Volume::write`] or, with `fua`, [`Volume::write_fua`], taking the buffer: a write of
+    /// whole blocks then reaches its log batch with no copy before the one into the batch.
+    pub fn write_vec(&self, offset: u64, data: Vec<u8>, fua: bool) -> Result<()> {
+        self.write_in(&*self.pool()?, offset, Cow::Owned(data), fua)
     }
 
     fn stripe(&self, inner: &Inner, lba: u64) -> usize {
@@ -345,7 +352,7 @@ impl Volume {
         idx.into_iter().map(|i| inner.stripes[i].lock()).collect()
     }
 
-    fn write_in(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+    fn write_in(&self, inner: &Inner, offset: u64, data: Cow<'_, [u8]>, fua: bool) -> Result<()> {
         self.writable()?;
         self.check_range(inner, offset, data.len() as u64)?;
         inner.check_open()?;
@@ -356,7 +363,7 @@ impl Volume {
         let start = offset - offset % B;
         let end = (offset + len).div_ceil(B) * B;
         if start == offset && end == offset + len {
-            return self.submit_blocks(inner, start, data, fua);
+            return self.submit_blocks(inner, start, Payload::new(data.into_owned()), fua);
         }
         let _edges = self.lock_edges(inner, offset, len);
         let mut whole = vec![0u8; usize::try_from(end - start).expect("fits")];
@@ -366,20 +373,20 @@ impl Volume {
             self.read_in(inner, end - B, &mut whole[at..], None)?;
         }
         let rel = usize::try_from(offset - start).expect("fits");
-        whole[rel..rel + data.len()].copy_from_slice(data);
-        self.submit_blocks(inner, start, &whole, fua)
+        whole[rel..rel + data.len()].copy_from_slice(&data);
+        self.submit_blocks(inner, start, Payload::new(whole), fua)
     }
 
     /// Sends whole blocks at block-aligned `offset` and waits for them. A pool that is full while
     /// dead space remains makes the write wait for the cleaner (woken when a checkpoint frees
     /// segments, up to [`NO_SPACE_PATIENCE`] in all) instead of failing: ENOSPC is for a pool with nothing to reclaim.
     /// Retrying is safe: the same blocks written again are the same write.
-    fn submit_blocks(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+    fn submit_blocks(&self, inner: &Inner, offset: u64, data: Payload, fua: bool) -> Result<()> {
         inner.cleaner.pace.pay((data.len() / BLOCK) as u64);
         let start = std::time::Instant::now();
         loop {
             let seen = inner.cleaner.freed_count();
-            match self.submit_blocks_once(inner, offset, data, fua) {
+            match self.submit_blocks_once(inner, offset, &data, fua) {
                 Err(e)
                     if e.kind() == ErrorKind::NoSpace
                         && start.elapsed() < NO_SPACE_PATIENCE
@@ -393,17 +400,16 @@ impl Volume {
         }
     }
 
-    fn submit_blocks_once(&self, inner: &Inner, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+    fn submit_blocks_once(&self, inner: &Inner, offset: u64, data: &Payload, fua: bool) -> Result<()> {
         let volume = self.writable()?;
         let w = Waiter::new();
         // Requests of a quarter batch let the writer fill a segment's tail closely.
         let piece = usize::try_from(inner.max_batch_blocks.div_ceil(4)).expect("fits") * BLOCK;
-        let reqs = data
-            .chunks(piece)
-            .enumerate()
-            .map(|(i, chunk)| {
-                let lba = offset / B + (i * piece / BLOCK) as u64;
-                Req::Write { volume, lba, data: chunk.to_vec(), fua, done: w.add() }
+        let reqs = (0..data.len())
+            .step_by(piece)
+            .map(|at| {
+                let lba = offset / B + (at / BLOCK) as u64;
+                Req::Write { volume, lba, data: data.slice(at..data.len().min(at + piece)), fua, done: w.add() }
             })
             .collect();
         let sent = inner.send_all(reqs);
@@ -435,13 +441,18 @@ impl Volume {
         let end = (offset + len) / B * B;
         if end <= start {
             let zeros = vec![0u8; usize::try_from(len).expect("below one block")];
-            return self.write_in(inner, offset, &zeros, fua);
+            return self.write_in(inner, offset, Cow::Owned(zeros), fua);
         }
         if offset < start {
-            self.write_in(inner, offset, &vec![0u8; usize::try_from(start - offset).expect("fits")], false)?;
+            self.write_in(inner, offset, Cow::Owned(vec![0u8; usize::try_from(start - offset).expect("fits")]), false)?;
         }
         if end < offset + len {
-            self.write_in(inner, end, &vec![0u8; usize::try_from(offset + len - end).expect("fits")], false)?;
+            self.write_in(
+                inner,
+                end,
+                Cow::Owned(vec![0u8; usize::try_from(offset + len - end).expect("fits")]),
+                false,
+            )?;
         }
         self.unmap(inner, start / B, (end - start) / B)?;
         if fua { flush(inner) } else { Ok(()) }

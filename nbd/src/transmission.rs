@@ -307,7 +307,7 @@ fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
     let done = |r: Result<(), Error>| r.map_or_else(engine_err, |()| ok_reply(st, req.cookie));
     match req.kind {
         CMD_READ => reads(s, &[req]).remove(0),
-        CMD_WRITE => done(if fua { vol.write_fua(req.offset, &payload) } else { vol.write(req.offset, &payload) }),
+        CMD_WRITE => done(vol.write_vec(req.offset, payload, fua)),
         CMD_FLUSH => done(vol.flush()),
         CMD_TRIM => {
             done(vol.trim(req.offset, u64::from(req.length)).and_then(|()| if fua { vol.flush() } else { Ok(()) }))
