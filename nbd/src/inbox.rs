@@ -5,7 +5,7 @@
 
 use std::io;
 
-use crate::proto::{REQUEST_LEN, Request};
+use crate::proto::{CMD_WRITE, REQUEST_LEN, Request};
 
 /// Bytes taken from the socket per read. Payloads at least half this long skip the buffer.
 const CAPACITY: usize = 64 << 10;
@@ -54,13 +54,17 @@ impl Inbox {
         Ok(())
     }
 
-    /// The next request header, if all of it is already buffered and `want` accepts it; it is
-    /// then consumed. A header that does not decode is left for [`Inbox::read_exact`].
-    pub fn next_buffered(&mut self, want: impl Fn(&Request) -> bool) -> Option<Request> {
-        let h: &[u8; REQUEST_LEN] = self.buf.get(self.start..self.end)?.get(..REQUEST_LEN)?.try_into().ok()?;
+    /// The next request and its payload (a write's), if all of it is already buffered and
+    /// `want` accepts it; it is then consumed. A header that does not decode is left for
+    /// [`Inbox::read_exact`].
+    pub fn next_buffered(&mut self, want: impl Fn(&Request) -> bool) -> Option<(Request, Vec<u8>)> {
+        let held = self.buf.get(self.start..self.end)?;
+        let h: &[u8; REQUEST_LEN] = held.get(..REQUEST_LEN)?.try_into().ok()?;
         let req = Request::decode(h).ok().filter(|r| want(r))?;
-        self.start += REQUEST_LEN;
-        Some(req)
+        let len = if req.kind == CMD_WRITE { usize::try_from(req.length).ok()? } else { 0 };
+        let payload = held.get(REQUEST_LEN..REQUEST_LEN + len)?.to_vec();
+        self.start += REQUEST_LEN + len;
+        Some((req, payload))
     }
 
     /// Copies buffered bytes into the front of `out`; returns how many.
@@ -108,6 +112,10 @@ mod tests {
         }
     }
 
+    fn pattern(i: usize) -> u8 {
+        u8::try_from(i % 251).expect("below 251")
+    }
+
     fn req(kind: u16, cookie: u64) -> Request {
         Request { flags: 0, kind, cookie, offset: cookie * 4096, length: 4096 }
     }
@@ -119,7 +127,7 @@ mod tests {
             bytes.extend_from_slice(&req(crate::proto::CMD_READ, c).encode());
         }
         bytes.extend_from_slice(&req(crate::proto::CMD_WRITE, 3).encode());
-        let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let payload: Vec<u8> = (0..100_000).map(pattern).collect();
         bytes.extend_from_slice(&payload);
         let sock = Chunked { data: RefCell::new(bytes), step: 50, reads: RefCell::new(0) };
         let mut inbox = Inbox::default();
@@ -132,7 +140,7 @@ mod tests {
         assert_eq!(Request::decode(&h).unwrap().cookie, 1);
         // The refill for it brought in all of the third header and part of the fourth.
         let is_read = |r: &Request| r.kind == crate::proto::CMD_READ;
-        assert_eq!(inbox.next_buffered(is_read).map(|r| r.cookie), Some(2));
+        assert_eq!(inbox.next_buffered(is_read).map(|r| r.0.cookie), Some(2));
         assert_eq!(inbox.next_buffered(is_read), None);
         inbox.read_exact(&sock, &mut h).unwrap();
         assert_eq!(Request::decode(&h).unwrap().kind, crate::proto::CMD_WRITE);
@@ -152,9 +160,32 @@ mod tests {
         let mut inbox = Inbox::default();
         let mut h = [0u8; REQUEST_LEN];
         inbox.read_exact(&sock, &mut h).unwrap();
-        let rest: Vec<u64> = std::iter::from_fn(|| inbox.next_buffered(|_| true)).map(|r| r.cookie).collect();
+        let rest: Vec<u64> = std::iter::from_fn(|| inbox.next_buffered(|_| true)).map(|r| r.0.cookie).collect();
         assert_eq!(rest, (1..32).collect::<Vec<_>>());
         assert_eq!(*sock.reads.borrow(), 1);
+    }
+
+    #[test]
+    fn a_write_is_taken_only_with_all_of_its_payload() {
+        let mut bytes = req(crate::proto::CMD_READ, 0).encode().to_vec();
+        for (cookie, len) in [(1u64, 100u32), (2, 100_000)] {
+            bytes.extend_from_slice(&Request { flags: 0, kind: CMD_WRITE, cookie, offset: 0, length: len }.encode());
+            bytes.extend((0..len as usize).map(pattern));
+        }
+        let sock = Chunked { data: RefCell::new(bytes), step: usize::MAX, reads: RefCell::new(0) };
+        let mut inbox = Inbox::default();
+        let mut h = [0u8; REQUEST_LEN];
+        inbox.read_exact(&sock, &mut h).unwrap();
+        let (w, payload) = inbox.next_buffered(|_| true).unwrap();
+        assert_eq!((w.cookie, payload.len()), (1, 100));
+        assert!(payload.iter().enumerate().all(|(i, &b)| b == pattern(i)));
+        // The second write's payload is not all here yet: it stays for the blocking reader.
+        assert_eq!(inbox.next_buffered(|_| true), None);
+        inbox.read_exact(&sock, &mut h).unwrap();
+        assert_eq!(Request::decode(&h).unwrap().cookie, 2);
+        let mut payload = vec![0u8; 100_000];
+        inbox.read_exact(&sock, &mut payload).unwrap();
+        assert!(payload.iter().enumerate().all(|(i, &b)| b == pattern(i)));
     }
 
     #[test]

@@ -25,10 +25,12 @@ use crate::proto::*;
 
 /// Most requests of one connection in flight at once (= worker threads).
 const MAX_WORKERS: usize = 64;
-/// Most reads one worker takes from the socket's buffer and runs together.
+/// Most requests one worker takes from the socket's buffer and runs together.
 const MAX_BATCH: usize = 32;
-/// Longest read that joins another's batch (a batch's replies are held until all are read).
+/// Longest read that joins a batch (a batch's replies are held until all are read).
 const MAX_BATCHED_READ: u32 = 256 << 10;
+/// Longest write that joins a batch (the largest the engine acknowledges from memory).
+const MAX_BATCHED_WRITE: u32 = 128 << 10;
 /// Most descriptors in one block status reply.
 const MAX_EXTENTS: usize = 1 << 16;
 
@@ -168,12 +170,11 @@ fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'
                 return;
             }
         };
-        // Reads already in the buffer behind this one run with it: one lookup, one media
-        // submission and one reply write for all of them.
-        let mut reqs = vec![req];
-        while req.kind == CMD_READ && reqs.len() < MAX_BATCH {
-            match inbox.next_buffered(|r| r.kind == CMD_READ && r.length <= MAX_BATCHED_READ) {
-                Some(r) => reqs.push(r),
+        // Requests already in the buffer behind this one run with it (see `batchable`).
+        let mut batch = vec![(req, payload)];
+        while batchable(&req) && batch.len() < MAX_BATCH {
+            match inbox.next_buffered(batchable) {
+                Some(next) => batch.push(next),
                 None => break,
             }
         }
@@ -189,14 +190,36 @@ fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'
         }
         drop(inbox);
         let start = std::time::Instant::now();
-        let replies =
-            if req.kind == CMD_READ { reads(conn.session, &reqs) } else { vec![handle(conn.session, req, payload)] };
+        let replies = run(conn.session, batch);
         let took = start.elapsed();
-        for (req, reply) in reqs.iter().zip(&replies) {
+        for (req, reply) in &replies {
             record(conn.session, req, reply, took);
         }
-        conn.send(replies);
+        conn.send(replies.into_iter().map(|(_, reply)| reply).collect());
     }
+}
+
+/// Whether a request may run in a batch with others found in the socket buffer: reads (up to
+/// [`MAX_BATCHED_READ`]), and writes of up to 128 KiB without FUA, which the engine acknowledges
+/// once they are in memory, so they hold up the reads behind them for no more than a copy.
+fn batchable(r: &Request) -> bool {
+    match r.kind {
+        CMD_READ => r.length <= MAX_BATCHED_READ,
+        CMD_WRITE => r.length <= MAX_BATCHED_WRITE && r.flags & CMD_FLAG_FUA == 0,
+        _ => false,
+    }
+}
+
+/// Runs a batch: writes first, in order (so a read sees a write sent before it), then all the
+/// reads in one engine call (one lookup, one media submission). One reply per request.
+fn run(s: &Session, batch: Vec<(Request, Vec<u8>)>) -> Vec<(Request, Reply)> {
+    let (reads, others): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(r, _)| r.kind == CMD_READ);
+    let mut out: Vec<(Request, Reply)> = others.into_iter().map(|(r, payload)| (r, handle(s, r, payload))).collect();
+    let reads: Vec<Request> = reads.into_iter().map(|(r, _)| r).collect();
+    if !reads.is_empty() {
+        out.extend(reads.iter().copied().zip(self::reads(s, &reads)));
+    }
+    out
 }
 
 impl<S: Socket> Conn<'_, S> {
