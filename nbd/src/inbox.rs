@@ -67,6 +67,11 @@ impl Inbox {
         Some((req, payload))
     }
 
+    /// True when nothing is buffered.
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
     /// Copies buffered bytes into the front of `out`; returns how many.
     fn take(&mut self, out: &mut [u8]) -> usize {
         let n = out.len().min(self.end - self.start);

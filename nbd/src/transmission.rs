@@ -3,10 +3,14 @@
 //! worker: each request is one read, one engine call and one write on the same thread).
 //!
 //! ```text
-//!  worker: [read lock: header + payload] -> engine call -> [write lock: reply] -> again
+//!  worker: [read lock: header + payload, + what is already buffered behind it]
+//!          -> engine calls -> [write lock: replies] -> again
 //! ```
 //! The worker that holds the read lock starts another worker when none is waiting for the lock
 //! (up to `MAX_WORKERS`), so a connection has as many threads as it has requests in flight.
+//! Reads and small writes the client queued behind the first request run with it as one batch
+//! (see [`run`]): one engine lookup and media submission for the reads, one `writev` for the
+//! replies, where each request used to cost its own syscalls and thread wake-ups.
 //! Replies go out in whatever order requests finish. A request the protocol lets us refuse gets
 //! an error reply and the connection goes on; one that breaks framing (bad magic, a payload we
 //! cannot read) ends the connection once the requests in flight have replied. A client that
@@ -122,6 +126,8 @@ struct Conn<'a, S> {
     end: Mutex<Option<io::Result<()>>>,
     waiting: AtomicUsize,
     workers: AtomicUsize,
+    /// Batches being run (taken from the socket, not yet replied to).
+    busy: AtomicUsize,
 }
 
 /// What the reader got from the socket.
@@ -144,16 +150,22 @@ pub fn serve<S: Socket>(sock: &S, session: &Session) -> io::Result<()> {
         end: Mutex::new(None),
         waiting: AtomicUsize::new(0),
         workers: AtomicUsize::new(1),
+        busy: AtomicUsize::new(0),
     };
     std::thread::scope(|scope| worker(scope, &conn));
     conn.end.into_inner().unwrap_or(Ok(()))
 }
 
 fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'s Conn<'a, S>) {
+    // The read lock, when this worker kept it through a request it ran itself (see `alone`).
+    let mut kept = None;
     loop {
-        conn.waiting.fetch_add(1, Ordering::SeqCst);
-        let mut inbox = conn.reading.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        conn.waiting.fetch_sub(1, Ordering::SeqCst);
+        let mut inbox = kept.take().unwrap_or_else(|| {
+            conn.waiting.fetch_add(1, Ordering::SeqCst);
+            let inbox = conn.reading.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            conn.waiting.fetch_sub(1, Ordering::SeqCst);
+            inbox
+        });
         if conn.done.load(Ordering::SeqCst) {
             return;
         }
@@ -178,17 +190,32 @@ fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'
                 None => break,
             }
         }
-        if conn.waiting.load(Ordering::SeqCst) == 0 && conn.workers.load(Ordering::SeqCst) < MAX_WORKERS {
+        // A client at queue depth 1: nothing else in flight or buffered, and a request that is
+        // quick to serve. This worker keeps the read lock through it, so the request costs no
+        // wake-up of another worker (who would only block in `recv` for the next one); one
+        // sent meanwhile waits at most this request's service time.
+        let alone = batch.len() == 1 && batchable(&req) && inbox.is_empty() && conn.busy.load(Ordering::SeqCst) == 0;
+        if !alone && conn.waiting.load(Ordering::SeqCst) == 0 && conn.workers.load(Ordering::SeqCst) < MAX_WORKERS {
             conn.workers.fetch_add(1, Ordering::SeqCst);
             let spawned = std::thread::Builder::new().name("nbd-worker".into()).spawn_scoped(scope, move || {
                 worker(scope, conn);
             });
-            if let Err(e) = spawned {
-                conn.workers.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!(error = %e, "cannot start another NBD worker thread; serving with fewer");
+            match spawned {
+                Ok(_) => {
+                    conn.session.export.metrics.workers_started.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    conn.workers.fetch_sub(1, Ordering::SeqCst);
+                    tracing::warn!(error = %e, "cannot start another NBD worker thread; serving with fewer");
+                }
             }
         }
-        drop(inbox);
+        conn.busy.fetch_add(1, Ordering::SeqCst);
+        if alone {
+            kept = Some(inbox);
+        } else {
+            drop(inbox);
+        }
         let start = std::time::Instant::now();
         let replies = run(conn.session, batch);
         let took = start.elapsed();
@@ -196,6 +223,7 @@ fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'
             record(conn.session, req, reply, took);
         }
         conn.send(replies.into_iter().map(|(_, reply)| reply).collect());
+        conn.busy.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -315,3 +315,34 @@ fn pipelined_requests_each_get_their_own_reply() {
         assert!(block.iter().all(|&b| b == c as u8 + 100), "write {c} landed");
     }
 }
+
+#[test]
+fn a_queue_depth_one_client_is_served_by_one_thread_and_a_burst_by_more() {
+    use std::sync::atomic::Ordering;
+    let h = harness();
+    let started = || h.exports.get("a").unwrap().metrics.workers_started.load(Ordering::Relaxed);
+    let mut s = transmission(&h, "a");
+    // One request at a time: the worker that reads each one runs it and reads the next.
+    for i in 0..50u64 {
+        s.write_all(&Request { flags: 0, kind: CMD_WRITE, cookie: 42, offset: i * 4096, length: 4096 }.encode())
+            .unwrap();
+        s.write_all(&[i as u8; 4096]).unwrap();
+        assert_eq!(reply(&mut s), 0);
+        assert_eq!(request(&mut s, CMD_READ, 0, i * 4096, 0), 0);
+    }
+    assert_eq!(started(), 0, "no worker thread started for a client at queue depth 1");
+    // A flush runs on its own worker thread while the next requests are read.
+    let mut bytes = Vec::new();
+    bytes.extend_from_slice(&Request { flags: 0, kind: CMD_FLUSH, cookie: 42, offset: 0, length: 0 }.encode());
+    for _ in 0..8 {
+        bytes.extend_from_slice(&Request { flags: 0, kind: CMD_READ, cookie: 42, offset: 0, length: 0 }.encode());
+    }
+    s.write_all(&bytes).unwrap();
+    for _ in 0..9 {
+        assert_eq!(reply(&mut s), 0);
+    }
+    assert!(started() >= 1, "requests behind a flush were not read while it ran");
+    let mut block = vec![0u8; 4096];
+    h.pool.open_volume("a").unwrap().read(49 * 4096, &mut block).unwrap();
+    assert_eq!(block, [49u8; 4096]);
+}
