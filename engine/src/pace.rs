@@ -53,6 +53,11 @@ impl Pace {
         self.cv.notify_all();
     }
 
+    /// Whether writes are paced now (and so may wait).
+    pub fn is_on(&self) -> bool {
+        self.balance.lock().on
+    }
+
     /// The cleaner made room for `blocks` more client blocks.
     pub fn earn(&self, blocks: f64) {
         let mut b = self.balance.lock();

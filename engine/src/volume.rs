@@ -134,6 +134,13 @@ impl Volume {
         &self.name
     }
 
+    /// Whether a write may have to wait now: the cleaner is running and writes are paced
+    /// against it (or the pool is closed). A server that would hold other requests back while
+    /// a write runs asks first.
+    pub fn writes_may_wait(&self) -> bool {
+        self.pool().map_or(true, |inner| inner.cleaner.pace.is_on())
+    }
+
     /// Current size in bytes.
     pub fn size(&self) -> Result<u64> {
         self.size_in(&*self.pool()?)

@@ -191,10 +191,15 @@ fn worker<'s, 'a: 's, S: Socket>(scope: &'s std::thread::Scope<'s, '_>, conn: &'
             }
         }
         // A client at queue depth 1: nothing else in flight or buffered, and a request that is
-        // quick to serve. This worker keeps the read lock through it, so the request costs no
-        // wake-up of another worker (who would only block in `recv` for the next one); one
-        // sent meanwhile waits at most this request's service time.
-        let alone = batch.len() == 1 && batchable(&req) && inbox.is_empty() && conn.busy.load(Ordering::SeqCst) == 0;
+        // quick to serve (a read, or a write while the cleaner is not pacing writes). This
+        // worker keeps the read lock through it, so the request costs no wake-up of another
+        // worker (who would only block in `recv` for the next one); one sent meanwhile waits at
+        // most this request's service time.
+        let alone = batch.len() == 1
+            && batchable(&req)
+            && inbox.is_empty()
+            && conn.busy.load(Ordering::SeqCst) == 0
+            && (req.kind == CMD_READ || !conn.session.export.volume.writes_may_wait());
         if !alone && conn.waiting.load(Ordering::SeqCst) == 0 && conn.workers.load(Ordering::SeqCst) < MAX_WORKERS {
             conn.workers.fetch_add(1, Ordering::SeqCst);
             let spawned = std::thread::Builder::new().name("nbd-worker".into()).spawn_scoped(scope, move || {
