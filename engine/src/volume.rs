@@ -19,6 +19,8 @@ use crate::pool::{Inner, State};
 use crate::segments::Pinned;
 
 const B: u64 = BLOCK as u64;
+/// How long a write waits for the cleaner to make room before it gives up with ENOSPC.
+const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// One block of a read, resolved: unmapped (reads as zeros), or its pool block and checksum.
 type Resolved = Option<(u64, u32)>;
@@ -34,8 +36,6 @@ fn media_runs<'a>(blocks: impl IntoIterator<Item = &'a Resolved>) -> Vec<(u64, u
     }
     runs
 }
-/// How long a write waits for the cleaner to make room before it gives up with ENOSPC.
-const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What a handle reads: a volume (through its current head) or a snapshot (read-only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,22 +199,22 @@ impl Volume {
         let runs = media_runs(resolved.iter().flatten().flatten());
         let media = crate::tail::read_runs(&inner, &runs);
         drop(pins);
-        let mut slot = 0;
+        // Each range's media blocks follow the previous range's in `media`.
+        let mut next = 0;
         parts
             .iter_mut()
             .zip(resolved)
             .map(|((offset, buf), blocks)| {
                 let blocks = blocks?;
+                let at = next;
+                next += blocks.iter().flatten().count() * BLOCK;
                 let media: &[u8] = match &media {
-                    Ok(m) => &m[slot * BLOCK..],
-                    Err(e) if blocks.iter().any(Option::is_some) => {
-                        return Err(self.media_error(*offset, buf.len(), e));
-                    }
+                    Ok(m) => &m[at..next],
+                    Err(e) if at < next => return Err(self.media_error(*offset, buf.len(), e)),
                     Err(_) => &[],
                 };
                 let mut alloc = Vec::new();
-                let used = self.fill(*offset, buf, &blocks, media, Some(&mut alloc))?;
-                slot += used;
+                self.fill(*offset, buf, &blocks, media, Some(&mut alloc))?;
                 Ok(alloc)
             })
             .collect()
@@ -229,7 +229,7 @@ impl Volume {
         let media =
             crate::tail::read_runs(inner, &media_runs(&blocks)).map_err(|e| self.media_error(offset, buf.len(), &e))?;
         drop(pins);
-        self.fill(offset, buf, &blocks, &media, alloc).map(|_| ())
+        self.fill(offset, buf, &blocks, &media, alloc)
     }
 
     fn media_error(&self, offset: u64, len: usize, e: &std::io::Error) -> Error {
@@ -274,8 +274,7 @@ impl Volume {
     }
 
     /// Copies the resolved blocks of a read into `buf` (zeros for holes) from `media`, which
-    /// holds the mapped ones back to back, verifying each checksum; returns how many media
-    /// blocks it used.
+    /// holds the mapped ones back to back, verifying each checksum.
     fn fill(
         &self,
         offset: u64,
@@ -283,7 +282,7 @@ impl Volume {
         resolved: &[Resolved],
         media: &[u8],
         mut alloc: Option<&mut Vec<(u64, bool)>>,
-    ) -> Result<usize> {
+    ) -> Result<()> {
         let first = offset / B;
         let mut slot = 0;
         for (i, r) in resolved.iter().enumerate() {
@@ -317,7 +316,7 @@ impl Volume {
                 }
             }
         }
-        Ok(slot)
+        Ok(())
     }
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).

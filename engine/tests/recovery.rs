@@ -107,6 +107,26 @@ fn corrupt_checkpointed_block_reads_as_an_error_not_data() {
 }
 
 #[test]
+fn a_corrupt_block_fails_only_its_own_range_of_a_batched_read() {
+    let (f, pool) = Fixture::new(16);
+    pool.create_volume("v", MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    v.write(0, &pattern(3, 4 * 4096)).unwrap();
+    pool.checkpoint().unwrap();
+    f.backend.corrupt(DATA_START + 4096 + 5, &[0xAA]); // the first data block: volume offset 0
+    let mut bufs = [vec![0u8; 4096], vec![0u8; 8192], vec![0u8; 4096]];
+    let [a, b, c] = &mut bufs;
+    let mut parts: Vec<(u64, &mut [u8])> = vec![(4096, &mut a[..]), (0, &mut b[..]), (3 * 4096, &mut c[..])];
+    let results = v.read_sparse_many(&mut parts);
+    assert_eq!(results[1].as_ref().unwrap_err().kind(), ErrorKind::Corrupt);
+    // The ranges before and after it read their own blocks.
+    assert_eq!(results[0].as_ref().unwrap(), &[(4096, true)]);
+    assert_eq!(results[2].as_ref().unwrap(), &[(4096, true)]);
+    assert_eq!(bufs[0], pattern(3, 4 * 4096)[4096..8192]);
+    assert_eq!(bufs[2], pattern(3, 4 * 4096)[3 * 4096..]);
+}
+
+#[test]
 fn crash_inside_checkpoint_loses_nothing_flushed() {
     for point in [FaultPoint::CheckpointBeforeCommit, FaultPoint::CheckpointAfterCommit] {
         for mode in [CrashMode::DropAll, CrashMode::KeepAll, CrashMode::Random(5)] {

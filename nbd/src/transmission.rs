@@ -57,7 +57,6 @@ macro_rules! socket_impl {
                 Write::write_all(&mut &*self, buf)
             }
             fn write_all_vectored(&self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
-                IoSlice::advance_slices(&mut bufs, 0);
                 while !bufs.is_empty() {
                     match Write::write_vectored(&mut &*self, bufs) {
                         Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
