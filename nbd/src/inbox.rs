@@ -193,6 +193,48 @@ mod tests {
         assert!(payload.iter().enumerate().all(|(i, &b)| b == pattern(i)));
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, failure_persistence: None, ..Default::default() })]
+
+        /// However the bytes arrive, and whichever requests are taken from the buffer rather
+        /// than read, the stream splits into exactly the requests and payloads that were sent.
+        #[test]
+        fn framing_does_not_depend_on_how_bytes_arrive(
+            reqs in proptest::collection::vec((proptest::bool::ANY, 0u32..70_000), 1..40),
+            step in 1usize..100_000,
+            take_buffered in proptest::bool::ANY,
+        ) {
+            let mut bytes = Vec::new();
+            let mut sent = Vec::new();
+            for (i, &(write, len)) in reqs.iter().enumerate() {
+                let kind = if write { CMD_WRITE } else { crate::proto::CMD_READ };
+                let r = Request { flags: 0, kind, cookie: i as u64, offset: 0, length: len };
+                bytes.extend_from_slice(&r.encode());
+                let payload: Vec<u8> = if write { (0..len as usize).map(|j| pattern(i + j)).collect() } else { Vec::new() };
+                bytes.extend_from_slice(&payload);
+                sent.push((r, payload));
+            }
+            let sock = Chunked { data: RefCell::new(bytes), step, reads: RefCell::new(0) };
+            let mut inbox = Inbox::default();
+            let mut got = Vec::new();
+            while got.len() < sent.len() {
+                let mut h = [0u8; REQUEST_LEN];
+                inbox.read_exact(&sock, &mut h).unwrap();
+                let r = Request::decode(&h).unwrap();
+                let mut payload = vec![0u8; if r.kind == CMD_WRITE { r.length as usize } else { 0 }];
+                inbox.read_exact(&sock, &mut payload).unwrap();
+                got.push((r, payload));
+                if take_buffered {
+                    got.extend(std::iter::from_fn(|| inbox.next_buffered(|_| true)));
+                }
+            }
+            proptest::prop_assert!(got == sent);
+            proptest::prop_assert!(inbox.is_empty());
+            let mut h = [0u8; 1];
+            proptest::prop_assert_eq!(inbox.read_exact(&sock, &mut h).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        }
+    }
+
     #[test]
     fn a_bad_header_is_left_for_the_reader() {
         let mut bytes = req(crate::proto::CMD_READ, 0).encode().to_vec();
