@@ -45,7 +45,8 @@ impl Inbox {
             let n = if rest.len() >= CAPACITY / 2 {
                 read(sock, rest)?
             } else {
-                self.start = 0;
+                // Empty (take() drained it) until the read succeeds.
+                (self.start, self.end) = (0, 0);
                 self.end = read(sock, &mut self.buf)?;
                 self.take(rest)
             };
@@ -233,6 +234,26 @@ mod tests {
             let mut h = [0u8; 1];
             proptest::prop_assert_eq!(inbox.read_exact(&sock, &mut h).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
         }
+    }
+
+    /// Delivers its bytes in one read, then fails every read after.
+    struct Failing(RefCell<Option<Vec<u8>>>);
+
+    impl Source for Failing {
+        fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
+            let data = self.0.borrow_mut().take().ok_or_else(|| io::Error::other("connection reset"))?;
+            buf[..data.len()].copy_from_slice(&data);
+            Ok(data.len())
+        }
+    }
+
+    #[test]
+    fn a_failed_read_leaves_nothing_buffered() {
+        let sock = Failing(RefCell::new(Some(req(crate::proto::CMD_READ, 0).encode()[..20].to_vec())));
+        let mut inbox = Inbox::default();
+        let mut h = [0u8; REQUEST_LEN];
+        assert_eq!(inbox.read_exact(&sock, &mut h).unwrap_err().to_string(), "connection reset");
+        assert!(inbox.is_empty(), "stale bytes would be read as the next request");
     }
 
     #[test]
