@@ -170,7 +170,7 @@ pub fn option_reply(option: u32, kind: u32, payload: &[u8]) -> Vec<u8> {
 
 /// A simple reply header.
 pub fn simple_reply(error: u32, cookie: u64) -> [u8; SIMPLE_REPLY_LEN] {
-    let mut b = [0u8; 16];
+    let mut b = [0u8; SIMPLE_REPLY_LEN];
     b[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
     b[4..8].copy_from_slice(&error.to_be_bytes());
     b[8..16].copy_from_slice(&cookie.to_be_bytes());

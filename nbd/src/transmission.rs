@@ -35,6 +35,8 @@ const MAX_BATCH: usize = 32;
 const MAX_BATCHED_READ: u32 = 256 << 10;
 /// Longest write that joins a batch (the largest the engine acknowledges from memory).
 const MAX_BATCHED_WRITE: u32 = 128 << 10;
+/// Where a structured read reply's data starts: behind one data chunk's header and offset.
+const DATA_AT: usize = STRUCTURED_HEADER_LEN + 8;
 /// Most descriptors in one block status reply.
 const MAX_EXTENTS: usize = 1 << 16;
 
@@ -336,7 +338,8 @@ fn in_range(vol: &Volume, req: &Request) -> Result<bool, Error> {
     Ok(req.offset.checked_add(u64::from(req.length)).is_some_and(|end| end <= size))
 }
 
-/// Runs one request on the engine (blocking) and builds its reply.
+/// Runs one request other than a read (reads go through [`reads`]) on the engine (blocking)
+/// and builds its reply.
 fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
     let st = s.structured;
     let vol = &s.export.volume;
@@ -361,7 +364,6 @@ fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let done = |r: Result<(), Error>| r.map_or_else(engine_err, |()| ok_reply(st, req.cookie));
     match req.kind {
-        CMD_READ => reads(s, &[req]).remove(0),
         CMD_WRITE => done(vol.write_vec(req.offset, payload, fua)),
         CMD_FLUSH => done(vol.flush()),
         CMD_TRIM => {
@@ -397,7 +399,7 @@ fn write_real_zeroes(vol: &Volume, offset: u64, len: u64, fua: bool) -> Result<(
 /// one data chunk's (all most structured reads need).
 fn reads(s: &Session, reqs: &[Request]) -> Vec<Reply> {
     let st = s.structured;
-    let at = if st { STRUCTURED_HEADER_LEN + 8 } else { SIMPLE_REPLY_LEN };
+    let at = if st { DATA_AT } else { SIMPLE_REPLY_LEN };
     let mut outs: Vec<Option<Vec<u8>>> =
         reqs.iter().map(|r| (r.length <= MAX_REQUEST).then(|| vec![0u8; at + r.length as usize])).collect();
     let mut parts: Vec<(u64, &mut [u8])> =
@@ -423,7 +425,6 @@ fn read_reply(st: bool, req: &Request, mut out: Vec<u8>, runs: &[(u64, bool)]) -
         out[..SIMPLE_REPLY_LEN].copy_from_slice(&simple_reply(0, req.cookie));
         return Reply::success(out);
     }
-    const DATA_AT: usize = STRUCTURED_HEADER_LEN + 8;
     if req.flags & CMD_FLAG_DF != 0 || req.length == 0 || matches!(runs, [(_, true)]) {
         out[..STRUCTURED_HEADER_LEN].copy_from_slice(&structured_header(
             REPLY_FLAG_DONE,
