@@ -18,6 +18,8 @@
 //! write-delay-us = 1000             # how long small writes may wait in memory for others to
 //!                                   # share their log batch (a flush or FUA write never waits);
 //!                                   # 0 writes each batch at once; default 1000, at most 100000
+//! readahead = "2M"                  # most read ahead of a sequential reader; 0 turns it off;
+//!                                   # default 2M, at most 64M
 //! ```
 
 use std::net::SocketAddr;
@@ -30,6 +32,8 @@ use crate::size::parse_size;
 
 /// Longest `write-delay-us`: acknowledged writes wait at most this long to reach the store.
 const MAX_WRITE_DELAY_US: u64 = 100_000;
+/// Largest `readahead` window (the cache holds a few windows' worth per pool).
+const MAX_READAHEAD: u64 = 64 << 20;
 
 /// Daemon configuration as written in the file (kebab-case keys; unknown keys are errors).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -50,6 +54,7 @@ pub struct ConfigFile {
     pub ublk_queues: Option<u16>,
     pub ublk_depth: Option<u16>,
     pub write_delay_us: Option<u64>,
+    pub readahead: Option<String>,
 }
 
 /// Configuration with every default filled in and every value checked.
@@ -69,6 +74,7 @@ pub struct Config {
     pub log_level: String,
     pub ublk: ferrite_ublk::Options,
     pub write_delay: std::time::Duration,
+    pub readahead: u64,
 }
 
 /// The data directory used when neither the config nor the command line names one.
@@ -124,6 +130,13 @@ impl Config {
                 Some(us) => std::time::Duration::from_micros(us),
                 None => ferrite_engine::PoolOptions::default().write_delay,
             },
+            readahead: match f.readahead {
+                None => ferrite_engine::PoolOptions::default().readahead,
+                r => match size(r, "", "readahead")? {
+                    n if n > MAX_READAHEAD => bail!("readahead must be at most 64M, not {n} bytes"),
+                    n => n,
+                },
+            },
             data_dir,
         };
         cfg.ublk.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -145,6 +158,7 @@ mod tests {
         assert_eq!(c.admin_socket, PathBuf::from("/d/admin.sock"));
         assert_eq!(c.pool_size, 16 << 30);
         assert_eq!(c.write_delay, std::time::Duration::from_millis(1));
+        assert_eq!(c.readahead, 2 << 20);
         let f: ConfigFile =
             toml::from_str("pool-size = \"2G\"\nnbd-listen = \"127.0.0.1:10809\"\ndata-dir = \"/x\"").unwrap();
         let c = Config::resolve(f, None).unwrap();
@@ -170,6 +184,10 @@ mod tests {
         assert!(Config::resolve(f, None).unwrap_err().to_string().contains("write-delay-us"));
         let f: ConfigFile = toml::from_str("write-delay-us = 0").unwrap();
         assert!(Config::resolve(f, None).unwrap().write_delay.is_zero());
+        let f: ConfigFile = toml::from_str("readahead = \"65M\"").unwrap();
+        assert!(Config::resolve(f, None).unwrap_err().to_string().contains("readahead"));
+        let f: ConfigFile = toml::from_str("readahead = \"0\"").unwrap();
+        assert_eq!(Config::resolve(f, None).unwrap().readahead, 0);
         let f: ConfigFile = toml::from_str("admin-socket = \"/s\"\nnbd-socket = \"/s\"").unwrap();
         assert!(Config::resolve(f, None).is_err());
     }

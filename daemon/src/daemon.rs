@@ -23,6 +23,7 @@ fn open_pool(cfg: &Config) -> Result<Pool> {
         segment_size: cfg.segment_size,
         overcommit_ratio: cfg.overcommit_ratio,
         write_delay: cfg.write_delay,
+        readahead: cfg.readahead,
         ..PoolOptions::default()
     };
     if cfg.pool_path.exists() {

@@ -33,6 +33,8 @@ pub fn render(pool: &Pool, nbd: &Server) -> String {
         ("ferrite_pool_media_written_bytes_total", "Bytes the log wrote to media.", s.media_bytes_written),
         ("ferrite_cleaner_segments_cleaned_total", "Segments the cleaner emptied.", s.cleaner_segments_cleaned),
         ("ferrite_cleaner_moved_bytes_total", "Live bytes the cleaner moved.", s.cleaner_bytes_moved),
+        ("ferrite_readahead_read_bytes_total", "Bytes read ahead for sequential readers.", s.readahead_bytes),
+        ("ferrite_readahead_hit_bytes_total", "Bytes reads took from what was read ahead.", s.readahead_hit_bytes),
         (
             "ferrite_nbd_connections_total",
             "NBD connections accepted.",

@@ -166,6 +166,7 @@ impl Inner {
                 damaged.remove(i);
             }
         }
+        self.readahead.forget_segments(&ready.iter().map(|&(i, _)| i).collect::<Vec<_>>());
         let mut st = self.state.write();
         for (i, _) in ready {
             let s = &mut st.segs.segs[i];

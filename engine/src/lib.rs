@@ -32,6 +32,7 @@ mod log;
 mod meta;
 mod pace;
 mod pool;
+mod readahead;
 mod recovery;
 mod rng;
 mod scrub;

@@ -19,6 +19,7 @@ use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringB
 use crate::layers::{Layer, Layers};
 use crate::log::{LogPos, LogQueue, Req};
 use crate::meta::{CatalogOp, CheckpointRecord, GroupRecord, Meta, SnapshotRecord, VolumeRecord};
+use crate::readahead::Readahead;
 use crate::recovery::RecoveryReport;
 use crate::segments::{ReadPins, SegState, SegmentTable};
 use crate::volume::{Target, Volume};
@@ -52,6 +53,8 @@ pub struct PoolOptions {
     /// How often the background cleaner looks at free space (default 200 ms; the writer also
     /// wakes it when it takes a segment and few are left).
     pub cleaner_interval: Duration,
+    /// Most bytes read ahead of a sequential reader (default 2 MiB; 0 turns readahead off).
+    pub readahead: u64,
 }
 
 impl Default for PoolOptions {
@@ -67,6 +70,7 @@ impl Default for PoolOptions {
             overcommit_ratio: None,
             cleaner_interval: Duration::from_millis(200),
             write_delay: Duration::from_millis(1),
+            readahead: 2 << 20,
         }
     }
 }
@@ -117,6 +121,9 @@ pub struct PoolStats {
     pub cleaner_runs: u64,
     pub cleaner_segments_cleaned: u64,
     pub cleaner_bytes_moved: u64,
+    /// Bytes read ahead for sequential readers, and bytes reads took from what was read ahead.
+    pub readahead_bytes: u64,
+    pub readahead_hit_bytes: u64,
 }
 
 /// Injection points for crash tests: when armed, the pool fails there as if the machine died.
@@ -173,6 +180,7 @@ pub(crate) struct Inner {
     pub media_bytes: AtomicU64,
     pub max_batch_blocks: u64,
     pub recovery: RecoveryReport,
+    pub readahead: Readahead,
 }
 
 impl std::fmt::Debug for Inner {
@@ -404,6 +412,7 @@ impl Pool {
             media_bytes: AtomicU64::new(0),
             max_batch_blocks,
             recovery: report,
+            readahead: Readahead::default(),
             opts,
         });
         // A fresh checkpoint before any write: replayed state becomes durable, stale chain
@@ -423,6 +432,11 @@ impl Pool {
         }
         if inner.opts.background_cleaner {
             threads.push(spawn("ferrite-cleaner", "cleaner", crate::cleaner::cleaner_loop)?);
+        }
+        if inner.opts.readahead > 0 {
+            for _ in 0..2 {
+                threads.push(spawn("ferrite-readahead", "readahead", crate::readahead::readahead_loop)?);
+            }
         }
         Ok(Pool { inner, threads: Mutex::new(threads) })
     }
@@ -559,6 +573,8 @@ impl Pool {
             cleaner_runs: inner.cleaner.stats.runs.load(Ordering::Relaxed),
             cleaner_segments_cleaned: inner.cleaner.stats.segments_cleaned.load(Ordering::Relaxed),
             cleaner_bytes_moved: inner.cleaner.stats.blocks_moved.load(Ordering::Relaxed) * BLOCK as u64,
+            readahead_bytes: inner.readahead.read_bytes.load(Ordering::Relaxed),
+            readahead_hit_bytes: inner.readahead.hit_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -580,6 +596,7 @@ impl Pool {
         self.inner.log.close();
         self.inner.log.tail.stop();
         self.inner.ckpt.stop();
+        self.inner.readahead.stop();
         for t in threads {
             let _ = t.join();
         }

@@ -77,6 +77,22 @@ impl<'a> Pinned<'a> {
             self.segs.push(seg);
         }
     }
+
+    /// The segments pinned (repeats possible).
+    pub fn segments(&self) -> &[usize] {
+        &self.segs
+    }
+
+    /// Keeps the pins past this value (to hand them to another thread, which
+    /// [`Pinned::adopt`]s them to unpin).
+    pub fn into_held(mut self) -> Vec<usize> {
+        std::mem::take(&mut self.segs)
+    }
+
+    /// Takes over pins kept by [`Pinned::into_held`].
+    pub fn adopt(pins: &'a ReadPins, segs: Vec<usize>) -> Self {
+        Self { pins, segs }
+    }
 }
 
 impl Drop for Pinned<'_> {

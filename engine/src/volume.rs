@@ -16,6 +16,7 @@ use crate::format::block_crc;
 use crate::io::BLOCK;
 use crate::log::{Payload, Req};
 use crate::pool::{Inner, State};
+use crate::readahead::Streams;
 use crate::segments::Pinned;
 
 const B: u64 = BLOCK as u64;
@@ -23,12 +24,17 @@ const B: u64 = BLOCK as u64;
 const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// One block of a read, resolved: unmapped (reads as zeros), or its pool block and checksum.
-type Resolved = Option<(u64, u32)>;
+pub(crate) type Resolved = Option<(u64, u32)>;
 
 /// The pool blocks of resolved reads as runs of consecutive blocks, one request each, in order.
 fn media_runs<'a>(blocks: impl IntoIterator<Item = &'a Resolved>) -> Vec<(u64, u64)> {
+    pba_runs(blocks.into_iter().flatten().map(|&(pba, _)| pba))
+}
+
+/// Pool blocks as runs of consecutive blocks, in order.
+pub(crate) fn pba_runs(pbas: impl IntoIterator<Item = u64>) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
-    for &(pba, _) in blocks.into_iter().flatten() {
+    for pba in pbas {
         match runs.last_mut() {
             Some((p, k)) if *p + *k == pba => *k += 1,
             _ => runs.push((pba, 1)),
@@ -51,6 +57,8 @@ pub struct Volume {
     inner: Weak<Inner>,
     target: Target,
     name: String,
+    /// Sequential streams of this handle and its clones, for readahead.
+    streams: Arc<Mutex<Streams>>,
 }
 
 /// Counts outstanding requests and keeps the first error.
@@ -98,7 +106,7 @@ pub(crate) fn flush(inner: &Inner) -> Result<()> {
 
 impl Volume {
     pub(crate) fn new(inner: Weak<Inner>, target: Target, name: String) -> Self {
-        Self { inner, target, name }
+        Self { inner, target, name, streams: Arc::default() }
     }
 
     /// True for a snapshot's handle, which refuses every write.
@@ -191,13 +199,16 @@ impl Volume {
             Ok(i) => i,
             Err(e) => return parts.iter().map(|_| Err(crate::log::clone_err(&e))).collect(),
         };
+        for (offset, buf) in parts.iter() {
+            crate::readahead::note_read(&inner, self, &self.streams, *offset, buf.len() as u64);
+        }
         let mut pins = Pinned::new(&inner.pins);
         let resolved: Vec<Result<Vec<Resolved>>> = {
             let st = inner.state.read();
             parts.iter().map(|(offset, buf)| self.resolve(&st, &mut pins, *offset, buf.len() as u64)).collect()
         };
         let runs = media_runs(resolved.iter().flatten().flatten());
-        let media = crate::tail::read_runs(&inner, &runs);
+        let media = crate::readahead::read_runs(&inner, &runs);
         drop(pins);
         // Each range's media blocks follow the previous range's in `media`.
         let mut next = 0;
@@ -221,13 +232,14 @@ impl Volume {
     }
 
     fn read_in(&self, inner: &Inner, offset: u64, buf: &mut [u8], alloc: Option<&mut Vec<(u64, bool)>>) -> Result<()> {
+        crate::readahead::note_read(inner, self, &self.streams, offset, buf.len() as u64);
         let mut pins = Pinned::new(&inner.pins);
         let blocks = self.resolve(&inner.state.read(), &mut pins, offset, buf.len() as u64)?;
         if blocks.is_empty() {
             return Ok(());
         }
-        let media =
-            crate::tail::read_runs(inner, &media_runs(&blocks)).map_err(|e| self.media_error(offset, buf.len(), &e))?;
+        let media = crate::readahead::read_runs(inner, &media_runs(&blocks))
+            .map_err(|e| self.media_error(offset, buf.len(), &e))?;
         drop(pins);
         self.fill(offset, buf, &blocks, &media, alloc)
     }
@@ -237,6 +249,19 @@ impl Volume {
             .raw_os_error()
             .map_or_else(|| std::io::Error::new(e.kind(), e.to_string()), std::io::Error::from_raw_os_error);
         Error::io(format!("volume {:?}: reading {len} bytes at offset {offset}", self.name), e)
+    }
+
+    /// As [`Volume::resolve`] for a readahead window: clipped to the volume's end.
+    pub(crate) fn resolve_ahead(
+        &self,
+        inner: &Inner,
+        pins: &mut Pinned<'_>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<Resolved>> {
+        let st = inner.state.read();
+        let size = self.head(&st)?.1;
+        self.resolve(&st, pins, offset.min(size), len.min(size.saturating_sub(offset)))
     }
 
     /// Resolves every block of `[offset, offset + len)` (checking the range), pinning the

@@ -1,0 +1,412 @@
+//! Readahead for sequential readers.
+//!
+//! A log-structured store scatters a range that was overwritten at random: a 128 KiB read of
+//! it is then many small media reads, and a reader at queue depth 1 waits for all of them
+//! before it asks for the next 128 KiB, so the device idles between requests and never sees
+//! more than one request's worth of reads at once. Each volume handle watches its reads for
+//! sequential streams ([`Streams`]); once a stream has gone on for a few requests, the read that
+//! makes a window due resolves it and enters its blocks in the cache as being read, and one of
+//! the pool's two readahead threads reads them in one batch while the reader is served from what
+//! was read before.
+//!
+//! The cache is keyed by pool block, not by volume offset. A pool block's contents never change
+//! while its segment is not free, so a write or a cleaner move over a cached range (which maps
+//! the range to other blocks) needs no invalidation: the reader resolves the range as always
+//! and only finds the blocks the range still maps to. Freeing a segment drops the windows read
+//! from it (`checkpoint.rs::release`); a window's segments are pinned from its resolve until its
+//! blocks are in the cache, so no window is ever filled from a segment already freed. Every
+//! block is still checked against its checksum when it is copied out (`volume.rs::fill`).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::io::{AlignedBuf, BLOCK};
+use crate::pool::Inner;
+use crate::volume::Volume;
+
+/// Sequential streams one volume handle tracks at once (one per concurrent sequential reader).
+const STREAMS: usize = 4;
+/// Reads in a row that make a stream sequential before anything is read ahead.
+const START_AFTER: u32 = 2;
+/// How many windows' worth of blocks the cache holds (all streams together).
+const CACHE_WINDOWS: u64 = 8;
+
+type Media = std::io::Result<(Arc<AlignedBuf>, usize)>;
+
+/// A window being read or read: the media blocks of `runs`, back to back.
+struct Window {
+    runs: Vec<(u64, u64)>,
+    /// Segments the window read from (windows of a freed segment are dropped).
+    segs: Vec<usize>,
+    /// None while the read is in flight; then the batch's media and where this window's starts.
+    data: Mutex<Option<Media>>,
+    ready: Condvar,
+    /// Blocks no reader has taken yet; a window is dropped once all were taken.
+    left: AtomicUsize,
+}
+
+impl Window {
+    /// Waits for the read; the media, or None if it failed (the reader then reads itself).
+    fn wait(&self) -> parking_lot::MutexGuard<'_, Option<Media>> {
+        let mut g = self.data.lock();
+        while g.is_none() {
+            self.ready.wait(&mut g);
+        }
+        g
+    }
+}
+
+#[derive(Default)]
+struct Cache {
+    /// Pool block -> its window and slot in the window's data.
+    index: HashMap<u64, (Arc<Window>, usize)>,
+    /// Oldest first.
+    windows: VecDeque<Arc<Window>>,
+}
+
+impl Cache {
+    fn insert(&mut self, w: &Arc<Window>, budget: usize) {
+        let mut slot = 0;
+        for &(p, n) in &w.runs {
+            for pba in p..p + n {
+                self.index.insert(pba, (Arc::clone(w), slot));
+                slot += 1;
+            }
+        }
+        self.windows.push_back(Arc::clone(w));
+        while self.index.len() > budget {
+            let Some(old) = self.windows.pop_front() else { break };
+            self.remove(&old);
+        }
+    }
+
+    fn remove(&mut self, w: &Arc<Window>) {
+        for &(p, n) in &w.runs {
+            for pba in p..p + n {
+                if self.index.get(&pba).is_some_and(|(x, _)| Arc::ptr_eq(x, w)) {
+                    self.index.remove(&pba);
+                }
+            }
+        }
+        self.windows.retain(|x| !Arc::ptr_eq(x, w));
+    }
+}
+
+/// A window to read, with the pins on its segments (taken when it was resolved).
+struct Job {
+    window: Arc<Window>,
+    pinned: Vec<usize>,
+}
+
+/// The pool's readahead: the block cache, the queue of windows to read and the counters.
+#[derive(Default)]
+pub(crate) struct Readahead {
+    cache: Mutex<Cache>,
+    /// Blocks in the cache (read without the lock: most reads find none and skip it).
+    cached: AtomicUsize,
+    /// Windows to read, and whether the thread was stopped.
+    jobs: Mutex<(VecDeque<Job>, bool)>,
+    wake: Condvar,
+    /// Bytes read ahead, and bytes readers took from the cache.
+    pub read_bytes: AtomicU64,
+    pub hit_bytes: AtomicU64,
+}
+
+impl Readahead {
+    /// Stops the readahead threads after the windows they are reading; queued ones fail (their
+    /// readers read for themselves).
+    pub fn stop(&self) {
+        self.jobs.lock().1 = true;
+        self.wake.notify_all();
+    }
+
+    /// Drops every window that read from one of `segs` (they are being freed).
+    pub fn forget_segments(&self, segs: &[usize]) {
+        if self.cached.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut c = self.cache.lock();
+        let stale: Vec<Arc<Window>> =
+            c.windows.iter().filter(|w| w.segs.iter().any(|s| segs.contains(s))).cloned().collect();
+        for w in &stale {
+            c.remove(w);
+        }
+        self.cached.store(c.index.len(), Ordering::Release);
+    }
+}
+
+/// Notes a read by a volume handle; if it makes a window due, resolves the window and caches
+/// it as being read (so a reader that gets there first waits for it rather than reading the
+/// same blocks again), and queues its read for the readahead thread.
+pub(crate) fn note_read(inner: &Inner, volume: &Volume, streams: &Mutex<Streams>, offset: u64, len: u64) {
+    let max = inner.opts.readahead;
+    if max == 0 || len == 0 {
+        return;
+    }
+    let Some((offset, len)) = streams.lock().note(offset, len, max) else { return };
+    let ra = &inner.readahead;
+    let mut pinned = crate::segments::Pinned::new(&inner.pins);
+    // A deleted volume, or a window past a shrunk end: nothing to read ahead.
+    let Ok(blocks) = volume.resolve_ahead(inner, &mut pinned, offset, len) else { return };
+    let mut segs = pinned.segments().to_vec();
+    segs.sort_unstable();
+    segs.dedup();
+    let window = {
+        let mut c = ra.cache.lock();
+        let fresh = blocks.iter().flatten().map(|&(pba, _)| pba).filter(|pba| !c.index.contains_key(pba));
+        let runs = crate::volume::pba_runs(fresh);
+        if runs.is_empty() {
+            return;
+        }
+        let blocks: u64 = runs.iter().map(|r| r.1).sum();
+        let w = Arc::new(Window {
+            runs,
+            segs,
+            data: Mutex::new(None),
+            ready: Condvar::new(),
+            left: AtomicUsize::new(usize::try_from(blocks).expect("fits")),
+        });
+        c.insert(&w, usize::try_from(max * CACHE_WINDOWS / BLOCK as u64).expect("fits"));
+        ra.cached.store(c.index.len(), Ordering::Release);
+        w
+    };
+    let mut q = ra.jobs.lock();
+    if q.1 {
+        drop(q);
+        fail(&window);
+    } else {
+        q.0.push_back(Job { window, pinned: pinned.into_held() });
+        ra.wake.notify_one();
+    }
+}
+
+/// Completes a window that will not be read (its readers read for themselves).
+fn fail(w: &Window) {
+    *w.data.lock() = Some(Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "readahead stopped")));
+    w.ready.notify_all();
+}
+
+/// The readahead thread: reads the queued windows, all that are queued as one batch.
+pub(crate) fn readahead_loop(inner: &Arc<Inner>) {
+    let ra = &inner.readahead;
+    loop {
+        let (jobs, stopped) = {
+            let mut q = ra.jobs.lock();
+            while q.0.is_empty() && !q.1 {
+                ra.wake.wait(&mut q);
+            }
+            if q.1 { (q.0.drain(..).collect(), true) } else { (q.0.pop_front().into_iter().collect::<Vec<_>>(), false) }
+        };
+        if stopped {
+            for job in jobs {
+                fail(&job.window);
+                drop(crate::segments::Pinned::adopt(&inner.pins, job.pinned));
+            }
+            return;
+        }
+        read_windows(inner, jobs);
+    }
+}
+
+fn read_windows(inner: &Inner, jobs: Vec<Job>) {
+    let ra = &inner.readahead;
+    let runs: Vec<(u64, u64)> = jobs.iter().flat_map(|j| j.window.runs.iter().copied()).collect();
+    let media = crate::tail::read_runs(inner, &runs).map(Arc::new);
+    if media.is_ok() {
+        ra.read_bytes.fetch_add(runs.iter().map(|r| r.1).sum::<u64>() * BLOCK as u64, Ordering::Relaxed);
+    }
+    let mut at = 0;
+    for job in jobs {
+        let w = &job.window;
+        let data = match &media {
+            Ok(m) => Ok((Arc::clone(m), at)),
+            Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+        };
+        at += w.runs.iter().map(|r| usize::try_from(r.1).expect("fits")).sum::<usize>() * BLOCK;
+        *w.data.lock() = Some(data);
+        w.ready.notify_all();
+        // The window's blocks are cached (or failed) before its segments are unpinned.
+        drop(crate::segments::Pinned::adopt(&inner.pins, job.pinned));
+    }
+}
+
+/// Reads the media blocks of `runs` (as `tail::read_runs`), taking those read ahead from the
+/// cache: waiting for a window still being read rather than reading its blocks again.
+pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<AlignedBuf> {
+    let ra = &inner.readahead;
+    if ra.cached.load(Ordering::Acquire) == 0 {
+        return crate::tail::read_runs(inner, runs);
+    }
+    // Each block's window and slot there, or None.
+    let found: Vec<Option<(Arc<Window>, usize)>> = {
+        let c = ra.cache.lock();
+        runs.iter().flat_map(|&(p, n)| p..p + n).map(|pba| c.index.get(&pba).cloned()).collect()
+    };
+    if found.iter().all(Option::is_none) {
+        return crate::tail::read_runs(inner, runs);
+    }
+    let mut out = AlignedBuf::new(found.len() * BLOCK);
+    let mut rest: Vec<(u64, u64, usize)> = Vec::new();
+    let mut hits = 0usize;
+    let mut done: Vec<Arc<Window>> = Vec::new();
+    let pbas = runs.iter().flat_map(|&(p, n)| p..p + n);
+    for (at, (pba, hit)) in pbas.zip(&found).enumerate() {
+        let copied = hit.as_ref().is_some_and(|(w, slot)| {
+            let g = w.wait();
+            let Some(Ok((data, base))) = g.as_ref() else { return false };
+            let from = base + slot * BLOCK;
+            out[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(&data[from..from + BLOCK]);
+            if w.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                done.push(Arc::clone(w));
+            }
+            true
+        });
+        if copied {
+            hits += 1;
+            continue;
+        }
+        match rest.last_mut() {
+            Some((q, k, s)) if *q + *k == pba && *s + usize::try_from(*k).expect("small") == at => *k += 1,
+            _ => rest.push((pba, 1, at)),
+        }
+    }
+    ra.hit_bytes.fetch_add((hits * BLOCK) as u64, Ordering::Relaxed);
+    if !done.is_empty() {
+        let mut c = ra.cache.lock();
+        for w in &done {
+            c.remove(w);
+        }
+        ra.cached.store(c.index.len(), Ordering::Release);
+    }
+    if !rest.is_empty() {
+        let runs: Vec<(u64, u64)> = rest.iter().map(|&(p, k, _)| (p, k)).collect();
+        let media = crate::tail::read_runs(inner, &runs)?;
+        let mut from = 0;
+        for (_, k, at) in rest {
+            let len = usize::try_from(k).expect("small") * BLOCK;
+            out[at * BLOCK..at * BLOCK + len].copy_from_slice(&media[from..from + len]);
+            from += len;
+        }
+    }
+    Ok(out)
+}
+
+/// One sequential stream: where it has read up to, how many reads in a row, and how far the
+/// windows queued for it reach.
+#[derive(Debug, Default, Clone, Copy)]
+struct Stream {
+    next: u64,
+    run: u32,
+    ahead: u64,
+    used: u64,
+}
+
+/// The sequential streams of one volume handle (shared by its clones).
+#[derive(Debug, Default)]
+pub(crate) struct Streams {
+    s: [Stream; STREAMS],
+    clock: u64,
+}
+
+impl Streams {
+    /// Notes a read of `[offset, offset + len)`; returns the range to read ahead now, if any.
+    /// A read continues a stream if it starts near where the stream has read up to (readers
+    /// with several requests in flight are served out of order). The window grows with the
+    /// stream, from four reads' worth up to `max`, and is topped up once a quarter of it was
+    /// used. Offsets are not checked yet (a read past the end fails later): arithmetic saturates.
+    pub fn note(&mut self, offset: u64, len: u64, max: u64) -> Option<(u64, u64)> {
+        self.clock += 1;
+        let near = len.saturating_mul(4).max(256 << 10);
+        let end = offset.saturating_add(len);
+        let found = self
+            .s
+            .iter()
+            .position(|s| s.used > 0 && offset.saturating_add(near) >= s.next && offset <= s.next.saturating_add(near));
+        let Some(i) = found else {
+            let lru = (0..STREAMS).min_by_key(|&i| self.s[i].used).expect("streams");
+            self.s[lru] = Stream { next: end, run: 0, ahead: 0, used: self.clock };
+            return None;
+        };
+        let s = &mut self.s[i];
+        s.used = self.clock;
+        s.next = s.next.max(end);
+        s.run = s.run.saturating_add(1);
+        if s.run < START_AFTER {
+            return None;
+        }
+        let window = len.saturating_mul(1 << (s.run - START_AFTER + 2).min(20)).min(max).max(len);
+        let from = s.ahead.max(s.next);
+        if from >= s.next.saturating_add(window / 4 * 3) {
+            return None;
+        }
+        let to = s.next.saturating_add(window);
+        s.ahead = to;
+        Some((from, to - from))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K: u64 = 1024;
+
+    #[test]
+    fn a_stream_is_read_ahead_after_a_few_reads_and_topped_up_as_it_goes() {
+        let mut s = Streams::default();
+        assert_eq!(s.note(0, 128 * K, 2048 * K), None);
+        assert_eq!(s.note(128 * K, 128 * K, 2048 * K), None);
+        // Third read in a row: four reads' worth ahead.
+        assert_eq!(s.note(256 * K, 128 * K, 2048 * K), Some((384 * K, 512 * K)));
+        let mut ahead = 896 * K;
+        let mut queued = 0;
+        for i in 3..64 {
+            if let Some((from, len)) = s.note(i * 128 * K, 128 * K, 2048 * K) {
+                assert_eq!(from, ahead, "windows follow each other without gaps or overlap");
+                ahead = from + len;
+                queued += 1;
+            }
+            assert!(ahead > (i + 1) * 128 * K, "always something read ahead");
+            assert!(ahead <= (i + 1) * 128 * K + 2048 * K, "never more than the window");
+        }
+        assert!(queued < 20, "topped up in large steps, not per read: {queued}");
+    }
+
+    #[test]
+    fn reads_at_the_end_of_the_offset_range_do_not_overflow() {
+        let mut s = Streams::default();
+        for i in 0..8 {
+            let _ = s.note(u64::MAX - 4096 + i * 512, 1 << 20, 2048 * K);
+        }
+    }
+
+    #[test]
+    fn random_reads_read_nothing_ahead() {
+        let mut s = Streams::default();
+        let mut x = 12345u64;
+        for _ in 0..1000 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let offset = (x >> 20) % (1 << 30) / 4096 * 4096;
+            assert_eq!(s.note(offset, 4096, 2048 * K), None, "at {offset}");
+        }
+    }
+
+    #[test]
+    fn interleaved_streams_are_told_apart_and_reordered_reads_still_count() {
+        let mut s = Streams::default();
+        let mut due = [0; 2];
+        for i in 0..16u64 {
+            for (k, base) in [0u64, 1 << 30].into_iter().enumerate() {
+                // Pairs of reads arrive swapped, as from a client with two in flight.
+                let j = i ^ 1;
+                if s.note(base + j * 64 * K, 64 * K, 1024 * K).is_some() {
+                    due[k] += 1;
+                }
+            }
+        }
+        assert!(due.iter().all(|&d| d > 0), "both streams read ahead: {due:?}");
+    }
+}
