@@ -34,7 +34,7 @@ const START_AFTER: u32 = 2;
 /// How many windows' worth of blocks the cache holds (all streams together).
 const CACHE_WINDOWS: u64 = 8;
 
-type Media = std::io::Result<(Arc<AlignedBuf>, usize)>;
+type WindowData = std::io::Result<(Arc<AlignedBuf>, usize)>;
 
 /// A window being read or read: the media blocks of `runs`, back to back.
 struct Window {
@@ -42,7 +42,7 @@ struct Window {
     /// Segments the window read from (windows of a freed segment are dropped).
     segs: Vec<usize>,
     /// None while the read is in flight; then the batch's media and where this window's starts.
-    data: Mutex<Option<Media>>,
+    data: Mutex<Option<WindowData>>,
     ready: Condvar,
     /// Blocks no reader has taken yet; a window is dropped once all were taken.
     left: AtomicUsize,
@@ -50,7 +50,7 @@ struct Window {
 
 impl Window {
     /// Waits for the read; the media, or None if it failed (the reader then reads itself).
-    fn wait(&self) -> parking_lot::MutexGuard<'_, Option<Media>> {
+    fn wait(&self) -> parking_lot::MutexGuard<'_, Option<WindowData>> {
         let mut g = self.data.lock();
         while g.is_none() {
             self.ready.wait(&mut g);
@@ -141,12 +141,12 @@ impl Readahead {
 /// Notes a read by a volume handle; if it makes a window due, resolves the window and caches
 /// it as being read (so a reader that gets there first waits for it rather than reading the
 /// same blocks again), and queues its read for the readahead thread.
-pub(crate) fn note_read(inner: &Inner, volume: &Volume, streams: &Mutex<Streams>, offset: u64, len: u64) {
+pub(crate) fn note_read(inner: &Inner, volume: &Volume, offset: u64, len: u64) {
     let max = inner.opts.readahead;
     if max == 0 || len == 0 {
         return;
     }
-    let Some((offset, len)) = streams.lock().note(offset, len, max) else { return };
+    let Some((offset, len)) = volume.streams.lock().note(offset, len, max) else { return };
     let ra = &inner.readahead;
     let mut pinned = crate::segments::Pinned::new(&inner.pins);
     // A deleted volume, or a window past a shrunk end: nothing to read ahead.
@@ -233,12 +233,32 @@ fn read_windows(inner: &Inner, jobs: Vec<Job>) {
     }
 }
 
+/// The media blocks of a read, in order: one buffer, or, when some came from readahead, each
+/// block where it is (a window's buffer, or the buffer the rest were read into), uncopied.
+pub(crate) enum Media {
+    Whole(AlignedBuf),
+    Blocks(Vec<(Arc<AlignedBuf>, usize)>),
+}
+
+impl Media {
+    /// Block `slot` of the read.
+    pub fn block(&self, slot: usize) -> &[u8] {
+        match self {
+            Media::Whole(b) => &b[slot * BLOCK..(slot + 1) * BLOCK],
+            Media::Blocks(v) => {
+                let (b, at) = &v[slot];
+                &b[*at..*at + BLOCK]
+            }
+        }
+    }
+}
+
 /// Reads the media blocks of `runs` (as `tail::read_runs`), taking those read ahead from the
 /// cache: waiting for a window still being read rather than reading its blocks again.
-pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<AlignedBuf> {
+pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<Media> {
     let ra = &inner.readahead;
     if ra.cached.load(Ordering::Acquire) == 0 {
-        return crate::tail::read_runs(inner, runs);
+        return crate::tail::read_runs(inner, runs).map(Media::Whole);
     }
     // Each block's window and slot there, or None.
     let found: Vec<Option<(Arc<Window>, usize)>> = {
@@ -246,33 +266,31 @@ pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<A
         runs.iter().flat_map(|&(p, n)| p..p + n).map(|pba| c.index.get(&pba).cloned()).collect()
     };
     if found.iter().all(Option::is_none) {
-        return crate::tail::read_runs(inner, runs);
+        return crate::tail::read_runs(inner, runs).map(Media::Whole);
     }
-    let mut out = AlignedBuf::new(found.len() * BLOCK);
-    let mut rest: Vec<(u64, u64, usize)> = Vec::new();
-    let mut hits = 0usize;
+    // Where each block is: (buffer, byte offset), the missing ones filled in below.
+    let mut blocks: Vec<Option<(Arc<AlignedBuf>, usize)>> = Vec::with_capacity(found.len());
+    let mut rest: Vec<(u64, u64)> = Vec::new();
     let mut done: Vec<Arc<Window>> = Vec::new();
     let pbas = runs.iter().flat_map(|&(p, n)| p..p + n);
-    for (at, (pba, hit)) in pbas.zip(&found).enumerate() {
-        let copied = hit.as_ref().is_some_and(|(w, slot)| {
+    for (pba, hit) in pbas.zip(&found) {
+        let here = hit.as_ref().and_then(|(w, slot)| {
             let g = w.wait();
-            let Some(Ok((data, base))) = g.as_ref() else { return false };
-            let from = base + slot * BLOCK;
-            out[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(&data[from..from + BLOCK]);
+            let Some(Ok((data, base))) = g.as_ref() else { return None };
             if w.left.fetch_sub(1, Ordering::AcqRel) == 1 {
                 done.push(Arc::clone(w));
             }
-            true
+            Some((Arc::clone(data), base + slot * BLOCK))
         });
-        if copied {
-            hits += 1;
-            continue;
+        if here.is_none() {
+            match rest.last_mut() {
+                Some((q, k)) if *q + *k == pba && blocks.last().is_some_and(Option::is_none) => *k += 1,
+                _ => rest.push((pba, 1)),
+            }
         }
-        match rest.last_mut() {
-            Some((q, k, s)) if *q + *k == pba && *s + usize::try_from(*k).expect("small") == at => *k += 1,
-            _ => rest.push((pba, 1, at)),
-        }
+        blocks.push(here);
     }
+    let hits = blocks.iter().flatten().count();
     ra.hit_bytes.fetch_add((hits * BLOCK) as u64, Ordering::Relaxed);
     if !done.is_empty() {
         let mut c = ra.cache.lock();
@@ -281,17 +299,18 @@ pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<A
         }
         ra.cached.store(c.index.len(), Ordering::Release);
     }
-    if !rest.is_empty() {
-        let runs: Vec<(u64, u64)> = rest.iter().map(|&(p, k, _)| (p, k)).collect();
-        let media = crate::tail::read_runs(inner, &runs)?;
-        let mut from = 0;
-        for (_, k, at) in rest {
-            let len = usize::try_from(k).expect("small") * BLOCK;
-            out[at * BLOCK..at * BLOCK + len].copy_from_slice(&media[from..from + len]);
-            from += len;
-        }
-    }
-    Ok(out)
+    let read = if rest.is_empty() { None } else { Some(Arc::new(crate::tail::read_runs(inner, &rest)?)) };
+    let mut next = 0;
+    let blocks = blocks
+        .into_iter()
+        .map(|b| {
+            b.unwrap_or_else(|| {
+                next += BLOCK;
+                (Arc::clone(read.as_ref().expect("missing blocks were read")), next - BLOCK)
+            })
+        })
+        .collect();
+    Ok(Media::Blocks(blocks))
 }
 
 /// One sequential stream: where it has read up to, how many reads in a row, and how far the

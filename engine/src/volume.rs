@@ -16,7 +16,7 @@ use crate::format::block_crc;
 use crate::io::BLOCK;
 use crate::log::{Payload, Req};
 use crate::pool::{Inner, State};
-use crate::readahead::Streams;
+use crate::readahead::{Media, Streams};
 use crate::segments::Pinned;
 
 const B: u64 = BLOCK as u64;
@@ -58,7 +58,7 @@ pub struct Volume {
     target: Target,
     name: String,
     /// Sequential streams of this handle and its clones, for readahead.
-    streams: Arc<Mutex<Streams>>,
+    pub(crate) streams: Arc<Mutex<Streams>>,
 }
 
 /// Counts outstanding requests and keeps the first error.
@@ -200,7 +200,7 @@ impl Volume {
             Err(e) => return parts.iter().map(|_| Err(crate::log::clone_err(&e))).collect(),
         };
         for (offset, buf) in parts.iter() {
-            crate::readahead::note_read(&inner, self, &self.streams, *offset, buf.len() as u64);
+            crate::readahead::note_read(&inner, self, *offset, buf.len() as u64);
         }
         let mut pins = Pinned::new(&inner.pins);
         let resolved: Vec<Result<Vec<Resolved>>> = {
@@ -210,7 +210,7 @@ impl Volume {
         let runs = media_runs(resolved.iter().flatten().flatten());
         let media = crate::readahead::read_runs(&inner, &runs);
         drop(pins);
-        // Each range's media blocks follow the previous range's in `media`.
+        // Each range's media blocks follow the previous range's in `media`; `next` counts blocks.
         let mut next = 0;
         parts
             .iter_mut()
@@ -218,21 +218,21 @@ impl Volume {
             .map(|((offset, buf), blocks)| {
                 let blocks = blocks?;
                 let at = next;
-                next += blocks.iter().flatten().count() * BLOCK;
-                let media: &[u8] = match &media {
-                    Ok(m) => &m[at..next],
+                next += blocks.iter().flatten().count();
+                let media = match &media {
+                    Ok(m) => Some(m),
                     Err(e) if at < next => return Err(self.media_error(*offset, buf.len(), e)),
-                    Err(_) => &[],
+                    Err(_) => None,
                 };
                 let mut alloc = Vec::new();
-                self.fill(*offset, buf, &blocks, media, Some(&mut alloc))?;
+                self.fill(*offset, buf, &blocks, media.map(|m| (m, at)), Some(&mut alloc))?;
                 Ok(alloc)
             })
             .collect()
     }
 
     fn read_in(&self, inner: &Inner, offset: u64, buf: &mut [u8], alloc: Option<&mut Vec<(u64, bool)>>) -> Result<()> {
-        crate::readahead::note_read(inner, self, &self.streams, offset, buf.len() as u64);
+        crate::readahead::note_read(inner, self, offset, buf.len() as u64);
         let mut pins = Pinned::new(&inner.pins);
         let blocks = self.resolve(&inner.state.read(), &mut pins, offset, buf.len() as u64)?;
         if blocks.is_empty() {
@@ -241,7 +241,7 @@ impl Volume {
         let media = crate::readahead::read_runs(inner, &media_runs(&blocks))
             .map_err(|e| self.media_error(offset, buf.len(), &e))?;
         drop(pins);
-        self.fill(offset, buf, &blocks, &media, alloc)
+        self.fill(offset, buf, &blocks, Some((&media, 0)), alloc)
     }
 
     fn media_error(&self, offset: u64, len: usize, e: &std::io::Error) -> Error {
@@ -298,14 +298,14 @@ impl Volume {
         Ok(resolved)
     }
 
-    /// Copies the resolved blocks of a read into `buf` (zeros for holes) from `media`, which
-    /// holds the mapped ones back to back, verifying each checksum.
+    /// Copies the resolved blocks of a read into `buf` (zeros for holes) from `media`, whose
+    /// blocks from the given slot on are the mapped ones in order, verifying each checksum.
     fn fill(
         &self,
         offset: u64,
         buf: &mut [u8],
         resolved: &[Resolved],
-        media: &[u8],
+        media: Option<(&Media, usize)>,
         mut alloc: Option<&mut Vec<(u64, bool)>>,
     ) -> Result<()> {
         let first = offset / B;
@@ -325,7 +325,8 @@ impl Volume {
             match r {
                 None => dst.fill(0),
                 Some((pba, crc)) => {
-                    let src = &media[slot * BLOCK..(slot + 1) * BLOCK];
+                    let (media, first) = media.expect("a read with mapped blocks has their media");
+                    let src = media.block(first + slot);
                     if block_crc(src) != *crc {
                         return Err(Error::new(
                             ErrorKind::Corrupt,
