@@ -137,11 +137,24 @@ fn nbdcopy_roundtrip_with_multiple_connections() {
     let h = Harness::new(512 * MIB);
     h.export("c", 24 * MIB, false);
     let src = h.dir.path().join("in.raw");
-    let data = write_file(&src, 24 * MIB as usize, 3);
+    let mut data = write_file(&src, 24 * MIB as usize, 3);
     run(Command::new("nbdcopy").args(["--connections=4", "--requests=16"]).arg(&src).arg(h.uri("c")));
+    // Scatter a quarter of the blocks over the log, so the copy out reads through readahead
+    // windows of scattered blocks, four connections reading out of order.
+    let v = h.pool.open_volume("c").unwrap();
+    let blocks = 24 * MIB / 4096;
+    for i in 0..blocks / 4 {
+        let at = ((i * 7919) % blocks * 4096) as usize;
+        let block = [(i % 251) as u8; 4096];
+        v.write(at as u64, &block).unwrap();
+        data[at..at + 4096].copy_from_slice(&block);
+    }
     let out = h.dir.path().join("out.raw");
     run(Command::new("nbdcopy").args(["--connections=4"]).arg(h.uri("c")).arg(&out));
     assert!(std::fs::read(&out).unwrap() == data);
+    let s = h.pool.stats();
+    eprintln!("readahead {} KiB, hits {} KiB", s.readahead_bytes >> 10, s.readahead_hit_bytes >> 10);
+    assert!(s.readahead_hit_bytes > 0, "the copy out was served by readahead: {s:?}");
 }
 
 #[test]
