@@ -34,14 +34,14 @@ const START_AFTER: u32 = 2;
 /// How many windows' worth of blocks the cache holds (all streams together).
 const CACHE_WINDOWS: u64 = 8;
 
-type WindowData = std::io::Result<(Arc<AlignedBuf>, usize)>;
+type WindowData = std::io::Result<Arc<AlignedBuf>>;
 
 /// A window being read or read: the media blocks of `runs`, back to back.
 struct Window {
     runs: Vec<(u64, u64)>,
     /// Segments the window read from (windows of a freed segment are dropped).
     segs: Vec<usize>,
-    /// None while the read is in flight; then the batch's media and where this window's starts.
+    /// None while the read is in flight.
     data: Mutex<Option<WindowData>>,
     ready: Condvar,
     /// Blocks no reader has taken yet; a window is dropped once all were taken.
@@ -107,7 +107,7 @@ pub(crate) struct Readahead {
     cache: Mutex<Cache>,
     /// Blocks in the cache (read without the lock: most reads find none and skip it).
     cached: AtomicUsize,
-    /// Windows to read, and whether the thread was stopped.
+    /// Windows to read, and whether the threads were stopped.
     jobs: Mutex<(VecDeque<Job>, bool)>,
     wake: Condvar,
     /// Bytes read ahead, and bytes readers took from the cache.
@@ -189,43 +189,30 @@ fn fail(w: &Window) {
     w.ready.notify_all();
 }
 
-/// The readahead thread: reads the queued windows, all that are queued as one batch.
+/// A readahead thread: reads queued windows one at a time (two threads: one window's reads are
+/// in flight while the other's complete).
 pub(crate) fn readahead_loop(inner: &Arc<Inner>) {
     let ra = &inner.readahead;
     loop {
-        let (jobs, stopped) = {
+        let job = {
             let mut q = ra.jobs.lock();
             while q.0.is_empty() && !q.1 {
                 ra.wake.wait(&mut q);
             }
-            if q.1 { (q.0.drain(..).collect(), true) } else { (q.0.pop_front().into_iter().collect::<Vec<_>>(), false) }
-        };
-        if stopped {
-            for job in jobs {
-                fail(&job.window);
-                drop(crate::segments::Pinned::adopt(&inner.pins, job.pinned));
+            if q.1 {
+                for job in q.0.drain(..) {
+                    fail(&job.window);
+                    drop(crate::segments::Pinned::adopt(&inner.pins, job.pinned));
+                }
+                return;
             }
-            return;
-        }
-        read_windows(inner, jobs);
-    }
-}
-
-fn read_windows(inner: &Inner, jobs: Vec<Job>) {
-    let ra = &inner.readahead;
-    let runs: Vec<(u64, u64)> = jobs.iter().flat_map(|j| j.window.runs.iter().copied()).collect();
-    let media = crate::tail::read_runs(inner, &runs).map(Arc::new);
-    if media.is_ok() {
-        ra.read_bytes.fetch_add(runs.iter().map(|r| r.1).sum::<u64>() * BLOCK as u64, Ordering::Relaxed);
-    }
-    let mut at = 0;
-    for job in jobs {
-        let w = &job.window;
-        let data = match &media {
-            Ok(m) => Ok((Arc::clone(m), at)),
-            Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+            q.0.pop_front().expect("not empty")
         };
-        at += w.runs.iter().map(|r| usize::try_from(r.1).expect("fits")).sum::<usize>() * BLOCK;
+        let w = &job.window;
+        let data = crate::tail::read_runs(inner, &w.runs).map(Arc::new);
+        if data.is_ok() {
+            ra.read_bytes.fetch_add(w.runs.iter().map(|r| r.1).sum::<u64>() * BLOCK as u64, Ordering::Relaxed);
+        }
         *w.data.lock() = Some(data);
         w.ready.notify_all();
         // The window's blocks are cached (or failed) before its segments are unpinned.
@@ -276,11 +263,11 @@ pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<M
     for (pba, hit) in pbas.zip(&found) {
         let here = hit.as_ref().and_then(|(w, slot)| {
             let g = w.wait();
-            let Some(Ok((data, base))) = g.as_ref() else { return None };
+            let Some(Ok(data)) = g.as_ref() else { return None };
             if w.left.fetch_sub(1, Ordering::AcqRel) == 1 {
                 done.push(Arc::clone(w));
             }
-            Some((Arc::clone(data), base + slot * BLOCK))
+            Some((Arc::clone(data), slot * BLOCK))
         });
         if here.is_none() {
             match rest.last_mut() {
