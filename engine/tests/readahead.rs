@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{Fixture, pattern, small_opts};
 use ferrite_engine::format::DATA_START;
-use ferrite_engine::io::Backend;
+use ferrite_engine::io::{AlignedBuf, Backend};
 use ferrite_engine::{ErrorKind, Pool, PoolOptions, Volume};
 
 const B: u64 = 4096;
@@ -104,12 +104,12 @@ fn a_corrupt_block_fails_only_the_read_that_covers_it() {
     pool.checkpoint().unwrap();
     // Find where volume offset 1 MiB + 4 KiB landed and flip a byte there.
     let target = &a[(MIB + B) as usize..(MIB + 2 * B) as usize];
-    let mut block = vec![0u8; B as usize];
+    let mut block = AlignedBuf::new(B as usize); // the backend refuses unaligned buffers
     let at = (DATA_START..f.backend.len())
         .step_by(B as usize)
         .find(|&off| {
             f.backend.read_at(&mut block, off).unwrap();
-            block == target
+            block[..] == *target
         })
         .expect("the block is on media");
     f.backend.corrupt(at + 9, &[0x55]);
