@@ -434,7 +434,7 @@ impl Pool {
             threads.push(spawn("ferrite-cleaner", "cleaner", crate::cleaner::cleaner_loop)?);
         }
         if inner.opts.readahead > 0 {
-            for _ in 0..2 {
+            for _ in 0..crate::readahead::THREADS {
                 threads.push(spawn("ferrite-readahead", "readahead", crate::readahead::readahead_loop)?);
             }
         }

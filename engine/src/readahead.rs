@@ -31,6 +31,8 @@ use crate::volume::Volume;
 const STREAMS: usize = 4;
 /// Reads in a row that make a stream sequential before anything is read ahead.
 const START_AFTER: u32 = 2;
+/// Readahead threads per pool: one window's reads are in flight while another's complete.
+pub(crate) const THREADS: usize = 2;
 /// How many windows' worth of blocks the cache holds (all streams together).
 const CACHE_WINDOWS: u64 = 8;
 
@@ -189,8 +191,7 @@ fn fail(w: &Window) {
     w.ready.notify_all();
 }
 
-/// A readahead thread: reads queued windows one at a time (two threads: one window's reads are
-/// in flight while the other's complete).
+/// A readahead thread (there are [`THREADS`]): reads queued windows one at a time.
 pub(crate) fn readahead_loop(inner: &Arc<Inner>) {
     let ra = &inner.readahead;
     loop {
