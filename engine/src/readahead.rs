@@ -25,6 +25,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::io::{AlignedBuf, BLOCK};
 use crate::pool::Inner;
+use crate::reads::Gather;
 use crate::volume::Volume;
 
 /// Sequential streams one volume handle tracks at once (one per concurrent sequential reader).
@@ -221,32 +222,16 @@ pub(crate) fn readahead_loop(inner: &Arc<Inner>) {
     }
 }
 
-/// The media blocks of a read, in order: one buffer, or, when some came from readahead, each
-/// block where it is (a window's buffer, or the buffer the rest were read into), uncopied.
-pub(crate) enum Media {
-    Whole(AlignedBuf),
-    Blocks(Vec<(Arc<AlignedBuf>, usize)>),
-}
-
-impl Media {
-    /// Block `slot` of the read.
-    pub fn block(&self, slot: usize) -> &[u8] {
-        match self {
-            Media::Whole(b) => &b[slot * BLOCK..(slot + 1) * BLOCK],
-            Media::Blocks(v) => {
-                let (b, at) = &v[slot];
-                &b[*at..*at + BLOCK]
-            }
-        }
-    }
-}
-
-/// Reads the media blocks of `runs` (as `tail::read_runs`), taking those read ahead from the
+/// Gathers the media blocks of `runs` (as `tail::gather`), taking those read ahead from the
 /// cache: waiting for a window still being read rather than reading its blocks again.
-pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<Media> {
+pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> Gather {
     let ra = &inner.readahead;
+    let all = |runs: &[(u64, u64)]| {
+        let (buf, todo) = crate::tail::gather(inner, runs);
+        Gather { hits: Vec::new(), buf, todo }
+    };
     if ra.cached.load(Ordering::Acquire) == 0 {
-        return crate::tail::read_runs(inner, runs).map(Media::Whole);
+        return all(runs);
     }
     // Each block's window and slot there, or None.
     let found: Vec<Option<(Arc<Window>, usize)>> = {
@@ -254,10 +239,10 @@ pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<M
         runs.iter().flat_map(|&(p, n)| p..p + n).map(|pba| c.index.get(&pba).cloned()).collect()
     };
     if found.iter().all(Option::is_none) {
-        return crate::tail::read_runs(inner, runs).map(Media::Whole);
+        return all(runs);
     }
-    // Where each block is: (buffer, byte offset), the missing ones filled in below.
-    let mut blocks: Vec<Option<(Arc<AlignedBuf>, usize)>> = Vec::with_capacity(found.len());
+    // Where each block is (buffer, byte offset), or None: gathered below with the rest.
+    let mut hits: Vec<Option<(Arc<AlignedBuf>, usize)>> = Vec::with_capacity(found.len());
     let mut rest: Vec<(u64, u64)> = Vec::new();
     let mut done: Vec<Arc<Window>> = Vec::new();
     let pbas = runs.iter().flat_map(|&(p, n)| p..p + n);
@@ -272,14 +257,14 @@ pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<M
         });
         if here.is_none() {
             match rest.last_mut() {
-                Some((q, k)) if *q + *k == pba && blocks.last().is_some_and(Option::is_none) => *k += 1,
+                Some((q, k)) if *q + *k == pba && hits.last().is_some_and(Option::is_none) => *k += 1,
                 _ => rest.push((pba, 1)),
             }
         }
-        blocks.push(here);
+        hits.push(here);
     }
-    let hits = blocks.iter().flatten().count();
-    ra.hit_bytes.fetch_add((hits * BLOCK) as u64, Ordering::Relaxed);
+    let taken = hits.iter().flatten().count();
+    ra.hit_bytes.fetch_add((taken * BLOCK) as u64, Ordering::Relaxed);
     if !done.is_empty() {
         let mut c = ra.cache.lock();
         for w in &done {
@@ -287,18 +272,8 @@ pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<M
         }
         ra.cached.store(c.index.len(), Ordering::Release);
     }
-    let read = if rest.is_empty() { None } else { Some(Arc::new(crate::tail::read_runs(inner, &rest)?)) };
-    let mut next = 0;
-    let blocks = blocks
-        .into_iter()
-        .map(|b| {
-            b.unwrap_or_else(|| {
-                next += BLOCK;
-                (Arc::clone(read.as_ref().expect("missing blocks were read")), next - BLOCK)
-            })
-        })
-        .collect();
-    Ok(Media::Blocks(blocks))
+    let Gather { buf, todo, .. } = all(&rest);
+    Gather { hits, buf, todo }
 }
 
 /// One sequential stream: where it has read up to, how many reads in a row, and how far the

@@ -367,45 +367,47 @@ pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
     }
 }
 
-/// Reads `runs` (pool block, count) into one buffer, as [`crate::io::read_runs`], taking the
-/// blocks that are still in the open or the sealed batch from their buffers.
+/// Reads `runs` (pool block, count) into one buffer, back to back, taking the blocks that are
+/// still in the open or the sealed batch from their buffers.
 pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<AlignedBuf> {
+    let (mut buf, todo) = gather(inner, runs);
+    crate::reads::read_into(inner.backend.as_ref(), &mut buf, &todo)?;
+    Ok(buf)
+}
+
+/// The first half of [`read_runs`]: a buffer for `runs` with the blocks still in the open or
+/// the sealed batch copied in, and the store reads that complete it: (pool block, blocks, first
+/// slot in the buffer).
+pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> (AlignedBuf, Vec<(u64, u64, usize)>) {
     let tail = &inner.log.tail;
-    // `open` first: see `Tail::open`.
-    if !tail.open.overlaps(runs) && !tail.flight.overlaps(runs) {
-        return crate::io::read_runs(inner.backend.as_ref(), runs);
-    }
     let total: u64 = runs.iter().map(|r| r.1).sum();
     let mut out = AlignedBuf::new(usize::try_from(total).expect("a read fits memory") * BLOCK);
-    // Blocks not buffered: (pool block, count, slot in `out`).
-    let mut rest: Vec<(u64, u64, usize)> = Vec::new();
-    {
-        let slot = tail.slot.lock();
+    let mut todo: Vec<(u64, u64, usize)> = Vec::with_capacity(runs.len());
+    // `open` first: see `Tail::open`.
+    if !tail.open.overlaps(runs) && !tail.flight.overlaps(runs) {
         let mut at = 0;
         for &(p, n) in runs {
-            for pba in p..p + n {
-                let held = slot.batch.as_ref().and_then(|b| b.block(pba));
-                if let Some(block) = held.or_else(|| slot.flight.as_ref().and_then(|f| f.block(pba))) {
-                    out[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(block);
-                } else {
-                    match rest.last_mut() {
-                        Some((q, k, s)) if *q + *k == pba && *s + usize::try_from(*k).expect("small") == at => *k += 1,
-                        _ => rest.push((pba, 1, at)),
-                    }
+            todo.push((p, n, at));
+            at += usize::try_from(n).expect("a read fits memory");
+        }
+        return (out, todo);
+    }
+    let slot = tail.slot.lock();
+    let mut at = 0;
+    for &(p, n) in runs {
+        for pba in p..p + n {
+            let held = slot.batch.as_ref().and_then(|b| b.block(pba));
+            if let Some(block) = held.or_else(|| slot.flight.as_ref().and_then(|f| f.block(pba))) {
+                out[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(block);
+            } else {
+                match todo.last_mut() {
+                    Some((q, k, s)) if *q + *k == pba && *s + usize::try_from(*k).expect("small") == at => *k += 1,
+                    _ => todo.push((pba, 1, at)),
                 }
-                at += 1;
             }
+            at += 1;
         }
     }
-    if !rest.is_empty() {
-        let runs: Vec<(u64, u64)> = rest.iter().map(|&(p, k, _)| (p, k)).collect();
-        let media = crate::io::read_runs(inner.backend.as_ref(), &runs)?;
-        let mut from = 0;
-        for (_, k, at) in rest {
-            let len = usize::try_from(k).expect("small") * BLOCK;
-            out[at * BLOCK..at * BLOCK + len].copy_from_slice(&media[from..from + len]);
-            from += len;
-        }
-    }
-    Ok(out)
+    drop(slot);
+    (out, todo)
 }

@@ -16,7 +16,8 @@ use crate::format::block_crc;
 use crate::io::BLOCK;
 use crate::log::{Payload, Req};
 use crate::pool::{Inner, State};
-use crate::readahead::{Media, Streams};
+use crate::readahead::Streams;
+use crate::reads::{Media, Reads};
 use crate::segments::Pinned;
 
 const B: u64 = BLOCK as u64;
@@ -27,7 +28,7 @@ const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30
 pub(crate) type Resolved = Option<(u64, u32)>;
 
 /// The pool blocks of resolved reads as runs of consecutive blocks, one request each, in order.
-fn media_runs<'a>(blocks: impl IntoIterator<Item = &'a Resolved>) -> Vec<(u64, u64)> {
+pub(crate) fn media_runs<'a>(blocks: impl IntoIterator<Item = &'a Resolved>) -> Vec<(u64, u64)> {
     pba_runs(blocks.into_iter().flatten().map(|&(pba, _)| pba))
 }
 
@@ -195,40 +196,30 @@ impl Volume {
     /// Each range gets its own outcome, with its allocation as [`Volume::read_sparse`] returns
     /// it; a media read error fails every range that had blocks to read.
     pub fn read_sparse_many(&self, parts: &mut [(u64, &mut [u8])]) -> Vec<Result<Vec<(u64, bool)>>> {
-        let inner = match self.pool() {
-            Ok(i) => i,
+        let spans: Vec<(u64, usize)> = parts.iter().map(|(offset, buf)| (*offset, buf.len())).collect();
+        let mut reads = match self.start_reads(&spans) {
+            Ok(r) => r,
             Err(e) => return parts.iter().map(|_| Err(crate::log::clone_err(&e))).collect(),
         };
-        for (offset, buf) in parts.iter() {
-            crate::readahead::note_read(&inner, self, *offset, buf.len() as u64);
+        let media = reads.read_media();
+        reads.finish(media, &mut parts.iter_mut().map(|(_, buf)| &mut **buf).collect::<Vec<_>>())
+    }
+
+    /// Starts reading the ranges `(offset, length)` as [`Volume::read_sparse_many`] does, up to
+    /// the store reads, which the caller does (see [`Reads`]). Fails as a whole only when the
+    /// volume or the pool is gone; each range's own errors come from [`Reads::finish`].
+    pub fn start_reads(&self, parts: &[(u64, usize)]) -> Result<Reads<'_>> {
+        let inner = self.pool()?;
+        for &(offset, len) in parts {
+            crate::readahead::note_read(&inner, self, offset, len as u64);
         }
         let mut pins = Pinned::new(&inner.pins);
         let resolved: Vec<Result<Vec<Resolved>>> = {
             let st = inner.state.read();
-            parts.iter().map(|(offset, buf)| self.resolve(&st, &mut pins, *offset, buf.len() as u64)).collect()
+            parts.iter().map(|&(offset, len)| self.resolve(&st, &mut pins, offset, len as u64)).collect()
         };
-        let runs = media_runs(resolved.iter().flatten().flatten());
-        let media = crate::readahead::read_runs(&inner, &runs);
-        drop(pins);
-        // Each range's media blocks follow the previous range's in `media`; `next` counts blocks.
-        let mut next = 0;
-        parts
-            .iter_mut()
-            .zip(resolved)
-            .map(|((offset, buf), blocks)| {
-                let blocks = blocks?;
-                let at = next;
-                next += blocks.iter().flatten().count();
-                let media = match &media {
-                    Ok(m) => Some(m),
-                    Err(e) if at < next => return Err(self.media_error(*offset, buf.len(), e)),
-                    Err(_) => None,
-                };
-                let mut alloc = Vec::new();
-                self.fill(*offset, buf, &blocks, media.map(|m| (m, at)), Some(&mut alloc))?;
-                Ok(alloc)
-            })
-            .collect()
+        let pinned = pins.into_held();
+        Ok(Reads::new(self, inner, parts, resolved, pinned))
     }
 
     fn read_in(&self, inner: &Inner, offset: u64, buf: &mut [u8], alloc: Option<&mut Vec<(u64, bool)>>) -> Result<()> {
@@ -238,13 +229,13 @@ impl Volume {
         if blocks.is_empty() {
             return Ok(());
         }
-        let media = crate::readahead::read_runs(inner, &media_runs(&blocks))
-            .map_err(|e| self.media_error(offset, buf.len(), &e))?;
+        let mut gather = crate::readahead::gather(inner, &media_runs(&blocks));
+        gather.read(inner.backend.as_ref()).map_err(|e| self.media_error(offset, buf.len(), &e))?;
         drop(pins);
-        self.fill(offset, buf, &blocks, Some((&media, 0)), alloc)
+        self.fill(offset, buf, &blocks, Some((&gather.into_media(), 0)), alloc)
     }
 
-    fn media_error(&self, offset: u64, len: usize, e: &std::io::Error) -> Error {
+    pub(crate) fn media_error(&self, offset: u64, len: usize, e: &std::io::Error) -> Error {
         let e = e
             .raw_os_error()
             .map_or_else(|| std::io::Error::new(e.kind(), e.to_string()), std::io::Error::from_raw_os_error);
@@ -300,7 +291,7 @@ impl Volume {
 
     /// Copies the resolved blocks of a read into `buf` (zeros for holes) from `media`, whose
     /// blocks from the given slot on are the mapped ones in order, verifying each checksum.
-    fn fill(
+    pub(crate) fn fill(
         &self,
         offset: u64,
         buf: &mut [u8],

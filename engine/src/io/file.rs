@@ -98,6 +98,10 @@ impl Backend for SyncFileBackend {
         self.file.len
     }
 
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.file.file.as_raw_fd())
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         check_request(buf.len(), offset, self.file.len, buf.as_ptr())?;
         self.file.file.read_exact_at(buf, offset)

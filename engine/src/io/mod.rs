@@ -42,22 +42,6 @@ pub struct ReadOp<'a> {
     pub buf: &'a mut [u8],
 }
 
-/// Reads runs of whole blocks `(first block, blocks)` into one aligned buffer, back to back in
-/// the order given, all in flight at once.
-pub fn read_runs(backend: &dyn Backend, runs: &[(u64, u64)]) -> io::Result<AlignedBuf> {
-    let total: u64 = runs.iter().map(|r| r.1).sum();
-    let mut media = AlignedBuf::new(usize::try_from(total).expect("a read fits memory") * BLOCK);
-    let mut rest: &mut [u8] = &mut media;
-    let mut ops = Vec::with_capacity(runs.len());
-    for &(block, n) in runs {
-        let (head, tail) = rest.split_at_mut(usize::try_from(n).expect("a read fits memory") * BLOCK);
-        ops.push(ReadOp { offset: block * BLOCK as u64, buf: head });
-        rest = tail;
-    }
-    backend.read_many(&mut ops)?;
-    Ok(media)
-}
-
 /// A byte-addressed backing store: a file, a block device, memory, or a crash simulator.
 pub trait Backend: Send + Sync + fmt::Debug {
     /// Size of the store in bytes.
@@ -70,6 +54,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Reads exactly `buf.len()` bytes at `offset`.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+
+    /// The file descriptor reads may be issued against directly (O_DIRECT, at the same offsets),
+    /// for callers that submit them on their own io_uring; None for stores that are not a file.
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 
     /// Reads several ranges; backends that can keep many requests in flight override this.
     fn read_many(&self, ops: &mut [ReadOp<'_>]) -> io::Result<()> {

@@ -139,6 +139,10 @@ impl Backend for UringBackend {
         self.file.len
     }
 
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.file.file.as_raw_fd())
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.read_many(&mut [ReadOp { offset, buf }])
     }

@@ -1,0 +1,196 @@
+//! Reads in two halves, so that a caller with an event loop of its own can read the store on its
+//! own io_uring and sleep once for the store and its socket together.
+//!
+//! ```text
+//!  Volume::start_reads: resolve every range (state lock), pin the segments it maps to, and
+//!      gather the blocks memory holds (readahead windows, the unwritten log tail)  -> Reads
+//!  the store reads left (Reads::media_ops): Reads::read_media, or the caller's own ring
+//!  Reads::finish: check every block's crc32c, copy it into the caller's buffer, unpin
+//! ```
+//! [`Volume::read_sparse_many`] is the three in a row.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::io::{AlignedBuf, BLOCK, Backend, ReadOp};
+use crate::pool::Inner;
+use crate::segments::Pinned;
+use crate::volume::{Resolved, Volume};
+
+/// The media blocks of a read, in order: one buffer, or, when some came from readahead, each
+/// block where it is (a window's buffer, or the buffer the rest were read into), uncopied.
+pub(crate) enum Media {
+    Whole(AlignedBuf),
+    Blocks(Vec<(Arc<AlignedBuf>, usize)>),
+}
+
+impl Media {
+    /// Block `slot` of the read.
+    pub fn block(&self, slot: usize) -> &[u8] {
+        match self {
+            Media::Whole(b) => &b[slot * BLOCK..(slot + 1) * BLOCK],
+            Media::Blocks(v) => {
+                let (b, at) = &v[slot];
+                &b[*at..*at + BLOCK]
+            }
+        }
+    }
+}
+
+/// The media blocks of a read being gathered: those a readahead window holds are referenced,
+/// the rest go into `buf` in order (copied from the log tail now, or read from the store by
+/// `todo`).
+pub(crate) struct Gather {
+    /// Per block, when some were read ahead: the window's buffer and the block's byte offset
+    /// there, or None for the next slot of `buf`. Empty when none were: all are in `buf`.
+    pub hits: Vec<Option<(Arc<AlignedBuf>, usize)>>,
+    pub buf: AlignedBuf,
+    /// Store reads still to do: (pool block, blocks, first slot in `buf`), slots ascending.
+    pub todo: Vec<(u64, u64, usize)>,
+}
+
+impl Gather {
+    pub fn read(&mut self, backend: &dyn Backend) -> io::Result<()> {
+        read_into(backend, &mut self.buf, &self.todo)
+    }
+
+    pub fn into_media(self) -> Media {
+        if self.hits.is_empty() {
+            return Media::Whole(self.buf);
+        }
+        let buf = Arc::new(self.buf);
+        let mut next = 0;
+        let blocks = self.hits.into_iter().map(|hit| {
+            hit.unwrap_or_else(|| {
+                next += BLOCK;
+                (Arc::clone(&buf), next - BLOCK)
+            })
+        });
+        Media::Blocks(blocks.collect())
+    }
+}
+
+/// The store reads `todo` (as [`Gather::todo`]) as operations into `buf`.
+fn ops<'a>(buf: &'a mut [u8], todo: &[(u64, u64, usize)]) -> Vec<ReadOp<'a>> {
+    let mut ops = Vec::with_capacity(todo.len());
+    let mut rest = buf;
+    let mut at = 0;
+    for &(pba, n, slot) in todo {
+        let n = usize::try_from(n).expect("a read fits memory");
+        let (_, from) = rest.split_at_mut((slot - at) * BLOCK);
+        let (head, tail) = from.split_at_mut(n * BLOCK);
+        ops.push(ReadOp { offset: pba * BLOCK as u64, buf: head });
+        rest = tail;
+        at = slot + n;
+    }
+    ops
+}
+
+/// Reads `todo` (as [`Gather::todo`]) from the store into `buf`, all in flight at once.
+pub(crate) fn read_into(backend: &dyn Backend, buf: &mut [u8], todo: &[(u64, u64, usize)]) -> io::Result<()> {
+    if todo.is_empty() {
+        return Ok(());
+    }
+    backend.read_many(&mut ops(buf, todo))
+}
+
+/// Reads started by [`Volume::start_reads`]: resolved, their segments pinned, the blocks memory
+/// holds gathered. What is left is reading [`Reads::media_ops`] from the store, then
+/// [`Reads::finish`].
+pub struct Reads<'v> {
+    volume: &'v Volume,
+    inner: Arc<Inner>,
+    /// Segments pinned against reuse until the store reads are done.
+    pinned: Vec<usize>,
+    /// (offset, length) of each range.
+    parts: Vec<(u64, usize)>,
+    resolved: Vec<Result<Vec<Resolved>>>,
+    /// Taken by [`Reads::finish`].
+    gather: Option<Gather>,
+}
+
+impl std::fmt::Debug for Reads<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reads").field("volume", &self.volume.name()).field("parts", &self.parts).finish_non_exhaustive()
+    }
+}
+
+impl<'v> Reads<'v> {
+    pub(crate) fn new(
+        volume: &'v Volume,
+        inner: Arc<Inner>,
+        parts: &[(u64, usize)],
+        resolved: Vec<Result<Vec<Resolved>>>,
+        pinned: Vec<usize>,
+    ) -> Self {
+        let runs = crate::volume::media_runs(resolved.iter().flatten().flatten());
+        let gather = crate::readahead::gather(&inner, &runs);
+        Self { volume, inner, pinned, parts: parts.to_vec(), resolved, gather: Some(gather) }
+    }
+
+    /// The store reads left to do. Their buffers belong to this `Reads` and stay where they are
+    /// (moving it does not move them) until it is finished or dropped: a caller that hands them
+    /// to the kernel must keep it until every one of those reads has completed.
+    pub fn media_ops(&mut self) -> Vec<ReadOp<'_>> {
+        let g = self.gather.as_mut().expect("not finished");
+        ops(&mut g.buf, &g.todo)
+    }
+
+    /// The file [`Reads::media_ops`] read from, for a caller that submits them itself (their
+    /// offsets and buffers are O_DIRECT-aligned); None if the store is not a file: then use
+    /// [`Reads::read_media`].
+    pub fn media_fd(&self) -> Option<RawFd> {
+        self.inner.backend.raw_fd()
+    }
+
+    /// Does the store reads here, all in flight at once.
+    pub fn read_media(&mut self) -> io::Result<()> {
+        self.gather.as_mut().expect("not finished").read(self.inner.backend.as_ref())
+    }
+
+    /// Completes the reads once the store reads are done (`media` says how they went): copies
+    /// each range into its buffer in `bufs` (as long as the range), checking every block's
+    /// checksum. Each range gets its own outcome, with its allocation as
+    /// [`Volume::read_sparse`] returns it; a store read error fails every range that had blocks
+    /// to read.
+    pub fn finish(mut self, media: io::Result<()>, bufs: &mut [&mut [u8]]) -> Vec<Result<Vec<(u64, bool)>>> {
+        assert_eq!(bufs.len(), self.parts.len(), "one buffer per range");
+        let gather = self.gather.take().expect("finished once");
+        let media = media.map(|()| gather.into_media());
+        self.unpin();
+        let resolved = std::mem::take(&mut self.resolved);
+        // Each range's media blocks follow the previous range's; `next` counts blocks.
+        let mut next = 0;
+        self.parts
+            .iter()
+            .zip(resolved)
+            .zip(bufs)
+            .map(|((&(offset, len), blocks), buf)| {
+                assert_eq!(buf.len(), len, "a buffer as long as its range");
+                let blocks = blocks?;
+                let at = next;
+                next += blocks.iter().flatten().count();
+                let media = match &media {
+                    Ok(m) => Some(m),
+                    Err(e) if at < next => return Err(self.volume.media_error(offset, len, e)),
+                    Err(_) => None,
+                };
+                let mut alloc = Vec::new();
+                self.volume.fill(offset, buf, &blocks, media.map(|m| (m, at)), Some(&mut alloc))?;
+                Ok(alloc)
+            })
+            .collect()
+    }
+
+    fn unpin(&mut self) {
+        drop(Pinned::adopt(&self.inner.pins, std::mem::take(&mut self.pinned)));
+    }
+}
+
+impl Drop for Reads<'_> {
+    fn drop(&mut self) {
+        self.unpin();
+    }
+}
