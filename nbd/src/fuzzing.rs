@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::export::Exports;
 use crate::handshake::negotiate;
-use crate::proto::{REQUEST_LEN, Request};
+use crate::inbox::{Event, Inbox};
 
 /// Feeds `input` as everything a client sends during negotiation, against an empty export set.
 /// Must never panic or hang; returns whether negotiation ended in a session (it cannot here).
@@ -31,10 +31,25 @@ pub fn handshake(input: &[u8]) -> bool {
     })
 }
 
-/// Decodes every 28-byte window of `input` as a request header.
+/// Feeds `input` to a connection's receive side ([`Inbox`]) as a client's request stream, in
+/// receives as long as its first byte says; returns how many events came out. Stops at a bad
+/// header, as a connection does.
 pub fn requests(input: &[u8]) -> usize {
-    input
-        .chunks_exact(REQUEST_LEN)
-        .filter(|c| <&[u8; REQUEST_LEN]>::try_from(*c).is_ok_and(|h| Request::decode(h).is_ok()))
-        .count()
+    let step = usize::from(input.first().copied().unwrap_or(1).max(1));
+    let mut inbox = Inbox::default();
+    let (mut events, mut at) = (0, 0);
+    while at < input.len() {
+        let space = inbox.space();
+        let n = space.len().min(step).min(input.len() - at);
+        space[..n].copy_from_slice(&input[at..at + n]);
+        inbox.received(n);
+        at += n;
+        while let Some(e) = inbox.next() {
+            events += 1;
+            if matches!(e, Event::BadMagic(_)) {
+                return events;
+            }
+        }
+    }
+    events
 }

@@ -1,271 +1,254 @@
-//! The receive side of a connection: a buffer in front of the socket, so one `read` syscall
-//! takes in every request the client has sent so far (a client at queue depth 32 often has
-//! several queued), and the worker that reads one request can see, without blocking, whether
-//! more are already here.
+//! The receive side of a connection: splits the bytes a client sends into requests with their
+//! payloads, however they arrive. No I/O here: the connection receives into [`Inbox::space`]
+//! (a buffer that takes in every request the client has sent so far with one receive, or,
+//! for a write too large for it, the write's own payload) and takes out [`Inbox::next`] events.
 
-use std::io;
+use crate::handshake::MAX_REQUEST;
+use crate::proto::{CMD_DISC, CMD_WRITE, DecodeError, REQUEST_LEN, Request};
 
-use crate::proto::{CMD_WRITE, REQUEST_LEN, Request};
-
-/// Bytes taken from the socket per read. Payloads at least half this long skip the buffer.
+/// The buffer's size. A write whose header and payload do not fit is received into a payload
+/// buffer of its own.
 const CAPACITY: usize = 64 << 10;
 
-/// What a socket must offer the inbox: plain reads of whatever is available.
-pub trait Source {
-    /// Reads at most `buf.len()` bytes; 0 means the peer closed its side.
-    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize>;
+/// What the client sent next.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A request, with its whole payload for a write (empty otherwise).
+    Request(Request, Vec<u8>),
+    /// A write longer than [`MAX_REQUEST`]: its payload was skipped, so framing holds, and the
+    /// request must be refused.
+    Oversized(Request),
+    /// NBD_CMD_DISC.
+    Disconnect,
+    /// A header with the wrong magic: framing is lost and the connection must end.
+    BadMagic(u32),
 }
 
-/// Buffered bytes from the socket: `buf[start..end]` not yet consumed.
+#[derive(Debug)]
+enum State {
+    /// Between requests: the next header (and a small write's payload) comes into `buf`.
+    Header,
+    /// Receiving a large write's payload straight into its own buffer.
+    Payload { req: Request, data: Vec<u8>, got: usize },
+    /// Skipping `left` more bytes of an oversized write's payload.
+    Skip { req: Request, left: u64 },
+}
+
+/// Received bytes not yet taken (`buf[start..end]`), and where the stream is.
 pub struct Inbox {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    state: State,
 }
 
 impl std::fmt::Debug for Inbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Inbox").field("buffered", &(self.end - self.start)).finish()
+        f.debug_struct("Inbox").field("buffered", &(self.end - self.start)).field("state", &self.state).finish()
     }
 }
 
 impl Default for Inbox {
     fn default() -> Self {
-        Self { buf: vec![0u8; CAPACITY].into_boxed_slice(), start: 0, end: 0 }
+        Self { buf: vec![0u8; CAPACITY].into_boxed_slice(), start: 0, end: 0, state: State::Header }
     }
 }
 
 impl Inbox {
-    /// Fills `out` completely, from the buffer first, then from the socket. An end of stream
-    /// before `out` is full is `UnexpectedEof`.
-    pub fn read_exact(&mut self, sock: &impl Source, out: &mut [u8]) -> io::Result<()> {
-        let mut at = self.take(out);
-        while at < out.len() {
-            let rest = &mut out[at..];
-            let n = if rest.len() >= CAPACITY / 2 {
-                read(sock, rest)?
-            } else {
-                // Empty (take() drained it) until the read succeeds.
-                (self.start, self.end) = (0, 0);
-                self.end = read(sock, &mut self.buf)?;
-                self.take(rest)
-            };
-            at += n;
+    /// Where the next bytes from the socket go (never empty); report them with
+    /// [`Inbox::received`]. Take every event out with [`Inbox::next`] first: the buffer only
+    /// has room once what it holds was taken.
+    pub fn space(&mut self) -> &mut [u8] {
+        if let State::Payload { data, got, .. } = &mut self.state {
+            return &mut data[*got..];
         }
-        Ok(())
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        debug_assert!(self.end < CAPACITY, "a full buffer always holds a whole event");
+        &mut self.buf[self.end..]
     }
 
-    /// The next request and its payload (a write's), if all of it is already buffered and
-    /// `want` accepts it; it is then consumed. A header that does not decode is left for
-    /// [`Inbox::read_exact`].
-    pub fn next_buffered(&mut self, want: impl Fn(&Request) -> bool) -> Option<(Request, Vec<u8>)> {
-        let held = self.buf.get(self.start..self.end)?;
-        let h: &[u8; REQUEST_LEN] = held.get(..REQUEST_LEN)?.try_into().ok()?;
-        let req = Request::decode(h).ok().filter(|r| want(r))?;
-        let len = if req.kind == CMD_WRITE { usize::try_from(req.length).ok()? } else { 0 };
-        let payload = held.get(REQUEST_LEN..REQUEST_LEN + len)?.to_vec();
-        self.start += REQUEST_LEN + len;
-        Some((req, payload))
+    /// `n` bytes were received into the last [`Inbox::space`].
+    pub fn received(&mut self, n: usize) {
+        match &mut self.state {
+            State::Payload { got, .. } => *got += n,
+            _ => self.end += n,
+        }
     }
 
-    /// True when nothing is buffered.
-    pub fn is_empty(&self) -> bool {
-        self.start == self.end
-    }
-
-    /// Copies buffered bytes into the front of `out`; returns how many.
-    fn take(&mut self, out: &mut [u8]) -> usize {
-        let n = out.len().min(self.end - self.start);
-        out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
-        self.start += n;
-        n
-    }
-}
-
-/// One read from the socket, retried on EINTR; 0 bytes is `UnexpectedEof`.
-fn read(sock: &impl Source, buf: &mut [u8]) -> io::Result<usize> {
-    loop {
-        match sock.read_some(buf) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => return Ok(n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+    /// The next event, once all of it was received.
+    pub fn next(&mut self) -> Option<Event> {
+        loop {
+            match &mut self.state {
+                State::Payload { data, got, .. } if *got == data.len() => {
+                    let State::Payload { req, data, .. } = std::mem::replace(&mut self.state, State::Header) else {
+                        unreachable!("matched above")
+                    };
+                    return Some(Event::Request(req, data));
+                }
+                State::Payload { .. } => return None,
+                State::Skip { req, left } => {
+                    let n = (self.end - self.start).min(usize::try_from(*left).unwrap_or(usize::MAX));
+                    self.start += n;
+                    *left -= n as u64;
+                    if *left > 0 {
+                        return None;
+                    }
+                    let req = *req;
+                    self.state = State::Header;
+                    return Some(Event::Oversized(req));
+                }
+                State::Header => {}
+            }
+            let held = &self.buf[self.start..self.end];
+            let h: &[u8; REQUEST_LEN] = held.get(..REQUEST_LEN)?.try_into().expect("REQUEST_LEN bytes");
+            let req = match Request::decode(h) {
+                Ok(r) => r,
+                Err(DecodeError::BadMagic(m)) => return Some(Event::BadMagic(m)),
+            };
+            if req.kind == CMD_DISC {
+                self.start += REQUEST_LEN;
+                return Some(Event::Disconnect);
+            }
+            if req.kind != CMD_WRITE {
+                self.start += REQUEST_LEN;
+                return Some(Event::Request(req, Vec::new()));
+            }
+            if req.length > MAX_REQUEST {
+                self.start += REQUEST_LEN;
+                self.state = State::Skip { req, left: u64::from(req.length) };
+                continue;
+            }
+            let len = req.length as usize;
+            if let Some(payload) = held.get(REQUEST_LEN..REQUEST_LEN + len) {
+                let payload = payload.to_vec();
+                self.start += REQUEST_LEN + len;
+                return Some(Event::Request(req, payload));
+            }
+            if REQUEST_LEN + len <= CAPACITY {
+                // The rest of it fits the buffer: wait for it there.
+                return None;
+            }
+            let mut data = vec![0u8; len];
+            let got = held.len() - REQUEST_LEN;
+            data[..got].copy_from_slice(&held[REQUEST_LEN..]);
+            (self.start, self.end) = (0, 0);
+            self.state = State::Payload { req, data, got };
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::cell::RefCell;
-
     use super::*;
-
-    /// Hands out its bytes in reads of at most `step` bytes.
-    struct Chunked {
-        data: RefCell<Vec<u8>>,
-        step: usize,
-        reads: RefCell<usize>,
-    }
-
-    impl Source for Chunked {
-        fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
-            *self.reads.borrow_mut() += 1;
-            let mut data = self.data.borrow_mut();
-            let n = buf.len().min(self.step).min(data.len());
-            buf[..n].copy_from_slice(&data[..n]);
-            data.drain(..n);
-            Ok(n)
-        }
-    }
+    use crate::proto::CMD_READ;
 
     fn pattern(i: usize) -> u8 {
         u8::try_from(i % 251).expect("below 251")
     }
 
-    fn req(kind: u16, cookie: u64) -> Request {
-        Request { flags: 0, kind, cookie, offset: cookie * 4096, length: 4096 }
+    fn req(kind: u16, cookie: u64, length: u32) -> Request {
+        Request { flags: 0, kind, cookie, offset: cookie * 4096, length }
+    }
+
+    /// Feeds `bytes` to an inbox in receives of at most `step` bytes, taking every event out
+    /// after each; returns the events and the number of receives.
+    fn feed(bytes: &[u8], step: usize) -> (Vec<Event>, usize) {
+        let mut inbox = Inbox::default();
+        let (mut events, mut receives, mut at) = (Vec::new(), 0, 0);
+        while at < bytes.len() {
+            let space = inbox.space();
+            let n = space.len().min(step).min(bytes.len() - at);
+            space[..n].copy_from_slice(&bytes[at..at + n]);
+            inbox.received(n);
+            at += n;
+            receives += 1;
+            while let Some(e) = inbox.next() {
+                let stop = matches!(e, Event::BadMagic(_));
+                events.push(e);
+                if stop {
+                    return (events, receives);
+                }
+            }
+        }
+        (events, receives)
     }
 
     #[test]
-    fn reads_across_refills_and_sees_buffered_requests() {
-        let mut bytes = Vec::new();
-        for c in 0..3 {
-            bytes.extend_from_slice(&req(crate::proto::CMD_READ, c).encode());
-        }
-        bytes.extend_from_slice(&req(crate::proto::CMD_WRITE, 3).encode());
-        let payload: Vec<u8> = (0..100_000).map(pattern).collect();
+    fn one_receive_takes_in_many_requests() {
+        let bytes: Vec<u8> = (0..32).flat_map(|c| req(CMD_READ, c, 4096).encode()).collect();
+        let (events, receives) = feed(&bytes, usize::MAX);
+        assert_eq!(receives, 1);
+        let cookies: Vec<u64> =
+            events.iter().map(|e| if let Event::Request(r, _) = e { r.cookie } else { panic!("{e:?}") }).collect();
+        assert_eq!(cookies, (0..32).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_large_write_is_received_into_its_own_buffer() {
+        let payload: Vec<u8> = (0..1_000_000).map(pattern).collect();
+        let mut bytes = req(CMD_WRITE, 1, 1_000_000).encode().to_vec();
         bytes.extend_from_slice(&payload);
-        let sock = Chunked { data: RefCell::new(bytes), step: 50, reads: RefCell::new(0) };
-        let mut inbox = Inbox::default();
-        let mut h = [0u8; REQUEST_LEN];
-        inbox.read_exact(&sock, &mut h).unwrap();
-        assert_eq!(Request::decode(&h).unwrap().cookie, 0);
-        // 50 bytes came in: the second header is only partly here.
-        assert_eq!(inbox.next_buffered(|_| true), None);
-        inbox.read_exact(&sock, &mut h).unwrap();
-        assert_eq!(Request::decode(&h).unwrap().cookie, 1);
-        // The refill for it brought in all of the third header and part of the fourth.
-        let is_read = |r: &Request| r.kind == crate::proto::CMD_READ;
-        assert_eq!(inbox.next_buffered(is_read).map(|r| r.0.cookie), Some(2));
-        assert_eq!(inbox.next_buffered(is_read), None);
-        inbox.read_exact(&sock, &mut h).unwrap();
-        assert_eq!(Request::decode(&h).unwrap().kind, crate::proto::CMD_WRITE);
-        let mut got = vec![0u8; payload.len()];
-        inbox.read_exact(&sock, &mut got).unwrap();
-        assert_eq!(got, payload);
-        assert_eq!(inbox.read_exact(&sock, &mut h).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
+        let (events, receives) = feed(&bytes, usize::MAX);
+        assert_eq!(
+            events,
+            [Event::Request(req(CMD_WRITE, 1, 1_000_000), payload), Event::Request(req(CMD_READ, 2, 4096), vec![])]
+        );
+        // The buffer's worth, then the rest of the payload in one, then the read.
+        assert_eq!(receives, 3);
     }
 
     #[test]
-    fn one_read_takes_in_many_requests() {
-        let mut bytes = Vec::new();
-        for c in 0..32 {
-            bytes.extend_from_slice(&req(crate::proto::CMD_READ, c).encode());
-        }
-        let sock = Chunked { data: RefCell::new(bytes), step: usize::MAX, reads: RefCell::new(0) };
-        let mut inbox = Inbox::default();
-        let mut h = [0u8; REQUEST_LEN];
-        inbox.read_exact(&sock, &mut h).unwrap();
-        let rest: Vec<u64> = std::iter::from_fn(|| inbox.next_buffered(|_| true)).map(|r| r.0.cookie).collect();
-        assert_eq!(rest, (1..32).collect::<Vec<_>>());
-        assert_eq!(*sock.reads.borrow(), 1);
+    fn an_oversized_write_is_skipped_and_the_stream_goes_on() {
+        let len = MAX_REQUEST + 1;
+        let mut bytes = req(CMD_WRITE, 1, len).encode().to_vec();
+        bytes.resize(bytes.len() + len as usize, 7);
+        bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
+        let (events, _) = feed(&bytes, 1 << 20);
+        assert_eq!(events, [Event::Oversized(req(CMD_WRITE, 1, len)), Event::Request(req(CMD_READ, 2, 4096), vec![])]);
     }
 
     #[test]
-    fn a_write_is_taken_only_with_all_of_its_payload() {
-        let mut bytes = req(crate::proto::CMD_READ, 0).encode().to_vec();
-        for (cookie, len) in [(1u64, 100u32), (2, 100_000)] {
-            bytes.extend_from_slice(&Request { flags: 0, kind: CMD_WRITE, cookie, offset: 0, length: len }.encode());
-            bytes.extend((0..len as usize).map(pattern));
-        }
-        let sock = Chunked { data: RefCell::new(bytes), step: usize::MAX, reads: RefCell::new(0) };
-        let mut inbox = Inbox::default();
-        let mut h = [0u8; REQUEST_LEN];
-        inbox.read_exact(&sock, &mut h).unwrap();
-        let (w, payload) = inbox.next_buffered(|_| true).unwrap();
-        assert_eq!((w.cookie, payload.len()), (1, 100));
-        assert!(payload.iter().enumerate().all(|(i, &b)| b == pattern(i)));
-        // The second write's payload is not all here yet: it stays for the blocking reader.
-        assert_eq!(inbox.next_buffered(|_| true), None);
-        inbox.read_exact(&sock, &mut h).unwrap();
-        assert_eq!(Request::decode(&h).unwrap().cookie, 2);
-        let mut payload = vec![0u8; 100_000];
-        inbox.read_exact(&sock, &mut payload).unwrap();
-        assert!(payload.iter().enumerate().all(|(i, &b)| b == pattern(i)));
+    fn disconnect_and_bad_magic_are_events() {
+        let mut bytes = req(CMD_DISC, 1, 0).encode().to_vec();
+        bytes.extend_from_slice(&[0xAB; REQUEST_LEN]);
+        bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
+        let (events, _) = feed(&bytes, 5);
+        assert_eq!(events, [Event::Disconnect, Event::BadMagic(0xABAB_ABAB)]);
     }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, failure_persistence: None, ..Default::default() })]
 
-        /// However the bytes arrive, and whichever requests are taken from the buffer rather
-        /// than read, the stream splits into exactly the requests and payloads that were sent.
+        /// However the bytes arrive, the stream splits into exactly the requests and payloads
+        /// that were sent.
         #[test]
         fn framing_does_not_depend_on_how_bytes_arrive(
-            reqs in proptest::collection::vec((proptest::bool::ANY, 0u32..70_000), 1..40),
-            step in 1usize..100_000,
-            take_buffered in proptest::bool::ANY,
+            reqs in proptest::collection::vec((proptest::bool::ANY, 0u32..150_000), 1..40),
+            step in 1usize..200_000,
         ) {
             let mut bytes = Vec::new();
             let mut sent = Vec::new();
             for (i, &(write, len)) in reqs.iter().enumerate() {
-                let kind = if write { CMD_WRITE } else { crate::proto::CMD_READ };
-                let r = Request { flags: 0, kind, cookie: i as u64, offset: 0, length: len };
+                let r = Request { flags: 0, kind: if write { CMD_WRITE } else { CMD_READ }, cookie: i as u64, offset: 0, length: len };
                 bytes.extend_from_slice(&r.encode());
                 let payload: Vec<u8> = if write { (0..len as usize).map(|j| pattern(i + j)).collect() } else { Vec::new() };
                 bytes.extend_from_slice(&payload);
-                sent.push((r, payload));
+                sent.push(Event::Request(r, payload));
             }
-            let sock = Chunked { data: RefCell::new(bytes), step, reads: RefCell::new(0) };
-            let mut inbox = Inbox::default();
-            let mut got = Vec::new();
-            while got.len() < sent.len() {
-                let mut h = [0u8; REQUEST_LEN];
-                inbox.read_exact(&sock, &mut h).unwrap();
-                let r = Request::decode(&h).unwrap();
-                let mut payload = vec![0u8; if r.kind == CMD_WRITE { r.length as usize } else { 0 }];
-                inbox.read_exact(&sock, &mut payload).unwrap();
-                got.push((r, payload));
-                if take_buffered {
-                    got.extend(std::iter::from_fn(|| inbox.next_buffered(|_| true)));
-                }
-            }
-            proptest::prop_assert!(got == sent);
-            proptest::prop_assert!(inbox.is_empty());
-            let mut h = [0u8; 1];
-            proptest::prop_assert_eq!(inbox.read_exact(&sock, &mut h).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+            let (events, _) = feed(&bytes, step);
+            proptest::prop_assert!(events == sent);
         }
-    }
 
-    /// Delivers its bytes in one read, then fails every read after.
-    struct Failing(RefCell<Option<Vec<u8>>>);
-
-    impl Source for Failing {
-        fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
-            let data = self.0.borrow_mut().take().ok_or_else(|| io::Error::other("connection reset"))?;
-            buf[..data.len()].copy_from_slice(&data);
-            Ok(data.len())
+        /// Arbitrary bytes never panic the decoder, and what it takes out never claims more
+        /// bytes than came in.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..4096), step in 1usize..300) {
+            let (events, _) = feed(&bytes, step);
+            proptest::prop_assert!(events.len() <= bytes.len() / REQUEST_LEN);
         }
-    }
-
-    #[test]
-    fn a_failed_read_leaves_nothing_buffered() {
-        let sock = Failing(RefCell::new(Some(req(crate::proto::CMD_READ, 0).encode()[..20].to_vec())));
-        let mut inbox = Inbox::default();
-        let mut h = [0u8; REQUEST_LEN];
-        assert_eq!(inbox.read_exact(&sock, &mut h).unwrap_err().to_string(), "connection reset");
-        assert!(inbox.is_empty(), "stale bytes would be read as the next request");
-    }
-
-    #[test]
-    fn a_bad_header_is_left_for_the_reader() {
-        let mut bytes = req(crate::proto::CMD_READ, 0).encode().to_vec();
-        bytes.extend_from_slice(&[0xAB; REQUEST_LEN]);
-        let sock = Chunked { data: RefCell::new(bytes), step: usize::MAX, reads: RefCell::new(0) };
-        let mut inbox = Inbox::default();
-        let mut h = [0u8; REQUEST_LEN];
-        inbox.read_exact(&sock, &mut h).unwrap();
-        assert_eq!(inbox.next_buffered(|_| true), None);
-        inbox.read_exact(&sock, &mut h).unwrap();
-        assert_eq!(h, [0xAB; REQUEST_LEN]);
     }
 }

@@ -46,8 +46,8 @@ pub struct ExportMetrics {
     pub write_bytes: AtomicU64,
     pub other_ops: AtomicU64,
     pub errors: AtomicU64,
-    /// Worker threads started beyond each connection's first (one per request in flight).
-    pub workers_started: AtomicU64,
+    /// Helper threads started for requests that may wait long (flush, FUA, trim, zeroes, ...).
+    pub helpers_started: AtomicU64,
     pub read_latency: Histogram,
     pub write_latency: Histogram,
 }
@@ -61,7 +61,7 @@ impl ExportMetrics {
         let _ = writeln!(out, "ferrite_nbd_write_bytes_total{{{labels}}} {}", c(&self.write_bytes));
         let _ = writeln!(out, "ferrite_nbd_other_ops_total{{{labels}}} {}", c(&self.other_ops));
         let _ = writeln!(out, "ferrite_nbd_errors_total{{{labels}}} {}", c(&self.errors));
-        let _ = writeln!(out, "ferrite_nbd_worker_threads_started_total{{{labels}}} {}", c(&self.workers_started));
+        let _ = writeln!(out, "ferrite_nbd_helper_threads_started_total{{{labels}}} {}", c(&self.helpers_started));
         self.read_latency.render(out, "ferrite_nbd_read_seconds", &labels);
         self.write_latency.render(out, "ferrite_nbd_write_seconds", &labels);
     }
@@ -75,7 +75,7 @@ pub fn render_headers(out: &mut String) {
         ("ferrite_nbd_other_ops_total", "counter", "Flush, trim, write-zeroes, cache and block-status requests."),
         ("ferrite_nbd_errors_total", "counter", "Requests answered with an error."),
         (
-            "ferrite_nbd_worker_threads_started_total",
+            "ferrite_nbd_helper_threads_started_total",
             "counter",
             "Worker threads started for requests in flight, beyond each connection's first.",
         ),

@@ -320,7 +320,7 @@ fn pipelined_requests_each_get_their_own_reply() {
 fn a_queue_depth_one_client_is_served_by_one_thread_and_a_burst_by_more() {
     use std::sync::atomic::Ordering;
     let h = harness();
-    let started = || h.exports.get("a").unwrap().metrics.workers_started.load(Ordering::Relaxed);
+    let started = || h.exports.get("a").unwrap().metrics.helpers_started.load(Ordering::Relaxed);
     let mut s = transmission(&h, "a");
     // One request at a time: the worker that reads each one runs it and reads the next.
     for i in 0..50u64 {

@@ -1,0 +1,479 @@
+//! A connection's event loop: one thread receives the client's requests and reads the store for
+//! them on one io_uring, and sleeps once for whichever completes first.
+//!
+//! ```text
+//!  ring:  [receive into the inbox]  [store reads of batch 1]  [store reads of batch 2] ...
+//!  loop:  take every request received:
+//!           reads            -> started as one batch (Volume::start_reads), store reads submitted
+//!           small writes, block status, cache -> run now (the engine takes a small write in memory)
+//!           flush, FUA, trim, zeroes, large writes, writes the cleaner paces -> a helper thread
+//!         send the replies that are ready (one writev)
+//!         submit, sleep until something completes; finish the read batches whose reads are done
+//! ```
+//! A request costs no thread hand-off: the thread that received it reads the store for it and
+//! replies, and one wake-up serves whatever completed meanwhile. Requests that may wait long (a
+//! flush waits for a store sync, a write may wait for the cleaner) run on helper threads started
+//! on demand, which send their own replies, so they never hold up the requests behind them.
+//! Without io_uring, or for a store that is not a file, the loop receives and reads with
+//! blocking calls instead.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use ferrite_engine::Reads;
+use io_uring::{IoUring, opcode, squeue, types};
+use parking_lot::{Condvar, Mutex};
+
+use crate::handshake::{MAX_REQUEST, Session};
+use crate::inbox::{Event, Inbox};
+use crate::proto::*;
+use crate::transmission::{DATA_AT, Reply, Socket, error_reply, handle, nbd_errno, read_reply, record};
+
+/// Submission queue entries of a connection's ring (completions: twice as many).
+const RING_ENTRIES: u32 = 128;
+/// Most helper threads per connection (= requests that may wait long, in flight at once).
+const MAX_HELPERS: usize = 64;
+/// Most reads started as one batch (one lookup, one submission; their replies go out together).
+const MAX_BATCH: usize = 32;
+/// Reads longer than this get a batch of their own, so short ones are not held up behind them.
+const MAX_BATCHED_READ: u32 = 256 << 10;
+/// Longest write run on the loop (the largest the engine takes in memory).
+const MAX_INLINE_WRITE: u32 = 128 << 10;
+/// The receive's completion tag; a store read's is its batch's slot and its index there.
+const RECV: u64 = u64::MAX;
+
+/// What the loop and its helpers share.
+struct Conn<'a, S> {
+    sock: &'a S,
+    session: &'a Session,
+    writing: Mutex<()>,
+}
+
+impl<S: Socket> Conn<'_, S> {
+    fn send(&self, replies: &[Reply]) {
+        if replies.is_empty() {
+            return;
+        }
+        let _w = self.writing.lock();
+        let sent = match replies {
+            [one] => self.sock.write_all(&one.bytes),
+            many => {
+                self.sock.write_all_vectored(&mut many.iter().map(|r| io::IoSlice::new(&r.bytes)).collect::<Vec<_>>())
+            }
+        };
+        if let Err(e) = sent {
+            // The client is gone; the loop will see it too.
+            tracing::debug!(error = %e, "writing an NBD reply failed");
+        }
+    }
+}
+
+/// Serves requests until the client disconnects (or breaks framing) and every request in flight
+/// has replied. `ring` false receives and reads with blocking calls (also the fallback when no
+/// ring can be set up).
+pub fn serve<S: Socket>(sock: &S, session: &Session, ring: bool) -> io::Result<()> {
+    let ring = ring.then(|| IoUring::new(RING_ENTRIES)).transpose().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "io_uring unavailable; serving the NBD connection with blocking calls");
+        None
+    });
+    let conn = Conn { sock, session, writing: Mutex::new(()) };
+    let helpers = Helpers::default();
+    let end = std::thread::scope(|scope| {
+        let mut l = Loop {
+            conn: &conn,
+            ring,
+            backlog: VecDeque::new(),
+            submitted: 0,
+            receiving: false,
+            inbox: Inbox::default(),
+            flights: Vec::new(),
+            free: Vec::new(),
+            replies: Vec::new(),
+            end: None,
+        };
+        // Stops the helpers however the loop ends (a panic too), or the scope would wait forever.
+        let _stop = StopOnDrop(&helpers);
+        l.run(|req, payload| helpers.offload(scope, &conn, req, payload))
+    });
+    end
+}
+
+struct StopOnDrop<'h>(&'h Helpers);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
+/// Reads whose store reads are in flight.
+struct Flight<'a> {
+    reads: Reads<'a>,
+    reqs: Vec<Request>,
+    fd: RawFd,
+    /// Each store read's (buffer, length, offset) still to do, for resubmitting short ones.
+    spans: Vec<(*mut u8, usize, u64)>,
+    left: usize,
+    err: Option<io::Error>,
+    start: Instant,
+}
+
+struct Loop<'a, S: Socket> {
+    conn: &'a Conn<'a, S>,
+    ring: Option<IoUring>,
+    /// Entries the submission queue had no room for.
+    backlog: VecDeque<squeue::Entry>,
+    /// Entries handed to the ring whose completions are not reaped yet.
+    submitted: usize,
+    /// A receive is in flight (into `inbox.space()`, which must not change meanwhile).
+    receiving: bool,
+    inbox: Inbox,
+    flights: Vec<Option<Flight<'a>>>,
+    free: Vec<usize>,
+    /// Replies ready to send.
+    replies: Vec<Reply>,
+    /// How the connection ended, once it did (no more requests are taken).
+    end: Option<io::Result<()>>,
+}
+
+impl<'a, S: Socket> Loop<'a, S> {
+    fn run(&mut self, offload: impl Fn(Request, Vec<u8>)) -> io::Result<()> {
+        loop {
+            if self.end.is_none() {
+                self.take_requests(&offload);
+            }
+            self.conn.send(&std::mem::take(&mut self.replies));
+            if self.end.is_some() && self.submitted == 0 && self.backlog.is_empty() {
+                return self.end.take().expect("checked");
+            }
+            if self.ring.is_none() {
+                self.receive_blocking();
+                continue;
+            }
+            if self.end.is_none() && !self.receiving {
+                let space = self.inbox.space();
+                let entry = opcode::Recv::new(
+                    types::Fd(self.conn.sock.as_raw_fd()),
+                    space.as_mut_ptr(),
+                    u32::try_from(space.len()).expect("small"),
+                )
+                .build()
+                .user_data(RECV);
+                self.receiving = true;
+                self.backlog.push_front(entry);
+            }
+            self.wait();
+        }
+    }
+
+    /// Takes every request received and runs, starts or hands off each.
+    fn take_requests(&mut self, offload: &impl Fn(Request, Vec<u8>)) {
+        let session = self.conn.session;
+        let st = session.structured;
+        let mut reads = Vec::new();
+        while let Some(event) = self.inbox.next() {
+            let req = match event {
+                Event::Request(req, payload) if req.kind != CMD_READ => {
+                    if self.runs_now(&req) {
+                        let start = Instant::now();
+                        let reply = handle(session, req, payload);
+                        self.reply(&req, reply, start);
+                    } else {
+                        offload(req, payload);
+                    }
+                    continue;
+                }
+                Event::Request(req, _) => req,
+                Event::Oversized(req) => {
+                    let reply = error_reply(st, req.cookie, EOVERFLOW, "write larger than 32 MiB");
+                    self.reply(&req, reply, Instant::now());
+                    continue;
+                }
+                Event::Disconnect => {
+                    self.end = Some(Ok(()));
+                    break;
+                }
+                Event::BadMagic(m) => {
+                    let e = io::Error::new(io::ErrorKind::InvalidData, format!("bad request magic {m:#x}"));
+                    self.end = Some(Err(e));
+                    break;
+                }
+            };
+            if req.length > MAX_REQUEST {
+                let reply = error_reply(st, req.cookie, if st { EOVERFLOW } else { EINVAL }, "read larger than 32 MiB");
+                self.reply(&req, reply, Instant::now());
+            } else if req.length > MAX_BATCHED_READ {
+                self.start_reads(vec![req]);
+            } else {
+                reads.push(req);
+                if reads.len() == MAX_BATCH {
+                    self.start_reads(std::mem::take(&mut reads));
+                }
+            }
+        }
+        if !reads.is_empty() {
+            self.start_reads(reads);
+        }
+    }
+
+    /// Whether a request other than a read is quick enough to run on the loop.
+    fn runs_now(&self, req: &Request) -> bool {
+        match req.kind {
+            CMD_WRITE => {
+                req.length <= MAX_INLINE_WRITE
+                    && req.flags & CMD_FLAG_FUA == 0
+                    && !self.conn.session.export.volume.writes_may_wait()
+            }
+            CMD_FLUSH | CMD_TRIM | CMD_WRITE_ZEROES => false,
+            // Block status and cache are answered from memory; anything else is refused.
+            _ => true,
+        }
+    }
+
+    fn reply(&mut self, req: &Request, reply: Reply, start: Instant) {
+        record(self.conn.session, req, &reply, start.elapsed());
+        self.replies.push(reply);
+    }
+
+    /// Starts `reqs` (reads) as one batch; their store reads go on the ring, or are done now.
+    fn start_reads(&mut self, reqs: Vec<Request>) {
+        let session = self.conn.session;
+        let start = Instant::now();
+        let parts: Vec<(u64, usize)> = reqs.iter().map(|r| (r.offset, r.length as usize)).collect();
+        let mut reads = match session.export.volume.start_reads(&parts) {
+            Ok(r) => r,
+            Err(e) => {
+                for req in &reqs {
+                    self.reply(req, error_reply(session.structured, req.cookie, nbd_errno(&e), &e.to_string()), start);
+                }
+                return;
+            }
+        };
+        let spans: Vec<(*mut u8, usize, u64)> =
+            reads.media_ops().into_iter().map(|op| (op.buf.as_mut_ptr(), op.buf.len(), op.offset)).collect();
+        let fd = reads.media_fd().filter(|_| self.ring.is_some() && !spans.is_empty());
+        let Some(fd) = fd else {
+            let media = if spans.is_empty() { Ok(()) } else { reads.read_media() };
+            self.finish(reads, &reqs, media, start);
+            return;
+        };
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.flights.push(None);
+            self.flights.len() - 1
+        });
+        for (i, &span) in spans.iter().enumerate() {
+            self.backlog.push_back(read_entry(fd, span, tag(slot, i)));
+        }
+        self.flights[slot] = Some(Flight { reads, reqs, fd, left: spans.len(), spans, err: None, start });
+    }
+
+    /// Completes a batch whose store reads are done, and queues its replies.
+    fn finish(&mut self, reads: Reads<'_>, reqs: &[Request], media: io::Result<()>, start: Instant) {
+        let st = self.conn.session.structured;
+        let at = if st { DATA_AT } else { SIMPLE_REPLY_LEN };
+        let mut outs: Vec<Vec<u8>> = reqs.iter().map(|r| vec![0u8; at + r.length as usize]).collect();
+        let results = reads.finish(media, &mut outs.iter_mut().map(|o| &mut o[at..]).collect::<Vec<_>>());
+        for ((req, out), result) in reqs.iter().zip(outs).zip(results) {
+            let reply = match result {
+                Ok(runs) => read_reply(st, req, out, &runs),
+                Err(e) => error_reply(st, req.cookie, nbd_errno(&e), &e.to_string()),
+            };
+            self.reply(req, reply, start);
+        }
+    }
+
+    /// Hands queued entries to the ring (as many as it has room for, keeping completions within
+    /// its completion queue), sleeps until at least one completes, and handles what completed.
+    fn wait(&mut self) {
+        let ring = self.ring.as_mut().expect("the ring loop");
+        while self.submitted < 2 * RING_ENTRIES as usize {
+            let Some(entry) = self.backlog.pop_front() else { break };
+            // SAFETY: every entry's buffer outlives its completion: a receive's is the inbox's
+            // space, untouched while `receiving` is set (cleared only when its completion is
+            // reaped); a store read's belongs to its batch's `Reads`, which stays in `flights`
+            // until all of its reads completed. The loop never returns with entries submitted
+            // (see `run`), and on failure the entry is put back, not dropped.
+            if unsafe { ring.submission().push(&entry) }.is_err() {
+                self.backlog.push_front(entry);
+                break;
+            }
+            self.submitted += 1;
+        }
+        if let Err(e) = ring.submit_and_wait(1) {
+            // Transient errors (EINTR, EAGAIN, EBUSY) clear on retry; entries in flight still
+            // own their buffers, so the loop goes on either way.
+            if !matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) {
+                tracing::warn!(error = %e, "io_uring_enter failed on an NBD connection; retrying");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            return;
+        }
+        let done: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        for (tag, res) in done {
+            self.submitted -= 1;
+            if tag == RECV {
+                self.receiving = false;
+                self.received(if res < 0 { Err(io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) });
+            } else {
+                self.read_done(tag, res);
+            }
+        }
+    }
+
+    /// A store read completed with `res`: a short one is resubmitted for the rest; the batch is
+    /// finished once all of its reads are done.
+    fn read_done(&mut self, tag: u64, res: i32) {
+        let (slot, i) = (usize::try_from(tag >> 32).expect("fits"), (tag & u64::from(u32::MAX)) as usize);
+        let f = self.flights[slot].as_mut().expect("a store read's batch is in flight");
+        let (ptr, len, off) = f.spans[i];
+        match usize::try_from(res) {
+            Err(_) => {
+                f.err.get_or_insert(io::Error::from_raw_os_error(-res));
+            }
+            Ok(0) => {
+                f.err.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "short read from the store"));
+            }
+            Ok(n) if n < len => {
+                // SAFETY: n < len, so the advanced pointer stays inside the same buffer.
+                f.spans[i] = (unsafe { ptr.add(n) }, len - n, off + n as u64);
+                let entry = read_entry(f.fd, f.spans[i], tag);
+                self.backlog.push_back(entry);
+                return;
+            }
+            Ok(_) => {}
+        }
+        f.left -= 1;
+        if f.left == 0 {
+            let f = self.flights[slot].take().expect("checked");
+            self.free.push(slot);
+            self.finish(f.reads, &f.reqs, f.err.map_or(Ok(()), Err), f.start);
+        }
+    }
+
+    /// Bytes (or the end) came in from the client.
+    fn received(&mut self, got: io::Result<usize>) {
+        match got {
+            Ok(0) => self.end = Some(Ok(())),
+            Ok(n) => self.inbox.received(n),
+            Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) => {}
+            Err(e) => self.end = Some(Err(e)),
+        }
+    }
+
+    fn receive_blocking(&mut self) {
+        let got = self.conn.sock.read_some(self.inbox.space());
+        self.received(got);
+    }
+}
+
+impl<S: Socket> Drop for Loop<'_, S> {
+    /// A loop that ends with entries in flight (only a panic does) waits for them, as their
+    /// buffers must outlive them; shutting the socket down completes a pending receive.
+    fn drop(&mut self) {
+        let Some(ring) = self.ring.as_mut().filter(|_| self.submitted > 0) else { return };
+        // SAFETY: shutdown(2) on a socket this loop serves; no memory is passed.
+        unsafe { libc::shutdown(self.conn.sock.as_raw_fd(), libc::SHUT_RDWR) };
+        while self.submitted > 0 {
+            if ring.submit_and_wait(1).is_ok() {
+                self.submitted -= ring.completion().count();
+            }
+        }
+    }
+}
+
+fn tag(slot: usize, i: usize) -> u64 {
+    ((slot as u64) << 32) | u64::try_from(i).expect("fits")
+}
+
+fn read_entry(fd: RawFd, (ptr, len, off): (*mut u8, usize, u64), tag: u64) -> squeue::Entry {
+    let len = u32::try_from(len).expect("store reads are below 4 GiB");
+    opcode::Read::new(types::Fd(fd), ptr, len).offset(off).build().user_data(tag)
+}
+
+/// Helper threads for the requests that may wait long, started on demand.
+#[derive(Default)]
+struct Helpers {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<(Request, Vec<u8>)>,
+    /// Helpers waiting for a job, and helpers running.
+    idle: usize,
+    threads: usize,
+    stop: bool,
+}
+
+impl Helpers {
+    /// Queues a request; starts another helper when every one is busy.
+    fn offload<'s, S: Socket>(
+        &'s self,
+        scope: &'s std::thread::Scope<'s, '_>,
+        conn: &'s Conn<'s, S>,
+        req: Request,
+        payload: Vec<u8>,
+    ) {
+        let mut q = self.queue.lock();
+        q.jobs.push_back((req, payload));
+        if q.jobs.len() <= q.idle || q.threads == MAX_HELPERS {
+            self.wake.notify_one();
+            return;
+        }
+        q.threads += 1;
+        drop(q);
+        let spawned =
+            std::thread::Builder::new().name("nbd-helper".into()).spawn_scoped(scope, move || self.work(conn));
+        match spawned {
+            Ok(_) => {
+                conn.session.export.metrics.helpers_started.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start an NBD helper thread; the running ones take the request");
+                let mut q = self.queue.lock();
+                q.threads -= 1;
+                if q.threads == 0 {
+                    // Nobody would ever take it: run it here.
+                    let job = q.jobs.pop_back().expect("just queued");
+                    drop(q);
+                    run_job(conn, job);
+                }
+            }
+        }
+    }
+
+    fn work<S: Socket>(&self, conn: &Conn<'_, S>) {
+        loop {
+            let job = {
+                let mut q = self.queue.lock();
+                q.idle += 1;
+                while q.jobs.is_empty() && !q.stop {
+                    self.wake.wait(&mut q);
+                }
+                q.idle -= 1;
+                match q.jobs.pop_front() {
+                    Some(job) => job,
+                    None => return,
+                }
+            };
+            run_job(conn, job);
+        }
+    }
+
+    /// Lets the helpers end once the queued requests have run.
+    fn stop(&self) {
+        self.queue.lock().stop = true;
+        self.wake.notify_all();
+    }
+}
+
+fn run_job<S: Socket>(conn: &Conn<'_, S>, (req, payload): (Request, Vec<u8>)) {
+    let start = Instant::now();
+    let reply = handle(conn.session, req, payload);
+    record(conn.session, &req, &reply, start.elapsed());
+    conn.send(&[reply]);
+}

@@ -1,0 +1,193 @@
+//! The connection's event loop in each of its ways of doing I/O — store reads on its io_uring,
+//! store reads through the engine (a store that is not a file), and blocking calls (no
+//! io_uring) — serves one pipelined script of every request kind with the same, exact results.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use ferrite_engine::io::MemoryBackend;
+use ferrite_engine::{Pool, PoolOptions};
+use ferrite_nbd::Export;
+use ferrite_nbd::event_loop::serve;
+use ferrite_nbd::handshake::Session;
+use ferrite_nbd::proto::*;
+
+const SIZE: u64 = 64 << 20;
+const BLOCK: u64 = 4096;
+
+fn byte(offset: u64, seed: u64) -> u8 {
+    u8::try_from((offset / 512 + seed * 7) % 251).expect("below 251") + 1
+}
+
+/// The client: sends a batch of requests at once, then reads every reply (simple replies, so a
+/// read's data follows its header), and checks each against the model of the volume.
+struct Client {
+    sock: UnixStream,
+    model: Vec<u8>,
+    cookie: u64,
+}
+
+enum Op {
+    Write { offset: u64, len: u64, seed: u64, fua: bool },
+    Read { offset: u64, len: u64 },
+    Trim { offset: u64, len: u64 },
+    Zeroes { offset: u64, len: u64 },
+    Flush,
+}
+
+impl Client {
+    /// Sends `ops` pipelined, then checks every reply: all succeed, reads return the model as it
+    /// was before the batch (a batch never reads what it writes).
+    fn batch(&mut self, ops: &[Op]) {
+        let mut bytes = Vec::new();
+        let mut reads = HashMap::new();
+        let before = self.model.clone();
+        for op in ops {
+            self.cookie += 1;
+            let (kind, flags, offset, len) = match *op {
+                Op::Write { offset, len, seed, fua } => {
+                    let data: Vec<u8> = (offset..offset + len).map(|o| byte(o, seed)).collect();
+                    self.model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+                    let r = Request {
+                        flags: if fua { CMD_FLAG_FUA } else { 0 },
+                        kind: CMD_WRITE,
+                        cookie: self.cookie,
+                        offset,
+                        length: u32::try_from(len).unwrap(),
+                    };
+                    bytes.extend_from_slice(&r.encode());
+                    bytes.extend_from_slice(&data);
+                    continue;
+                }
+                Op::Read { offset, len } => {
+                    reads.insert(self.cookie, (offset, len));
+                    (CMD_READ, 0, offset, len)
+                }
+                Op::Trim { offset, len } | Op::Zeroes { offset, len } => {
+                    self.model[offset as usize..(offset + len) as usize].fill(0);
+                    (if matches!(op, Op::Trim { .. }) { CMD_TRIM } else { CMD_WRITE_ZEROES }, 0, offset, len)
+                }
+                Op::Flush => (CMD_FLUSH, 0, 0, 0),
+            };
+            let length = u32::try_from(len).unwrap();
+            bytes.extend_from_slice(&Request { flags, kind, cookie: self.cookie, offset, length }.encode());
+        }
+        let mut writer = self.sock.try_clone().unwrap();
+        let sender = std::thread::spawn(move || writer.write_all(&bytes).unwrap());
+        for _ in 0..ops.len() {
+            let mut h = [0u8; 16];
+            self.sock.read_exact(&mut h).unwrap();
+            assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), SIMPLE_REPLY_MAGIC);
+            let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+            let cookie = u64::from_be_bytes(h[8..].try_into().unwrap());
+            assert_eq!(error, 0, "cookie {cookie}");
+            if let Some((offset, len)) = reads.remove(&cookie) {
+                let mut data = vec![0u8; len as usize];
+                self.sock.read_exact(&mut data).unwrap();
+                let want = &before[offset as usize..(offset + len) as usize];
+                assert!(data == want, "read of {len} bytes at {offset} (cookie {cookie}) differs");
+            }
+        }
+        assert!(reads.is_empty());
+        sender.join().unwrap();
+    }
+}
+
+/// A deterministic stream of ranges, block-aligned or not.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % below
+    }
+
+    fn range(&mut self, max_len: u64, aligned: bool) -> (u64, u64) {
+        let unit = if aligned { BLOCK } else { 1 };
+        let len = (1 + self.next(max_len / unit)) * unit;
+        let offset = self.next((SIZE - len) / unit) * unit;
+        (offset, len)
+    }
+}
+
+fn script(c: &mut Client) {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    // Scattered writes of every size the loop treats differently: small ones it runs itself,
+    // large and FUA ones its helpers run; a third are not block-aligned.
+    for round in 0..4u64 {
+        let ops: Vec<Op> = (0..48)
+            .map(|i| {
+                let (offset, len) = rng.range(if i % 8 == 0 { 1 << 20 } else { 64 << 10 }, i % 3 != 0);
+                Op::Write { offset, len, seed: round * 100 + i, fua: i % 11 == 0 }
+            })
+            .collect();
+        c.batch(&ops);
+    }
+    c.batch(&[Op::Flush]);
+    // Reads of every size (one too large to share a batch), over written ranges and holes.
+    let ops: Vec<Op> = (0..200)
+        .map(|i| {
+            let (offset, len) = rng.range(if i % 10 == 0 { 2 << 20 } else { 128 << 10 }, i % 2 == 0);
+            Op::Read { offset, len }
+        })
+        .collect();
+    c.batch(&ops);
+    let mut ops: Vec<Op> = (0..16)
+        .map(|i| {
+            let (offset, len) = rng.range(256 << 10, true);
+            if i % 2 == 0 { Op::Trim { offset, len } } else { Op::Zeroes { offset, len } }
+        })
+        .collect();
+    ops.push(Op::Flush);
+    c.batch(&ops);
+    // The whole volume, back to back as a sequential reader does (readahead joins in).
+    let ops: Vec<Op> = (0..SIZE / (256 << 10)).map(|i| Op::Read { offset: i * (256 << 10), len: 256 << 10 }).collect();
+    c.batch(&ops);
+}
+
+fn run(pool: &Pool, ring: bool) {
+    pool.create_volume("v", SIZE).unwrap();
+    let export = Arc::new(Export::new("v", pool.open_volume("v").unwrap(), false, ""));
+    let session = Session { export: Arc::clone(&export), structured: false, base_allocation: false };
+    let (client, server) = UnixStream::pair().unwrap();
+    let served = std::thread::spawn(move || serve(&server, &session, ring));
+    client.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    let mut c = Client { sock: client, model: vec![0u8; SIZE as usize], cookie: 0 };
+    script(&mut c);
+    // A disconnect ends the loop cleanly.
+    c.sock.write_all(&Request { flags: 0, kind: CMD_DISC, cookie: 0, offset: 0, length: 0 }.encode()).unwrap();
+    served.join().unwrap().unwrap();
+    let mut rest = Vec::new();
+    assert_eq!(c.sock.read_to_end(&mut rest).unwrap(), 0, "nothing after the last reply");
+    assert_eq!(export.metrics.errors.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+fn file_pool(dir: &tempfile::TempDir) -> Pool {
+    Pool::create(&dir.path().join("pool.img"), &dir.path().join("meta"), 512 << 20, PoolOptions::default()).unwrap()
+}
+
+#[test]
+fn store_reads_on_the_loops_ring() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = file_pool(&dir);
+    run(&pool, true);
+}
+
+#[test]
+fn store_reads_through_the_engine_for_a_store_that_is_not_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool =
+        Pool::create_on(Arc::new(MemoryBackend::new(512 << 20)), &dir.path().join("meta"), PoolOptions::default())
+            .unwrap();
+    run(&pool, true);
+}
+
+#[test]
+fn blocking_calls_without_io_uring() {
+    let dir = tempfile::tempdir().unwrap();
+    run(&file_pool(&dir), false);
+}
