@@ -81,7 +81,7 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, ring: bool) -> io::Result<(
     });
     let conn = Conn { sock, session, writing: Mutex::new(()) };
     let helpers = Helpers::default();
-    let end = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let mut l = Loop {
             conn: &conn,
             ring,
@@ -97,8 +97,7 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, ring: bool) -> io::Result<(
         // Stops the helpers however the loop ends (a panic too), or the scope would wait forever.
         let _stop = StopOnDrop(&helpers);
         l.run(|req, payload| helpers.offload(scope, &conn, req, payload))
-    });
-    end
+    })
 }
 
 struct StopOnDrop<'h>(&'h Helpers);
@@ -174,7 +173,7 @@ impl<'a, S: Socket> Loop<'a, S> {
         let session = self.conn.session;
         let st = session.structured;
         let mut reads = Vec::new();
-        while let Some(event) = self.inbox.next() {
+        while let Some(event) = self.inbox.next_event() {
             let req = match event {
                 Event::Request(req, payload) if req.kind != CMD_READ => {
                     if self.runs_now(&req) {
@@ -316,7 +315,7 @@ impl<'a, S: Socket> Loop<'a, S> {
             self.submitted -= 1;
             if tag == RECV {
                 self.receiving = false;
-                self.received(if res < 0 { Err(io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) });
+                self.received(usize::try_from(res).map_err(|_| io::Error::from_raw_os_error(-res)));
             } else {
                 self.read_done(tag, res);
             }
@@ -326,7 +325,8 @@ impl<'a, S: Socket> Loop<'a, S> {
     /// A store read completed with `res`: a short one is resubmitted for the rest; the batch is
     /// finished once all of its reads are done.
     fn read_done(&mut self, tag: u64, res: i32) {
-        let (slot, i) = (usize::try_from(tag >> 32).expect("fits"), (tag & u64::from(u32::MAX)) as usize);
+        let (slot, i) =
+            (usize::try_from(tag >> 32).expect("fits"), usize::try_from(tag & u64::from(u32::MAX)).expect("fits"));
         let f = self.flights[slot].as_mut().expect("a store read's batch is in flight");
         let (ptr, len, off) = f.spans[i];
         match usize::try_from(res) {

@@ -44,7 +44,7 @@ pub fn requests(input: &[u8]) -> usize {
         space[..n].copy_from_slice(&input[at..at + n]);
         inbox.received(n);
         at += n;
-        while let Some(e) = inbox.next() {
+        while let Some(e) = inbox.next_event() {
             events += 1;
             if matches!(e, Event::BadMagic(_)) {
                 return events;

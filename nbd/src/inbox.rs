@@ -1,7 +1,7 @@
 //! The receive side of a connection: splits the bytes a client sends into requests with their
 //! payloads, however they arrive. No I/O here: the connection receives into [`Inbox::space`]
 //! (a buffer that takes in every request the client has sent so far with one receive, or,
-//! for a write too large for it, the write's own payload) and takes out [`Inbox::next`] events.
+//! for a write too large for it, the write's own payload) and takes out [`Inbox::next_event`] events.
 
 use crate::handshake::MAX_REQUEST;
 use crate::proto::{CMD_DISC, CMD_WRITE, DecodeError, REQUEST_LEN, Request};
@@ -56,7 +56,7 @@ impl Default for Inbox {
 
 impl Inbox {
     /// Where the next bytes from the socket go (never empty); report them with
-    /// [`Inbox::received`]. Take every event out with [`Inbox::next`] first: the buffer only
+    /// [`Inbox::received`]. Take every event out with [`Inbox::next_event`] first: the buffer only
     /// has room once what it holds was taken.
     pub fn space(&mut self) -> &mut [u8] {
         if let State::Payload { data, got, .. } = &mut self.state {
@@ -79,7 +79,7 @@ impl Inbox {
     }
 
     /// The next event, once all of it was received.
-    pub fn next(&mut self) -> Option<Event> {
+    pub fn next_event(&mut self) -> Option<Event> {
         loop {
             match &mut self.state {
                 State::Payload { data, got, .. } if *got == data.len() => {
@@ -165,7 +165,7 @@ mod tests {
             inbox.received(n);
             at += n;
             receives += 1;
-            while let Some(e) = inbox.next() {
+            while let Some(e) = inbox.next_event() {
                 let stop = matches!(e, Event::BadMagic(_));
                 events.push(e);
                 if stop {

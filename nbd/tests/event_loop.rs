@@ -21,6 +21,11 @@ fn byte(offset: u64, seed: u64) -> u8 {
     u8::try_from((offset / 512 + seed * 7) % 251).expect("below 251") + 1
 }
 
+/// `[offset, offset + len)` as an index range of the model.
+fn span(offset: u64, len: u64) -> std::ops::Range<usize> {
+    usize::try_from(offset).unwrap()..usize::try_from(offset + len).unwrap()
+}
+
 /// The client: sends a batch of requests at once, then reads every reply (simple replies, so a
 /// read's data follows its header), and checks each against the model of the volume.
 struct Client {
@@ -49,7 +54,7 @@ impl Client {
             let (kind, flags, offset, len) = match *op {
                 Op::Write { offset, len, seed, fua } => {
                     let data: Vec<u8> = (offset..offset + len).map(|o| byte(o, seed)).collect();
-                    self.model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+                    self.model[span(offset, len)].copy_from_slice(&data);
                     let r = Request {
                         flags: if fua { CMD_FLAG_FUA } else { 0 },
                         kind: CMD_WRITE,
@@ -66,7 +71,7 @@ impl Client {
                     (CMD_READ, 0, offset, len)
                 }
                 Op::Trim { offset, len } | Op::Zeroes { offset, len } => {
-                    self.model[offset as usize..(offset + len) as usize].fill(0);
+                    self.model[span(offset, len)].fill(0);
                     (if matches!(op, Op::Trim { .. }) { CMD_TRIM } else { CMD_WRITE_ZEROES }, 0, offset, len)
                 }
                 Op::Flush => (CMD_FLUSH, 0, 0, 0),
@@ -84,9 +89,9 @@ impl Client {
             let cookie = u64::from_be_bytes(h[8..].try_into().unwrap());
             assert_eq!(error, 0, "cookie {cookie}");
             if let Some((offset, len)) = reads.remove(&cookie) {
-                let mut data = vec![0u8; len as usize];
+                let mut data = vec![0u8; span(0, len).len()];
                 self.sock.read_exact(&mut data).unwrap();
-                let want = &before[offset as usize..(offset + len) as usize];
+                let want = &before[span(offset, len)];
                 assert!(data == want, "read of {len} bytes at {offset} (cookie {cookie}) differs");
             }
         }
@@ -156,7 +161,7 @@ fn run(pool: &Pool, ring: bool) {
     let (client, server) = UnixStream::pair().unwrap();
     let served = std::thread::spawn(move || serve(&server, &session, ring));
     client.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
-    let mut c = Client { sock: client, model: vec![0u8; SIZE as usize], cookie: 0 };
+    let mut c = Client { sock: client, model: vec![0u8; span(0, SIZE).len()], cookie: 0 };
     script(&mut c);
     // A disconnect ends the loop cleanly.
     c.sock.write_all(&Request { flags: 0, kind: CMD_DISC, cookie: 0, offset: 0, length: 0 }.encode()).unwrap();
