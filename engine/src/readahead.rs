@@ -243,7 +243,7 @@ pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> Gather {
     }
     // Where each block is (buffer, byte offset), or None: gathered below with the rest.
     let mut hits: Vec<Option<(Arc<AlignedBuf>, usize)>> = Vec::with_capacity(found.len());
-    let mut rest: Vec<(u64, u64)> = Vec::new();
+    let mut missing: Vec<u64> = Vec::new();
     let mut done: Vec<Arc<Window>> = Vec::new();
     let pbas = runs.iter().flat_map(|&(p, n)| p..p + n);
     for (pba, hit) in pbas.zip(&found) {
@@ -256,10 +256,7 @@ pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> Gather {
             Some((Arc::clone(data), slot * BLOCK))
         });
         if here.is_none() {
-            match rest.last_mut() {
-                Some((q, k)) if *q + *k == pba && hits.last().is_some_and(Option::is_none) => *k += 1,
-                _ => rest.push((pba, 1)),
-            }
+            missing.push(pba);
         }
         hits.push(here);
     }
@@ -272,7 +269,8 @@ pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> Gather {
         }
         ra.cached.store(c.index.len(), Ordering::Release);
     }
-    let Gather { buf, todo, .. } = all(&rest);
+    // The missing blocks take the slots of `buf` in order, so runs may span the hits between.
+    let Gather { buf, todo, .. } = all(&crate::volume::pba_runs(missing));
     Gather { hits, buf, todo }
 }
 

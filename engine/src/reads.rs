@@ -178,7 +178,7 @@ impl<'v> Reads<'v> {
                     Err(_) => None,
                 };
                 let mut alloc = Vec::new();
-                self.volume.fill(offset, buf, &blocks, media.map(|m| (m, at)), Some(&mut alloc))?;
+                self.volume.fill(offset, buf, &blocks, media.map(|m| (m, at)), &mut alloc)?;
                 Ok(alloc)
             })
             .collect()

@@ -180,15 +180,13 @@ impl Volume {
     /// Reads `buf.len()` bytes at `offset`. Never-written ranges read as zeros without touching
     /// media; a checksum mismatch is an error naming the volume and offset, never data.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.read_in(&*self.pool()?, offset, buf, None)
+        self.read_sparse(offset, buf).map(drop)
     }
 
     /// As [`Volume::read`], and also returns the range's allocation as [`Volume::allocation`]
     /// does, from the same lookup (an NBD structured read needs both).
     pub fn read_sparse(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<(u64, bool)>> {
-        let mut runs = Vec::new();
-        self.read_in(&*self.pool()?, offset, buf, Some(&mut runs))?;
-        Ok(runs)
+        self.read_sparse_many(&mut [(offset, buf)]).pop().expect("one outcome per range")
     }
 
     /// Reads several ranges as one: every range is resolved in one hold of the state lock and
@@ -220,19 +218,6 @@ impl Volume {
         };
         let pinned = pins.into_held();
         Ok(Reads::new(self, inner, parts, resolved, pinned))
-    }
-
-    fn read_in(&self, inner: &Inner, offset: u64, buf: &mut [u8], alloc: Option<&mut Vec<(u64, bool)>>) -> Result<()> {
-        crate::readahead::note_read(inner, self, offset, buf.len() as u64);
-        let mut pins = Pinned::new(&inner.pins);
-        let blocks = self.resolve(&inner.state.read(), &mut pins, offset, buf.len() as u64)?;
-        if blocks.is_empty() {
-            return Ok(());
-        }
-        let mut gather = crate::readahead::gather(inner, &media_runs(&blocks));
-        gather.read(inner.backend.as_ref()).map_err(|e| self.media_error(offset, buf.len(), &e))?;
-        drop(pins);
-        self.fill(offset, buf, &blocks, Some((&gather.into_media(), 0)), alloc)
     }
 
     pub(crate) fn media_error(&self, offset: u64, len: usize, e: &std::io::Error) -> Error {
@@ -297,7 +282,7 @@ impl Volume {
         buf: &mut [u8],
         resolved: &[Resolved],
         media: Option<(&Media, usize)>,
-        mut alloc: Option<&mut Vec<(u64, bool)>>,
+        alloc: &mut Vec<(u64, bool)>,
     ) -> Result<()> {
         let first = offset / B;
         let mut slot = 0;
@@ -307,11 +292,9 @@ impl Volume {
             let hi = (offset + buf.len() as u64).min(block_start + B);
             let dst =
                 &mut buf[usize::try_from(lo - offset).expect("fits")..usize::try_from(hi - offset).expect("fits")];
-            if let Some(alloc) = alloc.as_deref_mut() {
-                match alloc.last_mut() {
-                    Some((n, mapped)) if *mapped == r.is_some() => *n += hi - lo,
-                    _ => alloc.push((hi - lo, r.is_some())),
-                }
+            match alloc.last_mut() {
+                Some((n, mapped)) if *mapped == r.is_some() => *n += hi - lo,
+                _ => alloc.push((hi - lo, r.is_some())),
             }
             match r {
                 None => dst.fill(0),
@@ -390,11 +373,13 @@ impl Volume {
         }
         let _edges = self.lock_edges(inner, offset, len);
         let mut whole = vec![0u8; usize::try_from(end - start).expect("fits")];
-        self.read_in(inner, start, &mut whole[..BLOCK], None)?;
-        if end - start > B {
-            let at = whole.len() - BLOCK;
-            self.read_in(inner, end - B, &mut whole[at..], None)?;
+        // Both edge blocks in one lookup and one media batch.
+        let (head, rest) = whole.split_at_mut(BLOCK);
+        let mut edges = vec![(start, head)];
+        if let Some(at) = rest.len().checked_sub(BLOCK) {
+            edges.push((end - B, &mut rest[at..]));
         }
+        self.read_sparse_many(&mut edges).into_iter().try_for_each(|r| r.map(drop))?;
         let rel = usize::try_from(offset - start).expect("fits");
         whole[rel..rel + data.len()].copy_from_slice(&data);
         self.submit_blocks(inner, start, Payload::new(whole), fua)
