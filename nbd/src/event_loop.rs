@@ -112,7 +112,6 @@ impl Drop for StopOnDrop<'_> {
 struct Flight<'a> {
     reads: Reads<'a>,
     reqs: Vec<Request>,
-    fd: RawFd,
     /// Each store read's (buffer, length, offset) still to do, for resubmitting short ones.
     spans: Vec<(*mut u8, usize, u64)>,
     left: usize,
@@ -266,7 +265,7 @@ impl<'a, S: Socket> Loop<'a, S> {
         for (i, &span) in spans.iter().enumerate() {
             self.backlog.push_back(read_entry(fd, span, tag(slot, i)));
         }
-        self.flights[slot] = Some(Flight { reads, reqs, fd, left: spans.len(), spans, err: None, start });
+        self.flights[slot] = Some(Flight { reads, reqs, left: spans.len(), spans, err: None, start });
     }
 
     /// Completes a batch whose store reads are done, and queues its replies.
@@ -339,7 +338,8 @@ impl<'a, S: Socket> Loop<'a, S> {
             Ok(n) if n < len => {
                 // SAFETY: n < len, so the advanced pointer stays inside the same buffer.
                 f.spans[i] = (unsafe { ptr.add(n) }, len - n, off + n as u64);
-                let entry = read_entry(f.fd, f.spans[i], tag);
+                let fd = f.reads.media_fd().expect("reads on the ring are from a file");
+                let entry = read_entry(fd, f.spans[i], tag);
                 self.backlog.push_back(entry);
                 return;
             }

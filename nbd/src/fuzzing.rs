@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::export::Exports;
 use crate::handshake::negotiate;
-use crate::inbox::{Event, Inbox};
+use crate::inbox;
 
 /// Feeds `input` as everything a client sends during negotiation, against an empty export set.
 /// Must never panic or hang; returns whether negotiation ended in a session (it cannot here).
@@ -31,25 +31,9 @@ pub fn handshake(input: &[u8]) -> bool {
     })
 }
 
-/// Feeds `input` to a connection's receive side ([`Inbox`]) as a client's request stream, in
-/// receives as long as its first byte says; returns how many events came out. Stops at a bad
-/// header, as a connection does.
+/// Feeds `input` to a connection's receive side ([`inbox::split`]) as a client's request
+/// stream, in receives as long as its first byte says; returns how many events came out.
 pub fn requests(input: &[u8]) -> usize {
     let step = usize::from(input.first().copied().unwrap_or(1).max(1));
-    let mut inbox = Inbox::default();
-    let (mut events, mut at) = (0, 0);
-    while at < input.len() {
-        let space = inbox.space();
-        let n = space.len().min(step).min(input.len() - at);
-        space[..n].copy_from_slice(&input[at..at + n]);
-        inbox.received(n);
-        at += n;
-        while let Some(e) = inbox.next_event() {
-            events += 1;
-            if matches!(e, Event::BadMagic(_)) {
-                return events;
-            }
-        }
-    }
-    events
+    inbox::split(input, step).0.len()
 }

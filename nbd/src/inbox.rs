@@ -140,6 +140,30 @@ impl Inbox {
     }
 }
 
+/// Splits `bytes`, received at most `step` bytes at a time, into the events a connection takes
+/// out after each receive, up to a bad header (after which a connection reads nothing more).
+/// Returns them with the number of receives. For tests and fuzzing.
+pub fn split(bytes: &[u8], step: usize) -> (Vec<Event>, usize) {
+    let mut inbox = Inbox::default();
+    let (mut events, mut receives, mut at) = (Vec::new(), 0, 0);
+    while at < bytes.len() {
+        let space = inbox.space();
+        let n = space.len().min(step).min(bytes.len() - at);
+        space[..n].copy_from_slice(&bytes[at..at + n]);
+        inbox.received(n);
+        at += n;
+        receives += 1;
+        while let Some(e) = inbox.next_event() {
+            let stop = matches!(e, Event::BadMagic(_));
+            events.push(e);
+            if stop {
+                return (events, receives);
+            }
+        }
+    }
+    (events, receives)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,33 +177,10 @@ mod tests {
         Request { flags: 0, kind, cookie, offset: cookie * 4096, length }
     }
 
-    /// Feeds `bytes` to an inbox in receives of at most `step` bytes, taking every event out
-    /// after each; returns the events and the number of receives.
-    fn feed(bytes: &[u8], step: usize) -> (Vec<Event>, usize) {
-        let mut inbox = Inbox::default();
-        let (mut events, mut receives, mut at) = (Vec::new(), 0, 0);
-        while at < bytes.len() {
-            let space = inbox.space();
-            let n = space.len().min(step).min(bytes.len() - at);
-            space[..n].copy_from_slice(&bytes[at..at + n]);
-            inbox.received(n);
-            at += n;
-            receives += 1;
-            while let Some(e) = inbox.next_event() {
-                let stop = matches!(e, Event::BadMagic(_));
-                events.push(e);
-                if stop {
-                    return (events, receives);
-                }
-            }
-        }
-        (events, receives)
-    }
-
     #[test]
     fn one_receive_takes_in_many_requests() {
         let bytes: Vec<u8> = (0..32).flat_map(|c| req(CMD_READ, c, 4096).encode()).collect();
-        let (events, receives) = feed(&bytes, usize::MAX);
+        let (events, receives) = split(&bytes, usize::MAX);
         assert_eq!(receives, 1);
         let cookies: Vec<u64> =
             events.iter().map(|e| if let Event::Request(r, _) = e { r.cookie } else { panic!("{e:?}") }).collect();
@@ -192,7 +193,7 @@ mod tests {
         let mut bytes = req(CMD_WRITE, 1, 1_000_000).encode().to_vec();
         bytes.extend_from_slice(&payload);
         bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
-        let (events, receives) = feed(&bytes, usize::MAX);
+        let (events, receives) = split(&bytes, usize::MAX);
         assert_eq!(
             events,
             [Event::Request(req(CMD_WRITE, 1, 1_000_000), payload), Event::Request(req(CMD_READ, 2, 4096), vec![])]
@@ -207,7 +208,7 @@ mod tests {
         let mut bytes = req(CMD_WRITE, 1, len).encode().to_vec();
         bytes.resize(bytes.len() + len as usize, 7);
         bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
-        let (events, _) = feed(&bytes, 1 << 20);
+        let (events, _) = split(&bytes, 1 << 20);
         assert_eq!(events, [Event::Oversized(req(CMD_WRITE, 1, len)), Event::Request(req(CMD_READ, 2, 4096), vec![])]);
     }
 
@@ -216,7 +217,7 @@ mod tests {
         let mut bytes = req(CMD_DISC, 1, 0).encode().to_vec();
         bytes.extend_from_slice(&[0xAB; REQUEST_LEN]);
         bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
-        let (events, _) = feed(&bytes, 5);
+        let (events, _) = split(&bytes, 5);
         assert_eq!(events, [Event::Disconnect, Event::BadMagic(0xABAB_ABAB)]);
     }
 
@@ -239,7 +240,7 @@ mod tests {
                 bytes.extend_from_slice(&payload);
                 sent.push(Event::Request(r, payload));
             }
-            let (events, _) = feed(&bytes, step);
+            let (events, _) = split(&bytes, step);
             proptest::prop_assert!(events == sent);
         }
 
@@ -247,7 +248,7 @@ mod tests {
         /// bytes than came in.
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..4096), step in 1usize..300) {
-            let (events, _) = feed(&bytes, step);
+            let (events, _) = split(&bytes, step);
             proptest::prop_assert!(events.len() <= bytes.len() / REQUEST_LEN);
         }
     }
