@@ -63,6 +63,9 @@ pub struct Options {
     pub transport: String,
     /// What NodeGetInfo reports as the most volumes this node takes.
     pub max_volumes: i64,
+    /// TLS for `tcp://` admin endpoints: the CA of the daemons' certificates and this driver's
+    /// client certificate (the daemons require mutual TLS).
+    pub admin_tls: Option<Arc<ferrite_proto::ClientTls>>,
 }
 
 impl Options {
@@ -71,7 +74,7 @@ impl Options {
             anyhow::bail!("node id {:?} is not a valid node name (lowercase letters, digits, '-', '.')", self.node_id);
         }
         Ok(match (&self.node_directory, self.mode) {
-            (Some(p), _) => Arc::new(StaticNodes::load(p)?),
+            (Some(p), _) => Arc::new(StaticNodes::load(p)?.with_tls(self.admin_tls.clone())),
             (None, Mode::Controller) => anyhow::bail!("controller mode needs --node-directory"),
             (None, _) => Arc::new(StaticNodes::single(&self.node_id, &self.admin_socket)),
         })

@@ -10,8 +10,10 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::Context;
+use ferrite_proto::ClientTls;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use serde::Deserialize;
@@ -24,6 +26,9 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     fn nodes(&self) -> Vec<String>;
     /// The admin endpoint of `node` (a Unix socket path or `tcp://host:port`), if the node is known.
     fn admin_endpoint(&self, node: &str) -> Option<String>;
+    /// How to reach `tcp://` endpoints: None connects in plaintext (a daemon with
+    /// `insecure-admin-listen`).
+    fn tls(&self) -> Option<Arc<ClientTls>>;
 }
 
 #[derive(Debug, Deserialize)]
@@ -34,7 +39,10 @@ struct File {
 
 /// A directory read once from a TOML file.
 #[derive(Debug, Clone, Default)]
-pub struct StaticNodes(BTreeMap<String, String>);
+pub struct StaticNodes {
+    nodes: BTreeMap<String, String>,
+    tls: Option<Arc<ClientTls>>,
+}
 
 impl StaticNodes {
     pub fn load(path: &Path) -> anyhow::Result<Self> {
@@ -44,22 +52,32 @@ impl StaticNodes {
         if let Some(bad) = f.nodes.keys().find(|n| !valid_node(n)) {
             anyhow::bail!("node directory {}: invalid node name {bad:?}", path.display());
         }
-        Ok(Self(f.nodes))
+        Ok(Self { nodes: f.nodes, tls: None })
     }
 
     /// One node (node mode, or `--mode all` without a directory).
     pub fn single(node: &str, admin_socket: &Path) -> Self {
-        Self(BTreeMap::from([(node.to_owned(), admin_socket.display().to_string())]))
+        Self { nodes: BTreeMap::from([(node.to_owned(), admin_socket.display().to_string())]), tls: None }
+    }
+
+    #[must_use]
+    pub fn with_tls(mut self, tls: Option<Arc<ClientTls>>) -> Self {
+        self.tls = tls;
+        self
     }
 }
 
 impl NodeDirectory for StaticNodes {
     fn nodes(&self) -> Vec<String> {
-        self.0.keys().cloned().collect()
+        self.nodes.keys().cloned().collect()
     }
 
     fn admin_endpoint(&self, node: &str) -> Option<String> {
-        self.0.get(node).cloned()
+        self.nodes.get(node).cloned()
+    }
+
+    fn tls(&self) -> Option<Arc<ClientTls>> {
+        self.tls.clone()
     }
 }
 
@@ -75,7 +93,7 @@ pub fn valid_node(n: &str) -> bool {
 /// when its daemon does not answer.
 pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Channel>, Status> {
     let at = dir.admin_endpoint(node).ok_or_else(|| Status::not_found(format!("unknown node {node:?}")))?;
-    let ch = ferrite_proto::connect(&at)
+    let ch = ferrite_proto::connect(&at, dir.tls())
         .await
         .map_err(|e| Status::unavailable(format!("node {node}: daemon at {at} unreachable: {e}")))?;
     Ok(AdminClient::new(ch))

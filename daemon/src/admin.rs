@@ -2,10 +2,11 @@
 //! pool, so a slow catalog change never stalls the runtime or the data path. Engine errors
 //! become gRPC statuses here and nowhere else.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use ferrite_engine::{ErrorKind, Image, Pool, format_uuid};
+use ferrite_nbd::export::Allow;
 use ferrite_nbd::{Export, Exports, Server};
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_server::Admin;
@@ -14,6 +15,7 @@ use tonic::{Request, Response, Status};
 
 use crate::attach::{AttachRecord, Handle, open_image};
 use crate::config::Config;
+use crate::state::{load_list, save_list};
 
 /// Maps an engine error to a gRPC status (the one place this happens).
 pub fn status(e: ferrite_engine::Error) -> Status {
@@ -37,6 +39,9 @@ pub struct ExportRecord {
     pub name: String,
     pub volume: String,
     pub read_only: bool,
+    /// Who may open it over TCP (see `ferrite_nbd::export::Allow`); empty: any client.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
 }
 
 /// The admin service's state.
@@ -57,23 +62,6 @@ fn exports_file(cfg: &Config) -> PathBuf {
     cfg.data_dir.join("exports.json")
 }
 
-/// Reads a list kept as JSON in the data directory; a missing file is an empty list.
-pub fn load_list<T: serde::de::DeserializeOwned>(p: &Path) -> anyhow::Result<Vec<T>> {
-    match std::fs::read(p) {
-        Ok(b) => Ok(serde_json::from_slice(&b).map_err(|e| anyhow::anyhow!("parsing {}: {e}", p.display()))?),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(anyhow::anyhow!("reading {}: {e}", p.display())),
-    }
-}
-
-/// Replaces such a list durably: a synced temporary file renamed over the old one.
-pub fn save_list<T: Serialize>(p: &Path, items: &[T]) -> std::io::Result<()> {
-    let tmp = p.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(items).expect("serialisable"))?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, p)
-}
-
 /// Loads persisted exports.
 pub fn load_exports(cfg: &Config) -> anyhow::Result<Vec<ExportRecord>> {
     load_list(&exports_file(cfg))
@@ -83,12 +71,20 @@ fn save_exports(cfg: &Config, records: &[ExportRecord]) -> std::io::Result<()> {
     save_list(&exports_file(cfg), records)
 }
 
-/// Publishes an export on the NBD server: a volume, or `volume@snapshot` (read-only).
-pub fn publish(pool: &Pool, exports: &Exports, r: &ExportRecord) -> Result<(), ferrite_engine::Error> {
-    let handle = open_image(pool, &r.volume)?;
+/// Publishes an export on the NBD server: a volume, or `volume@snapshot` (read-only). An allow
+/// list that does not parse is refused whole (dropping an entry could open the export wider).
+pub fn publish(pool: &Pool, exports: &Exports, r: &ExportRecord) -> Result<(), Status> {
+    let allow = r
+        .allow
+        .iter()
+        .map(|a| a.parse::<Allow>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| Status::invalid_argument(format!("allow: {e}")))?;
+    let handle = open_image(pool, &r.volume).map_err(status)?;
     let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
     let read_only = r.read_only || handle.is_read_only();
-    exports.add(Export::new(r.name.clone(), handle, read_only, format!("ferrite {what} {}", r.volume)));
+    exports
+        .add(Export::new(r.name.clone(), handle, read_only, format!("ferrite {what} {}", r.volume)).with_allow(allow));
     Ok(())
 }
 
@@ -158,7 +154,7 @@ impl AdminService {
                 old.name, old.volume
             )));
         }
-        publish(&self.pool, &self.nbd.exports, rec).map_err(status)?;
+        publish(&self.pool, &self.nbd.exports, rec)?;
         records.push(rec.clone());
         if let Err(e) = save_exports(&self.cfg, &records) {
             records.pop();
@@ -186,7 +182,8 @@ impl AdminService {
         let mut uris = vec![format!("nbd+unix:///{}?socket={sock}", r.name)];
         let tcp = self.cfg.nbd_listen.map(|a| a.to_string()).unwrap_or_default();
         if !tcp.is_empty() {
-            uris.push(format!("nbd://{tcp}/{}", r.name));
+            let scheme = if self.cfg.nbd_tls == ferrite_nbd::tls::TlsMode::Require { "nbds" } else { "nbd" };
+            uris.push(format!("{scheme}://{tcp}/{}", r.name));
         }
         pb::Export {
             name: r.name.clone(),
@@ -195,6 +192,7 @@ impl AdminService {
             unix_socket: sock,
             tcp_address: tcp,
             uris,
+            allow: r.allow.clone(),
         }
     }
 
@@ -529,7 +527,7 @@ impl Admin for AdminService {
             return Err(Status::invalid_argument("export name longer than 4096 bytes"));
         }
         let read_only = r.read_only || r.volume.contains('@');
-        let rec = ExportRecord { name, volume: r.volume, read_only };
+        let rec = ExportRecord { name, volume: r.volume, read_only, allow: r.allow };
         self.ensure_export(&rec).await?;
         Ok(Response::new(self.export_msg(&rec)))
     }
@@ -545,12 +543,12 @@ impl Admin for AdminService {
             return Err(Status::not_found(format!("export {name:?} not found")));
         };
         let rec = records.remove(i);
-        self.nbd.exports.remove(&name);
         if let Err(e) = save_exports(&self.cfg, &records) {
             records.insert(i, rec);
-            return Err(Status::internal(format!("saving the export list: {e}")));
+            return Err(Status::internal(format!("saving the export list (the export still runs): {e}")));
         }
-        tracing::info!(export = %name, "export stopped");
+        let cut = self.nbd.exports.remove(&name).unwrap_or(0);
+        tracing::info!(export = %name, connections_cut = cut, "export stopped");
         Ok(Response::new(pb::StopExportResponse {}))
     }
 

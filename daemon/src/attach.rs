@@ -12,7 +12,8 @@ use ferrite_proto::ferrite::v1 as pb;
 use serde::{Deserialize, Serialize};
 use tonic::Status;
 
-use crate::admin::{AdminService, ExportRecord, load_list, require, save_list, status};
+use crate::admin::{AdminService, ExportRecord, require, status};
+use crate::state::{load_list, save_list};
 
 /// How long a daemon exit waits for ublk requests already in the engine.
 const FREEZE_LIMIT: Duration = Duration::from_secs(30);
@@ -212,8 +213,12 @@ impl AdminService {
             (rec, Handle::Ublk(dev))
         } else {
             let name = r.volume.clone();
-            let export =
-                ExportRecord { name: name.clone(), volume: r.volume.clone(), read_only: r.volume.contains('@') };
+            let export = ExportRecord {
+                name: name.clone(),
+                volume: r.volume.clone(),
+                read_only: r.volume.contains('@'),
+                allow: Vec::new(),
+            };
             let created = self.ensure_export(&export).await?;
             let sock = self.cfg.nbd_socket.clone();
             let a = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::attach(&sock, &name))

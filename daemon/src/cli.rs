@@ -1,6 +1,9 @@
 //! The command-line client: each subcommand is one admin API call, printed as a table or JSON.
 
-use std::path::Path;
+use std::io::Write as _;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use ferrite_proto::ferrite::v1 as pb;
@@ -17,12 +20,51 @@ pub enum Output {
     Json,
 }
 
-/// Connects to the daemon's admin socket.
-pub async fn connect(socket: &Path) -> Result<AdminClient<Channel>> {
-    let channel = ferrite_proto::connect_unix(socket)
+/// Connects to the daemon's admin API: a Unix socket path, or `tcp://host:port` (over TLS with
+/// `tls`).
+pub async fn connect(endpoint: &str, tls: Option<Arc<ferrite_proto::ClientTls>>) -> Result<AdminClient<Channel>> {
+    let channel = ferrite_proto::connect(endpoint, tls)
         .await
-        .with_context(|| format!("cannot reach the ferrite daemon at {} (is it running?)", socket.display()))?;
+        .with_context(|| format!("cannot reach the ferrite daemon at {endpoint} (is it running?)"))?;
     Ok(AdminClient::new(channel))
+}
+
+/// `ferrite certs`: the CA in `dir` (made if missing) and a certificate for `name`.
+pub fn make_certs(dir: &Path, name: &str, sans: &[String], days: u32) -> Result<()> {
+    use ferrite_tls::certs;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    let write = |file: &str, text: &str, mode: u32| -> Result<PathBuf> {
+        let p = dir.join(file);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&p)
+            .with_context(|| format!("writing {} (it must not exist yet)", p.display()))?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        Ok(p)
+    };
+    let ca_key = dir.join("ca-key.pem");
+    if !ca_key.exists() {
+        let ca = certs::new_ca(days.saturating_mul(10)).context("making the CA")?;
+        write("ca.pem", &ca.cert_pem, 0o644)?;
+        write("ca-key.pem", &ca.key_pem, 0o600)?;
+        println!("made CA {} (keep ca-key.pem secret)", dir.join("ca.pem").display());
+    }
+    let ca_key = std::fs::read_to_string(&ca_key).with_context(|| format!("reading {}", ca_key.display()))?;
+    let mut all = vec![name.to_string()];
+    all.extend(sans.iter().filter(|s| *s != name).cloned());
+    let issued =
+        certs::issue(&ca_key, name, &all, days).with_context(|| format!("issuing a certificate for {name}"))?;
+    let cert = write(&format!("{name}.pem"), &issued.cert_pem, 0o644)?;
+    let key = write(&format!("{name}-key.pem"), &issued.key_pem, 0o600)?;
+    println!("made {} and {} for {}, valid {days} days", cert.display(), key.display(), all.join(", "));
+    Ok(())
 }
 
 /// Turns a gRPC status into a one-line error.
@@ -105,7 +147,7 @@ pub fn print_snapshot(out: Output, s: &pb::Snapshot) {
 
 fn export_json(e: &pb::Export) -> serde_json::Value {
     json!({"name": e.name, "volume": e.volume, "read_only": e.read_only,
-           "unix_socket": e.unix_socket, "tcp_address": e.tcp_address, "uris": e.uris})
+           "unix_socket": e.unix_socket, "tcp_address": e.tcp_address, "uris": e.uris, "allow": e.allow})
 }
 
 pub fn print_volumes(out: Output, vols: &[pb::Volume]) {
@@ -244,6 +286,9 @@ pub fn print_export(out: Output, e: &pb::Export) {
             );
             for u in &e.uris {
                 println!("  {u}");
+            }
+            if !e.allow.is_empty() {
+                println!("  TCP clients allowed: {}", e.allow.join(", "));
             }
             if let Some(u) = e.uris.first() {
                 println!("try:  nbdinfo '{u}'");

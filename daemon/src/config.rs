@@ -11,7 +11,15 @@
 //! nbd-listen = "127.0.0.1:10809"    # optional TCP listener for NBD
 //! metrics-listen = "127.0.0.1:9574" # optional Prometheus endpoint (GET /metrics)
 //! admin-listen = "10.0.0.5:7070"    # optional TCP listener for the admin API (for a remote CSI
-//!                                   # controller): no authentication, so a trusted network only
+//!                                   # controller): mutual TLS, so it needs the three tls-* keys
+//! insecure-admin-listen = false     # true serves admin-listen WITHOUT TLS or authentication:
+//!                                   # anyone who reaches it controls the daemon
+//! tls-cert = "/etc/ferrite/node.pem"    # this daemon's certificate (PEM; chain, leaf first) and
+//! tls-key = "/etc/ferrite/node-key.pem" # key: TLS on every TCP listener (`ferrite certs` makes them)
+//! tls-client-ca = "/etc/ferrite/ca.pem" # clients must present a certificate signed by this CA
+//!                                   # (mutual TLS) on every TCP listener
+//! nbd-tls = "require"               # off | allow | require (NBD_OPT_STARTTLS) on nbd-listen;
+//!                                   # default: require with tls-cert, else off
 //! log-level = "info"                # or a tracing filter such as "ferrite=debug"
 //! ublk-queues = 4                   # queues (threads) per attached ublk device; default: one per core
 //! ublk-depth = 128                  # requests in flight per ublk queue; default 128
@@ -20,15 +28,26 @@
 //!                                   # 0 writes each batch at once; default 1000, at most 100000
 //! readahead = "2M"                  # most read ahead of a sequential reader; 0 turns it off;
 //!                                   # default 2M, at most 64M
+//! max-connections = 1024            # per listener (NBD, admin, metrics); more are closed on arrival
+//! handshake-timeout-s = 30          # a client that has not finished its handshake (NBD
+//!                                   # negotiation, TLS) by then is cut
+//! send-timeout-s = 60               # a client that reads no reply for this long is cut
+//! nbd-memory = "1G"                 # request data in flight over all NBD connections
+//! nbd-connection-memory = "64M"     # ... and per connection (one larger request still runs alone)
+//! nbd-connection-requests = 256     # requests in flight per NBD connection
 //! ```
+//! Past the memory and request limits a connection is not refused: the server stops reading
+//! its requests until replies drain (backpressure).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 use crate::size::parse_size;
+use ferrite_nbd::tls::TlsMode;
 
 /// Longest `write-delay-us`: acknowledged writes wait at most this long to reach the store.
 const MAX_WRITE_DELAY_US: u64 = 100_000;
@@ -55,6 +74,17 @@ pub struct ConfigFile {
     pub ublk_depth: Option<u16>,
     pub write_delay_us: Option<u64>,
     pub readahead: Option<String>,
+    pub max_connections: Option<usize>,
+    pub handshake_timeout_s: Option<u64>,
+    pub send_timeout_s: Option<u64>,
+    pub nbd_memory: Option<String>,
+    pub nbd_connection_memory: Option<String>,
+    pub nbd_connection_requests: Option<usize>,
+    pub insecure_admin_listen: Option<bool>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
+    pub nbd_tls: Option<String>,
 }
 
 /// Configuration with every default filled in and every value checked.
@@ -75,6 +105,44 @@ pub struct Config {
     pub ublk: ferrite_ublk::Options,
     pub write_delay: std::time::Duration,
     pub readahead: u64,
+    pub limits: Limits,
+    /// TLS on TCP listeners: certificate and key, and the CA client certificates must chain to.
+    pub tls: Option<TlsFiles>,
+    pub nbd_tls: TlsMode,
+    pub insecure_admin_listen: bool,
+}
+
+/// The PEM files of a daemon's TLS.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+/// What every listener may be asked for, and the NBD server's memory limits.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub handshake_timeout: Duration,
+    pub send_timeout: Duration,
+    pub nbd_memory: u64,
+    pub nbd_connection_memory: u64,
+    pub nbd_connection_requests: usize,
+}
+
+impl Limits {
+    /// The NBD server's limits.
+    pub fn nbd(&self) -> ferrite_nbd::Limits {
+        ferrite_nbd::Limits {
+            connection_bytes: self.nbd_connection_memory,
+            connection_requests: self.nbd_connection_requests,
+            memory: ferrite_nbd::limits::Budget::new(self.nbd_memory),
+            max_connections: self.max_connections,
+            handshake_timeout: self.handshake_timeout,
+            send_timeout: self.send_timeout,
+        }
+    }
 }
 
 /// The data directory used when neither the config nor the command line names one.
@@ -100,7 +168,7 @@ impl Config {
         let size = |v: Option<String>, default: &str, what: &str| -> Result<u64> {
             parse_size(v.as_deref().unwrap_or(default)).map_err(|e| anyhow::anyhow!("{what}: {e}"))
         };
-        let cfg = Self {
+        let mut cfg = Self {
             pool_path: f.pool_path.unwrap_or_else(|| data_dir.join("pool.img")),
             meta_dir: f.meta_dir.unwrap_or_else(|| data_dir.join("meta")),
             pool_size: size(f.pool_size, "16G", "pool-size")?,
@@ -137,8 +205,74 @@ impl Config {
                     n => n,
                 },
             },
+            limits: {
+                let d = ferrite_nbd::Limits::default();
+                let secs = |v: Option<u64>, default: Duration, what: &str| match v {
+                    Some(0) => bail!("{what} must be at least 1 second"),
+                    Some(s) if s > 86_400 => bail!("{what} must be at most 86400 (a day), not {s}"),
+                    Some(s) => Ok(Duration::from_secs(s)),
+                    None => Ok(default),
+                };
+                let positive = |v: Option<usize>, default: usize, what: &str| match v {
+                    Some(0) => bail!("{what} must be at least 1"),
+                    v => Ok(v.unwrap_or(default)),
+                };
+                let nbd_memory = match f.nbd_memory {
+                    None => d.memory.cap(),
+                    m => size(m, "", "nbd-memory")?,
+                };
+                let nbd_connection_memory = match f.nbd_connection_memory {
+                    None => d.connection_bytes,
+                    m => size(m, "", "nbd-connection-memory")?,
+                };
+                if nbd_memory < 64 << 20 || nbd_connection_memory < 1 << 20 {
+                    bail!("nbd-memory must be at least 64M and nbd-connection-memory at least 1M");
+                }
+                Limits {
+                    max_connections: positive(f.max_connections, d.max_connections, "max-connections")?,
+                    handshake_timeout: secs(f.handshake_timeout_s, d.handshake_timeout, "handshake-timeout-s")?,
+                    send_timeout: secs(f.send_timeout_s, d.send_timeout, "send-timeout-s")?,
+                    nbd_memory,
+                    nbd_connection_memory,
+                    nbd_connection_requests: positive(
+                        f.nbd_connection_requests,
+                        d.connection_requests,
+                        "nbd-connection-requests",
+                    )?,
+                }
+            },
+            tls: match (f.tls_cert, f.tls_key) {
+                (Some(cert), Some(key)) => Some(TlsFiles { cert, key, client_ca: f.tls_client_ca }),
+                (None, None) if f.tls_client_ca.is_some() => bail!("tls-client-ca needs tls-cert and tls-key"),
+                (None, None) => None,
+                _ => bail!("tls-cert and tls-key go together"),
+            },
+            nbd_tls: TlsMode::Off,
+            insecure_admin_listen: f.insecure_admin_listen.unwrap_or(false),
             data_dir,
         };
+        cfg.nbd_tls = match f
+            .nbd_tls
+            .as_deref()
+            .map(str::parse::<TlsMode>)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("nbd-tls: {e}"))?
+        {
+            Some(TlsMode::Off) => TlsMode::Off,
+            Some(_) if cfg.tls.is_none() => bail!("nbd-tls needs tls-cert and tls-key"),
+            Some(m) => m,
+            None if cfg.tls.is_some() => TlsMode::Require,
+            None => TlsMode::Off,
+        };
+        if cfg.admin_listen.is_some()
+            && !cfg.insecure_admin_listen
+            && cfg.tls.as_ref().is_none_or(|t| t.client_ca.is_none())
+        {
+            bail!(
+                "admin-listen serves the admin API over TCP with mutual TLS: set tls-cert, tls-key and tls-client-ca \
+                 (`ferrite certs` makes them), or insecure-admin-listen = true to serve it to anyone who can connect"
+            );
+        }
         cfg.ublk.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
         if cfg.admin_socket == cfg.nbd_socket {
             bail!("admin-socket and nbd-socket must differ");
@@ -190,5 +324,34 @@ mod tests {
         assert_eq!(Config::resolve(f, None).unwrap().readahead, 0);
         let f: ConfigFile = toml::from_str("admin-socket = \"/s\"\nnbd-socket = \"/s\"").unwrap();
         assert!(Config::resolve(f, None).is_err());
+        for (bad, key) in [
+            ("max-connections = 0", "max-connections"),
+            ("handshake-timeout-s = 0", "handshake-timeout-s"),
+            ("send-timeout-s = 100000", "send-timeout-s"),
+            ("nbd-memory = \"1M\"", "nbd-memory"),
+            ("nbd-connection-requests = 0", "nbd-connection-requests"),
+        ] {
+            let f: ConfigFile = toml::from_str(bad).unwrap();
+            assert!(Config::resolve(f, None).unwrap_err().to_string().contains(key), "{bad}");
+        }
+        for (bad, key) in [
+            ("tls-cert = \"/c\"", "go together"),
+            ("tls-client-ca = \"/ca\"", "tls-client-ca"),
+            ("nbd-tls = \"require\"", "nbd-tls"),
+            ("nbd-tls = \"maybe\"", "nbd-tls"),
+            ("admin-listen = \"127.0.0.1:1\"", "mutual TLS"),
+            ("admin-listen = \"127.0.0.1:1\"\ntls-cert = \"/c\"\ntls-key = \"/k\"", "mutual TLS"),
+        ] {
+            let f: ConfigFile = toml::from_str(bad).unwrap();
+            assert!(Config::resolve(f, None).unwrap_err().to_string().contains(key), "{bad}");
+        }
+        let tls = "tls-cert = \"/c\"\ntls-key = \"/k\"\ntls-client-ca = \"/ca\"\nadmin-listen = \"127.0.0.1:1\"";
+        let c = Config::resolve(toml::from_str(tls).unwrap(), None).unwrap();
+        assert_eq!(c.nbd_tls, TlsMode::Require, "TLS is required where a certificate is configured");
+        let f: ConfigFile = toml::from_str("admin-listen = \"127.0.0.1:1\"\ninsecure-admin-listen = true").unwrap();
+        assert!(Config::resolve(f, None).unwrap().insecure_admin_listen);
+        let f: ConfigFile = toml::from_str("nbd-memory = \"256M\"\nmax-connections = 5").unwrap();
+        let l = Config::resolve(f, None).unwrap().limits;
+        assert_eq!((l.nbd_memory, l.max_connections, l.nbd_connection_requests), (256 << 20, 5, 256));
     }
 }

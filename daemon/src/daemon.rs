@@ -1,13 +1,14 @@
 //! `ferrite daemon`: opens (or creates) the pool, serves NBD and the admin API, and shuts down
 //! cleanly on SIGTERM/SIGINT (stop listening, drain the log, flush, checkpoint).
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use ferrite_engine::{Pool, PoolOptions, format_uuid};
 use ferrite_nbd::{Exports, Server};
 use ferrite_proto::ferrite::v1::admin_server::AdminServer;
+use ferrite_tls::TlsAcceptor;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_stream::StreamExt;
@@ -15,7 +16,8 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::admin::{AdminService, load_exports, publish};
 use crate::config::Config;
-use crate::fence::{Admitted, NbdAdmission};
+use crate::fence::NbdAdmission;
+use crate::listen;
 use crate::size::format_size;
 
 fn open_pool(cfg: &Config) -> Result<Pool> {
@@ -71,9 +73,77 @@ async fn bind_tcp(addr: Option<std::net::SocketAddr>, what: &str) -> Result<Opti
     }
 }
 
+/// Makes what holds volume data private to the daemon: files it creates from now on get no
+/// group or other bits (RocksDB's included), the data and metadata directories are 0700, and a
+/// pool file is 0600. Modes an older daemon left looser are tightened, with a warning.
+fn make_private(cfg: &Config) -> Result<()> {
+    rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&cfg.data_dir)
+        .with_context(|| format!("creating {}", cfg.data_dir.display()))?;
+    let tighten = |path: &std::path::Path, mode: u32| -> Result<()> {
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.permissions().mode() & 0o077 != 0 => {
+                tracing::warn!(path = %path.display(), "tightening permissions: volume data is private to the daemon");
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+                    .with_context(|| format!("restricting {}", path.display()))
+            }
+            _ => Ok(()),
+        }
+    };
+    tighten(&cfg.data_dir, 0o700)?;
+    if cfg.pool_path.is_file() {
+        tighten(&cfg.pool_path, 0o600)?;
+    }
+    if cfg.meta_dir.is_dir() {
+        tighten(&cfg.meta_dir, 0o700)?;
+        for entry in std::fs::read_dir(&cfg.meta_dir)?.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_file()) {
+                tighten(&entry.path(), 0o600)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The TLS server configs of the TCP listeners (None: plaintext), from `tls-cert`, `tls-key`
+/// and `tls-client-ca`, read once at start.
+struct TlsConfigs {
+    nbd: Option<TlsAcceptor>,
+    admin: Option<TlsAcceptor>,
+    metrics: Option<TlsAcceptor>,
+}
+
+impl TlsConfigs {
+    fn load(cfg: &Config) -> Result<Self> {
+        let Some(t) = &cfg.tls else { return Ok(Self { nbd: None, admin: None, metrics: None }) };
+        let make = |alpn: &[&[u8]]| -> Result<Option<TlsAcceptor>> {
+            let c = ferrite_tls::server_config(&t.cert, &t.key, t.client_ca.as_deref(), alpn)?;
+            Ok(Some(TlsAcceptor::from(c)))
+        };
+        Ok(Self {
+            nbd: make(&[])?,
+            admin: if cfg.insecure_admin_listen { None } else { make(&[b"h2"])? },
+            metrics: make(&[b"http/1.1"])?,
+        })
+    }
+}
+
+/// The admin API's gRPC server, with per-connection limits: streams in flight, and keepalive
+/// pings that drop a peer that stopped answering.
+fn admin_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(64))
+        .concurrency_limit_per_connection(64)
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(cfg: Config) -> Result<()> {
-    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating {}", cfg.data_dir.display()))?;
+    make_private(&cfg)?;
     let admin_listener = bind_unix(&cfg.admin_socket, 0o600)?;
     let nbd_listener = bind_unix(&cfg.nbd_socket, 0o660)?;
     let tcp = bind_tcp(cfg.nbd_listen, "NBD listener").await?;
@@ -98,8 +168,11 @@ pub async fn run(cfg: Config) -> Result<()> {
     };
     crate::attach::save(&cfg.data_dir, &attached).context("saving the attachment list")?;
     let attached = Arc::new(tokio::sync::Mutex::new(attached));
+    let tls = TlsConfigs::load(&cfg)?;
     let mut nbd = Server::new(Arc::clone(&exports));
     nbd.admission = Some(Arc::new(NbdAdmission(Arc::clone(&fences))));
+    nbd.limits = cfg.limits.nbd();
+    nbd.tls = ferrite_nbd::tls::Tls { mode: cfg.nbd_tls, acceptor: tls.nbd.clone() };
     let nbd = Arc::new(nbd);
     let mut tasks = tokio::task::JoinSet::new();
     {
@@ -110,9 +183,16 @@ pub async fn run(cfg: Config) -> Result<()> {
         let nbd = Arc::clone(&nbd);
         tasks.spawn(async move { nbd.serve_tcp(l).await.context("NBD TCP listener") });
     }
+    let listeners = crate::metrics::Listeners::default();
     if let Some(l) = metrics {
-        let (pool, nbd) = (Arc::clone(&pool), Arc::clone(&nbd));
-        tasks.spawn(async move { crate::metrics::serve(l, pool, nbd).await.context("metrics listener") });
+        let stats = Arc::clone(&listeners.metrics);
+        let clients = listen::accept(l, "metrics", Arc::clone(&fences), &cfg.limits, tls.metrics.clone(), stats);
+        let (pool, nbd, limits, listeners) =
+            (Arc::clone(&pool), Arc::clone(&nbd), cfg.limits.clone(), listeners.clone());
+        tasks.spawn(async move {
+            crate::metrics::serve(clients, pool, nbd, listeners, limits).await;
+            Err(anyhow::anyhow!("metrics listener stopped"))
+        });
     }
     let svc = AdminService::new(
         Arc::clone(&pool),
@@ -124,26 +204,20 @@ pub async fn run(cfg: Config) -> Result<()> {
     );
     let svc = AdminServer::new(svc);
     if let Some(l) = admin_tcp {
-        tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),
-            "the admin API listens on TCP without authentication: keep it on a trusted network");
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l).filter_map(move |s| match s {
-            Ok(stream) => {
-                let peer = stream.peer_addr().ok()?;
-                fences.admit(peer, &stream, "admin").map(|a| Ok::<_, std::io::Error>(Admitted::new(stream, a)))
-            }
-            Err(e) => Some(Err(e)),
-        });
+        if tls.admin.is_none() {
+            tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),
+                "insecure-admin-listen: the admin API listens on TCP WITHOUT TLS OR AUTHENTICATION; \
+                 anyone who reaches this address controls the daemon");
+        }
+        let clients = listen::accept(l, "admin", Arc::clone(&fences), &cfg.limits, tls.admin.clone(), listeners.admin);
+        let incoming = tokio_stream::wrappers::ReceiverStream::new(clients).map(Ok::<_, std::io::Error>);
         let svc = svc.clone();
         tasks.spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming(incoming)
-                .await
-                .context("admin API TCP server")
+            admin_server().add_service(svc).serve_with_incoming(incoming).await.context("admin API TCP server")
         });
     }
     tasks.spawn(async move {
-        tonic::transport::Server::builder()
+        admin_server()
             .add_service(svc)
             .serve_with_incoming(UnixListenerStream::new(admin_listener))
             .await

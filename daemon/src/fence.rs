@@ -9,19 +9,16 @@ use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ferrite_proto::ferrite::v1 as pb;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tonic::Status;
 
-use crate::admin::{load_list, save_list};
+use crate::state::{load_list, save_list};
 
 /// An IPv4 or IPv6 block; host bits are cleared, so `10.1.2.3/8` is `10.0.0.0/8`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -224,44 +221,6 @@ pub struct NbdAdmission(pub Arc<Fences>);
 impl ferrite_nbd::server::Admission for NbdAdmission {
     fn admit(&self, peer: SocketAddr, stream: &TcpStream) -> Option<Box<dyn Send + Sync>> {
         self.0.admit(peer, stream, "nbd").map(|a| Box::new(a) as Box<dyn Send + Sync>)
-    }
-}
-
-/// An admitted TCP connection of the admin API: the stream and its registration.
-#[derive(Debug)]
-pub struct Admitted {
-    stream: TcpStream,
-    _admission: Admission,
-}
-
-impl Admitted {
-    pub fn new(stream: TcpStream, admission: Admission) -> Self {
-        Self { stream, _admission: admission }
-    }
-}
-
-impl tonic::transport::server::Connected for Admitted {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.connect_info()
-    }
-}
-
-impl AsyncRead for Admitted {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Admitted {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
 

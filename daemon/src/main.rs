@@ -6,8 +6,10 @@ mod cli;
 mod config;
 mod daemon;
 mod fence;
+mod listen;
 mod metrics;
 mod size;
+mod state;
 
 use std::path::PathBuf;
 
@@ -23,6 +25,20 @@ struct Cli {
     /// The daemon's admin socket (default: <data dir>/admin.sock).
     #[arg(long, global = true, env = "FERRITE_ADMIN_SOCKET")]
     admin_socket: Option<PathBuf>,
+    /// Reach the daemon's admin API over TCP instead (its `admin-listen`, HOST:PORT), with mutual
+    /// TLS (--tls-ca, --tls-cert, --tls-key).
+    #[arg(long, global = true, env = "FERRITE_ADMIN_TCP")]
+    admin_tcp: Option<String>,
+    /// CA certificate (PEM) the daemons' certificates are checked against (admin over TCP, and
+    /// `ferrite csi` to tcp:// nodes).
+    #[arg(long, global = true, env = "FERRITE_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM) for mutual TLS.
+    #[arg(long, global = true, env = "FERRITE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// This client's private key (PEM).
+    #[arg(long, global = true, env = "FERRITE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Output format of client commands.
     #[arg(long, short, global = true, value_enum, default_value = "table")]
     output: Output,
@@ -113,6 +129,19 @@ enum Cmd {
     /// Pool information.
     #[command(subcommand)]
     Pool(PoolCmd),
+    /// Make TLS certificates for a test or a small cluster: a CA in DIR (ca.pem, ca-key.pem; made
+    /// once, reused after) and NAME.pem / NAME-key.pem signed by it, valid as a server and as a
+    /// client certificate for NAME and every SAN (DNS names, IP addresses).
+    /// `ferrite certs /etc/ferrite node-a 10.0.0.5` for a daemon, `ferrite certs /etc/ferrite csi`
+    /// for a client identity.
+    Certs {
+        dir: PathBuf,
+        name: String,
+        sans: Vec<String>,
+        /// Validity in days (the CA, when made now: ten times as long).
+        #[arg(long, default_value_t = 825, value_parser = clap::value_parser!(u32).range(1..=3650))]
+        days: u32,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -214,6 +243,11 @@ enum ExportCmd {
         name: Option<String>,
         #[arg(long)]
         read_only: bool,
+        /// Who may open it over TCP: a CIDR block (10.0.0.0/8), an address, or a client
+        /// certificate identity (a DNS name in its subjectAltName). Repeatable; none: anyone
+        /// the listener admits.
+        #[arg(long)]
+        allow: Vec<String>,
     },
     /// List exports.
     List,
@@ -242,8 +276,13 @@ fn main() {
             }
             Err(e) => return exit(Err(e)),
         },
+        Cmd::Certs { dir, name, sans, days } => return exit(cli::make_certs(dir, name, sans, *days)),
         Cmd::Csi { mode, endpoint, addons_endpoint, node_id, node_directory, attach_transport, max_volumes } => {
             init_logging("info");
+            let admin_tls = match client_tls(&cli) {
+                Ok(t) => t,
+                Err(e) => return exit(Err(e)),
+            };
             let node_id = if node_id.is_empty() { hostname() } else { node_id.clone() };
             let opts = ferrite_csi::Options {
                 mode: match mode {
@@ -258,6 +297,7 @@ fn main() {
                 node_directory: node_directory.clone(),
                 transport: attach_transport.clone(),
                 max_volumes: *max_volumes,
+                admin_tls,
             };
             return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));
         }
@@ -300,12 +340,33 @@ fn exit(r: Result<()>) {
     }
 }
 
+/// The TLS client config the global --tls-* options describe.
+fn client_tls(cli: &Cli) -> Result<Option<std::sync::Arc<ferrite_proto::ClientTls>>> {
+    let Some(ca) = &cli.tls_ca else {
+        anyhow::ensure!(
+            cli.tls_cert.is_none(),
+            "--tls-cert needs --tls-ca (the CA the daemon's certificate is checked against)"
+        );
+        return Ok(None);
+    };
+    let identity = cli.tls_cert.as_deref().zip(cli.tls_key.as_deref());
+    Ok(Some(ferrite_proto::admin_tls(ca, identity)?))
+}
+
 async fn client(cli: Cli) -> Result<()> {
-    let socket = cli.admin_socket.unwrap_or_else(|| config::default_data_dir().join("admin.sock"));
-    let mut c = connect(&socket).await?;
+    let endpoint = match &cli.admin_tcp {
+        Some(addr) => format!("tcp://{addr}"),
+        None => cli
+            .admin_socket
+            .clone()
+            .unwrap_or_else(|| config::default_data_dir().join("admin.sock"))
+            .display()
+            .to_string(),
+    };
+    let mut c = connect(&endpoint, client_tls(&cli)?).await?;
     let out = cli.output;
     match cli.cmd {
-        Cmd::Daemon { .. } | Cmd::Csi { .. } => unreachable!("handled in main"),
+        Cmd::Daemon { .. } | Cmd::Csi { .. } | Cmd::Certs { .. } => unreachable!("handled in main"),
         Cmd::Volume(v) => match v {
             VolumeCmd::Create { name, size } => {
                 let v = c.create_volume(pb::CreateVolumeRequest { name, size }).await.map_err(rpc_error)?;
@@ -440,8 +501,8 @@ async fn client(cli: Cli) -> Result<()> {
             cli::print_clients(out, &r.get_ref().clients);
         }
         Cmd::Export(e) => match e {
-            ExportCmd::Nbd { volume, name, read_only } => {
-                let req = pb::StartExportRequest { volume, name: name.unwrap_or_default(), read_only };
+            ExportCmd::Nbd { volume, name, read_only, allow } => {
+                let req = pb::StartExportRequest { volume, name: name.unwrap_or_default(), read_only, allow };
                 let e = c.start_export(req).await.map_err(rpc_error)?;
                 cli::print_export(out, e.get_ref());
             }

@@ -17,8 +17,7 @@ fn err(d: &Daemon, args: &[&str]) -> String {
 #[test]
 fn attach_errors_are_clear_and_leave_nothing_behind() {
     if ferrite_ublk::available() || std::path::Path::new("/sys/module/nbd").exists() {
-        eprintln!("SKIPPED: this kernel has ublk or nbd; the guest tests cover real devices");
-        return;
+        return common::skip("attach errors: this kernel has ublk or nbd; the guest tests cover real devices", false);
     }
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path());

@@ -6,7 +6,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{Daemon, have};
+use common::{Daemon, have, skip};
 
 #[test]
 fn fio_nbd_engine_verifies_crc32c() {
@@ -16,8 +16,7 @@ fn fio_nbd_engine_verifies_crc32c() {
             .output()
             .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("nbd"))
     {
-        eprintln!("SKIPPED: fio lacks the nbd engine");
-        return;
+        return skip("fio lacks the nbd engine (Debian's fio, which setup.sh installs, has it)", true);
     }
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path());
@@ -79,8 +78,7 @@ fn nbdsh_multi_conn_and_errors() {
     if !std::path::Path::new("/usr/bin/python3").exists()
         || !Command::new("/usr/bin/python3").args(["-c", "import nbd"]).status().is_ok_and(|s| s.success())
     {
-        eprintln!("SKIPPED: python3-libnbd (nbdsh) is not installed (scripts/setup.sh installs it)");
-        return;
+        return skip("python3-libnbd (nbdsh) is not installed (scripts/setup.sh installs it)", true);
     }
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path());

@@ -20,6 +20,12 @@ pub const FORMAT_VERSION: u32 = 1;
 /// Byte offset of segment 0 (the superblock lives in the first block; 1 MiB keeps segments
 /// aligned for any device).
 pub const DATA_START: u64 = 1 << 20;
+/// Smallest and largest segment a pool may have.
+pub const MIN_SEGMENT: u64 = 64 << 10;
+pub const MAX_SEGMENT: u64 = 1 << 30;
+/// Largest data area a superblock may describe (1 EiB): every offset computed from the geometry
+/// then fits in a u64 with room to spare.
+pub const MAX_POOL_BYTES: u64 = 1 << 60;
 const SUPER_CRC_AT: usize = BLOCK - 4;
 #[allow(clippy::cast_possible_truncation)] // 4096 fits
 const BLOCK_U32: u32 = BLOCK as u32;
@@ -31,6 +37,18 @@ pub const BATCH_VERSION: u16 = 1;
 const BATCH_FIXED: usize = 48;
 const ENTRY_LEN: usize = 24;
 const BATCH_CRC_AT: usize = 8;
+
+/// Checks a segment size and count against the bounds every pool keeps; says what is wrong.
+pub fn check_geometry(segment_size: u64, segment_count: u64) -> std::result::Result<(), String> {
+    if !(MIN_SEGMENT..=MAX_SEGMENT).contains(&segment_size) || !segment_size.is_multiple_of(BLOCK as u64) {
+        return Err(format!("segment size {segment_size} must be a multiple of 4 KiB between 64 KiB and 1 GiB"));
+    }
+    match segment_size.checked_mul(segment_count) {
+        _ if segment_count == 0 => Err("a pool needs at least one segment".into()),
+        Some(n) if n <= MAX_POOL_BYTES => Ok(()),
+        _ => Err(format!("{segment_count} segments of {segment_size} bytes are more than 1 EiB")),
+    }
+}
 
 /// The pool's identity and geometry, stored in its first block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,13 +104,11 @@ impl Superblock {
         if le32(b, 32) != BLOCK_U32 || le64(b, 56) != DATA_START {
             return Err(corrupt("superblock geometry is not one this build writes"));
         }
-        if sb.segment_size == 0 || !sb.segment_size.is_multiple_of(BLOCK as u64) || sb.segment_count == 0 {
-            return Err(corrupt("superblock has an impossible segment geometry"));
-        }
+        check_geometry(sb.segment_size, sb.segment_count).map_err(|m| corrupt(format!("superblock: {m}")))?;
         Ok(sb)
     }
 
-    /// Bytes the pool needs on its backing store.
+    /// Bytes the pool needs on its backing store (the geometry was checked, so no overflow).
     pub fn required_len(&self) -> u64 {
         DATA_START + self.segment_size * self.segment_count
     }
@@ -277,6 +293,13 @@ mod tests {
         bad[100] ^= 1;
         assert!(Superblock::decode(&bad).unwrap_err().to_string().contains("checksum"));
         assert!(Superblock::decode(&enc[..100]).is_err());
+        // A valid crc over absurd geometry is refused with a message, never a panic or overflow.
+        for (size, count) in [(0, 9), (1 << 20, 0), (4097, 9), (2 << 30, 1), (1 << 30, u64::MAX), (1 << 20, 1 << 41)] {
+            let bad = Superblock { segment_size: size, segment_count: count, ..sb() }.encode();
+            let e = Superblock::decode(&bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Corrupt, "{size} x {count}");
+            assert!(e.to_string().contains("superblock"), "{e}");
+        }
     }
 
     fn header() -> BatchHeader {

@@ -17,6 +17,7 @@
 //! Every write is synchronous: a catalog change is durable when its call returns.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 
 use rocksdb::{DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
@@ -240,6 +241,13 @@ fn db_options(create: bool) -> Options {
 impl Meta {
     /// Creates a new store for a new pool; fails if one exists in `dir`.
     pub fn create(dir: &Path, uuid: &[u8; 16], first: CheckpointRecord) -> Result<Self> {
+        // The catalog names every volume and maps every block: private to the daemon (0700).
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)))
+            .map_err(|e| Error::io(format!("creating metadata directory {}", dir.display()), e))?;
         let db = DB::open(&db_options(true), dir).map_err(|e| {
             Error::new(ErrorKind::AlreadyExists, format!("cannot create metadata store at {}", dir.display()))
                 .with_source(e)

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::OpenOptions;
 use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -312,9 +313,11 @@ impl Pool {
                 ));
             }
             Err(_) => {
+                // Volume data is the daemon's alone: the file is created private (0600).
                 let f = OpenOptions::new()
                     .write(true)
                     .create_new(true)
+                    .mode(0o600)
                     .open(path)
                     .map_err(|e| Error::io(format!("creating pool file {}", path.display()), e))?;
                 f.set_len(size).map_err(|e| Error::io(format!("sizing pool file {}", path.display()), e))?;
@@ -333,10 +336,8 @@ impl Pool {
     /// Formats `backend` as a new pool with its metadata in `meta_dir`, and opens it.
     pub fn create_on(backend: Arc<dyn Backend>, meta_dir: &Path, opts: PoolOptions) -> Result<Pool> {
         let seg = opts.segment_size;
-        if seg < 64 << 10 || !seg.is_multiple_of(BLOCK as u64) || seg > 1 << 30 {
-            return Err(invalid(format!("segment size {seg} must be a multiple of 4 KiB between 64 KiB and 1 GiB")));
-        }
-        let count = backend.len().saturating_sub(DATA_START) / seg;
+        crate::format::check_geometry(seg, 1).map_err(invalid)?;
+        let count = (backend.len().saturating_sub(DATA_START) / seg).min(crate::format::MAX_POOL_BYTES / seg);
         let min = opts.reserve_segments as u64 + 2;
         if count < min {
             return Err(invalid(format!(

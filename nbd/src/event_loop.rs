@@ -29,6 +29,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::handshake::{MAX_REQUEST, Session};
 use crate::inbox::{Event, Inbox};
+use crate::limits::{InFlight, Limits, cost};
 use crate::proto::*;
 use crate::transmission::{DATA_AT, Reply, Socket, error_reply, handle, nbd_errno, read_reply, record};
 
@@ -49,11 +50,19 @@ const RECV: u64 = u64::MAX;
 struct Conn<'a, S> {
     sock: &'a S,
     session: &'a Session,
+    limits: &'a Limits,
+    in_flight: InFlight,
     writing: Mutex<()>,
 }
 
 impl<S: Socket> Conn<'_, S> {
-    fn send(&self, replies: &[Reply]) {
+    /// Writes replies, then releases what their requests held (`cost`: bytes, requests).
+    fn send(&self, replies: &[Reply], (bytes, requests): (u64, usize)) {
+        self.write(replies);
+        self.in_flight.release(self.limits, bytes, requests);
+    }
+
+    fn write(&self, replies: &[Reply]) {
         if replies.is_empty() {
             return;
         }
@@ -65,8 +74,11 @@ impl<S: Socket> Conn<'_, S> {
             }
         };
         if let Err(e) = sent {
-            // The client is gone; the loop will see it too.
-            tracing::debug!(error = %e, "writing an NBD reply failed");
+            // The client is gone, or did not read its replies for `send_timeout`: end the
+            // connection (the loop's receive sees it).
+            tracing::debug!(error = %e, "writing an NBD reply failed; ending the connection");
+            // SAFETY: shutdown(2) on the socket this connection serves; no memory is passed.
+            unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
         }
     }
 }
@@ -74,12 +86,12 @@ impl<S: Socket> Conn<'_, S> {
 /// Serves requests until the client disconnects (or breaks framing) and every request in flight
 /// has replied. `ring` false receives and reads with blocking calls (also the fallback when no
 /// ring can be set up).
-pub fn serve<S: Socket>(sock: &S, session: &Session, ring: bool) -> io::Result<()> {
-    let ring = ring.then(|| IoUring::new(RING_ENTRIES)).transpose().unwrap_or_else(|e| {
+pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits, ring: bool) -> io::Result<()> {
+    let ring = (ring && sock.receives_raw()).then(|| IoUring::new(RING_ENTRIES)).transpose().unwrap_or_else(|e| {
         tracing::warn!(error = %e, "io_uring unavailable; serving the NBD connection with blocking calls");
         None
     });
-    let conn = Conn { sock, session, writing: Mutex::new(()) };
+    let conn = Conn { sock, session, limits, in_flight: InFlight::default(), writing: Mutex::new(()) };
     let helpers = Helpers::default();
     std::thread::scope(|scope| {
         let mut l = Loop {
@@ -88,10 +100,12 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, ring: bool) -> io::Result<(
             backlog: VecDeque::new(),
             submitted: 0,
             receiving: false,
+            paused: false,
             inbox: Inbox::default(),
             flights: Vec::new(),
             free: Vec::new(),
             replies: Vec::new(),
+            replied: (0, 0),
             end: None,
         };
         // Stops the helpers however the loop ends (a panic too), or the scope would wait forever.
@@ -128,11 +142,15 @@ struct Loop<'a, S: Socket> {
     submitted: usize,
     /// A receive is in flight (into `inbox.space()`, which must not change meanwhile).
     receiving: bool,
+    /// The next request waits for what is in flight to drain (see `limits.rs`): nothing more is
+    /// received meanwhile.
+    paused: bool,
     inbox: Inbox,
     flights: Vec<Option<Flight<'a>>>,
     free: Vec<usize>,
-    /// Replies ready to send.
+    /// Replies ready to send, and what their requests cost (bytes, requests).
     replies: Vec<Reply>,
+    replied: (u64, usize),
     /// How the connection ended, once it did (no more requests are taken).
     end: Option<io::Result<()>>,
 }
@@ -143,15 +161,22 @@ impl<'a, S: Socket> Loop<'a, S> {
             if self.end.is_none() {
                 self.take_requests(&offload);
             }
-            self.conn.send(&std::mem::take(&mut self.replies));
-            if self.end.is_some() && self.submitted == 0 && self.backlog.is_empty() {
+            self.conn.send(&std::mem::take(&mut self.replies), std::mem::take(&mut self.replied));
+            let idle = self.submitted == 0 && self.backlog.is_empty();
+            if self.end.is_some() && idle {
                 return self.end.take().expect("checked");
+            }
+            if self.paused && self.flights.iter().all(Option::is_none) {
+                // Only helpers hold what must drain (a receive in flight, if any, waits on the
+                // ring meanwhile): wait for one to reply.
+                self.conn.in_flight.wait_release(std::time::Duration::from_millis(100));
+                continue;
             }
             if self.ring.is_none() {
                 self.receive_blocking();
                 continue;
             }
-            if self.end.is_none() && !self.receiving {
+            if self.end.is_none() && !self.receiving && !self.paused {
                 let space = self.inbox.space();
                 let entry = opcode::Recv::new(
                     types::Fd(self.conn.sock.as_raw_fd()),
@@ -169,10 +194,16 @@ impl<'a, S: Socket> Loop<'a, S> {
 
     /// Takes every request received and runs, starts or hands off each.
     fn take_requests(&mut self, offload: &impl Fn(Request, Vec<u8>)) {
-        let session = self.conn.session;
+        let (session, conn) = (self.conn.session, self.conn);
         let st = session.structured;
         let mut reads = Vec::new();
-        while let Some(event) = self.inbox.next_event() {
+        self.paused = false;
+        let mut refused = false;
+        let mut admit = |r: &Request| {
+            refused = !conn.in_flight.admit(conn.limits, r);
+            !refused
+        };
+        while let Some(event) = self.inbox.next_event_with(&mut admit) {
             let req = match event {
                 Event::Request(req, payload) if req.kind != CMD_READ => {
                     if self.runs_now(&req) {
@@ -215,6 +246,7 @@ impl<'a, S: Socket> Loop<'a, S> {
         if !reads.is_empty() {
             self.start_reads(reads);
         }
+        self.paused = refused;
     }
 
     /// Whether a request other than a read is quick enough to run on the loop.
@@ -234,6 +266,8 @@ impl<'a, S: Socket> Loop<'a, S> {
     fn reply(&mut self, req: &Request, reply: Reply, start: Instant) {
         record(self.conn.session, req, &reply, start.elapsed());
         self.replies.push(reply);
+        self.replied.0 += cost(req);
+        self.replied.1 += 1;
     }
 
     /// Starts `reqs` (reads) as one batch; their store reads go on the ring, or are done now.
@@ -364,6 +398,9 @@ impl<'a, S: Socket> Loop<'a, S> {
     }
 
     fn receive_blocking(&mut self) {
+        if self.paused {
+            return;
+        }
         let got = self.conn.sock.read_some(self.inbox.space());
         self.received(got);
     }
@@ -475,5 +512,5 @@ fn run_job<S: Socket>(conn: &Conn<'_, S>, (req, payload): (Request, Vec<u8>)) {
     let start = Instant::now();
     let reply = handle(conn.session, req, payload);
     record(conn.session, &req, &reply, start.elapsed());
-    conn.send(&[reply]);
+    conn.send(&[reply], (cost(&req), 1));
 }

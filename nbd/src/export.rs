@@ -1,12 +1,53 @@
-//! The exports a server offers: a name, a volume handle, and whether writes are allowed.
+//! The exports a server offers: a name, a volume handle, and whether writes are allowed; and
+//! the connections serving each, so that removing an export cuts them.
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ferrite_engine::Volume;
-use parking_lot::RwLock;
+use ipnet::IpNet;
+use parking_lot::{Mutex, RwLock};
 
 use crate::metrics::ExportMetrics;
+
+/// Who may open an export over TCP: clients from a network, or clients whose verified
+/// certificate names an identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Allow {
+    Net(IpNet),
+    Identity(String),
+}
+
+impl FromStr for Allow {
+    type Err = String;
+    /// `10.0.0.0/8`, `192.0.2.7`, `fd00::/64`, or an identity (a DNS name such as `node-a`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Ok(net) = s.parse::<IpNet>() {
+            return Ok(Self::Net(net.trunc()));
+        }
+        if let Ok(ip) = s.parse::<IpAddr>() {
+            return Ok(Self::Net(IpNet::from(ip)));
+        }
+        match ferrite_tls::ServerName::try_from(s) {
+            Ok(ferrite_tls::ServerName::DnsName(_)) => Ok(Self::Identity(s.to_string())),
+            _ => Err(format!("{s:?} is neither a CIDR block (10.0.0.0/8), an address, nor an identity (a DNS name)")),
+        }
+    }
+}
+
+impl fmt::Display for Allow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Net(n) => write!(f, "{n}"),
+            Self::Identity(i) => f.write_str(i),
+        }
+    }
+}
 
 /// One export: a volume under a name.
 #[derive(Debug)]
@@ -15,7 +56,15 @@ pub struct Export {
     pub volume: Volume,
     pub read_only: bool,
     pub description: String,
+    /// Empty: every client that reaches the listener (and passes its TLS policy). Otherwise a
+    /// TCP client must match an entry. Unix-socket clients are local: the socket's permissions
+    /// decide.
+    pub allow: Vec<Allow>,
     pub metrics: ExportMetrics,
+    /// Duplicates of the sockets of the connections in transmission on this export (to cut
+    /// them), or None once the export was removed.
+    connections: Mutex<Option<BTreeMap<u64, OwnedFd>>>,
+    next_connection: AtomicU64,
 }
 
 impl Export {
@@ -25,7 +74,72 @@ impl Export {
             volume,
             read_only,
             description: description.into(),
+            allow: Vec::new(),
             metrics: ExportMetrics::default(),
+            connections: Mutex::new(Some(BTreeMap::new())),
+            next_connection: AtomicU64::new(0),
+        }
+    }
+
+    /// Restricts who may open the export.
+    #[must_use]
+    pub fn with_allow(mut self, allow: Vec<Allow>) -> Self {
+        self.allow = allow;
+        self
+    }
+
+    /// Whether a client (its address, None on a Unix socket; its verified certificate) may
+    /// open this export.
+    pub fn permits(&self, ip: Option<IpAddr>, cert: Option<&ferrite_tls::CertificateDer<'_>>) -> bool {
+        let Some(ip) = ip.map(|ip| ip.to_canonical()) else { return true };
+        self.allow.is_empty()
+            || self.allow.iter().any(|a| match a {
+                Allow::Net(n) => n.contains(&ip),
+                Allow::Identity(id) => cert.is_some_and(|c| ferrite_tls::names(c, id)),
+            })
+    }
+
+    /// Registers a connection about to serve this export; None once the export was removed
+    /// (the connection must end). The registration lasts as long as the returned value.
+    pub fn register(self: &Arc<Self>, socket: BorrowedFd<'_>) -> std::io::Result<Option<Registration>> {
+        let dup = socket.try_clone_to_owned()?;
+        let mut conns = self.connections.lock();
+        let Some(conns) = conns.as_mut() else { return Ok(None) };
+        let id = self.next_connection.fetch_add(1, Ordering::Relaxed);
+        conns.insert(id, dup);
+        Ok(Some(Registration { export: Arc::clone(self), id }))
+    }
+
+    /// Connections serving this export now.
+    pub fn connection_count(&self) -> usize {
+        self.connections.lock().as_ref().map_or(0, BTreeMap::len)
+    }
+
+    /// Refuses new connections and cuts the open ones: each sees its socket shut down, finishes
+    /// the requests it already took (no acknowledged write is lost) and ends. Returns how many
+    /// were cut.
+    fn close(&self) -> usize {
+        let Some(conns) = self.connections.lock().take() else { return 0 };
+        for fd in conns.values() {
+            // SAFETY: shutdown(2) on a descriptor this map owns (a duplicate, so the socket
+            // cannot have been closed and its number reused); no memory is passed.
+            unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        conns.len()
+    }
+}
+
+/// A connection's place in its export's list; dropping it leaves the list.
+#[derive(Debug)]
+pub struct Registration {
+    export: Arc<Export>,
+    id: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(conns) = self.export.connections.lock().as_mut() {
+            conns.remove(&self.id);
         }
     }
 }
@@ -37,16 +151,20 @@ pub struct Exports {
 }
 
 impl Exports {
-    /// Adds (or replaces) an export; connections already open keep the one they negotiated.
+    /// Adds (or replaces) an export; connections to one it replaces are cut.
     pub fn add(&self, export: Export) -> Arc<Export> {
         let e = Arc::new(export);
-        self.map.write().insert(e.name.clone(), Arc::clone(&e));
+        if let Some(old) = self.map.write().insert(e.name.clone(), Arc::clone(&e)) {
+            old.close();
+        }
         e
     }
 
-    /// Removes an export by name; returns whether it existed.
-    pub fn remove(&self, name: &str) -> bool {
-        self.map.write().remove(name).is_some()
+    /// Removes an export by name and cuts its connections; returns how many were cut, or None
+    /// if there was no such export.
+    pub fn remove(&self, name: &str) -> Option<usize> {
+        let removed = self.map.write().remove(name);
+        removed.map(|e| e.close())
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<Export>> {
@@ -56,5 +174,21 @@ impl Exports {
     /// Every export, by name.
     pub fn list(&self) -> Vec<Arc<Export>> {
         self.map.read().values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allow_entries_parse() {
+        assert_eq!("10.1.2.3/8".parse::<Allow>().unwrap().to_string(), "10.0.0.0/8");
+        assert_eq!("192.0.2.7".parse::<Allow>().unwrap().to_string(), "192.0.2.7/32");
+        assert_eq!("fd00::1/64".parse::<Allow>().unwrap().to_string(), "fd00::/64");
+        assert_eq!("node-a".parse::<Allow>().unwrap(), Allow::Identity("node-a".into()));
+        for bad in ["", "10.0.0.0/33", "two words", "-x"] {
+            assert!(bad.parse::<Allow>().is_err(), "{bad:?}");
+        }
     }
 }

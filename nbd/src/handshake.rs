@@ -5,14 +5,23 @@
 //! `NBD_REP_ERR_UNKNOWN` (or, for `NBD_OPT_EXPORT_NAME`, which has no error reply, a
 //! disconnect). Anything that breaks framing (bad magic, an absurd option length) ends the
 //! connection; nothing in negotiation touches any export's data.
+//!
+//! TLS: `NBD_OPT_STARTTLS` upgrades the connection where the listener offers TLS, and resets
+//! what was negotiated before it (structured replies, meta contexts: CVE-2021-3716). Where TLS
+//! is required, every other option but ABORT gets `NBD_REP_ERR_TLS_REQD` until it is up.
+//! Authorization: an export whose allow list does not admit the client (by address or by a
+//! verified certificate identity) is, to that client, an export that does not exist: not listed,
+//! `NBD_REP_ERR_UNKNOWN`.
 
 use std::io;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::export::{Export, Exports};
 use crate::proto::*;
+use crate::tls::{Stream, Tls, TlsMode};
 
 /// Longest option payload accepted (a name and a few queries need far less).
 const MAX_OPTION_LEN: u32 = 64 << 10;
@@ -65,12 +74,21 @@ async fn reply_err<S: AsyncWrite + Unpin>(s: &mut S, option: u32, kind: u32, msg
     reply(s, option, kind, msg.as_bytes()).await
 }
 
+/// Who is negotiating: the client's address (None on a Unix socket) and its listener's TLS.
+#[derive(Debug, Clone, Copy)]
+pub struct Client<'a> {
+    pub ip: Option<IpAddr>,
+    pub tls: &'a Tls,
+}
+
 /// Runs negotiation. `Ok(None)` means the client ended it cleanly (abort, or an unknown name
 /// with `NBD_OPT_EXPORT_NAME`).
-pub async fn negotiate<S>(s: &mut S, exports: &Exports) -> io::Result<Option<Session>>
+pub async fn negotiate<S>(s: &mut Stream<S>, exports: &Exports, client: Client<'_>) -> io::Result<Option<Session>>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    // The exports this client may see and open.
+    let visible = |s: &Stream<S>, name: &str| exports.get(name).filter(|e| e.permits(client.ip, s.peer_certificate()));
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -93,9 +111,17 @@ where
         }
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data).await?;
+        if client.tls.mode == TlsMode::Require && !s.is_tls() && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+            if option == OPT_EXPORT_NAME {
+                tracing::debug!("NBD_OPT_EXPORT_NAME before TLS on a listener that requires it; disconnecting");
+                return Ok(None);
+            }
+            reply_err(s, option, REP_ERR_TLS_REQD, "this server requires TLS (NBD_OPT_STARTTLS) first").await?;
+            continue;
+        }
         match option {
             OPT_EXPORT_NAME => {
-                let Some(export) = std::str::from_utf8(&data).ok().and_then(|n| exports.get(n)) else {
+                let Some(export) = std::str::from_utf8(&data).ok().and_then(|n| visible(s, n)) else {
                     tracing::debug!("NBD_OPT_EXPORT_NAME for an unknown export; disconnecting");
                     return Ok(None);
                 };
@@ -115,7 +141,9 @@ where
                     reply_err(s, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data").await?;
                     continue;
                 }
-                for e in exports.list() {
+                let listed: Vec<_> =
+                    exports.list().into_iter().filter(|e| e.permits(client.ip, s.peer_certificate())).collect();
+                for e in listed {
                     let mut p = Vec::with_capacity(4 + e.name.len());
                     p.extend_from_slice(&u32::try_from(e.name.len()).unwrap_or(0).to_be_bytes());
                     p.extend_from_slice(e.name.as_bytes());
@@ -123,13 +151,27 @@ where
                 }
                 reply(s, option, REP_ACK, &[]).await?;
             }
-            OPT_STARTTLS => reply_err(s, option, REP_ERR_POLICY, "TLS is not configured on this listener").await?,
+            OPT_STARTTLS => {
+                let acceptor = client.tls.acceptor.as_ref().filter(|_| client.tls.mode != TlsMode::Off);
+                if !data.is_empty() {
+                    reply_err(s, option, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data").await?;
+                } else if s.is_tls() {
+                    reply_err(s, option, REP_ERR_INVALID, "TLS is already on").await?;
+                } else if let Some(acceptor) = acceptor {
+                    reply(s, option, REP_ACK, &[]).await?;
+                    s.start_tls(acceptor).await?;
+                    // Nothing negotiated in plaintext carries over into TLS.
+                    (structured, base_allocation) = (false, false);
+                } else {
+                    reply_err(s, option, REP_ERR_POLICY, "TLS is not configured on this listener").await?;
+                }
+            }
             OPT_INFO | OPT_GO => {
                 let Some((name, infos)) = parse_info(&data) else {
                     reply_err(s, option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO request").await?;
                     continue;
                 };
-                let Some(export) = exports.get(name) else {
+                let Some(export) = visible(s, name) else {
                     reply_err(s, option, REP_ERR_UNKNOWN, &format!("no export named {name:?}")).await?;
                     continue;
                 };
@@ -157,7 +199,7 @@ where
                     reply_err(s, option, REP_ERR_INVALID, "malformed meta context request").await?;
                     continue;
                 };
-                if exports.get(name).is_none() {
+                if visible(s, name).is_none() {
                     reply_err(s, option, REP_ERR_UNKNOWN, &format!("no export named {name:?}")).await?;
                     continue;
                 }

@@ -40,6 +40,8 @@ pub struct Inbox {
     start: usize,
     end: usize,
     state: State,
+    /// The request whose header is at `start` was admitted (see [`Inbox::next_event_with`]).
+    admitted: bool,
 }
 
 impl std::fmt::Debug for Inbox {
@@ -50,7 +52,7 @@ impl std::fmt::Debug for Inbox {
 
 impl Default for Inbox {
     fn default() -> Self {
-        Self { buf: vec![0u8; CAPACITY].into_boxed_slice(), start: 0, end: 0, state: State::Header }
+        Self { buf: vec![0u8; CAPACITY].into_boxed_slice(), start: 0, end: 0, state: State::Header, admitted: false }
     }
 }
 
@@ -80,6 +82,13 @@ impl Inbox {
 
     /// The next event, once all of it was received.
     pub fn next_event(&mut self) -> Option<Event> {
+        self.next_event_with(|_| true)
+    }
+
+    /// The next event, asking `admit` about each request as soon as its header is here and
+    /// before anything is allocated for it. A request refused stays where it is, and is asked
+    /// about again by the next call; one admitted is not asked about again.
+    pub fn next_event_with(&mut self, mut admit: impl FnMut(&Request) -> bool) -> Option<Event> {
         loop {
             match &mut self.state {
                 State::Payload { data, got, .. } if *got == data.len() => {
@@ -112,12 +121,20 @@ impl Inbox {
                 self.start += REQUEST_LEN;
                 return Some(Event::Disconnect);
             }
+            if !self.admitted {
+                if !admit(&req) {
+                    return None;
+                }
+                self.admitted = true;
+            }
             if req.kind != CMD_WRITE {
                 self.start += REQUEST_LEN;
+                self.admitted = false;
                 return Some(Event::Request(req, Vec::new()));
             }
             if req.length > MAX_REQUEST {
                 self.start += REQUEST_LEN;
+                self.admitted = false;
                 self.state = State::Skip { req, left: u64::from(req.length) };
                 continue;
             }
@@ -125,6 +142,7 @@ impl Inbox {
             if let Some(payload) = held.get(REQUEST_LEN..REQUEST_LEN + len) {
                 let payload = payload.to_vec();
                 self.start += REQUEST_LEN + len;
+                self.admitted = false;
                 return Some(Event::Request(req, payload));
             }
             if REQUEST_LEN + len <= CAPACITY {
@@ -135,6 +153,7 @@ impl Inbox {
             let got = held.len() - REQUEST_LEN;
             data[..got].copy_from_slice(&held[REQUEST_LEN..]);
             (self.start, self.end) = (0, 0);
+            self.admitted = false;
             self.state = State::Payload { req, data, got };
         }
     }
@@ -210,6 +229,28 @@ mod tests {
         bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
         let (events, _) = split(&bytes, 1 << 20);
         assert_eq!(events, [Event::Oversized(req(CMD_WRITE, 1, len)), Event::Request(req(CMD_READ, 2, 4096), vec![])]);
+    }
+
+    #[test]
+    fn a_refused_request_stays_until_admitted_and_is_asked_about_once() {
+        let mut bytes = req(CMD_READ, 1, 4096).encode().to_vec();
+        bytes.extend_from_slice(&req(CMD_WRITE, 2, 8192).encode());
+        bytes.extend_from_slice(&[5u8; 4096]); // half of the write's payload
+        let mut inbox = Inbox::default();
+        inbox.space()[..bytes.len()].copy_from_slice(&bytes);
+        inbox.received(bytes.len());
+        assert_eq!(inbox.next_event_with(|_| false), None);
+        let mut asked = Vec::new();
+        let mut admit = |r: &Request| {
+            asked.push(r.cookie);
+            true
+        };
+        assert_eq!(inbox.next_event_with(&mut admit), Some(Event::Request(req(CMD_READ, 1, 4096), vec![])));
+        assert_eq!(inbox.next_event_with(&mut admit), None, "the write's payload is not all here");
+        inbox.space()[..4096].copy_from_slice(&[5u8; 4096]);
+        inbox.received(4096);
+        assert_eq!(inbox.next_event_with(&mut admit), Some(Event::Request(req(CMD_WRITE, 2, 8192), vec![5u8; 8192])));
+        assert_eq!(asked, [1, 2], "each request is admitted once");
     }
 
     #[test]

@@ -19,10 +19,13 @@ pub mod fuzzing;
 pub mod handshake;
 pub mod inbox;
 pub mod kernel;
+pub mod limits;
 pub mod metrics;
 pub mod proto;
 pub mod server;
+pub mod tls;
 pub mod transmission;
 
 pub use export::{Export, Exports};
+pub use limits::Limits;
 pub use server::{Server, ServerStats};

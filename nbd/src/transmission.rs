@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use ferrite_engine::{Error, ErrorKind, Volume};
 
 use crate::handshake::{BASE_ALLOCATION_ID, Session};
+use crate::limits::{Limits, ZERO_SLICE};
 use crate::proto::*;
 
 /// Where a structured read reply's data starts: behind one data chunk's header and offset.
@@ -21,12 +22,17 @@ pub(crate) const DATA_AT: usize = STRUCTURED_HEADER_LEN + 8;
 const MAX_EXTENTS: usize = 1 << 16;
 
 /// A connected, blocking socket whose read and write sides can be used from different threads.
-pub trait Socket: AsRawFd + Send + Sync {
+pub trait Socket: AsRawFd + std::os::fd::AsFd + Send + Sync {
     /// Reads at most `buf.len()` bytes; 0 means the peer closed its side.
     fn read_some(&self, buf: &mut [u8]) -> io::Result<usize>;
     fn write_all(&self, buf: &[u8]) -> io::Result<()>;
     /// Writes all of `bufs` (one syscall for all of them when the socket takes them).
     fn write_all_vectored(&self, bufs: &mut [IoSlice<'_>]) -> io::Result<()>;
+    /// Whether the bytes on the descriptor are the protocol's own (not TLS records), so the
+    /// connection's io_uring may receive them itself.
+    fn receives_raw(&self) -> bool {
+        true
+    }
 }
 
 macro_rules! socket_impl {
@@ -94,8 +100,8 @@ fn ok_reply(structured: bool, cookie: u64) -> Reply {
 
 /// Serves requests until the client disconnects (or breaks framing) and every request in flight
 /// has replied.
-pub fn serve<S: Socket>(sock: &S, session: &Session) -> io::Result<()> {
-    crate::event_loop::serve(sock, session, true)
+pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits) -> io::Result<()> {
+    crate::event_loop::serve(sock, session, limits, true)
 }
 
 /// Counts a finished request in its export's metrics.
@@ -171,8 +177,10 @@ pub(crate) fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
     }
 }
 
+/// Writes zeroes that stay allocated (NO_HOLE), one slice at a time: the memory is one slice
+/// whatever the length (up to 4 GiB), and other requests' writes interleave between slices.
 fn write_real_zeroes(vol: &Volume, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
-    let zeros = vec![0u8; usize::try_from(len.min(4 << 20)).expect("bounded")];
+    let zeros = vec![0u8; usize::try_from(len.min(ZERO_SLICE)).expect("bounded")];
     let mut at = offset;
     while at < offset + len {
         let n = (offset + len - at).min(zeros.len() as u64);

@@ -8,16 +8,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{Harness, MIB};
-
-fn have(tool: &str) -> bool {
-    let found =
-        Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success());
-    if !found {
-        eprintln!("SKIPPED: {tool} is not installed (scripts/setup.sh installs it)");
-    }
-    found
-}
+use common::{Harness, MIB, have};
 
 fn run(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap();

@@ -1,6 +1,8 @@
 //! The connection's event loop in each of its ways of doing I/O — store reads on its io_uring,
 //! store reads through the engine (a store that is not a file), and blocking calls (no
-//! io_uring) — serves one pipelined script of every request kind with the same, exact results.
+//! io_uring) — serves one pipelined script of every request kind with the same, exact results;
+//! and again under limits so tight that the loop stops taking requests again and again until
+//! replies drain (backpressure changes when requests run, never what they return).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -12,6 +14,7 @@ use ferrite_engine::{Pool, PoolOptions};
 use ferrite_nbd::Export;
 use ferrite_nbd::event_loop::serve;
 use ferrite_nbd::handshake::Session;
+use ferrite_nbd::limits::{Budget, Limits};
 use ferrite_nbd::proto::*;
 
 const SIZE: u64 = 64 << 20;
@@ -155,11 +158,26 @@ fn script(c: &mut Client) {
 }
 
 fn run(pool: &Pool, ring: bool) {
+    run_with(pool, ring, Arc::new(Limits::default()));
+}
+
+/// Limits that a single request of the script can fill alone.
+fn tight() -> Arc<Limits> {
+    Arc::new(Limits {
+        connection_bytes: 512 << 10,
+        connection_requests: 3,
+        memory: Budget::new(1 << 20),
+        ..Limits::default()
+    })
+}
+
+fn run_with(pool: &Pool, ring: bool, limits: Arc<Limits>) {
     pool.create_volume("v", SIZE).unwrap();
     let export = Arc::new(Export::new("v", pool.open_volume("v").unwrap(), false, ""));
     let session = Session { export: Arc::clone(&export), structured: false, base_allocation: false };
     let (client, server) = UnixStream::pair().unwrap();
-    let served = std::thread::spawn(move || serve(&server, &session, ring));
+    let l = Arc::clone(&limits);
+    let served = std::thread::spawn(move || serve(&server, &session, &l, ring));
     client.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
     let mut c = Client { sock: client, model: vec![0u8; span(0, SIZE).len()], cookie: 0 };
     script(&mut c);
@@ -169,6 +187,8 @@ fn run(pool: &Pool, ring: bool) {
     let mut rest = Vec::new();
     assert_eq!(c.sock.read_to_end(&mut rest).unwrap(), 0, "nothing after the last reply");
     assert_eq!(export.metrics.errors.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(limits.memory.used(), 0, "every request released what it held");
+    assert!(limits.memory.peak() <= limits.memory.cap().max(2 * (2 << 20) + 256), "{}", limits.memory.peak());
 }
 
 fn file_pool(dir: &tempfile::TempDir) -> Pool {
@@ -195,4 +215,16 @@ fn store_reads_through_the_engine_for_a_store_that_is_not_a_file() {
 fn blocking_calls_without_io_uring() {
     let dir = tempfile::tempdir().unwrap();
     run(&file_pool(&dir), false);
+}
+
+#[test]
+fn tight_limits_on_the_ring() {
+    let dir = tempfile::tempdir().unwrap();
+    run_with(&file_pool(&dir), true, tight());
+}
+
+#[test]
+fn tight_limits_with_blocking_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    run_with(&file_pool(&dir), false, tight());
 }

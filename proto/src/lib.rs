@@ -48,11 +48,51 @@ pub async fn connect_unix(path: &std::path::Path) -> Result<tonic::transport::Ch
         .await
 }
 
-/// A gRPC channel to `endpoint`: `tcp://host:port` (a daemon's `admin-listen`), or a Unix socket
-/// path (optionally `unix://`-prefixed).
-pub async fn connect(endpoint: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    match endpoint.strip_prefix("tcp://") {
-        Some(addr) => tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?.connect().await,
-        None => connect_unix(std::path::Path::new(endpoint.strip_prefix("unix://").unwrap_or(endpoint))).await,
-    }
+/// A TLS client configuration (rustls).
+pub type ClientTls = ferrite_tls::rustls::ClientConfig;
+
+/// How long connecting to a daemon may take, and how soon a connection that stopped answering
+/// is noticed (HTTP/2 keepalive), so a dead node costs seconds. Calls themselves have no
+/// deadline: some (reclaim, scrub) are long by nature.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A gRPC channel to `endpoint`: `tcp://host:port` (a daemon's `admin-listen`), over TLS when
+/// `tls` is given (the server's certificate checked against its CA, this client's presented),
+/// or a Unix socket path (optionally `unix://`-prefixed).
+pub async fn connect(
+    endpoint: &str,
+    tls: Option<std::sync::Arc<ClientTls>>,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let Some(addr) = endpoint.strip_prefix("tcp://") else {
+        return connect_unix(std::path::Path::new(endpoint.strip_prefix("unix://").unwrap_or(endpoint))).await;
+    };
+    let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_keepalive(Some(KEEPALIVE))
+        .http2_keep_alive_interval(KEEPALIVE)
+        .keep_alive_timeout(CONNECT_TIMEOUT)
+        .keep_alive_while_idle(true);
+    let Some(cfg) = tls else { return ep.connect().await };
+    let addr = addr.to_string();
+    ep.connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+        let (cfg, addr) = (std::sync::Arc::clone(&cfg), addr.clone());
+        async move {
+            let name = ferrite_tls::server_name(&addr)?;
+            let tcp = tokio::net::TcpStream::connect(&addr).await?;
+            tcp.set_nodelay(true)?;
+            let tls = ferrite_tls::TlsConnector::from(cfg).connect(name, tcp).await?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+        }
+    }))
+    .await
+}
+
+/// The TLS client config for the admin API (HTTP/2 over TLS): the CA that signed the daemons'
+/// certificates, and this client's certificate and key.
+pub fn admin_tls(
+    ca: &std::path::Path,
+    identity: Option<(&std::path::Path, &std::path::Path)>,
+) -> std::io::Result<std::sync::Arc<ClientTls>> {
+    ferrite_tls::client_config(ca, identity, &[b"h2"])
 }

@@ -37,7 +37,22 @@ pub fn start_csi_with(dir: &Path, nodes: &[(&str, String)], args: &[&str]) -> Cs
     }
     std::fs::write(&directory, text).unwrap();
     let log = std::fs::File::create(dir.join("csi.log")).unwrap();
+    // With the test's PKI (see `tcp_node`), the driver reaches the daemons over mutual TLS.
+    let pki = dir.join("pki");
+    let tls: Vec<std::path::PathBuf> = if pki.join("csi.pem").exists() {
+        vec![
+            "--tls-ca".into(),
+            pki.join("ca.pem"),
+            "--tls-cert".into(),
+            pki.join("csi.pem"),
+            "--tls-key".into(),
+            pki.join("csi-key.pem"),
+        ]
+    } else {
+        Vec::new()
+    };
     let child = Command::new(BIN)
+        .args(tls)
         .arg("csi")
         .args(args)
         .arg("--endpoint")
@@ -104,14 +119,33 @@ pub fn free_port(ip: &str) -> u16 {
     std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port()
 }
 
+/// `ferrite certs DIR NAME SANS...`: a certificate (and the CA, the first time) in `dir`.
+pub fn certs(dir: &Path, name: &str, sans: &[&str]) {
+    if dir.join(format!("{name}.pem")).exists() {
+        return;
+    }
+    let o = Command::new(BIN).arg("certs").arg(dir).arg(name).args(sans).output().unwrap();
+    assert!(o.status.success(), "ferrite certs: {}", String::from_utf8_lossy(&o.stderr));
+}
+
 /// A daemon whose admin API and NBD server also listen on `ip` (a loopback address standing for
-/// a node): the daemon, its admin and NBD addresses.
+/// a node), with mutual TLS on both: its certificate, and the CSI driver's (`csi`), come from
+/// one CA in `<dir>/../pki`. Returns the daemon, its admin and NBD addresses.
 pub fn tcp_node(dir: &Path, ip: &str) -> (Daemon, SocketAddr, SocketAddr) {
     std::fs::create_dir_all(dir).unwrap();
+    let pki = dir.parent().unwrap().join("pki");
+    let name = format!("node-{}", ip.replace('.', "-"));
+    certs(&pki, &name, &[ip]);
+    certs(&pki, "csi", &[]);
     let (admin, nbd): (SocketAddr, SocketAddr) =
         (format!("{ip}:{}", free_port(ip)).parse().unwrap(), format!("{ip}:{}", free_port(ip)).parse().unwrap());
+    let p = |f: &str| pki.join(f).display().to_string();
     let cfg = format!(
-        "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{admin}\"\nnbd-listen = \"{nbd}\"\n"
+        "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{admin}\"\nnbd-listen = \"{nbd}\"\n\
+         tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n",
+        p(&format!("{name}.pem")),
+        p(&format!("{name}-key.pem")),
+        p("ca.pem")
     );
     std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
     (Daemon::start(dir), admin, nbd)

@@ -1,0 +1,131 @@
+//! The daemon's own TCP listeners (the admin API, the metrics endpoint). Every client passes the
+//! fence list, takes one of the listener's `max-connections` slots (past them it is closed on
+//! arrival), and, where the listener has TLS, completes its TLS handshake (a client certificate
+//! too, under mutual TLS) within the handshake timeout. A failed accept (EMFILE, ...) is logged
+//! and retried with backoff: a listener never ends because of load.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use ferrite_tls::{Stream, TlsAcceptor};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+
+use crate::config::Limits;
+use crate::fence::{Admission, Fences};
+
+/// Counters of one listener.
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    pub accepted: AtomicU64,
+    /// Closed on arrival: the listener was at its connection limit.
+    pub refused: AtomicU64,
+    /// Failed or timed-out TLS handshakes.
+    pub handshake_failures: AtomicU64,
+}
+
+/// An admitted connection, holding its fence registration and its connection slot.
+#[derive(Debug)]
+pub struct Guarded {
+    stream: Stream<TcpStream>,
+    info: tonic::transport::server::TcpConnectInfo,
+    _admission: Admission,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Guarded {
+    pub fn peer(&self) -> Option<SocketAddr> {
+        self.info.remote_addr
+    }
+}
+
+/// Accepts on `listener` for ever; admitted (and, with `tls`, handshaken) connections come out
+/// of the returned channel.
+pub fn accept(
+    listener: TcpListener,
+    name: &'static str,
+    fences: Arc<Fences>,
+    limits: &Limits,
+    tls: Option<TlsAcceptor>,
+    stats: Arc<ListenerStats>,
+) -> mpsc::Receiver<Guarded> {
+    let (tx, rx) = mpsc::channel(16);
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let handshake_timeout = limits.handshake_timeout;
+    tokio::spawn(async move {
+        let mut backoff = Duration::ZERO;
+        loop {
+            let (stream, peer) = match listener.accept().await {
+                Ok(s) => s,
+                Err(e) => {
+                    backoff = (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                    tracing::warn!(listener = name, error = %e, retry_in = ?backoff, "accept failed");
+                    tokio::time::sleep(backoff).await;
+                    continue;
+                }
+            };
+            backoff = Duration::ZERO;
+            let Some(admission) = fences.admit(peer, &stream, name) else { continue };
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(listener = name, %peer, "client refused: connection limit");
+                continue;
+            };
+            stats.accepted.fetch_add(1, Ordering::Relaxed);
+            let _ = stream.set_nodelay(true);
+            let info = tonic::transport::server::Connected::connect_info(&stream);
+            let (tx, tls, stats) = (tx.clone(), tls.clone(), Arc::clone(&stats));
+            tokio::spawn(async move {
+                let mut stream = Stream::Plain(stream);
+                if let Some(acceptor) = &tls {
+                    match tokio::time::timeout(handshake_timeout, stream.start_tls(acceptor)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            stats.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(listener = name, %peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            stats.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(listener = name, %peer, "client cut: no TLS handshake within the timeout");
+                            return;
+                        }
+                    }
+                }
+                let _ = tx.send(Guarded { stream, info, _admission: admission, _slot: slot }).await;
+            });
+        }
+    });
+    rx
+}
+
+impl tonic::transport::server::Connected for Guarded {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for Guarded {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Guarded {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}

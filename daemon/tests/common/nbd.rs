@@ -1,0 +1,71 @@
+//! A bare NBD client for tests that must do what no well-behaved client does: pipeline without
+//! reading replies, stall mid-handshake, hold thousands of connections.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use ferrite_nbd::proto::*;
+
+/// Connects and reads the greeting; None if the server closed the connection instead.
+pub fn hello(sock: &Path) -> Option<UnixStream> {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).ok()?;
+    assert_eq!(&g[..8], &NBD_MAGIC.to_be_bytes());
+    Some(s)
+}
+
+/// A connection in transmission on `export` (simple replies).
+pub fn connect(sock: &Path, export: &str) -> UnixStream {
+    let mut s = hello(sock).expect("greeting");
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+    let mut data = u32::try_from(export.len()).unwrap().to_be_bytes().to_vec();
+    data.extend_from_slice(export.as_bytes());
+    data.extend_from_slice(&0u16.to_be_bytes());
+    let mut o = IHAVEOPT.to_be_bytes().to_vec();
+    o.extend_from_slice(&OPT_GO.to_be_bytes());
+    o.extend_from_slice(&u32::try_from(data.len()).unwrap().to_be_bytes());
+    o.extend_from_slice(&data);
+    s.write_all(&o).unwrap();
+    loop {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h).unwrap();
+        let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let mut p = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
+        s.read_exact(&mut p).unwrap();
+        assert!(kind & (1 << 31) == 0, "NBD_OPT_GO refused: {}", String::from_utf8_lossy(&p));
+        if kind == REP_ACK {
+            return s;
+        }
+    }
+}
+
+/// A request's bytes (and a write's payload).
+pub fn request(kind: u16, flags: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) -> Vec<u8> {
+    let mut b = Request { flags, kind, cookie, offset, length }.encode().to_vec();
+    b.extend_from_slice(payload);
+    b
+}
+
+/// Reads one simple reply: (error, cookie), and `data_len` bytes of data after a successful one.
+pub fn reply(s: &mut UnixStream, data_len: usize) -> (u32, u64) {
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), SIMPLE_REPLY_MAGIC);
+    let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+    if error == 0 && data_len > 0 {
+        std::io::copy(&mut (&*s).take(data_len as u64), &mut std::io::sink()).unwrap();
+    }
+    (error, u64::from_be_bytes(h[8..].try_into().unwrap()))
+}
+
+/// A process's peak and current resident set (KiB), from /proc.
+pub fn rss_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
+    };
+    (field("VmHWM:").unwrap(), field("VmRSS:").unwrap())
+}

@@ -1,0 +1,146 @@
+//! TLS for Ferrite's listeners (NBD, admin API, metrics) and clients (CLI, CSI driver): rustls
+//! with the ring provider, X.509 certificates and keys in PEM files, client certificates
+//! verified against a CA (mutual TLS), and the client identities allow lists name.
+//!
+//! ```text
+//!  ca.pem ─► roots ─► server: client certificates must chain to it (mutual TLS)
+//!                 └─► client: the server's certificate must chain to it
+//!  identity = a DNS name (or IP) in the certificate's subjectAltName, as webpki checks it
+//! ```
+//! [`certs`] makes a CA and certificates signed by it, for a test or a small cluster
+//! (`ferrite certs`).
+
+pub mod certs;
+mod stream;
+
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+pub use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+pub use stream::Stream;
+pub use tokio_rustls::{TlsAcceptor, TlsConnector};
+pub use {rustls, tokio_rustls};
+
+/// The one crypto provider every config uses (named, not process-wide, so no other crate's
+/// choice can change it).
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn invalid(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+/// The certificates of a PEM file (a chain: leaf first).
+pub fn load_certs(path: &Path) -> io::Result<Vec<CertificateDer<'static>>> {
+    let read = |e: rustls::pki_types::pem::Error| invalid(format!("reading certificates from {}: {e}", path.display()));
+    let certs = CertificateDer::pem_file_iter(path).map_err(read)?.collect::<Result<Vec<_>, _>>().map_err(read)?;
+    if certs.is_empty() {
+        return Err(invalid(format!("{} holds no PEM certificate", path.display())));
+    }
+    Ok(certs)
+}
+
+/// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
+pub fn load_key(path: &Path) -> io::Result<PrivateKeyDer<'static>> {
+    PrivateKeyDer::from_pem_file(path)
+        .map_err(|e| invalid(format!("reading a private key from {}: {e}", path.display())))
+}
+
+fn roots(ca: &Path) -> io::Result<RootCertStore> {
+    let mut roots = RootCertStore::empty();
+    for c in load_certs(ca)? {
+        roots.add(c).map_err(|e| invalid(format!("CA certificate in {}: {e}", ca.display())))?;
+    }
+    Ok(roots)
+}
+
+fn tls_error(what: &str) -> impl Fn(rustls::Error) -> io::Error + '_ {
+    move |e| invalid(format!("{what}: {e}"))
+}
+
+/// A server config: this certificate and key, and with `client_ca`, client certificates
+/// required and verified against it. `alpn` lists the application protocols offered.
+pub fn server_config(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+    alpn: &[&[u8]],
+) -> io::Result<Arc<ServerConfig>> {
+    let verifier = match client_ca {
+        Some(ca) => WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca)?), provider())
+            .build()
+            .map_err(|e| invalid(format!("client CA {}: {e}", ca.display())))?,
+        None => WebPkiClientVerifier::no_client_auth(),
+    };
+    let mut cfg = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(tls_error("TLS protocol versions"))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(load_certs(cert)?, load_key(key)?)
+        .map_err(tls_error(&format!("server certificate {} with key {}", cert.display(), key.display())))?;
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(cfg))
+}
+
+/// A client config: servers must present a certificate signed by `ca`; with `identity`
+/// (certificate, key), this client presents its own.
+pub fn client_config(ca: &Path, identity: Option<(&Path, &Path)>, alpn: &[&[u8]]) -> io::Result<Arc<ClientConfig>> {
+    let b = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(tls_error("TLS protocol versions"))?
+        .with_root_certificates(roots(ca)?);
+    let mut cfg = match identity {
+        Some((cert, key)) => b
+            .with_client_auth_cert(load_certs(cert)?, load_key(key)?)
+            .map_err(tls_error(&format!("client certificate {}", cert.display())))?,
+        None => b.with_no_client_auth(),
+    };
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(cfg))
+}
+
+/// The name a client expects in the server's certificate: the host part of `host:port` (an IP
+/// address or a DNS name).
+pub fn server_name(addr: &str) -> io::Result<ServerName<'static>> {
+    let host = match addr.rsplit_once(':') {
+        Some((h, port)) if port.parse::<u16>().is_ok() => h,
+        _ => addr,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    ServerName::try_from(host.to_string()).map_err(|e| invalid(format!("{host:?} is not a host name: {e}")))
+}
+
+/// Whether a (verified) certificate is valid for `identity`: a DNS name or IP address in its
+/// subjectAltName, matched as webpki matches server names.
+pub fn names(cert: &CertificateDer<'_>, identity: &str) -> bool {
+    let Ok(name) = ServerName::try_from(identity) else { return false };
+    webpki::EndEntityCert::try_from(cert).is_ok_and(|c| c.verify_is_valid_for_subject_name(&name).is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_names_from_addresses() {
+        assert!(matches!(server_name("127.0.0.1:7070").unwrap(), ServerName::IpAddress(_)));
+        assert!(matches!(server_name("[::1]:7070").unwrap(), ServerName::IpAddress(_)));
+        assert!(matches!(server_name("node-a.example:7070").unwrap(), ServerName::DnsName(_)));
+        assert!(server_name("bad name:1").is_err());
+    }
+
+    #[test]
+    fn unreadable_files_say_which() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, "").unwrap();
+        assert!(load_certs(&empty).unwrap_err().to_string().contains("empty.pem"));
+        assert!(load_key(&dir.path().join("missing.pem")).unwrap_err().to_string().contains("missing.pem"));
+    }
+}
