@@ -20,6 +20,7 @@
 //!                                   # (mutual TLS) on every TCP listener
 //! nbd-tls = "require"               # off | allow | require (NBD_OPT_STARTTLS) on nbd-listen;
 //!                                   # default: require with tls-cert, else off
+//! meta-dir = "/var/lib/ferrite/meta"   # the catalog (RocksDB); default: <data-dir>/meta
 //! log-level = "info"                # or a tracing filter such as "ferrite=debug"
 //! ublk-queues = 4                   # queues (threads) per attached ublk device; default: one per core
 //! ublk-depth = 128                  # requests in flight per ublk queue; default 128
@@ -145,6 +146,19 @@ impl Limits {
     }
 }
 
+/// A level, or a tracing filter whose every directive names a level (`ferrite=debug,warn`): a
+/// bare word is a target, which would silently log nothing useful, so it is refused.
+fn check_log_level(l: String) -> Result<String> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    let known = |d: &str| d.contains('=') || LEVELS.contains(&d.trim().to_ascii_lowercase().as_str());
+    match tracing_subscriber::EnvFilter::builder().parse(&l) {
+        Ok(_) if l.split(',').all(known) => Ok(l),
+        _ => bail!(
+            "log-level {l:?} is not a level (off, error, warn, info, debug, trace) or a filter like ferrite=debug"
+        ),
+    }
+}
+
 /// The data directory used when neither the config nor the command line names one.
 pub fn default_data_dir() -> PathBuf {
     std::env::var_os("FERRITE_DATA_DIR").map_or_else(|| PathBuf::from("ferrite-data"), PathBuf::from)
@@ -182,7 +196,10 @@ impl Config {
             nbd_listen: f.nbd_listen,
             metrics_listen: f.metrics_listen,
             admin_listen: f.admin_listen,
-            log_level: f.log_level.unwrap_or_else(|| "info".into()),
+            log_level: match f.log_level {
+                Some(l) => check_log_level(l)?,
+                None => "info".into(),
+            },
             ublk: {
                 let d = ferrite_ublk::Options::default();
                 ferrite_ublk::Options {
@@ -330,6 +347,8 @@ mod tests {
             ("send-timeout-s = 100000", "send-timeout-s"),
             ("nbd-memory = \"1M\"", "nbd-memory"),
             ("nbd-connection-requests = 0", "nbd-connection-requests"),
+            ("log-level = \"loud\"", "log-level"),
+            ("log-level = \"ferrite=loud\"", "log-level"),
         ] {
             let f: ConfigFile = toml::from_str(bad).unwrap();
             assert!(Config::resolve(f, None).unwrap_err().to_string().contains(key), "{bad}");

@@ -15,59 +15,37 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ferrite_proto::ferrite::v1 as pb;
+use ipnet::IpNet;
 use tokio::net::TcpStream;
 use tonic::Status;
 
 use crate::state::{load_list, save_list};
 
-/// An IPv4 or IPv6 block; host bits are cleared, so `10.1.2.3/8` is `10.0.0.0/8`.
+/// An IPv4 or IPv6 block (`ipnet`); host bits are cleared, so `10.1.2.3/8` is `10.0.0.0/8`, and
+/// a bare address is its own /32 or /128.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Cidr {
-    net: IpAddr,
-    prefix: u8,
-}
-
-fn masked(ip: IpAddr, prefix: u8) -> IpAddr {
-    match ip {
-        IpAddr::V4(a) => {
-            let m = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
-            IpAddr::V4((u32::from(a) & m).into())
-        }
-        IpAddr::V6(a) => {
-            let m = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
-            IpAddr::V6((u128::from(a) & m).into())
-        }
-    }
-}
+pub struct Cidr(IpNet);
 
 impl Cidr {
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = ip.to_canonical(); // an IPv4 client on a dual-stack socket shows as ::ffff:a.b.c.d
-        ip.is_ipv4() == self.net.is_ipv4() && masked(ip, self.prefix) == self.net
+        // An IPv4 client on a dual-stack socket shows as ::ffff:a.b.c.d.
+        self.0.contains(&ip.to_canonical())
     }
 }
 
 impl FromStr for Cidr {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("{s:?} is not a CIDR block (like 10.0.0.0/8, 192.0.2.7 or fd00::/64)");
-        let (addr, prefix) = match s.trim().split_once('/') {
-            Some((a, p)) => (a, Some(p)),
-            None => (s.trim(), None),
-        };
-        let ip: IpAddr = addr.parse().map_err(|_| bad())?;
-        let max = if ip.is_ipv4() { 32 } else { 128 };
-        let prefix = match prefix {
-            Some(p) => p.parse::<u8>().ok().filter(|p| *p <= max).ok_or_else(bad)?,
-            None => max,
-        };
-        Ok(Self { net: masked(ip, prefix), prefix })
+        let s = s.trim();
+        let net = s.parse::<IpNet>().or_else(|_| s.parse::<IpAddr>().map(IpNet::from));
+        net.map(|n| Self(n.trunc()))
+            .map_err(|_| format!("{s:?} is not a CIDR block (like 10.0.0.0/8, 192.0.2.7 or fd00::/64)"))
     }
 }
 
 impl fmt::Display for Cidr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.net, self.prefix)
+        self.0.fmt(f)
     }
 }
 

@@ -57,6 +57,9 @@ fn every_file_the_daemon_writes_is_private() {
     }
     check_private(dir.path());
     assert!(d.stop().success(), "{}", d.log());
+    // The log went to a file: plain text, no terminal escape sequences.
+    let log = d.log();
+    assert!(log.contains("ferrite daemon ready") && !log.contains('\x1b'), "{log}");
 
     // A pool whose modes were loosened (by hand, or an older daemon) is tightened at start.
     for (p, m) in [("", 0o755), ("pool.img", 0o644), ("meta", 0o755), ("meta/CURRENT", 0o644)] {
