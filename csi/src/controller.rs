@@ -160,13 +160,16 @@ impl Controller {
     }
 
     /// The volume named `name` on any node.
-    async fn find(&self, name: &str) -> Result<Option<(String, pb::Volume)>, Status> {
+    /// The volume under any of `names` (a CSI name's engine names), on any node.
+    async fn find(&self, names: &[String]) -> Result<Option<(String, pb::Volume)>, Status> {
         for node in self.nodes.nodes() {
             let mut c = admin(&*self.nodes, &node).await?;
-            match c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await {
-                Ok(v) => return Ok(Some((node, v.into_inner()))),
-                Err(s) if s.code() == Code::NotFound => {}
-                Err(s) => return Err(s),
+            for name in names {
+                match c.get_volume(pb::GetVolumeRequest { name: name.clone() }).await {
+                    Ok(v) => return Ok(Some((node, v.into_inner()))),
+                    Err(s) if s.code() == Code::NotFound => {}
+                    Err(s) => return Err(s),
+                }
             }
         }
         Ok(None)
@@ -191,7 +194,7 @@ impl csi::controller_server::Controller for Controller {
         let _busy = self.busy.begin(&format!("volume name {}", r.name))?;
         let size = size_for(r.capacity_range.as_ref(), DEFAULT_SIZE)?;
         let name = ids::engine_name(&r.name);
-        if let Some((node, v)) = self.find(&name).await? {
+        if let Some((node, v)) = self.find(&ids::engine_names(&r.name)).await? {
             let lim = r.capacity_range.as_ref().map_or(0, |c| u64::try_from(c.limit_bytes).unwrap_or(0));
             if v.size < size || (lim != 0 && v.size > lim) {
                 return Err(Status::already_exists(format!(

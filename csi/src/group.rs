@@ -22,9 +22,10 @@ pub struct GroupController {
     pub nodes: Arc<dyn NodeDirectory>,
 }
 
-async fn find(c: &mut AdminClient<Channel>, name: &str) -> Result<Option<pb::GroupSnapshot>, Status> {
+/// The one under any of `names` (a CSI name's engine names, see `ids::engine_names`).
+async fn find(c: &mut AdminClient<Channel>, names: &[String]) -> Result<Option<pb::GroupSnapshot>, Status> {
     let all = c.list_group_snapshots(pb::ListGroupSnapshotsRequest { group: String::new() }).await?;
-    Ok(all.into_inner().snapshots.into_iter().find(|g| g.name == name))
+    Ok(all.into_inner().snapshots.into_iter().find(|g| names.contains(&g.name)))
 }
 
 async fn message(
@@ -66,7 +67,7 @@ impl GroupController {
             return Ok(None);
         }
         let mut c = admin(&*self.nodes, node).await?;
-        Ok(find(&mut c, name).await?.map(|g| (node.to_owned(), c, g)))
+        Ok(find(&mut c, &[name.to_owned()]).await?.map(|g| (node.to_owned(), c, g)))
     }
 }
 
@@ -105,7 +106,7 @@ impl csi::group_controller_server::GroupController for GroupController {
         let node = node.expect("at least one volume");
         let name = ids::engine_name(&r.name);
         let mut c = admin(&*self.nodes, node).await?;
-        if let Some(g) = find(&mut c, &name).await? {
+        if let Some(g) = find(&mut c, &ids::engine_names(&r.name)).await? {
             let members: BTreeSet<String> = g.members.iter().map(|m| m.volume.clone()).collect();
             if members != volumes {
                 return Err(Status::already_exists(format!("group snapshot {:?} exists for other volumes", r.name)));

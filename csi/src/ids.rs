@@ -1,6 +1,8 @@
 //! CSI ids and names. A volume or snapshot id is `<node>/<engine name>`: it says where the data
 //! lives, so the controller needs no state of its own.
 
+use sha2::{Digest, Sha256};
+
 use crate::nodes::valid_node;
 
 /// `(node, name)` of an id; None for an id this driver never made (callers treat that as "does
@@ -21,15 +23,22 @@ pub fn valid_name(n: &str) -> bool {
 }
 
 /// The engine name for a CSI name: the name itself when the engine accepts it (Kubernetes'
-/// `pvc-<uuid>` always is), else a stable digest of it, so a retried CreateVolume finds the
-/// volume it made.
+/// `pvc-<uuid>` always is), else a digest of it (128 bits of SHA-256, so two names never meet on
+/// one volume), stable across builds, so a retried CreateVolume finds the volume it made.
 pub fn engine_name(csi_name: &str) -> String {
+    engine_names(csi_name).swap_remove(0)
+}
+
+/// Every engine name a CSI name may have been given, newest first: the current one and, for a
+/// digested name, the 64-bit FNV-1a digest earlier versions used (their volumes stay findable).
+pub fn engine_names(csi_name: &str) -> Vec<String> {
     if valid_name(csi_name) {
-        return csi_name.to_owned();
+        return vec![csi_name.to_owned()];
     }
-    // FNV-1a, 64 bit: stable across builds and platforms.
-    let h = csi_name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    format!("csi-{h:016x}")
+    let digest = Sha256::digest(csi_name.as_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    let fnv = csi_name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    vec![format!("csi-{hex}"), format!("csi-{fnv:016x}")]
 }
 
 #[cfg(test)]
@@ -51,5 +60,12 @@ mod tests {
         assert!(valid_name(&n) && n.starts_with("csi-"));
         assert_eq!(n, engine_name("my volume/with ünïcode"));
         assert_ne!(n, engine_name("my volume/with unicode"));
+        assert_eq!(n.len(), 4 + 32, "128 bits of digest");
+        // Names made by earlier versions (64-bit FNV-1a) are still looked up.
+        assert_eq!(engine_names("my volume/with ünïcode")[1].len(), 4 + 16);
+        assert_eq!(
+            engine_names("a b"),
+            ["csi-c8687a08aa5d6ed2044328fa6a697ab8".to_string(), "csi-e63f991904833892".into()]
+        );
     }
 }

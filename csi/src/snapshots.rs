@@ -33,13 +33,15 @@ impl Controller {
         let name = ids::engine_name(&r.name);
         let _busy = self.busy.begin(&format!("snapshot name {}", r.name))?;
         let mut c = admin(&*self.nodes, node).await?;
-        match c.get_snapshot(pb::GetSnapshotRequest { name: name.clone() }).await {
-            Ok(s) if s.get_ref().volume == volume => return Ok(snapshot_msg(node, s.get_ref())),
-            Ok(_) => {
-                return Err(Status::already_exists(format!("snapshot {:?} exists for another volume", r.name)));
+        for known in ids::engine_names(&r.name) {
+            match c.get_snapshot(pb::GetSnapshotRequest { name: known }).await {
+                Ok(s) if s.get_ref().volume == volume => return Ok(snapshot_msg(node, s.get_ref())),
+                Ok(_) => {
+                    return Err(Status::already_exists(format!("snapshot {:?} exists for another volume", r.name)));
+                }
+                Err(s) if s.code() == Code::NotFound => {}
+                Err(s) => return Err(s),
             }
-            Err(s) if s.code() == Code::NotFound => {}
-            Err(s) => return Err(s),
         }
         let s = c.create_snapshot(pb::CreateSnapshotRequest { volume: volume.to_owned(), name }).await?.into_inner();
         tracing::info!(name = %r.name, snapshot_id = %ids::make(node, &s.name), "CSI snapshot created");

@@ -24,9 +24,10 @@ pub struct VolumeGroups {
     pub nodes: Arc<dyn NodeDirectory>,
 }
 
-async fn find(c: &mut AdminClient<Channel>, name: &str) -> Result<Option<pb::Group>, Status> {
+/// The one under any of `names` (a CSI name's engine names, see `ids::engine_names`).
+async fn find(c: &mut AdminClient<Channel>, names: &[String]) -> Result<Option<pb::Group>, Status> {
     let all = c.list_groups(pb::ListGroupsRequest {}).await?.into_inner().groups;
-    Ok(all.into_iter().find(|g| g.name == name))
+    Ok(all.into_iter().find(|g| names.contains(&g.name)))
 }
 
 async fn message(c: &mut AdminClient<Channel>, node: &str, g: &pb::Group) -> Result<vg::VolumeGroup, Status> {
@@ -66,7 +67,7 @@ impl VolumeGroups {
             return Err(not_found());
         }
         let mut c = admin(&*self.nodes, node).await?;
-        let g = find(&mut c, name).await?.ok_or_else(not_found)?;
+        let g = find(&mut c, &[name.to_owned()]).await?.ok_or_else(not_found)?;
         Ok((node.to_owned(), c, g))
     }
 }
@@ -98,7 +99,7 @@ impl vg::controller_server::Controller for VolumeGroups {
         }
         let group = ids::engine_name(&r.name);
         let mut c = admin(&*self.nodes, &node).await?;
-        let g = match find(&mut c, &group).await? {
+        let g = match find(&mut c, &ids::engine_names(&r.name)).await? {
             Some(g) => {
                 let (have, want): (BTreeSet<_>, BTreeSet<_>) = (g.volumes.iter().collect(), names.iter().collect());
                 if have != want {
