@@ -15,13 +15,26 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "p" | "pb" | "pi" | "pib" => 50,
         u => return Err(format!("unknown size unit {u:?} in {s:?} (use K, M, G, T or P)")),
     };
-    let value: f64 = num.parse().map_err(|_| format!("invalid size {s:?}: expected a number with an optional unit"))?;
-    let bytes = value * (1u64 << shift) as f64;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 || bytes.fract() != 0.0 {
+    // Exact integer arithmetic (an f64 rounds above 2^53): whole part, then the fraction, which
+    // must come to whole bytes.
+    let bad = || format!("invalid size {s:?}: expected a number with an optional unit");
+    let (whole, frac) = num.split_once('.').unwrap_or((num, ""));
+    if (whole.is_empty() && frac.is_empty()) || frac.contains('.') || frac.len() > 18 {
+        return Err(bad());
+    }
+    let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| bad())? };
+    let scale = 10u128.pow(u32::try_from(frac.len()).expect("at most 18 digits"));
+    let frac: u128 = if frac.is_empty() { 0 } else { frac.parse().map_err(|_| bad())? };
+    let frac_bytes = frac << shift;
+    if !frac_bytes.is_multiple_of(scale) {
         return Err(format!("invalid size {s:?}: not a whole number of bytes"));
     }
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    Ok(bytes as u64)
+    whole
+        .checked_shl(shift)
+        .filter(|w| w >> shift == whole)
+        .and_then(|w| w.checked_add(frac_bytes / scale))
+        .and_then(|b| u64::try_from(b).ok())
+        .ok_or_else(|| format!("invalid size {s:?}: larger than 16 EiB"))
 }
 
 /// Formats bytes with a binary unit, e.g. `1.5 GiB`.
@@ -47,7 +60,11 @@ mod tests {
         assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
         assert_eq!(parse_size("1.5k").unwrap(), 1536);
         assert_eq!(parse_size(" 2 TB ").unwrap(), 2 << 40);
-        for bad in ["", "G", "10X", "1.3", "-5", "1e3"] {
+        // Exact above 2^53, where an f64 would round.
+        assert_eq!(parse_size("9007199254740993").unwrap(), 9_007_199_254_740_993);
+        assert_eq!(parse_size("16777215.75T").unwrap(), (16_777_215 << 40) + (3 << 38));
+        assert_eq!(parse_size(".5K").unwrap(), 512);
+        for bad in ["", "G", "10X", "1.3", "-5", "1e3", ".", "1.2.3", "16384P", "18446744073709551616"] {
             assert!(parse_size(bad).is_err(), "{bad:?}");
         }
     }
