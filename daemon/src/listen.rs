@@ -23,7 +23,6 @@ use crate::fence::{Admission, Fences};
 /// Counters of one listener.
 #[derive(Debug, Default)]
 pub struct ListenerStats {
-    pub accepted: AtomicU64,
     /// Closed on arrival: the listener was at its connection limit.
     pub refused: AtomicU64,
     /// Failed or timed-out TLS handshakes.
@@ -77,7 +76,6 @@ pub fn accept(
                 tracing::debug!(listener = name, %peer, "client refused: connection limit");
                 continue;
             };
-            stats.accepted.fetch_add(1, Ordering::Relaxed);
             let _ = stream.set_nodelay(true);
             let info = tonic::transport::server::Connected::connect_info(&stream);
             let (tx, tls, stats) = (tx.clone(), tls.clone(), Arc::clone(&stats));
