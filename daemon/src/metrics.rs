@@ -1,109 +1,29 @@
-//! The opt-in Prometheus endpoint (`metrics-listen`): `GET /metrics` in the text format, behind
-//! the same fence list, connection limit and TLS as the other TCP listeners (`listen.rs`).
-//! A tiny HTTP/1.1 responder: one request per connection, anything else gets 404/400.
+//! The opt-in Prometheus endpoint (`metrics-listen`): `GET /metrics` in the OpenMetrics text
+//! format, behind the same fence list, connection limit and TLS as the other TCP listeners
+//! (`listen.rs`). prometheus-client encodes; hyper speaks HTTP/1.1, one request per connection.
+//! Every value is read at scrape time from the counters the pool, the NBD server and the
+//! listeners keep anyway (a `Collector`), so nothing on the data path knows about Prometheus.
 
-use std::fmt::Write as _;
+use std::convert::Infallible;
+use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ferrite_engine::Pool;
 use ferrite_nbd::Server;
-use ferrite_nbd::metrics::{escape, render_headers};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use hyper::body::Incoming;
+use hyper::header::{ALLOW, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
 use crate::config::Limits;
 use crate::listen::{Guarded, ListenerStats};
-
-/// Renders every metric.
-pub fn render(pool: &Pool, nbd: &Server, listeners: &Listeners) -> String {
-    let mut out = String::new();
-    let s = pool.stats();
-    for (name, help, v) in [
-        ("ferrite_pool_size_bytes", "Data area of the pool.", s.size),
-        ("ferrite_pool_used_bytes", "Bytes of log in segments that are not free.", s.used),
-        ("ferrite_pool_free_bytes", "Bytes free for client writes (reserve excluded).", s.free),
-        ("ferrite_pool_live_bytes", "Bytes mapped by some volume.", s.live),
-        ("ferrite_pool_reclaimable_bytes", "Dead bytes in sealed segments.", s.reclaimable),
-        ("ferrite_pool_segments_free", "Free segments.", s.segments_free),
-        ("ferrite_pool_volumes", "Volumes in the pool.", s.volumes as u64),
-        ("ferrite_nbd_connections_open", "Open NBD connections.", nbd.stats.connections_open.load(Ordering::Relaxed)),
-        ("ferrite_cleaner_active", "1 while the cleaner runs.", u64::from(s.cleaner_active)),
-        ("ferrite_nbd_memory_in_flight_bytes", "Request data NBD connections hold now.", nbd.limits.memory.used()),
-        (
-            "ferrite_nbd_memory_in_flight_peak_bytes",
-            "The most request data NBD connections held.",
-            nbd.limits.memory.peak(),
-        ),
-        (
-            "ferrite_nbd_memory_limit_bytes",
-            "Request data NBD connections may hold (nbd-memory).",
-            nbd.limits.memory.cap(),
-        ),
-    ] {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-    }
-    for (name, help, v) in [
-        ("ferrite_pool_client_written_bytes_total", "Bytes clients wrote.", s.client_bytes_written),
-        ("ferrite_pool_media_written_bytes_total", "Bytes the log wrote to media.", s.media_bytes_written),
-        (
-            "ferrite_admin_connections_refused_total",
-            "Admin API TCP clients closed on arrival: the listener was at max-connections.",
-            listeners.admin.refused.load(Ordering::Relaxed),
-        ),
-        (
-            "ferrite_admin_tls_handshake_failures_total",
-            "Admin API TCP clients whose TLS handshake failed or timed out.",
-            listeners.admin.handshake_failures.load(Ordering::Relaxed),
-        ),
-        (
-            "ferrite_metrics_connections_refused_total",
-            "Metrics clients closed on arrival: the listener was at max-connections.",
-            listeners.metrics.refused.load(Ordering::Relaxed),
-        ),
-        ("ferrite_cleaner_segments_cleaned_total", "Segments the cleaner emptied.", s.cleaner_segments_cleaned),
-        ("ferrite_cleaner_moved_bytes_total", "Live bytes the cleaner moved.", s.cleaner_bytes_moved),
-        ("ferrite_readahead_read_bytes_total", "Bytes read ahead for sequential readers.", s.readahead_bytes),
-        ("ferrite_readahead_hit_bytes_total", "Bytes reads took from what was read ahead.", s.readahead_hit_bytes),
-        (
-            "ferrite_nbd_connections_total",
-            "NBD connections accepted.",
-            nbd.stats.connections_total.load(Ordering::Relaxed),
-        ),
-        (
-            "ferrite_nbd_connections_refused_total",
-            "NBD clients closed on arrival: the listener was at max-connections.",
-            nbd.stats.connections_refused.load(Ordering::Relaxed),
-        ),
-        (
-            "ferrite_nbd_handshake_timeouts_total",
-            "NBD clients cut for not finishing the handshake in time.",
-            nbd.stats.handshake_timeouts.load(Ordering::Relaxed),
-        ),
-        (
-            "ferrite_nbd_accept_errors_total",
-            "Failed accept() calls on NBD listeners (retried).",
-            nbd.stats.accept_errors.load(Ordering::Relaxed),
-        ),
-    ] {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
-    }
-    let _ = writeln!(out, "# HELP ferrite_volume_size_bytes Provisioned size.\n# TYPE ferrite_volume_size_bytes gauge");
-    let _ = writeln!(
-        out,
-        "# HELP ferrite_volume_allocated_bytes Mapped bytes.\n# TYPE ferrite_volume_allocated_bytes gauge"
-    );
-    for v in pool.volumes() {
-        let l = escape(&v.name);
-        let _ = writeln!(out, "ferrite_volume_size_bytes{{volume=\"{l}\"}} {}", v.size);
-        let _ = writeln!(out, "ferrite_volume_allocated_bytes{{volume=\"{l}\"}} {}", v.allocated);
-    }
-    render_headers(&mut out);
-    for e in nbd.exports.list() {
-        e.metrics.render(&mut out, &e.name, e.volume.name());
-    }
-    out
-}
 
 /// Counters of the daemon's own TCP listeners.
 #[derive(Debug, Clone, Default)]
@@ -112,39 +32,188 @@ pub struct Listeners {
     pub metrics: Arc<ListenerStats>,
 }
 
-/// Most bytes of a request head (request line and headers).
-const MAX_HEAD: usize = 8 << 10;
-
-async fn answer(mut stream: Guarded, pool: Arc<Pool>, nbd: Arc<Server>, listeners: Listeners) -> std::io::Result<()> {
-    let mut req = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut buf).await?;
-        if n == 0 || req.len() > MAX_HEAD {
-            return Ok(());
-        }
-        req.extend_from_slice(&buf[..n]);
-    }
-    let line = String::from_utf8_lossy(&req);
-    let mut parts = line.split_whitespace();
-    let (status, body) = match (parts.next(), parts.next()) {
-        (Some("GET"), Some("/metrics")) => {
-            ("200 OK", tokio::task::spawn_blocking(move || render(&pool, &nbd, &listeners)).await.unwrap_or_default())
-        }
-        (Some(_), Some(_)) => ("404 Not Found", "not found; try /metrics\n".to_string()),
-        _ => ("400 Bad Request", String::new()),
-    };
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+/// Where the values come from.
+#[derive(Debug)]
+struct Sources {
+    pool: Arc<Pool>,
+    nbd: Arc<Server>,
+    listeners: Listeners,
 }
 
+fn load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+impl Collector for Sources {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        let s = self.pool.stats();
+        let (nbd, listeners) = (&self.nbd, &self.listeners);
+        for (name, help, v) in [
+            ("ferrite_pool_size_bytes", "Data area of the pool.", s.size),
+            ("ferrite_pool_used_bytes", "Bytes of log in segments that are not free.", s.used),
+            ("ferrite_pool_free_bytes", "Bytes free for client writes (reserve excluded).", s.free),
+            ("ferrite_pool_live_bytes", "Bytes mapped by some volume.", s.live),
+            ("ferrite_pool_reclaimable_bytes", "Dead bytes in sealed segments.", s.reclaimable),
+            ("ferrite_pool_segments_free", "Free segments.", s.segments_free),
+            ("ferrite_pool_volumes", "Volumes in the pool.", s.volumes as u64),
+            ("ferrite_cleaner_active", "1 while the cleaner runs.", u64::from(s.cleaner_active)),
+            ("ferrite_nbd_connections_open", "Open NBD connections.", load(&nbd.stats.connections_open)),
+            ("ferrite_nbd_memory_in_flight_bytes", "Request data NBD connections hold now.", nbd.limits.memory.used()),
+            (
+                "ferrite_nbd_memory_in_flight_peak_bytes",
+                "The most request data NBD connections held.",
+                nbd.limits.memory.peak(),
+            ),
+            (
+                "ferrite_nbd_memory_limit_bytes",
+                "Request data NBD connections may hold (nbd-memory).",
+                nbd.limits.memory.cap(),
+            ),
+        ] {
+            enc.encode_descriptor(name, help, None, MetricType::Gauge)?.encode_gauge(&v)?;
+        }
+        // Counters: the encoder appends `_total` to each name.
+        for (name, help, v) in [
+            ("ferrite_pool_client_written_bytes", "Bytes clients wrote.", s.client_bytes_written),
+            ("ferrite_pool_media_written_bytes", "Bytes the log wrote to media.", s.media_bytes_written),
+            ("ferrite_cleaner_segments_cleaned", "Segments the cleaner emptied.", s.cleaner_segments_cleaned),
+            ("ferrite_cleaner_moved_bytes", "Live bytes the cleaner moved.", s.cleaner_bytes_moved),
+            ("ferrite_readahead_read_bytes", "Bytes read ahead for sequential readers.", s.readahead_bytes),
+            ("ferrite_readahead_hit_bytes", "Bytes reads took from what was read ahead.", s.readahead_hit_bytes),
+            ("ferrite_nbd_connections", "NBD connections accepted.", load(&nbd.stats.connections_total)),
+            (
+                "ferrite_nbd_connections_refused",
+                "NBD clients closed on arrival: the listener was at max-connections.",
+                load(&nbd.stats.connections_refused),
+            ),
+            (
+                "ferrite_nbd_handshake_timeouts",
+                "NBD clients cut for not finishing the handshake in time.",
+                load(&nbd.stats.handshake_timeouts),
+            ),
+            (
+                "ferrite_nbd_accept_errors",
+                "Failed accept() calls on NBD listeners (retried).",
+                load(&nbd.stats.accept_errors),
+            ),
+            (
+                "ferrite_admin_connections_refused",
+                "Admin API TCP clients closed on arrival: the listener was at max-connections.",
+                load(&listeners.admin.refused),
+            ),
+            (
+                "ferrite_admin_tls_handshake_failures",
+                "Admin API TCP clients whose TLS handshake failed or timed out.",
+                load(&listeners.admin.handshake_failures),
+            ),
+            (
+                "ferrite_metrics_connections_refused",
+                "Metrics clients closed on arrival: the listener was at max-connections.",
+                load(&listeners.metrics.refused),
+            ),
+        ] {
+            enc.encode_descriptor(name, help, None, MetricType::Counter)?
+                .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
+        }
+
+        let volumes = self.pool.volumes();
+        for (name, help, value) in [
+            ("ferrite_volume_size_bytes", "Provisioned size.", (|v| v.size) as fn(&ferrite_engine::VolumeInfo) -> u64),
+            ("ferrite_volume_allocated_bytes", "Mapped bytes.", |v| v.allocated),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for v in &volumes {
+                m.encode_family(&[("volume", v.name.as_str())])?.encode_gauge(&value(v))?;
+            }
+        }
+
+        let exports = nbd.exports.list();
+        let labels: Vec<_> =
+            exports.iter().map(|e| [("export", e.name.as_str()), ("volume", e.volume.name())]).collect();
+        type Counter = fn(&ferrite_nbd::metrics::ExportMetrics) -> &AtomicU64;
+        for (name, help, counter) in [
+            ("ferrite_nbd_read_bytes", "Bytes read through NBD.", (|m| &m.read_bytes) as Counter),
+            ("ferrite_nbd_write_bytes", "Bytes written through NBD.", |m| &m.write_bytes),
+            ("ferrite_nbd_other_ops", "Flush, trim, write-zeroes, cache and block-status requests.", |m| &m.other_ops),
+            ("ferrite_nbd_errors", "Requests answered with an error.", |m| &m.errors),
+            (
+                "ferrite_nbd_helper_threads_started",
+                "Worker threads started for requests in flight, beyond each connection's first.",
+                |m| &m.helpers_started,
+            ),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (e, l) in exports.iter().zip(&labels) {
+                m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&load(counter(&e.metrics)), None)?;
+            }
+        }
+        type Latency = fn(&ferrite_nbd::metrics::ExportMetrics) -> &ferrite_nbd::metrics::Histogram;
+        for (name, help, histogram) in [
+            (
+                "ferrite_nbd_read_seconds",
+                "Latency of NBD reads (the _count is the number of reads).",
+                (|m| &m.read_latency) as Latency,
+            ),
+            ("ferrite_nbd_write_seconds", "Latency of NBD writes (the _count is the number of writes).", |m| {
+                &m.write_latency
+            }),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Histogram)?;
+            for (e, l) in exports.iter().zip(&labels) {
+                let h = histogram(&e.metrics).snapshot();
+                m.encode_family(l)?.encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The registry every scrape encodes.
+fn registry(pool: Arc<Pool>, nbd: Arc<Server>, listeners: Listeners) -> Registry {
+    let mut r = Registry::default();
+    r.register_collector(Box::new(Sources { pool, nbd, listeners }));
+    r
+}
+
+/// Renders every metric in the OpenMetrics text format.
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail; a collector's error would leave a partial text.
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, registry) {
+        tracing::warn!(error = %e, "encoding metrics failed");
+    }
+    out
+}
+
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+async fn respond(req: Request<Incoming>, registry: Arc<Registry>) -> Response<String> {
+    let reply = |status, body: String| {
+        let mut r = Response::new(body);
+        *r.status_mut() = status;
+        r
+    };
+    if req.uri().path() != "/metrics" {
+        return reply(StatusCode::NOT_FOUND, "not found; try /metrics\n".into());
+    }
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = reply(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
+        r.headers_mut().insert(ALLOW, "GET, HEAD".parse().expect("static header"));
+        return r;
+    }
+    // The pool's statistics take its locks: off the async workers.
+    let body = tokio::task::spawn_blocking(move || render(&registry)).await.unwrap_or_default();
+    let mut r = reply(StatusCode::OK, body);
+    r.headers_mut().insert(CONTENT_TYPE, OPENMETRICS.parse().expect("static header"));
+    r
+}
+
+/// Largest request head hyper buffers (its minimum).
+const MAX_HEAD: usize = 8 << 10;
+
 /// Answers the clients `listen::accept` admits, one request each, each bounded in time (the
-/// handshake timeout to send its request, the send timeout for the answer) and size.
+/// handshake timeout to send its request head, both timeouts together for the whole exchange)
+/// and in size (8 KiB of request head).
 pub async fn serve(
     mut clients: mpsc::Receiver<Guarded>,
     pool: Arc<Pool>,
@@ -152,12 +221,25 @@ pub async fn serve(
     listeners: Listeners,
     limits: Limits,
 ) {
+    let registry = Arc::new(registry(pool, nbd, listeners));
+    let mut http = http1::Builder::new();
+    http.keep_alive(false)
+        .max_buf_size(MAX_HEAD)
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.handshake_timeout);
+    let deadline = limits.handshake_timeout + limits.send_timeout;
     while let Some(stream) = clients.recv().await {
-        let (pool, nbd, listeners) = (Arc::clone(&pool), Arc::clone(&nbd), listeners.clone());
-        let deadline = limits.handshake_timeout + limits.send_timeout;
+        let registry = Arc::clone(&registry);
+        let peer = stream.peer();
+        let exchange = http.serve_connection(
+            TokioIo::new(stream),
+            hyper::service::service_fn(move |req| {
+                let registry = Arc::clone(&registry);
+                async move { Ok::<_, Infallible>(respond(req, registry).await) }
+            }),
+        );
         tokio::spawn(async move {
-            let peer = stream.peer();
-            match tokio::time::timeout(deadline, answer(stream, pool, nbd, listeners)).await {
+            match tokio::time::timeout(deadline, exchange).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::debug!(?peer, error = %e, "metrics request failed"),
                 Err(_) => tracing::debug!(?peer, "metrics client cut: too slow"),

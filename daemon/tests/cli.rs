@@ -89,6 +89,7 @@ fn client_without_daemon_says_so() {
 
 #[test]
 fn metrics_endpoint_reports_pool_volumes_and_traffic() {
+    use prometheus_parse::{Scrape, Value};
     use std::io::{Read, Write};
     let dir = tempfile::tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -100,7 +101,8 @@ fn metrics_endpoint_reports_pool_volumes_and_traffic() {
     let d = Daemon::start(dir.path());
     d.ok(&["volume", "create", "m", "16M"]);
     d.ok(&["export", "nbd", "m"]);
-    if have("qemu-io") {
+    let traffic = have("qemu-io");
+    if traffic {
         let w = Command::new("qemu-io")
             .args(["-f", "raw", "-c", "write 0 1M", "-c", "read 0 64k"])
             .arg(d.qemu_uri("m"))
@@ -108,27 +110,56 @@ fn metrics_endpoint_reports_pool_volumes_and_traffic() {
             .unwrap();
         assert!(w.status.success());
     }
-    let get = |path: &str| {
+    // Returns the status line, the headers and the body.
+    let request = |head: &str| {
         let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        s.write_all(head.as_bytes()).unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();
-        text
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        (head.to_string(), body.to_string())
     };
-    let m = get("/metrics");
-    assert!(m.starts_with("HTTP/1.1 200 OK"), "{m}");
-    for needle in [
-        "ferrite_pool_size_bytes ",
-        "ferrite_volume_size_bytes{volume=\"m\"} 16777216",
-        "ferrite_nbd_connections_total",
-    ] {
-        assert!(m.contains(needle), "missing {needle}: {m}");
+    let (head, body) = request("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+    assert!(head.to_lowercase().contains("content-type: application/openmetrics-text"), "{head}");
+    assert!(body.ends_with("# EOF\n"), "an OpenMetrics text ends with # EOF: {body}");
+
+    let scrape = Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).unwrap();
+    let find = |name: &str, labels: &[(&str, &str)]| {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+            .unwrap_or_else(|| panic!("no sample {name}{labels:?} in {body}"))
+            .value
+            .clone()
+    };
+    let Value::Gauge(data_area) = find("ferrite_pool_size_bytes", &[]) else { panic!("not a gauge") };
+    assert!((1000e6..=1073741824.0).contains(&data_area), "a 1 GiB pool's data area: {data_area}");
+    assert_eq!(find("ferrite_volume_size_bytes", &[("volume", "m")]), Value::Gauge(16.0 * 1024.0 * 1024.0));
+    assert_eq!(find("ferrite_pool_volumes", &[]), Value::Gauge(1.0));
+    assert!(scrape.docs.contains_key("ferrite_nbd_read_seconds"), "every family has its HELP");
+    // prometheus-parse reads OpenMetrics counters (`_total` samples under a TYPE without it) as untyped.
+    let connections = find("ferrite_nbd_connections_total", &[]);
+    if traffic {
+        let export = [("export", "m"), ("volume", "m")];
+        assert_eq!(connections, Value::Untyped(1.0));
+        assert_eq!(find("ferrite_nbd_write_bytes_total", &export), Value::Untyped(1048576.0));
+        let Value::Histogram(reads) = find("ferrite_nbd_read_seconds", &export) else { panic!("not a histogram") };
+        assert_eq!(reads.last().map(|b| (b.less_than, b.count)), Some((f64::INFINITY, 1.0)), "{reads:?}");
+        assert!(reads.windows(2).all(|w| w[0].count <= w[1].count), "cumulative buckets: {reads:?}");
+        assert_eq!(find("ferrite_nbd_read_seconds_count", &export), Value::Untyped(1.0));
     }
-    if have("qemu-io") {
-        assert!(m.contains("ferrite_nbd_write_bytes_total{export=\"m\",volume=\"m\"} 1048576"), "{m}");
-        assert!(m.contains("ferrite_nbd_read_seconds_count{export=\"m\",volume=\"m\"} 1"), "{m}");
-    }
-    assert!(get("/nope").starts_with("HTTP/1.1 404"));
+
+    let (head, _) = request("GET /nope HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+    let (head, _) = request("POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
+    assert!(head.starts_with("HTTP/1.1 405"), "{head}");
+    let (head, _) = request("NOT HTTP\r\n\r\n");
+    assert!(head.starts_with("HTTP/1.1 400") || head.is_empty(), "{head}");
+    // A request head larger than the limit is refused, not buffered.
+    let (head, _) = request(&format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(64 << 10)));
+    assert!(!head.starts_with("HTTP/1.1 200"), "{head}");
 }
 
 /// Runs qemu-io commands against an export; returns stdout, failing on error or a mismatch.

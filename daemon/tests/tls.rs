@@ -1,7 +1,8 @@
 //! TLS with real clients: nbdinfo, nbdcopy (libnbd, GnuTLS) and qemu-img / qemu-io
 //! (tls-creds-x509) over `NBD_OPT_STARTTLS` with client certificates; clients without a
 //! certificate, with one from another CA, or off an export's allow list are refused, and so is
-//! plaintext where TLS is required. The admin API over TCP takes only mutual TLS.
+//! plaintext where TLS is required. The admin API and the metrics endpoint over TCP take only
+//! mutual TLS.
 
 mod common;
 
@@ -33,6 +34,7 @@ struct Setup {
     d: Daemon,
     nbd: String,
     admin: String,
+    metrics: String,
     pki: PathBuf,
     /// Client directories: with client-a's, client-b's, no, and a stranger's certificate.
     a: PathBuf,
@@ -49,8 +51,8 @@ fn setup() -> Setup {
     certs(&pki, "client-b", &[]);
     let other = dir.path().join("other-ca");
     certs(&other, "client-a", &[]); // the same name, from another CA
-    let (nbd, admin) =
-        (format!("127.0.0.1:{}", free_port("127.0.0.1")), format!("127.0.0.1:{}", free_port("127.0.0.1")));
+    let port = || format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let (nbd, admin, metrics) = (port(), port(), port());
     let data = dir.path().join("data");
     std::fs::create_dir_all(&data).unwrap();
     let p = |f: &str| pki.join(f).display().to_string();
@@ -58,6 +60,7 @@ fn setup() -> Setup {
         data.join("ferrite.toml"),
         format!(
             "pool-size = \"1G\"\nsegment-size = \"4M\"\nnbd-listen = \"{nbd}\"\nadmin-listen = \"{admin}\"\n\
+             metrics-listen = \"{metrics}\"\n\
              tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n",
             p("server.pem"),
             p("server-key.pem"),
@@ -77,6 +80,7 @@ fn setup() -> Setup {
         d,
         nbd,
         admin,
+        metrics,
         pki,
     }
 }
@@ -184,5 +188,35 @@ fn the_admin_api_over_tcp_takes_only_mutual_tls() {
     }
     // The volume made over mutual TLS is really there.
     assert!(s.d.ok(&["volume", "list"]).contains('t'));
+    assert!(s.d.stop().success(), "{}", s.d.log());
+}
+
+#[test]
+fn the_metrics_endpoint_takes_only_mutual_tls() {
+    use ferrite_tls::rustls::{ClientConnection, StreamOwned};
+    use std::io::{Read, Write};
+    let mut s = setup();
+    let p = |f: &str| s.pki.join(f);
+    let scrape = |identity: Option<(&Path, &Path)>| -> std::io::Result<String> {
+        let cfg = ferrite_tls::client_config(&p("ca.pem"), identity, &[b"http/1.1"])?;
+        let conn = ClientConnection::new(cfg, ferrite_tls::server_name(&s.metrics)?).map_err(std::io::Error::other)?;
+        let mut tls = StreamOwned::new(conn, std::net::TcpStream::connect(&s.metrics)?);
+        tls.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")?;
+        let mut text = String::new();
+        tls.read_to_string(&mut text)?;
+        Ok(text)
+    };
+    let (cert, key) = (p("client-a.pem"), p("client-a-key.pem"));
+    let m = scrape(Some((&cert, &key))).unwrap();
+    assert!(m.starts_with("HTTP/1.1 200") && m.contains("ferrite_pool_size_bytes"), "{m}");
+    // No client certificate: the handshake (or the first read after it) fails.
+    assert!(scrape(None).map_or(true, |t| !t.contains("200 OK")), "a scrape without a certificate must fail");
+    // Plaintext: no HTTP answer.
+    let mut plain = std::net::TcpStream::connect(&s.metrics).unwrap();
+    plain.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+    let _ = plain.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut text = String::new();
+    let _ = plain.read_to_string(&mut text);
+    assert!(!text.contains("HTTP/1.1"), "{text}");
     assert!(s.d.stop().success(), "{}", s.d.log());
 }
