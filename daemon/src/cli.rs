@@ -383,19 +383,47 @@ pub fn print_ranges(out: Output, r: &pb::ChangedRangesResponse) {
     }
 }
 
-/// A one-line progress bar on stderr, redrawn in place on a terminal; elsewhere (logs, CI) a
-/// line at every 25%.
-pub fn print_progress(what: &str, done: u64, total: u64) {
-    use std::io::IsTerminal;
-    let pct = (done * 100).checked_div(total).unwrap_or(100);
-    if std::io::stderr().is_terminal() {
-        let bar = "#".repeat(usize::try_from(pct / 4).unwrap_or(25));
-        eprint!("\r{what}: [{bar:<25}] {pct:>3}% {} of {}", format_size(done), format_size(total));
-    } else {
-        static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
-        let quarter = pct / 25;
-        if LAST.swap(quarter, std::sync::atomic::Ordering::Relaxed) != quarter {
-            eprintln!("{what}: {pct}% ({} of {})", format_size(done), format_size(total));
+/// Progress of a long operation on stderr: an indicatif bar on a terminal, left at its final
+/// state when done; elsewhere (logs, CI), where indicatif draws nothing, a line at every 25%.
+#[derive(Debug)]
+pub struct Progress {
+    what: &'static str,
+    bar: Option<indicatif::ProgressBar>,
+    quarter: Option<u64>,
+}
+
+impl Progress {
+    pub fn new(what: &'static str) -> Self {
+        let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+            let style = indicatif::ProgressStyle::with_template(
+                "{prefix}: [{bar:25}] {percent:>3}% {binary_bytes} of {binary_total_bytes} ({binary_bytes_per_sec}, {eta} left)",
+            )
+            .expect("a valid template")
+            .progress_chars("#>-");
+            indicatif::ProgressBar::new(0).with_style(style).with_prefix(what)
+        });
+        Self { what, bar, quarter: None }
+    }
+
+    pub fn update(&mut self, done: u64, total: u64) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_length(total);
+                bar.set_position(done);
+            }
+            None => {
+                let pct = (done * 100).checked_div(total).unwrap_or(100);
+                if self.quarter.replace(pct / 25) != Some(pct / 25) {
+                    eprintln!("{}: {pct}% ({} of {})", self.what, format_size(done), format_size(total));
+                }
+            }
+        }
+    }
+
+    pub fn finish(self) {
+        if let Some(bar) = self.bar {
+            bar.finish();
+            eprintln!(); // indicatif leaves the cursor on the bar's line
         }
     }
 }
@@ -409,9 +437,6 @@ pub fn print_scrub(out: Output, r: &pb::ScrubPoolProgress) {
                                                                "images": d.images})).collect::<Vec<_>>()})
         ),
         Output::Table => {
-            if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-                eprintln!();
-            }
             for d in &r.damaged {
                 println!("damaged: offset {} (pool block {}) in {}", d.offset, d.pool_block, d.images.join(", "));
             }

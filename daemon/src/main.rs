@@ -528,14 +528,16 @@ async fn client(cli: Cli) -> Result<()> {
         Cmd::Pool(PoolCmd::Scrub) => {
             let mut stream = c.scrub_pool(pb::ScrubPoolRequest {}).await.map_err(rpc_error)?.into_inner();
             let mut last = None;
+            let mut progress = (out == Output::Table).then(|| cli::Progress::new("scrub"));
             while let Some(p) = stream.message().await.map_err(rpc_error)? {
-                if out == Output::Table && !p.done {
-                    cli::print_progress("scrub", p.checked_bytes, p.total_bytes);
+                if let Some(progress) = &mut progress {
+                    progress.update(p.checked_bytes, p.total_bytes);
                 }
                 if p.done {
                     last = Some(p);
                 }
             }
+            progress.map(cli::Progress::finish);
             let r = last.ok_or_else(|| anyhow::anyhow!("the daemon ended the scrub without a result"))?;
             cli::print_scrub(out, &r);
             if r.damaged_blocks > 0 {

@@ -255,6 +255,24 @@ fn snapshots_clones_and_snapshot_exports() {
 }
 
 #[test]
+fn scrub_shows_progress_on_a_terminal_and_in_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    d.ok(&["volume", "create", "v", "8MiB"]);
+    // Not a terminal (a log, CI): plain lines, the last at 100%.
+    let o = d.cli(&["pool", "scrub"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.lines().last().is_some_and(|l| l.starts_with("scrub: 100%")), "{err}");
+    // On a terminal (script(1) gives the CLI a pseudo-terminal): the indicatif bar, left at 100%.
+    let cmd = format!("{} --admin-socket {} pool scrub", common::BIN, d.admin().display());
+    let o = Command::new("script").args(["-qec", &cmd, "/dev/null"]).output().unwrap();
+    let tty = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && tty.contains("scrub: [") && tty.contains("100%"), "{tty}");
+    // The result starts a line of its own after the bar.
+    assert!(tty.lines().any(|l| l.starts_with("scrub: ") && l.contains("0 damaged blocks")), "{tty}");
+}
+
+#[test]
 fn groups_and_group_snapshots_through_the_cli() {
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(dir.path());
