@@ -537,7 +537,9 @@ async fn client(cli: Cli) -> Result<()> {
                     last = Some(p);
                 }
             }
-            progress.map(cli::Progress::finish);
+            if let Some(p) = progress {
+                p.finish();
+            }
             let r = last.ok_or_else(|| anyhow::anyhow!("the daemon ended the scrub without a result"))?;
             cli::print_scrub(out, &r);
             if r.damaged_blocks > 0 {
