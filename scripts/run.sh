@@ -18,7 +18,8 @@ export FERRITE_ADMIN_SOCKET="$DATA/admin.sock"
 
 "$FERRITE" daemon --data-dir "$DATA" &
 DAEMON=$!
-trap 'kill -TERM $DAEMON 2>/dev/null; wait $DAEMON' INT TERM
+# Ctrl-C (or SIGTERM) stops the daemon cleanly; the script exits with the daemon's status.
+trap 'kill -TERM $DAEMON 2>/dev/null; rc=0; wait $DAEMON || rc=$?; exit $rc' INT TERM
 for _ in $(seq 1 600); do
   "$FERRITE" pool status >/dev/null 2>&1 && break
   kill -0 $DAEMON 2>/dev/null || { echo "the daemon exited; see the messages above" >&2; exit 1; }

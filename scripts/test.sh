@@ -19,6 +19,8 @@ step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 step "doc tests"
 cargo test --workspace --doc --locked -q
+step "README: the quickstart and the lines it prints, run as written"
+bash tests/readme.sh
 # Kernel block devices (ublk, kernel NBD client) exist only in a QEMU guest here. The
 # harness installs what it needs on first use and prints SKIPPED where it cannot.
 if [ "${FERRITE_VM:-1}" != 0 ]; then

@@ -10,7 +10,7 @@ use ferrite_proto::csi_addons::fence as pb_fence;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::controller::no_parameters;
+use crate::args::no_parameters;
 use crate::nodes::{NodeDirectory, admin};
 
 #[derive(Debug)]

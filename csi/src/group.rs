@@ -12,7 +12,7 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
-use crate::controller::{no_parameters, require};
+use crate::args::{no_parameters, require};
 use crate::ids;
 use crate::nodes::{NodeDirectory, admin};
 use crate::snapshots::snapshot_msg;

@@ -2,9 +2,8 @@
 //! device sizes. Tools are the ones every Linux node has (util-linux, e2fsprogs, xfsprogs); their
 //! stderr goes into the error a caller sees.
 
-use std::ffi::CString;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,26 +13,26 @@ use tonic::Status;
 /// How long one host command may take (mkfs of a large xfs volume is the slowest).
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// One line of `/proc/self/mountinfo`.
+/// One line of `/proc/self/mountinfo` (proc(5)): the fields this driver decides by.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
     /// The device number of the mounted filesystem (for a bind of a device node: devtmpfs's).
     pub dev: (u32, u32),
     /// The path inside that filesystem that is mounted (for a device node bind: `/ublkb0`).
-    pub root: String,
+    pub root: PathBuf,
     pub target: PathBuf,
     pub read_only: bool,
     pub fs_type: String,
 }
 
-/// `\040`-style octal escapes of mountinfo paths.
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
+/// Undoes the kernel's escaping of mountinfo paths: space, tab, newline and backslash appear as
+/// `\ooo` (octal). Paths are bytes, not necessarily UTF-8.
+fn unescape(s: &[u8]) -> PathBuf {
+    let mut out = Vec::with_capacity(s.len());
     let mut i = 0;
-    while i < b.len() {
-        let octal = b.get(i + 1..i + 4).filter(|o| o.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match (b[i], octal) {
+    while i < s.len() {
+        let octal = s.get(i + 1..i + 4).filter(|o| o.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (s[i], octal) {
             (b'\\', Some(o)) => {
                 out.push(o.iter().fold(0u8, |n, c| n.wrapping_mul(8).wrapping_add(c - b'0')));
                 i += 4;
@@ -44,32 +43,33 @@ fn unescape(s: &str) -> String {
             }
         }
     }
-    String::from_utf8_lossy(&out).into_owned()
+    PathBuf::from(std::ffi::OsString::from_vec(out))
 }
 
-pub fn parse_mountinfo(text: &str) -> Vec<Mount> {
-    let mut mounts = Vec::new();
-    for line in text.lines() {
-        let f: Vec<&str> = line.split(' ').collect();
-        let Some(sep) = f.iter().position(|x| *x == "-") else { continue };
-        if f.len() < 6 || sep < 6 || f.len() < sep + 3 {
-            continue;
-        }
-        let Some((maj, min)) = f[2].split_once(':') else { continue };
-        let (Ok(maj), Ok(min)) = (maj.parse(), min.parse()) else { continue };
-        mounts.push(Mount {
-            dev: (maj, min),
-            root: unescape(f[3]),
-            target: PathBuf::from(unescape(f[4])),
-            read_only: f[5].split(',').any(|o| o == "ro"),
-            fs_type: f[sep + 1].to_owned(),
-        });
-    }
-    mounts
+/// Parses one line: `id parent major:minor root target options [optional fields...] - fstype
+/// source super-options`. None for a line that does not have that shape.
+fn parse_line(line: &[u8]) -> Option<Mount> {
+    let f: Vec<&[u8]> = line.split(|b| *b == b' ').collect();
+    let sep = f.iter().skip(6).position(|x| *x == b"-")? + 6;
+    let fs_type = f.get(sep + 1)?;
+    let dev = std::str::from_utf8(f[2]).ok()?;
+    let (maj, min) = dev.split_once(':')?;
+    Some(Mount {
+        dev: (maj.parse().ok()?, min.parse().ok()?),
+        root: unescape(f[3]),
+        target: unescape(f[4]),
+        read_only: f[5].split(|b| *b == b',').any(|o| o == b"ro"),
+        fs_type: String::from_utf8_lossy(fs_type).into_owned(),
+    })
+}
+
+/// Every well-formed line of a mountinfo table, in its order (later mounts stack on earlier).
+pub fn parse_mountinfo(text: &[u8]) -> Vec<Mount> {
+    text.split(|b| *b == b'\n').filter_map(parse_line).collect()
 }
 
 pub fn mounts() -> io::Result<Vec<Mount>> {
-    Ok(parse_mountinfo(&std::fs::read_to_string("/proc/self/mountinfo")?))
+    Ok(parse_mountinfo(&std::fs::read("/proc/self/mountinfo")?))
 }
 
 /// What is mounted at `path` (the topmost mount), if anything.
@@ -80,13 +80,13 @@ pub fn mounted_at(path: &Path) -> io::Result<Option<Mount>> {
 
 /// Whether `m` shows `device` itself: its filesystem, or (raw block publish) a bind of its node.
 pub fn shows_device(m: &Mount, device: &Path) -> io::Result<bool> {
-    let name = device.file_name().map(|n| format!("/{}", n.to_string_lossy()));
+    let name = device.file_name().map(|n| Path::new("/").join(n));
     Ok(m.dev == device_number(device)? || (m.fs_type == "devtmpfs" && Some(&m.root) == name.as_ref()))
 }
 
 pub fn device_number(device: &Path) -> io::Result<(u32, u32)> {
     let rdev = std::fs::metadata(device)?.rdev();
-    Ok((libc::major(rdev), libc::minor(rdev)))
+    Ok((rustix::fs::major(rdev), rustix::fs::minor(rdev)))
 }
 
 /// The size the kernel gives the block device now (it can lag the volume's until a resize).
@@ -109,15 +109,7 @@ pub struct Usage {
 }
 
 pub fn usage(path: &Path) -> io::Result<Usage> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
-    let mut s = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a NUL-terminated path and `s` points to writable memory of the right type;
-    // statvfs fills it completely when it returns 0.
-    if unsafe { libc::statvfs(c.as_ptr(), s.as_mut_ptr()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: statvfs returned 0, so it initialised `s`.
-    let s = unsafe { s.assume_init() };
+    let s = rustix::fs::statvfs(path)?;
     let frsize = s.f_frsize;
     Ok(Usage {
         bytes_total: s.f_blocks * frsize,
@@ -237,17 +229,73 @@ mod tests {
 
     #[test]
     fn mountinfo_lines_parse() {
-        let text = "\
+        let text = b"\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
 40 22 259:3 / /var/lib/k\\040s/stage rw,nosuid - xfs /dev/ublkb3 rw,nouuid
 41 22 0:5 /ublkb3 /pods/dev ro,relatime shared:2 master:1 - devtmpfs udev rw
+42 22 0:6 / /a-b rw - tmpfs tmpfs rw
 garbage line
+1 2 3:4 / /x rw -
 ";
         let m = parse_mountinfo(text);
-        assert_eq!(m.len(), 3);
+        assert_eq!(m.len(), 4);
         assert_eq!(m[1].target, PathBuf::from("/var/lib/k s/stage"));
         assert_eq!((m[1].dev, m[1].fs_type.as_str(), m[1].read_only), ((259, 3), "xfs", false));
-        assert_eq!((m[2].root.as_str(), m[2].read_only, m[2].fs_type.as_str()), ("/ublkb3", true, "devtmpfs"));
+        assert_eq!(
+            (m[2].root.as_path(), m[2].read_only, m[2].fs_type.as_str()),
+            (Path::new("/ublkb3"), true, "devtmpfs")
+        );
+        assert_eq!((m[3].target.as_path(), m[3].fs_type.as_str()), (Path::new("/a-b"), "tmpfs"));
+    }
+
+    /// The kernel's escaping (fs/proc_namespace.c: `mangle` of " \t\n\\").
+    fn mangle(path: &[u8]) -> Vec<u8> {
+        path.iter()
+            .flat_map(|&c| if b" \t\n\\".contains(&c) { format!("\\{c:03o}").into_bytes() } else { vec![c] })
+            .collect()
+    }
+
+    proptest::proptest! {
+        /// Any path the kernel can print (bytes other than NUL, escaped as the kernel does) comes
+        /// back exactly, whatever optional fields the line carries.
+        #[test]
+        fn mountinfo_paths_round_trip(
+            parts in proptest::collection::vec(proptest::collection::vec(1u8..=255, 1..12), 0..5),
+            root in proptest::collection::vec(1u8..=255, 0..12),
+            optional in proptest::collection::vec("(shared|master|propagate_from):[0-9]{1,3}|unbindable", 0..3),
+            fs_type in "[a-z0-9.]{1,8}",
+            ro in proptest::bool::ANY,
+            dev in (0u32..4096, 0u32..1_048_576),
+        ) {
+            use std::os::unix::ffi::OsStrExt;
+            let target: Vec<u8> = parts.iter().flat_map(|p| {
+                let mut c = vec![b'/'];
+                c.extend(p.iter().map(|&b| if b == b'/' { b'_' } else { b }));
+                c
+            }).collect();
+            let target = if target.is_empty() { b"/".to_vec() } else { target };
+            let root = [b"/".as_slice(), &root].concat();
+            let mut line = format!("36 35 {}:{} ", dev.0, dev.1).into_bytes();
+            line.extend(mangle(&root));
+            line.push(b' ');
+            line.extend(mangle(&target));
+            line.extend(format!(" {},noatime", if ro { "ro" } else { "rw" }).bytes());
+            for o in &optional {
+                line.extend(format!(" {o}").bytes());
+            }
+            line.extend(format!(" - {fs_type} /dev/x rw\n").bytes());
+            let m = parse_mountinfo(&line);
+            proptest::prop_assert_eq!(m.len(), 1);
+            proptest::prop_assert_eq!(m[0].target.as_os_str().as_bytes(), target.as_slice());
+            proptest::prop_assert_eq!(m[0].root.as_os_str().as_bytes(), root.as_slice());
+            proptest::prop_assert_eq!((m[0].dev, m[0].read_only, m[0].fs_type.as_str()), (dev, ro, fs_type.as_str()));
+        }
+
+        /// Arbitrary bytes never panic the parser.
+        #[test]
+        fn mountinfo_garbage_is_skipped(text in proptest::collection::vec(proptest::num::u8::ANY, 0..400)) {
+            let _ = parse_mountinfo(&text);
+        }
     }
 
     #[test]

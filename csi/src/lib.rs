@@ -16,6 +16,7 @@
 //!   [`volume_group`] (VolumeGroup on engine groups).
 
 pub mod addons;
+mod args;
 mod busy;
 pub mod controller;
 pub mod fence;

@@ -13,8 +13,8 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
+use crate::args::{TOPOLOGY_KEY, check_capabilities, require};
 use crate::busy::Busy;
-use crate::controller::{TOPOLOGY_KEY, check_capabilities, require};
 use crate::host;
 use crate::ids;
 use crate::nodes::{self, NodeDirectory};
@@ -293,7 +293,7 @@ impl csi::node_server::Node for Node {
         host::unmount_all(target).await?;
         // The last publish of a read-only raw block device gives the device its writability back.
         if let Some(m) = shown.filter(|m| m.fs_type == "devtmpfs" && m.read_only) {
-            let device = Path::new("/dev").join(m.root.trim_start_matches('/'));
+            let device = Path::new("/dev").join(m.root.strip_prefix("/").unwrap_or(&m.root));
             if other_users(&device, Some(target))?.is_empty() {
                 host::run("blockdev", &["--setrw", &device.to_string_lossy()]).await?;
             }

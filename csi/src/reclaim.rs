@@ -17,7 +17,7 @@ use ferrite_proto::csi_addons::reclaimspace as rs;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::controller::{no_parameters, require};
+use crate::args::{no_parameters, require};
 use crate::host;
 use crate::node::{Node, mounted_at, other_users, shows};
 use crate::nodes::{self, NodeDirectory};

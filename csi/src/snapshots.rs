@@ -4,7 +4,8 @@ use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Code, Status};
 
-use crate::controller::{Controller, no_parameters, paginate, require};
+use crate::args::{no_parameters, paginate, require};
+use crate::controller::Controller;
 use crate::ids;
 use crate::nodes::admin;
 

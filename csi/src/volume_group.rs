@@ -12,7 +12,7 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
-use crate::controller::{no_parameters, paginate, require, volume_msg};
+use crate::args::{no_parameters, paginate, require, volume_msg};
 use crate::ids;
 use crate::nodes::{NodeDirectory, admin};
 

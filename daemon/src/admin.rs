@@ -1,21 +1,20 @@
-//! The admin gRPC service: volumes, exports, pool status. Engine calls run on the blocking
-//! pool, so a slow catalog change never stalls the runtime or the data path. Engine errors
-//! become gRPC statuses here and nowhere else.
+//! The admin gRPC service: it translates each RPC into calls on the pool (`Pool`), the exports
+//! (`exports.rs`), the attachments (`attachments.rs`) and the fence list (`fence.rs`), which own
+//! their records. Engine calls run on the blocking pool, so a slow catalog change never stalls
+//! the runtime or the data path. Engine errors become gRPC statuses here and nowhere else.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use ferrite_engine::{ErrorKind, Image, Pool, format_uuid};
-use ferrite_nbd::export::Allow;
-use ferrite_nbd::{Export, Exports, Server};
+use ferrite_engine::{ErrorKind, Image, Pool};
+use ferrite_nbd::Server;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_server::Admin;
-use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status};
 
-use crate::attach::{AttachRecord, Handle, open_image};
+use crate::attachments::{AttachRecord, Attachments, choose_transport, refuse_if_attached};
 use crate::config::Config;
-use crate::state::{load_list, save_list};
+use crate::exports::{ExportRecord, ExportTable, open_image, refuse_if_exported, snapshot_of};
+use crate::fence::{Cidr, Fences};
 
 /// Maps an engine error to a gRPC status (the one place this happens).
 pub fn status(e: ferrite_engine::Error) -> Status {
@@ -33,59 +32,17 @@ pub fn status(e: ferrite_engine::Error) -> Status {
     }
 }
 
-/// An export as persisted in `<data-dir>/exports.json`, so exports survive restarts.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ExportRecord {
-    pub name: String,
-    pub volume: String,
-    pub read_only: bool,
-    /// Who may open it over TCP (see `ferrite_nbd::export::Allow`); empty: any client.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub allow: Vec<String>,
-}
-
-/// The admin service's state.
+/// The admin service: the pool, and what this daemon serves from it.
 #[derive(Debug)]
 pub struct AdminService {
     pub pool: Arc<Pool>,
     pub nbd: Arc<Server>,
     pub cfg: Config,
-    records: tokio::sync::Mutex<Vec<ExportRecord>>,
+    pub exports: Arc<ExportTable>,
     /// Devices attached on this node (shared with the daemon, which freezes them on exit).
-    pub attached: Arc<tokio::sync::Mutex<Vec<(AttachRecord, Handle)>>>,
-    pub ublk: ferrite_ublk::Options,
+    pub attachments: Arc<Attachments>,
     /// Fenced networks and the TCP clients they apply to.
-    pub fences: Arc<crate::fence::Fences>,
-}
-
-fn exports_file(cfg: &Config) -> PathBuf {
-    cfg.data_dir.join("exports.json")
-}
-
-/// Loads persisted exports.
-pub fn load_exports(cfg: &Config) -> anyhow::Result<Vec<ExportRecord>> {
-    load_list(&exports_file(cfg))
-}
-
-fn save_exports(cfg: &Config, records: &[ExportRecord]) -> std::io::Result<()> {
-    save_list(&exports_file(cfg), records)
-}
-
-/// Publishes an export on the NBD server: a volume, or `volume@snapshot` (read-only). An allow
-/// list that does not parse is refused whole (dropping an entry could open the export wider).
-pub fn publish(pool: &Pool, exports: &Exports, r: &ExportRecord) -> Result<(), Status> {
-    let allow = r
-        .allow
-        .iter()
-        .map(|a| a.parse::<Allow>())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Status::invalid_argument(format!("allow: {e}")))?;
-    let handle = open_image(pool, &r.volume).map_err(status)?;
-    let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
-    let read_only = r.read_only || handle.is_read_only();
-    exports
-        .add(Export::new(r.name.clone(), handle, read_only, format!("ferrite {what} {}", r.volume)).with_allow(allow));
-    Ok(())
+    pub fences: Arc<Fences>,
 }
 
 fn group_msg(g: ferrite_engine::GroupInfo) -> pb::Group {
@@ -120,51 +77,6 @@ fn snapshot_msg(s: ferrite_engine::SnapshotInfo) -> pb::Snapshot {
 }
 
 impl AdminService {
-    pub fn new(
-        pool: Arc<Pool>,
-        nbd: Arc<Server>,
-        cfg: Config,
-        records: Vec<ExportRecord>,
-        attached: Arc<tokio::sync::Mutex<Vec<(AttachRecord, Handle)>>>,
-        fences: Arc<crate::fence::Fences>,
-    ) -> Self {
-        let ublk = cfg.ublk;
-        Self { pool, nbd, cfg, records: tokio::sync::Mutex::new(records), attached, ublk, fences }
-    }
-
-    /// Stops an export an attachment made (best effort: the device is already gone).
-    pub(crate) async fn drop_export(&self, name: &str) {
-        let mut records = self.records.lock().await;
-        records.retain(|r| r.name != name);
-        self.nbd.exports.remove(name);
-        if let Err(e) = save_exports(&self.cfg, &records) {
-            tracing::error!(error = %e, "saving the export list");
-        }
-    }
-
-    /// Starts export `rec` unless the same one runs; true if this call started it.
-    pub(crate) async fn ensure_export(&self, rec: &ExportRecord) -> Result<bool, Status> {
-        let mut records = self.records.lock().await;
-        if let Some(old) = records.iter().find(|x| x.name == rec.name) {
-            if old == rec {
-                return Ok(false);
-            }
-            return Err(Status::already_exists(format!(
-                "export {:?} already serves volume {:?}",
-                old.name, old.volume
-            )));
-        }
-        publish(&self.pool, &self.nbd.exports, rec)?;
-        records.push(rec.clone());
-        if let Err(e) = save_exports(&self.cfg, &records) {
-            records.pop();
-            self.nbd.exports.remove(&rec.name);
-            return Err(Status::internal(format!("saving the export list: {e}")));
-        }
-        tracing::info!(export = %rec.name, volume = %rec.volume, "export started");
-        Ok(true)
-    }
-
     /// Runs an engine call on the blocking pool.
     async fn engine<T: Send + 'static>(
         &self,
@@ -196,9 +108,35 @@ impl AdminService {
         }
     }
 
+    fn attachment_msg(&self, r: &AttachRecord, detail: String) -> pb::Attachment {
+        let size = open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0);
+        pb::Attachment {
+            volume: r.volume.clone(),
+            device: r.device.clone(),
+            transport: r.transport.clone(),
+            read_only: r.read_only,
+            size,
+            detail,
+        }
+    }
+
+    /// Adds (`fence`) or removes the given blocks; with none, just lists.
+    fn update_fences(&self, cidrs: &[String], fence: bool) -> Result<pb::FenceResponse, Status> {
+        let parsed =
+            cidrs.iter().map(|c| c.parse()).collect::<Result<Vec<Cidr>, _>>().map_err(Status::invalid_argument)?;
+        let (add, remove) = if fence { (&parsed[..], &[][..]) } else { (&[][..], &parsed[..]) };
+        let (list, cut) = self
+            .fences
+            .update(add, remove)
+            .map_err(|e| Status::internal(format!("saving the fence list (nothing changed): {e}")))?;
+        if !parsed.is_empty() {
+            tracing::info!(fenced = fence, cidrs = ?cidrs, connections_cut = cut, "fence list changed");
+        }
+        Ok(pb::FenceResponse { cidrs: list.iter().map(ToString::to_string).collect(), connections_cut: cut })
+    }
+
     async fn volume_msg(&self, info: ferrite_engine::VolumeInfo) -> pb::Volume {
-        let exports =
-            self.records.lock().await.iter().filter(|r| r.volume == info.name).map(|r| r.name.clone()).collect();
+        let exports = self.exports.of_volume(&info.name).await;
         pb::Volume {
             name: info.name,
             id: info.id,
@@ -211,44 +149,6 @@ impl AdminService {
             notes: Vec::new(),
         }
     }
-}
-
-impl ExportRecord {
-    /// The snapshot a `volume@snapshot` export serves.
-    fn snapshot(&self) -> Option<&str> {
-        snapshot_of(&self.volume)
-    }
-}
-
-/// Refuses to delete `what` while an export (picked by `serves`) still serves it.
-fn refuse_if_exported(
-    records: &[ExportRecord],
-    what: &str,
-    serves: impl Fn(&ExportRecord) -> bool,
-) -> Result<(), Status> {
-    let names: Vec<&str> = records.iter().filter(|r| serves(r)).map(|r| r.name.as_str()).collect();
-    if names.is_empty() {
-        return Ok(());
-    }
-    Err(Status::failed_precondition(format!("{what} is exported as {}; stop the export first", names.join(", "))))
-}
-
-/// Refuses to delete `what` while an attached device (picked by `serves`, given the attached
-/// volume or `volume@snapshot`) still serves it.
-fn refuse_if_attached(
-    live: &[(AttachRecord, Handle)],
-    what: &str,
-    serves: impl Fn(&str) -> bool,
-) -> Result<(), Status> {
-    let devs: Vec<&str> = live.iter().filter(|(r, _)| serves(&r.volume)).map(|(r, _)| r.device.as_str()).collect();
-    if devs.is_empty() {
-        return Ok(());
-    }
-    Err(Status::failed_precondition(format!("{what} is attached as {}; detach it first", devs.join(", "))))
-}
-
-fn snapshot_of(spec: &str) -> Option<&str> {
-    spec.split_once('@').map(|(_, s)| s)
 }
 
 pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
@@ -328,7 +228,7 @@ impl Admin for AdminService {
         require("name", &r.name)?;
         let info = self.engine(move |p| p.grow_volume(&r.name, r.new_size)).await?;
         tracing::info!(volume = %info.name, size = info.size, "volume grown");
-        let notes = self.resize_devices(&info.name, info.size).await;
+        let notes = self.attachments.resize(&info.name, info.size).await;
         let mut msg = self.volume_msg(info).await;
         msg.notes = notes;
         Ok(Response::new(msg))
@@ -340,14 +240,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
-        // Lock order everywhere: attachments, then exports.
-        let live = self.attached.lock().await;
+        // Held across the deletion so that nothing attaches or exports it meanwhile.
+        let live = self.attachments.lock().await;
         refuse_if_attached(&live, &format!("volume {name:?}"), |v| v == name)?;
-        let mut records = self.records.lock().await;
+        let records = self.exports.lock().await;
         refuse_if_exported(&records, &format!("volume {name:?}"), |r| r.volume == name)?;
         let n = name.clone();
         self.engine(move |p| p.delete_volume(&n)).await?;
-        records.retain(|r| r.volume != name);
+        drop((records, live));
         tracing::info!(volume = %name, "volume deleted");
         Ok(Response::new(pb::DeleteVolumeResponse {}))
     }
@@ -397,9 +297,9 @@ impl Admin for AdminService {
         let name = req.into_inner().name;
         require("name", &name)?;
         // Held across the deletion so no export of it can start meanwhile.
-        let live = self.attached.lock().await;
+        let live = self.attachments.lock().await;
         refuse_if_attached(&live, &format!("snapshot {name:?}"), |v| snapshot_of(v) == Some(name.as_str()))?;
-        let records = self.records.lock().await;
+        let records = self.exports.lock().await;
         refuse_if_exported(&records, &format!("snapshot {name:?}"), |r| r.snapshot() == Some(name.as_str()))?;
         let n = name.clone();
         self.engine(move |p| p.delete_snapshot(&n)).await?;
@@ -495,11 +395,11 @@ impl Admin for AdminService {
         let name = req.into_inner().name;
         require("name", &name)?;
         let prefix = format!("{name}.");
-        let live = self.attached.lock().await;
+        let live = self.attachments.lock().await;
         refuse_if_attached(&live, &format!("a member of group snapshot {name:?}"), |v| {
             snapshot_of(v).is_some_and(|s| s.starts_with(&prefix))
         })?;
-        let records = self.records.lock().await;
+        let records = self.exports.lock().await;
         refuse_if_exported(&records, &format!("a member of group snapshot {name:?}"), |r| {
             r.snapshot().is_some_and(|s| s.starts_with(&prefix))
         })?;
@@ -528,7 +428,7 @@ impl Admin for AdminService {
         }
         let read_only = r.read_only || r.volume.contains('@');
         let rec = ExportRecord { name, volume: r.volume, read_only, allow: r.allow };
-        self.ensure_export(&rec).await?;
+        self.exports.ensure(&rec).await?;
         Ok(Response::new(self.export_msg(&rec)))
     }
 
@@ -538,17 +438,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::StopExportResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
-        let mut records = self.records.lock().await;
-        let Some(i) = records.iter().position(|r| r.name == name) else {
-            return Err(Status::not_found(format!("export {name:?} not found")));
-        };
-        let rec = records.remove(i);
-        if let Err(e) = save_exports(&self.cfg, &records) {
-            records.insert(i, rec);
-            return Err(Status::internal(format!("saving the export list (the export still runs): {e}")));
-        }
-        let cut = self.nbd.exports.remove(&name).unwrap_or(0);
-        tracing::info!(export = %name, connections_cut = cut, "export stopped");
+        self.exports.stop(&name).await?;
         Ok(Response::new(pb::StopExportResponse {}))
     }
 
@@ -556,14 +446,14 @@ impl Admin for AdminService {
         &self,
         _: Request<pb::ListExportsRequest>,
     ) -> Result<Response<pb::ListExportsResponse>, Status> {
-        let records = self.records.lock().await;
+        let records = self.exports.list().await;
         Ok(Response::new(pb::ListExportsResponse { exports: records.iter().map(|r| self.export_msg(r)).collect() }))
     }
 
     async fn pool_status(&self, _: Request<pb::PoolStatusRequest>) -> Result<Response<pb::PoolStatusResponse>, Status> {
         let s = self.engine(|p| Ok(p.stats())).await?;
         Ok(Response::new(pb::PoolStatusResponse {
-            uuid: format_uuid(&s.uuid),
+            uuid: s.uuid.to_string(),
             path: self.cfg.pool_path.display().to_string(),
             size: s.size,
             used: s.used,
@@ -607,22 +497,40 @@ impl Admin for AdminService {
             live: after.live,
         }))
     }
+
     async fn attach_volume(&self, req: Request<pb::AttachVolumeRequest>) -> Result<Response<pb::Attachment>, Status> {
-        self.attach(req.into_inner()).await.map(Response::new)
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        let (transport, detail) = choose_transport(&r.transport)?;
+        let mut opts = self.cfg.ublk;
+        if r.queues != 0 {
+            opts.queues = u16::try_from(r.queues).unwrap_or(u16::MAX);
+        }
+        if r.depth != 0 {
+            opts.depth = u16::try_from(r.depth).unwrap_or(u16::MAX);
+        }
+        opts.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let rec = self.attachments.attach(&self.pool, &self.exports, &r.volume, transport, opts).await?;
+        Ok(Response::new(self.attachment_msg(&rec, detail)))
     }
 
     async fn detach_volume(
         &self,
         req: Request<pb::DetachVolumeRequest>,
     ) -> Result<Response<pb::DetachVolumeResponse>, Status> {
-        self.detach(&req.into_inner().device).await.map(Response::new)
+        let device = req.into_inner().device;
+        require("device", &device)?;
+        self.attachments.detach(&self.exports, &device).await?;
+        Ok(Response::new(pb::DetachVolumeResponse {}))
     }
 
     async fn list_attachments(
         &self,
         _: Request<pb::ListAttachmentsRequest>,
     ) -> Result<Response<pb::ListAttachmentsResponse>, Status> {
-        Ok(Response::new(self.attachments().await))
+        let list = self.attachments.list().await;
+        let attachments = list.iter().map(|r| self.attachment_msg(r, String::new())).collect();
+        Ok(Response::new(pb::ListAttachmentsResponse { attachments }))
     }
 
     async fn fence_networks(&self, req: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
@@ -641,6 +549,17 @@ impl Admin for AdminService {
         &self,
         _: Request<pb::ListClientsRequest>,
     ) -> Result<Response<pb::ListClientsResponse>, Status> {
-        Ok(Response::new(self.clients()))
+        let clients = self
+            .fences
+            .clients()
+            .into_iter()
+            .map(|c| pb::Client {
+                id: c.id,
+                address: c.peer.to_string(),
+                listener: c.listener.into(),
+                connected_unix: c.since_unix,
+            })
+            .collect();
+        Ok(Response::new(pb::ListClientsResponse { clients }))
     }
 }

@@ -5,7 +5,7 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use ferrite_engine::{Pool, PoolOptions, format_uuid};
+use ferrite_engine::{Pool, PoolOptions};
 use ferrite_nbd::{Exports, Server};
 use ferrite_proto::ferrite::v1::admin_server::AdminServer;
 use ferrite_tls::TlsAcceptor;
@@ -14,8 +14,10 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
-use crate::admin::{AdminService, load_exports, publish};
+use crate::admin::AdminService;
+use crate::attachments::Attachments;
 use crate::config::Config;
+use crate::exports::ExportTable;
 use crate::fence::NbdAdmission;
 use crate::listen;
 use crate::size::format_size;
@@ -33,7 +35,7 @@ fn open_pool(cfg: &Config) -> Result<Pool> {
             .with_context(|| format!("opening pool {}", cfg.pool_path.display()))?;
         let r = pool.recovery_report();
         tracing::info!(
-            uuid = %format_uuid(&pool.stats().uuid),
+            uuid = %pool.stats().uuid,
             path = %cfg.pool_path.display(),
             replayed_batches = r.batches_replayed,
             truncated = r.truncated.as_deref().unwrap_or("no"),
@@ -43,7 +45,7 @@ fn open_pool(cfg: &Config) -> Result<Pool> {
     } else {
         let pool = Pool::create(&cfg.pool_path, &cfg.meta_dir, cfg.pool_size, opts)
             .with_context(|| format!("creating pool {}", cfg.pool_path.display()))?;
-        tracing::info!(uuid = %format_uuid(&pool.stats().uuid), path = %cfg.pool_path.display(),
+        tracing::info!(uuid = %pool.stats().uuid, path = %cfg.pool_path.display(),
             size = %format_size(cfg.pool_size), "pool created");
         Ok(pool)
     }
@@ -155,19 +157,8 @@ pub async fn run(cfg: Config) -> Result<()> {
         Arc::new(tokio::task::spawn_blocking(move || open_pool(&cfg)).await??)
     };
     let exports = Arc::new(Exports::default());
-    let records = load_exports(&cfg)?;
-    for r in &records {
-        if let Err(e) = publish(&pool, &exports, r) {
-            tracing::warn!(export = %r.name, volume = %r.volume, error = %e, "cannot restore export");
-        }
-    }
-    let attached = {
-        let (pool, cfg) = (Arc::clone(&pool), cfg.clone());
-        let records = crate::attach::load(&cfg.data_dir)?;
-        tokio::task::spawn_blocking(move || crate::attach::restore(&pool, records, &cfg.ublk)).await?
-    };
-    crate::attach::save(&cfg.data_dir, &attached).context("saving the attachment list")?;
-    let attached = Arc::new(tokio::sync::Mutex::new(attached));
+    let export_table = Arc::new(ExportTable::restore(Arc::clone(&pool), Arc::clone(&exports), &cfg.data_dir)?);
+    let attachments = Arc::new(Attachments::restore(&pool, &cfg.data_dir, cfg.nbd_socket.clone(), cfg.ublk).await?);
     let tls = TlsConfigs::load(&cfg)?;
     let mut nbd = Server::new(Arc::clone(&exports));
     nbd.admission = Some(Arc::new(NbdAdmission(Arc::clone(&fences))));
@@ -194,15 +185,14 @@ pub async fn run(cfg: Config) -> Result<()> {
             Err(anyhow::anyhow!("metrics listener stopped"))
         });
     }
-    let svc = AdminService::new(
-        Arc::clone(&pool),
-        Arc::clone(&nbd),
-        cfg.clone(),
-        records,
-        Arc::clone(&attached),
-        Arc::clone(&fences),
-    );
-    let svc = AdminServer::new(svc);
+    let svc = AdminServer::new(AdminService {
+        pool: Arc::clone(&pool),
+        nbd: Arc::clone(&nbd),
+        cfg: cfg.clone(),
+        exports: export_table,
+        attachments: Arc::clone(&attachments),
+        fences: Arc::clone(&fences),
+    });
     if let Some(l) = admin_tcp {
         if tls.admin.is_none() {
             tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),
@@ -243,8 +233,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     let _ = std::fs::remove_file(&cfg.admin_socket);
     let _ = std::fs::remove_file(&cfg.nbd_socket);
     // ublk devices stay for the next daemon (USER_RECOVERY): stop feeding them to the engine first.
-    let live = attached.lock().await;
-    tokio::task::block_in_place(|| crate::attach::freeze(&live));
+    let _frozen = attachments.freeze().await;
     let closed = tokio::task::spawn_blocking(move || pool.shutdown()).await?;
     match outcome {
         Ok(sig) => {

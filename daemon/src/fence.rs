@@ -8,18 +8,16 @@ use std::fmt;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr};
 use std::os::fd::AsFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use ferrite_proto::ferrite::v1 as pb;
 use ipnet::IpNet;
 use tokio::net::TcpStream;
-use tonic::Status;
 
-use crate::state::{load_list, save_list};
+use crate::state::RecordFile;
 
 /// An IPv4 or IPv6 block (`ipnet`); host bits are cleared, so `10.1.2.3/8` is `10.0.0.0/8`, and
 /// a bare address is its own /32 or /128.
@@ -67,7 +65,7 @@ struct Client {
 
 #[derive(Debug)]
 pub struct Fences {
-    file: PathBuf,
+    file: RecordFile,
     cidrs: Mutex<Vec<Cidr>>,
     clients: Mutex<BTreeMap<u64, Client>>,
     next_id: AtomicU64,
@@ -79,13 +77,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Fences {
     pub fn load(data_dir: &Path) -> anyhow::Result<Arc<Self>> {
-        let file = data_dir.join("fences.json");
-        let saved: Vec<String> = load_list(&file)?;
+        let file = RecordFile::new(data_dir, "fences");
+        let saved: Vec<String> = file.load()?;
         let cidrs = saved
             .iter()
             .map(|s| s.parse())
             .collect::<Result<Vec<Cidr>, _>>()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file.path().display()))?;
         if !cidrs.is_empty() {
             tracing::info!(fenced = ?saved, "network fences restored");
         }
@@ -127,7 +125,7 @@ impl Fences {
             next.dedup();
             if next != *cidrs {
                 let text: Vec<String> = next.iter().map(ToString::to_string).collect();
-                save_list(&self.file, &text)?;
+                self.file.save(&text)?;
                 *cidrs = next.clone();
             }
             next
@@ -143,39 +141,6 @@ impl Fences {
 
     pub fn clients(&self) -> Vec<ClientInfo> {
         lock(&self.clients).values().map(|c| c.info.clone()).collect()
-    }
-}
-
-/// The fencing RPCs (the `Admin` trait methods delegate here).
-impl crate::admin::AdminService {
-    /// Adds (`fence`) or removes the given blocks; with none, just lists.
-    pub(crate) fn update_fences(&self, cidrs: &[String], fence: bool) -> Result<pb::FenceResponse, Status> {
-        let parsed =
-            cidrs.iter().map(|c| c.parse()).collect::<Result<Vec<Cidr>, _>>().map_err(Status::invalid_argument)?;
-        let (add, remove) = if fence { (&parsed[..], &[][..]) } else { (&[][..], &parsed[..]) };
-        let (list, cut) = self
-            .fences
-            .update(add, remove)
-            .map_err(|e| Status::internal(format!("saving the fence list (nothing changed): {e}")))?;
-        if !parsed.is_empty() {
-            tracing::info!(fenced = fence, cidrs = ?cidrs, connections_cut = cut, "fence list changed");
-        }
-        Ok(pb::FenceResponse { cidrs: list.iter().map(ToString::to_string).collect(), connections_cut: cut })
-    }
-
-    pub(crate) fn clients(&self) -> pb::ListClientsResponse {
-        let clients = self
-            .fences
-            .clients()
-            .into_iter()
-            .map(|c| pb::Client {
-                id: c.id,
-                address: c.peer.to_string(),
-                listener: c.listener.into(),
-                connected_unix: c.since_unix,
-            })
-            .collect();
-        pb::ListClientsResponse { clients }
     }
 }
 

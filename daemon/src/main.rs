@@ -1,10 +1,11 @@
 //! `ferrite`: the block storage daemon (`ferrite daemon`) and its command-line client.
 
 mod admin;
-mod attach;
+mod attachments;
 mod cli;
 mod config;
 mod daemon;
+mod exports;
 mod fence;
 mod listen;
 mod metrics;

@@ -5,13 +5,40 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+/// One list of records kept as a JSON file in the data directory.
+#[derive(Debug, Clone)]
+pub struct RecordFile {
+    path: PathBuf,
+}
+
+impl RecordFile {
+    /// `<data_dir>/<name>.json`.
+    pub fn new(data_dir: &Path, name: &str) -> Self {
+        Self { path: data_dir.join(format!("{name}.json")) }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The list; a missing file is an empty list.
+    pub fn load<T: DeserializeOwned>(&self) -> anyhow::Result<Vec<T>> {
+        load_list(&self.path)
+    }
+
+    /// Replaces the list durably.
+    pub fn save<T: Serialize>(&self, items: &[T]) -> std::io::Result<()> {
+        save_list(&self.path, items)
+    }
+}
+
 /// Reads a list kept as JSON; a missing file is an empty list.
-pub fn load_list<T: DeserializeOwned>(p: &Path) -> anyhow::Result<Vec<T>> {
+fn load_list<T: DeserializeOwned>(p: &Path) -> anyhow::Result<Vec<T>> {
     match std::fs::read(p) {
         Ok(b) => Ok(serde_json::from_slice(&b).map_err(|e| anyhow::anyhow!("parsing {}: {e}", p.display()))?),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
@@ -20,7 +47,7 @@ pub fn load_list<T: DeserializeOwned>(p: &Path) -> anyhow::Result<Vec<T>> {
 }
 
 /// Replaces such a list durably.
-pub fn save_list<T: Serialize>(p: &Path, items: &[T]) -> std::io::Result<()> {
+fn save_list<T: Serialize>(p: &Path, items: &[T]) -> std::io::Result<()> {
     let tmp = p.with_extension("json.tmp");
     let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
     f.write_all(&serde_json::to_vec_pretty(items).expect("serialisable"))?;
@@ -40,14 +67,16 @@ mod tests {
     #[test]
     fn lists_round_trip_privately_and_leave_no_temporary() {
         let dir = tempfile::tempdir().unwrap();
+        let f = RecordFile::new(dir.path(), "things");
         let p = dir.path().join("things.json");
-        assert!(load_list::<String>(&p).unwrap().is_empty(), "a missing file is an empty list");
-        save_list(&p, &["a".to_string(), "b".to_string()]).unwrap();
-        save_list(&p, &["c".to_string()]).unwrap();
-        assert_eq!(load_list::<String>(&p).unwrap(), ["c"]);
+        assert_eq!(f.path(), p);
+        assert!(f.load::<String>().unwrap().is_empty(), "a missing file is an empty list");
+        f.save(&["a".to_string(), "b".to_string()]).unwrap();
+        f.save(&["c".to_string()]).unwrap();
+        assert_eq!(f.load::<String>().unwrap(), ["c"]);
         assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
         assert!(!p.with_extension("json.tmp").exists());
         std::fs::write(&p, b"{not json").unwrap();
-        assert!(load_list::<String>(&p).unwrap_err().to_string().contains("things.json"));
+        assert!(f.load::<String>().unwrap_err().to_string().contains("things.json"));
     }
 }

@@ -45,7 +45,7 @@ mod volume;
 pub use cleaner::CleanReport;
 pub use error::{Error, ErrorKind, Result};
 pub use group::{GroupInfo, GroupSnapshotInfo};
-pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats, VolumeInfo, format_uuid};
+pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats, VolumeInfo};
 pub use reads::Reads;
 pub use recovery::RecoveryReport;
 pub use scrub::{Damage, ScrubProgress, ScrubReport};

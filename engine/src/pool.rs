@@ -2,7 +2,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::OpenOptions;
-use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -96,7 +95,7 @@ pub struct VolumeInfo {
 /// Space and log state of a pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolStats {
-    pub uuid: [u8; 16],
+    pub uuid: uuid::Uuid,
     /// Bytes of data area (segments) in the pool.
     pub size: u64,
     /// Bytes of log in segments that are not free (the open segment counted as far as written).
@@ -248,22 +247,6 @@ pub(crate) fn now_unix() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-fn random_uuid() -> Result<[u8; 16]> {
-    let mut u = [0u8; 16];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut u))
-        .map_err(|e| Error::io("reading /dev/urandom for the pool uuid", e))?;
-    u[6] = (u[6] & 0x0f) | 0x40;
-    u[8] = (u[8] & 0x3f) | 0x80;
-    Ok(u)
-}
-
-/// Formats a uuid the usual way.
-pub fn format_uuid(u: &[u8; 16]) -> String {
-    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
-}
-
 fn open_backend(path: &Path, kind: BackendKind) -> Result<Arc<dyn Backend>> {
     let ctx = || format!("opening pool store {}", path.display());
     if kind == BackendKind::Uring {
@@ -347,7 +330,7 @@ impl Pool {
         }
         let sb = Superblock {
             version: FORMAT_VERSION,
-            uuid: random_uuid()?,
+            uuid: uuid::Uuid::new_v4().into_bytes(),
             segment_size: seg,
             segment_count: count,
             created_unix: now_unix(),
@@ -556,7 +539,7 @@ impl Pool {
         let head = &st.segs.segs[st.applied.seg];
         let head_unwritten = if head.state == SegState::Open { seg - st.applied.off } else { 0 };
         PoolStats {
-            uuid: inner.sb.uuid,
+            uuid: uuid::Uuid::from_bytes(inner.sb.uuid),
             size: seg * inner.sb.segment_count,
             used: (inner.sb.segment_count - free_segs) * seg - head_unwritten,
             free: free_segs.saturating_sub(inner.opts.reserve_segments as u64) * seg,
@@ -672,6 +655,5 @@ mod tests {
         assert!(validate_size(0).is_err());
         assert!(validate_size(4097).is_err());
         validate_size(1 << 30).unwrap();
-        assert_eq!(format_uuid(&[0xab; 16]), "abababab-abab-abab-abab-abababababab");
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -121,9 +121,8 @@ impl Export {
     fn close(&self) -> usize {
         let Some(conns) = self.connections.lock().take() else { return 0 };
         for fd in conns.values() {
-            // SAFETY: shutdown(2) on a descriptor this map owns (a duplicate, so the socket
-            // cannot have been closed and its number reused); no memory is passed.
-            unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+            // A duplicate this map owns, so its number cannot have been reused for another file.
+            let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }
         conns.len()
     }

@@ -5,10 +5,12 @@
 //! stay behind (unlike the old ioctl interface). `detach` sends `NBD_CMD_DISCONNECT`.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use rustix::net;
 
 use crate::proto::*;
 
@@ -146,13 +148,13 @@ fn attrs(mut b: &[u8]) -> Vec<(u16, &[u8])> {
 
 impl Genl {
     fn open() -> io::Result<Self> {
-        // SAFETY: plain socket(2) call; the result is checked before use.
-        let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_GENERIC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh descriptor we own.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let fd = net::socket_with(
+            net::AddressFamily::NETLINK,
+            net::SocketType::RAW,
+            net::SocketFlags::CLOEXEC,
+            Some(net::netlink::GENERIC),
+        )?;
+        Ok(Self(fd))
     }
 
     /// Sends one request and returns the payload (after the genl header) of its reply, if any.
@@ -166,20 +168,12 @@ impl Genl {
         m.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel fills it in
         m.extend_from_slice(&[cmd, 1, 0, 0]); // genl header: cmd, version
         m.extend_from_slice(body);
-        // SAFETY: m is a valid buffer of m.len() bytes for the duration of the call.
-        let n = unsafe { libc::send(self.0.as_raw_fd(), m.as_ptr().cast(), m.len(), 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        net::send(&self.0, &m, net::SendFlags::empty())?;
         let mut payload = None;
         let mut buf = vec![0u8; 16 << 10];
         loop {
-            // SAFETY: buf is a valid, writable buffer of buf.len() bytes.
-            let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let mut b = &buf[..usize::try_from(n).expect("non-negative")];
+            let (n, _) = net::recv(&self.0, &mut buf[..], net::RecvFlags::empty())?;
+            let mut b = &buf[..n];
             while b.len() >= 16 {
                 let len = u32::from_ne_bytes(b[0..4].try_into().expect("4")) as usize;
                 let kind = u16::from_ne_bytes([b[4], b[5]]);

@@ -16,11 +16,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 
+use crate::event_loop;
 use crate::export::Exports;
 use crate::handshake::{Client, Session, negotiate};
 use crate::limits::Limits;
 use crate::tls::{Stream, Tls, TlsSocket};
-use crate::transmission::{Socket, serve};
+use crate::transmission::Socket;
 
 /// Counters a metrics endpoint reads.
 #[derive(Debug, Default)]
@@ -131,7 +132,7 @@ impl Server {
         let (done, finished) = tokio::sync::oneshot::channel();
         let me = Arc::clone(&self);
         std::thread::Builder::new().name("nbd-conn".into()).spawn(move || {
-            let r = serve(&sock, &session, &me.limits);
+            let r = event_loop::serve(&sock, &session, &me.limits, true);
             drop(registration);
             let _ = done.send(r);
         })?;

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use ferrite_engine::{Error, ErrorKind, Volume};
 
 use crate::handshake::{BASE_ALLOCATION_ID, Session};
-use crate::limits::{Limits, ZERO_SLICE};
+use crate::limits::ZERO_SLICE;
 use crate::proto::*;
 
 /// Where a structured read reply's data starts: behind one data chunk's header and offset.
@@ -96,12 +96,6 @@ fn ok_reply(structured: bool, cookie: u64) -> Reply {
     } else {
         Reply::success(simple_reply(0, cookie).to_vec())
     }
-}
-
-/// Serves requests until the client disconnects (or breaks framing) and every request in flight
-/// has replied.
-pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits) -> io::Result<()> {
-    crate::event_loop::serve(sock, session, limits, true)
 }
 
 /// Counts a finished request in its export's metrics.

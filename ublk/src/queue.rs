@@ -9,7 +9,7 @@
 //! ```
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -20,6 +20,7 @@ use io_uring::{opcode, types};
 use libublk::io::{BufDescList, UblkDev, UblkIOCtx, UblkQueue};
 use libublk::{BufDesc, UblkIORes};
 use parking_lot::{Condvar, Mutex};
+use rustix::event::{EventfdFlags, eventfd};
 
 use crate::handler::Request;
 
@@ -104,13 +105,7 @@ struct Offload {
 
 impl Offload {
     fn new(volume: Volume, gate: Arc<Gate>, max_workers: usize) -> std::io::Result<Self> {
-        // SAFETY: eventfd has no memory arguments; a negative return is checked below.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        let wake = unsafe { OwnedFd::from_raw_fd(fd) };
+        let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
         let shared =
             Shared { volume, gate, jobs: Mutex::default(), ready: Condvar::new(), done: Mutex::default(), wake };
         Ok(Self { shared: Arc::new(shared), max_workers, threads: Vec::new() })
@@ -137,9 +132,8 @@ impl Offload {
 
     /// Completions posted since the last call; also resets the eventfd.
     fn take_done(&self) -> Vec<(u16, i32)> {
-        let mut v = 0u64;
-        // SAFETY: reads 8 bytes into `v`, which lives across the call; the fd is non-blocking.
-        let _ = unsafe { libc::read(self.shared.wake.as_raw_fd(), (&raw mut v).cast(), 8) };
+        // Non-blocking: EAGAIN when nothing was posted since the last reset.
+        let _ = rustix::io::read(&self.shared.wake, &mut [0u8; 8]);
         std::mem::take(&mut *self.shared.done.lock())
     }
 
@@ -183,9 +177,8 @@ fn work(shared: &Shared) {
         shared.gate.leave();
         // Only the first completion of a batch needs to wake the queue thread: it takes them all.
         if done.len() == 1 {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes from `one`; an eventfd write only fails on counter overflow.
-            let _ = unsafe { libc::write(shared.wake.as_raw_fd(), (&raw const one).cast(), 8) };
+            // An eventfd write only fails on counter overflow, which one per batch cannot reach.
+            let _ = rustix::io::write(&shared.wake, &1u64.to_ne_bytes());
         }
     }
 }

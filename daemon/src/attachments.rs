@@ -1,0 +1,289 @@
+//! Volumes attached as block devices on this node: ublk where the kernel has it, else the kernel
+//! NBD client connected to our own Unix socket. Attachments are persisted in
+//! `<data-dir>/attachments.json`, so a restarted daemon takes its ublk devices back
+//! (USER_RECOVERY) instead of leaving them hung.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrite_engine::Pool;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Mutex, MutexGuard};
+use tonic::Status;
+
+use crate::admin::status;
+use crate::exports::{ExportRecord, ExportTable, open_image};
+use crate::state::RecordFile;
+
+/// How long a daemon exit waits for ublk requests already in the engine.
+const FREEZE_LIMIT: Duration = Duration::from_secs(30);
+
+/// An attachment as persisted.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AttachRecord {
+    /// A volume, or `volume@snapshot`.
+    pub volume: String,
+    /// "ublk" or "nbd".
+    pub transport: String,
+    /// /dev/ublkbN or /dev/nbdN.
+    pub device: String,
+    /// ublk device id or NBD index.
+    pub index: u32,
+    pub read_only: bool,
+    /// The NBD export the kernel client uses (NBD only).
+    #[serde(default)]
+    pub export: Option<String>,
+}
+
+/// The live half of an attachment.
+#[derive(Debug)]
+pub enum Handle {
+    Ublk(ferrite_ublk::Device),
+    Nbd,
+}
+
+/// The devices this daemon attached, with their records.
+#[derive(Debug)]
+pub struct Attachments {
+    file: RecordFile,
+    /// The NBD Unix socket the kernel client connects to.
+    nbd_socket: PathBuf,
+    live: Mutex<Vec<(AttachRecord, Handle)>>,
+}
+
+/// The transport to use for `wanted` ("", "auto", "ublk", "nbd"), and why.
+pub fn choose_transport(wanted: &str) -> Result<(&'static str, String), Status> {
+    match wanted {
+        "" | "auto" => match ferrite_ublk::Features::probe() {
+            Ok(f) => Ok(("ublk", f.describe())),
+            Err(e) => Ok(("nbd", format!("ublk unavailable ({e}); using the kernel NBD client"))),
+        },
+        "ublk" => ferrite_ublk::Features::probe()
+            .map(|f| ("ublk", f.describe()))
+            .map_err(|e| Status::failed_precondition(e.to_string())),
+        "nbd" => Ok(("nbd", "kernel NBD client, as asked".into())),
+        other => Err(Status::invalid_argument(format!("transport must be auto, ublk or nbd, not {other:?}"))),
+    }
+}
+
+impl Attachments {
+    /// Takes back the ublk devices a previous daemon left (kill -9, or a clean exit that froze
+    /// them; USER_RECOVERY) and saves what remains: kernel NBD connections ended with that daemon.
+    pub async fn restore(
+        pool: &Arc<Pool>,
+        data_dir: &Path,
+        nbd_socket: PathBuf,
+        ublk: ferrite_ublk::Options,
+    ) -> anyhow::Result<Self> {
+        let file = RecordFile::new(data_dir, "attachments");
+        let records: Vec<AttachRecord> = file.load()?;
+        let pool = Arc::clone(pool);
+        let live = tokio::task::spawn_blocking(move || recover(&pool, records, &ublk)).await?;
+        let this = Self { file, nbd_socket, live: Mutex::new(live) };
+        this.save(&this.live.lock().await).map_err(|e| anyhow::anyhow!("saving the attachment list: {e}"))?;
+        Ok(this)
+    }
+
+    fn save(&self, live: &[(AttachRecord, Handle)]) -> std::io::Result<()> {
+        let records: Vec<&AttachRecord> = live.iter().map(|(r, _)| r).collect();
+        self.file.save(&records)
+    }
+
+    /// The attachments, locked: held across a deletion so that nothing attaches what is being
+    /// deleted meanwhile. Lock order everywhere: attachments, then exports.
+    pub async fn lock(&self) -> MutexGuard<'_, Vec<(AttachRecord, Handle)>> {
+        self.live.lock().await
+    }
+
+    pub async fn list(&self) -> Vec<AttachRecord> {
+        self.live.lock().await.iter().map(|(r, _)| r.clone()).collect()
+    }
+
+    /// Attaches `volume` (or `volume@snapshot`) over `transport` ("ublk" or "nbd", as
+    /// [`choose_transport`] picked); the NBD way exports it first if no export of that name runs.
+    pub async fn attach(
+        &self,
+        pool: &Arc<Pool>,
+        exports: &ExportTable,
+        volume: &str,
+        transport: &'static str,
+        opts: ferrite_ublk::Options,
+    ) -> Result<AttachRecord, Status> {
+        let mut live = self.live.lock().await;
+        if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == volume) {
+            return Err(Status::already_exists(format!("{volume} is already attached as {}", old.device)));
+        }
+        let (rec, handle) = if transport == "ublk" {
+            let (pool, spec) = (Arc::clone(pool), volume.to_owned());
+            let dev = tokio::task::spawn_blocking(move || {
+                let v = open_image(&pool, &spec).map_err(status)?;
+                ferrite_ublk::Device::attach(v, &opts).map_err(|e| Status::internal(e.to_string()))
+            })
+            .await
+            .map_err(|e| Status::internal(format!("attach task failed: {e}")))??;
+            let rec = AttachRecord {
+                volume: volume.to_owned(),
+                transport: transport.into(),
+                device: dev.path().display().to_string(),
+                index: dev.id(),
+                read_only: dev.is_read_only(),
+                export: None,
+            };
+            (rec, Handle::Ublk(dev))
+        } else {
+            let export = ExportRecord {
+                name: volume.to_owned(),
+                volume: volume.to_owned(),
+                read_only: volume.contains('@'),
+                allow: Vec::new(),
+            };
+            let created = exports.ensure(&export).await?;
+            let (sock, name) = (self.nbd_socket.clone(), export.name.clone());
+            let a = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::attach(&sock, &name))
+                .await
+                .map_err(|e| Status::internal(format!("attach task failed: {e}")))?
+                .map_err(|e| Status::failed_precondition(format!("kernel NBD attach: {e}")));
+            let a = match a {
+                Ok(a) => a,
+                Err(e) => {
+                    if created {
+                        exports.discard(&export.name).await;
+                    }
+                    return Err(e);
+                }
+            };
+            let rec = AttachRecord {
+                volume: volume.to_owned(),
+                transport: transport.into(),
+                device: a.device.display().to_string(),
+                index: a.index,
+                read_only: a.read_only,
+                export: created.then_some(export.name),
+            };
+            (rec, Handle::Nbd)
+        };
+        tracing::info!(volume = %rec.volume, device = %rec.device, transport, "volume attached");
+        live.push((rec.clone(), handle));
+        if let Err(e) = self.save(&live) {
+            tracing::error!(error = %e, "cannot save the attachment list; a restart will not recover this device");
+        }
+        Ok(rec)
+    }
+
+    /// Detaches by device path or volume name; stops the export the attach made, if any.
+    pub async fn detach(&self, exports: &ExportTable, device: &str) -> Result<(), Status> {
+        let mut live = self.live.lock().await;
+        let Some(i) = live.iter().position(|(r, _)| r.device == device || r.volume == device) else {
+            return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
+        };
+        let (rec, handle) = &mut live[i];
+        let index = rec.index;
+        let done = match handle {
+            Handle::Ublk(d) => tokio::task::block_in_place(|| d.detach()),
+            Handle::Nbd => tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
+                .await
+                .map_err(|e| Status::internal(format!("detach task failed: {e}")))?,
+        };
+        done.map_err(|e| Status::internal(format!("detaching {}: {e}", rec.device)))?;
+        let (rec, _) = live.remove(i);
+        if let Some(export) = &rec.export {
+            exports.discard(export).await;
+        }
+        if let Err(e) = self.save(&live) {
+            tracing::error!(error = %e, "cannot save the attachment list");
+        }
+        tracing::info!(volume = %rec.volume, device = %rec.device, "volume detached");
+        Ok(())
+    }
+
+    /// Makes the devices attached to `volume` follow its new size, and says how it went.
+    pub async fn resize(&self, volume: &str, size: u64) -> Vec<String> {
+        let live = self.live.lock().await;
+        let mut notes = Vec::new();
+        for (r, h) in live.iter().filter(|(r, _)| r.volume == volume) {
+            let note = match h {
+                Handle::Ublk(d) => match tokio::task::block_in_place(|| d.resize(size)) {
+                    Ok(true) => format!("{} resized online", r.device),
+                    Ok(false) => format!(
+                        "{} keeps its old size until it is detached and attached again \
+                         (this kernel's ublk driver has no UPDATE_SIZE, Linux 6.16+)",
+                        r.device
+                    ),
+                    Err(e) => format!("{}: resize failed: {e}", r.device),
+                },
+                Handle::Nbd => {
+                    let index = r.index;
+                    match tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size)).await {
+                        Ok(Ok(())) => format!("{} resized online", r.device),
+                        Ok(Err(e)) => {
+                            format!("{}: resize failed ({e}); it keeps its old size until re-attached", r.device)
+                        }
+                        Err(e) => format!("{}: resize task failed: {e}", r.device),
+                    }
+                }
+            };
+            tracing::info!(device = %r.device, "{note}");
+            notes.push(note);
+        }
+        notes
+    }
+
+    /// Before the pool closes: ublk devices stop taking requests (the kernel keeps them for the
+    /// next daemon) and the ones already running finish. The returned guard keeps the list
+    /// locked, so nothing attaches until the caller drops it.
+    pub async fn freeze(&self) -> MutexGuard<'_, Vec<(AttachRecord, Handle)>> {
+        let live = self.live.lock().await;
+        tokio::task::block_in_place(|| {
+            for (r, h) in live.iter() {
+                if let Handle::Ublk(d) = h
+                    && !d.freeze(FREEZE_LIMIT)
+                {
+                    tracing::error!(device = %r.device, "ublk requests still running after {FREEZE_LIMIT:?}");
+                }
+            }
+        });
+        live
+    }
+}
+
+/// The records a previous daemon left whose devices can be taken back.
+fn recover(pool: &Pool, records: Vec<AttachRecord>, opts: &ferrite_ublk::Options) -> Vec<(AttachRecord, Handle)> {
+    let mut live = Vec::new();
+    for r in records {
+        if r.transport != "ublk" {
+            tracing::warn!(device = %r.device, volume = %r.volume,
+                "the kernel NBD connection ended with the previous daemon; attach the volume again");
+            continue;
+        }
+        if !Path::new(&format!("/sys/class/ublk-char/ublkc{}", r.index)).exists() {
+            tracing::warn!(device = %r.device, volume = %r.volume, "ublk device is gone; not recovering it");
+            continue;
+        }
+        let recovered = open_image(pool, &r.volume)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+            .and_then(|v| ferrite_ublk::Device::recover(r.index, v, opts));
+        match recovered {
+            Ok(d) => {
+                tracing::info!(device = %r.device, volume = %r.volume, "ublk device recovered");
+                live.push((r, Handle::Ublk(d)));
+            }
+            Err(e) => tracing::error!(device = %r.device, volume = %r.volume, error = %e, "cannot recover ublk device"),
+        }
+    }
+    live
+}
+
+/// Refuses to delete `what` while an attached device (picked by `serves`, given the attached
+/// volume or `volume@snapshot`) still serves it.
+pub fn refuse_if_attached(
+    live: &[(AttachRecord, Handle)],
+    what: &str,
+    serves: impl Fn(&str) -> bool,
+) -> Result<(), Status> {
+    let devs: Vec<&str> = live.iter().filter(|(r, _)| serves(&r.volume)).map(|(r, _)| r.device.as_str()).collect();
+    if devs.is_empty() {
+        return Ok(());
+    }
+    Err(Status::failed_precondition(format!("{what} is attached as {}; detach it first", devs.join(", "))))
+}

@@ -1,0 +1,173 @@
+//! The exports this daemon serves over NBD: their records, kept in `<data-dir>/exports.json` so
+//! they come back after a restart, and the NBD server's live exports made from them. A record is
+//! saved before its export starts or after it stops, so the file never names less than runs.
+
+use std::sync::Arc;
+
+use ferrite_engine::{ErrorKind, Pool, Volume};
+use ferrite_nbd::export::Allow;
+use ferrite_nbd::{Export, Exports};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Mutex, MutexGuard};
+use tonic::Status;
+
+use crate::admin::status;
+use crate::state::RecordFile;
+
+/// An export as persisted.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExportRecord {
+    pub name: String,
+    /// A volume, or `volume@snapshot` (read-only).
+    pub volume: String,
+    pub read_only: bool,
+    /// Who may open it over TCP (see `ferrite_nbd::export::Allow`); empty: any client.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
+}
+
+impl ExportRecord {
+    /// The snapshot a `volume@snapshot` export serves.
+    pub fn snapshot(&self) -> Option<&str> {
+        snapshot_of(&self.volume)
+    }
+}
+
+/// The snapshot part of `volume@snapshot`.
+pub fn snapshot_of(spec: &str) -> Option<&str> {
+    spec.split_once('@').map(|(_, s)| s)
+}
+
+/// Opens a volume, or `volume@snapshot` (read-only).
+pub fn open_image(pool: &Pool, spec: &str) -> Result<Volume, ferrite_engine::Error> {
+    match spec.split_once('@') {
+        Some((vol, snap)) => {
+            let info = pool.snapshot_info(snap)?;
+            // (A snapshot outlives its volume; then only the snapshot name has to match.)
+            if info.volume.as_deref().is_some_and(|v| v != vol) {
+                return Err(ferrite_engine::Error::new(
+                    ErrorKind::NotFound,
+                    format!("volume {vol:?} has no snapshot {snap:?}"),
+                ));
+            }
+            pool.open_snapshot(snap)
+        }
+        None => pool.open_volume(spec),
+    }
+}
+
+/// The persisted exports and the NBD server's live ones.
+#[derive(Debug)]
+pub struct ExportTable {
+    pool: Arc<Pool>,
+    live: Arc<Exports>,
+    file: RecordFile,
+    records: Mutex<Vec<ExportRecord>>,
+}
+
+impl ExportTable {
+    /// Loads the saved records and starts their exports on `live`; one that cannot start (its
+    /// volume is gone, say) is logged and kept, so a later fix brings it back.
+    pub fn restore(pool: Arc<Pool>, live: Arc<Exports>, data_dir: &std::path::Path) -> anyhow::Result<Self> {
+        let file = RecordFile::new(data_dir, "exports");
+        let records: Vec<ExportRecord> = file.load()?;
+        for r in &records {
+            if let Err(e) = publish(&pool, &live, r) {
+                tracing::warn!(export = %r.name, volume = %r.volume, error = %e, "cannot restore export");
+            }
+        }
+        Ok(Self { pool, live, file, records: Mutex::new(records) })
+    }
+
+    /// The records, locked: held across a deletion so that no export of what is being deleted
+    /// can start meanwhile. Lock order everywhere: attachments, then exports.
+    pub async fn lock(&self) -> MutexGuard<'_, Vec<ExportRecord>> {
+        self.records.lock().await
+    }
+
+    pub async fn list(&self) -> Vec<ExportRecord> {
+        self.records.lock().await.clone()
+    }
+
+    /// Names of the exports serving `volume` itself.
+    pub async fn of_volume(&self, volume: &str) -> Vec<String> {
+        self.records.lock().await.iter().filter(|r| r.volume == volume).map(|r| r.name.clone()).collect()
+    }
+
+    /// Starts export `rec` unless the same one runs; true if this call started it.
+    pub async fn ensure(&self, rec: &ExportRecord) -> Result<bool, Status> {
+        let mut records = self.records.lock().await;
+        if let Some(old) = records.iter().find(|x| x.name == rec.name) {
+            if old == rec {
+                return Ok(false);
+            }
+            return Err(Status::already_exists(format!(
+                "export {:?} already serves volume {:?}",
+                old.name, old.volume
+            )));
+        }
+        publish(&self.pool, &self.live, rec)?;
+        records.push(rec.clone());
+        if let Err(e) = self.file.save(&records) {
+            records.pop();
+            self.live.remove(&rec.name);
+            return Err(Status::internal(format!("saving the export list: {e}")));
+        }
+        tracing::info!(export = %rec.name, volume = %rec.volume, "export started");
+        Ok(true)
+    }
+
+    /// Stops export `name` and cuts its clients; returns how many were cut.
+    pub async fn stop(&self, name: &str) -> Result<usize, Status> {
+        let mut records = self.records.lock().await;
+        let Some(i) = records.iter().position(|r| r.name == name) else {
+            return Err(Status::not_found(format!("export {name:?} not found")));
+        };
+        let rec = records.remove(i);
+        if let Err(e) = self.file.save(&records) {
+            records.insert(i, rec);
+            return Err(Status::internal(format!("saving the export list (the export still runs): {e}")));
+        }
+        let cut = self.live.remove(name).unwrap_or(0);
+        tracing::info!(export = %name, connections_cut = cut, "export stopped");
+        Ok(cut)
+    }
+
+    /// Stops an export an attachment made (best effort: the device is already gone).
+    pub async fn discard(&self, name: &str) {
+        if let Err(e) = self.stop(name).await
+            && e.code() != tonic::Code::NotFound
+        {
+            tracing::error!(export = %name, error = %e, "stopping the export of a detached device");
+        }
+    }
+}
+
+/// Starts an export on the NBD server. An allow list that does not parse is refused whole
+/// (dropping an entry could open the export wider).
+fn publish(pool: &Pool, live: &Exports, r: &ExportRecord) -> Result<(), Status> {
+    let allow = r
+        .allow
+        .iter()
+        .map(|a| a.parse::<Allow>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| Status::invalid_argument(format!("allow: {e}")))?;
+    let handle = open_image(pool, &r.volume).map_err(status)?;
+    let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
+    let read_only = r.read_only || handle.is_read_only();
+    live.add(Export::new(r.name.clone(), handle, read_only, format!("ferrite {what} {}", r.volume)).with_allow(allow));
+    Ok(())
+}
+
+/// Refuses to delete `what` while an export (picked by `serves`) still serves it.
+pub fn refuse_if_exported(
+    records: &[ExportRecord],
+    what: &str,
+    serves: impl Fn(&ExportRecord) -> bool,
+) -> Result<(), Status> {
+    let names: Vec<&str> = records.iter().filter(|r| serves(r)).map(|r| r.name.as_str()).collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    Err(Status::failed_precondition(format!("{what} is exported as {}; stop the export first", names.join(", "))))
+}
