@@ -99,6 +99,11 @@ impl From<rocksdb::Error> for Error {
 }
 
 /// Shorthand constructors used across the crate.
+/// A copy of `e` (kind and message) for each of several waiters.
+pub(crate) fn clone_err(e: &Error) -> Error {
+    Error::new(e.kind(), e.to_string())
+}
+
 pub(crate) fn invalid(msg: impl Into<String>) -> Error {
     Error::new(ErrorKind::InvalidArgument, msg)
 }

@@ -20,34 +20,28 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
-mod checkpoint;
-mod cleaner;
 mod error;
-mod extent_map;
 pub mod format;
-mod group;
 pub mod io;
-mod layers;
-mod log;
+mod maint;
+mod map;
 mod meta;
-mod pace;
+mod ops;
 mod pool;
-mod readahead;
-mod reads;
+mod read;
 mod recovery;
 mod rng;
-mod scrub;
-mod segments;
-mod snapshot;
-mod tail;
+mod state;
 mod volume;
+mod write;
 
-pub use cleaner::CleanReport;
 pub use error::{Error, ErrorKind, Result};
-pub use group::{GroupInfo, GroupSnapshotInfo};
-pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats, VolumeInfo};
-pub use reads::Reads;
+pub use maint::cleaner::CleanReport;
+pub use ops::group::{GroupInfo, GroupSnapshotInfo};
+pub use ops::scrub::{Damage, ScrubProgress, ScrubReport};
+pub use ops::snapshot::{Image, SnapshotInfo};
+pub use ops::volumes::VolumeInfo;
+pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats};
+pub use read::reads::Reads;
 pub use recovery::RecoveryReport;
-pub use scrub::{Damage, ScrubProgress, ScrubReport};
-pub use snapshot::{Image, SnapshotInfo};
 pub use volume::Volume;

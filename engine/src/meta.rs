@@ -23,8 +23,8 @@ use std::path::Path;
 use rocksdb::{DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
 
 use crate::error::{Error, ErrorKind, Result, corrupt};
-use crate::extent_map::Chunk;
 use crate::format::le64;
+use crate::map::extent_map::Chunk;
 
 /// A volume as stored in the catalog.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,16 +11,15 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::layers::{Layer, Layers};
+use crate::map::layers::{Layer, Layers};
 
 use crate::error::{Error, Result, corrupt};
-use crate::extent_map::ExtentMap;
 use crate::format::{BatchHeader, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend};
-use crate::log::{LogPos, apply};
+use crate::map::extent_map::ExtentMap;
+use crate::map::segments::{SegState, SegmentTable};
 use crate::meta::Meta;
-use crate::pool::{State, VolumeEntry};
-use crate::segments::{SegState, SegmentTable};
+use crate::state::{LogPos, State, VolumeEntry, apply};
 
 /// What recovery did when the pool was opened.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -12,44 +12,18 @@ use std::sync::{Arc, Weak};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::block_crc;
 use crate::io::BLOCK;
-use crate::log::{Payload, Req};
-use crate::pool::{Inner, State};
-use crate::readahead::Streams;
-use crate::reads::{Media, Reads};
-use crate::segments::Pinned;
+use crate::map::segments::Pinned;
+use crate::pool::Inner;
+use crate::read::readahead::{Streams, note_read};
+use crate::read::reads::Reads;
+use crate::read::resolve::{Resolved, check_within, gone, resolve};
+use crate::state::{State, Target};
+use crate::write::req::{Payload, Req};
 
 const B: u64 = BLOCK as u64;
 /// How long a write waits for the cleaner to make room before it gives up with ENOSPC.
 const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// One block of a read, resolved: unmapped (reads as zeros), or its pool block and checksum.
-pub(crate) type Resolved = Option<(u64, u32)>;
-
-/// The pool blocks of resolved reads as runs of consecutive blocks, one request each, in order.
-pub(crate) fn media_runs<'a>(blocks: impl IntoIterator<Item = &'a Resolved>) -> Vec<(u64, u64)> {
-    pba_runs(blocks.into_iter().flatten().map(|&(pba, _)| pba))
-}
-
-/// Pool blocks as runs of consecutive blocks, in order.
-pub(crate) fn pba_runs(pbas: impl IntoIterator<Item = u64>) -> Vec<(u64, u64)> {
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for pba in pbas {
-        match runs.last_mut() {
-            Some((p, k)) if *p + *k == pba => *k += 1,
-            _ => runs.push((pba, 1)),
-        }
-    }
-    runs
-}
-
-/// What a handle reads: a volume (through its current head) or a snapshot (read-only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Target {
-    Volume(u64),
-    Snapshot(u64),
-}
 
 /// A handle for I/O on one volume or snapshot. Cheap to clone; fails with NotFound once the
 /// volume is deleted and with Closed once the pool is closed. It does not keep the pool open.
@@ -117,11 +91,7 @@ impl Volume {
 
     /// The layer reads start from, and the size, as of now.
     fn head(&self, st: &State) -> Result<(u64, u64)> {
-        match self.target {
-            Target::Volume(id) => st.volumes.get(&id).map(|e| (e.rec.layer, e.rec.size)),
-            Target::Snapshot(id) => st.snapshots.get(&id).map(|s| (s.layer, s.size)),
-        }
-        .ok_or_else(|| self.gone())
+        st.head_of(self.target).ok_or_else(|| gone(&self.name))
     }
 
     /// The volume id writes go to; an error for a snapshot.
@@ -159,22 +129,8 @@ impl Volume {
         Ok(self.head(&inner.state.read())?.1)
     }
 
-    fn gone(&self) -> Error {
-        Error::new(ErrorKind::NotFound, format!("{:?} was deleted", self.name))
-    }
-
     fn check_range(&self, inner: &Inner, offset: u64, len: u64) -> Result<()> {
-        self.check_within(self.size_in(inner)?, offset, len)
-    }
-
-    fn check_within(&self, size: u64, offset: u64, len: u64) -> Result<()> {
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(Error::new(
-                ErrorKind::OutOfRange,
-                format!("volume {:?}: range {offset}+{len} is past its end ({size} bytes)", self.name),
-            ));
-        }
-        Ok(())
+        check_within(&self.name, self.size_in(inner)?, offset, len)
     }
 
     /// Reads `buf.len()` bytes at `offset`. Never-written ranges read as zeros without touching
@@ -197,7 +153,7 @@ impl Volume {
         let spans: Vec<(u64, usize)> = parts.iter().map(|(offset, buf)| (*offset, buf.len())).collect();
         let mut reads = match self.start_reads(&spans) {
             Ok(r) => r,
-            Err(e) => return parts.iter().map(|_| Err(crate::log::clone_err(&e))).collect(),
+            Err(e) => return parts.iter().map(|_| Err(crate::error::clone_err(&e))).collect(),
         };
         let media = reads.read_media();
         reads.finish(media, &mut parts.iter_mut().map(|(_, buf)| &mut **buf).collect::<Vec<_>>())
@@ -209,114 +165,18 @@ impl Volume {
     pub fn start_reads(&self, parts: &[(u64, usize)]) -> Result<Reads<'_>> {
         let inner = self.pool()?;
         for &(offset, len) in parts {
-            crate::readahead::note_read(&inner, self, offset, len as u64);
+            note_read(&inner, &self.streams, self.target, &self.name, offset, len as u64);
         }
         let mut pins = Pinned::new(&inner.pins);
         let resolved: Vec<Result<Vec<Resolved>>> = {
             let st = inner.state.read();
-            parts.iter().map(|&(offset, len)| self.resolve(&st, &mut pins, offset, len as u64)).collect()
+            parts
+                .iter()
+                .map(|&(offset, len)| resolve(&st, self.target, &self.name, &mut pins, offset, len as u64))
+                .collect()
         };
         let pinned = pins.into_held();
-        Ok(Reads::new(self, inner, parts, resolved, pinned))
-    }
-
-    pub(crate) fn media_error(&self, offset: u64, len: usize, e: &std::io::Error) -> Error {
-        let e = e
-            .raw_os_error()
-            .map_or_else(|| std::io::Error::new(e.kind(), e.to_string()), std::io::Error::from_raw_os_error);
-        Error::io(format!("volume {:?}: reading {len} bytes at offset {offset}", self.name), e)
-    }
-
-    /// As [`Volume::resolve`] for a readahead window: clipped to the volume's end.
-    pub(crate) fn resolve_ahead(
-        &self,
-        inner: &Inner,
-        pins: &mut Pinned<'_>,
-        offset: u64,
-        len: u64,
-    ) -> Result<Vec<Resolved>> {
-        let st = inner.state.read();
-        let size = self.head(&st)?.1;
-        self.resolve(&st, pins, offset.min(size), len.min(size.saturating_sub(offset)))
-    }
-
-    /// Resolves every block of `[offset, offset + len)` (checking the range), pinning the
-    /// segments it will be read from.
-    fn resolve(&self, st: &State, pins: &mut Pinned<'_>, offset: u64, len: u64) -> Result<Vec<Resolved>> {
-        let (head, size) = self.head(st)?;
-        self.check_within(size, offset, len)?;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let first = offset / B;
-        let last = (offset + len - 1) / B;
-        let mut resolved = Vec::with_capacity(usize::try_from(last - first + 1).expect("read fits memory"));
-        for run in crate::layers::resolve(&st.layers, head, first, last - first + 1) {
-            let Some(start) = run.pba else {
-                resolved.extend(std::iter::repeat_n(None, usize::try_from(run.blocks).expect("fits")));
-                continue;
-            };
-            for pba in start..start + run.blocks {
-                let crc = st.segs.crc(pba).ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::Corrupt,
-                        format!(
-                            "{:?}: no checksum for pool block {pba} (offset {})",
-                            self.name,
-                            (run.lba + pba - start) * B
-                        ),
-                    )
-                })?;
-                pins.pin(st.segs.locate(pba).0);
-                resolved.push(Some((pba, crc)));
-            }
-        }
-        Ok(resolved)
-    }
-
-    /// Copies the resolved blocks of a read into `buf` (zeros for holes) from `media`, whose
-    /// blocks from the given slot on are the mapped ones in order, verifying each checksum.
-    pub(crate) fn fill(
-        &self,
-        offset: u64,
-        buf: &mut [u8],
-        resolved: &[Resolved],
-        media: Option<(&Media, usize)>,
-        alloc: &mut Vec<(u64, bool)>,
-    ) -> Result<()> {
-        let first = offset / B;
-        let mut slot = 0;
-        for (i, r) in resolved.iter().enumerate() {
-            let block_start = (first + i as u64) * B;
-            let lo = offset.max(block_start);
-            let hi = (offset + buf.len() as u64).min(block_start + B);
-            let dst =
-                &mut buf[usize::try_from(lo - offset).expect("fits")..usize::try_from(hi - offset).expect("fits")];
-            match alloc.last_mut() {
-                Some((n, mapped)) if *mapped == r.is_some() => *n += hi - lo,
-                _ => alloc.push((hi - lo, r.is_some())),
-            }
-            match r {
-                None => dst.fill(0),
-                Some((pba, crc)) => {
-                    let (media, first) = media.expect("a read with mapped blocks has their media");
-                    let src = media.block(first + slot);
-                    if block_crc(src) != *crc {
-                        return Err(Error::new(
-                            ErrorKind::Corrupt,
-                            format!(
-                                "volume {:?}: checksum mismatch at offset {block_start} (pool block {pba})",
-                                self.name
-                            ),
-                        ));
-                    }
-                    let from = usize::try_from(lo - block_start).expect("fits");
-                    dst.copy_from_slice(&src[from..from + dst.len()]);
-                    slot += 1;
-                }
-            }
-        }
-        Ok(())
+        Ok(Reads::new(&self.name, inner, parts, resolved, pinned))
     }
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).
@@ -398,7 +258,7 @@ impl Volume {
                 Err(e)
                     if e.kind() == ErrorKind::NoSpace
                         && start.elapsed() < NO_SPACE_PATIENCE
-                        && crate::cleaner::worth_waiting(inner) =>
+                        && crate::maint::cleaner::worth_waiting(inner) =>
                 {
                     inner.cleaner.kick();
                     inner.cleaner.wait_for_space(seen, std::time::Duration::from_millis(20));
@@ -486,8 +346,9 @@ impl Volume {
             let st = inner.state.read();
             let (head, _) = self.head(&st)?;
             let mut v: Vec<(u64, u64)> = Vec::new();
-            for r in
-                crate::layers::resolve(&st.layers, head, first, end - first).into_iter().filter(|r| r.pba.is_some())
+            for r in crate::map::layers::resolve(&st.layers, head, first, end - first)
+                .into_iter()
+                .filter(|r| r.pba.is_some())
             {
                 match v.last_mut() {
                     Some((l, n)) if *l + *n == r.lba => *n += r.blocks,

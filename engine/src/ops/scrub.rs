@@ -11,9 +11,10 @@ use std::collections::BTreeSet;
 use crate::error::{Error, Result};
 use crate::format::block_crc;
 use crate::io::BLOCK;
-use crate::layers::still_mapped;
-use crate::pool::{Pool, State};
-use crate::segments::Pinned;
+use crate::map::layers::still_mapped;
+use crate::map::segments::Pinned;
+use crate::pool::Pool;
+use crate::state::State;
 
 /// A listed run still mapped where it was: (pba, layer, lba, blocks, crc of each block).
 type Checked = (u64, u64, u64, u64, Vec<Option<u32>>);
@@ -132,7 +133,8 @@ impl Pool {
             }
         }
         let runs: Vec<(u64, u64)> = keep.iter().map(|k| (k.0, k.3)).collect();
-        let media = crate::tail::read_runs(inner, &runs).map_err(|e| Error::io("scrub: reading live blocks", e))?;
+        let media =
+            crate::write::tail::read_runs(inner, &runs).map_err(|e| Error::io("scrub: reading live blocks", e))?;
         drop(pinned);
         let mut blocks = media.chunks(BLOCK);
         for (pba, layer, lba, _, crcs) in keep {

@@ -14,13 +14,15 @@
 use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::extent_map::Freed;
 use crate::io::BLOCK;
-use crate::layers::{self, Layer};
-use crate::log::Req;
+use crate::map::extent_map::Freed;
+use crate::map::layers::{self, Layer};
 use crate::meta::{CatalogOp, SnapshotRecord, VolumeRecord};
-use crate::pool::{Inner, Pool, State, VolumeEntry, VolumeInfo, info_of, lookup, now_unix, validate_name};
-use crate::volume::{Target, Volume, Waiter};
+use crate::ops::volumes::{VolumeInfo, check_overcommit, info_of, lookup, validate_name};
+use crate::pool::{Inner, Pool, now_unix};
+use crate::state::{State, Target, VolumeEntry};
+use crate::volume::{Volume, Waiter};
+use crate::write::req::Req;
 
 const B: u64 = BLOCK as u64;
 
@@ -380,7 +382,7 @@ impl Pool {
                     (rec.layer, rec.size, Some(rec))
                 }
             };
-            crate::pool::check_overcommit(inner, &st, size)?;
+            check_overcommit(inner, &st, size)?;
             drop(st); // no catalog I/O under the state lock
             let mut ops = Vec::new();
             let origin = match origin {

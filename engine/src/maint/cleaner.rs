@@ -31,10 +31,10 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
 use crate::io::BLOCK;
-use crate::layers;
-use crate::pace::Pace;
+use crate::maint::pace::Pace;
+use crate::map::layers;
+use crate::map::segments::{Pinned, SegState};
 use crate::pool::Inner;
-use crate::segments::{Pinned, SegState};
 
 /// Blocks moved per barrier (512 KiB): foreground writes wait at most for one step's write.
 pub const STEP_BLOCKS: u64 = 128;
@@ -201,7 +201,8 @@ fn read_step(inner: &Inner, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>
         cands.iter().map(|c| (c.2..c.2 + c.3).map(|b| st.segs.crc(b)).collect()).collect()
     };
     let runs: Vec<(u64, u64)> = cands.iter().map(|c| (c.2, c.3)).collect();
-    let media = crate::tail::read_runs(inner, &runs).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
+    let media =
+        crate::write::tail::read_runs(inner, &runs).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
     let mut out = Vec::with_capacity(cands.len());
     let mut at = 0;
     for (c, crcs) in cands.iter().zip(crcs) {
@@ -239,7 +240,7 @@ fn move_step(inner: &Inner, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
             }
         }
     }
-    crate::log::write_moves(inner, moves)?;
+    crate::write::batch::write_moves(inner, moves)?;
     Ok(moved)
 }
 

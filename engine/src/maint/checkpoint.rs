@@ -16,9 +16,9 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
+use crate::map::segments::SegState;
 use crate::meta::{CatalogOp, CheckpointRecord, CheckpointWrite};
 use crate::pool::{FaultPoint, Inner};
-use crate::segments::SegState;
 
 #[derive(Debug, Default)]
 struct Ctl {
@@ -85,7 +85,7 @@ impl Inner {
     pub fn checkpoint_locked(&self, catalog: Vec<CatalogOp>) -> Result<()> {
         self.check_open()?;
         let (mut write, candidates) = {
-            let _tail = crate::tail::close_and_hold(self)?;
+            let _tail = crate::write::tail::close_and_hold(self)?;
             self.capture()
         };
         write.catalog = catalog;

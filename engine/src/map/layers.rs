@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use crate::extent_map::{ExtentMap, Freed, is_zero};
+use crate::map::extent_map::{ExtentMap, Freed, is_zero};
 
 /// One layer: its map and the layer under it.
 #[derive(Debug, Clone, Default)]

@@ -30,8 +30,10 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::error::{Error, Result};
 use crate::format::{BatchHeader, Entry, EntryKind, block_crc};
 use crate::io::{AlignedBuf, BLOCK};
-use crate::log::{LogPos, Req, finish_batch, map_entries, reserve_room};
 use crate::pool::Inner;
+use crate::state::{LogPos, finish_batch, map_entries};
+use crate::write::req::Req;
+use crate::write::room::reserve_room;
 
 /// Most data blocks in an open batch (1 MiB); its header must also fit one block.
 const MAX_BLOCKS: usize = 256;
@@ -179,7 +181,7 @@ pub(crate) fn append(inner: &Inner, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
             let sealed = if slot.stop { close_locked(inner, &mut slot) } else { hand_off(inner, &mut slot) };
             drop(slot);
             if let Err(e) = sealed.and_then(|()| open(inner, need)) {
-                out.extend(reqs.map(|r| (r, Err(crate::log::clone_err(&e)))));
+                out.extend(reqs.map(|r| (r, Err(crate::error::clone_err(&e)))));
                 break;
             }
             continue;
@@ -371,7 +373,7 @@ pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
 /// still in the open or the sealed batch from their buffers.
 pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<AlignedBuf> {
     let (mut buf, todo) = gather(inner, runs);
-    crate::reads::read_into(inner.backend.as_ref(), &mut buf, &todo)?;
+    crate::read::reads::read_into(inner.backend.as_ref(), &mut buf, &todo)?;
     Ok(buf)
 }
 

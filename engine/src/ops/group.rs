@@ -7,10 +7,12 @@
 //! its member snapshots; cloning one creates a new group of clones in one catalog write.
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::layers::Layer;
+use crate::map::layers::Layer;
 use crate::meta::{CatalogOp, GroupRecord, VolumeRecord};
-use crate::pool::{Pool, State, VolumeEntry, lookup, now_unix, validate_name};
-use crate::snapshot::{apply_snapshots, plan_snapshots, remove_snapshot};
+use crate::ops::snapshot::{apply_snapshots, plan_snapshots, remove_snapshot};
+use crate::ops::volumes::{check_overcommit, lookup, validate_name};
+use crate::pool::{Pool, now_unix};
+use crate::state::{State, VolumeEntry};
 
 /// A volume group.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -270,7 +272,7 @@ impl Pool {
                     debug_assert_eq!(s.name, snap);
                     out.push((clone, s.layer, s.size));
                 }
-                crate::pool::check_overcommit(inner, &st, out.iter().map(|o| o.2).sum())?;
+                check_overcommit(inner, &st, out.iter().map(|o| o.2).sum())?;
                 out
             };
             let mut ops = Vec::new();

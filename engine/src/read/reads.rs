@@ -15,9 +15,9 @@ use std::sync::Arc;
 
 use crate::error::Result;
 use crate::io::{AlignedBuf, BLOCK, Backend, ReadOp};
+use crate::map::segments::Pinned;
 use crate::pool::Inner;
-use crate::segments::Pinned;
-use crate::volume::{Resolved, Volume};
+use crate::read::resolve::{Resolved, fill, media_error, media_runs};
 
 /// The media blocks of a read, in order: one buffer, or, when some came from readahead, each
 /// block where it is (a window's buffer, or the buffer the rest were read into), uncopied.
@@ -100,7 +100,8 @@ pub(crate) fn read_into(backend: &dyn Backend, buf: &mut [u8], todo: &[(u64, u64
 /// holds gathered. What is left is reading [`Reads::media_ops`] from the store, then
 /// [`Reads::finish`].
 pub struct Reads<'v> {
-    volume: &'v Volume,
+    /// The volume's (or snapshot's) name, for errors.
+    name: &'v str,
     inner: Arc<Inner>,
     /// Segments pinned against reuse until the store reads are done.
     pinned: Vec<usize>,
@@ -113,21 +114,21 @@ pub struct Reads<'v> {
 
 impl std::fmt::Debug for Reads<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reads").field("volume", &self.volume.name()).field("parts", &self.parts).finish_non_exhaustive()
+        f.debug_struct("Reads").field("volume", &self.name).field("parts", &self.parts).finish_non_exhaustive()
     }
 }
 
 impl<'v> Reads<'v> {
     pub(crate) fn new(
-        volume: &'v Volume,
+        name: &'v str,
         inner: Arc<Inner>,
         parts: &[(u64, usize)],
         resolved: Vec<Result<Vec<Resolved>>>,
         pinned: Vec<usize>,
     ) -> Self {
-        let runs = crate::volume::media_runs(resolved.iter().flatten().flatten());
-        let gather = crate::readahead::gather(&inner, &runs);
-        Self { volume, inner, pinned, parts: parts.to_vec(), resolved, gather: Some(gather) }
+        let runs = media_runs(resolved.iter().flatten().flatten());
+        let gather = crate::read::readahead::gather(&inner, &runs);
+        Self { name, inner, pinned, parts: parts.to_vec(), resolved, gather: Some(gather) }
     }
 
     /// The store reads left to do. Their buffers belong to this `Reads` and stay where they are
@@ -174,11 +175,11 @@ impl<'v> Reads<'v> {
                 next += blocks.iter().flatten().count();
                 let media = match &media {
                     Ok(m) => Some(m),
-                    Err(e) if at < next => return Err(self.volume.media_error(offset, len, e)),
+                    Err(e) if at < next => return Err(media_error(self.name, offset, len, e)),
                     Err(_) => None,
                 };
                 let mut alloc = Vec::new();
-                self.volume.fill(offset, buf, &blocks, media.map(|m| (m, at)), &mut alloc)?;
+                fill(self.name, offset, buf, &blocks, media.map(|m| (m, at)), &mut alloc)?;
                 Ok(alloc)
             })
             .collect()

@@ -15,7 +15,7 @@
 //! and only finds the blocks the range still maps to. Freeing a segment drops the windows read
 //! from it (`checkpoint.rs::release`); a window's segments are pinned from its resolve until its
 //! blocks are in the cache, so no window is ever filled from a segment already freed. Every
-//! block is still checked against its checksum when it is copied out (`volume.rs::fill`).
+//! block is still checked against its checksum when it is copied out (`resolve.rs::fill`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -25,8 +25,9 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::io::{AlignedBuf, BLOCK};
 use crate::pool::Inner;
-use crate::reads::Gather;
-use crate::volume::Volume;
+use crate::read::reads::Gather;
+use crate::read::resolve::{pba_runs, resolve_ahead};
+use crate::state::Target;
 
 /// Sequential streams one volume handle tracks at once (one per concurrent sequential reader).
 const STREAMS: usize = 4;
@@ -144,23 +145,23 @@ impl Readahead {
 /// Notes a read by a volume handle; if it makes a window due, resolves the window and caches
 /// it as being read (so a reader that gets there first waits for it rather than reading the
 /// same blocks again), and queues its read for the readahead thread.
-pub(crate) fn note_read(inner: &Inner, volume: &Volume, offset: u64, len: u64) {
+pub(crate) fn note_read(inner: &Inner, streams: &Mutex<Streams>, target: Target, name: &str, offset: u64, len: u64) {
     let max = inner.opts.readahead;
     if max == 0 || len == 0 {
         return;
     }
-    let Some((offset, len)) = volume.streams.lock().note(offset, len, max) else { return };
+    let Some((offset, len)) = streams.lock().note(offset, len, max) else { return };
     let ra = &inner.readahead;
-    let mut pinned = crate::segments::Pinned::new(&inner.pins);
+    let mut pinned = crate::map::segments::Pinned::new(&inner.pins);
     // A deleted volume, or a window past a shrunk end: nothing to read ahead.
-    let Ok(blocks) = volume.resolve_ahead(inner, &mut pinned, offset, len) else { return };
+    let Ok(blocks) = resolve_ahead(&inner.state.read(), target, name, &mut pinned, offset, len) else { return };
     let mut segs = pinned.segments().to_vec();
     segs.sort_unstable();
     segs.dedup();
     let window = {
         let mut c = ra.cache.lock();
         let fresh = blocks.iter().flatten().map(|&(pba, _)| pba).filter(|pba| !c.index.contains_key(pba));
-        let runs = crate::volume::pba_runs(fresh);
+        let runs = pba_runs(fresh);
         if runs.is_empty() {
             return;
         }
@@ -204,21 +205,21 @@ pub(crate) fn readahead_loop(inner: &Arc<Inner>) {
             if q.1 {
                 for job in q.0.drain(..) {
                     fail(&job.window);
-                    drop(crate::segments::Pinned::adopt(&inner.pins, job.pinned));
+                    drop(crate::map::segments::Pinned::adopt(&inner.pins, job.pinned));
                 }
                 return;
             }
             q.0.pop_front().expect("not empty")
         };
         let w = &job.window;
-        let data = crate::tail::read_runs(inner, &w.runs).map(Arc::new);
+        let data = crate::write::tail::read_runs(inner, &w.runs).map(Arc::new);
         if data.is_ok() {
             ra.read_bytes.fetch_add(w.runs.iter().map(|r| r.1).sum::<u64>() * BLOCK as u64, Ordering::Relaxed);
         }
         *w.data.lock() = Some(data);
         w.ready.notify_all();
         // The window's blocks are cached (or failed) before its segments are unpinned.
-        drop(crate::segments::Pinned::adopt(&inner.pins, job.pinned));
+        drop(crate::map::segments::Pinned::adopt(&inner.pins, job.pinned));
     }
 }
 
@@ -227,7 +228,7 @@ pub(crate) fn readahead_loop(inner: &Arc<Inner>) {
 pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> Gather {
     let ra = &inner.readahead;
     let all = |runs: &[(u64, u64)]| {
-        let (buf, todo) = crate::tail::gather(inner, runs);
+        let (buf, todo) = crate::write::tail::gather(inner, runs);
         Gather { hits: Vec::new(), buf, todo }
     };
     if ra.cached.load(Ordering::Acquire) == 0 {
@@ -270,7 +271,7 @@ pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> Gather {
         ra.cached.store(c.index.len(), Ordering::Release);
     }
     // The missing blocks take the slots of `buf` in order, so runs may span the hits between.
-    let Gather { buf, todo, .. } = all(&crate::volume::pba_runs(missing));
+    let Gather { buf, todo, .. } = all(&pba_runs(missing));
     Gather { hits, buf, todo }
 }
 

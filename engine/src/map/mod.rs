@@ -1,0 +1,9 @@
+//! The maps, in memory and pure: no I/O, no locks, no threads. `extent_map` maps a layer's
+//! logical blocks to pool blocks (or zero markers) in 4 MiB chunks; `layers` chains layers into
+//! volumes, snapshots and clones (resolve head first, unmap with zero markers, merge, free);
+//! `segments` is the segment table (state, live blocks, per-block crcs) and the read pins that
+//! keep a segment from reuse while it is read. Uses `format` and `io::BLOCK` only.
+
+pub(crate) mod extent_map;
+pub(crate) mod layers;
+pub(crate) mod segments;

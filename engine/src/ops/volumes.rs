@@ -1,0 +1,184 @@
+//! The volume catalog: create, list, describe, open and grow volumes; names and sizes are
+//! checked here, and the thin overcommit cap.
+
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind, Result, invalid};
+use crate::io::BLOCK;
+use crate::map::layers::Layer;
+use crate::meta::{CatalogOp, VolumeRecord};
+use crate::pool::{Inner, Pool, now_unix};
+
+use crate::state::{State, Target, VolumeEntry};
+use crate::volume::Volume;
+
+/// A volume as the catalog describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeInfo {
+    pub id: u64,
+    pub name: String,
+    /// Provisioned size in bytes.
+    pub size: u64,
+    /// Bytes of the volume that read from data in the pool (its own or its snapshots').
+    pub allocated: u64,
+    /// Bytes only this volume refers to (written since its last snapshot): what deleting it
+    /// frees at least.
+    pub exclusive: u64,
+    /// Layers a read walks: 1 plus the snapshots (and clone origins) under the volume.
+    pub chain_depth: usize,
+    pub created_unix: u64,
+}
+
+pub(crate) fn validate_name(name: &str) -> Result<()> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > 128 || !name.chars().all(ok_char) || name.starts_with(['.', '-']) {
+        return Err(invalid(format!(
+            "invalid name {name:?}: use 1-128 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
+        )));
+    }
+    Ok(())
+}
+
+fn validate_size(size: u64) -> Result<()> {
+    if size == 0 || !size.is_multiple_of(BLOCK as u64) {
+        return Err(invalid(format!("invalid volume size {size}: must be a non-zero multiple of 4096 bytes")));
+    }
+    if size > (1 << 60) {
+        return Err(invalid(format!("invalid volume size {size}: larger than 1 EiB")));
+    }
+    Ok(())
+}
+
+impl Pool {
+    /// Creates a thin volume of `size` bytes (a multiple of 4 KiB). Durable on return.
+    pub fn create_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        validate_name(name)?;
+        validate_size(size)?;
+        let inner = &self.inner;
+        inner.check_open()?;
+        let _m = inner.meta_lock.lock();
+        {
+            let st = inner.state.read();
+            if st.names.contains_key(name) {
+                return Err(Error::new(ErrorKind::AlreadyExists, format!("volume {name:?} already exists")));
+            }
+            check_overcommit(inner, &st, size)?;
+        }
+        let id = inner.meta.next_id()?;
+        let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: name.to_owned() };
+        inner.meta.apply(&[CatalogOp::PutLayer(id, None), CatalogOp::PutVolume(rec.clone())])?;
+        let mut st = inner.state.write();
+        st.names.insert(rec.name.clone(), id);
+        st.layers.insert(rec.layer, Layer::default());
+        let info = info_of(&st, &rec);
+        st.volumes.insert(id, VolumeEntry { rec });
+        Ok(info)
+    }
+
+    /// Every volume, by name.
+    pub fn volumes(&self) -> Vec<VolumeInfo> {
+        let st = self.inner.state.read();
+        let mut v: Vec<_> = st.volumes.values().map(|e| info_of(&st, &e.rec)).collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// One volume's description.
+    pub fn volume_info(&self, name: &str) -> Result<VolumeInfo> {
+        let st = self.inner.state.read();
+        let id = lookup(&st, name)?;
+        Ok(info_of(&st, &st.volumes[&id].rec))
+    }
+
+    /// A handle for I/O on a volume.
+    pub fn open_volume(&self, name: &str) -> Result<Volume> {
+        let st = self.inner.state.read();
+        let id = lookup(&st, name)?;
+        let rec = &st.volumes[&id].rec;
+        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Volume(rec.id), rec.name.clone()))
+    }
+
+    /// Grows a volume to `new_size` bytes (shrinking is refused). Durable on return.
+    pub fn grow_volume(&self, name: &str, new_size: u64) -> Result<VolumeInfo> {
+        validate_size(new_size)?;
+        let inner = &self.inner;
+        inner.check_open()?;
+        let _m = inner.meta_lock.lock();
+        let mut rec = {
+            let st = inner.state.read();
+            st.volumes[&lookup(&st, name)?].rec.clone()
+        };
+        check_overcommit(inner, &inner.state.read(), new_size.saturating_sub(rec.size))?;
+        if new_size < rec.size {
+            return Err(invalid(format!(
+                "volume {name:?} is {} bytes; shrinking to {new_size} is not supported",
+                rec.size
+            )));
+        }
+        rec.size = new_size;
+        inner.meta.put_volume(&rec)?;
+        let mut st = inner.state.write();
+        let info = info_of(&st, &rec);
+        if let Some(e) = st.volumes.get_mut(&rec.id) {
+            e.rec = rec;
+        }
+        Ok(info)
+    }
+}
+
+/// Refuses `extra` more provisioned bytes if they would pass the overcommit cap.
+pub(crate) fn check_overcommit(inner: &Inner, st: &State, extra: u64) -> Result<()> {
+    let Some(ratio) = inner.opts.overcommit_ratio else { return Ok(()) };
+    let cap = (inner.sb.segment_size * inner.sb.segment_count) as f64 * ratio;
+    let provisioned: u64 = st.volumes.values().map(|v| v.rec.size).sum();
+    if (provisioned + extra) as f64 > cap {
+        return Err(Error::new(
+            ErrorKind::NoSpace,
+            format!(
+                "thin overcommit cap: volumes would provision {} bytes, more than {ratio} x the pool's {} bytes",
+                provisioned + extra,
+                inner.sb.segment_size * inner.sb.segment_count
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn lookup(st: &State, name: &str) -> Result<u64> {
+    st.names.get(name).copied().ok_or_else(|| Error::new(ErrorKind::NotFound, format!("volume {name:?} not found")))
+}
+
+pub(crate) fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
+    let b = BLOCK as u64;
+    let visible: u64 = crate::map::layers::resolve(&st.layers, rec.layer, 0, rec.size / b)
+        .iter()
+        .filter(|r| r.pba.is_some())
+        .map(|r| r.blocks)
+        .sum();
+    let own = st.layers.get(&rec.layer).map_or(0, |l| l.map.mapped_blocks());
+    VolumeInfo {
+        id: rec.id,
+        name: rec.name.clone(),
+        size: rec.size,
+        allocated: visible * b,
+        exclusive: own * b,
+        created_unix: rec.created_unix,
+        chain_depth: crate::map::layers::depth(&st.layers, rec.layer),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_sizes_are_validated() {
+        for bad in ["", ".x", "-x", "a b", "a/b", "a@b", &"x".repeat(129)] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+        }
+        validate_name("pvc-1234_a.b").unwrap();
+        assert!(validate_size(0).is_err());
+        assert!(validate_size(4097).is_err());
+        validate_size(1 << 30).unwrap();
+    }
+}

@@ -1,0 +1,104 @@
+//! The in-memory state every part of the engine shares behind one `RwLock`: the catalog as
+//! loaded, the layers' extent maps, the segment table and the log position; and the one place a
+//! batch is applied to it ([`apply`]), used by the write path and by recovery alike.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::format::{BatchHeader, Entry, EntryKind};
+use crate::io::BLOCK;
+use crate::map::layers::Layers;
+use crate::map::segments::SegmentTable;
+use crate::meta::{GroupRecord, SnapshotRecord, VolumeRecord};
+
+/// What a handle reads: a volume (through its current head) or a snapshot (read-only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Target {
+    Volume(u64),
+    Snapshot(u64),
+}
+
+impl State {
+    /// The layer reads of `target` start from, and its size, as of now; None once deleted.
+    pub fn head_of(&self, target: Target) -> Option<(u64, u64)> {
+        match target {
+            Target::Volume(id) => self.volumes.get(&id).map(|e| (e.rec.layer, e.rec.size)),
+            Target::Snapshot(id) => self.snapshots.get(&id).map(|s| (s.layer, s.size)),
+        }
+    }
+}
+
+pub(crate) struct VolumeEntry {
+    pub rec: VolumeRecord,
+}
+
+/// Everything the writer, readers and checkpoints share, behind one RwLock.
+pub(crate) struct State {
+    pub volumes: BTreeMap<u64, VolumeEntry>,
+    pub names: HashMap<String, u64>,
+    pub layers: Layers,
+    pub snapshots: BTreeMap<u64, SnapshotRecord>,
+    pub groups: BTreeMap<u64, GroupRecord>,
+    pub group_snapshots: BTreeMap<u64, GroupRecord>,
+    pub segs: SegmentTable,
+    pub dirty_chunks: BTreeSet<(u64, u64)>,
+    /// Segments whose crc table must be deleted from the store at the next checkpoint.
+    pub freed_crc_tables: BTreeSet<u64>,
+    /// Position after the last applied batch (and the next sequence number).
+    pub applied: LogPos,
+    pub generation: u64,
+    pub log_bytes_since_ckpt: u64,
+    /// The head segment was opened from the reserve (by the cleaner's moves or trims): client
+    /// writes stay out of it while free segments are below the reserve (see `log::reserve_room`).
+    pub head_in_reserve: bool,
+}
+
+/// A position in the log: the next batch's sequence number and where it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LogPos {
+    pub seq: u64,
+    pub seg: usize,
+    pub off: u64,
+}
+
+/// Applies a batch written (or replayed) at `pos` to the maps, crc tables and live counts, and
+/// moves the applied position past it. Entries for layers that no longer exist are skipped.
+pub(crate) fn apply(st: &mut State, h: &BatchHeader, pos: LogPos) {
+    let hb = h.header_blocks() as u64;
+    map_entries(st, &h.entries, st.segs.pba(pos.seg, pos.off / BLOCK as u64 + hb), &h.crcs);
+    finish_batch(st, h.seq, pos, h.batch_len());
+}
+
+/// Maps `entries`, whose data blocks (with `crcs`) start at pool block `pba`.
+pub(crate) fn map_entries(st: &mut State, entries: &[Entry], mut pba: u64, crcs: &[u32]) {
+    if !crcs.is_empty() {
+        st.segs.set_crcs(pba, crcs);
+    }
+    let mut freed = Vec::new();
+    let State { layers, segs, dirty_chunks, .. } = st;
+    for e in entries {
+        let n = u64::from(e.blocks);
+        let dirty = |c| {
+            dirty_chunks.insert((e.layer, c));
+        };
+        match e.kind {
+            EntryKind::Data => {
+                if let Some(l) = layers.get_mut(&e.layer) {
+                    l.map.set(e.lba, n, Some(pba), &mut freed, dirty);
+                    segs.add_live(pba, n, true);
+                }
+                pba += n;
+            }
+            EntryKind::Unmap => crate::map::layers::unmap(layers, e.layer, e.lba, n, &mut freed, dirty),
+        }
+    }
+    for (p, n) in freed {
+        segs.add_live(p, n, false);
+    }
+}
+
+/// Moves the applied position past batch `seq` of `len` bytes, written at `pos`.
+pub(crate) fn finish_batch(st: &mut State, seq: u64, pos: LogPos, len: u64) {
+    st.segs.segs[pos.seg].last_seq = seq;
+    st.applied = LogPos { seq: seq + 1, seg: pos.seg, off: pos.off + len };
+    st.log_bytes_since_ckpt += len;
+}

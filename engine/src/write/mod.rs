@@ -1,0 +1,13 @@
+//! The write path: everything that puts bytes in the log. `req` is what callers hand it,
+//! `queue` the request queue and its group-commit leader, `tail` the open batch that small
+//! writes are acknowledged from (and its flusher thread), `batch` the encoding and writing of
+//! one batch (and of the cleaner's moves), `room` the space a batch takes at the log head.
+//! Uses the state, the maps and the store below it. Anything that writes to the log goes
+//! through [`queue::submit`]: sequence numbers, chain records and the apply order all assume
+//! one leader at a time.
+
+pub(crate) mod batch;
+pub(crate) mod queue;
+pub(crate) mod req;
+pub(crate) mod room;
+pub(crate) mod tail;

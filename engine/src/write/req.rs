@@ -1,0 +1,93 @@
+//! What callers hand the log: requests, their payloads and completion callbacks.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::error::{Error, Result, clone_err};
+use crate::io::BLOCK;
+use crate::pool::Inner;
+
+/// Whole blocks of data to write: a range of a shared buffer, so a write split into several
+/// requests, or retried, is never copied again (the caller's buffer is copied once, into the
+/// batch).
+#[derive(Clone)]
+pub(crate) struct Payload {
+    buf: Arc<Vec<u8>>,
+    range: Range<usize>,
+}
+
+impl Payload {
+    pub fn new(buf: Vec<u8>) -> Self {
+        let range = 0..buf.len();
+        Self { buf: Arc::new(buf), range }
+    }
+
+    /// Bytes `r` of this payload.
+    pub fn slice(&self, r: Range<usize>) -> Self {
+        assert!(r.end <= self.range.len(), "slice within the payload");
+        Self { buf: Arc::clone(&self.buf), range: self.range.start + r.start..self.range.start + r.end }
+    }
+}
+
+impl std::ops::Deref for Payload {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.range.clone()]
+    }
+}
+
+/// Completion callback of a request.
+pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// Work run by the leader between batches (see [`Req::Barrier`]).
+pub(crate) type BarrierFn = Box<dyn FnOnce(&Inner) -> Result<()> + Send>;
+
+/// A request to the writer. Writes name a volume; the leader maps it to the volume's head
+/// layer when it builds the batch, so a snapshot (a barrier) cleanly splits writes queued
+/// before it from those queued after.
+pub(crate) enum Req {
+    /// Map `data` (whole blocks) at `lba` of the volume's head.
+    Write { volume: u64, lba: u64, data: Payload, fua: bool, done: Done },
+    /// Unmap `blocks` blocks at `lba` of the volume's head.
+    Unmap { volume: u64, lba: u64, blocks: u64, done: Done },
+    /// Make everything acknowledged so far durable.
+    Flush { done: Done },
+    /// Run `run` on the leader with every earlier request applied and no later one started
+    /// (catalog changes that restructure layers: snapshots, clones, deletions; cleaning).
+    Barrier { run: BarrierFn, done: Done },
+    /// Re-map `data` at `lba` of `layer` itself (the cleaner moving live blocks; only ever
+    /// built on the leader, see [`write_moves`]).
+    Move { layer: u64, lba: u64, data: Payload },
+}
+
+impl std::fmt::Debug for Req {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Req::Write { volume, lba, data, fua, .. } => {
+                write!(f, "Write({volume}:{lba}+{}, fua={fua})", data.len())
+            }
+            Req::Unmap { volume, lba, blocks, .. } => write!(f, "Unmap({volume}:{lba}+{blocks})"),
+            Req::Flush { .. } => f.write_str("Flush"),
+            Req::Barrier { .. } => f.write_str("Barrier"),
+            Req::Move { layer, lba, data } => write!(f, "Move({layer}:{lba}+{})", data.len()),
+        }
+    }
+}
+
+impl Req {
+    /// Completes the request with an error.
+    pub(crate) fn fail(self, e: &Error) {
+        let done = match self {
+            Req::Write { done, .. } | Req::Unmap { done, .. } | Req::Flush { done } | Req::Barrier { done, .. } => done,
+            Req::Move { .. } => return, // nobody waits on a move; the cleaner sees the batch fail
+        };
+        done(Err(clone_err(e)));
+    }
+
+    pub(crate) fn data_blocks(&self) -> u64 {
+        match self {
+            Req::Write { data, .. } | Req::Move { data, .. } => (data.len() / BLOCK) as u64,
+            _ => 0,
+        }
+    }
+}
