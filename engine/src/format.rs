@@ -336,7 +336,6 @@ mod tests {
             let _ = Superblock::decode(&bytes);
             let _ = BatchHeader::peek_header_blocks(&bytes);
             let _ = BatchHeader::decode(&bytes);
-            let _ = crate::map::extent_map::Chunk::decode(&bytes);
         }
 
         /// A valid header with one byte changed never decodes to something else.

@@ -20,6 +20,7 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+mod ctx;
 mod error;
 pub mod format;
 pub mod io;
@@ -35,13 +36,14 @@ mod state;
 mod volume;
 mod write;
 
+pub use ctx::{FaultPoint, PoolOptions};
 pub use error::{Error, ErrorKind, Result};
 pub use maint::cleaner::CleanReport;
 pub use ops::group::{GroupInfo, GroupSnapshotInfo};
 pub use ops::scrub::{Damage, ScrubProgress, ScrubReport};
 pub use ops::snapshot::{Image, SnapshotInfo};
 pub use ops::volumes::VolumeInfo;
-pub use pool::{FaultPoint, Pool, PoolOptions, PoolStats};
+pub use pool::{Pool, PoolStats};
 pub use read::reads::Reads;
 pub use recovery::RecoveryReport;
 pub use volume::Volume;

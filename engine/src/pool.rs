@@ -4,75 +4,25 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
+use crate::ctx::{Ctx, FaultPoint, PoolOptions};
 use crate::error::{Error, ErrorKind, Result, invalid};
 use crate::format::{DATA_START, FORMAT_VERSION, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringBackend};
-use crate::maint::checkpoint::CheckpointCtl;
-use crate::maint::cleaner::{CleanReport, CleanerCtl};
-use crate::map::segments::{ReadPins, SegState};
-use crate::meta::{CheckpointRecord, Meta};
-use crate::read::readahead::Readahead;
+use crate::maint::checkpoint::{self, checkpointer_loop};
+use crate::maint::cleaner::{self, CleanReport, Cleaner, Room, cleaner_loop};
+use crate::map::segments::SegState;
+use crate::meta::{CatalogOp, CheckpointRecord, Meta};
+use crate::read::readahead::{self, Readahead, readahead_loop};
 use crate::recovery::RecoveryReport;
-use crate::state::State;
-use crate::write::queue::LogQueue;
+use crate::write::Log;
 use crate::write::req::Req;
-
-/// Tunables of an open pool. Geometry (segment size) is fixed when the pool is created.
-#[derive(Debug, Clone)]
-pub struct PoolOptions {
-    /// Segment size for a new pool (default 32 MiB; a multiple of 4 KiB, at least 64 KiB).
-    pub segment_size: u64,
-    /// Free segments kept back from client writes so trims (and the cleaner) can always run
-    /// (default 2).
-    pub reserve_segments: usize,
-    /// Most data bytes in one log batch (default 4 MiB; capped at half a segment).
-    pub max_batch_bytes: usize,
-    /// A checkpoint is taken at least this often while there are changes (default 5 s).
-    pub checkpoint_interval: Duration,
-    /// ... and after this many bytes of log (default 1 GiB), bounding recovery time.
-    pub checkpoint_bytes: u64,
-    /// Backend for file- and device-backed pools (default io_uring, falling back to syscalls).
-    pub backend: BackendKind,
-    /// Run the cleaner in the background when free space runs low (default on).
-    pub background_cleaner: bool,
-    /// Thin overcommit cap: the volumes' provisioned sizes may add up to at most this many
-    /// times the pool's data area (None: no cap). Creating, growing or cloning past it fails
-    /// with NoSpace.
-    pub overcommit_ratio: Option<f64>,
-    /// How long acknowledged small writes may wait in memory, gathered into one log batch,
-    /// before they are written (default 1 ms). Flushes and FUA writes never wait; zero writes
-    /// every batch before acknowledging it.
-    pub write_delay: Duration,
-    /// How often the background cleaner looks at free space (default 200 ms; the writer also
-    /// wakes it when it takes a segment and few are left).
-    pub cleaner_interval: Duration,
-    /// Most bytes read ahead of a sequential reader (default 2 MiB; 0 turns readahead off).
-    pub readahead: u64,
-}
-
-impl Default for PoolOptions {
-    fn default() -> Self {
-        Self {
-            segment_size: 32 << 20,
-            reserve_segments: 2,
-            max_batch_bytes: 4 << 20,
-            checkpoint_interval: Duration::from_secs(5),
-            checkpoint_bytes: 1 << 30,
-            backend: BackendKind::Uring,
-            background_cleaner: true,
-            overcommit_ratio: None,
-            cleaner_interval: Duration::from_millis(200),
-            write_delay: Duration::from_millis(1),
-            readahead: 2 << 20,
-        }
-    }
-}
+use crate::write::tail::flusher_loop;
 
 /// Space and log state of a pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,89 +58,60 @@ pub struct PoolStats {
     pub readahead_hit_bytes: u64,
 }
 
-/// Injection points for crash tests: when armed, the pool fails there as if the machine died.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FaultPoint {
-    /// After the store is synced, before the checkpoint's metadata commit.
-    CheckpointBeforeCommit,
-    /// After the metadata commit, before freed segments are released.
-    CheckpointAfterCommit,
+/// The open pool's parts: the shared context and the handles of the write path, the cleaner
+/// and readahead. Each background thread gets only the parts it uses; the catalog operations
+/// (`ops/`) and volume handles reach everything through this. Derefs to the context.
+pub(crate) struct Inner {
+    pub ctx: Arc<Ctx>,
+    pub log: Arc<Log>,
+    pub cleaner: Arc<Cleaner>,
+    pub readahead: Arc<Readahead>,
+    pub recovery: RecoveryReport,
 }
 
-pub(crate) struct Inner {
-    pub backend: Arc<dyn Backend>,
-    pub meta: Meta,
-    pub sb: Superblock,
-    pub opts: PoolOptions,
-    pub state: RwLock<State>,
-    pub pins: ReadPins,
-    /// Serialises catalog changes with checkpoints.
-    pub meta_lock: Mutex<()>,
-    pub log: LogQueue,
-    pub failed: AtomicBool,
-    pub closed: AtomicBool,
-    pub stripes: Box<[Mutex<()>]>,
-    pub ckpt: CheckpointCtl,
-    pub cleaner: CleanerCtl,
-    pub faults: Mutex<Vec<FaultPoint>>,
-    pub client_bytes: AtomicU64,
-    pub media_bytes: AtomicU64,
-    pub max_batch_blocks: u64,
-    pub recovery: RecoveryReport,
-    pub readahead: Readahead,
+impl std::ops::Deref for Inner {
+    type Target = Ctx;
+    fn deref(&self) -> &Ctx {
+        &self.ctx
+    }
 }
 
 impl std::fmt::Debug for Inner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool").field("uuid", &self.sb.uuid).finish_non_exhaustive()
+        self.ctx.fmt(f)
     }
 }
 
 impl Inner {
-    pub fn check_open(&self) -> Result<()> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(closed());
-        }
-        if self.failed.load(Ordering::Acquire) {
-            return Err(Error::new(ErrorKind::Closed, "pool stopped after a media failure; reopen it to recover"));
-        }
-        Ok(())
-    }
-
-    pub fn poison(&self, why: &Error) {
-        if !self.failed.swap(true, Ordering::AcqRel) {
-            tracing::error!(error = %why, "pool failed; every further write is refused until it is reopened");
-        }
-    }
-
-    /// Fails (and poisons the pool) if `point` is armed.
-    pub fn fault(&self, point: FaultPoint) -> Result<()> {
-        if self.faults.lock().contains(&point) {
-            let e = Error::new(ErrorKind::Io, format!("injected fault at {point:?}"));
-            self.poison(&e);
-            return Err(e);
-        }
-        Ok(())
-    }
-
-    /// Hands a request to the log (see `log.rs`); if the pool is closed, completes it with an
-    /// error.
+    /// Hands a request to the log; if the pool is closed, completes it with an error.
     pub fn send(&self, req: Req) -> Result<()> {
-        self.send_all(vec![req])
+        self.log.send(&self.ctx, req)
     }
 
     /// As [`Inner::send`] for several requests, which may then share a batch.
     pub fn send_all(&self, reqs: Vec<Req>) -> Result<()> {
-        crate::write::queue::submit(self, reqs).map_err(|unsent| {
-            let e = closed();
-            unsent.into_iter().for_each(|r| r.fail(&e));
-            e
-        })
+        self.log.send_all(&self.ctx, reqs)
     }
-}
 
-fn closed() -> Error {
-    Error::new(ErrorKind::Closed, "pool is closed")
+    /// Runs `f` on the log's leader with every earlier write applied and no later one started;
+    /// `f` gets these parts again (barriers restructure layers and commit with checkpoints).
+    pub fn barrier<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Inner) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let me = Arc::clone(self);
+        self.log.barrier(&self.ctx, move |_, _| f(&me))
+    }
+
+    /// Takes a checkpoint now.
+    pub fn checkpoint(&self) -> Result<()> {
+        checkpoint::checkpoint(&self.ctx, &self.log, &self.readahead)
+    }
+
+    /// Takes a checkpoint that commits `catalog` with it; the caller holds `meta_lock`.
+    pub fn checkpoint_locked(&self, catalog: Vec<CatalogOp>) -> Result<()> {
+        checkpoint::checkpoint_locked(&self.ctx, &self.log, &self.readahead, catalog)
+    }
 }
 
 /// An open pool. Dropping it shuts it down cleanly (as [`Pool::close`], errors logged).
@@ -312,51 +233,50 @@ impl Pool {
             ));
         }
         let (state, report) = crate::recovery::recover(&meta, backend.as_ref(), &sb)?;
-        let max_batch_blocks = (opts.max_batch_bytes.min(usize::try_from(sb.segment_size / 2).unwrap_or(usize::MAX))
-            / BLOCK)
-            .max(1) as u64;
-        let inner = Arc::new(Inner {
-            backend,
-            meta,
-            sb,
-            state: RwLock::new(state),
-            pins: ReadPins::new(sb.segment_count),
-            meta_lock: Mutex::new(()),
-            log: LogQueue::default(),
-            failed: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
-            stripes: (0..256).map(|_| Mutex::new(())).collect(),
-            ckpt: CheckpointCtl::default(),
-            cleaner: CleanerCtl::default(),
-            faults: Mutex::new(Vec::new()),
-            client_bytes: AtomicU64::new(0),
-            media_bytes: AtomicU64::new(0),
-            max_batch_blocks,
-            recovery: report,
-            readahead: Readahead::default(),
-            opts,
-        });
+        let ctx = Arc::new(Ctx::new(backend, meta, sb, opts, state));
+        let cleaner = Arc::new(Cleaner::default());
+        let readahead = Arc::new(Readahead::default());
+        let room = Room { cleaner: Arc::clone(&cleaner), readahead: Arc::clone(&readahead) };
+        let log = Arc::new(Log::new(Box::new(room)));
+        let inner = Arc::new(Inner { ctx, log, cleaner, readahead, recovery: report });
         // A fresh checkpoint before any write: replayed state becomes durable, stale chain
         // records go, and the new generation fences off anything a crash left past the end.
         inner.checkpoint()?;
         inner.meta.clear_chain()?;
-        let spawn = |name: &str, what: &str, run: fn(&Arc<Inner>)| {
-            let inner = Arc::clone(&inner);
+        // Each background thread gets the parts it uses.
+        let spawn = |name: &str, what: &str, run: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
                 .name(name.into())
-                .spawn(move || run(&inner))
+                .spawn(run)
                 .map_err(|e| Error::io(format!("starting the {what} thread"), e))
         };
-        let mut threads = vec![spawn("ferrite-ckpt", "checkpoint", crate::maint::checkpoint::checkpointer_loop)?];
-        if !inner.opts.write_delay.is_zero() {
-            threads.push(spawn("ferrite-flush", "log flusher", crate::write::tail::flusher_loop)?);
+        let (ctx, log, ra) = (&inner.ctx, &inner.log, &inner.readahead);
+        let mut threads = Vec::new();
+        {
+            let (ctx, log, ra) = (Arc::clone(ctx), Arc::clone(log), Arc::clone(ra));
+            threads.push(spawn("ferrite-ckpt", "checkpoint", Box::new(move || checkpointer_loop(&ctx, &log, &ra)))?);
         }
-        if inner.opts.background_cleaner {
-            threads.push(spawn("ferrite-cleaner", "cleaner", crate::maint::cleaner::cleaner_loop)?);
+        if !ctx.opts.write_delay.is_zero() {
+            let (ctx, log) = (Arc::clone(ctx), Arc::clone(log));
+            threads.push(spawn("ferrite-flush", "log flusher", Box::new(move || flusher_loop(&ctx, &log)))?);
         }
-        if inner.opts.readahead > 0 {
-            for _ in 0..crate::read::readahead::THREADS {
-                threads.push(spawn("ferrite-readahead", "readahead", crate::read::readahead::readahead_loop)?);
+        if ctx.opts.background_cleaner {
+            let (ctx, log, ra, cleaner) =
+                (Arc::clone(ctx), Arc::clone(log), Arc::clone(ra), Arc::clone(&inner.cleaner));
+            threads.push(spawn(
+                "ferrite-cleaner",
+                "cleaner",
+                Box::new(move || cleaner_loop(&ctx, &log, &cleaner, &ra)),
+            )?);
+        }
+        if ctx.opts.readahead > 0 {
+            for _ in 0..readahead::THREADS {
+                let (ctx, log, ra) = (Arc::clone(ctx), Arc::clone(log), Arc::clone(ra));
+                threads.push(spawn(
+                    "ferrite-readahead",
+                    "readahead",
+                    Box::new(move || readahead_loop(&ctx, &ra, &log.tail)),
+                )?);
             }
         }
         Ok(Pool { inner, threads: Mutex::new(threads) })
@@ -369,7 +289,7 @@ impl Pool {
 
     /// Makes every acknowledged write durable.
     pub fn flush(&self) -> Result<()> {
-        crate::volume::flush(&self.inner)
+        self.inner.log.flush(&self.inner.ctx)
     }
 
     /// Takes a checkpoint now.
@@ -381,7 +301,8 @@ impl Pool {
     /// back (live fraction up to 95%) and frees those segments. Blocks until done.
     pub fn reclaim(&self) -> Result<CleanReport> {
         self.inner.check_open()?;
-        self.inner.clean(0.95, false, |_, _| true)
+        let i = &self.inner;
+        cleaner::clean(&i.ctx, &i.log, &i.cleaner, &i.readahead, 0.95, false, |_, _| true)
     }
 
     /// Arms a fault injection point (crash tests).
@@ -436,12 +357,12 @@ impl Pool {
         if threads.is_empty() {
             return Ok(());
         }
-        self.inner.cleaner.stop();
+        self.inner.wake.cleaner.stop();
         // A cleaning run in progress finishes its step (it holds `running`) before the log closes.
         drop(self.inner.cleaner.running.lock());
         self.inner.log.close();
         self.inner.log.tail.stop();
-        self.inner.ckpt.stop();
+        self.inner.wake.checkpoint.stop();
         self.inner.readahead.stop();
         for t in threads {
             let _ = t.join();

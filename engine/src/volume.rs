@@ -9,7 +9,7 @@
 use std::borrow::Cow;
 use std::sync::{Arc, Weak};
 
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::BLOCK;
@@ -19,7 +19,7 @@ use crate::read::readahead::{Streams, note_read};
 use crate::read::reads::Reads;
 use crate::read::resolve::{Resolved, check_within, gone, resolve};
 use crate::state::{State, Target};
-use crate::write::req::{Payload, Req};
+use crate::write::req::{Payload, Req, Waiter};
 
 const B: u64 = BLOCK as u64;
 /// How long a write waits for the cleaner to make room before it gives up with ENOSPC.
@@ -34,49 +34,6 @@ pub struct Volume {
     name: String,
     /// Sequential streams of this handle and its clones, for readahead.
     pub(crate) streams: Arc<Mutex<Streams>>,
-}
-
-/// Counts outstanding requests and keeps the first error.
-pub(crate) struct Waiter {
-    left: Mutex<(usize, Option<Error>)>,
-    cv: Condvar,
-}
-
-impl Waiter {
-    pub(crate) fn new() -> Arc<Self> {
-        Arc::new(Self { left: Mutex::new((0, None)), cv: Condvar::new() })
-    }
-
-    pub(crate) fn add(self: &Arc<Self>) -> Box<dyn FnOnce(Result<()>) + Send> {
-        self.left.lock().0 += 1;
-        let me = Arc::clone(self);
-        Box::new(move |r| {
-            let mut g = me.left.lock();
-            g.0 -= 1;
-            if let Err(e) = r {
-                g.1.get_or_insert(e);
-            }
-            if g.0 == 0 {
-                me.cv.notify_all();
-            }
-        })
-    }
-
-    pub(crate) fn wait(&self) -> Result<()> {
-        let mut g = self.left.lock();
-        while g.0 > 0 {
-            self.cv.wait(&mut g);
-        }
-        g.1.take().map_or(Ok(()), Err)
-    }
-}
-
-/// Flushes the whole pool's log.
-pub(crate) fn flush(inner: &Inner) -> Result<()> {
-    inner.check_open()?;
-    let w = Waiter::new();
-    inner.send(Req::Flush { done: w.add() })?;
-    w.wait()
 }
 
 impl Volume {
@@ -165,7 +122,7 @@ impl Volume {
     pub fn start_reads(&self, parts: &[(u64, usize)]) -> Result<Reads<'_>> {
         let inner = self.pool()?;
         for &(offset, len) in parts {
-            note_read(&inner, &self.streams, self.target, &self.name, offset, len as u64);
+            note_read(&inner.ctx, &inner.readahead, &self.streams, self.target, &self.name, offset, len as u64);
         }
         let mut pins = Pinned::new(&inner.pins);
         let resolved: Vec<Result<Vec<Resolved>>> = {
@@ -176,7 +133,8 @@ impl Volume {
                 .collect()
         };
         let pinned = pins.into_held();
-        Ok(Reads::new(&self.name, inner, parts, resolved, pinned))
+        let ctx = Arc::clone(&inner.ctx);
+        Ok(Reads::new(&self.name, ctx, (&inner.readahead, &inner.log.tail), parts, resolved, pinned))
     }
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).
@@ -223,7 +181,7 @@ impl Volume {
         self.check_range(inner, offset, data.len() as u64)?;
         inner.check_open()?;
         if data.is_empty() {
-            return if fua { flush(inner) } else { Ok(()) };
+            return if fua { inner.log.flush(inner) } else { Ok(()) };
         }
         let len = data.len() as u64;
         let start = offset - offset % B;
@@ -253,15 +211,15 @@ impl Volume {
         inner.cleaner.pace.pay((data.len() / BLOCK) as u64);
         let start = std::time::Instant::now();
         loop {
-            let seen = inner.cleaner.freed_count();
+            let seen = inner.wake.freed.count();
             match self.submit_blocks_once(inner, offset, &data, fua) {
                 Err(e)
                     if e.kind() == ErrorKind::NoSpace
                         && start.elapsed() < NO_SPACE_PATIENCE
                         && crate::maint::cleaner::worth_waiting(inner) =>
                 {
-                    inner.cleaner.kick();
-                    inner.cleaner.wait_for_space(seen, std::time::Duration::from_millis(20));
+                    inner.wake.cleaner.raise();
+                    inner.wake.freed.wait(seen, std::time::Duration::from_millis(20));
                 }
                 r => return r,
             }
@@ -323,7 +281,7 @@ impl Volume {
             )?;
         }
         self.unmap(inner, start / B, (end - start) / B)?;
-        if fua { flush(inner) } else { Ok(()) }
+        if fua { inner.log.flush(inner) } else { Ok(()) }
     }
 
     fn unmap(&self, inner: &Inner, lba: u64, blocks: u64) -> Result<()> {
@@ -377,6 +335,7 @@ impl Volume {
 
     /// Makes every write acknowledged so far (on any volume of the pool) durable.
     pub fn flush(&self) -> Result<()> {
-        flush(&*self.pool()?)
+        let inner = self.pool()?;
+        inner.log.flush(&inner)
     }
 }

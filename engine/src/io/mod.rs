@@ -106,3 +106,28 @@ pub(crate) fn check_request(len: usize, offset: u64, store_len: u64, ptr: *const
     }
     Ok(())
 }
+
+/// Store reads of whole-block runs into `buf`: each `(pool block, blocks, first slot in buf)`
+/// of `todo` (slots ascending) as one operation.
+pub(crate) fn read_ops<'a>(buf: &'a mut [u8], todo: &[(u64, u64, usize)]) -> Vec<ReadOp<'a>> {
+    let mut ops = Vec::with_capacity(todo.len());
+    let mut rest = buf;
+    let mut at = 0;
+    for &(pba, n, slot) in todo {
+        let n = usize::try_from(n).expect("a read fits memory");
+        let (_, from) = rest.split_at_mut((slot - at) * BLOCK);
+        let (head, tail) = from.split_at_mut(n * BLOCK);
+        ops.push(ReadOp { offset: pba * BLOCK as u64, buf: head });
+        rest = tail;
+        at = slot + n;
+    }
+    ops
+}
+
+/// Reads `todo` (as [`read_ops`]) from the store into `buf`, all in flight at once.
+pub(crate) fn read_into(backend: &dyn Backend, buf: &mut [u8], todo: &[(u64, u64, usize)]) -> io::Result<()> {
+    if todo.is_empty() {
+        return Ok(());
+    }
+    backend.read_many(&mut read_ops(buf, todo))
+}

@@ -26,15 +26,20 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
+use crate::ctx::Ctx;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
 use crate::io::BLOCK;
+use crate::maint::checkpoint::checkpoint;
 use crate::maint::pace::Pace;
+use crate::maint::victims::pick_victim;
 use crate::map::layers;
 use crate::map::segments::{Pinned, SegState};
-use crate::pool::Inner;
+use crate::read::readahead::Readahead;
+use crate::write::room::MakeRoom;
+use crate::write::{Log, tail};
 
 /// Blocks moved per barrier (512 KiB): foreground writes wait at most for one step's write.
 pub const STEP_BLOCKS: u64 = 128;
@@ -63,91 +68,36 @@ pub(crate) struct CleanerStats {
     pub active: std::sync::atomic::AtomicBool,
 }
 
-/// Wakes the background cleaner or stops it.
+/// The cleaner's own state (its wake-up is `ctx.wake.cleaner`, space it frees is announced by
+/// the checkpoint on `ctx.wake.freed`, damaged segments are flagged in the segment table).
 #[derive(Debug, Default)]
-pub(crate) struct CleanerCtl {
-    ctl: Mutex<(bool, bool)>, // (stop, wanted)
-    cv: Condvar,
+pub(crate) struct Cleaner {
     /// Serialises cleaning runs (background and on demand).
     pub running: Mutex<()>,
     /// Client writes pay for their room while the background cleaner runs.
     pub pace: Pace,
     pub stats: CleanerStats,
-    /// Segments holding a block that failed its crc: never victims (moving would launder the
-    /// damage); forgotten when the segment is freed because its data died.
-    pub damaged: Mutex<BTreeSet<usize>>,
-    /// Counts the checkpoints that freed segments; writes waiting for room sleep on `freed_cv`.
-    freed: Mutex<u64>,
-    freed_cv: Condvar,
 }
 
-impl CleanerCtl {
-    pub fn kick(&self) {
-        self.ctl.lock().1 = true;
-        self.cv.notify_one();
-    }
-
-    pub fn stop(&self) {
-        self.ctl.lock().0 = true;
-        self.cv.notify_one();
-    }
-
-    fn stopping(&self) -> bool {
-        self.ctl.lock().0
-    }
-
-    pub fn space_freed(&self) {
-        *self.freed.lock() += 1;
-        self.freed_cv.notify_all();
-    }
-
-    /// How many times space has been freed so far (pass it to [`Self::wait_for_space`]).
-    pub fn freed_count(&self) -> u64 {
-        *self.freed.lock()
-    }
-
-    /// Waits until space is freed after `seen` (see [`Self::freed_count`]), or `timeout`.
-    pub fn wait_for_space(&self, seen: u64, timeout: Duration) {
-        let mut n = self.freed.lock();
-        if *n == seen {
-            self.freed_cv.wait_for(&mut n, timeout);
-        }
-    }
+/// What the write path asks of the cleaner when the log head finds no free segment.
+#[derive(Debug)]
+pub(crate) struct Room {
+    pub cleaner: Arc<Cleaner>,
+    pub readahead: Arc<Readahead>,
 }
 
-/// The emptiest of the `eligible` segments at most `max_u` live.
-fn pick_victim(inner: &Inner, max_u: f64, eligible: &BTreeSet<usize>) -> Option<usize> {
-    let damaged = inner.cleaner.damaged.lock().clone();
-    let st = inner.state.read();
-    let per_seg = st.segs.blocks_per_seg as f64;
-    let now = st.applied.seq;
-    st.segs
-        .segs
-        .iter()
-        .enumerate()
-        // (An empty sealed segment needs only a checkpoint, not cleaning. A pinned one is being
-        // read — perhaps by the other cleaner, background or inline, moving it right now: cleaning
-        // it twice would leave it unreleasable until that one finishes.)
-        .filter(|(i, s)| {
-            s.state == SegState::Sealed
-                && s.live > 0
-                && eligible.contains(i)
-                && !damaged.contains(i)
-                && !inner.pins.any(*i)
-        })
-        .filter_map(|(i, s)| {
-            let u = s.live as f64 / per_seg;
-            if u > max_u {
-                return None;
-            }
-            let age = now.saturating_sub(s.last_seq).max(1) as f64;
-            // Greedy, with age only breaking ties: measured on uniform random overwrites at 80%
-            // full, cost-benefit ((1-u)*age/(1+u)) gave write amplification 4.5 and greedy 3.7.
-            // Cost-benefit pays off once moved (cold) data gets its own log head; not yet.
-            Some((i, (1.0 - u) + age * 1e-12))
-        })
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .map(|(i, _)| i)
+impl MakeRoom for Room {
+    fn checkpoint(&self, ctx: &Ctx, log: &Log) -> Result<()> {
+        checkpoint(ctx, log, &self.readahead)
+    }
+
+    fn clean_one(&self, ctx: &Ctx, log: &Log) -> Result<bool> {
+        clean_inline(ctx, log, &self.cleaner, &self.readahead)
+    }
+
+    fn cleaning(&self) -> bool {
+        self.cleaner.stats.active.load(Ordering::Acquire)
+    }
 }
 
 /// A run of live blocks: (layer, lba, pba, blocks).
@@ -160,15 +110,15 @@ type LiveRun = (u64, u64, u64, u64);
 /// written at the log head, so a sealed segment's live blocks can only go away meanwhile; a run
 /// missed (a layer merge moving entries across the pass) leaves the victim with live blocks
 /// after cleaning, and a segment with any live block is never freed.
-fn live_runs(inner: &Inner, segs: &BTreeSet<usize>) -> BTreeMap<usize, Vec<LiveRun>> {
+fn live_runs(ctx: &Ctx, segs: &BTreeSet<usize>) -> BTreeMap<usize, Vec<LiveRun>> {
     /// Map chunks per lock hold.
     const SLICE: u64 = 16;
-    let layers: Vec<u64> = inner.state.read().layers.keys().copied().collect();
+    let layers: Vec<u64> = ctx.state.read().layers.keys().copied().collect();
     let mut out: BTreeMap<usize, Vec<LiveRun>> = BTreeMap::new();
     for layer in layers {
         let mut chunk = 0;
         loop {
-            let st = inner.state.read();
+            let st = ctx.state.read();
             let Some(l) = st.layers.get(&layer) else { break };
             let per = st.segs.blocks_per_seg;
             for (lba, pba, n) in l.map.runs_in_chunks(chunk..chunk + SLICE) {
@@ -195,14 +145,13 @@ fn live_runs(inner: &Inner, segs: &BTreeSet<usize>) -> BTreeMap<usize, Vec<LiveR
 }
 
 /// Reads a step's candidates and checks their crcs; the caller pins their segment.
-fn read_step(inner: &Inner, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>> {
+fn read_step(ctx: &Ctx, log: &Log, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>> {
     let crcs: Vec<Vec<Option<u32>>> = {
-        let st = inner.state.read();
+        let st = ctx.state.read();
         cands.iter().map(|c| (c.2..c.2 + c.3).map(|b| st.segs.crc(b)).collect()).collect()
     };
     let runs: Vec<(u64, u64)> = cands.iter().map(|c| (c.2, c.3)).collect();
-    let media =
-        crate::write::tail::read_runs(inner, &runs).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
+    let media = tail::read_runs(ctx, &log.tail, &runs).map_err(|e| Error::io("cleaner: reading live blocks", e))?;
     let mut out = Vec::with_capacity(cands.len());
     let mut at = 0;
     for (c, crcs) in cands.iter().zip(crcs) {
@@ -223,12 +172,12 @@ fn read_step(inner: &Inner, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>
 }
 
 /// On the leader: moves the read blocks that are still mapped where they were.
-fn move_step(inner: &Inner, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
-    let piece = usize::try_from(inner.max_batch_blocks).expect("small") * BLOCK;
+fn move_step(ctx: &Ctx, log: &Log, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
+    let piece = usize::try_from(ctx.max_batch_blocks).expect("small") * BLOCK;
     let mut moves = Vec::new();
     let mut moved = 0;
     {
-        let st = inner.state.read();
+        let st = ctx.state.read();
         for ((layer, lba, pba, n), data) in read {
             for (at, _, k) in layers::still_mapped(&st.layers, layer, lba, pba, n) {
                 let from = usize::try_from(at - lba).expect("small") * BLOCK;
@@ -240,7 +189,7 @@ fn move_step(inner: &Inner, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
             }
         }
     }
-    crate::write::batch::write_moves(inner, moves)?;
+    crate::write::batch::write_moves(ctx, log, moves)?;
     Ok(moved)
 }
 
@@ -268,149 +217,156 @@ fn split_steps(cands: Vec<LiveRun>) -> Vec<Vec<LiveRun>> {
     steps
 }
 
-impl Inner {
-    /// Moves every live block of `cands` (all in segment `seg`) out of it, a step at a time,
-    /// earning client writes their room as it goes (see `pace.rs`).
-    fn clean_segment(self: &Arc<Self>, seg: usize, cands: Vec<LiveRun>) -> Result<u64> {
-        let mut pinned = Pinned::new(&self.pins);
-        pinned.pin(seg);
-        let (per_seg, live) = {
-            let st = self.state.read();
-            (st.segs.blocks_per_seg as f64, st.segs.segs[seg].live.max(1) as f64)
-        };
-        let (low, reserve) = (low_water(self) as f64, self.opts.reserve_segments as f64);
-        let steps = split_steps(cands);
-        let mut moved = 0;
-        let mut next = steps.first().map(|step| read_step(self, step)).transpose()?;
-        for i in 0..steps.len() {
-            let read = next.take().expect("each step is read before it is moved");
-            // The next step is read while this one is moved: reads need no lock (the victim stays
-            // pinned and written log blocks never change), so the disk is kept busy with both.
-            let (n, ahead) = std::thread::scope(|s| {
-                let ahead = steps.get(i + 1).map(|step| s.spawn(move || read_step(self, step)));
-                let n = self.barrier(move |inner| move_step(inner, read));
-                (n, ahead.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))))
-            });
-            let n = n?;
-            next = ahead.transpose()?;
-            moved += n;
-            // Below the low-water mark, earn less than is given back (the lower free space is, the
-            // less), so free space climbs back.
-            let free = self.state.read().segs.count(SegState::Free) as f64;
-            let share = ((free - reserve) / (low - reserve)).clamp(0.25, 1.0);
-            self.cleaner.pace.earn(n as f64 * (per_seg - live) / live * share);
-        }
-        Ok(moved)
+/// Moves every live block of `cands` (all in segment `seg`) out of it, a step at a time,
+/// earning client writes their room as it goes (see `pace.rs`).
+fn clean_segment(ctx: &Ctx, log: &Log, cleaner: &Cleaner, seg: usize, cands: Vec<LiveRun>) -> Result<u64> {
+    let mut pinned = Pinned::new(&ctx.pins);
+    pinned.pin(seg);
+    let (per_seg, live) = {
+        let st = ctx.state.read();
+        (st.segs.blocks_per_seg as f64, st.segs.segs[seg].live.max(1) as f64)
+    };
+    let (low, reserve) = (ctx.low_water() as f64, ctx.opts.reserve_segments as f64);
+    let steps = split_steps(cands);
+    let mut moved = 0;
+    let mut next = steps.first().map(|step| read_step(ctx, log, step)).transpose()?;
+    for i in 0..steps.len() {
+        let read = next.take().expect("each step is read before it is moved");
+        // The next step is read while this one is moved: reads need no lock (the victim stays
+        // pinned and written log blocks never change), so the disk is kept busy with both.
+        let (n, ahead) = std::thread::scope(|s| {
+            let ahead = steps.get(i + 1).map(|step| s.spawn(move || read_step(ctx, log, step)));
+            let n = log.barrier(ctx, move |ctx, log| move_step(ctx, log, read));
+            (n, ahead.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))))
+        });
+        let n = n?;
+        next = ahead.transpose()?;
+        moved += n;
+        // Below the low-water mark, earn less than is given back (the lower free space is, the
+        // less), so free space climbs back.
+        let free = ctx.state.read().segs.count(SegState::Free) as f64;
+        let share = ((free - reserve) / (low - reserve)).clamp(0.25, 1.0);
+        cleaner.pace.earn(n as f64 * (per_seg - live) / live * share);
     }
+    Ok(moved)
+}
 
-    /// Cleans victims while `more()` says so and good victims remain; ends with a checkpoint
-    /// that frees the cleaned segments. A `background` run only asks the checkpoint thread for
-    /// its checkpoints and does not wait for them (paced writers are waiting on its moves
-    /// meanwhile; its report then counts no segments freed), and it looks for victims again
-    /// every few, so a long run also sees the segments sealed since it started.
-    pub(crate) fn clean(
-        self: &Arc<Self>,
-        max_u: f64,
-        background: bool,
-        mut more: impl FnMut(&Inner, &CleanReport) -> bool,
-    ) -> Result<CleanReport> {
-        let _one = self.cleaner.running.lock();
-        let stats = &self.cleaner.stats;
-        stats.active.store(true, Ordering::Relaxed);
-        stats.runs.fetch_add(1, Ordering::Relaxed);
-        let free_before = self.state.read().segs.count(SegState::Free) as u64;
-        let mut report = CleanReport::default();
-        // An on-demand run only takes segments sealed when it starts: the ones its moves fill
-        // are never its victims (with small batches their headers would make them look worth
-        // cleaning, and a run until no victim is left could go on moving the same blocks round).
-        // A background run stops at a free-space mark, and must keep seeing new segments.
-        let (mut eligible, mut live) = (BTreeSet::new(), BTreeMap::new());
-        let mut result = Ok(());
-        let mut picked = 0u64;
-        while !self.cleaner.stopping() && more(self, &report) {
-            if picked == 0 || (background && picked.is_multiple_of(CHECKPOINT_EVERY)) {
-                if background {
-                    // The pass earns nothing itself: credit in advance keeps paced writers going
-                    // meanwhile (the low-water feedback takes back what it overspends).
-                    self.cleaner.pace.earn(self.state.read().segs.blocks_per_seg as f64 / 2.0);
-                }
-                eligible = self.state.read().segs.sealed();
-                live = live_runs(self, &eligible);
+/// Cleans victims while `more()` says so and good victims remain; ends with a checkpoint
+/// that frees the cleaned segments. A `background` run only asks the checkpoint thread for
+/// its checkpoints and does not wait for them (paced writers are waiting on its moves
+/// meanwhile; its report then counts no segments freed), and it looks for victims again
+/// every few, so a long run also sees the segments sealed since it started.
+pub(crate) fn clean(
+    ctx: &Ctx,
+    log: &Log,
+    cleaner: &Cleaner,
+    ra: &Readahead,
+    max_u: f64,
+    background: bool,
+    mut more: impl FnMut(&Ctx, &CleanReport) -> bool,
+) -> Result<CleanReport> {
+    let _one = cleaner.running.lock();
+    let stats = &cleaner.stats;
+    stats.active.store(true, Ordering::Relaxed);
+    stats.runs.fetch_add(1, Ordering::Relaxed);
+    let free_before = ctx.state.read().segs.count(SegState::Free) as u64;
+    let mut report = CleanReport::default();
+    // An on-demand run only takes segments sealed when it starts: the ones its moves fill
+    // are never its victims (with small batches their headers would make them look worth
+    // cleaning, and a run until no victim is left could go on moving the same blocks round).
+    // A background run stops at a free-space mark, and must keep seeing new segments.
+    let (mut eligible, mut live) = (BTreeSet::new(), BTreeMap::new());
+    let mut result = Ok(());
+    let mut picked = 0u64;
+    while !ctx.wake.cleaner.stopped() && more(ctx, &report) {
+        if picked == 0 || (background && picked.is_multiple_of(CHECKPOINT_EVERY)) {
+            if background {
+                // The pass earns nothing itself: credit in advance keeps paced writers going
+                // meanwhile (the low-water feedback takes back what it overspends).
+                cleaner.pace.earn(ctx.state.read().segs.blocks_per_seg as f64 / 2.0);
             }
-            picked += 1;
-            let Some(seg) = pick_victim(self, max_u, &eligible) else { break };
-            eligible.remove(&seg);
-            match self.clean_segment(seg, live.remove(&seg).unwrap_or_default()) {
-                Ok(n) => {
-                    report.segments_cleaned += 1;
-                    report.blocks_moved += n;
-                    stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
-                    stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
-                    // Cleaned segments come free only with a checkpoint: ask for one often enough
-                    // that writers are not left waiting for the end of a long run.
-                    let free = self.state.read().segs.count(SegState::Free) as u64;
-                    if report.segments_cleaned % CHECKPOINT_EVERY == 0 || free < low_water(self) {
-                        self.ckpt.request();
-                    }
+            eligible = ctx.state.read().segs.sealed();
+            live = live_runs(ctx, &eligible);
+        }
+        picked += 1;
+        let Some(seg) = victim(ctx, max_u, &eligible) else { break };
+        eligible.remove(&seg);
+        match clean_segment(ctx, log, cleaner, seg, live.remove(&seg).unwrap_or_default()) {
+            Ok(n) => {
+                report.segments_cleaned += 1;
+                report.blocks_moved += n;
+                stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
+                stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
+                // Cleaned segments come free only with a checkpoint: ask for one often enough
+                // that writers are not left waiting for the end of a long run.
+                let free = ctx.state.read().segs.count(SegState::Free) as u64;
+                if report.segments_cleaned % CHECKPOINT_EVERY == 0 || free < ctx.low_water() {
+                    ctx.wake.checkpoint.raise();
                 }
-                Err(e) if e.kind() == ErrorKind::Corrupt => {
-                    tracing::error!(segment = seg, error = %e, "cleaner skipped a damaged segment");
-                    self.cleaner.damaged.lock().insert(seg);
-                }
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
+            }
+            Err(e) if e.kind() == ErrorKind::Corrupt => {
+                tracing::error!(segment = seg, error = %e, "cleaner skipped a damaged segment");
+                ctx.state.write().segs.segs[seg].damaged = true;
+            }
+            Err(e) => {
+                result = Err(e);
+                break;
             }
         }
-        let ckpt = if report.segments_cleaned > 0 && !background { self.checkpoint() } else { Ok(()) };
-        stats.active.store(false, Ordering::Relaxed);
-        result?;
-        ckpt?;
-        let free_after = self.state.read().segs.count(SegState::Free) as u64;
-        report.segments_freed = free_after.saturating_sub(free_before);
-        Ok(report)
     }
+    let ckpt = if report.segments_cleaned > 0 && !background { checkpoint(ctx, log, ra) } else { Ok(()) };
+    stats.active.store(false, Ordering::Relaxed);
+    result?;
+    ckpt?;
+    let free_after = ctx.state.read().segs.count(SegState::Free) as u64;
+    report.segments_freed = free_after.saturating_sub(free_before);
+    Ok(report)
+}
+
+/// The victim among `eligible` for a run taking segments up to `max_u` live (see `victims.rs`).
+fn victim(ctx: &Ctx, max_u: f64, eligible: &BTreeSet<usize>) -> Option<usize> {
+    let st = ctx.state.read();
+    pick_victim(&st.segs, st.applied.seq, max_u, eligible, |i| ctx.pins.any(i))
 }
 
 /// On the leader, out of space: cleans the best victim (up to [`INLINE_MAX_U`] live) directly, without
 /// barriers (nothing else writes while the leader is here), and checkpoints so it comes free.
 /// Returns false once no victim is left (a damaged one is set aside and counts as tried).
-pub(crate) fn clean_inline(inner: &Inner) -> Result<bool> {
-    let eligible = inner.state.read().segs.sealed();
-    let Some(seg) = pick_victim(inner, INLINE_MAX_U, &eligible) else { return Ok(false) };
-    let cands = live_runs(inner, &BTreeSet::from([seg])).remove(&seg).unwrap_or_default();
-    let mut pinned = Pinned::new(&inner.pins);
+fn clean_inline(ctx: &Ctx, log: &Log, cleaner: &Cleaner, ra: &Readahead) -> Result<bool> {
+    let eligible = ctx.state.read().segs.sealed();
+    let Some(seg) = victim(ctx, INLINE_MAX_U, &eligible) else { return Ok(false) };
+    let cands = live_runs(ctx, &BTreeSet::from([seg])).remove(&seg).unwrap_or_default();
+    let mut pinned = Pinned::new(&ctx.pins);
     pinned.pin(seg);
     for step in cands.chunks(64) {
-        let read = match read_step(inner, step) {
+        let read = match read_step(ctx, log, step) {
             Ok(r) => r,
             // A damaged victim is left alone (and not chosen again); the caller tries the next.
             Err(e) if e.kind() == ErrorKind::Corrupt => {
                 tracing::error!(segment = seg, error = %e, "cleaner skipped a damaged segment");
-                inner.cleaner.damaged.lock().insert(seg);
+                ctx.state.write().segs.segs[seg].damaged = true;
                 return Ok(true);
             }
             Err(e) => return Err(e),
         };
-        let n = move_step(inner, read)?;
-        inner.cleaner.stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
+        let n = move_step(ctx, log, read)?;
+        cleaner.stats.blocks_moved.fetch_add(n, Ordering::Relaxed);
     }
     drop(pinned);
-    inner.cleaner.stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
+    cleaner.stats.segments_cleaned.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(segment = seg, "cleaned a segment in the write path (pool was full)");
-    inner.checkpoint()?;
+    checkpoint(ctx, log, ra)?;
     Ok(true)
 }
 
 /// Whether a write that found the pool full should wait for the cleaner rather than fail: the
 /// background cleaner is on, and the segments a cleaner would take (at most [`INLINE_MAX_U`]
 /// live) hold at least a segment's worth of dead space between them.
-pub(crate) fn worth_waiting(inner: &Inner) -> bool {
-    if !inner.opts.background_cleaner || inner.check_open().is_err() {
+pub(crate) fn worth_waiting(ctx: &Ctx) -> bool {
+    if !ctx.opts.background_cleaner || ctx.check_open().is_err() {
         return false;
     }
-    let st = inner.state.read();
+    let st = ctx.state.read();
     let per = st.segs.blocks_per_seg;
     let dead: u64 = st
         .segs
@@ -422,53 +378,38 @@ pub(crate) fn worth_waiting(inner: &Inner) -> bool {
     dead >= per
 }
 
-/// Free segments below which the background cleaner runs: two above the reserve. Kept small and
-/// independent of pool size: every segment held free is one the dead space cannot use, which
-/// raises the live fraction of the victims and with it write amplification (on a 1 GiB pool of
-/// 4 MiB segments at 80% full, each segment held costs about 0.1 of it); pacing, not a large
-/// free pool, is what keeps writes going while the cleaner catches up.
-pub(crate) fn low_water(inner: &Inner) -> u64 {
-    inner.opts.reserve_segments as u64 + 2
-}
-
 /// Background cleaning: whenever free space runs low (checked every interval or when kicked),
 /// clean until twice the low-water mark is free or no victim is worth it, with client writes
 /// paced meanwhile.
-pub(crate) fn cleaner_loop(inner: &Arc<Inner>) {
-    let interval = inner.opts.cleaner_interval.max(Duration::from_millis(10));
-    let pace = &inner.cleaner.pace;
+pub(crate) fn cleaner_loop(ctx: &Ctx, log: &Log, cleaner: &Cleaner, ra: &Readahead) {
+    let interval = ctx.opts.cleaner_interval.max(Duration::from_millis(10));
+    let pace = &cleaner.pace;
     let mut pacing = false;
     loop {
-        {
-            let mut c = inner.cleaner.ctl.lock();
-            if !c.0 && !c.1 && !pacing {
-                inner.cleaner.cv.wait_for(&mut c, interval);
-            }
-            if c.0 {
-                pace.stop();
-                return;
-            }
-            c.1 = false;
+        if ctx.wake.cleaner.wait(interval, pacing) {
+            pace.stop();
+            return;
         }
-        let free = |i: &Inner| i.state.read().segs.count(SegState::Free) as u64;
-        let low = low_water(inner);
+        let free = |c: &Ctx| c.state.read().segs.count(SegState::Free) as u64;
+        let low = ctx.low_water();
         let enough = if pacing { 2 * low } else { low };
         // A checkpoint alone frees wholly dead segments (only worth taking if there are some).
-        let done = inner.check_open().is_err()
-            || free(inner) >= enough
-            || (inner.state.read().segs.any_empty_sealed(&inner.pins)
-                && inner.checkpoint().is_ok()
-                && free(inner) >= enough);
+        let done = ctx.check_open().is_err()
+            || free(ctx) >= enough
+            || (ctx.state.read().segs.any_empty_sealed(&ctx.pins)
+                && checkpoint(ctx, log, ra).is_ok()
+                && free(ctx) >= enough);
         if done {
             pace.stop();
             pacing = false;
             continue;
         }
         if !pacing {
-            pace.start(inner.state.read().segs.blocks_per_seg);
+            pace.start(ctx.state.read().segs.blocks_per_seg);
             pacing = true;
         }
-        let run = inner.clean(MAX_UTILISATION, true, |i, _| free(i) < 2 * low && i.check_open().is_ok());
+        let run =
+            clean(ctx, log, cleaner, ra, MAX_UTILISATION, true, |c, _| free(c) < 2 * low && c.check_open().is_ok());
         match run {
             Ok(r) if r.segments_cleaned > 0 => {
                 tracing::debug!(cleaned = r.segments_cleaned, moved_blocks = r.blocks_moved, "cleaner ran");

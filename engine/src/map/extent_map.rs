@@ -397,4 +397,12 @@ mod tests {
             }
         }
     }
+
+    proptest! {
+        /// The chunk decoder takes arbitrary bytes without panicking.
+        #[test]
+        fn chunk_decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..9000)) {
+            let _ = Chunk::decode(&bytes);
+        }
+    }
 }

@@ -32,6 +32,9 @@ pub(crate) struct Segment {
     pub crcs: Option<Box<[u32]>>,
     /// crcs changed since the last checkpoint.
     pub crc_dirty: bool,
+    /// Holds a block that failed its crc: never a cleaner's victim (moving would launder the
+    /// damage under a fresh checksum); forgotten when the segment is freed because its data died.
+    pub damaged: bool,
 }
 
 /// Readers between resolving a block in a segment and finishing their media read, per segment.
@@ -114,7 +117,14 @@ impl SegmentTable {
     pub fn new(seg_size: u64, count: u64) -> Self {
         let n = usize::try_from(count).expect("segment count fits usize");
         let segs = (0..n)
-            .map(|_| Segment { state: SegState::Free, live: 0, last_seq: 0, crcs: None, crc_dirty: false })
+            .map(|_| Segment {
+                state: SegState::Free,
+                live: 0,
+                last_seq: 0,
+                crcs: None,
+                crc_dirty: false,
+                damaged: false,
+            })
             .collect();
         Self { blocks_per_seg: seg_size / BLOCK as u64, segs }
     }

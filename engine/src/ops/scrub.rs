@@ -133,8 +133,8 @@ impl Pool {
             }
         }
         let runs: Vec<(u64, u64)> = keep.iter().map(|k| (k.0, k.3)).collect();
-        let media =
-            crate::write::tail::read_runs(inner, &runs).map_err(|e| Error::io("scrub: reading live blocks", e))?;
+        let media = crate::write::tail::read_runs(&inner.ctx, &inner.log.tail, &runs)
+            .map_err(|e| Error::io("scrub: reading live blocks", e))?;
         drop(pinned);
         let mut blocks = media.chunks(BLOCK);
         for (pba, layer, lba, _, crcs) in keep {

@@ -21,8 +21,7 @@ use crate::meta::{CatalogOp, SnapshotRecord, VolumeRecord};
 use crate::ops::volumes::{VolumeInfo, check_overcommit, info_of, lookup, validate_name};
 use crate::pool::{Inner, Pool, now_unix};
 use crate::state::{State, Target, VolumeEntry};
-use crate::volume::{Volume, Waiter};
-use crate::write::req::Req;
+use crate::volume::Volume;
 
 const B: u64 = BLOCK as u64;
 
@@ -51,32 +50,6 @@ pub enum Image<'a> {
 }
 
 impl Inner {
-    /// Runs `f` on the log's leader with every earlier write applied and no later one started.
-    pub(crate) fn barrier<T: Send + 'static>(&self, f: impl FnOnce(&Inner) -> Result<T> + Send + 'static) -> Result<T> {
-        self.check_open()?;
-        let out = Arc::new(parking_lot::Mutex::new(None));
-        let slot = Arc::clone(&out);
-        let w = Waiter::new();
-        let run = Box::new(move |inner: &Inner| {
-            let v = f(inner)?;
-            *slot.lock() = Some(v);
-            Ok(())
-        });
-        self.send(Req::Barrier { run, done: w.add() })?;
-        w.wait()?;
-        let v = out.lock().take();
-        Ok(v.expect("a successful barrier stores its result"))
-    }
-
-    /// Syncs the store so that everything in the log so far is durable (on the leader).
-    pub(crate) fn sync_store(&self) -> Result<()> {
-        self.backend.sync().map_err(|e| {
-            let e = Error::io("syncing the pool store", e);
-            self.poison(&e);
-            e
-        })
-    }
-
     /// Commits a restructuring catalog change with a checkpoint; a failure here leaves memory
     /// ahead of the store, so it poisons the pool (reopening recovers the durable state).
     pub(crate) fn commit_restructure(&self, ops: Vec<CatalogOp>) -> Result<()> {

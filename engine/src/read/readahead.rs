@@ -23,11 +23,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::ctx::Ctx;
 use crate::io::{AlignedBuf, BLOCK};
-use crate::pool::Inner;
+use crate::map::segments::Pinned;
 use crate::read::reads::Gather;
 use crate::read::resolve::{pba_runs, resolve_ahead};
 use crate::state::Target;
+use crate::write::tail::{self, Tail};
 
 /// Sequential streams one volume handle tracks at once (one per concurrent sequential reader).
 const STREAMS: usize = 4;
@@ -119,6 +121,12 @@ pub(crate) struct Readahead {
     pub hit_bytes: AtomicU64,
 }
 
+impl std::fmt::Debug for Readahead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Readahead").field("cached_blocks", &self.cached).finish_non_exhaustive()
+    }
+}
+
 impl Readahead {
     /// Stops the readahead threads after the windows they are reading; queued ones fail (their
     /// readers read for themselves).
@@ -145,16 +153,23 @@ impl Readahead {
 /// Notes a read by a volume handle; if it makes a window due, resolves the window and caches
 /// it as being read (so a reader that gets there first waits for it rather than reading the
 /// same blocks again), and queues its read for the readahead thread.
-pub(crate) fn note_read(inner: &Inner, streams: &Mutex<Streams>, target: Target, name: &str, offset: u64, len: u64) {
-    let max = inner.opts.readahead;
+pub(crate) fn note_read(
+    ctx: &Ctx,
+    ra: &Readahead,
+    streams: &Mutex<Streams>,
+    target: Target,
+    name: &str,
+    offset: u64,
+    len: u64,
+) {
+    let max = ctx.opts.readahead;
     if max == 0 || len == 0 {
         return;
     }
     let Some((offset, len)) = streams.lock().note(offset, len, max) else { return };
-    let ra = &inner.readahead;
-    let mut pinned = crate::map::segments::Pinned::new(&inner.pins);
+    let mut pinned = Pinned::new(&ctx.pins);
     // A deleted volume, or a window past a shrunk end: nothing to read ahead.
-    let Ok(blocks) = resolve_ahead(&inner.state.read(), target, name, &mut pinned, offset, len) else { return };
+    let Ok(blocks) = resolve_ahead(&ctx.state.read(), target, name, &mut pinned, offset, len) else { return };
     let mut segs = pinned.segments().to_vec();
     segs.sort_unstable();
     segs.dedup();
@@ -194,8 +209,7 @@ fn fail(w: &Window) {
 }
 
 /// A readahead thread (there are [`THREADS`]): reads queued windows one at a time.
-pub(crate) fn readahead_loop(inner: &Arc<Inner>) {
-    let ra = &inner.readahead;
+pub(crate) fn readahead_loop(ctx: &Ctx, ra: &Readahead, tail: &Tail) {
     loop {
         let job = {
             let mut q = ra.jobs.lock();
@@ -205,30 +219,29 @@ pub(crate) fn readahead_loop(inner: &Arc<Inner>) {
             if q.1 {
                 for job in q.0.drain(..) {
                     fail(&job.window);
-                    drop(crate::map::segments::Pinned::adopt(&inner.pins, job.pinned));
+                    drop(Pinned::adopt(&ctx.pins, job.pinned));
                 }
                 return;
             }
             q.0.pop_front().expect("not empty")
         };
         let w = &job.window;
-        let data = crate::write::tail::read_runs(inner, &w.runs).map(Arc::new);
+        let data = tail::read_runs(ctx, tail, &w.runs).map(Arc::new);
         if data.is_ok() {
             ra.read_bytes.fetch_add(w.runs.iter().map(|r| r.1).sum::<u64>() * BLOCK as u64, Ordering::Relaxed);
         }
         *w.data.lock() = Some(data);
         w.ready.notify_all();
         // The window's blocks are cached (or failed) before its segments are unpinned.
-        drop(crate::map::segments::Pinned::adopt(&inner.pins, job.pinned));
+        drop(Pinned::adopt(&ctx.pins, job.pinned));
     }
 }
 
 /// Gathers the media blocks of `runs` (as `tail::gather`), taking those read ahead from the
 /// cache: waiting for a window still being read rather than reading its blocks again.
-pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> Gather {
-    let ra = &inner.readahead;
+pub(crate) fn gather(ra: &Readahead, tail: &Tail, runs: &[(u64, u64)]) -> Gather {
     let all = |runs: &[(u64, u64)]| {
-        let (buf, todo) = crate::write::tail::gather(inner, runs);
+        let (buf, todo) = tail::gather(tail, runs);
         Gather { hits: Vec::new(), buf, todo }
     };
     if ra.cached.load(Ordering::Acquire) == 0 {

@@ -13,11 +13,13 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
+use crate::ctx::Ctx;
 use crate::error::Result;
 use crate::io::{AlignedBuf, BLOCK, Backend, ReadOp};
 use crate::map::segments::Pinned;
-use crate::pool::Inner;
+use crate::read::readahead::{self, Readahead};
 use crate::read::resolve::{Resolved, fill, media_error, media_runs};
+use crate::write::tail::Tail;
 
 /// The media blocks of a read, in order: one buffer, or, when some came from readahead, each
 /// block where it is (a window's buffer, or the buffer the rest were read into), uncopied.
@@ -53,7 +55,7 @@ pub(crate) struct Gather {
 
 impl Gather {
     pub fn read(&mut self, backend: &dyn Backend) -> io::Result<()> {
-        read_into(backend, &mut self.buf, &self.todo)
+        crate::io::read_into(backend, &mut self.buf, &self.todo)
     }
 
     pub fn into_media(self) -> Media {
@@ -72,37 +74,13 @@ impl Gather {
     }
 }
 
-/// The store reads `todo` (as [`Gather::todo`]) as operations into `buf`.
-fn ops<'a>(buf: &'a mut [u8], todo: &[(u64, u64, usize)]) -> Vec<ReadOp<'a>> {
-    let mut ops = Vec::with_capacity(todo.len());
-    let mut rest = buf;
-    let mut at = 0;
-    for &(pba, n, slot) in todo {
-        let n = usize::try_from(n).expect("a read fits memory");
-        let (_, from) = rest.split_at_mut((slot - at) * BLOCK);
-        let (head, tail) = from.split_at_mut(n * BLOCK);
-        ops.push(ReadOp { offset: pba * BLOCK as u64, buf: head });
-        rest = tail;
-        at = slot + n;
-    }
-    ops
-}
-
-/// Reads `todo` (as [`Gather::todo`]) from the store into `buf`, all in flight at once.
-pub(crate) fn read_into(backend: &dyn Backend, buf: &mut [u8], todo: &[(u64, u64, usize)]) -> io::Result<()> {
-    if todo.is_empty() {
-        return Ok(());
-    }
-    backend.read_many(&mut ops(buf, todo))
-}
-
 /// Reads started by [`Volume::start_reads`]: resolved, their segments pinned, the blocks memory
 /// holds gathered. What is left is reading [`Reads::media_ops`] from the store, then
 /// [`Reads::finish`].
 pub struct Reads<'v> {
     /// The volume's (or snapshot's) name, for errors.
     name: &'v str,
-    inner: Arc<Inner>,
+    ctx: Arc<Ctx>,
     /// Segments pinned against reuse until the store reads are done.
     pinned: Vec<usize>,
     /// (offset, length) of each range.
@@ -119,16 +97,18 @@ impl std::fmt::Debug for Reads<'_> {
 }
 
 impl<'v> Reads<'v> {
+    /// Gathers what `ra` and the log's `tail` hold of the `resolved` ranges' blocks.
     pub(crate) fn new(
         name: &'v str,
-        inner: Arc<Inner>,
+        ctx: Arc<Ctx>,
+        (ra, tail): (&Readahead, &Tail),
         parts: &[(u64, usize)],
         resolved: Vec<Result<Vec<Resolved>>>,
         pinned: Vec<usize>,
     ) -> Self {
         let runs = media_runs(resolved.iter().flatten().flatten());
-        let gather = crate::read::readahead::gather(&inner, &runs);
-        Self { name, inner, pinned, parts: parts.to_vec(), resolved, gather: Some(gather) }
+        let gather = readahead::gather(ra, tail, &runs);
+        Self { name, ctx, pinned, parts: parts.to_vec(), resolved, gather: Some(gather) }
     }
 
     /// The store reads left to do. Their buffers belong to this `Reads` and stay where they are
@@ -136,19 +116,19 @@ impl<'v> Reads<'v> {
     /// to the kernel must keep it until every one of those reads has completed.
     pub fn media_ops(&mut self) -> Vec<ReadOp<'_>> {
         let g = self.gather.as_mut().expect("not finished");
-        ops(&mut g.buf, &g.todo)
+        crate::io::read_ops(&mut g.buf, &g.todo)
     }
 
     /// The file [`Reads::media_ops`] read from, for a caller that submits them itself (their
     /// offsets and buffers are O_DIRECT-aligned); None if the store is not a file: then use
     /// [`Reads::read_media`].
     pub fn media_fd(&self) -> Option<RawFd> {
-        self.inner.backend.raw_fd()
+        self.ctx.backend.raw_fd()
     }
 
     /// Does the store reads here, all in flight at once.
     pub fn read_media(&mut self) -> io::Result<()> {
-        self.gather.as_mut().expect("not finished").read(self.inner.backend.as_ref())
+        self.gather.as_mut().expect("not finished").read(self.ctx.backend.as_ref())
     }
 
     /// Completes the reads once the store reads are done (`media` says how they went): copies
@@ -186,7 +166,7 @@ impl<'v> Reads<'v> {
     }
 
     fn unpin(&mut self) {
-        drop(Pinned::adopt(&self.inner.pins, std::mem::take(&mut self.pinned)));
+        drop(Pinned::adopt(&self.ctx.pins, std::mem::take(&mut self.pinned)));
     }
 }
 

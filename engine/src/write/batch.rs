@@ -5,35 +5,36 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
+use crate::ctx::Ctx;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{BatchHeader, Entry, EntryKind, block_crc};
 use crate::io::{AlignedBuf, BLOCK};
 use crate::map::segments::SegState;
-use crate::pool::Inner;
 use crate::state::apply;
+use crate::write::Log;
 use crate::write::queue::MAX_ENTRIES;
 use crate::write::req::{Payload, Req};
 use crate::write::room::reserve_room;
 
 /// Data blocks a batch can still carry in the head segment, keeping room for the largest header.
-pub(crate) fn head_room_blocks(inner: &Inner) -> u64 {
-    let st = inner.state.read();
+pub(crate) fn head_room_blocks(ctx: &Ctx) -> u64 {
+    let st = ctx.state.read();
     let head = st.applied;
     if st.segs.segs[head.seg].state != SegState::Open {
         return 0;
     }
-    let header = BatchHeader::blocks_for(MAX_ENTRIES, usize::try_from(inner.max_batch_blocks).unwrap_or(usize::MAX));
-    ((inner.sb.segment_size - head.off) / BLOCK as u64).saturating_sub(header as u64)
+    let header = BatchHeader::blocks_for(MAX_ENTRIES, usize::try_from(ctx.max_batch_blocks).unwrap_or(usize::MAX));
+    ((ctx.sb.segment_size - head.off) / BLOCK as u64).saturating_sub(header as u64)
 }
 
 /// Builds, writes and applies one batch. Fails the whole batch with NoSpace if no segment can
 /// take it; an unmap-only batch may use the reserve.
-pub(crate) fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<()> {
+pub(crate) fn write_batch(ctx: &Ctx, log: &Log, reqs: &[Req], scratch: &mut AlignedBuf) -> Result<()> {
     let mut entries = Vec::with_capacity(reqs.len());
     let mut data_blocks = 0usize;
     // A volume deleted meanwhile maps to layer 0, which never exists: replay and apply skip it.
     let heads: Vec<u64> = {
-        let st = inner.state.read();
+        let st = ctx.state.read();
         let head = |v: &u64| st.volumes.get(v).map_or(0, |e| e.rec.layer);
         reqs.iter()
             .map(|r| match r {
@@ -80,33 +81,33 @@ pub(crate) fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf)
     }
     // Unmap-only batches and the cleaner's moves may use the reserve: both give space back.
     let may_use_reserve = reqs.iter().all(|r| matches!(r, Req::Unmap { .. } | Req::Move { .. }));
-    let pos = reserve_room(inner, buf.len() as u64, may_use_reserve)?;
+    let pos = reserve_room(ctx, log, buf.len() as u64, may_use_reserve)?;
     let header = BatchHeader {
         seq: pos.seq,
-        generation: inner.state.read().generation,
-        uuid_tag: inner.sb.uuid_tag(),
+        generation: ctx.state.read().generation,
+        uuid_tag: ctx.sb.uuid_tag(),
         entries,
         crcs,
     };
     header.encode_into(&mut buf[..hb * BLOCK]);
     let buf = &*buf;
-    let offset = inner.sb.segment_offset(pos.seg, pos.off);
-    if let Err(e) = inner.backend.write_at(buf, offset) {
+    let offset = ctx.sb.segment_offset(pos.seg, pos.off);
+    if let Err(e) = ctx.backend.write_at(buf, offset) {
         let e = Error::io(format!("writing log batch {} at segment {} offset {}", pos.seq, pos.seg, pos.off), e);
         // ENOSPC from the filesystem under a sparse file: nothing was acknowledged, the head does
         // not move, and the next batch overwrites whatever part of this one landed.
         if e.kind() != ErrorKind::NoSpace {
-            inner.poison(&e);
+            ctx.poison(&e);
         }
         return Err(e);
     }
-    inner.media_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+    ctx.media_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
     let client: usize = reqs.iter().map(|r| if let Req::Write { data, .. } = r { data.len() } else { 0 }).sum();
-    inner.client_bytes.fetch_add(client as u64, Ordering::Relaxed);
-    let mut st = inner.state.write();
+    ctx.client_bytes.fetch_add(client as u64, Ordering::Relaxed);
+    let mut st = ctx.state.write();
     apply(&mut st, &header, pos);
-    if st.log_bytes_since_ckpt >= inner.opts.checkpoint_bytes {
-        inner.ckpt.request();
+    if st.log_bytes_since_ckpt >= ctx.opts.checkpoint_bytes {
+        ctx.wake.checkpoint.raise();
     }
     Ok(())
 }
@@ -114,13 +115,13 @@ pub(crate) fn write_batch(inner: &Inner, reqs: &[Req], scratch: &mut AlignedBuf)
 /// Writes the cleaner's moves as batches; only on the leader (inside a barrier). Each move is
 /// (layer, lba, whole blocks of data). Batches fill the head segment's tail before a new
 /// segment is started, as client batches do, so moved data packs densely.
-pub(crate) fn write_moves(inner: &Inner, moves: Vec<(u64, u64, Vec<u8>)>) -> Result<()> {
+pub(crate) fn write_moves(ctx: &Ctx, log: &Log, moves: Vec<(u64, u64, Vec<u8>)>) -> Result<()> {
     let mut scratch = AlignedBuf::new(BLOCK);
     let mut queue: VecDeque<(u64, u64, Payload)> =
         moves.into_iter().map(|(layer, lba, data)| (layer, lba, Payload::new(data))).collect();
     while !queue.is_empty() {
-        let room = head_room_blocks(inner);
-        let limit = if room > 0 { room.min(inner.max_batch_blocks) } else { inner.max_batch_blocks };
+        let room = head_room_blocks(ctx);
+        let limit = if room > 0 { room.min(ctx.max_batch_blocks) } else { ctx.max_batch_blocks };
         let mut batch: Vec<Req> = Vec::new();
         let mut blocks = 0;
         while let Some((layer, lba, data)) = queue.pop_front() {
@@ -139,7 +140,7 @@ pub(crate) fn write_moves(inner: &Inner, moves: Vec<(u64, u64, Vec<u8>)>) -> Res
             blocks += n;
             batch.push(Req::Move { layer, lba, data });
         }
-        write_batch(inner, &batch, &mut scratch)?;
+        write_batch(ctx, log, &batch, &mut scratch)?;
     }
     Ok(())
 }

@@ -2,8 +2,9 @@
 //! `queue` the request queue and its group-commit leader, `tail` the open batch that small
 //! writes are acknowledged from (and its flusher thread), `batch` the encoding and writing of
 //! one batch (and of the cleaner's moves), `room` the space a batch takes at the log head.
-//! Uses the state, the maps and the store below it. Anything that writes to the log goes
-//! through [`queue::submit`]: sequence numbers, chain records and the apply order all assume
+//! Uses the context (`ctx.rs`), the state, the maps and the store below it, and asks
+//! background work for room only through [`room::MakeRoom`]. Anything that writes to the log goes
+//! through [`Log`]: sequence numbers, chain records and the apply order all assume
 //! one leader at a time.
 
 pub(crate) mod batch;
@@ -11,3 +12,5 @@ pub(crate) mod queue;
 pub(crate) mod req;
 pub(crate) mod room;
 pub(crate) mod tail;
+
+pub(crate) use queue::Log;

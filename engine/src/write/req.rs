@@ -3,9 +3,12 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use parking_lot::{Condvar, Mutex};
+
+use crate::ctx::Ctx;
 use crate::error::{Error, Result, clone_err};
 use crate::io::BLOCK;
-use crate::pool::Inner;
+use crate::write::Log;
 
 /// Whole blocks of data to write: a range of a shared buffer, so a write split into several
 /// requests, or retried, is never copied again (the caller's buffer is copied once, into the
@@ -40,7 +43,7 @@ impl std::ops::Deref for Payload {
 pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// Work run by the leader between batches (see [`Req::Barrier`]).
-pub(crate) type BarrierFn = Box<dyn FnOnce(&Inner) -> Result<()> + Send>;
+pub(crate) type BarrierFn = Box<dyn FnOnce(&Ctx, &Log) -> Result<()> + Send>;
 
 /// A request to the writer. Writes name a volume; the leader maps it to the volume's head
 /// layer when it builds the batch, so a snapshot (a barrier) cleanly splits writes queued
@@ -89,5 +92,40 @@ impl Req {
             Req::Write { data, .. } | Req::Move { data, .. } => (data.len() / BLOCK) as u64,
             _ => 0,
         }
+    }
+}
+
+/// Counts outstanding requests and keeps the first error.
+pub(crate) struct Waiter {
+    left: Mutex<(usize, Option<Error>)>,
+    cv: Condvar,
+}
+
+impl Waiter {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self { left: Mutex::new((0, None)), cv: Condvar::new() })
+    }
+
+    pub(crate) fn add(self: &Arc<Self>) -> Box<dyn FnOnce(Result<()>) + Send> {
+        self.left.lock().0 += 1;
+        let me = Arc::clone(self);
+        Box::new(move |r| {
+            let mut g = me.left.lock();
+            g.0 -= 1;
+            if let Err(e) = r {
+                g.1.get_or_insert(e);
+            }
+            if g.0 == 0 {
+                me.cv.notify_all();
+            }
+        })
+    }
+
+    pub(crate) fn wait(&self) -> Result<()> {
+        let mut g = self.left.lock();
+        while g.0 > 0 {
+            self.cv.wait(&mut g);
+        }
+        g.1.take().map_or(Ok(()), Err)
     }
 }

@@ -1,40 +1,54 @@
 //! Room at the log head: the head segment while a batch fits, else a fresh segment, recorded
 //! durably in the segment chain before anything is written there.
 
+use crate::ctx::Ctx;
 use crate::error::{Error, ErrorKind, Result};
 use crate::map::segments::SegState;
-use crate::pool::Inner;
 use crate::state::LogPos;
+use crate::write::Log;
+
+/// What the write path may ask of background work when the head needs a segment and none is
+/// free. Implemented by the cleaner (`maint`), handed to the log when the pool opens: the write
+/// path knows no cleaner internals.
+pub(crate) trait MakeRoom: Send + Sync + std::fmt::Debug {
+    /// Takes a checkpoint, which releases sealed segments nothing maps any more.
+    fn checkpoint(&self, ctx: &Ctx, log: &Log) -> Result<()>;
+    /// On the leader: cleans one victim and checkpoints so it comes free; false once no victim
+    /// is left.
+    fn clean_one(&self, ctx: &Ctx, log: &Log) -> Result<bool>;
+    /// Whether the background cleaner is running now.
+    fn cleaning(&self) -> bool;
+}
 
 /// Finds room for `len` bytes at the log head, opening a new segment if needed (recording the
 /// move durably first). Returns where the batch goes.
-pub(crate) fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Result<LogPos> {
-    let seg_size = inner.sb.segment_size;
+pub(crate) fn reserve_room(ctx: &Ctx, log: &Log, len: u64, may_use_reserve: bool) -> Result<LogPos> {
+    let seg_size = ctx.sb.segment_size;
     // Once the cleaner's moves have dipped into the reserve, the head they opened is theirs:
     // client writes sharing it would spend the reserve a segment at a time until the cleaner
     // could not finish its victim (and nothing could ever free space again). They wait instead.
     // (Counting free segments is a scan: only done while the head came from the reserve.)
     let (head, head_is_open, reserve_dipped) = {
-        let st = inner.state.read();
-        let dipped = st.head_in_reserve && st.segs.count(SegState::Free) < inner.opts.reserve_segments;
+        let st = ctx.state.read();
+        let dipped = st.head_in_reserve && st.segs.count(SegState::Free) < ctx.opts.reserve_segments;
         (st.applied, st.segs.segs[st.applied.seg].state == SegState::Open, dipped)
     };
     if head_is_open && head.off + len <= seg_size && (may_use_reserve || !reserve_dipped) {
         return Ok(head);
     }
-    let reserve = if may_use_reserve { 0 } else { inner.opts.reserve_segments };
+    let reserve = if may_use_reserve { 0 } else { ctx.opts.reserve_segments };
     let (mut seg, free_left) = {
-        let mut st = inner.state.write();
+        let mut st = ctx.state.write();
         let seg = st.segs.take_free(reserve);
         (seg, st.segs.count(SegState::Free) as u64)
     };
-    if free_left < crate::maint::cleaner::low_water(inner) {
-        inner.cleaner.kick();
+    if free_left < ctx.low_water() {
+        ctx.wake.cleaner.raise();
     }
-    if seg.is_none() && inner.state.read().segs.any_empty_sealed(&inner.pins) {
+    if seg.is_none() && ctx.state.read().segs.any_empty_sealed(&ctx.pins) {
         // Empty segments are waiting for a checkpoint to release them.
-        inner.checkpoint()?;
-        seg = inner.state.write().segs.take_free(reserve);
+        log.room.checkpoint(ctx, log)?;
+        seg = ctx.state.write().segs.take_free(reserve);
     }
     // Out of space with dead space left: clean here, on the leader, rather than fail a write
     // the cleaner could make room for (its moves may use the reserve); each victim frees its
@@ -42,26 +56,26 @@ pub(crate) fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Re
     // cleaners moving at once could together spend the whole reserve before either victim is
     // released, and the background one needs the leader for its moves. The write fails with
     // NoSpace instead, and the volume retries it once the cleaner has made room.
-    let background_busy = inner.cleaner.stats.active.load(std::sync::atomic::Ordering::Acquire);
-    if seg.is_none() && !may_use_reserve && inner.opts.background_cleaner && !background_busy {
+    let background_busy = log.room.cleaning();
+    if seg.is_none() && !may_use_reserve && ctx.opts.background_cleaner && !background_busy {
         for _ in 0..64 {
-            if !crate::maint::cleaner::clean_inline(inner)? {
+            if !log.room.clean_one(ctx, log)? {
                 break;
             }
-            seg = inner.state.write().segs.take_free(reserve);
+            seg = ctx.state.write().segs.take_free(reserve);
             if seg.is_some() {
                 break;
             }
         }
     }
     let Some(seg) = seg else {
-        inner.cleaner.kick();
+        ctx.wake.cleaner.raise();
         return Err(Error::new(ErrorKind::NoSpace, "pool is full: no free segment for new writes"));
     };
     // Inline cleaning wrote its moves as batches of their own, which may have moved the head
     // (into a fresh segment, with a later sequence number): continue from where it is now.
     let (head, head_is_open) = {
-        let mut st = inner.state.write();
+        let mut st = ctx.state.write();
         let head = st.applied;
         let open = st.segs.segs[head.seg].state == SegState::Open;
         if head.seg != seg && open && head.off + len <= seg_size {
@@ -70,12 +84,12 @@ pub(crate) fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Re
         }
         (head, open)
     };
-    let ready = inner
+    let ready = ctx
         .backend
-        .allocate(inner.sb.segment_offset(seg, 0), seg_size)
+        .allocate(ctx.sb.segment_offset(seg, 0), seg_size)
         .map_err(|e| Error::io(format!("allocating segment {seg}"), e))
-        .and_then(|()| inner.meta.put_chain(head.seq, seg as u64));
-    let mut st = inner.state.write();
+        .and_then(|()| ctx.meta.put_chain(head.seq, seg as u64));
+    let mut st = ctx.state.write();
     if let Err(e) = ready {
         st.segs.segs[seg].state = SegState::Free;
         return Err(e);
@@ -85,6 +99,6 @@ pub(crate) fn reserve_room(inner: &Inner, len: u64, may_use_reserve: bool) -> Re
         st.segs.segs[head.seg].state = SegState::Sealed;
     }
     st.applied = LogPos { seq: head.seq, seg, off: 0 };
-    st.head_in_reserve = st.segs.count(SegState::Free) < inner.opts.reserve_segments;
+    st.head_in_reserve = st.segs.count(SegState::Free) < ctx.opts.reserve_segments;
     Ok(st.applied)
 }

@@ -27,11 +27,12 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use crate::ctx::Ctx;
 use crate::error::{Error, Result};
 use crate::format::{BatchHeader, Entry, EntryKind, block_crc};
 use crate::io::{AlignedBuf, BLOCK};
-use crate::pool::Inner;
 use crate::state::{LogPos, finish_batch, map_entries};
+use crate::write::Log;
 use crate::write::req::Req;
 use crate::write::room::reserve_room;
 
@@ -163,31 +164,31 @@ fn blocks_of(r: &Req) -> usize {
 }
 
 /// Whether `r` may go into the open batch.
-pub(crate) fn takes(inner: &Inner, r: &Req) -> bool {
-    matches!(r, Req::Write { data, .. } if data.len() / BLOCK <= MAX_WRITE_BLOCKS) && !inner.opts.write_delay.is_zero()
+pub(crate) fn takes(ctx: &Ctx, r: &Req) -> bool {
+    matches!(r, Req::Write { data, .. } if data.len() / BLOCK <= MAX_WRITE_BLOCKS) && !ctx.opts.write_delay.is_zero()
 }
 
 /// On the leader: puts every request (all of them [`takes`]) into the open batch, sealing full
 /// ones and opening new ones as needed. Returns each request with its outcome; writes that
 /// found no room (the pool is full) fail with `NoSpace`.
-pub(crate) fn append(inner: &Inner, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
-    let tail = &inner.log.tail;
+pub(crate) fn append(ctx: &Ctx, log: &Log, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
+    let tail = &log.tail;
     let mut out = Vec::with_capacity(reqs.len());
     let mut reqs = reqs.into_iter().peekable();
     while let Some(first) = reqs.peek() {
         let need = blocks_of(first);
         let mut slot = tail.slot.lock();
         if !slot.batch.as_ref().is_some_and(|b| b.fits(need)) {
-            let sealed = if slot.stop { close_locked(inner, &mut slot) } else { hand_off(inner, &mut slot) };
+            let sealed = if slot.stop { close_locked(ctx, tail, &mut slot) } else { hand_off(ctx, tail, &mut slot) };
             drop(slot);
-            if let Err(e) = sealed.and_then(|()| open(inner, need)) {
+            if let Err(e) = sealed.and_then(|()| open(ctx, log, need)) {
                 out.extend(reqs.map(|r| (r, Err(crate::error::clone_err(&e)))));
                 break;
             }
             continue;
         }
         let Slot { batch: Some(b), .. } = &mut *slot else { unreachable!("checked above") };
-        let mut st = inner.state.write();
+        let mut st = ctx.state.write();
         while let Some(r) = reqs.next_if(|r| b.fits(blocks_of(r))) {
             let Req::Write { volume, lba, data, .. } = &r else { unreachable!("only writes are taken") };
             let blocks = u32::try_from(data.len() / BLOCK).expect("small");
@@ -202,7 +203,7 @@ pub(crate) fn append(inner: &Inner, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
             tail.open.hi.store(pba + u64::from(blocks), Ordering::Release);
             map_entries(&mut st, std::slice::from_ref(&entry), pba, &b.crcs[first_crc..]);
             b.entries.push(entry);
-            inner.client_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+            ctx.client_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
             out.push((r, Ok(())));
         }
     }
@@ -211,13 +212,13 @@ pub(crate) fn append(inner: &Inner, reqs: Vec<Req>) -> Vec<(Req, Result<()>)> {
 
 /// Opens a batch at the log head with room for at least `need` data blocks. Called without
 /// the slot lock: finding room may take a checkpoint, which closes the open batch itself.
-fn open(inner: &Inner, need: usize) -> Result<()> {
-    let pos = reserve_room(inner, ((1 + need) * BLOCK) as u64, false)?;
-    let room = usize::try_from((inner.sb.segment_size - pos.off) / BLOCK as u64).expect("small") - 1;
-    let max = usize::try_from(inner.max_batch_blocks).expect("small");
+fn open(ctx: &Ctx, log: &Log, need: usize) -> Result<()> {
+    let pos = reserve_room(ctx, log, ((1 + need) * BLOCK) as u64, false)?;
+    let room = usize::try_from((ctx.sb.segment_size - pos.off) / BLOCK as u64).expect("small") - 1;
+    let max = usize::try_from(ctx.max_batch_blocks).expect("small");
     let capacity = room.min(MAX_BLOCKS).min(max).max(need);
-    let first_pba = inner.state.read().segs.pba(pos.seg, pos.off / BLOCK as u64 + 1);
-    let tail = &inner.log.tail;
+    let first_pba = ctx.state.read().segs.pba(pos.seg, pos.off / BLOCK as u64 + 1);
+    let tail = &log.tail;
     let mut slot = tail.slot.lock();
     debug_assert!(slot.batch.is_none(), "only the leader opens batches, after sealing the last");
     let buf = slot.spares.pop().unwrap_or_else(|| AlignedBuf::new((1 + MAX_BLOCKS) * BLOCK));
@@ -236,32 +237,31 @@ fn open(inner: &Inner, need: usize) -> Result<()> {
 }
 
 /// Writes the open batch, if any, after the one in flight, and moves the log past it.
-pub(crate) fn close(inner: &Inner) -> Result<()> {
-    close_locked(inner, &mut inner.log.tail.slot.lock())
+pub(crate) fn close(ctx: &Ctx, log: &Log) -> Result<()> {
+    close_locked(ctx, &log.tail, &mut log.tail.slot.lock())
 }
 
 /// Closes the open batch and returns with the slot still locked (and so no batch unwritten):
 /// a checkpoint holds it while it captures the maps, which then point only at written blocks.
-pub(crate) fn close_and_hold(inner: &Inner) -> Result<MutexGuard<'_, Slot>> {
-    let mut slot = inner.log.tail.slot.lock();
-    close_locked(inner, &mut slot)?;
+pub(crate) fn close_and_hold<'a>(ctx: &Ctx, log: &'a Log) -> Result<MutexGuard<'a, Slot>> {
+    let mut slot = log.tail.slot.lock();
+    close_locked(ctx, &log.tail, &mut slot)?;
     Ok(slot)
 }
 
 /// Waits until the batch in flight, if any, is written. It may have failed (and poisoned the
 /// pool): then nothing after it may claim success.
-fn land_flight(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
+fn land_flight(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
     while slot.flight.is_some() {
-        inner.log.tail.cv.wait(slot);
+        tail.cv.wait(slot);
     }
-    inner.check_open()
+    ctx.check_open()
 }
 
-fn close_locked(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
-    let tail = &inner.log.tail;
-    land_flight(inner, slot)?;
-    let Some(sealed) = take_sealed(inner, slot) else { return Ok(()) };
-    let result = write(inner, &sealed);
+fn close_locked(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
+    land_flight(ctx, tail, slot)?;
+    let Some(sealed) = take_sealed(ctx, tail, slot) else { return Ok(()) };
+    let result = write(ctx, &sealed);
     // Only now (the batch is on the store, or the pool is poisoned) may readers stop looking here.
     tail.open.set(0, 0);
     slot.recycle(sealed.buf);
@@ -269,14 +269,13 @@ fn close_locked(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
 }
 
 /// Seals the open batch, if any, and hands it to the flusher, after the one in flight landed.
-fn hand_off(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
-    let tail = &inner.log.tail;
+fn hand_off(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
     if slot.batch.as_ref().is_none_or(|b| b.entries.is_empty()) {
-        take_sealed(inner, slot); // nothing to wait for: drops an empty batch
+        take_sealed(ctx, tail, slot); // nothing to wait for: drops an empty batch
         return Ok(());
     }
-    land_flight(inner, slot)?;
-    let Some(sealed) = take_sealed(inner, slot) else { return Ok(()) };
+    land_flight(ctx, tail, slot)?;
+    let Some(sealed) = take_sealed(ctx, tail, slot) else { return Ok(()) };
     // In this order: see `Tail::open`.
     tail.flight.set(sealed.first_pba, sealed.first_pba + sealed.blocks as u64);
     tail.open.set(0, 0);
@@ -287,24 +286,24 @@ fn hand_off(inner: &Inner, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
 
 /// Takes the open batch off the slot and seals it. An empty one (a checkpoint may close a
 /// batch between its opening and its first write) takes no place in the log: it is dropped.
-fn take_sealed(inner: &Inner, slot: &mut Slot) -> Option<Sealed> {
+fn take_sealed(ctx: &Ctx, tail: &Tail, slot: &mut Slot) -> Option<Sealed> {
     let b = slot.batch.take()?;
     if b.entries.is_empty() {
-        inner.log.tail.open.set(0, 0);
+        tail.open.set(0, 0);
         slot.recycle(b.buf);
         return None;
     }
-    Some(seal(inner, b))
+    Some(seal(ctx, b))
 }
 
 /// Encodes the batch's header and moves the log past it: the next batch may open behind it
 /// before it is written.
-fn seal(inner: &Inner, mut b: OpenBatch) -> Sealed {
-    let mut st = inner.state.write();
+fn seal(ctx: &Ctx, mut b: OpenBatch) -> Sealed {
+    let mut st = ctx.state.write();
     let header = BatchHeader {
         seq: b.pos.seq,
         generation: st.generation,
-        uuid_tag: inner.sb.uuid_tag(),
+        uuid_tag: ctx.sb.uuid_tag(),
         entries: std::mem::take(&mut b.entries),
         crcs: std::mem::take(&mut b.crcs),
     };
@@ -312,32 +311,32 @@ fn seal(inner: &Inner, mut b: OpenBatch) -> Sealed {
     header.encode_into(&mut b.buf[..BLOCK]);
     let len = header.batch_len();
     finish_batch(&mut st, header.seq, b.pos, len);
-    if st.log_bytes_since_ckpt >= inner.opts.checkpoint_bytes {
-        inner.ckpt.request();
+    if st.log_bytes_since_ckpt >= ctx.opts.checkpoint_bytes {
+        ctx.wake.checkpoint.raise();
     }
     Sealed { pos: b.pos, first_pba: b.first_pba, blocks: header.crcs.len(), len, buf: b.buf }
 }
 
-fn write(inner: &Inner, b: &Sealed) -> Result<()> {
-    let offset = inner.sb.segment_offset(b.pos.seg, b.pos.off);
-    if let Err(e) = inner.backend.write_at(&b.buf[..usize::try_from(b.len).expect("small")], offset) {
+fn write(ctx: &Ctx, b: &Sealed) -> Result<()> {
+    let offset = ctx.sb.segment_offset(b.pos.seg, b.pos.off);
+    if let Err(e) = ctx.backend.write_at(&b.buf[..usize::try_from(b.len).expect("small")], offset) {
         // Its writes were acknowledged: whatever the error, a later flush must not succeed.
         let e = Error::io(format!("writing log batch {} at segment {} offset {}", b.pos.seq, b.pos.seg, b.pos.off), e);
-        inner.poison(&e);
+        ctx.poison(&e);
         return Err(e);
     }
-    inner.media_bytes.fetch_add(b.len, Ordering::Relaxed);
+    ctx.media_bytes.fetch_add(b.len, Ordering::Relaxed);
     Ok(())
 }
 
 /// The flusher thread: writes each sealed batch, and seals the open one `write_delay` after it
 /// opened unless something closed it first.
-pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
-    let tail = &inner.log.tail;
+pub(crate) fn flusher_loop(ctx: &Ctx, log: &Log) {
+    let tail = &log.tail;
     let mut slot = tail.slot.lock();
     loop {
         if let Some(sealed) = slot.flight.clone() {
-            let result = MutexGuard::unlocked(&mut slot, || write(inner, &sealed));
+            let result = MutexGuard::unlocked(&mut slot, || write(ctx, &sealed));
             if let Err(e) = result {
                 tracing::warn!(error = %e, "writing a log batch failed");
             }
@@ -352,13 +351,13 @@ pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
         if slot.stop {
             return;
         }
-        match slot.batch.as_ref().map(|b| b.opened + inner.opts.write_delay) {
+        match slot.batch.as_ref().map(|b| b.opened + ctx.opts.write_delay) {
             None => tail.cv.wait(&mut slot),
             Some(due) if Instant::now() < due => {
                 tail.cv.wait_until(&mut slot, due);
             }
             Some(_) => {
-                if let Err(e) = hand_off(inner, &mut slot) {
+                if let Err(e) = hand_off(ctx, tail, &mut slot) {
                     tracing::warn!(error = %e, "sealing the open log batch failed");
                     // Poisoned: the batch stays open; nothing will write it, and waiting for
                     // the next event is all that is left.
@@ -371,17 +370,16 @@ pub(crate) fn flusher_loop(inner: &Arc<Inner>) {
 
 /// Reads `runs` (pool block, count) into one buffer, back to back, taking the blocks that are
 /// still in the open or the sealed batch from their buffers.
-pub(crate) fn read_runs(inner: &Inner, runs: &[(u64, u64)]) -> std::io::Result<AlignedBuf> {
-    let (mut buf, todo) = gather(inner, runs);
-    crate::read::reads::read_into(inner.backend.as_ref(), &mut buf, &todo)?;
+pub(crate) fn read_runs(ctx: &Ctx, tail: &Tail, runs: &[(u64, u64)]) -> std::io::Result<AlignedBuf> {
+    let (mut buf, todo) = gather(tail, runs);
+    crate::io::read_into(ctx.backend.as_ref(), &mut buf, &todo)?;
     Ok(buf)
 }
 
 /// The first half of [`read_runs`]: a buffer for `runs` with the blocks still in the open or
 /// the sealed batch copied in, and the store reads that complete it: (pool block, blocks, first
 /// slot in the buffer).
-pub(crate) fn gather(inner: &Inner, runs: &[(u64, u64)]) -> (AlignedBuf, Vec<(u64, u64, usize)>) {
-    let tail = &inner.log.tail;
+pub(crate) fn gather(tail: &Tail, runs: &[(u64, u64)]) -> (AlignedBuf, Vec<(u64, u64, usize)>) {
     let total: u64 = runs.iter().map(|r| r.1).sum();
     let mut out = AlignedBuf::new(usize::try_from(total).expect("a read fits memory") * BLOCK);
     let mut todo: Vec<(u64, u64, usize)> = Vec::with_capacity(runs.len());
