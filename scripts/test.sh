@@ -17,6 +17,8 @@ step "build (first cold build compiles RocksDB: ~15-25 min on 2 cores)"
 cargo build --workspace --all-targets --locked
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The libraries and binaries as a user builds them: the engine without its test-only failpoints.
+cargo clippy --workspace --lib --bins --locked -- -D warnings
 step "doc tests"
 cargo test --workspace --doc --locked -q
 step "README: the quickstart and the lines it prints, run as written"

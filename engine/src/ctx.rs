@@ -68,13 +68,20 @@ impl Default for PoolOptions {
     }
 }
 
-/// Injection points for crash tests: when armed, the pool fails there as if the machine died.
+/// Injection points for crash tests (feature `failpoints`): when armed, the pool fails there
+/// as if the machine died. Without the feature the checks compile to nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultPoint {
     /// After the store is synced, before the checkpoint's metadata commit.
     CheckpointBeforeCommit,
     /// After the metadata commit, before freed segments are released.
     CheckpointAfterCommit,
+    /// Before the open batch's write reaches the store (its writes were acknowledged).
+    TailBeforeWrite,
+    /// A new head segment taken, before its chain record is written.
+    RoomBeforeChain,
+    /// A cleaning step read its victim's blocks, before it moves them.
+    CleanerBeforeMove,
 }
 
 /// A wake-up for a background thread: raised by anyone, or stopped for good.
@@ -162,6 +169,7 @@ pub(crate) struct Ctx {
     pub closed: AtomicBool,
     /// Per-block locks of partial-block writes (read-modify-write of their edges).
     pub stripes: Box<[Mutex<()>]>,
+    #[cfg(feature = "failpoints")]
     pub faults: Mutex<Vec<FaultPoint>>,
     pub client_bytes: AtomicU64,
     pub media_bytes: AtomicU64,
@@ -191,6 +199,7 @@ impl Ctx {
             failed: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             stripes: (0..256).map(|_| Mutex::new(())).collect(),
+            #[cfg(feature = "failpoints")]
             faults: Mutex::new(Vec::new()),
             client_bytes: AtomicU64::new(0),
             media_bytes: AtomicU64::new(0),
@@ -217,12 +226,19 @@ impl Ctx {
     }
 
     /// Fails (and poisons the pool) if `point` is armed.
+    #[cfg(feature = "failpoints")]
     pub fn fault(&self, point: FaultPoint) -> Result<()> {
         if self.faults.lock().contains(&point) {
             let e = Error::new(ErrorKind::Io, format!("injected fault at {point:?}"));
             self.poison(&e);
             return Err(e);
         }
+        Ok(())
+    }
+
+    #[cfg(not(feature = "failpoints"))]
+    #[inline(always)]
+    pub fn fault(&self, _point: FaultPoint) -> Result<()> {
         Ok(())
     }
 

@@ -36,7 +36,9 @@ mod state;
 mod volume;
 mod write;
 
-pub use ctx::{FaultPoint, PoolOptions};
+#[cfg(feature = "failpoints")]
+pub use ctx::FaultPoint;
+pub use ctx::PoolOptions;
 pub use error::{Error, ErrorKind, Result};
 pub use maint::cleaner::CleanReport;
 pub use ops::group::{GroupInfo, GroupSnapshotInfo};

@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
-use crate::ctx::{Ctx, FaultPoint, PoolOptions};
+use crate::ctx::{Ctx, PoolOptions};
 use crate::error::{Error, ErrorKind, Result, invalid};
 use crate::format::{DATA_START, FORMAT_VERSION, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringBackend};
@@ -305,8 +305,9 @@ impl Pool {
         cleaner::clean(&i.ctx, &i.log, &i.cleaner, &i.readahead, 0.95, false, |_, _| true)
     }
 
-    /// Arms a fault injection point (crash tests).
-    pub fn inject_fault(&self, point: FaultPoint) {
+    /// Arms a fault injection point (crash tests; feature `failpoints`).
+    #[cfg(feature = "failpoints")]
+    pub fn inject_fault(&self, point: crate::ctx::FaultPoint) {
         self.inner.faults.lock().push(point);
     }
 

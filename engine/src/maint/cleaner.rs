@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::ctx::Ctx;
+use crate::ctx::{Ctx, FaultPoint};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
 use crate::io::BLOCK;
@@ -173,6 +173,7 @@ fn read_step(ctx: &Ctx, log: &Log, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Ve
 
 /// On the leader: moves the read blocks that are still mapped where they were.
 fn move_step(ctx: &Ctx, log: &Log, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
+    ctx.fault(FaultPoint::CleanerBeforeMove)?;
     let piece = usize::try_from(ctx.max_batch_blocks).expect("small") * BLOCK;
     let mut moves = Vec::new();
     let mut moved = 0;

@@ -1,7 +1,7 @@
 //! Room at the log head: the head segment while a batch fits, else a fresh segment, recorded
 //! durably in the segment chain before anything is written there.
 
-use crate::ctx::Ctx;
+use crate::ctx::{Ctx, FaultPoint};
 use crate::error::{Error, ErrorKind, Result};
 use crate::map::segments::SegState;
 use crate::state::LogPos;
@@ -88,6 +88,7 @@ pub(crate) fn reserve_room(ctx: &Ctx, log: &Log, len: u64, may_use_reserve: bool
         .backend
         .allocate(ctx.sb.segment_offset(seg, 0), seg_size)
         .map_err(|e| Error::io(format!("allocating segment {seg}"), e))
+        .and_then(|()| ctx.fault(FaultPoint::RoomBeforeChain))
         .and_then(|()| ctx.meta.put_chain(head.seq, seg as u64));
     let mut st = ctx.state.write();
     if let Err(e) = ready {

@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::ctx::Ctx;
+use crate::ctx::{Ctx, FaultPoint};
 use crate::error::{Error, Result};
 use crate::format::{BatchHeader, Entry, EntryKind, block_crc};
 use crate::io::{AlignedBuf, BLOCK};
@@ -318,6 +318,7 @@ fn seal(ctx: &Ctx, mut b: OpenBatch) -> Sealed {
 }
 
 fn write(ctx: &Ctx, b: &Sealed) -> Result<()> {
+    ctx.fault(FaultPoint::TailBeforeWrite)?;
     let offset = ctx.sb.segment_offset(b.pos.seg, b.pos.off);
     if let Err(e) = ctx.backend.write_at(&b.buf[..usize::try_from(b.len).expect("small")], offset) {
         // Its writes were acknowledged: whatever the error, a later flush must not succeed.
