@@ -1,21 +1,40 @@
 //! Ferrite's engine: a log-structured extent store of thin volumes.
 //!
+//! The crate is cut into bands; each uses only the bands below it (`tests/layout.rs` checks
+//! every `crate::` path), so there is no import cycle and a file's imports say what it may
+//! touch. Top down:
+//!
 //! ```text
-//!   Volume::write ──► log queue + leader ──► one aligned write per batch ──► Backend
-//!        │                    │ apply                                        (io_uring,
-//!        │                    ▼                                               pread, memory,
-//!   Volume::read ──► extent maps + crc tables (State, RwLock) ─► Backend      crash sim)
-//!                             │ checkpoint (sync store, then RocksDB)
-//!                             ▼
-//!                      Meta (RocksDB): catalog, map chunks, crc tables, checkpoint, chain
+//!  ops/      catalog operations, `impl Pool`: volumes, snapshots and clones, groups, scrub
+//!  volume    the I/O handle: byte ranges -> block requests to the log, reads through read/
+//!  pool      lifecycle: open (recovery, then the parts), the background threads, stats, close
+//!  recovery  load the checkpoint, replay the log after it (policy: truncate at the first bad batch)
+//!  maint/    background work: checkpoint, cleaner (+ victims, pace); room for the write path
+//!  read/     resolve ranges through the layer chain, gather from memory, read the store, readahead
+//!  write/    the log: queue + group-commit leader, the open batch (tail), batches, room at the head
+//!  ctx       the shared context: store, metadata, state lock, pins, health, counters, wake-ups
+//!  state     the in-memory state and the one place a batch is applied (write path and recovery)
+//!  meta      RocksDB: catalog, map chunks, crc tables, checkpoint record, segment chain
+//!  map/      extent maps, layer chains, the segment table: pure, in memory
+//!  format    superblock and batch header: pure encode/decode
+//!  io/       the Backend trait: io_uring, pread/pwrite, memory, crash simulator
 //! ```
+//!
+//! One 4 KiB write, top down: `Volume::write` -> `Log::send_all` (`write/queue.rs`): the first
+//! caller with no leader leads -> a small write goes into the open batch (`write/tail.rs`:
+//! copied, mapped through `state::map_entries`, acknowledged; the flusher thread writes the
+//! batch a moment later), a large one into a batch of its own (`write/batch.rs`), both at a
+//! place `write/room.rs` reserved (asking `maint` for room through `MakeRoom` only when no
+//! segment is free). One read: `Volume::read` -> `read::resolve` (layer chain, under the state
+//! read lock; segments pinned) -> `read::readahead::gather` (readahead windows, the unwritten
+//! tail) -> the store -> `read::resolve::fill` (crc of every block).
 //!
 //! Invariants:
 //! - every batch has a unique, gap-free sequence number within a generation, and replay accepts
 //!   only the exact next one, so a pool always recovers to a prefix of its log;
 //! - a flush is acknowledged only after a store sync that covers every batch before it;
 //! - a segment is reused only after a durable checkpoint no longer refers to it (see
-//!   `checkpoint.rs`), and never while a read holds a pin on it;
+//!   `maint/checkpoint.rs`), and never while a read holds a pin on it;
 //! - the engine knows no transport: errors carry an [`ErrorKind`] and an errno.
 
 #![forbid(unsafe_op_in_unsafe_fn)]
