@@ -112,6 +112,13 @@ impl Inner {
     pub fn checkpoint_locked(&self, catalog: Vec<CatalogOp>) -> Result<()> {
         checkpoint::checkpoint_locked(&self.ctx, &self.log, &self.readahead, catalog)
     }
+
+    /// Commits a restructuring catalog change (merged or dropped layers) with a checkpoint; a
+    /// failure leaves memory ahead of the store, so it poisons the pool (reopening recovers the
+    /// durable state).
+    pub fn commit_restructure(&self, ops: Vec<CatalogOp>) -> Result<()> {
+        self.checkpoint_locked(ops).inspect_err(|e| self.poison(e))
+    }
 }
 
 /// An open pool. Dropping it shuts it down cleanly (as [`Pool::close`], errors logged).

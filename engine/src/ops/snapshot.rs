@@ -49,14 +49,6 @@ pub enum Image<'a> {
     Volume(&'a str),
 }
 
-impl Inner {
-    /// Commits a restructuring catalog change with a checkpoint; a failure here leaves memory
-    /// ahead of the store, so it poisons the pool (reopening recovers the durable state).
-    pub(crate) fn commit_restructure(&self, ops: Vec<CatalogOp>) -> Result<()> {
-        self.checkpoint_locked(ops).inspect_err(|e| self.poison(e))
-    }
-}
-
 pub(crate) fn snapshot_by_name(st: &State, name: &str) -> Result<u64> {
     st.snapshots
         .values()
