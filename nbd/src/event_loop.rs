@@ -24,6 +24,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use ferrite_engine::Reads;
+use ferrite_engine::io::AsyncIo;
 use io_uring::{IoUring, opcode, squeue, types};
 use parking_lot::{Condvar, Mutex};
 
@@ -126,11 +127,18 @@ impl Drop for StopOnDrop<'_> {
 struct Flight<'a> {
     reads: Reads<'a>,
     reqs: Vec<Request>,
-    /// Each store read's (buffer, length, offset) still to do, for resubmitting short ones.
-    spans: Vec<(*mut u8, usize, u64)>,
-    left: usize,
-    err: Option<io::Error>,
     start: Instant,
+}
+
+/// The loop's ring as the engine's [`AsyncIo`]: a store read goes to the backlog and is
+/// submitted with the next wait.
+struct Backlog<'b>(&'b mut VecDeque<squeue::Entry>);
+
+impl AsyncIo for Backlog<'_> {
+    fn read_at(&mut self, fd: RawFd, buf: *mut u8, len: usize, offset: u64, user_data: u64) {
+        let len = u32::try_from(len).expect("store reads are below 4 GiB");
+        self.0.push_back(opcode::Read::new(types::Fd(fd), buf, len).offset(offset).build().user_data(user_data));
+    }
 }
 
 struct Loop<'a, S: Socket> {
@@ -284,22 +292,21 @@ impl<'a, S: Socket> Loop<'a, S> {
                 return;
             }
         };
-        let spans: Vec<(*mut u8, usize, u64)> =
-            reads.media_ops().into_iter().map(|op| (op.buf.as_mut_ptr(), op.buf.len(), op.offset)).collect();
-        let fd = reads.media_fd().filter(|_| self.ring.is_some() && !spans.is_empty());
-        let Some(fd) = fd else {
-            let media = if spans.is_empty() { Ok(()) } else { reads.read_media() };
-            self.finish(reads, &reqs, media, start);
-            return;
-        };
         let slot = self.free.pop().unwrap_or_else(|| {
             self.flights.push(None);
             self.flights.len() - 1
         });
-        for (i, &span) in spans.iter().enumerate() {
-            self.backlog.push_back(read_entry(fd, span, tag(slot, i)));
+        let started =
+            if self.ring.is_some() { reads.submit(&mut Backlog(&mut self.backlog), |i| tag(slot, i)) } else { None };
+        match started {
+            Some(n) if n > 0 => self.flights[slot] = Some(Flight { reads, reqs, start }),
+            _ => {
+                self.free.push(slot);
+                // Nothing left to read, or a store that is not a file: read it here.
+                let media = if started.is_none() { reads.read_media() } else { Ok(()) };
+                self.finish(reads, &reqs, media, start);
+            }
         }
-        self.flights[slot] = Some(Flight { reads, reqs, left: spans.len(), spans, err: None, start });
     }
 
     /// Completes a batch whose store reads are done, and queues its replies.
@@ -326,8 +333,9 @@ impl<'a, S: Socket> Loop<'a, S> {
             // SAFETY: every entry's buffer outlives its completion: a receive's is the inbox's
             // space, untouched while `receiving` is set (cleared only when its completion is
             // reaped); a store read's belongs to its batch's `Reads`, which stays in `flights`
-            // until all of its reads completed. The loop never returns with entries submitted
-            // (see `run`), and on failure the entry is put back, not dropped.
+            // until all of its reads were reported complete (the `AsyncIo` contract). The loop
+            // never returns with entries submitted (see `run`), and on failure the entry is put
+            // back, not dropped.
             if unsafe { ring.submission().push(&entry) }.is_err() {
                 self.backlog.push_front(entry);
                 break;
@@ -355,35 +363,16 @@ impl<'a, S: Socket> Loop<'a, S> {
         }
     }
 
-    /// A store read completed with `res`: a short one is resubmitted for the rest; the batch is
-    /// finished once all of its reads are done.
+    /// A store read completed with `res` (the engine starts a short one again for the rest); the
+    /// batch is finished once all of its reads are done.
     fn read_done(&mut self, tag: u64, res: i32) {
         let (slot, i) =
             (usize::try_from(tag >> 32).expect("fits"), usize::try_from(tag & u64::from(u32::MAX)).expect("fits"));
         let f = self.flights[slot].as_mut().expect("a store read's batch is in flight");
-        let (ptr, len, off) = f.spans[i];
-        match usize::try_from(res) {
-            Err(_) => {
-                f.err.get_or_insert(io::Error::from_raw_os_error(-res));
-            }
-            Ok(0) => {
-                f.err.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "short read from the store"));
-            }
-            Ok(n) if n < len => {
-                // SAFETY: n < len, so the advanced pointer stays inside the same buffer.
-                f.spans[i] = (unsafe { ptr.add(n) }, len - n, off + n as u64);
-                let fd = f.reads.media_fd().expect("reads on the ring are from a file");
-                let entry = read_entry(fd, f.spans[i], tag);
-                self.backlog.push_back(entry);
-                return;
-            }
-            Ok(_) => {}
-        }
-        f.left -= 1;
-        if f.left == 0 {
+        if let Some(media) = f.reads.complete(&mut Backlog(&mut self.backlog), i, res) {
             let f = self.flights[slot].take().expect("checked");
             self.free.push(slot);
-            self.finish(f.reads, &f.reqs, f.err.map_or(Ok(()), Err), f.start);
+            self.finish(f.reads, &f.reqs, media, f.start);
         }
     }
 
@@ -423,11 +412,6 @@ impl<S: Socket> Drop for Loop<'_, S> {
 
 fn tag(slot: usize, i: usize) -> u64 {
     ((slot as u64) << 32) | u64::try_from(i).expect("fits")
-}
-
-fn read_entry(fd: RawFd, (ptr, len, off): (*mut u8, usize, u64), tag: u64) -> squeue::Entry {
-    let len = u32::try_from(len).expect("store reads are below 4 GiB");
-    opcode::Read::new(types::Fd(fd), ptr, len).offset(off).build().user_data(tag)
 }
 
 /// Helper threads for the requests that may wait long, started on demand.

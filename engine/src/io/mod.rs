@@ -33,6 +33,18 @@ pub use uring::UringBackend;
 /// The engine's block size and the alignment of every backend request.
 pub const BLOCK: usize = 4096;
 
+/// Reads started on a caller's own asynchronous I/O, such as an io_uring it also uses for its
+/// sockets (cloud-hypervisor's `AsyncIo`, reduced to what the engine needs): the engine says
+/// what to read where ([`AsyncIo::read_at`]), the caller starts the read and later reports its
+/// completion (bytes read, or -errno) with the same `user_data`.
+///
+/// The engine's promise: `buf` is valid for `len` bytes and touched by nobody else until that
+/// completion has been reported; the caller's: it reports every read it was given, and keeps the
+/// owner of the buffers (a [`crate::Reads`]) until then.
+pub trait AsyncIo {
+    fn read_at(&mut self, fd: std::os::fd::RawFd, buf: *mut u8, len: usize, offset: u64, user_data: u64);
+}
+
 /// One read of a batch handed to [`Backend::read_many`].
 #[derive(Debug)]
 pub struct ReadOp<'a> {
@@ -109,7 +121,7 @@ pub(crate) fn check_request(len: usize, offset: u64, store_len: u64, ptr: *const
 
 /// Store reads of whole-block runs into `buf`: each `(pool block, blocks, first slot in buf)`
 /// of `todo` (slots ascending) as one operation.
-pub(crate) fn read_ops<'a>(buf: &'a mut [u8], todo: &[(u64, u64, usize)]) -> Vec<ReadOp<'a>> {
+fn read_ops<'a>(buf: &'a mut [u8], todo: &[(u64, u64, usize)]) -> Vec<ReadOp<'a>> {
     let mut ops = Vec::with_capacity(todo.len());
     let mut rest = buf;
     let mut at = 0;

@@ -10,12 +10,11 @@
 //! [`Volume::read_sparse_many`] is the three in a row.
 
 use std::io;
-use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use crate::ctx::Ctx;
 use crate::error::Result;
-use crate::io::{AlignedBuf, BLOCK, Backend, ReadOp};
+use crate::io::{AlignedBuf, AsyncIo, BLOCK, Backend};
 use crate::map::segments::Pinned;
 use crate::read::readahead::{self, Readahead};
 use crate::read::resolve::{Resolved, fill, media_error, media_runs};
@@ -74,8 +73,18 @@ impl Gather {
     }
 }
 
+/// A store read started on a caller's [`AsyncIo`]: where its bytes go in the gather buffer.
+#[derive(Debug, Clone, Copy)]
+struct Started {
+    at: usize,
+    len: usize,
+    offset: u64,
+    user_data: u64,
+}
+
 /// Reads started by [`Volume::start_reads`]: resolved, their segments pinned, the blocks memory
-/// holds gathered. What is left is reading [`Reads::media_ops`] from the store, then
+/// holds gathered. What is left is reading the store ([`Reads::read_media`], or
+/// [`Reads::submit`] on the caller's own I/O and [`Reads::complete`] as reads finish), then
 /// [`Reads::finish`].
 pub struct Reads<'v> {
     /// The volume's (or snapshot's) name, for errors.
@@ -88,6 +97,12 @@ pub struct Reads<'v> {
     resolved: Vec<Result<Vec<Resolved>>>,
     /// Taken by [`Reads::finish`].
     gather: Option<Gather>,
+    /// Reads on the caller's I/O: the gather buffer's start (computed once, so no reference to
+    /// it is made while the kernel writes into it), each read, how many are left, the first error.
+    base: *mut u8,
+    started: Vec<Started>,
+    left: usize,
+    err: Option<io::Error>,
 }
 
 impl std::fmt::Debug for Reads<'_> {
@@ -108,22 +123,68 @@ impl<'v> Reads<'v> {
     ) -> Self {
         let runs = media_runs(resolved.iter().flatten().flatten());
         let gather = readahead::gather(ra, tail, &runs);
-        Self { name, ctx, pinned, parts: parts.to_vec(), resolved, gather: Some(gather) }
+        Self {
+            name,
+            ctx,
+            pinned,
+            parts: parts.to_vec(),
+            resolved,
+            gather: Some(gather),
+            base: std::ptr::null_mut(),
+            started: Vec::new(),
+            left: 0,
+            err: None,
+        }
     }
 
-    /// The store reads left to do. Their buffers belong to this `Reads` and stay where they are
-    /// (moving it does not move them) until it is finished or dropped: a caller that hands them
-    /// to the kernel must keep it until every one of those reads has completed.
-    pub fn media_ops(&mut self) -> Vec<ReadOp<'_>> {
+    /// Starts the store reads on `io`, read `i` tagged `user_data(i)`; returns how many were
+    /// started (0: memory held every block, finish now), or None when the store is not a file
+    /// (then use [`Reads::read_media`]). The buffers belong to this `Reads` and stay where they
+    /// are (moving it does not move them): keep it until every read was [`Reads::complete`]d.
+    pub fn submit(&mut self, io: &mut dyn AsyncIo, user_data: impl Fn(usize) -> u64) -> Option<usize> {
+        let fd = self.ctx.backend.raw_fd()?;
         let g = self.gather.as_mut().expect("not finished");
-        crate::io::read_ops(&mut g.buf, &g.todo)
+        self.base = g.buf.as_mut_ptr();
+        self.started = g
+            .todo
+            .iter()
+            .enumerate()
+            .map(|(i, &(pba, n, slot))| Started {
+                at: slot * BLOCK,
+                len: usize::try_from(n).expect("a read fits memory") * BLOCK,
+                offset: pba * BLOCK as u64,
+                user_data: user_data(i),
+            })
+            .collect();
+        for s in &self.started {
+            io.read_at(fd, self.base.wrapping_add(s.at), s.len, s.offset, s.user_data);
+        }
+        self.left = self.started.len();
+        Some(self.left)
     }
 
-    /// The file [`Reads::media_ops`] read from, for a caller that submits them itself (their
-    /// offsets and buffers are O_DIRECT-aligned); None if the store is not a file: then use
-    /// [`Reads::read_media`].
-    pub fn media_fd(&self) -> Option<RawFd> {
-        self.ctx.backend.raw_fd()
+    /// Store read `i` (of [`Reads::submit`]) completed with `res`: bytes read, or -errno. A
+    /// short read is started again on `io` for the rest. Once the last read is done, returns how
+    /// they went, for [`Reads::finish`].
+    pub fn complete(&mut self, io: &mut dyn AsyncIo, i: usize, res: i32) -> Option<io::Result<()>> {
+        let s = &mut self.started[i];
+        match usize::try_from(res) {
+            Err(_) => {
+                self.err.get_or_insert(io::Error::from_raw_os_error(-res));
+            }
+            Ok(0) => {
+                self.err.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "short read from the store"));
+            }
+            Ok(n) if n < s.len => {
+                (s.at, s.len, s.offset) = (s.at + n, s.len - n, s.offset + n as u64);
+                let fd = self.ctx.backend.raw_fd().expect("submitted reads are from a file");
+                io.read_at(fd, self.base.wrapping_add(s.at), s.len, s.offset, s.user_data);
+                return None;
+            }
+            Ok(_) => {}
+        }
+        self.left -= 1;
+        (self.left == 0).then(|| self.err.take().map_or(Ok(()), Err))
     }
 
     /// Does the store reads here, all in flight at once.
