@@ -4,7 +4,8 @@
 //! ```text
 //!  Volume::start_reads: resolve every range (state lock), pin the segments it maps to, and
 //!      gather the blocks memory holds (readahead windows, the unwritten log tail)  -> Reads
-//!  the store reads left (Reads::media_ops): Reads::read_media, or the caller's own ring
+//!  the store reads left: Reads::read_media, or on the caller's own ring (io::AsyncIo):
+//!      Reads::submit, then Reads::complete for each completion
 //!  Reads::finish: check every block's crc32c, copy it into the caller's buffer, unpin
 //! ```
 //! [`Volume::read_sparse_many`] is the three in a row.
