@@ -48,7 +48,7 @@ pub(crate) struct State {
     pub generation: u64,
     pub log_bytes_since_ckpt: u64,
     /// The head segment was opened from the reserve (by the cleaner's moves or trims): client
-    /// writes stay out of it while free segments are below the reserve (see `log::reserve_room`).
+    /// writes stay out of it while free segments are below the reserve (see `write/room.rs::reserve_room`).
     pub head_in_reserve: bool,
 }
 

@@ -40,7 +40,7 @@ pub(crate) struct Segment {
 /// Readers between resolving a block in a segment and finishing their media read, per segment.
 /// Atomics outside the state lock, so a finished read unpins without taking the lock; a read
 /// still pins while it holds the state lock to resolve, which is what makes the pin visible to
-/// `checkpoint.rs::release` before that segment can be freed.
+/// `maint/checkpoint.rs::release` before that segment can be freed.
 #[derive(Debug)]
 pub(crate) struct ReadPins(Box<[AtomicU32]>);
 

@@ -13,7 +13,7 @@
 //! while its segment is not free, so a write or a cleaner move over a cached range (which maps
 //! the range to other blocks) needs no invalidation: the reader resolves the range as always
 //! and only finds the blocks the range still maps to. Freeing a segment drops the windows read
-//! from it (`checkpoint.rs::release`); a window's segments are pinned from its resolve until its
+//! from it (`maint/checkpoint.rs::release`); a window's segments are pinned from its resolve until its
 //! blocks are in the cache, so no window is ever filled from a segment already freed. Every
 //! block is still checked against its checksum when it is copied out (`resolve.rs::fill`).
 
