@@ -87,6 +87,24 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
     out.join("\n")
 }
 
+/// Seconds since the epoch as `YYYY-MM-DD hh:mm:ss` (UTC).
+fn format_time(unix: u64) -> String {
+    let Ok(t) =
+        i64::try_from(unix).map_err(drop).and_then(|s| time::OffsetDateTime::from_unix_timestamp(s).map_err(drop))
+    else {
+        return unix.to_string();
+    };
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02}",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
+    )
+}
+
 fn volume_json(v: &pb::Volume) -> serde_json::Value {
     json!({"name": v.name, "id": v.id, "size": v.size, "allocated": v.allocated, "exclusive": v.exclusive,
            "chain_depth": v.chain_depth, "created_unix": v.created_unix, "exports": v.exports,
@@ -120,10 +138,11 @@ pub fn print_snapshots(out: Output, snaps: &[pb::Snapshot]) {
                         format_size(s.size),
                         format_size(s.layer_bytes),
                         format_size(s.reclaimable_on_delete),
+                        format_time(s.created_unix),
                     ]
                 })
                 .collect();
-            println!("{}", table(&["SNAPSHOT", "VOLUME", "SIZE", "CHANGED", "FREED ON DELETE"], rows));
+            println!("{}", table(&["SNAPSHOT", "VOLUME", "SIZE", "CHANGED", "FREED ON DELETE", "CREATED (UTC)"], rows));
         }
     }
 }
@@ -486,5 +505,17 @@ pub fn print_group_snapshots(out: Output, snaps: &[pb::GroupSnapshot]) {
                 .collect();
             println!("{}", table(&["GROUP SNAPSHOT", "GROUP", "MEMBER SNAPSHOTS"], rows));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_utc_and_zero_padded() {
+        assert_eq!(format_time(0), "1970-01-01 00:00:00");
+        assert_eq!(format_time(1_795_000_000), "2026-11-18 11:06:40");
+        assert_eq!(format_time(u64::MAX), u64::MAX.to_string(), "out of range: the raw number");
     }
 }

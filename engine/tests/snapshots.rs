@@ -229,3 +229,16 @@ fn thin_overcommit_cap_refuses_create_grow_and_clone_past_it() {
     pool.delete_volume("a").unwrap();
     pool.clone_volume(Image::Snapshot("s"), "c").unwrap();
 }
+
+#[test]
+fn snapshots_are_listed_in_creation_order() {
+    let (_f, pool) = Fixture::new(16);
+    pool.create_volume("v", 1 << 20).unwrap();
+    pool.create_volume("w", 1 << 20).unwrap();
+    for (vol, name) in [("v", "s10"), ("w", "b"), ("v", "s2"), ("v", "a")] {
+        pool.create_snapshot(vol, name).unwrap();
+    }
+    let names = |v| pool.snapshots(v).unwrap().into_iter().map(|s| s.name).collect::<Vec<_>>();
+    assert_eq!(names(Some("v")), ["s10", "s2", "a"]);
+    assert_eq!(names(None), ["s10", "b", "s2", "a"]);
+}

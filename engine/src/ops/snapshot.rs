@@ -280,7 +280,8 @@ impl Pool {
             .filter(|s| of.is_none_or(|id| s.volume == id))
             .map(|s| snapshot_info(&st, s))
             .collect();
-        v.sort_by(|a, b| a.name.cmp(&b.name));
+        // Ids are handed out in increasing order: this is creation order (s2 before s10).
+        v.sort_by_key(|s| s.id);
         Ok(v)
     }
 
