@@ -1,5 +1,6 @@
-//! Snapshot benches: 4 KiB random reads with no snapshot and under a 32-deep chain (each layer
-//! holding 1 MiB of random overwrites, so every read walks real maps), and the time to take a
+//! Snapshot benches: 4 KiB random reads with no snapshot and under deeper chains (each layer
+//! holding 1 MiB of random overwrites, so every read walks real maps; depths from
+//! `FERRITE_BENCH_DEPTHS`, default `1,33`, e.g. `1,33,1001,10001`), and the time to take a
 //! snapshot of a small and of a 100 GiB thin volume (O(1): the same within noise).
 
 use std::time::{Duration, Instant};
@@ -19,7 +20,12 @@ fn snapshots(c: &mut Criterion) {
     let mut g = c.benchmark_group("chain");
     g.sample_size(20).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     let mut taken = 0;
-    for depth in [1usize, 33] {
+    let depths: Vec<usize> = std::env::var("FERRITE_BENCH_DEPTHS")
+        .unwrap_or_else(|_| "1,33".into())
+        .split(',')
+        .map(|d| d.trim().parse().expect("FERRITE_BENCH_DEPTHS: chain depths like 1,33,1001"))
+        .collect();
+    for depth in depths {
         while pool.volume_info("bench").expect("info").chain_depth < depth {
             run(&vol, overwrite, 256, Duration::from_secs(60));
             pool.create_snapshot("bench", &format!("s{taken}")).expect("snapshot");
