@@ -2,7 +2,7 @@
 //!
 //! - **Victims**: greedy — the sealed segment with the lowest live fraction `u` (older first on
 //!   a tie); a segment above [`MAX_UTILISATION`] is not worth moving in the background.
-//!   Cost-benefit (Rosenblum & Ousterhout) was measured worse here (see `pick_victim`).
+//!   Cost-benefit (Rosenblum & Ousterhout) was measured worse here (see `victims.rs`).
 //! - **Moves** go in steps of at most [`STEP_BLOCKS`]. A step reads its candidate blocks and
 //!   checks their crcs *outside* any lock (the victim is pinned, so it cannot be freed and
 //!   reused meanwhile, and a written log block never changes), then, as a log barrier, keeps
