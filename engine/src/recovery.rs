@@ -48,7 +48,7 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
     let mut segs = SegmentTable::new(sb.segment_size, sb.segment_count);
     let mut volumes = BTreeMap::new();
     let mut names = HashMap::new();
-    let mut layers = Layers::new();
+    let mut layers = Layers::default();
     for rec in meta.volumes()? {
         names.insert(rec.name.clone(), rec.id);
         // A volume's head without a layer record (pools from before snapshots) is a root.

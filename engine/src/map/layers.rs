@@ -8,6 +8,7 @@
 //! frees the rest.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::map::extent_map::{ExtentMap, Freed, is_zero};
 
@@ -18,7 +19,30 @@ pub(crate) struct Layer {
     pub parent: Option<u64>,
 }
 
-pub(crate) type Layers = HashMap<u64, Layer>;
+/// Layers by id. A read looks up every layer of its chain, so the hash is a single multiply
+/// (ids are small integers handed out in order) rather than the default SipHash.
+pub(crate) type Layers = HashMap<u64, Layer, BuildHasherDefault<IdHasher>>;
+
+/// Hashes a `u64` id by multiplying it with a large odd constant (Fibonacci hashing): cheap,
+/// and it spreads consecutive ids over the high bits the table's probing uses.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = (self.0 ^ id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
 
 /// What a range of logical blocks resolves to through a chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,15 +58,18 @@ pub(crate) struct Run {
 /// `layers` ends the chain there.
 pub(crate) fn resolve(layers: &Layers, head: u64, lba: u64, blocks: u64) -> Vec<Run> {
     let mut out = Vec::new();
+    // What is still unresolved, and what the current layer leaves unresolved: two buffers
+    // swapped per layer, so a deep chain costs no allocation per layer.
     let mut pending = vec![(lba, blocks)];
+    let mut next = Vec::new();
     let mut layer = Some(head);
     while let Some(id) = layer {
         if pending.is_empty() {
             break;
         }
         let Some(l) = layers.get(&id) else { break };
-        let mut next = Vec::new();
-        for (at, n) in pending {
+        next.clear();
+        for &(at, n) in &pending {
             let mut cur = at;
             for (lo, pba, k) in l.map.entries_in(at, n) {
                 if lo > cur {
@@ -55,7 +82,7 @@ pub(crate) fn resolve(layers: &Layers, head: u64, lba: u64, blocks: u64) -> Vec<
                 next.push((cur, at + n - cur));
             }
         }
-        pending = next;
+        std::mem::swap(&mut pending, &mut next);
         layer = l.parent;
     }
     out.extend(pending.into_iter().map(|(lba, blocks)| Run { lba, blocks, pba: None }));
@@ -158,7 +185,7 @@ mod tests {
 
     #[test]
     fn chains_resolve_head_first_and_zero_markers_hide_parents() {
-        let mut ls = Layers::new();
+        let mut ls = Layers::default();
         ls.insert(1, layer(None, &[(0, 10, 100)]));
         ls.insert(2, layer(Some(1), &[(5, 2, 200)]));
         ls.insert(3, layer(Some(2), &[]));
@@ -179,7 +206,7 @@ mod tests {
 
     #[test]
     fn merge_keeps_what_the_child_does_not_shadow_and_frees_the_rest() {
-        let mut ls = Layers::new();
+        let mut ls = Layers::default();
         ls.insert(1, layer(None, &[(0, 10, 100)]));
         ls.insert(2, layer(Some(1), &[(2, 3, 300)]));
         let mut freed = Vec::new();
