@@ -62,7 +62,7 @@ impl Volume {
     }
 
     fn pool(&self) -> Result<Arc<Inner>> {
-        self.inner.upgrade().ok_or_else(|| Error::new(ErrorKind::Closed, "pool is closed"))
+        self.inner.upgrade().ok_or_else(crate::ctx::closed)
     }
 
     /// The volume's name.

@@ -60,6 +60,31 @@ pub(crate) fn resolve(
 ) -> Result<Vec<Resolved>> {
     let (head, size) = st.head_of(target).ok_or_else(|| gone(name))?;
     check_within(name, size, offset, len)?;
+    resolve_from(st, head, name, pins, offset, len)
+}
+
+/// As [`resolve`] for a readahead window: clipped to the end of `target`.
+pub(crate) fn resolve_ahead(
+    st: &State,
+    target: Target,
+    name: &str,
+    pins: &mut Pinned<'_>,
+    offset: u64,
+    len: u64,
+) -> Result<Vec<Resolved>> {
+    let (head, size) = st.head_of(target).ok_or_else(|| gone(name))?;
+    resolve_from(st, head, name, pins, offset.min(size), len.min(size.saturating_sub(offset)))
+}
+
+/// Resolves `[offset, offset + len)` (within bounds) through the chain from layer `head`.
+fn resolve_from(
+    st: &State,
+    head: u64,
+    name: &str,
+    pins: &mut Pinned<'_>,
+    offset: u64,
+    len: u64,
+) -> Result<Vec<Resolved>> {
     if len == 0 {
         return Ok(Vec::new());
     }
@@ -83,19 +108,6 @@ pub(crate) fn resolve(
         }
     }
     Ok(resolved)
-}
-
-/// As [`resolve`] for a readahead window: clipped to the end of `target`.
-pub(crate) fn resolve_ahead(
-    st: &State,
-    target: Target,
-    name: &str,
-    pins: &mut Pinned<'_>,
-    offset: u64,
-    len: u64,
-) -> Result<Vec<Resolved>> {
-    let size = st.head_of(target).ok_or_else(|| gone(name))?.1;
-    resolve(st, target, name, pins, offset.min(size), len.min(size.saturating_sub(offset)))
 }
 
 /// The error for a store read of `len` bytes at `offset` of `name` that failed with `e`.
