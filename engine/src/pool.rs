@@ -21,7 +21,6 @@ use crate::meta::{CatalogOp, CheckpointRecord, Meta};
 use crate::read::readahead::{self, Readahead, readahead_loop};
 use crate::recovery::RecoveryReport;
 use crate::write::Log;
-use crate::write::req::Req;
 use crate::write::tail::flusher_loop;
 
 /// Space and log state of a pool.
@@ -83,16 +82,6 @@ impl std::fmt::Debug for Inner {
 }
 
 impl Inner {
-    /// Hands a request to the log; if the pool is closed, completes it with an error.
-    pub fn send(&self, req: Req) -> Result<()> {
-        self.log.send(&self.ctx, req)
-    }
-
-    /// As [`Inner::send`] for several requests, which may then share a batch.
-    pub fn send_all(&self, reqs: Vec<Req>) -> Result<()> {
-        self.log.send_all(&self.ctx, reqs)
-    }
-
     /// Runs `f` on the log's leader with every earlier write applied and no later one started;
     /// `f` gets these parts again (barriers restructure layers and commit with checkpoints).
     pub fn barrier<T: Send + 'static>(

@@ -238,7 +238,7 @@ impl Volume {
                 Req::Write { volume, lba, data: data.slice(at..data.len().min(at + piece)), fua, done: w.add() }
             })
             .collect();
-        let sent = inner.send_all(reqs);
+        let sent = inner.log.send_all(inner, reqs);
         let r = w.wait();
         sent.and(r)
     }
@@ -287,7 +287,7 @@ impl Volume {
     fn unmap(&self, inner: &Inner, lba: u64, blocks: u64) -> Result<()> {
         inner.check_open()?;
         let w = Waiter::new();
-        inner.send(Req::Unmap { volume: self.writable()?, lba, blocks, done: w.add() })?;
+        inner.log.send(inner, Req::Unmap { volume: self.writable()?, lba, blocks, done: w.add() })?;
         w.wait()
     }
 

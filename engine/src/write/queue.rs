@@ -10,7 +10,6 @@
 //! batch. Only one leader runs at a time, so batches keep a single order.
 
 use std::collections::VecDeque;
-
 use std::sync::Arc;
 
 use parking_lot::Mutex;
