@@ -11,12 +11,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::map::layers::{Layer, Layers};
+use crate::map::layers::{Layer, Layers, Table};
 
 use crate::error::{Error, Result, corrupt};
 use crate::format::{BatchHeader, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend};
-use crate::map::extent_map::ExtentMap;
 use crate::map::segments::{SegState, SegmentTable};
 use crate::meta::Meta;
 use crate::state::{LogPos, State, VolumeEntry, apply};
@@ -48,15 +47,15 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
     let mut segs = SegmentTable::new(sb.segment_size, sb.segment_count);
     let mut volumes = BTreeMap::new();
     let mut names = HashMap::new();
-    let mut layers = Layers::default();
+    let mut layers = Table::default();
     for rec in meta.volumes()? {
         names.insert(rec.name.clone(), rec.id);
         // A volume's head without a layer record (pools from before snapshots) is a root.
-        layers.insert(rec.layer, Layer::default());
+        layers.insert(rec.layer, Layer::over(None));
         volumes.insert(rec.id, VolumeEntry { rec });
     }
     for (id, parent) in meta.layers()? {
-        layers.insert(id, Layer { map: ExtentMap::default(), parent });
+        layers.insert(id, Layer::over(parent));
     }
     for (&id, l) in &layers {
         if let Some(p) = l.parent.filter(|p| !layers.contains_key(p)) {
@@ -93,6 +92,8 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
     if let Some(seg) = bad_table {
         return Err(corrupt(format!("metadata: malformed crc table for segment {seg}")));
     }
+    let layers =
+        Layers::load(layers).map_err(|ids| corrupt(format!("metadata: layers {ids:?} form a parent cycle")))?;
     for l in layers.values() {
         for (_, pba, n) in l.map.runs() {
             let inside = pba >= segs.pba(0, 0) && pba + n <= segs.pba(segs.segs.len(), 0);
@@ -122,6 +123,7 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         head_in_reserve: false,
     };
     let report = replay(meta, backend, sb, &mut st, ckpt.generation)?;
+    st.layers.build_views();
     // Segment states: the head is open; anything with live data is sealed; the rest is free.
     let head = st.applied.seg;
     for (i, s) in st.segs.segs.iter_mut().enumerate() {

@@ -82,13 +82,12 @@ pub(crate) fn map_entries(st: &mut State, entries: &[Entry], mut pba: u64, crcs:
         };
         match e.kind {
             EntryKind::Data => {
-                if let Some(l) = layers.get_mut(&e.layer) {
-                    l.map.set(e.lba, n, Some(pba), &mut freed, dirty);
+                if layers.map(e.layer, e.lba, n, pba, &mut freed, dirty) {
                     segs.add_live(pba, n, true);
                 }
                 pba += n;
             }
-            EntryKind::Unmap => crate::map::layers::unmap(layers, e.layer, e.lba, n, &mut freed, dirty),
+            EntryKind::Unmap => layers.unmap(e.layer, e.lba, n, &mut freed, dirty),
         }
     }
     for (p, n) in freed {

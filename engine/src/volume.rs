@@ -304,10 +304,7 @@ impl Volume {
             let st = inner.state.read();
             let (head, _) = self.head(&st)?;
             let mut v: Vec<(u64, u64)> = Vec::new();
-            for r in crate::map::layers::resolve(&st.layers, head, first, end - first)
-                .into_iter()
-                .filter(|r| r.pba.is_some())
-            {
+            for r in st.layers.resolve(head, first, end - first).into_iter().filter(|r| r.pba.is_some()) {
                 match v.last_mut() {
                     Some((l, n)) if *l + *n == r.lba => *n += r.blocks,
                     _ => v.push((r.lba, r.blocks)),

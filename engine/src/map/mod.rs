@@ -7,3 +7,4 @@
 pub(crate) mod extent_map;
 pub(crate) mod layers;
 pub(crate) mod segments;
+pub(crate) mod view;

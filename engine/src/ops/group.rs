@@ -7,7 +7,6 @@
 //! its member snapshots; cloning one creates a new group of clones in one catalog write.
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::map::layers::Layer;
 use crate::meta::{CatalogOp, GroupRecord, VolumeRecord};
 use crate::ops::snapshot::{apply_snapshots, plan_snapshots, remove_snapshot};
 use crate::ops::volumes::{check_overcommit, lookup, validate_name};
@@ -295,7 +294,7 @@ impl Pool {
             inner.meta.apply(&ops)?;
             let mut st = inner.state.write();
             for (rec, parent) in recs {
-                st.layers.insert(rec.id, Layer { parent: Some(parent), ..Layer::default() });
+                st.layers.add(rec.id, Some(parent));
                 st.names.insert(rec.name.clone(), rec.id);
                 st.volumes.insert(rec.id, VolumeEntry { rec });
             }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::BLOCK;
 use crate::map::extent_map::Freed;
-use crate::map::layers::{self, Layer};
+use crate::map::layers;
 use crate::meta::{CatalogOp, SnapshotRecord, VolumeRecord};
 use crate::ops::volumes::{VolumeInfo, check_overcommit, info_of, lookup, validate_name};
 use crate::pool::{Inner, Pool, now_unix};
@@ -74,7 +74,7 @@ fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
         let kids = layers::children(&st.layers, layer);
         match kids.as_slice() {
             [] => {
-                let parent = layers::free(&mut st.layers, layer, &mut freed).and_then(|l| l.parent);
+                let parent = st.layers.free(layer, &mut freed).and_then(|l| l.parent);
                 st.dirty_chunks.retain(|&(l, _)| l != layer);
                 ops.push(CatalogOp::DeleteLayer(layer));
                 match parent {
@@ -84,7 +84,7 @@ fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
             }
             &[kid] => {
                 let dirty = &mut st.dirty_chunks;
-                layers::merge_into(&mut st.layers, layer, kid, &mut freed, |c| {
+                st.layers.merge_into(layer, kid, &mut freed, |c| {
                     dirty.insert((kid, c));
                 });
                 dirty.retain(|&(l, _)| l != layer);
@@ -143,7 +143,7 @@ pub(crate) fn apply_snapshots(st: &mut State, planned: Vec<Planned>) -> Vec<Snap
     planned
         .into_iter()
         .map(|(rec, snap)| {
-            st.layers.insert(rec.layer, Layer { parent: Some(snap.layer), ..Layer::default() });
+            st.layers.add(rec.layer, Some(snap.layer));
             let id = rec.id;
             st.volumes.get_mut(&id).expect("planned from a live volume").rec = rec;
             st.snapshots.insert(snap.id, snap.clone());
@@ -209,7 +209,9 @@ impl Pool {
         };
         let blocks = size / B;
         let mut runs: Vec<(u64, u64)> = match since {
-            None => layers::resolve(&st.layers, head, 0, blocks)
+            None => st
+                .layers
+                .resolve(head, 0, blocks)
                 .into_iter()
                 .filter(|r| r.pba.is_some())
                 .map(|r| (r.lba, r.blocks))
@@ -371,11 +373,11 @@ impl Pool {
             inner.meta.apply(&ops)?;
             let mut st = inner.state.write();
             if let Some(o) = origin {
-                st.layers.insert(o.layer, Layer { parent: Some(parent), ..Layer::default() });
+                st.layers.add(o.layer, Some(parent));
                 let id = o.id;
                 st.volumes.get_mut(&id).expect("looked up above").rec = o;
             }
-            st.layers.insert(id, Layer { parent: Some(parent), ..Layer::default() });
+            st.layers.add(id, Some(parent));
             st.names.insert(name.clone(), id);
             st.volumes.insert(id, VolumeEntry { rec: rec.clone() });
             tracing::info!(volume = %name, "clone created");

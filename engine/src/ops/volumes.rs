@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result, invalid};
 use crate::io::BLOCK;
-use crate::map::layers::Layer;
 use crate::meta::{CatalogOp, VolumeRecord};
 use crate::pool::{Inner, Pool, now_unix};
 
@@ -69,7 +68,7 @@ impl Pool {
         inner.meta.apply(&[CatalogOp::PutLayer(id, None), CatalogOp::PutVolume(rec.clone())])?;
         let mut st = inner.state.write();
         st.names.insert(rec.name.clone(), id);
-        st.layers.insert(rec.layer, Layer::default());
+        st.layers.add(rec.layer, None);
         let info = info_of(&st, &rec);
         st.volumes.insert(id, VolumeEntry { rec });
         Ok(info)
@@ -150,11 +149,8 @@ pub(crate) fn lookup(st: &State, name: &str) -> Result<u64> {
 
 pub(crate) fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
     let b = BLOCK as u64;
-    let visible: u64 = crate::map::layers::resolve(&st.layers, rec.layer, 0, rec.size / b)
-        .iter()
-        .filter(|r| r.pba.is_some())
-        .map(|r| r.blocks)
-        .sum();
+    let visible: u64 =
+        st.layers.resolve(rec.layer, 0, rec.size / b).iter().filter(|r| r.pba.is_some()).map(|r| r.blocks).sum();
     let own = st.layers.get(&rec.layer).map_or(0, |l| l.map.mapped_blocks());
     VolumeInfo {
         id: rec.id,

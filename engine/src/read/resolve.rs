@@ -91,7 +91,7 @@ fn resolve_from(
     let first = offset / B;
     let last = (offset + len - 1) / B;
     let mut resolved = Vec::with_capacity(usize::try_from(last - first + 1).expect("read fits memory"));
-    for run in crate::map::layers::resolve(&st.layers, head, first, last - first + 1) {
+    for run in st.layers.resolve(head, first, last - first + 1) {
         let Some(start) = run.pba else {
             resolved.extend(std::iter::repeat_n(None, usize::try_from(run.blocks).expect("fits")));
             continue;
