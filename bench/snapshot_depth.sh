@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Reads against snapshot depth, over NBD, side by side in one run: one daemon, one volume per
-# count in DEPTHS, each 1 GiB written in full, then that many snapshots with 4 MiB of random
-# 4 KiB writes after every 100 (so the chain's layers hold real maps); then fio 4 KiB random
-# reads at QD32 on each volume in turn, ROUNDS times (volumes alternate inside each round, since
-# this class of machine drifts within minutes). Prints per volume the median IOPS and p99, and
-# the ratio to the volume with no snapshot.
-#   DEPTHS="0 32 200 1000" ROUNDS=3 SECS=5 FERRITE_BIN=target/debug/ferrite bench/snapshot_depth.sh
+# count in DEPTHS, each SIZE (default 1G) written in full, then that many snapshots with 4 MiB of random
+# 4 KiB writes after every 100 (so the chain's layers hold real maps); and, with CLONES=n, a
+# volume at the end of an n-deep clone-of-clone chain (4 MiB of random writes every 10 clones).
+# Then fio 4 KiB random reads at QD32 on each volume in turn, ROUNDS times (volumes alternate
+# inside each round, since this class of machine drifts within minutes). Prints per volume the
+# median IOPS and p99 and the ratio to the first of DEPTHS; then the daemon's RSS, and the time
+# from a restart to ready with all of it.
+#   DEPTHS="0 32 200 1000 10000" CLONES=100 ROUNDS=3 SECS=5 FERRITE_BIN=target/debug/ferrite bench/snapshot_depth.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEPTHS=${DEPTHS:-"0 32 200 1000"}
+CLONES=${CLONES:-0}
+SIZE=${SIZE:-1G}
 ROUNDS=${ROUNDS:-3}
 SECS=${SECS:-5}
 DIR=${BENCH_DIR:-/tmp/ferrite-depth}
@@ -26,21 +30,25 @@ cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null; wait 2>/dev/null || true; 
 trap cleanup EXIT
 rm -rf "$DIR"; mkdir -p "$DIR"
 printf 'pool-size = "64G"\n' > "$DIR/ferrite.toml"
-"$F" daemon --config "$DIR/ferrite.toml" --data-dir "$DIR/data" >"$DIR/ferrite.log" 2>&1 &
-PID=$!
+start_daemon() {
+  "$F" daemon --config "$DIR/ferrite.toml" --data-dir "$DIR/data" >>"$DIR/ferrite.log" 2>&1 &
+  PID=$!
+  for _ in $(seq 6000); do "$F" pool status >/dev/null 2>&1 && return; sleep 0.01; done
+  echo "the daemon did not come up; its log:" >&2; cat "$DIR/ferrite.log" >&2; exit 1
+}
 export FERRITE_ADMIN_SOCKET="$DIR/data/admin.sock"
-for _ in $(seq 600); do "$F" pool status >/dev/null 2>&1 && break; sleep 0.1; done
+start_daemon
 uri() { echo "nbd+unix:///$1?socket=$DIR/data/nbd.sock"; }
 scatter() { # 4 MiB of random 4 KiB writes (1024 of them)
-  fio --name=scatter --ioengine=nbd --uri="$(uri "$1")" --size=1G --rw=randwrite --bs=4k --iodepth=32 \
+  fio --name=scatter --ioengine=nbd --uri="$(uri "$1")" --size="$SIZE" --rw=randwrite --bs=4k --iodepth=32 \
     --number_ios=1024 --randrepeat=0 --output=/dev/null
 }
 
 for d in $DEPTHS; do
   v="d$d"
-  "$F" volume create "$v" 1G >/dev/null
+  "$F" volume create "$v" "$SIZE" >/dev/null
   "$F" export nbd "$v" >/dev/null
-  fio --name=fill --ioengine=nbd --uri="$(uri "$v")" --size=1G --rw=write --bs=1M --iodepth=4 --output=/dev/null
+  fio --name=fill --ioengine=nbd --uri="$(uri "$v")" --size="$SIZE" --rw=write --bs=1M --iodepth=4 --output=/dev/null
   start=$(date +%s.%N)
   for i in $(seq 1 "$d"); do
     ((i % 100 == 0)) && scatter "$v"
@@ -48,6 +56,19 @@ for d in $DEPTHS; do
   done
   echo "volume $v: $d snapshots in $(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')") s" >&2
 done
+VOLS=""
+for d in $DEPTHS; do VOLS="$VOLS d$d"; done
+if [ "$CLONES" -gt 0 ]; then
+  "$F" volume create c0 "$SIZE" >/dev/null
+  "$F" export nbd c0 >/dev/null
+  fio --name=fill --ioengine=nbd --uri="$(uri c0)" --size="$SIZE" --rw=write --bs=1M --iodepth=4 --output=/dev/null
+  for i in $(seq 1 "$CLONES"); do
+    "$F" clone "c$((i - 1))" "c$i" >/dev/null
+    "$F" export nbd "c$i" >/dev/null
+    ((i % 10 == 0)) && scatter "c$i"
+  done
+  VOLS="$VOLS c$CLONES"
+fi
 
 PARSE='
 import json, sys
@@ -58,25 +79,31 @@ print(r["iops"], r["clat_ns"]["percentile"]["99.000000"] / 1e6)
 results=$DIR/results
 : > "$results"
 for round in $(seq "$ROUNDS"); do
-  for d in $DEPTHS; do
-    json=$(fio --name=depth --ioengine=nbd --uri="$(uri "d$d")" --size=1G --rw=randread --bs=4k --iodepth=32 \
+  for v in $VOLS; do
+    json=$(fio --name=depth --ioengine=nbd --uri="$(uri "$v")" --size="$SIZE" --rw=randread --bs=4k --iodepth=32 \
       --runtime="$SECS" --time_based --randrepeat=0 --output-format=json)
-    echo "$d $(python3 -c "$PARSE" <<<"$json")" >> "$results"
-    echo "round $round: $d snapshots done" >&2
+    echo "$v $(python3 -c "$PARSE" <<<"$json")" >> "$results"
+    echo "round $round: $v done" >&2
   done
 done
 rss=$(awk '/VmRSS/ {print $2 / 1024}' "/proc/$PID/status")
-python3 - "$results" "$rss" <<'EOF'
+kill "$PID"; wait "$PID" || true
+t0=$(date +%s.%N)
+start_daemon
+ready=$(python3 -c "print(f'{$(date +%s.%N) - $t0:.2f}')")
+rss_after=$(awk '/VmRSS/ {print $2 / 1024}' "/proc/$PID/status")
+python3 - "$results" <<'EOF'
 import statistics, sys
-rows = [l.split() for l in open(sys.argv[1])]
 by = {}
-for d, iops, p99 in rows:
-    by.setdefault(int(d), []).append((float(iops), float(p99)))
-base = statistics.median(i for i, _ in by[min(by)])
-print(f"{'snapshots':>9}  {'IOPS (median)':>13}  {'vs ' + str(min(by)):>7}  {'p99 ms (median)':>15}")
-for d in sorted(by):
-    iops = statistics.median(i for i, _ in by[d])
-    p99 = statistics.median(p for _, p in by[d])
-    print(f"{d:>9}  {iops:>13.0f}  {iops / base:>6.2f}x  {p99:>15.2f}")
-print(f"daemon RSS {float(sys.argv[2]):.0f} MiB")
+for v, iops, p99 in (l.split() for l in open(sys.argv[1])):
+    by.setdefault(v, []).append((float(iops), float(p99)))
+label = lambda v: f"{v[1:]} snapshots" if v[0] == "d" else f"{v[1:]}-deep clone chain"
+first = next(iter(by))
+base = statistics.median(i for i, _ in by[first])
+print(f"{'volume':>22}  {'IOPS (median)':>13}  {'ratio':>6}  {'p99 ms (median)':>15}")
+for v, rows in by.items():
+    iops = statistics.median(i for i, _ in rows)
+    p99 = statistics.median(p for _, p in rows)
+    print(f"{label(v):>22}  {iops:>13.0f}  {iops / base:>5.2f}x  {p99:>15.2f}")
 EOF
+echo "daemon RSS ${rss%.*} MiB; restart to ready ${ready} s, RSS then ${rss_after%.*} MiB"

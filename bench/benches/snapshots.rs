@@ -1,12 +1,13 @@
-//! Snapshot benches: 4 KiB random reads with no snapshot and under deeper chains (each layer
-//! holding 1 MiB of random overwrites, so every read walks real maps; depths from
-//! `FERRITE_BENCH_DEPTHS`, default `1,33`, e.g. `1,33,1001,10001`), and the time to take a
-//! snapshot of a small and of a 100 GiB thin volume (O(1): the same within noise).
+//! Snapshot benches, under chains of growing depth (from `FERRITE_BENCH_DEPTHS`, default `1,33`,
+//! e.g. `1,33,1001,10001`; the first 32 layers and every 100th after hold 1 MiB of random
+//! overwrites, so the chain's maps are real): block resolution alone (`allocation` of a random
+//! 4 KiB, no media I/O), and 4 KiB random reads. Then the time to take a snapshot of a small and
+//! of a 100 GiB thin volume (O(1): the same within noise).
 
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use ferrite_bench::{WORKLOADS, prefill, run, setup};
+use ferrite_bench::{WORKLOADS, next_random, prefill, run, setup};
 
 const VOL: u64 = 256 << 20;
 
@@ -27,10 +28,16 @@ fn snapshots(c: &mut Criterion) {
         .collect();
     for depth in depths {
         while pool.volume_info("bench").expect("info").chain_depth < depth {
-            run(&vol, overwrite, 256, Duration::from_secs(60));
+            if taken < 32 || taken % 100 == 0 {
+                run(&vol, overwrite, 256, Duration::from_secs(60));
+            }
             pool.create_snapshot("bench", &format!("s{taken}")).expect("snapshot");
             taken += 1;
         }
+        g.bench_function(BenchmarkId::new("resolve-4k", format!("depth-{depth}")), |b| {
+            let mut x = 0x9E37_79B9_7F4A_7C15u64;
+            b.iter(|| vol.allocation((next_random(&mut x) % (VOL / 4096)) * 4096, 4096).expect("allocation"));
+        });
         for w in &reads {
             g.bench_with_input(BenchmarkId::new(w.name, format!("depth-{depth}")), w, |b, w| {
                 b.iter_custom(|iters| run(&vol, *w, iters, Duration::from_secs(3600)).1);

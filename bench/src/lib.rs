@@ -69,7 +69,8 @@ pub fn prefill(vol: &Volume) {
     vol.flush().expect("flush");
 }
 
-fn next(x: &mut u64) -> u64 {
+/// The next value of a xorshift sequence: random offsets without a dependency.
+pub fn next_random(x: &mut u64) -> u64 {
     *x ^= *x << 13;
     *x ^= *x >> 7;
     *x ^= *x << 17;
@@ -111,7 +112,7 @@ pub fn run_with(
                     if n >= ops || start.elapsed() >= limit {
                         break;
                     }
-                    let slot = if w.random { next(&mut x) % slots } else { n % slots };
+                    let slot = if w.random { next_random(&mut x) % slots } else { n % slots };
                     io(&vol, slot * w.block as u64, &mut buf);
                 }
             });
