@@ -71,14 +71,14 @@ fn op() -> impl Strategy<Value = Op> {
     let pick = any::<usize>();
     let at = 0..SIZE;
     prop_oneof![
-        8 => (pick.clone(), at.clone(), 1u64..6 * B as u64, any::<u64>())
+        8 => (pick, at.clone(), 1u64..6 * B as u64, any::<u64>())
             .prop_map(|(vol, at, len, seed)| Op::Write { vol, at, len, seed }),
-        2 => (pick.clone(), at.clone(), 1u64..SIZE).prop_map(|(vol, at, len)| Op::Trim { vol, at, len }),
-        1 => (pick.clone(), at, 1u64..SIZE).prop_map(|(vol, at, len)| Op::Zero { vol, at, len }),
-        4 => (pick.clone(), 1u64..24).prop_map(|(vol, count)| Op::Snapshot { vol, count }),
-        1 => pick.clone().prop_map(|snap| Op::CloneSnap { snap }),
-        1 => pick.clone().prop_map(|vol| Op::CloneVol { vol }),
-        4 => pick.clone().prop_map(|snap| Op::DeleteSnap { snap }),
+        2 => (pick, at.clone(), 1u64..SIZE).prop_map(|(vol, at, len)| Op::Trim { vol, at, len }),
+        1 => (pick, at, 1u64..SIZE).prop_map(|(vol, at, len)| Op::Zero { vol, at, len }),
+        4 => (pick, 1u64..24).prop_map(|(vol, count)| Op::Snapshot { vol, count }),
+        1 => pick.prop_map(|snap| Op::CloneSnap { snap }),
+        1 => pick.prop_map(|vol| Op::CloneVol { vol }),
+        4 => pick.prop_map(|snap| Op::DeleteSnap { snap }),
         1 => pick.prop_map(|vol| Op::DeleteVol { vol }),
         1 => Just(Op::Clean),
         1 => Just(Op::Checkpoint),
