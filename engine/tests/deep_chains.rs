@@ -6,6 +6,8 @@
 //!
 //! Cases: `FERRITE_CHAIN_CASES` (default 12; `FERRITE_LONG=1` runs 300).
 
+#![allow(clippy::cast_possible_truncation)] // the shared pattern generator truncates on purpose
+
 mod common;
 
 use std::collections::BTreeMap;
