@@ -409,4 +409,42 @@ impl Pool {
             Ok(())
         })
     }
+
+    /// Rolls `volume` back to `snapshot`, one of its own snapshots: the volume reads (and is
+    /// sized) as the snapshot does, and what was written since its last snapshot is dropped.
+    /// O(1): the volume gets a new empty head over the snapshot's layer; the old head is
+    /// collected like a deleted volume's. Every snapshot stays (a later one can be rolled
+    /// forward to). Durable on return.
+    pub fn rollback_volume(&self, volume: &str, snapshot: &str) -> Result<VolumeInfo> {
+        let (volume, snapshot) = (volume.to_owned(), snapshot.to_owned());
+        self.inner.barrier(move |inner| {
+            let _m = inner.meta_lock.lock();
+            let (snap, mut rec) = {
+                let st = inner.state.read();
+                let rec = st.volumes[&lookup(&st, &volume)?].rec.clone();
+                let snap = st.snapshots[&snapshot_by_name(&st, &snapshot)?].clone();
+                if snap.volume != rec.id {
+                    return Err(Error::new(
+                        ErrorKind::InvalidArgument,
+                        format!("snapshot {snapshot:?} is not a snapshot of volume {volume:?}"),
+                    ));
+                }
+                (snap, rec)
+            };
+            let old = rec.layer;
+            rec.layer = inner.meta.next_id()?;
+            rec.size = snap.size;
+            let ops = {
+                let mut st = inner.state.write();
+                st.layers.add(rec.layer, Some(snap.layer));
+                st.volumes.get_mut(&rec.id).expect("looked up above").rec = rec.clone();
+                let mut ops = vec![CatalogOp::PutLayer(rec.layer, Some(snap.layer)), CatalogOp::PutVolume(rec.clone())];
+                ops.extend(collect(&mut st, old));
+                ops
+            };
+            inner.commit_restructure(ops)?;
+            tracing::info!(volume = %volume, snapshot = %snapshot, "volume rolled back");
+            Ok(info_of(&inner.state.read(), &rec))
+        })
+    }
 }

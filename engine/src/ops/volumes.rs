@@ -23,7 +23,7 @@ pub struct VolumeInfo {
     /// Bytes only this volume refers to (written since its last snapshot): what deleting it
     /// frees at least.
     pub exclusive: u64,
-    /// Layers a read walks: 1 plus the snapshots (and clone origins) under the volume.
+    /// Layers in the volume's chain: 1 plus the snapshots (and clone origins) under it.
     pub chain_depth: usize,
     pub created_unix: u64,
 }
