@@ -2,6 +2,8 @@
 //! incremental one only what changed, interrupted transfers resume or restart exactly, and a
 //! bad piece or stream changes nothing on the replica.
 
+#![allow(clippy::cast_possible_truncation)] // test sizes are small
+
 use std::sync::Arc;
 use std::time::Duration;
 
