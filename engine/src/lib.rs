@@ -15,7 +15,7 @@
 //!  ctx       the shared context: store, metadata, state lock, pins, health, counters, wake-ups
 //!  state     the in-memory state and the one place a batch is applied (write path and recovery)
 //!  meta      RocksDB: catalog, map chunks, crc tables, checkpoint record, segment chain
-//!  map/      extent maps, layer chains, the segment table: pure, in memory
+//!  map/      extent maps, layer views and chains, the segment table: pure, in memory
 //!  format    superblock and batch header: pure encode/decode
 //!  io/       the Backend trait: io_uring, pread/pwrite, memory, crash simulator
 //! ```
@@ -25,7 +25,7 @@
 //! copied, mapped through `state::map_entries`, acknowledged; the flusher thread writes the
 //! batch a moment later), a large one into a batch of its own (`write/batch.rs`), both at a
 //! place `write/room.rs` reserved (asking `maint` for room through `MakeRoom` only when no
-//! segment is free). One read: `Volume::read` -> `read::resolve` (layer chain, under the state
+//! segment is free). One read: `Volume::read` -> `read::resolve` (the head's view, under the state
 //! read lock; segments pinned) -> `read::readahead::gather` (readahead windows, the unwritten
 //! tail) -> the store -> `read::resolve::fill` (crc of every block).
 //!
