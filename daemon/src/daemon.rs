@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use ferrite_engine::{Pool, PoolOptions};
 use ferrite_nbd::{Exports, Server};
 use ferrite_proto::ferrite::v1::admin_server::AdminServer;
+use ferrite_proto::ferrite::v1::replica_server::ReplicaServer;
 use ferrite_tls::TlsAcceptor;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
@@ -133,6 +134,9 @@ impl TlsConfigs {
     }
 }
 
+/// The largest replication push message: a 1 MiB piece of data with its crcs, and framing.
+const MAX_PUSH_MESSAGE: usize = (1 << 20) + (16 << 10);
+
 /// The admin API's gRPC server, with per-connection limits: streams in flight, and keepalive
 /// pings that drop a peer that stopped answering.
 fn admin_server() -> tonic::transport::Server {
@@ -193,6 +197,8 @@ pub async fn run(cfg: Config) -> Result<()> {
         attachments: Arc::clone(&attachments),
         fences: Arc::clone(&fences),
     });
+    let replica = ReplicaServer::new(crate::replica::ReplicaService::new(Arc::clone(&pool), &cfg.data_dir)?)
+        .max_decoding_message_size(MAX_PUSH_MESSAGE);
     if let Some(l) = admin_tcp {
         if tls.admin.is_none() {
             tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),
@@ -201,14 +207,20 @@ pub async fn run(cfg: Config) -> Result<()> {
         }
         let clients = listen::accept(l, "admin", Arc::clone(&fences), &cfg.limits, tls.admin.clone(), listeners.admin);
         let incoming = tokio_stream::wrappers::ReceiverStream::new(clients).map(Ok::<_, std::io::Error>);
-        let svc = svc.clone();
+        let (svc, replica) = (svc.clone(), replica.clone());
         tasks.spawn(async move {
-            admin_server().add_service(svc).serve_with_incoming(incoming).await.context("admin API TCP server")
+            admin_server()
+                .add_service(svc)
+                .add_service(replica)
+                .serve_with_incoming(incoming)
+                .await
+                .context("admin API TCP server")
         });
     }
     tasks.spawn(async move {
         admin_server()
             .add_service(svc)
+            .add_service(replica)
             .serve_with_incoming(UnixListenerStream::new(admin_listener))
             .await
             .context("admin API server")

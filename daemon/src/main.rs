@@ -9,6 +9,7 @@ mod exports;
 mod fence;
 mod listen;
 mod metrics;
+mod replica;
 mod size;
 mod state;
 

@@ -1,0 +1,197 @@
+//! The `Replica` gRPC service: the receiving end of replication. A peer pushes a delta between
+//! two mirror snapshots; `ferrite_replication::apply::Transfer` checks every piece and takes the
+//! mirror snapshot only when the delta is complete. The resume point of an unfinished transfer
+//! is kept in `<data dir>/replication.json` (made durable every [`CHECKPOINT_BYTES`] and when a
+//! stream ends early), so a cut link or a restart of either daemon resumes, not restarts.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use ferrite_engine::Pool;
+use ferrite_proto::ferrite::v1::push_message::Msg;
+use ferrite_proto::ferrite::v1::{PushMessage, PushReply, ReplicaPosition, ReplicaPositionRequest, replica_server};
+use ferrite_replication::Piece;
+use ferrite_replication::apply::Transfer;
+use serde::{Deserialize, Serialize};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::admin::status;
+use crate::state::RecordFile;
+
+/// Bytes applied between two durable resume points.
+const CHECKPOINT_BYTES: u64 = 64 << 20;
+
+/// An unfinished transfer: what it brings, over what, and where it resumes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct PendingRecord {
+    replica: String,
+    snapshot: String,
+    base: String,
+    resume: u64,
+}
+
+/// The receiving end, shared by the admin listeners.
+#[derive(Debug, Clone)]
+pub struct ReplicaService {
+    pool: Arc<Pool>,
+    file: RecordFile,
+    pending: Arc<Mutex<Vec<PendingRecord>>>,
+    /// Replicas with a push in flight: a second one is refused (Aborted).
+    busy: Arc<Mutex<HashSet<String>>>,
+}
+
+/// Holds a replica's in-flight mark; dropping it clears the mark.
+struct Busy(Arc<Mutex<HashSet<String>>>, String);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.lock().expect("not poisoned").remove(&self.1);
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> ferrite_engine::Result<T> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(format!("replica task: {e}")))?.map_err(status)
+}
+
+impl ReplicaService {
+    pub fn new(pool: Arc<Pool>, data_dir: &Path) -> anyhow::Result<Self> {
+        let file = RecordFile::new(data_dir, "replication");
+        let pending = Arc::new(Mutex::new(file.load()?));
+        Ok(Self { pool, file, pending, busy: Arc::default() })
+    }
+
+    /// Records (or, with `None`, forgets) `replica`'s unfinished transfer, durably.
+    fn keep(&self, replica: &str, record: Option<PendingRecord>) -> Result<(), Status> {
+        let mut list = self.pending.lock().expect("not poisoned");
+        list.retain(|p| p.replica != replica);
+        list.extend(record);
+        self.file.save(&list).map_err(|e| Status::internal(format!("saving {}: {e}", self.file.path().display())))
+    }
+
+    fn claim(&self, replica: &str) -> Result<Busy, Status> {
+        if !self.busy.lock().expect("not poisoned").insert(replica.to_owned()) {
+            return Err(Status::aborted(format!("a transfer to replica {replica:?} is already in flight")));
+        }
+        Ok(Busy(Arc::clone(&self.busy), replica.to_owned()))
+    }
+
+    /// Makes what `t` applied durable and records where it resumes.
+    async fn checkpoint(&self, t: Transfer, rec: &mut PendingRecord) -> Result<Transfer, Status> {
+        let (t, at) = blocking(move || t.durable().map(|at| (t, at))).await?;
+        rec.resume = at;
+        self.keep(&rec.replica, Some(rec.clone()))?;
+        Ok(t)
+    }
+}
+
+#[tonic::async_trait]
+impl replica_server::Replica for ReplicaService {
+    async fn position(&self, req: Request<ReplicaPositionRequest>) -> Result<Response<ReplicaPosition>, Status> {
+        let replica = req.into_inner().replica;
+        let pool = Arc::clone(&self.pool);
+        let name = replica.clone();
+        // Snapshots come in creation order: the last is the newest mirror snapshot.
+        let snaps = blocking(move || match pool.snapshots(Some(&name)) {
+            Err(e) if e.kind() == ferrite_engine::ErrorKind::NotFound => Ok(Vec::new()),
+            r => r,
+        })
+        .await?;
+        let mut out = ReplicaPosition {
+            snapshot: snaps.last().map(|s| s.name.clone()).unwrap_or_default(),
+            ..Default::default()
+        };
+        if let Some(p) = self.pending.lock().expect("not poisoned").iter().find(|p| p.replica == replica) {
+            (out.pending_snapshot, out.pending_base, out.resume_offset) =
+                (p.snapshot.clone(), p.base.clone(), p.resume);
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushReply>, Status> {
+        let mut stream = req.into_inner();
+        let Some(Msg::Begin(b)) = stream.message().await?.and_then(|m| m.msg) else {
+            return Err(Status::invalid_argument("a push starts with its begin message"));
+        };
+        if b.replica.is_empty() || b.snapshot.is_empty() {
+            return Err(Status::invalid_argument("a push names its replica volume and the snapshot it brings"));
+        }
+        let _busy = self.claim(&b.replica)?;
+        let mut rec =
+            PendingRecord { replica: b.replica.clone(), snapshot: b.snapshot.clone(), base: b.base.clone(), resume: 0 };
+        let resume = if b.resume {
+            let list = self.pending.lock().expect("not poisoned");
+            let found =
+                list.iter().find(|p| p.replica == rec.replica && p.snapshot == rec.snapshot && p.base == rec.base);
+            Some(found.map(|p| p.resume).ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "replica {:?} has no unfinished transfer of {:?} over {:?} to resume",
+                    rec.replica, rec.snapshot, rec.base
+                ))
+            })?)
+        } else {
+            None
+        };
+        let (pool, r) = (Arc::clone(&self.pool), rec.clone());
+        let mut t = blocking(move || {
+            let base = (!r.base.is_empty()).then_some(r.base.as_str());
+            Transfer::begin(&pool, &r.replica, base, &r.snapshot, b.size, b.end, resume)
+        })
+        .await?;
+        rec.resume = t.next();
+        self.keep(&rec.replica, Some(rec.clone()))?;
+        let (mut received, mut since_checkpoint) = (0u64, 0u64);
+        loop {
+            let msg = match stream.message().await {
+                Ok(Some(m)) => m.msg,
+                Ok(None) => {
+                    self.checkpoint(t, &mut rec).await?;
+                    return Err(Status::aborted(format!(
+                        "the push of {:?} ended before its commit; {} bytes applied, it resumes at byte {}",
+                        rec.snapshot, received, rec.resume
+                    )));
+                }
+                Err(e) => {
+                    self.checkpoint(t, &mut rec).await?;
+                    return Err(e);
+                }
+            };
+            let piece = match msg {
+                Some(Msg::Data(d)) => Piece::Data { offset: d.offset, data: d.data, crcs: d.crcs },
+                Some(Msg::Zero(z)) => Piece::Zero { offset: z.offset, len: z.length },
+                Some(Msg::Commit(_)) => break,
+                Some(Msg::Begin(_)) | None => {
+                    self.checkpoint(t, &mut rec).await?;
+                    return Err(Status::invalid_argument("a push has one begin, then pieces, then a commit"));
+                }
+            };
+            let bytes = if let Piece::Data { data, .. } = &piece { data.len() as u64 } else { 0 };
+            let applied = tokio::task::spawn_blocking(move || {
+                let r = t.apply(&piece);
+                (t, r)
+            })
+            .await
+            .map_err(|e| Status::internal(format!("replica task: {e}")))?;
+            t = applied.0;
+            if let Err(e) = applied.1 {
+                self.checkpoint(t, &mut rec).await?;
+                return Err(status(e));
+            }
+            received += bytes;
+            since_checkpoint += bytes;
+            if since_checkpoint >= CHECKPOINT_BYTES {
+                t = self.checkpoint(t, &mut rec).await?;
+                since_checkpoint = 0;
+            }
+        }
+        let pool = Arc::clone(&self.pool);
+        // An incomplete delta is refused here with nothing taken; it resumes from the last
+        // recorded point.
+        let snap = blocking(move || t.commit(&pool)).await?;
+        self.keep(&rec.replica, None)?;
+        tracing::info!(replica = %rec.replica, snapshot = %snap.name, bytes = received, "replica updated");
+        Ok(Response::new(PushReply { snapshot: snap.name, data_bytes: received }))
+    }
+}

@@ -1,0 +1,167 @@
+//! The `Replica` service on a real daemon, driven by a hand-built delta over the admin socket:
+//! a first sync and an increment land as whole mirror snapshots; a corrupt block, a truncated
+//! stream, a daemon restart mid-transfer, an unknown base, a resume with nothing to resume and a
+//! second push at once are refused or resumed, and the replica never shows a partial delta.
+
+#![allow(clippy::cast_possible_truncation)] // test sizes are small
+
+mod common;
+
+use std::io::{Read, Write};
+
+use common::Daemon;
+use common::csi::channel;
+use common::nbd::{connect, request};
+use ferrite_proto::ferrite::v1::push_message::Msg;
+use ferrite_proto::ferrite::v1::replica_client::ReplicaClient;
+use ferrite_proto::ferrite::v1::{PushBegin, PushCommit, PushData, PushMessage, PushZero, ReplicaPositionRequest};
+use ferrite_replication::block_crcs;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Code;
+use tonic::transport::Channel;
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 8 * MIB;
+
+fn data(seed: u8, offset: u64, len: u64) -> PushMessage {
+    let bytes: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    let crcs = block_crcs(&bytes);
+    PushMessage { msg: Some(Msg::Data(PushData { offset, data: bytes, crcs })) }
+}
+
+fn zero(offset: u64, length: u64) -> PushMessage {
+    PushMessage { msg: Some(Msg::Zero(PushZero { offset, length })) }
+}
+
+fn begin(base: &str, snapshot: &str, end: u64, resume: bool) -> PushMessage {
+    let b = PushBegin { replica: "r".into(), base: base.into(), snapshot: snapshot.into(), size: SIZE, end, resume };
+    PushMessage { msg: Some(Msg::Begin(b)) }
+}
+
+fn commit() -> PushMessage {
+    PushMessage { msg: Some(Msg::Commit(PushCommit {})) }
+}
+
+/// Pushes `msgs` (the stream ends after them); the call's code and, on success, the snapshot.
+async fn push(c: &Channel, msgs: Vec<PushMessage>) -> Result<String, tonic::Status> {
+    let (tx, rx) = tokio::sync::mpsc::channel(msgs.len().max(1));
+    for m in msgs {
+        tx.send(m).await.unwrap();
+    }
+    drop(tx);
+    ReplicaClient::new(c.clone()).push(ReceiverStream::new(rx)).await.map(|r| r.into_inner().snapshot)
+}
+
+async fn position(c: &Channel) -> (String, String, u64) {
+    let p = ReplicaClient::new(c.clone())
+        .position(ReplicaPositionRequest { replica: "r".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    (p.snapshot, p.pending_snapshot, p.resume_offset)
+}
+
+/// The whole content of `image` (a volume or `volume@snapshot`), over NBD.
+fn read(d: &Daemon, image: &str) -> Vec<u8> {
+    d.ok(&["export", "nbd", image]);
+    let mut s = connect(&d.nbd(), image);
+    s.write_all(&request(0, 0, 1, 0, SIZE as u32, &[])).unwrap();
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(&h[4..8], &[0; 4], "read of {image} failed");
+    let mut buf = vec![0u8; SIZE as usize];
+    s.read_exact(&mut buf).unwrap();
+    buf
+}
+
+fn expect(pieces: &[(u8, u64, u64)]) -> Vec<u8> {
+    let mut want = vec![0u8; SIZE as usize];
+    for &(seed, offset, len) in pieces {
+        let Some(Msg::Data(d)) = data(seed, offset, len).msg else { unreachable!() };
+        want[offset as usize..(offset + len) as usize].copy_from_slice(&d.data);
+    }
+    want
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deltas_land_whole_and_bad_or_cut_pushes_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start(dir.path());
+    let c = channel(&d.admin()).await;
+
+    // A first sync: data, a zero run, data.
+    let m1 = vec![begin("", "m1", 4 * MIB, false), data(1, 0, MIB), zero(MIB, MIB), data(2, 3 * MIB, MIB), commit()];
+    assert_eq!(push(&c, m1).await.unwrap(), "m1");
+    assert_eq!(position(&c).await, ("m1".into(), String::new(), 0));
+    let m1_content = expect(&[(1, 0, MIB), (2, 3 * MIB, MIB)]);
+    assert_eq!(read(&d, "r@m1"), m1_content);
+
+    // A corrupt block: DataLoss naming the byte, no snapshot.
+    let mut bad = data(3, 2 * MIB, MIB);
+    if let Some(Msg::Data(p)) = &mut bad.msg {
+        p.data[5000] ^= 1;
+    }
+    let err = push(&c, vec![begin("m1", "m2", 6 * MIB, false), data(3, 0, 64 << 10), bad, commit()]).await.unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err}");
+    assert!(err.message().contains(&format!("byte {}", 2 * MIB + 4096)), "{err}");
+    assert_eq!(position(&c).await, ("m1".into(), "m2".into(), 64 << 10));
+
+    // A truncated stream (no commit): Aborted, what arrived is kept and its resume point recorded.
+    let err = push(&c, vec![begin("m1", "m2", 6 * MIB, false), data(3, 0, 64 << 10), data(4, 2 * MIB, MIB)])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Aborted, "{err}");
+    assert_eq!(position(&c).await, ("m1".into(), "m2".into(), 3 * MIB));
+    assert_eq!(read(&d, "r@m1"), m1_content, "the replica still reads as its mirror snapshot");
+
+    // The receiving daemon restarts; the resume point survives and the rest completes the delta.
+    d.stop();
+    let d = Daemon::start(dir.path());
+    let c = channel(&d.admin()).await;
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(dir.path().join("replication.json")).unwrap().permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+    assert_eq!(position(&c).await, ("m1".into(), "m2".into(), 3 * MIB));
+    assert_eq!(push(&c, vec![begin("m1", "m2", 6 * MIB, true), data(5, 5 * MIB, MIB), commit()]).await.unwrap(), "m2");
+    assert_eq!(position(&c).await, ("m2".into(), String::new(), 0));
+    assert_eq!(
+        read(&d, "r@m2"),
+        expect(&[
+            (3, 0, 64 << 10),
+            (1, 64 << 10, MIB - (64 << 10)),
+            (4, 2 * MIB, MIB),
+            (2, 3 * MIB, MIB),
+            (5, 5 * MIB, MIB)
+        ])
+    );
+    assert_eq!(read(&d, "r@m1"), m1_content, "older mirror snapshots stay");
+
+    // Refusals: a base the replica lacks, a resume with nothing to resume, a snapshot it has, a
+    // push that does not start with its begin, a second push while one is in flight.
+    let err = push(&c, vec![begin("m9", "m3", MIB, false), commit()]).await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    assert!(err.message().contains("resync"), "{err}");
+    assert_eq!(push(&c, vec![begin("m2", "m3", MIB, true)]).await.unwrap_err().code(), Code::FailedPrecondition);
+    assert_eq!(push(&c, vec![begin("m1", "m2", MIB, false)]).await.unwrap_err().code(), Code::AlreadyExists);
+    assert_eq!(push(&c, vec![commit()]).await.unwrap_err().code(), Code::InvalidArgument);
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(begin("m2", "m3", 0, false)).await.unwrap();
+    let held = tokio::spawn({
+        let c = c.clone();
+        async move { ReplicaClient::new(c).push(ReceiverStream::new(rx)).await }
+    });
+    // Once the held push has begun (its transfer is recorded), a second one is refused.
+    let start = std::time::Instant::now();
+    while position(&c).await.1 != "m3" {
+        assert!(start.elapsed().as_secs() < 30, "the held push did not begin");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let err = push(&c, vec![begin("m2", "m3", 0, false), commit()]).await.unwrap_err();
+    assert_eq!(err.code(), Code::Aborted, "{err}");
+    assert!(err.message().contains("\"r\""), "{err}");
+    tx.send(commit()).await.unwrap();
+    drop(tx);
+    held.await.unwrap().unwrap();
+    assert_eq!(position(&c).await.0, "m3");
+}
