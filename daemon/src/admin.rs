@@ -329,6 +329,18 @@ impl Admin for AdminService {
         Ok(Response::new(pb::ChangedRangesResponse { ranges, bytes }))
     }
 
+    async fn push_replica(
+        &self,
+        req: Request<pb::PushReplicaRequest>,
+    ) -> Result<Response<pb::PushReplicaResponse>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        require("peer", &r.peer)?;
+        let replica = if r.replica.is_empty() { r.volume.clone() } else { r.replica };
+        let pool = Arc::clone(&self.pool);
+        crate::replica::push_to_peer(pool, self.cfg.tls.as_ref(), r.volume, r.peer, replica).await.map(Response::new)
+    }
+
     async fn create_group(&self, req: Request<pb::CreateGroupRequest>) -> Result<Response<pb::Group>, Status> {
         let r = req.into_inner();
         require("name", &r.name)?;

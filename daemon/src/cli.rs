@@ -125,6 +125,20 @@ pub fn print_done(out: Output, what: &str, name: &str) {
     }
 }
 
+pub fn print_push(out: Output, r: &pb::PushReplicaResponse) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({ "snapshot": r.snapshot, "base": r.base, "data_bytes": r.data_bytes, "resumed": r.resumed })
+        ),
+        Output::Table => {
+            let over = if r.base.is_empty() { "a first sync".to_owned() } else { format!("over {}", r.base) };
+            let how = if r.resumed { ", finishing an interrupted transfer" } else { "" };
+            println!("replica at {} ({over}{how}): {} of data sent", r.snapshot, format_size(r.data_bytes));
+        }
+    }
+}
+
 pub fn print_snapshots(out: Output, snaps: &[pb::Snapshot]) {
     match out {
         Output::Json => println!("{}", serde_json::Value::Array(snaps.iter().map(snapshot_json).collect())),

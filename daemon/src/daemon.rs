@@ -135,7 +135,7 @@ impl TlsConfigs {
 }
 
 /// The largest replication push message: a 1 MiB piece of data with its crcs, and framing.
-const MAX_PUSH_MESSAGE: usize = (1 << 20) + (16 << 10);
+pub const MAX_PUSH_MESSAGE: usize = (1 << 20) + (16 << 10);
 
 /// The admin API's gRPC server, with per-connection limits: streams in flight, and keepalive
 /// pings that drop a peer that stopped answering.

@@ -90,6 +90,9 @@ enum Cmd {
     /// Manage snapshots.
     #[command(subcommand)]
     Snapshot(SnapshotCmd),
+    /// Replicate volumes to peer daemons.
+    #[command(subcommand)]
+    Replica(ReplicaCmd),
     /// Create a writable volume from a snapshot (`ferrite clone db@nightly db-test`) or from a
     /// volume's current content (`ferrite clone db db-copy`).
     Clone {
@@ -191,6 +194,20 @@ enum SnapshotCmd {
         image: String,
         #[arg(long)]
         since: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum ReplicaCmd {
+    /// Send a volume to its replica on a peer daemon now: a new mirror snapshot and what changed
+    /// since the replica's newest one, or the rest of an interrupted transfer.
+    Push {
+        volume: String,
+        /// The peer's admin endpoint: its admin socket path, or tcp://host:port (mutual TLS).
+        peer: String,
+        /// The replica volume's name on the peer (default: the volume's).
+        #[arg(long = "as")]
+        replica: Option<String>,
     },
 }
 
@@ -426,6 +443,11 @@ async fn client(cli: Cli) -> Result<()> {
                 cli::print_ranges(out, r.get_ref());
             }
         },
+        Cmd::Replica(ReplicaCmd::Push { volume, peer, replica }) => {
+            let req = pb::PushReplicaRequest { volume, peer, replica: replica.unwrap_or_default() };
+            let r = c.push_replica(req).await.map_err(rpc_error)?;
+            cli::print_push(out, r.get_ref());
+        }
         Cmd::Clone { source, name } => {
             use pb::clone_volume_request::Source;
             let source = match source.split_once('@') {

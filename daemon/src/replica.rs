@@ -1,4 +1,5 @@
-//! The `Replica` gRPC service: the receiving end of replication. A peer pushes a delta between
+//! Replication between daemons: the `Replica` gRPC service (the receiving end) and
+//! [`push_to_peer`] (the sending end). A peer pushes a delta between
 //! two mirror snapshots; `ferrite_replication::apply::Transfer` checks every piece and takes the
 //! mirror snapshot only when the delta is complete. The resume point of an unfinished transfer
 //! is kept in `<data dir>/replication.json` (made durable every [`CHECKPOINT_BYTES`] and when a
@@ -10,13 +11,20 @@ use std::sync::{Arc, Mutex};
 
 use ferrite_engine::Pool;
 use ferrite_proto::ferrite::v1::push_message::Msg;
-use ferrite_proto::ferrite::v1::{PushMessage, PushReply, ReplicaPosition, ReplicaPositionRequest, replica_server};
+use ferrite_proto::ferrite::v1::replica_client::ReplicaClient;
+use ferrite_proto::ferrite::v1::{
+    PushBegin, PushCommit, PushData, PushMessage, PushReplicaResponse, PushReply, PushZero, ReplicaPosition,
+    ReplicaPositionRequest, replica_server,
+};
 use ferrite_replication::Piece;
 use ferrite_replication::apply::Transfer;
+use ferrite_replication::delta::Delta;
 use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::admin::status;
+use crate::config::TlsFiles;
+use crate::daemon::MAX_PUSH_MESSAGE;
 use crate::state::RecordFile;
 
 /// Bytes applied between two durable resume points.
@@ -194,4 +202,105 @@ impl replica_server::Replica for ReplicaService {
         tracing::info!(replica = %rec.replica, snapshot = %snap.name, bytes = received, "replica updated");
         Ok(Response::new(PushReply { snapshot: snap.name, data_bytes: received }))
     }
+}
+
+/// Data bytes per push piece.
+const PIECE: usize = 1 << 20;
+
+/// Prefix of the mirror snapshots this daemon takes of `volume`.
+fn mirror_prefix(volume: &str) -> String {
+    format!("{volume}.mirror.")
+}
+
+/// Sends `volume` to replica `replica` on the daemon at `peer`: finishes the replica's
+/// unfinished transfer if it has one this pool can still serve, else takes a new mirror snapshot
+/// and ships what changed since the replica's newest one. On success the previous mirror
+/// snapshot here (the delta's base) is deleted: the new one is the common point now.
+pub async fn push_to_peer(
+    pool: Arc<Pool>,
+    tls: Option<&TlsFiles>,
+    volume: String,
+    peer: String,
+    replica: String,
+) -> Result<PushReplicaResponse, Status> {
+    let client_tls = match (peer.starts_with("tcp://"), tls) {
+        (false, _) => None,
+        (true, Some(TlsFiles { cert, key, client_ca: Some(ca) })) => Some(
+            ferrite_proto::admin_tls(ca, Some((cert, key)))
+                .map_err(|e| Status::failed_precondition(format!("TLS client identity for {peer}: {e}")))?,
+        ),
+        (true, _) => {
+            return Err(Status::failed_precondition(format!(
+                "pushing to {peer} needs tls-cert, tls-key and tls-client-ca (mutual TLS with the peer)"
+            )));
+        }
+    };
+    let channel = ferrite_proto::connect(&peer, client_tls)
+        .await
+        .map_err(|e| Status::unavailable(format!("connecting to peer {peer}: {e}")))?;
+    let mut client = ReplicaClient::new(channel).max_decoding_message_size(MAX_PUSH_MESSAGE);
+    let pos = client.position(ReplicaPositionRequest { replica: replica.clone() }).await?.into_inner();
+    let has = |name: &str| -> bool { name.is_empty() || pool.snapshot_info(name).is_ok() };
+    let prefix = mirror_prefix(&volume);
+    let (to, base, from, resumed) = if !pos.pending_snapshot.is_empty()
+        && pos.pending_snapshot.starts_with(&prefix)
+        && has(&pos.pending_snapshot)
+        && has(&pos.pending_base)
+    {
+        (pos.pending_snapshot, pos.pending_base, pos.resume_offset, true)
+    } else {
+        if !has(&pos.snapshot) {
+            return Err(Status::failed_precondition(format!(
+                "replica {replica:?} on {peer} is at snapshot {:?}, which volume {volume:?} does not have: it needs a resync",
+                pos.snapshot
+            )));
+        }
+        let millis = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let (p, v, name) = (Arc::clone(&pool), volume.clone(), format!("{prefix}{millis}"));
+        blocking(move || p.create_snapshot(&v, &name)).await.map(|s| (s.name, pos.snapshot, 0, false))?
+    };
+    let (p, t, b) = (Arc::clone(&pool), to.clone(), base.clone());
+    let delta = blocking(move || Delta::plan(&p, &t, Some(b.as_str()).filter(|b| !b.is_empty()))).await?;
+    let begin = PushBegin {
+        replica: replica.clone(),
+        base: base.clone(),
+        snapshot: to.clone(),
+        size: delta.size,
+        end: delta.end(),
+        resume: resumed,
+    };
+    // The pieces are read on the blocking pool and flow through a short channel: at most a few
+    // MiB are in memory whatever the delta's size.
+    let (tx, rx) = tokio::sync::mpsc::channel::<PushMessage>(4);
+    let reader = {
+        let pool = Arc::clone(&pool);
+        tokio::task::spawn_blocking(move || -> ferrite_engine::Result<()> {
+            let send = |m: Msg| tx.blocking_send(PushMessage { msg: Some(m) }).is_ok();
+            if !send(Msg::Begin(begin)) {
+                return Ok(());
+            }
+            for piece in delta.pieces(&pool, from, PIECE)? {
+                let m = match piece? {
+                    Piece::Data { offset, data, crcs } => Msg::Data(PushData { offset, data, crcs }),
+                    Piece::Zero { offset, len } => Msg::Zero(PushZero { offset, length: len }),
+                };
+                if !send(m) {
+                    return Ok(()); // the call ended; its status says why
+                }
+            }
+            send(Msg::Commit(PushCommit {}));
+            Ok(())
+        })
+    };
+    let sent = client.push(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
+    reader.await.map_err(|e| Status::internal(format!("replica reader: {e}")))?.map_err(status)?;
+    let reply = sent?.into_inner();
+    if base.starts_with(&prefix) {
+        let (p, b) = (Arc::clone(&pool), base.clone());
+        if let Err(e) = blocking(move || p.delete_snapshot(&b)).await {
+            tracing::warn!(snapshot = %base, error = %e.message(), "could not delete the previous mirror snapshot");
+        }
+    }
+    tracing::info!(%volume, %peer, %replica, snapshot = %reply.snapshot, bytes = reply.data_bytes, resumed, "replica pushed");
+    Ok(PushReplicaResponse { snapshot: reply.snapshot, base, data_bytes: reply.data_bytes, resumed })
 }

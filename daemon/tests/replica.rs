@@ -165,3 +165,59 @@ async fn deltas_land_whole_and_bad_or_cut_pushes_change_nothing() {
     held.await.unwrap().unwrap();
     assert_eq!(position(&c).await.0, "m3");
 }
+
+/// Writes `len` bytes of a `seed` pattern at `offset` of `volume`, over NBD.
+fn write(d: &Daemon, volume: &str, seed: u8, offset: u64, len: u64) {
+    d.ok(&["export", "nbd", volume]);
+    let Some(Msg::Data(p)) = data(seed, offset, len).msg else { unreachable!() };
+    let mut s = connect(&d.nbd(), volume);
+    s.write_all(&request(1, 0, 7, offset, len as u32, &p.data)).unwrap();
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(&h[4..8], &[0; 4], "write to {volume} failed");
+}
+
+fn push_cli(primary: &Daemon, peer: &Daemon) -> serde_json::Value {
+    let peer = peer.admin();
+    serde_json::from_str(&primary.ok(&["-o", "json", "replica", "push", "v", peer.to_str().unwrap(), "--as", "r"]))
+        .unwrap()
+}
+
+#[test]
+fn a_daemon_pushes_a_volume_to_a_peer_first_in_full_then_only_what_changed() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (primary, peer) = (Daemon::start(a.path()), Daemon::start(b.path()));
+    primary.ok(&["volume", "create", "v", "8M"]);
+    write(&primary, "v", 1, 0, 2 * MIB);
+    write(&primary, "v", 2, 6 * MIB, MIB);
+
+    // First sync: the allocated 3 MiB, as mirror snapshot v.mirror.<ms> on both sides.
+    let r = push_cli(&primary, &peer);
+    let m1 = r["snapshot"].as_str().unwrap().to_owned();
+    assert!(m1.starts_with("v.mirror."), "{r}");
+    assert_eq!(
+        (r["base"].as_str(), r["data_bytes"].as_u64(), r["resumed"].as_bool()),
+        (Some(""), Some(3 * MIB), Some(false))
+    );
+    assert_eq!(read(&peer, &format!("r@{m1}")), read(&primary, &format!("v@{m1}")));
+
+    // An increment: 64 KiB rewritten, 1 MiB new; only those cross, and the primary keeps only
+    // the newest mirror snapshot.
+    write(&primary, "v", 3, 64 << 10, 64 << 10);
+    write(&primary, "v", 4, 4 * MIB, MIB);
+    let r = push_cli(&primary, &peer);
+    let m2 = r["snapshot"].as_str().unwrap().to_owned();
+    assert_eq!((r["base"].as_str(), r["data_bytes"].as_u64()), (Some(m1.as_str()), Some(MIB + (64 << 10))), "{r}");
+    let want = read(&primary, &format!("v@{m2}"));
+    assert_eq!(read(&peer, &format!("r@{m2}")), want);
+    assert_eq!(read(&primary, "v"), want);
+    let snaps = primary.ok(&["-o", "json", "snapshot", "list", "v"]);
+    assert!(!snaps.contains(&m1) && snaps.contains(&m2), "{snaps}");
+
+    // The table output says what happened; a peer that is not there is a clear error.
+    let out = primary.ok(&["replica", "push", "v", peer.admin().to_str().unwrap(), "--as", "r"]);
+    assert!(out.contains(&format!("over {m2}")) && out.contains("of data sent"), "{out}");
+    let err = primary.cli(&["replica", "push", "v", "/nonexistent.sock"]);
+    assert!(!err.status.success());
+    assert!(String::from_utf8_lossy(&err.stderr).contains("/nonexistent.sock"), "{err:?}");
+}
