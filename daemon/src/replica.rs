@@ -239,7 +239,8 @@ pub async fn push_to_peer(
         .await
         .map_err(|e| Status::unavailable(format!("connecting to peer {peer}: {e}")))?;
     let mut client = ReplicaClient::new(channel).max_decoding_message_size(MAX_PUSH_MESSAGE);
-    let pos = client.position(ReplicaPositionRequest { replica: replica.clone() }).await?.into_inner();
+    let at_peer = |e: Status| Status::new(e.code(), format!("peer {peer}: {}", e.message()));
+    let pos = client.position(ReplicaPositionRequest { replica: replica.clone() }).await.map_err(at_peer)?.into_inner();
     let has = |name: &str| -> bool { name.is_empty() || pool.snapshot_info(name).is_ok() };
     let prefix = mirror_prefix(&volume);
     let (to, base, from, resumed) = if !pos.pending_snapshot.is_empty()
@@ -294,7 +295,7 @@ pub async fn push_to_peer(
     };
     let sent = client.push(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
     reader.await.map_err(|e| Status::internal(format!("replica reader: {e}")))?.map_err(status)?;
-    let reply = sent?.into_inner();
+    let reply = sent.map_err(at_peer)?.into_inner();
     if base.starts_with(&prefix) {
         let (p, b) = (Arc::clone(&pool), base.clone());
         if let Err(e) = blocking(move || p.delete_snapshot(&b)).await {

@@ -221,3 +221,31 @@ fn a_daemon_pushes_a_volume_to_a_peer_first_in_full_then_only_what_changed() {
     assert!(!err.status.success());
     assert!(String::from_utf8_lossy(&err.stderr).contains("/nonexistent.sock"), "{err:?}");
 }
+
+#[test]
+fn a_push_to_a_tcp_peer_uses_mutual_tls_and_the_peer_fence_list() {
+    let root = tempfile::tempdir().unwrap();
+    let (primary, _, _) = common::csi::tcp_node(&root.path().join("a"), "127.0.0.2");
+    let (peer, peer_admin, _) = common::csi::tcp_node(&root.path().join("b"), "127.0.0.3");
+    primary.ok(&["volume", "create", "v", "8M"]);
+    write(&primary, "v", 9, MIB, MIB);
+    let to = format!("tcp://{peer_admin}");
+    let r: serde_json::Value =
+        serde_json::from_str(&primary.ok(&["-o", "json", "replica", "push", "v", &to, "--as", "r"])).unwrap();
+    let m1 = r["snapshot"].as_str().unwrap().to_owned();
+    assert_eq!(r["data_bytes"].as_u64(), Some(MIB), "{r}");
+    assert_eq!(read(&peer, &format!("r@{m1}")), read(&primary, &format!("v@{m1}")));
+
+    // Fenced on the peer (the primary's connections come from a loopback address the kernel
+    // picks): they are refused, and the replica stays.
+    peer.ok(&["fence", "add", "127.0.0.0/8"]);
+    write(&primary, "v", 10, 0, MIB);
+    let err = primary.cli(&["replica", "push", "v", &to, "--as", "r"]);
+    assert!(!err.status.success(), "a fenced primary must not reach the replica");
+    assert!(String::from_utf8_lossy(&err.stderr).contains(&peer_admin.to_string()), "{err:?}");
+    assert_eq!(peer.ok(&["-o", "json", "snapshot", "list", "r"]).matches("v.mirror.").count(), 1);
+    peer.ok(&["fence", "remove", "127.0.0.0/8"]);
+    let r: serde_json::Value =
+        serde_json::from_str(&primary.ok(&["-o", "json", "replica", "push", "v", &to, "--as", "r"])).unwrap();
+    assert_eq!(r["base"].as_str(), Some(m1.as_str()), "{r}");
+}
