@@ -142,6 +142,18 @@ impl replica_server::Replica for ReplicaService {
         } else {
             None
         };
+        let restarted_first_sync = !b.resume
+            && rec.base.is_empty()
+            && self.pending.lock().expect("not poisoned").iter().any(|p| p.replica == rec.replica && p.base.is_empty());
+        if restarted_first_sync {
+            // The volume is what an abandoned first sync of ours left: start it afresh.
+            let (pool, name) = (Arc::clone(&self.pool), rec.replica.clone());
+            blocking(move || match pool.delete_volume(&name) {
+                Err(e) if e.kind() == ferrite_engine::ErrorKind::NotFound => Ok(()),
+                r => r,
+            })
+            .await?;
+        }
         let (pool, r) = (Arc::clone(&self.pool), rec.clone());
         let mut t = blocking(move || {
             let base = (!r.base.is_empty()).then_some(r.base.as_str());

@@ -89,6 +89,10 @@ async fn deltas_land_whole_and_bad_or_cut_pushes_change_nothing() {
     let mut d = Daemon::start(dir.path());
     let c = channel(&d.admin()).await;
 
+    // A first sync cut short, then started over (not resumed): what it left goes with it.
+    let err = push(&c, vec![begin("", "m1", 4 * MIB, false), data(7, 2 * MIB, MIB)]).await.unwrap_err();
+    assert_eq!(err.code(), Code::Aborted, "{err}");
+    assert_eq!(position(&c).await, (String::new(), "m1".into(), 3 * MIB));
     // A first sync: data, a zero run, data.
     let m1 = vec![begin("", "m1", 4 * MIB, false), data(1, 0, MIB), zero(MIB, MIB), data(2, 3 * MIB, MIB), commit()];
     assert_eq!(push(&c, m1).await.unwrap(), "m1");
@@ -139,6 +143,13 @@ async fn deltas_land_whole_and_bad_or_cut_pushes_change_nothing() {
 
     // Refusals: a base the replica lacks, a resume with nothing to resume, a snapshot it has, a
     // push that does not start with its begin, a second push while one is in flight.
+    d.ok(&["volume", "create", "mine", "1M"]);
+    let mut first = begin("", "x1", 0, false);
+    if let Some(Msg::Begin(b)) = &mut first.msg {
+        b.replica = "mine".into();
+    }
+    let err = push(&c, vec![first, commit()]).await.unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "a first sync never takes over a volume: {err}");
     let err = push(&c, vec![begin("m9", "m3", MIB, false), commit()]).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert!(err.message().contains("resync"), "{err}");

@@ -29,8 +29,9 @@ fn refuse(kind: ErrorKind, msg: String) -> Error {
 impl Transfer {
     /// Starts receiving snapshot `to` (of a volume of `size` bytes; the delta touches bytes
     /// below `end`) over `base` into volume `replica`. `resume` is where an earlier transfer of
-    /// the same `to` got to (as [`Transfer::next`] reported and the caller kept); without it the
-    /// replica is first returned to `base` (or, for a first sync, made empty).
+    /// the same `to` got to (as [`Transfer::durable`] reported and the caller kept); without it the
+    /// replica is first returned to `base` (a first sync creates the replica volume and refuses
+    /// an existing one: the caller deletes what an abandoned first sync of its own left).
     ///
     /// Refused: `base` not a snapshot of the replica (it needs a resync), a first sync into a
     /// replica that already holds snapshots, `to` already there, `end` past `size`, a size
@@ -74,11 +75,17 @@ impl Transfer {
                         format!("replica {replica:?} already holds mirror snapshots: a delta must name its base"),
                     ));
                 }
-                if exists && resume.is_none() {
-                    pool.delete_volume(replica)?;
-                }
-                if !exists || resume.is_none() {
-                    pool.create_volume(replica, size)?;
+                // A first sync never takes over a volume it did not create: only resuming one
+                // continues into an existing volume.
+                match (exists, resume) {
+                    (false, _) => drop(pool.create_volume(replica, size)?),
+                    (true, Some(_)) => {}
+                    (true, None) => {
+                        return Err(refuse(
+                            ErrorKind::AlreadyExists,
+                            format!("volume {replica:?} already exists: a first sync creates its replica volume"),
+                        ));
+                    }
                 }
             }
         }
