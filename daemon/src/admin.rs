@@ -32,6 +32,16 @@ pub fn status(e: ferrite_engine::Error) -> Status {
     }
 }
 
+/// Runs an engine call on the blocking pool, its error as a gRPC status.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ferrite_engine::Error> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("engine task failed: {e}")))?
+        .map_err(status)
+}
+
 /// The admin service: the pool, and what this daemon serves from it.
 #[derive(Debug)]
 pub struct AdminService {
@@ -83,10 +93,7 @@ impl AdminService {
         f: impl FnOnce(&Pool) -> Result<T, ferrite_engine::Error> + Send + 'static,
     ) -> Result<T, Status> {
         let pool = Arc::clone(&self.pool);
-        tokio::task::spawn_blocking(move || f(&pool))
-            .await
-            .map_err(|e| Status::internal(format!("engine task failed: {e}")))?
-            .map_err(status)
+        blocking(move || f(&pool)).await
     }
 
     fn export_msg(&self, r: &ExportRecord) -> pb::Export {

@@ -134,9 +134,6 @@ impl TlsConfigs {
     }
 }
 
-/// The largest replication push message: a 1 MiB piece of data with its crcs, and framing.
-pub const MAX_PUSH_MESSAGE: usize = (1 << 20) + (16 << 10);
-
 /// The admin API's gRPC server, with per-connection limits: streams in flight, and keepalive
 /// pings that drop a peer that stopped answering.
 fn admin_server() -> tonic::transport::Server {
@@ -198,7 +195,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         fences: Arc::clone(&fences),
     });
     let replica = ReplicaServer::new(crate::replica::ReplicaService::new(Arc::clone(&pool), &cfg.data_dir)?)
-        .max_decoding_message_size(MAX_PUSH_MESSAGE);
+        .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);
     if let Some(l) = admin_tcp {
         if tls.admin.is_none() {
             tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),

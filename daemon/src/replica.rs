@@ -22,13 +22,15 @@ use ferrite_replication::delta::Delta;
 use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::admin::status;
+use crate::admin::{blocking, status};
 use crate::config::TlsFiles;
-use crate::daemon::MAX_PUSH_MESSAGE;
 use crate::state::RecordFile;
 
 /// Bytes applied between two durable resume points.
 const CHECKPOINT_BYTES: u64 = 64 << 20;
+
+/// The largest push message: a 1 MiB piece of data ([`PIECE`]) with its crcs, and framing.
+pub const MAX_PUSH_MESSAGE: usize = PIECE + (16 << 10);
 
 /// An unfinished transfer: what it brings, over what, and where it resumes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,12 +58,6 @@ impl Drop for Busy {
     fn drop(&mut self) {
         self.0.lock().expect("not poisoned").remove(&self.1);
     }
-}
-
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> ferrite_engine::Result<T> + Send + 'static,
-) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(format!("replica task: {e}")))?.map_err(status)
 }
 
 impl ReplicaService {
@@ -163,29 +159,19 @@ impl replica_server::Replica for ReplicaService {
         rec.resume = t.next();
         self.keep(&rec.replica, Some(rec.clone()))?;
         let (mut received, mut since_checkpoint) = (0u64, 0u64);
-        loop {
-            let msg = match stream.message().await {
-                Ok(Some(m)) => m.msg,
-                Ok(None) => {
-                    self.checkpoint(t, &mut rec).await?;
-                    return Err(Status::aborted(format!(
-                        "the push of {:?} ended before its commit; {} bytes applied, it resumes at byte {}",
-                        rec.snapshot, received, rec.resume
-                    )));
-                }
-                Err(e) => {
-                    self.checkpoint(t, &mut rec).await?;
-                    return Err(e);
-                }
-            };
-            let piece = match msg {
-                Some(Msg::Data(d)) => Piece::Data { offset: d.offset, data: d.data, crcs: d.crcs },
-                Some(Msg::Zero(z)) => Piece::Zero { offset: z.offset, len: z.length },
-                Some(Msg::Commit(_)) => break,
-                Some(Msg::Begin(_)) | None => {
-                    self.checkpoint(t, &mut rec).await?;
-                    return Err(Status::invalid_argument("a push has one begin, then pieces, then a commit"));
-                }
+        // Why the stream stopped short of its commit (None: the client ended it), if it did.
+        let stopped: Option<Option<Status>> = loop {
+            let piece = match stream.message().await {
+                Ok(None) => break Some(None),
+                Err(e) => break Some(Some(e)),
+                Ok(Some(m)) => match m.msg {
+                    Some(Msg::Data(d)) => Piece::Data { offset: d.offset, data: d.data, crcs: d.crcs },
+                    Some(Msg::Zero(z)) => Piece::Zero { offset: z.offset, len: z.length },
+                    Some(Msg::Commit(_)) => break None,
+                    Some(Msg::Begin(_)) | None => {
+                        break Some(Some(Status::invalid_argument("a push has one begin, then pieces, then a commit")));
+                    }
+                },
             };
             let bytes = if let Piece::Data { data, .. } = &piece { data.len() as u64 } else { 0 };
             let applied = tokio::task::spawn_blocking(move || {
@@ -193,11 +179,10 @@ impl replica_server::Replica for ReplicaService {
                 (t, r)
             })
             .await
-            .map_err(|e| Status::internal(format!("replica task: {e}")))?;
+            .map_err(|e| Status::internal(format!("engine task failed: {e}")))?;
             t = applied.0;
             if let Err(e) = applied.1 {
-                self.checkpoint(t, &mut rec).await?;
-                return Err(status(e));
+                break Some(Some(status(e)));
             }
             received += bytes;
             since_checkpoint += bytes;
@@ -205,6 +190,16 @@ impl replica_server::Replica for ReplicaService {
                 t = self.checkpoint(t, &mut rec).await?;
                 since_checkpoint = 0;
             }
+        };
+        if let Some(why) = stopped {
+            // Whatever ended it, what was applied is kept for a resume.
+            self.checkpoint(t, &mut rec).await?;
+            return Err(why.unwrap_or_else(|| {
+                Status::aborted(format!(
+                    "the push of {:?} ended before its commit; {} bytes applied, it resumes at byte {}",
+                    rec.snapshot, received, rec.resume
+                ))
+            }));
         }
         let pool = Arc::clone(&self.pool);
         // An incomplete delta is refused here with nothing taken; it resumes from the last

@@ -22,10 +22,6 @@ pub struct Transfer {
     vol: Volume,
 }
 
-fn refuse(kind: ErrorKind, msg: String) -> Error {
-    Error::new(kind, msg)
-}
-
 impl Transfer {
     /// Starts receiving snapshot `to` (of a volume of `size` bytes; the delta touches bytes
     /// below `end`) over `base` into volume `replica`. `resume` is where an earlier transfer of
@@ -46,19 +42,22 @@ impl Transfer {
         resume: Option<u64>,
     ) -> Result<Transfer> {
         if end > size || !size.is_multiple_of(BLOCK as u64) {
-            return Err(refuse(
+            return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("delta for {to:?}: end {end} and size {size} must be whole blocks, the end inside the size"),
             ));
         }
         if pool.snapshot_info(to).is_ok() {
-            return Err(refuse(ErrorKind::AlreadyExists, format!("replica {replica:?} already holds snapshot {to:?}")));
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                format!("replica {replica:?} already holds snapshot {to:?}"),
+            ));
         }
         let theirs = |s: &SnapshotInfo| s.volume.as_deref() == Some(replica);
         match base {
             Some(b) => {
                 if !pool.snapshot_info(b).is_ok_and(|s| theirs(&s)) {
-                    return Err(refuse(
+                    return Err(Error::new(
                         ErrorKind::NotFound,
                         format!("replica {replica:?} does not hold base snapshot {b:?}: it needs a resync"),
                     ));
@@ -70,7 +69,7 @@ impl Transfer {
             None => {
                 let exists = pool.volume_info(replica).is_ok();
                 if exists && !pool.snapshots(Some(replica))?.is_empty() {
-                    return Err(refuse(
+                    return Err(Error::new(
                         ErrorKind::AlreadyExists,
                         format!("replica {replica:?} already holds mirror snapshots: a delta must name its base"),
                     ));
@@ -81,7 +80,7 @@ impl Transfer {
                     (false, _) => drop(pool.create_volume(replica, size)?),
                     (true, Some(_)) => {}
                     (true, None) => {
-                        return Err(refuse(
+                        return Err(Error::new(
                             ErrorKind::AlreadyExists,
                             format!("volume {replica:?} already exists: a first sync creates its replica volume"),
                         ));
@@ -91,7 +90,7 @@ impl Transfer {
         }
         let have = pool.volume_info(replica)?.size;
         if have > size {
-            return Err(refuse(
+            return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("delta for {to:?} is for a {size}-byte volume; replica {replica:?} is {have} bytes"),
             ));
@@ -127,7 +126,7 @@ impl Transfer {
         let (offset, len) = piece.range();
         let b = BLOCK as u64;
         if offset < self.next || offset + len > self.end || offset % b != 0 || len % b != 0 || len == 0 {
-            return Err(refuse(
+            return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!(
                     "delta for {:?}: piece [{offset}, +{len}) is out of order or not whole blocks (next {}, end {})",
@@ -139,7 +138,7 @@ impl Transfer {
             Piece::Data { data, crcs, .. } => {
                 let got = block_crcs(data);
                 if got.len() != crcs.len() {
-                    return Err(refuse(
+                    return Err(Error::new(
                         ErrorKind::Corrupt,
                         format!(
                             "delta for {:?}: piece at {offset} has {} crcs for {} blocks",
@@ -150,7 +149,7 @@ impl Transfer {
                     ));
                 }
                 if let Some(i) = got.iter().zip(crcs).position(|(a, b)| a != b) {
-                    return Err(refuse(
+                    return Err(Error::new(
                         ErrorKind::Corrupt,
                         format!("delta for {:?}: block at byte {} fails its crc32c", self.to, offset + i as u64 * b),
                     ));
@@ -167,7 +166,7 @@ impl Transfer {
     /// (nothing taken) until the delta has arrived up to its end.
     pub fn commit(self, pool: &Pool) -> Result<SnapshotInfo> {
         if self.next < self.end {
-            return Err(refuse(
+            return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("delta for {:?} is incomplete: {} of {} bytes arrived", self.to, self.next, self.end),
             ));

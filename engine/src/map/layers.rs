@@ -36,13 +36,21 @@ impl Layer {
 /// Layers by id, hashed with a single multiply (ids are small integers handed out in order).
 pub(crate) type Table = HashMap<u64, Layer, BuildHasherDefault<IdHasher>>;
 
+/// Merged layer id -> the layer that took its entries.
+type Forward = HashMap<u64, u64, BuildHasherDefault<IdHasher>>;
+
+/// The layer now holding what `owner` held (itself unless it was merged away).
+fn holder(forward: &Forward, owner: u64) -> u64 {
+    forward.get(&owner).copied().unwrap_or(owner)
+}
+
 /// Every layer, with the views kept exact. Reads go through `Deref` to the table; every change
 /// goes through a method here.
 #[derive(Debug, Default)]
 pub(crate) struct Layers {
     table: Table,
     /// Merged layers' ids and the layer that now holds their entries, for views naming them.
-    forward: HashMap<u64, u64, BuildHasherDefault<IdHasher>>,
+    forward: Forward,
     /// False while recovery replays the log: the replayed batches may write layers that have
     /// children by now (snapshots taken after the checkpoint), so views are built once after.
     views: bool,
@@ -90,7 +98,7 @@ impl Layers {
     /// (reads walk their chain until [`Layers::build_views`]). Fails with the ids of layers no
     /// root reaches: a parent cycle in corrupt metadata. A missing parent is the caller's check.
     pub fn load(table: Table) -> Result<Self, Vec<u64>> {
-        let layers = Self { table, forward: HashMap::default(), views: false };
+        let layers = Self { table, forward: Forward::default(), views: false };
         let order = layers.parents_first();
         if order.len() < layers.table.len() {
             let mut stray: Vec<u64> = layers.table.keys().filter(|id| !order.contains(id)).copied().collect();
@@ -135,11 +143,6 @@ impl Layers {
         self.table.insert(id, Layer { map: ExtentMap::default(), parent, view });
     }
 
-    /// The layer now holding what `owner` held (itself unless it was merged away).
-    fn owner(&self, owner: u64) -> u64 {
-        self.forward.get(&owner).copied().unwrap_or(owner)
-    }
-
     /// Resolves [lba, lba+blocks) through the chain from `head`: runs in lba order, covering
     /// the whole range (holes and zero markers as `pba: None`). An unknown head reads as zeros.
     pub fn resolve(&self, head: u64, lba: u64, blocks: u64) -> Vec<Run> {
@@ -152,7 +155,7 @@ impl Layers {
             return out;
         };
         h.view.runs(lba, blocks, |at, n, owner| {
-            let Some(l) = owner.and_then(|o| self.table.get(&self.owner(o))) else {
+            let Some(l) = owner.and_then(|o| self.table.get(&holder(&self.forward, o))) else {
                 out.push(Run { lba: at, blocks: n, pba: None });
                 return;
             };
@@ -218,11 +221,11 @@ impl Layers {
         freed: &mut Freed,
         dirty: impl FnMut(u64),
     ) -> bool {
-        let fwd = &self.forward;
+        let forward = &self.forward;
         let Some(l) = self.table.get_mut(&layer) else { return false };
         l.map.set(lba, blocks, Some(pba), freed, dirty);
         // A move leaves the view as it was; test first so a shared view is not copied for it.
-        if self.views && !l.view.all(lba, blocks, |o| o.map(|o| fwd.get(&o).copied().unwrap_or(o)) == Some(layer)) {
+        if self.views && !l.view.all(lba, blocks, |o| o.map(|o| holder(forward, o)) == Some(layer)) {
             l.view.set(lba, blocks, Some(layer));
         }
         true
