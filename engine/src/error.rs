@@ -29,6 +29,8 @@ pub enum ErrorKind {
     Unsupported,
     /// The pool is shutting down, or was poisoned by an earlier media failure.
     Closed,
+    /// A write to a snapshot, or to a volume made read-only.
+    ReadOnly,
 }
 
 /// The engine's error: a kind, a message with context, and the underlying cause if any.
@@ -76,6 +78,7 @@ impl Error {
             ErrorKind::Io | ErrorKind::Corrupt => libc::EIO,
             ErrorKind::Unsupported => libc::EOPNOTSUPP,
             ErrorKind::Closed => libc::ESHUTDOWN,
+            ErrorKind::ReadOnly => libc::EROFS,
         }
     }
 }

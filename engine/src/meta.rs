@@ -33,6 +33,8 @@ pub(crate) struct VolumeRecord {
     pub layer: u64,
     pub size: u64,
     pub created_unix: u64,
+    /// Clients may not write (a demoted replication primary, a replica).
+    pub read_only: bool,
     pub name: String,
 }
 
@@ -135,17 +137,24 @@ fn be64(b: &[u8], at: usize) -> u64 {
 }
 
 impl VolumeRecord {
+    /// Version 2 adds a flags byte before the name (bit 0: read-only); version 1 has none.
     fn encode(&self) -> Vec<u8> {
-        let mut v = vec![1u8];
+        let mut v = vec![2u8];
         for x in [self.id, self.layer, self.size, self.created_unix] {
             v.extend_from_slice(&x.to_le_bytes());
         }
+        v.push(u8::from(self.read_only));
         v.extend_from_slice(self.name.as_bytes());
         v
     }
 
     fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() < 33 || b[0] != 1 {
+        let (flags, name) = match b.first()? {
+            1 if b.len() >= 33 => (0, &b[33..]),
+            2 if b.len() >= 34 => (b[33], &b[34..]),
+            _ => return None,
+        };
+        if flags > 1 {
             return None;
         }
         Some(Self {
@@ -153,7 +162,8 @@ impl VolumeRecord {
             layer: le64(b, 9),
             size: le64(b, 17),
             created_unix: le64(b, 25),
-            name: String::from_utf8(b[33..].to_vec()).ok()?,
+            read_only: flags == 1,
+            name: String::from_utf8(name.to_vec()).ok()?,
         })
     }
 }
@@ -447,7 +457,15 @@ mod tests {
 
     #[test]
     fn records_roundtrip() {
-        let v = VolumeRecord { id: 3, layer: 4, size: 1 << 30, created_unix: 9, name: "vol-a".into() };
+        let mut v =
+            VolumeRecord { id: 3, layer: 4, size: 1 << 30, created_unix: 9, read_only: false, name: "vol-a".into() };
+        assert_eq!(VolumeRecord::decode(&v.encode()), Some(v.clone()));
+        // Version 1 (no flags byte) still reads.
+        let mut v1 = v.encode();
+        v1[0] = 1;
+        v1.remove(33);
+        assert_eq!(VolumeRecord::decode(&v1), Some(v.clone()));
+        v.read_only = true;
         assert_eq!(VolumeRecord::decode(&v.encode()), Some(v));
         let n = SnapshotRecord { id: 5, volume: 3, layer: 4, size: 8192, created_unix: 1, name: "s1".into() };
         assert_eq!(SnapshotRecord::decode(&n.encode()), Some(n));

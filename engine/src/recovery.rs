@@ -52,7 +52,7 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         names.insert(rec.name.clone(), rec.id);
         // A volume's head without a layer record (pools from before snapshots) is a root.
         layers.insert(rec.layer, Layer::over(None));
-        volumes.insert(rec.id, VolumeEntry { rec });
+        volumes.insert(rec.id, VolumeEntry::new(rec));
     }
     for (id, parent) in meta.layers()? {
         layers.insert(id, Layer::over(parent));

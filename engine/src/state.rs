@@ -3,12 +3,14 @@
 //! batch is applied to it ([`apply`]), used by the write path and by recovery alike.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use crate::format::{BatchHeader, Entry, EntryKind};
 use crate::io::BLOCK;
 use crate::map::layers::Layers;
 use crate::map::segments::SegmentTable;
 use crate::meta::{GroupRecord, SnapshotRecord, VolumeRecord};
+use crate::write::gate::WriteGate;
 
 /// What a handle reads: a volume (through its current head) or a snapshot (read-only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +31,15 @@ impl State {
 
 pub(crate) struct VolumeEntry {
     pub rec: VolumeRecord,
+    /// Client writes enter here; closed while `rec.read_only`.
+    pub gate: Arc<WriteGate>,
+}
+
+impl VolumeEntry {
+    pub fn new(rec: VolumeRecord) -> Self {
+        let gate = WriteGate::new(rec.read_only);
+        Self { rec, gate }
+    }
 }
 
 /// Everything the writer, readers and checkpoints share, behind one RwLock.

@@ -19,6 +19,7 @@ use crate::read::readahead::{Streams, note_read};
 use crate::read::reads::Reads;
 use crate::read::resolve::{Resolved, check_within, gone, resolve};
 use crate::state::{State, Target};
+use crate::write::gate::{Inside, WriteGate};
 use crate::write::req::{Payload, Req, Waiter};
 
 const B: u64 = BLOCK as u64;
@@ -32,18 +33,47 @@ pub struct Volume {
     inner: Weak<Inner>,
     target: Target,
     name: String,
+    /// The volume's write gate; None for a snapshot, and for a handle that writes past it
+    /// ([`Volume::past_read_only`]).
+    gate: Option<Arc<WriteGate>>,
     /// Sequential streams of this handle and its clones, for readahead.
     pub(crate) streams: Arc<Mutex<Streams>>,
 }
 
 impl Volume {
-    pub(crate) fn new(inner: Weak<Inner>, target: Target, name: String) -> Self {
-        Self { inner, target, name, streams: Arc::default() }
+    pub(crate) fn new(inner: Weak<Inner>, target: Target, name: String, gate: Option<Arc<WriteGate>>) -> Self {
+        Self { inner, target, name, gate, streams: Arc::default() }
     }
 
-    /// True for a snapshot's handle, which refuses every write.
+    /// True for a snapshot's handle, and for a volume made read-only ([`Pool::set_read_only`]):
+    /// their writes fail with [`ErrorKind::ReadOnly`] (EROFS).
+    ///
+    /// [`Pool::set_read_only`]: crate::Pool::set_read_only
     pub fn is_read_only(&self) -> bool {
-        matches!(self.target, Target::Snapshot(_))
+        match self.target {
+            Target::Snapshot(_) => true,
+            Target::Volume(_) => self.gate.as_ref().is_some_and(|g| g.is_closed()),
+        }
+    }
+
+    /// This handle, writing whether or not the volume is read-only: for the pool's owner
+    /// applying data of its own (a replication delta to a replica), never for clients.
+    #[must_use]
+    pub fn past_read_only(mut self) -> Self {
+        self.gate = None;
+        self
+    }
+
+    /// Admits one client write (held until it is acknowledged), or refuses it.
+    fn enter(&self) -> Result<Option<Inside>> {
+        self.writable()?;
+        match &self.gate {
+            None => Ok(None),
+            Some(g) => g
+                .enter()
+                .map(Some)
+                .ok_or_else(|| Error::new(ErrorKind::ReadOnly, format!("volume {:?} is read-only", self.name))),
+        }
     }
 
     /// The layer reads start from, and the size, as of now.
@@ -56,7 +86,7 @@ impl Volume {
         match self.target {
             Target::Volume(id) => Ok(id),
             Target::Snapshot(_) => {
-                Err(Error::new(ErrorKind::InvalidArgument, format!("snapshot {:?} is read-only", self.name)))
+                Err(Error::new(ErrorKind::ReadOnly, format!("snapshot {:?} is read-only", self.name)))
             }
         }
     }
@@ -139,17 +169,20 @@ impl Volume {
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let _in = self.enter()?;
         self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), false)
     }
 
     /// Writes `data` at `offset` and returns only once it is durable (FUA).
     pub fn write_fua(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let _in = self.enter()?;
         self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), true)
     }
 
     /// As [`Volume::write`] or, with `fua`, [`Volume::write_fua`], taking the buffer: a write of
     /// whole blocks then reaches its log batch with no copy before the one into the batch.
     pub fn write_vec(&self, offset: u64, data: Vec<u8>, fua: bool) -> Result<()> {
+        let _in = self.enter()?;
         self.write_in(&*self.pool()?, offset, Cow::Owned(data), fua)
     }
 
@@ -176,8 +209,8 @@ impl Volume {
         idx.into_iter().map(|i| inner.stripes[i].lock()).collect()
     }
 
+    /// A write admitted by [`Volume::enter`].
     fn write_in(&self, inner: &Inner, offset: u64, data: Cow<'_, [u8]>, fua: bool) -> Result<()> {
-        self.writable()?;
         self.check_range(inner, offset, data.len() as u64)?;
         inner.check_open()?;
         if data.is_empty() {
@@ -247,7 +280,7 @@ impl Volume {
     /// space becomes reclaimable. Partial blocks at the edges are left as they are.
     pub fn trim(&self, offset: u64, len: u64) -> Result<()> {
         let inner = self.pool()?;
-        self.writable()?;
+        let _in = self.enter()?;
         self.check_range(&inner, offset, len)?;
         let start = offset.div_ceil(B);
         let end = (offset + len) / B;
@@ -261,7 +294,7 @@ impl Volume {
     /// blocks are rewritten with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         let inner = &*self.pool()?;
-        self.writable()?;
+        let _in = self.enter()?;
         self.check_range(inner, offset, len)?;
         let start = offset.div_ceil(B) * B;
         let end = (offset + len) / B * B;

@@ -42,8 +42,8 @@ fn snapshot_freezes_content_and_clones_diverge() {
     // A snapshot handle is read-only.
     let s = pool.open_snapshot("s1").unwrap();
     assert!(s.is_read_only());
-    assert_eq!(s.write(0, &[1; 4096]).unwrap_err().kind(), ErrorKind::InvalidArgument);
-    assert_eq!(s.trim(0, 4096).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(s.write(0, &[1; 4096]).unwrap_err().kind(), ErrorKind::ReadOnly);
+    assert_eq!(s.trim(0, 4096).unwrap_err().kind(), ErrorKind::ReadOnly);
     // Clones of the snapshot and of the live volume start from their source and diverge.
     pool.clone_volume(Image::Snapshot("s1"), "c1").unwrap();
     pool.clone_volume(Image::Volume("v"), "c2").unwrap();

@@ -349,3 +349,95 @@ fn read_sparse_many_answers_each_range_as_read_sparse_does() {
         }
     }
 }
+
+#[test]
+fn read_only_volumes_refuse_client_writes_on_every_handle_and_stay_so() {
+    let (f, pool) = Fixture::new(8);
+    pool.create_volume("v", MIB).unwrap();
+    let open = pool.open_volume("v").unwrap();
+    open.write(0, &pattern(1, 8192)).unwrap();
+    assert!(pool.set_read_only("v", true).unwrap().read_only);
+    assert!(open.is_read_only(), "a handle opened before sees the change");
+    type Write<'a> = Box<dyn Fn() -> ferrite_engine::Result<()> + 'a>;
+    let writes: [(&str, Write); 5] = [
+        ("write", Box::new(|| open.write(0, &[1; 4096]))),
+        ("fua", Box::new(|| open.write_fua(100, &[1; 10]))),
+        ("vec", Box::new(|| open.write_vec(0, vec![1; 4096], false))),
+        ("trim", Box::new(|| open.trim(0, MIB))),
+        ("zeroes", Box::new(|| open.write_zeroes(0, 8192, false))),
+    ];
+    for (what, w) in &writes {
+        let e = w().unwrap_err();
+        assert_eq!((e.kind(), e.errno()), (ErrorKind::ReadOnly, libc::EROFS), "{what}: {e}");
+    }
+    let mut buf = vec![0u8; 8192];
+    open.read(0, &mut buf).unwrap();
+    assert_eq!(buf, pattern(1, 8192), "nothing reached the volume and reads still work");
+    // The pool's owner writes past it; clients still cannot.
+    pool.open_volume("v").unwrap().past_read_only().write(0, &[5; 4096]).unwrap();
+    assert_eq!(pool.open_volume("v").unwrap().write(0, &[1; 4096]).unwrap_err().kind(), ErrorKind::ReadOnly);
+    // Snapshots, clones and growth still work; a clone is writable.
+    pool.create_snapshot("v", "s").unwrap();
+    pool.grow_volume("v", 2 * MIB).unwrap();
+    assert!(pool.volume_info("v").unwrap().read_only);
+    assert!(!pool.clone_volume(ferrite_engine::Image::Volume("v"), "c").unwrap().read_only);
+    drop(writes);
+    drop(open);
+    pool.close().unwrap();
+    let pool = f.reopen();
+    assert!(pool.volume_info("v").unwrap().read_only, "read-only survives a reopen");
+    assert!(pool.open_volume("v").unwrap().is_read_only());
+    assert_eq!(pool.open_volume("v").unwrap().write(0, &[1; 4096]).unwrap_err().kind(), ErrorKind::ReadOnly);
+    assert!(!pool.set_read_only("v", false).unwrap().read_only);
+    pool.open_volume("v").unwrap().write(0, &[2; 4096]).unwrap();
+    assert_eq!(pool.set_read_only("nope", true).unwrap_err().kind(), ErrorKind::NotFound);
+}
+
+#[test]
+fn making_a_volume_read_only_waits_for_the_writes_inside() {
+    let (_f, pool) = Fixture::new(64);
+    pool.create_volume("v", MIB).unwrap();
+    let pool = std::sync::Arc::new(pool);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (pool, stop) = (pool.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let v = pool.open_volume("v").unwrap();
+                let mut acked = Vec::new();
+                for i in 0u64.. {
+                    let off = ((i * 4 + t) % 256) * 4096;
+                    match v.write(off, &pattern(i * 4 + t, 4096)) {
+                        Ok(()) => acked.push((off, i * 4 + t)),
+                        Err(e) => {
+                            assert_eq!(e.kind(), ErrorKind::ReadOnly, "{e}");
+                            break;
+                        }
+                    }
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                }
+                acked
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    pool.set_read_only("v", true).unwrap();
+    // A snapshot taken now holds every write that was acknowledged.
+    pool.create_snapshot("v", "frozen").unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let snap = pool.open_snapshot("frozen").unwrap();
+    let mut last = std::collections::HashMap::new();
+    for w in writers {
+        for (off, seed) in w.join().unwrap() {
+            last.insert(off, seed); // offsets are per writer, so the last ack is the content
+        }
+    }
+    assert!(!last.is_empty());
+    for (off, seed) in last {
+        let mut buf = vec![0u8; 4096];
+        snap.read(off, &mut buf).unwrap();
+        assert_eq!(buf, pattern(seed, 4096), "acknowledged write at {off} missing from the snapshot");
+    }
+}

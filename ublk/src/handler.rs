@@ -84,6 +84,7 @@ pub fn errno(e: &Error) -> i32 {
         ErrorKind::OutOfRange => libc::EINVAL,
         ErrorKind::InvalidArgument => libc::EINVAL,
         ErrorKind::Unsupported => libc::EOPNOTSUPP,
+        ErrorKind::ReadOnly => libc::EROFS,
         ErrorKind::Closed | ErrorKind::NotFound => libc::ENODEV,
         _ => libc::EIO,
     }

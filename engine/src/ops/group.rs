@@ -278,7 +278,7 @@ impl Pool {
             let mut recs = Vec::new();
             for (clone, parent, size) in sources {
                 let id = inner.meta.next_id()?;
-                let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: clone };
+                let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), read_only: false, name: clone };
                 ops.push(CatalogOp::PutLayer(id, Some(parent)));
                 ops.push(CatalogOp::PutVolume(rec.clone()));
                 recs.push((rec, parent));
@@ -296,7 +296,7 @@ impl Pool {
             for (rec, parent) in recs {
                 st.layers.add(rec.id, Some(parent));
                 st.names.insert(rec.name.clone(), rec.id);
-                st.volumes.insert(rec.id, VolumeEntry { rec });
+                st.volumes.insert(rec.id, VolumeEntry::new(rec));
             }
             st.groups.insert(group.id, group.clone());
             Ok(group_info(&st, &group))

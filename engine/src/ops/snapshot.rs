@@ -298,7 +298,7 @@ impl Pool {
     pub fn open_snapshot(&self, name: &str) -> Result<Volume> {
         let st = self.inner.state.read();
         let id = snapshot_by_name(&st, name)?;
-        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Snapshot(id), name.to_owned()))
+        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Snapshot(id), name.to_owned(), None))
     }
 
     /// Deletes a snapshot, whatever depends on it: what clones or later snapshots still need
@@ -364,7 +364,8 @@ impl Pool {
                 None => None,
             };
             let id = inner.meta.next_id()?;
-            let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: name.clone() };
+            let rec =
+                VolumeRecord { id, layer: id, size, created_unix: now_unix(), read_only: false, name: name.clone() };
             ops.push(CatalogOp::PutLayer(id, Some(parent)));
             ops.push(CatalogOp::PutVolume(rec.clone()));
             if origin.is_some() {
@@ -379,7 +380,7 @@ impl Pool {
             }
             st.layers.add(id, Some(parent));
             st.names.insert(name.clone(), id);
-            st.volumes.insert(id, VolumeEntry { rec: rec.clone() });
+            st.volumes.insert(id, VolumeEntry::new(rec.clone()));
             tracing::info!(volume = %name, "clone created");
             Ok(info_of(&st, &rec))
         })

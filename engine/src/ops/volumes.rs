@@ -26,6 +26,8 @@ pub struct VolumeInfo {
     /// Layers in the volume's chain: 1 plus the snapshots (and clone origins) under it.
     pub chain_depth: usize,
     pub created_unix: u64,
+    /// Clients may not write ([`Pool::set_read_only`]).
+    pub read_only: bool,
 }
 
 pub(crate) fn validate_name(name: &str) -> Result<()> {
@@ -64,13 +66,14 @@ impl Pool {
             check_overcommit(inner, &st, size)?;
         }
         let id = inner.meta.next_id()?;
-        let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), name: name.to_owned() };
+        let rec =
+            VolumeRecord { id, layer: id, size, created_unix: now_unix(), read_only: false, name: name.to_owned() };
         inner.meta.apply(&[CatalogOp::PutLayer(id, None), CatalogOp::PutVolume(rec.clone())])?;
         let mut st = inner.state.write();
         st.names.insert(rec.name.clone(), id);
         st.layers.add(rec.layer, None);
         let info = info_of(&st, &rec);
-        st.volumes.insert(id, VolumeEntry { rec });
+        st.volumes.insert(id, VolumeEntry::new(rec));
         Ok(info)
     }
 
@@ -93,8 +96,50 @@ impl Pool {
     pub fn open_volume(&self, name: &str) -> Result<Volume> {
         let st = self.inner.state.read();
         let id = lookup(&st, name)?;
-        let rec = &st.volumes[&id].rec;
-        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Volume(rec.id), rec.name.clone()))
+        let e = &st.volumes[&id];
+        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Volume(id), e.rec.name.clone(), Some(Arc::clone(&e.gate))))
+    }
+
+    /// Makes a volume read-only for clients (their writes fail with [`ErrorKind::ReadOnly`],
+    /// EROFS, on every handle, open or not) or writable again. Made read-only, it returns only
+    /// once every write already admitted is acknowledged: a snapshot taken after holds every
+    /// write a client will ever have acknowledged. Durable on return.
+    pub fn set_read_only(&self, name: &str, read_only: bool) -> Result<VolumeInfo> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let gate = {
+            let st = inner.state.read();
+            Arc::clone(&st.volumes[&lookup(&st, name)?].gate)
+        };
+        if read_only {
+            // Not under the catalog lock: a write inside may wait for the cleaner, which takes it.
+            gate.close();
+        }
+        let _m = inner.meta_lock.lock();
+        let mut rec = {
+            let st = inner.state.read();
+            st.volumes[&lookup(&st, name)?].rec.clone()
+        };
+        let was = rec.read_only;
+        rec.read_only = read_only;
+        if let Err(e) = inner.meta.put_volume(&rec) {
+            if !was {
+                gate.open();
+            }
+            return Err(e);
+        }
+        if !read_only {
+            gate.open();
+        }
+        let mut st = inner.state.write();
+        let info = info_of(&st, &rec);
+        if let Some(e) = st.volumes.get_mut(&rec.id) {
+            e.rec.read_only = read_only;
+        }
+        if was != read_only {
+            tracing::info!(volume = %name, read_only, "volume access changed");
+        }
+        Ok(info)
     }
 
     /// Grows a volume to `new_size` bytes (shrinking is refused). Durable on return.
@@ -159,6 +204,7 @@ pub(crate) fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
         allocated: visible * b,
         exclusive: own * b,
         created_unix: rec.created_unix,
+        read_only: rec.read_only,
         chain_depth: crate::map::layers::depth(&st.layers, rec.layer),
     }
 }
