@@ -15,6 +15,7 @@ use crate::attachments::{AttachRecord, Attachments, choose_transport, refuse_if_
 use crate::config::Config;
 use crate::exports::{ExportRecord, ExportTable, open_image, refuse_if_exported, snapshot_of};
 use crate::fence::{Cidr, Fences};
+use crate::replica::Replication;
 
 /// Maps an engine error to a gRPC status (the one place this happens).
 pub fn status(e: ferrite_engine::Error) -> Status {
@@ -54,6 +55,7 @@ pub struct AdminService {
     pub attachments: Arc<Attachments>,
     /// Fenced networks and the TCP clients they apply to.
     pub fences: Arc<Fences>,
+    pub replication: Arc<Replication>,
 }
 
 fn group_msg(g: ferrite_engine::GroupInfo) -> pb::Group {
@@ -155,6 +157,7 @@ impl AdminService {
             exclusive: info.exclusive,
             chain_depth: info.chain_depth as u64,
             notes: Vec::new(),
+            read_only: info.read_only,
         }
     }
 }
@@ -248,6 +251,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
+        if let Some(r) = self.replication.relations.get(&name) {
+            return Err(Status::failed_precondition(format!(
+                "volume {name:?} is replicated ({} of {:?} on {}): disable its replication first",
+                r.role.as_str(),
+                r.remote,
+                r.peer
+            )));
+        }
         // Held across the deletion so that nothing attaches or exports it meanwhile.
         let live = self.attachments.lock().await;
         refuse_if_attached(&live, &format!("volume {name:?}"), |v| v == name)?;
@@ -304,6 +315,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
+        if let Some(r) = self.replication.relations.get(&name) {
+            return Err(Status::failed_precondition(format!(
+                "volume {name:?} is replicated ({} of {:?} on {}): disable its replication first",
+                r.role.as_str(),
+                r.remote,
+                r.peer
+            )));
+        }
         // Held across the deletion so no export of it can start meanwhile.
         let live = self.attachments.lock().await;
         refuse_if_attached(&live, &format!("snapshot {name:?}"), |v| snapshot_of(v) == Some(name.as_str()))?;
@@ -337,16 +356,57 @@ impl Admin for AdminService {
         Ok(Response::new(pb::ChangedRangesResponse { ranges, bytes }))
     }
 
-    async fn push_replica(
+    async fn enable_replication(
         &self,
-        req: Request<pb::PushReplicaRequest>,
-    ) -> Result<Response<pb::PushReplicaResponse>, Status> {
+        req: Request<pb::EnableReplicationRequest>,
+    ) -> Result<Response<pb::Replication>, Status> {
         let r = req.into_inner();
         require("volume", &r.volume)?;
-        require("peer", &r.peer)?;
-        let replica = if r.replica.is_empty() { r.volume.clone() } else { r.replica };
-        let pool = Arc::clone(&self.pool);
-        crate::replica::push_to_peer(pool, self.cfg.tls.as_ref(), r.volume, r.peer, replica).await.map(Response::new)
+        self.replication.enable(&r.volume, &r.peer, &r.replica, r.interval_secs).await.map(Response::new)
+    }
+
+    async fn disable_replication(
+        &self,
+        req: Request<pb::ReplicationRequest>,
+    ) -> Result<Response<pb::Replication>, Status> {
+        self.replication.disable(&req.into_inner().volume).await.map(Response::new)
+    }
+
+    async fn sync_replication(
+        &self,
+        req: Request<pb::ReplicationRequest>,
+    ) -> Result<Response<pb::SyncReplicationResponse>, Status> {
+        self.replication.sync(&req.into_inner().volume).await.map(Response::new)
+    }
+
+    async fn demote_replication(
+        &self,
+        req: Request<pb::ReplicationRequest>,
+    ) -> Result<Response<pb::Replication>, Status> {
+        self.replication.demote(&req.into_inner().volume).await.map(Response::new)
+    }
+
+    async fn promote_replication(
+        &self,
+        req: Request<pb::PromoteReplicationRequest>,
+    ) -> Result<Response<pb::Replication>, Status> {
+        let r = req.into_inner();
+        self.replication.promote(&r.volume, r.force).await.map(Response::new)
+    }
+
+    async fn resync_replication(
+        &self,
+        req: Request<pb::ReplicationRequest>,
+    ) -> Result<Response<pb::Replication>, Status> {
+        self.replication.resync(&req.into_inner().volume).await.map(Response::new)
+    }
+
+    async fn list_replications(
+        &self,
+        req: Request<pb::ListReplicationsRequest>,
+    ) -> Result<Response<pb::ListReplicationsResponse>, Status> {
+        let replications = self.replication.list(&req.into_inner().volume)?;
+        Ok(Response::new(pb::ListReplicationsResponse { replications }))
     }
 
     async fn create_group(&self, req: Request<pb::CreateGroupRequest>) -> Result<Response<pb::Group>, Status> {

@@ -22,7 +22,10 @@ pub enum Output {
 
 /// Connects to the daemon's admin API: a Unix socket path, or `tcp://host:port` (over TLS with
 /// `tls`).
-pub async fn connect(endpoint: &str, tls: Option<Arc<ferrite_proto::ClientTls>>) -> Result<AdminClient<Channel>> {
+/// A client of a daemon's admin API.
+pub type Admin = AdminClient<Channel>;
+
+pub async fn connect(endpoint: &str, tls: Option<Arc<ferrite_proto::ClientTls>>) -> Result<Admin> {
     let channel = ferrite_proto::connect(endpoint, tls)
         .await
         .with_context(|| format!("cannot reach the ferrite daemon at {endpoint} (is it running?)"))?;
@@ -108,7 +111,7 @@ fn format_time(unix: u64) -> String {
 fn volume_json(v: &pb::Volume) -> serde_json::Value {
     json!({"name": v.name, "id": v.id, "size": v.size, "allocated": v.allocated, "exclusive": v.exclusive,
            "chain_depth": v.chain_depth, "created_unix": v.created_unix, "exports": v.exports,
-           "notes": v.notes})
+           "read_only": v.read_only, "notes": v.notes})
 }
 
 fn snapshot_json(s: &pb::Snapshot) -> serde_json::Value {
@@ -125,7 +128,7 @@ pub fn print_done(out: Output, what: &str, name: &str) {
     }
 }
 
-pub fn print_push(out: Output, r: &pb::PushReplicaResponse) {
+pub fn print_sync(out: Output, r: &pb::SyncReplicationResponse) {
     match out {
         Output::Json => println!(
             "{}",
@@ -135,6 +138,64 @@ pub fn print_push(out: Output, r: &pb::PushReplicaResponse) {
             let over = if r.base.is_empty() { "a first sync".to_owned() } else { format!("over {}", r.base) };
             let how = if r.resumed { ", finishing an interrupted transfer" } else { "" };
             println!("replica at {} ({over}{how}): {} of data sent", r.snapshot, format_size(r.data_bytes));
+        }
+    }
+}
+
+/// Runs `call` while showing the progress of `volume`'s running transfer.
+pub async fn with_progress<T>(c: &Admin, volume: &str, what: &'static str, call: impl Future<Output = T>) -> T {
+    let mut progress = Progress::new(what);
+    let mut poll = c.clone();
+    let watch = async {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let req = pb::ListReplicationsRequest { volume: volume.to_owned() };
+            if let Ok(r) = poll.list_replications(req).await {
+                if let Some(x) = r.get_ref().replications.first().filter(|x| x.state == "syncing") {
+                    progress.update(x.bytes_done, x.bytes_done + x.bytes_left);
+                }
+            }
+        }
+    };
+    let out = tokio::select! {
+        out = call => out,
+        () = watch => unreachable!("the watch never ends"),
+    };
+    progress.finish();
+    out
+}
+
+fn replication_json(r: &pb::Replication) -> serde_json::Value {
+    json!({"volume": r.volume, "role": r.role, "peer": r.peer, "remote": r.remote,
+           "interval_secs": r.interval_secs, "state": r.state, "error": r.error,
+           "last_snapshot": r.last_snapshot, "last_snapshot_unix_ms": r.last_snapshot_unix_ms,
+           "last_sync_seconds": r.last_sync_seconds, "last_sync_bytes": r.last_sync_bytes,
+           "lag_seconds": r.lag_seconds, "bytes_done": r.bytes_done, "bytes_left": r.bytes_left,
+           "bytes_per_second": r.bytes_per_second, "handover": r.handover, "resynced": r.resynced})
+}
+
+pub fn print_replications(out: Output, list: &[pb::Replication]) {
+    match out {
+        Output::Json if list.len() == 1 => println!("{}", replication_json(&list[0])),
+        Output::Json => println!("{}", serde_json::Value::Array(list.iter().map(replication_json).collect())),
+        Output::Table => {
+            let rows = list
+                .iter()
+                .map(|r| {
+                    let state = match (r.state.as_str(), r.handover) {
+                        ("syncing", _) => format!("syncing {} left", format_size(r.bytes_left)),
+                        (s, true) => format!("{s}, final delta pending"),
+                        (s, false) => s.to_owned(),
+                    };
+                    let every = if r.interval_secs == 0 { "on request".into() } else { format!("{}s", r.interval_secs) };
+                    let lag = if r.last_snapshot.is_empty() { "-".into() } else { format!("{:.1}s", r.lag_seconds) };
+                    vec![r.volume.clone(), r.role.clone(), format!("{}:{}", r.peer, r.remote), state, lag, every]
+                })
+                .collect();
+            println!("{}", table(&["VOLUME", "ROLE", "PEER:VOLUME", "STATE", "LAG", "INTERVAL"], rows));
+            for r in list.iter().filter(|r| !r.error.is_empty()) {
+                println!("{}: {}", r.volume, r.error);
+            }
         }
     }
 }

@@ -36,6 +36,9 @@
 //! nbd-memory = "1G"                 # request data in flight over all NBD connections
 //! nbd-connection-memory = "64M"     # ... and per connection (one larger request still runs alone)
 //! nbd-connection-requests = 256     # requests in flight per NBD connection
+//! replication-endpoint = "tcp://10.0.0.5:7070"  # how peers reach this daemon's admin API for
+//!                                   # replication; default: tcp://<admin-listen>, else admin-socket
+//! replication-bandwidth = "100M"    # bytes per second sent to each peer; default: no limit
 //! ```
 //! Past the memory and request limits a connection is not refused: the server stops reading
 //! its requests until replies drain (backpressure).
@@ -86,6 +89,8 @@ pub struct ConfigFile {
     pub tls_key: Option<PathBuf>,
     pub tls_client_ca: Option<PathBuf>,
     pub nbd_tls: Option<String>,
+    pub replication_endpoint: Option<String>,
+    pub replication_bandwidth: Option<String>,
 }
 
 /// Configuration with every default filled in and every value checked.
@@ -111,6 +116,10 @@ pub struct Config {
     pub tls: Option<TlsFiles>,
     pub nbd_tls: TlsMode,
     pub insecure_admin_listen: bool,
+    /// This daemon's admin endpoint as replication peers reach it.
+    pub replication_endpoint: String,
+    /// Bytes per second sent to each replication peer; 0: no limit.
+    pub replication_bandwidth: u64,
 }
 
 /// The PEM files of a daemon's TLS.
@@ -266,7 +275,18 @@ impl Config {
             },
             nbd_tls: TlsMode::Off,
             insecure_admin_listen: f.insecure_admin_listen.unwrap_or(false),
+            replication_endpoint: String::new(),
+            replication_bandwidth: match f.replication_bandwidth {
+                None => 0,
+                b => size(b, "", "replication-bandwidth")?,
+            },
             data_dir,
+        };
+        cfg.replication_endpoint = match (f.replication_endpoint, cfg.admin_listen) {
+            (Some(e), _) if e.is_empty() => bail!("replication-endpoint must not be empty"),
+            (Some(e), _) => e,
+            (None, Some(a)) => format!("tcp://{a}"),
+            (None, None) => cfg.admin_socket.display().to_string(),
         };
         cfg.nbd_tls = match f
             .nbd_tls

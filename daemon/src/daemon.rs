@@ -186,6 +186,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             Err(anyhow::anyhow!("metrics listener stopped"))
         });
     }
+    let replication = crate::replica::Replication::new(Arc::clone(&pool), &cfg)?;
     let svc = AdminServer::new(AdminService {
         pool: Arc::clone(&pool),
         nbd: Arc::clone(&nbd),
@@ -193,9 +194,11 @@ pub async fn run(cfg: Config) -> Result<()> {
         exports: export_table,
         attachments: Arc::clone(&attachments),
         fences: Arc::clone(&fences),
+        replication: Arc::clone(&replication),
     });
-    let replica = ReplicaServer::new(crate::replica::ReplicaService::new(Arc::clone(&pool), &cfg.data_dir)?)
+    let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);
+    tokio::spawn(Arc::clone(&replication).schedule());
     if let Some(l) = admin_tcp {
         if tls.admin.is_none() {
             tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),

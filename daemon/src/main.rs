@@ -199,16 +199,77 @@ enum SnapshotCmd {
 
 #[derive(Subcommand)]
 enum ReplicaCmd {
-    /// Send a volume to its replica on a peer daemon now: a new mirror snapshot and what changed
-    /// since the replica's newest one, or the rest of an interrupted transfer.
-    Push {
+    /// Replicate a volume to a peer daemon: a mirror snapshot every interval, and only what
+    /// changed since the last one the peer holds crosses (the first sync: the allocated blocks).
+    Enable {
         volume: String,
         /// The peer's admin endpoint: its admin socket path, or tcp://host:port (mutual TLS).
         peer: String,
         /// The replica volume's name on the peer (default: the volume's).
         #[arg(long = "as")]
         replica: Option<String>,
+        /// Time between mirror snapshots: 30s, 5m, 1h; 0 pushes only on `replica sync`.
+        #[arg(long, default_value = "1m", value_parser = parse_interval)]
+        interval: u64,
     },
+    /// Stop replicating a volume; a secondary becomes writable at its last complete mirror snapshot.
+    Disable { volume: String },
+    /// Push a volume to its peer now (or finish an interrupted transfer), with progress.
+    Sync { volume: String },
+    /// Replicated volumes: role, state, peer, last mirror snapshot, lag, transfer progress.
+    Status { volume: Option<String> },
+    /// Make a primary read-only and send its final delta; then the peer can be promoted.
+    Demote { volume: String },
+    /// Make a secondary writable. Without --force only once its primary is demoted and fully
+    /// synced; with --force at its last complete mirror snapshot, whatever the primary's state.
+    Promote {
+        volume: String,
+        #[arg(long)]
+        force: bool,
+    },
+    /// On a secondary: drop what differs from the primary and take its delta (asks it now).
+    Resync { volume: String },
+}
+
+/// `30s`, `5m`, `2h`, `1d` or plain seconds, as seconds.
+fn parse_interval(s: &str) -> Result<u64, String> {
+    let (num, unit) = s.trim().split_at(s.trim().find(|c: char| !c.is_ascii_digit()).unwrap_or(s.trim().len()));
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not an interval such as 30s, 5m, 1h or 0"))?;
+    let scale = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
+    };
+    n.checked_mul(scale).ok_or_else(|| format!("{s:?} is too long"))
+}
+
+async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result<()> {
+    let one = |volume: String| pb::ReplicationRequest { volume };
+    let r = match cmd {
+        ReplicaCmd::Enable { volume, peer, replica, interval } => {
+            let req = pb::EnableReplicationRequest { volume, peer, replica: replica.unwrap_or_default(), interval_secs: interval };
+            c.enable_replication(req).await
+        }
+        ReplicaCmd::Disable { volume } => c.disable_replication(one(volume)).await,
+        ReplicaCmd::Demote { volume } => c.demote_replication(one(volume)).await,
+        ReplicaCmd::Promote { volume, force } => c.promote_replication(pb::PromoteReplicationRequest { volume, force }).await,
+        ReplicaCmd::Resync { volume } => c.resync_replication(one(volume)).await,
+        ReplicaCmd::Status { volume } => {
+            let req = pb::ListReplicationsRequest { volume: volume.unwrap_or_default() };
+            let r = c.list_replications(req).await.map_err(rpc_error)?;
+            cli::print_replications(out, &r.get_ref().replications);
+            return Ok(());
+        }
+        ReplicaCmd::Sync { volume } => {
+            let r = cli::with_progress(c, &volume, "replica sync", c.clone().sync_replication(one(volume.clone()))).await;
+            cli::print_sync(out, r.map_err(rpc_error)?.get_ref());
+            return Ok(());
+        }
+    };
+    cli::print_replications(out, &[r.map_err(rpc_error)?.into_inner()]);
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -443,11 +504,7 @@ async fn client(cli: Cli) -> Result<()> {
                 cli::print_ranges(out, r.get_ref());
             }
         },
-        Cmd::Replica(ReplicaCmd::Push { volume, peer, replica }) => {
-            let req = pb::PushReplicaRequest { volume, peer, replica: replica.unwrap_or_default() };
-            let r = c.push_replica(req).await.map_err(rpc_error)?;
-            cli::print_push(out, r.get_ref());
-        }
+        Cmd::Replica(cmd) => replica_cmd(&mut c, out, cmd).await?,
         Cmd::Clone { source, name } => {
             use pb::clone_volume_request::Source;
             let source = match source.split_once('@') {

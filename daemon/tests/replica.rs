@@ -34,7 +34,15 @@ fn zero(offset: u64, length: u64) -> PushMessage {
 }
 
 fn begin(base: &str, snapshot: &str, end: u64, resume: bool) -> PushMessage {
-    let b = PushBegin { replica: "r".into(), base: base.into(), snapshot: snapshot.into(), size: SIZE, end, resume };
+    let b = PushBegin {
+        replica: "r".into(),
+        base: base.into(),
+        snapshot: snapshot.into(),
+        size: SIZE,
+        end,
+        resume,
+        ..Default::default()
+    };
     PushMessage { msg: Some(Msg::Begin(b)) }
 }
 
@@ -58,7 +66,7 @@ async fn position(c: &Channel) -> (String, String, u64) {
         .await
         .unwrap()
         .into_inner();
-    (p.snapshot, p.pending_snapshot, p.resume_offset)
+    (p.snapshots.last().cloned().unwrap_or_default(), p.pending_snapshot, p.resume_offset)
 }
 
 /// The whole content of `image` (a volume or `volume@snapshot`), over NBD.
@@ -139,7 +147,10 @@ async fn deltas_land_whole_and_bad_or_cut_pushes_change_nothing() {
             (5, 5 * MIB, MIB)
         ])
     );
-    assert_eq!(read(&d, "r@m1"), m1_content, "older mirror snapshots stay");
+    let snaps = d.ok(&["-o", "json", "snapshot", "list", "r"]);
+    assert!(!snaps.contains("\"m1\""), "the older mirror snapshot goes: m2 is the common point now: {snaps}");
+    let vol: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "volume", "show", "r"])).unwrap();
+    assert_eq!(vol["read_only"], true, "a replica is read-only for clients: {vol}");
 
     // Refusals: a base the replica lacks, a resume with nothing to resume, a snapshot it has, a
     // push that does not start with its begin, a second push while one is in flight.
@@ -150,11 +161,11 @@ async fn deltas_land_whole_and_bad_or_cut_pushes_change_nothing() {
     }
     let err = push(&c, vec![first, commit()]).await.unwrap_err();
     assert_eq!(err.code(), Code::AlreadyExists, "a first sync never takes over a volume: {err}");
-    let err = push(&c, vec![begin("m9", "m3", MIB, false), commit()]).await.unwrap_err();
+    let err = push(&c, vec![begin("m1", "m3", MIB, false), commit()]).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert!(err.message().contains("resync"), "{err}");
     assert_eq!(push(&c, vec![begin("m2", "m3", MIB, true)]).await.unwrap_err().code(), Code::FailedPrecondition);
-    assert_eq!(push(&c, vec![begin("m1", "m2", MIB, false)]).await.unwrap_err().code(), Code::AlreadyExists);
+    assert_eq!(push(&c, vec![begin("m2", "m2", MIB, false)]).await.unwrap_err().code(), Code::AlreadyExists);
     assert_eq!(push(&c, vec![commit()]).await.unwrap_err().code(), Code::InvalidArgument);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tx.send(begin("m2", "m3", 0, false)).await.unwrap();
@@ -188,10 +199,13 @@ fn write(d: &Daemon, volume: &str, seed: u8, offset: u64, len: u64) {
     assert_eq!(&h[4..8], &[0; 4], "write to {volume} failed");
 }
 
-fn push_cli(primary: &Daemon, peer: &Daemon) -> serde_json::Value {
-    let peer = peer.admin();
-    serde_json::from_str(&primary.ok(&["-o", "json", "replica", "push", "v", peer.to_str().unwrap(), "--as", "r"]))
-        .unwrap()
+/// Replicates `v` to `r` at `peer`, on request only.
+fn enable(primary: &Daemon, peer: &str) {
+    primary.ok(&["replica", "enable", "v", peer, "--as", "r", "--interval", "0"]);
+}
+
+fn sync(primary: &Daemon) -> serde_json::Value {
+    serde_json::from_str(&primary.ok(&["-o", "json", "replica", "sync", "v"])).unwrap()
 }
 
 #[test]
@@ -203,7 +217,8 @@ fn a_daemon_pushes_a_volume_to_a_peer_first_in_full_then_only_what_changed() {
     write(&primary, "v", 2, 6 * MIB, MIB);
 
     // First sync: the allocated 3 MiB, as mirror snapshot v.mirror.<ms> on both sides.
-    let r = push_cli(&primary, &peer);
+    enable(&primary, peer.admin().to_str().unwrap());
+    let r = sync(&primary);
     let m1 = r["snapshot"].as_str().unwrap().to_owned();
     assert!(m1.starts_with("v.mirror."), "{r}");
     assert_eq!(
@@ -216,7 +231,7 @@ fn a_daemon_pushes_a_volume_to_a_peer_first_in_full_then_only_what_changed() {
     // the newest mirror snapshot.
     write(&primary, "v", 3, 64 << 10, 64 << 10);
     write(&primary, "v", 4, 4 * MIB, MIB);
-    let r = push_cli(&primary, &peer);
+    let r = sync(&primary);
     let m2 = r["snapshot"].as_str().unwrap().to_owned();
     assert_eq!((r["base"].as_str(), r["data_bytes"].as_u64()), (Some(m1.as_str()), Some(MIB + (64 << 10))), "{r}");
     let want = read(&primary, &format!("v@{m2}"));
@@ -226,9 +241,11 @@ fn a_daemon_pushes_a_volume_to_a_peer_first_in_full_then_only_what_changed() {
     assert!(!snaps.contains(&m1) && snaps.contains(&m2), "{snaps}");
 
     // The table output says what happened; a peer that is not there is a clear error.
-    let out = primary.ok(&["replica", "push", "v", peer.admin().to_str().unwrap(), "--as", "r"]);
+    let out = primary.ok(&["replica", "sync", "v"]);
     assert!(out.contains(&format!("over {m2}")) && out.contains("of data sent"), "{out}");
-    let err = primary.cli(&["replica", "push", "v", "/nonexistent.sock"]);
+    primary.ok(&["volume", "create", "w", "1M"]);
+    primary.ok(&["replica", "enable", "w", "/nonexistent.sock", "--interval", "0"]);
+    let err = primary.cli(&["replica", "sync", "w"]);
     assert!(!err.status.success());
     assert!(String::from_utf8_lossy(&err.stderr).contains("/nonexistent.sock"), "{err:?}");
 }
@@ -241,8 +258,8 @@ fn a_push_to_a_tcp_peer_uses_mutual_tls_and_the_peer_fence_list() {
     primary.ok(&["volume", "create", "v", "8M"]);
     write(&primary, "v", 9, MIB, MIB);
     let to = format!("tcp://{peer_admin}");
-    let r: serde_json::Value =
-        serde_json::from_str(&primary.ok(&["-o", "json", "replica", "push", "v", &to, "--as", "r"])).unwrap();
+    enable(&primary, &to);
+    let r = sync(&primary);
     let m1 = r["snapshot"].as_str().unwrap().to_owned();
     assert_eq!(r["data_bytes"].as_u64(), Some(MIB), "{r}");
     assert_eq!(read(&peer, &format!("r@{m1}")), read(&primary, &format!("v@{m1}")));
@@ -251,12 +268,11 @@ fn a_push_to_a_tcp_peer_uses_mutual_tls_and_the_peer_fence_list() {
     // picks): they are refused, and the replica stays.
     peer.ok(&["fence", "add", "127.0.0.0/8"]);
     write(&primary, "v", 10, 0, MIB);
-    let err = primary.cli(&["replica", "push", "v", &to, "--as", "r"]);
+    let err = primary.cli(&["replica", "sync", "v"]);
     assert!(!err.status.success(), "a fenced primary must not reach the replica");
     assert!(String::from_utf8_lossy(&err.stderr).contains(&peer_admin.to_string()), "{err:?}");
     assert_eq!(peer.ok(&["-o", "json", "snapshot", "list", "r"]).matches("v.mirror.").count(), 1);
     peer.ok(&["fence", "remove", "127.0.0.0/8"]);
-    let r: serde_json::Value =
-        serde_json::from_str(&primary.ok(&["-o", "json", "replica", "push", "v", &to, "--as", "r"])).unwrap();
+    let r = sync(&primary);
     assert_eq!(r["base"].as_str(), Some(m1.as_str()), "{r}");
 }

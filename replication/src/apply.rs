@@ -76,8 +76,12 @@ impl Transfer {
                 }
                 // A first sync never takes over a volume it did not create: only resuming one
                 // continues into an existing volume.
+                // Clients may read a replica's mirror snapshots, never write it.
                 match (exists, resume) {
-                    (false, _) => drop(pool.create_volume(replica, size)?),
+                    (false, _) => {
+                        pool.create_volume(replica, size)?;
+                        pool.set_read_only(replica, true)?;
+                    }
                     (true, Some(_)) => {}
                     (true, None) => {
                         return Err(Error::new(
@@ -103,7 +107,7 @@ impl Transfer {
             to: to.to_owned(),
             end,
             next: resume.unwrap_or(0).min(end),
-            vol: pool.open_volume(replica)?,
+            vol: pool.open_volume(replica)?.past_read_only(),
         })
     }
 

@@ -37,7 +37,12 @@ impl Delta {
 
     /// Bytes of data the delta carries (zero runs are a few bytes each on the wire).
     pub fn data_bytes(&self) -> u64 {
-        self.runs.iter().filter(|r| r.2).map(|r| r.1).sum()
+        self.data_bytes_from(0)
+    }
+
+    /// Bytes of data the delta carries from byte `from` on (what a resumed transfer sends).
+    pub fn data_bytes_from(&self, from: u64) -> u64 {
+        self.runs.iter().filter(|r| r.2).map(|&(o, l, _)| (o + l).saturating_sub(o.max(from))).sum()
     }
 
     /// One past the last byte the delta touches: where a complete transfer has got to.

@@ -1,0 +1,348 @@
+//! The replication state machine of a volume, as the CSI-Addons spec has it, and the scheduler.
+//!
+//! - enable: a primary relation; the scheduler pushes every interval.
+//! - demote: the volume becomes read-only (the write gate waits for writes in flight), the
+//!   relation a secondary with a pending handover, and the final delta goes to the peer (retried
+//!   by the scheduler until it arrives).
+//! - promote: writable again, at the newest complete mirror snapshot (an unfinished incoming
+//!   transfer is cancelled and dropped). Without force only when the peer is demoted, its final
+//!   delta has arrived, and this side holds the peer's newest mirror snapshot: nothing is lost.
+//! - resync (a secondary): drops a pending handover and asks the primary to push now; the push
+//!   rolls this side back to the newest mirror snapshot both hold and applies the primary's delta,
+//!   so only what differs crosses and local divergence (split-brain) is discarded.
+//! - disable: the relation goes; a secondary becomes an independent volume at its newest complete
+//!   mirror snapshot. Mirror snapshots go with the relation.
+//!
+//! Every change of a volume's relation, and every push of it, holds the volume's op lock.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferrite_proto::ferrite::v1 as pb;
+use tonic::Status;
+
+use super::records::{Relation, Role};
+use super::send::{at_peer, connect, prune, push};
+use super::{Replication, load, now_ms};
+use crate::admin::blocking;
+
+/// How often a demoted volume retries its final delta when it has no interval of its own.
+const HANDOVER_RETRY: Duration = Duration::from_secs(10);
+
+fn not_replicated(volume: &str) -> Status {
+    Status::not_found(format!("volume {volume:?} is not replicated on this daemon"))
+}
+
+impl Replication {
+    fn relation(&self, volume: &str) -> Result<Relation, Status> {
+        self.relations.get(volume).ok_or_else(|| not_replicated(volume))
+    }
+
+    /// The newest of this relation's mirror snapshots of its volume here.
+    async fn newest_mirror(&self, rel: &Relation) -> Result<Option<String>, Status> {
+        let (pool, v) = (Arc::clone(&self.pool), rel.volume.clone());
+        let snaps = blocking(move || pool.snapshots(Some(&v))).await?;
+        Ok(snaps.into_iter().rev().map(|s| s.name).find(|n| n.starts_with(&rel.prefix)))
+    }
+
+    /// The status of a replicated volume.
+    pub fn status_of(&self, rel: &Relation) -> pb::Replication {
+        let live = self.live(&rel.volume, |l| l.clone());
+        let taken = rel.taken_ms(&rel.synced).unwrap_or(0);
+        let (done, total, rate) = live.running.as_ref().map_or((0, 0, 0), |p| {
+            let done = load(&p.done);
+            let secs = p.started.elapsed().as_secs_f64();
+            (done, load(&p.total), if secs > 0.0 { (done as f64 / secs) as u64 } else { 0 })
+        });
+        let state = match (&live.running, live.error.is_empty()) {
+            (Some(_), _) => "syncing",
+            (None, true) => "idle",
+            (None, false) => "error",
+        };
+        pb::Replication {
+            volume: rel.volume.clone(),
+            role: rel.role.as_str().into(),
+            peer: rel.peer.clone(),
+            remote: rel.remote.clone(),
+            interval_secs: rel.interval_secs,
+            state: state.into(),
+            error: live.error,
+            last_snapshot: rel.synced.clone(),
+            last_snapshot_unix_ms: taken,
+            last_sync_seconds: live.last_secs,
+            last_sync_bytes: live.last_bytes,
+            lag_seconds: if taken == 0 { 0.0 } else { now_ms().saturating_sub(taken) as f64 / 1000.0 },
+            bytes_done: done,
+            bytes_left: total.saturating_sub(done),
+            bytes_per_second: rate,
+            handover: rel.handover,
+            resynced: live.resynced,
+        }
+    }
+
+    /// Every replicated volume, or one.
+    pub fn list(&self, volume: &str) -> Result<Vec<pb::Replication>, Status> {
+        if !volume.is_empty() {
+            return Ok(vec![self.status_of(&self.relation(volume)?)]);
+        }
+        let mut all: Vec<_> = self.relations.all().iter().map(|r| self.status_of(r)).collect();
+        all.sort_by(|a, b| a.volume.cmp(&b.volume));
+        Ok(all)
+    }
+
+    /// Starts replicating `volume` to `remote` on `peer`; enabling it again changes the interval.
+    pub async fn enable(
+        &self,
+        volume: &str,
+        peer: &str,
+        remote: &str,
+        interval_secs: u64,
+    ) -> Result<pb::Replication, Status> {
+        if peer.is_empty() {
+            return Err(Status::invalid_argument("replication needs the peer daemon's admin endpoint"));
+        }
+        if interval_secs > 7 * 86_400 {
+            return Err(Status::invalid_argument(format!(
+                "interval {interval_secs} s: at most a week (604800 s), or 0 for on request only"
+            )));
+        }
+        let lock = self.op_lock(volume);
+        let _g = lock.lock().await;
+        let (pool, v) = (Arc::clone(&self.pool), volume.to_owned());
+        blocking(move || pool.volume_info(&v)).await?;
+        let remote = if remote.is_empty() { volume } else { remote };
+        let rel = match self.relations.get(volume) {
+            Some(r) if r.role == Role::Secondary => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {volume:?} is a secondary of {:?} on {}: promote it to replicate it elsewhere",
+                    r.remote, r.peer
+                )));
+            }
+            Some(r) if r.peer != peer || r.remote != remote => {
+                return Err(Status::already_exists(format!(
+                    "volume {volume:?} already replicates to {:?} on {}: disable that first",
+                    r.remote, r.peer
+                )));
+            }
+            Some(r) => Relation { interval_secs, ..r },
+            None => Relation {
+                volume: volume.to_owned(),
+                role: Role::Primary,
+                peer: peer.to_owned(),
+                remote: remote.to_owned(),
+                prefix: format!("{volume}.mirror."),
+                interval_secs,
+                handover: false,
+                synced: String::new(),
+            },
+        };
+        self.relations.put(rel.clone())?;
+        self.live(volume, |l| l.next_at = None);
+        self.wake.notify_one();
+        tracing::info!(%volume, %peer, %remote, interval_secs, "replication enabled");
+        Ok(self.status_of(&rel))
+    }
+
+    /// Stops replicating `volume`; a secondary becomes writable at its newest complete mirror
+    /// snapshot.
+    pub async fn disable(&self, volume: &str) -> Result<pb::Replication, Status> {
+        let lock = self.op_lock(volume);
+        let _g = lock.lock().await;
+        let rel = self.relation(volume)?;
+        self.cancel_incoming(volume).await;
+        self.pending.set(volume, None)?;
+        if rel.role == Role::Secondary {
+            let at = self.newest_mirror(&rel).await?;
+            self.writable_at(&rel, at).await?;
+        }
+        prune(self, &rel, "").await;
+        self.relations.set(volume, None)?;
+        self.live.lock().expect("not poisoned").remove(volume);
+        tracing::info!(%volume, "replication disabled");
+        let mut out = self.status_of(&rel);
+        out.state = "disabled".into();
+        Ok(out)
+    }
+
+    /// Rolls the volume back to mirror snapshot `at`, if given, and makes it writable.
+    async fn writable_at(&self, rel: &Relation, at: Option<String>) -> Result<(), Status> {
+        let (pool, v) = (Arc::clone(&self.pool), rel.volume.clone());
+        blocking(move || {
+            if let Some(a) = at {
+                pool.rollback_volume(&v, &a)?;
+            }
+            pool.set_read_only(&v, false)
+        })
+        .await
+        .map(drop)
+    }
+
+    /// Pushes `volume` now, waiting for a push already running to finish first.
+    pub async fn sync(&self, volume: &str) -> Result<pb::SyncReplicationResponse, Status> {
+        let lock = self.op_lock(volume);
+        let _g = lock.lock().await;
+        self.sync_locked(volume).await
+    }
+
+    /// Pushes `volume` soon, unless a push or a state change of it is running.
+    pub fn sync_soon(self: &Arc<Self>, volume: &str) {
+        let (hub, volume) = (Arc::clone(self), volume.to_owned());
+        tokio::spawn(async move {
+            let lock = hub.op_lock(&volume);
+            let Ok(_g) = lock.try_lock() else { return };
+            // The outcome is in the volume's status.
+            let _ = hub.sync_locked(&volume).await;
+        });
+    }
+
+    async fn sync_locked(&self, volume: &str) -> Result<pb::SyncReplicationResponse, Status> {
+        let rel = self.relation(volume)?;
+        let r = push(self, &rel).await;
+        match &r {
+            Ok(_) => {
+                self.live(volume, |l| l.error.clear());
+                if rel.handover {
+                    let mut now = self.relation(volume)?;
+                    now.handover = false;
+                    self.relations.put(now)?;
+                    tracing::info!(%volume, "demoted: the final delta reached the peer");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%volume, error = %e.message(), "replication push failed");
+                self.live(volume, |l| l.error = e.message().to_owned());
+            }
+        }
+        r
+    }
+
+    /// Makes `volume` read-only here and sends its final delta.
+    pub async fn demote(&self, volume: &str) -> Result<pb::Replication, Status> {
+        let lock = self.op_lock(volume);
+        let _g = lock.lock().await;
+        let mut rel = self.relation(volume)?;
+        if rel.role == Role::Secondary {
+            return Ok(self.status_of(&rel));
+        }
+        let (pool, v) = (Arc::clone(&self.pool), volume.to_owned());
+        blocking(move || pool.set_read_only(&v, true)).await?;
+        rel.role = Role::Secondary;
+        rel.handover = true;
+        self.relations.put(rel)?;
+        tracing::info!(%volume, "demoted: read-only, sending the final delta");
+        // A failed final delta is retried by the scheduler; the status says why it failed.
+        let _ = self.sync_locked(volume).await;
+        Ok(self.status_of(&self.relation(volume)?))
+    }
+
+    /// Makes `volume` writable here (see the module docs for when).
+    pub async fn promote(&self, volume: &str, force: bool) -> Result<pb::Replication, Status> {
+        let lock = self.op_lock(volume);
+        let _g = lock.lock().await;
+        let mut rel = self.relation(volume)?;
+        if rel.role == Role::Primary {
+            return Ok(self.status_of(&rel));
+        }
+        if !force {
+            self.check_peer_handed_over(&rel).await?;
+        }
+        self.cancel_incoming(volume).await;
+        let Some(at) = self.newest_mirror(&rel).await? else {
+            return Err(Status::failed_precondition(format!(
+                "volume {volume:?} holds no complete mirror snapshot: there is nothing to promote"
+            )));
+        };
+        // What an unfinished transfer applied goes with the rollback.
+        self.pending.set(volume, None)?;
+        self.writable_at(&rel, Some(at.clone())).await?;
+        rel.role = Role::Primary;
+        rel.handover = false;
+        rel.synced = at;
+        self.relations.put(rel.clone())?;
+        self.live(volume, |l| (l.next_at, l.error) = (None, String::new()));
+        self.wake.notify_one();
+        tracing::info!(%volume, force, at = %rel.synced, "promoted");
+        Ok(self.status_of(&rel))
+    }
+
+    /// A promotion without force loses nothing only if the peer is demoted, its final delta is
+    /// here, and this side holds the peer's newest mirror snapshot.
+    async fn check_peer_handed_over(&self, rel: &Relation) -> Result<(), Status> {
+        let unsure = |why: String| {
+            Status::failed_precondition(format!(
+                "{why}; promote with force to take over at this side's last complete mirror snapshot"
+            ))
+        };
+        let pos = async {
+            let mut c = connect(self.tls.as_ref(), &rel.peer).await?;
+            c.position(pb::ReplicaPositionRequest { replica: rel.remote.clone() }).await.map_err(at_peer(&rel.peer))
+        }
+        .await
+        .map_err(|e| unsure(format!("the primary cannot be asked ({})", e.message())))?
+        .into_inner();
+        if pos.role == Role::Primary.as_str() {
+            return Err(unsure(format!("{:?} on {} is still primary: demote it first", rel.remote, rel.peer)));
+        }
+        if pos.handover {
+            return Err(unsure(format!("the final delta of {:?} on {} has not arrived yet", rel.remote, rel.peer)));
+        }
+        let theirs = pos.snapshots.iter().rev().find(|n| n.starts_with(&rel.prefix)).cloned().unwrap_or_default();
+        if theirs.is_empty() || theirs != rel.synced || self.pending.get(&rel.volume).is_some() {
+            return Err(unsure(format!(
+                "this side is at mirror snapshot {:?}, {:?} on {} at {theirs:?}",
+                rel.synced, rel.remote, rel.peer
+            )));
+        }
+        Ok(())
+    }
+
+    /// On a secondary: discard what differs from the primary and ask it to push now.
+    pub async fn resync(&self, volume: &str) -> Result<pb::Replication, Status> {
+        let lock = self.op_lock(volume);
+        let _g = lock.lock().await;
+        let mut rel = self.relation(volume)?;
+        if rel.role == Role::Primary {
+            return Err(Status::failed_precondition(format!(
+                "volume {volume:?} is primary here: demote it before resyncing it from {}",
+                rel.peer
+            )));
+        }
+        rel.handover = false;
+        self.relations.put(rel.clone())?;
+        self.live(volume, |l| (l.resynced, l.error) = (false, String::new()));
+        let asked = async {
+            let mut c = connect(self.tls.as_ref(), &rel.peer).await?;
+            c.sync(pb::ReplicaSyncRequest { volume: rel.remote.clone() }).await.map_err(at_peer(&rel.peer))
+        }
+        .await;
+        if let Err(e) = asked {
+            // The primary's scheduler pushes at its next interval anyway.
+            self.live(volume, |l| l.error = format!("asking the primary to push now: {}", e.message()));
+        }
+        tracing::info!(%volume, peer = %rel.peer, "resync requested");
+        Ok(self.status_of(&rel))
+    }
+
+    /// Pushes every primary at its interval, and retries demoted volumes' final deltas.
+    pub async fn schedule(self: Arc<Self>) {
+        loop {
+            let now = Instant::now();
+            for rel in self.relations.all() {
+                let every = match rel.role {
+                    Role::Primary if rel.interval_secs > 0 => Duration::from_secs(rel.interval_secs),
+                    Role::Secondary if rel.handover => Duration::from_secs(rel.interval_secs).max(HANDOVER_RETRY),
+                    _ => continue,
+                };
+                if self.live(&rel.volume, |l| l.next_at.is_some_and(|t| t > now)) {
+                    continue;
+                }
+                self.live(&rel.volume, |l| l.next_at = Some(now + every));
+                self.sync_soon(&rel.volume);
+            }
+            tokio::select! {
+                () = self.wake.notified() => {}
+                () = tokio::time::sleep(Duration::from_millis(250)) => {}
+            }
+        }
+    }
+}

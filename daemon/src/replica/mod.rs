@@ -1,0 +1,195 @@
+//! Asynchronous replication between daemons, snapshot-based (DESIGN.md §2, ARCHITECTURE.md
+//! "Replication"). A primary volume takes a mirror snapshot every interval and pushes what changed
+//! since the newest mirror snapshot its peer holds (`send.rs`); the peer's `Replica` service
+//! applies it to a read-only secondary, all or nothing (`receive.rs`); `control.rs` holds the
+//! state machine (enable, demote, promote, resync, disable), the scheduler and the status. The
+//! relations and resume points live in `records.rs`. [`Replication`] is what they share.
+
+pub mod control;
+pub mod receive;
+pub mod records;
+pub mod send;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferrite_engine::Pool;
+use tokio::sync::Notify;
+use tonic::Status;
+
+use crate::config::{Config, TlsFiles};
+use records::{PendingRecord, Records, Relation};
+
+/// The largest push message: a 1 MiB piece of data ([`send::PIECE`]) with its crcs, and framing.
+pub const MAX_PUSH_MESSAGE: usize = send::PIECE + (16 << 10);
+
+/// A running transfer's progress, updated by the thread that reads the pieces.
+#[derive(Debug)]
+pub struct Progress {
+    pub started: Instant,
+    pub done: AtomicU64,
+    pub total: AtomicU64,
+}
+
+/// What this daemon knows of a replicated volume beyond its record: nothing here survives a
+/// restart, nothing here is needed for correctness.
+#[derive(Debug, Default, Clone)]
+pub struct Live {
+    pub running: Option<Arc<Progress>>,
+    pub error: String,
+    pub last_secs: f64,
+    pub last_bytes: u64,
+    /// When the scheduler next pushes.
+    pub next_at: Option<Instant>,
+    /// A delta arrived since the last resync request.
+    pub resynced: bool,
+}
+
+/// Paces the bytes sent to one peer: each piece takes the next free slot of `rate` bytes per
+/// second and waits for its start.
+#[derive(Debug)]
+pub struct Limiter {
+    rate: u64,
+    next: Mutex<Instant>,
+}
+
+impl Limiter {
+    fn new(rate: u64) -> Self {
+        Self { rate, next: Mutex::new(Instant::now()) }
+    }
+
+    /// Blocks until `bytes` may go.
+    pub fn take(&self, bytes: u64) {
+        if self.rate == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let start = {
+            let mut next = self.next.lock().expect("not poisoned");
+            let start = (*next).max(now);
+            *next = start + Duration::from_secs_f64(bytes as f64 / self.rate as f64);
+            start
+        };
+        std::thread::sleep(start - now);
+    }
+}
+
+/// Everything replication shares, one per daemon.
+#[derive(Debug)]
+pub struct Replication {
+    pub pool: Arc<Pool>,
+    tls: Option<TlsFiles>,
+    /// How peers reach this daemon.
+    endpoint: String,
+    bandwidth: u64,
+    pub relations: Records<Relation>,
+    pending: Records<PendingRecord>,
+    live: Mutex<HashMap<String, Live>>,
+    /// One state change or outgoing push per volume at a time.
+    ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    incoming: Mutex<HashMap<String, Arc<Notify>>>,
+    limiters: Mutex<HashMap<String, Arc<Limiter>>>,
+    /// Wakes the scheduler (a relation was enabled or promoted).
+    wake: Notify,
+}
+
+/// An incoming transfer in flight (promoting or disabling the replica cancels it through
+/// `cancelled`); dropping it clears the mark.
+pub struct Incoming<'a> {
+    hub: &'a Replication,
+    replica: String,
+    pub cancelled: Arc<Notify>,
+}
+
+impl Drop for Incoming<'_> {
+    fn drop(&mut self) {
+        self.hub.incoming.lock().expect("not poisoned").remove(&self.replica);
+    }
+}
+
+impl Replication {
+    pub fn new(pool: Arc<Pool>, cfg: &Config) -> anyhow::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            pool,
+            tls: cfg.tls.clone(),
+            endpoint: cfg.replication_endpoint.clone(),
+            bandwidth: cfg.replication_bandwidth,
+            relations: Records::load(&cfg.data_dir, "replication")?,
+            pending: Records::load(&cfg.data_dir, "replica-transfers")?,
+            live: Mutex::default(),
+            ops: Mutex::default(),
+            incoming: Mutex::default(),
+            limiters: Mutex::default(),
+            wake: Notify::new(),
+        }))
+    }
+
+    /// The lock that orders state changes and pushes of `volume`.
+    fn op_lock(&self, volume: &str) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(self.ops.lock().expect("not poisoned").entry(volume.to_owned()).or_default())
+    }
+
+    /// Reads or updates the live status of `volume`.
+    pub fn live<R>(&self, volume: &str, f: impl FnOnce(&mut Live) -> R) -> R {
+        f(self.live.lock().expect("not poisoned").entry(volume.to_owned()).or_default())
+    }
+
+    fn limiter(&self, peer: &str) -> Arc<Limiter> {
+        let mut m = self.limiters.lock().expect("not poisoned");
+        Arc::clone(m.entry(peer.to_owned()).or_insert_with(|| Arc::new(Limiter::new(self.bandwidth))))
+    }
+
+    /// Marks an incoming transfer into `replica`; a second one at once is Aborted.
+    fn claim_incoming(&self, replica: &str) -> Result<Incoming<'_>, Status> {
+        let mut m = self.incoming.lock().expect("not poisoned");
+        if m.contains_key(replica) {
+            return Err(Status::aborted(format!("a transfer to replica {replica:?} is already in flight")));
+        }
+        let cancelled = Arc::new(Notify::new());
+        m.insert(replica.to_owned(), Arc::clone(&cancelled));
+        Ok(Incoming { hub: self, replica: replica.to_owned(), cancelled })
+    }
+
+    /// Cancels an incoming transfer into `replica`, if one runs, and waits until it has stopped.
+    async fn cancel_incoming(&self, replica: &str) {
+        let Some(n) = self.incoming.lock().expect("not poisoned").get(replica).cloned() else { return };
+        n.notify_one();
+        while self.incoming.lock().expect("not poisoned").contains_key(replica) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limiter_paces_to_its_rate() {
+        let l = Limiter::new(10 << 20);
+        let t = Instant::now();
+        for _ in 0..6 {
+            l.take(1 << 20);
+        }
+        // The first MiB goes at once, the other five take half a second at 10 MiB/s.
+        let s = t.elapsed().as_secs_f64();
+        assert!((0.45..0.7).contains(&s), "{s}");
+        let free = Limiter::new(0);
+        let t = Instant::now();
+        free.take(u64::MAX);
+        assert!(t.elapsed() < Duration::from_millis(10));
+    }
+}

@@ -1,0 +1,154 @@
+//! What replication keeps on disk: each replicated volume's relation to its peer
+//! (`replication.json`) and the resume points of unfinished incoming transfers
+//! (`replica-transfers.json`), both replaced atomically and privately (`state::RecordFile`).
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tonic::Status;
+
+use crate::state::RecordFile;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Writable here; pushes mirror snapshots to the peer.
+    Primary,
+    /// Read-only here; takes the peer's pushes.
+    Secondary,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Primary => "primary",
+            Role::Secondary => "secondary",
+        }
+    }
+}
+
+/// A replicated volume and its peer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Relation {
+    pub volume: String,
+    pub role: Role,
+    /// The peer daemon's admin endpoint (a socket path or tcp://host:port).
+    pub peer: String,
+    /// The volume's name on the peer.
+    pub remote: String,
+    /// Mirror snapshots of this relation are `<prefix><unix ms>`, on both sides.
+    pub prefix: String,
+    /// Seconds between mirror snapshots on the primary; 0: only on request.
+    pub interval_secs: u64,
+    /// Demoted, and the final delta has not reached the peer yet.
+    #[serde(default)]
+    pub handover: bool,
+    /// The newest mirror snapshot both sides hold.
+    #[serde(default)]
+    pub synced: String,
+}
+
+impl Relation {
+    /// When mirror snapshot `name` of this relation was taken (Unix ms), if it is one.
+    pub fn taken_ms(&self, name: &str) -> Option<u64> {
+        name.strip_prefix(&self.prefix)?.parse().ok()
+    }
+}
+
+/// An unfinished incoming transfer: what it brings, over what, and where it resumes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingRecord {
+    pub replica: String,
+    pub snapshot: String,
+    pub base: String,
+    pub resume: u64,
+}
+
+/// A record kept by a unique name.
+pub trait Keyed {
+    fn key(&self) -> &str;
+}
+
+impl Keyed for Relation {
+    fn key(&self) -> &str {
+        &self.volume
+    }
+}
+
+impl Keyed for PendingRecord {
+    fn key(&self) -> &str {
+        &self.replica
+    }
+}
+
+/// A list of records, in memory and on disk; every change is durable before it returns.
+#[derive(Debug)]
+pub struct Records<T> {
+    file: RecordFile,
+    items: Mutex<Vec<T>>,
+}
+
+impl<T: Keyed + Clone + Serialize + DeserializeOwned> Records<T> {
+    pub fn load(data_dir: &Path, name: &str) -> anyhow::Result<Self> {
+        let file = RecordFile::new(data_dir, name);
+        let items = Mutex::new(file.load()?);
+        Ok(Self { file, items })
+    }
+
+    pub fn get(&self, key: &str) -> Option<T> {
+        self.items.lock().expect("not poisoned").iter().find(|r| r.key() == key).cloned()
+    }
+
+    pub fn all(&self) -> Vec<T> {
+        self.items.lock().expect("not poisoned").clone()
+    }
+
+    /// Replaces the record of `key` with `record` (None: forgets it), durably.
+    pub fn set(&self, key: &str, record: Option<T>) -> Result<(), Status> {
+        let mut items = self.items.lock().expect("not poisoned");
+        let before = items.clone();
+        items.retain(|r| r.key() != key);
+        items.extend(record);
+        self.file.save(&items).map_err(|e| {
+            *items = before;
+            Status::internal(format!("saving {}: {e}", self.file.path().display()))
+        })
+    }
+
+    pub fn put(&self, record: T) -> Result<(), Status> {
+        let key = record.key().to_owned();
+        self.set(&key, Some(record))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relations_persist_and_name_their_mirror_snapshots() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = Relation {
+            volume: "v".into(),
+            role: Role::Primary,
+            peer: "/p.sock".into(),
+            remote: "r".into(),
+            prefix: "v.mirror.".into(),
+            interval_secs: 60,
+            handover: false,
+            synced: String::new(),
+        };
+        let list = Records::<Relation>::load(dir.path(), "replication").unwrap();
+        list.put(r.clone()).unwrap();
+        list.put(Relation { role: Role::Secondary, ..r.clone() }).unwrap();
+        let again = Records::<Relation>::load(dir.path(), "replication").unwrap();
+        assert_eq!(again.all().len(), 1);
+        assert_eq!(again.get("v").unwrap().role, Role::Secondary);
+        assert_eq!(r.taken_ms("v.mirror.1700000000123"), Some(1_700_000_000_123));
+        assert_eq!(r.taken_ms("v.snap"), None);
+        again.set("v", None).unwrap();
+        assert!(Records::<Relation>::load(dir.path(), "replication").unwrap().get("v").is_none());
+    }
+}
