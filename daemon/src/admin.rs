@@ -315,14 +315,6 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
-        if let Some(r) = self.replication.relations.get(&name) {
-            return Err(Status::failed_precondition(format!(
-                "volume {name:?} is replicated ({} of {:?} on {}): disable its replication first",
-                r.role.as_str(),
-                r.remote,
-                r.peer
-            )));
-        }
         // Held across the deletion so no export of it can start meanwhile.
         let live = self.attachments.lock().await;
         refuse_if_attached(&live, &format!("snapshot {name:?}"), |v| snapshot_of(v) == Some(name.as_str()))?;

@@ -150,10 +150,10 @@ pub async fn with_progress<T>(c: &Admin, volume: &str, what: &'static str, call:
         loop {
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             let req = pb::ListReplicationsRequest { volume: volume.to_owned() };
-            if let Ok(r) = poll.list_replications(req).await {
-                if let Some(x) = r.get_ref().replications.first().filter(|x| x.state == "syncing") {
-                    progress.update(x.bytes_done, x.bytes_done + x.bytes_left);
-                }
+            if let Ok(r) = poll.list_replications(req).await
+                && let Some(x) = r.get_ref().replications.first().filter(|x| x.state == "syncing")
+            {
+                progress.update(x.bytes_done, x.bytes_done + x.bytes_left);
             }
         }
     };
@@ -187,7 +187,8 @@ pub fn print_replications(out: Output, list: &[pb::Replication]) {
                         (s, true) => format!("{s}, final delta pending"),
                         (s, false) => s.to_owned(),
                     };
-                    let every = if r.interval_secs == 0 { "on request".into() } else { format!("{}s", r.interval_secs) };
+                    let every =
+                        if r.interval_secs == 0 { "on request".into() } else { format!("{}s", r.interval_secs) };
                     let lag = if r.last_snapshot.is_empty() { "-".into() } else { format!("{:.1}s", r.lag_seconds) };
                     vec![r.volume.clone(), r.role.clone(), format!("{}:{}", r.peer, r.remote), state, lag, every]
                 })

@@ -186,7 +186,8 @@ pub async fn run(cfg: Config) -> Result<()> {
             Err(anyhow::anyhow!("metrics listener stopped"))
         });
     }
-    let replication = crate::replica::Replication::new(Arc::clone(&pool), &cfg)?;
+    let replication =
+        crate::replica::Replication::new(Arc::clone(&pool), Arc::clone(&export_table), Arc::clone(&attachments), &cfg)?;
     let svc = AdminServer::new(AdminService {
         pool: Arc::clone(&pool),
         nbd: Arc::clone(&nbd),

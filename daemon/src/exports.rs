@@ -154,8 +154,9 @@ fn publish(pool: &Pool, live: &Exports, r: &ExportRecord) -> Result<(), Status> 
         .map_err(|e| Status::invalid_argument(format!("allow: {e}")))?;
     let handle = open_image(pool, &r.volume).map_err(status)?;
     let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
-    let read_only = r.read_only || handle.is_read_only();
-    live.add(Export::new(r.name.clone(), handle, read_only, format!("ferrite {what} {}", r.volume)).with_allow(allow));
+    live.add(
+        Export::new(r.name.clone(), handle, r.read_only, format!("ferrite {what} {}", r.volume)).with_allow(allow),
+    );
     Ok(())
 }
 

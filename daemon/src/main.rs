@@ -249,12 +249,19 @@ async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result
     let one = |volume: String| pb::ReplicationRequest { volume };
     let r = match cmd {
         ReplicaCmd::Enable { volume, peer, replica, interval } => {
-            let req = pb::EnableReplicationRequest { volume, peer, replica: replica.unwrap_or_default(), interval_secs: interval };
+            let req = pb::EnableReplicationRequest {
+                volume,
+                peer,
+                replica: replica.unwrap_or_default(),
+                interval_secs: interval,
+            };
             c.enable_replication(req).await
         }
         ReplicaCmd::Disable { volume } => c.disable_replication(one(volume)).await,
         ReplicaCmd::Demote { volume } => c.demote_replication(one(volume)).await,
-        ReplicaCmd::Promote { volume, force } => c.promote_replication(pb::PromoteReplicationRequest { volume, force }).await,
+        ReplicaCmd::Promote { volume, force } => {
+            c.promote_replication(pb::PromoteReplicationRequest { volume, force }).await
+        }
         ReplicaCmd::Resync { volume } => c.resync_replication(one(volume)).await,
         ReplicaCmd::Status { volume } => {
             let req = pb::ListReplicationsRequest { volume: volume.unwrap_or_default() };
@@ -263,7 +270,8 @@ async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result
             return Ok(());
         }
         ReplicaCmd::Sync { volume } => {
-            let r = cli::with_progress(c, &volume, "replica sync", c.clone().sync_replication(one(volume.clone()))).await;
+            let r =
+                cli::with_progress(c, &volume, "replica sync", c.clone().sync_replication(one(volume.clone()))).await;
             cli::print_sync(out, r.map_err(rpc_error)?.get_ref());
             return Ok(());
         }

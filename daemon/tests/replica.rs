@@ -7,11 +7,9 @@
 
 mod common;
 
-use std::io::{Read, Write};
-
 use common::Daemon;
 use common::csi::channel;
-use common::nbd::{connect, request};
+use common::nbd::{open, read_image, write_on};
 use ferrite_proto::ferrite::v1::push_message::Msg;
 use ferrite_proto::ferrite::v1::replica_client::ReplicaClient;
 use ferrite_proto::ferrite::v1::{PushBegin, PushCommit, PushData, PushMessage, PushZero, ReplicaPositionRequest};
@@ -71,15 +69,7 @@ async fn position(c: &Channel) -> (String, String, u64) {
 
 /// The whole content of `image` (a volume or `volume@snapshot`), over NBD.
 fn read(d: &Daemon, image: &str) -> Vec<u8> {
-    d.ok(&["export", "nbd", image]);
-    let mut s = connect(&d.nbd(), image);
-    s.write_all(&request(0, 0, 1, 0, SIZE as u32, &[])).unwrap();
-    let mut h = [0u8; 16];
-    s.read_exact(&mut h).unwrap();
-    assert_eq!(&h[4..8], &[0; 4], "read of {image} failed");
-    let mut buf = vec![0u8; SIZE as usize];
-    s.read_exact(&mut buf).unwrap();
-    buf
+    read_image(d, image, SIZE)
 }
 
 fn expect(pieces: &[(u8, u64, u64)]) -> Vec<u8> {
@@ -190,13 +180,8 @@ async fn deltas_land_whole_and_bad_or_cut_pushes_change_nothing() {
 
 /// Writes `len` bytes of a `seed` pattern at `offset` of `volume`, over NBD.
 fn write(d: &Daemon, volume: &str, seed: u8, offset: u64, len: u64) {
-    d.ok(&["export", "nbd", volume]);
     let Some(Msg::Data(p)) = data(seed, offset, len).msg else { unreachable!() };
-    let mut s = connect(&d.nbd(), volume);
-    s.write_all(&request(1, 0, 7, offset, len as u32, &p.data)).unwrap();
-    let mut h = [0u8; 16];
-    s.read_exact(&mut h).unwrap();
-    assert_eq!(&h[4..8], &[0; 4], "write to {volume} failed");
+    assert_eq!(write_on(&mut open(d, volume), offset, &p.data), 0, "write to {volume} failed");
 }
 
 /// Replicates `v` to `r` at `peer`, on request only.

@@ -14,6 +14,7 @@
 //!  write/    the log: queue + group-commit leader, the open batch (tail), batches, room at the head
 //!  ctx       the shared context: store, metadata, state lock, pins, health, counters, wake-ups
 //!  state     the in-memory state and the one place a batch is applied (write path and recovery)
+//!  gate      a volume's write gate: read-only volumes, and waiting out the writes in flight
 //!  meta      RocksDB: catalog, map chunks, crc tables, checkpoint record, segment chain
 //!  map/      extent maps, layer views and chains, the segment table: pure, in memory
 //!  format    superblock and batch header: pure encode/decode
@@ -42,6 +43,7 @@
 mod ctx;
 mod error;
 pub mod format;
+mod gate;
 pub mod io;
 mod maint;
 mod map;

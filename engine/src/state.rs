@@ -6,11 +6,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::format::{BatchHeader, Entry, EntryKind};
+use crate::gate::WriteGate;
 use crate::io::BLOCK;
 use crate::map::layers::Layers;
 use crate::map::segments::SegmentTable;
 use crate::meta::{GroupRecord, SnapshotRecord, VolumeRecord};
-use crate::write::gate::WriteGate;
 
 /// What a handle reads: a volume (through its current head) or a snapshot (read-only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

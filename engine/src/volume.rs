@@ -12,6 +12,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::gate::{Inside, WriteGate};
 use crate::io::BLOCK;
 use crate::map::segments::Pinned;
 use crate::pool::Inner;
@@ -19,7 +20,6 @@ use crate::read::readahead::{Streams, note_read};
 use crate::read::reads::Reads;
 use crate::read::resolve::{Resolved, check_within, gone, resolve};
 use crate::state::{State, Target};
-use crate::write::gate::{Inside, WriteGate};
 use crate::write::req::{Payload, Req, Waiter};
 
 const B: u64 = BLOCK as u64;

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 /// Lowest first. Each may use those before it (see `src/lib.rs` for what each owns).
 const BANDS: &[&str] = &[
-    "error", "rng", "io", "format", "map", "meta", "state", "ctx", "write", "read", "maint", "recovery", "pool",
-    "volume", "ops", "lib",
+    "error", "rng", "io", "format", "map", "meta", "gate", "state", "ctx", "write", "read", "maint", "recovery",
+    "pool", "volume", "ops", "lib",
 ];
 
 fn files(dir: &Path, out: &mut Vec<PathBuf>) {

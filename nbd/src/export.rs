@@ -54,6 +54,7 @@ impl fmt::Display for Allow {
 pub struct Export {
     pub name: String,
     pub volume: Volume,
+    /// Exported read-only; see [`Export::is_read_only`] for what a client gets.
     pub read_only: bool,
     pub description: String,
     /// Empty: every client that reaches the listener (and passes its TLS policy). Otherwise a
@@ -68,6 +69,12 @@ pub struct Export {
 }
 
 impl Export {
+    /// Read-only for clients now: exported so, or the volume is (a snapshot, or a volume made
+    /// read-only since, e.g. a demoted replication primary). Asked per connection and request.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only || self.volume.is_read_only()
+    }
+
     pub fn new(name: impl Into<String>, volume: Volume, read_only: bool, description: impl Into<String>) -> Self {
         Self {
             name: name.into(),

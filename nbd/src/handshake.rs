@@ -44,7 +44,7 @@ pub struct Session {
 /// Transmission flags of an export for this session.
 pub fn transmission_flags(export: &Export, structured: bool) -> u16 {
     let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA | TF_CAN_MULTI_CONN | TF_SEND_CACHE;
-    if export.read_only {
+    if export.is_read_only() {
         f |= TF_READ_ONLY;
     } else {
         f |= TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO;

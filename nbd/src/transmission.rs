@@ -135,7 +135,7 @@ pub(crate) fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
     let err = |e: u32, msg: &str| error_reply(st, req.cookie, e, msg);
     let engine_err = |e: Error| error_reply(st, req.cookie, nbd_errno(&e), &e.to_string());
     let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
-    if writes && s.export.read_only {
+    if writes && s.export.is_read_only() {
         return err(EPERM, "export is read-only");
     }
     // Reads are checked by the engine (OutOfRange is EINVAL too), in the lookup they need anyway.

@@ -51,8 +51,8 @@ impl Replication {
         let taken = rel.taken_ms(&rel.synced).unwrap_or(0);
         let (done, total, rate) = live.running.as_ref().map_or((0, 0, 0), |p| {
             let done = load(&p.done);
-            let secs = p.started.elapsed().as_secs_f64();
-            (done, load(&p.total), if secs > 0.0 { (done as f64 / secs) as u64 } else { 0 })
+            let ms = u64::try_from(p.started.elapsed().as_millis()).unwrap_or(u64::MAX).max(1);
+            (done, load(&p.total), done.saturating_mul(1000) / ms)
         });
         let state = match (&live.running, live.error.is_empty()) {
             (Some(_), _) => "syncing",

@@ -19,7 +19,9 @@ use ferrite_engine::Pool;
 use tokio::sync::Notify;
 use tonic::Status;
 
+use crate::attachments::Attachments;
 use crate::config::{Config, TlsFiles};
+use crate::exports::ExportTable;
 use records::{PendingRecord, Records, Relation};
 
 /// The largest push message: a 1 MiB piece of data ([`send::PIECE`]) with its crcs, and framing.
@@ -80,6 +82,9 @@ impl Limiter {
 #[derive(Debug)]
 pub struct Replication {
     pub pool: Arc<Pool>,
+    /// What serves snapshots to clients: a mirror snapshot in use is not pruned.
+    exports: Arc<ExportTable>,
+    attachments: Arc<Attachments>,
     tls: Option<TlsFiles>,
     /// How peers reach this daemon.
     endpoint: String,
@@ -110,9 +115,16 @@ impl Drop for Incoming<'_> {
 }
 
 impl Replication {
-    pub fn new(pool: Arc<Pool>, cfg: &Config) -> anyhow::Result<Arc<Self>> {
+    pub fn new(
+        pool: Arc<Pool>,
+        exports: Arc<ExportTable>,
+        attachments: Arc<Attachments>,
+        cfg: &Config,
+    ) -> anyhow::Result<Arc<Self>> {
         Ok(Arc::new(Self {
             pool,
+            exports,
+            attachments,
             tls: cfg.tls.clone(),
             endpoint: cfg.replication_endpoint.clone(),
             bandwidth: cfg.replication_bandwidth,

@@ -22,6 +22,7 @@ use super::records::{Relation, Role};
 use super::{Progress, Replication, now_ms};
 use crate::admin::{blocking, status};
 use crate::config::TlsFiles;
+use crate::exports::snapshot_of;
 
 /// Data bytes per push piece.
 pub const PIECE: usize = 1 << 20;
@@ -53,19 +54,28 @@ pub fn at_peer(peer: &str) -> impl Fn(Status) -> Status + '_ {
 
 /// Deletes this relation's mirror snapshots of its volume other than `keep`: after a complete
 /// push (or receipt) `keep` is the common point, and anything else is an older point or an
-/// abandoned transfer's.
+/// abandoned transfer's. One a client reads (exported or attached) stays until a later prune.
 pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
-    let (pool, volume, prefix, keep) =
-        (Arc::clone(&hub.pool), rel.volume.clone(), rel.prefix.clone(), keep.to_owned());
+    // Held across the deletions so that no export or attachment of them starts meanwhile.
+    let live = hub.attachments.lock().await;
+    let records = hub.exports.lock().await;
+    let in_use: Vec<String> = live
+        .iter()
+        .filter_map(|(a, _)| snapshot_of(&a.volume))
+        .chain(records.iter().filter_map(|r| r.snapshot()))
+        .map(str::to_owned)
+        .collect();
+    let (pool, volume, prefix, keep) = (Arc::clone(&hub.pool), rel.volume.clone(), rel.prefix.clone(), keep.to_owned());
     let r = blocking(move || {
         for s in pool.snapshots(Some(&volume))? {
-            if s.name != keep && s.name.starts_with(&prefix) {
+            if s.name != keep && s.name.starts_with(&prefix) && !in_use.contains(&s.name) {
                 pool.delete_snapshot(&s.name)?;
             }
         }
         Ok(())
     })
     .await;
+    drop((records, live));
     if let Err(e) = r {
         tracing::warn!(volume = %rel.volume, error = %e.message(), "could not delete older mirror snapshots");
     }

@@ -69,3 +69,30 @@ pub fn rss_kib(pid: u32) -> (u64, u64) {
     };
     (field("VmHWM:").unwrap(), field("VmRSS:").unwrap())
 }
+
+/// Writes `data` at `offset` on an open connection; the NBD error (0: done).
+pub fn write_on(s: &mut UnixStream, offset: u64, data: &[u8]) -> u32 {
+    s.write_all(&request(CMD_WRITE, 0, 7, offset, u32::try_from(data.len()).unwrap(), data)).unwrap();
+    reply(s, 0).0
+}
+
+/// Exports `image` of `d` (a volume, or `volume@snapshot`) and connects to it.
+pub fn open(d: &super::Daemon, image: &str) -> UnixStream {
+    d.ok(&["export", "nbd", image]);
+    connect(&d.nbd(), image)
+}
+
+/// `len` bytes of `image` from its start; the export stops after (so a snapshot read here is
+/// not held by it).
+pub fn read_image(d: &super::Daemon, image: &str, len: u64) -> Vec<u8> {
+    let mut s = open(d, image);
+    s.write_all(&request(CMD_READ, 0, 1, 0, u32::try_from(len).unwrap(), &[])).unwrap();
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(&h[4..8], &[0; 4], "read of {image} failed");
+    let mut buf = vec![0u8; usize::try_from(len).unwrap()];
+    s.read_exact(&mut buf).unwrap();
+    drop(s);
+    d.ok(&["export", "stop", image]);
+    buf
+}

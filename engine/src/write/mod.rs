@@ -8,7 +8,6 @@
 //! one leader at a time.
 
 pub(crate) mod batch;
-pub(crate) mod gate;
 pub(crate) mod queue;
 pub(crate) mod req;
 pub(crate) mod room;
