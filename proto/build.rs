@@ -21,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "csi-addons/reclaimspace.proto",
             "csi-addons/fence.proto",
             "csi-addons/volumegroup.proto",
+            "csi-addons/replication.proto",
         ],
         &[".", wkt.to_str().ok_or("protoc include path is not UTF-8")?],
     )?;

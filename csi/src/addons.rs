@@ -1,5 +1,5 @@
 //! The CSI-Addons endpoint: its Identity, and the services the mode serves (controller:
-//! ReclaimSpace, NetworkFence, VolumeGroup; node: ReclaimSpace on the node).
+//! ReclaimSpace, NetworkFence, VolumeGroup, Replication; node: ReclaimSpace on the node).
 
 use std::sync::Arc;
 
@@ -37,8 +37,10 @@ impl id::identity_server::Identity for AddonsIdentity {
         &self,
         _: Request<id::GetCapabilitiesRequest>,
     ) -> Result<Response<id::GetCapabilitiesResponse>, Status> {
-        use id::capability::{NetworkFence as F, ReclaimSpace as R, Service as S, Type as T, VolumeGroup as G};
-        use id::capability::{network_fence, reclaim_space, service, volume_group};
+        use id::capability::{
+            NetworkFence as F, ReclaimSpace as R, Service as S, Type as T, VolumeGroup as G, VolumeReplication as VR,
+        };
+        use id::capability::{network_fence, reclaim_space, service, volume_group, volume_replication};
         let mut caps = vec![cap(T::ReclaimSpace(R { r#type: reclaim_space::Type::Online as i32 }))];
         if self.node {
             caps.push(cap(T::Service(S { r#type: service::Type::NodeService as i32 })));
@@ -58,6 +60,8 @@ impl id::identity_server::Identity for AddonsIdentity {
             ] {
                 caps.push(cap(T::VolumeGroup(G { r#type: t as i32 })));
             }
+            let replication = volume_replication::Type::VolumeReplication as i32;
+            caps.push(cap(T::VolumeReplication(VR { r#type: replication })));
         }
         Ok(Response::new(id::GetCapabilitiesResponse { capabilities: caps }))
     }

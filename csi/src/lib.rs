@@ -13,7 +13,8 @@
 //! - `busy`: one operation per volume at a time (Aborted for the second).
 //! - CSI-Addons on its own endpoint ([`addons`]): [`reclaim`] (fstrim / zeroed-block discard on
 //!   the node, the cleaner on the controller), [`fence`] (NetworkFence enforced by the daemons),
-//!   [`volume_group`] (VolumeGroup on engine groups).
+//!   [`volume_group`] (VolumeGroup on engine groups), [`replication`] (Replication over the
+//!   daemons' replication to a peer daemon).
 
 pub mod addons;
 mod args;
@@ -27,6 +28,7 @@ pub mod ids;
 pub mod node;
 pub mod nodes;
 pub mod reclaim;
+pub mod replication;
 mod snapshots;
 pub mod volume_group;
 
@@ -114,7 +116,10 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     let router = tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::new(identity))
         .add_optional_service(controller.then(|| {
-            csi::controller_server::ControllerServer::new(controller::Controller { nodes: Arc::clone(&dir), busy })
+            csi::controller_server::ControllerServer::new(controller::Controller {
+                nodes: Arc::clone(&dir),
+                busy: busy.clone(),
+            })
         }))
         .add_optional_service(controller.then(|| {
             csi::group_controller_server::GroupControllerServer::new(group::GroupController { nodes: Arc::clone(&dir) })
@@ -125,7 +130,9 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         let _ = rx.wait_for(|s| *s).await;
     };
     let addons = addons_listener.map(|l| {
-        use ferrite_proto::csi_addons::{fence as f, identity as i, reclaimspace as r, volumegroup as v};
+        use ferrite_proto::csi_addons::{
+            fence as f, identity as i, reclaimspace as r, replication as rp, volumegroup as v,
+        };
         let identity = addons::AddonsIdentity { nodes: Arc::clone(&dir), controller, node: node.is_some() };
         tonic::transport::Server::builder()
             .add_service(i::identity_server::IdentityServer::new(identity))
@@ -139,6 +146,12 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
             }))
             .add_optional_service(controller.then(|| {
                 v::controller_server::ControllerServer::new(volume_group::VolumeGroups { nodes: Arc::clone(&dir) })
+            }))
+            .add_optional_service(controller.then(|| {
+                rp::controller_server::ControllerServer::new(replication::Replication {
+                    nodes: Arc::clone(&dir),
+                    busy: busy.clone(),
+                })
             }))
             .add_optional_service(node.map(r::reclaim_space_node_server::ReclaimSpaceNodeServer::new))
             .serve_with_incoming_shutdown(UnixListenerStream::new(l), until(stopped.clone()))

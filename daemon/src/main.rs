@@ -209,7 +209,7 @@ enum ReplicaCmd {
         #[arg(long = "as")]
         replica: Option<String>,
         /// Time between mirror snapshots: 30s, 5m, 1h; 0 pushes only on `replica sync`.
-        #[arg(long, default_value = "1m", value_parser = parse_interval)]
+        #[arg(long, default_value = "1m", value_parser = ferrite_csi::replication::parse_interval)]
         interval: u64,
     },
     /// Stop replicating a volume; a secondary becomes writable at its last complete mirror snapshot.
@@ -229,20 +229,6 @@ enum ReplicaCmd {
     },
     /// On a secondary: drop what differs from the primary and take its delta (asks it now).
     Resync { volume: String },
-}
-
-/// `30s`, `5m`, `2h`, `1d` or plain seconds, as seconds.
-fn parse_interval(s: &str) -> Result<u64, String> {
-    let (num, unit) = s.trim().split_at(s.trim().find(|c: char| !c.is_ascii_digit()).unwrap_or(s.trim().len()));
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not an interval such as 30s, 5m, 1h or 0"))?;
-    let scale = match unit {
-        "" | "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
-    };
-    n.checked_mul(scale).ok_or_else(|| format!("{s:?} is too long"))
 }
 
 async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result<()> {

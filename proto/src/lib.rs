@@ -33,6 +33,9 @@ pub mod csi_addons {
     pub mod volumegroup {
         tonic::include_proto!("volumegroup");
     }
+    pub mod replication {
+        tonic::include_proto!("replication");
+    }
 }
 
 /// A gRPC channel to a server on a Unix socket (the daemon's admin API, a CSI endpoint).

@@ -229,6 +229,7 @@ impl Replication {
         rel.role = Role::Secondary;
         rel.handover = true;
         self.relations.put(rel)?;
+        self.live(volume, |l| l.resynced = false);
         tracing::info!(%volume, "demoted: read-only, sending the final delta");
         // A failed final delta is retried by the scheduler; the status says why it failed.
         let _ = self.sync_locked(volume).await;

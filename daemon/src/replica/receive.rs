@@ -46,7 +46,14 @@ impl ReplicaService {
                  and resync it",
                 b.replica
             ))),
-            Some(_) => Ok(None),
+            Some(mut r) => {
+                // A promoted replica schedules as its primary did.
+                if r.interval_secs != b.interval_secs {
+                    r.interval_secs = b.interval_secs;
+                    self.0.relations.put(r)?;
+                }
+                Ok(None)
+            }
             None if !b.base.is_empty() => Err(Status::failed_precondition(format!(
                 "volume {:?} is not a replica on this daemon: a push over a base needs one",
                 b.replica
@@ -60,7 +67,7 @@ impl ReplicaService {
                     peer: b.origin.clone(),
                     remote: b.origin_volume.clone(),
                     prefix,
-                    interval_secs: 0,
+                    interval_secs: b.interval_secs,
                     handover: false,
                     synced: String::new(),
                 }))

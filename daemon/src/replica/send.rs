@@ -143,6 +143,7 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
         resume: resumed,
         origin: hub.endpoint.clone(),
         origin_volume: rel.volume.clone(),
+        interval_secs: rel.interval_secs,
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<PushMessage>(4);
     let reader = {
