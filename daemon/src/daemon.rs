@@ -175,19 +175,24 @@ pub async fn run(cfg: Config) -> Result<()> {
         let nbd = Arc::clone(&nbd);
         tasks.spawn(async move { nbd.serve_tcp(l).await.context("NBD TCP listener") });
     }
+    let replication =
+        crate::replica::Replication::new(Arc::clone(&pool), Arc::clone(&export_table), Arc::clone(&attachments), &cfg)?;
     let listeners = crate::metrics::Listeners::default();
     if let Some(l) = metrics {
         let stats = Arc::clone(&listeners.metrics);
         let clients = listen::accept(l, "metrics", Arc::clone(&fences), &cfg.limits, tls.metrics.clone(), stats);
-        let (pool, nbd, limits, listeners) =
-            (Arc::clone(&pool), Arc::clone(&nbd), cfg.limits.clone(), listeners.clone());
+        let sources = crate::metrics::Sources {
+            pool: Arc::clone(&pool),
+            nbd: Arc::clone(&nbd),
+            listeners: listeners.clone(),
+            replication: Arc::clone(&replication),
+        };
+        let limits = cfg.limits.clone();
         tasks.spawn(async move {
-            crate::metrics::serve(clients, pool, nbd, listeners, limits).await;
+            crate::metrics::serve(clients, sources, limits).await;
             Err(anyhow::anyhow!("metrics listener stopped"))
         });
     }
-    let replication =
-        crate::replica::Replication::new(Arc::clone(&pool), Arc::clone(&export_table), Arc::clone(&attachments), &cfg)?;
     let svc = AdminServer::new(AdminService {
         pool: Arc::clone(&pool),
         nbd: Arc::clone(&nbd),

@@ -24,6 +24,8 @@ use tokio::sync::mpsc;
 
 use crate::config::Limits;
 use crate::listen::{Guarded, ListenerStats};
+use crate::replica::Replication;
+use ferrite_proto::ferrite::v1 as pb;
 
 /// Counters of the daemon's own TCP listeners.
 #[derive(Debug, Clone, Default)]
@@ -34,10 +36,11 @@ pub struct Listeners {
 
 /// Where the values come from.
 #[derive(Debug)]
-struct Sources {
-    pool: Arc<Pool>,
-    nbd: Arc<Server>,
-    listeners: Listeners,
+pub struct Sources {
+    pub pool: Arc<Pool>,
+    pub nbd: Arc<Server>,
+    pub listeners: Listeners,
+    pub replication: Arc<Replication>,
 }
 
 fn load(a: &AtomicU64) -> u64 {
@@ -164,14 +167,61 @@ impl Collector for Sources {
                 m.encode_family(l)?.encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
             }
         }
+        self.encode_replication(&mut enc)
+    }
+}
+
+impl Sources {
+    /// Per replicated volume (labels: volume, role).
+    fn encode_replication(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
+        let rows = self.replication.list("").unwrap_or_default();
+        let live: Vec<_> = rows.iter().map(|r| self.replication.live(&r.volume, |l| l.clone())).collect();
+        let labels: Vec<_> = rows.iter().map(|r| [("volume", r.volume.as_str()), ("role", r.role.as_str())]).collect();
+        type Gauge = fn(&pb::Replication) -> f64;
+        for (name, help, value) in [
+            (
+                "ferrite_replication_lag_seconds",
+                "Age of the newest mirror snapshot both sides hold (the recovery point).",
+                (|r| r.lag_seconds) as Gauge,
+            ),
+            ("ferrite_replication_syncing", "1 while a transfer runs.", |r| f64::from(u8::from(r.state == "syncing"))),
+            ("ferrite_replication_error", "1 while the last transfer failed.", |r| {
+                f64::from(u8::from(r.state == "error"))
+            }),
+            ("ferrite_replication_bytes_left", "Data bytes the running transfer still has to send.", |r| {
+                r.bytes_left as f64
+            }),
+            ("ferrite_replication_last_sync_seconds", "Duration of the last completed transfer.", |r| {
+                r.last_sync_seconds
+            }),
+            ("ferrite_replication_last_sync_bytes", "Data bytes of the last completed transfer.", |r| {
+                r.last_sync_bytes as f64
+            }),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (r, l) in rows.iter().zip(&labels) {
+                m.encode_family(l)?.encode_gauge(&value(r))?;
+            }
+        }
+        type Counter = fn(&crate::replica::Live) -> u64;
+        for (name, help, value) in [
+            ("ferrite_replication_sent_bytes", "Data bytes pushed to the peer.", (|l| l.sent_bytes) as Counter),
+            ("ferrite_replication_syncs", "Transfers completed.", |l| l.syncs),
+            ("ferrite_replication_sync_failures", "Transfers that failed.", |l| l.failures),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (l, labels) in live.iter().zip(&labels) {
+                m.encode_family(labels)?.encode_counter::<NoLabelSet, _, u64>(&value(l), None)?;
+            }
+        }
         Ok(())
     }
 }
 
 /// The registry every scrape encodes.
-fn registry(pool: Arc<Pool>, nbd: Arc<Server>, listeners: Listeners) -> Registry {
+fn registry(sources: Sources) -> Registry {
     let mut r = Registry::default();
-    r.register_collector(Box::new(Sources { pool, nbd, listeners }));
+    r.register_collector(Box::new(sources));
     r
 }
 
@@ -214,14 +264,8 @@ const MAX_HEAD: usize = 8 << 10;
 /// Answers the clients `listen::accept` admits, one request each, each bounded in time (the
 /// handshake timeout to send its request head, both timeouts together for the whole exchange)
 /// and in size (8 KiB of request head).
-pub async fn serve(
-    mut clients: mpsc::Receiver<Guarded>,
-    pool: Arc<Pool>,
-    nbd: Arc<Server>,
-    listeners: Listeners,
-    limits: Limits,
-) {
-    let registry = Arc::new(registry(pool, nbd, listeners));
+pub async fn serve(mut clients: mpsc::Receiver<Guarded>, sources: Sources, limits: Limits) {
+    let registry = Arc::new(registry(sources));
     let mut http = http1::Builder::new();
     http.keep_alive(false)
         .max_buf_size(MAX_HEAD)

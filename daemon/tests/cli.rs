@@ -110,6 +110,9 @@ fn metrics_endpoint_reports_pool_volumes_and_traffic() {
             .unwrap();
         assert!(w.status.success());
     }
+    // A replicated volume whose peer is away: one failed transfer.
+    d.ok(&["replica", "enable", "m", "/nonexistent/peer.sock", "--interval", "0"]);
+    assert!(!d.cli(&["replica", "sync", "m"]).status.success());
     // Returns the status line, the headers and the body.
     let request = |head: &str| {
         let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -139,6 +142,11 @@ fn metrics_endpoint_reports_pool_volumes_and_traffic() {
     assert_eq!(find("ferrite_volume_size_bytes", &[("volume", "m")]), Value::Gauge(16.0 * 1024.0 * 1024.0));
     assert_eq!(find("ferrite_pool_volumes", &[]), Value::Gauge(1.0));
     assert!(scrape.docs.contains_key("ferrite_nbd_read_seconds"), "every family has its HELP");
+    let replicated = [("volume", "m"), ("role", "primary")];
+    assert_eq!(find("ferrite_replication_error", &replicated), Value::Gauge(1.0));
+    assert_eq!(find("ferrite_replication_lag_seconds", &replicated), Value::Gauge(0.0));
+    assert_eq!(find("ferrite_replication_sync_failures_total", &replicated), Value::Untyped(1.0));
+    assert_eq!(find("ferrite_replication_syncs_total", &replicated), Value::Untyped(0.0));
     // prometheus-parse reads OpenMetrics counters (`_total` samples under a TYPE without it) as untyped.
     let connections = find("ferrite_nbd_connections_total", &[]);
     if traffic {

@@ -199,8 +199,12 @@ impl Replication {
         let rel = self.relation(volume)?;
         let r = push(self, &rel).await;
         match &r {
-            Ok(_) => {
-                self.live(volume, |l| l.error.clear());
+            Ok(done) => {
+                self.live(volume, |l| {
+                    l.error.clear();
+                    l.syncs += 1;
+                    l.sent_bytes += done.data_bytes;
+                });
                 if rel.handover {
                     let mut now = self.relation(volume)?;
                     now.handover = false;
@@ -210,7 +214,10 @@ impl Replication {
             }
             Err(e) => {
                 tracing::warn!(%volume, error = %e.message(), "replication push failed");
-                self.live(volume, |l| l.error = e.message().to_owned());
+                self.live(volume, |l| {
+                    l.error = e.message().to_owned();
+                    l.failures += 1;
+                });
             }
         }
         r

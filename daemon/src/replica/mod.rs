@@ -47,6 +47,10 @@ pub struct Live {
     pub next_at: Option<Instant>,
     /// A delta arrived since the last resync request.
     pub resynced: bool,
+    /// Since the daemon started: data bytes pushed, transfers completed and failed.
+    pub sent_bytes: u64,
+    pub syncs: u64,
+    pub failures: u64,
 }
 
 /// Paces the bytes sent to one peer: each piece takes the next free slot of `rate` bytes per
