@@ -109,6 +109,7 @@ impl replica_server::Replica for ReplicaService {
             out.role = r.role.as_str().into();
             out.handover = r.handover;
         }
+        out.busy = self.0.incoming.lock().expect("not poisoned").contains_key(&replica);
         if let Some(p) = self.0.pending.get(&replica) {
             (out.pending_snapshot, out.pending_base, out.resume_offset) = (p.snapshot, p.base, p.resume);
         }
@@ -127,8 +128,21 @@ impl replica_server::Replica for ReplicaService {
     }
 
     async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushReply>, Status> {
+        // In a task of its own: when the connection dies (a cut link found by keepalive) the
+        // server drops this call, but the receive goes on to see its stream end and record its
+        // resume point.
+        let this = self.clone();
+        tokio::spawn(async move { this.receive(req.into_inner()).await })
+            .await
+            .map_err(|e| Status::internal(format!("replica receive task: {e}")))?
+            .map(Response::new)
+    }
+}
+
+impl ReplicaService {
+    /// One push, from its begin to its commit or early end.
+    async fn receive(&self, mut stream: Streaming<PushMessage>) -> Result<PushReply, Status> {
         let hub = &self.0;
-        let mut stream = req.into_inner();
         let Some(Msg::Begin(b)) = stream.message().await?.and_then(|m| m.msg) else {
             return Err(Status::invalid_argument("a push starts with its begin message"));
         };
@@ -227,6 +241,6 @@ impl replica_server::Replica for ReplicaService {
         hub.pending.set(&rec.replica, None)?;
         self.committed(&rec.replica, &snap.name).await?;
         tracing::info!(replica = %rec.replica, snapshot = %snap.name, bytes = received, "replica updated");
-        Ok(Response::new(PushReply { snapshot: snap.name, data_bytes: received }))
+        Ok(PushReply { snapshot: snap.name, data_bytes: received })
     }
 }

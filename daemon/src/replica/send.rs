@@ -96,6 +96,13 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
         .await
         .map_err(at_peer(peer))?
         .into_inner();
+    // Asked first, so a push that would be refused sends no data.
+    if pos.busy {
+        return Err(Status::aborted(format!(
+            "peer {peer}: a transfer into {:?} is still in flight there (a cut one ends within 15 s)",
+            rel.remote
+        )));
+    }
     if pos.role == Role::Primary.as_str() {
         return Err(Status::failed_precondition(format!(
             "split-brain: {:?} on {peer} is a primary too; demote one side and resync it",

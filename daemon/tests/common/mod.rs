@@ -3,6 +3,7 @@
 
 pub mod csi;
 pub mod nbd;
+pub mod netns;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -18,12 +19,26 @@ pub struct Daemon {
 impl Daemon {
     /// Starts a daemon on `dir` (small pool, 4 MiB segments) and waits until it answers.
     pub fn start(dir: &Path) -> Self {
+        Self::start_in(dir, None)
+    }
+
+    /// The same inside network namespace `netns` (its admin socket stays reachable from here).
+    pub fn start_in(dir: &Path, netns: Option<&str>) -> Self {
         let cfg = dir.join("ferrite.toml");
         if !cfg.exists() {
             std::fs::write(&cfg, "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\n").unwrap();
         }
         let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("daemon.log")).unwrap();
-        let child = Command::new(BIN)
+        let mut cmd = match netns {
+            // `ip netns exec` execs the daemon: the child is the daemon itself.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, BIN]);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        let child = cmd
             .args(["daemon", "--config"])
             .arg(&cfg)
             .arg("--data-dir")

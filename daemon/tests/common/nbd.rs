@@ -85,14 +85,25 @@ pub fn open(d: &super::Daemon, image: &str) -> UnixStream {
 /// `len` bytes of `image` from its start; the export stops after (so a snapshot read here is
 /// not held by it).
 pub fn read_image(d: &super::Daemon, image: &str, len: u64) -> Vec<u8> {
-    let mut s = open(d, image);
-    s.write_all(&request(CMD_READ, 0, 1, 0, u32::try_from(len).unwrap(), &[])).unwrap();
-    let mut h = [0u8; 16];
-    s.read_exact(&mut h).unwrap();
-    assert_eq!(&h[4..8], &[0; 4], "read of {image} failed");
+    try_read_image(d, image, len).unwrap_or_else(|| panic!("cannot export {image}"))
+}
+
+/// The same; None if `image` cannot be exported (a snapshot deleted meanwhile, say).
+pub fn try_read_image(d: &super::Daemon, image: &str, len: u64) -> Option<Vec<u8>> {
+    if !d.cli(&["export", "nbd", image]).status.success() {
+        return None;
+    }
+    let mut s = connect(&d.nbd(), image);
     let mut buf = vec![0u8; usize::try_from(len).unwrap()];
-    s.read_exact(&mut buf).unwrap();
+    for (i, chunk) in buf.chunks_mut(8 << 20).enumerate() {
+        let at = i as u64 * (8 << 20);
+        s.write_all(&request(CMD_READ, 0, 1, at, u32::try_from(chunk.len()).unwrap(), &[])).unwrap();
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h).unwrap();
+        assert_eq!(&h[4..8], &[0; 4], "read of {image} at {at} failed");
+        s.read_exact(chunk).unwrap();
+    }
     drop(s);
     d.ok(&["export", "stop", image]);
-    buf
+    Some(buf)
 }

@@ -1,0 +1,103 @@
+//! Two hosts for multi-host tests: two network namespaces joined by a veth pair, each end with
+//! its own address, made by the test and removed when it ends. Nothing leaves the machine.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::Daemon;
+
+/// The two namespaces, their ends of the link and addresses.
+pub struct Hosts {
+    pub ns: [String; 2],
+    pub dev: [String; 2],
+    pub ip: [String; 2],
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let o = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+    if o.status.success() { Ok(()) } else { Err(format!("ip {args:?}: {}", String::from_utf8_lossy(&o.stderr))) }
+}
+
+impl Hosts {
+    /// Makes the pair; None (and the test skips) where namespaces cannot be made: not root, or
+    /// no iproute2 (a kernel or privilege matter, not something the suite installs).
+    pub fn new() -> Option<Self> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let tag = format!("f{}x{}", std::process::id() % 100_000, N.fetch_add(1, Ordering::Relaxed));
+        let subnet = 10 + std::process::id() % 200;
+        let n = N.load(Ordering::Relaxed) % 250;
+        let h = Self {
+            ns: [format!("{tag}a"), format!("{tag}b")],
+            dev: [format!("{tag}a"), format!("{tag}b")],
+            ip: [format!("10.{subnet}.{n}.1"), format!("10.{subnet}.{n}.2")],
+        };
+        let made = (|| {
+            for ns in &h.ns {
+                ip(&["netns", "add", ns])?;
+                ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            }
+            ip(&["link", "add", &h.dev[0], "type", "veth", "peer", "name", &h.dev[1]])?;
+            for i in 0..2 {
+                ip(&["link", "set", &h.dev[i], "netns", &h.ns[i]])?;
+                ip(&["-n", &h.ns[i], "addr", "add", &format!("{}/24", h.ip[i]), "dev", &h.dev[i]])?;
+                ip(&["-n", &h.ns[i], "link", "set", &h.dev[i], "up"])?;
+            }
+            Ok::<_, String>(())
+        })();
+        match made {
+            Ok(()) => Some(h),
+            Err(e) => {
+                super::skip(&format!("network namespaces cannot be made here ({e})"), false);
+                None
+            }
+        }
+    }
+
+    /// Takes host `i`'s end of the link down or up (a cut cable).
+    pub fn link(&self, i: usize, up: bool) {
+        ip(&["-n", &self.ns[i], "link", "set", &self.dev[i], if up { "up" } else { "down" }]).unwrap();
+    }
+
+    /// Bytes host `i` has sent over the link.
+    pub fn sent(&self, i: usize) -> u64 {
+        let p = format!("/sys/class/net/{}/statistics/tx_bytes", self.dev[i]);
+        let o = Command::new("ip").args(["netns", "exec", &self.ns[i], "cat", &p]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
+    }
+
+    /// A daemon on host `i`: its admin API on `<ip>:7070` with mutual TLS (certificates from
+    /// one CA in `<root>/pki`), `extra` added to its configuration.
+    pub fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon {
+        let dir = root.join(&self.ns[i]);
+        std::fs::create_dir_all(&dir).unwrap();
+        let pki = root.join("pki");
+        let name = format!("host-{i}");
+        super::csi::certs(&pki, &name, &[&self.ip[i]]);
+        let p = |f: &str| pki.join(f).display().to_string();
+        let cfg = format!(
+            "pool-size = \"2G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
+             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n",
+            self.ip[i],
+            p(&format!("{name}.pem")),
+            p(&format!("{name}-key.pem")),
+            p("ca.pem")
+        );
+        std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
+        Daemon::start_in(&dir, Some(&self.ns[i]))
+    }
+
+    /// Host `i`'s admin endpoint, as the other host reaches it.
+    pub fn endpoint(&self, i: usize) -> String {
+        format!("tcp://{}:7070", self.ip[i])
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes its end of the veth pair, and the pair with it.
+        for ns in &self.ns {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
