@@ -141,7 +141,13 @@ impl rp::controller_server::Controller for Replication {
         if Self::status(&mut t).await.is_ok_and(|s| s.role == "secondary") {
             return Ok(Response::new(rp::EnableVolumeReplicationResponse {}));
         }
-        let req = pb::EnableReplicationRequest { volume: t.volume.clone(), peer, replica: remote, interval_secs };
+        let req = pb::EnableReplicationRequest {
+            volume: t.volume.clone(),
+            peer,
+            replica: remote,
+            interval_secs,
+            group: false,
+        };
         t.admin.enable_replication(req).await.map_err(on(&t.node))?;
         tracing::info!(volume = %t.volume, node = %t.node, interval_secs, "replication enabled");
         Ok(Response::new(rp::EnableVolumeReplicationResponse {}))

@@ -171,7 +171,8 @@ fn replication_json(r: &pb::Replication) -> serde_json::Value {
            "last_snapshot": r.last_snapshot, "last_snapshot_unix_ms": r.last_snapshot_unix_ms,
            "last_sync_seconds": r.last_sync_seconds, "last_sync_bytes": r.last_sync_bytes,
            "lag_seconds": r.lag_seconds, "bytes_done": r.bytes_done, "bytes_left": r.bytes_left,
-           "bytes_per_second": r.bytes_per_second, "handover": r.handover, "resynced": r.resynced})
+           "bytes_per_second": r.bytes_per_second, "handover": r.handover, "resynced": r.resynced,
+           "group": r.group, "members": r.members})
 }
 
 pub fn print_replications(out: Output, list: &[pb::Replication]) {
@@ -190,7 +191,12 @@ pub fn print_replications(out: Output, list: &[pb::Replication]) {
                     let every =
                         if r.interval_secs == 0 { "on request".into() } else { format!("{}s", r.interval_secs) };
                     let lag = if r.last_snapshot.is_empty() { "-".into() } else { format!("{:.1}s", r.lag_seconds) };
-                    vec![r.volume.clone(), r.role.clone(), format!("{}:{}", r.peer, r.remote), state, lag, every]
+                    let name = if r.group {
+                        format!("{} (group: {})", r.volume, r.members.join(", "))
+                    } else {
+                        r.volume.clone()
+                    };
+                    vec![name, r.role.clone(), format!("{}:{}", r.peer, r.remote), state, lag, every]
                 })
                 .collect();
             println!("{}", table(&["VOLUME", "ROLE", "PEER:VOLUME", "STATE", "LAG", "INTERVAL"], rows));

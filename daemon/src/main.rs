@@ -211,6 +211,10 @@ enum ReplicaCmd {
         /// Time between mirror snapshots: 30s, 5m, 1h; 0 pushes only on `replica sync`.
         #[arg(long, default_value = "1m", value_parser = ferrite_csi::replication::parse_interval)]
         interval: u64,
+        /// VOLUME names a volume group: it replicates as one unit, each mirror point a group
+        /// snapshot (members keep their names on the peer).
+        #[arg(long)]
+        group: bool,
     },
     /// Stop replicating a volume; a secondary becomes writable at its last complete mirror snapshot.
     Disable { volume: String },
@@ -234,13 +238,9 @@ enum ReplicaCmd {
 async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result<()> {
     let one = |volume: String| pb::ReplicationRequest { volume };
     let r = match cmd {
-        ReplicaCmd::Enable { volume, peer, replica, interval } => {
-            let req = pb::EnableReplicationRequest {
-                volume,
-                peer,
-                replica: replica.unwrap_or_default(),
-                interval_secs: interval,
-            };
+        ReplicaCmd::Enable { volume, peer, replica, interval, group } => {
+            let replica = replica.unwrap_or_default();
+            let req = pb::EnableReplicationRequest { volume, peer, replica, interval_secs: interval, group };
             c.enable_replication(req).await
         }
         ReplicaCmd::Disable { volume } => c.disable_replication(one(volume)).await,

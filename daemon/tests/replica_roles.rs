@@ -192,3 +192,90 @@ fn disabling_a_secondary_leaves_a_writable_copy_and_bad_requests_are_refused() {
     let table = pa.ok(&["replica", "status"]);
     assert!(table.contains("primary") && table.contains("300s") && table.contains(&format!("{sb}:copy")), "{table}");
 }
+
+#[test]
+fn a_group_replicates_as_one_unit_and_promotes_at_one_point() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // The primary sends at most 16 MiB/s, so a transfer can be caught in the middle.
+    std::fs::write(
+        a.path().join("ferrite.toml"),
+        "pool-size = \"1G\"\nsegment-size = \"4M\"\nreplication-bandwidth = \"16M\"\n",
+    )
+    .unwrap();
+    let (mut pa, pb) = (Daemon::start(a.path()), Daemon::start(b.path()));
+    let sb = pb.admin().display().to_string();
+    for v in ["a1", "a2"] {
+        pa.ok(&["volume", "create", v, "32M"]);
+    }
+    pa.ok(&["group", "create", "app", "a1", "a2"]);
+    write(&pa, "a1", 1, 0, MIB);
+    write(&pa, "a2", 2, MIB, MIB);
+    pa.ok(&["replica", "enable", "app", &sb, "--group", "--interval", "0"]);
+    let first = json(&pa, &["replica", "sync", "app"]);
+    assert_eq!(first["data_bytes"], 2 * MIB, "{first}");
+    let g1 = first["snapshot"].as_str().unwrap().to_owned();
+    let s = status(&pb, "app");
+    assert_eq!(
+        (s["role"].as_str(), s["group"].as_bool(), s["last_snapshot"].as_str()),
+        (Some("secondary"), Some(true), Some(g1.as_str())),
+        "{s}"
+    );
+    assert_eq!(s["members"], serde_json::json!(["a1", "a2"]));
+    let at_g1: Vec<Vec<u8>> = ["a1", "a2"]
+        .iter()
+        .map(|v| {
+            let theirs = read_image(&pb, &format!("{v}@{g1}.{v}"), 32 * MIB);
+            assert_eq!(theirs, read_image(&pa, &format!("{v}@{g1}.{v}"), 32 * MIB), "{v} at {g1}");
+            assert_eq!(write_on(&mut open(&pb, v), 0, &[1; 4096]), EPERM, "members of a secondary are read-only");
+            theirs
+        })
+        .collect();
+
+    // 24 MiB more on each member; the primary dies once a1 holds the new point and a2 does not.
+    for v in ["a1", "a2"] {
+        for i in 0..3 {
+            write(&pa, v, 3 + i as u8, 4 * MIB + i * 8 * MIB, 8 * MIB);
+        }
+    }
+    let push = std::process::Command::new(common::BIN)
+        .arg("--admin-socket")
+        .arg(pa.admin())
+        .args(["replica", "sync", "app"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while pb.ok(&["snapshot", "list", "a1"]).matches(".mirror.").count() < 2 {
+        assert!(start.elapsed().as_secs() < 30, "a1 did not get the new point");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    pa.crash();
+    drop(push);
+    assert_eq!(status(&pb, "app")["last_snapshot"], g1.as_str(), "the new point is not complete");
+
+    // Force-promoted, every member is at the last complete point, and the group is there.
+    let p = json(&pb, &["replica", "promote", "app", "--force"]);
+    assert_eq!(p["role"], "primary", "{p}");
+    for (v, want) in ["a1", "a2"].iter().zip(&at_g1) {
+        assert!(read_image(&pb, v, 32 * MIB) == *want, "{v} is not at {g1}");
+    }
+    assert!(pb.ok(&["group", "list"]).contains("app"));
+    write(&pb, "a1", 9, 0, 4096);
+
+    // Failback: the old primary returns, is demoted and resynced as a group; both sides end at
+    // B's new point, A's unfinished one discarded.
+    let pa = Daemon::start(a.path());
+    pa.ok(&["replica", "demote", "app"]);
+    pa.ok(&["replica", "resync", "app"]);
+    let start = std::time::Instant::now();
+    while status(&pa, "app")["resynced"] != true {
+        assert!(start.elapsed().as_secs() < 30, "A did not take B's point: {}", pb.log());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let s = status(&pb, "app");
+    assert_eq!(s["last_sync_bytes"], 4096, "only B's one block crossed: {s}");
+    let g2 = s["last_snapshot"].as_str().unwrap();
+    for v in ["a1", "a2"] {
+        assert_eq!(read_image(&pa, v, 32 * MIB), read_image(&pb, &format!("{v}@{g2}.{v}"), 32 * MIB), "{v}");
+    }
+}

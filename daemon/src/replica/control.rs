@@ -22,7 +22,7 @@ use ferrite_proto::ferrite::v1 as pb;
 use tonic::Status;
 
 use super::records::{Relation, Role};
-use super::send::{at_peer, connect, prune, push};
+use super::send::{at_peer, connect, prune, prune_group, push, push_group};
 use super::{Replication, load, now_ms};
 use crate::admin::blocking;
 
@@ -38,11 +38,43 @@ impl Replication {
         self.relations.get(volume).ok_or_else(|| not_replicated(volume))
     }
 
-    /// The newest of this relation's mirror snapshots of its volume here.
-    async fn newest_mirror(&self, rel: &Relation) -> Result<Option<String>, Status> {
-        let (pool, v) = (Arc::clone(&self.pool), rel.volume.clone());
-        let snaps = blocking(move || pool.snapshots(Some(&v))).await?;
-        Ok(snaps.into_iter().rev().map(|s| s.name).find(|n| n.starts_with(&rel.prefix)))
+    /// The newest complete point of this relation here: a volume's newest mirror snapshot; a
+    /// group's last point every member reached (or, demoted with its final delta not landed,
+    /// its newest group snapshot, taken read-only).
+    async fn newest_point(&self, rel: &Relation) -> Result<Option<String>, Status> {
+        let (pool, name, by_time) = (Arc::clone(&self.pool), rel.volume.clone(), rel.clone());
+        match (rel.group, rel.handover) {
+            (false, _) => {
+                let snaps = blocking(move || pool.snapshots(Some(&name))).await?;
+                Ok(snaps.into_iter().rev().map(|s| s.name).find(|n| n.starts_with(&rel.prefix)))
+            }
+            (true, false) => Ok(Some(rel.synced.clone()).filter(|s| !s.is_empty())),
+            (true, true) => {
+                let points = blocking(move || pool.group_snapshots(Some(&name))).await?;
+                Ok(points
+                    .into_iter()
+                    .map(|g| g.name)
+                    .filter_map(|n| Some((by_time.taken_ms(&n)?, n)))
+                    .max()
+                    .map(|p| p.1))
+            }
+        }
+    }
+
+    /// The volumes a relation covers here: its volume, or its group's members.
+    async fn volumes_of(&self, rel: &Relation) -> Result<Vec<String>, Status> {
+        if !rel.group {
+            return Ok(vec![rel.volume.clone()]);
+        }
+        let (pool, g) = (Arc::clone(&self.pool), rel.volume.clone());
+        let now = blocking(move || Ok(pool.groups().into_iter().find(|x| x.name == g).map(|x| x.volumes))).await?;
+        Ok(now.unwrap_or_else(|| rel.members.clone()))
+    }
+
+    /// Makes the relation's volumes read-only for clients, or writable.
+    async fn set_read_only(&self, rel: &Relation, read_only: bool) -> Result<(), Status> {
+        let (pool, volumes) = (Arc::clone(&self.pool), self.volumes_of(rel).await?);
+        blocking(move || volumes.iter().try_for_each(|v| pool.set_read_only(v, read_only).map(drop))).await
     }
 
     /// The status of a replicated volume.
@@ -77,6 +109,8 @@ impl Replication {
             bytes_per_second: rate,
             handover: rel.handover,
             resynced: live.resynced,
+            group: rel.group,
+            members: rel.members.clone(),
         }
     }
 
@@ -97,6 +131,7 @@ impl Replication {
         peer: &str,
         remote: &str,
         interval_secs: u64,
+        group: bool,
     ) -> Result<pb::Replication, Status> {
         if peer.is_empty() {
             return Err(Status::invalid_argument("replication needs the peer daemon's admin endpoint"));
@@ -109,7 +144,13 @@ impl Replication {
         let lock = self.op_lock(volume);
         let _g = lock.lock().await;
         let (pool, v) = (Arc::clone(&self.pool), volume.to_owned());
-        blocking(move || pool.volume_info(&v)).await?;
+        let members = blocking(move || match group {
+            false => pool.volume_info(&v).map(|_| Vec::new()),
+            true => pool.groups().into_iter().find(|g| g.name == v).map(|g| g.volumes).ok_or_else(|| {
+                ferrite_engine::Error::new(ferrite_engine::ErrorKind::NotFound, format!("group {v:?} not found"))
+            }),
+        })
+        .await?;
         let remote = if remote.is_empty() { volume } else { remote };
         let rel = match self.relations.get(volume) {
             Some(r) if r.role == Role::Secondary => {
@@ -118,7 +159,7 @@ impl Replication {
                     r.remote, r.peer
                 )));
             }
-            Some(r) if r.peer != peer || r.remote != remote => {
+            Some(r) if r.peer != peer || r.remote != remote || r.group != group => {
                 return Err(Status::already_exists(format!(
                     "volume {volume:?} already replicates to {:?} on {}: disable that first",
                     r.remote, r.peer
@@ -134,6 +175,8 @@ impl Replication {
                 interval_secs,
                 handover: false,
                 synced: String::new(),
+                group,
+                members,
             },
         };
         self.relations.put(rel.clone())?;
@@ -149,13 +192,20 @@ impl Replication {
         let lock = self.op_lock(volume);
         let _g = lock.lock().await;
         let rel = self.relation(volume)?;
-        self.cancel_incoming(volume).await;
-        self.pending.set(volume, None)?;
-        if rel.role == Role::Secondary {
-            let at = self.newest_mirror(&rel).await?;
-            self.writable_at(&rel, at).await?;
+        let volumes = self.volumes_of(&rel).await?;
+        for v in &volumes {
+            self.cancel_incoming(v).await;
+            self.pending.set(v, None)?;
         }
-        prune(self, &rel, "").await;
+        if rel.role == Role::Secondary {
+            let at = self.newest_point(&rel).await?;
+            self.writable_at(&rel, &volumes, at).await?;
+        }
+        if rel.group {
+            prune_group(self, &Relation { members: volumes, ..rel.clone() }, "").await;
+        } else {
+            prune(self, &rel, "").await;
+        }
         self.relations.set(volume, None)?;
         self.live.lock().expect("not poisoned").remove(volume);
         tracing::info!(%volume, "replication disabled");
@@ -164,17 +214,24 @@ impl Replication {
         Ok(out)
     }
 
-    /// Rolls the volume back to mirror snapshot `at`, if given, and makes it writable.
-    async fn writable_at(&self, rel: &Relation, at: Option<String>) -> Result<(), Status> {
-        let (pool, v) = (Arc::clone(&self.pool), rel.volume.clone());
+    /// Rolls the relation's volumes back to point `at`, if given (a group member to its
+    /// snapshot `<at>.<member>`), and makes them writable; a group is made here if it is not.
+    async fn writable_at(&self, rel: &Relation, volumes: &[String], at: Option<String>) -> Result<(), Status> {
+        let (pool, group, volumes) = (Arc::clone(&self.pool), rel.group.then(|| rel.volume.clone()), volumes.to_vec());
         blocking(move || {
-            if let Some(a) = at {
-                pool.rollback_volume(&v, &a)?;
+            for v in &volumes {
+                if let Some(a) = &at {
+                    let snapshot = if group.is_some() { format!("{a}.{v}") } else { a.clone() };
+                    pool.rollback_volume(v, &snapshot)?;
+                }
+                pool.set_read_only(v, false)?;
             }
-            pool.set_read_only(&v, false)
+            if let Some(g) = group.filter(|g| !pool.groups().iter().any(|x| &x.name == g)) {
+                pool.create_group(&g, &volumes.iter().map(String::as_str).collect::<Vec<_>>())?;
+            }
+            Ok(())
         })
         .await
-        .map(drop)
     }
 
     /// Pushes `volume` now, waiting for a push already running to finish first.
@@ -197,7 +254,7 @@ impl Replication {
 
     async fn sync_locked(&self, volume: &str) -> Result<pb::SyncReplicationResponse, Status> {
         let rel = self.relation(volume)?;
-        let r = push(self, &rel).await;
+        let r = if rel.group { push_group(self, &rel).await } else { push(self, &rel).await };
         match &r {
             Ok(done) => {
                 self.live(volume, |l| {
@@ -231,8 +288,7 @@ impl Replication {
         if rel.role == Role::Secondary {
             return Ok(self.status_of(&rel));
         }
-        let (pool, v) = (Arc::clone(&self.pool), volume.to_owned());
-        blocking(move || pool.set_read_only(&v, true)).await?;
+        self.set_read_only(&rel, true).await?;
         rel.role = Role::Secondary;
         rel.handover = true;
         self.relations.put(rel)?;
@@ -254,15 +310,27 @@ impl Replication {
         if !force {
             self.check_peer_handed_over(&rel).await?;
         }
-        self.cancel_incoming(volume).await;
-        let Some(at) = self.newest_mirror(&rel).await? else {
+        let volumes = self.volumes_of(&rel).await?;
+        for v in &volumes {
+            self.cancel_incoming(v).await;
+        }
+        let Some(at) = self.newest_point(&rel).await? else {
             return Err(Status::failed_precondition(format!(
-                "volume {volume:?} holds no complete mirror snapshot: there is nothing to promote"
+                "{volume:?} holds no complete mirror snapshot: there is nothing to promote"
             )));
         };
         // What an unfinished transfer applied goes with the rollback.
-        self.pending.set(volume, None)?;
-        self.writable_at(&rel, Some(at.clone())).await?;
+        for v in &volumes {
+            self.pending.set(v, None)?;
+        }
+        self.writable_at(&rel, &volumes, Some(at.clone())).await?;
+        // Mirror snapshots past the point (an unfinished group point's) are no ancestors of
+        // what this side writes next: they go, so no delta is planned over them.
+        if rel.group {
+            prune_group(self, &Relation { members: volumes, ..rel.clone() }, &at).await;
+        } else {
+            prune(self, &rel, &at).await;
+        }
         rel.role = Role::Primary;
         rel.handover = false;
         rel.synced = at;
@@ -294,8 +362,13 @@ impl Replication {
         if pos.handover {
             return Err(unsure(format!("the final delta of {:?} on {} has not arrived yet", rel.remote, rel.peer)));
         }
-        let theirs = pos.snapshots.iter().rev().find(|n| n.starts_with(&rel.prefix)).cloned().unwrap_or_default();
-        if theirs.is_empty() || theirs != rel.synced || self.pending.get(&rel.volume).is_some() {
+        let theirs = if rel.group {
+            pos.synced
+        } else {
+            pos.snapshots.iter().rev().find(|n| n.starts_with(&rel.prefix)).cloned().unwrap_or_default()
+        };
+        let pending = self.volumes_of(rel).await?.iter().any(|v| self.pending.get(v).is_some());
+        if theirs.is_empty() || theirs != rel.synced || pending {
             return Err(unsure(format!(
                 "this side is at mirror snapshot {:?}, {:?} on {} at {theirs:?}",
                 rel.synced, rel.remote, rel.peer

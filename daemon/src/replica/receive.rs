@@ -10,8 +10,8 @@ use std::sync::Arc;
 use ferrite_engine::ErrorKind;
 use ferrite_proto::ferrite::v1::push_message::Msg;
 use ferrite_proto::ferrite::v1::{
-    PushBegin, PushMessage, PushReply, ReplicaPosition, ReplicaPositionRequest, ReplicaSyncReply, ReplicaSyncRequest,
-    replica_server,
+    GroupCommitReply, GroupCommitRequest, PushBegin, PushMessage, PushReply, ReplicaPosition, ReplicaPositionRequest,
+    ReplicaSyncReply, ReplicaSyncRequest, replica_server,
 };
 use ferrite_replication::Piece;
 use ferrite_replication::apply::Transfer;
@@ -37,14 +37,15 @@ impl ReplicaService {
         Ok(t)
     }
 
-    /// Whether this daemon takes pushes into `b.replica`: a secondary does, a volume that is not
-    /// replicated here only as a first sync, which creates it: then the relation it gets.
+    /// Whether this daemon takes pushes into `b.replica`: a secondary does (for a group member,
+    /// the group's relation says), a volume that is not replicated here only as a first sync,
+    /// which creates it: then the relation it gets.
     fn admit(&self, b: &PushBegin) -> Result<Option<Relation>, Status> {
-        match self.0.relations.get(&b.replica) {
+        let key = if b.group.is_empty() { &b.replica } else { &b.group };
+        match self.0.relations.get(key) {
             Some(r) if r.role == Role::Primary => Err(Status::failed_precondition(format!(
-                "volume {:?} is a primary on this daemon: both sides are primary (split-brain); demote one \
-                 and resync it",
-                b.replica
+                "{key:?} is a primary on this daemon: both sides are primary (split-brain); demote one \
+                 and resync it"
             ))),
             Some(mut r) => {
                 // A promoted replica schedules as its primary did.
@@ -59,17 +60,24 @@ impl ReplicaService {
                 b.replica
             ))),
             None => {
-                // The mirror snapshot's name ends in its time: what precedes is the relation's prefix.
-                let prefix = b.snapshot.trim_end_matches(|c: char| c.is_ascii_digit()).to_owned();
+                // A mirror snapshot's name is the relation's prefix and a time (then, for a
+                // group member, `.<member>`).
+                let point = if b.group.is_empty() {
+                    b.snapshot.as_str()
+                } else {
+                    b.snapshot.strip_suffix(&format!(".{}", b.replica)).unwrap_or(&b.snapshot)
+                };
                 Ok(Some(Relation {
-                    volume: b.replica.clone(),
+                    volume: key.clone(),
                     role: Role::Secondary,
                     peer: b.origin.clone(),
                     remote: b.origin_volume.clone(),
-                    prefix,
+                    prefix: point.trim_end_matches(|c: char| c.is_ascii_digit()).to_owned(),
                     interval_secs: b.interval_secs,
                     handover: false,
                     synced: String::new(),
+                    group: !b.group.is_empty(),
+                    members: Vec::new(),
                 }))
             }
         }
@@ -108,6 +116,7 @@ impl replica_server::Replica for ReplicaService {
         if let Some(r) = self.0.relations.get(&replica) {
             out.role = r.role.as_str().into();
             out.handover = r.handover;
+            out.synced = r.synced;
         }
         out.busy = self.0.incoming.lock().expect("not poisoned").contains_key(&replica);
         if let Some(p) = self.0.pending.get(&replica) {
@@ -125,6 +134,41 @@ impl replica_server::Replica for ReplicaService {
             }
             _ => Err(Status::failed_precondition(format!("volume {volume:?} is not a primary on this daemon"))),
         }
+    }
+
+    async fn group_commit(&self, req: Request<GroupCommitRequest>) -> Result<Response<GroupCommitReply>, Status> {
+        let r = req.into_inner();
+        let hub = &self.0;
+        let mut rel = hub
+            .relations
+            .get(&r.group)
+            .filter(|x| x.group && x.role == Role::Secondary)
+            .ok_or_else(|| Status::failed_precondition(format!("{:?} is not a replicated group here", r.group)))?;
+        let (pool, point, members) = (Arc::clone(&hub.pool), r.point.clone(), r.members.clone());
+        blocking(move || {
+            for m in &members {
+                let name = format!("{point}.{m}");
+                if !pool.snapshot_info(&name).is_ok_and(|s| s.volume.as_deref() == Some(m)) {
+                    return Err(ferrite_engine::Error::new(
+                        ErrorKind::NotFound,
+                        format!("member {m:?} does not hold group mirror point {point:?}"),
+                    ));
+                }
+            }
+            Ok(())
+        })
+        .await?;
+        rel.synced.clone_from(&r.point);
+        rel.members = r.members;
+        rel.handover = false;
+        hub.relations.put(rel.clone())?;
+        hub.live(&r.group, |l| {
+            l.resynced = true;
+            l.error.clear();
+        });
+        super::send::prune_group(hub, &rel, &r.point).await;
+        tracing::info!(group = %r.group, point = %r.point, "replica group at a new point");
+        Ok(Response::new(GroupCommitReply {}))
     }
 
     async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushReply>, Status> {

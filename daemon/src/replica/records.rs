@@ -45,9 +45,15 @@ pub struct Relation {
     /// Demoted, and the final delta has not reached the peer yet.
     #[serde(default)]
     pub handover: bool,
-    /// The newest mirror snapshot both sides hold.
+    /// The newest mirror snapshot (for a group: group mirror point) both sides hold.
     #[serde(default)]
     pub synced: String,
+    /// `volume` names a volume group replicated as one unit.
+    #[serde(default)]
+    pub group: bool,
+    /// A group's members, as of its last complete point.
+    #[serde(default)]
+    pub members: Vec<String>,
 }
 
 impl Relation {
@@ -139,6 +145,8 @@ mod tests {
             interval_secs: 60,
             handover: false,
             synced: String::new(),
+            group: false,
+            members: Vec::new(),
         };
         let list = Records::<Relation>::load(dir.path(), "replication").unwrap();
         list.put(r.clone()).unwrap();

@@ -11,7 +11,8 @@ use std::time::Instant;
 use ferrite_proto::ferrite::v1::push_message::Msg;
 use ferrite_proto::ferrite::v1::replica_client::ReplicaClient;
 use ferrite_proto::ferrite::v1::{
-    PushBegin, PushCommit, PushData, PushMessage, PushZero, ReplicaPositionRequest, SyncReplicationResponse,
+    GroupCommitRequest, PushBegin, PushCommit, PushData, PushMessage, PushZero, ReplicaPositionRequest,
+    SyncReplicationResponse,
 };
 use ferrite_replication::Piece;
 use ferrite_replication::delta::Delta;
@@ -81,18 +82,60 @@ pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
     }
 }
 
+/// One volume's part of a push: what goes where.
+struct Leg<'a> {
+    volume: &'a str,
+    remote: &'a str,
+    prefix: &'a str,
+    /// The mirror snapshot to bring (a group point's member snapshot); None: take a new one.
+    to: Option<String>,
+    /// The remote group, for a member of a replicated group.
+    group: &'a str,
+    /// The relation's name here (a volume or a group): what the peer records as its origin,
+    /// and whose status shows the progress.
+    relation: &'a Relation,
+}
+
 /// Pushes `rel.volume` to its peer once. The caller holds the volume's op lock.
 pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationResponse, Status> {
+    check_role(rel)?;
+    let mut client = connect(hub.tls.as_ref(), &rel.peer).await?;
+    let leg = Leg { volume: &rel.volume, remote: &rel.remote, prefix: &rel.prefix, to: None, group: "", relation: rel };
+    let out = push_leg(hub, &mut client, leg).await?;
+    let mut now = hub.relations.get(&rel.volume).unwrap_or_else(|| rel.clone());
+    now.synced.clone_from(&out.snapshot);
+    hub.relations.put(now.clone())?;
+    prune(hub, &now, &out.snapshot).await;
+    Ok(out)
+}
+
+fn check_role(rel: &Relation) -> Result<(), Status> {
     if rel.role == Role::Secondary && !rel.handover {
         return Err(Status::failed_precondition(format!(
-            "volume {:?} is a secondary here: its primary on {} pushes to it",
+            "{:?} is a secondary here: its primary on {} pushes to it",
             rel.volume, rel.peer
         )));
     }
+    Ok(())
+}
+
+fn split_brain(peer: &str, remote: &str) -> Status {
+    Status::failed_precondition(format!(
+        "split-brain: {remote:?} on {peer} is a primary too; demote one side and resync it"
+    ))
+}
+
+/// Sends one volume's delta: asks the peer where its copy stands, finishes an unfinished
+/// transfer of the same mirror snapshot or sends the delta over the newest common one.
+async fn push_leg(
+    hub: &Replication,
+    client: &mut ReplicaClient<Channel>,
+    leg: Leg<'_>,
+) -> Result<SyncReplicationResponse, Status> {
+    let rel = leg.relation;
     let peer = rel.peer.as_str();
-    let mut client = connect(hub.tls.as_ref(), peer).await?;
     let pos = client
-        .position(ReplicaPositionRequest { replica: rel.remote.clone() })
+        .position(ReplicaPositionRequest { replica: leg.remote.to_owned() })
         .await
         .map_err(at_peer(peer))?
         .into_inner();
@@ -100,17 +143,18 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
     if pos.busy {
         return Err(Status::aborted(format!(
             "peer {peer}: a transfer into {:?} is still in flight there (a cut one ends within 15 s)",
-            rel.remote
+            leg.remote
         )));
     }
     if pos.role == Role::Primary.as_str() {
-        return Err(Status::failed_precondition(format!(
-            "split-brain: {:?} on {peer} is a primary too; demote one side and resync it",
-            rel.remote
-        )));
+        return Err(split_brain(peer, leg.remote));
+    }
+    if let Some(to) = leg.to.as_ref().filter(|t| pos.snapshots.contains(t)) {
+        // This member already holds the group point.
+        return Ok(SyncReplicationResponse { snapshot: to.clone(), ..Default::default() });
     }
     let pool = Arc::clone(&hub.pool);
-    let (v, prefix) = (rel.volume.clone(), rel.prefix.clone());
+    let (v, prefix) = (leg.volume.to_owned(), leg.prefix.to_owned());
     let ours: Vec<String> = blocking(move || pool.snapshots(Some(&v)))
         .await?
         .into_iter()
@@ -118,7 +162,11 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
         .filter(|n| n.starts_with(&prefix))
         .collect();
     let held = |n: &str| n.is_empty() || ours.iter().any(|o| o == n);
-    let resumable = !pos.pending_snapshot.is_empty() && held(&pos.pending_snapshot) && held(&pos.pending_base);
+    let wanted = |n: &str| leg.to.as_deref().is_none_or(|t| t == n);
+    let resumable = !pos.pending_snapshot.is_empty()
+        && wanted(&pos.pending_snapshot)
+        && held(&pos.pending_snapshot)
+        && held(&pos.pending_base);
     let (to, base, from, resumed) = if resumable {
         (pos.pending_snapshot, pos.pending_base, pos.resume_offset, true)
     } else {
@@ -127,11 +175,17 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
         if base.is_empty() && !pos.snapshots.is_empty() {
             return Err(Status::failed_precondition(format!(
                 "{:?} on {peer} holds none of the mirror snapshots of {:?}: it needs a resync (or a new replica)",
-                rel.remote, rel.volume
+                leg.remote, leg.volume
             )));
         }
-        let (p, v, name) = (Arc::clone(&hub.pool), rel.volume.clone(), format!("{}{}", rel.prefix, now_ms()));
-        blocking(move || p.create_snapshot(&v, &name)).await.map(|s| (s.name, base, 0, false))?
+        match leg.to {
+            Some(to) => (to, base, 0, false),
+            None => {
+                let (p, v, name) =
+                    (Arc::clone(&hub.pool), leg.volume.to_owned(), format!("{}{}", leg.prefix, now_ms()));
+                blocking(move || p.create_snapshot(&v, &name)).await.map(|s| (s.name, base, 0, false))?
+            }
+        }
     };
     let (p, t, b) = (Arc::clone(&hub.pool), to.clone(), base.clone());
     let delta = blocking(move || Delta::plan(&p, &t, Some(b.as_str()).filter(|b| !b.is_empty()))).await?;
@@ -142,7 +196,7 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
     });
     hub.live(&rel.volume, |l| l.running = Some(Arc::clone(&progress)));
     let begin = PushBegin {
-        replica: rel.remote.clone(),
+        replica: leg.remote.to_owned(),
         base: base.clone(),
         snapshot: to.clone(),
         size: delta.size,
@@ -151,6 +205,7 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
         origin: hub.endpoint.clone(),
         origin_volume: rel.volume.clone(),
         interval_secs: rel.interval_secs,
+        group: leg.group.to_owned(),
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<PushMessage>(4);
     let reader = {
@@ -183,12 +238,103 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
     read?.map_err(status)?;
     let reply = sent.map_err(at_peer(peer))?.into_inner();
     let secs = progress.started.elapsed().as_secs_f64();
-    let mut now = hub.relations.get(&rel.volume).unwrap_or_else(|| rel.clone());
-    now.synced.clone_from(&reply.snapshot);
-    hub.relations.put(now.clone())?;
     hub.live(&rel.volume, |l| (l.last_secs, l.last_bytes) = (secs, reply.data_bytes));
-    prune(hub, &now, &reply.snapshot).await;
-    tracing::info!(volume = %rel.volume, %peer, replica = %rel.remote, snapshot = %reply.snapshot,
+    tracing::info!(volume = %leg.volume, %peer, replica = %leg.remote, snapshot = %reply.snapshot,
         bytes = reply.data_bytes, resumed, "replica pushed");
     Ok(SyncReplicationResponse { snapshot: reply.snapshot, base, data_bytes: reply.data_bytes, resumed })
+}
+
+/// Pushes a replicated group once: every member to the same group mirror point (a group
+/// snapshot here, so crash-consistent across members), then tells the peer the point is
+/// complete; only then does it count, there and here. An unfinished point is finished first.
+pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplicationResponse, Status> {
+    check_role(rel)?;
+    let peer = rel.peer.as_str();
+    let mut client = connect(hub.tls.as_ref(), peer).await?;
+    let pos = client
+        .position(ReplicaPositionRequest { replica: rel.remote.clone() })
+        .await
+        .map_err(at_peer(peer))?
+        .into_inner();
+    if pos.role == Role::Primary.as_str() {
+        return Err(split_brain(peer, &rel.remote));
+    }
+    let (pool, group, prefix) = (Arc::clone(&hub.pool), rel.volume.clone(), rel.prefix.clone());
+    let by_time = rel.clone();
+    let (members, points) = blocking(move || {
+        let members = pool.groups().into_iter().find(|g| g.name == group).map(|g| g.volumes).unwrap_or_default();
+        let mut points: Vec<_> =
+            pool.group_snapshots(Some(&group))?.into_iter().filter(|g| g.name.starts_with(&prefix)).collect();
+        points.sort_by_key(|g| by_time.taken_ms(&g.name));
+        Ok((members, points))
+    })
+    .await?;
+    if members.is_empty() {
+        return Err(Status::failed_precondition(format!("group {:?} has no volumes here", rel.volume)));
+    }
+    let mut members = members;
+    members.sort();
+    // An unfinished point with every current member continues; otherwise a new one.
+    let unfinished = points
+        .last()
+        .filter(|p| p.name != rel.synced && members.iter().all(|m| p.snapshots.iter().any(|(_, v)| v == m)));
+    let point = match unfinished {
+        Some(p) => p.name.clone(),
+        None => {
+            let (pool, group, name) =
+                (Arc::clone(&hub.pool), rel.volume.clone(), format!("{}{}", rel.prefix, now_ms()));
+            blocking(move || pool.create_group_snapshot(&group, &name)).await?.name
+        }
+    };
+    let (mut bytes, mut resumed) = (0, false);
+    for m in &members {
+        let leg = Leg {
+            volume: m,
+            remote: m,
+            prefix: &rel.prefix,
+            to: Some(format!("{point}.{m}")),
+            group: &rel.remote,
+            relation: rel,
+        };
+        let out = push_leg(hub, &mut client, leg).await?;
+        bytes += out.data_bytes;
+        resumed |= out.resumed;
+    }
+    let req = GroupCommitRequest { group: rel.remote.clone(), point: point.clone(), members: members.clone() };
+    client.group_commit(req).await.map_err(at_peer(peer))?;
+    let mut now = hub.relations.get(&rel.volume).unwrap_or_else(|| rel.clone());
+    now.synced.clone_from(&point);
+    now.members.clone_from(&members);
+    hub.relations.put(now.clone())?;
+    hub.live(&rel.volume, |l| l.last_bytes = bytes);
+    prune_group(hub, &now, &point).await;
+    let base = rel.synced.clone();
+    Ok(SyncReplicationResponse { snapshot: point, base, data_bytes: bytes, resumed })
+}
+
+/// For a group relation: deletes the group's other mirror points here (group snapshots and the
+/// member snapshots a past secondary received), keeping `keep`.
+pub async fn prune_group(hub: &Replication, rel: &Relation, keep: &str) {
+    let (pool, group, prefix, keep) = (Arc::clone(&hub.pool), rel.volume.clone(), rel.prefix.clone(), keep.to_owned());
+    let members = rel.members.clone();
+    let r = blocking(move || {
+        if let Ok(points) = pool.group_snapshots(Some(&group)) {
+            for p in points.iter().filter(|p| p.name.starts_with(&prefix) && p.name != keep) {
+                pool.delete_group_snapshot(&p.name)?;
+            }
+        }
+        for m in &members {
+            let own = format!("{keep}.{m}");
+            for s in pool.snapshots(Some(m)).unwrap_or_default() {
+                if s.name.starts_with(&prefix) && s.name != own {
+                    pool.delete_snapshot(&s.name)?;
+                }
+            }
+        }
+        Ok(())
+    })
+    .await;
+    if let Err(e) = r {
+        tracing::warn!(group = %rel.volume, error = %e.message(), "could not delete older group mirror points");
+    }
 }
