@@ -44,28 +44,42 @@ pub struct Replication {
     pub busy: Busy,
 }
 
-/// The node, a client of its daemon and the volume's name there, for a request's source.
+/// The node, a client of its daemon and the volume's (or group's) name there, for a
+/// request's source.
 struct Target {
     node: String,
     admin: pb::admin_client::AdminClient<Channel>,
     volume: String,
+    group: bool,
 }
 
 impl Replication {
-    /// Resolves the request's `replication_source` to an existing volume.
+    /// Resolves the request's `replication_source` to an existing volume or volume group (a
+    /// group replicates as one unit).
     async fn target(&self, source: Option<rp::ReplicationSource>) -> Result<Target, Status> {
         let id = match source.and_then(|s| s.r#type) {
             Some(Source::Volume(v)) if !v.volume_id.is_empty() => v.volume_id,
-            Some(Source::Volume(_)) => {
-                return Err(Status::invalid_argument("replication_source.volume.volume_id is required"));
+            Some(Source::Volumegroup(g)) if !g.volume_group_id.is_empty() => {
+                return self.group(&g.volume_group_id).await;
             }
-            Some(Source::Volumegroup(_)) => {
-                return Err(Status::unimplemented("replication of a volume group is not supported yet"));
-            }
+            Some(_) => return Err(Status::invalid_argument("replication_source needs a volume_id or volume_group_id")),
             None => return Err(Status::invalid_argument("replication_source is required")),
         };
         let (node, admin, v) = nodes::volume(&*self.nodes, &id).await?;
-        Ok(Target { node, admin, volume: v.name })
+        Ok(Target { node, admin, volume: v.name, group: false })
+    }
+
+    async fn group(&self, id: &str) -> Result<Target, Status> {
+        let not_found = || Status::not_found(format!("volume group {id:?} does not exist"));
+        let (node, name) = crate::ids::parse(id).ok_or_else(not_found)?;
+        let mut admin = nodes::admin(&*self.nodes, node)
+            .await
+            .map_err(|s| if s.code() == Code::NotFound { not_found() } else { s })?;
+        let groups = admin.list_groups(pb::ListGroupsRequest {}).await?.into_inner().groups;
+        if !groups.iter().any(|g| g.name == name) {
+            return Err(not_found());
+        }
+        Ok(Target { node: node.to_owned(), admin, volume: name.to_owned(), group: true })
     }
 
     /// The peer endpoint, interval and remote name from the class parameters.
@@ -122,7 +136,7 @@ fn on(node: &str) -> impl Fn(Status) -> Status + '_ {
 fn source_key(s: &Option<rp::ReplicationSource>) -> String {
     match s.as_ref().and_then(|s| s.r#type.as_ref()) {
         Some(Source::Volume(v)) => v.volume_id.clone(),
-        Some(Source::Volumegroup(g)) => format!("group {}", g.volume_group_id),
+        Some(Source::Volumegroup(g)) => format!("volume group {}", g.volume_group_id),
         None => String::new(),
     }
 }
@@ -146,7 +160,8 @@ impl rp::controller_server::Controller for Replication {
             peer,
             replica: remote,
             interval_secs,
-            group: false,
+            group: t.group,
+            snapshots: Vec::new(),
         };
         t.admin.enable_replication(req).await.map_err(on(&t.node))?;
         tracing::info!(volume = %t.volume, node = %t.node, interval_secs, "replication enabled");

@@ -354,7 +354,10 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::Replication>, Status> {
         let r = req.into_inner();
         require("volume", &r.volume)?;
-        self.replication.enable(&r.volume, &r.peer, &r.replica, r.interval_secs, r.group).await.map(Response::new)
+        self.replication
+            .enable(&r.volume, &r.peer, &r.replica, r.interval_secs, r.group, r.snapshots)
+            .await
+            .map(Response::new)
     }
 
     async fn disable_replication(

@@ -172,7 +172,7 @@ fn replication_json(r: &pb::Replication) -> serde_json::Value {
            "last_sync_seconds": r.last_sync_seconds, "last_sync_bytes": r.last_sync_bytes,
            "lag_seconds": r.lag_seconds, "bytes_done": r.bytes_done, "bytes_left": r.bytes_left,
            "bytes_per_second": r.bytes_per_second, "handover": r.handover, "resynced": r.resynced,
-           "group": r.group, "members": r.members})
+           "group": r.group, "members": r.members, "snapshots": r.snapshots})
 }
 
 pub fn print_replications(out: Output, list: &[pb::Replication]) {

@@ -215,6 +215,10 @@ enum ReplicaCmd {
         /// snapshot (members keep their names on the peer).
         #[arg(long)]
         group: bool,
+        /// User snapshots that replicate too (taken on the primary, sent before the next mirror
+        /// snapshot): a name, or a prefix ending in `*`. Repeatable.
+        #[arg(long = "snapshot")]
+        snapshots: Vec<String>,
     },
     /// Stop replicating a volume; a secondary becomes writable at its last complete mirror snapshot.
     Disable { volume: String },
@@ -238,9 +242,9 @@ enum ReplicaCmd {
 async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result<()> {
     let one = |volume: String| pb::ReplicationRequest { volume };
     let r = match cmd {
-        ReplicaCmd::Enable { volume, peer, replica, interval, group } => {
+        ReplicaCmd::Enable { volume, peer, replica, interval, group, snapshots } => {
             let replica = replica.unwrap_or_default();
-            let req = pb::EnableReplicationRequest { volume, peer, replica, interval_secs: interval, group };
+            let req = pb::EnableReplicationRequest { volume, peer, replica, interval_secs: interval, group, snapshots };
             c.enable_replication(req).await
         }
         ReplicaCmd::Disable { volume } => c.disable_replication(one(volume)).await,

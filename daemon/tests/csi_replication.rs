@@ -111,7 +111,7 @@ async fn replication_conformance_between_two_nodes() {
         parameters: params(&peer),
         ..Default::default()
     };
-    assert_eq!(code(rc.enable_volume_replication(group).await), Code::Unimplemented);
+    assert_eq!(code(rc.enable_volume_replication(group).await), Code::NotFound);
     for c in [code(rc.promote_volume(promote(&id, false)).await), code(rc.demote_volume(demote(&id)).await)] {
         assert_eq!(c, Code::FailedPrecondition, "not replicated yet");
     }
@@ -159,4 +159,30 @@ async fn replication_conformance_between_two_nodes() {
     }
     assert_eq!(code(rc.promote_volume(promote(&id, true)).await), Code::FailedPrecondition);
     assert_eq!(code(rc.disable_volume_replication(disable("node-a/missing")).await), Code::NotFound);
+
+    // A volume group replicates as one unit.
+    ctl.create_volume(create("pvc-2", 8 << 20, Some("node-a"))).await.unwrap();
+    a.ok(&["group", "create", "grp", "pvc-2"]);
+    let grp = || {
+        Some(rp::ReplicationSource {
+            r#type: Some(Type::Volumegroup(VolumeGroupSource { volume_group_id: "node-a/grp".into() })),
+        })
+    };
+    let req = rp::EnableVolumeReplicationRequest {
+        replication_source: grp(),
+        parameters: params(&peer),
+        ..Default::default()
+    };
+    rc.enable_volume_replication(req).await.unwrap();
+    let i = eventually("a first group sync", || {
+        let mut rc = rc.clone();
+        async move {
+            let req = rp::GetVolumeReplicationInfoRequest { replication_source: grp(), ..Default::default() };
+            rc.get_volume_replication_info(req).await.ok().map(|r| r.into_inner())
+        }
+    })
+    .await;
+    assert_eq!(i.status, rp::get_volume_replication_info_response::Status::Healthy as i32, "{i:?}");
+    let s: serde_json::Value = serde_json::from_str(&b.ok(&["-o", "json", "replica", "status", "grp"])).unwrap();
+    assert_eq!((s["group"].as_bool(), s["role"].as_str()), (Some(true), Some("secondary")), "{s}");
 }

@@ -261,3 +261,36 @@ fn a_push_to_a_tcp_peer_uses_mutual_tls_and_the_peer_fence_list() {
     let r = sync(&primary);
     assert_eq!(r["base"].as_str(), Some(m1.as_str()), "{r}");
 }
+
+#[test]
+fn user_snapshots_named_in_the_settings_replicate_in_order_and_stay() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (primary, peer) = (Daemon::start(a.path()), Daemon::start(b.path()));
+    primary.ok(&["volume", "create", "v", "8M"]);
+    write(&primary, "v", 1, 0, MIB);
+    primary.ok(&["snapshot", "create", "v", "nightly-1"]);
+    write(&primary, "v", 2, 2 * MIB, MIB);
+    primary.ok(&["snapshot", "create", "v", "scratch"]);
+    write(&primary, "v", 3, 4 * MIB, MIB);
+    let to = peer.admin().display().to_string();
+    primary.ok(&["replica", "enable", "v", &to, "--as", "r", "--interval", "0", "--snapshot", "nightly-*"]);
+    // nightly-1 first (1 MiB), then the mirror snapshot over it (2 MiB): nothing crosses twice.
+    assert_eq!(sync(&primary)["data_bytes"], 3 * MIB);
+    let names = |d: &Daemon, v: &str| -> Vec<String> {
+        let list: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "snapshot", "list", v])).unwrap();
+        list.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap().to_owned()).collect()
+    };
+    let on_peer = names(&peer, "r");
+    assert!(on_peer[0] == "nightly-1" && on_peer.len() == 2 && on_peer[1].starts_with("v.mirror."), "{on_peer:?}");
+    assert_eq!(read(&peer, "r@nightly-1"), read(&primary, "v@nightly-1"));
+
+    write(&primary, "v", 4, 6 * MIB, MIB);
+    primary.ok(&["snapshot", "create", "v", "nightly-2"]);
+    assert_eq!(sync(&primary)["data_bytes"], MIB);
+    let on_peer = names(&peer, "r");
+    assert_eq!(&on_peer[..2], ["nightly-1", "nightly-2"], "user snapshots stay through mirror pruning");
+    assert_eq!(on_peer.len(), 3, "{on_peer:?}");
+    assert_eq!(read(&peer, "r@nightly-2"), read(&primary, "v@nightly-2"));
+    let m = on_peer[2].as_str();
+    assert_eq!(read(&peer, &format!("r@{m}")), read(&primary, "v"));
+}

@@ -11,24 +11,13 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Daemon;
 use common::nbd::{open, read_image, try_read_image, write_on};
 use common::netns::Hosts;
-use serde_json::Value;
+use common::{Daemon, settled};
 
 const MIB: u64 = 1 << 20;
 /// Each daemon sends at most this much per second to its peer, so transfers take seconds.
 const BANDWIDTH: &str = "replication-bandwidth = \"16M\"";
-
-fn json(d: &Daemon, args: &[&str]) -> Value {
-    let mut all = vec!["-o", "json"];
-    all.extend_from_slice(args);
-    serde_json::from_str(&d.ok(&all)).unwrap()
-}
-
-fn status(d: &Daemon, volume: &str) -> Value {
-    json(d, &["replica", "status", volume])
-}
 
 /// Waits up to `secs` for `f` to hold.
 fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
@@ -72,7 +61,7 @@ fn sync_in_background(d: &Daemon, volume: &str) -> Child {
 
 /// Retries `replica sync` until it succeeds (a peer that has not yet noticed the last, cut
 /// stream answers Aborted for a while); its result.
-fn sync_until_done(d: &Daemon, volume: &str, secs: u64) -> Value {
+fn sync_until_done(d: &Daemon, volume: &str, secs: u64) -> serde_json::Value {
     let start = Instant::now();
     loop {
         let o = d.cli(&["-o", "json", "replica", "sync", volume]);
@@ -107,7 +96,7 @@ fn replication_between_two_hosts_survives_cuts_crashes_and_failback() {
     let (mut compared, mut seen) = (0, String::new());
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(10) {
-        let m = status(&pa, "v")["last_snapshot"].as_str().unwrap().to_owned();
+        let m = pa.replica("v")["last_snapshot"].as_str().unwrap().to_owned();
         if !m.is_empty() && m != seen {
             let image = format!("v@{m}");
             // A snapshot the next push pruned meanwhile is skipped.
@@ -121,7 +110,7 @@ fn replication_between_two_hosts_survives_cuts_crashes_and_failback() {
     }
     fio_done(writer);
     assert!(compared >= 2, "only {compared} mirror snapshots compared during the writes");
-    let last = json(&pa, &["replica", "sync", "v"]);
+    let last = pa.json(&["replica", "sync", "v"]);
     let m = last["snapshot"].as_str().unwrap();
     assert_eq!(read_image(&pb, &format!("v@{m}"), size), read_image(&pa, "v", size));
 
@@ -132,7 +121,7 @@ fn replication_between_two_hosts_survives_cuts_crashes_and_failback() {
     pa.ok(&["replica", "enable", "big", &hosts.endpoint(1), "--interval", "0"]);
     let wire = hosts.sent(0);
     let cut = sync_in_background(&pa, "big");
-    until("a quarter of the transfer", 60, || status(&pa, "big")["bytes_done"].as_u64().unwrap() > 24 * MIB);
+    until("a quarter of the transfer", 60, || pa.replica("big")["bytes_done"].as_u64().unwrap() > 24 * MIB);
     hosts.link(0, false);
     let out = cut.wait_with_output().unwrap();
     assert!(!out.status.success(), "the transfer cannot finish over a cut link");
@@ -159,9 +148,9 @@ fn replication_between_two_hosts_survives_cuts_crashes_and_failback() {
     std::thread::sleep(Duration::from_millis(4500));
     pa.crash();
     let _ = writer.wait_with_output();
-    let m = status(&pb, "v")["last_snapshot"].as_str().unwrap().to_owned();
+    let m = pb.replica("v")["last_snapshot"].as_str().unwrap().to_owned();
     let t = Instant::now();
-    assert_eq!(json(&pb, &["replica", "promote", "v", "--force"])["role"], "primary");
+    assert_eq!(pb.json(&["replica", "promote", "v", "--force"])["role"], "primary");
     eprintln!("force-promote took {:?}", t.elapsed());
     let promoted = read_image(&pb, "v", size);
     assert_eq!(promoted, read_image(&pb, &format!("v@{m}"), size));
@@ -171,15 +160,15 @@ fn replication_between_two_hosts_survives_cuts_crashes_and_failback() {
     // against what the replica had, demoted and resynced; only B's 1 MiB crosses.
     let pa = hosts.daemon(0, root.path(), BANDWIDTH);
     until("split-brain reported", 30, || {
-        let s = status(&pa, "v");
+        let s = pa.replica("v");
         s["error"].as_str().unwrap().contains("split-brain")
     });
     assert_eq!(read_image(&pa, &format!("v@{m}"), size), promoted, "the replica was exactly mirror snapshot {m}");
     pa.ok(&["replica", "demote", "v"]);
     let wire = hosts.sent(1);
     pa.ok(&["replica", "resync", "v"]);
-    until("A resynced", 60, || status(&pa, "v")["resynced"] == true);
-    let s = status(&pb, "v");
+    until("A resynced", 60, || pa.replica("v")["resynced"] == true);
+    let s = settled(&pa, &pb, "v");
     assert_eq!(s["last_sync_bytes"], MIB, "only the blocks B changed cross: {s}");
     let sent = hosts.sent(1) - wire;
     eprintln!("failback resync: {sent} bytes on the wire for 1 MiB changed");
@@ -189,9 +178,9 @@ fn replication_between_two_hosts_survives_cuts_crashes_and_failback() {
 
     // Planned switch-over back to A: demote B (final delta), promote A; nothing is lost.
     assert_eq!(write_on(&mut open(&pb, "v"), 4 * MIB, &[0x77; 65536]), 0);
-    let d = json(&pb, &["replica", "demote", "v"]);
+    let d = pb.json(&["replica", "demote", "v"]);
     assert_eq!((d["role"].as_str(), d["handover"].as_bool()), (Some("secondary"), Some(false)), "{d}");
-    assert_eq!(json(&pa, &["replica", "promote", "v"])["role"], "primary");
+    assert_eq!(pa.json(&["replica", "promote", "v"])["role"], "primary");
     assert_eq!(read_image(&pa, "v", size), read_image(&pb, "v", size));
     assert_eq!(write_on(&mut open(&pa, "v"), 0, &[1; 4096]), 0);
     assert_ne!(write_on(&mut open(&pb, "v"), 0, &[1; 4096]), 0, "B is a secondary again");
@@ -208,17 +197,17 @@ fn a_secondary_killed_while_applying_keeps_its_last_mirror_snapshot() {
     pa.ok(&["volume", "create", "v", "128M"]);
     assert_eq!(write_on(&mut open(&pa, "v"), 0, &[3; MIB as usize]), 0);
     pa.ok(&["replica", "enable", "v", &hosts.endpoint(1), "--interval", "0"]);
-    let m0 = json(&pa, &["replica", "sync", "v"])["snapshot"].as_str().unwrap().to_owned();
+    let m0 = pa.json(&["replica", "sync", "v"])["snapshot"].as_str().unwrap().to_owned();
     let at_m0 = read_image(&pa, &format!("v@{m0}"), 128 * MIB);
 
     fio_done(fio(&pa, "v", "write", "1M", "96M", None));
     let push = sync_in_background(&pa, "v");
-    until("a quarter of the transfer", 60, || status(&pa, "v")["bytes_done"].as_u64().unwrap() > 24 * MIB);
+    until("a quarter of the transfer", 60, || pa.replica("v")["bytes_done"].as_u64().unwrap() > 24 * MIB);
     pb.crash();
     assert!(!push.wait_with_output().unwrap().status.success());
 
     let pb = hosts.daemon(1, root.path(), BANDWIDTH);
-    assert_eq!(status(&pb, "v")["last_snapshot"], m0.as_str());
+    assert_eq!(pb.replica("v")["last_snapshot"], m0.as_str());
     assert_eq!(read_image(&pb, &format!("v@{m0}"), 128 * MIB), at_m0, "the previous mirror snapshot is intact");
     let done = sync_until_done(&pa, "v", 90);
     let m1 = done["snapshot"].as_str().unwrap();

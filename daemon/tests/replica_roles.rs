@@ -7,9 +7,8 @@
 
 mod common;
 
-use common::Daemon;
 use common::nbd::{open, read_image, write_on};
-use serde_json::Value;
+use common::{Daemon, settled};
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 8 * MIB;
@@ -22,16 +21,6 @@ fn bytes(seed: u8, len: u64) -> Vec<u8> {
 
 fn write(d: &Daemon, volume: &str, seed: u8, offset: u64, len: u64) {
     assert_eq!(write_on(&mut open(d, volume), offset, &bytes(seed, len)), 0, "write to {volume}");
-}
-
-fn json(d: &Daemon, args: &[&str]) -> Value {
-    let mut all = vec!["-o", "json"];
-    all.extend_from_slice(args);
-    serde_json::from_str(&d.ok(&all)).unwrap()
-}
-
-fn status(d: &Daemon, volume: &str) -> Value {
-    json(d, &["replica", "status", volume])
 }
 
 /// A CLI call that must fail; its stderr.
@@ -53,19 +42,19 @@ fn switch_over_split_brain_resync_and_force_promote() {
     pa.ok(&["volume", "create", "v", "8M"]);
     write(&pa, "v", 1, 0, 2 * MIB);
     pa.ok(&["replica", "enable", "v", &sb, "--interval", "0"]);
-    let first = json(&pa, &["replica", "sync", "v"]);
+    let first = pa.json(&["replica", "sync", "v"]);
     assert_eq!(first["data_bytes"], 2 * MIB, "{first}");
 
     // B holds a read-only secondary that knows its primary.
-    let s = status(&pb, "v");
+    let s = pb.replica("v");
     assert_eq!(
         (s["role"].as_str(), s["peer"].as_str(), s["remote"].as_str()),
         (Some("secondary"), Some(sa.as_str()), Some("v")),
         "{s}"
     );
-    assert_eq!(json(&pb, &["volume", "show", "v"])["read_only"], true);
+    assert_eq!(pb.json(&["volume", "show", "v"])["read_only"], true);
     assert_eq!(write_on(&mut open(&pb, "v"), 0, &[1; 4096]), EPERM, "clients cannot write a secondary");
-    assert_eq!(status(&pa, "v")["last_snapshot"], s["last_snapshot"]);
+    assert_eq!(pa.replica("v")["last_snapshot"], s["last_snapshot"]);
     assert!(fails(&pa, &["volume", "delete", "v"]).contains("disable its replication"));
 
     // Not yet: the primary is still primary.
@@ -76,14 +65,14 @@ fn switch_over_split_brain_resync_and_force_promote() {
     // every write acknowledged before reaches B in the final delta.
     let mut client = open(&pa, "v");
     assert_eq!(write_on(&mut client, 3 * MIB, &bytes(2, MIB)), 0);
-    let d = json(&pa, &["replica", "demote", "v"]);
+    let d = pa.json(&["replica", "demote", "v"]);
     assert_eq!(
         (d["role"].as_str(), d["handover"].as_bool(), d["state"].as_str()),
         (Some("secondary"), Some(false), Some("idle")),
         "{d}"
     );
     assert_eq!(write_on(&mut client, 0, &[9; 4096]), EPERM, "a demoted volume refuses writes on open connections");
-    let p = json(&pb, &["replica", "promote", "v"]);
+    let p = pb.json(&["replica", "promote", "v"]);
     assert_eq!(p["role"], "primary", "{p}");
     let want = read(&pa, "v");
     assert_eq!(read(&pb, "v"), want, "nothing lost in the switch-over");
@@ -91,19 +80,19 @@ fn switch_over_split_brain_resync_and_force_promote() {
 
     // B is primary now and pushes back; A takes it as a secondary.
     write(&pb, "v", 3, 5 * MIB, MIB);
-    let back = json(&pb, &["replica", "sync", "v"]);
+    let back = pb.json(&["replica", "sync", "v"]);
     assert_eq!(back["data_bytes"], MIB, "only the new MiB crosses back: {back}");
     let m = back["snapshot"].as_str().unwrap();
     assert_eq!(read(&pa, &format!("v@{m}")), read(&pb, &format!("v@{m}")));
 
     // Split-brain: A is force-promoted while B is primary. Both sides see it and say so.
-    assert_eq!(json(&pa, &["replica", "promote", "v", "--force"])["role"], "primary");
+    assert_eq!(pa.json(&["replica", "promote", "v", "--force"])["role"], "primary");
     write(&pa, "v", 4, 0, MIB); // A's divergent write
     write(&pb, "v", 5, 6 * MIB, 64 << 10); // B's write since the common point
     for (d, who) in [(&pa, "A"), (&pb, "B")] {
         let e = fails(d, &["replica", "sync", "v"]);
         assert!(e.contains("split-brain"), "{who}: {e}");
-        let s = status(d, "v");
+        let s = d.replica("v");
         assert_eq!(s["state"], "error", "{who}: {s}");
         assert!(s["error"].as_str().unwrap().contains("split-brain"), "{who}: {s}");
     }
@@ -111,16 +100,16 @@ fn switch_over_split_brain_resync_and_force_promote() {
 
     // Resolved in B's favour: A is demoted (its final delta cannot land: B is primary) and
     // resynced. B pushes only what changed since the common point; A's divergence is discarded.
-    let d = json(&pa, &["replica", "demote", "v"]);
+    let d = pa.json(&["replica", "demote", "v"]);
     assert_eq!(d["handover"], true, "{d}");
-    let r = json(&pa, &["replica", "resync", "v"]);
+    let r = pa.json(&["replica", "resync", "v"]);
     assert_eq!((r["role"].as_str(), r["handover"].as_bool()), (Some("secondary"), Some(false)), "{r}");
     let start = std::time::Instant::now();
-    while status(&pa, "v")["resynced"] != true {
+    while pa.replica("v")["resynced"] != true {
         assert!(start.elapsed().as_secs() < 30, "B did not push after the resync request: {}", pb.log());
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let s = status(&pb, "v");
+    let s = settled(&pa, &pb, "v");
     assert_eq!(s["last_sync_bytes"], 64 << 10, "only B's 64 KiB crossed: {s}");
     let m = s["last_snapshot"].as_str().unwrap();
     assert_eq!(read(&pa, &format!("v@{m}")), read(&pb, &format!("v@{m}")), "A equals B's mirror snapshot");
@@ -130,7 +119,7 @@ fn switch_over_split_brain_resync_and_force_promote() {
     drop(pb);
     let e = fails(&pa, &["replica", "promote", "v"]);
     assert!(e.contains("cannot be asked") && e.contains("force"), "{e}");
-    let p = json(&pa, &["replica", "promote", "v", "--force"]);
+    let p = pa.json(&["replica", "promote", "v", "--force"]);
     assert_eq!(p["role"], "primary");
     assert_eq!(read(&pa, "v"), read(&pa, &format!("v@{m}")), "at the last complete mirror snapshot");
     write(&pa, "v", 6, 0, MIB);
@@ -138,13 +127,13 @@ fn switch_over_split_brain_resync_and_force_promote() {
     // Disable: the relation goes with its mirror snapshots, and it survives a restart.
     pa.stop();
     let pa = Daemon::start(a.path());
-    assert_eq!(status(&pa, "v")["role"], "primary", "relations survive a restart");
+    assert_eq!(pa.replica("v")["role"], "primary", "relations survive a restart");
     pa.ok(&["replica", "disable", "v"]);
     assert!(fails(&pa, &["replica", "status", "v"]).contains("not replicated"));
     // Only mirror snapshots a client reads stay (this test exported some).
-    let exports = json(&pa, &["export", "list"]);
+    let exports = pa.json(&["export", "list"]);
     let exported: Vec<&str> = exports.as_array().unwrap().iter().map(|e| e["volume"].as_str().unwrap()).collect();
-    let snaps = json(&pa, &["snapshot", "list", "v"]);
+    let snaps = pa.json(&["snapshot", "list", "v"]);
     for s in snaps.as_array().unwrap() {
         let s = s["name"].as_str().unwrap();
         assert!(exported.contains(&format!("v@{s}").as_str()), "{s} stayed but is not exported: {exported:?}");
@@ -167,7 +156,7 @@ fn disabling_a_secondary_leaves_a_writable_copy_and_bad_requests_are_refused() {
     write(&pa, "v", 1, MIB, MIB);
     pa.ok(&["replica", "enable", "v", &sb, "--as", "copy", "--interval", "0"]);
     pa.ok(&["replica", "sync", "v"]);
-    let at = status(&pa, "v")["last_snapshot"].as_str().unwrap().to_owned();
+    let at = pa.replica("v")["last_snapshot"].as_str().unwrap().to_owned();
 
     // Refusals with clear messages.
     assert!(fails(&pa, &["replica", "enable", "v", "/other.sock"]).contains("already replicates"));
@@ -178,17 +167,17 @@ fn disabling_a_secondary_leaves_a_writable_copy_and_bad_requests_are_refused() {
     assert!(fails(&pb, &["replica", "sync", "copy"]).contains("secondary"));
 
     pb.ok(&["replica", "disable", "copy"]);
-    assert_eq!(json(&pb, &["volume", "show", "copy"])["read_only"], false);
+    assert_eq!(pb.json(&["volume", "show", "copy"])["read_only"], false);
     assert_eq!(read(&pb, "copy"), read(&pa, &format!("v@{at}")));
     write(&pb, "copy", 2, 0, 4096);
     // The primary's next push finds a volume that is no replica any more.
     let e = fails(&pa, &["replica", "sync", "v"]);
     assert!(e.contains("\"copy\" already exists"), "{e}");
-    let s = status(&pa, "v");
+    let s = pa.replica("v");
     assert!(s["state"] == "error" && s["error"].as_str().unwrap().contains("already exists"), "{s}");
 
     // Enabling again changes only the interval.
-    assert_eq!(json(&pa, &["replica", "enable", "v", &sb, "--as", "copy", "--interval", "5m"])["interval_secs"], 300);
+    assert_eq!(pa.json(&["replica", "enable", "v", &sb, "--as", "copy", "--interval", "5m"])["interval_secs"], 300);
     let table = pa.ok(&["replica", "status"]);
     assert!(table.contains("primary") && table.contains("300s") && table.contains(&format!("{sb}:copy")), "{table}");
 }
@@ -211,10 +200,10 @@ fn a_group_replicates_as_one_unit_and_promotes_at_one_point() {
     write(&pa, "a1", 1, 0, MIB);
     write(&pa, "a2", 2, MIB, MIB);
     pa.ok(&["replica", "enable", "app", &sb, "--group", "--interval", "0"]);
-    let first = json(&pa, &["replica", "sync", "app"]);
+    let first = pa.json(&["replica", "sync", "app"]);
     assert_eq!(first["data_bytes"], 2 * MIB, "{first}");
     let g1 = first["snapshot"].as_str().unwrap().to_owned();
-    let s = status(&pb, "app");
+    let s = pb.replica("app");
     assert_eq!(
         (s["role"].as_str(), s["group"].as_bool(), s["last_snapshot"].as_str()),
         (Some("secondary"), Some(true), Some(g1.as_str())),
@@ -251,10 +240,10 @@ fn a_group_replicates_as_one_unit_and_promotes_at_one_point() {
     }
     pa.crash();
     drop(push);
-    assert_eq!(status(&pb, "app")["last_snapshot"], g1.as_str(), "the new point is not complete");
+    assert_eq!(pb.replica("app")["last_snapshot"], g1.as_str(), "the new point is not complete");
 
     // Force-promoted, every member is at the last complete point, and the group is there.
-    let p = json(&pb, &["replica", "promote", "app", "--force"]);
+    let p = pb.json(&["replica", "promote", "app", "--force"]);
     assert_eq!(p["role"], "primary", "{p}");
     for (v, want) in ["a1", "a2"].iter().zip(&at_g1) {
         assert!(read_image(&pb, v, 32 * MIB) == *want, "{v} is not at {g1}");
@@ -268,11 +257,11 @@ fn a_group_replicates_as_one_unit_and_promotes_at_one_point() {
     pa.ok(&["replica", "demote", "app"]);
     pa.ok(&["replica", "resync", "app"]);
     let start = std::time::Instant::now();
-    while status(&pa, "app")["resynced"] != true {
+    while pa.replica("app")["resynced"] != true {
         assert!(start.elapsed().as_secs() < 30, "A did not take B's point: {}", pb.log());
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let s = status(&pb, "app");
+    let s = settled(&pa, &pb, "app");
     assert_eq!(s["last_sync_bytes"], 4096, "only B's one block crossed: {s}");
     let g2 = s["last_snapshot"].as_str().unwrap();
     for v in ["a1", "a2"] {

@@ -111,6 +111,7 @@ impl Replication {
             resynced: live.resynced,
             group: rel.group,
             members: rel.members.clone(),
+            snapshots: rel.snapshots.clone(),
         }
     }
 
@@ -132,6 +133,7 @@ impl Replication {
         remote: &str,
         interval_secs: u64,
         group: bool,
+        snapshots: Vec<String>,
     ) -> Result<pb::Replication, Status> {
         if peer.is_empty() {
             return Err(Status::invalid_argument("replication needs the peer daemon's admin endpoint"));
@@ -165,7 +167,7 @@ impl Replication {
                     r.remote, r.peer
                 )));
             }
-            Some(r) => Relation { interval_secs, ..r },
+            Some(r) => Relation { interval_secs, snapshots, ..r },
             None => Relation {
                 volume: volume.to_owned(),
                 role: Role::Primary,
@@ -177,6 +179,7 @@ impl Replication {
                 synced: String::new(),
                 group,
                 members,
+                snapshots,
             },
         };
         self.relations.put(rel.clone())?;

@@ -60,8 +60,9 @@ impl ReplicaService {
                 b.replica
             ))),
             None => {
-                // A mirror snapshot's name is the relation's prefix and a time (then, for a
-                // group member, `.<member>`).
+                // The sender names the relation's prefix; without it (an older sender), a
+                // mirror snapshot's name is the prefix and a time (then, for a group member,
+                // `.<member>`).
                 let point = if b.group.is_empty() {
                     b.snapshot.as_str()
                 } else {
@@ -72,12 +73,17 @@ impl ReplicaService {
                     role: Role::Secondary,
                     peer: b.origin.clone(),
                     remote: b.origin_volume.clone(),
-                    prefix: point.trim_end_matches(|c: char| c.is_ascii_digit()).to_owned(),
+                    prefix: if b.prefix.is_empty() {
+                        point.trim_end_matches(|c: char| c.is_ascii_digit()).to_owned()
+                    } else {
+                        b.prefix.clone()
+                    },
                     interval_secs: b.interval_secs,
                     handover: false,
                     synced: String::new(),
                     group: !b.group.is_empty(),
                     members: Vec::new(),
+                    snapshots: Vec::new(),
                 }))
             }
         }

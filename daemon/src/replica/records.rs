@@ -54,9 +54,22 @@ pub struct Relation {
     /// A group's members, as of its last complete point.
     #[serde(default)]
     pub members: Vec<String>,
+    /// User snapshots of the volume that replicate too: names, or prefixes ending in `*`.
+    #[serde(default)]
+    pub snapshots: Vec<String>,
 }
 
 impl Relation {
+    /// Whether snapshot `name` of the volume crosses to the peer: a mirror snapshot, or a user
+    /// snapshot the settings name.
+    pub fn carries(&self, name: &str) -> bool {
+        name.starts_with(&self.prefix)
+            || self.snapshots.iter().any(|p| match p.strip_suffix('*') {
+                Some(start) => name.starts_with(start),
+                None => name == p,
+            })
+    }
+
     /// When mirror snapshot `name` of this relation was taken (Unix ms), if it is one.
     pub fn taken_ms(&self, name: &str) -> Option<u64> {
         name.strip_prefix(&self.prefix)?.parse().ok()
@@ -147,6 +160,7 @@ mod tests {
             synced: String::new(),
             group: false,
             members: Vec::new(),
+            snapshots: vec!["nightly-*".into(), "weekly".into()],
         };
         let list = Records::<Relation>::load(dir.path(), "replication").unwrap();
         list.put(r.clone()).unwrap();
@@ -156,6 +170,11 @@ mod tests {
         assert_eq!(again.get("v").unwrap().role, Role::Secondary);
         assert_eq!(r.taken_ms("v.mirror.1700000000123"), Some(1_700_000_000_123));
         assert_eq!(r.taken_ms("v.snap"), None);
+        for (name, carried) in
+            [("v.mirror.1", true), ("nightly-3", true), ("weekly", true), ("weekly-2", false), ("x", false)]
+        {
+            assert_eq!(r.carries(name), carried, "{name}");
+        }
         again.set("v", None).unwrap();
         assert!(Records::<Relation>::load(dir.path(), "replication").unwrap().get("v").is_none());
     }

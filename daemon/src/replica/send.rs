@@ -86,7 +86,6 @@ pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
 struct Leg<'a> {
     volume: &'a str,
     remote: &'a str,
-    prefix: &'a str,
     /// The mirror snapshot to bring (a group point's member snapshot); None: take a new one.
     to: Option<String>,
     /// The remote group, for a member of a replicated group.
@@ -100,13 +99,45 @@ struct Leg<'a> {
 pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationResponse, Status> {
     check_role(rel)?;
     let mut client = connect(hub.tls.as_ref(), &rel.peer).await?;
-    let leg = Leg { volume: &rel.volume, remote: &rel.remote, prefix: &rel.prefix, to: None, group: "", relation: rel };
-    let out = push_leg(hub, &mut client, leg).await?;
+    let mut user_bytes = 0;
+    for s in user_snapshots_to_send(hub, &mut client, rel).await? {
+        let leg = Leg { volume: &rel.volume, remote: &rel.remote, to: Some(s), group: "", relation: rel };
+        user_bytes += push_leg(hub, &mut client, leg).await?.data_bytes;
+    }
+    let leg = Leg { volume: &rel.volume, remote: &rel.remote, to: None, group: "", relation: rel };
+    let mut out = push_leg(hub, &mut client, leg).await?;
+    out.data_bytes += user_bytes;
     let mut now = hub.relations.get(&rel.volume).unwrap_or_else(|| rel.clone());
     now.synced.clone_from(&out.snapshot);
     hub.relations.put(now.clone())?;
     prune(hub, &now, &out.snapshot).await;
     Ok(out)
+}
+
+/// The user snapshots the settings name that the peer lacks, taken since the newest snapshot
+/// both sides hold, oldest first: each crosses as its own delta before the next mirror snapshot.
+async fn user_snapshots_to_send(
+    hub: &Replication,
+    client: &mut ReplicaClient<Channel>,
+    rel: &Relation,
+) -> Result<Vec<String>, Status> {
+    if rel.snapshots.is_empty() {
+        return Ok(Vec::new());
+    }
+    let theirs = client
+        .position(ReplicaPositionRequest { replica: rel.remote.clone() })
+        .await
+        .map_err(at_peer(&rel.peer))?
+        .into_inner()
+        .snapshots;
+    let (pool, v) = (Arc::clone(&hub.pool), rel.volume.clone());
+    let ours: Vec<String> = blocking(move || pool.snapshots(Some(&v))).await?.into_iter().map(|s| s.name).collect();
+    let since = ours.iter().rposition(|n| rel.carries(n) && theirs.contains(n)).map_or(0, |i| i + 1);
+    Ok(ours[since..]
+        .iter()
+        .filter(|n| !n.starts_with(&rel.prefix) && rel.carries(n) && !theirs.contains(n))
+        .cloned()
+        .collect())
 }
 
 fn check_role(rel: &Relation) -> Result<(), Status> {
@@ -154,12 +185,12 @@ async fn push_leg(
         return Ok(SyncReplicationResponse { snapshot: to.clone(), ..Default::default() });
     }
     let pool = Arc::clone(&hub.pool);
-    let (v, prefix) = (leg.volume.to_owned(), leg.prefix.to_owned());
+    let v = leg.volume.to_owned();
     let ours: Vec<String> = blocking(move || pool.snapshots(Some(&v)))
         .await?
         .into_iter()
         .map(|s| s.name)
-        .filter(|n| n.starts_with(&prefix))
+        .filter(|n| rel.carries(n))
         .collect();
     let held = |n: &str| n.is_empty() || ours.iter().any(|o| o == n);
     let wanted = |n: &str| leg.to.as_deref().is_none_or(|t| t == n);
@@ -182,7 +213,7 @@ async fn push_leg(
             Some(to) => (to, base, 0, false),
             None => {
                 let (p, v, name) =
-                    (Arc::clone(&hub.pool), leg.volume.to_owned(), format!("{}{}", leg.prefix, now_ms()));
+                    (Arc::clone(&hub.pool), leg.volume.to_owned(), format!("{}{}", rel.prefix, now_ms()));
                 blocking(move || p.create_snapshot(&v, &name)).await.map(|s| (s.name, base, 0, false))?
             }
         }
@@ -206,6 +237,7 @@ async fn push_leg(
         origin_volume: rel.volume.clone(),
         interval_secs: rel.interval_secs,
         group: leg.group.to_owned(),
+        prefix: rel.prefix.clone(),
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<PushMessage>(4);
     let reader = {
@@ -288,25 +320,18 @@ pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplica
     };
     let (mut bytes, mut resumed) = (0, false);
     for m in &members {
-        let leg = Leg {
-            volume: m,
-            remote: m,
-            prefix: &rel.prefix,
-            to: Some(format!("{point}.{m}")),
-            group: &rel.remote,
-            relation: rel,
-        };
+        let leg = Leg { volume: m, remote: m, to: Some(format!("{point}.{m}")), group: &rel.remote, relation: rel };
         let out = push_leg(hub, &mut client, leg).await?;
         bytes += out.data_bytes;
         resumed |= out.resumed;
     }
     let req = GroupCommitRequest { group: rel.remote.clone(), point: point.clone(), members: members.clone() };
     client.group_commit(req).await.map_err(at_peer(peer))?;
+    hub.live(&rel.volume, |l| l.last_bytes = bytes);
     let mut now = hub.relations.get(&rel.volume).unwrap_or_else(|| rel.clone());
     now.synced.clone_from(&point);
     now.members.clone_from(&members);
     hub.relations.put(now.clone())?;
-    hub.live(&rel.volume, |l| l.last_bytes = bytes);
     prune_group(hub, &now, &point).await;
     let base = rel.synced.clone();
     Ok(SyncReplicationResponse { snapshot: point, base, data_bytes: bytes, resumed })

@@ -83,6 +83,18 @@ impl Daemon {
         String::from_utf8(o.stdout).unwrap()
     }
 
+    /// Runs a CLI command with `-o json` that must succeed; its output.
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = vec!["-o", "json"];
+        all.extend_from_slice(args);
+        serde_json::from_str(&self.ok(&all)).unwrap()
+    }
+
+    /// `replica status NAME`.
+    pub fn replica(&self, name: &str) -> serde_json::Value {
+        self.json(&["replica", "status", name])
+    }
+
     /// SIGTERM and wait; returns the exit status.
     pub fn stop(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().unwrap();
@@ -109,6 +121,20 @@ impl Drop for Daemon {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// The pushing side's replica status once it has recorded the point the receiving side holds
+/// (the receiver commits before the sender hears back).
+pub fn settled(receiver: &Daemon, sender: &Daemon, name: &str) -> serde_json::Value {
+    let start = Instant::now();
+    loop {
+        let s = sender.replica(name);
+        if s["last_snapshot"] == receiver.replica(name)["last_snapshot"] {
+            return s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "the sender did not record the point: {s}");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
