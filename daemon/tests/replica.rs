@@ -155,6 +155,12 @@ async fn deltas_land_whole_and_bad_or_cut_pushes_change_nothing() {
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert!(err.message().contains("resync"), "{err}");
     assert_eq!(push(&c, vec![begin("m2", "m3", MIB, true)]).await.unwrap_err().code(), Code::FailedPrecondition);
+    let mut ghost = begin("m2", "g1", MIB, false);
+    if let Some(Msg::Begin(b)) = &mut ghost.msg {
+        b.replica = "ghost".into();
+    }
+    let err = push(&c, vec![ghost, commit()]).await.unwrap_err();
+    assert!(err.code() == Code::FailedPrecondition && err.message().contains("not a replica"), "{err}");
     assert_eq!(push(&c, vec![begin("m2", "m2", MIB, false)]).await.unwrap_err().code(), Code::AlreadyExists);
     assert_eq!(push(&c, vec![commit()]).await.unwrap_err().code(), Code::InvalidArgument);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
@@ -293,4 +299,20 @@ fn user_snapshots_named_in_the_settings_replicate_in_order_and_stay() {
     assert_eq!(read(&peer, "r@nightly-2"), read(&primary, "v@nightly-2"));
     let m = on_peer[2].as_str();
     assert_eq!(read(&peer, &format!("r@{m}")), read(&primary, "v"));
+
+    // A clone replicates as it is: its first sync reads through its origin, and the clone on
+    // the primary stays a clone (nothing flattened).
+    primary.ok(&["clone", "v@nightly-1", "c"]);
+    write(&primary, "c", 5, 3 * MIB, MIB);
+    let depth = |d: &Daemon| -> u64 {
+        let v: serde_json::Value = serde_json::from_str(&d.ok(&["-o", "json", "volume", "show", "c"])).unwrap();
+        v["chain_depth"].as_u64().unwrap()
+    };
+    let before = depth(&primary);
+    assert!(before >= 2, "a clone sits on its origin");
+    primary.ok(&["replica", "enable", "c", &to, "--interval", "0"]);
+    let r: serde_json::Value = serde_json::from_str(&primary.ok(&["-o", "json", "replica", "sync", "c"])).unwrap();
+    assert_eq!(r["data_bytes"], 2 * MIB, "the origin's 1 MiB and the clone's own: {r}");
+    assert_eq!(read(&peer, "c"), read(&primary, "c"));
+    assert_eq!(depth(&primary), before + 1, "only the mirror snapshot was added");
 }

@@ -1,8 +1,8 @@
 //! Replication between two hosts: two daemons in network namespaces this test makes, joined by
 //! a veth pair, talking over the real mutual-TLS link. Steady replication under fio writes, a
 //! cable cut in the middle of a large transfer, `kill -9` of the primary then force-promote,
-//! failback (demote, resync: only what differs crosses), a planned switch-over, and `kill -9` of
-//! the secondary while it applies a delta.
+//! failback (demote, resync: only what differs crosses), a planned switch-over, `kill -9` of
+//! the secondary while it applies a delta, and a volume group that replicates as one unit.
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
@@ -212,4 +212,92 @@ fn a_secondary_killed_while_applying_keeps_its_last_mirror_snapshot() {
     let done = sync_until_done(&pa, "v", 90);
     let m1 = done["snapshot"].as_str().unwrap();
     assert_eq!(read_image(&pb, &format!("v@{m1}"), 128 * MIB), read_image(&pa, "v", 128 * MIB));
+}
+
+/// `len` bytes of `seed` at `offset` of `volume`, over NBD.
+fn write(d: &Daemon, volume: &str, seed: u8, offset: u64, len: u64) {
+    assert_eq!(write_on(&mut open(d, volume), offset, &vec![seed; len as usize]), 0, "write to {volume}");
+}
+
+#[test]
+fn a_group_replicates_as_one_unit_and_promotes_at_one_point() {
+    let Some(hosts) = Hosts::new() else { return };
+    let root = tempfile::tempdir().unwrap();
+    // The primary sends at most 16 MiB/s, so a transfer can be caught in the middle.
+    let (mut pa, pb) = (hosts.daemon(0, root.path(), BANDWIDTH), hosts.daemon(1, root.path(), ""));
+    let sb = hosts.endpoint(1);
+    for v in ["a1", "a2"] {
+        pa.ok(&["volume", "create", v, "32M"]);
+    }
+    pa.ok(&["group", "create", "app", "a1", "a2"]);
+    write(&pa, "a1", 1, 0, MIB);
+    write(&pa, "a2", 2, MIB, MIB);
+    pa.ok(&["replica", "enable", "app", &sb, "--group", "--interval", "0"]);
+    let first = pa.json(&["replica", "sync", "app"]);
+    assert_eq!(first["data_bytes"], 2 * MIB, "{first}");
+    let g1 = first["snapshot"].as_str().unwrap().to_owned();
+    let s = pb.replica("app");
+    assert_eq!(
+        (s["role"].as_str(), s["group"].as_bool(), s["last_snapshot"].as_str()),
+        (Some("secondary"), Some(true), Some(g1.as_str())),
+        "{s}"
+    );
+    assert_eq!(s["members"], serde_json::json!(["a1", "a2"]));
+    let at_g1: Vec<Vec<u8>> = ["a1", "a2"]
+        .iter()
+        .map(|v| {
+            let theirs = read_image(&pb, &format!("{v}@{g1}.{v}"), 32 * MIB);
+            assert_eq!(theirs, read_image(&pa, &format!("{v}@{g1}.{v}"), 32 * MIB), "{v} at {g1}");
+            assert_ne!(write_on(&mut open(&pb, v), 0, &[1; 4096]), 0, "members of a secondary are read-only");
+            theirs
+        })
+        .collect();
+
+    // 24 MiB more on each member; the primary dies once a1 holds the new point and a2 does not.
+    for v in ["a1", "a2"] {
+        for i in 0..3 {
+            write(&pa, v, 3 + i as u8, 4 * MIB + i * 8 * MIB, 8 * MIB);
+        }
+    }
+    let push = std::process::Command::new(common::BIN)
+        .arg("--admin-socket")
+        .arg(pa.admin())
+        .args(["replica", "sync", "app"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while pb.ok(&["snapshot", "list", "a1"]).matches(".mirror.").count() < 2 {
+        assert!(start.elapsed().as_secs() < 30, "a1 did not get the new point");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    pa.crash();
+    drop(push);
+    assert_eq!(pb.replica("app")["last_snapshot"], g1.as_str(), "the new point is not complete");
+
+    // Force-promoted, every member is at the last complete point, and the group is there.
+    let p = pb.json(&["replica", "promote", "app", "--force"]);
+    assert_eq!(p["role"], "primary", "{p}");
+    for (v, want) in ["a1", "a2"].iter().zip(&at_g1) {
+        assert!(read_image(&pb, v, 32 * MIB) == *want, "{v} is not at {g1}");
+    }
+    assert!(pb.ok(&["group", "list"]).contains("app"));
+    write(&pb, "a1", 9, 0, 4096);
+
+    // Failback: the old primary returns, is demoted and resynced as a group; both sides end at
+    // B's new point, A's unfinished one discarded.
+    let pa = hosts.daemon(0, root.path(), BANDWIDTH);
+    pa.ok(&["replica", "demote", "app"]);
+    pa.ok(&["replica", "resync", "app"]);
+    let start = std::time::Instant::now();
+    while pa.replica("app")["resynced"] != true {
+        assert!(start.elapsed().as_secs() < 30, "A did not take B's point: {}", pb.log());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let s = settled(&pa, &pb, "app");
+    assert_eq!(s["last_sync_bytes"], 4096, "only B's one block crossed: {s}");
+    let g2 = s["last_snapshot"].as_str().unwrap();
+    for v in ["a1", "a2"] {
+        assert_eq!(read_image(&pa, v, 32 * MIB), read_image(&pb, &format!("{v}@{g2}.{v}"), 32 * MIB), "{v}");
+    }
 }
