@@ -60,8 +60,11 @@ impl id::identity_server::Identity for AddonsIdentity {
             ] {
                 caps.push(cap(T::VolumeGroup(G { r#type: t as i32 })));
             }
-            let replication = volume_replication::Type::VolumeReplication as i32;
-            caps.push(cap(T::VolumeReplication(VR { r#type: replication })));
+            for t in
+                [volume_replication::Type::VolumeReplication, volume_replication::Type::GetReplicationDestinationInfo]
+            {
+                caps.push(cap(T::VolumeReplication(VR { r#type: t as i32 })));
+            }
         }
         Ok(Response::new(id::GetCapabilitiesResponse { capabilities: caps }))
     }

@@ -7,6 +7,8 @@
 //! `schedulingInterval` (`30s`, `5m`, `1h`, `1d`; default 1m), `remoteVolume` (the volume's name
 //! on the peer; default the same name), `mirroringMode` (only `snapshot`). Keys the CSI-Addons
 //! controller adds under its own prefixes are ignored; any other key is InvalidArgument.
+//! GetReplicationDestinationInfo names the destination when the peer is a node of this
+//! driver's directory (a volume id `<peer node>/<remote name>`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -267,6 +269,51 @@ impl rp::controller_server::Controller for Replication {
             } else {
                 s.error
             },
+        }))
+    }
+
+    async fn get_replication_destination_info(
+        &self,
+        req: Request<rp::GetReplicationDestinationInfoRequest>,
+    ) -> Result<Response<rp::GetReplicationDestinationInfoResponse>, Status> {
+        use rp::replication_destination::{Type as Dest, VolumeDestination, VolumeGroupDestination};
+        let mut t = self.target(req.into_inner().replication_source).await?;
+        let s = Self::status(&mut t).await?;
+        // Destination ids name the peer's node: known only if the peer is in this directory.
+        let node = self
+            .nodes
+            .nodes()
+            .into_iter()
+            .find(|n| self.nodes.admin_endpoint(n).as_deref() == Some(s.peer.as_str()))
+            .ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "the peer {} is not a node of this driver's directory: its volume ids are not known here",
+                    s.peer
+                ))
+            })?;
+        let dest = if t.group {
+            let groups = t.admin.list_groups(pb::ListGroupsRequest {}).await?.into_inner().groups;
+            let now = groups.into_iter().find(|g| g.name == t.volume).map(|g| g.volumes).unwrap_or_default();
+            let mut synced = s.members.clone();
+            synced.sort();
+            let mut current = now.clone();
+            current.sort();
+            if s.last_snapshot.is_empty() || synced != current {
+                return Err(Status::unavailable(format!(
+                    "not every member of group {:?} has completed a sync yet",
+                    t.volume
+                )));
+            }
+            let volume_ids = now.iter().map(|m| (crate::ids::make(&t.node, m), crate::ids::make(&node, m))).collect();
+            Dest::Volumegroup(VolumeGroupDestination {
+                volume_group_id: crate::ids::make(&node, &s.remote),
+                volume_ids,
+            })
+        } else {
+            Dest::Volume(VolumeDestination { volume_id: crate::ids::make(&node, &s.remote) })
+        };
+        Ok(Response::new(rp::GetReplicationDestinationInfoResponse {
+            replication_destination: Some(rp::ReplicationDestination { r#type: Some(dest) }),
         }))
     }
 }

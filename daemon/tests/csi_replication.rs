@@ -129,6 +129,14 @@ async fn replication_conformance_between_two_nodes() {
     assert!(i.last_sync_time.is_some_and(|t| t.seconds > 1_700_000_000));
     assert!(i.last_sync_bytes >= 0);
     let b_id = "node-b/pvc-1";
+    let dest = |src| rp::GetReplicationDestinationInfoRequest { replication_source: src, ..Default::default() };
+    let d = rc.get_replication_destination_info(dest(source(&id))).await.unwrap().into_inner();
+    assert_eq!(
+        d.replication_destination.and_then(|d| d.r#type),
+        Some(rp::replication_destination::Type::Volume(rp::replication_destination::VolumeDestination {
+            volume_id: b_id.into()
+        }))
+    );
     assert_eq!(code(rc.get_volume_replication_info(info(b_id)).await), Code::FailedPrecondition, "B is no primary");
     // Enabling on the secondary (the other cluster's VolumeReplication) is accepted as is.
     rc.enable_volume_replication(enable(b_id, &[("peerNode", "node-a")])).await.unwrap();
@@ -183,6 +191,14 @@ async fn replication_conformance_between_two_nodes() {
     })
     .await;
     assert_eq!(i.status, rp::get_volume_replication_info_response::Status::Healthy as i32, "{i:?}");
+    let d = rc.get_replication_destination_info(dest(grp())).await.unwrap().into_inner();
+    let Some(rp::replication_destination::Type::Volumegroup(g)) = d.replication_destination.and_then(|d| d.r#type)
+    else {
+        panic!("a group's destination is a group")
+    };
+    assert_eq!(g.volume_group_id, "node-b/grp");
+    assert_eq!(g.volume_ids, HashMap::from([("node-a/pvc-2".to_owned(), "node-b/pvc-2".to_owned())]));
+    assert_eq!(code(rc.get_replication_destination_info(dest(source("node-a/missing"))).await), Code::NotFound);
     let s: serde_json::Value = serde_json::from_str(&b.ok(&["-o", "json", "replica", "status", "grp"])).unwrap();
     assert_eq!((s["group"].as_bool(), s["role"].as_str()), (Some(true), Some("secondary")), "{s}");
 }
