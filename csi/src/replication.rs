@@ -72,16 +72,8 @@ impl Replication {
     }
 
     async fn group(&self, id: &str) -> Result<Target, Status> {
-        let not_found = || Status::not_found(format!("volume group {id:?} does not exist"));
-        let (node, name) = crate::ids::parse(id).ok_or_else(not_found)?;
-        let mut admin = nodes::admin(&*self.nodes, node)
-            .await
-            .map_err(|s| if s.code() == Code::NotFound { not_found() } else { s })?;
-        let groups = admin.list_groups(pb::ListGroupsRequest {}).await?.into_inner().groups;
-        if !groups.iter().any(|g| g.name == name) {
-            return Err(not_found());
-        }
-        Ok(Target { node: node.to_owned(), admin, volume: name.to_owned(), group: true })
+        let (node, admin, g) = crate::volume_group::locate(&*self.nodes, id).await?;
+        Ok(Target { node, admin, volume: g.name, group: true })
     }
 
     /// The peer endpoint, interval and remote name from the class parameters.

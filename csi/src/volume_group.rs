@@ -58,18 +58,19 @@ fn members(volume_ids: &[String]) -> Result<(Option<String>, Vec<String>), Statu
     Ok((node, names))
 }
 
-impl VolumeGroups {
-    /// The node, a client and the group a group id names; NotFound otherwise.
-    async fn locate(&self, id: &str) -> Result<(String, AdminClient<Channel>, pb::Group), Status> {
-        let not_found = || Status::not_found(format!("volume group {id:?} does not exist"));
-        let (node, name) = ids::parse(id).ok_or_else(not_found)?;
-        if self.nodes.admin_endpoint(node).is_none() {
-            return Err(not_found());
-        }
-        let mut c = admin(&*self.nodes, node).await?;
-        let g = find(&mut c, &[name.to_owned()]).await?.ok_or_else(not_found)?;
-        Ok((node.to_owned(), c, g))
+/// The node, a client and the group a group id names; NotFound otherwise.
+pub(crate) async fn locate(
+    nodes: &dyn NodeDirectory,
+    id: &str,
+) -> Result<(String, AdminClient<Channel>, pb::Group), Status> {
+    let not_found = || Status::not_found(format!("volume group {id:?} does not exist"));
+    let (node, name) = ids::parse(id).ok_or_else(not_found)?;
+    if nodes.admin_endpoint(node).is_none() {
+        return Err(not_found());
     }
+    let mut c = admin(nodes, node).await?;
+    let g = find(&mut c, &[name.to_owned()]).await?.ok_or_else(not_found)?;
+    Ok((node.to_owned(), c, g))
 }
 
 #[tonic::async_trait]
@@ -131,7 +132,7 @@ impl vg::controller_server::Controller for VolumeGroups {
         let r = req.into_inner();
         require("volume_group_id", &r.volume_group_id)?;
         no_parameters(&r.parameters)?;
-        let (node, mut c, g) = self.locate(&r.volume_group_id).await?;
+        let (node, mut c, g) = locate(&*self.nodes, &r.volume_group_id).await?;
         let (vol_node, names) = members(&r.volume_ids)?;
         if vol_node.as_ref().is_some_and(|n| *n != node) {
             return Err(Status::invalid_argument(format!("the volumes do not live on the group's node {node}")));
@@ -157,7 +158,7 @@ impl vg::controller_server::Controller for VolumeGroups {
     ) -> Result<Response<vg::DeleteVolumeGroupResponse>, Status> {
         let id = req.into_inner().volume_group_id;
         require("volume_group_id", &id)?;
-        let (_, mut c, g) = match self.locate(&id).await {
+        let (_, mut c, g) = match locate(&*self.nodes, &id).await {
             Ok(found) => found,
             Err(s) if s.code() == Code::NotFound => return Ok(Response::new(vg::DeleteVolumeGroupResponse {})),
             Err(s) => return Err(s),
@@ -202,7 +203,7 @@ impl vg::controller_server::Controller for VolumeGroups {
     ) -> Result<Response<vg::ControllerGetVolumeGroupResponse>, Status> {
         let id = req.into_inner().volume_group_id;
         require("volume_group_id", &id)?;
-        let (node, mut c, g) = self.locate(&id).await?;
+        let (node, mut c, g) = locate(&*self.nodes, &id).await?;
         let volume_group = Some(message(&mut c, &node, &g).await?);
         Ok(Response::new(vg::ControllerGetVolumeGroupResponse { volume_group }))
     }

@@ -39,6 +39,7 @@ fn begin(base: &str, snapshot: &str, end: u64, resume: bool) -> PushMessage {
         size: SIZE,
         end,
         resume,
+        prefix: "m".into(),
         ..Default::default()
     };
     PushMessage { msg: Some(Msg::Begin(b)) }

@@ -22,7 +22,7 @@ use ferrite_proto::ferrite::v1 as pb;
 use tonic::Status;
 
 use super::records::{Relation, Role};
-use super::send::{at_peer, connect, prune, prune_group, push, push_group};
+use super::send::{at_peer, connect, group_points, position, prune, push, push_group};
 use super::{Replication, load, now_ms};
 use crate::admin::blocking;
 
@@ -42,22 +42,14 @@ impl Replication {
     /// group's last point every member reached (or, demoted with its final delta not landed,
     /// its newest group snapshot, taken read-only).
     async fn newest_point(&self, rel: &Relation) -> Result<Option<String>, Status> {
-        let (pool, name, by_time) = (Arc::clone(&self.pool), rel.volume.clone(), rel.clone());
         match (rel.group, rel.handover) {
             (false, _) => {
+                let (pool, name) = (Arc::clone(&self.pool), rel.volume.clone());
                 let snaps = blocking(move || pool.snapshots(Some(&name))).await?;
                 Ok(snaps.into_iter().rev().map(|s| s.name).find(|n| n.starts_with(&rel.prefix)))
             }
             (true, false) => Ok(Some(rel.synced.clone()).filter(|s| !s.is_empty())),
-            (true, true) => {
-                let points = blocking(move || pool.group_snapshots(Some(&name))).await?;
-                Ok(points
-                    .into_iter()
-                    .map(|g| g.name)
-                    .filter_map(|n| Some((by_time.taken_ms(&n)?, n)))
-                    .max()
-                    .map(|p| p.1))
-            }
+            (true, true) => Ok(group_points(self, rel).await?.pop().map(|g| g.name)),
         }
     }
 
@@ -204,11 +196,7 @@ impl Replication {
             let at = self.newest_point(&rel).await?;
             self.writable_at(&rel, &volumes, at).await?;
         }
-        if rel.group {
-            prune_group(self, &Relation { members: volumes, ..rel.clone() }, "").await;
-        } else {
-            prune(self, &rel, "").await;
-        }
+        prune(self, &Relation { members: volumes, ..rel.clone() }, "").await;
         self.relations.set(volume, None)?;
         self.live.lock().expect("not poisoned").remove(volume);
         tracing::info!(%volume, "replication disabled");
@@ -329,11 +317,7 @@ impl Replication {
         self.writable_at(&rel, &volumes, Some(at.clone())).await?;
         // Mirror snapshots past the point (an unfinished group point's) are no ancestors of
         // what this side writes next: they go, so no delta is planned over them.
-        if rel.group {
-            prune_group(self, &Relation { members: volumes, ..rel.clone() }, &at).await;
-        } else {
-            prune(self, &rel, &at).await;
-        }
+        prune(self, &Relation { members: volumes, ..rel.clone() }, &at).await;
         rel.role = Role::Primary;
         rel.handover = false;
         rel.synced = at;
@@ -354,11 +338,10 @@ impl Replication {
         };
         let pos = async {
             let mut c = connect(self.tls.as_ref(), &rel.peer).await?;
-            c.position(pb::ReplicaPositionRequest { replica: rel.remote.clone() }).await.map_err(at_peer(&rel.peer))
+            position(&mut c, &rel.peer, &rel.remote).await
         }
         .await
-        .map_err(|e| unsure(format!("the primary cannot be asked ({})", e.message())))?
-        .into_inner();
+        .map_err(|e| unsure(format!("the primary cannot be asked ({})", e.message())))?;
         if pos.role == Role::Primary.as_str() {
             return Err(unsure(format!("{:?} on {} is still primary: demote it first", rel.remote, rel.peer)));
         }

@@ -59,33 +59,22 @@ impl ReplicaService {
                 "volume {:?} is not a replica on this daemon: a push over a base needs one",
                 b.replica
             ))),
-            None => {
-                // The sender names the relation's prefix; without it (an older sender), a
-                // mirror snapshot's name is the prefix and a time (then, for a group member,
-                // `.<member>`).
-                let point = if b.group.is_empty() {
-                    b.snapshot.as_str()
-                } else {
-                    b.snapshot.strip_suffix(&format!(".{}", b.replica)).unwrap_or(&b.snapshot)
-                };
-                Ok(Some(Relation {
-                    volume: key.clone(),
-                    role: Role::Secondary,
-                    peer: b.origin.clone(),
-                    remote: b.origin_volume.clone(),
-                    prefix: if b.prefix.is_empty() {
-                        point.trim_end_matches(|c: char| c.is_ascii_digit()).to_owned()
-                    } else {
-                        b.prefix.clone()
-                    },
-                    interval_secs: b.interval_secs,
-                    handover: false,
-                    synced: String::new(),
-                    group: !b.group.is_empty(),
-                    members: Vec::new(),
-                    snapshots: Vec::new(),
-                }))
+            None if b.prefix.is_empty() => {
+                Err(Status::invalid_argument("a first push names the prefix of its relation's mirror snapshots"))
             }
+            None => Ok(Some(Relation {
+                volume: key.clone(),
+                role: Role::Secondary,
+                peer: b.origin.clone(),
+                remote: b.origin_volume.clone(),
+                prefix: b.prefix.clone(),
+                interval_secs: b.interval_secs,
+                handover: false,
+                synced: String::new(),
+                group: !b.group.is_empty(),
+                members: Vec::new(),
+                snapshots: Vec::new(),
+            })),
         }
     }
 
@@ -172,7 +161,7 @@ impl replica_server::Replica for ReplicaService {
             l.resynced = true;
             l.error.clear();
         });
-        super::send::prune_group(hub, &rel, &r.point).await;
+        super::send::prune(hub, &rel, &r.point).await;
         tracing::info!(group = %r.group, point = %r.point, "replica group at a new point");
         Ok(Response::new(GroupCommitReply {}))
     }

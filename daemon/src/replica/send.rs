@@ -8,11 +8,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use ferrite_engine::GroupSnapshotInfo;
 use ferrite_proto::ferrite::v1::push_message::Msg;
 use ferrite_proto::ferrite::v1::replica_client::ReplicaClient;
 use ferrite_proto::ferrite::v1::{
-    GroupCommitRequest, PushBegin, PushCommit, PushData, PushMessage, PushZero, ReplicaPositionRequest,
-    SyncReplicationResponse,
+    GroupCommitRequest, PushBegin, PushCommit, PushData, PushMessage, PushZero, ReplicaPosition,
+    ReplicaPositionRequest, SyncReplicationResponse,
 };
 use ferrite_replication::Piece;
 use ferrite_replication::delta::Delta;
@@ -53,9 +54,20 @@ pub fn at_peer(peer: &str) -> impl Fn(Status) -> Status + '_ {
     move |e| Status::new(e.code(), format!("peer {peer}: {}", e.message()))
 }
 
-/// Deletes this relation's mirror snapshots of its volume other than `keep`: after a complete
-/// push (or receipt) `keep` is the common point, and anything else is an older point or an
-/// abandoned transfer's. One a client reads (exported or attached) stays until a later prune.
+/// Where `volume` (or a group) stands on `peer`.
+pub async fn position(
+    client: &mut ReplicaClient<Channel>,
+    peer: &str,
+    volume: &str,
+) -> Result<ReplicaPosition, Status> {
+    let req = ReplicaPositionRequest { replica: volume.to_owned() };
+    Ok(client.position(req).await.map_err(at_peer(peer))?.into_inner())
+}
+
+/// Deletes this relation's mirror snapshots other than point `keep` (for a group: its other
+/// group points, and member snapshots other than `<keep>.<member>`): after a complete push (or
+/// receipt) `keep` is the common point, and anything else is an older point or an abandoned
+/// transfer's. One a client reads (exported or attached) stays until a later prune.
 pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
     // Held across the deletions so that no export or attachment of them starts meanwhile.
     let live = hub.attachments.lock().await;
@@ -66,11 +78,26 @@ pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
         .chain(records.iter().filter_map(|r| r.snapshot()))
         .map(str::to_owned)
         .collect();
-    let (pool, volume, prefix, keep) = (Arc::clone(&hub.pool), rel.volume.clone(), rel.prefix.clone(), keep.to_owned());
+    let (pool, rel, keep) = (Arc::clone(&hub.pool), rel.clone(), keep.to_owned());
+    let name = rel.volume.clone();
     let r = blocking(move || {
-        for s in pool.snapshots(Some(&volume))? {
-            if s.name != keep && s.name.starts_with(&prefix) && !in_use.contains(&s.name) {
-                pool.delete_snapshot(&s.name)?;
+        let deletable = |snapshot: &str| snapshot.starts_with(&rel.prefix) && !in_use.iter().any(|u| u == snapshot);
+        let volumes = if rel.group {
+            for p in pool.group_snapshots(Some(&rel.volume)).unwrap_or_default() {
+                if p.name.starts_with(&rel.prefix) && p.name != keep && p.snapshots.iter().all(|(s, _)| deletable(s)) {
+                    pool.delete_group_snapshot(&p.name)?;
+                }
+            }
+            rel.members.clone()
+        } else {
+            vec![rel.volume.clone()]
+        };
+        for v in &volumes {
+            let own = if rel.group { format!("{keep}.{v}") } else { keep.clone() };
+            for s in pool.snapshots(Some(v)).unwrap_or_default() {
+                if s.name != own && deletable(&s.name) {
+                    pool.delete_snapshot(&s.name)?;
+                }
             }
         }
         Ok(())
@@ -78,7 +105,7 @@ pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
     .await;
     drop((records, live));
     if let Err(e) = r {
-        tracing::warn!(volume = %rel.volume, error = %e.message(), "could not delete older mirror snapshots");
+        tracing::warn!(relation = %name, error = %e.message(), "could not delete older mirror snapshots");
     }
 }
 
@@ -124,12 +151,7 @@ async fn user_snapshots_to_send(
     if rel.snapshots.is_empty() {
         return Ok(Vec::new());
     }
-    let theirs = client
-        .position(ReplicaPositionRequest { replica: rel.remote.clone() })
-        .await
-        .map_err(at_peer(&rel.peer))?
-        .into_inner()
-        .snapshots;
+    let theirs = position(client, &rel.peer, &rel.remote).await?.snapshots;
     let (pool, v) = (Arc::clone(&hub.pool), rel.volume.clone());
     let ours: Vec<String> = blocking(move || pool.snapshots(Some(&v))).await?.into_iter().map(|s| s.name).collect();
     let since = ours.iter().rposition(|n| rel.carries(n) && theirs.contains(n)).map_or(0, |i| i + 1);
@@ -165,11 +187,7 @@ async fn push_leg(
 ) -> Result<SyncReplicationResponse, Status> {
     let rel = leg.relation;
     let peer = rel.peer.as_str();
-    let pos = client
-        .position(ReplicaPositionRequest { replica: leg.remote.to_owned() })
-        .await
-        .map_err(at_peer(peer))?
-        .into_inner();
+    let pos = position(client, peer, leg.remote).await?;
     // Asked first, so a push that would be refused sends no data.
     if pos.busy {
         return Err(Status::aborted(format!(
@@ -276,6 +294,18 @@ async fn push_leg(
     Ok(SyncReplicationResponse { snapshot: reply.snapshot, base, data_bytes: reply.data_bytes, resumed })
 }
 
+/// A group relation's points here (its group snapshots), oldest first.
+pub async fn group_points(hub: &Replication, rel: &Relation) -> Result<Vec<GroupSnapshotInfo>, Status> {
+    let (pool, rel) = (Arc::clone(&hub.pool), rel.clone());
+    blocking(move || {
+        let mut points: Vec<_> =
+            pool.group_snapshots(Some(&rel.volume))?.into_iter().filter(|g| rel.taken_ms(&g.name).is_some()).collect();
+        points.sort_by_key(|g| rel.taken_ms(&g.name));
+        Ok(points)
+    })
+    .await
+}
+
 /// Pushes a replicated group once: every member to the same group mirror point (a group
 /// snapshot here, so crash-consistent across members), then tells the peer the point is
 /// complete; only then does it count, there and here. An unfinished point is finished first.
@@ -283,29 +313,18 @@ pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplica
     check_role(rel)?;
     let peer = rel.peer.as_str();
     let mut client = connect(hub.tls.as_ref(), peer).await?;
-    let pos = client
-        .position(ReplicaPositionRequest { replica: rel.remote.clone() })
-        .await
-        .map_err(at_peer(peer))?
-        .into_inner();
-    if pos.role == Role::Primary.as_str() {
+    if position(&mut client, peer, &rel.remote).await?.role == Role::Primary.as_str() {
         return Err(split_brain(peer, &rel.remote));
     }
-    let (pool, group, prefix) = (Arc::clone(&hub.pool), rel.volume.clone(), rel.prefix.clone());
-    let by_time = rel.clone();
-    let (members, points) = blocking(move || {
-        let members = pool.groups().into_iter().find(|g| g.name == group).map(|g| g.volumes).unwrap_or_default();
-        let mut points: Vec<_> =
-            pool.group_snapshots(Some(&group))?.into_iter().filter(|g| g.name.starts_with(&prefix)).collect();
-        points.sort_by_key(|g| by_time.taken_ms(&g.name));
-        Ok((members, points))
-    })
-    .await?;
+    let (pool, group) = (Arc::clone(&hub.pool), rel.volume.clone());
+    let mut members = blocking(move || Ok(pool.groups().into_iter().find(|g| g.name == group).map(|g| g.volumes)))
+        .await?
+        .unwrap_or_default();
     if members.is_empty() {
         return Err(Status::failed_precondition(format!("group {:?} has no volumes here", rel.volume)));
     }
-    let mut members = members;
     members.sort();
+    let points = group_points(hub, rel).await?;
     // An unfinished point with every current member continues; otherwise a new one.
     let unfinished = points
         .last()
@@ -332,34 +351,7 @@ pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplica
     now.synced.clone_from(&point);
     now.members.clone_from(&members);
     hub.relations.put(now.clone())?;
-    prune_group(hub, &now, &point).await;
+    prune(hub, &now, &point).await;
     let base = rel.synced.clone();
     Ok(SyncReplicationResponse { snapshot: point, base, data_bytes: bytes, resumed })
-}
-
-/// For a group relation: deletes the group's other mirror points here (group snapshots and the
-/// member snapshots a past secondary received), keeping `keep`.
-pub async fn prune_group(hub: &Replication, rel: &Relation, keep: &str) {
-    let (pool, group, prefix, keep) = (Arc::clone(&hub.pool), rel.volume.clone(), rel.prefix.clone(), keep.to_owned());
-    let members = rel.members.clone();
-    let r = blocking(move || {
-        if let Ok(points) = pool.group_snapshots(Some(&group)) {
-            for p in points.iter().filter(|p| p.name.starts_with(&prefix) && p.name != keep) {
-                pool.delete_group_snapshot(&p.name)?;
-            }
-        }
-        for m in &members {
-            let own = format!("{keep}.{m}");
-            for s in pool.snapshots(Some(m)).unwrap_or_default() {
-                if s.name.starts_with(&prefix) && s.name != own {
-                    pool.delete_snapshot(&s.name)?;
-                }
-            }
-        }
-        Ok(())
-    })
-    .await;
-    if let Err(e) = r {
-        tracing::warn!(group = %rel.volume, error = %e.message(), "could not delete older group mirror points");
-    }
 }
