@@ -4,7 +4,7 @@
 //! - [`controller`]: volumes (create from nothing, a snapshot or a volume; delete; list with
 //!   pagination; get; capacity; validate; expand), placed by topology `topology.ferrite.dev/node`.
 //! - `snapshots`: create (idempotent by name), delete, list (filters, pagination), get.
-//! - [`nodes`]: the node directory (static file today; the seam for the Kubernetes API).
+//! - [`nodes`]: the node directory (a static file, or the Kubernetes API's EndpointSlices).
 //! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
 //!
 //! - [`group`]: crash-consistent group snapshots (GroupController).
@@ -62,6 +62,10 @@ pub struct Options {
     pub admin_socket: PathBuf,
     /// The node directory file (controller mode; in all mode it defaults to this node alone).
     pub node_directory: Option<PathBuf>,
+    /// Or the node Service (`namespace/name`) whose EndpointSlices list the node daemons.
+    pub node_service: Option<String>,
+    /// The name the daemons' certificates carry, when it is not the endpoint's host.
+    pub admin_server_name: Option<String>,
     /// How the node attaches volumes: auto (ublk if the kernel has it, else NBD), ublk or nbd.
     pub transport: String,
     /// What NodeGetInfo reports as the most volumes this node takes.
@@ -72,14 +76,17 @@ pub struct Options {
 }
 
 impl Options {
-    fn directory(&self) -> anyhow::Result<Arc<dyn NodeDirectory>> {
+    async fn directory(&self) -> anyhow::Result<Arc<dyn NodeDirectory>> {
         if !nodes::valid_node(&self.node_id) && self.mode != Mode::Controller {
             anyhow::bail!("node id {:?} is not a valid node name (lowercase letters, digits, '-', '.')", self.node_id);
         }
-        Ok(match (&self.node_directory, self.mode) {
-            (Some(p), _) => Arc::new(StaticNodes::load(p)?.with_tls(self.admin_tls.clone())),
-            (None, Mode::Controller) => anyhow::bail!("controller mode needs --node-directory"),
-            (None, _) => Arc::new(StaticNodes::single(&self.node_id, &self.admin_socket)),
+        let (tls, name) = (self.admin_tls.clone(), self.admin_server_name.clone());
+        Ok(match (&self.node_directory, &self.node_service, self.mode) {
+            (Some(_), Some(_), _) => anyhow::bail!("--node-directory and --node-service exclude each other"),
+            (Some(p), None, _) => Arc::new(StaticNodes::load(p)?.with_tls(tls, name)),
+            (None, Some(s), _) => Arc::new(nodes::kubernetes::KubeNodes::watch(s, tls, name).await?),
+            (None, None, Mode::Controller) => anyhow::bail!("controller mode needs --node-directory or --node-service"),
+            (None, None, _) => Arc::new(StaticNodes::single(&self.node_id, &self.admin_socket)),
         })
     }
 }
@@ -99,7 +106,7 @@ fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
 
 /// Serves until `shutdown` resolves.
 pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let dir = opts.directory()?;
+    let dir = opts.directory().await?;
     let listener = bind(&opts.endpoint)?;
     let addons_listener = opts.addons_endpoint.as_deref().map(bind).transpose()?;
     let controller = opts.mode != Mode::Node;

@@ -19,6 +19,8 @@ use crate::host;
 use crate::ids;
 use crate::nodes::{self, NodeDirectory};
 
+use csi::volume_capability::access_mode::Mode;
+
 #[derive(Debug, Clone)]
 pub struct Node {
     pub node_id: String,
@@ -39,19 +41,18 @@ struct Fs {
     flags: Vec<String>,
 }
 
-/// The one capability a Node call carries, checked: a filesystem (None: raw block), and whether
-/// the access mode is read-only.
-fn capability(cap: Option<&csi::VolumeCapability>) -> Result<(Option<Fs>, bool), Status> {
+/// The one capability a Node call carries, checked: a filesystem (None: raw block), and its
+/// access mode.
+fn capability(cap: Option<&csi::VolumeCapability>) -> Result<(Option<Fs>, Mode), Status> {
     let cap = cap.ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
     check_capabilities(std::slice::from_ref(cap)).map_err(Status::invalid_argument)?;
-    use csi::volume_capability::access_mode::Mode;
-    let read_only = cap.access_mode.as_ref().is_some_and(|m| m.mode == Mode::SingleNodeReaderOnly as i32);
+    let mode = cap.access_mode.as_ref().and_then(|m| Mode::try_from(m.mode).ok()).unwrap_or(Mode::Unknown);
     Ok(match &cap.access_type {
         Some(csi::volume_capability::AccessType::Mount(m)) => {
             let kind = if m.fs_type.is_empty() { "ext4".to_owned() } else { m.fs_type.clone() };
-            (Some(Fs { kind, flags: m.mount_flags.clone() }), read_only)
+            (Some(Fs { kind, flags: m.mount_flags.clone() }), mode)
         }
-        _ => (None, read_only),
+        _ => (None, mode),
     })
 }
 
@@ -105,6 +106,17 @@ fn create_target(target: &Path, block: bool) -> Result<(), Status> {
     made.map_err(|e| Status::internal(format!("creating target {}: {e}", target.display())))
 }
 
+/// Removes a publish target (a directory or a file); absent is fine.
+fn remove_target(target: &Path) -> Result<(), Status> {
+    let removed = match std::fs::symlink_metadata(target) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir(target),
+        Ok(_) => std::fs::remove_file(target),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    };
+    removed.map_err(|e| Status::internal(format!("removing target {}: {e}", target.display())))
+}
+
 /// The mounts that show `device` (its filesystem, or binds of its node), except one at `except`.
 pub(crate) fn other_users(device: &Path, except: Option<&Path>) -> Result<Vec<host::Mount>, Status> {
     let mut users = Vec::new();
@@ -141,7 +153,8 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("staging_target_path", &r.staging_target_path)?;
-        let (mount, read_only) = capability(r.volume_capability.as_ref())?;
+        let (mount, mode) = capability(r.volume_capability.as_ref())?;
+        let read_only = mode == Mode::SingleNodeReaderOnly;
         let name = self.local(&r.volume_id)?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let mut c = self.admin().await?;
@@ -237,8 +250,8 @@ impl csi::node_server::Node for Node {
         require("volume_id", &r.volume_id)?;
         require("staging_target_path", &r.staging_target_path)?;
         require("target_path", &r.target_path)?;
-        let (mount, ro_mode) = capability(r.volume_capability.as_ref())?;
-        let read_only = r.readonly || ro_mode;
+        let (mount, mode) = capability(r.volume_capability.as_ref())?;
+        let read_only = r.readonly || mode == Mode::SingleNodeReaderOnly;
         let name = self.local(&r.volume_id)?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let device = Self::staged_device(&mut self.admin().await?, name).await?;
@@ -270,11 +283,28 @@ impl csi::node_server::Node for Node {
                 m.read_only
             )));
         }
+        // SINGLE_NODE_SINGLE_WRITER: one target at a time (the staging mount is not a target).
+        if mode == Mode::SingleNodeSingleWriter
+            && let Some(m) = other_users(&device, Some(target))?.into_iter().find(|m| m.target != staging)
+        {
+            return Err(Status::failed_precondition(format!(
+                "volume {} is SINGLE_NODE_SINGLE_WRITER and already published at {}",
+                r.volume_id,
+                m.target.display()
+            )));
+        }
         if mount.is_none() {
             set_device_read_only(&device, target, read_only).await?;
         }
+        let made = !target.exists();
         create_target(target, mount.is_none())?;
-        host::bind(&source, target, read_only).await?;
+        if let Err(e) = host::bind(&source, target, read_only).await {
+            // Leave nothing behind that the CO did not make.
+            if made {
+                let _ = remove_target(target);
+            }
+            return Err(e);
+        }
         tracing::info!(volume = %r.volume_id, target = %target.display(), read_only, "volume published");
         Ok(Response::new(csi::NodePublishVolumeResponse {}))
     }
@@ -291,6 +321,8 @@ impl csi::node_server::Node for Node {
         let target = Path::new(&r.target_path);
         let shown = mounted_at(target)?;
         host::unmount_all(target).await?;
+        // The target goes first, so a failure below leaves no target behind.
+        remove_target(target)?;
         // The last publish of a read-only raw block device gives the device its writability back.
         if let Some(m) = shown.filter(|m| m.fs_type == "devtmpfs" && m.read_only) {
             let device = Path::new("/dev").join(m.root.strip_prefix("/").unwrap_or(&m.root));
@@ -298,13 +330,6 @@ impl csi::node_server::Node for Node {
                 host::run("blockdev", &["--setrw", &device.to_string_lossy()]).await?;
             }
         }
-        let removed = match std::fs::symlink_metadata(target) {
-            Ok(m) if m.is_dir() => std::fs::remove_dir(target),
-            Ok(_) => std::fs::remove_file(target),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e),
-        };
-        removed.map_err(|e| Status::internal(format!("removing target {}: {e}", target.display())))?;
         Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
     }
 

@@ -77,6 +77,14 @@ enum Cmd {
         /// `tcp://host:port` (controller mode).
         #[arg(long)]
         node_directory: Option<PathBuf>,
+        /// Find the node daemons through the Kubernetes API instead: the EndpointSlices of this
+        /// Service (`namespace/name`, port `admin`), e.g. `ferrite/ferrite-node` (controller mode).
+        #[arg(long, env = "FERRITE_NODE_SERVICE", conflicts_with = "node_directory")]
+        node_service: Option<String>,
+        /// The name every daemon's certificate carries, when it is not the host of its endpoint
+        /// (in Kubernetes: the node Service's DNS name, e.g. `ferrite-node.ferrite.svc`).
+        #[arg(long, env = "FERRITE_ADMIN_SERVER_NAME")]
+        admin_server_name: Option<String>,
         /// How the node attaches volumes: auto (ublk where the kernel has it, else kernel NBD), ublk, nbd.
         #[arg(long, default_value = "auto", value_parser = ["auto", "ublk", "nbd"])]
         attach_transport: String,
@@ -355,7 +363,17 @@ fn main() {
             Err(e) => return exit(Err(e)),
         },
         Cmd::Certs { dir, name, sans, days } => return exit(cli::make_certs(dir, name, sans, *days)),
-        Cmd::Csi { mode, endpoint, addons_endpoint, node_id, node_directory, attach_transport, max_volumes } => {
+        Cmd::Csi {
+            mode,
+            endpoint,
+            addons_endpoint,
+            node_id,
+            node_directory,
+            node_service,
+            admin_server_name,
+            attach_transport,
+            max_volumes,
+        } => {
             init_logging("info");
             let admin_tls = match client_tls(&cli) {
                 Ok(t) => t,
@@ -373,6 +391,8 @@ fn main() {
                 node_id,
                 admin_socket: cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock")),
                 node_directory: node_directory.clone(),
+                node_service: node_service.clone(),
+                admin_server_name: admin_server_name.clone(),
                 transport: attach_transport.clone(),
                 max_volumes: *max_volumes,
                 admin_tls,

@@ -529,6 +529,37 @@ async fn block_lifecycle(l: &mut Lifecycle) {
     assert!(!l.daemon.ok(&["attachments"]).contains("blk-"));
 }
 
+/// Mount points under the test directory, from the mount table.
+fn mounts_under(dir: &Path) -> Vec<String> {
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let dir = dir.display().to_string();
+    table.lines().filter_map(|l| l.split(' ').nth(4)).filter(|t| t.starts_with(&dir)).map(str::to_owned).collect()
+}
+
+/// SINGLE_NODE_SINGLE_WRITER: a second target is refused and leaves nothing behind; after the
+/// first is unpublished the second may publish; every unpublish removes its bind and target.
+async fn single_writer(l: &mut Lifecycle, cap: csi::VolumeCapability) {
+    let block = matches!(cap.access_type, Some(csi::volume_capability::AccessType::Block(_)));
+    println!("== SINGLE_NODE_SINGLE_WRITER, {}", if block { "raw block" } else { "filesystem" });
+    let id = l.create(if block { "snsw-blk" } else { "snsw-fs" }, 64 << 20, cap.clone(), None).await;
+    l.stage(&id, "s5", &cap).await;
+    l.publish(&id, "s5", "t7", &cap, false).await;
+    l.publish(&id, "s5", "t7", &cap, false).await; // the same target again is fine
+    let second = l.node.node_publish_volume(publish(&id, &l.path("s5"), &l.path("t8"), cap.clone())).await;
+    let err = second.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("t7"), "the refusal names the target in use: {}", err.message());
+    assert!(!l.path("t8").exists(), "a refused publish leaves no target");
+    l.unpublish(&id, "t7").await;
+    l.publish(&id, "s5", "t8", &cap, false).await;
+    l.unpublish(&id, "t8").await;
+    l.unstage(&id, "s5").await;
+    let left = mounts_under(l.dir.path());
+    assert!(left.is_empty(), "mounts left behind: {left:?}");
+    assert!(!l.path("t7").exists() && !l.path("t8").exists());
+    l.ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: id, ..Default::default() }).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "needs root and kernel block devices (ublk or nbd): the VM tier runs it (tests/vm/csi_node.sh)"]
 async fn node_lifecycle_on_block_devices() {
@@ -549,5 +580,7 @@ async fn node_lifecycle_on_block_devices() {
     filesystem_lifecycle(&mut l, "ext4").await;
     filesystem_lifecycle(&mut l, "xfs").await;
     block_lifecycle(&mut l).await;
+    single_writer(&mut l, mount_cap(Mode::SingleNodeSingleWriter)).await;
+    single_writer(&mut l, block_cap(Mode::SingleNodeSingleWriter)).await;
     println!("CSI_NODE_LIFECYCLE_OK");
 }

@@ -67,6 +67,16 @@ pub async fn connect(
     endpoint: &str,
     tls: Option<std::sync::Arc<ClientTls>>,
 ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    connect_as(endpoint, tls, None).await
+}
+
+/// [`connect`], checking the server's certificate for `server_name` instead of the endpoint's
+/// host (daemons reached by address whose certificates all carry one service name).
+pub async fn connect_as(
+    endpoint: &str,
+    tls: Option<std::sync::Arc<ClientTls>>,
+    server_name: Option<&str>,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
     let Some(addr) = endpoint.strip_prefix("tcp://") else {
         return connect_unix(std::path::Path::new(endpoint.strip_prefix("unix://").unwrap_or(endpoint))).await;
     };
@@ -78,10 +88,11 @@ pub async fn connect(
         .keep_alive_while_idle(true);
     let Some(cfg) = tls else { return ep.connect().await };
     let addr = addr.to_string();
+    let named = server_name.map(str::to_owned);
     ep.connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-        let (cfg, addr) = (std::sync::Arc::clone(&cfg), addr.clone());
+        let (cfg, addr, named) = (std::sync::Arc::clone(&cfg), addr.clone(), named.clone());
         async move {
-            let name = ferrite_tls::server_name(&addr)?;
+            let name = ferrite_tls::server_name(named.as_deref().unwrap_or(&addr))?;
             let tcp = tokio::net::TcpStream::connect(&addr).await?;
             tcp.set_nodelay(true)?;
             let tls = ferrite_tls::TlsConnector::from(cfg).connect(name, tcp).await?;

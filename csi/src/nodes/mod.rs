@@ -1,12 +1,14 @@
 //! Where each node's daemon answers. The controller keeps no state: a volume id names its node,
-//! and this directory maps node names to admin endpoints. Today it is a static file (standalone
-//! use, tests); a Kubernetes-backed directory implements the same trait.
+//! and this directory maps node names to admin endpoints: a static file (standalone use) or,
+//! in Kubernetes, the node Service's EndpointSlices ([`kubernetes`]).
 //!
 //! ```toml
 //! [nodes]
 //! node-a = "/run/ferrite/admin.sock"   # a Unix socket (a daemon on this machine)
 //! node-b = "tcp://10.0.0.12:7070"      # a daemon's `admin-listen` address
 //! ```
+
+pub mod kubernetes;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -29,6 +31,10 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     /// How to reach `tcp://` endpoints: None connects in plaintext (a daemon with
     /// `insecure-admin-listen`).
     fn tls(&self) -> Option<Arc<ClientTls>>;
+    /// The name the daemons' certificates carry, when it is not the endpoint's host.
+    fn server_name(&self) -> Option<String> {
+        None
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -42,6 +48,7 @@ struct File {
 pub struct StaticNodes {
     nodes: BTreeMap<String, String>,
     tls: Option<Arc<ClientTls>>,
+    server_name: Option<String>,
 }
 
 impl StaticNodes {
@@ -52,17 +59,22 @@ impl StaticNodes {
         if let Some(bad) = f.nodes.keys().find(|n| !valid_node(n)) {
             anyhow::bail!("node directory {}: invalid node name {bad:?}", path.display());
         }
-        Ok(Self { nodes: f.nodes, tls: None })
+        Ok(Self { nodes: f.nodes, tls: None, server_name: None })
     }
 
     /// One node (node mode, or `--mode all` without a directory).
     pub fn single(node: &str, admin_socket: &Path) -> Self {
-        Self { nodes: BTreeMap::from([(node.to_owned(), admin_socket.display().to_string())]), tls: None }
+        Self {
+            nodes: BTreeMap::from([(node.to_owned(), admin_socket.display().to_string())]),
+            tls: None,
+            server_name: None,
+        }
     }
 
     #[must_use]
-    pub fn with_tls(mut self, tls: Option<Arc<ClientTls>>) -> Self {
+    pub fn with_tls(mut self, tls: Option<Arc<ClientTls>>, server_name: Option<String>) -> Self {
         self.tls = tls;
+        self.server_name = server_name;
         self
     }
 }
@@ -79,6 +91,10 @@ impl NodeDirectory for StaticNodes {
     fn tls(&self) -> Option<Arc<ClientTls>> {
         self.tls.clone()
     }
+
+    fn server_name(&self) -> Option<String> {
+        self.server_name.clone()
+    }
 }
 
 /// Node names as Kubernetes allows them (DNS subdomain), which also keeps them out of volume ids'
@@ -93,7 +109,7 @@ pub fn valid_node(n: &str) -> bool {
 /// when its daemon does not answer.
 pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Channel>, Status> {
     let at = dir.admin_endpoint(node).ok_or_else(|| Status::not_found(format!("unknown node {node:?}")))?;
-    let ch = ferrite_proto::connect(&at, dir.tls())
+    let ch = ferrite_proto::connect_as(&at, dir.tls(), dir.server_name().as_deref())
         .await
         .map_err(|e| Status::unavailable(format!("node {node}: daemon at {at} unreachable: {e}")))?;
     Ok(AdminClient::new(ch))

@@ -1,0 +1,186 @@
+//! The node directory from the Kubernetes API: the node DaemonSet's pods sit behind a headless
+//! Service, Kubernetes' EndpointSlice controller lists each pod with its node name and address,
+//! and this directory watches those slices (kube-rs reflector), so a node that joins, moves or
+//! leaves is seen without a restart and nothing on the node side writes to the API.
+//!
+//! Each node maps to `tcp://<pod address>:<port named admin>`. The daemons' certificates carry
+//! one name (the Service's DNS name), since a pod's address is not known when its certificate
+//! is made; `server_name` says which.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use anyhow::Context;
+use ferrite_proto::ClientTls;
+use futures_util::StreamExt;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+
+use super::{NodeDirectory, valid_node};
+
+/// The EndpointSlice port that carries the daemons' admin API.
+pub const ADMIN_PORT_NAME: &str = "admin";
+/// How long startup waits for the first list of slices.
+const FIRST_LIST: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Node daemons found through the EndpointSlices of one Service.
+pub struct KubeNodes {
+    store: Store<EndpointSlice>,
+    tls: Option<Arc<ClientTls>>,
+    server_name: Option<String>,
+    watch: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for KubeNodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeNodes").field("nodes", &self.map()).field("server_name", &self.server_name).finish()
+    }
+}
+
+impl Drop for KubeNodes {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+impl KubeNodes {
+    /// Watches the slices of `service` ("namespace/name") with the client configuration kube-rs
+    /// infers (KUBECONFIG, else the pod's service account), and waits for the first list.
+    pub async fn watch(
+        service: &str,
+        tls: Option<Arc<ClientTls>>,
+        server_name: Option<String>,
+    ) -> anyhow::Result<Self> {
+        let (ns, name) = service
+            .split_once('/')
+            .filter(|(ns, name)| !ns.is_empty() && !name.is_empty())
+            .with_context(|| format!("node service {service:?}: expected NAMESPACE/NAME"))?;
+        let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
+        let api = kube::Api::<EndpointSlice>::namespaced(client, ns);
+        let config = watcher::Config::default().labels(&format!("kubernetes.io/service-name={name}"));
+        let (store, writer) = reflector::store();
+        let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
+        let service = service.to_owned();
+        let watch = tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            while let Some(ev) = stream.next().await {
+                if let Err(e) = ev {
+                    tracing::warn!(%service, "watching the node service's EndpointSlices: {e}");
+                }
+            }
+        });
+        tokio::time::timeout(FIRST_LIST, store.wait_until_ready())
+            .await
+            .map_err(|_| anyhow::anyhow!("no EndpointSlice list from the Kubernetes API within {FIRST_LIST:?}"))?
+            .context("the EndpointSlice watch ended")?;
+        Ok(Self { store, tls, server_name, watch })
+    }
+
+    fn map(&self) -> BTreeMap<String, String> {
+        endpoints(&self.store.state())
+    }
+}
+
+impl NodeDirectory for KubeNodes {
+    fn nodes(&self) -> Vec<String> {
+        self.map().into_keys().collect()
+    }
+
+    fn admin_endpoint(&self, node: &str) -> Option<String> {
+        self.map().remove(node)
+    }
+
+    fn tls(&self) -> Option<Arc<ClientTls>> {
+        self.tls.clone()
+    }
+
+    fn server_name(&self) -> Option<String> {
+        self.server_name.clone()
+    }
+}
+
+/// Node name → admin endpoint over all slices. A node with several endpoints (a rolling update)
+/// takes a ready one before a serving one before any other, so the old pod is left as it stops.
+fn endpoints(slices: &[Arc<EndpointSlice>]) -> BTreeMap<String, String> {
+    let mut best: BTreeMap<String, (u8, String)> = BTreeMap::new();
+    for s in slices {
+        let port = s.ports.iter().flatten().find(|p| p.name.as_deref() == Some(ADMIN_PORT_NAME)).and_then(|p| p.port);
+        let Some(port) = port else { continue };
+        for e in &s.endpoints {
+            let (Some(node), Some(addr)) = (e.node_name.as_deref(), e.addresses.first()) else { continue };
+            if !valid_node(node) {
+                continue;
+            }
+            let c = e.conditions.as_ref();
+            let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+            // Unset ready/serving mean "unknown", which the API says to read as true.
+            let rank = match (c.and_then(|c| c.ready).unwrap_or(true), c.and_then(|c| c.serving).unwrap_or(true)) {
+                _ if terminating => 0,
+                (true, _) => 2,
+                (false, true) => 1,
+                (false, false) => 0,
+            };
+            let at = if s.address_type == "IPv6" {
+                format!("tcp://[{addr}]:{port}")
+            } else {
+                format!("tcp://{addr}:{port}")
+            };
+            if best.get(node).is_none_or(|(r, _)| rank > *r) {
+                best.insert(node.to_owned(), (rank, at));
+            }
+        }
+    }
+    best.into_iter().map(|(n, (_, at))| (n, at)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
+
+    fn ep(node: &str, addr: &str, ready: Option<bool>, terminating: bool) -> Endpoint {
+        Endpoint {
+            addresses: vec![addr.into()],
+            node_name: Some(node.into()),
+            conditions: Some(EndpointConditions { ready, serving: ready, terminating: Some(terminating) }),
+            ..Default::default()
+        }
+    }
+
+    fn slice(kind: &str, port: Option<(&str, i32)>, eps: Vec<Endpoint>) -> Arc<EndpointSlice> {
+        Arc::new(EndpointSlice {
+            address_type: kind.into(),
+            endpoints: eps,
+            ports: port.map(|(n, p)| vec![EndpointPort { name: Some(n.into()), port: Some(p), ..Default::default() }]),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn maps_nodes_to_admin_endpoints() {
+        let slices = vec![
+            slice(
+                "IPv4",
+                Some(("admin", 7070)),
+                vec![
+                    ep("node-a", "10.0.0.1", Some(true), false),
+                    // A rolling update: the old pod terminates, the new one is ready.
+                    ep("node-b", "10.0.0.2", Some(true), true),
+                    ep("node-b", "10.0.0.3", Some(true), false),
+                    ep("node-c", "10.0.0.4", Some(false), false),
+                    ep("Bad_Node", "10.0.0.5", Some(true), false),
+                ],
+            ),
+            slice("IPv6", Some(("admin", 7070)), vec![ep("node-d", "fd00::4", None, false)]),
+            slice("IPv4", Some(("metrics", 9090)), vec![ep("node-e", "10.0.0.6", Some(true), false)]),
+            slice("IPv4", None, vec![ep("node-f", "10.0.0.7", Some(true), false)]),
+        ];
+        let m = endpoints(&slices);
+        assert_eq!(m.get("node-a").unwrap(), "tcp://10.0.0.1:7070");
+        assert_eq!(m.get("node-b").unwrap(), "tcp://10.0.0.3:7070");
+        assert_eq!(m.get("node-c").unwrap(), "tcp://10.0.0.4:7070", "a node not ready yet is still listed");
+        assert_eq!(m.get("node-d").unwrap(), "tcp://[fd00::4]:7070");
+        assert_eq!(m.len(), 4, "{m:?}");
+    }
+}
