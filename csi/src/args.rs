@@ -19,9 +19,11 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
     Ok(())
 }
 
-/// For calls that take no parameters of ours: any given one is refused rather than ignored.
+/// For calls that take no parameters of ours: any given one is refused rather than ignored,
+/// except the metadata Kubernetes' sidecars add (`csi.storage.k8s.io/*`, e.g. the PVC or
+/// VolumeSnapshot name with `--extra-create-metadata`).
 pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
-    match params.keys().next() {
+    match params.keys().find(|k| !k.starts_with("csi.storage.k8s.io/")) {
         Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),
         None => Ok(()),
     }

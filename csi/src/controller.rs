@@ -9,7 +9,7 @@ use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Code, Request, Response, Status};
 
-use crate::args::{TOPOLOGY_KEY, check_capabilities, paginate, require, volume_msg};
+use crate::args::{TOPOLOGY_KEY, check_capabilities, no_parameters, paginate, require, volume_msg};
 use crate::ids;
 use crate::nodes::{NodeDirectory, admin};
 
@@ -44,14 +44,6 @@ fn size_for(range: Option<&csi::CapacityRange>, default: u64) -> Result<u64, Sta
     Ok(want)
 }
 
-/// Parameters we accept: none of our own yet; the provisioner's `csi.storage.k8s.io/*` metadata
-/// is ignored. Anything else is refused rather than silently ignored.
-fn check_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
-    match params.keys().find(|k| !k.starts_with("csi.storage.k8s.io/")) {
-        Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),
-        None => Ok(()),
-    }
-}
 
 impl Controller {
     /// The node for a new volume: the first preferred, else the first requisite topology naming a
@@ -114,7 +106,7 @@ impl csi::controller_server::Controller for Controller {
         let r = req.into_inner();
         require("name", &r.name)?;
         check_capabilities(&r.volume_capabilities).map_err(Status::invalid_argument)?;
-        check_parameters(&r.parameters)?;
+        no_parameters(&r.parameters)?;
         let _busy = self.busy.begin(&format!("volume name {}", r.name))?;
         let size = size_for(r.capacity_range.as_ref(), DEFAULT_SIZE)?;
         let name = ids::engine_name(&r.name);
@@ -200,7 +192,7 @@ impl csi::controller_server::Controller for Controller {
         }
         self.get(&r.volume_id).await?;
         let resp = match check_capabilities(&r.volume_capabilities)
-            .and_then(|()| check_parameters(&r.parameters).map_err(|s| s.message().to_owned()))
+            .and_then(|()| no_parameters(&r.parameters).map_err(|s| s.message().to_owned()))
         {
             Ok(()) => csi::ValidateVolumeCapabilitiesResponse {
                 confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
@@ -243,7 +235,7 @@ impl csi::controller_server::Controller for Controller {
         if !r.volume_capabilities.is_empty() && check_capabilities(&r.volume_capabilities).is_err() {
             return Ok(Response::new(csi::GetCapacityResponse::default()));
         }
-        check_parameters(&r.parameters)?;
+        no_parameters(&r.parameters)?;
         let nodes = match r.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_KEY)) {
             Some(n) if self.nodes.admin_endpoint(n).is_some() => vec![n.clone()],
             Some(_) => vec![],
@@ -396,7 +388,7 @@ mod tests {
         assert!(check_capabilities(&[cap(Mode::SingleNodeWriter, mount("btrfs"))]).is_err());
         assert!(check_capabilities(&[cap(Mode::SingleNodeWriter, None)]).is_err());
         assert!(check_capabilities(&[]).is_err());
-        assert!(check_parameters(&HashMap::from([("csi.storage.k8s.io/pvc/name".into(), "x".into())])).is_ok());
-        assert!(check_parameters(&HashMap::from([("replicas".into(), "3".into())])).is_err());
+        assert!(no_parameters(&HashMap::from([("csi.storage.k8s.io/pvc/name".into(), "x".into())])).is_ok());
+        assert!(no_parameters(&HashMap::from([("replicas".into(), "3".into())])).is_err());
     }
 }
