@@ -41,12 +41,16 @@ impl id::identity_server::Identity for AddonsIdentity {
             NetworkFence as F, ReclaimSpace as R, Service as S, Type as T, VolumeGroup as G, VolumeReplication as VR,
         };
         use id::capability::{network_fence, reclaim_space, service, volume_group, volume_replication};
-        let mut caps = vec![cap(T::ReclaimSpace(R { r#type: reclaim_space::Type::Online as i32 }))];
+        let mut caps = Vec::new();
+        // ONLINE: NodeReclaimSpace on a staged volume; OFFLINE: ControllerReclaimSpace, which
+        // needs only the storage (the manager picks the controller's sidecar by it).
         if self.node {
             caps.push(cap(T::Service(S { r#type: service::Type::NodeService as i32 })));
+            caps.push(cap(T::ReclaimSpace(R { r#type: reclaim_space::Type::Online as i32 })));
         }
         if self.controller {
             caps.push(cap(T::Service(S { r#type: service::Type::ControllerService as i32 })));
+            caps.push(cap(T::ReclaimSpace(R { r#type: reclaim_space::Type::Offline as i32 })));
             for t in [network_fence::Type::NetworkFence, network_fence::Type::GetClientsToFence] {
                 caps.push(cap(T::NetworkFence(F { r#type: t as i32 })));
             }

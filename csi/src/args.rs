@@ -20,10 +20,12 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
 }
 
 /// For calls that take no parameters of ours: any given one is refused rather than ignored,
-/// except the metadata Kubernetes' sidecars add (`csi.storage.k8s.io/*`, e.g. the PVC or
-/// VolumeSnapshot name with `--extra-create-metadata`).
+/// except the metadata Kubernetes adds: `csi.storage.k8s.io/*` (the PVC or VolumeSnapshot name
+/// with `--extra-create-metadata`) and `storage.kubernetes.io/*` (the provisioner's identity in
+/// a PV's attributes, which CSI-Addons passes on as parameters).
 pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
-    match params.keys().find(|k| !k.starts_with("csi.storage.k8s.io/")) {
+    let ours = |k: &&String| !k.starts_with("csi.storage.k8s.io/") && !k.starts_with("storage.kubernetes.io/");
+    match params.keys().find(ours) {
         Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),
         None => Ok(()),
     }

@@ -2,7 +2,6 @@
 //! the node directory says where each node's daemon answers. Required fields are checked first
 //! (InvalidArgument); daemon statuses keep their codes.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferrite_proto::csi::v1 as csi;
@@ -43,7 +42,6 @@ fn size_for(range: Option<&csi::CapacityRange>, default: u64) -> Result<u64, Sta
     }
     Ok(want)
 }
-
 
 impl Controller {
     /// The node for a new volume: the first preferred, else the first requisite topology naming a
@@ -356,6 +354,7 @@ impl csi::controller_server::Controller for Controller {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     fn range(req: i64, lim: i64) -> csi::CapacityRange {
         csi::CapacityRange { required_bytes: req, limit_bytes: lim }

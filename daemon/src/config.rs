@@ -90,6 +90,8 @@ pub struct ConfigFile {
     pub tls_client_ca: Option<PathBuf>,
     pub nbd_tls: Option<String>,
     pub replication_endpoint: Option<String>,
+    /// The name peer daemons' certificates carry, when it is not the host of their endpoint.
+    pub peer_server_name: Option<String>,
     pub replication_bandwidth: Option<String>,
 }
 
@@ -128,6 +130,8 @@ pub struct TlsFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub client_ca: Option<PathBuf>,
+    /// What a peer daemon's certificate must name (`peer-server-name`), else its endpoint's host.
+    pub peer_name: Option<String>,
 }
 
 /// What every listener may be asked for, and the NBD server's memory limits.
@@ -268,7 +272,9 @@ impl Config {
                 }
             },
             tls: match (f.tls_cert, f.tls_key) {
-                (Some(cert), Some(key)) => Some(TlsFiles { cert, key, client_ca: f.tls_client_ca }),
+                (Some(cert), Some(key)) => {
+                    Some(TlsFiles { cert, key, client_ca: f.tls_client_ca, peer_name: f.peer_server_name })
+                }
                 (None, None) if f.tls_client_ca.is_some() => bail!("tls-client-ca needs tls-cert and tls-key"),
                 (None, None) => None,
                 _ => bail!("tls-cert and tls-key go together"),
@@ -282,7 +288,9 @@ impl Config {
             },
             data_dir,
         };
-        cfg.replication_endpoint = match (f.replication_endpoint, cfg.admin_listen) {
+        // The environment wins: in a DaemonSet the node's address is known only to the pod.
+        let endpoint = std::env::var("FERRITE_REPLICATION_ENDPOINT").ok().or(f.replication_endpoint);
+        cfg.replication_endpoint = match (endpoint, cfg.admin_listen) {
             (Some(e), _) if e.is_empty() => bail!("replication-endpoint must not be empty"),
             (Some(e), _) => e,
             (None, Some(a)) => format!("tcp://{a}"),

@@ -85,7 +85,10 @@ async fn addons_conformance_with_two_nodes_on_loopback_addresses() {
     assert!(has(
         &|t| matches!(t, T::VolumeGroup(g) if g.r#type == identity::capability::volume_group::Type::ModifyVolumeGroup as i32)
     ));
-    assert!(has(&|t| matches!(t, T::ReclaimSpace(_))));
+    // A controller reclaims offline (ControllerReclaimSpace); online is the node's.
+    let reclaim = identity::capability::reclaim_space::Type::Offline as i32;
+    assert!(has(&|t| matches!(t, T::ReclaimSpace(r) if r.r#type == reclaim)));
+    assert!(!has(&|t| matches!(t, T::ReclaimSpace(r) if r.r#type != reclaim)));
 
     // ---- NetworkFence ----
     let mut f = fence::fence_controller_client::FenceControllerClient::new(addons.clone());

@@ -33,7 +33,7 @@ pub const PIECE: usize = 1 << 20;
 pub async fn connect(tls: Option<&TlsFiles>, peer: &str) -> Result<ReplicaClient<Channel>, Status> {
     let client_tls = match (peer.starts_with("tcp://"), tls) {
         (false, _) => None,
-        (true, Some(TlsFiles { cert, key, client_ca: Some(ca) })) => Some(
+        (true, Some(TlsFiles { cert, key, client_ca: Some(ca), .. })) => Some(
             ferrite_proto::admin_tls(ca, Some((cert, key)))
                 .map_err(|e| Status::failed_precondition(format!("TLS client identity for {peer}: {e}")))?,
         ),
@@ -43,7 +43,8 @@ pub async fn connect(tls: Option<&TlsFiles>, peer: &str) -> Result<ReplicaClient
             )));
         }
     };
-    let channel = ferrite_proto::connect(peer, client_tls)
+    let name = tls.and_then(|t| t.peer_name.as_deref());
+    let channel = ferrite_proto::connect_as(peer, client_tls, name)
         .await
         .map_err(|e| Status::unavailable(format!("connecting to peer {peer}: {e}")))?;
     Ok(ReplicaClient::new(channel).max_decoding_message_size(super::MAX_PUSH_MESSAGE))

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod csi;
+pub mod kube;
 pub mod nbd;
 pub mod netns;
 

@@ -101,3 +101,55 @@ impl Drop for Hosts {
         }
     }
 }
+
+/// Several hosts on one network: one namespace holding every host's address on its end of a
+/// veth pair whose other end (the gateway address) is in this namespace, so processes here
+/// (a control plane, a CSI controller) reach each host and the hosts reach each other.
+pub struct Lan {
+    pub ns: String,
+    pub dev: [String; 2],
+    pub gateway: String,
+    pub hosts: Vec<String>,
+}
+
+impl Lan {
+    pub fn new(hosts: usize) -> Option<Self> {
+        let tag = format!("fl{}", std::process::id() % 100_000);
+        let subnet = 10 + std::process::id() % 200;
+        let net = |i: usize| format!("10.{subnet}.251.{i}");
+        let lan = Self {
+            ns: tag.clone(),
+            dev: [format!("{tag}o"), format!("{tag}i")],
+            gateway: net(1),
+            hosts: (0..hosts).map(|i| net(i + 2)).collect(),
+        };
+        let made = (|| {
+            ip(&["netns", "add", &lan.ns])?;
+            ip(&["-n", &lan.ns, "link", "set", "lo", "up"])?;
+            ip(&["link", "add", &lan.dev[0], "type", "veth", "peer", "name", &lan.dev[1]])?;
+            ip(&["link", "set", &lan.dev[1], "netns", &lan.ns])?;
+            ip(&["addr", "add", &format!("{}/24", lan.gateway), "dev", &lan.dev[0]])?;
+            ip(&["link", "set", &lan.dev[0], "up"])?;
+            for h in &lan.hosts {
+                ip(&["-n", &lan.ns, "addr", "add", &format!("{h}/24"), "dev", &lan.dev[1]])?;
+            }
+            ip(&["-n", &lan.ns, "link", "set", &lan.dev[1], "up"])?;
+            Ok::<_, String>(())
+        })();
+        match made {
+            Ok(()) => Some(lan),
+            Err(e) => {
+                drop(lan);
+                super::skip(&format!("network namespaces cannot be made here ({e})"), false);
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Lan {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.ns]);
+        let _ = ip(&["link", "del", &self.dev[0]]);
+    }
+}
