@@ -45,6 +45,17 @@ if [ "${FERRITE_VM:-1}" != 0 ]; then
 else
   echo "VM tier (FERRITE_VM=0)" >> "$FERRITE_SKIPS"
 fi
+# The Kubernetes tier's control plane and CSI sidecars, built from the vendored sources next to
+# the clone (../shared/k8s) once and cached outside it; FERRITE_K8S_BIN may name them instead.
+if [ -z "${FERRITE_K8S_BIN:-}" ]; then
+  for k in "${FERRITE_K8S:-}" ../shared/k8s /work/shared/k8s; do
+    [ -n "$k" ] && [ -x "$k/build.sh" ] || continue
+    step "Kubernetes binaries from $k (cached; a cold build takes ~25 min on 2 cores)"
+    FERRITE_K8S_BIN=$(bash "$k/build.sh" | tail -1)
+    export FERRITE_K8S_BIN FERRITE_K8S="$k"
+    break
+  done
+fi
 # nextest last: its summary line is the suite's closing line (repeated after the skip line).
 step "tests"
 log=$(mktemp)
