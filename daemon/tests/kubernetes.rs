@@ -346,6 +346,7 @@ fn ferrite_on_kubernetes() {
     let pv = c.cp.get(&["pv", c.cp.get(&["pvc", "data"])["spec"]["volumeName"].as_str().unwrap()]);
     let terms = pv["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"].to_string();
     assert!(terms.contains("topology.ferrite.dev/node") && terms.contains("node-a"), "{terms}");
+    assert_eq!(pv["spec"]["mountOptions"], json!(["discard"]), "the class's mount options reach the PV");
 
     let data_vol = data_vol.to_owned();
     let content = pattern(1 << 20);
