@@ -321,7 +321,8 @@ impl csi::node_server::Node for Node {
         let target = Path::new(&r.target_path);
         let shown = mounted_at(target)?;
         host::unmount_all(target).await?;
-        // The target goes first, so a failure below leaves no target behind.
+        // The target goes first, so a failure below leaves no target behind (a device left
+        // read-only is set as asked by its next publish).
         remove_target(target)?;
         // The last publish of a read-only raw block device gives the device its writability back.
         if let Some(m) = shown.filter(|m| m.fs_type == "devtmpfs" && m.read_only) {
