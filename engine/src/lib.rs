@@ -15,6 +15,7 @@
 //!  ctx       the shared context: store, metadata, state lock, pins, health, counters, wake-ups
 //!  state     the in-memory state and the one place a batch is applied (write path and recovery)
 //!  gate      a volume's write gate: read-only volumes, and waiting out the writes in flight
+//!  qos       a volume's limits (IOPS, bandwidth; token buckets): requests over them wait
 //!  meta      RocksDB: catalog, map chunks, crc tables, checkpoint record, segment chain
 //!  map/      extent maps, layer views and chains, the segment table: pure, in memory
 //!  format    superblock and batch header: pure encode/decode
@@ -50,6 +51,7 @@ mod map;
 mod meta;
 mod ops;
 mod pool;
+mod qos;
 mod read;
 mod recovery;
 mod rng;
@@ -67,6 +69,7 @@ pub use ops::scrub::{Damage, ScrubProgress, ScrubReport};
 pub use ops::snapshot::{Image, SnapshotInfo};
 pub use ops::volumes::VolumeInfo;
 pub use pool::{Pool, PoolStats};
+pub use qos::{IoKind, QosLimits, QosStats};
 pub use read::reads::Reads;
 pub use recovery::RecoveryReport;
 pub use volume::Volume;

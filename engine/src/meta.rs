@@ -25,6 +25,7 @@ use rocksdb::{DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
 use crate::error::{Error, ErrorKind, Result, corrupt};
 use crate::format::le64;
 use crate::map::extent_map::Chunk;
+use crate::qos::QosLimits;
 
 /// A volume as stored in the catalog.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,6 +36,8 @@ pub(crate) struct VolumeRecord {
     pub created_unix: u64,
     /// Clients may not write (a demoted replication primary, a replica).
     pub read_only: bool,
+    /// IOPS and bandwidth limits (all 0: none).
+    pub qos: QosLimits,
     pub name: String,
 }
 
@@ -137,33 +140,51 @@ fn be64(b: &[u8], at: usize) -> u64 {
 }
 
 impl VolumeRecord {
-    /// Version 2 adds a flags byte before the name (bit 0: read-only); version 1 has none.
+    /// Version 2 adds a flags byte before the name (bit 0: read-only; bit 1: QoS limits follow,
+    /// seven u64s); version 1 has none. A record without limits is written as version 2, so a
+    /// catalog only gains version 3 records once limits are set.
     fn encode(&self) -> Vec<u8> {
-        let mut v = vec![2u8];
+        let limited = !self.qos.is_unlimited();
+        let mut v = vec![if limited { 3u8 } else { 2 }];
         for x in [self.id, self.layer, self.size, self.created_unix] {
             v.extend_from_slice(&x.to_le_bytes());
         }
-        v.push(u8::from(self.read_only));
+        v.push(u8::from(self.read_only) | if limited { 2 } else { 0 });
+        if limited {
+            for x in self.qos.to_array() {
+                v.extend_from_slice(&x.to_le_bytes());
+            }
+        }
         v.extend_from_slice(self.name.as_bytes());
         v
     }
 
     fn decode(b: &[u8]) -> Option<Self> {
-        let (flags, name) = match b.first()? {
+        let (flags, mut rest) = match b.first()? {
             1 if b.len() >= 33 => (0, &b[33..]),
-            2 if b.len() >= 34 => (b[33], &b[34..]),
+            2 | 3 if b.len() >= 34 => (b[33], &b[34..]),
             _ => return None,
         };
-        if flags > 1 {
+        if flags > 3 || (flags & 2 != 0) != (b[0] == 3) {
             return None;
+        }
+        let mut qos = QosLimits::default();
+        if flags & 2 != 0 {
+            let mut a = [0u64; 7];
+            for (i, x) in a.iter_mut().enumerate() {
+                *x = u64::from_le_bytes(rest.get(i * 8..i * 8 + 8)?.try_into().ok()?);
+            }
+            qos = QosLimits::from_array(a);
+            rest = &rest[56..];
         }
         Some(Self {
             id: le64(b, 1),
             layer: le64(b, 9),
             size: le64(b, 17),
             created_unix: le64(b, 25),
-            read_only: flags == 1,
-            name: String::from_utf8(name.to_vec()).ok()?,
+            read_only: flags & 1 == 1,
+            qos,
+            name: String::from_utf8(rest.to_vec()).ok()?,
         })
     }
 }
@@ -457,8 +478,15 @@ mod tests {
 
     #[test]
     fn records_roundtrip() {
-        let mut v =
-            VolumeRecord { id: 3, layer: 4, size: 1 << 30, created_unix: 9, read_only: false, name: "vol-a".into() };
+        let mut v = VolumeRecord {
+            id: 3,
+            layer: 4,
+            size: 1 << 30,
+            created_unix: 9,
+            read_only: false,
+            qos: QosLimits::default(),
+            name: "vol-a".into(),
+        };
         assert_eq!(VolumeRecord::decode(&v.encode()), Some(v.clone()));
         // Version 1 (no flags byte) still reads.
         let mut v1 = v.encode();
@@ -466,7 +494,16 @@ mod tests {
         v1.remove(33);
         assert_eq!(VolumeRecord::decode(&v1), Some(v.clone()));
         v.read_only = true;
-        assert_eq!(VolumeRecord::decode(&v.encode()), Some(v));
+        assert_eq!(VolumeRecord::decode(&v.encode()), Some(v.clone()));
+        // Limits: version 3, and every field read back; a truncated one is refused.
+        v.qos = QosLimits { iops: 5000, write_bps: 200 << 20, burst_ms: 2000, ..Default::default() };
+        let e = v.encode();
+        assert_eq!(e[0], 3);
+        assert_eq!(VolumeRecord::decode(&e), Some(v.clone()));
+        assert_eq!(VolumeRecord::decode(&e[..60]), None);
+        let mut lying = e.clone();
+        lying[0] = 2;
+        assert_eq!(VolumeRecord::decode(&lying), None, "flags and version disagree");
         let n = SnapshotRecord { id: 5, volume: 3, layer: 4, size: 8192, created_unix: 1, name: "s1".into() };
         assert_eq!(SnapshotRecord::decode(&n.encode()), Some(n));
         let g = GroupRecord { id: 7, group: 0, created_unix: 2, members: vec![3, 9], name: "g1".into() };

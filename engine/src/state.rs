@@ -11,6 +11,7 @@ use crate::io::BLOCK;
 use crate::map::layers::Layers;
 use crate::map::segments::SegmentTable;
 use crate::meta::{GroupRecord, SnapshotRecord, VolumeRecord};
+use crate::qos::Qos;
 
 /// What a handle reads: a volume (through its current head) or a snapshot (read-only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,12 +34,15 @@ pub(crate) struct VolumeEntry {
     pub rec: VolumeRecord,
     /// Client writes enter here; closed while `rec.read_only`.
     pub gate: Arc<WriteGate>,
+    /// Client requests wait here while over `rec.qos`.
+    pub qos: Arc<Qos>,
 }
 
 impl VolumeEntry {
     pub fn new(rec: VolumeRecord) -> Self {
         let gate = WriteGate::new(rec.read_only);
-        Self { rec, gate }
+        let qos = Arc::new(Qos::new(rec.qos));
+        Self { rec, gate, qos }
     }
 }
 

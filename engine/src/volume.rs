@@ -16,6 +16,7 @@ use crate::gate::{Inside, WriteGate};
 use crate::io::BLOCK;
 use crate::map::segments::Pinned;
 use crate::pool::Inner;
+use crate::qos::{IoKind, Qos};
 use crate::read::readahead::{Streams, note_read};
 use crate::read::reads::Reads;
 use crate::read::resolve::{Resolved, check_within, gone, resolve};
@@ -36,13 +37,23 @@ pub struct Volume {
     /// The volume's write gate; None for a snapshot, and for a handle that writes past it
     /// ([`Volume::past_read_only`]).
     gate: Option<Arc<WriteGate>>,
+    /// The volume's limits; None where the gate is (the owner's own I/O is not limited).
+    qos: Option<Arc<Qos>>,
+    /// The caller waits out [`Volume::reserve`] itself ([`Volume::caller_paces`]).
+    caller_paces: bool,
     /// Sequential streams of this handle and its clones, for readahead.
     pub(crate) streams: Arc<Mutex<Streams>>,
 }
 
 impl Volume {
-    pub(crate) fn new(inner: Weak<Inner>, target: Target, name: String, gate: Option<Arc<WriteGate>>) -> Self {
-        Self { inner, target, name, gate, streams: Arc::default() }
+    pub(crate) fn new(
+        inner: Weak<Inner>,
+        target: Target,
+        name: String,
+        limits: Option<(Arc<WriteGate>, Arc<Qos>)>,
+    ) -> Self {
+        let (gate, qos) = limits.unzip();
+        Self { inner, target, name, gate, qos, caller_paces: false, streams: Arc::default() }
     }
 
     /// True for a snapshot's handle, and for a volume made read-only ([`Pool::set_read_only`]):
@@ -61,7 +72,34 @@ impl Volume {
     #[must_use]
     pub fn past_read_only(mut self) -> Self {
         self.gate = None;
+        self.qos = None;
         self
+    }
+
+    /// This handle, for a caller that waits out the volume's limits itself: it asks
+    /// [`Volume::reserve`] before each request and delays it without holding a thread others
+    /// need (an event loop). Other handles wait inside each I/O call.
+    #[must_use]
+    pub fn caller_paces(mut self) -> Self {
+        self.caller_paces = true;
+        self
+    }
+
+    /// Takes one request's place under the volume's limits (a trim or write-zeroes is a write of
+    /// 0 bytes): how long it must wait before it runs. Zero for an unlimited volume.
+    pub fn reserve(&self, kind: IoKind, bytes: u64) -> std::time::Duration {
+        self.qos.as_ref().map_or(std::time::Duration::ZERO, |q| q.reserve(kind, bytes))
+    }
+
+    /// Waits out the limits, unless the caller does ([`Volume::caller_paces`]).
+    fn pace(&self, kind: IoKind, bytes: u64) {
+        if self.caller_paces {
+            return;
+        }
+        let wait = self.reserve(kind, bytes);
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
     }
 
     /// Admits one client write (held until it is acknowledged), or refuses it.
@@ -150,6 +188,12 @@ impl Volume {
     /// the store reads, which the caller does (see [`Reads`]). Fails as a whole only when the
     /// volume or the pool is gone; each range's own errors come from [`Reads::finish`].
     pub fn start_reads(&self, parts: &[(u64, usize)]) -> Result<Reads<'_>> {
+        if !self.caller_paces && self.qos.is_some() {
+            let wait = parts.iter().map(|&(_, len)| self.reserve(IoKind::Read, len as u64)).max();
+            if let Some(w) = wait.filter(|w| !w.is_zero()) {
+                std::thread::sleep(w);
+            }
+        }
         let inner = self.pool()?;
         for &(offset, len) in parts {
             note_read(&inner.ctx, &inner.readahead, &self.streams, self.target, &self.name, offset, len as u64);
@@ -169,12 +213,14 @@ impl Volume {
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.pace(IoKind::Write, data.len() as u64);
         let _in = self.enter()?;
         self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), false)
     }
 
     /// Writes `data` at `offset` and returns only once it is durable (FUA).
     pub fn write_fua(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.pace(IoKind::Write, data.len() as u64);
         let _in = self.enter()?;
         self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), true)
     }
@@ -182,6 +228,7 @@ impl Volume {
     /// As [`Volume::write`] or, with `fua`, [`Volume::write_fua`], taking the buffer: a write of
     /// whole blocks then reaches its log batch with no copy before the one into the batch.
     pub fn write_vec(&self, offset: u64, data: Vec<u8>, fua: bool) -> Result<()> {
+        self.pace(IoKind::Write, data.len() as u64);
         let _in = self.enter()?;
         self.write_in(&*self.pool()?, offset, Cow::Owned(data), fua)
     }
@@ -279,6 +326,7 @@ impl Volume {
     /// Discards whole blocks inside [offset, offset+len): they read as zeros afterwards and their
     /// space becomes reclaimable. Partial blocks at the edges are left as they are.
     pub fn trim(&self, offset: u64, len: u64) -> Result<()> {
+        self.pace(IoKind::Write, 0);
         let inner = self.pool()?;
         let _in = self.enter()?;
         self.check_range(&inner, offset, len)?;
@@ -293,6 +341,7 @@ impl Volume {
     /// Zeroes [offset, offset+len): whole blocks are unmapped (no space used), partial edge
     /// blocks are rewritten with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.pace(IoKind::Write, 0);
         let inner = &*self.pool()?;
         let _in = self.enter()?;
         self.check_range(inner, offset, len)?;

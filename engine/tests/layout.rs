@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 /// Lowest first. Each may use those before it (see `src/lib.rs` for what each owns).
 const BANDS: &[&str] = &[
-    "error", "rng", "io", "format", "map", "meta", "gate", "state", "ctx", "write", "read", "maint", "recovery",
+    "error", "rng", "io", "format", "map", "qos", "meta", "gate", "state", "ctx", "write", "read", "maint", "recovery",
     "pool", "volume", "ops", "lib",
 ];
 

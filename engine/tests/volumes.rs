@@ -394,6 +394,52 @@ fn read_only_volumes_refuse_client_writes_on_every_handle_and_stay_so() {
 }
 
 #[test]
+fn volume_limits_delay_client_io_on_every_handle_and_survive_a_reopen() {
+    use ferrite_engine::{IoKind, QosLimits};
+    use std::time::{Duration, Instant};
+    let (f, pool) = Fixture::new(64);
+    pool.create_volume("v", MIB).unwrap();
+    pool.create_volume("free", MIB).unwrap();
+    let open = pool.open_volume("v").unwrap();
+    // 100 writes/s with a 100 ms burst: 40 writes take about (40 - 10) / 100 s.
+    let limits = QosLimits { write_iops: 100, burst_ms: 100, ..Default::default() };
+    assert_eq!(pool.set_qos("v", limits).unwrap().qos, limits);
+    let timed = |f: &dyn Fn()| {
+        let t = Instant::now();
+        f();
+        t.elapsed()
+    };
+    let took = timed(&|| (0..40).for_each(|i| open.write(i * 4096, &[1; 4096]).unwrap()));
+    assert!(took > Duration::from_millis(270) && took < Duration::from_millis(600), "{took:?}");
+    assert!(pool.qos_stats("v").unwrap().throttled_ops >= 25);
+    // Reads are not limited by a write limit; another volume is not limited at all; the
+    // owner's handle writes past the limits.
+    let mut buf = vec![0u8; 4096];
+    assert!(
+        timed(&|| (0..200).for_each(|_| pool.open_volume("v").unwrap().read(0, &mut buf.clone()).unwrap()))
+            < Duration::from_millis(200)
+    );
+    let free = pool.open_volume("free").unwrap();
+    assert!(timed(&|| (0..200).for_each(|i| free.write(i * 4096, &[2; 4096]).unwrap())) < Duration::from_millis(500));
+    let owner = pool.open_volume("v").unwrap().past_read_only();
+    assert!(timed(&|| (0..100).for_each(|i| owner.write(i * 4096, &[3; 4096]).unwrap())) < Duration::from_millis(500));
+    // A handle whose caller paces: its calls do not wait; reserve says how long the caller must.
+    let paced = pool.open_volume("v").unwrap().caller_paces();
+    assert!(timed(&|| (0..50).for_each(|i| paced.write(i * 4096, &[4; 4096]).unwrap())) < Duration::from_millis(200));
+    let last = (0..30).map(|_| paced.reserve(IoKind::Write, 4096)).max().unwrap();
+    assert!(last > Duration::from_millis(150), "30 places at 100/s: {last:?}");
+    open.read(0, &mut buf).unwrap();
+    drop((open, free, owner, paced));
+    pool.close().unwrap();
+    let pool = f.reopen();
+    assert_eq!(pool.volume_info("v").unwrap().qos, limits, "limits survive a reopen");
+    assert_eq!(pool.set_qos("v", QosLimits::default()).unwrap().qos, QosLimits::default());
+    let open = pool.open_volume("v").unwrap();
+    assert!(timed(&|| (0..200).for_each(|i| open.write(i * 4096, &[5; 4096]).unwrap())) < Duration::from_millis(500));
+    assert_eq!(pool.set_qos("nope", limits).unwrap_err().kind(), ErrorKind::NotFound);
+}
+
+#[test]
 fn making_a_volume_read_only_waits_for_the_writes_inside() {
     let (_f, pool) = Fixture::new(64);
     pool.create_volume("v", MIB).unwrap();

@@ -278,7 +278,15 @@ impl Pool {
             let mut recs = Vec::new();
             for (clone, parent, size) in sources {
                 let id = inner.meta.next_id()?;
-                let rec = VolumeRecord { id, layer: id, size, created_unix: now_unix(), read_only: false, name: clone };
+                let rec = VolumeRecord {
+                    id,
+                    layer: id,
+                    size,
+                    created_unix: now_unix(),
+                    read_only: false,
+                    qos: Default::default(),
+                    name: clone,
+                };
                 ops.push(CatalogOp::PutLayer(id, Some(parent)));
                 ops.push(CatalogOp::PutVolume(rec.clone()));
                 recs.push((rec, parent));

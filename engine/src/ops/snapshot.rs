@@ -364,8 +364,15 @@ impl Pool {
                 None => None,
             };
             let id = inner.meta.next_id()?;
-            let rec =
-                VolumeRecord { id, layer: id, size, created_unix: now_unix(), read_only: false, name: name.clone() };
+            let rec = VolumeRecord {
+                id,
+                layer: id,
+                size,
+                created_unix: now_unix(),
+                read_only: false,
+                qos: Default::default(),
+                name: name.clone(),
+            };
             ops.push(CatalogOp::PutLayer(id, Some(parent)));
             ops.push(CatalogOp::PutVolume(rec.clone()));
             if origin.is_some() {

@@ -7,6 +7,7 @@ use crate::error::{Error, ErrorKind, Result, invalid};
 use crate::io::BLOCK;
 use crate::meta::{CatalogOp, VolumeRecord};
 use crate::pool::{Inner, Pool, now_unix};
+use crate::qos::{QosLimits, QosStats};
 
 use crate::state::{State, Target, VolumeEntry};
 use crate::volume::Volume;
@@ -28,6 +29,8 @@ pub struct VolumeInfo {
     pub created_unix: u64,
     /// Clients may not write ([`Pool::set_read_only`]).
     pub read_only: bool,
+    /// IOPS and bandwidth limits ([`Pool::set_qos`]).
+    pub qos: QosLimits,
 }
 
 pub(crate) fn validate_name(name: &str) -> Result<()> {
@@ -66,8 +69,15 @@ impl Pool {
             check_overcommit(inner, &st, size)?;
         }
         let id = inner.meta.next_id()?;
-        let rec =
-            VolumeRecord { id, layer: id, size, created_unix: now_unix(), read_only: false, name: name.to_owned() };
+        let rec = VolumeRecord {
+            id,
+            layer: id,
+            size,
+            created_unix: now_unix(),
+            read_only: false,
+            qos: Default::default(),
+            name: name.to_owned(),
+        };
         inner.meta.apply(&[CatalogOp::PutLayer(id, None), CatalogOp::PutVolume(rec.clone())])?;
         let mut st = inner.state.write();
         st.names.insert(rec.name.clone(), id);
@@ -97,7 +107,8 @@ impl Pool {
         let st = self.inner.state.read();
         let id = lookup(&st, name)?;
         let e = &st.volumes[&id];
-        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Volume(id), e.rec.name.clone(), Some(Arc::clone(&e.gate))))
+        let limits = Some((Arc::clone(&e.gate), Arc::clone(&e.qos)));
+        Ok(Volume::new(Arc::downgrade(&self.inner), Target::Volume(id), e.rec.name.clone(), limits))
     }
 
     /// Makes a volume read-only for clients (their writes fail with [`ErrorKind::ReadOnly`],
@@ -140,6 +151,33 @@ impl Pool {
             tracing::info!(volume = %name, read_only, "volume access changed");
         }
         Ok(info)
+    }
+
+    /// Sets a volume's limits (all 0: none), in effect for the next request on every handle,
+    /// open or not; durable on return. Requests over a limit wait, never fail.
+    pub fn set_qos(&self, name: &str, limits: QosLimits) -> Result<VolumeInfo> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let _m = inner.meta_lock.lock();
+        let mut rec = {
+            let st = inner.state.read();
+            st.volumes[&lookup(&st, name)?].rec.clone()
+        };
+        rec.qos = limits;
+        inner.meta.put_volume(&rec)?;
+        let mut st = inner.state.write();
+        if let Some(e) = st.volumes.get_mut(&rec.id) {
+            e.rec.qos = limits;
+            e.qos.set(limits);
+        }
+        tracing::info!(volume = %name, ?limits, "volume limits set");
+        Ok(info_of(&st, &rec))
+    }
+
+    /// What a volume's limiter has seen: requests delayed, time waited, current rate.
+    pub fn qos_stats(&self, name: &str) -> Result<QosStats> {
+        let st = self.inner.state.read();
+        Ok(st.volumes[&lookup(&st, name)?].qos.stats())
     }
 
     /// Grows a volume to `new_size` bytes (shrinking is refused). Durable on return.
@@ -205,6 +243,7 @@ pub(crate) fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
         exclusive: own * b,
         created_unix: rec.created_unix,
         read_only: rec.read_only,
+        qos: rec.qos,
         chain_depth: crate::map::layers::depth(&st.layers, rec.layer),
     }
 }
