@@ -105,6 +105,7 @@ impl csi::controller_server::Controller for Controller {
         require("name", &r.name)?;
         check_capabilities(&r.volume_capabilities).map_err(Status::invalid_argument)?;
         no_parameters(&r.parameters)?;
+        let limits = crate::qos::limits(&r.mutable_parameters)?;
         let _busy = self.busy.begin(&format!("volume name {}", r.name))?;
         let size = size_for(r.capacity_range.as_ref(), DEFAULT_SIZE)?;
         let name = ids::engine_name(&r.name);
@@ -143,14 +144,19 @@ impl csi::controller_server::Controller for Controller {
                     .await?
                     .into_inner();
                 if v.size < size {
-                    v = c.grow_volume(pb::GrowVolumeRequest { name, new_size: size }).await?.into_inner();
+                    v = c.grow_volume(pb::GrowVolumeRequest { name: name.clone(), new_size: size }).await?.into_inner();
+                }
+                if limits != pb::VolumeLimits::default() {
+                    let r = pb::SetVolumeLimitsRequest { name, limits: Some(limits) };
+                    v = c.set_volume_limits(r).await?.into_inner();
                 }
                 (node, v)
             }
             None => {
                 let node = self.place(r.accessibility_requirements.as_ref()).await?;
                 let mut c = admin(&*self.nodes, &node).await?;
-                let v = c.create_volume(pb::CreateVolumeRequest { name, size }).await?.into_inner();
+                let v =
+                    c.create_volume(pb::CreateVolumeRequest { name, size, limits: Some(limits) }).await?.into_inner();
                 (node, v)
             }
         };
@@ -262,6 +268,7 @@ impl csi::controller_server::Controller for Controller {
             Type::GetCapacity,
             Type::ExpandVolume,
             Type::GetVolume,
+            Type::ModifyVolume,
             Type::CloneVolume,
             Type::CreateDeleteSnapshot,
             Type::ListSnapshots,
@@ -334,6 +341,22 @@ impl csi::controller_server::Controller for Controller {
         Ok(Response::new(csi::GetSnapshotResponse { snapshot: Some(snapshot) }))
     }
 
+    /// Replaces the volume's limits with those `mutable_parameters` name (online; a key left
+    /// out is no limit), so the same parameters twice change nothing.
+    async fn controller_modify_volume(
+        &self,
+        req: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        let r = req.into_inner();
+        require("volume_id", &r.volume_id)?;
+        let limits = crate::qos::limits(&r.mutable_parameters)?;
+        let _busy = self.busy.begin(&r.volume_id)?;
+        let (_, mut c, v) = crate::nodes::volume(&*self.nodes, &r.volume_id).await?;
+        c.set_volume_limits(pb::SetVolumeLimitsRequest { name: v.name, limits: Some(limits) }).await?;
+        tracing::info!(volume_id = %r.volume_id, ?limits, "CSI volume modified");
+        Ok(Response::new(csi::ControllerModifyVolumeResponse {}))
+    }
+
     async fn controller_get_volume(
         &self,
         req: Request<csi::ControllerGetVolumeRequest>,
@@ -341,8 +364,11 @@ impl csi::controller_server::Controller for Controller {
         let id = req.into_inner().volume_id;
         require("volume_id", &id)?;
         let (node, v) = self.get(&id).await?;
+        let mut volume = volume_msg(&node, &v, None);
+        // The limits in force, as the mutable parameters that set them.
+        volume.volume_context = crate::qos::parameters(&v.limits.unwrap_or_default());
         Ok(Response::new(csi::ControllerGetVolumeResponse {
-            volume: Some(volume_msg(&node, &v, None)),
+            volume: Some(volume),
             status: Some(csi::controller_get_volume_response::VolumeStatus {
                 published_node_ids: Vec::new(),
                 volume_condition: Some(csi::VolumeCondition { abnormal: false, message: "ok".into() }),

@@ -5,6 +5,7 @@
 //!   pagination; get; capacity; validate; expand), placed by topology `topology.ferrite.dev/node`.
 //! - `snapshots`: create (idempotent by name), delete, list (filters, pagination), get.
 //! - [`nodes`]: the node directory (a static file, or the Kubernetes API's EndpointSlices).
+//! - [`qos`]: per-volume limits as mutable parameters (ModifyVolume, VolumeAttributesClass).
 //! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
 //!
 //! - [`group`]: crash-consistent group snapshots (GroupController).
@@ -27,6 +28,7 @@ pub mod identity;
 pub mod ids;
 pub mod node;
 pub mod nodes;
+pub mod qos;
 pub mod reclaim;
 pub mod replication;
 mod snapshots;

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use ferrite_engine::{ErrorKind, Image, Pool};
+use ferrite_engine::{ErrorKind, Image, Pool, QosLimits};
 use ferrite_nbd::Server;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_server::Admin;
@@ -56,6 +56,31 @@ pub struct AdminService {
     /// Fenced networks and the TCP clients they apply to.
     pub fences: Arc<Fences>,
     pub replication: Arc<Replication>,
+}
+
+pub(crate) fn limits_msg(l: QosLimits) -> pb::VolumeLimits {
+    pb::VolumeLimits {
+        iops: l.iops,
+        read_iops: l.read_iops,
+        write_iops: l.write_iops,
+        bps: l.bps,
+        read_bps: l.read_bps,
+        write_bps: l.write_bps,
+        burst_ms: l.burst_ms,
+    }
+}
+
+fn limits_of(l: Option<pb::VolumeLimits>) -> QosLimits {
+    let l = l.unwrap_or_default();
+    QosLimits {
+        iops: l.iops,
+        read_iops: l.read_iops,
+        write_iops: l.write_iops,
+        bps: l.bps,
+        read_bps: l.read_bps,
+        write_bps: l.write_bps,
+        burst_ms: l.burst_ms,
+    }
 }
 
 fn group_msg(g: ferrite_engine::GroupInfo) -> pb::Group {
@@ -147,7 +172,13 @@ impl AdminService {
 
     async fn volume_msg(&self, info: ferrite_engine::VolumeInfo) -> pb::Volume {
         let exports = self.exports.of_volume(&info.name).await;
+        let stats = self.pool.qos_stats(&info.name).unwrap_or_default();
         pb::Volume {
+            limits: Some(limits_msg(info.qos)),
+            ops_per_sec: stats.ops_per_sec,
+            bytes_per_sec: stats.bytes_per_sec,
+            throttled_requests: stats.throttled_ops,
+            throttled_seconds: stats.throttled_wait.as_secs_f64(),
             name: info.name,
             id: info.id,
             size: info.size,
@@ -210,7 +241,13 @@ impl Admin for AdminService {
         if r.size == 0 {
             return Err(Status::invalid_argument("size is required"));
         }
-        let info = self.engine(move |p| p.create_volume(&r.name, r.size)).await?;
+        let limits = limits_of(r.limits);
+        let info = self
+            .engine(move |p| {
+                let info = p.create_volume(&r.name, r.size)?;
+                if limits.is_unlimited() { Ok(info) } else { p.set_qos(&r.name, limits) }
+            })
+            .await?;
         tracing::info!(volume = %info.name, size = info.size, "volume created");
         Ok(Response::new(self.volume_msg(info).await))
     }
@@ -243,6 +280,17 @@ impl Admin for AdminService {
         let mut msg = self.volume_msg(info).await;
         msg.notes = notes;
         Ok(Response::new(msg))
+    }
+
+    async fn set_volume_limits(
+        &self,
+        req: Request<pb::SetVolumeLimitsRequest>,
+    ) -> Result<Response<pb::Volume>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        let limits = limits_of(r.limits);
+        let info = self.engine(move |p| p.set_qos(&r.name, limits)).await?;
+        Ok(Response::new(self.volume_msg(info).await))
     }
 
     async fn delete_volume(

@@ -109,9 +109,89 @@ fn format_time(unix: u64) -> String {
 }
 
 fn volume_json(v: &pb::Volume) -> serde_json::Value {
+    let l = v.limits.unwrap_or_default();
     json!({"name": v.name, "id": v.id, "size": v.size, "allocated": v.allocated, "exclusive": v.exclusive,
            "chain_depth": v.chain_depth, "created_unix": v.created_unix, "exports": v.exports,
-           "read_only": v.read_only, "notes": v.notes})
+           "read_only": v.read_only, "notes": v.notes,
+           "limits": {"iops": l.iops, "read_iops": l.read_iops, "write_iops": l.write_iops, "bps": l.bps,
+                      "read_bps": l.read_bps, "write_bps": l.write_bps, "burst_ms": l.burst_ms},
+           "ops_per_sec": v.ops_per_sec, "bytes_per_sec": v.bytes_per_sec,
+           "throttled_requests": v.throttled_requests, "throttled_seconds": v.throttled_seconds})
+}
+
+/// `--iops`, `--bw` and the rest, for `volume create` and `volume set`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LimitArgs {
+    /// Operations per second, reads and writes together (0: no limit).
+    #[arg(long)]
+    pub iops: Option<u64>,
+    #[arg(long)]
+    pub read_iops: Option<u64>,
+    #[arg(long)]
+    pub write_iops: Option<u64>,
+    /// Bytes per second, reads and writes together (200M, 1G; 0: no limit).
+    #[arg(long, value_parser = crate::size::parse_size)]
+    pub bw: Option<u64>,
+    #[arg(long, value_parser = crate::size::parse_size)]
+    pub read_bw: Option<u64>,
+    #[arg(long, value_parser = crate::size::parse_size)]
+    pub write_bw: Option<u64>,
+    /// How much idle time is banked for a burst (500ms, 2s; default 1s).
+    #[arg(long, value_parser = parse_burst)]
+    pub burst: Option<u64>,
+}
+
+impl LimitArgs {
+    pub fn is_empty(&self) -> bool {
+        [self.iops, self.read_iops, self.write_iops, self.bw, self.read_bw, self.write_bw, self.burst]
+            .iter()
+            .all(Option::is_none)
+    }
+
+    /// `base` with the limits given here in place of its own.
+    pub fn over(&self, base: pb::VolumeLimits) -> pb::VolumeLimits {
+        pb::VolumeLimits {
+            iops: self.iops.unwrap_or(base.iops),
+            read_iops: self.read_iops.unwrap_or(base.read_iops),
+            write_iops: self.write_iops.unwrap_or(base.write_iops),
+            bps: self.bw.unwrap_or(base.bps),
+            read_bps: self.read_bw.unwrap_or(base.read_bps),
+            write_bps: self.write_bw.unwrap_or(base.write_bps),
+            burst_ms: self.burst.unwrap_or(base.burst_ms),
+        }
+    }
+}
+
+/// A burst allowance in milliseconds: `500ms`, `2s`, or seconds.
+pub fn parse_burst(s: &str) -> Result<u64, String> {
+    let (n, scale) = match s.strip_suffix("ms") {
+        Some(n) => (n, 1),
+        None => (s.strip_suffix('s').unwrap_or(s), 1000),
+    };
+    match n.trim().parse::<u64>() {
+        Ok(v) if v > 0 && v <= 3_600_000 / scale => Ok(v * scale),
+        _ => Err(format!("{s:?} is not a burst allowance like 500ms or 2s (at most an hour)")),
+    }
+}
+
+/// One volume's limits, for people: "5000 IOPS, 200.0 MiB/s write" or "none".
+fn limits_text(l: &pb::VolumeLimits) -> String {
+    let mut parts = Vec::new();
+    for (v, what) in [(l.iops, ""), (l.read_iops, " read"), (l.write_iops, " write")] {
+        if v > 0 {
+            parts.push(format!("{v} IOPS{what}"));
+        }
+    }
+    for (v, what) in [(l.bps, ""), (l.read_bps, " read"), (l.write_bps, " write")] {
+        if v > 0 {
+            parts.push(format!("{}/s{what}", format_size(v)));
+        }
+    }
+    if parts.is_empty() {
+        return "none".into();
+    }
+    let burst = if l.burst_ms == 0 { 1000 } else { l.burst_ms };
+    format!("{}, burst {burst} ms", parts.join(", "))
 }
 
 fn snapshot_json(s: &pb::Snapshot) -> serde_json::Value {
@@ -279,6 +359,17 @@ pub fn print_volume(out: Output, v: &pb::Volume) {
                 vec!["exclusive".into(), format_size(v.exclusive)],
                 vec!["chain depth".into(), v.chain_depth.to_string()],
                 vec!["exports".into(), if v.exports.is_empty() { "-".into() } else { v.exports.join(", ") }],
+                vec!["limits".into(), limits_text(&v.limits.unwrap_or_default())],
+                vec![
+                    "rate".into(),
+                    format!(
+                        "{:.0} IOPS, {}/s ({} requests delayed, {:.1} s in all)",
+                        v.ops_per_sec,
+                        format_size(v.bytes_per_sec as u64),
+                        v.throttled_requests,
+                        v.throttled_seconds
+                    ),
+                ],
             ];
             println!("{}", table(&["FIELD", "VALUE"], rows));
         }

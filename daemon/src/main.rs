@@ -166,11 +166,20 @@ enum CsiMode {
 
 #[derive(Subcommand)]
 enum VolumeCmd {
-    /// Create a thin volume, e.g. `ferrite volume create db 10G`.
+    /// Create a thin volume, e.g. `ferrite volume create db 10G [--iops 5000 --bw 200M]`.
     Create {
         name: String,
         #[arg(value_parser = parse_size)]
         size: u64,
+        #[command(flatten)]
+        limits: cli::LimitArgs,
+    },
+    /// Change a volume's limits online: `ferrite volume set db --iops 5000 --bw 200M` (limits
+    /// not named keep their value; 0 removes one).
+    Set {
+        name: String,
+        #[command(flatten)]
+        limits: cli::LimitArgs,
     },
     /// List volumes.
     List,
@@ -472,8 +481,16 @@ async fn client(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Daemon { .. } | Cmd::Csi { .. } | Cmd::Certs { .. } => unreachable!("handled in main"),
         Cmd::Volume(v) => match v {
-            VolumeCmd::Create { name, size } => {
-                let v = c.create_volume(pb::CreateVolumeRequest { name, size }).await.map_err(rpc_error)?;
+            VolumeCmd::Create { name, size, limits } => {
+                let limits = Some(limits.over(pb::VolumeLimits::default()));
+                let v = c.create_volume(pb::CreateVolumeRequest { name, size, limits }).await.map_err(rpc_error)?;
+                cli::print_volume(out, v.get_ref());
+            }
+            VolumeCmd::Set { name, limits } => {
+                anyhow::ensure!(!limits.is_empty(), "name at least one limit (--iops, --bw, ... ; 0 removes one)");
+                let now = c.get_volume(pb::GetVolumeRequest { name: name.clone() }).await.map_err(rpc_error)?;
+                let limits = Some(limits.over(now.into_inner().limits.unwrap_or_default()));
+                let v = c.set_volume_limits(pb::SetVolumeLimitsRequest { name, limits }).await.map_err(rpc_error)?;
                 cli::print_volume(out, v.get_ref());
             }
             VolumeCmd::List => {

@@ -1,0 +1,120 @@
+//! Per-volume QoS end to end: fio over NBD against limited volumes of one daemon, the CLI, and
+//! the rate measured in fio's own per-interval logs (rates, not timings, are what is asserted:
+//! a limit holds the rate down, whatever the machine's speed; the unlimited volume is only
+//! required to go clearly faster than the limit).
+
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+
+/// fio randwrite (`rw`) on `volume` over NBD for `secs`, logging IOPS every 250 ms to
+/// `<log>_iops.1.log`.
+fn fio(d: &Daemon, volume: &str, rw: &str, secs: u64, log: &Path) -> Child {
+    d.ok(&["export", "nbd", volume]);
+    Command::new("fio")
+        .args(["--name=q", "--ioengine=nbd", "--iodepth=16", "--bs=4k", "--size=32M", "--time_based"])
+        .args(["--log_avg_msec=250", "--output=/dev/null", "--randrepeat=0"])
+        .arg(format!("--runtime={secs}"))
+        .arg(format!("--rw={rw}"))
+        .arg(format!("--write_iops_log={}", log.display()))
+        .arg(format!("--uri=nbd+unix:///{volume}?socket={}", d.nbd().display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn done(mut c: Child) {
+    assert!(c.wait().unwrap().success(), "fio failed");
+}
+
+/// (time ms, IOPS) samples of a fio iops log.
+fn samples(log: &Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(format!("{}_iops.1.log", log.display())).unwrap();
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split(',').map(str::trim);
+            Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Mean IOPS over [from, to) ms.
+fn rate(s: &[(u64, f64)], from: u64, to: u64) -> f64 {
+    let w: Vec<f64> = s.iter().filter(|(t, _)| *t > from && *t <= to).map(|(_, v)| *v).collect();
+    assert!(!w.is_empty(), "no samples in {from}..{to} ms: {s:?}");
+    w.iter().sum::<f64>() / w.len() as f64
+}
+
+fn has_fio() -> bool {
+    let ok = Command::new("fio").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !ok {
+        common::skip("fio (scripts/setup.sh installs it)", true);
+    }
+    ok
+}
+
+#[test]
+fn limits_hold_over_ten_seconds_other_volumes_keep_their_rate_and_changes_apply_within_a_second() {
+    if !has_fio() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    d.ok(&["volume", "create", "slow", "64M", "--write-iops", "400", "--burst", "250ms"]);
+    d.ok(&["volume", "create", "fast", "64M"]);
+    let shown = d.ok(&["volume", "show", "slow"]);
+    assert!(shown.contains("400 IOPS write, burst 250 ms"), "{shown}");
+
+    println!("== 11 s of fio on a volume limited to 400 write IOPS, and on an unlimited one");
+    let (ls, lf) = (dir.path().join("slow"), dir.path().join("fast"));
+    let (slow, fast) = (fio(&d, "slow", "randwrite", 11, &ls), fio(&d, "fast", "randwrite", 11, &lf));
+    done(slow);
+    done(fast);
+    let (s, f) = (samples(&ls), samples(&lf));
+    let (limited, free) = (rate(&s, 1000, 11_000), rate(&f, 1000, 11_000));
+    println!("   limited {limited:.0} IOPS, unlimited {free:.0} IOPS over 10 s");
+    assert!((limited - 400.0).abs() <= 20.0, "400 IOPS ±5% over 10 s: {limited:.1}");
+    assert!(free > 2.0 * 400.0, "the unlimited volume is not held to the limit: {free:.0}");
+    let v = d.json(&["volume", "show", "slow"]);
+    assert!(v["throttled_requests"].as_u64().unwrap() > 1000, "{v}");
+
+    println!("== a change during a running job takes effect within a second");
+    let lc = dir.path().join("change");
+    let job = fio(&d, "slow", "randwrite", 8, &lc);
+    std::thread::sleep(Duration::from_secs(4));
+    let t = Instant::now();
+    d.ok(&["volume", "set", "slow", "--write-iops", "1000"]);
+    println!("   set took {:?}", t.elapsed());
+    done(job);
+    let c = samples(&lc);
+    // fio's clock starts with the job (about when it was spawned); the change landed at ~4 s.
+    let before = rate(&c, 1500, 3750);
+    let after = rate(&c, 5250, 8000);
+    println!("   before {before:.0} IOPS, from 1 s after the change {after:.0} IOPS");
+    assert!((before - 400.0).abs() <= 20.0, "{before:.1}");
+    assert!((after - 1000.0).abs() <= 50.0, "the new limit holds from one second on: {after:.1}");
+    let shown = d.json(&["volume", "show", "slow"]);
+    assert_eq!(shown["limits"]["write_iops"], 1000, "{shown}");
+    assert_eq!(shown["limits"]["burst_ms"], 250, "limits not named keep their value");
+
+    println!("== limits survive a restart; errors are clear");
+    let mut d = d;
+    d.stop();
+    let d = Daemon::start(dir.path());
+    assert_eq!(d.json(&["volume", "show", "slow"])["limits"]["write_iops"], 1000);
+    let bad = d.cli(&["volume", "set", "slow"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("at least one limit"));
+    let bad = d.cli(&["volume", "set", "slow", "--burst", "forever"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("burst"));
+    let bad = d.cli(&["volume", "set", "nope", "--iops", "1"]);
+    assert!(!bad.status.success());
+    d.ok(&["volume", "set", "slow", "--write-iops", "0"]);
+    assert!(d.ok(&["volume", "show", "slow"]).contains("none"));
+}
