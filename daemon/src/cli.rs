@@ -174,6 +174,12 @@ pub fn parse_burst(s: &str) -> Result<u64, String> {
     }
 }
 
+/// A measured rate as a whole number (rates are never negative; fractions do not matter here).
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn whole(rate: f64) -> u64 {
+    rate.max(0.0).round() as u64
+}
+
 /// One volume's limits, for people: "5000 IOPS, 200.0 MiB/s write" or "none".
 fn limits_text(l: &pb::VolumeLimits) -> String {
     let mut parts = Vec::new();
@@ -365,7 +371,7 @@ pub fn print_volume(out: Output, v: &pb::Volume) {
                     format!(
                         "{:.0} IOPS, {}/s ({} requests delayed, {:.1} s in all)",
                         v.ops_per_sec,
-                        format_size(v.bytes_per_sec as u64),
+                        format_size(whole(v.bytes_per_sec)),
                         v.throttled_requests,
                         v.throttled_seconds
                     ),
