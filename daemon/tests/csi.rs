@@ -6,7 +6,8 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::csi::{channel, code, create, mount_cap, start_csi_with, tcp_node};
+use common::Daemon;
+use common::csi::{channel, code, create, mount_cap, start_csi, start_csi_with, tcp_node};
 use ferrite_proto::csi::v1 as csi;
 use tonic::Code;
 
@@ -297,4 +298,60 @@ async fn an_operation_in_flight_aborts_a_second_one_on_the_same_volume() {
     assert!(r.unwrap().is_err());
     // Once it has ended, the name is free again (and fails for its own reason).
     assert_ne!(code(ctl.create_volume(create("v", 1 << 20, Some("node-slow"))).await), Code::Aborted);
+}
+
+/// Per-volume limits as mutable parameters: set at CreateVolume, changed by
+/// ControllerModifyVolume (idempotent; unknown keys and bad values refused naming the key),
+/// reported by ControllerGetVolume, and in force on the daemon.
+#[tokio::test(flavor = "multi_thread")]
+async fn modify_volume_sets_limits_online() {
+    let dir = tempfile::tempdir().unwrap();
+    let da = dir.path().join("a");
+    std::fs::create_dir_all(&da).unwrap();
+    let d = Daemon::start(&da);
+    let _csi = start_csi(dir.path(), &[("node-a", &d)], &["--mode", "controller"]);
+    let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
+    let caps = ctl.controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {}).await.unwrap().into_inner();
+    let modify = csi::controller_service_capability::rpc::Type::ModifyVolume as i32;
+    assert!(caps.capabilities.iter().any(|c| matches!(&c.r#type,
+        Some(csi::controller_service_capability::Type::Rpc(r)) if r.r#type == modify)));
+    let params = |kv: &[(&str, &str)]| -> HashMap<String, String> {
+        kv.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    };
+    let mut req = create("db", 1 << 20, Some("node-a"));
+    req.mutable_parameters = params(&[("writeIops", "300"), ("bandwidth", "200M")]);
+    let id = ctl.create_volume(req).await.unwrap().into_inner().volume.unwrap().volume_id;
+    let shown = d.json(&["volume", "show", "db"]);
+    assert_eq!((shown["limits"]["write_iops"].as_u64(), shown["limits"]["bps"].as_u64()), (Some(300), Some(200 << 20)));
+
+    let modify = |id: &str, kv: HashMap<String, String>| csi::ControllerModifyVolumeRequest {
+        volume_id: id.into(),
+        mutable_parameters: kv,
+        ..Default::default()
+    };
+    for _ in 0..2 {
+        ctl.controller_modify_volume(modify(&id, params(&[("iops", "5000"), ("burst", "2s")]))).await.unwrap();
+    }
+    let shown = d.json(&["volume", "show", "db"]);
+    assert_eq!(shown["limits"]["iops"], 5000);
+    assert_eq!(shown["limits"]["write_iops"], 0, "a class replaces the limits as a whole");
+    assert_eq!(shown["limits"]["burst_ms"], 2000);
+    let got = ctl.controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: id.clone() }).await.unwrap();
+    let ctx = got.into_inner().volume.unwrap().volume_context;
+    assert_eq!(ctx, params(&[("iops", "5000"), ("burst", "2000ms")]));
+
+    for (kv, key) in [(params(&[("maxIops", "1")]), "maxIops"), (params(&[("iops", "fast")]), "iops")] {
+        let e = ctl.controller_modify_volume(modify(&id, kv)).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(key), "{}", e.message());
+    }
+    assert_eq!(d.json(&["volume", "show", "db"])["limits"]["iops"], 5000, "a refused change changes nothing");
+    let e = ctl.controller_modify_volume(modify("node-a/missing", params(&[("iops", "1")]))).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    assert_eq!(code(ctl.controller_modify_volume(modify("", HashMap::new())).await), Code::InvalidArgument);
+    let mut bad = create("bad", 1 << 20, Some("node-a"));
+    bad.mutable_parameters = params(&[("readBandwidth", "lots")]);
+    assert_eq!(code(ctl.create_volume(bad).await), Code::InvalidArgument);
+    ctl.controller_modify_volume(modify(&id, HashMap::new())).await.unwrap();
+    assert!(d.ok(&["volume", "show", "db"]).contains("none"));
 }

@@ -400,6 +400,25 @@ fn ferrite_on_kubernetes() {
     let info = c.daemon("node-a").json(&["volume", "show", &data_vol]);
     assert_eq!(info["size"], 128 << 20, "{info}");
 
+    println!("== a VolumeAttributesClass sets the volume's limits online (ControllerModifyVolume)");
+    c.cp.ok(&["apply", "-f", &deploy().join("examples/volumeattributesclass.yaml").display().to_string()]);
+    c.cp.ok(&[
+        "patch",
+        "pvc",
+        "data",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"volumeAttributesClassName":"ferrite-gold"}}"#,
+    ]);
+    let a = &c.daemons[0];
+    c.cp.wait("the daemon to hold the class's limits", LONG, |_| {
+        let l = &a.json(&["volume", "show", &data_vol])["limits"];
+        l["iops"] == 5000 && l["bps"] == 200 << 20
+    });
+    c.wait_field("the claim to report the class", &["pvc", "data"], |v| {
+        v["status"]["currentVolumeAttributesClassName"] == "ferrite-gold"
+    });
+
     println!("== group snapshot of the claims labelled app=shop");
     c.cp.apply(
         &json!({"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshot", "metadata": {"name": "shop", "namespace": "default"},
