@@ -130,6 +130,29 @@ impl Collector for Sources {
             }
         }
 
+        // QoS: what each volume's limits delayed (counters since the daemon started).
+        let stats: Vec<_> = volumes.iter().map(|v| self.pool.qos_stats(&v.name).unwrap_or_default()).collect();
+        let mut m = enc.encode_descriptor(
+            "ferrite_volume_throttled_requests",
+            "Requests a volume's limits delayed.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (v, s) in volumes.iter().zip(&stats) {
+            m.encode_family(&[("volume", v.name.as_str())])?
+                .encode_counter::<NoLabelSet, _, u64>(&s.throttled_ops, None)?;
+        }
+        let mut m = enc.encode_descriptor(
+            "ferrite_volume_throttled_seconds",
+            "Time requests waited for a volume's limits.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (v, s) in volumes.iter().zip(&stats) {
+            let secs = s.throttled_wait.as_secs_f64();
+            m.encode_family(&[("volume", v.name.as_str())])?.encode_counter::<NoLabelSet, _, f64>(&secs, None)?;
+        }
+
         let exports = nbd.exports.list();
         let labels: Vec<_> =
             exports.iter().map(|e| [("export", e.name.as_str()), ("volume", e.volume.name())]).collect();

@@ -52,6 +52,16 @@ fn rate(s: &[(u64, f64)], from: u64, to: u64) -> f64 {
     w.iter().sum::<f64>() / w.len() as f64
 }
 
+/// The metrics endpoint's body.
+fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text
+}
+
 fn has_fio() -> bool {
     let ok = Command::new("fio").arg("--version").output().is_ok_and(|o| o.status.success());
     if !ok {
@@ -66,6 +76,9 @@ fn limits_hold_over_ten_seconds_other_volumes_keep_their_rate_and_changes_apply_
         return;
     }
     let dir = tempfile::tempdir().unwrap();
+    let port = common::csi::free_port("127.0.0.1");
+    let cfg = format!("pool-size = \"1G\"\nsegment-size = \"4M\"\nmetrics-listen = \"127.0.0.1:{port}\"\n");
+    std::fs::write(dir.path().join("ferrite.toml"), cfg).unwrap();
     let d = Daemon::start(dir.path());
     d.ok(&["volume", "create", "slow", "64M", "--write-iops", "400", "--burst", "250ms"]);
     d.ok(&["volume", "create", "fast", "64M"]);
@@ -84,6 +97,12 @@ fn limits_hold_over_ten_seconds_other_volumes_keep_their_rate_and_changes_apply_
     assert!(free > 2.0 * 400.0, "the unlimited volume is not held to the limit: {free:.0}");
     let v = d.json(&["volume", "show", "slow"]);
     assert!(v["throttled_requests"].as_u64().unwrap() > 1000, "{v}");
+    let metrics = scrape(port);
+    let line = metrics.lines().find(|l| l.starts_with("ferrite_volume_throttled_requests_total{volume=\"slow\"}"));
+    let n: u64 = line.and_then(|l| l.rsplit(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("{metrics}"));
+    assert!(n > 1000, "{line:?}");
+    assert!(metrics.contains("ferrite_volume_throttled_seconds_total{volume=\"slow\"}"));
+    assert!(metrics.contains("ferrite_volume_throttled_requests_total{volume=\"fast\"} 0"));
 
     println!("== a change during a running job takes effect within a second");
     let lc = dir.path().join("change");
