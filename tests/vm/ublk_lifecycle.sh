@@ -85,6 +85,23 @@ resize2fs "$UDEV"
 (cd /mnt/ext4 && sha256sum --quiet -c /tmp/all.sums)
 umount /mnt/ext4; detach "$UDEV"
 
+step "QoS on a ublk device: 300 write IOPS hold over 10 s; a change applies within a second"
+f volume create qos 64M --write-iops 300 --burst 250ms >/dev/null
+attach qos 2>/dev/null; QDEV=$DEV
+q="--filename=$QDEV --ioengine=libaio --direct=1 --rw=randwrite --bs=4k --iodepth=16 --size=32M --time_based"
+# Terse output: field 49 is the write IOPS (the first second, burst included, is not counted).
+iops=$(timeout 120 fio --name=q $q --runtime=10 --ramp_time=1 --minimal | awk -F';' '{printf "%d", $49}')
+echo "limited to 300: $iops IOPS"
+[ "$iops" -ge 285 ] && [ "$iops" -le 315 ]
+timeout 120 fio --name=c $q --runtime=8 --log_avg_msec=250 --write_iops_log=$D/qos --eta=never --output=/dev/null &
+FIO=$!
+sleep 4; f volume set qos --write-iops 600 >/dev/null; wait $FIO
+# Mean of the samples from 1 s after the change (at ~4 s) to the end.
+after=$(awk -F', *' '$1 > 5250 { s += $2; n++ } END { printf "%d", s / n }' $D/qos_iops.1.log)
+echo "after the change to 600: $after IOPS"
+[ "$after" -ge 570 ] && [ "$after" -le 630 ]
+detach "$QDEV"
+
 step "scrub, clean shutdown"
 f pool scrub 2>/dev/null
 stop_daemon
