@@ -109,13 +109,18 @@ impl csi::controller_server::Controller for Controller {
         let _busy = self.busy.begin(&format!("volume name {}", r.name))?;
         let size = size_for(r.capacity_range.as_ref(), DEFAULT_SIZE)?;
         let name = ids::engine_name(&r.name);
-        if let Some((node, v)) = self.find(&ids::engine_names(&r.name)).await? {
+        if let Some((node, mut v)) = self.find(&ids::engine_names(&r.name)).await? {
             let lim = r.capacity_range.as_ref().map_or(0, |c| u64::try_from(c.limit_bytes).unwrap_or(0));
             if v.size < size || (lim != 0 && v.size > lim) {
                 return Err(Status::already_exists(format!(
                     "volume {:?} exists on {node} with {} bytes, incompatible with the request",
                     r.name, v.size
                 )));
+            }
+            // A retry after a call that made the volume but not its limits completes it.
+            if v.limits.unwrap_or_default() != limits {
+                let req = pb::SetVolumeLimitsRequest { name: v.name.clone(), limits: Some(limits) };
+                v = admin(&*self.nodes, &node).await?.set_volume_limits(req).await?.into_inner();
             }
             return Ok(Response::new(csi::CreateVolumeResponse {
                 volume: Some(volume_msg(&node, &v, r.volume_content_source)),

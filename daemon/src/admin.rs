@@ -58,7 +58,7 @@ pub struct AdminService {
     pub replication: Arc<Replication>,
 }
 
-pub(crate) fn limits_msg(l: QosLimits) -> pb::VolumeLimits {
+fn limits_msg(l: QosLimits) -> pb::VolumeLimits {
     pb::VolumeLimits {
         iops: l.iops,
         read_iops: l.read_iops,

@@ -354,4 +354,10 @@ async fn modify_volume_sets_limits_online() {
     assert_eq!(code(ctl.create_volume(bad).await), Code::InvalidArgument);
     ctl.controller_modify_volume(modify(&id, HashMap::new())).await.unwrap();
     assert!(d.ok(&["volume", "show", "db"]).contains("none"));
+    // A retry of a CreateVolume that made the volume but not its limits completes it.
+    d.ok(&["volume", "create", "half", "1M"]);
+    let mut again = create("half", 1 << 20, Some("node-a"));
+    again.mutable_parameters = params(&[("iops", "77")]);
+    ctl.create_volume(again).await.unwrap();
+    assert_eq!(d.json(&["volume", "show", "half"])["limits"]["iops"], 77);
 }
