@@ -56,7 +56,8 @@ fn bytes(s: &str) -> Option<u64> {
     n.checked_mul(1u64 << shift)
 }
 
-fn burst_ms(s: &str) -> Option<u64> {
+/// A burst allowance in milliseconds: `500ms` or `2s`, more than 0 and at most an hour.
+pub fn burst_ms(s: &str) -> Option<u64> {
     let s = s.trim();
     let (n, scale) = match s.strip_suffix("ms") {
         Some(n) => (n, 1),

@@ -162,16 +162,13 @@ impl LimitArgs {
     }
 }
 
-/// A burst allowance in milliseconds: `500ms`, `2s`, or seconds.
+/// A burst allowance in milliseconds: `500ms`, `2s`, or a bare number of seconds (the CSI
+/// parameter's parser, which wants the unit).
 pub fn parse_burst(s: &str) -> Result<u64, String> {
-    let (n, scale) = match s.strip_suffix("ms") {
-        Some(n) => (n, 1),
-        None => (s.strip_suffix('s').unwrap_or(s), 1000),
-    };
-    match n.trim().parse::<u64>() {
-        Ok(v) if v > 0 && v <= 3_600_000 / scale => Ok(v * scale),
-        _ => Err(format!("{s:?} is not a burst allowance like 500ms or 2s (at most an hour)")),
-    }
+    let (n, unit) = s.split_at(s.find(char::is_alphabetic).unwrap_or(s.len()));
+    let unit = if unit.is_empty() { "s" } else { unit };
+    ferrite_csi::qos::burst_ms(&format!("{}{unit}", n.trim()))
+        .ok_or_else(|| format!("{s:?} is not a burst allowance like 500ms or 2s (at most an hour)"))
 }
 
 /// A measured rate as a whole number (rates are never negative; fractions do not matter here).
@@ -690,6 +687,16 @@ pub fn print_group_snapshots(out: Output, snaps: &[pb::GroupSnapshot]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn burst_allowances_parse() {
+        for (s, ms) in [("500ms", 500), ("2s", 2000), ("2", 2000), ("2 s", 2000), ("3600s", 3_600_000)] {
+            assert_eq!(parse_burst(s), Ok(ms), "{s}");
+        }
+        for s in ["forever", "0s", "0", "3601s", "", "2h"] {
+            assert!(parse_burst(s).unwrap_err().contains("burst allowance"), "{s}");
+        }
+    }
 
     #[test]
     fn times_are_utc_and_zero_padded() {

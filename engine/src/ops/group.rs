@@ -7,9 +7,9 @@
 //! its member snapshots; cloning one creates a new group of clones in one catalog write.
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::meta::{CatalogOp, GroupRecord, VolumeRecord};
+use crate::meta::{CatalogOp, GroupRecord};
 use crate::ops::snapshot::{apply_snapshots, plan_snapshots, remove_snapshot};
-use crate::ops::volumes::{check_overcommit, lookup, validate_name};
+use crate::ops::volumes::{check_overcommit, lookup, new_record, validate_name};
 use crate::pool::{Pool, now_unix};
 use crate::state::{State, VolumeEntry};
 
@@ -278,15 +278,7 @@ impl Pool {
             let mut recs = Vec::new();
             for (clone, parent, size) in sources {
                 let id = inner.meta.next_id()?;
-                let rec = VolumeRecord {
-                    id,
-                    layer: id,
-                    size,
-                    created_unix: now_unix(),
-                    read_only: false,
-                    qos: Default::default(),
-                    name: clone,
-                };
+                let rec = new_record(id, size, clone);
                 ops.push(CatalogOp::PutLayer(id, Some(parent)));
                 ops.push(CatalogOp::PutVolume(rec.clone()));
                 recs.push((rec, parent));

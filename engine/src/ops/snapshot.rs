@@ -18,7 +18,7 @@ use crate::io::BLOCK;
 use crate::map::extent_map::Freed;
 use crate::map::layers;
 use crate::meta::{CatalogOp, SnapshotRecord, VolumeRecord};
-use crate::ops::volumes::{VolumeInfo, check_overcommit, info_of, lookup, validate_name};
+use crate::ops::volumes::{VolumeInfo, check_overcommit, info_of, lookup, new_record, validate_name};
 use crate::pool::{Inner, Pool, now_unix};
 use crate::state::{State, Target, VolumeEntry};
 use crate::volume::Volume;
@@ -364,15 +364,7 @@ impl Pool {
                 None => None,
             };
             let id = inner.meta.next_id()?;
-            let rec = VolumeRecord {
-                id,
-                layer: id,
-                size,
-                created_unix: now_unix(),
-                read_only: false,
-                qos: Default::default(),
-                name: name.clone(),
-            };
+            let rec = new_record(id, size, name.clone());
             ops.push(CatalogOp::PutLayer(id, Some(parent)));
             ops.push(CatalogOp::PutVolume(rec.clone()));
             if origin.is_some() {

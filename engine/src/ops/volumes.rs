@@ -69,15 +69,7 @@ impl Pool {
             check_overcommit(inner, &st, size)?;
         }
         let id = inner.meta.next_id()?;
-        let rec = VolumeRecord {
-            id,
-            layer: id,
-            size,
-            created_unix: now_unix(),
-            read_only: false,
-            qos: Default::default(),
-            name: name.to_owned(),
-        };
+        let rec = new_record(id, size, name.to_owned());
         inner.meta.apply(&[CatalogOp::PutLayer(id, None), CatalogOp::PutVolume(rec.clone())])?;
         let mut st = inner.state.write();
         st.names.insert(rec.name.clone(), id);
@@ -228,6 +220,11 @@ pub(crate) fn check_overcommit(inner: &Inner, st: &State, extra: u64) -> Result<
 
 pub(crate) fn lookup(st: &State, name: &str) -> Result<u64> {
     st.names.get(name).copied().ok_or_else(|| Error::new(ErrorKind::NotFound, format!("volume {name:?} not found")))
+}
+
+/// The record of a volume made now: writable, on a layer of its own id, no limits.
+pub(crate) fn new_record(id: u64, size: u64, name: String) -> VolumeRecord {
+    VolumeRecord { id, layer: id, size, created_unix: now_unix(), read_only: false, qos: QosLimits::default(), name }
 }
 
 pub(crate) fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
