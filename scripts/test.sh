@@ -50,6 +50,7 @@ fi
 if [ -z "${FERRITE_K8S_BIN:-}" ]; then
   for k in "${FERRITE_K8S:-}" ../shared/k8s /work/shared/k8s; do
     [ -n "$k" ] && [ -x "$k/build.sh" ] || continue
+    k=$(cd "$k" && pwd) # tests run from their crate's directory: pass an absolute path
     step "Kubernetes binaries from $k (cached; a cold build takes ~25 min on 2 cores)"
     FERRITE_K8S_BIN=$(bash "$k/build.sh" | tail -1)
     export FERRITE_K8S_BIN FERRITE_K8S="$k"
