@@ -9,6 +9,11 @@
 # nbdkit file cache=none), so all three measure the same disk.
 #   ROUNDS=3 SECS=5 SIZE=1G BENCH_DIR=/work/bench-nbd bench/compare_nbd.sh
 # ONLY=regex runs only the workloads whose name (e.g. randrw-4k-qd1-c1) matches.
+#
+# MODE=device serves block devices, as production does: each server gets a loop device of its
+# own (direct I/O to a pre-written backing file), Ferrite's formatted with `ferrite pool format`
+# (twice SIZE, so the cleaner has room), the peers' of SIZE; all three open them O_DIRECT. It adds
+# 128 KiB and 1 MiB sequential rows at QD16 and 1 MiB at QD1. Needs root (losetup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -21,27 +26,51 @@ for t in fio nbdkit qemu-nbd; do
 done
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "SKIPPED: this fio has no nbd engine"; exit 0; }
 # FERRITE_BIN=path runs that binary instead of building (A/B runs of two builds).
-if [ -z "${FERRITE_BIN:-}" ]; then cargo build --locked -p ferrite >&2; fi
+if [ -z "${FERRITE_BIN:-}" ]; then cargo build --workspace --locked --bin ferrite >&2; fi
 FERRITE="${FERRITE_BIN:-$CARGO_TARGET_DIR/debug/ferrite}"
 
+MODE=${MODE:-file}
 rm -rf "$DIR"; mkdir -p "$DIR"
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$DIR"; }
+LOOPS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  for l in "${LOOPS[@]}"; do losetup -d "$l" 2>/dev/null || true; done
+  rm -rf "$DIR"
+}
 trap cleanup EXIT
-echo "preparing a $SIZE raw file and the Ferrite volume..." >&2
-fio --name=prefill --filename="$DIR/raw.img" --size="$SIZE" --rw=write --bs=1M --direct=1 --output=/dev/null
-# Ferrite's pool is a fresh sparse file (there is no way yet to format a pre-written file), so
-# its writes also pay ext4's unwritten-extent conversion; the raw file of the peers is written.
-printf 'pool-size = "%s"\n' "$(( $(numfmt --from=iec "$SIZE") * 8 ))" > "$DIR/ferrite.toml"
+BYTES=$(numfmt --from=iec "$SIZE")
+if [ "$MODE" = device ]; then
+  echo "preparing three loop devices over pre-written files..." >&2
+  loop() { # file bytes -> a loop device with direct I/O over the file, written once in full
+    fio --name=prefill --filename="$1" --size="$2" --rw=write --bs=1M --direct=1 --output=/dev/null
+    losetup --find --show --direct-io=on "$1"
+  }
+  FDEV=$(loop "$DIR/ferrite.img" $(( BYTES * 2 ))); LOOPS+=("$FDEV")
+  KDEV=$(loop "$DIR/nbdkit.img" "$BYTES"); LOOPS+=("$KDEV")
+  QDEV=$(loop "$DIR/qemu.img" "$BYTES"); LOOPS+=("$QDEV")
+  printf 'pool-path = "%s"\n' "$FDEV" > "$DIR/ferrite.toml"
+  # The prefill left zeros: nothing to refuse.
+  "$FERRITE" pool format --config "$DIR/ferrite.toml" --data-dir "$DIR/ferrite" >&2
+  KTARGET=$KDEV; QTARGET=$QDEV
+else
+  echo "preparing a $SIZE raw file and the Ferrite volume..." >&2
+  fio --name=prefill --filename="$DIR/raw.img" --size="$SIZE" --rw=write --bs=1M --direct=1 --output=/dev/null
+  printf 'pool-size = "%s"\n' "$(( BYTES * 8 ))" > "$DIR/ferrite.toml"
+  # Written once in full, as the peers' raw file is: no unwritten-extent conversion on first write.
+  "$FERRITE" pool format --preallocate --config "$DIR/ferrite.toml" --data-dir "$DIR/ferrite" >&2
+  KTARGET=$DIR/raw.img; QTARGET=$DIR/raw.img
+fi
 "$FERRITE" daemon --config "$DIR/ferrite.toml" --data-dir "$DIR/ferrite" >"$DIR/ferrite.log" 2>&1 &
 PIDS+=($!); FPID=$!
 export FERRITE_ADMIN_SOCKET="$DIR/ferrite/admin.sock"
 for _ in $(seq 600); do "$FERRITE" pool status >/dev/null 2>&1 && break; sleep 0.1; done
 "$FERRITE" volume create v "$SIZE" >/dev/null
 "$FERRITE" export nbd v >/dev/null
-nbdkit --unix "$DIR/nbdkit.sock" -f --threads 16 file "$DIR/raw.img" cache=none >"$DIR/nbdkit.log" 2>&1 &
+nbdkit --unix "$DIR/nbdkit.sock" -f --threads 16 file "$KTARGET" cache=none >"$DIR/nbdkit.log" 2>&1 &
 PIDS+=($!); KPID=$!
-qemu-nbd -f raw --cache=none --aio=io_uring --shared=8 --persistent -k "$DIR/qemu.sock" "$DIR/raw.img" >"$DIR/qemu.log" 2>&1 &
+qemu-nbd -f raw --cache=none --aio=io_uring --shared=8 --persistent -k "$DIR/qemu.sock" "$QTARGET" >"$DIR/qemu.log" 2>&1 &
 PIDS+=($!); QPID=$!
 sleep 1
 # Fill Ferrite's volume so reads hit data, as they do on the raw file.
@@ -73,6 +102,13 @@ randrw 4k 32 1
 randrw 4k 32 4
 read 128k 1 1
 write 128k 1 1"
+[ "$MODE" = device ] && WORKLOADS+="
+read 128k 16 1
+write 128k 16 1
+read 1m 1 1
+write 1m 1 1
+read 1m 16 1
+write 1m 16 1"
 for round in $(seq 1 "$ROUNDS"); do
   while read -r rw bs qd conns; do
     # Each round starts with a different server, so a machine that speeds up or slows down

@@ -29,7 +29,7 @@ done
 [ "$(id -u)" = 0 ] || { echo "SKIPPED: network namespaces need root"; exit 0; }
 if [ -z "${FERRITE_BIN:-}" ]; then
   . scripts/setup.sh
-  cargo build --locked -p ferrite >&2
+  cargo build --workspace --locked --bin ferrite >&2
   FERRITE_BIN="$CARGO_TARGET_DIR/debug/ferrite"
 fi
 F=$FERRITE_BIN

@@ -23,7 +23,7 @@ command -v fio >/dev/null || { echo "SKIPPED: fio is not installed (scripts/setu
 fio --enghelp 2>/dev/null | grep -qw nbd || { echo "SKIPPED: this fio has no nbd engine"; exit 0; }
 if [ -z "${FERRITE_BIN:-}" ]; then
   . scripts/setup.sh
-  cargo build --locked -p ferrite >&2
+  cargo build --workspace --locked --bin ferrite >&2
   FERRITE_BIN="$CARGO_TARGET_DIR/debug/ferrite"
 fi
 F=$FERRITE_BIN

@@ -1,6 +1,8 @@
 //! Shared workload code for the engine benches: the criterion bench (`benches/engine.rs`) and
 //! the `engine-load` binary that `compare_raw.sh` runs beside fio.
 
+pub mod sim;
+
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

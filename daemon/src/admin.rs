@@ -235,6 +235,43 @@ impl Admin for AdminService {
         Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
+    type DefragVolumeStream = tokio_stream::wrappers::ReceiverStream<Result<pb::DefragVolumeProgress, Status>>;
+
+    async fn defrag_volume(
+        &self,
+        req: Request<pb::DefragVolumeRequest>,
+    ) -> Result<Response<Self::DefragVolumeStream>, Status> {
+        let name = req.into_inner().name;
+        require("name", &name)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let pool = Arc::clone(&self.pool);
+        tokio::task::spawn_blocking(move || {
+            let msg = |p: ferrite_engine::DefragProgress| pb::DefragVolumeProgress {
+                done_bytes: p.done_bytes,
+                total_bytes: p.total_bytes,
+                moved_bytes: p.moved_bytes,
+                ..Default::default()
+            };
+            // Progress is best effort: a full channel (slow client) skips an update.
+            let result = pool.defrag_volume(&name, |p| drop(tx.try_send(Ok(msg(p)))));
+            let last = result.map_err(status).map(|r| {
+                tracing::info!(volume = %name, moved = r.moved_bytes, runs_before = r.runs_before,
+                    runs_after = r.runs_after, "defrag finished");
+                pb::DefragVolumeProgress {
+                    done_bytes: r.mapped_bytes,
+                    total_bytes: r.mapped_bytes,
+                    moved_bytes: r.moved_bytes,
+                    done: true,
+                    runs_before: r.runs_before,
+                    runs_after: r.runs_after,
+                    mapped_bytes: r.mapped_bytes,
+                }
+            });
+            let _ = tx.blocking_send(last);
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+
     async fn create_volume(&self, req: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
         let r = req.into_inner();
         require("name", &r.name)?;

@@ -623,6 +623,23 @@ impl Progress {
     }
 }
 
+pub fn print_defrag(out: Output, name: &str, r: &pb::DefragVolumeProgress) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"volume": name, "moved_bytes": r.moved_bytes, "mapped_bytes": r.mapped_bytes,
+                   "runs_before": r.runs_before, "runs_after": r.runs_after})
+        ),
+        Output::Table => println!(
+            "defrag {name}: {} rewritten; a sequential read of its {} takes {} contiguous runs (was {})",
+            format_size(r.moved_bytes),
+            format_size(r.mapped_bytes),
+            r.runs_after,
+            r.runs_before
+        ),
+    }
+}
+
 pub fn print_scrub(out: Output, r: &pb::ScrubPoolProgress) {
     match out {
         Output::Json => println!(

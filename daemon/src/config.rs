@@ -5,6 +5,8 @@
 //! pool-path = "/dev/nvme0n1"        # default: <data-dir>/pool.img (a sparse file)
 //! pool-size = "64G"                 # size of a new pool file; default 16G
 //! segment-size = "32M"              # for a new pool; default 32M
+//! pool-discard = "auto"             # give freed segments back: auto (holes in a sparse pool file
+//!                                   # only), on (also BLKDISCARD on a device, for SSDs), off
 //! overcommit-ratio = 4.0            # volumes may provision at most 4x the pool; default: no cap
 //! admin-socket = "/run/ferrite/admin.sock"  # default: <data-dir>/admin.sock
 //! nbd-socket = "/run/ferrite/nbd.sock"      # default: <data-dir>/nbd.sock
@@ -67,6 +69,7 @@ pub struct ConfigFile {
     pub meta_dir: Option<PathBuf>,
     pub pool_size: Option<String>,
     pub segment_size: Option<String>,
+    pub pool_discard: Option<String>,
     pub overcommit_ratio: Option<f64>,
     pub admin_socket: Option<PathBuf>,
     pub nbd_socket: Option<PathBuf>,
@@ -103,6 +106,7 @@ pub struct Config {
     pub meta_dir: PathBuf,
     pub pool_size: u64,
     pub segment_size: u64,
+    pub pool_discard: ferrite_engine::Discard,
     pub overcommit_ratio: Option<f64>,
     pub admin_socket: PathBuf,
     pub nbd_socket: PathBuf,
@@ -200,6 +204,12 @@ impl Config {
             meta_dir: f.meta_dir.unwrap_or_else(|| data_dir.join("meta")),
             pool_size: size(f.pool_size, "16G", "pool-size")?,
             segment_size: size(f.segment_size, "32M", "segment-size")?,
+            pool_discard: match f.pool_discard.as_deref() {
+                None | Some("auto") => ferrite_engine::Discard::Auto,
+                Some("on") => ferrite_engine::Discard::On,
+                Some("off") => ferrite_engine::Discard::Off,
+                Some(other) => bail!("pool-discard must be auto, on or off, not {other:?}"),
+            },
             overcommit_ratio: match f.overcommit_ratio {
                 Some(r) if !(r.is_finite() && r >= 1.0) => bail!("overcommit-ratio must be a number >= 1.0, not {r}"),
                 r => r,

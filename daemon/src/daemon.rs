@@ -23,17 +23,29 @@ use crate::fence::NbdAdmission;
 use crate::listen;
 use crate::size::format_size;
 
-fn open_pool(cfg: &Config) -> Result<Pool> {
-    let opts = PoolOptions {
+/// The engine's options as the configuration sets them.
+pub fn pool_options(cfg: &Config) -> PoolOptions {
+    PoolOptions {
         segment_size: cfg.segment_size,
         overcommit_ratio: cfg.overcommit_ratio,
         write_delay: cfg.write_delay,
         readahead: cfg.readahead,
+        discard: cfg.pool_discard,
         ..PoolOptions::default()
-    };
+    }
+}
+
+fn open_pool(cfg: &Config) -> Result<Pool> {
+    let opts = pool_options(cfg);
     if cfg.pool_path.exists() {
-        let pool = Pool::open(&cfg.pool_path, &cfg.meta_dir, opts)
-            .with_context(|| format!("opening pool {}", cfg.pool_path.display()))?;
+        let pool = Pool::open(&cfg.pool_path, &cfg.meta_dir, opts).with_context(|| {
+            let hint = if cfg.meta_dir.exists() {
+                ""
+            } else {
+                " (no pool metadata yet: a device or an existing file is formatted with `ferrite pool format`)"
+            };
+            format!("opening pool {}{hint}", cfg.pool_path.display())
+        })?;
         let r = pool.recovery_report();
         tracing::info!(
             uuid = %pool.stats().uuid,

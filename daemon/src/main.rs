@@ -9,6 +9,7 @@ mod exports;
 mod fence;
 mod listen;
 mod metrics;
+mod pool_format;
 mod replica;
 mod size;
 mod state;
@@ -193,6 +194,9 @@ enum VolumeCmd {
     },
     /// Delete a volume and its data.
     Delete { name: String },
+    /// Rewrite a volume's scattered blocks in logical order, so sequential reads are large
+    /// contiguous reads again (after random writes); blocks being written now stay where they are.
+    Defrag { name: String },
 }
 
 #[derive(Subcommand)]
@@ -352,6 +356,29 @@ enum ExportCmd {
 
 #[derive(Subcommand)]
 enum PoolCmd {
+    /// Make a new pool on a block device or a file (offline: the daemon must not be running),
+    /// with its catalog in the configuration's meta-dir. Refuses a store holding a filesystem,
+    /// a partition table, a volume manager or another pool unless --force, and one in use always.
+    Format {
+        /// The device or file (default: the configuration's pool-path).
+        path: Option<PathBuf>,
+        /// Size of a new pool file (default: pool-size); an existing file is grown to it.
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+        /// Write the whole file once, so first writes do not pay the filesystem's allocation
+        /// (a file pool only; freed segments then keep their blocks).
+        #[arg(long)]
+        preallocate: bool,
+        /// Format even if a filesystem, partition table or pool is found (its data is lost).
+        #[arg(long)]
+        force: bool,
+        /// The daemon's TOML configuration (meta-dir, segment-size, pool-path, pool-size).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Data directory (overrides the config file).
+        #[arg(long, env = "FERRITE_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+    },
     /// Space, log, traffic and cleaner figures.
     Status,
     /// Run the cleaner now: move live data out of segments with dead space and free them.
@@ -372,6 +399,19 @@ fn main() {
             Err(e) => return exit(Err(e)),
         },
         Cmd::Certs { dir, name, sans, days } => return exit(cli::make_certs(dir, name, sans, *days)),
+        Cmd::Pool(PoolCmd::Format { path, size, preallocate, force, config, data_dir }) => {
+            init_logging("warn");
+            let req = pool_format::FormatRequest {
+                path: path.clone(),
+                size: *size,
+                preallocate: *preallocate,
+                force: *force,
+            };
+            return exit(
+                config::Config::load(config.as_deref(), data_dir.clone())
+                    .and_then(|cfg| pool_format::format(&cfg, &req)),
+            );
+        }
         Cmd::Csi {
             mode,
             endpoint,
@@ -479,7 +519,9 @@ async fn client(cli: Cli) -> Result<()> {
     let mut c = connect(&endpoint, client_tls(&cli)?).await?;
     let out = cli.output;
     match cli.cmd {
-        Cmd::Daemon { .. } | Cmd::Csi { .. } | Cmd::Certs { .. } => unreachable!("handled in main"),
+        Cmd::Daemon { .. } | Cmd::Csi { .. } | Cmd::Certs { .. } | Cmd::Pool(PoolCmd::Format { .. }) => {
+            unreachable!("handled in main")
+        }
         Cmd::Volume(v) => match v {
             VolumeCmd::Create { name, size, limits } => {
                 let limits = Some(limits.over(pb::VolumeLimits::default()));
@@ -508,6 +550,25 @@ async fn client(cli: Cli) -> Result<()> {
             VolumeCmd::Delete { name } => {
                 c.delete_volume(pb::DeleteVolumeRequest { name: name.clone() }).await.map_err(rpc_error)?;
                 cli::print_done(out, "deleted volume", &name);
+            }
+            VolumeCmd::Defrag { name } => {
+                let req = pb::DefragVolumeRequest { name: name.clone() };
+                let mut stream = c.defrag_volume(req).await.map_err(rpc_error)?.into_inner();
+                let mut last = None;
+                let mut progress = (out == Output::Table).then(|| cli::Progress::new("defrag"));
+                while let Some(p) = stream.message().await.map_err(rpc_error)? {
+                    if let Some(progress) = &mut progress {
+                        progress.update(p.done_bytes, p.total_bytes);
+                    }
+                    if p.done {
+                        last = Some(p);
+                    }
+                }
+                if let Some(p) = progress {
+                    p.finish();
+                }
+                let r = last.ok_or_else(|| anyhow::anyhow!("the daemon ended the defrag without a result"))?;
+                cli::print_defrag(out, &name, &r);
             }
         },
         Cmd::Snapshot(sc) => match sc {

@@ -280,6 +280,45 @@ fn scrub_shows_progress_on_a_terminal_and_in_logs() {
     assert!(tty.lines().any(|l| l.starts_with("scrub: ") && l.contains("0 damaged blocks")), "{tty}");
 }
 
+/// `volume defrag` after random writes: progress, far fewer runs, the same data.
+#[test]
+fn defrag_puts_a_scattered_volume_back_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    d.ok(&["volume", "create", "v", "16MiB"]);
+    let mut s = common::nbd::open(&d, "v");
+    assert_eq!(common::nbd::write_on(&mut s, 0, &vec![1u8; 16 << 20]), 0);
+    let mut x = 5u64;
+    for i in 0..2000u32 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let block = (i % 251) as u8;
+        assert_eq!(common::nbd::write_on(&mut s, (x % 4096) * 4096, &[block; 4096]), 0);
+    }
+    drop(s);
+    d.ok(&["export", "stop", "v"]);
+    // Other traffic after them: the random writes are no longer in the segment being written
+    // (whose blocks are hot, and stay where they are).
+    d.ok(&["volume", "create", "w", "8MiB"]);
+    let mut s = common::nbd::open(&d, "w");
+    assert_eq!(common::nbd::write_on(&mut s, 0, &vec![2u8; 8 << 20]), 0);
+    drop(s);
+    d.ok(&["export", "stop", "w"]);
+    let before = common::nbd::read_image(&d, "v", 16 << 20);
+    let o = d.cli(&["volume", "defrag", "v"]);
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success() && err.lines().last().is_some_and(|l| l.starts_with("defrag: 100%")), "{err}");
+    assert!(out.contains("contiguous runs"), "{out}");
+    let r = d.json(&["volume", "defrag", "v"]);
+    assert_eq!(r["mapped_bytes"], 16 << 20);
+    assert!(r["runs_after"].as_u64().unwrap() < 64, "{r}");
+    assert_eq!(r["moved_bytes"], 0, "a second pass has nothing to do: {r}");
+    assert!(common::nbd::read_image(&d, "v", 16 << 20) == before, "defrag changed the data");
+    let bad = d.cli(&["volume", "defrag", "nope"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("not found"));
+}
+
 #[test]
 fn groups_and_group_snapshots_through_the_cli() {
     let dir = tempfile::tempdir().unwrap();

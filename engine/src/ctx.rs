@@ -48,6 +48,24 @@ pub struct PoolOptions {
     pub cleaner_interval: Duration,
     /// Most bytes read ahead of a sequential reader (default 2 MiB; 0 turns readahead off).
     pub readahead: u64,
+    /// The cleaner's moves go to a head of their own, apart from client writes (default on;
+    /// off only to measure what the separation buys).
+    pub cold_head: bool,
+    /// Whether freed segments are given back to the store (default: only on a sparse file).
+    pub discard: Discard,
+}
+
+/// Whether freed segments are discarded: holes punched in a pool file, BLKDISCARD on a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Discard {
+    /// Only where the pool is a sparse file (its filesystem gets the space back); a
+    /// preallocated file and a device keep their blocks.
+    #[default]
+    Auto,
+    /// Always: an SSD under a device pool learns which blocks it may erase ahead of time.
+    On,
+    /// Never.
+    Off,
 }
 
 impl Default for PoolOptions {
@@ -64,6 +82,8 @@ impl Default for PoolOptions {
             cleaner_interval: Duration::from_millis(200),
             write_delay: Duration::from_millis(1),
             readahead: 2 << 20,
+            cold_head: true,
+            discard: Discard::Auto,
         }
     }
 }
@@ -175,6 +195,8 @@ pub(crate) struct Ctx {
     pub media_bytes: AtomicU64,
     /// Most data blocks in one batch.
     pub max_batch_blocks: u64,
+    /// Freed segments are discarded (see [`Discard`]).
+    pub discard_freed: bool,
     pub wake: Wakes,
 }
 
@@ -189,7 +211,13 @@ impl Ctx {
         let max_batch_blocks = (opts.max_batch_bytes.min(usize::try_from(sb.segment_size / 2).unwrap_or(usize::MAX))
             / crate::io::BLOCK)
             .max(1) as u64;
+        let discard_freed = match opts.discard {
+            Discard::Auto => backend.sparse(),
+            Discard::On => true,
+            Discard::Off => false,
+        };
         Self {
+            discard_freed,
             backend,
             meta,
             sb,

@@ -275,6 +275,11 @@ pub(crate) fn le64(b: &[u8], at: usize) -> u64 {
 mod tests {
     use super::*;
 
+    #[test]
+    fn probe_knows_the_superblock_magic() {
+        assert_eq!(crate::io::probe::POOL_MAGIC, SUPER_MAGIC);
+    }
+
     fn sb() -> Superblock {
         Superblock { version: FORMAT_VERSION, uuid: [7; 16], segment_size: 1 << 20, segment_count: 9, created_unix: 5 }
     }

@@ -61,9 +61,10 @@ mod write;
 
 #[cfg(feature = "failpoints")]
 pub use ctx::FaultPoint;
-pub use ctx::PoolOptions;
+pub use ctx::{Discard, PoolOptions};
 pub use error::{Error, ErrorKind, Result};
 pub use maint::cleaner::CleanReport;
+pub use maint::defrag::{DefragProgress, DefragReport};
 pub use ops::group::{GroupInfo, GroupSnapshotInfo};
 pub use ops::scrub::{Damage, ScrubProgress, ScrubReport};
 pub use ops::snapshot::{Image, SnapshotInfo};

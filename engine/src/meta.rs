@@ -121,6 +121,8 @@ pub(crate) struct CheckpointRecord {
     pub seg: u64,
     pub off: u64,
     pub generation: u64,
+    /// The cold head (segment, offset), if one is open (see `write/cold.rs`).
+    pub cold: Option<(u64, u64)>,
 }
 
 const KEY_UUID: &[u8] = b"p/uuid";
@@ -215,21 +217,26 @@ impl SnapshotRecord {
 }
 
 impl CheckpointRecord {
+    /// Version 2 adds the cold head (two u64s); version 1 has none.
     fn encode(&self) -> Vec<u8> {
-        let mut v = vec![1u8];
+        let mut v = vec![if self.cold.is_some() { 2u8 } else { 1 }];
         for x in [self.seq, self.seg, self.off, self.generation] {
             v.extend_from_slice(&x.to_le_bytes());
+        }
+        if let Some((seg, off)) = self.cold {
+            v.extend_from_slice(&seg.to_le_bytes());
+            v.extend_from_slice(&off.to_le_bytes());
         }
         v
     }
 
     fn decode(b: &[u8]) -> Option<Self> {
-        (b.len() == 33 && b[0] == 1).then(|| Self {
-            seq: le64(b, 1),
-            seg: le64(b, 9),
-            off: le64(b, 17),
-            generation: le64(b, 25),
-        })
+        let cold = match (b.len(), b.first()) {
+            (33, Some(1)) => None,
+            (49, Some(2)) => Some((le64(b, 33), le64(b, 41))),
+            _ => return None,
+        };
+        Some(Self { seq: le64(b, 1), seg: le64(b, 9), off: le64(b, 17), generation: le64(b, 25), cold })
     }
 }
 
@@ -509,7 +516,7 @@ mod tests {
         let g = GroupRecord { id: 7, group: 0, created_unix: 2, members: vec![3, 9], name: "g1".into() };
         assert_eq!(GroupRecord::decode(&g.encode()), Some(g.clone()));
         assert_eq!(GroupRecord::decode(&g.encode()[..40]), None);
-        let c = CheckpointRecord { seq: 5, seg: 6, off: 7, generation: 8 };
+        let c = CheckpointRecord { seq: 5, seg: 6, off: 7, generation: 8, cold: None };
         assert_eq!(CheckpointRecord::decode(&c.encode()), Some(c));
         assert_eq!(CheckpointRecord::decode(&[1, 2]), None);
     }
@@ -517,7 +524,7 @@ mod tests {
     #[test]
     fn create_open_and_chain() {
         let dir = tempfile::tempdir().unwrap();
-        let first = CheckpointRecord { seq: 1, seg: 0, off: 0, generation: 1 };
+        let first = CheckpointRecord { seq: 1, seg: 0, off: 0, generation: 1, cold: None };
         {
             let m = Meta::create(dir.path(), &[1; 16], first).unwrap();
             assert_eq!(m.next_id().unwrap(), 1);

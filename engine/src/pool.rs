@@ -55,6 +55,9 @@ pub struct PoolStats {
     /// Bytes read ahead for sequential readers, and bytes reads took from what was read ahead.
     pub readahead_bytes: u64,
     pub readahead_hit_bytes: u64,
+    /// The segment client writes go to, and the one the cleaner's moves go to (if open).
+    pub head_segment: u64,
+    pub cold_segment: Option<u64>,
 }
 
 /// The open pool's parts: the shared context and the handles of the write path, the cleaner
@@ -122,11 +125,20 @@ pub(crate) fn now_unix() -> u64 {
 }
 
 fn open_backend(path: &Path, kind: BackendKind) -> Result<Arc<dyn Backend>> {
+    use std::io::ErrorKind as ErrorKind2;
     let ctx = || format!("opening pool store {}", path.display());
     if kind == BackendKind::Uring {
         match UringBackend::open(path) {
             Ok(b) => return Ok(Arc::new(b)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Error::io(ctx(), e)),
+            // The store itself cannot be opened: the fallback could not either.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind2::NotFound | ErrorKind2::ResourceBusy | ErrorKind2::PermissionDenied
+                ) =>
+            {
+                return Err(Error::io(ctx(), e));
+            }
             Err(e) => tracing::warn!(error = %e, "io_uring unavailable, using pread/pwrite"),
         }
     }
@@ -137,6 +149,12 @@ impl Pool {
     /// Creates a new file-backed pool of `size` bytes (a sparse file) and opens it. Refuses to
     /// touch an existing file. `path` may also name a block device, whose size is used.
     pub fn create(path: &Path, meta_dir: &Path, size: u64, opts: PoolOptions) -> Result<Pool> {
+        Self::create_file(path, size)?;
+        Self::format(path, meta_dir, opts)
+    }
+
+    /// Creates the file of a new pool, sparse and private (0600), unless `path` is a block device.
+    pub fn create_file(path: &Path, size: u64) -> Result<()> {
         let is_device = std::fs::metadata(path).map(|m| {
             use std::os::unix::fs::FileTypeExt;
             m.file_type().is_block_device()
@@ -160,6 +178,12 @@ impl Pool {
                 f.set_len(size).map_err(|e| Error::io(format!("sizing pool file {}", path.display()), e))?;
             }
         }
+        Ok(())
+    }
+
+    /// Formats an existing file or block device as a new pool, with its metadata in `meta_dir`,
+    /// and opens it. Whatever `path` held is overwritten: callers check first ([`crate::io::probe`]).
+    pub fn format(path: &Path, meta_dir: &Path, opts: PoolOptions) -> Result<Pool> {
         let backend = open_backend(path, opts.backend)?;
         Self::create_on(backend, meta_dir, opts)
     }
@@ -189,7 +213,7 @@ impl Pool {
             segment_count: count,
             created_unix: now_unix(),
         };
-        let first = CheckpointRecord { seq: 1, seg: 0, off: 0, generation: 1 };
+        let first = CheckpointRecord { seq: 1, seg: 0, off: 0, generation: 1, cold: None };
         Meta::create(meta_dir, &sb.uuid, first)?;
         let mut block = AlignedBuf::new(BLOCK);
         block.copy_from_slice(&sb.encode());
@@ -318,10 +342,11 @@ impl Pool {
         // The open head segment counts only as far as it is written.
         let head = &st.segs.segs[st.applied.seg];
         let head_unwritten = if head.state == SegState::Open { seg - st.applied.off } else { 0 };
+        let cold_unwritten = st.cold.map_or(0, |c| seg - c.off);
         PoolStats {
             uuid: uuid::Uuid::from_bytes(inner.sb.uuid),
             size: seg * inner.sb.segment_count,
-            used: (inner.sb.segment_count - free_segs) * seg - head_unwritten,
+            used: (inner.sb.segment_count - free_segs) * seg - head_unwritten - cold_unwritten,
             free: free_segs.saturating_sub(inner.opts.reserve_segments as u64) * seg,
             live: st.segs.live_blocks() * BLOCK as u64,
             reclaimable,
@@ -339,6 +364,8 @@ impl Pool {
             cleaner_bytes_moved: inner.cleaner.stats.blocks_moved.load(Ordering::Relaxed) * BLOCK as u64,
             readahead_bytes: inner.readahead.read_bytes.load(Ordering::Relaxed),
             readahead_hit_bytes: inner.readahead.hit_bytes.load(Ordering::Relaxed),
+            head_segment: st.applied.seg as u64,
+            cold_segment: st.cold.map(|c| c.seg as u64),
         }
     }
 

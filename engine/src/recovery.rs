@@ -18,7 +18,7 @@ use crate::format::{BatchHeader, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend};
 use crate::map::segments::{SegState, SegmentTable};
 use crate::meta::Meta;
-use crate::state::{LogPos, State, VolumeEntry, apply};
+use crate::state::{ColdHead, LogPos, State, VolumeEntry, apply};
 
 /// What recovery did when the pool was opened.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -121,13 +121,24 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         generation: ckpt.generation + 1,
         log_bytes_since_ckpt: 0,
         head_in_reserve: false,
+        cold: None,
     };
     let report = replay(meta, backend, sb, &mut st, ckpt.generation)?;
     st.layers.build_views();
-    // Segment states: the head is open; anything with live data is sealed; the rest is free.
+    // The cold head continues where the checkpoint left it: past that, nothing was committed.
+    let seg_size = sb.segment_size;
+    st.cold = ckpt
+        .cold
+        .and_then(|(seg, off)| Some(ColdHead { seg: usize::try_from(seg).ok()?, off }))
+        .filter(|c| c.seg < st.segs.segs.len() && c.seg != st.applied.seg && c.off < seg_size);
+    // Segment states: the heads are open; anything with live data is sealed; the rest is free.
     let head = st.applied.seg;
+    let cold = st.cold.map(|c| c.seg);
+    if let Some(c) = cold {
+        st.segs.segs[c].cold = true;
+    }
     for (i, s) in st.segs.segs.iter_mut().enumerate() {
-        s.state = if i == head {
+        s.state = if i == head || Some(i) == cold {
             SegState::Open
         } else if s.live > 0 {
             SegState::Sealed

@@ -65,6 +65,15 @@ pub(crate) struct State {
     /// The head segment was opened from the reserve (by the cleaner's moves or trims): client
     /// writes stay out of it while free segments are below the reserve (see `write/room.rs::reserve_room`).
     pub head_in_reserve: bool,
+    /// Where the cleaner's moves go (see `write/cold.rs`); None until a move needs it.
+    pub cold: Option<ColdHead>,
+}
+
+/// The open segment the cleaner's moves go to (`write/cold.rs`), and how far it is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ColdHead {
+    pub seg: usize,
+    pub off: u64,
 }
 
 /// A position in the log: the next batch's sequence number and where it goes.

@@ -1,6 +1,7 @@
 //! Deep chains against a model: random sequences with hundreds of snapshots, clones of clones
 //! (of snapshots and of volumes), deletes in any order, whole and partial-block writes, trims,
-//! write-zeroes, cleaner runs, checkpoints, clean reopens and crashes after a flush. Every block
+//! write-zeroes, cleaner runs, defrag passes, checkpoints, clean reopens and crashes after a
+//! flush. Every block
 //! of every volume and snapshot must match the model after each reopen and at the end; this is
 //! what holds the layer views (`map/view.rs`) exact through everything that changes a chain.
 //!
@@ -61,6 +62,10 @@ enum Op {
         vol: usize,
     },
     Clean,
+    /// A defrag pass over one volume; every image must still match the model after it.
+    Defrag {
+        vol: usize,
+    },
     Checkpoint,
     Reopen,
     /// A crash after a flush: nothing acknowledged may be lost.
@@ -83,6 +88,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => pick.prop_map(|snap| Op::DeleteSnap { snap }),
         1 => pick.prop_map(|vol| Op::DeleteVol { vol }),
         1 => Just(Op::Clean),
+        1 => pick.prop_map(|vol| Op::Defrag { vol }),
         1 => Just(Op::Checkpoint),
         1 => Just(Op::Reopen),
         1 => any::<u64>().prop_map(|seed| Op::Crash { seed }),
@@ -200,6 +206,12 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 model.vols.remove(&name);
             }
             Op::Clean => drop(pool.reclaim().unwrap()),
+            Op::Defrag { vol } => {
+                let Some(name) = nth(&model.vols, vol) else { continue };
+                let r = pool.defrag_volume(&name, |_| {}).unwrap();
+                prop_assert!(r.runs_after <= r.runs_before.max(1), "defrag of {} made it worse: {:?}", name, r);
+                verify(&pool, &model, "after a defrag pass")?;
+            }
             Op::Checkpoint => pool.checkpoint().unwrap(),
             Op::Reopen => {
                 pool.close().unwrap();

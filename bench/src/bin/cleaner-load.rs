@@ -1,18 +1,22 @@
 //! Write amplification and latency under the cleaner: a volume filling 80% of the pool is
 //! written once, then overwritten at random with 4 KiB writes at QD32 for a fixed time, so the
-//! background cleaner runs continuously. Prints write amplification (bytes written to media /
+//! background cleaner runs continuously. The traffic is uniform, 80/20 (80% of the writes to 20%
+//! of the blocks) or Zipf (s = 0.99); the cleaner's moves go to a head of their own unless
+//! `mixed` is given. Next to the engine's figure it prints what a greedy cleaner reaches on the
+//! same geometry and traffic in a simulation (`ferrite_bench::sim`), with and without separation. Prints write amplification (bytes written to media /
 //! bytes written by clients, over the overwrite phase) and write latency percentiles while the
 //! cleaner was running and while it was idle, measured in the same run. The run starts from a
 //! sequentially written volume (every segment full), so the first overwrites make the cleaner move
 //! nearly full segments; the amplification per sixth of the run shows when the steady state is
 //! reached, and the last half's figure is the steady-state one.
 //!
-//! Usage: cleaner-load <dir> [seconds=60] [pool-bytes=2G] [fill-percent=80]
+//! Usage: cleaner-load <dir> [seconds=60] [pool-bytes=2G] [fill-percent=80] [uniform|80/20|zipf] [mixed]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use ferrite_bench::sim::{Geometry, Picker, Policy, Traffic, simulate};
 use ferrite_bench::{prefill, setup_with};
 use ferrite_engine::{ErrorKind, PoolOptions};
 
@@ -28,14 +32,19 @@ fn percentile(v: &mut [u32], per_mille: usize) -> u32 {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 2 {
-        eprintln!("usage: cleaner-load <dir> [seconds] [pool-bytes] [fill-percent]");
+        eprintln!("usage: cleaner-load <dir> [seconds] [pool-bytes] [fill-percent] [uniform|80/20|zipf] [mixed]");
         std::process::exit(2);
     }
     let arg = |i: usize, d: u64| args.get(i).and_then(|v| v.parse().ok()).unwrap_or(d);
     let secs = arg(2, 60);
     let pool_size = arg(3, 2 << 30);
     let fill = arg(4, 80);
-    let opts = PoolOptions { segment_size: 4 << 20, ..PoolOptions::default() };
+    let traffic: Traffic = args.get(5).map_or(Ok(Traffic::Uniform), |t| t.parse()).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2);
+    });
+    let separate = args.get(6).map(String::as_str) != Some("mixed");
+    let opts = PoolOptions { segment_size: 4 << 20, cold_head: separate, ..PoolOptions::default() };
     let vol_size = (pool_size - (1 << 20)) / 100 * fill / 4096 * 4096;
     eprintln!("preconditioning a {} MiB pool file and writing the {} MiB volume...", pool_size >> 20, vol_size >> 20);
     let dir = std::path::Path::new(&args[1]);
@@ -64,22 +73,21 @@ fn main() {
     };
     let enospc = AtomicU64::new(0);
     let blocks = vol_size / 4096;
+    let picker = Picker::new(traffic, blocks);
     let start = Instant::now();
-    eprintln!("overwriting at random (4 KiB, QD32) for {secs} s...");
+    eprintln!("overwriting at random ({traffic}, 4 KiB, QD32) for {secs} s...");
     let lat: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..32u64)
             .map(|t| {
-                let (vol, cleaning, enospc) = (vol.clone(), &cleaning, &enospc);
+                let (vol, cleaning, enospc, picker) = (vol.clone(), &cleaning, &enospc, &picker);
                 s.spawn(move || {
                     let (mut busy, mut idle) = (Vec::new(), Vec::new());
                     let buf = vec![0xC3u8; 4096];
                     let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
                     while start.elapsed() < Duration::from_secs(secs) {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
+                        let (r1, r2) = (ferrite_bench::next_random(&mut x), ferrite_bench::next_random(&mut x));
                         let t0 = Instant::now();
-                        match vol.write((x % blocks) * 4096, &buf) {
+                        match vol.write(picker.pick(r1, r2) * 4096, &buf) {
                             Ok(()) => {}
                             Err(e) if e.kind() == ErrorKind::NoSpace => {
                                 enospc.fetch_add(1, Ordering::Relaxed);
@@ -113,9 +121,10 @@ fn main() {
     let media = s1.media_bytes_written - s0.media_bytes_written;
     let ops = busy.len() + idle.len();
     println!(
-        "pool {} MiB, volume {} MiB ({fill}% full), {secs} s of random 4 KiB overwrites at QD32",
+        "pool {} MiB, volume {} MiB ({fill}% full), {secs} s of {traffic} 4 KiB overwrites at QD32, cleaner moves {}",
         pool_size >> 20,
-        vol_size >> 20
+        vol_size >> 20,
+        if separate { "to a cold head" } else { "mixed with client writes" }
     );
     println!(
         "ops {ops} ({:.0}/s), client {} MiB, media {} MiB, write amplification {:.2}",
@@ -134,6 +143,23 @@ fn main() {
         s1.cleaner_segments_cleaned - s0.cleaner_segments_cleaned,
         (s1.cleaner_bytes_moved - s0.cleaner_bytes_moved) >> 20,
         enospc.load(Ordering::Relaxed)
+    );
+    // The same geometry in the simulation: as many writes to warm up as the engine took, then
+    // as many measured.
+    let geometry = Geometry {
+        segments: usize::try_from(s1.segments).expect("small"),
+        blocks_per_seg: usize::try_from(s1.segment_size / 4096).expect("small"),
+        volume_blocks: blocks,
+        low_water: 4,
+    };
+    let n = (client / 4096).max(blocks);
+    let sim = |p, sep| simulate(geometry, traffic, p, sep, n, n, 7).write_amplification;
+    println!(
+        "simulation, same geometry and traffic: greedy {:.2} mixed, {:.2} separated; cost-benefit {:.2} mixed, {:.2} separated",
+        sim(Policy::Greedy, 0),
+        sim(Policy::Greedy, 1),
+        sim(Policy::CostBenefit, 0),
+        sim(Policy::CostBenefit, 1),
     );
     let (nb, ni) = (busy.len(), idle.len());
     println!(

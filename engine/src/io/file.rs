@@ -15,21 +15,36 @@ pub(crate) struct BackingFile {
     pub len: u64,
     pub direct: bool,
     pub is_device: bool,
+    /// A regular file with blocks not yet allocated (see [`super::Backend::sparse`]).
+    pub sparse: bool,
 }
 
 impl BackingFile {
     /// Opens `path` read-write, with O_DIRECT where the filesystem supports it (tmpfs does not).
+    /// A block device is opened exclusively (O_EXCL): one mounted, or in use by another pool or
+    /// a device mapper, is refused with EBUSY.
     pub fn open(path: &Path) -> io::Result<Self> {
-        let open = |flags| OpenOptions::new().read(true).write(true).custom_flags(flags).open(path);
+        let excl = if std::fs::metadata(path)?.file_type().is_block_device() { libc::O_EXCL } else { 0 };
+        let open = |flags| OpenOptions::new().read(true).write(true).custom_flags(flags | excl).open(path);
         let (file, direct) = match open(libc::O_DIRECT | libc::O_CLOEXEC) {
             Ok(f) => (f, true),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(libc::O_CLOEXEC)?, false),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::ResourceBusy,
+                    format!("{} is in use (mounted, or held by another program)", path.display()),
+                ));
+            }
             Err(e) => return Err(e),
         };
         let meta = file.metadata()?;
         let is_device = meta.file_type().is_block_device();
         let len = if is_device { device_size(&file)? } else { meta.len() };
-        Ok(Self { file, len, direct, is_device })
+        let sparse = !is_device && {
+            use std::os::unix::fs::MetadataExt;
+            meta.blocks() * 512 < len
+        };
+        Ok(Self { file, len, direct, is_device, sparse })
     }
 
     /// fdatasync.
@@ -42,9 +57,25 @@ impl BackingFile {
         self.fallocate(0, offset, len)
     }
 
-    /// Punches a hole in a regular file (a no-op on devices, where discard needs BLKDISCARD).
-    pub fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+    /// Gives a range back: a hole punched in a regular file, BLKDISCARD on a device (which an
+    /// SSD may use to erase ahead of time).
+    pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        if !self.is_device {
+            return self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len);
+        }
+        const BLKDISCARD: libc::c_ulong = 0x1277;
+        let range: [u64; 2] = [offset, len];
+        // SAFETY: BLKDISCARD reads two u64s (start, length) through the pointer, which points at
+        // a live local array; the fd is owned by self.file.
+        let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), BLKDISCARD, range.as_ptr()) };
+        match rc {
+            0 => Ok(()),
+            _ => match io::Error::last_os_error() {
+                // Devices without discard support: nothing to tell them.
+                e if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(()),
+                e => Err(e),
+            },
+        }
     }
 
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
@@ -121,6 +152,10 @@ impl Backend for SyncFileBackend {
     }
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.file.punch_hole(offset, len)
+        self.file.discard(offset, len)
+    }
+
+    fn sparse(&self) -> bool {
+        self.file.sparse
     }
 }

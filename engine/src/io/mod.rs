@@ -19,6 +19,7 @@ mod aligned;
 mod crash;
 mod file;
 mod memory;
+pub(crate) mod probe;
 mod uring;
 
 use std::fmt;
@@ -28,6 +29,7 @@ pub use aligned::AlignedBuf;
 pub use crash::{CrashBackend, CrashMode, IoCounters};
 pub use file::SyncFileBackend;
 pub use memory::MemoryBackend;
+pub use probe::probe;
 pub use uring::UringBackend;
 
 /// The engine's block size and the alignment of every backend request.
@@ -90,9 +92,17 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(())
     }
 
-    /// Tells the store a range is no longer needed (hole punch / discard). Best effort.
+    /// Tells the store a range is no longer needed: a hole punched in a file, BLKDISCARD on a
+    /// device. Best effort.
     fn discard(&self, _offset: u64, _len: u64) -> io::Result<()> {
         Ok(())
+    }
+
+    /// A file not fully allocated when it was opened (created sparse): freed segments are given
+    /// back to its filesystem by default. A preallocated file (or a device) keeps its blocks, so
+    /// that later writes do not pay for allocating them again.
+    fn sparse(&self) -> bool {
+        false
     }
 }
 

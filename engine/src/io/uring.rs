@@ -172,6 +172,10 @@ impl Backend for UringBackend {
     }
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.file.punch_hole(offset, len)
+        self.file.discard(offset, len)
+    }
+
+    fn sparse(&self) -> bool {
+        self.file.sparse
     }
 }

@@ -89,7 +89,9 @@ fn capture(ctx: &Ctx) -> (CheckpointWrite, Vec<usize>) {
         }
     }
     let pos = st.applied;
-    w.record = Some(CheckpointRecord { seq: pos.seq, seg: pos.seg as u64, off: pos.off, generation: st.generation });
+    let cold = st.cold.map(|c| (c.seg as u64, c.off));
+    w.record =
+        Some(CheckpointRecord { seq: pos.seq, seg: pos.seg as u64, off: pos.off, generation: st.generation, cold });
     st.log_bytes_since_ckpt = 0;
     let candidates = st
         .segs
@@ -117,8 +119,8 @@ fn release(ctx: &Ctx, ra: &Readahead, candidates: &[usize]) {
             .map(|&i| (i, ctx.sb.segment_offset(i, 0)))
             .collect()
     };
-    // Give the space back to the filesystem (sparse pool files); best effort.
-    for &(i, off) in &ready {
+    // Give the space back to the filesystem or the device (see `Discard`); best effort.
+    for &(i, off) in ready.iter().filter(|_| ctx.discard_freed) {
         if let Err(e) = ctx.backend.discard(off, ctx.sb.segment_size) {
             tracing::debug!(segment = i, error = %e, "discarding a freed segment failed");
         }

@@ -1,14 +1,13 @@
 //! The cleaner: moves the live blocks out of mostly-dead segments so a checkpoint can free them.
 //!
-//! - **Victims**: greedy — the sealed segment with the lowest live fraction `u` (older first on
-//!   a tie); a segment above [`MAX_UTILISATION`] is not worth moving in the background.
-//!   Cost-benefit (Rosenblum & Ousterhout) was measured worse here (see `victims.rs`).
+//! - **Victims**: cost-benefit — emptier and older segments first (see `victims.rs`); a segment
+//!   above [`MAX_UTILISATION`] is not worth moving in the background.
 //! - **Moves** go in steps of at most [`STEP_BLOCKS`]. A step reads its candidate blocks and
 //!   checks their crcs *outside* any lock (the victim is pinned, so it cannot be freed and
 //!   reused meanwhile, and a written log block never changes), then, as a log barrier, keeps
 //!   only the blocks still mapped where they were (a foreground write may have replaced them)
-//!   and writes them to the log head as ordinary batches naming their layers, in logical order
-//!   (so a fragmented volume comes out sequential). Foreground writes wait only for that
+//!   and writes them, in logical order (so a fragmented volume comes out sequential), to the
+//!   cold head (`write/cold.rs`), apart from fresh client writes. Foreground writes wait only for that
 //!   write; between steps they go on. Moves may use the reserve segments: they always give
 //!   back more than they take.
 //! - **Throttle**: while the background cleaner runs, client writes are paced by what its moves
@@ -101,7 +100,7 @@ impl MakeRoom for Room {
 }
 
 /// A run of live blocks: (layer, lba, pba, blocks).
-type LiveRun = (u64, u64, u64, u64);
+pub(crate) type LiveRun = (u64, u64, u64, u64);
 
 /// Live runs in each of `segs`, each list in (layer, lba) order: one pass over every map.
 ///
@@ -145,7 +144,7 @@ fn live_runs(ctx: &Ctx, segs: &BTreeSet<usize>) -> BTreeMap<usize, Vec<LiveRun>>
 }
 
 /// Reads a step's candidates and checks their crcs; the caller pins their segment.
-fn read_step(ctx: &Ctx, log: &Log, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>> {
+pub(crate) fn read_step(ctx: &Ctx, log: &Log, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Vec<u8>)>> {
     let crcs: Vec<Vec<Option<u32>>> = {
         let st = ctx.state.read();
         cands.iter().map(|c| (c.2..c.2 + c.3).map(|b| st.segs.crc(b)).collect()).collect()
@@ -172,7 +171,7 @@ fn read_step(ctx: &Ctx, log: &Log, cands: &[LiveRun]) -> Result<Vec<(LiveRun, Ve
 }
 
 /// On the leader: moves the read blocks that are still mapped where they were.
-fn move_step(ctx: &Ctx, log: &Log, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
+pub(crate) fn move_step(ctx: &Ctx, log: &Log, read: Vec<(LiveRun, Vec<u8>)>) -> Result<u64> {
     ctx.fault(FaultPoint::CleanerBeforeMove)?;
     let piece = usize::try_from(ctx.max_batch_blocks).expect("small") * BLOCK;
     let mut moves = Vec::new();

@@ -91,6 +91,8 @@ pub(crate) struct Run {
     pub blocks: u64,
     /// First physical block of the run, or None where it reads as zeros.
     pub pba: Option<u64>,
+    /// The layer whose map holds the run (0 where nothing does).
+    pub layer: u64,
 }
 
 impl Layers {
@@ -151,26 +153,27 @@ impl Layers {
         }
         let mut out = Vec::new();
         let Some(h) = self.table.get(&head) else {
-            out.push(Run { lba, blocks, pba: None });
+            out.push(Run { lba, blocks, pba: None, layer: 0 });
             return out;
         };
         h.view.runs(lba, blocks, |at, n, owner| {
-            let Some(l) = owner.and_then(|o| self.table.get(&holder(&self.forward, o))) else {
-                out.push(Run { lba: at, blocks: n, pba: None });
+            let id = owner.map(|o| holder(&self.forward, o));
+            let Some((id, l)) = id.and_then(|id| Some((id, self.table.get(&id)?))) else {
+                out.push(Run { lba: at, blocks: n, pba: None, layer: 0 });
                 return;
             };
             let mut cur = at;
             for (lo, pba, k) in l.map.entries_in(at, n) {
                 debug_assert_eq!(lo, cur, "a view names a layer for blocks its map does not hold");
                 if lo > cur {
-                    out.push(Run { lba: cur, blocks: lo - cur, pba: None });
+                    out.push(Run { lba: cur, blocks: lo - cur, pba: None, layer: 0 });
                 }
-                out.push(Run { lba: lo, blocks: k, pba: (!is_zero(pba)).then_some(pba) });
+                out.push(Run { lba: lo, blocks: k, pba: (!is_zero(pba)).then_some(pba), layer: id });
                 cur = lo + k;
             }
             debug_assert_eq!(cur, at + n, "a view names a layer for blocks its map does not hold");
             if cur < at + n {
-                out.push(Run { lba: cur, blocks: at + n - cur, pba: None });
+                out.push(Run { lba: cur, blocks: at + n - cur, pba: None, layer: 0 });
             }
         });
         out
@@ -184,7 +187,7 @@ impl Layers {
         let mut pending = vec![(lba, blocks)];
         let mut next = Vec::new();
         let mut layer = Some(head);
-        while let Some(l) = layer.and_then(|id| self.table.get(&id)) {
+        while let Some((id, l)) = layer.and_then(|id| Some((id, self.table.get(&id)?))) {
             if pending.is_empty() {
                 break;
             }
@@ -195,7 +198,7 @@ impl Layers {
                     if lo > cur {
                         next.push((cur, lo - cur));
                     }
-                    out.push(Run { lba: lo, blocks: k, pba: (!is_zero(pba)).then_some(pba) });
+                    out.push(Run { lba: lo, blocks: k, pba: (!is_zero(pba)).then_some(pba), layer: id });
                     cur = lo + k;
                 }
                 if cur < at + n {
@@ -205,7 +208,7 @@ impl Layers {
             std::mem::swap(&mut pending, &mut next);
             layer = l.parent;
         }
-        out.extend(pending.into_iter().map(|(lba, blocks)| Run { lba, blocks, pba: None }));
+        out.extend(pending.into_iter().map(|(lba, blocks)| Run { lba, blocks, pba: None, layer: 0 }));
         out.sort_unstable_by_key(|r| r.lba);
         out
     }

@@ -35,6 +35,9 @@ pub(crate) struct Segment {
     /// Holds a block that failed its crc: never a cleaner's victim (moving would launder the
     /// damage under a fresh checksum); forgotten when the segment is freed because its data died.
     pub damaged: bool,
+    /// Written by the cleaner's moves (the cold head), since it was last taken free. Not kept
+    /// across a reopen.
+    pub cold: bool,
 }
 
 /// Readers between resolving a block in a segment and finishing their media read, per segment.
@@ -124,6 +127,7 @@ impl SegmentTable {
                 crcs: None,
                 crc_dirty: false,
                 damaged: false,
+                cold: false,
             })
             .collect();
         Self { blocks_per_seg: seg_size / BLOCK as u64, segs }
@@ -207,6 +211,7 @@ impl SegmentTable {
         seg.live = 0;
         seg.crcs = None;
         seg.crc_dirty = false;
+        seg.cold = false;
         Some(i)
     }
 }

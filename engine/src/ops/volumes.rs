@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result, invalid};
 use crate::io::BLOCK;
+use crate::maint::defrag::{DefragProgress, DefragReport};
 use crate::meta::{CatalogOp, VolumeRecord};
 use crate::pool::{Inner, Pool, now_unix};
 use crate::qos::{QosLimits, QosStats};
@@ -54,6 +55,22 @@ fn validate_size(size: u64) -> Result<()> {
 }
 
 impl Pool {
+    /// Rewrites volume `name`'s scattered blocks in logical order (see `maint/defrag.rs`),
+    /// reporting progress after every window; ends with a checkpoint.
+    pub fn defrag_volume(&self, name: &str, progress: impl FnMut(DefragProgress)) -> Result<DefragReport> {
+        self.inner.check_open()?;
+        let i = &self.inner;
+        let id = lookup(&i.state.read(), name)?;
+        crate::maint::defrag::defrag(&i.ctx, &i.log, &i.cleaner, &i.readahead, id, name, progress)
+    }
+
+    /// Runs of consecutive pool blocks a full sequential read of volume `name` needs (one when
+    /// its blocks are in logical order), and its mapped bytes.
+    pub fn volume_layout(&self, name: &str) -> Result<(u64, u64)> {
+        let id = lookup(&self.inner.state.read(), name)?;
+        crate::maint::defrag::layout(&self.inner.ctx, id, name).map(|(runs, blocks)| (runs, blocks * BLOCK as u64))
+    }
+
     /// Creates a thin volume of `size` bytes (a multiple of 4 KiB). Durable on return.
     pub fn create_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
         validate_name(name)?;

@@ -112,10 +112,14 @@ pub(crate) fn write_batch(ctx: &Ctx, log: &Log, reqs: &[Req], scratch: &mut Alig
     Ok(())
 }
 
-/// Writes the cleaner's moves as batches; only on the leader (inside a barrier). Each move is
+/// Writes the cleaner's moves: at the cold head (`cold.rs`), or, with `cold_head` off, into the
+/// log as batches; only on the leader (inside a barrier). Each move is
 /// (layer, lba, whole blocks of data). Batches fill the head segment's tail before a new
 /// segment is started, as client batches do, so moved data packs densely.
 pub(crate) fn write_moves(ctx: &Ctx, log: &Log, moves: Vec<(u64, u64, Vec<u8>)>) -> Result<()> {
+    if ctx.opts.cold_head {
+        return crate::write::cold::write_cold(ctx, log, moves);
+    }
     let mut scratch = AlignedBuf::new(BLOCK);
     let mut queue: VecDeque<(u64, u64, Payload)> =
         moves.into_iter().map(|(layer, lba, data)| (layer, lba, Payload::new(data))).collect();
