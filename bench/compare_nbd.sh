@@ -5,8 +5,10 @@
 # sequential read and write. Prints medians of IOPS, Ferrite/peer ratios, and server CPU seconds
 # per GiB moved.
 #
-# Peers are configured to bypass the page cache as Ferrite does (qemu-nbd --cache=none,
-# nbdkit file cache=none), so all three measure the same disk.
+# Peers are configured to bypass the page cache as far as they can (qemu-nbd --cache=none is
+# O_DIRECT; nbdkit's file plugin (1.32, Debian 12) has no O_DIRECT: its cache=none writes through
+# the page cache and drops the pages after, so its sequential rows include write-behind and the
+# kernel's readahead).
 #   ROUNDS=3 SECS=5 SIZE=1G BENCH_DIR=/work/bench-nbd bench/compare_nbd.sh
 # ONLY=regex runs only the workloads whose name (e.g. randrw-4k-qd1-c1) matches.
 #
@@ -14,6 +16,10 @@
 # own (direct I/O to a pre-written backing file), Ferrite's formatted with `ferrite pool format`
 # (twice SIZE, so the cleaner has room), the peers' of SIZE; all three open them O_DIRECT. It adds
 # 128 KiB and 1 MiB sequential rows at QD16 and 1 MiB at QD1. Needs root (losetup).
+#
+# After the rounds, Ferrite's volume (scattered by the random-write rows) is defragmented
+# (`ferrite volume defrag`) and the 128 KiB QD1 read row runs once more on all three
+# ("read-128k-qd1-c1-defrag"; the peers' files were never scattered).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -109,25 +115,32 @@ read 1m 1 1
 write 1m 1 1
 read 1m 16 1
 write 1m 16 1"
+row() { # rw bs qd conns name-suffix: one row on the three servers, appended to $results
+  local rw=$1 bs=$2 qd=$3 conns=$4 round=$5 suffix=${6:-}
+  servers=(ferrite nbdkit qemu-nbd)
+  for i in 0 1 2; do
+    server=${servers[$(( (i + round) % 3 ))]}
+    name="$rw-$bs-qd$qd-c$conns$suffix"
+    [[ "$name" =~ ${ONLY:-.} ]] || continue
+    echo "round $round/$ROUNDS: $name on $server" >&2
+    c0=$(cpu "${PID[$server]}")
+    json=$(fio --name="$name" --ioengine=nbd --uri="${URI[$server]}" --size="$SIZE" --rw="$rw" --rwmixread=70 \
+      --bs="$bs" --iodepth=$(( qd / conns > 0 ? qd / conns : 1 )) --numjobs="$conns" --group_reporting \
+      --runtime="$SECS" --time_based --randrepeat=0 --output-format=json)
+    c1=$(cpu "${PID[$server]}")
+    python3 -c "$PARSE" "$server" "$name" "$c0" "$c1" <<<"$json" >>"$results"
+  done
+}
 for round in $(seq 1 "$ROUNDS"); do
   while read -r rw bs qd conns; do
     # Each round starts with a different server, so a machine that speeds up or slows down
     # during a row does not always favour the same one.
-    servers=(ferrite nbdkit qemu-nbd)
-    for i in 0 1 2; do
-      server=${servers[$(( (i + round) % 3 ))]}
-      name="$rw-$bs-qd$qd-c$conns"
-      [[ "$name" =~ ${ONLY:-.} ]] || continue
-      echo "round $round/$ROUNDS: $name on $server" >&2
-      c0=$(cpu "${PID[$server]}")
-      json=$(fio --name="$name" --ioengine=nbd --uri="${URI[$server]}" --size="$SIZE" --rw="$rw" --rwmixread=70 \
-        --bs="$bs" --iodepth=$(( qd / conns > 0 ? qd / conns : 1 )) --numjobs="$conns" --group_reporting \
-        --runtime="$SECS" --time_based --randrepeat=0 --output-format=json)
-      c1=$(cpu "${PID[$server]}")
-      python3 -c "$PARSE" "$server" "$name" "$c0" "$c1" <<<"$json" >>"$results"
-    done
+    row "$rw" "$bs" "$qd" "$conns" "$round"
   done <<<"$WORKLOADS"
 done
+echo "defragmenting Ferrite's volume..." >&2
+"$FERRITE" volume defrag v >&2
+for round in $(seq 1 "$ROUNDS"); do row read 128k 1 1 "$round" -defrag; done
 python3 - "$results" <<'PY'
 import sys, statistics
 rows, order = {}, []

@@ -4,7 +4,8 @@
 //! allocating), pushes its operations, and reaps every completion before returning. The buffers
 //! are borrowed by the call, and the call does not return while the kernel may still touch them:
 //! that is the invariant the `unsafe` pushes below rely on. Many threads calling at once keep many
-//! requests in flight; `read_many` keeps a whole batch in flight from one thread.
+//! requests in flight; `read_many` keeps a whole batch in flight from one thread, and a large
+//! write goes as pieces in flight together.
 
 use std::io;
 use std::os::unix::io::AsRawFd;
@@ -17,6 +18,10 @@ use super::file::BackingFile;
 use super::{Backend, ReadOp, check_request};
 
 const RING_ENTRIES: u32 = 64;
+
+/// A large write goes to the device as pieces of this size, all in flight at once: a log batch
+/// (up to a few MiB) then uses the device's parallelism instead of one request at a time.
+const WRITE_PIECE: usize = 256 << 10;
 
 /// io_uring backend over a file or block device.
 pub struct UringBackend {
@@ -158,8 +163,12 @@ impl Backend for UringBackend {
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         check_request(buf.len(), offset, self.file.len, buf.as_ptr())?;
-        // The kernel only reads through this pointer for a write.
-        let mut spans = [(buf.as_ptr().cast_mut(), buf.len(), offset)];
+        // The kernel only reads through these pointers for a write.
+        let mut spans: Vec<(*mut u8, usize, u64)> = buf
+            .chunks(WRITE_PIECE)
+            .enumerate()
+            .map(|(i, piece)| (piece.as_ptr().cast_mut(), piece.len(), offset + (i * WRITE_PIECE) as u64))
+            .collect();
         self.with_ring(|ring| self.run(ring, &mut spans, true))
     }
 
