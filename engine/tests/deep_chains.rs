@@ -208,8 +208,9 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Clean => drop(pool.reclaim().unwrap()),
             Op::Defrag { vol } => {
                 let Some(name) = nth(&model.vols, vol) else { continue };
-                let r = pool.defrag_volume(&name, |_| {}).unwrap();
-                prop_assert!(r.runs_after <= r.runs_before.max(1), "defrag of {} made it worse: {:?}", name, r);
+                // Layout is checked in tests/defrag.rs (here blocks in the client head stay put,
+                // and a run across its edge may split): what matters here is the content.
+                pool.defrag_volume(&name, |_| {}).unwrap();
                 verify(&pool, &model, "after a defrag pass")?;
             }
             Op::Checkpoint => pool.checkpoint().unwrap(),

@@ -21,7 +21,7 @@ use crate::maint::checkpoint::checkpoint;
 use crate::maint::cleaner::{Cleaner, move_step, read_step};
 use crate::map::segments::Pinned;
 use crate::read::readahead::Readahead;
-use crate::state::Target;
+use crate::state::{State, Target};
 use crate::write::Log;
 
 /// Logical blocks looked at, and rewritten, at a time (1 MiB).
@@ -52,8 +52,7 @@ pub struct DefragReport {
 /// (layer, lba, pba, blocks) of each mapped run of `[lba, lba + blocks)` of volume `id`.
 type Owned = Vec<(u64, u64, u64, u64)>;
 
-fn resolve_window(ctx: &Ctx, id: u64, name: &str, lba: u64, blocks: u64) -> Result<Owned> {
-    let st = ctx.state.read();
+fn resolve_window(st: &State, id: u64, name: &str, lba: u64, blocks: u64) -> Result<Owned> {
     let (head, _) = st.head_of(Target::Volume(id)).ok_or_else(|| crate::read::resolve::gone(name))?;
     Ok(st
         .layers
@@ -65,11 +64,9 @@ fn resolve_window(ctx: &Ctx, id: u64, name: &str, lba: u64, blocks: u64) -> Resu
 
 /// Runs of consecutive pool blocks a sequential read of volume `id` needs, and its mapped blocks.
 pub(crate) fn layout(ctx: &Ctx, id: u64, name: &str) -> Result<(u64, u64)> {
-    let size = {
-        let st = ctx.state.read();
-        st.head_of(Target::Volume(id)).ok_or_else(|| crate::read::resolve::gone(name))?.1
-    };
-    let runs = resolve_window(ctx, id, name, 0, size / BLOCK as u64)?;
+    let st = ctx.state.read();
+    let size = st.head_of(Target::Volume(id)).ok_or_else(|| crate::read::resolve::gone(name))?.1;
+    let runs = resolve_window(&st, id, name, 0, size / BLOCK as u64)?;
     Ok((media_runs(&runs), runs.iter().map(|r| r.3).sum()))
 }
 
@@ -109,7 +106,9 @@ pub(crate) fn defrag(
     while lba < total {
         ctx.check_open()?;
         let n = WINDOW_BLOCKS.min(total - lba);
-        let window = resolve_window(ctx, id, name, lba, n)?;
+        // Resolved and pinned under one lock hold: a segment pinned cannot be freed and reused
+        // before its blocks are read (what was overwritten meanwhile, the move step drops).
+        let mut pinned = Pinned::new(&ctx.pins);
         let cold: Owned = {
             let st = ctx.state.read();
             let hot = |pba: u64| {
@@ -117,17 +116,14 @@ pub(crate) fn defrag(
                 let s = &st.segs.segs[seg];
                 seg == st.applied.seg || (s.last_seq >= since && !s.cold)
             };
-            window.into_iter().filter(|r| !hot(r.2)).collect()
+            let cold: Owned = resolve_window(&st, id, name, lba, n)?.into_iter().filter(|r| !hot(r.2)).collect();
+            let segs: BTreeSet<usize> = cold.iter().map(|r| st.segs.locate(r.2).0).collect();
+            segs.into_iter().for_each(|s| pinned.pin(s));
+            cold
         };
         let blocks: u64 = cold.iter().map(|r| r.3).sum();
         let runs = media_runs(&cold);
         if runs > 1 && blocks < runs * GOOD_RUN_BLOCKS {
-            let segs: BTreeSet<usize> = {
-                let st = ctx.state.read();
-                cold.iter().map(|r| st.segs.locate(r.2).0).collect()
-            };
-            let mut pinned = Pinned::new(&ctx.pins);
-            segs.into_iter().for_each(|s| pinned.pin(s));
             let read = read_step(ctx, log, &cold).map_err(|e| {
                 if e.kind() == ErrorKind::Corrupt {
                     Error::new(ErrorKind::Corrupt, format!("defrag of {name:?}: {e}; run `ferrite pool scrub`"))
@@ -136,7 +132,6 @@ pub(crate) fn defrag(
                 }
             })?;
             let moved = log.barrier(ctx, move |ctx, log| move_step(ctx, log, read))?;
-            drop(pinned);
             cleaner.stats.blocks_moved.fetch_add(moved, std::sync::atomic::Ordering::Relaxed);
             report.moved_bytes += moved * BLOCK as u64;
             report.windows_rewritten += 1;
