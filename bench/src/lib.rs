@@ -21,13 +21,16 @@ pub struct Workload {
 }
 
 /// The workloads of the foundation issue.
-pub const WORKLOADS: [Workload; 6] = [
+pub const WORKLOADS: [Workload; 9] = [
     Workload { name: "randwrite-4k-qd1", block: 4096, random: true, write: true, qd: 1 },
     Workload { name: "randwrite-4k-qd32", block: 4096, random: true, write: true, qd: 32 },
     Workload { name: "randread-4k-qd1", block: 4096, random: true, write: false, qd: 1 },
     Workload { name: "randread-4k-qd32", block: 4096, random: true, write: false, qd: 32 },
     Workload { name: "seqwrite-128k-qd1", block: 128 << 10, random: false, write: true, qd: 1 },
     Workload { name: "seqread-128k-qd1", block: 128 << 10, random: false, write: false, qd: 1 },
+    Workload { name: "seqwrite-1m-qd1", block: 1 << 20, random: false, write: true, qd: 1 },
+    Workload { name: "seqwrite-128k-qd16", block: 128 << 10, random: false, write: true, qd: 16 },
+    Workload { name: "seqwrite-1m-qd16", block: 1 << 20, random: false, write: true, qd: 16 },
 ];
 
 /// Creates a pool (io_uring backend) with one volume of `vol_size` bytes on a file that is

@@ -272,11 +272,14 @@ impl Ctx {
 
     /// Syncs the store so that everything written so far is durable; a failure poisons the pool.
     pub fn sync_store(&self) -> Result<()> {
-        self.backend.sync().map_err(|e| {
-            let e = Error::io("syncing the pool store", e);
-            self.poison(&e);
-            e
-        })
+        // The chain records of segment moves are part of what a sync promises: without them,
+        // recovery would not find the batches written in the new segments.
+        let r = self
+            .backend
+            .sync()
+            .map_err(|e| Error::io("syncing the pool store", e))
+            .and_then(|()| self.meta.sync_chain());
+        r.inspect_err(|e| self.poison(e))
     }
 
     /// Free segments below which the background cleaner runs: two above the reserve. Kept small

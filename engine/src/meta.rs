@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 
+use parking_lot::Mutex;
 use rocksdb::{DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
 
 use crate::error::{Error, ErrorKind, Result, corrupt};
@@ -257,6 +258,11 @@ pub(crate) struct CheckpointWrite {
 #[derive(Debug)]
 pub(crate) struct Meta {
     db: DB,
+    /// Chain records not yet durable. A segment move is noted here and becomes durable with
+    /// the next store sync (`Ctx::sync_store`) or checkpoint, not with a RocksDB sync of its
+    /// own on the write path: batches in the new segment need the record only once something
+    /// promised them durable, and every such promise goes through one of those two.
+    pending_chain: Mutex<BTreeMap<u64, u64>>,
 }
 
 fn sync_opts() -> WriteOptions {
@@ -295,7 +301,7 @@ impl Meta {
         b.put(KEY_NEXT_ID, 1u64.to_le_bytes());
         b.put(KEY_CKPT, first.encode());
         db.write_opt(b, &sync_opts())?;
-        Ok(Self { db })
+        Ok(Self { db, pending_chain: Mutex::default() })
     }
 
     /// Opens an existing store.
@@ -309,7 +315,7 @@ impl Meta {
         let db = DB::open(&db_options(false), dir).map_err(|e| {
             Error::new(ErrorKind::Io, format!("cannot open metadata store at {}", dir.display())).with_source(e)
         })?;
-        Ok(Self { db })
+        Ok(Self { db, pending_chain: Mutex::default() })
     }
 
     pub fn uuid(&self) -> Result<Option<Vec<u8>>> {
@@ -423,9 +429,42 @@ impl Meta {
         Ok(out)
     }
 
-    /// Records, durably, that batch `seq` and its successors go to segment `seg`.
-    pub fn put_chain(&self, seq: u64, seg: u64) -> Result<()> {
-        Ok(self.db.put_opt(key(b"l/", &[seq]), seg.to_le_bytes(), &sync_opts())?)
+    /// Notes that batch `seq` and its successors go to segment `seg`; durable with the next
+    /// [`Meta::sync_chain`] or checkpoint.
+    pub fn note_chain(&self, seq: u64, seg: u64) {
+        self.pending_chain.lock().insert(seq, seg);
+    }
+
+    /// Makes every chain record noted so far durable (one synchronous write, none if nothing
+    /// is pending).
+    pub fn sync_chain(&self) -> Result<()> {
+        let mut b = WriteBatch::default();
+        let pending = self.put_pending_chain(&mut b);
+        if pending.is_empty() {
+            return Ok(());
+        }
+        self.db.write_opt(b, &sync_opts())?;
+        self.forget_chain(&pending);
+        Ok(())
+    }
+
+    /// Adds the pending chain records to `b`; returns them, for [`Meta::forget_chain`] once
+    /// `b` is written.
+    fn put_pending_chain(&self, b: &mut WriteBatch) -> Vec<(u64, u64)> {
+        let pending: Vec<(u64, u64)> = self.pending_chain.lock().iter().map(|(&k, &v)| (k, v)).collect();
+        for &(seq, seg) in &pending {
+            b.put(key(b"l/", &[seq]), seg.to_le_bytes());
+        }
+        pending
+    }
+
+    fn forget_chain(&self, written: &[(u64, u64)]) {
+        let mut p = self.pending_chain.lock();
+        for (seq, seg) in written {
+            if p.get(seq) == Some(seg) {
+                p.remove(seq);
+            }
+        }
     }
 
     /// Applies a checkpoint atomically; chain records before its sequence are dropped.
@@ -444,17 +483,23 @@ impl Meta {
             }
         }
         add_ops(&mut b, &w.catalog);
+        // Segment moves since the last sync go with it (before the range delete, which drops
+        // those the checkpoint makes unneeded).
+        let chain = self.put_pending_chain(&mut b);
         if let Some(r) = w.record {
             b.put(KEY_CKPT, r.encode());
             b.delete_range(key(b"l/", &[0]), key(b"l/", &[r.seq]));
         }
-        Ok(self.db.write_opt(b, &sync_opts())?)
+        self.db.write_opt(b, &sync_opts())?;
+        self.forget_chain(&chain);
+        Ok(())
     }
 
     /// Drops every chain record (after recovery has written a fresh checkpoint).
     pub fn clear_chain(&self) -> Result<()> {
         let mut b = WriteBatch::default();
         b.delete_range(key(b"l/", &[0]), key(b"l/", &[u64::MAX]));
+        self.pending_chain.lock().clear();
         Ok(self.db.write_opt(b, &sync_opts())?)
     }
 }
@@ -529,16 +574,24 @@ mod tests {
             let m = Meta::create(dir.path(), &[1; 16], first).unwrap();
             assert_eq!(m.next_id().unwrap(), 1);
             assert_eq!(m.next_id().unwrap(), 2);
-            m.put_chain(10, 3).unwrap();
-            m.put_chain(20, 4).unwrap();
+            m.note_chain(10, 3);
+            m.sync_chain().unwrap();
+            // Noted only: lost with the process, as after a crash before any sync.
+            m.note_chain(20, 4);
         }
         assert_eq!(Meta::create(dir.path(), &[1; 16], first).unwrap_err().kind(), ErrorKind::AlreadyExists);
         let m = Meta::open(dir.path()).unwrap();
         assert_eq!(m.next_id().unwrap(), 3);
-        assert_eq!(m.chain().unwrap().len(), 2);
+        assert_eq!(m.chain().unwrap().into_iter().collect::<Vec<_>>(), vec![(10, 3)]);
+        // A checkpoint carries what is pending and drops what it makes unneeded.
+        m.note_chain(20, 4);
         let rec = CheckpointRecord { seq: 15, ..first };
         m.write_checkpoint(CheckpointWrite { record: Some(rec), ..Default::default() }).unwrap();
         assert_eq!(m.chain().unwrap().into_iter().collect::<Vec<_>>(), vec![(20, 4)]);
+        m.note_chain(30, 5);
+        m.sync_chain().unwrap();
+        m.sync_chain().unwrap();
+        assert_eq!(m.chain().unwrap().len(), 2);
         assert_eq!(m.checkpoint().unwrap(), rec);
         let missing = dir.path().join("nope");
         assert_eq!(Meta::open(&missing).unwrap_err().kind(), ErrorKind::NotFound);

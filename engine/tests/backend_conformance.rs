@@ -63,6 +63,37 @@ fn conformance(b: &dyn Backend) {
     assert_eq!(&r[BLOCK..2 * BLOCK], &pattern(9, BLOCK)[..]);
     assert_eq!(&r[2 * BLOCK..], &pattern(2, 16 * BLOCK)[2 * BLOCK..3 * BLOCK]);
 
+    // write_pieces: pieces asked for one at a time, in any order, more than a ring holds, one
+    // larger than a write piece; all land. A bad piece ends the stream with an error, and the
+    // pieces before it still land whole.
+    let base = 512 * BLOCK as u64;
+    let big = pattern(6, 300 << 10);
+    let blocks: Vec<AlignedBuf> = (0..80u8).map(|i| pattern(i.wrapping_add(100), BLOCK)).collect();
+    let mut asked = 0;
+    let mut pieces = blocks
+        .iter()
+        .enumerate()
+        .rev()
+        .map(|(i, w)| (&w[..], base + (i * BLOCK) as u64))
+        .chain([(&big[..], base + 128 * BLOCK as u64)])
+        .inspect(|_| asked += 1);
+    b.write_pieces(&mut pieces).unwrap();
+    assert_eq!(asked, 81);
+    let mut r = AlignedBuf::new(80 * BLOCK);
+    b.read_at(&mut r, base).unwrap();
+    for (i, w) in blocks.iter().enumerate() {
+        assert_eq!(&r[i * BLOCK..(i + 1) * BLOCK], &w[..], "piece {i}");
+    }
+    let mut r = AlignedBuf::new(big.len());
+    b.read_at(&mut r, base + 128 * BLOCK as u64).unwrap();
+    assert_eq!(&r[..], &big[..]);
+    let good = pattern(7, BLOCK);
+    let mut pieces = [(&good[..], base), (&good[..], LEN), (&good[..], base + BLOCK as u64)].into_iter();
+    assert!(b.write_pieces(&mut pieces).is_err(), "a piece past the end fails the write");
+    let mut r = AlignedBuf::new(BLOCK);
+    b.read_at(&mut r, base).unwrap();
+    assert_eq!(&r[..], &good[..]);
+
     // Misaligned or out-of-range requests are refused, not half-done.
     let mut small = AlignedBuf::new(BLOCK);
     assert!(b.read_at(&mut small[..512], 0).is_err());

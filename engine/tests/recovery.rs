@@ -292,3 +292,31 @@ fn faults_in_the_tail_the_room_and_the_cleaner_lose_nothing_flushed() {
         }
     }
 }
+
+#[test]
+fn a_segment_move_is_durable_with_the_next_flush_and_lost_whole_without_one() {
+    for flush in [false, true] {
+        let (f, pool) = Fixture::new(16);
+        pool.create_volume("v", MIB).unwrap();
+        let v = pool.open_volume("v").unwrap();
+        let data = pattern(7, MIB as usize);
+        // 1 MiB through 256 KiB segments: the head moves several times.
+        v.write(0, &data).unwrap();
+        if flush {
+            pool.flush().unwrap();
+        }
+        f.backend.crash();
+        drop(pool);
+        // Every batch reached the device; only the chain records of the moves wait for a sync.
+        f.backend.restart(CrashMode::KeepAll);
+        let pool = f.reopen();
+        let got = read_all(&pool, "v", MIB as usize);
+        if flush {
+            assert!(got == data, "a flush covers the segment moves before it");
+        } else {
+            let kept = got.chunks(4096).zip(data.chunks(4096)).take_while(|(g, d)| g == d).count();
+            assert!(kept > 0 && kept < 64, "replay ends with the first segment: {kept} blocks kept");
+            assert!(got[kept * 4096..].iter().all(|&b| b == 0), "what follows is dropped whole");
+        }
+    }
+}

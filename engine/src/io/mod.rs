@@ -83,6 +83,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Writes all of `buf` at `offset`. Not durable until a later [`Backend::sync`] completes.
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
 
+    /// Writes pieces, each at its offset, as one write whose parts may complete in any order
+    /// (a crash may keep any subset). The next piece is asked for only once the previous one is
+    /// on its way, so a caller that prepares pieces as they are asked for (copying,
+    /// checksumming) overlaps that work with the device's; backends that keep requests in
+    /// flight override this. Returns once every piece has completed.
+    fn write_pieces(&self, pieces: &mut dyn Iterator<Item = (&[u8], u64)>) -> io::Result<()> {
+        for (buf, offset) in pieces {
+            self.write_at(buf, offset)?;
+        }
+        Ok(())
+    }
+
     /// Makes every completed write durable.
     fn sync(&self) -> io::Result<()>;
 

@@ -59,11 +59,19 @@ impl UringBackend {
         out
     }
 
-    /// Runs `ops` (opcode entries whose user_data is their index) to completion, resubmitting
-    /// short transfers. `spans[i]` is the (pointer, length, offset) of op i, for resubmission.
-    fn run(&self, ring: &mut IoUring, spans: &mut [(*mut u8, usize, u64)], write: bool) -> io::Result<()> {
+    /// Runs `spans` (pointer, length, offset) and then whatever `more` yields to completion,
+    /// resubmitting short transfers. A span from `more` is submitted as soon as it is yielded,
+    /// before `more` is asked for the next; completions are waited for once `more` is done (or
+    /// the ring is full).
+    fn run(
+        &self,
+        ring: &mut IoUring,
+        spans: &mut Vec<Span>,
+        more: &mut dyn FnMut() -> Option<Span>,
+        write: bool,
+    ) -> io::Result<()> {
         let fd = types::Fd(self.file.file.as_raw_fd());
-        let build = |i: usize, (ptr, len, off): (*mut u8, usize, u64)| -> squeue::Entry {
+        let build = |i: usize, (ptr, len, off): Span| -> squeue::Entry {
             let len32 = u32::try_from(len).expect("backend requests are below 4 GiB");
             let e = if write {
                 opcode::Write::new(fd, ptr.cast_const(), len32).offset(off).build()
@@ -73,24 +81,41 @@ impl UringBackend {
             e.user_data(i as u64)
         };
         let mut next = 0;
+        let mut more_done = false;
         let mut in_flight = 0usize;
         let mut first_err: Option<io::Error> = None;
         let mut retry: Vec<usize> = Vec::new();
-        while next < spans.len() || in_flight > 0 || !retry.is_empty() {
-            // Queue as much as fits: retries first, then new operations (unless failing).
+        loop {
+            // Queue as much as fits: retries first, then known operations, then new ones from
+            // `more` (unless failing).
             loop {
+                let mut fresh = false;
                 let idx = if let Some(i) = retry.pop() {
                     i
                 } else if next < spans.len() && first_err.is_none() {
                     next += 1;
                     next - 1
+                } else if !more_done && first_err.is_none() {
+                    match more() {
+                        Some(span) => {
+                            spans.push(span);
+                            next = spans.len();
+                            fresh = true;
+                            next - 1
+                        }
+                        None => {
+                            more_done = true;
+                            break;
+                        }
+                    }
                 } else {
                     break;
                 };
                 let entry = build(idx, spans[idx]);
-                // SAFETY: the buffer behind spans[idx] is borrowed for this whole call, and the
-                // loop below does not return before every pushed entry's completion is reaped,
-                // so the kernel never touches it after the borrow ends.
+                // SAFETY: the buffer behind spans[idx] is borrowed for this whole call (the
+                // caller's slices outlive it), and the loop below does not return before every
+                // pushed entry's completion is reaped, so the kernel never touches it after the
+                // borrow ends.
                 if unsafe { ring.submission().push(&entry) }.is_err() {
                     // Queue full: put it back and submit what we have.
                     if idx + 1 == next {
@@ -101,8 +126,14 @@ impl UringBackend {
                     break;
                 }
                 in_flight += 1;
+                if fresh {
+                    // Start it now, while the caller prepares the next one. A failure here
+                    // leaves it queued for the submit below.
+                    let _ = ring.submit();
+                }
             }
             if in_flight == 0 {
+                // Nothing queued: all done, or failing with nothing left in flight.
                 break;
             }
             if let Err(e) = ring.submit_and_wait(1) {
@@ -139,6 +170,17 @@ impl UringBackend {
     }
 }
 
+/// One operation: (pointer, length, offset).
+type Span = (*mut u8, usize, u64);
+
+/// Spans of at most [`WRITE_PIECE`] bytes for a write of `buf` at `offset`.
+fn write_spans(buf: &[u8], offset: u64) -> impl Iterator<Item = Span> + '_ {
+    // The kernel only reads through these pointers for a write.
+    buf.chunks(WRITE_PIECE)
+        .enumerate()
+        .map(move |(i, piece)| (piece.as_ptr().cast_mut(), piece.len(), offset + (i * WRITE_PIECE) as u64))
+}
+
 impl Backend for UringBackend {
     fn len(&self) -> u64 {
         self.file.len
@@ -158,18 +200,36 @@ impl Backend for UringBackend {
             check_request(op.buf.len(), op.offset, self.file.len, op.buf.as_ptr())?;
             spans.push((op.buf.as_mut_ptr(), op.buf.len(), op.offset));
         }
-        self.with_ring(|ring| self.run(ring, &mut spans, false))
+        self.with_ring(|ring| self.run(ring, &mut spans, &mut || None, false))
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         check_request(buf.len(), offset, self.file.len, buf.as_ptr())?;
-        // The kernel only reads through these pointers for a write.
-        let mut spans: Vec<(*mut u8, usize, u64)> = buf
-            .chunks(WRITE_PIECE)
-            .enumerate()
-            .map(|(i, piece)| (piece.as_ptr().cast_mut(), piece.len(), offset + (i * WRITE_PIECE) as u64))
-            .collect();
-        self.with_ring(|ring| self.run(ring, &mut spans, true))
+        let mut spans: Vec<Span> = write_spans(buf, offset).collect();
+        self.with_ring(|ring| self.run(ring, &mut spans, &mut || None, true))
+    }
+
+    fn write_pieces(&self, pieces: &mut dyn Iterator<Item = (&[u8], u64)>) -> io::Result<()> {
+        // A bad piece ends the stream; the pieces already sent still complete before we return.
+        let mut bad: Option<io::Error> = None;
+        let mut queued: std::collections::VecDeque<Span> = std::collections::VecDeque::new();
+        let mut more = || {
+            if let Some(span) = queued.pop_front() {
+                return Some(span);
+            }
+            let (buf, offset) = pieces.next()?;
+            if let Err(e) = check_request(buf.len(), offset, self.file.len, buf.as_ptr()) {
+                bad = Some(e);
+                return None;
+            }
+            queued.extend(write_spans(buf, offset));
+            queued.pop_front()
+        };
+        let r = self.with_ring(|ring| self.run(ring, &mut Vec::new(), &mut more, true));
+        match bad {
+            Some(e) => Err(e),
+            None => r,
+        }
     }
 
     fn sync(&self) -> io::Result<()> {

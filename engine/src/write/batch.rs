@@ -16,6 +16,9 @@ use crate::write::queue::MAX_ENTRIES;
 use crate::write::req::{Payload, Req};
 use crate::write::room::reserve_room;
 
+/// Data bytes copied and checksummed before they are handed to the store (see `write_batch`).
+const PREP_PIECE: usize = 256 << 10;
+
 /// Data blocks a batch can still carry in the head segment, keeping room for the largest header.
 pub(crate) fn head_room_blocks(ctx: &Ctx) -> u64 {
     let st = ctx.state.read();
@@ -68,31 +71,49 @@ pub(crate) fn write_batch(ctx: &Ctx, log: &Log, reqs: &[Req], scratch: &mut Alig
     if scratch.len() < len {
         *scratch = AlignedBuf::new(len);
     }
-    // Every byte of buf[..len] is written below: the header (zero-padded by encode_into) and data.
-    let buf = &mut scratch[..len];
-    let mut crcs = Vec::with_capacity(data_blocks);
-    let mut at = hb * BLOCK;
-    for r in reqs {
-        if let Req::Write { data, .. } | Req::Move { data, .. } = r {
-            buf[at..at + data.len()].copy_from_slice(data);
-            crcs.extend(data.chunks(BLOCK).map(block_crc));
-            at += data.len();
-        }
-    }
     // Unmap-only batches and the cleaner's moves may use the reserve: both give space back.
     let may_use_reserve = reqs.iter().all(|r| matches!(r, Req::Unmap { .. } | Req::Move { .. }));
-    let pos = reserve_room(ctx, log, buf.len() as u64, may_use_reserve)?;
-    let header = BatchHeader {
+    let pos = reserve_room(ctx, log, len as u64, may_use_reserve)?;
+    let mut header = BatchHeader {
         seq: pos.seq,
         generation: ctx.state.read().generation,
         uuid_tag: ctx.sb.uuid_tag(),
         entries,
-        crcs,
+        crcs: Vec::with_capacity(data_blocks),
     };
-    header.encode_into(&mut buf[..hb * BLOCK]);
-    let buf = &*buf;
     let offset = ctx.sb.segment_offset(pos.seg, pos.off);
-    if let Err(e) = ctx.backend.write_at(buf, offset) {
+    // The data goes to the store a piece at a time as it is copied and checksummed, so the
+    // device works while the next piece is prepared; the header, which holds every checksum,
+    // goes last. Every byte of scratch[..len] is written: the header (zero-padded by
+    // encode_into) and the data.
+    let (head_buf, mut rest) = scratch[..len].split_at_mut(hb * BLOCK);
+    let mut head_buf = Some(head_buf);
+    let mut datas = reqs.iter().filter_map(|r| match r {
+        Req::Write { data, .. } | Req::Move { data, .. } => Some(&data[..]),
+        _ => None,
+    });
+    let mut cur: &[u8] = &[];
+    let mut at = offset + (hb * BLOCK) as u64;
+    let mut pieces = std::iter::from_fn(|| {
+        while cur.is_empty() {
+            let Some(d) = datas.next() else {
+                let h = head_buf.take()?;
+                header.encode_into(h);
+                return Some((&*h, offset));
+            };
+            cur = d;
+        }
+        let (src, tail) = cur.split_at(cur.len().min(PREP_PIECE));
+        cur = tail;
+        let (dst, r) = std::mem::take(&mut rest).split_at_mut(src.len());
+        rest = r;
+        dst.copy_from_slice(src);
+        header.crcs.extend(src.chunks(BLOCK).map(block_crc));
+        at += src.len() as u64;
+        Some((&*dst, at - src.len() as u64))
+    });
+    let written = ctx.backend.write_pieces(&mut pieces);
+    if let Err(e) = written {
         let e = Error::io(format!("writing log batch {} at segment {} offset {}", pos.seq, pos.seg, pos.off), e);
         // ENOSPC from the filesystem under a sparse file: nothing was acknowledged, the head does
         // not move, and the next batch overwrites whatever part of this one landed.
@@ -101,7 +122,7 @@ pub(crate) fn write_batch(ctx: &Ctx, log: &Log, reqs: &[Req], scratch: &mut Alig
         }
         return Err(e);
     }
-    ctx.media_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+    ctx.media_bytes.fetch_add(len as u64, Ordering::Relaxed);
     let client: usize = reqs.iter().map(|r| if let Req::Write { data, .. } = r { data.len() } else { 0 }).sum();
     ctx.client_bytes.fetch_add(client as u64, Ordering::Relaxed);
     let mut st = ctx.state.write();

@@ -1,5 +1,6 @@
-//! Room at the log head: the head segment while a batch fits, else a fresh segment, recorded
-//! durably in the segment chain before anything is written there.
+//! Room at the log head: the head segment while a batch fits, else a fresh segment, noted in
+//! the segment chain before anything is written there (durable with the next store sync or
+//! checkpoint: see `Meta::note_chain`).
 
 use crate::ctx::{Ctx, FaultPoint};
 use crate::error::{Error, ErrorKind, Result};
@@ -20,8 +21,8 @@ pub(crate) trait MakeRoom: Send + Sync + std::fmt::Debug {
     fn cleaning(&self) -> bool;
 }
 
-/// Finds room for `len` bytes at the log head, opening a new segment if needed (recording the
-/// move durably first). Returns where the batch goes.
+/// Finds room for `len` bytes at the log head, opening a new segment if needed (noting the
+/// move in the chain first). Returns where the batch goes.
 pub(crate) fn reserve_room(ctx: &Ctx, log: &Log, len: u64, may_use_reserve: bool) -> Result<LogPos> {
     let seg_size = ctx.sb.segment_size;
     // Once the cleaner's moves have dipped into the reserve, the head they opened is theirs:
@@ -89,7 +90,7 @@ pub(crate) fn reserve_room(ctx: &Ctx, log: &Log, len: u64, may_use_reserve: bool
         .allocate(ctx.sb.segment_offset(seg, 0), seg_size)
         .map_err(|e| Error::io(format!("allocating segment {seg}"), e))
         .and_then(|()| ctx.fault(FaultPoint::RoomBeforeChain))
-        .and_then(|()| ctx.meta.put_chain(head.seq, seg as u64));
+        .map(|()| ctx.meta.note_chain(head.seq, seg as u64));
     let mut st = ctx.state.write();
     if let Err(e) = ready {
         st.segs.segs[seg].state = SegState::Free;
