@@ -205,18 +205,17 @@ impl Admin for AdminService {
     type ScrubPoolStream = tokio_stream::wrappers::ReceiverStream<Result<pb::ScrubPoolProgress, Status>>;
 
     async fn scrub_pool(&self, _: Request<pb::ScrubPoolRequest>) -> Result<Response<Self::ScrubPoolStream>, Status> {
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
         let pool = Arc::clone(&self.pool);
-        tokio::task::spawn_blocking(move || {
+        Ok(Response::new(stream_job(move |send| {
             let msg = |p: ferrite_engine::ScrubProgress| pb::ScrubPoolProgress {
                 checked_bytes: p.checked_bytes,
                 total_bytes: p.total_bytes,
                 damaged_blocks: p.damaged_blocks,
                 ..Default::default()
             };
-            // Progress is best effort: a full channel (slow client) skips an update.
-            let result = pool.scrub(&mut |p| drop(tx.try_send(Ok(msg(p)))));
-            let last = result.map_err(status).map(|r| pb::ScrubPoolProgress {
+            let r = pool.scrub(&mut |p| send(msg(p))).map_err(status)?;
+            tracing::info!(checked = r.checked_bytes, damaged = r.damaged.len(), "scrub finished");
+            Ok(pb::ScrubPoolProgress {
                 checked_bytes: r.checked_bytes,
                 total_bytes: r.checked_bytes,
                 damaged_blocks: r.damaged.len() as u64,
@@ -226,13 +225,8 @@ impl Admin for AdminService {
                     .into_iter()
                     .map(|d| pb::DamagedBlock { offset: d.offset, pool_block: d.pool_block, images: d.images })
                     .collect(),
-            });
-            if let Ok(r) = &last {
-                tracing::info!(checked = r.checked_bytes, damaged = r.damaged_blocks, "scrub finished");
-            }
-            let _ = tx.blocking_send(last);
-        });
-        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
+            })
+        })))
     }
 
     type DefragVolumeStream = tokio_stream::wrappers::ReceiverStream<Result<pb::DefragVolumeProgress, Status>>;
@@ -243,33 +237,27 @@ impl Admin for AdminService {
     ) -> Result<Response<Self::DefragVolumeStream>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
         let pool = Arc::clone(&self.pool);
-        tokio::task::spawn_blocking(move || {
+        Ok(Response::new(stream_job(move |send| {
             let msg = |p: ferrite_engine::DefragProgress| pb::DefragVolumeProgress {
                 done_bytes: p.done_bytes,
                 total_bytes: p.total_bytes,
                 moved_bytes: p.moved_bytes,
                 ..Default::default()
             };
-            // Progress is best effort: a full channel (slow client) skips an update.
-            let result = pool.defrag_volume(&name, |p| drop(tx.try_send(Ok(msg(p)))));
-            let last = result.map_err(status).map(|r| {
-                tracing::info!(volume = %name, moved = r.moved_bytes, runs_before = r.runs_before,
-                    runs_after = r.runs_after, "defrag finished");
-                pb::DefragVolumeProgress {
-                    done_bytes: r.mapped_bytes,
-                    total_bytes: r.mapped_bytes,
-                    moved_bytes: r.moved_bytes,
-                    done: true,
-                    runs_before: r.runs_before,
-                    runs_after: r.runs_after,
-                    mapped_bytes: r.mapped_bytes,
-                }
-            });
-            let _ = tx.blocking_send(last);
-        });
-        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
+            let r = pool.defrag_volume(&name, |p| send(msg(p))).map_err(status)?;
+            tracing::info!(volume = %name, moved = r.moved_bytes, runs_before = r.runs_before,
+                runs_after = r.runs_after, "defrag finished");
+            Ok(pb::DefragVolumeProgress {
+                done_bytes: r.mapped_bytes,
+                total_bytes: r.mapped_bytes,
+                moved_bytes: r.moved_bytes,
+                done: true,
+                runs_before: r.runs_before,
+                runs_after: r.runs_after,
+                mapped_bytes: r.mapped_bytes,
+            })
+        })))
     }
 
     async fn create_volume(&self, req: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
@@ -722,4 +710,19 @@ impl Admin for AdminService {
             .collect();
         Ok(Response::new(pb::ListClientsResponse { clients }))
     }
+}
+
+/// Runs a long blocking job and streams it: `job` gets a callback for progress messages (best
+/// effort: a full channel, i.e. a slow client, skips one) and returns the final message (or the
+/// error), which is always sent, last.
+fn stream_job<M: Send + 'static>(
+    job: impl FnOnce(&mut dyn FnMut(M)) -> Result<M, Status> + Send + 'static,
+) -> tokio_stream::wrappers::ReceiverStream<Result<M, Status>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::task::spawn_blocking(move || {
+        let progress = tx.clone();
+        let last = job(&mut |m| drop(progress.try_send(Ok(m))));
+        let _ = tx.blocking_send(last);
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }

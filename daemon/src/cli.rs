@@ -578,6 +578,31 @@ pub fn print_ranges(out: Output, r: &pb::ChangedRangesResponse) {
     }
 }
 
+/// Follows a streamed job to its end: a progress line (table output) fed by `progress` of each
+/// message, which also says whether the message is the final one; returns that final message.
+pub async fn follow<T>(
+    mut stream: tonic::Streaming<T>,
+    what: &'static str,
+    out: Output,
+    progress: impl Fn(&T) -> (u64, u64, bool),
+) -> Result<T> {
+    let mut last = None;
+    let mut bar = (out == Output::Table).then(|| Progress::new(what));
+    while let Some(m) = stream.message().await.map_err(rpc_error)? {
+        let (done, total, finished) = progress(&m);
+        if let Some(bar) = &mut bar {
+            bar.update(done, total);
+        }
+        if finished {
+            last = Some(m);
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish();
+    }
+    last.ok_or_else(|| anyhow::anyhow!("the daemon ended the {what} without a result"))
+}
+
 /// Progress of a long operation on stderr: an indicatif bar on a terminal, left at its final
 /// state when done; elsewhere (logs, CI), where indicatif draws nothing, a line at every 25%.
 #[derive(Debug)]

@@ -553,21 +553,8 @@ async fn client(cli: Cli) -> Result<()> {
             }
             VolumeCmd::Defrag { name } => {
                 let req = pb::DefragVolumeRequest { name: name.clone() };
-                let mut stream = c.defrag_volume(req).await.map_err(rpc_error)?.into_inner();
-                let mut last = None;
-                let mut progress = (out == Output::Table).then(|| cli::Progress::new("defrag"));
-                while let Some(p) = stream.message().await.map_err(rpc_error)? {
-                    if let Some(progress) = &mut progress {
-                        progress.update(p.done_bytes, p.total_bytes);
-                    }
-                    if p.done {
-                        last = Some(p);
-                    }
-                }
-                if let Some(p) = progress {
-                    p.finish();
-                }
-                let r = last.ok_or_else(|| anyhow::anyhow!("the daemon ended the defrag without a result"))?;
+                let stream = c.defrag_volume(req).await.map_err(rpc_error)?.into_inner();
+                let r = cli::follow(stream, "defrag", out, |p| (p.done_bytes, p.total_bytes, p.done)).await?;
                 cli::print_defrag(out, &name, &r);
             }
         },
@@ -703,21 +690,8 @@ async fn client(cli: Cli) -> Result<()> {
             cli::print_pool(out, s.get_ref());
         }
         Cmd::Pool(PoolCmd::Scrub) => {
-            let mut stream = c.scrub_pool(pb::ScrubPoolRequest {}).await.map_err(rpc_error)?.into_inner();
-            let mut last = None;
-            let mut progress = (out == Output::Table).then(|| cli::Progress::new("scrub"));
-            while let Some(p) = stream.message().await.map_err(rpc_error)? {
-                if let Some(progress) = &mut progress {
-                    progress.update(p.checked_bytes, p.total_bytes);
-                }
-                if p.done {
-                    last = Some(p);
-                }
-            }
-            if let Some(p) = progress {
-                p.finish();
-            }
-            let r = last.ok_or_else(|| anyhow::anyhow!("the daemon ended the scrub without a result"))?;
+            let stream = c.scrub_pool(pb::ScrubPoolRequest {}).await.map_err(rpc_error)?.into_inner();
+            let r = cli::follow(stream, "scrub", out, |p| (p.checked_bytes, p.total_bytes, p.done)).await?;
             cli::print_scrub(out, &r);
             if r.damaged_blocks > 0 {
                 anyhow::bail!("scrub found {} damaged blocks", r.damaged_blocks);

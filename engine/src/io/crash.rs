@@ -34,6 +34,7 @@ struct State {
     reads: u64,
     writes: u64,
     syncs: u64,
+    discards: u64,
     fail_after_writes: Option<u64>,
 }
 
@@ -43,6 +44,7 @@ pub struct IoCounters {
     pub reads: u64,
     pub writes: u64,
     pub syncs: u64,
+    pub discards: u64,
 }
 
 /// An in-memory store that can lose its unsynced writes the way a real disk does.
@@ -68,6 +70,7 @@ impl CrashBackend {
             reads: 0,
             writes: 0,
             syncs: 0,
+            discards: 0,
             fail_after_writes: None,
         };
         Self { state: Mutex::new(state), len }
@@ -131,7 +134,7 @@ impl CrashBackend {
     /// Number of completed reads, writes and syncs so far.
     pub fn counters(&self) -> IoCounters {
         let s = self.state.lock();
-        IoCounters { reads: s.reads, writes: s.writes, syncs: s.syncs }
+        IoCounters { reads: s.reads, writes: s.writes, syncs: s.syncs, discards: s.discards }
     }
 
     /// Overwrites bytes of the current and durable images directly (simulated media corruption).
@@ -187,6 +190,24 @@ impl Backend for CrashBackend {
             s.durable[off..off + data.len()].copy_from_slice(&data);
         }
         s.syncs += 1;
+        Ok(())
+    }
+
+    /// Like a device that drops discarded blocks at once (an SSD after TRIM): the range reads as
+    /// zeros from now on, crash or not. Unsynced writes into it stay unsynced writes.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        let mut s = self.state.lock();
+        if s.crashed {
+            return Err(crashed());
+        }
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "discard past the end of the store"));
+        }
+        let at = usize::try_from(offset).expect("offset within the store");
+        let n = usize::try_from(len).expect("length within the store");
+        s.current[at..at + n].fill(0);
+        s.durable[at..at + n].fill(0);
+        s.discards += 1;
         Ok(())
     }
 }

@@ -109,8 +109,9 @@ pub(crate) fn write_batch(ctx: &Ctx, log: &Log, reqs: &[Req], scratch: &mut Alig
         rest = r;
         dst.copy_from_slice(src);
         header.crcs.extend(src.chunks(BLOCK).map(block_crc));
+        let piece = (&*dst, at);
         at += src.len() as u64;
-        Some((&*dst, at - src.len() as u64))
+        Some(piece)
     });
     let written = ctx.backend.write_pieces(&mut pieces);
     if let Err(e) = written {

@@ -33,37 +33,23 @@ pub(crate) fn write_cold(ctx: &Ctx, log: &Log, moves: Vec<(u64, u64, Vec<u8>)>) 
     while !queue.is_empty() {
         let head = cold_room(ctx, log)?;
         let room = usize::try_from((ctx.sb.segment_size - head.off) / BLOCK as u64).expect("small");
-        let mut entries = Vec::new();
-        let mut parts = Vec::new();
-        let mut blocks = 0;
-        while let Some((layer, lba, data)) = queue.pop_front() {
-            let n = data.len() / BLOCK;
-            if blocks + n > room {
-                // What fits goes now; the rest starts the next segment.
-                let fit = room - blocks;
-                if fit > 0 {
-                    let rest = data[fit * BLOCK..].to_vec();
-                    entries.push(entry(layer, lba, fit));
-                    parts.push(data[..fit * BLOCK].to_vec());
-                    queue.push_front((layer, lba + fit as u64, rest));
-                } else {
-                    queue.push_front((layer, lba, data));
-                }
-                blocks = room;
-                break;
-            }
-            entries.push(entry(layer, lba, n));
-            parts.push(data);
-            blocks += n;
-        }
-        let len = blocks * BLOCK;
+        // Straight into the write buffer; a move that does not fit leaves its rest at the front
+        // of the queue for the next segment.
+        let len = queue.iter().map(|(_, _, d)| d.len() / BLOCK).sum::<usize>().min(room) * BLOCK;
         if buf.len() < len {
             buf = AlignedBuf::new(len);
         }
+        let mut entries = Vec::new();
         let mut at = 0;
-        for p in &parts {
-            buf[at..at + p.len()].copy_from_slice(p);
-            at += p.len();
+        while at < len {
+            let (layer, lba, data) = queue.pop_front().expect("len counts only what is queued");
+            let fit = data.len().min(len - at);
+            buf[at..at + fit].copy_from_slice(&data[..fit]);
+            entries.push(entry(layer, lba, fit / BLOCK));
+            if fit < data.len() {
+                queue.push_front((layer, lba + (fit / BLOCK) as u64, data[fit..].to_vec()));
+            }
+            at += fit;
         }
         let crcs: Vec<u32> = buf[..len].chunks(BLOCK).map(block_crc).collect();
         let offset = ctx.sb.segment_offset(head.seg, head.off);

@@ -206,6 +206,9 @@ pub(crate) fn append(ctx: &Ctx, log: &Log, reqs: Vec<Req>) -> Vec<(Req, Result<(
             ctx.client_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
             out.push((r, Ok(())));
         }
+        if b.blocks() == b.capacity {
+            tail.cv.notify_all(); // the flusher sends a full batch at once
+        }
     }
     out
 }
@@ -352,9 +355,10 @@ pub(crate) fn flusher_loop(ctx: &Ctx, log: &Log) {
         if slot.stop {
             return;
         }
-        match slot.batch.as_ref().map(|b| b.opened + ctx.opts.write_delay) {
+        // A full batch goes at once: the next write would only wait for it.
+        match slot.batch.as_ref().map(|b| (b.opened + ctx.opts.write_delay, b.blocks() == b.capacity)) {
             None => tail.cv.wait(&mut slot),
-            Some(due) if Instant::now() < due => {
+            Some((due, false)) if Instant::now() < due => {
                 tail.cv.wait_until(&mut slot, due);
             }
             Some(_) => {
