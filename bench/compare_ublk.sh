@@ -21,9 +21,9 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ferrite/target}"
 command -v fio >/dev/null || { echo "SKIPPED: fio is not installed"; exit 0; }
 command -v rublk >/dev/null || { echo "installing rublk (cargo install)..." >&2; cargo install --locked rublk >&2; }
 
-echo "building ferrite (release)..." >&2
-cargo build --release --locked -p ferrite
-FERRITE="$CARGO_TARGET_DIR/release/ferrite"
+echo "building ferrite..." >&2
+cargo build --locked --workspace --bin ferrite
+FERRITE="$CARGO_TARGET_DIR/debug/ferrite"
 mkdir -p "$DIR/ferrite"
 BYTES=$(python3 -c "import sys; u={'K':10,'M':20,'G':30}; s=sys.argv[1]; print(int(s[:-1])<<u[s[-1]] if s[-1] in u else int(s))" "$SIZE")
 fio --name=prefill --filename="$DIR/loop.img" --size="$SIZE" --rw=write --bs=1M --ioengine=libaio \

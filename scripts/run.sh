@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 # The dev profile builds dependencies optimised (see Cargo.toml) and shares its artifacts with
 # the test suite, so RocksDB is compiled once for both.
 echo "building ferrite (the first build compiles RocksDB: ~15-25 min on 2 cores)..." >&2
-cargo build --locked -p ferrite
+cargo build --locked --workspace --bin ferrite
 FERRITE="$CARGO_TARGET_DIR/debug/ferrite"
 DATA="${FERRITE_DATA_DIR:-$PWD/ferrite-data}"
 mkdir -p "$DATA"

@@ -36,8 +36,11 @@ use crate::write::Log;
 use crate::write::req::Req;
 use crate::write::room::reserve_room;
 
-/// Most data blocks in an open batch (1 MiB); its header must also fit one block.
-const MAX_BLOCKS: usize = 256;
+/// Most data blocks in an open batch (3 MiB); its header must also fit one block, which is the
+/// tighter bound for small writes (about 144 of 4 KiB). Room for 24 writes of 128 KiB: one such
+/// batch in flight keeps a sequential writer at queue depth 1 within reach of the device (with
+/// 1 MiB batches, 128 KiB QD1 ran 14% slower, medians of three).
+const MAX_BLOCKS: usize = 768;
 
 /// Largest write that goes through the open batch (128 KiB); larger ones are written directly.
 const MAX_WRITE_BLOCKS: usize = 32;
@@ -206,7 +209,7 @@ pub(crate) fn append(ctx: &Ctx, log: &Log, reqs: Vec<Req>) -> Vec<(Req, Result<(
             ctx.client_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
             out.push((r, Ok(())));
         }
-        if b.blocks() == b.capacity {
+        if !b.fits(1) {
             tail.cv.notify_all(); // the flusher sends a full batch at once
         }
     }
@@ -356,7 +359,7 @@ pub(crate) fn flusher_loop(ctx: &Ctx, log: &Log) {
             return;
         }
         // A full batch goes at once: the next write would only wait for it.
-        match slot.batch.as_ref().map(|b| (b.opened + ctx.opts.write_delay, b.blocks() == b.capacity)) {
+        match slot.batch.as_ref().map(|b| (b.opened + ctx.opts.write_delay, !b.fits(1))) {
             None => tail.cv.wait(&mut slot),
             Some((due, false)) if Instant::now() < due => {
                 tail.cv.wait_until(&mut slot, due);
