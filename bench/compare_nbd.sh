@@ -15,7 +15,9 @@
 # MODE=device serves block devices, as production does: each server gets a loop device of its
 # own (direct I/O to a pre-written backing file), Ferrite's formatted with `ferrite pool format`
 # (twice SIZE, so the cleaner has room), the peers' of SIZE; all three open them O_DIRECT. It adds
-# 128 KiB and 1 MiB sequential rows at QD16 and 1 MiB at QD1. Needs root (losetup).
+# 128 KiB and 1 MiB sequential rows at QD16 and 1 MiB at QD1. Needs root (losetup). Once the rows
+# have written more than twice SIZE, Ferrite's write rows include its cleaner's work (the peers
+# overwrite in place); ONLY='write-' shows the write path alone.
 #
 # After the rounds, Ferrite's volume (scattered by the random-write rows) is defragmented
 # (`ferrite volume defrag`) and the 128 KiB QD1 read row runs once more on all three
