@@ -202,7 +202,7 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
 
 #[tonic::async_trait]
 impl Admin for AdminService {
-    type ScrubPoolStream = tokio_stream::wrappers::ReceiverStream<Result<pb::ScrubPoolProgress, Status>>;
+    type ScrubPoolStream = JobStream<pb::ScrubPoolProgress>;
 
     async fn scrub_pool(&self, _: Request<pb::ScrubPoolRequest>) -> Result<Response<Self::ScrubPoolStream>, Status> {
         let pool = Arc::clone(&self.pool);
@@ -229,7 +229,7 @@ impl Admin for AdminService {
         })))
     }
 
-    type DefragVolumeStream = tokio_stream::wrappers::ReceiverStream<Result<pb::DefragVolumeProgress, Status>>;
+    type DefragVolumeStream = JobStream<pb::DefragVolumeProgress>;
 
     async fn defrag_volume(
         &self,
@@ -712,12 +712,15 @@ impl Admin for AdminService {
     }
 }
 
+/// The stream of a long job's messages (see [`stream_job`]).
+type JobStream<M> = tokio_stream::wrappers::ReceiverStream<Result<M, Status>>;
+
 /// Runs a long blocking job and streams it: `job` gets a callback for progress messages (best
 /// effort: a full channel, i.e. a slow client, skips one) and returns the final message (or the
 /// error), which is always sent, last.
 fn stream_job<M: Send + 'static>(
     job: impl FnOnce(&mut dyn FnMut(M)) -> Result<M, Status> + Send + 'static,
-) -> tokio_stream::wrappers::ReceiverStream<Result<M, Status>> {
+) -> JobStream<M> {
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     tokio::task::spawn_blocking(move || {
         let progress = tx.clone();

@@ -42,11 +42,12 @@ pub fn format(cfg: &Config, req: &FormatRequest) -> Result<()> {
             cfg.meta_dir.display()
         );
     }
-    let device = std::fs::metadata(&path).is_ok_and(|m| m.file_type().is_block_device());
+    let found = std::fs::metadata(&path);
+    let device = found.as_ref().is_ok_and(|m| m.file_type().is_block_device());
     if device && (req.size.is_some() || req.preallocate) {
         bail!("--size and --preallocate apply to pool files; a device pool takes the whole device");
     }
-    match std::fs::metadata(&path) {
+    match found {
         Ok(_) => {
             let file = open_existing(&path, device)?;
             if let Some(found) =

@@ -18,7 +18,7 @@ use crate::ctx::Ctx;
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::BLOCK;
 use crate::maint::checkpoint::checkpoint;
-use crate::maint::cleaner::{Cleaner, move_step, read_step};
+use crate::maint::cleaner::{Cleaner, LiveRun, move_step, read_step};
 use crate::map::segments::Pinned;
 use crate::read::readahead::Readahead;
 use crate::state::{State, Target};
@@ -49,14 +49,18 @@ pub struct DefragReport {
     pub runs_after: u64,
 }
 
-/// (layer, lba, pba, blocks) of each mapped run of `[lba, lba + blocks)` of volume `id`.
-type Owned = Vec<(u64, u64, u64, u64)>;
+/// Volume `id`'s head layer and size.
+fn head(st: &State, id: u64, name: &str) -> Result<(u64, u64)> {
+    st.head_of(Target::Volume(id)).ok_or_else(|| crate::read::resolve::gone(name))
+}
 
-fn resolve_window(st: &State, id: u64, name: &str, lba: u64, blocks: u64) -> Result<Owned> {
-    let (head, _) = st.head_of(Target::Volume(id)).ok_or_else(|| crate::read::resolve::gone(name))?;
+/// (layer, lba, pba, blocks) of each mapped run of `[lba, lba + blocks)` of volume `id`, each
+/// in the layer that owns it.
+fn resolve_window(st: &State, id: u64, name: &str, lba: u64, blocks: u64) -> Result<Vec<LiveRun>> {
+    let (layer, _) = head(st, id, name)?;
     Ok(st
         .layers
-        .resolve(head, lba, blocks)
+        .resolve(layer, lba, blocks)
         .into_iter()
         .filter_map(|r| Some((r.layer, r.lba, r.pba?, r.blocks)))
         .collect())
@@ -65,13 +69,13 @@ fn resolve_window(st: &State, id: u64, name: &str, lba: u64, blocks: u64) -> Res
 /// Runs of consecutive pool blocks a sequential read of volume `id` needs, and its mapped blocks.
 pub(crate) fn layout(ctx: &Ctx, id: u64, name: &str) -> Result<(u64, u64)> {
     let st = ctx.state.read();
-    let size = st.head_of(Target::Volume(id)).ok_or_else(|| crate::read::resolve::gone(name))?.1;
+    let size = head(&st, id, name)?.1;
     let runs = resolve_window(&st, id, name, 0, size / BLOCK as u64)?;
     Ok((media_runs(&runs), runs.iter().map(|r| r.3).sum()))
 }
 
 /// Media reads (runs of consecutive pool blocks) the mapped runs of a window need, in order.
-fn media_runs(runs: &[(u64, u64, u64, u64)]) -> u64 {
+fn media_runs(runs: &[LiveRun]) -> u64 {
     let mut count = 0;
     let mut end = None;
     for &(_, _, pba, n) in runs {
@@ -98,7 +102,7 @@ pub(crate) fn defrag(
     let (runs_before, mapped) = layout(ctx, id, name)?;
     let (size, since) = {
         let st = ctx.state.read();
-        (st.head_of(Target::Volume(id)).ok_or_else(|| crate::read::resolve::gone(name))?.1, st.applied.seq)
+        (head(&st, id, name)?.1, st.applied.seq)
     };
     let total = size / BLOCK as u64;
     let mut report = DefragReport { mapped_bytes: mapped * BLOCK as u64, runs_before, ..DefragReport::default() };
@@ -109,14 +113,14 @@ pub(crate) fn defrag(
         // Resolved and pinned under one lock hold: a segment pinned cannot be freed and reused
         // before its blocks are read (what was overwritten meanwhile, the move step drops).
         let mut pinned = Pinned::new(&ctx.pins);
-        let cold: Owned = {
+        let cold: Vec<LiveRun> = {
             let st = ctx.state.read();
             let hot = |pba: u64| {
                 let seg = st.segs.locate(pba).0;
                 let s = &st.segs.segs[seg];
                 seg == st.applied.seg || (s.last_seq >= since && !s.cold)
             };
-            let cold: Owned = resolve_window(&st, id, name, lba, n)?.into_iter().filter(|r| !hot(r.2)).collect();
+            let cold: Vec<LiveRun> = resolve_window(&st, id, name, lba, n)?.into_iter().filter(|r| !hot(r.2)).collect();
             let segs: BTreeSet<usize> = cold.iter().map(|r| st.segs.locate(r.2).0).collect();
             segs.into_iter().for_each(|s| pinned.pin(s));
             cold
