@@ -267,7 +267,13 @@ impl Volume {
         let start = offset - offset % B;
         let end = (offset + len).div_ceil(B) * B;
         if start == offset && end == offset + len {
-            return self.submit_blocks(inner, start, Payload::new(data.into_owned()), fua);
+            let payload = match data {
+                Cow::Owned(v) => Payload::new(v),
+                // SAFETY: `submit_blocks` returns only once every request it sent completed,
+                // and `data` outlives it.
+                Cow::Borrowed(d) => unsafe { Payload::lent(d) },
+            };
+            return self.submit_blocks(inner, start, payload, fua);
         }
         let _edges = self.lock_edges(inner, offset, len);
         let mut whole = vec![0u8; usize::try_from(end - start).expect("fits")];

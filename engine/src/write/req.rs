@@ -10,32 +10,67 @@ use crate::error::{Error, Result, clone_err};
 use crate::io::BLOCK;
 use crate::write::Log;
 
-/// Whole blocks of data to write: a range of a shared buffer, so a write split into several
-/// requests, or retried, is never copied again (the caller's buffer is copied once, into the
-/// batch).
+/// Whole blocks of data to write: a range of a buffer, so a write split into several requests,
+/// or retried, is never copied again (the data is copied once, into the batch).
 #[derive(Clone)]
 pub(crate) struct Payload {
-    buf: Arc<Vec<u8>>,
+    bytes: Bytes,
     range: Range<usize>,
 }
+
+#[derive(Clone)]
+enum Bytes {
+    Owned(Arc<Vec<u8>>),
+    /// A caller's buffer, lent for as long as it waits for its requests (see [`Payload::lent`]).
+    Lent {
+        ptr: *const u8,
+        len: usize,
+    },
+}
+
+// SAFETY: a lent buffer is only ever read, as a shared `&[u8]` (which is Send and Sync) would
+// be, and `Payload::lent`'s contract keeps it alive and unchanged while it is read.
+unsafe impl Send for Payload {}
+// SAFETY: as for Send: shared access only reads.
+unsafe impl Sync for Payload {}
 
 impl Payload {
     pub fn new(buf: Vec<u8>) -> Self {
         let range = 0..buf.len();
-        Self { buf: Arc::new(buf), range }
+        Self { bytes: Bytes::Owned(Arc::new(buf)), range }
+    }
+
+    /// A payload that reads `data` in place, with no copy.
+    ///
+    /// # Safety
+    /// `data` must stay alive and unchanged until the done callback of every request holding
+    /// this payload (or a slice of it) has run. The log never reads a request's data after its
+    /// callback, so a caller that waits for all of them (a [`Waiter`]) may lend its buffer.
+    pub unsafe fn lent(data: &[u8]) -> Self {
+        Self { bytes: Bytes::Lent { ptr: data.as_ptr(), len: data.len() }, range: 0..data.len() }
     }
 
     /// Bytes `r` of this payload.
     pub fn slice(&self, r: Range<usize>) -> Self {
         assert!(r.end <= self.range.len(), "slice within the payload");
-        Self { buf: Arc::clone(&self.buf), range: self.range.start + r.start..self.range.start + r.end }
+        Self { bytes: self.bytes.clone(), range: self.range.start + r.start..self.range.start + r.end }
+    }
+
+    /// Its length, without touching the bytes (a lent buffer may be gone once the request completed).
+    pub fn len(&self) -> usize {
+        self.range.len()
     }
 }
 
 impl std::ops::Deref for Payload {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.buf[self.range.clone()]
+        match &self.bytes {
+            Bytes::Owned(buf) => &buf[self.range.clone()],
+            // SAFETY: `lent`'s contract: the buffer is alive and unchanged until the request's
+            // callback, and only the log reads it, before that callback.
+            Bytes::Lent { ptr, len } => unsafe { &std::slice::from_raw_parts(*ptr, *len)[self.range.clone()] },
+        }
     }
 }
 
@@ -49,7 +84,8 @@ pub(crate) type BarrierFn = Box<dyn FnOnce(&Ctx, &Log) -> Result<()> + Send>;
 /// layer when it builds the batch, so a snapshot (a barrier) cleanly splits writes queued
 /// before it from those queued after.
 pub(crate) enum Req {
-    /// Map `data` (whole blocks) at `lba` of the volume's head.
+    /// Map `data` (whole blocks) at `lba` of the volume's head. `data` is not read after `done`
+    /// ran (it may be a caller's lent buffer, see [`Payload::lent`]).
     Write { volume: u64, lba: u64, data: Payload, fua: bool, done: Done },
     /// Unmap `blocks` blocks at `lba` of the volume's head.
     Unmap { volume: u64, lba: u64, blocks: u64, done: Done },
