@@ -29,6 +29,9 @@
 //! write-delay-us = 1000             # how long small writes may wait in memory for others to
 //!                                   # share their log batch (a flush or FUA write never waits);
 //!                                   # 0 writes each batch at once; default 1000, at most 100000
+//! idle-cleaning-s = 2               # once no client request has come for this long, the cleaner
+//!                                   # compacts mostly-dead segments ahead of need (0: only when
+//!                                   # free space runs low); default 2
 //! readahead = "2M"                  # most read ahead of a sequential reader; 0 turns it off;
 //!                                   # default 2M, at most 64M
 //! max-connections = 1024            # per listener (NBD, admin, metrics); more are closed on arrival
@@ -80,6 +83,7 @@ pub struct ConfigFile {
     pub ublk_queues: Option<u16>,
     pub ublk_depth: Option<u16>,
     pub write_delay_us: Option<u64>,
+    pub idle_cleaning_s: Option<u64>,
     pub readahead: Option<String>,
     pub max_connections: Option<usize>,
     pub handshake_timeout_s: Option<u64>,
@@ -116,6 +120,7 @@ pub struct Config {
     pub log_level: String,
     pub ublk: ferrite_ublk::Options,
     pub write_delay: std::time::Duration,
+    pub idle_cleaning: Option<Duration>,
     pub readahead: u64,
     pub limits: Limits,
     /// TLS on TCP listeners: certificate and key, and the CA client certificates must chain to.
@@ -238,6 +243,11 @@ impl Config {
                 Some(us) => std::time::Duration::from_micros(us),
                 None => ferrite_engine::PoolOptions::default().write_delay,
             },
+            idle_cleaning: match f.idle_cleaning_s {
+                None => ferrite_engine::PoolOptions::default().idle_cleaning,
+                Some(0) => None,
+                Some(s) => Some(Duration::from_secs(s)),
+            },
             readahead: match f.readahead {
                 None => ferrite_engine::PoolOptions::default().readahead,
                 r => match size(r, "", "readahead")? {
@@ -348,6 +358,11 @@ mod tests {
         assert_eq!(c.pool_size, 16 << 30);
         assert_eq!(c.write_delay, std::time::Duration::from_millis(1));
         assert_eq!(c.readahead, 2 << 20);
+        assert_eq!(c.idle_cleaning, Some(Duration::from_secs(2)));
+        let f: ConfigFile = toml::from_str("idle-cleaning-s = 0").unwrap();
+        assert_eq!(Config::resolve(f, None).unwrap().idle_cleaning, None);
+        let f: ConfigFile = toml::from_str("idle-cleaning-s = 30").unwrap();
+        assert_eq!(Config::resolve(f, None).unwrap().idle_cleaning, Some(Duration::from_secs(30)));
         let f: ConfigFile =
             toml::from_str("pool-size = \"2G\"\nnbd-listen = \"127.0.0.1:10809\"\ndata-dir = \"/x\"").unwrap();
         let c = Config::resolve(f, None).unwrap();

@@ -29,6 +29,7 @@ pub fn pool_options(cfg: &Config) -> PoolOptions {
         segment_size: cfg.segment_size,
         overcommit_ratio: cfg.overcommit_ratio,
         write_delay: cfg.write_delay,
+        idle_cleaning: cfg.idle_cleaning,
         readahead: cfg.readahead,
         discard: cfg.pool_discard,
         ..PoolOptions::default()

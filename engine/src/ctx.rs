@@ -53,6 +53,10 @@ pub struct PoolOptions {
     pub cold_head: bool,
     /// Whether freed segments are given back to the store (default: only on a sparse file).
     pub discard: Discard,
+    /// Once no client request has come for this long, the cleaner compacts mostly-dead
+    /// segments ahead of need, so a later burst of writes finds free space instead of paying
+    /// for cleaning (default 2 s; None: it cleans only when free space runs low).
+    pub idle_cleaning: Option<Duration>,
 }
 
 /// Whether freed segments are discarded: holes punched in a pool file, BLKDISCARD on a device.
@@ -84,6 +88,7 @@ impl Default for PoolOptions {
             readahead: 2 << 20,
             cold_head: true,
             discard: Discard::Auto,
+            idle_cleaning: Some(Duration::from_secs(2)),
         }
     }
 }
@@ -193,6 +198,8 @@ pub(crate) struct Ctx {
     pub faults: Mutex<Vec<FaultPoint>>,
     pub client_bytes: AtomicU64,
     pub media_bytes: AtomicU64,
+    /// Client requests so far (reads, writes, trims): the pool is idle while it stands still.
+    pub client_ops: AtomicU64,
     /// Most data blocks in one batch.
     pub max_batch_blocks: u64,
     /// Freed segments are discarded (see [`Discard`]).
@@ -231,6 +238,7 @@ impl Ctx {
             faults: Mutex::new(Vec::new()),
             client_bytes: AtomicU64::new(0),
             media_bytes: AtomicU64::new(0),
+            client_ops: AtomicU64::new(0),
             max_batch_blocks,
             wake: Wakes::default(),
             opts,

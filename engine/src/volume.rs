@@ -7,6 +7,7 @@
 //! to one block never lose each other's bytes.
 
 use std::borrow::Cow;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, MutexGuard};
@@ -195,6 +196,7 @@ impl Volume {
             }
         }
         let inner = self.pool()?;
+        inner.ctx.client_ops.fetch_add(1, Ordering::Relaxed);
         for &(offset, len) in parts {
             note_read(&inner.ctx, &inner.readahead, &self.streams, self.target, &self.name, offset, len as u64);
         }
@@ -294,6 +296,7 @@ impl Volume {
     /// segments, up to [`NO_SPACE_PATIENCE`] in all) instead of failing: ENOSPC is for a pool with nothing to reclaim.
     /// Retrying is safe: the same blocks written again are the same write.
     fn submit_blocks(&self, inner: &Inner, offset: u64, data: Payload, fua: bool) -> Result<()> {
+        inner.ctx.client_ops.fetch_add(1, Ordering::Relaxed);
         inner.cleaner.pace.pay((data.len() / BLOCK) as u64);
         let start = std::time::Instant::now();
         loop {
@@ -374,6 +377,7 @@ impl Volume {
 
     fn unmap(&self, inner: &Inner, lba: u64, blocks: u64) -> Result<()> {
         inner.check_open()?;
+        inner.ctx.client_ops.fetch_add(1, Ordering::Relaxed);
         let w = Waiter::new();
         inner.log.send(inner, Req::Unmap { volume: self.writable()?, lba, blocks, done: w.add() })?;
         w.wait()

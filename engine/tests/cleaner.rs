@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Fixture, pattern, small_opts};
+use common::{Fixture, SEG, pattern, small_opts};
 use ferrite_engine::io::CrashMode;
 use ferrite_engine::{ErrorKind, Image, Pool, PoolOptions};
 
@@ -267,4 +267,69 @@ fn moved_blocks_go_to_a_cold_head_that_survives_crash_and_reopen() {
         let pool = f.reopen();
         assert_eq!(read(&pool, "v", 2 * MIB), want, "{mode:?}: after a clean reopen");
     }
+}
+
+/// A pool whose first 16 segments are half dead (every other block of a 4 MiB volume
+/// overwritten), far above the low-water mark, and the volume's contents.
+fn half_dead_pool(idle_cleaning: Option<Duration>) -> (Fixture, Pool, Vec<u8>) {
+    let opts = PoolOptions {
+        background_cleaner: true,
+        cleaner_interval: Duration::from_millis(20),
+        idle_cleaning,
+        ..small_opts()
+    };
+    let (f, pool) = Fixture::with_opts(64, opts);
+    pool.create_volume("v", 4 * MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    let mut model = pattern(1, 4 * MIB as usize);
+    v.write(0, &model).unwrap();
+    for blk in (0..4 * MIB / B).step_by(2) {
+        let at = (blk * B) as usize;
+        let data = pattern(blk + 2, B as usize);
+        v.write(blk * B, &data).unwrap();
+        model[at..at + B as usize].copy_from_slice(&data);
+    }
+    v.flush().unwrap();
+    (f, pool, model)
+}
+
+#[test]
+fn an_idle_pool_compacts_half_dead_segments_ahead_of_need_and_a_busy_one_does_not() {
+    let (_f, pool, model) = half_dead_pool(Some(Duration::from_millis(300)));
+    let before = pool.stats();
+    assert_eq!(before.cleaner_segments_cleaned, 0);
+    // Busy: a request every 50 ms keeps the pool from ever being idle for 300 ms.
+    let v = pool.open_volume("v").unwrap();
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_millis(1200) {
+        v.read(0, &mut [0u8; 4096]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(pool.stats().cleaner_segments_cleaned, 0, "nothing is cleaned while clients come");
+    // Idle: the half-dead segments are cleaned and come free, with nothing lost.
+    let start = std::time::Instant::now();
+    let after = loop {
+        let s = pool.stats();
+        if s.cleaner_segments_cleaned >= 16 && s.segments_free >= before.segments_free + 8 {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "idle cleaning did not happen: {s:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(after.cleaner_bytes_moved <= 16 * SEG / 2 + SEG, "moved only the live halves: {after:?}");
+    assert!(read(&pool, "v", 4 * MIB) == model);
+    // Done for this idle period: no victim left, nothing more moved.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(pool.stats().cleaner_bytes_moved, after.cleaner_bytes_moved);
+}
+
+#[test]
+fn without_idle_cleaning_an_idle_pool_is_left_as_it_is() {
+    let (_f, pool, model) = half_dead_pool(None);
+    let before = pool.stats();
+    std::thread::sleep(Duration::from_millis(1000));
+    let after = pool.stats();
+    assert_eq!(after.cleaner_segments_cleaned, 0);
+    assert_eq!(after.segments_free, before.segments_free);
+    assert!(read(&pool, "v", 4 * MIB) == model);
 }

@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -48,6 +48,9 @@ const CHECKPOINT_EVERY: u64 = 8;
 pub const MAX_UTILISATION: f64 = 0.9;
 /// Segments fuller than this are not cleaned even by a write that found the pool full.
 const INLINE_MAX_U: f64 = 0.95;
+/// Segments fuller than this are not cleaned ahead of need while the pool is idle: each block
+/// freed then costs at most three moved.
+const IDLE_MAX_U: f64 = 0.75;
 
 /// What one cleaning run did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -385,6 +388,7 @@ pub(crate) fn cleaner_loop(ctx: &Ctx, log: &Log, cleaner: &Cleaner, ra: &Readahe
     let interval = ctx.opts.cleaner_interval.max(Duration::from_millis(10));
     let pace = &cleaner.pace;
     let mut pacing = false;
+    let mut idle = Idle { ops: u64::MAX, since: Instant::now(), cleaned: false };
     loop {
         if ctx.wake.cleaner.wait(interval, pacing) {
             pace.stop();
@@ -402,6 +406,9 @@ pub(crate) fn cleaner_loop(ctx: &Ctx, log: &Log, cleaner: &Cleaner, ra: &Readahe
         if done {
             pace.stop();
             pacing = false;
+            if idle.due(ctx) {
+                idle.cleaned = clean_idle(ctx, log, cleaner, ra, idle.ops);
+            }
             continue;
         }
         if !pacing {
@@ -423,6 +430,48 @@ pub(crate) fn cleaner_loop(ctx: &Ctx, log: &Log, cleaner: &Cleaner, ra: &Readahe
                 pace.stop();
                 pacing = false;
             }
+        }
+    }
+}
+
+/// The pool's idleness as the cleaner loop samples it (see [`PoolOptions::idle_cleaning`]).
+///
+/// [`PoolOptions::idle_cleaning`]: crate::PoolOptions::idle_cleaning
+struct Idle {
+    /// `ctx.client_ops` when last sampled, and since when it has stood still.
+    ops: u64,
+    since: Instant,
+    /// An idle run finished (no victim left) since the last client request: nothing to do
+    /// until the next one.
+    cleaned: bool,
+}
+
+impl Idle {
+    /// Whether an idle run is due now.
+    fn due(&mut self, ctx: &Ctx) -> bool {
+        let ops = ctx.client_ops.load(Ordering::Relaxed);
+        if ops != self.ops {
+            *self = Self { ops, since: Instant::now(), cleaned: false };
+        }
+        ctx.opts.idle_cleaning.is_some_and(|after| !self.cleaned && self.since.elapsed() >= after)
+    }
+}
+
+/// Cleans victims up to [`IDLE_MAX_U`] live while no client request comes (`ops` is the
+/// request count it started at), then checkpoints so they come free. True when it ran out of
+/// victims rather than being interrupted.
+fn clean_idle(ctx: &Ctx, log: &Log, cleaner: &Cleaner, ra: &Readahead, ops: u64) -> bool {
+    let quiet = |c: &Ctx| c.client_ops.load(Ordering::Relaxed) == ops && c.check_open().is_ok();
+    match clean(ctx, log, cleaner, ra, IDLE_MAX_U, false, |c, _| quiet(c)) {
+        Ok(r) => {
+            if r.segments_cleaned > 0 {
+                tracing::debug!(cleaned = r.segments_cleaned, moved_blocks = r.blocks_moved, "cleaned while idle");
+            }
+            quiet(ctx)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cleaning while idle failed");
+            true // not again until clients come and go
         }
     }
 }
