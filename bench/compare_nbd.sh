@@ -2,8 +2,9 @@
 # Ferrite's NBD server vs. nbdkit's file plugin and qemu-nbd serving a raw file on the same
 # filesystem, in one run, over Unix sockets, with the same fio (nbd engine) workloads: 4 KiB
 # random read / write / 70-30 mix at QD1 and QD32 with 1 and 4 connections, and 128 KiB
-# sequential read and write. Prints medians of IOPS, Ferrite/peer ratios, and server CPU seconds
-# per GiB moved.
+# sequential read and write. Prints medians of IOPS, Ferrite/peer ratios (F/best, and F/qemu
+# against the peer that bypasses the page cache), server CPU seconds per GiB moved, and F WA:
+# Ferrite's media bytes written per client byte during the row (above 1: its cleaner's share).
 #
 # Peers are configured to bypass the page cache as far as they can (qemu-nbd --cache=none is
 # O_DIRECT; nbdkit's file plugin (1.32, Debian 12) has no O_DIRECT: its cache=none writes through
@@ -17,7 +18,8 @@
 # (twice SIZE, so the cleaner has room), the peers' of SIZE; all three open them O_DIRECT. It adds
 # 128 KiB and 1 MiB sequential rows at QD16 and 1 MiB at QD1. Needs root (losetup). Once the rows
 # have written more than twice SIZE, Ferrite's write rows include its cleaner's work (the peers
-# overwrite in place); ONLY='write-' shows the write path alone.
+# overwrite in place; F WA shows how much): what idle cleaning (while the peers run their rows)
+# did not compact ahead. ONLY='write-' shows the write path alone.
 #
 # After the rounds, Ferrite's volume (scattered by the random-write rows) is defragmented
 # (`ferrite volume defrag`) and the 128 KiB QD1 read row runs once more on all three
@@ -93,7 +95,15 @@ text = sys.stdin.read()
 j = json.loads(text[text.index("{"):])["jobs"][0]  # fio may print notes before the JSON
 iops = j["read"]["iops"] + j["write"]["iops"]
 gib = (j["read"]["io_bytes"] + j["write"]["io_bytes"]) / 2**30
-print(name, server, iops, (c1 - c0) / 100 / gib if gib else 0)
+# Ferrite: media bytes written per client byte during the row (what the cleaner added), from pool
+# status before and after.
+wa = "-"
+if len(sys.argv) > 6:
+    p0, p1 = (json.loads(a) for a in sys.argv[5:7])
+    client = p1["client_bytes_written"] - p0["client_bytes_written"]
+    if client:
+        wa = "%.2f" % ((p1["media_bytes_written"] - p0["media_bytes_written"]) / client)
+print(name, server, iops, (c1 - c0) / 100 / gib if gib else 0, wa)
 '
 declare -A URI=([ferrite]="nbd+unix:///v?socket=$DIR/ferrite/nbd.sock" [nbdkit]="nbd+unix:///?socket=$DIR/nbdkit.sock" \
   [qemu-nbd]="nbd+unix:///?socket=$DIR/qemu.sock")
@@ -126,11 +136,14 @@ row() { # rw bs qd conns name-suffix: one row on the three servers, appended to 
     [[ "$name" =~ ${ONLY:-.} ]] || continue
     echo "round $round/$ROUNDS: $name on $server" >&2
     c0=$(cpu "${PID[$server]}")
+    stats=()
+    [ "$server" = ferrite ] && stats+=("$("$FERRITE" pool status -o json)")
     json=$(fio --name="$name" --ioengine=nbd --uri="${URI[$server]}" --size="$SIZE" --rw="$rw" --rwmixread=70 \
       --bs="$bs" --iodepth=$(( qd / conns > 0 ? qd / conns : 1 )) --numjobs="$conns" --group_reporting \
       --runtime="$SECS" --time_based --randrepeat=0 --output-format=json)
     c1=$(cpu "${PID[$server]}")
-    python3 -c "$PARSE" "$server" "$name" "$c0" "$c1" <<<"$json" >>"$results"
+    [ "$server" = ferrite ] && stats+=("$("$FERRITE" pool status -o json)")
+    python3 -c "$PARSE" "$server" "$name" "$c0" "$c1" "${stats[@]}" <<<"$json" >>"$results"
   done
 }
 for round in $(seq 1 "$ROUNDS"); do
@@ -147,15 +160,19 @@ python3 - "$results" <<'PY'
 import sys, statistics
 rows, order = {}, []
 for line in open(sys.argv[1]):
-    name, server, iops, cpu = line.split()
+    name, server, iops, cpu, wa = line.split()
     if name not in order:
         order.append(name)
-    rows.setdefault((name, server), []).append((float(iops), float(cpu)))
+    rows.setdefault((name, server), []).append((float(iops), float(cpu), float("nan" if wa == "-" else wa)))
 med = lambda k, i: statistics.median(v[i] for v in rows[k])
-print(f"{'workload':<22}{'ferrite':>9}{'nbdkit':>9}{'qemu-nbd':>10}{'F/best':>8}   CPU s/GiB: ferrite nbdkit qemu-nbd")
+print(f"{'workload':<22}{'ferrite':>9}{'nbdkit':>9}{'qemu-nbd':>10}{'F/best':>8}{'F/qemu':>8}"
+      "   CPU s/GiB: ferrite nbdkit qemu-nbd   F WA")
 for n in order:
     f, k, q = (med((n, s), 0) for s in ("ferrite", "nbdkit", "qemu-nbd"))
     cf, ck, cq = (med((n, s), 1) for s in ("ferrite", "nbdkit", "qemu-nbd"))
-    print(f"{n:<22}{f:>9.0f}{k:>9.0f}{q:>10.0f}{f / max(k, q):>7.2f}x   {cf:>8.2f} {ck:>6.2f} {cq:>8.2f}")
+    wa = med((n, "ferrite"), 2)
+    was = "" if wa != wa else f"{wa:>7.2f}"  # NaN: no writes in the row
+    print(f"{n:<22}{f:>9.0f}{k:>9.0f}{q:>10.0f}{f / max(k, q):>7.2f}x{f / q:>7.2f}x"
+          f"   {cf:>8.2f} {ck:>6.2f} {cq:>8.2f} {was}")
 PY
 rm -f "$results"
