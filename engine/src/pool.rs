@@ -21,7 +21,7 @@ use crate::meta::{CatalogOp, CheckpointRecord, Meta};
 use crate::read::readahead::{self, Readahead, readahead_loop};
 use crate::recovery::RecoveryReport;
 use crate::write::Log;
-use crate::write::tail::flusher_loop;
+use crate::write::tail::{FLIGHTS, flusher_loop};
 
 /// Space and log state of a pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -277,8 +277,10 @@ impl Pool {
             threads.push(spawn("ferrite-ckpt", "checkpoint", Box::new(move || checkpointer_loop(&ctx, &log, &ra)))?);
         }
         if !ctx.opts.write_delay.is_zero() {
-            let (ctx, log) = (Arc::clone(ctx), Arc::clone(log));
-            threads.push(spawn("ferrite-flush", "log flusher", Box::new(move || flusher_loop(&ctx, &log)))?);
+            for _ in 0..FLIGHTS {
+                let (ctx, log) = (Arc::clone(ctx), Arc::clone(log));
+                threads.push(spawn("ferrite-flush", "log flusher", Box::new(move || flusher_loop(&ctx, &log)))?);
+            }
         }
         if ctx.opts.background_cleaner {
             let (ctx, log, ra, cleaner) =

@@ -4,8 +4,8 @@
 //! ```text
 //!  leader: write --> copy into the open batch, map it (state lock), ack
 //!  `write_delay` after it opened, or when full --> sealed: the log moves past it, and it is
-//!      handed to the flusher thread, which writes it (header + data, one write) while the
-//!      leader fills the next one
+//!      handed to a flusher thread, which writes it (header + data, one write) while the
+//!      leader fills the next one; up to [`FLIGHTS`] sealed batches are written at once
 //!  flush, FUA, barrier, checkpoint, any other batch --> wait for that write; close the open one
 //! ```
 //! This is the volatile write cache the durability contract allows (DESIGN §1): an
@@ -18,8 +18,13 @@
 //! The batch's place in the log is fixed when it opens (nothing else is written until it
 //! closes), so its blocks have pool addresses from the start and the maps can point at them.
 //! Until a batch is written, reads of those addresses are served from its buffer
-//! ([`read_runs`]): at most two batches are unwritten, the open one and the one in flight,
-//! and each is taken down only after its write completed, under the slot lock.
+//! ([`read_runs`]): the unwritten batches are the open one and those in flight, and each is
+//! taken down only after its write completed, under the slot lock.
+//!
+//! Batches in flight together may land in any order. That is no new state on the store: a
+//! crash could always keep a later unsynced batch and lose an earlier one, and replay stops at
+//! the first missing batch either way (what follows has the wrong sequence, or an older
+//! generation once the log has moved on). A flush waits for every flight.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +49,10 @@ const MAX_BLOCKS: usize = 768;
 
 /// Largest write that goes through the open batch (128 KiB); larger ones are written directly.
 const MAX_WRITE_BLOCKS: usize = 32;
+
+/// Sealed batches written at once, each by a flusher thread of its own: while one completes,
+/// the next is already on the device. With one, the device drained between batches.
+pub(crate) const FLIGHTS: usize = 2;
 
 #[derive(Debug)]
 struct OpenBatch {
@@ -99,21 +108,32 @@ fn buffered_block(buf: &AlignedBuf, first_pba: u64, blocks: usize, pba: u64) -> 
     Some(&buf[(1 + i) * BLOCK..(2 + i) * BLOCK])
 }
 
+/// A sealed batch handed to the flushers.
+#[derive(Debug)]
+struct Flight {
+    /// Shared with the flusher writing it while the lock is let go.
+    sealed: Arc<Sealed>,
+    /// Its entry in [`Tail::flights`].
+    range: usize,
+    /// A flusher has taken it.
+    writing: bool,
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Slot {
     batch: Option<OpenBatch>,
-    /// The sealed batch the flusher is writing (shared with it while the lock is let go).
-    flight: Option<Arc<Sealed>>,
+    /// Sealed batches not yet written, at most [`FLIGHTS`].
+    flights: Vec<Flight>,
     /// Written batches' buffers, reused (see [`Slot::recycle`]).
     spares: Vec<AlignedBuf>,
     stop: bool,
 }
 
 impl Slot {
-    /// Keeps a written batch's buffer for a later batch: two are in use at most (the open
-    /// batch and the one in flight), and a fresh one costs a 1 MiB allocation and zeroing.
+    /// Keeps a written batch's buffer for a later batch: at most one more than [`FLIGHTS`] are
+    /// in use (the open batch too), and a fresh one costs a 3 MiB allocation and zeroing.
     fn recycle(&mut self, buf: AlignedBuf) {
-        if self.spares.len() < 2 {
+        if self.spares.len() < FLIGHTS {
             self.spares.push(buf);
         }
     }
@@ -138,23 +158,23 @@ impl Range {
     }
 }
 
-/// The open batch, the one in flight, and what reads need to find them without the lock.
+/// The open batch, those in flight, and what reads need to find them without the lock.
 #[derive(Debug, Default)]
 pub(crate) struct Tail {
     slot: Mutex<Slot>,
-    /// Wakes the flusher (a batch opened or was sealed, or stop) and those waiting for a
+    /// Wakes the flushers (a batch opened or was sealed, or stop) and those waiting for a
     /// flight to land.
     cv: Condvar,
     /// Blocks of the open batch: its `hi` grows before each block is mapped. A sealed batch's
-    /// range is set in `flight` before it is cleared here, and `flight` is cleared after the
-    /// write, so a reader that found a block in the maps and in neither range (loading `open`
-    /// first) reads it from the store.
+    /// range is set in `flights` before it is cleared here, and cleared there after the write,
+    /// so a reader that found a block in the maps and in no range (loading `open` first) reads
+    /// it from the store.
     open: Range,
-    flight: Range,
+    flights: [Range; FLIGHTS],
 }
 
 impl Tail {
-    /// Stops the flusher thread once the batch in flight is written (the final checkpoint
+    /// Stops the flusher threads once the batches in flight are written (the final checkpoint
     /// closes the open one).
     pub fn stop(&self) {
         self.slot.lock().stop = true;
@@ -255,17 +275,17 @@ pub(crate) fn close_and_hold<'a>(ctx: &Ctx, log: &'a Log) -> Result<MutexGuard<'
     Ok(slot)
 }
 
-/// Waits until the batch in flight, if any, is written. It may have failed (and poisoned the
+/// Waits until at most `left` batches are in flight. One may have failed (and poisoned the
 /// pool): then nothing after it may claim success.
-fn land_flight(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
-    while slot.flight.is_some() {
+fn land_flights(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>, left: usize) -> Result<()> {
+    while slot.flights.len() > left {
         tail.cv.wait(slot);
     }
     ctx.check_open()
 }
 
 fn close_locked(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
-    land_flight(ctx, tail, slot)?;
+    land_flights(ctx, tail, slot, 0)?;
     let Some(sealed) = take_sealed(ctx, tail, slot) else { return Ok(()) };
     let result = write(ctx, &sealed);
     // Only now (the batch is on the store, or the pool is poisoned) may readers stop looking here.
@@ -274,18 +294,21 @@ fn close_locked(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Resu
     result
 }
 
-/// Seals the open batch, if any, and hands it to the flusher, after the one in flight landed.
+/// Seals the open batch, if any, and hands it to the flushers, once fewer than [`FLIGHTS`] are
+/// in flight.
 fn hand_off(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
     if slot.batch.as_ref().is_none_or(|b| b.entries.is_empty()) {
         take_sealed(ctx, tail, slot); // nothing to wait for: drops an empty batch
         return Ok(());
     }
-    land_flight(ctx, tail, slot)?;
+    land_flights(ctx, tail, slot, FLIGHTS - 1)?;
     let Some(sealed) = take_sealed(ctx, tail, slot) else { return Ok(()) };
+    let range =
+        (0..FLIGHTS).find(|&i| slot.flights.iter().all(|f| f.range != i)).expect("fewer than FLIGHTS in flight");
     // In this order: see `Tail::open`.
-    tail.flight.set(sealed.first_pba, sealed.first_pba + sealed.blocks as u64);
+    tail.flights[range].set(sealed.first_pba, sealed.first_pba + sealed.blocks as u64);
     tail.open.set(0, 0);
-    slot.flight = Some(Arc::new(sealed));
+    slot.flights.push(Flight { sealed: Arc::new(sealed), range, writing: false });
     tail.cv.notify_all();
     Ok(())
 }
@@ -336,19 +359,24 @@ fn write(ctx: &Ctx, b: &Sealed) -> Result<()> {
     Ok(())
 }
 
-/// The flusher thread: writes each sealed batch, and seals the open one `write_delay` after it
-/// opened unless something closed it first.
+/// A flusher thread (there are [`FLIGHTS`]): writes a sealed batch nobody is writing yet, and
+/// seals the open one `write_delay` after it opened unless something closed it first.
 pub(crate) fn flusher_loop(ctx: &Ctx, log: &Log) {
     let tail = &log.tail;
     let mut slot = tail.slot.lock();
     loop {
-        if let Some(sealed) = slot.flight.clone() {
+        if let Some(f) = slot.flights.iter_mut().find(|f| !f.writing) {
+            f.writing = true;
+            let sealed = Arc::clone(&f.sealed);
             let result = MutexGuard::unlocked(&mut slot, || write(ctx, &sealed));
             if let Err(e) = result {
                 tracing::warn!(error = %e, "writing a log batch failed");
             }
-            tail.flight.set(0, 0);
-            slot.flight = None;
+            let at =
+                slot.flights.iter().position(|f| Arc::ptr_eq(&f.sealed, &sealed)).expect("only its writer lands it");
+            let f = slot.flights.swap_remove(at);
+            tail.flights[f.range].set(0, 0);
+            drop(f);
             if let Some(s) = Arc::into_inner(sealed) {
                 slot.recycle(s.buf);
             }
@@ -364,6 +392,8 @@ pub(crate) fn flusher_loop(ctx: &Ctx, log: &Log) {
             Some((due, false)) if Instant::now() < due => {
                 tail.cv.wait_until(&mut slot, due);
             }
+            // Every flight taken: a landing wakes us (sealing now would only wait for it).
+            Some(_) if slot.flights.len() == FLIGHTS => tail.cv.wait(&mut slot),
             Some(_) => {
                 if let Err(e) = hand_off(ctx, tail, &mut slot) {
                     tracing::warn!(error = %e, "sealing the open log batch failed");
@@ -377,7 +407,7 @@ pub(crate) fn flusher_loop(ctx: &Ctx, log: &Log) {
 }
 
 /// Reads `runs` (pool block, count) into one buffer, back to back, taking the blocks that are
-/// still in the open or the sealed batch from their buffers.
+/// still in the open or a sealed batch from their buffers.
 pub(crate) fn read_runs(ctx: &Ctx, tail: &Tail, runs: &[(u64, u64)]) -> std::io::Result<AlignedBuf> {
     let (mut buf, todo) = gather(tail, runs);
     crate::io::read_into(ctx.backend.as_ref(), &mut buf, &todo)?;
@@ -385,14 +415,14 @@ pub(crate) fn read_runs(ctx: &Ctx, tail: &Tail, runs: &[(u64, u64)]) -> std::io:
 }
 
 /// The first half of [`read_runs`]: a buffer for `runs` with the blocks still in the open or
-/// the sealed batch copied in, and the store reads that complete it: (pool block, blocks, first
+/// a sealed batch copied in, and the store reads that complete it: (pool block, blocks, first
 /// slot in the buffer).
 pub(crate) fn gather(tail: &Tail, runs: &[(u64, u64)]) -> (AlignedBuf, Vec<(u64, u64, usize)>) {
     let total: u64 = runs.iter().map(|r| r.1).sum();
     let mut out = AlignedBuf::new(usize::try_from(total).expect("a read fits memory") * BLOCK);
     let mut todo: Vec<(u64, u64, usize)> = Vec::with_capacity(runs.len());
     // `open` first: see `Tail::open`.
-    if !tail.open.overlaps(runs) && !tail.flight.overlaps(runs) {
+    if !tail.open.overlaps(runs) && !tail.flights.iter().any(|f| f.overlaps(runs)) {
         let mut at = 0;
         for &(p, n) in runs {
             todo.push((p, n, at));
@@ -405,7 +435,7 @@ pub(crate) fn gather(tail: &Tail, runs: &[(u64, u64)]) -> (AlignedBuf, Vec<(u64,
     for &(p, n) in runs {
         for pba in p..p + n {
             let held = slot.batch.as_ref().and_then(|b| b.block(pba));
-            if let Some(block) = held.or_else(|| slot.flight.as_ref().and_then(|f| f.block(pba))) {
+            if let Some(block) = held.or_else(|| slot.flights.iter().find_map(|f| f.sealed.block(pba))) {
                 out[at * BLOCK..(at + 1) * BLOCK].copy_from_slice(block);
             } else {
                 match todo.last_mut() {
