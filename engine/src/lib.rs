@@ -24,7 +24,7 @@
 //!
 //! One 4 KiB write, top down: `Volume::write` -> `Log::send_all` (`write/queue.rs`): the first
 //! caller with no leader leads -> a small write goes into the open batch (`write/tail.rs`:
-//! copied, mapped through `state::map_entries`, acknowledged; the flusher thread writes the
+//! copied, mapped through `state::map_entries`, acknowledged; a flusher thread writes the
 //! batch a moment later), a large one into a batch of its own (`write/batch.rs`), both at a
 //! place `write/room.rs` reserved (asking `maint` for room through `MakeRoom` only when no
 //! segment is free). One read: `Volume::read` -> `read::resolve` (the head's view, under the state
