@@ -374,9 +374,8 @@ pub(crate) fn flusher_loop(ctx: &Ctx, log: &Log) {
             }
             let at =
                 slot.flights.iter().position(|f| Arc::ptr_eq(&f.sealed, &sealed)).expect("only its writer lands it");
-            let f = slot.flights.swap_remove(at);
-            tail.flights[f.range].set(0, 0);
-            drop(f);
+            let range = slot.flights.swap_remove(at).range;
+            tail.flights[range].set(0, 0);
             if let Some(s) = Arc::into_inner(sealed) {
                 slot.recycle(s.buf);
             }
