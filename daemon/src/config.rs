@@ -164,6 +164,7 @@ impl Limits {
             max_connections: self.max_connections,
             handshake_timeout: self.handshake_timeout,
             send_timeout: self.send_timeout,
+            ..ferrite_nbd::Limits::default()
         }
     }
 }

@@ -227,14 +227,6 @@ impl Volume {
         self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), true)
     }
 
-    /// As [`Volume::write`] or, with `fua`, [`Volume::write_fua`], taking the buffer: a write of
-    /// whole blocks then reaches its log batch with no copy before the one into the batch.
-    pub fn write_vec(&self, offset: u64, data: Vec<u8>, fua: bool) -> Result<()> {
-        self.pace(IoKind::Write, data.len() as u64);
-        let _in = self.enter()?;
-        self.write_in(&*self.pool()?, offset, Cow::Owned(data), fua)
-    }
-
     fn stripe(&self, inner: &Inner, lba: u64) -> usize {
         let key = match self.target {
             Target::Volume(id) | Target::Snapshot(id) => id,

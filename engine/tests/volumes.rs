@@ -359,10 +359,9 @@ fn read_only_volumes_refuse_client_writes_on_every_handle_and_stay_so() {
     assert!(pool.set_read_only("v", true).unwrap().read_only);
     assert!(open.is_read_only(), "a handle opened before sees the change");
     type Write<'a> = Box<dyn Fn() -> ferrite_engine::Result<()> + 'a>;
-    let writes: [(&str, Write); 5] = [
+    let writes: [(&str, Write); 4] = [
         ("write", Box::new(|| open.write(0, &[1; 4096]))),
         ("fua", Box::new(|| open.write_fua(100, &[1; 10]))),
-        ("vec", Box::new(|| open.write_vec(0, vec![1; 4096], false))),
         ("trim", Box::new(|| open.trim(0, MIB))),
         ("zeroes", Box::new(|| open.write_zeroes(0, 8192, false))),
     ];

@@ -29,7 +29,7 @@ use io_uring::{IoUring, opcode, squeue, types};
 use parking_lot::{Condvar, Mutex};
 
 use crate::handshake::{MAX_REQUEST, Session};
-use crate::inbox::{Event, Inbox};
+use crate::inbox::{Event, Inbox, MAX_HELD_WRITE};
 use crate::limits::{InFlight, Limits, cost};
 use crate::proto::*;
 use crate::transmission::{DATA_AT, Reply, Socket, error_reply, handle, nbd_errno, read_reply, record};
@@ -42,8 +42,9 @@ const MAX_HELPERS: usize = 64;
 const MAX_BATCH: usize = 32;
 /// Reads longer than this get a batch of their own, so short ones are not held up behind them.
 const MAX_BATCHED_READ: u32 = 256 << 10;
-/// Longest write run on the loop (the largest the engine takes in memory).
-const MAX_INLINE_WRITE: u32 = 128 << 10;
+/// Longest write run on the loop: the largest the engine takes in memory, which is also the
+/// longest whose payload the inbox lends out of its buffer.
+const MAX_INLINE_WRITE: u32 = MAX_HELD_WRITE;
 /// The receive's completion tag; a store read's is its batch's slot and its index there.
 const RECV: u64 = u64::MAX;
 
@@ -103,6 +104,7 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits, ring: bool
             receiving: false,
             paused: false,
             inbox: Inbox::default(),
+            grown: 0,
             flights: Vec::new(),
             free: Vec::new(),
             replies: Vec::new(),
@@ -154,6 +156,8 @@ struct Loop<'a, S: Socket> {
     /// received meanwhile.
     paused: bool,
     inbox: Inbox,
+    /// Bytes the inbox grew by, charged to the daemon's memory budget.
+    grown: usize,
     flights: Vec<Option<Flight<'a>>>,
     free: Vec<usize>,
     /// Replies ready to send, and what their requests cost (bytes, requests).
@@ -185,6 +189,7 @@ impl<'a, S: Socket> Loop<'a, S> {
                 continue;
             }
             if self.end.is_none() && !self.receiving && !self.paused {
+                self.grow_inbox();
                 let space = self.inbox.space();
                 let entry = opcode::Recv::new(
                     types::Fd(self.conn.sock.as_raw_fd()),
@@ -204,6 +209,9 @@ impl<'a, S: Socket> Loop<'a, S> {
     fn take_requests(&mut self, offload: &impl Fn(Request, Vec<u8>)) {
         let (session, conn) = (self.conn.session, self.conn);
         let st = session.structured;
+        // Gathered while the inbox lends out payloads, then queued and started.
+        let mut replies: Vec<(Request, Reply, Instant)> = Vec::new();
+        let mut batches: Vec<Vec<Request>> = Vec::new();
         let mut reads = Vec::new();
         self.paused = false;
         let mut refused = false;
@@ -214,19 +222,18 @@ impl<'a, S: Socket> Loop<'a, S> {
         while let Some(event) = self.inbox.next_event_with(&mut admit) {
             let req = match event {
                 Event::Request(req, payload) if req.kind != CMD_READ => {
-                    if self.runs_now(&req) {
+                    if runs_now(conn, &req) {
                         let start = Instant::now();
-                        let reply = handle(session, req, payload);
-                        self.reply(&req, reply, start);
+                        replies.push((req, handle(session, req, &payload), start));
                     } else {
-                        offload(req, payload);
+                        offload(req, payload.into_owned());
                     }
                     continue;
                 }
                 Event::Request(req, _) => req,
                 Event::Oversized(req) => {
                     let reply = error_reply(st, req.cookie, EOVERFLOW, "write larger than 32 MiB");
-                    self.reply(&req, reply, Instant::now());
+                    replies.push((req, reply, Instant::now()));
                     continue;
                 }
                 Event::Disconnect => {
@@ -241,33 +248,25 @@ impl<'a, S: Socket> Loop<'a, S> {
             };
             if req.length > MAX_REQUEST {
                 let reply = error_reply(st, req.cookie, if st { EOVERFLOW } else { EINVAL }, "read larger than 32 MiB");
-                self.reply(&req, reply, Instant::now());
+                replies.push((req, reply, Instant::now()));
             } else if req.length > MAX_BATCHED_READ {
-                self.start_reads(vec![req]);
+                batches.push(vec![req]);
             } else {
                 reads.push(req);
                 if reads.len() == MAX_BATCH {
-                    self.start_reads(std::mem::take(&mut reads));
+                    batches.push(std::mem::take(&mut reads));
                 }
             }
         }
-        if !reads.is_empty() {
-            self.start_reads(reads);
-        }
         self.paused = refused;
-    }
-
-    /// Whether a request other than a read is quick enough to run on the loop.
-    fn runs_now(&self, req: &Request) -> bool {
-        match req.kind {
-            CMD_WRITE => {
-                req.length <= MAX_INLINE_WRITE
-                    && req.flags & CMD_FLAG_FUA == 0
-                    && !self.conn.session.export.volume.writes_may_wait()
-            }
-            CMD_FLUSH | CMD_TRIM | CMD_WRITE_ZEROES => false,
-            // Block status and cache are answered from memory; anything else is refused.
-            _ => true,
+        for (req, reply, start) in replies {
+            self.reply(&req, reply, start);
+        }
+        if !reads.is_empty() {
+            batches.push(reads);
+        }
+        for batch in batches {
+            self.start_reads(batch);
         }
     }
 
@@ -386,10 +385,20 @@ impl<'a, S: Socket> Loop<'a, S> {
         }
     }
 
+    /// Grows the inbox once the client sends writes it would hold, if the budget for grown
+    /// buffers has room (a connection's buffer is memory a client makes the daemon keep).
+    fn grow_inbox(&mut self) {
+        let n = self.inbox.growth();
+        if n > 0 && self.conn.limits.receive_buffers.try_take(n as u64) {
+            self.grown += self.inbox.grow();
+        }
+    }
+
     fn receive_blocking(&mut self) {
         if self.paused {
             return;
         }
+        self.grow_inbox();
         let got = self.conn.sock.read_some(self.inbox.space());
         self.received(got);
     }
@@ -399,6 +408,7 @@ impl<S: Socket> Drop for Loop<'_, S> {
     /// A loop that ends with entries in flight (only a panic does) waits for them, as their
     /// buffers must outlive them; shutting the socket down completes a pending receive.
     fn drop(&mut self) {
+        self.conn.limits.receive_buffers.give(self.grown as u64);
         let Some(ring) = self.ring.as_mut().filter(|_| self.submitted > 0) else { return };
         // SAFETY: shutdown(2) on a socket this loop serves; no memory is passed.
         unsafe { libc::shutdown(self.conn.sock.as_raw_fd(), libc::SHUT_RDWR) };
@@ -407,6 +417,20 @@ impl<S: Socket> Drop for Loop<'_, S> {
                 self.submitted -= ring.completion().count();
             }
         }
+    }
+}
+
+/// Whether a request other than a read is quick enough to run on the loop.
+fn runs_now<S: Socket>(conn: &Conn<'_, S>, req: &Request) -> bool {
+    match req.kind {
+        CMD_WRITE => {
+            req.length <= MAX_INLINE_WRITE
+                && req.flags & CMD_FLAG_FUA == 0
+                && !conn.session.export.volume.writes_may_wait()
+        }
+        CMD_FLUSH | CMD_TRIM | CMD_WRITE_ZEROES => false,
+        // Block status and cache are answered from memory; anything else is refused.
+        _ => true,
     }
 }
 
@@ -494,7 +518,7 @@ impl Helpers {
 
 fn run_job<S: Socket>(conn: &Conn<'_, S>, (req, payload): (Request, Vec<u8>)) {
     let start = Instant::now();
-    let reply = handle(conn.session, req, payload);
+    let reply = handle(conn.session, req, &payload);
     record(conn.session, &req, &reply, start.elapsed());
     conn.send(&[reply], (cost(&req), 1));
 }

@@ -1,20 +1,32 @@
 //! The receive side of a connection: splits the bytes a client sends into requests with their
 //! payloads, however they arrive. No I/O here: the connection receives into [`Inbox::space`]
-//! (a buffer that takes in every request the client has sent so far with one receive, or,
-//! for a write too large for it, the write's own payload) and takes out [`Inbox::next_event`] events.
+//! (a buffer that takes in every request the client has sent so far with one receive, or, for
+//! a write longer than [`MAX_HELD_WRITE`], the write's own payload) and takes out
+//! [`Inbox::next_event`] events. A held write's payload is lent out of the buffer, so a write
+//! run at once costs no copy before the engine's.
+
+use std::borrow::Cow;
 
 use crate::handshake::MAX_REQUEST;
 use crate::proto::{CMD_DISC, CMD_WRITE, DecodeError, REQUEST_LEN, Request};
 
-/// The buffer's size. A write whose header and payload do not fit is received into a payload
-/// buffer of its own.
-const CAPACITY: usize = 64 << 10;
+/// The buffer's size at first: requests and writes up to nearly 64 KiB.
+const SMALL: usize = 64 << 10;
+/// Its size once grown ([`Inbox::grow`]): several writes of [`MAX_HELD_WRITE`], so that one
+/// receive drains what the socket holds (a Unix socket's sender can queue about 200 KiB; with
+/// 64 KiB a 128 KiB write took two receives, and the client two wake-ups).
+pub const LARGE: usize = 512 << 10;
+
+/// Longest write whose payload is held in the buffer (once it has room for it); a longer one is
+/// received into a buffer of its own, straight from the socket, which the request then keeps.
+pub const MAX_HELD_WRITE: u32 = 128 << 10;
 
 /// What the client sent next.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Event {
-    /// A request, with its whole payload for a write (empty otherwise).
-    Request(Request, Vec<u8>),
+pub enum Event<'a> {
+    /// A request, with its whole payload for a write (empty otherwise): lent from the buffer
+    /// (until the next call), or a buffer of its own.
+    Request(Request, Cow<'a, [u8]>),
     /// A write longer than [`MAX_REQUEST`]: its payload was skipped, so framing holds, and the
     /// request must be refused.
     Oversized(Request),
@@ -22,6 +34,18 @@ pub enum Event {
     Disconnect,
     /// A header with the wrong magic: framing is lost and the connection must end.
     BadMagic(u32),
+}
+
+impl Event<'_> {
+    /// The same event, its payload its own.
+    pub fn into_owned(self) -> Event<'static> {
+        match self {
+            Self::Request(r, p) => Event::Request(r, Cow::Owned(p.into_owned())),
+            Self::Oversized(r) => Event::Oversized(r),
+            Self::Disconnect => Event::Disconnect,
+            Self::BadMagic(m) => Event::BadMagic(m),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -42,6 +66,8 @@ pub struct Inbox {
     state: State,
     /// The request whose header is at `start` was admitted (see [`Inbox::next_event_with`]).
     admitted: bool,
+    /// A write that a grown buffer would have held got a buffer of its own.
+    short: bool,
 }
 
 impl std::fmt::Debug for Inbox {
@@ -52,7 +78,8 @@ impl std::fmt::Debug for Inbox {
 
 impl Default for Inbox {
     fn default() -> Self {
-        Self { buf: vec![0u8; CAPACITY].into_boxed_slice(), start: 0, end: 0, state: State::Header, admitted: false }
+        let buf = vec![0u8; SMALL].into_boxed_slice();
+        Self { buf, start: 0, end: 0, state: State::Header, admitted: false, short: false }
     }
 }
 
@@ -64,12 +91,34 @@ impl Inbox {
         if let State::Payload { data, got, .. } = &mut self.state {
             return &mut data[*got..];
         }
-        if self.start > 0 {
+        // What is held is at most one partial request: move it to the front once the room
+        // behind it is short (a receive then always has a quarter of the buffer or more, and a
+        // held request, at most MAX_HELD_WRITE and its header, always fits).
+        let cap = self.buf.len();
+        if self.start > 0 && (self.start == self.end || cap - self.end < cap / 4) {
             self.buf.copy_within(self.start..self.end, 0);
             (self.start, self.end) = (0, self.end - self.start);
         }
-        debug_assert!(self.end < CAPACITY, "a full buffer always holds a whole event");
+        debug_assert!(self.end < cap, "a full buffer always holds a whole event");
         &mut self.buf[self.end..]
+    }
+
+    /// Bytes [`Inbox::grow`] would add, once the client sent a write that only a grown buffer
+    /// holds; 0 otherwise.
+    pub fn growth(&self) -> usize {
+        if self.short { LARGE.saturating_sub(self.buf.len()) } else { 0 }
+    }
+
+    /// Grows the buffer to [`LARGE`] bytes, keeping what it holds; returns the bytes added. Not
+    /// while a receive into [`Inbox::space`] is in flight: the buffer moves.
+    pub fn grow(&mut self) -> usize {
+        let added = LARGE.saturating_sub(self.buf.len());
+        if added > 0 {
+            let mut buf = vec![0u8; LARGE].into_boxed_slice();
+            buf[..self.end].copy_from_slice(&self.buf[..self.end]);
+            self.buf = buf;
+        }
+        added
     }
 
     /// `n` bytes were received into the last [`Inbox::space`].
@@ -81,21 +130,21 @@ impl Inbox {
     }
 
     /// The next event, once all of it was received.
-    pub fn next_event(&mut self) -> Option<Event> {
+    pub fn next_event(&mut self) -> Option<Event<'_>> {
         self.next_event_with(|_| true)
     }
 
     /// The next event, asking `admit` about each request as soon as its header is here and
     /// before anything is allocated for it. A request refused stays where it is, and is asked
     /// about again by the next call; one admitted is not asked about again.
-    pub fn next_event_with(&mut self, mut admit: impl FnMut(&Request) -> bool) -> Option<Event> {
+    pub fn next_event_with(&mut self, mut admit: impl FnMut(&Request) -> bool) -> Option<Event<'_>> {
         loop {
             match &mut self.state {
                 State::Payload { data, got, .. } if *got == data.len() => {
                     let State::Payload { req, data, .. } = std::mem::replace(&mut self.state, State::Header) else {
                         unreachable!("matched above")
                     };
-                    return Some(Event::Request(req, data));
+                    return Some(Event::Request(req, Cow::Owned(data)));
                 }
                 State::Payload { .. } => return None,
                 State::Skip { req, left } => {
@@ -130,7 +179,7 @@ impl Inbox {
             if req.kind != CMD_WRITE {
                 self.start += REQUEST_LEN;
                 self.admitted = false;
-                return Some(Event::Request(req, Vec::new()));
+                return Some(Event::Request(req, Cow::Borrowed(&[])));
             }
             if req.length > MAX_REQUEST {
                 self.start += REQUEST_LEN;
@@ -139,20 +188,24 @@ impl Inbox {
                 continue;
             }
             let len = req.length as usize;
-            if let Some(payload) = held.get(REQUEST_LEN..REQUEST_LEN + len) {
-                let payload = payload.to_vec();
-                self.start += REQUEST_LEN + len;
+            let fits = REQUEST_LEN + len <= self.buf.len();
+            self.short |= !fits && req.length <= MAX_HELD_WRITE;
+            if fits && req.length <= MAX_HELD_WRITE {
+                if held.len() < REQUEST_LEN + len {
+                    // Held here once the rest of it came.
+                    return None;
+                }
+                let at = self.start + REQUEST_LEN;
+                self.start = at + len;
                 self.admitted = false;
-                return Some(Event::Request(req, payload));
+                return Some(Event::Request(req, Cow::Borrowed(&self.buf[at..at + len])));
             }
-            if REQUEST_LEN + len <= CAPACITY {
-                // The rest of it fits the buffer: wait for it there.
-                return None;
-            }
+            // Its own buffer, with what of it is here already (a grown buffer may hold all of it
+            // and more); the rest is received straight into it.
             let mut data = vec![0u8; len];
-            let got = held.len() - REQUEST_LEN;
-            data[..got].copy_from_slice(&held[REQUEST_LEN..]);
-            (self.start, self.end) = (0, 0);
+            let got = (held.len() - REQUEST_LEN).min(len);
+            data[..got].copy_from_slice(&held[REQUEST_LEN..REQUEST_LEN + got]);
+            self.start += REQUEST_LEN + got;
             self.admitted = false;
             self.state = State::Payload { req, data, got };
         }
@@ -161,11 +214,14 @@ impl Inbox {
 
 /// Splits `bytes`, received at most `step` bytes at a time, into the events a connection takes
 /// out after each receive, up to a bad header (after which a connection reads nothing more).
-/// Returns them with the number of receives. For tests and fuzzing.
-pub fn split(bytes: &[u8], step: usize) -> (Vec<Event>, usize) {
+/// Returns them (payloads copied out) with the number of receives. For tests and fuzzing.
+pub fn split(bytes: &[u8], step: usize) -> (Vec<Event<'static>>, usize) {
     let mut inbox = Inbox::default();
     let (mut events, mut receives, mut at) = (Vec::new(), 0, 0);
     while at < bytes.len() {
+        if inbox.growth() > 0 {
+            inbox.grow();
+        }
         let space = inbox.space();
         let n = space.len().min(step).min(bytes.len() - at);
         space[..n].copy_from_slice(&bytes[at..at + n]);
@@ -174,7 +230,7 @@ pub fn split(bytes: &[u8], step: usize) -> (Vec<Event>, usize) {
         receives += 1;
         while let Some(e) = inbox.next_event() {
             let stop = matches!(e, Event::BadMagic(_));
-            events.push(e);
+            events.push(e.into_owned());
             if stop {
                 return (events, receives);
             }
@@ -196,6 +252,10 @@ mod tests {
         Request { flags: 0, kind, cookie, offset: cookie * 4096, length }
     }
 
+    fn ev(r: Request, payload: Vec<u8>) -> Event<'static> {
+        Event::Request(r, Cow::Owned(payload))
+    }
+
     #[test]
     fn one_receive_takes_in_many_requests() {
         let bytes: Vec<u8> = (0..32).flat_map(|c| req(CMD_READ, c, 4096).encode()).collect();
@@ -207,16 +267,51 @@ mod tests {
     }
 
     #[test]
+    fn held_writes_are_lent_from_the_buffer_and_longer_ones_have_their_own() {
+        let mut bytes = Vec::new();
+        for (cookie, len) in [(1usize, MAX_HELD_WRITE), (2, MAX_HELD_WRITE), (3, MAX_HELD_WRITE + 4096)] {
+            bytes.extend_from_slice(&req(CMD_WRITE, u64::try_from(cookie).unwrap(), len).encode());
+            bytes.extend((0..len as usize).map(|i| pattern(i + cookie)));
+        }
+        let mut inbox = Inbox::default();
+        let mut first = bytes[..REQUEST_LEN + MAX_HELD_WRITE as usize].to_vec();
+        let space = inbox.space();
+        let n = space.len();
+        space.copy_from_slice(&first[..n]);
+        inbox.received(n);
+        assert_eq!(inbox.next_event(), None);
+        assert_eq!(inbox.growth(), LARGE - SMALL, "a 64 KiB buffer gives a 128 KiB write a buffer of its own");
+        first.drain(..n);
+        inbox.space()[..first.len()].copy_from_slice(&first);
+        inbox.received(first.len());
+        assert!(matches!(inbox.next_event(), Some(Event::Request(_, Cow::Owned(_)))));
+        assert_eq!(inbox.grow(), LARGE - SMALL);
+        assert_eq!(inbox.growth(), 0);
+        let (mut at, mut lent) = (REQUEST_LEN + MAX_HELD_WRITE as usize, vec![(1, false)]);
+        while at < bytes.len() {
+            let space = inbox.space();
+            let n = space.len().min(bytes.len() - at);
+            space[..n].copy_from_slice(&bytes[at..at + n]);
+            inbox.received(n);
+            at += n;
+            while let Some(Event::Request(r, payload)) = inbox.next_event() {
+                let want: Vec<u8> =
+                    (0..r.length as usize).map(|i| pattern(i + usize::try_from(r.cookie).unwrap())).collect();
+                assert_eq!(*payload, want[..], "request {}", r.cookie);
+                lent.push((r.cookie, matches!(payload, Cow::Borrowed(_))));
+            }
+        }
+        assert_eq!(lent, [(1, false), (2, true), (3, false)]);
+    }
+
+    #[test]
     fn a_large_write_is_received_into_its_own_buffer() {
         let payload: Vec<u8> = (0..1_000_000).map(pattern).collect();
         let mut bytes = req(CMD_WRITE, 1, 1_000_000).encode().to_vec();
         bytes.extend_from_slice(&payload);
         bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
         let (events, receives) = split(&bytes, usize::MAX);
-        assert_eq!(
-            events,
-            [Event::Request(req(CMD_WRITE, 1, 1_000_000), payload), Event::Request(req(CMD_READ, 2, 4096), vec![])]
-        );
+        assert_eq!(events, [ev(req(CMD_WRITE, 1, 1_000_000), payload), ev(req(CMD_READ, 2, 4096), vec![])]);
         // The buffer's worth, then the rest of the payload in one, then the read.
         assert_eq!(receives, 3);
     }
@@ -228,7 +323,7 @@ mod tests {
         bytes.resize(bytes.len() + len as usize, 7);
         bytes.extend_from_slice(&req(CMD_READ, 2, 4096).encode());
         let (events, _) = split(&bytes, 1 << 20);
-        assert_eq!(events, [Event::Oversized(req(CMD_WRITE, 1, len)), Event::Request(req(CMD_READ, 2, 4096), vec![])]);
+        assert_eq!(events, [Event::Oversized(req(CMD_WRITE, 1, len)), ev(req(CMD_READ, 2, 4096), vec![])]);
     }
 
     #[test]
@@ -245,11 +340,11 @@ mod tests {
             asked.push(r.cookie);
             true
         };
-        assert_eq!(inbox.next_event_with(&mut admit), Some(Event::Request(req(CMD_READ, 1, 4096), vec![])));
+        assert_eq!(inbox.next_event_with(&mut admit), Some(ev(req(CMD_READ, 1, 4096), vec![])));
         assert_eq!(inbox.next_event_with(&mut admit), None, "the write's payload is not all here");
         inbox.space()[..4096].copy_from_slice(&[5u8; 4096]);
         inbox.received(4096);
-        assert_eq!(inbox.next_event_with(&mut admit), Some(Event::Request(req(CMD_WRITE, 2, 8192), vec![5u8; 8192])));
+        assert_eq!(inbox.next_event_with(&mut admit), Some(ev(req(CMD_WRITE, 2, 8192), vec![5u8; 8192])));
         assert_eq!(asked, [1, 2], "each request is admitted once");
     }
 
@@ -279,7 +374,7 @@ mod tests {
                 bytes.extend_from_slice(&r.encode());
                 let payload: Vec<u8> = if write { (0..len as usize).map(|j| pattern(i + j)).collect() } else { Vec::new() };
                 bytes.extend_from_slice(&payload);
-                sent.push(Event::Request(r, payload));
+                sent.push(ev(r, payload));
             }
             let (events, _) = split(&bytes, step);
             proptest::prop_assert!(events == sent);

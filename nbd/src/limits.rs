@@ -31,6 +31,9 @@ pub struct Limits {
     pub connection_requests: usize,
     /// Bytes in flight over every connection.
     pub memory: Budget,
+    /// Memory for grown receive buffers over every connection (see `inbox.rs`): a connection
+    /// only ever tries for it, and keeps its small buffer when there is none left.
+    pub receive_buffers: Budget,
     /// Most connections each listener serves at once; more are closed as they arrive.
     pub max_connections: usize,
     /// How long a client may take from connecting to the start of transmission.
@@ -46,6 +49,7 @@ impl Default for Limits {
             connection_bytes: 64 << 20,
             connection_requests: 256,
             memory: Budget::new(1 << 30),
+            receive_buffers: Budget::new(32 << 20),
             max_connections: 1024,
             handshake_timeout: Duration::from_secs(30),
             send_timeout: Duration::from_secs(60),

@@ -129,7 +129,7 @@ fn in_range(vol: &Volume, req: &Request) -> Result<bool, Error> {
 
 /// Runs one request other than a read (reads go through `event_loop.rs`) on the engine
 /// (blocking) and builds its reply.
-pub(crate) fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
+pub(crate) fn handle(s: &Session, req: Request, payload: &[u8]) -> Reply {
     let st = s.structured;
     let vol = &s.export.volume;
     let err = |e: u32, msg: &str| error_reply(st, req.cookie, e, msg);
@@ -153,7 +153,7 @@ pub(crate) fn handle(s: &Session, req: Request, payload: Vec<u8>) -> Reply {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let done = |r: Result<(), Error>| r.map_or_else(engine_err, |()| ok_reply(st, req.cookie));
     match req.kind {
-        CMD_WRITE => done(vol.write_vec(req.offset, payload, fua)),
+        CMD_WRITE => done(if fua { vol.write_fua(req.offset, payload) } else { vol.write(req.offset, payload) }),
         CMD_FLUSH => done(vol.flush()),
         CMD_TRIM => {
             done(vol.trim(req.offset, u64::from(req.length)).and_then(|()| if fua { vol.flush() } else { Ok(()) }))

@@ -188,6 +188,9 @@ fn run_with(pool: &Pool, ring: bool, limits: Arc<Limits>) {
     assert_eq!(c.sock.read_to_end(&mut rest).unwrap(), 0, "nothing after the last reply");
     assert_eq!(export.metrics.errors.load(std::sync::atomic::Ordering::Relaxed), 0);
     assert_eq!(limits.memory.used(), 0, "every request released what it held");
+    // The script's writes of 64-128 KiB grow the receive buffer; the connection gives it back.
+    assert_eq!(limits.receive_buffers.peak(), 448 << 10);
+    assert_eq!(limits.receive_buffers.used(), 0);
     assert!(limits.memory.peak() <= limits.memory.cap().max(2 * (2 << 20) + 256), "{}", limits.memory.peak());
 }
 
