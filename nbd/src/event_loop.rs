@@ -156,7 +156,7 @@ struct Loop<'a, S: Socket> {
     /// received meanwhile.
     paused: bool,
     inbox: Inbox,
-    /// Bytes the inbox grew by, charged to the daemon's memory budget.
+    /// Bytes the inbox grew by, charged to `limits.receive_buffers` (given back on drop).
     grown: usize,
     flights: Vec<Option<Flight<'a>>>,
     free: Vec<usize>,
