@@ -210,7 +210,7 @@ impl Volume {
         };
         let pinned = pins.into_held();
         let ctx = Arc::clone(&inner.ctx);
-        Ok(Reads::new(&self.name, ctx, (&inner.readahead, &inner.log.tail), parts, resolved, pinned))
+        Ok(Reads::new(&self.name, ctx, (&inner.readahead, &inner.log), parts, resolved, pinned))
     }
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).

@@ -5,11 +5,15 @@
 
 mod common;
 
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{Fixture, pattern, small_opts};
 use ferrite_engine::format::DATA_START;
-use ferrite_engine::io::{AlignedBuf, Backend};
+use ferrite_engine::io::{AlignedBuf, AsyncIo, Backend, ReadOp, SyncFileBackend};
 use ferrite_engine::{ErrorKind, Pool, PoolOptions, Volume};
 
 const B: u64 = 4096;
@@ -137,4 +141,121 @@ fn with_readahead_off_nothing_is_read_ahead() {
     read_chunks(&v, 0, 2 * MIB, &a);
     let s = pool.stats();
     assert_eq!((s.readahead_bytes, s.readahead_hit_bytes), (0, 0));
+}
+
+/// A file store whose batches of reads through the engine (the readahead thread's) take 50 ms
+/// once `slow` is set, and fail once after `fail_once` is set; reads on its descriptor (a
+/// caller's own I/O) are never held up.
+#[derive(Debug)]
+struct SlowReads {
+    file: SyncFileBackend,
+    slow: AtomicBool,
+    fail_once: AtomicBool,
+}
+
+impl Backend for SlowReads {
+    fn len(&self) -> u64 {
+        self.file.len()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.read_many(&mut [ReadOp { offset, buf }])
+    }
+    fn read_many(&self, ops: &mut [ReadOp<'_>]) -> std::io::Result<()> {
+        if self.slow.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if self.fail_once.swap(false, Ordering::Relaxed) {
+            return Err(std::io::Error::other("injected"));
+        }
+        self.file.read_many(ops)
+    }
+    fn raw_fd(&self) -> Option<RawFd> {
+        self.file.raw_fd()
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.file.write_at(buf, offset)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.file.sync()
+    }
+}
+
+/// A caller's own I/O done on the spot: each read with pread(2), each wait with poll(2).
+#[derive(Default)]
+struct OnTheSpot {
+    done: VecDeque<(u64, i32)>,
+    polls: usize,
+}
+
+impl AsyncIo for OnTheSpot {
+    fn read_at(&mut self, fd: RawFd, buf: *mut u8, len: usize, offset: u64, user_data: u64) {
+        // SAFETY: the engine promises `buf` is valid for `len` bytes until the completion.
+        let n = unsafe { libc::pread(fd, buf.cast(), len, i64::try_from(offset).unwrap()) };
+        let res = if n < 0 { -std::io::Error::last_os_error().raw_os_error().unwrap() } else { n as i32 };
+        self.done.push_back((user_data, res));
+    }
+    fn poll_readable(&mut self, fd: RawFd, user_data: u64) {
+        self.polls += 1;
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd, a live local.
+        let n = unsafe { libc::poll(&mut p, 1, 10_000) };
+        assert_eq!(n, 1, "the window's eventfd became readable");
+        self.done.push_back((user_data, i32::from(p.revents)));
+    }
+}
+
+/// A pool on [`SlowReads`] with a 2 MiB volume written scattered, made slow once written.
+fn slow_pool(dir: &tempfile::TempDir, want: &[u8]) -> (Arc<SlowReads>, Pool) {
+    let path = dir.path().join("pool.img");
+    std::fs::File::create(&path).unwrap().set_len(64 * common::SEG + DATA_START).unwrap();
+    let file = SyncFileBackend::open(&path).unwrap();
+    let store = Arc::new(SlowReads { file, slow: AtomicBool::new(false), fail_once: AtomicBool::new(false) });
+    let pool = Pool::create_on(Arc::clone(&store) as Arc<dyn Backend>, &dir.path().join("meta"), opts()).unwrap();
+    pool.create_volume("v", want.len() as u64).unwrap();
+    write_scattered(&pool.open_volume("v").unwrap(), want);
+    pool.flush().unwrap();
+    store.slow.store(true, Ordering::Relaxed);
+    (store, pool)
+}
+
+/// Reads the volume front to back as an event loop does, on `io`; checks every chunk.
+fn read_on(io: &mut OnTheSpot, v: &Volume, want: &[u8]) {
+    let mut buf = vec![0u8; CHUNK as usize];
+    for off in (0..want.len() as u64).step_by(CHUNK as usize) {
+        // A block of a window still being read is waited for by a poll, not in start_reads.
+        let mut reads = v.start_reads(&[(off, CHUNK as usize)]).unwrap();
+        let n = reads.submit(io, |i| i as u64).expect("a file store");
+        let mut media = (n == 0).then_some(Ok(()));
+        while media.is_none() {
+            let (i, res) = io.done.pop_front().expect("an operation to report");
+            media = reads.complete(io, usize::try_from(i).unwrap(), res);
+        }
+        reads.finish(media.unwrap(), &mut [&mut buf[..]]).pop().unwrap().unwrap();
+        assert!(buf[..] == want[off as usize..(off + CHUNK) as usize], "chunk at {off} differs");
+        assert!(io.done.is_empty(), "every operation was reported once");
+    }
+}
+
+#[test]
+fn a_reader_on_its_own_io_waits_for_a_window_being_read_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = pattern(7, (2 * MIB) as usize);
+    let (_store, pool) = slow_pool(&dir, &want);
+    let mut io = OnTheSpot::default();
+    read_on(&mut io, &pool.open_volume("v").unwrap(), &want);
+    let s = pool.stats();
+    assert!(io.polls > 0 && s.readahead_hit_bytes > 0, "{} waits, {s:?}", io.polls);
+}
+
+#[test]
+fn the_blocks_of_a_window_that_failed_are_read_by_their_reader() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = pattern(8, (2 * MIB) as usize);
+    let (store, pool) = slow_pool(&dir, &want);
+    // The first window's read fails after its readers found it still being read.
+    store.fail_once.store(true, Ordering::Relaxed);
+    let mut io = OnTheSpot::default();
+    read_on(&mut io, &pool.open_volume("v").unwrap(), &want);
+    assert!(!store.fail_once.load(Ordering::Relaxed), "a window read failed");
+    assert!(io.polls > 0, "a reader waited for a window");
 }

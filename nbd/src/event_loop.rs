@@ -132,14 +132,18 @@ struct Flight<'a> {
     start: Instant,
 }
 
-/// The loop's ring as the engine's [`AsyncIo`]: a store read goes to the backlog and is
-/// submitted with the next wait.
+/// The loop's ring as the engine's [`AsyncIo`]: a store read (or a wait for a readahead window)
+/// goes to the backlog and is submitted with the next wait.
 struct Backlog<'b>(&'b mut VecDeque<squeue::Entry>);
 
 impl AsyncIo for Backlog<'_> {
     fn read_at(&mut self, fd: RawFd, buf: *mut u8, len: usize, offset: u64, user_data: u64) {
         let len = u32::try_from(len).expect("store reads are below 4 GiB");
         self.0.push_back(opcode::Read::new(types::Fd(fd), buf, len).offset(offset).build().user_data(user_data));
+    }
+
+    fn poll_readable(&mut self, fd: RawFd, user_data: u64) {
+        self.0.push_back(opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32).build().user_data(user_data));
     }
 }
 
@@ -331,8 +335,9 @@ impl<'a, S: Socket> Loop<'a, S> {
             let Some(entry) = self.backlog.pop_front() else { break };
             // SAFETY: every entry's buffer outlives its completion: a receive's is the inbox's
             // space, untouched while `receiving` is set (cleared only when its completion is
-            // reaped); a store read's belongs to its batch's `Reads`, which stays in `flights`
-            // until all of its reads were reported complete (the `AsyncIo` contract). The loop
+            // reaped); a store read's belongs to its batch's `Reads` (as does the readahead
+            // window whose eventfd a poll waits on), which stays in `flights` until all of its
+            // operations were reported complete (the `AsyncIo` contract). The loop
             // never returns with entries submitted (see `run`), and on failure the entry is put
             // back, not dropped.
             if unsafe { ring.submission().push(&entry) }.is_err() {
@@ -362,8 +367,8 @@ impl<'a, S: Socket> Loop<'a, S> {
         }
     }
 
-    /// A store read completed with `res` (the engine starts a short one again for the rest); the
-    /// batch is finished once all of its reads are done.
+    /// A store read or a wait for a readahead window completed with `res` (the engine starts a
+    /// short read again for the rest); the batch is finished once all of them are done.
     fn read_done(&mut self, tag: u64, res: i32) {
         let (slot, i) =
             (usize::try_from(tag >> 32).expect("fits"), usize::try_from(tag & u64::from(u32::MAX)).expect("fits"));

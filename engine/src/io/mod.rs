@@ -37,14 +37,17 @@ pub const BLOCK: usize = 4096;
 
 /// Reads started on a caller's own asynchronous I/O, such as an io_uring it also uses for its
 /// sockets (cloud-hypervisor's `AsyncIo`, reduced to what the engine needs): the engine says
-/// what to read where ([`AsyncIo::read_at`]), the caller starts the read and later reports its
-/// completion (bytes read, or -errno) with the same `user_data`.
+/// what to read where ([`AsyncIo::read_at`]), or which descriptor to wait for
+/// ([`AsyncIo::poll_readable`]: a readahead window still being read), the caller starts it and
+/// later reports its completion (bytes read, a poll's events, or -errno) with the same
+/// `user_data`.
 ///
-/// The engine's promise: `buf` is valid for `len` bytes and touched by nobody else until that
-/// completion has been reported; the caller's: it reports every read it was given, and keeps the
-/// owner of the buffers (a [`crate::Reads`]) until then.
+/// The engine's promise: `buf` is valid for `len` bytes and touched by nobody else, and `fd`
+/// stays open, until that completion has been reported; the caller's: it reports every
+/// operation it was given, and keeps their owner (a [`crate::Reads`]) until then.
 pub trait AsyncIo {
     fn read_at(&mut self, fd: std::os::fd::RawFd, buf: *mut u8, len: usize, offset: u64, user_data: u64);
+    fn poll_readable(&mut self, fd: std::os::fd::RawFd, user_data: u64);
 }
 
 /// One read of a batch handed to [`Backend::read_many`].

@@ -5,21 +5,24 @@
 //!  Volume::start_reads: resolve every range (state lock), pin the segments it maps to, and
 //!      gather the blocks memory holds (readahead windows, the unwritten log tail)  -> Reads
 //!  the store reads left: Reads::read_media, or on the caller's own ring (io::AsyncIo):
-//!      Reads::submit, then Reads::complete for each completion
+//!      Reads::submit (with a poll for each readahead window still being read), then
+//!      Reads::complete for each completion
 //!  Reads::finish: check every block's crc32c, copy it into the caller's buffer, unpin
 //! ```
 //! [`Volume::read_sparse_many`] is the three in a row.
 
 use std::io;
+use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use crate::ctx::Ctx;
 use crate::error::Result;
 use crate::io::{AlignedBuf, AsyncIo, BLOCK, Backend};
 use crate::map::segments::Pinned;
-use crate::read::readahead::{self, Readahead};
-use crate::read::resolve::{Resolved, fill, media_error, media_runs};
-use crate::write::tail::Tail;
+use crate::read::readahead::{self, Hit, Readahead};
+use crate::read::resolve::{Resolved, fill, media_error, media_runs, pba_runs};
+use crate::write::queue::Log;
+use crate::write::tail::{self, Tail};
 
 /// The media blocks of a read, in order: one buffer, or, when some came from readahead, each
 /// block where it is (a window's buffer, or the buffer the rest were read into), uncopied.
@@ -45,9 +48,9 @@ impl Media {
 /// the rest go into `buf` in order (copied from the log tail now, or read from the store by
 /// `todo`).
 pub(crate) struct Gather {
-    /// Per block, when some were read ahead: the window's buffer and the block's byte offset
-    /// there, or None for the next slot of `buf`. Empty when none were: all are in `buf`.
-    pub hits: Vec<Option<(Arc<AlignedBuf>, usize)>>,
+    /// Per block, when some were read ahead: the window's, or None for the next slot of `buf`.
+    /// Empty when none were: all are in `buf`.
+    pub hits: Vec<Option<Hit>>,
     pub buf: AlignedBuf,
     /// Store reads still to do: (pool block, blocks, first slot in `buf`), slots ascending.
     pub todo: Vec<(u64, u64, usize)>,
@@ -58,19 +61,37 @@ impl Gather {
         crate::io::read_into(backend, &mut self.buf, &self.todo)
     }
 
-    pub fn into_media(self) -> Media {
+    /// The blocks, once the store reads are done: waits for the windows still being read, and
+    /// reads the blocks of a window that failed here (from the log tail or the store).
+    pub fn into_media(self, ctx: &Ctx, tail: &Tail) -> io::Result<Media> {
         if self.hits.is_empty() {
-            return Media::Whole(self.buf);
+            return Ok(Media::Whole(self.buf));
         }
         let buf = Arc::new(self.buf);
         let mut next = 0;
-        let blocks = self.hits.into_iter().map(|hit| {
-            hit.unwrap_or_else(|| {
-                next += BLOCK;
-                (Arc::clone(&buf), next - BLOCK)
-            })
-        });
-        Media::Blocks(blocks.collect())
+        let mut failed: Vec<(usize, u64)> = Vec::new();
+        let mut blocks = Vec::with_capacity(self.hits.len());
+        for hit in self.hits {
+            let block = match hit.map(Hit::wait) {
+                None => {
+                    next += BLOCK;
+                    (Arc::clone(&buf), next - BLOCK)
+                }
+                Some(Ok(block)) => block,
+                Some(Err(pba)) => {
+                    failed.push((blocks.len(), pba));
+                    (Arc::clone(&buf), 0) // replaced below
+                }
+            };
+            blocks.push(block);
+        }
+        if !failed.is_empty() {
+            let again = Arc::new(tail::read_runs(ctx, tail, &pba_runs(failed.iter().map(|f| f.1)))?);
+            for (k, &(i, _)) in failed.iter().enumerate() {
+                blocks[i] = (Arc::clone(&again), k * BLOCK);
+            }
+        }
+        Ok(Media::Blocks(blocks))
     }
 }
 
@@ -91,6 +112,8 @@ pub struct Reads<'v> {
     /// The volume's (or snapshot's) name, for errors.
     name: &'v str,
     ctx: Arc<Ctx>,
+    /// The log, whose tail holds blocks not yet in the store.
+    log: Arc<Log>,
     /// Segments pinned against reuse until the store reads are done.
     pinned: Vec<usize>,
     /// (offset, length) of each range.
@@ -117,16 +140,17 @@ impl<'v> Reads<'v> {
     pub(crate) fn new(
         name: &'v str,
         ctx: Arc<Ctx>,
-        (ra, tail): (&Readahead, &Tail),
+        (ra, log): (&Readahead, &Arc<Log>),
         parts: &[(u64, usize)],
         resolved: Vec<Result<Vec<Resolved>>>,
         pinned: Vec<usize>,
     ) -> Self {
         let runs = media_runs(resolved.iter().flatten().flatten());
-        let gather = readahead::gather(ra, tail, &runs);
+        let gather = readahead::gather(ra, &log.tail, &runs);
         Self {
             name,
             ctx,
+            log: Arc::clone(log),
             pinned,
             parts: parts.to_vec(),
             resolved,
@@ -138,10 +162,11 @@ impl<'v> Reads<'v> {
         }
     }
 
-    /// Starts the store reads on `io`, read `i` tagged `user_data(i)`; returns how many were
-    /// started (0: memory held every block, finish now), or None when the store is not a file
-    /// (then use [`Reads::read_media`]). The buffers belong to this `Reads` and stay where they
-    /// are (moving it does not move them): keep it until every read was [`Reads::complete`]d.
+    /// Starts the store reads on `io`, and a wait for each readahead window still being read,
+    /// operation `i` tagged `user_data(i)`; returns how many were started (0: memory held every
+    /// block, finish now), or None when the store is not a file (then use
+    /// [`Reads::read_media`]). The buffers belong to this `Reads` and stay where they are (moving
+    /// it does not move them): keep it until every operation was [`Reads::complete`]d.
     pub fn submit(&mut self, io: &mut dyn AsyncIo, user_data: impl Fn(usize) -> u64) -> Option<usize> {
         let fd = self.ctx.backend.raw_fd()?;
         let g = self.gather.as_mut().expect("not finished");
@@ -160,29 +185,37 @@ impl<'v> Reads<'v> {
         for s in &self.started {
             io.read_at(fd, self.base.wrapping_add(s.at), s.len, s.offset, s.user_data);
         }
-        self.left = self.started.len();
+        let mut windows: Vec<RawFd> = g.hits.iter().flatten().filter_map(Hit::pending).collect();
+        windows.sort_unstable();
+        windows.dedup();
+        for (k, &w) in windows.iter().enumerate() {
+            io.poll_readable(w, user_data(self.started.len() + k));
+        }
+        self.left = self.started.len() + windows.len();
         Some(self.left)
     }
 
-    /// Store read `i` (of [`Reads::submit`]) completed with `res`: bytes read, or -errno. A
-    /// short read is started again on `io` for the rest. Once the last read is done, returns how
-    /// they went, for [`Reads::finish`].
+    /// Operation `i` (of [`Reads::submit`]) completed with `res`. A short store read is started
+    /// again on `io` for the rest; a window's wait needs nothing more (its blocks are taken
+    /// when the reads are finished). Once the last is done, returns how the store reads went,
+    /// for [`Reads::finish`].
     pub fn complete(&mut self, io: &mut dyn AsyncIo, i: usize, res: i32) -> Option<io::Result<()>> {
-        let s = &mut self.started[i];
-        match usize::try_from(res) {
-            Err(_) => {
-                self.err.get_or_insert(io::Error::from_raw_os_error(-res));
+        if let Some(s) = self.started.get_mut(i) {
+            match usize::try_from(res) {
+                Err(_) => {
+                    self.err.get_or_insert(io::Error::from_raw_os_error(-res));
+                }
+                Ok(0) => {
+                    self.err.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "short read from the store"));
+                }
+                Ok(n) if n < s.len => {
+                    (s.at, s.len, s.offset) = (s.at + n, s.len - n, s.offset + n as u64);
+                    let fd = self.ctx.backend.raw_fd().expect("submitted reads are from a file");
+                    io.read_at(fd, self.base.wrapping_add(s.at), s.len, s.offset, s.user_data);
+                    return None;
+                }
+                Ok(_) => {}
             }
-            Ok(0) => {
-                self.err.get_or_insert(io::Error::new(io::ErrorKind::UnexpectedEof, "short read from the store"));
-            }
-            Ok(n) if n < s.len => {
-                (s.at, s.len, s.offset) = (s.at + n, s.len - n, s.offset + n as u64);
-                let fd = self.ctx.backend.raw_fd().expect("submitted reads are from a file");
-                io.read_at(fd, self.base.wrapping_add(s.at), s.len, s.offset, s.user_data);
-                return None;
-            }
-            Ok(_) => {}
         }
         self.left -= 1;
         (self.left == 0).then(|| self.err.take().map_or(Ok(()), Err))
@@ -201,7 +234,7 @@ impl<'v> Reads<'v> {
     pub fn finish(mut self, media: io::Result<()>, bufs: &mut [&mut [u8]]) -> Vec<Result<Vec<(u64, bool)>>> {
         assert_eq!(bufs.len(), self.parts.len(), "one buffer per range");
         let gather = self.gather.take().expect("finished once");
-        let media = media.map(|()| gather.into_media());
+        let media = media.and_then(|()| gather.into_media(&self.ctx, &self.log.tail));
         self.unpin();
         let resolved = std::mem::take(&mut self.resolved);
         // Each range's media blocks follow the previous range's; `next` counts blocks.
