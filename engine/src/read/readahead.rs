@@ -273,7 +273,7 @@ pub(crate) enum Hit {
 
 impl Hit {
     /// The eventfd that becomes readable once a pending block's window is read.
-    pub fn pending(&self) -> Option<RawFd> {
+    pub fn pending_fd(&self) -> Option<RawFd> {
         match self {
             Hit::Ready(..) => None,
             Hit::Pending(w, ..) => Some(w.signal.as_raw_fd()),

@@ -185,7 +185,7 @@ impl<'v> Reads<'v> {
         for s in &self.started {
             io.read_at(fd, self.base.wrapping_add(s.at), s.len, s.offset, s.user_data);
         }
-        let mut windows: Vec<RawFd> = g.hits.iter().flatten().filter_map(Hit::pending).collect();
+        let mut windows: Vec<RawFd> = g.hits.iter().flatten().filter_map(Hit::pending_fd).collect();
         windows.sort_unstable();
         windows.dedup();
         for (k, &w) in windows.iter().enumerate() {
