@@ -125,14 +125,21 @@ impl Rng {
 fn script(c: &mut Client) {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     // Scattered writes of every size the loop treats differently: small ones it runs itself,
-    // large and FUA ones its helpers run; a third are not block-aligned.
+    // large and FUA ones its helpers run; a third are not block-aligned, so some share a block.
+    // Writes in flight together never overlap: NBD lets a server run them in any order (and
+    // the loop and its helpers do), so a client that cares about order waits for the reply.
     for round in 0..4u64 {
-        let ops: Vec<Op> = (0..48)
-            .map(|i| {
+        let mut ops: Vec<Op> = Vec::new();
+        for i in 0..48 {
+            let (offset, len) = loop {
                 let (offset, len) = rng.range(if i % 8 == 0 { 1 << 20 } else { 64 << 10 }, i % 3 != 0);
-                Op::Write { offset, len, seed: round * 100 + i, fua: i % 11 == 0 }
-            })
-            .collect();
+                let apart = |op: &Op| matches!(*op, Op::Write { offset: o, len: l, .. } if o + l <= offset || offset + len <= o);
+                if ops.iter().all(apart) {
+                    break (offset, len);
+                }
+            };
+            ops.push(Op::Write { offset, len, seed: round * 100 + i, fua: i % 11 == 0 });
+        }
         c.batch(&ops);
     }
     c.batch(&[Op::Flush]);
