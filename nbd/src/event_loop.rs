@@ -31,6 +31,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::handshake::{MAX_REQUEST, Session};
 use crate::inbox::{Event, Inbox, MAX_HELD_WRITE};
 use crate::limits::{InFlight, Limits, cost};
+use crate::outbox::{Cost, Outbox};
 use crate::proto::*;
 use crate::transmission::{DATA_AT, Reply, Socket, error_reply, handle, nbd_errno, read_reply, record};
 
@@ -48,40 +49,25 @@ const MAX_INLINE_WRITE: u32 = MAX_HELD_WRITE;
 /// The receive's completion tag; a store read's is its batch's slot and its index there.
 const RECV: u64 = u64::MAX;
 
-/// What the loop and its helpers share.
+/// What the loop, its helpers and its sender share.
 struct Conn<'a, S> {
     sock: &'a S,
     session: &'a Session,
     limits: &'a Limits,
     in_flight: InFlight,
-    writing: Mutex<()>,
+    out: Outbox,
 }
 
 impl<S: Socket> Conn<'_, S> {
-    /// Writes replies, then releases what their requests held (`cost`: bytes, requests).
-    fn send(&self, replies: &[Reply], (bytes, requests): (u64, usize)) {
-        self.write(replies);
-        self.in_flight.release(self.limits, bytes, requests);
+    /// Sends replies, and releases what their requests held once they are written.
+    fn send(&self, replies: Vec<Reply>, cost: Cost) {
+        if let Some(cost) = self.out.send(self.sock, replies, cost) {
+            self.release(cost);
+        }
     }
 
-    fn write(&self, replies: &[Reply]) {
-        if replies.is_empty() {
-            return;
-        }
-        let _w = self.writing.lock();
-        let sent = match replies {
-            [one] => self.sock.write_all(&one.bytes),
-            many => {
-                self.sock.write_all_vectored(&mut many.iter().map(|r| io::IoSlice::new(&r.bytes)).collect::<Vec<_>>())
-            }
-        };
-        if let Err(e) = sent {
-            // The client is gone, or did not read its replies for `send_timeout`: end the
-            // connection (the loop's receive sees it).
-            tracing::debug!(error = %e, "writing an NBD reply failed; ending the connection");
-            // SAFETY: shutdown(2) on the socket this connection serves; no memory is passed.
-            unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
-        }
+    fn release(&self, (bytes, requests): Cost) {
+        self.in_flight.release(self.limits, bytes, requests);
     }
 }
 
@@ -93,9 +79,20 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits, ring: bool
         tracing::warn!(error = %e, "io_uring unavailable; serving the NBD connection with blocking calls");
         None
     });
-    let conn = Conn { sock, session, limits, in_flight: InFlight::default(), writing: Mutex::new(()) };
+    let conn = Conn { sock, session, limits, in_flight: InFlight::default(), out: Outbox::default() };
     let helpers = Helpers::default();
     std::thread::scope(|scope| {
+        // Stops the helpers and the sender however the loop ends (a panic too), or the scope
+        // would wait forever.
+        let _stop = StopOnDrop(&helpers, &conn.out);
+        if ring.is_some() {
+            let sender = std::thread::Builder::new()
+                .name("nbd-sender".into())
+                .spawn_scoped(scope, || conn.out.run_sender(sock, |cost| conn.release(cost)));
+            if let Err(e) = sender {
+                tracing::warn!(error = %e, "cannot start an NBD sender thread; the loop writes its replies itself");
+            }
+        }
         let mut l = Loop {
             conn: &conn,
             ring,
@@ -111,17 +108,16 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits, ring: bool
             replied: (0, 0),
             end: None,
         };
-        // Stops the helpers however the loop ends (a panic too), or the scope would wait forever.
-        let _stop = StopOnDrop(&helpers);
         l.run(|req, payload| helpers.offload(scope, &conn, req, payload))
     })
 }
 
-struct StopOnDrop<'h>(&'h Helpers);
+struct StopOnDrop<'h>(&'h Helpers, &'h Outbox);
 
 impl Drop for StopOnDrop<'_> {
     fn drop(&mut self) {
         self.0.stop();
+        self.1.stop();
     }
 }
 
@@ -166,7 +162,7 @@ struct Loop<'a, S: Socket> {
     free: Vec<usize>,
     /// Replies ready to send, and what their requests cost (bytes, requests).
     replies: Vec<Reply>,
-    replied: (u64, usize),
+    replied: Cost,
     /// How the connection ended, once it did (no more requests are taken).
     end: Option<io::Result<()>>,
 }
@@ -177,7 +173,7 @@ impl<'a, S: Socket> Loop<'a, S> {
             if self.end.is_none() {
                 self.take_requests(&offload);
             }
-            self.conn.send(&std::mem::take(&mut self.replies), std::mem::take(&mut self.replied));
+            self.conn.send(std::mem::take(&mut self.replies), std::mem::take(&mut self.replied));
             let idle = self.submitted == 0 && self.backlog.is_empty();
             if self.end.is_some() && idle {
                 return self.end.take().expect("checked");
@@ -525,5 +521,5 @@ fn run_job<S: Socket>(conn: &Conn<'_, S>, (req, payload): (Request, Vec<u8>)) {
     let start = Instant::now();
     let reply = handle(conn.session, req, &payload);
     record(conn.session, &req, &reply, start.elapsed());
-    conn.send(&[reply], (cost(&req), 1));
+    conn.send(vec![reply], (cost(&req), 1));
 }

@@ -21,6 +21,7 @@ pub mod inbox;
 pub mod kernel;
 pub mod limits;
 pub mod metrics;
+mod outbox;
 pub mod proto;
 pub mod server;
 pub mod tls;

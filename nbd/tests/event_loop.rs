@@ -238,3 +238,75 @@ fn tight_limits_with_blocking_calls() {
     let dir = tempfile::tempdir().unwrap();
     run_with(&file_pool(&dir), false, tight());
 }
+
+/// A client that sends many large reads before it reads a reply: the loop goes on finishing
+/// reads while the first replies wait for room in the socket (a loop that waited in its write
+/// would finish one or two and then stop until the client read).
+#[test]
+fn reads_go_on_while_replies_wait_for_the_client() {
+    const READS: u64 = 16;
+    const LEN: u64 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let pool = file_pool(&dir);
+    pool.create_volume("v", SIZE).unwrap();
+    let volume = pool.open_volume("v").unwrap();
+    let data: Vec<u8> = (0..READS * LEN).map(|i| byte(i, 3)).collect();
+    volume.write(0, &data).unwrap();
+    volume.flush().unwrap();
+    let export = Arc::new(Export::new("v", volume, false, ""));
+    let session = Session { export: Arc::clone(&export), structured: false, base_allocation: false };
+    let limits = Arc::new(Limits::default());
+    let (mut client, server) = UnixStream::pair().unwrap();
+    let served = std::thread::spawn(move || serve(&server, &session, &limits, true));
+    let mut requests = Vec::new();
+    for i in 0..READS {
+        let length = u32::try_from(LEN).unwrap();
+        requests.extend_from_slice(&Request { flags: 0, kind: CMD_READ, cookie: i, offset: i * LEN, length }.encode());
+    }
+    client.write_all(&requests).unwrap();
+    // No reply is read yet: every read is still served (its bytes counted once it is finished).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while export.metrics.read_bytes.load(std::sync::atomic::Ordering::Relaxed) < READS * LEN {
+        assert!(std::time::Instant::now() < deadline, "reads stopped while the first replies waited for the client");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // The replies, in whatever order, each whole and right.
+    for _ in 0..READS {
+        let mut h = [0u8; 16];
+        client.read_exact(&mut h).unwrap();
+        assert_eq!(u32::from_be_bytes(h[4..8].try_into().unwrap()), 0);
+        let i = u64::from_be_bytes(h[8..].try_into().unwrap());
+        let mut got = vec![0u8; span(0, LEN).len()];
+        client.read_exact(&mut got).unwrap();
+        assert!(got == data[span(i * LEN, LEN)], "read {i}");
+    }
+    client.write_all(&Request { flags: 0, kind: CMD_DISC, cookie: 0, offset: 0, length: 0 }.encode()).unwrap();
+    served.join().unwrap().unwrap();
+}
+
+/// A client that never reads its replies is cut once a reply could not be written for the
+/// socket's send timeout, and the connection's threads end.
+#[test]
+fn a_client_that_does_not_read_its_replies_is_cut_after_the_send_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = file_pool(&dir);
+    pool.create_volume("v", SIZE).unwrap();
+    let export = Arc::new(Export::new("v", pool.open_volume("v").unwrap(), false, ""));
+    let session = Session { export, structured: false, base_allocation: false };
+    let (mut client, server) = UnixStream::pair().unwrap();
+    server.set_write_timeout(Some(std::time::Duration::from_millis(500))).unwrap();
+    let (done, ended) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(serve(&server, &session, &Limits::default(), true)));
+    let mut requests = Vec::new();
+    for i in 0..16u64 {
+        let r = Request { flags: 0, kind: CMD_READ, cookie: i, offset: i << 20, length: 1 << 20 };
+        requests.extend_from_slice(&r.encode());
+    }
+    client.write_all(&requests).unwrap();
+    let ended = ended.recv_timeout(std::time::Duration::from_secs(20)).expect("the connection was cut");
+    assert!(ended.is_ok(), "{ended:?}");
+    // What the socket held before the cut can still be read; then the stream ends.
+    let mut rest = Vec::new();
+    let _ = client.read_to_end(&mut rest);
+    assert!(rest.len() < 16 * (1 << 20), "not every reply went out: {}", rest.len());
+}

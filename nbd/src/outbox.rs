@@ -1,0 +1,157 @@
+//! A connection's outgoing replies: written at once as far as the socket takes them without
+//! waiting, the rest by the connection's sender thread, in order.
+//!
+//! The event loop is the only thread that receives requests and starts store reads; a blocking
+//! write of a large reply into a full socket would stop both until the client read it (a 1 MiB
+//! reply is several socket buffers). With a sender, the loop's write never waits: what the socket
+//! has no room for is queued, and the loop goes on receiving and reading while the sender drains
+//! it. A reply that fits goes out on the spot, with no hand-off (a queue-depth-1 client pays
+//! nothing). Queued replies still hold what their requests were charged (`limits.rs`) until they
+//! are written, so a client that does not read its replies stops the loop taking requests, and a
+//! write that cannot go on for the socket's send timeout ends the connection.
+//!
+//! Only a socket whose bytes are the protocol's own gets a sender (a TLS session's records are
+//! written by its own blocking writes, under the same lock, in order).
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::transmission::{Reply, Socket};
+
+/// What a batch of replies cost their requests: (bytes, requests), given back once written.
+pub(crate) type Cost = (u64, usize);
+
+/// Most buffers one `sendmsg` takes (`IOV_MAX`).
+const MAX_IOV: usize = 1024;
+
+#[derive(Default)]
+pub(crate) struct Outbox {
+    state: Mutex<State>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    /// Replies waiting for the sender, each batch with how many of its bytes went out already.
+    queue: VecDeque<(Vec<Reply>, usize, Cost)>,
+    /// The sender is writing batches it took from `queue`: nobody else writes meanwhile.
+    writing: bool,
+    /// A sender runs (until `stop`, and the queue is empty).
+    sender: bool,
+    stop: bool,
+}
+
+impl Outbox {
+    /// Writes `replies` in order after those before; returns their cost once they are written
+    /// (None: queued, the sender gives it back). Without a sender, waits for the socket.
+    pub fn send<S: Socket>(&self, sock: &S, replies: Vec<Reply>, cost: Cost) -> Option<Cost> {
+        if replies.is_empty() {
+            return Some(cost);
+        }
+        let mut st = self.state.lock();
+        if !st.sender {
+            write_blocking(sock, &replies, 0);
+            return Some(cost);
+        }
+        if st.writing || !st.queue.is_empty() {
+            st.queue.push_back((replies, 0, cost));
+            self.ready.notify_one();
+            return None;
+        }
+        // A failure shows again in the sender's write, and is handled there.
+        let sent = write_nowait(sock, &replies).unwrap_or(0);
+        if sent == replies.iter().map(|r| r.bytes.len()).sum() {
+            return Some(cost);
+        }
+        st.queue.push_back((replies, sent, cost));
+        self.ready.notify_one();
+        None
+    }
+
+    /// The sender: writes what was queued, in order, and gives back its cost with `release`;
+    /// returns once stopped (see [`Outbox::stop`]) with nothing left to write.
+    pub fn run_sender<S: Socket>(&self, sock: &S, release: impl Fn(Cost)) {
+        let mut st = self.state.lock();
+        st.sender = true;
+        loop {
+            while st.queue.is_empty() && !st.stop {
+                self.ready.wait(&mut st);
+            }
+            if st.queue.is_empty() {
+                // Replies sent from now on (helpers still running) are written by their senders.
+                st.sender = false;
+                return;
+            }
+            let batches: Vec<_> = st.queue.drain(..).collect();
+            st.writing = true;
+            drop(st);
+            write_blocking(sock, batches.iter().flat_map(|(r, _, _)| r), batches[0].1);
+            for &(_, _, cost) in &batches {
+                release(cost);
+            }
+            st = self.state.lock();
+            st.writing = false;
+        }
+    }
+
+    /// Lets the sender end once the queue is empty.
+    pub fn stop(&self) {
+        self.state.lock().stop = true;
+        self.ready.notify_all();
+    }
+}
+
+/// The buffers of `replies` from byte `skip` on.
+fn slices<'r>(replies: impl IntoIterator<Item = &'r Reply>, skip: usize) -> Vec<IoSlice<'r>> {
+    let mut bufs: Vec<IoSlice<'r>> = replies.into_iter().map(|r| IoSlice::new(&r.bytes)).collect();
+    let total = bufs.len();
+    let mut view = &mut bufs[..];
+    // Shortens the first buffer left in place, and says how many are left.
+    IoSlice::advance_slices(&mut view, skip);
+    let done = total - view.len();
+    bufs.drain(..done);
+    bufs
+}
+
+/// Writes the replies (from byte `skip` on), waiting for the socket as long as its send timeout
+/// allows; a failure ends the connection (the loop's receive sees it).
+fn write_blocking<'r, S: Socket>(sock: &S, replies: impl IntoIterator<Item = &'r Reply>, skip: usize) {
+    if let Err(e) = sock.write_all_vectored(&mut slices(replies, skip)) {
+        tracing::debug!(error = %e, "writing an NBD reply failed; ending the connection");
+        // SAFETY: shutdown(2) on the socket this connection serves; no memory is passed.
+        unsafe { libc::shutdown(sock.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+}
+
+/// Writes as much of `replies` as the socket takes without waiting; returns how many bytes.
+fn write_nowait<S: Socket>(sock: &S, replies: &[Reply]) -> io::Result<usize> {
+    let mut bufs = slices(replies, 0);
+    let mut view = &mut bufs[..];
+    let mut sent = 0;
+    while !view.is_empty() {
+        let n = view.len().min(MAX_IOV);
+        // SAFETY: a zeroed msghdr is valid (no name, no control data); `msg_iov` points at `n`
+        // IoSlices, which have iovec's layout, borrowed for the call.
+        let res = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = view.as_mut_ptr().cast::<libc::iovec>();
+            msg.msg_iovlen = n;
+            libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        };
+        match usize::try_from(res) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(k) => {
+                sent += k;
+                IoSlice::advance_slices(&mut view, k);
+            }
+            Err(_) => match io::Error::last_os_error() {
+                e if e.kind() == io::ErrorKind::Interrupted => {}
+                e if e.kind() == io::ErrorKind::WouldBlock => break,
+                e => return Err(e),
+            },
+        }
+    }
+    Ok(sent)
+}
