@@ -7,7 +7,8 @@
 //!           reads            -> started as one batch (Volume::start_reads), store reads submitted
 //!           small writes, block status, cache -> run now (the engine takes a small write in memory)
 //!           flush, FUA, trim, zeroes, large writes, writes the cleaner paces -> a helper thread
-//!         send the replies that are ready (one writev)
+//!         send the replies that are ready (as far as the socket takes them; the sender thread
+//!           writes the rest, see outbox.rs)
 //!         submit, sleep until something completes; finish the read batches whose reads are done
 //! ```
 //! A request costs no thread hand-off: the thread that received it reads the store for it and

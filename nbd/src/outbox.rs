@@ -60,8 +60,7 @@ impl Outbox {
             self.ready.notify_one();
             return None;
         }
-        // A failure shows again in the sender's write, and is handled there.
-        let sent = write_nowait(sock, &replies).unwrap_or(0);
+        let sent = write_nowait(sock, &replies);
         if sent == replies.iter().map(|r| r.bytes.len()).sum() {
             return Some(cost);
         }
@@ -125,8 +124,9 @@ fn write_blocking<'r, S: Socket>(sock: &S, replies: impl IntoIterator<Item = &'r
     }
 }
 
-/// Writes as much of `replies` as the socket takes without waiting; returns how many bytes.
-fn write_nowait<S: Socket>(sock: &S, replies: &[Reply]) -> io::Result<usize> {
+/// Writes as much of `replies` as the socket takes without waiting; returns how many bytes. A
+/// failure stops it early: the sender's write of the rest meets it again and handles it.
+fn write_nowait<S: Socket>(sock: &S, replies: &[Reply]) -> usize {
     let mut bufs = slices(replies, 0);
     let mut view = &mut bufs[..];
     let mut sent = 0;
@@ -141,17 +141,14 @@ fn write_nowait<S: Socket>(sock: &S, replies: &[Reply]) -> io::Result<usize> {
             libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
         };
         match usize::try_from(res) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(0) => break,
             Ok(k) => {
                 sent += k;
                 IoSlice::advance_slices(&mut view, k);
             }
-            Err(_) => match io::Error::last_os_error() {
-                e if e.kind() == io::ErrorKind::Interrupted => {}
-                e if e.kind() == io::ErrorKind::WouldBlock => break,
-                e => return Err(e),
-            },
+            Err(_) if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break,
         }
     }
-    Ok(sent)
+    sent
 }
