@@ -32,7 +32,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::handshake::{MAX_REQUEST, Session};
 use crate::inbox::{Event, Inbox, MAX_HELD_WRITE};
 use crate::limits::{InFlight, Limits, cost};
-use crate::outbox::{Cost, Outbox};
+use crate::outbox::{Cost, Outbox, Sent};
 use crate::proto::*;
 use crate::transmission::{DATA_AT, Reply, Socket, error_reply, handle, nbd_errno, read_reply, record};
 
@@ -60,15 +60,26 @@ struct Conn<'a, S> {
 }
 
 impl<S: Socket> Conn<'_, S> {
-    /// Sends replies, and releases what their requests held once they are written.
+    /// Sends replies from a helper (waits for the socket unless a sender runs), and releases
+    /// what their requests held once they are written.
     fn send(&self, replies: Vec<Reply>, cost: Cost) {
-        if let Some(cost) = self.out.send(self.sock, replies, cost) {
+        if let Sent::Written(cost) = self.out.send(self.sock, replies, cost, false) {
             self.release(cost);
         }
     }
 
     fn release(&self, (bytes, requests): Cost) {
         self.in_flight.release(self.limits, bytes, requests);
+    }
+
+    /// Runs the sender on a thread of its own, or, if none can be started, writes what was
+    /// queued for it now.
+    fn start_sender<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>) {
+        let run = move || self.out.run_sender(self.sock, false, |cost| self.release(cost));
+        if let Err(e) = std::thread::Builder::new().name("nbd-sender".into()).spawn_scoped(scope, run) {
+            tracing::warn!(error = %e, "cannot start an NBD sender thread; the loop writes its replies itself");
+            self.out.run_sender(self.sock, true, |cost| self.release(cost));
+        }
     }
 }
 
@@ -86,14 +97,6 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits, ring: bool
         // Stops the helpers and the sender however the loop ends (a panic too), or the scope
         // would wait forever.
         let _stop = StopOnDrop(&helpers, &conn.out);
-        if ring.is_some() {
-            let sender = std::thread::Builder::new()
-                .name("nbd-sender".into())
-                .spawn_scoped(scope, || conn.out.run_sender(sock, |cost| conn.release(cost)));
-            if let Err(e) = sender {
-                tracing::warn!(error = %e, "cannot start an NBD sender thread; the loop writes its replies itself");
-            }
-        }
         let mut l = Loop {
             conn: &conn,
             ring,
@@ -109,7 +112,7 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits, ring: bool
             replied: (0, 0),
             end: None,
         };
-        l.run(|req, payload| helpers.offload(scope, &conn, req, payload))
+        l.run(|req, payload| helpers.offload(scope, &conn, req, payload), || conn.start_sender(scope))
     })
 }
 
@@ -169,12 +172,18 @@ struct Loop<'a, S: Socket> {
 }
 
 impl<'a, S: Socket> Loop<'a, S> {
-    fn run(&mut self, offload: impl Fn(Request, Vec<u8>)) -> io::Result<()> {
+    fn run(&mut self, offload: impl Fn(Request, Vec<u8>), start_sender: impl Fn()) -> io::Result<()> {
         loop {
             if self.end.is_none() {
                 self.take_requests(&offload);
             }
-            self.conn.send(std::mem::take(&mut self.replies), std::mem::take(&mut self.replied));
+            // With a ring, the loop never waits for the socket (see outbox.rs).
+            let replies = std::mem::take(&mut self.replies);
+            match self.conn.out.send(self.conn.sock, replies, std::mem::take(&mut self.replied), self.ring.is_some()) {
+                Sent::Written(cost) => self.conn.release(cost),
+                Sent::Queued => {}
+                Sent::StartSender => start_sender(),
+            }
             let idle = self.submitted == 0 && self.backlog.is_empty();
             if self.end.is_some() && idle {
                 return self.end.take().expect("checked");

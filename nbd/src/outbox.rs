@@ -6,12 +6,12 @@
 //! reply is several socket buffers). With a sender, the loop's write never waits: what the socket
 //! has no room for is queued, and the loop goes on receiving and reading while the sender drains
 //! it. A reply that fits goes out on the spot, with no hand-off (a queue-depth-1 client pays
-//! nothing). Queued replies still hold what their requests were charged (`limits.rs`) until they
+//! nothing), and the sender is started the first time one does not (an idle connection has none). Queued replies still hold what their requests were charged (`limits.rs`) until they
 //! are written, so a client that does not read its replies stops the loop taking requests, and a
 //! write that cannot go on for the socket's send timeout ends the connection.
 //!
 //! Only a socket whose bytes are the protocol's own gets a sender (a TLS session's records are
-//! written by its own blocking writes, under the same lock, in order).
+//! written by blocking writes, under the same lock, in order).
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
@@ -38,48 +38,61 @@ struct State {
     queue: VecDeque<(Vec<Reply>, usize, Cost)>,
     /// The sender is writing batches it took from `queue`: nobody else writes meanwhile.
     writing: bool,
-    /// A sender runs (until `stop`, and the queue is empty).
+    /// A sender runs, or is being started (until `stop`, and the queue is empty).
     sender: bool,
     stop: bool,
 }
 
+/// How [`Outbox::send`] went.
+#[must_use]
+pub(crate) enum Sent {
+    /// Written: what the replies cost can be given back.
+    Written(Cost),
+    /// Queued for the running sender, which gives their cost back.
+    Queued,
+    /// Queued, and the caller must start the sender ([`Outbox::run_sender`]).
+    StartSender,
+}
+
 impl Outbox {
-    /// Writes `replies` in order after those before; returns their cost once they are written
-    /// (None: queued, the sender gives it back). Without a sender, waits for the socket.
-    pub fn send<S: Socket>(&self, sock: &S, replies: Vec<Reply>, cost: Cost) -> Option<Cost> {
+    /// Writes `replies` in order after those before. Once a sender runs, never waits: what the
+    /// socket has no room for is queued for it. Before, waits for the socket, unless
+    /// `may_start` (the loop, which can start the sender): then the rest is queued for a sender
+    /// to start (a connection whose replies always fit never has one). Both write to the
+    /// descriptor itself: only for a socket whose bytes are the protocol's own.
+    pub fn send<S: Socket>(&self, sock: &S, replies: Vec<Reply>, cost: Cost, may_start: bool) -> Sent {
         if replies.is_empty() {
-            return Some(cost);
+            return Sent::Written(cost);
         }
         let mut st = self.state.lock();
-        if !st.sender {
+        if !st.sender && !may_start {
             write_blocking(sock, &replies, 0);
-            return Some(cost);
+            return Sent::Written(cost);
         }
-        if st.writing || !st.queue.is_empty() {
-            st.queue.push_back((replies, 0, cost));
-            self.ready.notify_one();
-            return None;
-        }
-        let sent = write_nowait(sock, &replies);
+        let sent = if st.writing || !st.queue.is_empty() { 0 } else { write_nowait(sock, &replies) };
         if sent == replies.iter().map(|r| r.bytes.len()).sum() {
-            return Some(cost);
+            return Sent::Written(cost);
         }
         st.queue.push_back((replies, sent, cost));
-        self.ready.notify_one();
-        None
+        if st.sender {
+            self.ready.notify_one();
+            return Sent::Queued;
+        }
+        st.sender = true;
+        Sent::StartSender
     }
 
     /// The sender: writes what was queued, in order, and gives back its cost with `release`;
-    /// returns once stopped (see [`Outbox::stop`]) with nothing left to write.
-    pub fn run_sender<S: Socket>(&self, sock: &S, release: impl Fn(Cost)) {
+    /// returns once stopped (see [`Outbox::stop`]) with nothing left to write. Also what the
+    /// loop runs when no sender thread can be started: `stop` set, it writes the queue and ends.
+    pub fn run_sender<S: Socket>(&self, sock: &S, stop: bool, release: impl Fn(Cost)) {
         let mut st = self.state.lock();
-        st.sender = true;
         loop {
-            while st.queue.is_empty() && !st.stop {
+            while st.queue.is_empty() && !st.stop && !stop {
                 self.ready.wait(&mut st);
             }
             if st.queue.is_empty() {
-                // Replies sent from now on (helpers still running) are written by their senders.
+                // Replies sent from now on (helpers still running) wait for the socket.
                 st.sender = false;
                 return;
             }
