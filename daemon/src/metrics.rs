@@ -167,6 +167,11 @@ impl Collector for Sources {
                 "Worker threads started for requests in flight, beyond each connection's first.",
                 |m| &m.helpers_started,
             ),
+            (
+                "ferrite_nbd_sender_threads_started",
+                "Threads started to write replies that did not fit a connection's socket (one per connection at most).",
+                |m| &m.senders_started,
+            ),
         ] {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             for (e, l) in exports.iter().zip(&labels) {

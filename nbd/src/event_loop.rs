@@ -76,9 +76,14 @@ impl<S: Socket> Conn<'_, S> {
     /// queued for it now.
     fn start_sender<'s>(&'s self, scope: &'s std::thread::Scope<'s, '_>) {
         let run = move || self.out.run_sender(self.sock, false, |cost| self.release(cost));
-        if let Err(e) = std::thread::Builder::new().name("nbd-sender".into()).spawn_scoped(scope, run) {
-            tracing::warn!(error = %e, "cannot start an NBD sender thread; the loop writes its replies itself");
-            self.out.run_sender(self.sock, true, |cost| self.release(cost));
+        match std::thread::Builder::new().name("nbd-sender".into()).spawn_scoped(scope, run) {
+            Ok(_) => {
+                self.session.export.metrics.senders_started.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start an NBD sender thread; the loop writes its replies itself");
+                self.out.run_sender(self.sock, true, |cost| self.release(cost));
+            }
         }
     }
 }

@@ -57,6 +57,8 @@ pub struct ExportMetrics {
     pub errors: AtomicU64,
     /// Helper threads started for requests that may wait long (flush, FUA, trim, zeroes, ...).
     pub helpers_started: AtomicU64,
+    /// Sender threads started for connections whose replies did not fit their socket.
+    pub senders_started: AtomicU64,
     pub read_latency: Histogram,
     pub write_latency: Histogram,
 }

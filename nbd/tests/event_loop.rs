@@ -264,7 +264,8 @@ fn reads_go_on_while_replies_wait_for_the_client() {
     let mut reply = vec![0u8; 16 + 4096];
     client.read_exact(&mut reply).unwrap();
     assert!(reply[16..] == data[..4096]);
-    assert_eq!(threads_named("nbd-sender"), 0);
+    let senders = || export.metrics.senders_started.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(senders(), 0);
     let mut requests = Vec::new();
     for i in 0..READS {
         let length = u32::try_from(LEN).unwrap();
@@ -277,7 +278,7 @@ fn reads_go_on_while_replies_wait_for_the_client() {
         assert!(std::time::Instant::now() < deadline, "reads stopped while the first replies waited for the client");
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    assert_eq!(threads_named("nbd-sender"), 1);
+    assert_eq!(senders(), 1);
     // The replies, in whatever order, each whole and right.
     for _ in 0..READS {
         let mut h = [0u8; 16];
@@ -290,12 +291,6 @@ fn reads_go_on_while_replies_wait_for_the_client() {
     }
     client.write_all(&Request { flags: 0, kind: CMD_DISC, cookie: 0, offset: 0, length: 0 }.encode()).unwrap();
     served.join().unwrap().unwrap();
-}
-
-/// Threads of this process called `name` (nextest runs each test in a process of its own).
-fn threads_named(name: &str) -> usize {
-    let tasks = std::fs::read_dir("/proc/self/task").unwrap();
-    tasks.filter(|t| std::fs::read_to_string(t.as_ref().unwrap().path().join("comm")).unwrap().trim() == name).count()
 }
 
 /// A client that never reads its replies is cut once a reply could not be written for the
