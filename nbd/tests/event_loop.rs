@@ -239,6 +239,12 @@ fn tight_limits_with_blocking_calls() {
     run_with(&file_pool(&dir), false, tight());
 }
 
+/// `n` read requests of `len` bytes each, back to back from offset 0; read `i` has cookie `i`.
+fn pipelined_reads(n: u64, len: u64) -> Vec<u8> {
+    let length = u32::try_from(len).unwrap();
+    (0..n).flat_map(|i| Request { flags: 0, kind: CMD_READ, cookie: i, offset: i * len, length }.encode()).collect()
+}
+
 /// A client that sends many large reads before it reads a reply: the loop goes on finishing
 /// reads while the first replies wait for room in the socket (a loop that waited in its write
 /// would finish one or two and then stop until the client read).
@@ -266,12 +272,7 @@ fn reads_go_on_while_replies_wait_for_the_client() {
     assert!(reply[16..] == data[..4096]);
     let senders = || export.metrics.senders_started.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(senders(), 0);
-    let mut requests = Vec::new();
-    for i in 0..READS {
-        let length = u32::try_from(LEN).unwrap();
-        requests.extend_from_slice(&Request { flags: 0, kind: CMD_READ, cookie: i, offset: i * LEN, length }.encode());
-    }
-    client.write_all(&requests).unwrap();
+    client.write_all(&pipelined_reads(READS, LEN)).unwrap();
     // No reply is read yet: every read is still served (its bytes counted once it is finished).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while export.metrics.read_bytes.load(std::sync::atomic::Ordering::Relaxed) < READS * LEN {
@@ -306,12 +307,7 @@ fn a_client_that_does_not_read_its_replies_is_cut_after_the_send_timeout() {
     server.set_write_timeout(Some(std::time::Duration::from_millis(500))).unwrap();
     let (done, ended) = std::sync::mpsc::channel();
     std::thread::spawn(move || done.send(serve(&server, &session, &Limits::default(), true)));
-    let mut requests = Vec::new();
-    for i in 0..16u64 {
-        let r = Request { flags: 0, kind: CMD_READ, cookie: i, offset: i << 20, length: 1 << 20 };
-        requests.extend_from_slice(&r.encode());
-    }
-    client.write_all(&requests).unwrap();
+    client.write_all(&pipelined_reads(16, 1 << 20)).unwrap();
     let ended = ended.recv_timeout(std::time::Duration::from_secs(20)).expect("the connection was cut");
     assert!(ended.is_ok(), "{ended:?}");
     // What the socket held before the cut can still be read; then the stream ends.
