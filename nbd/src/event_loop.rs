@@ -426,8 +426,7 @@ impl<S: Socket> Drop for Loop<'_, S> {
     fn drop(&mut self) {
         self.conn.limits.receive_buffers.give(self.grown as u64);
         let Some(ring) = self.ring.as_mut().filter(|_| self.submitted > 0) else { return };
-        // SAFETY: shutdown(2) on a socket this loop serves; no memory is passed.
-        unsafe { libc::shutdown(self.conn.sock.as_raw_fd(), libc::SHUT_RDWR) };
+        let _ = rustix::net::shutdown(self.conn.sock.as_fd(), rustix::net::Shutdown::Both);
         while self.submitted > 0 {
             if ring.submit_and_wait(1).is_ok() {
                 self.submitted -= ring.completion().count();

@@ -6,17 +6,20 @@
 //! reply is several socket buffers). With a sender, the loop's write never waits: what the socket
 //! has no room for is queued, and the loop goes on receiving and reading while the sender drains
 //! it. A reply that fits goes out on the spot, with no hand-off (a queue-depth-1 client pays
-//! nothing), and the sender is started the first time one does not (an idle connection has none). Queued replies still hold what their requests were charged (`limits.rs`) until they
-//! are written, so a client that does not read its replies stops the loop taking requests, and a
-//! write that cannot go on for the socket's send timeout ends the connection.
+//! nothing), and the sender is started the first time one does not (an idle connection has
+//! none). Queued replies still hold what their requests were charged (`limits.rs`) until they
+//! are written, so a client that does not read its replies stops the loop taking requests, and
+//! a write that cannot go on for the socket's send timeout ends the connection.
 //!
 //! Only a socket whose bytes are the protocol's own gets a sender (a TLS session's records are
 //! written by blocking writes, under the same lock, in order).
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice};
+use std::io::IoSlice;
 
 use parking_lot::{Condvar, Mutex};
+use rustix::io::Errno;
+use rustix::net;
 
 use crate::transmission::{Reply, Socket};
 
@@ -132,8 +135,7 @@ fn slices<'r>(replies: impl IntoIterator<Item = &'r Reply>, skip: usize) -> Vec<
 fn write_blocking<'r, S: Socket>(sock: &S, replies: impl IntoIterator<Item = &'r Reply>, skip: usize) {
     if let Err(e) = sock.write_all_vectored(&mut slices(replies, skip)) {
         tracing::debug!(error = %e, "writing an NBD reply failed; ending the connection");
-        // SAFETY: shutdown(2) on the socket this connection serves; no memory is passed.
-        unsafe { libc::shutdown(sock.as_raw_fd(), libc::SHUT_RDWR) };
+        let _ = net::shutdown(sock.as_fd(), net::Shutdown::Both);
     }
 }
 
@@ -145,21 +147,14 @@ fn write_nowait<S: Socket>(sock: &S, replies: &[Reply]) -> usize {
     let mut sent = 0;
     while !view.is_empty() {
         let n = view.len().min(MAX_IOV);
-        // SAFETY: a zeroed msghdr is valid (no name, no control data); `msg_iov` points at `n`
-        // IoSlices, which have iovec's layout, borrowed for the call.
-        let res = unsafe {
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = view.as_mut_ptr().cast::<libc::iovec>();
-            msg.msg_iovlen = n;
-            libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
-        };
-        match usize::try_from(res) {
+        let flags = net::SendFlags::DONTWAIT | net::SendFlags::NOSIGNAL;
+        match net::sendmsg(sock.as_fd(), &view[..n], &mut net::SendAncillaryBuffer::default(), flags) {
             Ok(0) => break,
             Ok(k) => {
                 sent += k;
                 IoSlice::advance_slices(&mut view, k);
             }
-            Err(_) if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            Err(Errno::INTR) => {}
             Err(_) => break,
         }
     }

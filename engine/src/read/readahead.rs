@@ -18,13 +18,12 @@
 //! block is still checked against its checksum when it is copied out (`resolve.rs::fill`).
 
 use std::collections::{HashMap, VecDeque};
-use std::fs::File;
-use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Condvar, Mutex};
+use rustix::event::{EventfdFlags, eventfd};
 
 use crate::ctx::Ctx;
 use crate::io::{AlignedBuf, BLOCK};
@@ -55,7 +54,7 @@ pub(crate) struct Window {
     ready: Condvar,
     /// An eventfd made readable once `data` is set, for readers that wait on their own I/O
     /// ([`crate::Reads::submit`]) rather than on `ready`.
-    signal: File,
+    signal: OwnedFd,
     /// Blocks no reader has taken yet; a window is dropped once all were taken.
     left: AtomicUsize,
 }
@@ -75,19 +74,8 @@ impl Window {
         *self.data.lock() = Some(data);
         self.ready.notify_all();
         // Only an eventfd counter overflow fails, and a readable one stays readable.
-        let _ = (&self.signal).write(&1u64.to_ne_bytes());
+        let _ = rustix::io::write(&self.signal, &1u64.to_ne_bytes());
     }
-}
-
-/// A new eventfd.
-fn eventfd() -> std::io::Result<File> {
-    // SAFETY: eventfd(2) takes no pointers.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just created, and nothing else owns it.
-    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 #[derive(Default)]
@@ -196,7 +184,7 @@ pub(crate) fn note_read(
     // A deleted volume, or a window past a shrunk end: nothing to read ahead.
     let Ok(blocks) = resolve_ahead(&ctx.state.read(), target, name, &mut pinned, offset, len) else { return };
     // Out of file descriptors: no readahead.
-    let Ok(signal) = eventfd() else { return };
+    let Ok(signal) = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK) else { return };
     let mut segs = pinned.segments().to_vec();
     segs.sort_unstable();
     segs.dedup();
