@@ -65,6 +65,9 @@ nbd-listen = "$3:10809"
 tls-cert = "$PKI/$4.pem"
 tls-key = "$PKI/$4-key.pem"
 tls-client-ca = "$PKI/ca.pem"
+[roles]
+"host-a" = "replication-peer"
+"host-b" = "replication-peer"
 EOF
   ip netns exec "$2" "$F" daemon --config "$1/ferrite.toml" --data-dir "$1" >>"$1/log" 2>&1 &
   echo $! > "$1/pid"

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use ferrite_engine::{ErrorKind, Image, Pool, QosLimits};
+use ferrite_engine::{Image, Pool, QosLimits};
 use ferrite_nbd::Server;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_server::Admin;
@@ -16,33 +16,7 @@ use crate::config::Config;
 use crate::exports::{ExportRecord, ExportTable, open_image, refuse_if_exported, snapshot_of};
 use crate::fence::{Cidr, Fences};
 use crate::replica::Replication;
-
-/// Maps an engine error to a gRPC status (the one place this happens).
-pub fn status(e: ferrite_engine::Error) -> Status {
-    let msg = e.to_string();
-    match e.kind() {
-        ErrorKind::NotFound => Status::not_found(msg),
-        ErrorKind::AlreadyExists => Status::already_exists(msg),
-        ErrorKind::InvalidArgument => Status::invalid_argument(msg),
-        ErrorKind::OutOfRange => Status::out_of_range(msg),
-        ErrorKind::NoSpace => Status::resource_exhausted(msg),
-        ErrorKind::Closed => Status::unavailable(msg),
-        ErrorKind::Corrupt => Status::data_loss(msg),
-        ErrorKind::Unsupported => Status::unimplemented(msg),
-        ErrorKind::ReadOnly => Status::failed_precondition(msg),
-        _ => Status::internal(msg),
-    }
-}
-
-/// Runs an engine call on the blocking pool, its error as a gRPC status.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ferrite_engine::Error> + Send + 'static,
-) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Status::internal(format!("engine task failed: {e}")))?
-        .map_err(status)
-}
+use crate::rpc::{blocking, require, status};
 
 /// The admin service: the pool, and what this daemon serves from it.
 #[derive(Debug)]
@@ -191,13 +165,6 @@ impl AdminService {
             read_only: info.read_only,
         }
     }
-}
-
-pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
-    if value.is_empty() {
-        return Err(Status::invalid_argument(format!("{field} is required")));
-    }
-    Ok(())
 }
 
 #[tonic::async_trait]

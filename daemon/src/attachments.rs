@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 use tonic::Status;
 
-use crate::admin::status;
 use crate::exports::{ExportRecord, ExportTable, open_image};
+use crate::rpc::status;
 use crate::state::RecordFile;
 
 /// How long a daemon exit waits for ublk requests already in the engine.
@@ -136,9 +136,10 @@ impl Attachments {
                 name: volume.to_owned(),
                 volume: volume.to_owned(),
                 read_only: volume.contains('@'),
-                allow: Vec::new(),
+                // The kernel client is on this node: the export is never served over TCP.
+                allow: vec!["local".into()],
             };
-            let created = exports.ensure(&export).await?;
+            let created = exports.ensure_local(&export).await?;
             let (sock, name) = (self.nbd_socket.clone(), export.name.clone());
             let a = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::attach(&sock, &name))
                 .await

@@ -33,8 +33,11 @@ pub async fn connect(endpoint: &str, tls: Option<Arc<ferrite_proto::ClientTls>>)
 }
 
 /// `ferrite certs`: the CA in `dir` (made if missing) and a certificate for `name`.
-pub fn make_certs(dir: &Path, name: &str, sans: &[String], days: u32) -> Result<()> {
+pub fn make_certs(dir: &Path, name: &str, sans: &[String], roles: &[String], days: u32) -> Result<()> {
     use ferrite_tls::certs;
+    for r in roles {
+        r.parse::<crate::authz::Role>().map_err(|e| anyhow::anyhow!("--role: {e}"))?;
+    }
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -67,6 +70,10 @@ pub fn make_certs(dir: &Path, name: &str, sans: &[String], days: u32) -> Result<
     let cert = write(&format!("{name}.pem"), &issued.cert_pem, 0o644)?;
     let key = write(&format!("{name}-key.pem"), &issued.key_pem, 0o600)?;
     println!("made {} and {} for {}, valid {days} days", cert.display(), key.display(), all.join(", "));
+    if !roles.is_empty() {
+        let list: Vec<String> = roles.iter().map(|r| format!("{r:?}")).collect();
+        println!("its roles, for the [roles] table of each daemon it calls:\n{name:?} = [{}]", list.join(", "));
+    }
     Ok(())
 }
 

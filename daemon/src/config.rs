@@ -44,10 +44,21 @@
 //! replication-endpoint = "tcp://10.0.0.5:7070"  # how peers reach this daemon's admin API for
 //!                                   # replication; default: tcp://<admin-listen>, else admin-socket
 //! replication-bandwidth = "100M"    # bytes per second sent to each peer; default: no limit
+//! replication-idle-timeout-s = 60   # an incoming push that sends nothing for this long is ended
+//!                                   # (its resume point kept); default 60
+//! insecure-nbd-listen = false       # true allows nbd-listen on a non-loopback address without
+//!                                   # TLS (nbd-tls off): volume data in the clear on the network
+//!
+//! [roles]                           # what each client certificate may do over mutual TLS, by
+//! "csi-controller" = "controller"   # a name it carries (DNS or IP subjectAltName, or CN; exact
+//! "node-b.example" = ["replication-peer", "nbd-client"]  # match): operator, controller,
+//! "10.0.0.6" = "replication-peer"   # replication-peer, nbd-client. A certificate naming none has
+//!                                   # no admin access; the admin socket is always operator
 //! ```
 //! Past the memory and request limits a connection is not refused: the server stops reading
 //! its requests until replies drain (backpressure).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -55,6 +66,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
+use crate::authz::{Role, RoleList, parse_roles};
 use crate::size::parse_size;
 use ferrite_nbd::tls::TlsMode;
 
@@ -100,6 +112,9 @@ pub struct ConfigFile {
     /// The name peer daemons' certificates carry, when it is not the host of their endpoint.
     pub peer_server_name: Option<String>,
     pub replication_bandwidth: Option<String>,
+    pub replication_idle_timeout_s: Option<u64>,
+    pub insecure_nbd_listen: Option<bool>,
+    pub roles: Option<BTreeMap<String, RoleList>>,
 }
 
 /// Configuration with every default filled in and every value checked.
@@ -131,6 +146,10 @@ pub struct Config {
     pub replication_endpoint: String,
     /// Bytes per second sent to each replication peer; 0: no limit.
     pub replication_bandwidth: u64,
+    /// An incoming push silent this long is ended.
+    pub replication_idle_timeout: Duration,
+    /// Client certificate identities and their roles (`[roles]`).
+    pub roles: Vec<(String, Vec<Role>)>,
 }
 
 /// The PEM files of a daemon's TLS.
@@ -307,6 +326,14 @@ impl Config {
                 None => 0,
                 b => size(b, "", "replication-bandwidth")?,
             },
+            replication_idle_timeout: match f.replication_idle_timeout_s {
+                None => Duration::from_secs(60),
+                Some(s) if !(1..=3600).contains(&s) => {
+                    bail!("replication-idle-timeout-s must be between 1 and 3600, not {s}")
+                }
+                Some(s) => Duration::from_secs(s),
+            },
+            roles: parse_roles(f.roles.unwrap_or_default())?,
             data_dir,
         };
         // The environment wins: in a DaemonSet the node's address is known only to the pod.
@@ -337,6 +364,17 @@ impl Config {
             bail!(
                 "admin-listen serves the admin API over TCP with mutual TLS: set tls-cert, tls-key and tls-client-ca \
                  (`ferrite certs` makes them), or insecure-admin-listen = true to serve it to anyone who can connect"
+            );
+        }
+        if let Some(a) = cfg.nbd_listen
+            && !a.ip().is_loopback()
+            && cfg.nbd_tls != TlsMode::Require
+            && !f.insecure_nbd_listen.unwrap_or(false)
+        {
+            bail!(
+                "nbd-listen {a} is not a loopback address and nbd-tls is not \"require\": volume data would cross \
+                 the network in the clear. Set tls-cert and tls-key (nbd-tls then defaults to require), or \
+                 insecure-nbd-listen = true to serve it in the clear anyway"
             );
         }
         cfg.ublk.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -423,6 +461,22 @@ mod tests {
         assert_eq!(c.nbd_tls, TlsMode::Require, "TLS is required where a certificate is configured");
         let f: ConfigFile = toml::from_str("admin-listen = \"127.0.0.1:1\"\ninsecure-admin-listen = true").unwrap();
         assert!(Config::resolve(f, None).unwrap().insecure_admin_listen);
+        // Plaintext NBD on the network is a choice, never a default.
+        let f: ConfigFile = toml::from_str("nbd-listen = \"0.0.0.0:10809\"").unwrap();
+        assert!(Config::resolve(f, None).unwrap_err().to_string().contains("insecure-nbd-listen"));
+        let f: ConfigFile = toml::from_str("nbd-listen = \"10.0.0.5:10809\"\ninsecure-nbd-listen = true").unwrap();
+        assert!(Config::resolve(f, None).is_ok());
+        let f: ConfigFile = toml::from_str("nbd-listen = \"[::1]:10809\"").unwrap();
+        assert!(Config::resolve(f, None).is_ok(), "loopback stays on the machine");
+        let f: ConfigFile = toml::from_str("replication-idle-timeout-s = 0").unwrap();
+        assert!(Config::resolve(f, None).unwrap_err().to_string().contains("replication-idle-timeout-s"));
+        let f: ConfigFile =
+            toml::from_str("[roles]\n\"csi\" = \"controller\"\n\"n\" = [\"replication-peer\", \"nbd-client\"]")
+                .unwrap();
+        let roles = Config::resolve(f, None).unwrap().roles;
+        assert_eq!(roles.len(), 2);
+        let f: ConfigFile = toml::from_str("[roles]\n\"csi\" = \"admin\"").unwrap();
+        assert!(Config::resolve(f, None).unwrap_err().to_string().contains("unknown role"));
         let f: ConfigFile = toml::from_str("nbd-memory = \"256M\"\nmax-connections = 5").unwrap();
         let l = Config::resolve(f, None).unwrap().limits;
         assert_eq!((l.nbd_memory, l.max_connections, l.nbd_connection_requests), (256 << 20, 5, 256));

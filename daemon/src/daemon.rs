@@ -17,6 +17,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::admin::AdminService;
 use crate::attachments::Attachments;
+use crate::authz::layer::{Authorize, Source};
 use crate::config::Config;
 use crate::exports::ExportTable;
 use crate::fence::NbdAdmission;
@@ -219,6 +220,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     });
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);
+    let policy = Arc::clone(&replication.policy);
     tokio::spawn(Arc::clone(&replication).schedule());
     if let Some(l) = admin_tcp {
         if tls.admin.is_none() {
@@ -229,8 +231,11 @@ pub async fn run(cfg: Config) -> Result<()> {
         let clients = listen::accept(l, "admin", Arc::clone(&fences), &cfg.limits, tls.admin.clone(), listeners.admin);
         let incoming = tokio_stream::wrappers::ReceiverStream::new(clients).map(Ok::<_, std::io::Error>);
         let (svc, replica) = (svc.clone(), replica.clone());
+        let source = if tls.admin.is_some() { Source::Certificate } else { Source::Local };
+        let authorize = Authorize::new(Arc::clone(&policy), source);
         tasks.spawn(async move {
             admin_server()
+                .layer(authorize)
                 .add_service(svc)
                 .add_service(replica)
                 .serve_with_incoming(incoming)
@@ -238,8 +243,10 @@ pub async fn run(cfg: Config) -> Result<()> {
                 .context("admin API TCP server")
         });
     }
+    let authorize = Authorize::new(policy, Source::Local);
     tasks.spawn(async move {
         admin_server()
+            .layer(authorize)
             .add_service(svc)
             .add_service(replica)
             .serve_with_incoming(UnixListenerStream::new(admin_listener))

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 use tonic::Status;
 
-use crate::admin::status;
+use crate::rpc::status;
 use crate::state::RecordFile;
 
 /// An export as persisted.
@@ -96,9 +96,19 @@ impl ExportTable {
 
     /// Starts export `rec` unless the same one runs; true if this call started it.
     pub async fn ensure(&self, rec: &ExportRecord) -> Result<bool, Status> {
+        self.ensure_matching(rec, |old| old == rec).await
+    }
+
+    /// Starts `rec` (an attachment's `local` export) unless an export of that name serves the
+    /// same image already, whatever its allow list: the node's own client uses the Unix socket.
+    pub async fn ensure_local(&self, rec: &ExportRecord) -> Result<bool, Status> {
+        self.ensure_matching(rec, |old| old.volume == rec.volume && old.read_only == rec.read_only).await
+    }
+
+    async fn ensure_matching(&self, rec: &ExportRecord, same: impl Fn(&ExportRecord) -> bool) -> Result<bool, Status> {
         let mut records = self.records.lock().await;
         if let Some(old) = records.iter().find(|x| x.name == rec.name) {
-            if old == rec {
+            if same(old) {
                 return Ok(false);
             }
             return Err(Status::already_exists(format!(

@@ -17,6 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
+use crate::authz::PeerInfo;
 use crate::config::Limits;
 use crate::fence::{Admission, Fences};
 
@@ -33,14 +34,14 @@ pub struct ListenerStats {
 #[derive(Debug)]
 pub struct Guarded {
     stream: Stream<TcpStream>,
-    info: tonic::transport::server::TcpConnectInfo,
+    info: PeerInfo,
     _admission: Admission,
     _slot: OwnedSemaphorePermit,
 }
 
 impl Guarded {
-    pub fn peer(&self) -> Option<SocketAddr> {
-        self.info.remote_addr
+    pub fn peer(&self) -> SocketAddr {
+        self.info.remote
     }
 }
 
@@ -77,7 +78,6 @@ pub fn accept(
                 continue;
             };
             let _ = stream.set_nodelay(true);
-            let info = tonic::transport::server::Connected::connect_info(&stream);
             let (tx, tls, stats) = (tx.clone(), tls.clone(), Arc::clone(&stats));
             tokio::spawn(async move {
                 let mut stream = Stream::Plain(stream);
@@ -96,6 +96,8 @@ pub fn accept(
                         }
                     }
                 }
+                let names = stream.peer_certificate().map(ferrite_tls::identities).unwrap_or_default();
+                let info = PeerInfo { remote: peer, names };
                 let _ = tx.send(Guarded { stream, info, _admission: admission, _slot: slot }).await;
             });
         }
@@ -104,7 +106,7 @@ pub fn accept(
 }
 
 impl tonic::transport::server::Connected for Guarded {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = PeerInfo;
     fn connect_info(&self) -> Self::ConnectInfo {
         self.info.clone()
     }

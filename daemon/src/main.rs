@@ -2,6 +2,7 @@
 
 mod admin;
 mod attachments;
+mod authz;
 mod cli;
 mod config;
 mod daemon;
@@ -11,6 +12,7 @@ mod listen;
 mod metrics;
 mod pool_format;
 mod replica;
+mod rpc;
 mod size;
 mod state;
 
@@ -146,12 +148,16 @@ enum Cmd {
     /// Make TLS certificates for a test or a small cluster: a CA in DIR (ca.pem, ca-key.pem; made
     /// once, reused after) and NAME.pem / NAME-key.pem signed by it, valid as a server and as a
     /// client certificate for NAME and every SAN (DNS names, IP addresses).
-    /// `ferrite certs /etc/ferrite node-a 10.0.0.5` for a daemon, `ferrite certs /etc/ferrite csi`
-    /// for a client identity.
+    /// `ferrite certs /etc/ferrite node-a 10.0.0.5 --role replication-peer` for a daemon,
+    /// `ferrite certs /etc/ferrite csi --role controller` for the CSI driver. What a certificate
+    /// may do is bound to NAME in each daemon's `[roles]`: with --role, the line to add is printed.
     Certs {
         dir: PathBuf,
         name: String,
         sans: Vec<String>,
+        /// A role for NAME (operator, controller, replication-peer, nbd-client); repeatable.
+        #[arg(long = "role")]
+        roles: Vec<String>,
         /// Validity in days (the CA, when made now: ten times as long).
         #[arg(long, default_value_t = 825, value_parser = clap::value_parser!(u32).range(1..=3650))]
         days: u32,
@@ -398,7 +404,7 @@ fn main() {
             }
             Err(e) => return exit(Err(e)),
         },
-        Cmd::Certs { dir, name, sans, days } => return exit(cli::make_certs(dir, name, sans, *days)),
+        Cmd::Certs { dir, name, sans, roles, days } => return exit(cli::make_certs(dir, name, sans, roles, *days)),
         Cmd::Pool(PoolCmd::Format { path, size, preallocate, force, config, data_dir }) => {
             init_logging("warn");
             let req = pool_format::FormatRequest {

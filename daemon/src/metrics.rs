@@ -119,6 +119,19 @@ impl Collector for Sources {
                 .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
         }
 
+        // Refusals by identity (a configured one, "unconfigured" or "local") and call (a known
+        // RPC, or "unknown"): both bounded, whatever clients send.
+        let mut m = enc.encode_descriptor(
+            "ferrite_authz_denied",
+            "Calls refused: the caller's roles or relations do not allow them.",
+            None,
+            MetricType::Counter,
+        )?;
+        for ((who, call), n) in self.replication.policy.denials() {
+            m.encode_family(&[("identity", who.as_str()), ("call", call.as_str())])?
+                .encode_counter::<NoLabelSet, _, u64>(&n, None)?;
+        }
+
         let volumes = self.pool.volumes();
         for (name, help, value) in [
             ("ferrite_volume_size_bytes", "Provisioned size.", (|v| v.size) as fn(&ferrite_engine::VolumeInfo) -> u64),

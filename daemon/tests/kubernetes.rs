@@ -26,6 +26,21 @@ fn deploy() -> PathBuf {
 }
 
 /// CRDs and upstream RBAC: `FERRITE_K8S` (scripts/test.sh sets it), else ../shared/k8s.
+/// The `[roles]` table of the node ConfigMap in the manifests: every daemon of the tier grants
+/// exactly what a deployment from them would.
+fn manifest_roles() -> String {
+    let text = std::fs::read_to_string(deploy().join("node.yaml")).unwrap();
+    let table: Vec<&str> = text
+        .lines()
+        .skip_while(|l| l.trim() != "[roles]")
+        .take_while(|l| l.starts_with("    "))
+        .map(str::trim)
+        .filter(|l| !l.starts_with('#'))
+        .collect();
+    assert!(table.len() > 1, "node.yaml's ConfigMap has no [roles] table");
+    table.join("\n") + "\n"
+}
+
 fn upstream() -> PathBuf {
     std::env::var_os("FERRITE_K8S")
         .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/k8s"), PathBuf::from)
@@ -69,7 +84,7 @@ impl Cluster {
 
         let pki = dir.join("pki");
         common::csi::certs(&pki, "ferrite-node", &["ferrite-node.ferrite.svc"]);
-        common::csi::certs(&pki, "csi", &[]);
+        common::csi::certs(&pki, "ferrite-controller", &[]);
         let mut daemons = Vec::new();
         for (i, node) in NODES.iter().enumerate() {
             // What the kubelet and node-driver-registrar would publish for the node.
@@ -89,11 +104,12 @@ impl Cluster {
             let p = |f: &str| pki.join(f).display().to_string();
             let cfg = format!(
                 "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
-                 tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\npeer-server-name = \"ferrite-node.ferrite.svc\"\n",
+                 tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\npeer-server-name = \"ferrite-node.ferrite.svc\"\n{}",
                 lan.hosts[i],
                 p("ferrite-node.pem"),
                 p("ferrite-node-key.pem"),
-                p("ca.pem")
+                p("ca.pem"),
+                manifest_roles()
             );
             std::fs::write(d.join("ferrite.toml"), cfg).unwrap();
             daemons.push(Daemon::start_in(&d, Some(&lan.ns)));
@@ -138,7 +154,9 @@ impl Cluster {
         let (csi_dir, tls_dir) = (dir.join("csi"), dir.join("tls"));
         std::fs::create_dir_all(&csi_dir).unwrap();
         std::fs::create_dir_all(&tls_dir).unwrap();
-        for (from, to) in [("ca.pem", "ca.crt"), ("csi.pem", "tls.crt"), ("csi-key.pem", "tls.key")] {
+        for (from, to) in
+            [("ca.pem", "ca.crt"), ("ferrite-controller.pem", "tls.crt"), ("ferrite-controller-key.pem", "tls.key")]
+        {
             std::fs::copy(pki.join(from), tls_dir.join(to)).unwrap();
         }
         let mounts =
@@ -495,6 +513,24 @@ fn ferrite_on_kubernetes() {
         let bad: Vec<&str> = log.lines().filter(|l| l.contains("forbidden") || l.contains("Forbidden")).collect();
         assert!(bad.is_empty(), "{name} was refused:\n{}", bad.join("\n"));
     }
+    println!("== each identity did only what its role allows");
+    for d in &c.daemons {
+        let refused: Vec<String> = d.log().lines().filter(|l| l.contains("call refused")).map(str::to_owned).collect();
+        assert!(refused.is_empty(), "a component was refused a call:\n{}", refused.join("\n"));
+    }
+    // A node's certificate (a replication peer) may not make an operator's call.
+    let pki = dir.path().join("pki");
+    let (cert, key) = (pki.join("ferrite-node.pem"), pki.join("ferrite-node-key.pem"));
+    let tls = ferrite_proto::admin_tls(&pki.join("ca.pem"), Some((&cert, &key))).unwrap();
+    let endpoint = format!("tcp://{}:7070", c.lan.hosts[0]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let refused = rt.block_on(async {
+        let ch = ferrite_proto::connect_as(&endpoint, Some(tls), Some("ferrite-node.ferrite.svc")).await.unwrap();
+        let mut admin = ferrite_proto::ferrite::v1::admin_client::AdminClient::new(ch);
+        admin.scrub_pool(ferrite_proto::ferrite::v1::ScrubPoolRequest {}).await.map(drop).unwrap_err()
+    });
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    assert!(refused.message().contains("ferrite-node.ferrite.svc"), "{refused}");
     c.cp.check_alive();
     println!("KUBERNETES_TIER_OK");
 }

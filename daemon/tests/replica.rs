@@ -10,22 +10,16 @@ mod common;
 use common::Daemon;
 use common::csi::channel;
 use common::nbd::{open, read_image, write_on};
+use common::push::{bytes, commit, data, push};
 use ferrite_proto::ferrite::v1::push_message::Msg;
 use ferrite_proto::ferrite::v1::replica_client::ReplicaClient;
-use ferrite_proto::ferrite::v1::{PushBegin, PushCommit, PushData, PushMessage, PushZero, ReplicaPositionRequest};
-use ferrite_replication::block_crcs;
+use ferrite_proto::ferrite::v1::{PushBegin, PushMessage, PushZero, ReplicaPositionRequest};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 8 * MIB;
-
-fn data(seed: u8, offset: u64, len: u64) -> PushMessage {
-    let bytes: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
-    let crcs = block_crcs(&bytes);
-    PushMessage { msg: Some(Msg::Data(PushData { offset, data: bytes, crcs })) }
-}
 
 fn zero(offset: u64, length: u64) -> PushMessage {
     PushMessage { msg: Some(Msg::Zero(PushZero { offset, length })) }
@@ -45,20 +39,6 @@ fn begin(base: &str, snapshot: &str, end: u64, resume: bool) -> PushMessage {
     PushMessage { msg: Some(Msg::Begin(b)) }
 }
 
-fn commit() -> PushMessage {
-    PushMessage { msg: Some(Msg::Commit(PushCommit {})) }
-}
-
-/// Pushes `msgs` (the stream ends after them); the call's code and, on success, the snapshot.
-async fn push(c: &Channel, msgs: Vec<PushMessage>) -> Result<String, tonic::Status> {
-    let (tx, rx) = tokio::sync::mpsc::channel(msgs.len().max(1));
-    for m in msgs {
-        tx.send(m).await.unwrap();
-    }
-    drop(tx);
-    ReplicaClient::new(c.clone()).push(ReceiverStream::new(rx)).await.map(|r| r.into_inner().snapshot)
-}
-
 async fn position(c: &Channel) -> (String, String, u64) {
     let p = ReplicaClient::new(c.clone())
         .position(ReplicaPositionRequest { replica: "r".into() })
@@ -76,8 +56,7 @@ fn read(d: &Daemon, image: &str) -> Vec<u8> {
 fn expect(pieces: &[(u8, u64, u64)]) -> Vec<u8> {
     let mut want = vec![0u8; SIZE as usize];
     for &(seed, offset, len) in pieces {
-        let Some(Msg::Data(d)) = data(seed, offset, len).msg else { unreachable!() };
-        want[offset as usize..(offset + len) as usize].copy_from_slice(&d.data);
+        want[offset as usize..(offset + len) as usize].copy_from_slice(&bytes(seed, len));
     }
     want
 }

@@ -61,7 +61,7 @@ fn setup() -> Setup {
         format!(
             "pool-size = \"1G\"\nsegment-size = \"4M\"\nnbd-listen = \"{nbd}\"\nadmin-listen = \"{admin}\"\n\
              metrics-listen = \"{metrics}\"\n\
-             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n",
+             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n[roles]\n\"client-a\" = \"operator\"\n",
             p("server.pem"),
             p("server-key.pem"),
             p("ca.pem")
@@ -186,6 +186,12 @@ fn the_admin_api_over_tcp_takes_only_mutual_tls() {
         let o = s.admin_cli(&tls, &["volume", "list"]);
         assert!(!o.status.success(), "admin over TCP with {tls:?} must be refused");
     }
+    // A certificate of the cluster CA that no role names may call nothing.
+    let (bcert, bkey) = (p("client-b.pem"), p("client-b-key.pem"));
+    let o = s.admin_cli(&["--tls-ca", &ca, "--tls-cert", &bcert, "--tls-key", &bkey], &["volume", "list"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("client-b") && err.contains("ListVolumes") && err.contains("no role"), "{err}");
     // The volume made over mutual TLS is really there.
     assert!(s.d.ok(&["volume", "list"]).contains('t'));
     assert!(s.d.stop().success(), "{}", s.d.log());

@@ -3,8 +3,10 @@
 //! that runs back up. Every `crate::<band>` path in a file of one band must name the same band
 //! or one listed before it in [`BANDS`]. A new module must be placed in the list.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+#[path = "support/bands.rs"]
+mod bands;
+
+use std::path::Path;
 
 /// Lowest first. Each may use those before it (see `src/lib.rs` for what each owns).
 const BANDS: &[&str] = &[
@@ -12,100 +14,8 @@ const BANDS: &[&str] = &[
     "pool", "volume", "ops", "lib",
 ];
 
-fn files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap().map(Result::unwrap) {
-        let p = e.path();
-        if p.is_dir() {
-            files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
-
-/// The band a source file belongs to: its folder under `src/`, or its own name.
-fn band_of(src: &Path, file: &Path) -> String {
-    let rel = file.strip_prefix(src).unwrap();
-    let first = rel.components().next().unwrap().as_os_str().to_string_lossy().into_owned();
-    first.trim_end_matches(".rs").to_owned()
-}
-
-/// Every band named by a `crate::<band>` path in `text`, with its line number. Each name at the
-/// top level of a `use crate::{a, b::{c, d}}` group counts; comments do not.
-fn references(text: &str) -> Vec<(usize, String)> {
-    let code: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
-    let ident = |s: &str| -> String { s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect() };
-    let line_at = |at: usize| code[..at].matches('\n').count() + 1;
-    let mut out = Vec::new();
-    let mut from = 0;
-    while let Some(found) = code[from..].find("crate::") {
-        let at = from + found + "crate::".len();
-        from = at;
-        let rest = &code[at..];
-        let Some(group) = rest.strip_prefix('{') else {
-            out.push((line_at(at), ident(rest)));
-            continue;
-        };
-        // Top-level items of the group: the text after `{` and after each depth-0 comma.
-        let mut starts = vec![0];
-        let mut depth = 0usize;
-        for (i, c) in group.char_indices() {
-            match c {
-                '{' => depth += 1,
-                '}' if depth == 0 => break,
-                '}' => depth -= 1,
-                ',' if depth == 0 => starts.push(i + 1),
-                _ => {}
-            }
-        }
-        for s in starts {
-            let item = &group[s..];
-            let skipped = item.len() - item.trim_start().len();
-            let name = ident(item.trim_start());
-            if !name.is_empty() {
-                out.push((line_at(at + 1 + s + skipped), name));
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn bands_only_use_lower_bands() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut all = Vec::new();
-    files(&src, &mut all);
-    let rank: BTreeMap<&str, usize> = BANDS.iter().enumerate().map(|(i, b)| (*b, i)).collect();
-    let mut wrong = Vec::new();
-    for f in &all {
-        let band = band_of(&src, f);
-        let Some(&mine) = rank.get(band.as_str()) else {
-            wrong.push(format!("{}: band {band:?} is not in BANDS", f.display()));
-            continue;
-        };
-        for (line, used) in references(&std::fs::read_to_string(f).unwrap()) {
-            match rank.get(used.as_str()) {
-                // Items re-exported at the crate root (`crate::Error`) are not bands.
-                None if used.starts_with(char::is_uppercase) => {}
-                None => wrong.push(format!("{}:{line}: crate::{used} is not a band", f.display())),
-                Some(&theirs) if theirs > mine => {
-                    wrong.push(format!("{}:{line}: {band} uses {used}, which is above it", f.display()));
-                }
-                Some(_) => {}
-            }
-        }
-    }
+    let wrong = bands::wrong_uses(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), BANDS);
     assert!(wrong.is_empty(), "the engine's bands must only use lower bands:\n{}", wrong.join("\n"));
-}
-
-#[test]
-fn the_reference_finder_sees_groups_paths_and_skips_comments() {
-    let text = "use crate::{map::{layers, segments::Pinned}, state::State};\n\
-                let x = crate::write::submit(); // crate::pool\n\
-                use crate::{\n    io::BLOCK,\n    read::{self, Reads},\n};\n";
-    let got: Vec<(usize, String)> = references(text);
-    let names: Vec<&str> = got.iter().map(|(_, b)| b.as_str()).collect();
-    assert_eq!(names, ["map", "state", "write", "io", "read"]);
-    assert_eq!(got[2].0, 2);
-    assert_eq!(got[4].0, 5);
 }

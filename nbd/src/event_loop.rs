@@ -236,6 +236,12 @@ impl<'a, S: Socket> Loop<'a, S> {
         };
         while let Some(event) = self.inbox.next_event_with(&mut admit) {
             let req = match event {
+                Event::Request(req, _) if !flags_valid(req.kind, req.flags, st) => {
+                    let reply =
+                        error_reply(st, req.cookie, EINVAL, "the request carries flags its command does not take");
+                    replies.push((req, reply, Instant::now()));
+                    continue;
+                }
                 Event::Request(req, payload) if req.kind != CMD_READ => {
                     if runs_now(conn, &req) {
                         let start = Instant::now();

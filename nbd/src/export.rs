@@ -21,12 +21,19 @@ use crate::metrics::ExportMetrics;
 pub enum Allow {
     Net(IpNet),
     Identity(String),
+    /// `local`: no TCP client at all (the Unix socket only), as for the exports that attach
+    /// volumes on this node.
+    Local,
 }
 
 impl FromStr for Allow {
     type Err = String;
-    /// `10.0.0.0/8`, `192.0.2.7`, `fd00::/64`, or an identity (a DNS name such as `node-a`).
+    /// `10.0.0.0/8`, `192.0.2.7`, `fd00::/64`, an identity (a DNS name such as `node-a`), or
+    /// `local`.
     fn from_str(s: &str) -> Result<Self, String> {
+        if s == "local" {
+            return Ok(Self::Local);
+        }
         if let Ok(net) = s.parse::<IpNet>() {
             return Ok(Self::Net(net.trunc()));
         }
@@ -45,6 +52,7 @@ impl fmt::Display for Allow {
         match self {
             Self::Net(n) => write!(f, "{n}"),
             Self::Identity(i) => f.write_str(i),
+            Self::Local => f.write_str("local"),
         }
     }
 }
@@ -103,6 +111,7 @@ impl Export {
             || self.allow.iter().any(|a| match a {
                 Allow::Net(n) => n.contains(&ip),
                 Allow::Identity(id) => cert.is_some_and(|c| ferrite_tls::names(c, id)),
+                Allow::Local => false,
             })
     }
 
@@ -193,8 +202,23 @@ mod tests {
         assert_eq!("192.0.2.7".parse::<Allow>().unwrap().to_string(), "192.0.2.7/32");
         assert_eq!("fd00::1/64".parse::<Allow>().unwrap().to_string(), "fd00::/64");
         assert_eq!("node-a".parse::<Allow>().unwrap(), Allow::Identity("node-a".into()));
+        assert_eq!("local".parse::<Allow>().unwrap(), Allow::Local);
         for bad in ["", "10.0.0.0/33", "two words", "-x"] {
             assert!(bad.parse::<Allow>().is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_local_export_admits_no_tcp_client() {
+        let pool_dir = tempfile::tempdir().unwrap();
+        let opts = ferrite_engine::PoolOptions { segment_size: 1 << 20, ..Default::default() };
+        let store = Arc::new(ferrite_engine::io::MemoryBackend::new(64 << 20));
+        let pool = ferrite_engine::Pool::create_on(store, &pool_dir.path().join("meta"), opts).unwrap();
+        pool.create_volume("v", 1 << 20).unwrap();
+        let e = Export::new("v", pool.open_volume("v").unwrap(), false, "").with_allow(vec![Allow::Local]);
+        assert!(e.permits(None, None), "the Unix socket is local");
+        assert!(!e.permits(Some("127.0.0.1".parse().unwrap()), None), "TCP from loopback is still TCP");
+        let open = Export::new("w", pool.open_volume("v").unwrap(), false, "");
+        assert!(open.permits(Some("192.0.2.1".parse().unwrap()), None));
     }
 }

@@ -80,6 +80,21 @@ pub const CMD_FLAG_DF: u16 = 1 << 2;
 pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
 
+/// Whether `flags` are ones command `kind` may carry, as qemu-nbd and nbdkit check them: FUA on
+/// any command, DF on a read (with structured replies), NO_HOLE and FAST_ZERO on a write-zeroes,
+/// REQ_ONE on a block status. A request with any other bit set is answered EINVAL, not run with
+/// the bit ignored (a flag we do not know may change what the client expects done).
+pub fn flags_valid(kind: u16, flags: u16, structured: bool) -> bool {
+    let allowed = CMD_FLAG_FUA
+        | match kind {
+            CMD_READ if structured => CMD_FLAG_DF,
+            CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+            CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
+            _ => 0,
+        };
+    flags & !allowed == 0
+}
+
 // Structured reply chunk types and flags.
 pub const REPLY_FLAG_DONE: u16 = 1 << 0;
 pub const REPLY_TYPE_NONE: u16 = 0;
@@ -263,6 +278,13 @@ mod tests {
 
     #[test]
     fn request_roundtrip_and_bad_magic() {
+        assert!(flags_valid(CMD_WRITE, CMD_FLAG_FUA, false));
+        assert!(flags_valid(CMD_READ, CMD_FLAG_FUA | CMD_FLAG_DF, true));
+        assert!(!flags_valid(CMD_READ, CMD_FLAG_DF, false));
+        assert!(!flags_valid(CMD_WRITE, CMD_FLAG_NO_HOLE, true));
+        assert!(flags_valid(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO, true));
+        assert!(!flags_valid(CMD_FLUSH, 1 << 5, true));
+        assert!(!flags_valid(CMD_TRIM, 0x8000, true));
         let r = Request { flags: CMD_FLAG_FUA, kind: CMD_WRITE, cookie: 7, offset: 4096, length: 512 };
         assert_eq!(Request::decode(&r.encode()), Ok(r));
         let mut b = r.encode();

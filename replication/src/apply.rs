@@ -29,8 +29,8 @@ impl Transfer {
     /// replica is first returned to `base` (a first sync creates the replica volume and refuses
     /// an existing one: the caller deletes what an abandoned first sync of its own left).
     ///
-    /// Refused: `base` not a snapshot of the replica (it needs a resync), a first sync into a
-    /// replica that already holds snapshots, `to` already there, `end` past `size`, a size
+    /// Refused: a writable volume, `base` not a snapshot of the replica (it needs a resync), a
+    /// first sync into a replica that already holds snapshots, `to` already there, `end` past `size`, a size
     /// smaller than the replica's.
     pub fn begin(
         pool: &Pool,
@@ -45,6 +45,16 @@ impl Transfer {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("delta for {to:?}: end {end} and size {size} must be whole blocks, the end inside the size"),
+            ));
+        }
+        // A replica is read-only to its clients: a volume they may write is nobody's replica,
+        // and no delta may roll it back, grow it or write into it.
+        if pool.volume_info(replica).is_ok_and(|v| !v.read_only) {
+            return Err(Error::new(
+                ErrorKind::ReadOnly,
+                format!(
+                    "volume {replica:?} is writable here (a primary or an independent volume): no delta applies to it"
+                ),
             ));
         }
         if pool.snapshot_info(to).is_ok() {

@@ -213,3 +213,32 @@ fn bad_pieces_and_streams_are_refused_and_change_nothing() {
     ship(&src, &dst, "m2", Some("m1"), None);
     assert_eq!(content(&dst, "m2"), content(&src, "m2"));
 }
+
+#[test]
+fn a_writable_volume_takes_no_delta() {
+    let (_a, src) = primary();
+    let (_b, dst) = pool();
+    ship(&src, &dst, "m1", None, None);
+    src.open_volume("v").unwrap().write(0, &fill(8, MIB as usize)).unwrap();
+    src.create_snapshot("v", "m2").unwrap();
+    let delta = Delta::plan(&src, "m2", Some("m1")).unwrap();
+    // The replica made writable (promoted, or disabled), then written: no delta may roll it
+    // back, grow it or write into it, whatever the caller's records say.
+    dst.set_read_only("r", false).unwrap();
+    dst.open_volume("r").unwrap().write(MIB, &fill(9, MIB as usize)).unwrap();
+    let head = |p: &Pool| {
+        let mut buf = vec![0u8; usize::try_from(SIZE).unwrap()];
+        p.open_volume("r").unwrap().read(0, &mut buf).unwrap();
+        buf
+    };
+    let now = head(&dst);
+    for resume in [None, Some(0)] {
+        let err = Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, delta.end(), resume).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ReadOnly, "{err}");
+        assert!(err.to_string().contains("writable"), "{err}");
+    }
+    let err = Transfer::begin(&dst, "r", None, "m2", SIZE * 2, 0, None).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ReadOnly, "{err}");
+    assert!(head(&dst) == now, "the writable volume changed");
+    assert_eq!(dst.volume_info("r").unwrap().size, SIZE);
+}

@@ -123,6 +123,31 @@ pub fn names(cert: &CertificateDer<'_>, identity: &str) -> bool {
     webpki::EndEntityCert::try_from(cert).is_ok_and(|c| c.verify_is_valid_for_subject_name(&name).is_ok())
 }
 
+/// The names a (verified) certificate carries, in order: the DNS names and IP addresses of its
+/// subjectAltName, then its subject's common names. Roles are bound to these by exact match
+/// (no wildcard expansion: a role is granted to a name, not to a pattern). Empty for a
+/// certificate that does not parse.
+pub fn identities(cert: &CertificateDer<'_>) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, c)) = x509_parser::parse_x509_certificate(cert.as_ref()) else { return Vec::new() };
+    let mut out = Vec::new();
+    if let Ok(Some(san)) = c.subject_alternative_name() {
+        for n in &san.value.general_names {
+            match n {
+                GeneralName::DNSName(d) => out.push((*d).to_owned()),
+                GeneralName::IPAddress(b) => match b.len() {
+                    4 => out.push(std::net::IpAddr::from(<[u8; 4]>::try_from(*b).expect("4 bytes")).to_string()),
+                    16 => out.push(std::net::IpAddr::from(<[u8; 16]>::try_from(*b).expect("16 bytes")).to_string()),
+                    _ => {}
+                },
+                _ => {}
+            }
+        }
+    }
+    out.extend(c.subject().iter_common_name().filter_map(|a| a.as_str().ok()).map(str::to_owned));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -24,7 +24,7 @@ use tonic::Status;
 use super::records::{Relation, Role};
 use super::send::{at_peer, connect, group_points, position, prune, push, push_group};
 use super::{Replication, load, now_ms};
-use crate::admin::blocking;
+use crate::rpc::blocking;
 
 /// How often a demoted volume retries its final delta when it has no interval of its own.
 const HANDOVER_RETRY: Duration = Duration::from_secs(10);
@@ -61,6 +61,15 @@ impl Replication {
         let (pool, g) = (Arc::clone(&self.pool), rel.volume.clone());
         let now = blocking(move || Ok(pool.groups().into_iter().find(|x| x.name == g).map(|x| x.volumes))).await?;
         Ok(now.unwrap_or_else(|| rel.members.clone()))
+    }
+
+    /// Ends the pushes coming into the relation's volumes, if any.
+    async fn cancel_incoming_of(&self, volume: &str) -> Result<(), Status> {
+        let Some(rel) = self.relations.get(volume) else { return Ok(()) };
+        for v in self.volumes_of(&rel).await? {
+            self.cancel_incoming(&v).await;
+        }
+        Ok(())
     }
 
     /// Makes the relation's volumes read-only for clients, or writable.
@@ -130,7 +139,7 @@ impl Replication {
         if peer.is_empty() {
             return Err(Status::invalid_argument("replication needs the peer daemon's admin endpoint"));
         }
-        if interval_secs > 7 * 86_400 {
+        if interval_secs > super::MAX_INTERVAL_SECS {
             return Err(Status::invalid_argument(format!(
                 "interval {interval_secs} s: at most a week (604800 s), or 0 for on request only"
             )));
@@ -172,6 +181,7 @@ impl Replication {
                 group,
                 members,
                 snapshots,
+                epoch: 0,
             },
         };
         self.relations.put(rel.clone())?;
@@ -185,6 +195,7 @@ impl Replication {
     /// snapshot.
     pub async fn disable(&self, volume: &str) -> Result<pb::Replication, Status> {
         let lock = self.op_lock(volume);
+        self.cancel_incoming_of(volume).await?;
         let _g = lock.lock().await;
         let rel = self.relation(volume)?;
         let volumes = self.volumes_of(&rel).await?;
@@ -196,7 +207,7 @@ impl Replication {
             let at = self.newest_point(&rel).await?;
             self.writable_at(&rel, &volumes, at).await?;
         }
-        prune(self, &Relation { members: volumes, ..rel.clone() }, "").await;
+        prune(self, &Relation { members: volumes, ..rel.clone() }, &[]).await;
         self.relations.set(volume, None)?;
         self.live.lock().expect("not poisoned").remove(volume);
         tracing::info!(%volume, "replication disabled");
@@ -293,6 +304,11 @@ impl Replication {
     /// Makes `volume` writable here (see the module docs for when).
     pub async fn promote(&self, volume: &str, force: bool) -> Result<pb::Replication, Status> {
         let lock = self.op_lock(volume);
+        // A push in flight holds the lock: a forced promotion ends it, a planned one waits for
+        // it (it may be the peer's final delta).
+        if force {
+            self.cancel_incoming_of(volume).await?;
+        }
         let _g = lock.lock().await;
         let mut rel = self.relation(volume)?;
         if rel.role == Role::Primary {
@@ -314,17 +330,21 @@ impl Replication {
         for v in &volumes {
             self.pending.set(v, None)?;
         }
+        // The new epoch is durable before anything is writable: from here on a push from the
+        // old primary is stale, whatever order its messages arrive in.
+        rel.epoch += 1;
+        self.relations.put(rel.clone())?;
         self.writable_at(&rel, &volumes, Some(at.clone())).await?;
         // Mirror snapshots past the point (an unfinished group point's) are no ancestors of
         // what this side writes next: they go, so no delta is planned over them.
-        prune(self, &Relation { members: volumes, ..rel.clone() }, &at).await;
+        prune(self, &Relation { members: volumes, ..rel.clone() }, &[&at]).await;
         rel.role = Role::Primary;
         rel.handover = false;
         rel.synced = at;
         self.relations.put(rel.clone())?;
         self.live(volume, |l| (l.next_at, l.error) = (None, String::new()));
         self.wake.notify_one();
-        tracing::info!(%volume, force, at = %rel.synced, "promoted");
+        tracing::info!(%volume, force, at = %rel.synced, epoch = rel.epoch, "promoted");
         Ok(self.status_of(&rel))
     }
 

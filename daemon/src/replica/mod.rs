@@ -20,9 +20,13 @@ use tokio::sync::Notify;
 use tonic::Status;
 
 use crate::attachments::Attachments;
+use crate::authz::Policy;
 use crate::config::{Config, TlsFiles};
 use crate::exports::ExportTable;
 use records::{PendingRecord, Records, Relation};
+
+/// The longest interval between mirror snapshots (a week); 0 means on request only.
+pub const MAX_INTERVAL_SECS: u64 = 7 * 86_400;
 
 /// The largest push message: a 1 MiB piece of data ([`send::PIECE`]) with its crcs, and framing.
 pub const MAX_PUSH_MESSAGE: usize = send::PIECE + (16 << 10);
@@ -102,6 +106,12 @@ pub struct Replication {
     limiters: Mutex<HashMap<String, Arc<Limiter>>>,
     /// Wakes the scheduler (a relation was enabled or promoted).
     wake: Notify,
+    /// Who may call the Replica service for which relation (and every other call).
+    pub policy: Arc<Policy>,
+    /// An incoming push that sends nothing for this long is ended.
+    idle_timeout: Duration,
+    /// The overcommit cap (at least 1): a replica may be at most this many times the pool.
+    overcommit: f64,
 }
 
 /// An incoming transfer in flight (promoting or disabling the replica cancels it through
@@ -139,6 +149,9 @@ impl Replication {
             incoming: Mutex::default(),
             limiters: Mutex::default(),
             wake: Notify::new(),
+            policy: Arc::new(Policy::new(cfg.roles.clone())),
+            idle_timeout: cfg.replication_idle_timeout,
+            overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
         }))
     }
 
@@ -166,6 +179,18 @@ impl Replication {
         let cancelled = Arc::new(Notify::new());
         m.insert(replica.to_owned(), Arc::clone(&cancelled));
         Ok(Incoming { hub: self, replica: replica.to_owned(), cancelled })
+    }
+
+    /// The identity the peer at `endpoint` proves with its certificate, both when this daemon
+    /// connects to it and when it calls here: `peer-server-name` where set, else the endpoint's
+    /// host. None for a local endpoint (a socket path), which only an operator may act as.
+    pub fn peer_identity(&self, endpoint: &str) -> Option<String> {
+        let addr = endpoint.strip_prefix("tcp://")?;
+        if let Some(name) = self.tls.as_ref().and_then(|t| t.peer_name.clone()) {
+            return Some(name);
+        }
+        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+        Some(host.trim_start_matches('[').trim_end_matches(']').to_owned()).filter(|h| !h.is_empty())
     }
 
     /// Cancels an incoming transfer into `replica`, if one runs, and waits until it has stopped.

@@ -19,7 +19,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::Replication;
 use super::records::{PendingRecord, Relation, Role};
-use crate::admin::{blocking, status};
+use crate::authz::{Caller, caller_of};
+use crate::rpc::{blocking, status};
 
 /// Bytes applied between two durable resume points.
 const CHECKPOINT_BYTES: u64 = 64 << 20;
@@ -27,6 +28,15 @@ const CHECKPOINT_BYTES: u64 = 64 << 20;
 /// The receiving end, shared by the admin listeners.
 #[derive(Debug, Clone)]
 pub struct ReplicaService(pub Arc<Replication>);
+
+/// Whether a name is fit to be a volume or snapshot name a peer gives (the engine checks its
+/// own rules too; this keeps control characters and oversized names out of logs and records).
+fn check_name(what: &str, name: &str) -> Result<(), Status> {
+    if name.is_empty() || name.len() > 255 || name.chars().any(char::is_control) {
+        return Err(Status::invalid_argument(format!("{what} {name:?}: 1 to 255 printable characters")));
+    }
+    Ok(())
+}
 
 impl ReplicaService {
     /// Makes what `t` applied durable and records where it resumes.
@@ -37,45 +47,191 @@ impl ReplicaService {
         Ok(t)
     }
 
-    /// Whether this daemon takes pushes into `b.replica`: a secondary does (for a group member,
-    /// the group's relation says), a volume that is not replicated here only as a first sync,
-    /// which creates it: then the relation it gets.
-    fn admit(&self, b: &PushBegin) -> Result<Option<Relation>, Status> {
-        let key = if b.group.is_empty() { &b.replica } else { &b.group };
-        match self.0.relations.get(key) {
-            Some(r) if r.role == Role::Primary => Err(Status::failed_precondition(format!(
-                "{key:?} is a primary on this daemon: both sides are primary (split-brain); demote one \
-                 and resync it"
-            ))),
-            Some(mut r) => {
-                // A promoted replica schedules as its primary did.
-                if r.interval_secs != b.interval_secs {
-                    r.interval_secs = b.interval_secs;
-                    self.0.relations.put(r)?;
-                }
-                Ok(None)
+    /// Checks every field of a begin message that does not depend on this daemon's records.
+    fn check_begin(&self, b: &PushBegin) -> Result<(), Status> {
+        check_name("replica", &b.replica)?;
+        check_name("snapshot", &b.snapshot)?;
+        if !b.base.is_empty() {
+            check_name("base", &b.base)?;
+        }
+        if !b.group.is_empty() {
+            check_name("group", &b.group)?;
+        }
+        if b.prefix.len() > 255 || b.prefix.chars().any(char::is_control) {
+            return Err(Status::invalid_argument("the mirror-snapshot prefix is not a name"));
+        }
+        if b.interval_secs > super::MAX_INTERVAL_SECS {
+            return Err(Status::invalid_argument(format!(
+                "interval {} s: at most a week ({} s), or 0 for on request only",
+                b.interval_secs,
+                super::MAX_INTERVAL_SECS
+            )));
+        }
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+        let most = (self.0.pool.stats().size as f64 * self.0.overcommit) as u64;
+        if b.size == 0 || b.size > most {
+            return Err(Status::invalid_argument(format!(
+                "replica {:?} of {} bytes: a replica must be larger than 0 and at most {most} bytes here (the \
+                 pool's size times its overcommit cap)",
+                b.replica, b.size
+            )));
+        }
+        if b.end > b.size {
+            return Err(Status::invalid_argument(format!("the delta ends at {} past the size {}", b.end, b.size)));
+        }
+        Ok(())
+    }
+
+    /// The relation `name` belongs to here: its own, or that of the replicated group it is a
+    /// member of.
+    fn relation_of(&self, name: &str) -> Option<Relation> {
+        self.0
+            .relations
+            .get(name)
+            .or_else(|| self.0.relations.all().into_iter().find(|r| r.group && r.members.iter().any(|m| m == name)))
+    }
+
+    /// Refuses `caller` unless it is the configured peer of `rel`.
+    fn check_peer(&self, caller: &Caller, call: &str, rel: &Relation) -> Result<(), Status> {
+        let identity = self.0.peer_identity(&rel.peer);
+        if identity.as_deref().is_some_and(|i| caller.is_peer(i)) || caller.is_operator() {
+            return Ok(());
+        }
+        let what = if rel.group { "replicated group" } else { "replicated volume" };
+        Err(self.0.policy.refuse(
+            caller,
+            call,
+            &format!(
+                "{what} {:?} here has peer {} (identity {:?})",
+                rel.volume,
+                rel.peer,
+                identity.unwrap_or_default()
+            ),
+        ))
+    }
+
+    /// Whether this daemon takes the push `b` from `caller` (the caller holds the relation's op
+    /// lock): the caller is the relation's peer, the relation is a secondary at an epoch no
+    /// higher than the push's, and a group push names a member of the group (or creates one).
+    /// A volume that is not replicated here takes only a first sync, which creates it: then the
+    /// relation it gets.
+    fn admit(&self, caller: &Caller, b: &PushBegin) -> Result<Option<Relation>, Status> {
+        const PUSH: &str = "/ferrite.v1.Replica/Push";
+        let grouped = !b.group.is_empty();
+        let key = if grouped { &b.group } else { &b.replica };
+        let Some(mut r) = self.0.relations.get(key) else {
+            return self.new_relation(caller, b).map(Some);
+        };
+        self.check_peer(caller, PUSH, &r)?;
+        if r.group != grouped {
+            let (is, not) = if r.group { ("a group", "a volume") } else { ("a volume", "a group") };
+            return Err(Status::failed_precondition(format!(
+                "{key:?} replicates as {is} here, and the push is for {not}"
+            )));
+        }
+        if r.role == Role::Primary {
+            return Err(Status::failed_precondition(format!(
+                "{key:?} is a primary on this daemon: both sides are primary (split-brain); demote one and resync it"
+            )));
+        }
+        if b.epoch < r.epoch {
+            return Err(Status::failed_precondition(format!(
+                "stale push: made under epoch {} of {key:?}, which is at epoch {} here (a promotion happened since); \
+                 the sender must be demoted and resynced",
+                b.epoch, r.epoch
+            )));
+        }
+        if grouped && !r.members.contains(&b.replica) {
+            let new_member = b.base.is_empty() && !b.resume && self.0.pool.volume_info(&b.replica).is_err();
+            if !new_member {
+                return Err(self.0.policy.refuse(
+                    caller,
+                    PUSH,
+                    &format!("volume {:?} is not a member of replicated group {key:?} here", b.replica),
+                ));
             }
-            None if !b.base.is_empty() => Err(Status::failed_precondition(format!(
+        }
+        // A promoted replica schedules as its primary did, and carries its epoch on.
+        if r.interval_secs != b.interval_secs || r.epoch != b.epoch {
+            (r.interval_secs, r.epoch) = (b.interval_secs, b.epoch);
+            self.0.relations.put(r)?;
+        }
+        Ok(None)
+    }
+
+    /// The relation a first push makes: from an endpoint of the caller's own.
+    fn new_relation(&self, caller: &Caller, b: &PushBegin) -> Result<Relation, Status> {
+        if !b.base.is_empty() {
+            return Err(Status::failed_precondition(format!(
                 "volume {:?} is not a replica on this daemon: a push over a base needs one",
                 b.replica
-            ))),
-            None if b.prefix.is_empty() => {
-                Err(Status::invalid_argument("a first push names the prefix of its relation's mirror snapshots"))
-            }
-            None => Ok(Some(Relation {
-                volume: key.clone(),
-                role: Role::Secondary,
-                peer: b.origin.clone(),
-                remote: b.origin_volume.clone(),
-                prefix: b.prefix.clone(),
-                interval_secs: b.interval_secs,
-                handover: false,
-                synced: String::new(),
-                group: !b.group.is_empty(),
-                members: Vec::new(),
-                snapshots: Vec::new(),
-            })),
+            )));
         }
+        if b.prefix.is_empty() {
+            return Err(Status::invalid_argument("a first push names the prefix of its relation's mirror snapshots"));
+        }
+        // Whoever pushes first becomes the relation's peer: the endpoint this daemon will call
+        // back (resync, promote) must be one the caller's certificate proves it is.
+        if !caller.is_operator() {
+            let Some(identity) = self.0.peer_identity(&b.origin) else {
+                return Err(self.0.policy.refuse(
+                    caller,
+                    "/ferrite.v1.Replica/Push",
+                    &format!("origin {:?} is not a tcp:// endpoint", b.origin),
+                ));
+            };
+            if !caller.is_peer(&identity) {
+                return Err(self.0.policy.refuse(
+                    caller,
+                    "/ferrite.v1.Replica/Push",
+                    &format!(
+                        "origin {} is identity {identity:?}, which the caller's certificate does not name",
+                        b.origin
+                    ),
+                ));
+            }
+        }
+        // A first sync creates its volume; it never takes over one that exists.
+        if self.0.pool.volume_info(&b.replica).is_ok() || self.0.pending.get(&b.replica).is_some() {
+            return Err(Status::already_exists(format!(
+                "volume {:?} exists here and is no replica of yours: a first sync creates its replica volume",
+                b.replica
+            )));
+        }
+        let key = if b.group.is_empty() { &b.replica } else { &b.group };
+        Ok(Relation {
+            volume: key.clone(),
+            role: Role::Secondary,
+            peer: b.origin.clone(),
+            remote: b.origin_volume.clone(),
+            prefix: b.prefix.clone(),
+            interval_secs: b.interval_secs,
+            handover: false,
+            synced: String::new(),
+            group: !b.group.is_empty(),
+            members: Vec::new(),
+            snapshots: Vec::new(),
+            epoch: b.epoch,
+        })
+    }
+
+    /// A transfer whose commit landed before the daemon could record it (a crash between the
+    /// two): the snapshot it brought is there, so it is recorded now rather than resumed (which
+    /// would be refused for ever, the snapshot being held already).
+    async fn settle(&self, replica: &str) -> Result<(), Status> {
+        let hub = &self.0;
+        let Some(p) = hub.pending.get(replica) else { return Ok(()) };
+        let (pool, snap) = (Arc::clone(&hub.pool), p.snapshot.clone());
+        let landed = blocking(move || Ok(pool.snapshot_info(&snap).ok())).await?;
+        if landed.is_none_or(|s| s.volume.as_deref() != Some(replica)) {
+            return Ok(());
+        }
+        hub.pending.set(replica, None)?;
+        tracing::info!(%replica, snapshot = %p.snapshot, "an unrecorded commit had landed: recorded now");
+        if hub.relations.get(replica).is_some_and(|r| !r.group) {
+            self.committed(replica, &p.snapshot).await?;
+        }
+        Ok(())
     }
 
     /// After a commit: the replica's other mirror snapshots go (the new one is the common point),
@@ -91,7 +247,7 @@ impl ReplicaService {
             l.resynced = true;
             l.error.clear();
         });
-        super::send::prune(hub, &rel, snapshot).await;
+        super::send::prune(hub, &rel, &[snapshot]).await;
         Ok(())
     }
 }
@@ -99,7 +255,26 @@ impl ReplicaService {
 #[tonic::async_trait]
 impl replica_server::Replica for ReplicaService {
     async fn position(&self, req: Request<ReplicaPositionRequest>) -> Result<Response<ReplicaPosition>, Status> {
+        let caller = caller_of(&req)?;
         let replica = req.into_inner().replica;
+        let rel = self.relation_of(&replica);
+        match &rel {
+            Some(r) => self.check_peer(&caller, "/ferrite.v1.Replica/Position", r)?,
+            // What is not replicated here is nobody's business but an operator's, unless it
+            // does not exist (a first sync asks before it makes it).
+            None if !caller.is_operator() && self.0.pool.volume_info(&replica).is_ok() => {
+                return Err(self.0.policy.refuse(
+                    &caller,
+                    "/ferrite.v1.Replica/Position",
+                    &format!("volume {replica:?} is not replicated with it"),
+                ));
+            }
+            None => {}
+        }
+        let busy = self.0.incoming.lock().expect("not poisoned").contains_key(&replica);
+        if !busy {
+            self.settle(&replica).await?;
+        }
         let pool = Arc::clone(&self.0.pool);
         let name = replica.clone();
         let snaps = blocking(move || match pool.snapshots(Some(&name)) {
@@ -107,13 +282,14 @@ impl replica_server::Replica for ReplicaService {
             r => r,
         })
         .await?;
-        let mut out = ReplicaPosition { snapshots: snaps.into_iter().map(|s| s.name).collect(), ..Default::default() };
-        if let Some(r) = self.0.relations.get(&replica) {
+        let mut out =
+            ReplicaPosition { snapshots: snaps.into_iter().map(|s| s.name).collect(), busy, ..Default::default() };
+        if let Some(r) = rel {
             out.role = r.role.as_str().into();
             out.handover = r.handover;
             out.synced = r.synced;
+            out.epoch = r.epoch;
         }
-        out.busy = self.0.incoming.lock().expect("not poisoned").contains_key(&replica);
         if let Some(p) = self.0.pending.get(&replica) {
             (out.pending_snapshot, out.pending_base, out.resume_offset) = (p.snapshot, p.base, p.resume);
         }
@@ -121,9 +297,11 @@ impl replica_server::Replica for ReplicaService {
     }
 
     async fn sync(&self, req: Request<ReplicaSyncRequest>) -> Result<Response<ReplicaSyncReply>, Status> {
+        let caller = caller_of(&req)?;
         let volume = req.into_inner().volume;
         match self.0.relations.get(&volume) {
             Some(r) if r.role == Role::Primary => {
+                self.check_peer(&caller, "/ferrite.v1.Replica/Sync", &r)?;
                 self.0.sync_soon(&volume);
                 Ok(Response::new(ReplicaSyncReply {}))
             }
@@ -132,13 +310,31 @@ impl replica_server::Replica for ReplicaService {
     }
 
     async fn group_commit(&self, req: Request<GroupCommitRequest>) -> Result<Response<GroupCommitReply>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let hub = &self.0;
+        check_name("group", &r.group)?;
+        let lock = hub.op_lock(&r.group);
+        let _g = lock.lock().await;
         let mut rel = hub
             .relations
             .get(&r.group)
             .filter(|x| x.group && x.role == Role::Secondary)
             .ok_or_else(|| Status::failed_precondition(format!("{:?} is not a replicated group here", r.group)))?;
+        self.check_peer(&caller, "/ferrite.v1.Replica/GroupCommit", &rel)?;
+        if r.epoch < rel.epoch {
+            return Err(Status::failed_precondition(format!(
+                "stale group commit: made under epoch {} of {:?}, which is at epoch {} here",
+                r.epoch, r.group, rel.epoch
+            )));
+        }
+        if let Some(m) = r.members.iter().find(|m| !rel.members.contains(m)) {
+            return Err(hub.policy.refuse(
+                &caller,
+                "/ferrite.v1.Replica/GroupCommit",
+                &format!("volume {m:?} is not a member of replicated group {:?} here", r.group),
+            ));
+        }
         let (pool, point, members) = (Arc::clone(&hub.pool), r.point.clone(), r.members.clone());
         blocking(move || {
             for m in &members {
@@ -154,24 +350,25 @@ impl replica_server::Replica for ReplicaService {
         })
         .await?;
         rel.synced.clone_from(&r.point);
-        rel.members = r.members;
         rel.handover = false;
+        rel.epoch = r.epoch;
         hub.relations.put(rel.clone())?;
         hub.live(&r.group, |l| {
             l.resynced = true;
             l.error.clear();
         });
-        super::send::prune(hub, &rel, &r.point).await;
+        super::send::prune(hub, &Relation { members: r.members.clone(), ..rel }, &[&r.point]).await;
         tracing::info!(group = %r.group, point = %r.point, "replica group at a new point");
         Ok(Response::new(GroupCommitReply {}))
     }
 
     async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushReply>, Status> {
+        let caller = caller_of(&req)?;
         // In a task of its own: when the connection dies (a cut link found by keepalive) the
         // server drops this call, but the receive goes on to see its stream end and record its
         // resume point.
         let this = self.clone();
-        tokio::spawn(async move { this.receive(req.into_inner()).await })
+        tokio::spawn(async move { this.receive(&caller, req.into_inner()).await })
             .await
             .map_err(|e| Status::internal(format!("replica receive task: {e}")))?
             .map(Response::new)
@@ -179,17 +376,32 @@ impl replica_server::Replica for ReplicaService {
 }
 
 impl ReplicaService {
+    /// The next message of a push, or DeadlineExceeded when the sender is silent too long.
+    async fn next(&self, stream: &mut Streaming<PushMessage>) -> Result<Option<PushMessage>, Status> {
+        let idle = self.0.idle_timeout;
+        tokio::time::timeout(idle, stream.message()).await.unwrap_or_else(|_| {
+            Err(Status::deadline_exceeded(format!("the push sent nothing for {} s", idle.as_secs())))
+        })
+    }
+
     /// One push, from its begin to its commit or early end.
-    async fn receive(&self, mut stream: Streaming<PushMessage>) -> Result<PushReply, Status> {
+    async fn receive(&self, caller: &Caller, mut stream: Streaming<PushMessage>) -> Result<PushReply, Status> {
         let hub = &self.0;
-        let Some(Msg::Begin(b)) = stream.message().await?.and_then(|m| m.msg) else {
+        let Some(Msg::Begin(b)) = self.next(&mut stream).await?.and_then(|m| m.msg) else {
             return Err(Status::invalid_argument("a push starts with its begin message"));
         };
-        if b.replica.is_empty() || b.snapshot.is_empty() {
-            return Err(Status::invalid_argument("a push names its replica volume and the snapshot it brings"));
-        }
+        self.check_begin(&b)?;
         let incoming = hub.claim_incoming(&b.replica)?;
-        let new_relation = self.admit(&b)?;
+        // Promote, disable and resync of the relation wait for this push, and it for them.
+        let lock = hub.op_lock(if b.group.is_empty() { &b.replica } else { &b.group });
+        let _g = tokio::select! {
+            g = lock.lock() => g,
+            () = incoming.cancelled.notified() => {
+                return Err(Status::aborted(format!("replica {:?} was promoted or disabled", b.replica)));
+            }
+        };
+        let new_relation = self.admit(caller, &b)?;
+        self.settle(&b.replica).await?;
         let mut rec =
             PendingRecord { replica: b.replica.clone(), snapshot: b.snapshot.clone(), base: b.base.clone(), resume: 0 };
         let pending = hub.pending.get(&rec.replica);
@@ -213,14 +425,19 @@ impl ReplicaService {
             })
             .await?;
         }
-        let (pool, r) = (Arc::clone(&hub.pool), rec.clone());
+        let (pool, r, size, end) = (Arc::clone(&hub.pool), rec.clone(), b.size, b.end);
         let mut t = blocking(move || {
             let base = (!r.base.is_empty()).then_some(r.base.as_str());
-            Transfer::begin(&pool, &r.replica, base, &r.snapshot, b.size, b.end, resume)
+            Transfer::begin(&pool, &r.replica, base, &r.snapshot, size, end, resume)
         })
         .await?;
         if let Some(r) = new_relation {
             hub.relations.put(r)?;
+        }
+        // A group's members here are the volumes its pushes made: only those take its pushes.
+        if let Some(mut g) = hub.relations.get(&b.group).filter(|g| g.group && !g.members.contains(&b.replica)) {
+            g.members.push(b.replica.clone());
+            hub.relations.put(g)?;
         }
         rec.resume = t.next();
         hub.pending.put(rec.clone())?;
@@ -228,7 +445,7 @@ impl ReplicaService {
         // Why the stream stopped short of its commit (None: the client ended it), if it did.
         let stopped: Option<Option<Status>> = loop {
             let next = tokio::select! {
-                m = stream.message() => m,
+                m = self.next(&mut stream) => m,
                 () = incoming.cancelled.notified() => {
                     break Some(Some(Status::aborted(format!("replica {:?} was promoted or disabled", rec.replica))));
                 }

@@ -57,6 +57,10 @@ pub struct Relation {
     /// User snapshots of the volume that replicate too: names, or prefixes ending in `*`.
     #[serde(default)]
     pub snapshots: Vec<String>,
+    /// Raised by every promotion, before the volume turns writable; a push made under a lower
+    /// epoch is refused, so a primary that was failed over can never overwrite its successor.
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 impl Relation {
@@ -161,6 +165,7 @@ mod tests {
             group: false,
             members: Vec::new(),
             snapshots: vec!["nightly-*".into(), "weekly".into()],
+            epoch: 3,
         };
         let list = Records::<Relation>::load(dir.path(), "replication").unwrap();
         list.put(r.clone()).unwrap();
@@ -168,6 +173,7 @@ mod tests {
         let again = Records::<Relation>::load(dir.path(), "replication").unwrap();
         assert_eq!(again.all().len(), 1);
         assert_eq!(again.get("v").unwrap().role, Role::Secondary);
+        assert_eq!(again.get("v").unwrap().epoch, 3, "the epoch is durable");
         assert_eq!(r.taken_ms("v.mirror.1700000000123"), Some(1_700_000_000_123));
         assert_eq!(r.taken_ms("v.snap"), None);
         for (name, carried) in

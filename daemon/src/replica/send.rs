@@ -22,9 +22,9 @@ use tonic::transport::Channel;
 
 use super::records::{Relation, Role};
 use super::{Progress, Replication, now_ms};
-use crate::admin::{blocking, status};
 use crate::config::TlsFiles;
 use crate::exports::snapshot_of;
+use crate::rpc::{blocking, status};
 
 /// Data bytes per push piece.
 pub const PIECE: usize = 1 << 20;
@@ -65,11 +65,11 @@ pub async fn position(
     Ok(client.position(req).await.map_err(at_peer(peer))?.into_inner())
 }
 
-/// Deletes this relation's mirror snapshots other than point `keep` (for a group: its other
-/// group points, and member snapshots other than `<keep>.<member>`): after a complete push (or
-/// receipt) `keep` is the common point, and anything else is an older point or an abandoned
+/// Deletes this relation's mirror snapshots other than the points in `keep` (for a group: its
+/// other group points, and member snapshots other than `<keep>.<member>`): after a complete push
+/// (or receipt) `keep` is the common point, and anything else is an older point or an abandoned
 /// transfer's. One a client reads (exported or attached) stays until a later prune.
-pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
+pub async fn prune(hub: &Replication, rel: &Relation, keep: &[&str]) {
     // Held across the deletions so that no export or attachment of them starts meanwhile.
     let live = hub.attachments.lock().await;
     let records = hub.exports.lock().await;
@@ -79,13 +79,17 @@ pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
         .chain(records.iter().filter_map(|r| r.snapshot()))
         .map(str::to_owned)
         .collect();
-    let (pool, rel, keep) = (Arc::clone(&hub.pool), rel.clone(), keep.to_owned());
+    let (pool, rel) = (Arc::clone(&hub.pool), rel.clone());
+    let keep: Vec<String> = keep.iter().map(|k| (*k).to_owned()).collect();
     let name = rel.volume.clone();
     let r = blocking(move || {
         let deletable = |snapshot: &str| snapshot.starts_with(&rel.prefix) && !in_use.iter().any(|u| u == snapshot);
         let volumes = if rel.group {
             for p in pool.group_snapshots(Some(&rel.volume)).unwrap_or_default() {
-                if p.name.starts_with(&rel.prefix) && p.name != keep && p.snapshots.iter().all(|(s, _)| deletable(s)) {
+                if p.name.starts_with(&rel.prefix)
+                    && !keep.contains(&p.name)
+                    && p.snapshots.iter().all(|(s, _)| deletable(s))
+                {
                     pool.delete_group_snapshot(&p.name)?;
                 }
             }
@@ -94,9 +98,10 @@ pub async fn prune(hub: &Replication, rel: &Relation, keep: &str) {
             vec![rel.volume.clone()]
         };
         for v in &volumes {
-            let own = if rel.group { format!("{keep}.{v}") } else { keep.clone() };
+            let own: Vec<String> =
+                keep.iter().map(|k| if rel.group { format!("{k}.{v}") } else { k.clone() }).collect();
             for s in pool.snapshots(Some(v)).unwrap_or_default() {
-                if s.name != own && deletable(&s.name) {
+                if !own.contains(&s.name) && deletable(&s.name) {
                     pool.delete_snapshot(&s.name)?;
                 }
             }
@@ -138,7 +143,7 @@ pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationRe
     let mut now = hub.relations.get(&rel.volume).unwrap_or_else(|| rel.clone());
     now.synced.clone_from(&out.snapshot);
     hub.relations.put(now.clone())?;
-    prune(hub, &now, &out.snapshot).await;
+    prune(hub, &now, &[&out.snapshot]).await;
     Ok(out)
 }
 
@@ -173,6 +178,18 @@ fn check_role(rel: &Relation) -> Result<(), Status> {
     Ok(())
 }
 
+/// A peer whose relation is at a higher epoch was promoted after this side's last promotion:
+/// this side was failed over, and pushing would overwrite its successor.
+fn check_epoch(rel: &Relation, pos: &ReplicaPosition) -> Result<(), Status> {
+    if pos.epoch > rel.epoch {
+        return Err(Status::failed_precondition(format!(
+            "{:?} on {} is at epoch {}, this side at {}: it was promoted since; demote this side and resync it",
+            rel.remote, rel.peer, pos.epoch, rel.epoch
+        )));
+    }
+    Ok(())
+}
+
 fn split_brain(peer: &str, remote: &str) -> Status {
     Status::failed_precondition(format!(
         "split-brain: {remote:?} on {peer} is a primary too; demote one side and resync it"
@@ -199,6 +216,7 @@ async fn push_leg(
     if pos.role == Role::Primary.as_str() {
         return Err(split_brain(peer, leg.remote));
     }
+    check_epoch(rel, &pos)?;
     if let Some(to) = leg.to.as_ref().filter(|t| pos.snapshots.contains(t)) {
         // This member already holds the group point.
         return Ok(SyncReplicationResponse { snapshot: to.clone(), ..Default::default() });
@@ -231,6 +249,10 @@ async fn push_leg(
         match leg.to {
             Some(to) => (to, base, 0, false),
             None => {
+                // Mirror snapshots of pushes the peer refused or never finished are of no use:
+                // they go before a new one is taken, so a peer that refuses every push leaves
+                // this side with the common point and the newest attempt, whatever it does.
+                prune(hub, rel, &[&base, &pos.pending_snapshot]).await;
                 let (p, v, name) =
                     (Arc::clone(&hub.pool), leg.volume.to_owned(), format!("{}{}", rel.prefix, now_ms()));
                 blocking(move || p.create_snapshot(&v, &name)).await.map(|s| (s.name, base, 0, false))?
@@ -257,6 +279,7 @@ async fn push_leg(
         interval_secs: rel.interval_secs,
         group: leg.group.to_owned(),
         prefix: rel.prefix.clone(),
+        epoch: rel.epoch,
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<PushMessage>(4);
     let reader = {
@@ -314,9 +337,11 @@ pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplica
     check_role(rel)?;
     let peer = rel.peer.as_str();
     let mut client = connect(hub.tls.as_ref(), peer).await?;
-    if position(&mut client, peer, &rel.remote).await?.role == Role::Primary.as_str() {
+    let pos = position(&mut client, peer, &rel.remote).await?;
+    if pos.role == Role::Primary.as_str() {
         return Err(split_brain(peer, &rel.remote));
     }
+    check_epoch(rel, &pos)?;
     let (pool, group) = (Arc::clone(&hub.pool), rel.volume.clone());
     let mut members = blocking(move || Ok(pool.groups().into_iter().find(|g| g.name == group).map(|g| g.volumes)))
         .await?
@@ -345,14 +370,19 @@ pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplica
         bytes += out.data_bytes;
         resumed |= out.resumed;
     }
-    let req = GroupCommitRequest { group: rel.remote.clone(), point: point.clone(), members: members.clone() };
+    let req = GroupCommitRequest {
+        group: rel.remote.clone(),
+        point: point.clone(),
+        members: members.clone(),
+        epoch: rel.epoch,
+    };
     client.group_commit(req).await.map_err(at_peer(peer))?;
     hub.live(&rel.volume, |l| l.last_bytes = bytes);
     let mut now = hub.relations.get(&rel.volume).unwrap_or_else(|| rel.clone());
     now.synced.clone_from(&point);
     now.members.clone_from(&members);
     hub.relations.put(now.clone())?;
-    prune(hub, &now, &point).await;
+    prune(hub, &now, &[&point]).await;
     let base = rel.synced.clone();
     Ok(SyncReplicationResponse { snapshot: point, base, data_bytes: bytes, resumed })
 }

@@ -115,6 +115,14 @@ pub fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) ->
     r.unwrap_err().code()
 }
 
+/// A client channel to the admin API at `addr` (host:port) over mutual TLS, presenting
+/// certificate `who` from `pki` (made by [`certs`]).
+pub async fn tls_channel(addr: &str, pki: &Path, who: &str) -> Channel {
+    let (cert, key) = (pki.join(format!("{who}.pem")), pki.join(format!("{who}-key.pem")));
+    let tls = ferrite_proto::admin_tls(&pki.join("ca.pem"), Some((&cert, &key))).unwrap();
+    ferrite_proto::connect(&format!("tcp://{addr}"), Some(tls)).await.unwrap()
+}
+
 pub fn free_port(ip: &str) -> u16 {
     std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port()
 }
@@ -126,6 +134,16 @@ pub fn certs(dir: &Path, name: &str, sans: &[&str]) {
     }
     let o = Command::new(BIN).arg("certs").arg(dir).arg(name).args(sans).output().unwrap();
     assert!(o.status.success(), "ferrite certs: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// The `[roles]` of every daemon of a test cluster: the CSI driver's certificate (`csi`) is the
+/// controller, the nodes of `tcp_node` (127.0.0.2 to 127.0.0.9) replicate with each other.
+pub fn cluster_roles() -> String {
+    let mut t = String::from("[roles]\n\"csi\" = \"controller\"\n");
+    for i in 2..10 {
+        t.push_str(&format!("\"node-127-0-0-{i}\" = \"replication-peer\"\n"));
+    }
+    t
 }
 
 /// A daemon whose admin API and NBD server also listen on `ip` (a loopback address standing for
@@ -142,10 +160,11 @@ pub fn tcp_node(dir: &Path, ip: &str) -> (Daemon, SocketAddr, SocketAddr) {
     let p = |f: &str| pki.join(f).display().to_string();
     let cfg = format!(
         "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{admin}\"\nnbd-listen = \"{nbd}\"\n\
-         tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n",
+         tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{}",
         p(&format!("{name}.pem")),
         p(&format!("{name}-key.pem")),
-        p("ca.pem")
+        p("ca.pem"),
+        cluster_roles()
     );
     std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
     (Daemon::start(dir), admin, nbd)

@@ -5,6 +5,7 @@ pub mod csi;
 pub mod kube;
 pub mod nbd;
 pub mod netns;
+pub mod push;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

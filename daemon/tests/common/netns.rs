@@ -77,7 +77,8 @@ impl Hosts {
         let p = |f: &str| pki.join(f).display().to_string();
         let cfg = format!(
             "pool-size = \"2G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
-             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n",
+             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n\
+             [roles]\n\"host-0\" = \"replication-peer\"\n\"host-1\" = \"replication-peer\"\n",
             self.ip[i],
             p(&format!("{name}.pem")),
             p(&format!("{name}-key.pem")),
@@ -114,8 +115,16 @@ pub struct Lan {
 
 impl Lan {
     pub fn new(hosts: usize) -> Option<Self> {
-        let tag = format!("fl{}", std::process::id() % 100_000);
-        let subnet = 10 + std::process::id() % 200;
+        static N: AtomicU32 = AtomicU32::new(0);
+        let tag = format!("fl{}x{}", std::process::id() % 100_000, N.fetch_add(1, Ordering::Relaxed));
+        // Test processes run side by side: one at a time picks a subnet no other LAN's gateway
+        // holds here, and adds its gateway address before the next one looks.
+        let lock = std::fs::OpenOptions::new().create(true).append(true).open("/tmp/ferrite-test-lan.lock").ok()?;
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).ok()?;
+        let used = Command::new("ip").args(["-o", "-4", "addr", "show"]).output().ok()?;
+        let used = String::from_utf8_lossy(&used.stdout).into_owned();
+        let subnet =
+            (0..200).map(|i| 10 + (std::process::id() + i) % 200).find(|s| !used.contains(&format!(" 10.{s}.251.")))?;
         let net = |i: usize| format!("10.{subnet}.251.{i}");
         let lan = Self {
             ns: tag.clone(),
