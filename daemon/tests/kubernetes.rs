@@ -83,7 +83,6 @@ impl Cluster {
         cp.ok(&["apply", "--dry-run=server", "-f", &deploy().join("examples").display().to_string()]);
 
         let pki = dir.join("pki");
-        common::csi::certs(&pki, "ferrite-node", &["ferrite-node.ferrite.svc"]);
         common::csi::certs(&pki, "ferrite-controller", &[]);
         let mut daemons = Vec::new();
         for (i, node) in NODES.iter().enumerate() {
@@ -101,13 +100,15 @@ impl Cluster {
             );
             let d = dir.join(node);
             std::fs::create_dir_all(&d).unwrap();
+            // The node's own certificate, as docs/kubernetes.md issues it.
+            common::csi::certs(&pki, node, &[&lan.hosts[i], "ferrite-node.ferrite.svc"]);
             let p = |f: &str| pki.join(f).display().to_string();
             let cfg = format!(
                 "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
-                 tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\npeer-server-name = \"ferrite-node.ferrite.svc\"\n{}",
+                 tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{}",
                 lan.hosts[i],
-                p("ferrite-node.pem"),
-                p("ferrite-node-key.pem"),
+                p(&format!("{node}.pem")),
+                p(&format!("{node}-key.pem")),
                 p("ca.pem"),
                 manifest_roles()
             );
@@ -520,7 +521,7 @@ fn ferrite_on_kubernetes() {
     }
     // A node's certificate (a replication peer) may not make an operator's call.
     let pki = dir.path().join("pki");
-    let (cert, key) = (pki.join("ferrite-node.pem"), pki.join("ferrite-node-key.pem"));
+    let (cert, key) = (pki.join("node-b.pem"), pki.join("node-b-key.pem"));
     let tls = ferrite_proto::admin_tls(&pki.join("ca.pem"), Some((&cert, &key))).unwrap();
     let endpoint = format!("tcp://{}:7070", c.lan.hosts[0]);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -530,7 +531,10 @@ fn ferrite_on_kubernetes() {
         admin.scrub_pool(ferrite_proto::ferrite::v1::ScrubPoolRequest {}).await.map(drop).unwrap_err()
     });
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
-    assert!(refused.message().contains("ferrite-node.ferrite.svc"), "{refused}");
+    assert!(
+        refused.message().contains("ferrite-node.ferrite.svc") && refused.message().contains("ScrubPool"),
+        "{refused}"
+    );
     c.cp.check_alive();
     println!("KUBERNETES_TIER_OK");
 }

@@ -197,17 +197,20 @@ async fn hostile_peers_over_mutual_tls_change_nothing() {
     refused(push(&intruder, vec![begin(impostor), commit()]).await, Code::PermissionDenied, "does not name");
     // Nor may it ask the primary to push (it has no role there).
     let at_a = pair.to(0, "host-2").await;
-    let sync = ReplicaClient::new(at_a).sync(ReplicaSyncRequest { volume: "v".into() }).await;
+    let sync = ReplicaClient::new(at_a).sync(ReplicaSyncRequest { volume: "v".into(), epoch: 0 }).await;
     assert_eq!(sync.unwrap_err().code(), Code::PermissionDenied);
     // A certificate of the CA with no role: nothing at all.
     let stray = pair.to_b("stray").await;
     refused(push(&stray, vec![begin(lie.clone()), commit()]).await, Code::PermissionDenied, "no role");
     same(&pair);
 
-    // The real peer, lying: an interval past a week, a volume larger than the pool.
+    // The real peer, lying: an interval past a week, an epoch no promotions reach, a volume
+    // larger than the pool.
     let real = pair.to_b("host-0").await;
     let long = PushBegin { interval_secs: u64::MAX, snapshot: "m-long".into(), ..lie.clone() };
     refused(push(&real, vec![begin(long), commit()]).await, Code::InvalidArgument, "interval");
+    let pinned = PushBegin { epoch: u64::MAX, snapshot: "m-pin".into(), ..lie.clone() };
+    refused(push(&real, vec![begin(pinned), commit()]).await, Code::InvalidArgument, "epoch");
     let huge = PushBegin { replica: "huge".into(), base: String::new(), size: 1 << 50, end: 0, ..lie.clone() };
     refused(push(&real, vec![begin(huge), commit()]).await, Code::InvalidArgument, "at most");
     same(&pair);

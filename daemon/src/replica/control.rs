@@ -254,8 +254,21 @@ impl Replication {
         });
     }
 
+    /// The peer's replica asked for a resync: this side's data over its own. Its next push
+    /// (now, unless one runs) first makes this side's epoch at least the replica's, so the push
+    /// is not stale there. Requests coalesce: a peer that asks a thousand times starts one push.
+    pub fn resync_requested(self: &Arc<Self>, volume: &str, epoch: u64) {
+        self.live(volume, |l| l.asked_epoch = l.asked_epoch.max(epoch));
+        self.sync_soon(volume);
+    }
+
     async fn sync_locked(&self, volume: &str) -> Result<pb::SyncReplicationResponse, Status> {
-        let rel = self.relation(volume)?;
+        let mut rel = self.relation(volume)?;
+        let asked = self.live(volume, |l| std::mem::take(&mut l.asked_epoch));
+        if rel.role == Role::Primary && asked > rel.epoch {
+            rel.epoch = asked;
+            self.relations.put(rel.clone())?;
+        }
         let r = if rel.group { push_group(self, &rel).await } else { push(self, &rel).await };
         match &r {
             Ok(done) => {
@@ -332,7 +345,7 @@ impl Replication {
         }
         // The new epoch is durable before anything is writable: from here on a push from the
         // old primary is stale, whatever order its messages arrive in.
-        rel.epoch += 1;
+        rel.epoch = rel.epoch.saturating_add(1);
         self.relations.put(rel.clone())?;
         self.writable_at(&rel, &volumes, Some(at.clone())).await?;
         // Mirror snapshots past the point (an unfinished group point's) are no ancestors of
@@ -399,7 +412,8 @@ impl Replication {
         self.live(volume, |l| (l.resynced, l.error) = (false, String::new()));
         let asked = async {
             let mut c = connect(self.tls.as_ref(), &rel.peer).await?;
-            c.sync(pb::ReplicaSyncRequest { volume: rel.remote.clone() }).await.map_err(at_peer(&rel.peer))
+            let req = pb::ReplicaSyncRequest { volume: rel.remote.clone(), epoch: rel.epoch };
+            c.sync(req).await.map_err(at_peer(&rel.peer))
         }
         .await;
         if let Err(e) = asked {

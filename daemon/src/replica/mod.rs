@@ -28,6 +28,9 @@ use records::{PendingRecord, Records, Relation};
 /// The longest interval between mirror snapshots (a week); 0 means on request only.
 pub const MAX_INTERVAL_SECS: u64 = 7 * 86_400;
 
+/// The highest epoch a peer may send (a promotion a second for 30,000 years stays below it).
+pub const MAX_EPOCH: u64 = 1 << 40;
+
 /// The largest push message: a 1 MiB piece of data ([`send::PIECE`]) with its crcs, and framing.
 pub const MAX_PUSH_MESSAGE: usize = send::PIECE + (16 << 10);
 
@@ -51,6 +54,8 @@ pub struct Live {
     pub next_at: Option<Instant>,
     /// A delta arrived since the last resync request.
     pub resynced: bool,
+    /// The highest epoch a replica asked to be resynced at, not yet taken by a push.
+    pub asked_epoch: u64,
     /// Since the daemon started: data bytes pushed, transfers completed and failed.
     pub sent_bytes: u64,
     pub syncs: u64,

@@ -76,6 +76,10 @@ impl ReplicaService {
                 b.replica, b.size
             )));
         }
+        // Epochs count promotions: one far past any real count is a peer pinning the relation.
+        if b.epoch > super::MAX_EPOCH {
+            return Err(Status::invalid_argument(format!("epoch {} is past {}", b.epoch, super::MAX_EPOCH)));
+        }
         if b.end > b.size {
             return Err(Status::invalid_argument(format!("the delta ends at {} past the size {}", b.end, b.size)));
         }
@@ -194,7 +198,7 @@ impl ReplicaService {
         // A first sync creates its volume; it never takes over one that exists.
         if self.0.pool.volume_info(&b.replica).is_ok() || self.0.pending.get(&b.replica).is_some() {
             return Err(Status::already_exists(format!(
-                "volume {:?} exists here and is no replica of yours: a first sync creates its replica volume",
+                "volume {:?} already exists here and is no replica of yours: a first sync creates its replica volume",
                 b.replica
             )));
         }
@@ -298,11 +302,14 @@ impl replica_server::Replica for ReplicaService {
 
     async fn sync(&self, req: Request<ReplicaSyncRequest>) -> Result<Response<ReplicaSyncReply>, Status> {
         let caller = caller_of(&req)?;
-        let volume = req.into_inner().volume;
+        let ReplicaSyncRequest { volume, epoch } = req.into_inner();
+        if epoch > super::MAX_EPOCH {
+            return Err(Status::invalid_argument(format!("epoch {epoch} is past {}", super::MAX_EPOCH)));
+        }
         match self.0.relations.get(&volume) {
             Some(r) if r.role == Role::Primary => {
                 self.check_peer(&caller, "/ferrite.v1.Replica/Sync", &r)?;
-                self.0.sync_soon(&volume);
+                self.0.resync_requested(&volume, epoch);
                 Ok(Response::new(ReplicaSyncReply {}))
             }
             _ => Err(Status::failed_precondition(format!("volume {volume:?} is not a primary on this daemon"))),
@@ -314,6 +321,9 @@ impl replica_server::Replica for ReplicaService {
         let r = req.into_inner();
         let hub = &self.0;
         check_name("group", &r.group)?;
+        if r.epoch > super::MAX_EPOCH {
+            return Err(Status::invalid_argument(format!("epoch {} is past {}", r.epoch, super::MAX_EPOCH)));
+        }
         let lock = hub.op_lock(&r.group);
         let _g = lock.lock().await;
         let mut rel = hub
