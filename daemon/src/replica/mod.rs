@@ -1,10 +1,12 @@
 //! Asynchronous replication between daemons, snapshot-based (DESIGN.md §2, ARCHITECTURE.md
 //! "Replication"). A primary volume takes a mirror snapshot every interval and pushes what changed
 //! since the newest mirror snapshot its peer holds (`send.rs`); the peer's `Replica` service
-//! applies it to a read-only secondary, all or nothing (`receive.rs`); `control.rs` holds the
+//! applies it to a read-only secondary, all or nothing (`receive.rs`), once `admit.rs` has
+//! checked that the pushing peer may push it; `control.rs` holds the
 //! state machine (enable, demote, promote, resync, disable), the scheduler and the status. The
 //! relations and resume points live in `records.rs`. [`Replication`] is what they share.
 
+mod admit;
 pub mod control;
 pub mod receive;
 pub mod records;

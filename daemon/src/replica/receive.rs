@@ -10,7 +10,7 @@ use std::sync::Arc;
 use ferrite_engine::ErrorKind;
 use ferrite_proto::ferrite::v1::push_message::Msg;
 use ferrite_proto::ferrite::v1::{
-    GroupCommitReply, GroupCommitRequest, PushBegin, PushMessage, PushReply, ReplicaPosition, ReplicaPositionRequest,
+    GroupCommitReply, GroupCommitRequest, PushMessage, PushReply, ReplicaPosition, ReplicaPositionRequest,
     ReplicaSyncReply, ReplicaSyncRequest, replica_server,
 };
 use ferrite_replication::Piece;
@@ -18,6 +18,7 @@ use ferrite_replication::apply::Transfer;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Replication;
+use super::admit::check_name;
 use super::records::{PendingRecord, Relation, Role};
 use crate::authz::{Caller, caller_of};
 use crate::rpc::{blocking, status};
@@ -29,15 +30,6 @@ const CHECKPOINT_BYTES: u64 = 64 << 20;
 #[derive(Debug, Clone)]
 pub struct ReplicaService(pub Arc<Replication>);
 
-/// Whether a name is fit to be a volume or snapshot name a peer gives (the engine checks its
-/// own rules too; this keeps control characters and oversized names out of logs and records).
-fn check_name(what: &str, name: &str) -> Result<(), Status> {
-    if name.is_empty() || name.len() > 255 || name.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!("{what} {name:?}: 1 to 255 printable characters")));
-    }
-    Ok(())
-}
-
 impl ReplicaService {
     /// Makes what `t` applied durable and records where it resumes.
     async fn checkpoint(&self, t: Transfer, rec: &mut PendingRecord) -> Result<Transfer, Status> {
@@ -45,178 +37,6 @@ impl ReplicaService {
         rec.resume = at;
         self.0.pending.put(rec.clone())?;
         Ok(t)
-    }
-
-    /// Checks every field of a begin message that does not depend on this daemon's records.
-    fn check_begin(&self, b: &PushBegin) -> Result<(), Status> {
-        check_name("replica", &b.replica)?;
-        check_name("snapshot", &b.snapshot)?;
-        if !b.base.is_empty() {
-            check_name("base", &b.base)?;
-        }
-        if !b.group.is_empty() {
-            check_name("group", &b.group)?;
-        }
-        if b.prefix.len() > 255 || b.prefix.chars().any(char::is_control) {
-            return Err(Status::invalid_argument("the mirror-snapshot prefix is not a name"));
-        }
-        if b.interval_secs > super::MAX_INTERVAL_SECS {
-            return Err(Status::invalid_argument(format!(
-                "interval {} s: at most a week ({} s), or 0 for on request only",
-                b.interval_secs,
-                super::MAX_INTERVAL_SECS
-            )));
-        }
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-        let most = (self.0.pool.stats().size as f64 * self.0.overcommit) as u64;
-        if b.size == 0 || b.size > most {
-            return Err(Status::invalid_argument(format!(
-                "replica {:?} of {} bytes: a replica must be larger than 0 and at most {most} bytes here (the \
-                 pool's size times its overcommit cap)",
-                b.replica, b.size
-            )));
-        }
-        // Epochs count promotions: one far past any real count is a peer pinning the relation.
-        if b.epoch > super::MAX_EPOCH {
-            return Err(Status::invalid_argument(format!("epoch {} is past {}", b.epoch, super::MAX_EPOCH)));
-        }
-        if b.end > b.size {
-            return Err(Status::invalid_argument(format!("the delta ends at {} past the size {}", b.end, b.size)));
-        }
-        Ok(())
-    }
-
-    /// The relation `name` belongs to here: its own, or that of the replicated group it is a
-    /// member of.
-    fn relation_of(&self, name: &str) -> Option<Relation> {
-        self.0
-            .relations
-            .get(name)
-            .or_else(|| self.0.relations.all().into_iter().find(|r| r.group && r.members.iter().any(|m| m == name)))
-    }
-
-    /// Refuses `caller` unless it is the configured peer of `rel`.
-    fn check_peer(&self, caller: &Caller, call: &str, rel: &Relation) -> Result<(), Status> {
-        let identity = self.0.peer_identity(&rel.peer);
-        if identity.as_deref().is_some_and(|i| caller.is_peer(i)) || caller.is_operator() {
-            return Ok(());
-        }
-        let what = if rel.group { "replicated group" } else { "replicated volume" };
-        Err(self.0.policy.refuse(
-            caller,
-            call,
-            &format!(
-                "{what} {:?} here has peer {} (identity {:?})",
-                rel.volume,
-                rel.peer,
-                identity.unwrap_or_default()
-            ),
-        ))
-    }
-
-    /// Whether this daemon takes the push `b` from `caller` (the caller holds the relation's op
-    /// lock): the caller is the relation's peer, the relation is a secondary at an epoch no
-    /// higher than the push's, and a group push names a member of the group (or creates one).
-    /// A volume that is not replicated here takes only a first sync, which creates it: then the
-    /// relation it gets.
-    fn admit(&self, caller: &Caller, b: &PushBegin) -> Result<Option<Relation>, Status> {
-        const PUSH: &str = "/ferrite.v1.Replica/Push";
-        let grouped = !b.group.is_empty();
-        let key = if grouped { &b.group } else { &b.replica };
-        let Some(mut r) = self.0.relations.get(key) else {
-            return self.new_relation(caller, b).map(Some);
-        };
-        self.check_peer(caller, PUSH, &r)?;
-        if r.group != grouped {
-            let (is, not) = if r.group { ("a group", "a volume") } else { ("a volume", "a group") };
-            return Err(Status::failed_precondition(format!(
-                "{key:?} replicates as {is} here, and the push is for {not}"
-            )));
-        }
-        if r.role == Role::Primary {
-            return Err(Status::failed_precondition(format!(
-                "{key:?} is a primary on this daemon: both sides are primary (split-brain); demote one and resync it"
-            )));
-        }
-        if b.epoch < r.epoch {
-            return Err(Status::failed_precondition(format!(
-                "stale push: made under epoch {} of {key:?}, which is at epoch {} here (a promotion happened since); \
-                 the sender must be demoted and resynced",
-                b.epoch, r.epoch
-            )));
-        }
-        if grouped && !r.members.contains(&b.replica) {
-            let new_member = b.base.is_empty() && !b.resume && self.0.pool.volume_info(&b.replica).is_err();
-            if !new_member {
-                return Err(self.0.policy.refuse(
-                    caller,
-                    PUSH,
-                    &format!("volume {:?} is not a member of replicated group {key:?} here", b.replica),
-                ));
-            }
-        }
-        // A promoted replica schedules as its primary did, and carries its epoch on.
-        if r.interval_secs != b.interval_secs || r.epoch != b.epoch {
-            (r.interval_secs, r.epoch) = (b.interval_secs, b.epoch);
-            self.0.relations.put(r)?;
-        }
-        Ok(None)
-    }
-
-    /// The relation a first push makes: from an endpoint of the caller's own.
-    fn new_relation(&self, caller: &Caller, b: &PushBegin) -> Result<Relation, Status> {
-        if !b.base.is_empty() {
-            return Err(Status::failed_precondition(format!(
-                "volume {:?} is not a replica on this daemon: a push over a base needs one",
-                b.replica
-            )));
-        }
-        if b.prefix.is_empty() {
-            return Err(Status::invalid_argument("a first push names the prefix of its relation's mirror snapshots"));
-        }
-        // Whoever pushes first becomes the relation's peer: the endpoint this daemon will call
-        // back (resync, promote) must be one the caller's certificate proves it is.
-        if !caller.is_operator() {
-            let Some(identity) = self.0.peer_identity(&b.origin) else {
-                return Err(self.0.policy.refuse(
-                    caller,
-                    "/ferrite.v1.Replica/Push",
-                    &format!("origin {:?} is not a tcp:// endpoint", b.origin),
-                ));
-            };
-            if !caller.is_peer(&identity) {
-                return Err(self.0.policy.refuse(
-                    caller,
-                    "/ferrite.v1.Replica/Push",
-                    &format!(
-                        "origin {} is identity {identity:?}, which the caller's certificate does not name",
-                        b.origin
-                    ),
-                ));
-            }
-        }
-        // A first sync creates its volume; it never takes over one that exists.
-        if self.0.pool.volume_info(&b.replica).is_ok() || self.0.pending.get(&b.replica).is_some() {
-            return Err(Status::already_exists(format!(
-                "volume {:?} already exists here and is no replica of yours: a first sync creates its replica volume",
-                b.replica
-            )));
-        }
-        let key = if b.group.is_empty() { &b.replica } else { &b.group };
-        Ok(Relation {
-            volume: key.clone(),
-            role: Role::Secondary,
-            peer: b.origin.clone(),
-            remote: b.origin_volume.clone(),
-            prefix: b.prefix.clone(),
-            interval_secs: b.interval_secs,
-            handover: false,
-            synced: String::new(),
-            group: !b.group.is_empty(),
-            members: Vec::new(),
-            snapshots: Vec::new(),
-            epoch: b.epoch,
-        })
     }
 
     /// A transfer whose commit landed before the daemon could record it (a crash between the
