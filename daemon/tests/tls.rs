@@ -212,9 +212,16 @@ fn the_metrics_endpoint_takes_only_mutual_tls() {
         tls.read_to_string(&mut text)?;
         Ok(text)
     };
+    // An admin call that client-b (no role) may not make is counted.
+    let (ca, bcert, bkey) = (p("ca.pem"), p("client-b.pem"), p("client-b-key.pem"));
+    let tls = [ca.to_str().unwrap(), bcert.to_str().unwrap(), bkey.to_str().unwrap()];
+    let o = s.admin_cli(&["--tls-ca", tls[0], "--tls-cert", tls[1], "--tls-key", tls[2]], &["volume", "list"]);
+    assert!(!o.status.success());
     let (cert, key) = (p("client-a.pem"), p("client-a-key.pem"));
     let m = scrape(Some((&cert, &key))).unwrap();
     assert!(m.starts_with("HTTP/1.1 200") && m.contains("ferrite_pool_size_bytes"), "{m}");
+    let denied = "ferrite_authz_denied_total{identity=\"unconfigured\",call=\"/ferrite.v1.Admin/ListVolumes\"} 1";
+    assert!(m.contains(denied), "{m}");
     // No client certificate: the handshake (or the first read after it) fails.
     assert!(scrape(None).map_or(true, |t| !t.contains("200 OK")), "a scrape without a certificate must fail");
     // Plaintext: no HTTP answer.
