@@ -178,6 +178,19 @@ fn transmission_errors_keep_the_connection_and_the_data() {
     s.write_all(&Request { flags: 0, kind: CMD_WRITE, cookie: 42, offset: 0, length: 33 << 20 }.encode()).unwrap();
     s.write_all(&vec![7u8; 33 << 20]).unwrap();
     assert_eq!(reply(&mut s), EOVERFLOW);
+    // Flags a command does not take (unknown bits, DF without structured replies, NO_HOLE on a
+    // plain write): EINVAL, and a write so refused writes nothing. FUA goes with any command.
+    s.write_all(&Request { flags: 1 << 9, kind: CMD_WRITE, cookie: 42, offset: 0, length: 512 }.encode()).unwrap();
+    s.write_all(&[9u8; 512]).unwrap();
+    assert_eq!(reply(&mut s), EINVAL);
+    s.write_all(&Request { flags: CMD_FLAG_NO_HOLE, kind: CMD_WRITE, cookie: 42, offset: 0, length: 512 }.encode())
+        .unwrap();
+    s.write_all(&[9u8; 512]).unwrap();
+    assert_eq!(reply(&mut s), EINVAL);
+    assert_eq!(request(&mut s, CMD_READ, CMD_FLAG_DF, 0, 4096), EINVAL);
+    assert_eq!(request(&mut s, CMD_FLUSH, 0x8000, 0, 0), EINVAL);
+    assert_eq!(request(&mut s, CMD_TRIM, CMD_FLAG_REQ_ONE, 0, 4096), EINVAL);
+    assert_eq!(request(&mut s, CMD_FLUSH, CMD_FLAG_FUA, 0, 0), 0);
     // Unknown command: EINVAL. Block status without a negotiated context: EINVAL.
     assert_eq!(request(&mut s, 77, 0, 0, 0), EINVAL);
     assert_eq!(request(&mut s, CMD_BLOCK_STATUS, 0, 0, 4096), EINVAL);
