@@ -19,6 +19,27 @@ pub(super) fn check_name(what: &str, name: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// An epoch a peer sent, bounded: epochs count promotions, and one far past any real count is a
+/// peer pinning the relation.
+pub(super) fn check_epoch_bound(epoch: u64) -> Result<(), Status> {
+    if epoch > super::MAX_EPOCH {
+        return Err(Status::invalid_argument(format!("epoch {epoch} is past {}", super::MAX_EPOCH)));
+    }
+    Ok(())
+}
+
+/// Refuses a `what` made under epoch `sent` of relation `key`, which is at `here` on this side:
+/// a promotion happened since, and the sender must be demoted and resynced.
+pub(super) fn check_not_stale(what: &str, key: &str, sent: u64, here: u64) -> Result<(), Status> {
+    if sent < here {
+        return Err(Status::failed_precondition(format!(
+            "stale {what}: made under epoch {sent} of {key:?}, which is at epoch {here} here (a promotion \
+             happened since); the sender must be demoted and resynced"
+        )));
+    }
+    Ok(())
+}
+
 impl ReplicaService {
     /// Checks every field of a begin message that does not depend on this daemon's records.
     pub(super) fn check_begin(&self, b: &PushBegin) -> Result<(), Status> {
@@ -49,10 +70,7 @@ impl ReplicaService {
                 b.replica, b.size
             )));
         }
-        // Epochs count promotions: one far past any real count is a peer pinning the relation.
-        if b.epoch > super::MAX_EPOCH {
-            return Err(Status::invalid_argument(format!("epoch {} is past {}", b.epoch, super::MAX_EPOCH)));
-        }
+        check_epoch_bound(b.epoch)?;
         if b.end > b.size {
             return Err(Status::invalid_argument(format!("the delta ends at {} past the size {}", b.end, b.size)));
         }
@@ -111,13 +129,7 @@ impl ReplicaService {
                 "{key:?} is a primary on this daemon: both sides are primary (split-brain); demote one and resync it"
             )));
         }
-        if b.epoch < r.epoch {
-            return Err(Status::failed_precondition(format!(
-                "stale push: made under epoch {} of {key:?}, which is at epoch {} here (a promotion happened since); \
-                 the sender must be demoted and resynced",
-                b.epoch, r.epoch
-            )));
-        }
+        check_not_stale("push", key, b.epoch, r.epoch)?;
         if grouped && !r.members.contains(&b.replica) {
             let new_member = b.base.is_empty() && !b.resume && self.0.pool.volume_info(&b.replica).is_err();
             if !new_member {

@@ -196,8 +196,8 @@ impl Replication {
         if let Some(name) = self.tls.as_ref().and_then(|t| t.peer_name.clone()) {
             return Some(name);
         }
-        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
-        Some(host.trim_start_matches('[').trim_end_matches(']').to_owned()).filter(|h| !h.is_empty())
+        // The host as a TLS client names it when connecting there.
+        ferrite_tls::server_name(addr).ok().map(|n| n.to_str().into_owned())
     }
 
     /// Cancels an incoming transfer into `replica`, if one runs, and waits until it has stopped.

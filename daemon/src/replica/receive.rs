@@ -18,7 +18,7 @@ use ferrite_replication::apply::Transfer;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Replication;
-use super::admit::check_name;
+use super::admit::{check_epoch_bound, check_name, check_not_stale};
 use super::records::{PendingRecord, Relation, Role};
 use crate::authz::{Caller, caller_of};
 use crate::rpc::{blocking, status};
@@ -123,9 +123,7 @@ impl replica_server::Replica for ReplicaService {
     async fn sync(&self, req: Request<ReplicaSyncRequest>) -> Result<Response<ReplicaSyncReply>, Status> {
         let caller = caller_of(&req)?;
         let ReplicaSyncRequest { volume, epoch } = req.into_inner();
-        if epoch > super::MAX_EPOCH {
-            return Err(Status::invalid_argument(format!("epoch {epoch} is past {}", super::MAX_EPOCH)));
-        }
+        check_epoch_bound(epoch)?;
         match self.0.relations.get(&volume) {
             Some(r) if r.role == Role::Primary => {
                 self.check_peer(&caller, "/ferrite.v1.Replica/Sync", &r)?;
@@ -141,9 +139,7 @@ impl replica_server::Replica for ReplicaService {
         let r = req.into_inner();
         let hub = &self.0;
         check_name("group", &r.group)?;
-        if r.epoch > super::MAX_EPOCH {
-            return Err(Status::invalid_argument(format!("epoch {} is past {}", r.epoch, super::MAX_EPOCH)));
-        }
+        check_epoch_bound(r.epoch)?;
         let lock = hub.op_lock(&r.group);
         let _g = lock.lock().await;
         let mut rel = hub
@@ -152,12 +148,7 @@ impl replica_server::Replica for ReplicaService {
             .filter(|x| x.group && x.role == Role::Secondary)
             .ok_or_else(|| Status::failed_precondition(format!("{:?} is not a replicated group here", r.group)))?;
         self.check_peer(&caller, "/ferrite.v1.Replica/GroupCommit", &rel)?;
-        if r.epoch < rel.epoch {
-            return Err(Status::failed_precondition(format!(
-                "stale group commit: made under epoch {} of {:?}, which is at epoch {} here",
-                r.epoch, r.group, rel.epoch
-            )));
-        }
+        check_not_stale("group commit", &r.group, r.epoch, rel.epoch)?;
         if let Some(m) = r.members.iter().find(|m| !rel.members.contains(m)) {
             return Err(hub.policy.refuse(
                 &caller,
