@@ -21,6 +21,13 @@
 # overwrite in place; F WA shows how much): what idle cleaning (while the peers run their rows)
 # did not compact ahead. ONLY='write-' shows the write path alone.
 #
+# MODE=memory takes the store out of the way, to show what a request costs each server: Ferrite's
+# pool file and metadata on tmpfs (BENCH_DIR defaults to /dev/shm), against nbdkit's memory plugin
+# (a server that does no storage work: the ceiling for an NBD server on this machine) and qemu-nbd
+# on a raw file on the same tmpfs. Its rows are the 4 KiB ones and 128 KiB at QD1; it also prints,
+# per row, the median latency (p50, p99, p99.9 in microseconds, fio's completion latency) and
+# the server's CPU microseconds per request.
+#
 # After the rounds, Ferrite's volume (scattered by the random-write rows) is defragmented
 # (`ferrite volume defrag`) and the 128 KiB QD1 read row runs once more on all three
 # ("read-128k-qd1-c1-defrag"; the peers' files were never scattered).
@@ -29,7 +36,8 @@ cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
 SECS=${SECS:-5}
 SIZE=${SIZE:-1G}
-DIR=${BENCH_DIR:-$PWD/bench-nbd}
+MODE=${MODE:-file}
+if [ "$MODE" = memory ]; then DIR=${BENCH_DIR:-/dev/shm/ferrite-bench-nbd}; else DIR=${BENCH_DIR:-$PWD/bench-nbd}; fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ferrite/target}"
 for t in fio nbdkit qemu-nbd; do
   command -v "$t" >/dev/null || { echo "SKIPPED: $t is not installed (scripts/setup.sh installs it)"; exit 0; }
@@ -39,7 +47,6 @@ fio --enghelp 2>/dev/null | grep -qw nbd || { echo "SKIPPED: this fio has no nbd
 if [ -z "${FERRITE_BIN:-}" ]; then cargo build --workspace --locked --bin ferrite >&2; fi
 FERRITE="${FERRITE_BIN:-$CARGO_TARGET_DIR/debug/ferrite}"
 
-MODE=${MODE:-file}
 rm -rf "$DIR"; mkdir -p "$DIR"
 PIDS=()
 LOOPS=()
@@ -51,41 +58,70 @@ cleanup() {
 }
 trap cleanup EXIT
 BYTES=$(numfmt --from=iec "$SIZE")
+SERVERS=(ferrite nbdkit qemu-nbd)
+declare -A BIN=([ferrite]=$FERRITE)
+# FERRITE_BEFORE=path adds that build as a fourth server, "ferrite-before", on a pool of its own
+# made the same way: the before and after of a change in one run.
+if [ -n "${FERRITE_BEFORE:-}" ]; then SERVERS+=(ferrite-before); BIN[ferrite-before]=$FERRITE_BEFORE; fi
+loop() { # file bytes -> a loop device with direct I/O over the file, written once in full
+  fio --name=prefill --filename="$1" --size="$2" --rw=write --bs=1M --direct=1 --output=/dev/null
+  losetup --find --show --direct-io=on "$1"
+}
 if [ "$MODE" = device ]; then
-  echo "preparing three loop devices over pre-written files..." >&2
-  loop() { # file bytes -> a loop device with direct I/O over the file, written once in full
-    fio --name=prefill --filename="$1" --size="$2" --rw=write --bs=1M --direct=1 --output=/dev/null
-    losetup --find --show --direct-io=on "$1"
-  }
-  FDEV=$(loop "$DIR/ferrite.img" $(( BYTES * 2 ))); LOOPS+=("$FDEV")
+  echo "preparing loop devices over pre-written files..." >&2
   KDEV=$(loop "$DIR/nbdkit.img" "$BYTES"); LOOPS+=("$KDEV")
   QDEV=$(loop "$DIR/qemu.img" "$BYTES"); LOOPS+=("$QDEV")
-  printf 'pool-path = "%s"\n' "$FDEV" > "$DIR/ferrite.toml"
-  # The prefill left zeros: nothing to refuse.
-  "$FERRITE" pool format --config "$DIR/ferrite.toml" --data-dir "$DIR/ferrite" >&2
   KTARGET=$KDEV; QTARGET=$QDEV
+elif [ "$MODE" = memory ]; then
+  echo "preparing a $SIZE raw file on tmpfs..." >&2
+  [ "$(stat -f -c %T "$DIR")" = tmpfs ] || { echo "MODE=memory needs BENCH_DIR on tmpfs" >&2; exit 1; }
+  fio --name=prefill --filename="$DIR/raw.img" --size="$SIZE" --rw=write --bs=1M --output=/dev/null
+  QTARGET=$DIR/raw.img
 else
-  echo "preparing a $SIZE raw file and the Ferrite volume..." >&2
+  echo "preparing a $SIZE raw file..." >&2
   fio --name=prefill --filename="$DIR/raw.img" --size="$SIZE" --rw=write --bs=1M --direct=1 --output=/dev/null
-  printf 'pool-size = "%s"\n' "$(( BYTES * 8 ))" > "$DIR/ferrite.toml"
-  # Written once in full, as the peers' raw file is: no unwritten-extent conversion on first write.
-  "$FERRITE" pool format --preallocate --config "$DIR/ferrite.toml" --data-dir "$DIR/ferrite" >&2
   KTARGET=$DIR/raw.img; QTARGET=$DIR/raw.img
 fi
-"$FERRITE" daemon --config "$DIR/ferrite.toml" --data-dir "$DIR/ferrite" >"$DIR/ferrite.log" 2>&1 &
-PIDS+=($!); FPID=$!
-export FERRITE_ADMIN_SOCKET="$DIR/ferrite/admin.sock"
-for _ in $(seq 600); do "$FERRITE" pool status >/dev/null 2>&1 && break; sleep 0.1; done
-"$FERRITE" volume create v "$SIZE" >/dev/null
-"$FERRITE" export nbd v >/dev/null
-nbdkit --unix "$DIR/nbdkit.sock" -f --threads 16 file "$KTARGET" cache=none >"$DIR/nbdkit.log" 2>&1 &
-PIDS+=($!); KPID=$!
-qemu-nbd -f raw --cache=none --aio=io_uring --shared=8 --persistent -k "$DIR/qemu.sock" "$QTARGET" >"$DIR/qemu.log" 2>&1 &
-PIDS+=($!); QPID=$!
+declare -A PID URI
+start_ferrite() { # server: its pool (as MODE says), daemon, and a volume v of SIZE, exported
+  local name=$1 bin=${BIN[$1]} d=$DIR/$1
+  mkdir -p -m 700 "$d"
+  if [ "$MODE" = device ]; then
+    local dev; dev=$(loop "$DIR/$name.img" $(( BYTES * 2 ))); LOOPS+=("$dev")
+    printf 'pool-path = "%s"\n' "$dev" > "$d.toml"
+    # The prefill left zeros: nothing to refuse.
+    "$bin" pool format --config "$d.toml" --data-dir "$d" >&2
+  else
+    # Written once in full, as the peers' raw file is: no unwritten-extent conversion on first write.
+    local times=8; [ "$MODE" = memory ] && times=4
+    printf 'pool-size = "%s"\n' "$(( BYTES * times ))" > "$d.toml"
+    "$bin" pool format --preallocate --config "$d.toml" --data-dir "$d" >&2
+  fi
+  "$bin" daemon --config "$d.toml" --data-dir "$d" >"$d.log" 2>&1 &
+  PIDS+=($!); PID[$name]=$!
+  for _ in $(seq 600); do FERRITE_ADMIN_SOCKET="$d/admin.sock" "$bin" pool status >/dev/null 2>&1 && break; sleep 0.1; done
+  FERRITE_ADMIN_SOCKET="$d/admin.sock" "$bin" volume create v "$SIZE" >/dev/null
+  FERRITE_ADMIN_SOCKET="$d/admin.sock" "$bin" export nbd v >/dev/null
+  URI[$name]="nbd+unix:///v?socket=$d/nbd.sock"
+}
+ferrite_status() { FERRITE_ADMIN_SOCKET="$DIR/$1/admin.sock" "${BIN[$1]}" pool status -o json; }
+for s in "${SERVERS[@]}"; do [[ $s == ferrite* ]] && start_ferrite "$s"; done
+if [ "$MODE" = memory ]; then
+  nbdkit --unix "$DIR/nbdkit.sock" -f --threads 16 memory "$SIZE" >"$DIR/nbdkit.log" 2>&1 &
+else
+  nbdkit --unix "$DIR/nbdkit.sock" -f --threads 16 file "$KTARGET" cache=none >"$DIR/nbdkit.log" 2>&1 &
+fi
+PIDS+=($!); PID[nbdkit]=$!; URI[nbdkit]="nbd+unix:///?socket=$DIR/nbdkit.sock"
+# tmpfs has no page cache to bypass: qemu-nbd reads and writes its pages directly either way.
+QCACHE=none; [ "$MODE" = memory ] && QCACHE=writeback
+qemu-nbd -f raw --cache=$QCACHE --aio=io_uring --shared=8 --persistent -k "$DIR/qemu.sock" "$QTARGET" >"$DIR/qemu.log" 2>&1 &
+PIDS+=($!); PID[qemu-nbd]=$!; URI[qemu-nbd]="nbd+unix:///?socket=$DIR/qemu.sock"
 sleep 1
-# Fill Ferrite's volume so reads hit data, as they do on the raw file.
-fio --name=fill --ioengine=nbd --uri="nbd+unix:///v?socket=$DIR/ferrite/nbd.sock" --size="$SIZE" --rw=write \
-    --bs=1M --iodepth=4 --output=/dev/null
+# Fill Ferrite's volumes (and nbdkit's memory) so reads hit data, as they do on the raw file.
+fill() { fio --name=fill --ioengine=nbd --uri="$1" --size="$SIZE" --rw=write --bs=1M --iodepth=4 --output=/dev/null; }
+for s in "${SERVERS[@]}"; do
+  if [[ $s == ferrite* ]] || { [ "$MODE" = memory ] && [ "$s" = nbdkit ]; }; then fill "${URI[$s]}"; fi
+done
 
 cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 PARSE='
@@ -103,11 +139,14 @@ if len(sys.argv) > 6:
     client = p1["client_bytes_written"] - p0["client_bytes_written"]
     if client:
         wa = "%.2f" % ((p1["media_bytes_written"] - p0["media_bytes_written"]) / client)
-print(name, server, iops, (c1 - c0) / 100 / gib if gib else 0, wa)
+ios = j["read"]["total_ios"] + j["write"]["total_ios"]
+# Completion latency of the direction that did most of the requests, in microseconds.
+d = j["read"] if j["read"]["total_ios"] >= j["write"]["total_ios"] else j["write"]
+pct = d["clat_ns"].get("percentile", {})
+lat = [pct.get(k, 0) / 1000 for k in ("50.000000", "99.000000", "99.900000")]
+cpu_us = (c1 - c0) / 100 * 1e6 / ios if ios else 0
+print(name, server, iops, (c1 - c0) / 100 / gib if gib else 0, wa, *lat, cpu_us)
 '
-declare -A URI=([ferrite]="nbd+unix:///v?socket=$DIR/ferrite/nbd.sock" [nbdkit]="nbd+unix:///?socket=$DIR/nbdkit.sock" \
-  [qemu-nbd]="nbd+unix:///?socket=$DIR/qemu.sock")
-declare -A PID=([ferrite]=$FPID [nbdkit]=$KPID [qemu-nbd]=$QPID)
 results=$(mktemp)
 WORKLOADS="randread 4k 1 1
 randread 4k 32 1
@@ -120,6 +159,14 @@ randrw 4k 32 1
 randrw 4k 32 4
 read 128k 1 1
 write 128k 1 1"
+[ "$MODE" = memory ] && WORKLOADS="randread 4k 1 1
+randread 4k 32 1
+randread 4k 32 4
+randwrite 4k 1 1
+randwrite 4k 32 1
+randwrite 4k 32 4
+read 128k 1 1
+write 128k 1 1"
 [ "$MODE" = device ] && WORKLOADS+="
 read 128k 16 1
 write 128k 16 1
@@ -127,22 +174,22 @@ read 1m 1 1
 write 1m 1 1
 read 1m 16 1
 write 1m 16 1"
-row() { # rw bs qd conns name-suffix: one row on the three servers, appended to $results
+row() { # rw bs qd conns name-suffix: one row on every server, appended to $results
   local rw=$1 bs=$2 qd=$3 conns=$4 round=$5 suffix=${6:-}
-  servers=(ferrite nbdkit qemu-nbd)
-  for i in 0 1 2; do
-    server=${servers[$(( (i + round) % 3 ))]}
+  local n=${#SERVERS[@]}
+  for i in $(seq 0 $(( n - 1 ))); do
+    server=${SERVERS[$(( (i + round) % n ))]}
     name="$rw-$bs-qd$qd-c$conns$suffix"
     [[ "$name" =~ ${ONLY:-.} ]] || continue
     echo "round $round/$ROUNDS: $name on $server" >&2
     c0=$(cpu "${PID[$server]}")
     stats=()
-    [ "$server" = ferrite ] && stats+=("$("$FERRITE" pool status -o json)")
-    json=$(fio --name="$name" --ioengine=nbd --uri="${URI[$server]}" --size="$SIZE" --rw="$rw" --rwmixread=70 \
+    [[ $server == ferrite* ]] && stats+=("$(ferrite_status "$server")")
+    json=$(fio --name="$name" --percentile_list=50:99:99.9 --ioengine=nbd --uri="${URI[$server]}" --size="$SIZE" --rw="$rw" --rwmixread=70 \
       --bs="$bs" --iodepth=$(( qd / conns > 0 ? qd / conns : 1 )) --numjobs="$conns" --group_reporting \
       --runtime="$SECS" --time_based --randrepeat=0 --output-format=json)
     c1=$(cpu "${PID[$server]}")
-    [ "$server" = ferrite ] && stats+=("$("$FERRITE" pool status -o json)")
+    [[ $server == ferrite* ]] && stats+=("$(ferrite_status "$server")")
     python3 -c "$PARSE" "$server" "$name" "$c0" "$c1" "${stats[@]}" <<<"$json" >>"$results"
   done
 }
@@ -153,26 +200,41 @@ for round in $(seq 1 "$ROUNDS"); do
     row "$rw" "$bs" "$qd" "$conns" "$round"
   done <<<"$WORKLOADS"
 done
-echo "defragmenting Ferrite's volume..." >&2
-"$FERRITE" volume defrag v >&2
-for round in $(seq 1 "$ROUNDS"); do row read 128k 1 1 "$round" -defrag; done
-python3 - "$results" <<'PY'
+if [ "$MODE" != memory ]; then
+  echo "defragmenting Ferrite's volume..." >&2
+  for s in "${SERVERS[@]}"; do
+    [[ $s == ferrite* ]] && FERRITE_ADMIN_SOCKET="$DIR/$s/admin.sock" "${BIN[$s]}" volume defrag v >&2
+  done
+  for round in $(seq 1 "$ROUNDS"); do row read 128k 1 1 "$round" -defrag; done
+fi
+python3 - "$results" "$MODE" <<'PY'
 import sys, statistics
 rows, order = {}, []
 for line in open(sys.argv[1]):
-    name, server, iops, cpu, wa = line.split()
+    name, server, iops, cpu, wa, p50, p99, p999, cpu_us = line.split()
     if name not in order:
         order.append(name)
-    rows.setdefault((name, server), []).append((float(iops), float(cpu), float("nan" if wa == "-" else wa)))
+    rows.setdefault((name, server), []).append(
+        (float(iops), float(cpu), float("nan" if wa == "-" else wa), float(p50), float(p99), float(p999), float(cpu_us)))
 med = lambda k, i: statistics.median(v[i] for v in rows[k])
-print(f"{'workload':<22}{'ferrite':>9}{'nbdkit':>9}{'qemu-nbd':>10}{'F/best':>8}{'F/qemu':>8}"
-      "   CPU s/GiB: ferrite nbdkit qemu-nbd   F WA")
+before = any(k[1] == "ferrite-before" for k in rows)
+servers = ("ferrite", "nbdkit", "qemu-nbd") + (("ferrite-before",) if before else ())
+head = "".join(f"{s:>15}" for s in servers)
+print(f"{'workload':<22}{head}{'F/best':>8}{'F/qemu':>8}{'F/before':>10}   CPU s/GiB:" + "".join(f"{s:>15}" for s in servers) + "   F WA")
 for n in order:
-    f, k, q = (med((n, s), 0) for s in ("ferrite", "nbdkit", "qemu-nbd"))
-    cf, ck, cq = (med((n, s), 1) for s in ("ferrite", "nbdkit", "qemu-nbd"))
+    i = {s: med((n, s), 0) for s in servers}
+    c = {s: med((n, s), 1) for s in servers}
+    f, best = i["ferrite"], max(i["nbdkit"], i["qemu-nbd"])
+    ratio = f"{f / i['ferrite-before']:>9.2f}x" if before else f"{'':>10}"
     wa = med((n, "ferrite"), 2)
     was = "" if wa != wa else f"{wa:>7.2f}"  # NaN: no writes in the row
-    print(f"{n:<22}{f:>9.0f}{k:>9.0f}{q:>10.0f}{f / max(k, q):>7.2f}x{f / q:>7.2f}x"
-          f"   {cf:>8.2f} {ck:>6.2f} {cq:>8.2f} {was}")
+    print(f"{n:<22}" + "".join(f"{i[s]:>15.0f}" for s in servers) + f"{f / best:>7.2f}x{f / i['qemu-nbd']:>7.2f}x{ratio}"
+          + "            " + "".join(f"{c[s]:>15.2f}" for s in servers) + f" {was}")
+if sys.argv[2] == "memory":
+    print("\nlatency, microseconds (p50 / p99 / p99.9), and server CPU microseconds per request")
+    print(f"{'workload':<22}" + "".join(f"{s:>24}" for s in servers) + "".join(f"{'CPU ' + s:>20}" for s in servers))
+    for n in order:
+        lat = "".join(f"{med((n, s), 3):>9.1f}/{med((n, s), 4):>6.1f}/{med((n, s), 5):>7.1f}" for s in servers)
+        print(f"{n:<22}{lat}" + "".join(f"{med((n, s), 6):>20.2f}" for s in servers))
 PY
 rm -f "$results"

@@ -127,7 +127,8 @@ pub(crate) fn now_unix() -> u64 {
 fn open_backend(path: &Path, kind: BackendKind) -> Result<Arc<dyn Backend>> {
     use std::io::ErrorKind as ErrorKind2;
     let ctx = || format!("opening pool store {}", path.display());
-    if kind == BackendKind::Uring {
+    // A store in memory is read and written with plain copies (see `io::file::in_memory`).
+    if kind == BackendKind::Uring && !crate::io::in_memory(path) {
         match UringBackend::open(path) {
             Ok(b) => return Ok(Arc::new(b)),
             // The store itself cannot be opened: the fallback could not either.

@@ -146,6 +146,12 @@ impl Volume {
         self.pool().map_or(true, |inner| inner.cleaner.pace.is_on())
     }
 
+    /// Whether the pool's store is memory (see [`crate::io::Backend::in_memory`]): a read then
+    /// never waits for a device, and a server may run it where it would not block on one.
+    pub fn store_in_memory(&self) -> bool {
+        self.pool().is_ok_and(|inner| inner.ctx.backend.in_memory())
+    }
+
     /// Current size in bytes.
     pub fn size(&self) -> Result<u64> {
         self.size_in(&*self.pool()?)

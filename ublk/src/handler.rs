@@ -23,6 +23,10 @@ pub struct Request {
     pub len: u64,
 }
 
+/// Longest write the queue thread runs itself: the longest the engine takes into its open
+/// batch in memory (as the NBD event loop's inline writes).
+const MAX_INLINE_WRITE: u64 = 128 << 10;
+
 impl Request {
     /// Decodes a descriptor's `op_flags`, `start_sector` and `nr_sectors`; an operation we do not
     /// serve (WRITE_SAME, the zoned ones) is `-EOPNOTSUPP`.
@@ -42,6 +46,19 @@ impl Request {
         }
         let offset = start_sector.checked_mul(512).ok_or(-libc::EINVAL)?;
         Ok(Self { op, offset, len: u64::from(nr_sectors) << 9 })
+    }
+
+    /// Whether the request completes without waiting for the store, so that the queue thread
+    /// runs it itself rather than waking a worker (two thread hand-offs per request): a small
+    /// write without FUA while the cleaner does not pace writes (the engine copies it into its
+    /// open batch), or a read of a store in memory. Anything else may wait for a device, and
+    /// would hold up every request behind it on the queue.
+    pub fn runs_inline(&self, volume: &Volume) -> bool {
+        match self.op {
+            Op::Write { fua: false } => self.len <= MAX_INLINE_WRITE && !volume.writes_may_wait(),
+            Op::Read => volume.store_in_memory(),
+            _ => false,
+        }
     }
 
     /// Runs the request on `volume`. `buf` is the tag's I/O buffer: read data lands in it, write
@@ -99,16 +116,45 @@ mod tests {
 
     use super::*;
 
+    fn opts() -> PoolOptions {
+        PoolOptions { segment_size: 1 << 20, background_cleaner: false, ..PoolOptions::default() }
+    }
+
     fn pool() -> (tempfile::TempDir, Pool) {
         let dir = tempfile::tempdir().unwrap();
         let backend = Arc::new(MemoryBackend::new(64 << 20));
-        let opts = PoolOptions { segment_size: 1 << 20, background_cleaner: false, ..PoolOptions::default() };
-        let pool = Pool::create_on(backend, &dir.path().join("meta"), opts).unwrap();
+        let pool = Pool::create_on(backend, &dir.path().join("meta"), opts()).unwrap();
         (dir, pool)
     }
 
     fn req(op: u32, sector: u64, sectors: u32) -> Request {
         Request::decode(op, sector, sectors).unwrap()
+    }
+
+    #[test]
+    fn only_requests_that_never_wait_for_the_store_run_on_the_queue_thread() {
+        let (dir, pool) = pool();
+        pool.create_volume("v", 1 << 20).unwrap();
+        let v = pool.open_volume("v").unwrap();
+        let sectors = |bytes: u32| bytes >> 9;
+        assert!(req(sys::UBLK_IO_OP_WRITE, 0, sectors(128 << 10)).runs_inline(&v));
+        assert!(!req(sys::UBLK_IO_OP_WRITE, 0, sectors(132 << 10)).runs_inline(&v), "longer than the open batch takes");
+        assert!(!req(sys::UBLK_IO_OP_WRITE | sys::UBLK_IO_F_FUA, 0, 8).runs_inline(&v), "FUA waits for a sync");
+        for op in [sys::UBLK_IO_OP_FLUSH, sys::UBLK_IO_OP_DISCARD, sys::UBLK_IO_OP_WRITE_ZEROES] {
+            assert!(!req(op, 0, 8).runs_inline(&v), "op {op}");
+        }
+        assert!(req(sys::UBLK_IO_OP_READ, 0, 8).runs_inline(&v), "a read of a store in memory is a copy");
+        drop((v, pool));
+        // A pool file on tmpfs: found to be memory, so its reads run on the queue thread too.
+        if std::path::Path::new("/dev/shm").is_dir() {
+            let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+            let file = Pool::create(&shm.path().join("pool.img"), &dir.path().join("meta2"), 8 << 20, opts());
+            let file = file.unwrap();
+            file.create_volume("v", 1 << 20).unwrap();
+            let v = file.open_volume("v").unwrap();
+            assert!(v.store_in_memory());
+            assert!(req(sys::UBLK_IO_OP_READ, 0, 8).runs_inline(&v));
+        }
     }
 
     #[test]

@@ -1,5 +1,7 @@
-//! One ublk queue: its thread owns the queue's io_uring (libublk's model) and hands each request to
-//! a small pool of worker threads, because the engine's calls block (and concurrent writes must
+//! One ublk queue: its thread owns the queue's io_uring (libublk's model). Requests that complete
+//! without waiting for the store (small writes, which the engine copies into its open batch, and
+//! reads of a store in memory: `Request::runs_inline`) run on that thread; the others go to a
+//! small pool of worker threads, because the engine's calls block (and concurrent writes must
 //! reach the engine at once to share a log batch). Workers post completions to a list and wake the
 //! queue thread through an eventfd it polls on the same ring:
 //!
@@ -232,6 +234,16 @@ pub(crate) fn serve(qid: u16, dev: &UblkDev, volume: Volume, gate: Arc<Gate>) {
         }
         let iod = q.get_iod(tag);
         match Request::decode(iod.op_flags, iod.start_sector, iod.nr_sectors) {
+            Ok(req) if req.runs_inline(&offload.shared.volume) => {
+                let b = &bufs[usize::from(tag)];
+                // SAFETY: the tag's buffer is not lent to a worker (the kernel gives a tag out
+                // once until it is committed, and this request is not offloaded); nothing else
+                // touches it until the completion below.
+                let buf = unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr(), b.len()) };
+                let res = req.execute(&offload.shared.volume, buf);
+                gate.leave();
+                complete(q, tag, res);
+            }
             Ok(req) => {
                 let b = &bufs[usize::from(tag)];
                 offload.submit(Job { tag, req, buf: TagBuf { ptr: b.as_mut_ptr(), len: b.len() } });

@@ -17,6 +17,21 @@ pub(crate) struct BackingFile {
     pub is_device: bool,
     /// A regular file with blocks not yet allocated (see [`super::Backend::sparse`]).
     pub sparse: bool,
+    /// A file on tmpfs or ramfs: every read and write is a copy to or from memory.
+    pub in_memory: bool,
+}
+
+/// Whether `path` is a file of a filesystem held in memory (tmpfs, ramfs). Its reads and writes
+/// are memory copies, cheapest done on the spot: io_uring asks such a file for a read that
+/// cannot block, tmpfs says it cannot promise that, and the read goes to a worker thread (a
+/// wake-up and two context switches per request, measured in ARCHITECTURE.md).
+pub(crate) fn in_memory(path: &Path) -> bool {
+    const TMPFS_MAGIC: u64 = 0x0102_1994;
+    const RAMFS_MAGIC: u64 = 0x8584_58f6;
+    rustix::fs::statfs(path).is_ok_and(|s| {
+        let magic = u64::try_from(s.f_type).unwrap_or(0);
+        magic == TMPFS_MAGIC || magic == RAMFS_MAGIC
+    })
 }
 
 impl BackingFile {
@@ -44,7 +59,8 @@ impl BackingFile {
             use std::os::unix::fs::MetadataExt;
             meta.blocks() * 512 < len
         };
-        Ok(Self { file, len, direct, is_device, sparse })
+        let in_memory = !is_device && in_memory(path);
+        Ok(Self { file, len, direct, is_device, sparse, in_memory })
     }
 
     /// fdatasync.
@@ -129,8 +145,13 @@ impl Backend for SyncFileBackend {
         self.file.len
     }
 
+    /// None for a file in memory: a read there is a copy, cheaper here than on a ring.
     fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
-        Some(self.file.file.as_raw_fd())
+        (!self.file.in_memory).then(|| self.file.file.as_raw_fd())
+    }
+
+    fn in_memory(&self) -> bool {
+        self.file.in_memory
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
@@ -157,5 +178,20 @@ impl Backend for SyncFileBackend {
 
     fn sparse(&self) -> bool {
         self.file.sparse
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_memory_filesystems_count_as_memory() {
+        assert!(!in_memory(Path::new("/proc")), "procfs");
+        assert!(!in_memory(Path::new("/nonexistent/pool.img")), "a path that cannot be looked up");
+        if Path::new("/dev/shm").is_dir() {
+            let f = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
+            assert!(in_memory(f.path()), "a file on /dev/shm (tmpfs)");
+        }
     }
 }

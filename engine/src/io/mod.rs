@@ -28,6 +28,7 @@ use std::io;
 pub use aligned::AlignedBuf;
 pub use crash::{CrashBackend, CrashMode, IoCounters};
 pub use file::SyncFileBackend;
+pub(crate) use file::in_memory;
 pub use memory::MemoryBackend;
 pub use probe::probe;
 pub use uring::UringBackend;
@@ -73,9 +74,16 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
 
     /// The file descriptor reads may be issued against directly (O_DIRECT, at the same offsets),
-    /// for callers that submit them on their own io_uring; None for stores that are not a file.
+    /// for callers that submit them on their own io_uring; None for stores that are not a file,
+    /// and for a file in memory (tmpfs), whose reads are copies best done on the spot.
     fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
         None
+    }
+
+    /// True when the store is memory (tmpfs, or the in-memory backend): a read is a copy that
+    /// never waits for a device, so a caller may do it where it would not block on one.
+    fn in_memory(&self) -> bool {
+        false
     }
 
     /// Reads several ranges; backends that can keep many requests in flight override this.
