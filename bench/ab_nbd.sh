@@ -6,6 +6,7 @@
 # a round: this class of machine drifts by several times within minutes.
 #   ROUNDS=2 SECS=5 WORKLOADS="randread:32 randrw:1 write:1:128k" bench/ab_nbd.sh /tmp/old /tmp/new
 # A workload is rw:iodepth[:bs[:jobs]] (bs default 4k, jobs default 1; fio's --rw names).
+# POOL sets the pool's size (default 8G); POOL=1536M keeps the cleaner working through the rows.
 set -euo pipefail
 ROUNDS=${ROUNDS:-2}
 SECS=${SECS:-5}
@@ -31,7 +32,7 @@ for round in $(seq "$ROUNDS"); do
   for bin in "$@"; do
     echo "round $round/$ROUNDS: $bin" >&2
     rm -rf "$DIR"; mkdir -p "$DIR"
-    printf 'pool-size = "8G"\n' > "$DIR/ferrite.toml"
+    printf 'pool-size = "%s"\n' "${POOL:-8G}" > "$DIR/ferrite.toml"
     "$bin" daemon --config "$DIR/ferrite.toml" --data-dir "$DIR/data" >"$DIR/ferrite.log" 2>&1 &
     PID=$!
     export FERRITE_ADMIN_SOCKET="$DIR/data/admin.sock"
