@@ -105,7 +105,7 @@ start_ferrite() { # server: its pool (as MODE says), daemon, and a volume v of S
   URI[$name]="nbd+unix:///v?socket=$d/nbd.sock"
 }
 ferrite_status() { FERRITE_ADMIN_SOCKET="$DIR/$1/admin.sock" "${BIN[$1]}" pool status -o json; }
-for s in "${SERVERS[@]}"; do [[ $s == ferrite* ]] && start_ferrite "$s"; done
+for s in "${SERVERS[@]}"; do if [[ $s == ferrite* ]]; then start_ferrite "$s"; fi; done
 if [ "$MODE" = memory ]; then
   nbdkit --unix "$DIR/nbdkit.sock" -f --threads 16 memory "$SIZE" >"$DIR/nbdkit.log" 2>&1 &
 else
@@ -203,7 +203,7 @@ done
 if [ "$MODE" != memory ]; then
   echo "defragmenting Ferrite's volume..." >&2
   for s in "${SERVERS[@]}"; do
-    [[ $s == ferrite* ]] && FERRITE_ADMIN_SOCKET="$DIR/$s/admin.sock" "${BIN[$s]}" volume defrag v >&2
+    if [[ $s == ferrite* ]]; then FERRITE_ADMIN_SOCKET="$DIR/$s/admin.sock" "${BIN[$s]}" volume defrag v >&2; fi
   done
   for round in $(seq 1 "$ROUNDS"); do row read 128k 1 1 "$round" -defrag; done
 fi

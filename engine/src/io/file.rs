@@ -21,17 +21,20 @@ pub(crate) struct BackingFile {
     pub in_memory: bool,
 }
 
-/// Whether `path` is a file of a filesystem held in memory (tmpfs, ramfs). Its reads and writes
+/// Whether `path` is a regular file of a filesystem held in memory (tmpfs, ramfs); a device
+/// node is not, though /dev is itself a tmpfs. Its reads and writes
 /// are memory copies, cheapest done on the spot: io_uring asks such a file for a read that
 /// cannot block, tmpfs says it cannot promise that, and the read goes to a worker thread (a
 /// wake-up and two context switches per request, measured in ARCHITECTURE.md).
 pub(crate) fn in_memory(path: &Path) -> bool {
     const TMPFS_MAGIC: u64 = 0x0102_1994;
     const RAMFS_MAGIC: u64 = 0x8584_58f6;
-    rustix::fs::statfs(path).is_ok_and(|s| {
-        let magic = u64::try_from(s.f_type).unwrap_or(0);
-        magic == TMPFS_MAGIC || magic == RAMFS_MAGIC
-    })
+    let regular = std::fs::metadata(path).is_ok_and(|m| m.is_file());
+    regular
+        && rustix::fs::statfs(path).is_ok_and(|s| {
+            let magic = u64::try_from(s.f_type).unwrap_or(0);
+            magic == TMPFS_MAGIC || magic == RAMFS_MAGIC
+        })
 }
 
 impl BackingFile {
@@ -59,7 +62,7 @@ impl BackingFile {
             use std::os::unix::fs::MetadataExt;
             meta.blocks() * 512 < len
         };
-        let in_memory = !is_device && in_memory(path);
+        let in_memory = in_memory(path);
         Ok(Self { file, len, direct, is_device, sparse, in_memory })
     }
 
@@ -189,6 +192,7 @@ mod tests {
     fn only_memory_filesystems_count_as_memory() {
         assert!(!in_memory(Path::new("/proc")), "procfs");
         assert!(!in_memory(Path::new("/nonexistent/pool.img")), "a path that cannot be looked up");
+        assert!(!in_memory(Path::new("/dev/null")), "a device node on devtmpfs");
         if Path::new("/dev/shm").is_dir() {
             let f = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
             assert!(in_memory(f.path()), "a file on /dev/shm (tmpfs)");
