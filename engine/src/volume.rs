@@ -139,11 +139,11 @@ impl Volume {
         &self.name
     }
 
-    /// Whether a write may have to wait now: writes are paced against the cleaner and the
-    /// credit its work earned them is spent (or the pool is closed). A server that would hold
-    /// other requests back while a write runs asks first.
+    /// Whether a write may have to wait now: the cleaner is running and writes are paced
+    /// against it (or the pool is closed). A server that would hold other requests back while
+    /// a write runs asks first.
     pub fn writes_may_wait(&self) -> bool {
-        self.pool().map_or(true, |inner| inner.cleaner.pace.would_wait())
+        self.pool().map_or(true, |inner| inner.cleaner.pace.is_on())
     }
 
     /// Whether the pool's store is memory (see [`crate::io::Backend::in_memory`]): a read then

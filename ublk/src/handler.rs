@@ -50,8 +50,8 @@ impl Request {
 
     /// Whether the request completes without waiting for the store, so that the queue thread
     /// runs it itself rather than waking a worker (two thread hand-offs per request): a small
-    /// write without FUA while the cleaner does not pace writes (the engine copies it into its
-    /// open batch), or a read of a store in memory. Anything else may wait for a device, and
+    /// write without FUA while writes are not paced against the cleaner (the engine copies it
+    /// into its open batch), or a read of a store in memory. Anything else may wait for a device, and
     /// would hold up every request behind it on the queue.
     pub fn runs_inline(&self, volume: &Volume) -> bool {
         match self.op {
