@@ -28,9 +28,9 @@
 # per row, the median latency (p50, p99, p99.9 in microseconds, fio's completion latency) and
 # the server's CPU microseconds per request.
 #
-# After the rounds, Ferrite's volume (scattered by the random-write rows) is defragmented
-# (`ferrite volume defrag`) and the 128 KiB QD1 read row runs once more on all three
-# ("read-128k-qd1-c1-defrag"; the peers' files were never scattered).
+# After the rounds (except in MODE=memory), Ferrite's volume (scattered by the random-write
+# rows) is defragmented (`ferrite volume defrag`) and the 128 KiB QD1 read row runs once more on
+# every server ("read-128k-qd1-c1-defrag"; the peers' files were never scattered).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -159,14 +159,7 @@ randrw 4k 32 1
 randrw 4k 32 4
 read 128k 1 1
 write 128k 1 1"
-[ "$MODE" = memory ] && WORKLOADS="randread 4k 1 1
-randread 4k 32 1
-randread 4k 32 4
-randwrite 4k 1 1
-randwrite 4k 32 1
-randwrite 4k 32 4
-read 128k 1 1
-write 128k 1 1"
+[ "$MODE" = memory ] && WORKLOADS=$(grep -v '^randrw' <<<"$WORKLOADS")
 [ "$MODE" = device ] && WORKLOADS+="
 read 128k 16 1
 write 128k 16 1

@@ -51,8 +51,8 @@ impl Request {
     /// Whether the request completes without waiting for the store, so that the queue thread
     /// runs it itself rather than waking a worker (two thread hand-offs per request): a small
     /// write without FUA while writes are not paced against the cleaner (the engine copies it
-    /// into its open batch), or a read of a store in memory. Anything else may wait for a device, and
-    /// would hold up every request behind it on the queue.
+    /// into its open batch), or a read of a store in memory. Anything else may wait for a
+    /// device, and would hold up every request behind it on the queue.
     pub fn runs_inline(&self, volume: &Volume) -> bool {
         match self.op {
             Op::Write { fua: false } => self.len <= MAX_INLINE_WRITE && !volume.writes_may_wait(),
