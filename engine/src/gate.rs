@@ -2,14 +2,24 @@
 //! read-only) waits for the writes already inside. So once [`WriteGate::close`] returns, every
 //! write that will ever be acknowledged is in the log, and a snapshot taken then holds them all:
 //! what a demoted replication primary relies on for its final delta.
+//!
+//! The gate also holds the volume's [`Mirror`], if it has synchronous replicas: every handle
+//! that writes through the gate sees a mirror set or cleared at once.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+
+use parking_lot::RwLock;
+
+use crate::mirror::{Mirror, RangeLocks};
 
 #[derive(Debug, Default)]
 pub(crate) struct WriteGate {
     closed: AtomicBool,
     inside: AtomicU64,
+    mirror: RwLock<Option<Arc<dyn Mirror>>>,
+    /// Overlapping writes of a mirrored volume, one at a time.
+    pub ranges: RangeLocks,
 }
 
 /// A write inside the gate; leaving drops it.
@@ -24,7 +34,15 @@ impl Drop for Inside {
 
 impl WriteGate {
     pub fn new(closed: bool) -> Arc<Self> {
-        Arc::new(Self { closed: AtomicBool::new(closed), inside: AtomicU64::new(0) })
+        Arc::new(Self { closed: AtomicBool::new(closed), ..Self::default() })
+    }
+
+    pub fn mirror(&self) -> Option<Arc<dyn Mirror>> {
+        self.mirror.read().clone()
+    }
+
+    pub fn set_mirror(&self, mirror: Option<Arc<dyn Mirror>>) {
+        *self.mirror.write() = mirror;
     }
 
     /// Lets a write in; None while the gate is closed.

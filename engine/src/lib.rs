@@ -15,6 +15,7 @@
 //!  ctx       the shared context: store, metadata, state lock, pins, health, counters, wake-ups
 //!  state     the in-memory state and the one place a batch is applied (write path and recovery)
 //!  gate      a volume's write gate: read-only volumes, and waiting out the writes in flight
+//!  mirror    the hook for synchronous replicas: where a volume's client writes also go
 //!  qos       a volume's limits (IOPS, bandwidth; token buckets): requests over them wait
 //!  meta      RocksDB: catalog, map chunks, crc tables, checkpoint record, segment chain
 //!  map/      extent maps, layer views and chains, the segment table: pure, in memory
@@ -49,6 +50,7 @@ pub mod io;
 mod maint;
 mod map;
 mod meta;
+mod mirror;
 mod ops;
 mod pool;
 mod qos;
@@ -65,6 +67,7 @@ pub use ctx::{Discard, PoolOptions};
 pub use error::{Error, ErrorKind, Result};
 pub use maint::cleaner::CleanReport;
 pub use maint::defrag::{DefragProgress, DefragReport};
+pub use mirror::{Mirror, MirrorOp, Pending, RangeGuard, RangeLocks};
 pub use ops::group::{GroupInfo, GroupSnapshotInfo};
 pub use ops::scrub::{Damage, ScrubProgress, ScrubReport};
 pub use ops::snapshot::{Image, SnapshotInfo};

@@ -16,6 +16,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::gate::{Inside, WriteGate};
 use crate::io::BLOCK;
 use crate::map::segments::Pinned;
+use crate::mirror::MirrorOp;
 use crate::pool::Inner;
 use crate::qos::{IoKind, Qos};
 use crate::read::readahead::{Streams, note_read};
@@ -139,11 +140,11 @@ impl Volume {
         &self.name
     }
 
-    /// Whether a write may have to wait now: the cleaner is running and writes are paced
-    /// against it (or the pool is closed). A server that would hold other requests back while
-    /// a write runs asks first.
+    /// Whether a write may have to wait now: the volume is mirrored (a write waits for its
+    /// members), or the cleaner is running and writes are paced against it (or the pool is
+    /// closed). A server that would hold other requests back while a write runs asks first.
     pub fn writes_may_wait(&self) -> bool {
-        self.pool().map_or(true, |inner| inner.cleaner.pace.is_on())
+        self.is_mirrored() || self.pool().map_or(true, |inner| inner.cleaner.pace.is_on())
     }
 
     /// Whether the pool's store is memory (see [`crate::io::Backend::in_memory`]): a read then
@@ -221,16 +222,41 @@ impl Volume {
 
     /// Writes `data` at `offset`; acknowledged once in the log (not yet durable).
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.pace(IoKind::Write, data.len() as u64);
-        let _in = self.enter()?;
-        self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), false)
+        self.write_client(offset, data, false)
     }
 
     /// Writes `data` at `offset` and returns only once it is durable (FUA).
     pub fn write_fua(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.write_client(offset, data, true)
+    }
+
+    fn write_client(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.pace(IoKind::Write, data.len() as u64);
         let _in = self.enter()?;
-        self.write_in(&*self.pool()?, offset, Cow::Borrowed(data), true)
+        let inner = &*self.pool()?;
+        self.mirrored(inner, MirrorOp::Write { offset, data, fua }, || {
+            self.write_in(inner, offset, Cow::Borrowed(data), fua)
+        })
+    }
+
+    /// Runs a client request here and, for a volume with synchronous replicas, on its members
+    /// at the same time: done when both are. Overlapping requests wait for each other (see
+    /// `mirror.rs`). A member refusing the request before it is sent refuses it here too.
+    fn mirrored(&self, inner: &Inner, op: MirrorOp<'_>, local: impl FnOnce() -> Result<()>) -> Result<()> {
+        let Some((gate, mirror)) = self.gate.as_ref().and_then(|g| Some((g, g.mirror()?))) else {
+            return local();
+        };
+        let _held = match op.range() {
+            Some((offset, len)) => {
+                self.check_range(inner, offset, len)?;
+                Some(gate.ranges.lock(offset / B, (offset + len).div_ceil(B)))
+            }
+            None => None,
+        };
+        let pending = mirror.send(op)?;
+        let here = local();
+        let there = pending.wait();
+        here.and(there)
     }
 
     fn stripe(&self, inner: &Inner, lba: u64) -> usize {
@@ -334,15 +360,17 @@ impl Volume {
     /// space becomes reclaimable. Partial blocks at the edges are left as they are.
     pub fn trim(&self, offset: u64, len: u64) -> Result<()> {
         self.pace(IoKind::Write, 0);
-        let inner = self.pool()?;
+        let inner = &*self.pool()?;
         let _in = self.enter()?;
-        self.check_range(&inner, offset, len)?;
-        let start = offset.div_ceil(B);
-        let end = (offset + len) / B;
-        if end <= start {
-            return Ok(());
-        }
-        self.unmap(&inner, start, end - start)
+        self.mirrored(inner, MirrorOp::Trim { offset, len }, || {
+            self.check_range(inner, offset, len)?;
+            let start = offset.div_ceil(B);
+            let end = (offset + len) / B;
+            if end <= start {
+                return Ok(());
+            }
+            self.unmap(inner, start, end - start)
+        })
     }
 
     /// Zeroes [offset, offset+len): whole blocks are unmapped (no space used), partial edge
@@ -351,6 +379,10 @@ impl Volume {
         self.pace(IoKind::Write, 0);
         let inner = &*self.pool()?;
         let _in = self.enter()?;
+        self.mirrored(inner, MirrorOp::Zero { offset, len, fua }, || self.zero_in(inner, offset, len, fua))
+    }
+
+    fn zero_in(&self, inner: &Inner, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_range(inner, offset, len)?;
         let start = offset.div_ceil(B) * B;
         let end = (offset + len) / B * B;
@@ -420,9 +452,15 @@ impl Volume {
         Ok(runs)
     }
 
-    /// Makes every write acknowledged so far (on any volume of the pool) durable.
+    /// Makes every write acknowledged so far (on any volume of the pool) durable, and on a
+    /// mirrored volume's members every write they acknowledged.
     pub fn flush(&self) -> Result<()> {
-        let inner = self.pool()?;
-        inner.log.flush(&inner)
+        let inner = &*self.pool()?;
+        self.mirrored(inner, MirrorOp::Flush, || inner.log.flush(inner))
+    }
+
+    /// Whether client writes of this volume also go to synchronous replicas.
+    pub fn is_mirrored(&self) -> bool {
+        self.gate.as_ref().is_some_and(|g| g.mirror().is_some())
     }
 }

@@ -120,6 +120,15 @@ impl Pool {
         Ok(Volume::new(Arc::downgrade(&self.inner), Target::Volume(id), e.rec.name.clone(), limits))
     }
 
+    /// Sends every client write of volume `name` from now on to `mirror` as well (synchronous
+    /// replicas), on every handle, open or not; None stops it. Not stored: the daemon sets it
+    /// again after a restart, before it serves the volume.
+    pub fn set_mirror(&self, name: &str, mirror: Option<Arc<dyn crate::mirror::Mirror>>) -> Result<()> {
+        let st = self.inner.state.read();
+        st.volumes[&lookup(&st, name)?].gate.set_mirror(mirror);
+        Ok(())
+    }
+
     /// Makes a volume read-only for clients (their writes fail with [`ErrorKind::ReadOnly`],
     /// EROFS, on every handle, open or not) or writable again. Made read-only, it returns only
     /// once every write already admitted is acknowledged: a snapshot taken after holds every
