@@ -9,7 +9,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for dir in ["ferrite", "csi", "csi-addons"] {
         println!("cargo:rerun-if-changed={dir}");
     }
-    tonic_prost_build::configure().compile_protos(&["ferrite/v1/admin.proto", "ferrite/v1/replica.proto"], &["."])?;
+    // A mirrored write's data is sent to every member: `Bytes` shares one copy among them.
+    tonic_prost_build::configure()
+        .bytes(".ferrite.v1.MirrorWrite.data")
+        .compile_protos(&["ferrite/v1/admin.proto", "ferrite/v1/replica.proto", "ferrite/v1/mirror.proto"], &["."])?;
     // CSI and CSI-Addons: servers for `ferrite csi`, clients for its tests. The well-known types
     // (descriptor, timestamp, wrappers) come with the vendored protoc.
     // RPCs a plugin does not advertise answer UNIMPLEMENTED (default stubs), as the spec expects.

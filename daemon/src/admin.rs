@@ -30,6 +30,7 @@ pub struct AdminService {
     /// Fenced networks and the TCP clients they apply to.
     pub fences: Arc<Fences>,
     pub replication: Arc<Replication>,
+    pub sync: Arc<crate::sync::SyncHub>,
 }
 
 fn limits_msg(l: QosLimits) -> pb::VolumeLimits {
@@ -291,6 +292,12 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
+        if let Some(m) = self.sync.records.get(&name) {
+            return Err(Status::failed_precondition(format!(
+                "volume {name:?} has synchronous replicas (generation {}, primary {}): it cannot be deleted here yet",
+                m.generation, m.primary
+            )));
+        }
         if let Some(r) = self.replication.relations.get(&name) {
             return Err(Status::failed_precondition(format!(
                 "volume {name:?} is replicated ({} of {:?} on {}): disable its replication first",
@@ -442,6 +449,34 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListReplicationsResponse>, Status> {
         let replications = self.replication.list(&req.into_inner().volume)?;
         Ok(Response::new(pb::ListReplicationsResponse { replications }))
+    }
+
+    async fn add_sync_replica(
+        &self,
+        req: Request<pb::AddSyncReplicaRequest>,
+    ) -> Result<Response<pb::SyncVolume>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        require("peer", &r.peer)?;
+        self.sync.add(&r.volume, &r.peer, r.witness).await.map(Response::new)
+    }
+
+    async fn promote_sync_replica(
+        &self,
+        req: Request<pb::PromoteReplicationRequest>,
+    ) -> Result<Response<pb::SyncVolume>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        self.sync.promote(&r.volume, r.force).await.map(Response::new)
+    }
+
+    async fn list_sync_replicas(
+        &self,
+        req: Request<pb::ListReplicationsRequest>,
+    ) -> Result<Response<pb::ListSyncReplicasResponse>, Status> {
+        let v = req.into_inner().volume;
+        let volumes = self.sync.list((!v.is_empty()).then_some(v.as_str()));
+        Ok(Response::new(pb::ListSyncReplicasResponse { volumes }))
     }
 
     async fn create_group(&self, req: Request<pb::CreateGroupRequest>) -> Result<Response<pb::Group>, Status> {

@@ -297,6 +297,41 @@ pub fn print_replications(out: Output, list: &[pb::Replication]) {
     }
 }
 
+fn sync_json(v: &pb::SyncVolume) -> serde_json::Value {
+    let members: Vec<_> =
+        v.members.iter().map(|m| json!({"endpoint": m.endpoint, "state": m.state, "reason": m.reason})).collect();
+    json!({"volume": v.volume, "kind": "sync", "role": v.role, "generation": v.generation, "primary": v.primary,
+           "members": members, "refused": v.refused, "requests": v.requests,
+           "added_latency_us": v.added_latency_us})
+}
+
+/// Synchronous volumes: one row per member.
+pub fn print_sync_volumes(out: Output, list: &[pb::SyncVolume]) {
+    match out {
+        Output::Json if list.len() == 1 => println!("{}", sync_json(&list[0])),
+        Output::Json => println!("{}", serde_json::Value::Array(list.iter().map(sync_json).collect())),
+        Output::Table => {
+            let mut rows = Vec::new();
+            for v in list {
+                for m in &v.members {
+                    let state =
+                        if m.reason.is_empty() { m.state.clone() } else { format!("{} ({})", m.state, m.reason) };
+                    rows.push(vec![v.volume.clone(), v.generation.to_string(), m.endpoint.clone(), state]);
+                }
+            }
+            println!("{}", table(&["VOLUME", "GENERATION", "MEMBER", "STATE"], rows));
+            for v in list {
+                let added =
+                    if v.requests == 0 { String::new() } else { format!(", +{:.0} µs per write", v.added_latency_us) };
+                println!("{}: {} here{added}", v.volume, v.role);
+                if !v.refused.is_empty() {
+                    println!("{}: {}", v.volume, v.refused);
+                }
+            }
+        }
+    }
+}
+
 pub fn print_snapshots(out: Output, snaps: &[pb::Snapshot]) {
     match out {
         Output::Json => println!("{}", serde_json::Value::Array(snaps.iter().map(snapshot_json).collect())),

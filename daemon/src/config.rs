@@ -46,6 +46,8 @@
 //! replication-bandwidth = "100M"    # bytes per second sent to each peer; default: no limit
 //! replication-idle-timeout-s = 60   # an incoming push that sends nothing for this long is ended
 //!                                   # (its resume point kept); default 60
+//! sync-timeout-ms = 3000            # a synchronous replica that does not answer a request for
+//!                                   # this long is ejected; default 3000
 //! insecure-nbd-listen = false       # true allows nbd-listen on a non-loopback address without
 //!                                   # TLS (nbd-tls off): volume data in the clear on the network
 //!
@@ -113,6 +115,7 @@ pub struct ConfigFile {
     pub peer_server_name: Option<String>,
     pub replication_bandwidth: Option<String>,
     pub replication_idle_timeout_s: Option<u64>,
+    pub sync_timeout_ms: Option<u64>,
     pub insecure_nbd_listen: Option<bool>,
     pub roles: Option<BTreeMap<String, RoleList>>,
 }
@@ -148,6 +151,8 @@ pub struct Config {
     pub replication_bandwidth: u64,
     /// An incoming push silent this long is ended.
     pub replication_idle_timeout: Duration,
+    /// A synchronous replica that does not answer a request within this is ejected.
+    pub sync_timeout: Duration,
     /// Client certificate identities and their roles (`[roles]`).
     pub roles: Vec<(String, Vec<Role>)>,
 }
@@ -332,6 +337,13 @@ impl Config {
                     bail!("replication-idle-timeout-s must be between 1 and 3600, not {s}")
                 }
                 Some(s) => Duration::from_secs(s),
+            },
+            sync_timeout: match f.sync_timeout_ms {
+                None => Duration::from_secs(3),
+                Some(ms) if !(100..=600_000).contains(&ms) => {
+                    bail!("sync-timeout-ms must be between 100 and 600000, not {ms}")
+                }
+                Some(ms) => Duration::from_millis(ms),
             },
             roles: parse_roles(f.roles.unwrap_or_default())?,
             data_dir,

@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use ferrite_engine::{Pool, PoolOptions};
 use ferrite_nbd::{Exports, Server};
 use ferrite_proto::ferrite::v1::admin_server::AdminServer;
+use ferrite_proto::ferrite::v1::mirror_server::MirrorServer;
 use ferrite_proto::ferrite::v1::replica_server::ReplicaServer;
 use ferrite_tls::TlsAcceptor;
 use tokio::net::{TcpListener, UnixListener};
@@ -173,6 +174,11 @@ pub async fn run(cfg: Config) -> Result<()> {
         let cfg = cfg.clone();
         Arc::new(tokio::task::spawn_blocking(move || open_pool(&cfg)).await??)
     };
+    let policy = Arc::new(crate::authz::Policy::new(cfg.roles.clone()));
+    // Primaries refuse writes until their membership is re-established: set before any export
+    // or device can take a write.
+    let sync = crate::sync::SyncHub::new(Arc::clone(&pool), Arc::clone(&policy), &cfg)?;
+    sync.resume();
     let exports = Arc::new(Exports::default());
     let export_table = Arc::new(ExportTable::restore(Arc::clone(&pool), Arc::clone(&exports), &cfg.data_dir)?);
     let attachments = Arc::new(Attachments::restore(&pool, &cfg.data_dir, cfg.nbd_socket.clone(), cfg.ublk).await?);
@@ -191,8 +197,13 @@ pub async fn run(cfg: Config) -> Result<()> {
         let nbd = Arc::clone(&nbd);
         tasks.spawn(async move { nbd.serve_tcp(l).await.context("NBD TCP listener") });
     }
-    let replication =
-        crate::replica::Replication::new(Arc::clone(&pool), Arc::clone(&export_table), Arc::clone(&attachments), &cfg)?;
+    let replication = crate::replica::Replication::new(
+        Arc::clone(&pool),
+        Arc::clone(&export_table),
+        Arc::clone(&attachments),
+        &cfg,
+        Arc::clone(&policy),
+    )?;
     let listeners = crate::metrics::Listeners::default();
     if let Some(l) = metrics {
         let stats = Arc::clone(&listeners.metrics);
@@ -217,10 +228,12 @@ pub async fn run(cfg: Config) -> Result<()> {
         attachments: Arc::clone(&attachments),
         fences: Arc::clone(&fences),
         replication: Arc::clone(&replication),
+        sync: Arc::clone(&sync),
     });
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);
-    let policy = Arc::clone(&replication.policy);
+    let mirror = MirrorServer::new(crate::sync::serve::MirrorService(Arc::clone(&sync)))
+        .max_decoding_message_size(crate::sync::MAX_MESSAGE);
     tokio::spawn(Arc::clone(&replication).schedule());
     if let Some(l) = admin_tcp {
         if tls.admin.is_none() {
@@ -230,7 +243,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         }
         let clients = listen::accept(l, "admin", Arc::clone(&fences), &cfg.limits, tls.admin.clone(), listeners.admin);
         let incoming = tokio_stream::wrappers::ReceiverStream::new(clients).map(Ok::<_, std::io::Error>);
-        let (svc, replica) = (svc.clone(), replica.clone());
+        let (svc, replica, mirror) = (svc.clone(), replica.clone(), mirror.clone());
         let source = if tls.admin.is_some() { Source::Certificate } else { Source::Local };
         let authorize = Authorize::new(Arc::clone(&policy), source);
         tasks.spawn(async move {
@@ -238,6 +251,7 @@ pub async fn run(cfg: Config) -> Result<()> {
                 .layer(authorize)
                 .add_service(svc)
                 .add_service(replica)
+                .add_service(mirror)
                 .serve_with_incoming(incoming)
                 .await
                 .context("admin API TCP server")
@@ -249,6 +263,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             .layer(authorize)
             .add_service(svc)
             .add_service(replica)
+            .add_service(mirror)
             .serve_with_incoming(UnixListenerStream::new(admin_listener))
             .await
             .context("admin API server")

@@ -15,10 +15,11 @@ mod replica;
 mod rpc;
 mod size;
 mod state;
+mod sync;
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use cli::{Output, connect, rpc_error};
 use ferrite_proto::ferrite::v1 as pb;
@@ -180,6 +181,17 @@ enum VolumeCmd {
         size: u64,
         #[command(flatten)]
         limits: cli::LimitArgs,
+        /// Copies of the volume, this daemon's included: with --peer for each other one, kept
+        /// in sync on every write (`replica add --sync`).
+        #[arg(long, default_value_t = 1)]
+        replicas: usize,
+        /// A daemon holding a synchronous replica (tcp://host:port); repeatable.
+        #[arg(long = "peer")]
+        peers: Vec<String>,
+        /// A daemon voting in the volume's membership without holding data (tcp://host:port):
+        /// with two copies, one side keeps writing when the other is lost.
+        #[arg(long)]
+        witness: Option<String>,
     },
     /// Change a volume's limits online: `ferrite volume set db --iops 5000 --bw 200M` (limits
     /// not named keep their value; 0 removes one).
@@ -264,6 +276,17 @@ enum ReplicaCmd {
     },
     /// On a secondary: drop what differs from the primary and take its delta (asks it now).
     Resync { volume: String },
+    /// Add a synchronous replica (--sync: every write waits for it) or a witness (--witness:
+    /// a vote in the membership, no data) of a volume whose primary is here.
+    Add {
+        volume: String,
+        /// The member's admin endpoint, tcp://host:port (mutual TLS).
+        peer: String,
+        #[arg(long, required_unless_present = "witness")]
+        sync: bool,
+        #[arg(long, conflicts_with = "sync")]
+        witness: bool,
+    },
 }
 
 async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result<()> {
@@ -277,13 +300,37 @@ async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result
         ReplicaCmd::Disable { volume } => c.disable_replication(one(volume)).await,
         ReplicaCmd::Demote { volume } => c.demote_replication(one(volume)).await,
         ReplicaCmd::Promote { volume, force } => {
+            let req = pb::ListReplicationsRequest { volume: volume.clone() };
+            if !c.list_sync_replicas(req).await.map_err(rpc_error)?.get_ref().volumes.is_empty() {
+                let v = c.promote_sync_replica(pb::PromoteReplicationRequest { volume, force }).await;
+                cli::print_sync_volumes(out, &[v.map_err(rpc_error)?.into_inner()]);
+                return Ok(());
+            }
             c.promote_replication(pb::PromoteReplicationRequest { volume, force }).await
+        }
+        ReplicaCmd::Add { volume, peer, sync: _, witness } => {
+            let v = c.add_sync_replica(pb::AddSyncReplicaRequest { volume, peer, witness }).await;
+            cli::print_sync_volumes(out, &[v.map_err(rpc_error)?.into_inner()]);
+            return Ok(());
         }
         ReplicaCmd::Resync { volume } => c.resync_replication(one(volume)).await,
         ReplicaCmd::Status { volume } => {
             let req = pb::ListReplicationsRequest { volume: volume.unwrap_or_default() };
+            let named = !req.volume.is_empty();
+            let sync = c.list_sync_replicas(req.clone()).await.map_err(rpc_error)?.into_inner().volumes;
+            if named && !sync.is_empty() {
+                cli::print_sync_volumes(out, &sync);
+                return Ok(());
+            }
             let r = c.list_replications(req).await.map_err(rpc_error)?;
-            cli::print_replications(out, &r.get_ref().replications);
+            let replications = &r.get_ref().replications;
+            // One kind: that kind's table (or JSON); both: both tables.
+            if !sync.is_empty() {
+                cli::print_sync_volumes(out, &sync);
+            }
+            if sync.is_empty() || !replications.is_empty() {
+                cli::print_replications(out, replications);
+            }
             return Ok(());
         }
         ReplicaCmd::Sync { volume } => {
@@ -529,10 +576,26 @@ async fn client(cli: Cli) -> Result<()> {
             unreachable!("handled in main")
         }
         Cmd::Volume(v) => match v {
-            VolumeCmd::Create { name, size, limits } => {
+            VolumeCmd::Create { name, size, limits, replicas, peers, witness } => {
+                anyhow::ensure!(
+                    replicas == peers.len() + 1,
+                    "--replicas {replicas} needs {} --peer (this daemon holds one copy)",
+                    replicas.saturating_sub(1)
+                );
                 let limits = Some(limits.over(pb::VolumeLimits::default()));
-                let v = c.create_volume(pb::CreateVolumeRequest { name, size, limits }).await.map_err(rpc_error)?;
-                cli::print_volume(out, v.get_ref());
+                let req = pb::CreateVolumeRequest { name: name.clone(), size, limits };
+                let v = c.create_volume(req).await.map_err(rpc_error)?;
+                let members = peers.into_iter().map(|p| (p, false)).chain(witness.map(|w| (w, true)));
+                let mut last = None;
+                for (peer, witness) in members {
+                    let req = pb::AddSyncReplicaRequest { volume: name.clone(), peer: peer.clone(), witness };
+                    let r = c.add_sync_replica(req).await.map_err(rpc_error);
+                    last = Some(r.with_context(|| format!("volume {name} was created; adding {peer} failed"))?);
+                }
+                match last {
+                    Some(s) => cli::print_sync_volumes(out, &[s.into_inner()]),
+                    None => cli::print_volume(out, v.get_ref()),
+                }
             }
             VolumeCmd::Set { name, limits } => {
                 anyhow::ensure!(!limits.is_empty(), "name at least one limit (--iops, --bw, ... ; 0 removes one)");

@@ -1,13 +1,13 @@
 //! The role table: which roles may make each call. It is the spec: `tests` checks that every
-//! RPC of `admin.proto` and `replica.proto` has a row, so a new RPC without one fails the build's
+//! RPC of `admin.proto`, `replica.proto` and `mirror.proto` has a row, so a new RPC without one fails the build's
 //! tests, and a call without a row is refused to everyone but an operator.
 
 use super::Role::{self, Controller, ReplicationPeer};
 
 /// gRPC method paths and the roles besides `operator` (who may make every call) that may make
 /// them. `controller` holds what `ferrite csi` calls (controller and node modes, CSI-Addons);
-/// `replication-peer` the Replica service, whose handlers also check that the caller is the
-/// configured peer of the relation a call touches; `nbd-client` no call at all.
+/// `replication-peer` the Replica and Mirror services, whose handlers also check that the caller
+/// is the configured peer of the relation (or the primary of the membership) a call touches; `nbd-client` no call at all.
 pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/CreateVolume", &[Controller]),
     ("/ferrite.v1.Admin/ListVolumes", &[Controller]),
@@ -29,6 +29,9 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/PromoteReplication", &[Controller]),
     ("/ferrite.v1.Admin/ResyncReplication", &[Controller]),
     ("/ferrite.v1.Admin/ListReplications", &[Controller]),
+    ("/ferrite.v1.Admin/AddSyncReplica", &[Controller]),
+    ("/ferrite.v1.Admin/PromoteSyncReplica", &[Controller]),
+    ("/ferrite.v1.Admin/ListSyncReplicas", &[Controller]),
     ("/ferrite.v1.Admin/CreateGroup", &[Controller]),
     ("/ferrite.v1.Admin/UpdateGroup", &[Controller]),
     ("/ferrite.v1.Admin/DeleteGroup", &[Controller]),
@@ -56,6 +59,9 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Replica/Push", &[ReplicationPeer]),
     ("/ferrite.v1.Replica/Sync", &[ReplicationPeer]),
     ("/ferrite.v1.Replica/GroupCommit", &[ReplicationPeer]),
+    ("/ferrite.v1.Mirror/Stream", &[ReplicationPeer]),
+    ("/ferrite.v1.Mirror/Record", &[ReplicationPeer]),
+    ("/ferrite.v1.Mirror/Get", &[ReplicationPeer]),
 ];
 
 /// The roles besides `operator` that may call `path`; None for a path without a row.
@@ -80,6 +86,7 @@ mod tests {
     fn every_rpc_has_a_row_and_every_row_an_rpc() {
         let mut all = rpcs("Admin", include_str!("../../../proto/ferrite/v1/admin.proto"));
         all.extend(rpcs("Replica", include_str!("../../../proto/ferrite/v1/replica.proto")));
+        all.extend(rpcs("Mirror", include_str!("../../../proto/ferrite/v1/mirror.proto")));
         assert!(all.len() > 40, "the proto files were not read: {all:?}");
         for rpc in &all {
             assert!(allowed(rpc).is_some(), "{rpc} has no row in the role table");
@@ -92,7 +99,7 @@ mod tests {
     #[test]
     fn roles_are_disjoint_in_what_they_reach() {
         for (path, roles) in RULES {
-            let replica = path.starts_with("/ferrite.v1.Replica/");
+            let replica = path.starts_with("/ferrite.v1.Replica/") || path.starts_with("/ferrite.v1.Mirror/");
             assert_eq!(roles.contains(&ReplicationPeer), replica, "{path}");
             assert!(!roles.contains(&Role::NbdClient), "{path}: nbd-client has no admin access");
             assert!(!(replica && roles.contains(&Controller)), "{path}");

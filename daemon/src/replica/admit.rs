@@ -12,7 +12,7 @@ use crate::authz::Caller;
 
 /// Whether a name is fit to be a volume or snapshot name a peer gives (the engine checks its
 /// own rules too; this keeps control characters and oversized names out of logs and records).
-pub(super) fn check_name(what: &str, name: &str) -> Result<(), Status> {
+pub(crate) fn check_name(what: &str, name: &str) -> Result<(), Status> {
     if name.is_empty() || name.len() > 255 || name.chars().any(char::is_control) {
         return Err(Status::invalid_argument(format!("{what} {name:?}: 1 to 255 printable characters")));
     }

@@ -7,6 +7,7 @@
 //! relations and resume points live in `records.rs`. [`Replication`] is what they share.
 
 mod admit;
+pub(crate) use admit::check_name;
 pub mod control;
 pub mod receive;
 pub mod records;
@@ -141,6 +142,7 @@ impl Replication {
         exports: Arc<ExportTable>,
         attachments: Arc<Attachments>,
         cfg: &Config,
+        policy: Arc<Policy>,
     ) -> anyhow::Result<Arc<Self>> {
         Ok(Arc::new(Self {
             pool,
@@ -156,7 +158,7 @@ impl Replication {
             incoming: Mutex::default(),
             limiters: Mutex::default(),
             wake: Notify::new(),
-            policy: Arc::new(Policy::new(cfg.roles.clone())),
+            policy,
             idle_timeout: cfg.replication_idle_timeout,
             overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
         }))

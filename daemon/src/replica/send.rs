@@ -31,6 +31,12 @@ pub const PIECE: usize = 1 << 20;
 
 /// A client of the peer's `Replica` service (mutual TLS to a tcp:// peer).
 pub async fn connect(tls: Option<&TlsFiles>, peer: &str) -> Result<ReplicaClient<Channel>, Status> {
+    Ok(ReplicaClient::new(channel(tls, peer).await?).max_decoding_message_size(super::MAX_PUSH_MESSAGE))
+}
+
+/// A channel to a peer daemon's admin API: mutual TLS with this daemon's identity to a tcp://
+/// peer, plain to a socket path.
+pub async fn channel(tls: Option<&TlsFiles>, peer: &str) -> Result<Channel, Status> {
     let client_tls = match (peer.starts_with("tcp://"), tls) {
         (false, _) => None,
         (true, Some(TlsFiles { cert, key, client_ca: Some(ca), .. })) => Some(
@@ -44,10 +50,9 @@ pub async fn connect(tls: Option<&TlsFiles>, peer: &str) -> Result<ReplicaClient
         }
     };
     let name = tls.and_then(|t| t.peer_name.as_deref());
-    let channel = ferrite_proto::connect_as(peer, client_tls, name)
+    ferrite_proto::connect_as(peer, client_tls, name)
         .await
-        .map_err(|e| Status::unavailable(format!("connecting to peer {peer}: {e}")))?;
-    Ok(ReplicaClient::new(channel).max_decoding_message_size(super::MAX_PUSH_MESSAGE))
+        .map_err(|e| Status::unavailable(format!("connecting to peer {peer}: {e}")))
 }
 
 /// A peer's error, saying which peer.

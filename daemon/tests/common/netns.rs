@@ -162,3 +162,122 @@ impl Drop for Lan {
         let _ = ip(&["link", "del", &self.dev[0]]);
     }
 }
+
+/// Several hosts, each in its own namespace, plugged into one switch (a bridge in a namespace
+/// of its own) by a veth pair: a host's cable can be cut alone (its end down), a pair of hosts
+/// kept apart (a blackhole route on each side), and a host's link slowed (netem).
+pub struct Switch {
+    pub ns: Vec<String>,
+    pub dev: Vec<String>,
+    pub ip: Vec<String>,
+    hub: String,
+}
+
+impl Switch {
+    pub fn new(hosts: usize) -> Option<Self> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("fs{}x{n}", std::process::id() % 100_000);
+        let subnet = 10 + std::process::id() % 200;
+        let sw = Self {
+            ns: (0..hosts).map(|i| format!("{tag}h{i}")).collect(),
+            dev: (0..hosts).map(|i| format!("{tag}h{i}")).collect(),
+            ip: (0..hosts).map(|i| format!("10.{subnet}.{}.{}", 100 + n % 100, i + 1)).collect(),
+            hub: format!("{tag}sw"),
+        };
+        let made = (|| {
+            ip(&["netns", "add", &sw.hub])?;
+            ip(&["-n", &sw.hub, "link", "add", "br0", "type", "bridge"])?;
+            ip(&["-n", &sw.hub, "link", "set", "br0", "up"])?;
+            for i in 0..hosts {
+                let (ns, dev, port) = (&sw.ns[i], &sw.dev[i], format!("p{i}"));
+                ip(&["netns", "add", ns])?;
+                ip(&["-n", ns, "link", "set", "lo", "up"])?;
+                ip(&["link", "add", dev, "netns", ns, "type", "veth", "peer", "name", &port, "netns", &sw.hub])?;
+                ip(&["-n", ns, "addr", "add", &format!("{}/24", sw.ip[i]), "dev", dev])?;
+                ip(&["-n", ns, "link", "set", dev, "up"])?;
+                ip(&["-n", &sw.hub, "link", "set", &port, "master", "br0"])?;
+                ip(&["-n", &sw.hub, "link", "set", &port, "up"])?;
+            }
+            Ok::<_, String>(())
+        })();
+        match made {
+            Ok(()) => Some(sw),
+            Err(e) => {
+                drop(sw);
+                super::skip(&format!("network namespaces cannot be made here ({e})"), false);
+                None
+            }
+        }
+    }
+
+    /// Host `i`'s cable: cut (down) or back (up).
+    pub fn link(&self, i: usize, up: bool) {
+        ip(&["-n", &self.ns[i], "link", "set", &self.dev[i], if up { "up" } else { "down" }]).unwrap();
+    }
+
+    /// Keeps hosts `a` and `b` apart (each drops what it would send the other), or lets them
+    /// talk again.
+    pub fn part(&self, a: usize, b: usize, apart: bool) {
+        for (x, y) in [(a, b), (b, a)] {
+            let dst = format!("{}/32", self.ip[y]);
+            ip(&["-n", &self.ns[x], "route", if apart { "add" } else { "del" }, "blackhole", &dst]).unwrap();
+        }
+    }
+
+    /// Delays everything host `i` sends by `ms` (0: no delay).
+    pub fn delay(&self, i: usize, ms: u32) {
+        let args: Vec<String> = if ms == 0 {
+            vec!["qdisc".into(), "del".into(), "dev".into(), self.dev[i].clone(), "root".into()]
+        } else {
+            ["qdisc", "replace", "dev", &self.dev[i], "root", "netem", "delay", &format!("{ms}ms")]
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect()
+        };
+        let o = Command::new("ip").args(["netns", "exec", &self.ns[i], "tc"]).args(&args).output().unwrap();
+        assert!(o.status.success(), "tc {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+
+    /// Bytes host `i` has sent on its cable.
+    pub fn sent(&self, i: usize) -> u64 {
+        let p = format!("/sys/class/net/{}/statistics/tx_bytes", self.dev[i]);
+        let o = Command::new("ip").args(["netns", "exec", &self.ns[i], "cat", &p]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
+    }
+
+    /// A daemon on host `i`: its admin API on `<ip>:7070` with mutual TLS (one CA in
+    /// `<root>/pki`), every host a replication peer, `extra` added to its configuration.
+    pub fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon {
+        let dir = root.join(&self.ns[i]);
+        std::fs::create_dir_all(&dir).unwrap();
+        let pki = root.join("pki");
+        let name = format!("host-{i}");
+        super::csi::certs(&pki, &name, &[&self.ip[i]]);
+        let p = |f: &str| pki.join(f).display().to_string();
+        let roles: String = (0..self.ns.len()).map(|h| format!("\"host-{h}\" = \"replication-peer\"\n")).collect();
+        let cfg = format!(
+            "pool-size = \"2G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
+             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n[roles]\n{roles}",
+            self.ip[i],
+            p(&format!("{name}.pem")),
+            p(&format!("{name}-key.pem")),
+            p("ca.pem")
+        );
+        std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
+        Daemon::start_in(&dir, Some(&self.ns[i]))
+    }
+
+    /// Host `i`'s admin endpoint, as the other hosts reach it.
+    pub fn endpoint(&self, i: usize) -> String {
+        format!("tcp://{}:7070", self.ip[i])
+    }
+}
+
+impl Drop for Switch {
+    fn drop(&mut self) {
+        for ns in self.ns.iter().chain([&self.hub]) {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}

@@ -1,0 +1,395 @@
+//! What operators and the start-up do with synchronous volumes: add a member, promote a
+//! replica, step down, status, and bring primaries back after a restart.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrite_engine::Mirror;
+use ferrite_proto::ferrite::v1::{SyncMember, SyncVolume};
+use tonic::Status;
+
+use super::link::Link;
+use super::records::{Member, Membership, State, check_endpoint};
+use super::{Primary, SyncHub};
+use crate::rpc::{blocking, status};
+
+impl SyncHub {
+    /// Adds the daemon at `peer` as a member of `volume` (primary here): a witness holds the
+    /// membership only; a replica joins in sync, which needs the volume to hold no data yet
+    /// (a replica of a volume with data is brought up to date by a rebuild).
+    pub async fn add(self: &Arc<Self>, volume: &str, peer: &str, witness: bool) -> Result<SyncVolume, Status> {
+        check_endpoint(peer).map_err(Status::invalid_argument)?;
+        if check_endpoint(&self.me).is_err() {
+            return Err(Status::failed_precondition(
+                "synchronous replicas need replication-endpoint = \"tcp://host:port\" (how members reach this daemon)",
+            ));
+        }
+        if peer == self.me {
+            return Err(Status::invalid_argument(format!("{peer} is this daemon")));
+        }
+        let op = self.op_lock(volume);
+        let _op = op.lock().await;
+        let info = {
+            let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
+            blocking(move || pool.volume_info(&name)).await?
+        };
+        let primary = match (self.records.get(volume), self.primary(volume)) {
+            (Some(_), Some(p)) => p,
+            (Some(h), None) => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {volume:?} is a synchronous replica here; its primary is {}",
+                    h.primary
+                )));
+            }
+            (None, _) => {
+                if info.read_only {
+                    return Err(Status::failed_precondition(format!("volume {volume:?} is read-only here")));
+                }
+                let first = Membership {
+                    volume: volume.to_owned(),
+                    generation: 1,
+                    primary: self.me.clone(),
+                    members: vec![Member { endpoint: self.me.clone(), state: State::InSync, reason: String::new() }],
+                    size: info.size,
+                };
+                self.records.put(first.clone())?;
+                self.start_primary(first, None)
+            }
+        };
+        if let Some(why) = primary.refused() {
+            return Err(Status::unavailable(why));
+        }
+        let old = primary.record();
+        if old.member(peer).is_some() {
+            return Err(Status::already_exists(format!("{peer} is already a member of {volume:?}")));
+        }
+        // No request in flight while the member joins: it gets every request after this point,
+        // and the volume holds no data before it.
+        let p = Arc::clone(&primary);
+        let pool = Arc::clone(&self.pool);
+        let name = volume.to_owned();
+        let (guard_tx, guard_rx) = tokio::sync::oneshot::channel::<()>();
+        let (paused_tx, paused_rx) = tokio::sync::oneshot::channel::<ferrite_engine::Result<bool>>();
+        let holder = tokio::task::spawn_blocking(move || {
+            let _pause = p.pause();
+            let empty = pool.open_volume(&name).and_then(|v| {
+                let size = v.size()?;
+                Ok(v.allocation(0, size)?.iter().all(|&(_, mapped)| !mapped))
+            });
+            let _ = paused_tx.send(empty);
+            let _ = guard_rx.blocking_recv();
+        });
+        let resume = || {
+            let _ = guard_tx.send(());
+            holder
+        };
+        let empty = match paused_rx.await.map_err(|_| Status::internal("the pause ended early"))? {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = resume().await;
+                return Err(status(e));
+            }
+        };
+        if !witness && !empty {
+            let _ = resume().await;
+            return Err(Status::failed_precondition(format!(
+                "volume {volume:?} already holds data: a replica joins a volume with data by a rebuild, \
+                 which this daemon cannot do yet; add replicas when the volume is created"
+            )));
+        }
+        let _c = primary.change.lock().await;
+        let mut next = old.clone();
+        next.generation = self.next_generation(&old);
+        let state = if witness { State::Witness } else { State::InSync };
+        next.members.push(Member { endpoint: peer.to_owned(), state, reason: String::new() });
+        let r = self.propose(&old, &next).await;
+        let r = match r {
+            Ok(()) if witness => Ok(()),
+            Ok(()) => match self.open_link(&next, peer).await {
+                Ok(link) => {
+                    primary.add_link(link);
+                    Ok(())
+                }
+                Err(e) => Err(format!("{peer} took the membership but its stream did not open: {}", e.message())),
+            },
+            Err(e) => Err(e),
+        };
+        primary.adopt(if r.is_ok() { next } else { self.records.get(volume).unwrap_or(old) });
+        drop(_c);
+        let _ = resume().await;
+        r.map_err(Status::failed_precondition)?;
+        tracing::info!(volume, member = peer, witness, "synchronous member added");
+        Ok(self.view(volume).expect("just recorded"))
+    }
+
+    async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {
+        let ch = self.channel(endpoint).await?;
+        tokio::time::timeout(self.timeout, Link::open(ch, endpoint, &rec.volume, rec.generation))
+            .await
+            .map_err(|_| Status::unavailable(format!("{endpoint} did not open the stream within {:?}", self.timeout)))?
+    }
+
+    /// Serves `rec` (whose primary is this daemon) from now on: the engine sends the volume's
+    /// requests through it. Refused writes until `refused` is cleared.
+    fn start_primary(self: &Arc<Self>, rec: Membership, refused: Option<String>) -> Arc<Primary> {
+        let p = Primary::new(self, rec.clone(), refused);
+        if let Err(e) = self.pool.set_mirror(&rec.volume, Some(Arc::clone(&p) as Arc<dyn Mirror>)) {
+            tracing::error!(volume = %rec.volume, error = %e, "could not mirror the volume");
+        }
+        self.primaries.lock().expect("not poisoned").insert(rec.volume.clone(), Arc::clone(&p));
+        p
+    }
+
+    /// Opens the streams of every data member of the primary's membership; a member whose
+    /// stream does not open is ejected.
+    async fn link_all(self: &Arc<Self>, p: &Arc<Primary>) {
+        let rec = p.record();
+        let mut failed = Vec::new();
+        for m in rec.data_members() {
+            match self.open_link(&rec, &m.endpoint).await {
+                Ok(l) => p.add_link(l),
+                Err(e) => failed.push((m.endpoint.clone(), e.message().to_owned())),
+            }
+        }
+        for (m, why) in failed {
+            let _ = p.eject(&m, &format!("its stream did not open: {why}")).await;
+        }
+    }
+
+    /// This daemon is no longer the primary of `volume` (a newer generation names another):
+    /// its writes stop for good, the volume turns read-only, and it waits to be rebuilt.
+    /// Its writes are refused at once; turning the volume read-only waits for the writes inside
+    /// it, so it runs in a task of its own (a caller may be such a write, or a call its peer
+    /// gives up on).
+    pub fn step_down(&self, volume: &str, why: &str) {
+        let Some(p) = self.primaries.lock().expect("not poisoned").remove(volume) else { return };
+        p.close(&format!("volume {volume} is no longer primary here: {why}"));
+        tracing::warn!(volume, reason = why, "synchronous primary stepped down: read-only here now");
+        let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
+        drop(tokio::task::spawn_blocking(move || {
+            let r = pool.set_read_only(&name, true).and_then(|_| pool.set_mirror(&name, None));
+            if let Err(e) = r {
+                tracing::error!(volume = %name, error = %e, "stepping down");
+            }
+        }));
+    }
+
+    /// Makes this member the primary of `volume`. Without `force`: only an in-sync member of
+    /// the newest generation a majority of the members hold, and only if a majority records
+    /// the new one. With it: a stale member too, and without a majority (the operator knows the
+    /// others are gone): what that loses is logged and answered.
+    pub async fn promote(self: &Arc<Self>, volume: &str, force: bool) -> Result<SyncVolume, Status> {
+        let op = self.op_lock(volume);
+        let _op = op.lock().await;
+        let held = self
+            .records
+            .get(volume)
+            .ok_or_else(|| Status::not_found(format!("volume {volume:?} has no synchronous replica here")))?;
+        if held.primary == self.me && self.primary(volume).is_some() {
+            return Ok(self.view(volume).expect("held"));
+        }
+        match held.state_of(&self.me) {
+            Some(State::Witness) => return Err(Status::failed_precondition("a witness holds no data to promote")),
+            None => return Err(Status::failed_precondition(format!("this daemon is no member of {volume:?}"))),
+            _ => {}
+        }
+        // What the others hold: the newest generation among a majority is at least the newest
+        // one ever recorded on a majority.
+        let mut newest = held.clone();
+        let mut answered = 1;
+        for m in held.members.iter().filter(|m| m.endpoint != self.me) {
+            match self.held_at(&m.endpoint, volume).await {
+                Ok(h) => {
+                    answered += 1;
+                    if h.generation > newest.generation {
+                        newest = h;
+                    }
+                }
+                Err(e) => tracing::info!(volume, member = %m.endpoint, error = %e, "member did not answer"),
+            }
+        }
+        let mut lost = Vec::new();
+        if answered < held.majority() {
+            let why =
+                format!("only {answered} of {} members answer (a majority is {})", held.members.len(), held.majority());
+            if !force {
+                return Err(Status::unavailable(format!(
+                    "{why}: promoting now could make a second primary; promote with --force only if the others are known to be down"
+                )));
+            }
+            lost.push(why);
+        }
+        if newest.state_of(&self.me) != Some(State::InSync) {
+            let m = newest.member(&self.me);
+            let why = format!(
+                "this replica is stale: generation {} has it {} ({}); in sync: {}",
+                newest.generation,
+                m.map_or("not a member", |m| m.state.as_str()),
+                m.map_or("", |m| m.reason.as_str()),
+                newest
+                    .members
+                    .iter()
+                    .filter(|m| m.state == State::InSync)
+                    .map(|m| m.endpoint.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            if !force {
+                return Err(Status::failed_precondition(format!(
+                    "{why}. Promote an in-sync member, or --force to promote this one and lose the writes acknowledged since it was ejected"
+                )));
+            }
+            lost.push(format!("{why}: the writes acknowledged since then are lost"));
+        }
+        let mut next = newest.clone();
+        next.generation = newest.generation.max(held.generation) + 1;
+        let old_primary = next.primary.clone();
+        next.primary = self.me.clone();
+        for m in &mut next.members {
+            if m.endpoint == self.me {
+                m.state = State::InSync;
+                m.reason.clear();
+            } else if m.endpoint == old_primary {
+                m.state = State::Ejected;
+                m.reason = format!("failed over to {}", self.me);
+            } else if force && m.state == State::InSync {
+                // A forced promotion cannot know what the others hold.
+                m.state = State::Ejected;
+                m.reason = "forced promotion elsewhere".into();
+            }
+        }
+        if let Err(e) = self.propose(&newest, &next).await {
+            if !force {
+                return Err(Status::failed_precondition(format!("promotion not recorded: {e}")));
+            }
+            lost.push(e);
+            self.records.put(next.clone())?;
+        }
+        if !lost.is_empty() {
+            tracing::warn!(volume, lost = %lost.join("; "), "forced promotion");
+        }
+        let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
+        blocking(move || pool.set_read_only(&name, false)).await?;
+        let p = self.start_primary(next.clone(), None);
+        self.link_all(&p).await;
+        tracing::info!(volume, generation = next.generation, "promoted to synchronous primary");
+        let mut v = self.view(volume).expect("held");
+        v.refused = lost.join("; ");
+        Ok(v)
+    }
+
+    /// After a restart: each volume this daemon was primary of starts with writes refused, and
+    /// serves again once a majority records a new generation (or steps down if a newer one
+    /// names another primary). Replicas stay read-only. Called before exports are restored.
+    pub fn resume(self: &Arc<Self>) {
+        for rec in self.records.all() {
+            if rec.primary != self.me {
+                continue;
+            }
+            self.start_primary(rec, Some("re-establishing the volume's membership after a restart".into()));
+        }
+        let hub = Arc::clone(self);
+        tokio::spawn(async move { hub.retry_refused().await });
+    }
+
+    /// Every second: a primary that refuses writes tries again to record its membership (ejecting
+    /// the members that do not answer) on a majority.
+    async fn retry_refused(self: Arc<Self>) {
+        loop {
+            let refused: Vec<Arc<Primary>> = self
+                .primaries
+                .lock()
+                .expect("not poisoned")
+                .values()
+                .filter(|p| p.refused().is_some())
+                .cloned()
+                .collect();
+            for p in refused {
+                self.reassert(&p).await;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    async fn reassert(self: &Arc<Self>, p: &Arc<Primary>) {
+        let _c = p.change.lock().await;
+        let old = p.record();
+        let mut next = old.clone();
+        next.generation = self.next_generation(&old);
+        // Members that cannot take a stream now are ejected in the same generation.
+        let mut links = Vec::new();
+        for m in next.members.iter_mut().filter(|m| m.endpoint != self.me && m.state == State::InSync) {
+            match self.held_at(&m.endpoint, &old.volume).await {
+                Ok(_) => links.push(m.endpoint.clone()),
+                Err(e) => {
+                    m.state = State::Ejected;
+                    m.reason = e.chars().take(200).collect();
+                }
+            }
+        }
+        match self.propose(&old, &next).await {
+            Ok(()) => {
+                p.adopt(next.clone());
+                for e in links {
+                    match self.open_link(&next, &e).await {
+                        Ok(l) => p.add_link(l),
+                        Err(err) => {
+                            // Its next request ejects it; refusing again would loop.
+                            tracing::warn!(volume = %old.volume, member = %e, error = %err.message(), "stream did not open");
+                            let (p, why) = (Arc::clone(p), format!("its stream did not open: {}", err.message()));
+                            tokio::spawn(async move { p.eject(&e, &why).await });
+                        }
+                    }
+                }
+                p.refuse(None);
+                tracing::info!(volume = %old.volume, generation = next.generation, "synchronous primary takes writes");
+            }
+            Err(e) if e.contains("failed over") => self.step_down(&old.volume, &e),
+            Err(e) => {
+                p.refuse(Some(format!("volume {} refuses writes: {e}", old.volume)));
+            }
+        }
+    }
+
+    /// Every synchronous volume here (or one), as status shows it.
+    pub fn list(&self, volume: Option<&str>) -> Vec<SyncVolume> {
+        let mut names: Vec<String> = self.records.all().into_iter().map(|r| r.volume).collect();
+        names.retain(|n| volume.is_none_or(|v| v == n));
+        names.sort();
+        names.iter().filter_map(|n| self.view(n)).collect()
+    }
+
+    fn view(&self, volume: &str) -> Option<SyncVolume> {
+        let p = self.primary(volume);
+        let rec = p.as_ref().map(|p| p.record()).or_else(|| self.records.get(volume))?;
+        let role = match rec.state_of(&self.me) {
+            _ if p.is_some() => "primary",
+            Some(State::Witness) => "witness",
+            _ => "replica",
+        };
+        let (requests, waited) = p.as_ref().map_or((0, 0), |p| {
+            (
+                p.requests.load(std::sync::atomic::Ordering::Relaxed),
+                p.waited_ns.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        });
+        Some(SyncVolume {
+            volume: volume.to_owned(),
+            role: role.into(),
+            generation: rec.generation,
+            primary: rec.primary.clone(),
+            members: rec
+                .members
+                .iter()
+                .map(|m| SyncMember {
+                    endpoint: m.endpoint.clone(),
+                    state: if m.endpoint == rec.primary { "primary".into() } else { m.state.as_str().into() },
+                    reason: m.reason.clone(),
+                })
+                .collect(),
+            refused: p.as_ref().and_then(|p| p.refused()).unwrap_or_default(),
+            requests,
+            added_latency_us: if requests == 0 { 0.0 } else { waited as f64 / requests as f64 / 1000.0 },
+        })
+    }
+}

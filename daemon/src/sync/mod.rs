@@ -1,0 +1,193 @@
+//! Synchronous replicas (ARCHITECTURE.md "Synchronous replicas"): a volume's primary sends every
+//! client request to each in-sync member over a persistent mutual-TLS stream and answers the
+//! client when all of them hold it (`primary.rs`, `link.rs`, through the engine's `Mirror`
+//! hook); members apply what they receive (`serve.rs`). Every member keeps the volume's
+//! membership with its generation (`records.rs`); a change is recorded on a majority of the
+//! members before it counts, which is the rule that keeps a partition from having two primaries.
+//! `control.rs` holds adding members, promotion, status and the start-up of primaries.
+
+pub mod control;
+mod link;
+mod primary;
+pub mod records;
+pub mod serve;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferrite_engine::Pool;
+use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
+use ferrite_proto::ferrite::v1::{MembershipRequest, RecordReply};
+use tonic::Status;
+use tonic::transport::Channel;
+
+use crate::authz::Policy;
+use crate::config::{Config, TlsFiles};
+use crate::replica::records::Records;
+use crate::replica::send::{at_peer, channel};
+pub use primary::Primary;
+use records::{Membership, State};
+
+/// The largest mirrored request: an NBD request's payload (32 MiB) and framing.
+pub const MAX_MESSAGE: usize = (32 << 20) + (64 << 10);
+
+/// What synchronous replication shares, one per daemon.
+#[derive(Debug)]
+pub struct SyncHub {
+    pub pool: Arc<Pool>,
+    pub policy: Arc<Policy>,
+    tls: Option<TlsFiles>,
+    /// How members reach this daemon: its identity in memberships.
+    pub me: String,
+    pub records: Records<Membership>,
+    primaries: Mutex<HashMap<String, Arc<Primary>>>,
+    ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// A member that does not answer a request within this is ejected.
+    pub timeout: Duration,
+    pub rt: tokio::runtime::Handle,
+    overcommit: f64,
+}
+
+impl SyncHub {
+    pub fn new(pool: Arc<Pool>, policy: Arc<Policy>, cfg: &Config) -> anyhow::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            pool,
+            policy,
+            tls: cfg.tls.clone(),
+            me: cfg.replication_endpoint.clone(),
+            records: Records::load(&cfg.data_dir, "sync-members")?,
+            primaries: Mutex::default(),
+            ops: Mutex::default(),
+            timeout: cfg.sync_timeout,
+            rt: tokio::runtime::Handle::current(),
+            overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
+        }))
+    }
+
+    /// The lock that orders membership operations on `volume` here.
+    fn op_lock(&self, volume: &str) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(self.ops.lock().expect("not poisoned").entry(volume.to_owned()).or_default())
+    }
+
+    pub fn primary(&self, volume: &str) -> Option<Arc<Primary>> {
+        self.primaries.lock().expect("not poisoned").get(volume).cloned()
+    }
+
+    /// The identity a member at `endpoint` proves with its certificate (as for async peers:
+    /// `peer-server-name` where set, else the endpoint's host).
+    pub fn identity(&self, endpoint: &str) -> Option<String> {
+        let addr = endpoint.strip_prefix("tcp://")?;
+        if let Some(name) = self.tls.as_ref().and_then(|t| t.peer_name.clone()) {
+            return Some(name);
+        }
+        ferrite_tls::server_name(addr).ok().map(|n| n.to_str().into_owned())
+    }
+
+    async fn client(&self, endpoint: &str) -> Result<MirrorClient<Channel>, Status> {
+        Ok(MirrorClient::new(channel(self.tls.as_ref(), endpoint).await?))
+    }
+
+    pub async fn channel(&self, endpoint: &str) -> Result<Channel, Status> {
+        channel(self.tls.as_ref(), endpoint).await
+    }
+
+    /// The generation after `rec`'s, and after any this daemon holds (a proposal of its own that
+    /// did not win stays recorded here, and each generation is taken once).
+    pub fn next_generation(&self, rec: &Membership) -> u64 {
+        rec.generation.max(self.records.get(&rec.volume).map_or(0, |h| h.generation)) + 1
+    }
+
+    /// What the member at `endpoint` holds for `volume`, within the timeout.
+    pub async fn held_at(&self, endpoint: &str, volume: &str) -> Result<Membership, String> {
+        let call = async {
+            let mut c = self.client(endpoint).await?;
+            let r = c.get(MembershipRequest { volume: volume.to_owned() }).await.map_err(at_peer(endpoint))?;
+            Ok::<_, Status>(r.into_inner())
+        };
+        let p = match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => return Err(e.message().to_owned()),
+            Err(_) => return Err(format!("{endpoint} did not answer within {:?}", self.timeout)),
+        };
+        if p.generation == 0 {
+            return Err(format!("{endpoint} holds no membership of {volume}"));
+        }
+        Membership::from_proto(&p).map_err(|e| format!("{endpoint} answered a bad membership: {e}"))
+    }
+
+    /// Records `next` on the members of `old` and `next` (here first): Ok once a majority of
+    /// each stored it, which makes it the volume's membership. A member holding a newer
+    /// generation under another primary means this daemon was failed over: the error says so.
+    pub async fn propose(self: &Arc<Self>, old: &Membership, next: &Membership) -> Result<(), String> {
+        let mut stored: Vec<String> = Vec::new();
+        let mut failures: Vec<String> = Vec::new();
+        let here = self.records.get(&next.volume);
+        if here.as_ref().is_some_and(|h| h.generation >= next.generation && h != next) {
+            failures.push(format!("this daemon already holds generation {}", here.map_or(0, |h| h.generation)));
+        } else if let Err(e) = self.records.put(next.clone()) {
+            failures.push(format!("storing it here: {}", e.message()));
+        } else {
+            stored.push(self.me.clone());
+        }
+        let mut others: Vec<&str> =
+            old.members.iter().chain(&next.members).map(|m| m.endpoint.as_str()).filter(|e| *e != self.me).collect();
+        others.sort_unstable();
+        others.dedup();
+        let mut calls = tokio::task::JoinSet::new();
+        for e in others {
+            let (hub, e, rec) = (Arc::clone(self), e.to_owned(), next.to_proto());
+            calls.spawn(async move {
+                let call = async {
+                    let mut c = hub.client(&e).await?;
+                    Ok::<RecordReply, Status>(c.record(rec).await.map_err(at_peer(&e))?.into_inner())
+                };
+                let r = tokio::time::timeout(hub.timeout, call).await;
+                (e, r)
+            });
+        }
+        let mut newer: Option<Membership> = None;
+        while let Some(Ok((e, r))) = calls.join_next().await {
+            match r {
+                Ok(Ok(RecordReply { stored: true, .. })) => stored.push(e),
+                Ok(Ok(RecordReply { held, .. })) => {
+                    let held = held.and_then(|h| Membership::from_proto(&h).ok());
+                    let g = held.as_ref().map_or(0, |h| h.generation);
+                    failures.push(format!("{e} holds generation {g}"));
+                    // Another primary there, with a generation this one does not outrank or
+                    // one that ejected this daemon: it was failed over.
+                    let over = |h: &Membership| {
+                        h.primary != self.me
+                            && h.generation > old.generation
+                            && (h.generation >= next.generation || h.state_of(&self.me) != Some(State::InSync))
+                    };
+                    if let Some(h) = held.filter(over) {
+                        newer = Some(h);
+                    }
+                }
+                Ok(Err(s)) => failures.push(s.message().to_owned()),
+                Err(_) => failures.push(format!("{e} did not answer within {:?}", self.timeout)),
+            }
+        }
+        let count = |m: &Membership| m.members.iter().filter(|x| stored.contains(&x.endpoint)).count();
+        let (in_old, in_next) = (count(old), count(next));
+        if in_old >= old.majority() && in_next >= next.majority() {
+            return Ok(());
+        }
+        if let Some(h) = newer {
+            let why =
+                format!("this daemon was failed over: generation {} names {} the primary", h.generation, h.primary);
+            // This daemon's own proposal did not win (no majority): the winner's membership is
+            // what it holds from now on.
+            let _ = self.records.put(h);
+            return Err(why);
+        }
+        Err(format!(
+            "generation {} was recorded on {in_next} of {} members (a majority is {}): {}",
+            next.generation,
+            next.members.len(),
+            next.majority(),
+            failures.join("; ")
+        ))
+    }
+}

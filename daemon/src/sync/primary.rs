@@ -1,0 +1,237 @@
+//! A volume's primary: the engine's [`Mirror`] for it. Each client request goes to every data
+//! member's stream and is answered when all of them acknowledged it. A member that fails or
+//! does not answer within the timeout is ejected: the next generation, without it, is recorded
+//! on a majority of the members before the request (or any later one) is acknowledged. Without
+//! a majority the primary refuses writes from then on, saying why, until one answers again.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use ferrite_engine::{Error, ErrorKind, Mirror, MirrorOp, Pending};
+use ferrite_proto::ferrite::v1::mirror_message::Op;
+use ferrite_proto::ferrite::v1::{MirrorFlush, MirrorMessage, MirrorTrim, MirrorWrite, MirrorZero};
+use prost::bytes::Bytes;
+
+use super::SyncHub;
+use super::link::{Acks, Link};
+use super::records::{Membership, State};
+
+#[derive(Debug)]
+pub struct Primary {
+    pub volume: String,
+    hub: Weak<SyncHub>,
+    me: Weak<Primary>,
+    /// The membership as last recorded on a majority.
+    pub record: Mutex<Membership>,
+    links: Mutex<Vec<Arc<Link>>>,
+    /// Why writes are refused now; None while they are taken.
+    refused: Mutex<Option<String>>,
+    seq: AtomicU64,
+    /// One membership change at a time.
+    pub change: tokio::sync::Mutex<()>,
+    /// Requests sent and not yet answered to the client, and a pause that holds new ones back
+    /// (a member joins between two requests).
+    inflight: Mutex<u64>,
+    idle: Condvar,
+    paused: AtomicBool,
+    timeout: Duration,
+    pub requests: AtomicU64,
+    pub waited_ns: AtomicU64,
+}
+
+impl Primary {
+    pub fn new(hub: &Arc<SyncHub>, record: Membership, refused: Option<String>) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            volume: record.volume.clone(),
+            hub: Arc::downgrade(hub),
+            me: me.clone(),
+            record: Mutex::new(record),
+            links: Mutex::default(),
+            refused: Mutex::new(refused),
+            seq: AtomicU64::new(1),
+            change: tokio::sync::Mutex::new(()),
+            inflight: Mutex::new(0),
+            idle: Condvar::new(),
+            paused: AtomicBool::new(false),
+            timeout: hub.timeout,
+            requests: AtomicU64::new(0),
+            waited_ns: AtomicU64::new(0),
+        })
+    }
+
+    pub fn record(&self) -> Membership {
+        self.record.lock().expect("not poisoned").clone()
+    }
+
+    pub fn refused(&self) -> Option<String> {
+        self.refused.lock().expect("not poisoned").clone()
+    }
+
+    pub fn refuse(&self, why: Option<String>) {
+        *self.refused.lock().expect("not poisoned") = why;
+    }
+
+    pub fn add_link(&self, link: Arc<Link>) {
+        self.links.lock().expect("not poisoned").push(link);
+    }
+
+    /// Makes `next` the membership (it is recorded on a majority): streams of members that no
+    /// longer get writes end.
+    pub fn adopt(&self, next: Membership) {
+        let keep: Vec<String> = next.data_members().map(|m| m.endpoint.clone()).collect();
+        *self.record.lock().expect("not poisoned") = next;
+        self.links.lock().expect("not poisoned").retain(|l| {
+            let stays = keep.contains(&l.endpoint);
+            if !stays {
+                l.end("the member was ejected");
+            }
+            stays
+        });
+    }
+
+    /// Ends every stream (the volume stepped down or stops being mirrored).
+    pub fn close(&self, why: &str) {
+        self.refuse(Some(why.to_owned()));
+        for l in self.links.lock().expect("not poisoned").drain(..) {
+            l.end(why);
+        }
+    }
+
+    /// Holds new requests back and waits until none is in flight; they go on when the guard
+    /// drops. Blocking: call it on the blocking pool.
+    pub fn pause(&self) -> PauseGuard<'_> {
+        self.paused.store(true, Ordering::SeqCst);
+        let mut n = self.inflight.lock().expect("not poisoned");
+        while *n > 0 {
+            n = self.idle.wait(n).expect("not poisoned");
+        }
+        PauseGuard(self)
+    }
+
+    /// Ejects `member` (it failed a request, or did not answer it in time): records the next
+    /// generation without it on a majority. Ok once it is out of the writes (here or by another
+    /// request's ejection); an error (and writes refused from now on) without a majority.
+    pub async fn eject(&self, member: &str, why: &str) -> Result<(), String> {
+        let _c = self.change.lock().await;
+        if let Some(r) = self.refused() {
+            return Err(r);
+        }
+        let mut next = self.record();
+        match next.member_mut(member) {
+            Some(m) if m.state == State::InSync || m.state == State::Rebuilding => {
+                m.state = State::Ejected;
+                m.reason = why.chars().take(200).collect();
+            }
+            _ => return Ok(()),
+        }
+        let hub = self.hub.upgrade().ok_or_else(|| "the daemon is stopping".to_owned())?;
+        next.generation = hub.next_generation(&next);
+        tracing::warn!(volume = %self.volume, %member, reason = why, generation = next.generation,
+            "ejecting a synchronous replica");
+        let old = self.record();
+        match hub.propose(&old, &next).await {
+            Ok(()) => {
+                self.adopt(next);
+                Ok(())
+            }
+            Err(e) => {
+                if e.contains("failed over") {
+                    hub.step_down(&self.volume, &e);
+                }
+                let why = format!("volume {} refuses writes: ejecting {member} failed: {e}", self.volume);
+                tracing::error!(volume = %self.volume, "{why}");
+                self.refuse(Some(why.clone()));
+                Err(why)
+            }
+        }
+    }
+
+    fn message(&self, op: MirrorOp<'_>) -> MirrorMessage {
+        let op = match op {
+            // Zero data (NBD's NO_HOLE zeroing comes as such writes) crosses as a range.
+            MirrorOp::Write { offset, data, fua } if data.iter().all(|&b| b == 0) => {
+                Op::Zero(MirrorZero { offset, length: data.len() as u64, fua, allocate: true })
+            }
+            MirrorOp::Write { offset, data, fua } => {
+                Op::Write(MirrorWrite { offset, data: Bytes::copy_from_slice(data), fua, crc: crc32c::crc32c(data) })
+            }
+            MirrorOp::Trim { offset, len } => Op::Trim(MirrorTrim { offset, length: len }),
+            MirrorOp::Zero { offset, len, fua } => Op::Zero(MirrorZero { offset, length: len, fua, allocate: false }),
+            MirrorOp::Flush => Op::Flush(MirrorFlush {}),
+        };
+        MirrorMessage { seq: self.seq.fetch_add(1, Ordering::Relaxed), op: Some(op) }
+    }
+}
+
+/// New requests wait while this lives.
+pub struct PauseGuard<'a>(&'a Primary);
+
+impl Drop for PauseGuard<'_> {
+    fn drop(&mut self) {
+        let _n = self.0.inflight.lock().expect("not poisoned");
+        self.0.paused.store(false, Ordering::SeqCst);
+        self.0.idle.notify_all();
+    }
+}
+
+impl Mirror for Primary {
+    fn send(&self, op: MirrorOp<'_>) -> ferrite_engine::Result<Box<dyn Pending>> {
+        {
+            let mut n = self.inflight.lock().expect("not poisoned");
+            while self.paused.load(Ordering::SeqCst) {
+                n = self.idle.wait(n).expect("not poisoned");
+            }
+            *n += 1;
+        }
+        let mut waiting = Waiting {
+            primary: self.me.upgrade().expect("a primary in use is alive"),
+            acks: Acks::new(Vec::new()),
+            sent: Instant::now(),
+        };
+        if let Some(why) = self.refused() {
+            return Err(Error::new(ErrorKind::Io, why));
+        }
+        let links = self.links.lock().expect("not poisoned").clone();
+        let acks = Acks::new(links.iter().map(|l| l.endpoint.clone()).collect());
+        let msg = self.message(op);
+        for l in &links {
+            l.send(msg.clone(), &acks);
+        }
+        waiting.acks = acks;
+        Ok(Box::new(waiting))
+    }
+}
+
+/// A request sent to the members.
+struct Waiting {
+    primary: Arc<Primary>,
+    acks: Arc<Acks>,
+    sent: Instant,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let mut n = self.primary.inflight.lock().expect("not poisoned");
+        *n -= 1;
+        if *n == 0 {
+            self.primary.idle.notify_all();
+        }
+    }
+}
+
+impl Pending for Waiting {
+    fn wait(self: Box<Self>) -> ferrite_engine::Result<()> {
+        let p = &self.primary;
+        let started = Instant::now();
+        let bad = self.acks.wait_until(self.sent + p.timeout);
+        for (member, why) in bad {
+            let hub = p.hub.upgrade().ok_or_else(|| Error::new(ErrorKind::Closed, "the daemon is stopping"))?;
+            hub.rt.block_on(p.eject(&member, &why)).map_err(|e| Error::new(ErrorKind::Io, e))?;
+        }
+        p.requests.fetch_add(1, Ordering::Relaxed);
+        let waited = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        p.waited_ns.fetch_add(waited, Ordering::Relaxed);
+        Ok(())
+    }
+}

@@ -1,0 +1,282 @@
+//! Synchronous replicas between hosts: daemons in network namespaces this test makes, plugged
+//! into one switch, over the real mutual-TLS streams. Every write reaches every in-sync copy
+//! (trims and zeroes as such, not as zero data on the wire), a killed replica is ejected and
+//! writes go on, a partition never leaves two sides writing (majority of the members, a witness
+//! for two copies), a killed primary loses no acknowledged flushed write once an in-sync replica
+//! is promoted, a stale replica is refused promotion, and a member refuses what a peer may not do.
+
+#![allow(clippy::cast_possible_truncation)] // test sizes are small
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+use common::nbd::{connect, read_image, request, write_on};
+use common::netns::Switch;
+use ferrite_nbd::proto::{CMD_FLAG_FUA, CMD_FLUSH, CMD_WRITE};
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// Short, so ejections in the tests take about a second.
+const TIMEOUT: &str = "sync-timeout-ms = 1000";
+
+fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(secs), "{what} did not happen within {secs} s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn status(d: &Daemon, volume: &str) -> Value {
+    d.json(&["replica", "status", volume])
+}
+
+/// The state of `member` in `d`'s view of `volume`.
+fn state_of(d: &Daemon, volume: &str, member: &str) -> String {
+    let s = status(d, volume);
+    let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"] == member).cloned();
+    m.map_or("none".into(), |m| m["state"].as_str().unwrap().to_owned())
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn fio(d: &Daemon, volume: &str, args: &[&str]) -> std::process::Child {
+    d.ok(&["export", "nbd", volume]);
+    Command::new("fio")
+        .args(["--name=w", "--ioengine=nbd", "--output=/dev/null"])
+        .arg(format!("--uri=nbd+unix:///{volume}?socket={}", d.nbd().display()))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn qemu_io(d: &Daemon, volume: &str, cmds: &[&str]) {
+    d.ok(&["export", "nbd", volume]);
+    let mut c = Command::new("qemu-io");
+    c.args(["-f", "raw"]);
+    for cmd in cmds {
+        c.args(["-c", cmd]);
+    }
+    let o = c.arg(d.qemu_uri(volume)).output().unwrap();
+    assert!(o.status.success(), "qemu-io {cmds:?}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+fn cluster(n: usize, root: &std::path::Path, extra: &str) -> Option<(Switch, Vec<Daemon>)> {
+    if !common::have("fio") || !common::have("qemu-io") {
+        return None;
+    }
+    let sw = Switch::new(n)?;
+    let d = (0..n).map(|i| sw.daemon(i, root, extra)).collect();
+    Some((sw, d))
+}
+
+#[test]
+fn every_write_reaches_every_copy_and_a_killed_replica_is_ejected() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, mut d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let (e0, e1, e2) = (sw.endpoint(0), sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "v", "64M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
+    let s = status(&d[0], "v");
+    assert_eq!(s["role"], "primary");
+    assert_eq!(s["generation"], 3, "{s}");
+    for (e, want) in [(&e0, "primary"), (&e1, "in-sync"), (&e2, "in-sync")] {
+        assert_eq!(state_of(&d[0], "v", e), want);
+    }
+    assert_eq!(status(&d[1], "v")["role"], "replica");
+    assert_eq!(status(&d[2], "v")["generation"], 3, "every member holds the generation");
+
+    // A replica is read-only to its own clients.
+    d[1].ok(&["export", "nbd", "v"]);
+    let mut s1 = connect(&d[1].nbd(), "v");
+    assert_ne!(write_on(&mut s1, 0, &[1u8; 4096]), 0, "a replica took a client write");
+    drop(s1);
+
+    // fio writes and verifies through the primary; every copy then reads the same.
+    let f = fio(&d[0], "v", &["--rw=randwrite", "--bs=4k", "--size=32M", "--iodepth=16", "--verify=crc32c"]);
+    assert!(f.wait_with_output().unwrap().status.success(), "fio failed: {}", d[0].log());
+    let image = read_image(&d[0], "v", 64 * MIB);
+    for r in &d[1..] {
+        assert!(read_image(r, "v", 64 * MIB) == image, "a replica differs from the primary");
+    }
+
+    // Trims and zeroes cross as requests: a few KiB on the wire for 48 MiB.
+    let before = sw.sent(0);
+    qemu_io(&d[0], "v", &["discard 0 32M", "write -z 32M 16M"]);
+    let sent = sw.sent(0) - before;
+    assert!(sent < 512 << 10, "{sent} bytes sent to two replicas for a trim and a zeroing");
+    let image = read_image(&d[0], "v", 64 * MIB);
+    assert!(image[..48 << 20].iter().all(|&b| b == 0));
+    for r in &d[1..] {
+        assert!(read_image(r, "v", 64 * MIB) == image, "a replica differs after trim and zeroes");
+    }
+
+    // kill -9 of a replica during writes: they go on once it is ejected (after the timeout),
+    // and the other replica keeps every one.
+    let f = fio(&d[0], "v", &["--rw=randwrite", "--bs=4k", "--size=64M", "--iodepth=8", "--time_based", "--runtime=6"]);
+    std::thread::sleep(Duration::from_secs(2));
+    d[2].crash();
+    assert!(f.wait_with_output().unwrap().status.success(), "fio failed after a replica died: {}", d[0].log());
+    let s = status(&d[0], "v");
+    assert_eq!(state_of(&d[0], "v", &e2), "ejected", "{s}");
+    assert_eq!(s["generation"], 4, "{s}");
+    assert!(s["members"][2]["reason"].as_str().unwrap().len() > 5, "the ejection says why: {s}");
+    assert_eq!(status(&d[1], "v")["generation"], 4, "the ejection is recorded on the other member");
+    assert!(read_image(&d[1], "v", 64 * MIB) == read_image(&d[0], "v", 64 * MIB));
+}
+
+/// One FUA write of `data` at `offset`: its NBD error (0: done).
+fn fua_write(s: &mut UnixStream, offset: u64, data: &[u8]) -> u32 {
+    send(s, CMD_WRITE, CMD_FLAG_FUA, offset, data).unwrap_or(u32::MAX)
+}
+
+/// One request and its reply's error; None if the connection broke (the daemon was killed).
+fn send(s: &mut UnixStream, kind: u16, flags: u16, offset: u64, data: &[u8]) -> Option<u32> {
+    s.write_all(&request(kind, flags, 9, offset, data.len() as u32, data)).ok()?;
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).ok()?;
+    Some(u32::from_be_bytes(h[4..8].try_into().unwrap()))
+}
+
+#[test]
+fn a_partition_never_leaves_two_sides_writing() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let (e0, e1, e2) = (sw.endpoint(0), sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "v", "16M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
+    d[0].ok(&["export", "nbd", "v"]);
+    let mut s0 = connect(&d[0].nbd(), "v");
+    assert_eq!(fua_write(&mut s0, 0, &pattern(1, 4096)), 0);
+
+    // The primary alone on its side: it cannot record an ejection on a majority, so it takes
+    // no write; the other side promotes an in-sync replica and takes writes.
+    sw.link(0, false);
+    let t = Instant::now();
+    assert_ne!(fua_write(&mut s0, 4096, &pattern(2, 4096)), 0, "the cut-off primary acknowledged a write");
+    assert!(t.elapsed() < Duration::from_secs(10));
+    let refused = status(&d[0], "v")["refused"].as_str().unwrap().to_owned();
+    assert!(refused.contains("majority"), "{refused}");
+    assert_ne!(fua_write(&mut s0, 8192, &pattern(3, 4096)), 0, "the cut-off primary took a later write");
+    let p = d[1].json(&["replica", "promote", "v"]);
+    assert_eq!(p["role"], "primary", "{p}");
+    assert_eq!(p["generation"], 4, "{p}");
+    assert_eq!(state_of(&d[1], "v", &e0), "ejected");
+    d[1].ok(&["export", "nbd", "v"]);
+    let mut s1 = connect(&d[1].nbd(), "v");
+    assert_eq!(fua_write(&mut s1, 4096, &pattern(4, 4096)), 0, "the new primary refused a write");
+    let image = read_image(&d[1], "v", 16 * MIB);
+    assert_eq!(&image[..4096], &pattern(1, 4096)[..], "an acknowledged write was lost in the failover");
+    assert_eq!(&image[4096..8192], &pattern(4, 4096)[..]);
+    assert!(read_image(&d[2], "v", 16 * MIB) == image, "the new primary's replica differs");
+
+    // The old primary's cable comes back: it finds the newer generation and steps down.
+    sw.link(0, true);
+    until("the old primary steps down", 20, || status(&d[0], "v")["role"] == "replica");
+    assert_ne!(fua_write(&mut s0, 8192, &pattern(5, 4096)), 0, "the old primary took a write after the failover");
+    assert_eq!(status(&d[0], "v")["primary"], e1.as_str());
+    assert!(read_image(&d[1], "v", 16 * MIB) == image, "the old primary's attempts reached the new primary");
+
+    // Primary and one replica kept apart: the primary ejects it with the other's vote and
+    // goes on; the ejected one is refused promotion as stale, naming the generation.
+    d[1].ok(&["volume", "create", "w", "16M", "--replicas", "3", "--peer", &e0, "--peer", &e2]);
+    sw.part(1, 2, true);
+    d[1].ok(&["export", "nbd", "w"]);
+    let mut w1 = connect(&d[1].nbd(), "w");
+    assert_eq!(fua_write(&mut w1, 0, &pattern(6, 4096)), 0, "the primary stopped with a majority");
+    assert_eq!(state_of(&d[1], "w", &e2), "ejected");
+    sw.part(1, 2, false);
+    let o = d[2].cli(&["replica", "promote", "w"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("stale") && err.contains("generation 4"), "{err}");
+    assert_eq!(status(&d[1], "w")["role"], "primary");
+}
+
+#[test]
+fn two_copies_keep_writing_with_a_witness_and_stop_without_one() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, mut d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let (e1, e2) = (sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "a", "16M", "--replicas", "2", "--peer", &e1, "--witness", &e2]);
+    d[0].ok(&["volume", "create", "b", "16M", "--replicas", "2", "--peer", &e1]);
+    assert_eq!(status(&d[2], "a")["role"], "witness");
+    d[1].crash();
+    for v in ["a", "b"] {
+        d[0].ok(&["export", "nbd", v]);
+    }
+    let mut a = connect(&d[0].nbd(), "a");
+    assert_eq!(fua_write(&mut a, 0, &pattern(1, 4096)), 0, "two copies and a witness stopped");
+    assert_eq!(state_of(&d[0], "a", &e1), "ejected");
+    let mut b = connect(&d[0].nbd(), "b");
+    assert_ne!(fua_write(&mut b, 0, &pattern(2, 4096)), 0, "two copies without a witness kept writing alone");
+    let refused = status(&d[0], "b")["refused"].as_str().unwrap().to_owned();
+    assert!(refused.contains("1 of 2"), "{refused}");
+    // The replica comes back: the primary records its ejection with it and writes again.
+    d[1] = sw.daemon(1, root.path(), TIMEOUT);
+    until("b takes writes again", 20, || status(&d[0], "b")["refused"] == "");
+    assert_eq!(fua_write(&mut b, 0, &pattern(3, 4096)), 0);
+}
+
+#[test]
+fn a_killed_primary_loses_no_acknowledged_flushed_write() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, mut d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let (e1, e2) = (sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "v", "64M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
+    d[0].ok(&["export", "nbd", "v"]);
+    // The writer's own log: block i holds pattern(i); FUA for odd i, and a FLUSH after every
+    // 8th, so the acknowledged-durable set is exact.
+    let nbd = d[0].nbd();
+    let writer = std::thread::spawn(move || {
+        let mut s = connect(&nbd, "v");
+        let (mut durable, mut flushed) = (0u64, 0u64);
+        for i in 0..16_384u64 {
+            let flags = if i % 2 == 1 { CMD_FLAG_FUA } else { 0 };
+            if send(&mut s, CMD_WRITE, flags, i * 4096, &pattern(i, 4096)) != Some(0) {
+                break;
+            }
+            if i % 2 == 1 {
+                durable = durable.max(i + 1);
+            }
+            if i % 8 == 7 {
+                if send(&mut s, CMD_FLUSH, 0, 0, &[]) != Some(0) {
+                    break;
+                }
+                (durable, flushed) = (i + 1, i + 1);
+            }
+        }
+        (durable, flushed)
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    d[0].crash();
+    let (durable, flushed) = writer.join().unwrap();
+    assert!(durable > 50, "only {durable} writes were acknowledged before the kill");
+    let t = Instant::now();
+    let p = d[1].json(&["replica", "promote", "v"]);
+    assert_eq!(p["role"], "primary", "{p}");
+    eprintln!("promotion took {:?}; {durable} blocks acknowledged durable", t.elapsed());
+    let image = read_image(&d[1], "v", 64 * MIB);
+    for i in 0..durable {
+        let at = (i * 4096) as usize;
+        // A FUA makes only its own write durable; a flush every write before it.
+        if i % 2 == 1 || i < flushed {
+            assert!(image[at..at + 4096] == pattern(i, 4096)[..], "acknowledged durable block {i} is missing");
+        }
+    }
+    assert!(read_image(&d[2], "v", 64 * MIB)[..(durable * 4096) as usize] == image[..(durable * 4096) as usize]);
+}
