@@ -19,6 +19,7 @@ const MODULES: &[&str] = &[
     "exports",
     "attachments",
     "replica",
+    "sync",
     "metrics",
     "admin",
     "cli",

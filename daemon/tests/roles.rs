@@ -1,8 +1,8 @@
-//! Who may call what, over real mutual TLS: every RPC of `admin.proto` and `replica.proto`,
-//! called with the certificate of each role (and of no role), is refused with PermissionDenied
-//! exactly where the table below says so. The table is the spec: an RPC the protos gain without
-//! a row here fails the test. Calls carry empty requests, so an allowed call fails on its
-//! arguments (or does something harmless), never on its caller.
+//! Who may call what, over real mutual TLS: every RPC of `admin.proto`, `replica.proto` and
+//! `mirror.proto`, called with the certificate of each role (and of no role), is refused with
+//! PermissionDenied exactly where the table below says so. The table is the spec: an RPC the
+//! protos gain without a row here fails the test. Calls carry empty requests, so an allowed call
+//! fails on its arguments (or does something harmless), never on its caller.
 
 mod common;
 
@@ -32,6 +32,9 @@ const CONTROLLER: &[&str] = &[
     "PromoteReplication",
     "ResyncReplication",
     "ListReplications",
+    "AddSyncReplica",
+    "PromoteSyncReplica",
+    "ListSyncReplicas",
     "CreateGroup",
     "UpdateGroup",
     "DeleteGroup",
@@ -54,8 +57,8 @@ const CONTROLLER: &[&str] = &[
 const OPERATOR: &[&str] =
     &["SyncReplication", "CloneGroupSnapshot", "StartExport", "StopExport", "ListExports", "ScrubPool", "DefragVolume"];
 
-/// The Replica service: replication peers (and operators).
-const PEER: &[&str] = &["Position", "Push", "Sync", "GroupCommit"];
+/// The Replica and Mirror services: replication peers (and operators).
+const PEER: &[&str] = &["Position", "Push", "Sync", "GroupCommit", "Stream", "Record", "Get"];
 
 /// One RPC: its path, and whether its request or its response is a stream.
 struct Rpc {
@@ -88,7 +91,11 @@ async fn call(ch: &Channel, rpc: &Rpc) -> Result<(), tonic::Status> {
     let mut grpc = tonic::client::Grpc::new(ch.clone());
     grpc.ready().await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
     let path = PathAndQuery::try_from(rpc.path.as_str()).unwrap();
-    if rpc.client_stream {
+    if rpc.client_stream && rpc.server_stream {
+        let req = tonic::Request::new(tokio_stream::iter(Vec::<()>::new()));
+        let mut s = grpc.streaming(req, path, Codec::default()).await?;
+        s.get_mut().message().await.map(drop)
+    } else if rpc.client_stream {
         let req = tonic::Request::new(tokio_stream::iter(Vec::<()>::new()));
         grpc.client_streaming(req, path, Codec::default()).await.map(drop)
     } else if rpc.server_stream {
@@ -125,6 +132,7 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
 
     let mut all = rpcs("Admin", include_str!("../../proto/ferrite/v1/admin.proto"));
     all.extend(rpcs("Replica", include_str!("../../proto/ferrite/v1/replica.proto")));
+    all.extend(rpcs("Mirror", include_str!("../../proto/ferrite/v1/mirror.proto")));
     for rpc in &all {
         let rows = [CONTROLLER, OPERATOR, PEER].iter().filter(|t| t.contains(&rpc.name.as_str())).count();
         assert_eq!(rows, 1, "{} must have exactly one row in this test's role table", rpc.path);
