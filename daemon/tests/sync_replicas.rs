@@ -3,7 +3,8 @@
 //! (trims and zeroes as such, not as zero data on the wire), a killed replica is ejected and
 //! writes go on, a partition never leaves two sides writing (majority of the members, a witness
 //! for two copies), a killed primary loses no acknowledged flushed write once an in-sync replica
-//! is promoted, a stale replica is refused promotion, and a member refuses what a peer may not do.
+//! is promoted, a stale replica is refused promotion, and a member refuses what a peer may not do
+//! (called here over the switch with each host's certificate).
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
@@ -18,6 +19,9 @@ use common::Daemon;
 use common::nbd::{connect, read_image, request, write_on};
 use common::netns::Switch;
 use ferrite_nbd::proto::{CMD_FLAG_FUA, CMD_FLUSH, CMD_WRITE};
+use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
+use ferrite_proto::ferrite::v1::mirror_message::Op;
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
@@ -279,4 +283,115 @@ fn a_killed_primary_loses_no_acknowledged_flushed_write() {
         }
     }
     assert!(read_image(&d[2], "v", 64 * MIB)[..(durable * 4096) as usize] == image[..(durable * 4096) as usize]);
+}
+
+/// Calls the Mirror service of host `to` with the certificate of `who`.
+async fn mirror_as(
+    sw: &Switch,
+    root: &std::path::Path,
+    to: usize,
+    who: &str,
+) -> MirrorClient<tonic::transport::Channel> {
+    let addr = format!("{}:7070", sw.ip[to]);
+    MirrorClient::new(common::csi::tls_channel(&addr, &root.join("pki"), who).await)
+}
+
+fn membership(volume: &str, generation: u64, primary: &str, members: &[(&str, &str)]) -> pb::Membership {
+    pb::Membership {
+        volume: volume.into(),
+        generation,
+        primary: primary.into(),
+        members: members
+            .iter()
+            .map(|(e, s)| pb::Member { endpoint: (*e).into(), state: (*s).into(), reason: String::new() })
+            .collect(),
+        size: 16 * MIB,
+    }
+}
+
+/// Opens a mirror stream of `volume` at `generation` and sends one write: the first answer.
+async fn stream_write(c: &mut MirrorClient<tonic::transport::Channel>, volume: &str, generation: u64) -> tonic::Status {
+    let open = pb::MirrorMessage { seq: 0, op: Some(Op::Open(pb::MirrorOpen { volume: volume.into(), generation })) };
+    let data = prost::bytes::Bytes::from(vec![7u8; 4096]);
+    let write = pb::MirrorMessage {
+        seq: 1,
+        op: Some(Op::Write(pb::MirrorWrite { offset: 0, crc: crc32c::crc32c(&data), data, fua: false })),
+    };
+    match c.stream(tokio_stream::iter(vec![open, write])).await {
+        Err(e) => e,
+        Ok(r) => match r.into_inner().message().await {
+            Ok(m) => tonic::Status::ok(format!("{m:?}")),
+            Err(e) => e,
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_refuse_what_a_peer_may_not_do() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let (e0, e1, e2) = (sw.endpoint(0), sw.endpoint(1), sw.endpoint(2));
+    let cli = |i: usize, args: Vec<String>| {
+        let dir = d[i].dir.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let o =
+                    Command::new(common::BIN).arg("--admin-socket").arg(dir.join("admin.sock")).args(&args).output();
+                o.unwrap()
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let ok = |o: std::process::Output| assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    ok(cli(0, args(&["volume", "create", "v", "16M", "--replicas", "2", "--peer", &e1])).await);
+    ok(cli(0, args(&["volume", "create", "w", "16M", "--replicas", "3", "--peer", &e1, "--peer", &e2])).await);
+    ok(cli(1, args(&["volume", "create", "plain", "16M"])).await);
+
+    // host-2 is no member of v: it may not read its membership, write to it, or rewrite it.
+    let mut as2 = mirror_as(&sw, root.path(), 1, "host-2").await;
+    let e = as2.get(pb::MembershipRequest { volume: "v".into() }).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    let e = stream_write(&mut as2, "v", 3).await;
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    let take = membership("v", 99, &e2, &[(&e2, "in-sync"), (&e1, "in-sync")]);
+    let e = as2.record(take).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    // A member that is not the primary may not write either.
+    let e = stream_write(&mut as2, "w", 3).await;
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    // Nobody makes a member primary but the member itself.
+    let mut as1 = mirror_as(&sw, root.path(), 1, "host-1").await;
+    let e = as1.record(membership("w", 50, &e1, &[(&e1, "in-sync"), (&e0, "in-sync"), (&e2, "in-sync")])).await;
+    assert_eq!(e.unwrap_err().code(), tonic::Code::PermissionDenied);
+    // The primary may not make a member of a volume the member has outside any membership.
+    let mut as0 = mirror_as(&sw, root.path(), 1, "host-0").await;
+    let e = as0.record(membership("plain", 2, &e0, &[(&e0, "in-sync"), (&e1, "in-sync")])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::AlreadyExists, "{e}");
+    // Nor send a membership that does not hold together, or a stale generation's writes.
+    let mut bad = membership("w", 9, &e0, &[(&e0, "in-sync"), (&e1, "boss")]);
+    assert_eq!(as0.record(bad.clone()).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    bad.members[1].state = "in-sync".into();
+    bad.members.extend((0..8).map(|i| pb::Member { endpoint: format!("tcp://10.0.0.{i}:1"), ..Default::default() }));
+    assert_eq!(as0.record(bad).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    let e = stream_write(&mut as0, "w", 2).await;
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("stale generation 2"), "{e}");
+
+    // A replica ejected while it was away cannot make itself primary by telling the others.
+    sw.link(2, false);
+    ok(cli(0, args(&["export", "nbd", "w"])).await);
+    let nbd = d[0].nbd();
+    let err =
+        tokio::task::spawn_blocking(move || fua_write(&mut connect(&nbd, "w"), 0, &pattern(1, 4096))).await.unwrap();
+    assert_eq!(err, 0, "the primary stopped with a majority");
+    sw.link(2, true);
+    let g = status(&d[1], "w")["generation"].as_u64().unwrap();
+    let mut as2 = mirror_as(&sw, root.path(), 1, "host-2").await;
+    let coup = membership("w", g + 10, &e2, &[(&e2, "in-sync"), (&e1, "in-sync"), (&e0, "ejected")]);
+    let r = as2.record(coup).await.unwrap().into_inner();
+    assert!(!r.stored, "a stale member took the primary's place");
+    assert_eq!(r.held.unwrap().primary, e0);
+    assert_eq!(status(&d[1], "w")["primary"], e0.as_str());
 }

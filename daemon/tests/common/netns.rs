@@ -165,11 +165,13 @@ impl Drop for Lan {
 
 /// Several hosts, each in its own namespace, plugged into one switch (a bridge in a namespace
 /// of its own) by a veth pair: a host's cable can be cut alone (its end down), a pair of hosts
-/// kept apart (a blackhole route on each side), and a host's link slowed (netem).
+/// kept apart (a blackhole route on each side), and a host's link slowed (netem). This
+/// namespace is plugged in too (`gateway`), so a test can call the hosts itself.
 pub struct Switch {
     pub ns: Vec<String>,
     pub dev: Vec<String>,
     pub ip: Vec<String>,
+    pub gateway: String,
     hub: String,
 }
 
@@ -178,17 +180,31 @@ impl Switch {
         static N: AtomicU32 = AtomicU32::new(0);
         let n = N.fetch_add(1, Ordering::Relaxed);
         let tag = format!("fs{}x{n}", std::process::id() % 100_000);
-        let subnet = 10 + std::process::id() % 200;
+        // As for a LAN: one test process at a time picks a subnet no gateway here holds.
+        let lock = std::fs::OpenOptions::new().create(true).append(true).open("/tmp/ferrite-test-lan.lock").ok()?;
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).ok()?;
+        let used = Command::new("ip").args(["-o", "-4", "addr", "show"]).output().ok()?;
+        let used = String::from_utf8_lossy(&used.stdout).into_owned();
+        let net = (0..200u32)
+            .map(|i| format!("10.{}.{}", 10 + (std::process::id() + i) % 200, 100 + n % 100))
+            .find(|net| !used.contains(&format!(" {net}.")))?;
         let sw = Self {
             ns: (0..hosts).map(|i| format!("{tag}h{i}")).collect(),
             dev: (0..hosts).map(|i| format!("{tag}h{i}")).collect(),
-            ip: (0..hosts).map(|i| format!("10.{subnet}.{}.{}", 100 + n % 100, i + 1)).collect(),
+            ip: (0..hosts).map(|i| format!("{net}.{}", i + 1)).collect(),
+            gateway: format!("{net}.254"),
             hub: format!("{tag}sw"),
         };
         let made = (|| {
             ip(&["netns", "add", &sw.hub])?;
             ip(&["-n", &sw.hub, "link", "add", "br0", "type", "bridge"])?;
             ip(&["-n", &sw.hub, "link", "set", "br0", "up"])?;
+            let gw = format!("{tag}g");
+            ip(&["link", "add", &gw, "type", "veth", "peer", "name", "pg", "netns", &sw.hub])?;
+            ip(&["addr", "add", &format!("{}/24", sw.gateway), "dev", &gw])?;
+            ip(&["link", "set", &gw, "up"])?;
+            ip(&["-n", &sw.hub, "link", "set", "pg", "master", "br0"])?;
+            ip(&["-n", &sw.hub, "link", "set", "pg", "up"])?;
             for i in 0..hosts {
                 let (ns, dev, port) = (&sw.ns[i], &sw.dev[i], format!("p{i}"));
                 ip(&["netns", "add", ns])?;
@@ -276,6 +292,7 @@ impl Switch {
 
 impl Drop for Switch {
     fn drop(&mut self) {
+        // The gateway's pair goes with the switch's namespace.
         for ns in self.ns.iter().chain([&self.hub]) {
             let _ = ip(&["netns", "del", ns]);
         }
