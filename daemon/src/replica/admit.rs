@@ -61,8 +61,7 @@ impl ReplicaService {
                 super::MAX_INTERVAL_SECS
             )));
         }
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-        let most = (self.0.pool.stats().size as f64 * self.0.overcommit) as u64;
+        let most = super::largest_replica(&self.0.pool, self.0.overcommit);
         if b.size == 0 || b.size > most {
             return Err(Status::invalid_argument(format!(
                 "replica {:?} of {} bytes: a replica must be larger than 0 and at most {most} bytes here (the \

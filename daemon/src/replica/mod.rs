@@ -212,6 +212,13 @@ impl Replication {
     }
 }
 
+/// The largest volume a peer may make here: the pool's size times its overcommit cap.
+pub fn largest_replica(pool: &Pool, overcommit: f64) -> u64 {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    let most = (pool.stats().size as f64 * overcommit) as u64;
+    most
+}
+
 /// Milliseconds since the Unix epoch.
 fn now_ms() -> u64 {
     std::time::SystemTime::now()

@@ -234,7 +234,7 @@ impl SyncHub {
     /// never takes over a volume it did not create), is bounded by the pool, and is read-only
     /// to clients.
     async fn create_replica(&self, rec: &Membership) -> Result<(), Status> {
-        let most = (self.pool.stats().size as f64 * self.overcommit) as u64;
+        let most = crate::replica::largest_replica(&self.pool, self.overcommit);
         if rec.size == 0 || rec.size > most {
             return Err(Status::invalid_argument(format!(
                 "volume size {} is out of bounds here (at most {most}: the pool's size times its overcommit cap)",

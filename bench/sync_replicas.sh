@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Synchronous replicas in one run: three daemons in network namespaces this script makes, each
+# plugged into one bridge (the "switch") by a veth pair, over the real mutual-TLS streams. On
+# host 0, volumes with 1, 2 and 3 copies; fio through NBD (unix socket on host 0) on each in
+# turn: 4 KiB random write at QD1 and QD32, 128 KiB sequential write at QD8. Prints IOPS,
+# MiB/s, p50/p99 completion latency, the latency each row adds over one copy, and the link's
+# round trip (ping) next to it. DELAY_MS adds netem delay to every host's link (a WAN).
+# Needs root (ip netns, tc), fio with its nbd engine.
+#   SECS=10 DELAY_MS=0 FERRITE_BIN=target/debug/ferrite bench/sync_replicas.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${SECS:-10}
+DELAY_MS=${DELAY_MS:-0}
+DIR=${BENCH_DIR:-/tmp/ferrite-sync}
+for t in fio ip tc ping python3; do
+  command -v $t >/dev/null || { echo "SKIPPED: $t is not installed (scripts/setup.sh installs it)"; exit 0; }
+done
+[ "$(id -u)" = 0 ] || { echo "SKIPPED: network namespaces need root"; exit 0; }
+if [ -z "${FERRITE_BIN:-}" ]; then
+  . scripts/setup.sh
+  cargo build --workspace --locked --bin ferrite >&2
+  FERRITE_BIN="$CARGO_TARGET_DIR/debug/ferrite"
+fi
+F=$FERRITE_BIN
+NS=(frsync0 frsync1 frsync2)
+HUB=frsynchub
+IP=(10.204.0.1 10.204.0.2 10.204.0.3)
+
+cleanup() {
+  for i in 0 1 2; do [ -f "$DIR/$i/pid" ] && kill -9 "$(cat "$DIR/$i/pid")" 2>/dev/null; done
+  wait 2>/dev/null || true
+  for n in "${NS[@]}" $HUB; do ip netns del "$n" 2>/dev/null || true; done
+  rm -rf "$DIR"
+}
+trap cleanup EXIT
+cleanup
+ip netns add $HUB
+ip -n $HUB link add br0 type bridge
+ip -n $HUB link set br0 up
+for i in 0 1 2; do
+  ip netns add "${NS[$i]}"; ip -n "${NS[$i]}" link set lo up
+  ip link add "frs$i" netns "${NS[$i]}" type veth peer name "p$i" netns $HUB
+  ip -n "${NS[$i]}" addr add "${IP[$i]}/24" dev "frs$i"; ip -n "${NS[$i]}" link set "frs$i" up
+  ip -n $HUB link set "p$i" master br0; ip -n $HUB link set "p$i" up
+  if [ "$DELAY_MS" != 0 ]; then ip netns exec "${NS[$i]}" tc qdisc replace dev "frs$i" root netem delay "${DELAY_MS}ms"; fi
+done
+
+PKI=$DIR/pki
+for i in 0 1 2; do "$F" certs "$PKI" "host-$i" "${IP[$i]}" >/dev/null; done
+for i in 0 1 2; do
+  mkdir -p "$DIR/$i"
+  cat > "$DIR/$i/ferrite.toml" <<EOF
+pool-size = "8G"
+admin-listen = "${IP[$i]}:7070"
+tls-cert = "$PKI/host-$i.pem"
+tls-key = "$PKI/host-$i-key.pem"
+tls-client-ca = "$PKI/ca.pem"
+[roles]
+"host-0" = "replication-peer"
+"host-1" = "replication-peer"
+"host-2" = "replication-peer"
+EOF
+  ip netns exec "${NS[$i]}" "$F" daemon --config "$DIR/$i/ferrite.toml" --data-dir "$DIR/$i" >>"$DIR/$i/log" 2>&1 &
+  echo $! > "$DIR/$i/pid"
+done
+for i in 0 1 2; do
+  for _ in $(seq 6000); do "$F" --admin-socket "$DIR/$i/admin.sock" pool status >/dev/null 2>&1 && break; sleep 0.01; done
+done
+A() { "$F" --admin-socket "$DIR/0/admin.sock" "$@"; }
+E1="tcp://${IP[1]}:7070"; E2="tcp://${IP[2]}:7070"
+A volume create c1 2G >/dev/null
+A volume create c2 2G --replicas 2 --peer "$E1" >/dev/null
+A volume create c3 2G --replicas 3 --peer "$E1" --peer "$E2" >/dev/null
+for v in c1 c2 c3; do A export nbd $v >/dev/null; done
+rtt=$(ip netns exec "${NS[0]}" ping -q -c 50 -i 0.01 "${IP[1]}" | python3 -c "import sys; l=[x for x in sys.stdin if 'min/avg' in x][0]; print(float(l.split('=')[1].split('/')[1])*1000)")
+echo "link round trip host 0 -> host 1: ${rtt%.*} µs (ping avg)"
+
+run() { # run VOLUME NAME FIO-ARGS... -> one JSON line
+  local v=$1 name=$2; shift 2
+  fio --name=w --ioengine=nbd --uri="nbd+unix:///$v?socket=$DIR/0/nbd.sock" --output-format=json \
+    --output="$DIR/fio.json" --time_based --runtime="$SECS" --size=1G "$@" >&2
+  python3 -c "
+import json,sys
+j=json.load(open('$DIR/fio.json'))['jobs'][0]['write']
+p=j['clat_ns']['percentile']
+print(json.dumps({'row':'$name','copies':'$v'[1],'iops':j['iops'],'mibs':j['bw']/1024,'p50':p['50.000000']/1000,'p99':p['99.000000']/1000}))"
+}
+OUT=$DIR/rows.jsonl
+: > "$OUT"
+for row in "randwrite-4k-qd1:--rw=randwrite --bs=4k --iodepth=1" \
+           "randwrite-4k-qd32:--rw=randwrite --bs=4k --iodepth=32" \
+           "write-128k-qd8:--rw=write --bs=128k --iodepth=8"; do
+  name=${row%%:*}; args=${row#*:}
+  for v in c1 c2 c3; do
+    # shellcheck disable=SC2086
+    run $v "$name" $args >> "$OUT"
+  done
+done
+for v in c3; do A -o json replica status $v | python3 -c "import json,sys; j=json.load(sys.stdin); print(f\"{j['volume']}: {j['requests']} mirrored requests, +{j['added_latency_us']:.0f} µs each on average (status)\")"; done
+python3 - "$OUT" "$rtt" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+rtt = float(sys.argv[2])
+print(f"{'row':<20}{'copies':>7}{'IOPS':>10}{'MiB/s':>9}{'p50 µs':>9}{'p99 µs':>9}{'+p50 µs':>9}{'vs 1':>7}")
+one = {r['row']: r for r in rows if r['copies'] == '1'}
+for r in rows:
+    o = one[r['row']]
+    print(f"{r['row']:<20}{r['copies']:>7}{r['iops']:>10.0f}{r['mibs']:>9.1f}{r['p50']:>9.0f}{r['p99']:>9.0f}"
+          f"{r['p50'] - o['p50']:>9.0f}{r['iops'] / o['iops']:>7.2f}")
+q1 = {r['copies']: r for r in rows if r['row'] == 'randwrite-4k-qd1'}
+goal = q1['1']['p50'] + rtt
+print(f"goal QD1: p50 with copies <= single + one RTT + 10% = {goal * 1.1:.0f} µs: "
+      + ", ".join(f"{c} copies {q1[c]['p50']:.0f} µs" for c in ('2', '3')))
+q32 = {r['copies']: r for r in rows if r['row'] == 'randwrite-4k-qd32'}
+print(f"goal QD32: 2 copies >= 0.7x single: {q32['2']['iops'] / q32['1']['iops']:.2f}x")
+EOF
