@@ -15,9 +15,9 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Daemon;
 use common::nbd::{connect, read_image, request, write_on};
 use common::netns::Switch;
+use common::{Daemon, pattern};
 use ferrite_nbd::proto::{CMD_FLAG_FUA, CMD_FLUSH, CMD_WRITE};
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
@@ -45,18 +45,6 @@ fn state_of(d: &Daemon, volume: &str, member: &str) -> String {
     let s = status(d, volume);
     let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"] == member).cloned();
     m.map_or("none".into(), |m| m["state"].as_str().unwrap().to_owned())
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn fio(d: &Daemon, volume: &str, args: &[&str]) -> std::process::Child {

@@ -126,6 +126,19 @@ impl Drop for Daemon {
     }
 }
 
+/// `len` pseudo-random bytes from `seed` (xorshift): the same seed, the same bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()[0]
+        })
+        .collect()
+}
+
 /// The pushing side's replica status once it has recorded the point the receiving side holds
 /// (the receiver commits before the sender hears back).
 pub fn settled(receiver: &Daemon, sender: &Daemon, name: &str) -> serde_json::Value {

@@ -69,23 +69,7 @@ impl Hosts {
     /// A daemon on host `i`: its admin API on `<ip>:7070` with mutual TLS (certificates from
     /// one CA in `<root>/pki`), `extra` added to its configuration.
     pub fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon {
-        let dir = root.join(&self.ns[i]);
-        std::fs::create_dir_all(&dir).unwrap();
-        let pki = root.join("pki");
-        let name = format!("host-{i}");
-        super::csi::certs(&pki, &name, &[&self.ip[i]]);
-        let p = |f: &str| pki.join(f).display().to_string();
-        let cfg = format!(
-            "pool-size = \"2G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
-             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n\
-             [roles]\n\"host-0\" = \"replication-peer\"\n\"host-1\" = \"replication-peer\"\n",
-            self.ip[i],
-            p(&format!("{name}.pem")),
-            p(&format!("{name}-key.pem")),
-            p("ca.pem")
-        );
-        std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
-        Daemon::start_in(&dir, Some(&self.ns[i]))
+        host_daemon(root, &self.ns, &self.ip, i, extra)
     }
 
     /// Host `i`'s admin endpoint, as the other host reaches it.
@@ -262,26 +246,9 @@ impl Switch {
         String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
     }
 
-    /// A daemon on host `i`: its admin API on `<ip>:7070` with mutual TLS (one CA in
-    /// `<root>/pki`), every host a replication peer, `extra` added to its configuration.
+    /// A daemon on host `i`, as for [`Hosts::daemon`].
     pub fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon {
-        let dir = root.join(&self.ns[i]);
-        std::fs::create_dir_all(&dir).unwrap();
-        let pki = root.join("pki");
-        let name = format!("host-{i}");
-        super::csi::certs(&pki, &name, &[&self.ip[i]]);
-        let p = |f: &str| pki.join(f).display().to_string();
-        let roles: String = (0..self.ns.len()).map(|h| format!("\"host-{h}\" = \"replication-peer\"\n")).collect();
-        let cfg = format!(
-            "pool-size = \"2G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
-             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n[roles]\n{roles}",
-            self.ip[i],
-            p(&format!("{name}.pem")),
-            p(&format!("{name}-key.pem")),
-            p("ca.pem")
-        );
-        std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
-        Daemon::start_in(&dir, Some(&self.ns[i]))
+        host_daemon(root, &self.ns, &self.ip, i, extra)
     }
 
     /// Host `i`'s admin endpoint, as the other hosts reach it.
@@ -297,4 +264,27 @@ impl Drop for Switch {
             let _ = ip(&["netns", "del", ns]);
         }
     }
+}
+
+/// A daemon on host `i` of hosts in namespaces `ns` with addresses `ip`: its admin API on
+/// `<ip>:7070` with mutual TLS (certificates `host-<i>` from one CA in `<root>/pki`), every host
+/// a replication peer, `extra` added to its configuration.
+fn host_daemon(root: &Path, ns: &[String], ips: &[String], i: usize, extra: &str) -> Daemon {
+    let dir = root.join(&ns[i]);
+    std::fs::create_dir_all(&dir).unwrap();
+    let pki = root.join("pki");
+    let name = format!("host-{i}");
+    super::csi::certs(&pki, &name, &[&ips[i]]);
+    let p = |f: &str| pki.join(f).display().to_string();
+    let roles: String = (0..ns.len()).map(|h| format!("\"host-{h}\" = \"replication-peer\"\n")).collect();
+    let cfg = format!(
+        "pool-size = \"2G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
+         tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n[roles]\n{roles}",
+        ips[i],
+        p(&format!("{name}.pem")),
+        p(&format!("{name}-key.pem")),
+        p("ca.pem")
+    );
+    std::fs::write(dir.join("ferrite.toml"), cfg).unwrap();
+    Daemon::start_in(&dir, Some(&ns[i]))
 }
