@@ -298,8 +298,11 @@ pub fn print_replications(out: Output, list: &[pb::Replication]) {
 }
 
 fn sync_json(v: &pb::SyncVolume) -> serde_json::Value {
-    let members: Vec<_> =
-        v.members.iter().map(|m| json!({"endpoint": m.endpoint, "state": m.state, "reason": m.reason})).collect();
+    let members: Vec<_> = v
+        .members
+        .iter()
+        .map(|m| json!({"endpoint": m.endpoint, "state": m.state, "reason": m.reason, "mark": m.mark}))
+        .collect();
     json!({"volume": v.volume, "kind": "sync", "role": v.role, "generation": v.generation, "primary": v.primary,
            "members": members, "refused": v.refused, "requests": v.requests,
            "added_latency_us": v.added_latency_us})

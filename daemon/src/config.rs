@@ -48,6 +48,9 @@
 //!                                   # (its resume point kept); default 60
 //! sync-timeout-ms = 3000            # a synchronous replica that does not answer a request for
 //!                                   # this long is ejected; default 3000
+//! sync-mark-interval-ms = 60000     # how often a synchronous primary that took writes takes a
+//!                                   # mark with its members (where a returning member's rebuild
+//!                                   # starts); default 60000
 //! insecure-nbd-listen = false       # true allows nbd-listen on a non-loopback address without
 //!                                   # TLS (nbd-tls off): volume data in the clear on the network
 //!
@@ -116,6 +119,7 @@ pub struct ConfigFile {
     pub replication_bandwidth: Option<String>,
     pub replication_idle_timeout_s: Option<u64>,
     pub sync_timeout_ms: Option<u64>,
+    pub sync_mark_interval_ms: Option<u64>,
     pub insecure_nbd_listen: Option<bool>,
     pub roles: Option<BTreeMap<String, RoleList>>,
 }
@@ -153,6 +157,8 @@ pub struct Config {
     pub replication_idle_timeout: Duration,
     /// A synchronous replica that does not answer a request within this is ejected.
     pub sync_timeout: Duration,
+    /// How often a synchronous primary that took writes takes a mark with its members.
+    pub sync_mark_interval: Duration,
     /// Client certificate identities and their roles (`[roles]`).
     pub roles: Vec<(String, Vec<Role>)>,
 }
@@ -342,6 +348,13 @@ impl Config {
                 None => Duration::from_secs(3),
                 Some(ms) if !(100..=600_000).contains(&ms) => {
                     bail!("sync-timeout-ms must be between 100 and 600000, not {ms}")
+                }
+                Some(ms) => Duration::from_millis(ms),
+            },
+            sync_mark_interval: match f.sync_mark_interval_ms {
+                None => Duration::from_secs(60),
+                Some(ms) if !(100..=86_400_000).contains(&ms) => {
+                    bail!("sync-mark-interval-ms must be between 100 and 86400000, not {ms}")
                 }
                 Some(ms) => Duration::from_millis(ms),
             },

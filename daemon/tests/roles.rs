@@ -58,7 +58,7 @@ const OPERATOR: &[&str] =
     &["SyncReplication", "CloneGroupSnapshot", "StartExport", "StopExport", "ListExports", "ScrubPool", "DefragVolume"];
 
 /// The Replica and Mirror services: replication peers (and operators).
-const PEER: &[&str] = &["Position", "Push", "Sync", "GroupCommit", "Stream", "Record", "Get"];
+const PEER: &[&str] = &["Position", "Push", "Sync", "GroupCommit", "Stream", "Record", "Get", "Rebuild"];
 
 /// One RPC: its path, and whether its request or its response is a stream.
 struct Rpc {

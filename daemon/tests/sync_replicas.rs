@@ -3,8 +3,9 @@
 //! (trims and zeroes as such, not as zero data on the wire), a killed replica is ejected and
 //! writes go on, a partition never leaves two sides writing (majority of the members, a witness
 //! for two copies), a killed primary loses no acknowledged flushed write once an in-sync replica
-//! is promoted, a stale replica is refused promotion, and a member refuses what a peer may not do
-//! (called here over the switch with each host's certificate).
+//! is promoted, a stale replica is refused promotion, a returning replica (or failed-over
+//! primary) is rebuilt by what changed while writes go on, and a member refuses what a peer may
+//! not do (called here over the switch with each host's certificate).
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
@@ -183,6 +184,9 @@ fn a_partition_never_leaves_two_sides_writing() {
     assert_ne!(fua_write(&mut s0, 8192, &pattern(5, 4096)), 0, "the old primary took a write after the failover");
     assert_eq!(status(&d[0], "v")["primary"], e1.as_str());
     assert!(read_image(&d[1], "v", 16 * MIB) == image, "the old primary's attempts reached the new primary");
+    // ... and is rebuilt as a replica of the new one, without anyone asking.
+    until("the old primary is rebuilt as a replica", 30, || state_of(&d[1], "v", &e0) == "in-sync");
+    assert!(read_image(&d[0], "v", 16 * MIB) == image, "the rebuilt old primary differs");
 
     // Primary and one replica kept apart: the primary ejects it with the other's vote and
     // goes on; the ejected one is refused promotion as stale, naming the generation.
@@ -291,15 +295,19 @@ fn membership(volume: &str, generation: u64, primary: &str, members: &[(&str, &s
         primary: primary.into(),
         members: members
             .iter()
-            .map(|(e, s)| pb::Member { endpoint: (*e).into(), state: (*s).into(), reason: String::new() })
+            .map(|(e, s)| pb::Member { endpoint: (*e).into(), state: (*s).into(), ..Default::default() })
             .collect(),
         size: 16 * MIB,
+        marks: Vec::new(),
     }
 }
 
 /// Opens a mirror stream of `volume` at `generation` and sends one write: the first answer.
 async fn stream_write(c: &mut MirrorClient<tonic::transport::Channel>, volume: &str, generation: u64) -> tonic::Status {
-    let open = pb::MirrorMessage { seq: 0, op: Some(Op::Open(pb::MirrorOpen { volume: volume.into(), generation })) };
+    let open = pb::MirrorMessage {
+        seq: 0,
+        op: Some(Op::Open(pb::MirrorOpen { volume: volume.into(), generation, ..Default::default() })),
+    };
     let data = prost::bytes::Bytes::from(vec![7u8; 4096]);
     let write = pb::MirrorMessage {
         seq: 1,
@@ -382,4 +390,63 @@ async fn members_refuse_what_a_peer_may_not_do() {
     assert!(!r.stored, "a stale member took the primary's place");
     assert_eq!(r.held.unwrap().primary, e0);
     assert_eq!(status(&d[1], "w")["primary"], e0.as_str());
+}
+
+#[test]
+fn a_returning_replica_gets_only_what_changed_while_writes_go_on() {
+    let root = tempfile::tempdir().unwrap();
+    let extra = format!("{TIMEOUT}\nsync-mark-interval-ms = 500\nreplication-bandwidth = \"8M\"");
+    let Some((sw, mut d)) = cluster(3, root.path(), &extra) else { return };
+    let (e1, e2) = (sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "v", "64M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
+    let f = fio(&d[0], "v", &["--rw=write", "--bs=1M", "--size=32M", "--iodepth=4"]);
+    assert!(f.wait_with_output().unwrap().status.success());
+    // A mark follows the writes (the last one within a second and a half of them); the
+    // replica that goes away holds it.
+    let mark_of = |d: &Daemon| status(d, "v")["members"][2]["mark"].as_str().unwrap().to_owned();
+    let mut last = String::new();
+    until("a mark after the last write", 15, || {
+        std::thread::sleep(Duration::from_secs(2));
+        let now = mark_of(&d[0]);
+        std::mem::replace(&mut last, now.clone()) == now && !now.is_empty()
+    });
+
+    // Away while 4 MiB of distinct blocks change: it comes back and only those cross.
+    d[2].crash();
+    let f = fio(&d[0], "v", &["--rw=randwrite", "--bs=4k", "--size=4M", "--iodepth=8"]);
+    assert!(f.wait_with_output().unwrap().status.success());
+    assert_eq!(state_of(&d[0], "v", &e2), "ejected");
+    let before = sw.sent(0);
+    d[2] = sw.daemon(2, root.path(), &extra);
+    until("the returning replica is rebuilt", 30, || state_of(&d[0], "v", &e2) == "in-sync");
+    let sent = sw.sent(0) - before;
+    let changed = 4 * MIB;
+    eprintln!("rebuild: {sent} bytes on the wire for {changed} bytes changed ({:.3}x)", sent as f64 / changed as f64);
+    assert!(sent as f64 <= 1.05 * changed as f64, "{sent} bytes crossed for {changed} changed");
+    assert!(sent >= changed, "{sent} bytes cannot carry {changed} changed");
+    let image = read_image(&d[0], "v", 64 * MIB);
+    for r in &d[1..] {
+        assert!(read_image(r, "v", 64 * MIB) == image, "a copy differs after the rebuild");
+    }
+
+    // Away again; it comes back while writes go on (partial blocks included), is rebuilt at
+    // 8 MiB/s meanwhile, and every copy ends equal.
+    d[2].crash();
+    let f = fio(&d[0], "v", &["--rw=randwrite", "--bs=64k", "--size=16M", "--iodepth=8"]);
+    assert!(f.wait_with_output().unwrap().status.success());
+    d[2] = sw.daemon(2, root.path(), &extra);
+    let f = fio(
+        &d[0],
+        "v",
+        &["--rw=randwrite", "--bsrange=512-16k", "--size=64M", "--iodepth=4", "--time_based", "--runtime=5"],
+    );
+    until("a rebuild starts", 15, || state_of(&d[0], "v", &e2) == "rebuilding");
+    let s = status(&d[0], "v");
+    assert!(s["members"][2]["reason"].as_str().unwrap().contains("copied"), "progress is shown: {s}");
+    assert!(f.wait_with_output().unwrap().status.success());
+    until("the replica is in sync again", 60, || state_of(&d[0], "v", &e2) == "in-sync");
+    let image = read_image(&d[0], "v", 64 * MIB);
+    for r in &d[1..] {
+        assert!(read_image(r, "v", 64 * MIB) == image, "a copy differs after a rebuild under writes");
+    }
 }

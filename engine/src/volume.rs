@@ -29,6 +29,37 @@ const B: u64 = BLOCK as u64;
 /// How long a write waits for the cleaner to make room before it gives up with ENOSPC.
 const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// A request that touches part of a block, as whole-block parts `(offset, len, data, fua)`:
+/// data parts (the blocks as they are after the request) and zeroed whole blocks. None for a
+/// request of whole blocks, a trim (it only ever drops whole blocks) and a flush.
+fn whole_block_parts(op: MirrorOp<'_>) -> Option<Vec<(u64, u64, bool, bool)>> {
+    let (offset, len, zero, fua) = match op {
+        MirrorOp::Write { offset, data, fua } => (offset, data.len() as u64, false, fua),
+        MirrorOp::Zero { offset, len, fua } => (offset, len, true, fua),
+        MirrorOp::Trim { .. } | MirrorOp::Flush => return None,
+    };
+    let (start, end) = (offset / B * B, (offset + len).div_ceil(B) * B);
+    if (start, end) == (offset, offset + len) || len == 0 {
+        return None;
+    }
+    if !zero {
+        return Some(vec![(start, end - start, true, fua)]);
+    }
+    let (inner_start, inner_end) = (offset.div_ceil(B) * B, (offset + len) / B * B);
+    if inner_end <= inner_start {
+        return Some(vec![(start, end - start, true, fua)]);
+    }
+    let mut parts = Vec::with_capacity(3);
+    if start < inner_start {
+        parts.push((start, B, true, fua));
+    }
+    parts.push((inner_start, inner_end - inner_start, false, fua));
+    if inner_end < end {
+        parts.push((inner_end, B, true, fua));
+    }
+    Some(parts)
+}
+
 /// A handle for I/O on one volume or snapshot. Cheap to clone; fails with NotFound once the
 /// volume is deleted and with Closed once the pool is closed. It does not keep the pool open.
 #[derive(Debug, Clone)]
@@ -253,6 +284,25 @@ impl Volume {
             }
             None => None,
         };
+        if mirror.whole_blocks()
+            && let Some(parts) = whole_block_parts(op)
+        {
+            // A member being rebuilt cannot merge a partial block with what it holds (the
+            // block may not have arrived yet): it gets the whole blocks as they are here.
+            let _admitted = mirror.admit()?;
+            local()?;
+            let mut pending = Vec::with_capacity(parts.len());
+            for (offset, len, data, fua) in parts {
+                pending.push(if data {
+                    let mut whole = vec![0u8; usize::try_from(len).expect("a few blocks")];
+                    self.read(offset, &mut whole)?;
+                    mirror.send_admitted(MirrorOp::Write { offset, data: &whole, fua })?
+                } else {
+                    mirror.send_admitted(MirrorOp::Zero { offset, len, fua })?
+                });
+            }
+            return pending.into_iter().try_for_each(|p| p.wait());
+        }
         let pending = mirror.send(op)?;
         let here = local();
         let there = pending.wait();

@@ -33,6 +33,7 @@ struct ToPool {
     seen: Mutex<Vec<Seen>>,
     refuse: AtomicBool,
     fail: AtomicBool,
+    whole: AtomicBool,
     delay: Duration,
 }
 
@@ -45,6 +46,10 @@ impl Pending for Applying {
 }
 
 impl Mirror for ToPool {
+    fn whole_blocks(&self) -> bool {
+        self.whole.load(Ordering::Relaxed)
+    }
+
     fn send(&self, op: MirrorOp<'_>) -> Result<Box<dyn Pending>> {
         if self.refuse.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Io, "no majority"));
@@ -92,6 +97,7 @@ fn mirrored(delay: Duration) -> (Fixture, Pool, Fixture, Pool, Arc<ToPool>) {
         seen: Mutex::default(),
         refuse: AtomicBool::new(false),
         fail: AtomicBool::new(false),
+        whole: AtomicBool::new(false),
         delay,
     });
     a.set_mirror("v", Some(m.clone() as Arc<dyn Mirror>)).unwrap();
@@ -183,4 +189,29 @@ fn overlapping_writes_from_many_threads_leave_equal_copies() {
         t.join().unwrap();
     }
     assert!(image(&a) == image(&b), "the copies differ after overlapping writes");
+}
+
+#[test]
+fn while_a_member_rebuilds_partial_blocks_reach_it_whole() {
+    let (_fa, a, _fb, b, m) = mirrored(Duration::ZERO);
+    let v = a.open_volume("v").unwrap();
+    v.write(0, &pattern(1, 4 * B)).unwrap();
+    m.whole.store(true, Ordering::Relaxed);
+    m.seen.lock().unwrap().clear();
+    // The copy's block 0 is stale (as a rebuilding member's may be): whole blocks overwrite it.
+    b.open_volume("v").unwrap().write(0, &pattern(9, B)).unwrap();
+    v.write(100, &pattern(2, 10)).unwrap();
+    v.write_zeroes(B as u64 + 5, 2 * B as u64, false).unwrap();
+    v.write(2 * B as u64, &pattern(3, B)).unwrap();
+    assert_eq!(
+        *m.seen.lock().unwrap(),
+        vec![
+            Seen::Write { offset: 0, len: B, fua: false },
+            Seen::Write { offset: B as u64, len: B, fua: false },
+            Seen::Zero { offset: 2 * B as u64, len: B as u64, fua: false },
+            Seen::Write { offset: 3 * B as u64, len: B, fua: false },
+            Seen::Write { offset: 2 * B as u64, len: B, fua: false },
+        ]
+    );
+    assert!(image(&a)[..4 * B] == image(&b)[..4 * B], "the copies differ");
 }

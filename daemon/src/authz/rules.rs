@@ -62,6 +62,7 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Mirror/Stream", &[ReplicationPeer]),
     ("/ferrite.v1.Mirror/Record", &[ReplicationPeer]),
     ("/ferrite.v1.Mirror/Get", &[ReplicationPeer]),
+    ("/ferrite.v1.Mirror/Rebuild", &[ReplicationPeer]),
 ];
 
 /// The roles besides `operator` that may call `path`; None for a path without a row.

@@ -74,7 +74,7 @@ pub struct Limiter {
 }
 
 impl Limiter {
-    fn new(rate: u64) -> Self {
+    pub fn new(rate: u64) -> Self {
         Self { rate, next: Mutex::new(Instant::now()) }
     }
 
@@ -220,7 +220,7 @@ pub fn largest_replica(pool: &Pool, overcommit: f64) -> u64 {
 }
 
 /// Milliseconds since the Unix epoch.
-fn now_ms() -> u64 {
+pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

@@ -11,12 +11,12 @@ use tonic::Status;
 use super::link::Link;
 use super::records::{Member, Membership, State, check_endpoint};
 use super::{Primary, SyncHub};
-use crate::rpc::{blocking, status};
+use crate::rpc::blocking;
 
 impl SyncHub {
     /// Adds the daemon at `peer` as a member of `volume` (primary here): a witness holds the
-    /// membership only; a replica joins in sync, which needs the volume to hold no data yet
-    /// (a replica of a volume with data is brought up to date by a rebuild).
+    /// membership only; a replica joins in sync if the volume holds no data yet, else it is
+    /// rebuilt (a copy of the allocated blocks) and then in sync.
     pub async fn add(self: &Arc<Self>, volume: &str, peer: &str, witness: bool) -> Result<SyncVolume, Status> {
         check_endpoint(peer).map_err(Status::invalid_argument)?;
         if check_endpoint(&self.me).is_err() {
@@ -49,7 +49,12 @@ impl SyncHub {
                     volume: volume.to_owned(),
                     generation: 1,
                     primary: self.me.clone(),
-                    members: vec![Member { endpoint: self.me.clone(), state: State::InSync, reason: String::new() }],
+                    members: vec![Member {
+                        endpoint: self.me.clone(),
+                        state: State::InSync,
+                        reason: String::new(),
+                        mark: String::new(),
+                    }],
                     size: info.size,
                 };
                 self.records.put(first.clone())?;
@@ -59,52 +64,33 @@ impl SyncHub {
         if let Some(why) = primary.refused() {
             return Err(Status::unavailable(why));
         }
+        // No request in flight while the member joins: it gets every request after this point,
+        // and whether the volume held data before it decides whether it needs a copy first.
+        let hold = primary.hold().await;
+        let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
+        let empty = blocking(move || {
+            let v = pool.open_volume(&name)?;
+            Ok(v.allocation(0, v.size()?)?.iter().all(|&(_, mapped)| !mapped))
+        })
+        .await?;
+        let _c = primary.change.lock().await;
         let old = primary.record();
         if old.member(peer).is_some() {
             return Err(Status::already_exists(format!("{peer} is already a member of {volume:?}")));
         }
-        // No request in flight while the member joins: it gets every request after this point,
-        // and the volume holds no data before it.
-        let p = Arc::clone(&primary);
-        let pool = Arc::clone(&self.pool);
-        let name = volume.to_owned();
-        let (guard_tx, guard_rx) = tokio::sync::oneshot::channel::<()>();
-        let (paused_tx, paused_rx) = tokio::sync::oneshot::channel::<ferrite_engine::Result<bool>>();
-        let holder = tokio::task::spawn_blocking(move || {
-            let _pause = p.pause();
-            let empty = pool.open_volume(&name).and_then(|v| {
-                let size = v.size()?;
-                Ok(v.allocation(0, size)?.iter().all(|&(_, mapped)| !mapped))
-            });
-            let _ = paused_tx.send(empty);
-            let _ = guard_rx.blocking_recv();
-        });
-        let resume = || {
-            let _ = guard_tx.send(());
-            holder
-        };
-        let empty = match paused_rx.await.map_err(|_| Status::internal("the pause ended early"))? {
-            Ok(e) => e,
-            Err(e) => {
-                let _ = resume().await;
-                return Err(status(e));
-            }
-        };
-        if !witness && !empty {
-            let _ = resume().await;
-            return Err(Status::failed_precondition(format!(
-                "volume {volume:?} already holds data: a replica joins a volume with data by a rebuild, \
-                 which this daemon cannot do yet; add replicas when the volume is created"
-            )));
-        }
-        let _c = primary.change.lock().await;
         let mut next = old.clone();
         next.generation = self.next_generation(&old);
-        let state = if witness { State::Witness } else { State::InSync };
-        next.members.push(Member { endpoint: peer.to_owned(), state, reason: String::new() });
+        // A replica of a volume that holds data joins out of sync: its rebuild (a copy of the
+        // allocated blocks) starts within a second, and it is in sync when that is done.
+        let (state, reason) = match (witness, empty) {
+            (true, _) => (State::Witness, String::new()),
+            (false, true) => (State::InSync, String::new()),
+            (false, false) => (State::Ejected, "joining: its first copy follows".to_owned()),
+        };
+        next.members.push(Member { endpoint: peer.to_owned(), state, reason, mark: String::new() });
         let r = self.propose(&old, &next).await;
         let r = match r {
-            Ok(()) if witness => Ok(()),
+            Ok(()) if state != State::InSync => Ok(()),
             Ok(()) => match self.open_link(&next, peer).await {
                 Ok(link) => {
                     primary.add_link(link);
@@ -115,8 +101,7 @@ impl SyncHub {
             Err(e) => Err(e),
         };
         primary.adopt(if r.is_ok() { next } else { self.records.get(volume).unwrap_or(old) });
-        drop(_c);
-        let _ = resume().await;
+        drop((_c, hold));
         r.map_err(Status::failed_precondition)?;
         tracing::info!(volume, member = peer, witness, "synchronous member added");
         Ok(self.view(volume).expect("just recorded"))
@@ -124,7 +109,7 @@ impl SyncHub {
 
     async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {
         let ch = self.channel(endpoint).await?;
-        tokio::time::timeout(self.timeout, Link::open(ch, endpoint, &rec.volume, rec.generation))
+        tokio::time::timeout(self.timeout, Link::open(ch, endpoint, &rec.volume, rec.generation, None))
             .await
             .map_err(|_| Status::unavailable(format!("{endpoint} did not open the stream within {:?}", self.timeout)))?
     }
@@ -290,6 +275,7 @@ impl SyncHub {
         }
         let hub = Arc::clone(self);
         tokio::spawn(async move { hub.retry_refused().await });
+        tokio::spawn(Arc::clone(self).tend());
     }
 
     /// Every second: a primary that refuses writes tries again to record its membership (ejecting
@@ -373,6 +359,7 @@ impl SyncHub {
                 p.waited_ns.load(std::sync::atomic::Ordering::Relaxed),
             )
         });
+        let progress = p.as_ref().and_then(|p| p.progress.lock().expect("not poisoned").clone());
         Some(SyncVolume {
             volume: volume.to_owned(),
             role: role.into(),
@@ -384,7 +371,15 @@ impl SyncHub {
                 .map(|m| SyncMember {
                     endpoint: m.endpoint.clone(),
                     state: if m.endpoint == rec.primary { "primary".into() } else { m.state.as_str().into() },
-                    reason: m.reason.clone(),
+                    reason: match progress.as_ref().filter(|(who, ..)| *who == m.endpoint) {
+                        Some((_, done, total)) if m.state == State::Rebuilding => format!(
+                            "{} of {} copied",
+                            crate::size::format_size(done.load(std::sync::atomic::Ordering::Relaxed)),
+                            crate::size::format_size(*total)
+                        ),
+                        _ => m.reason.clone(),
+                    },
+                    mark: m.mark.clone(),
                 })
                 .collect(),
             refused: p.as_ref().and_then(|p| p.refused()).unwrap_or_default(),

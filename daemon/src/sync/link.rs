@@ -4,6 +4,7 @@
 //! with the reason, so no request waits longer than the primary's timeout in any case.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -68,16 +69,30 @@ impl Acks {
 #[derive(Debug)]
 pub struct Link {
     pub endpoint: String,
+    /// The member is being rebuilt (it gets whole blocks).
+    pub rebuilding: AtomicBool,
     tx: Mutex<Option<mpsc::UnboundedSender<MirrorMessage>>>,
     waiting: Mutex<HashMap<u64, Arc<Acks>>>,
     ended: Mutex<Option<String>>,
 }
 
 impl Link {
-    /// Opens the stream of `volume` at `generation` to the member at `endpoint`.
-    pub async fn open(channel: Channel, endpoint: &str, volume: &str, generation: u64) -> Result<Arc<Self>, Status> {
+    /// Opens the stream of `volume` at `generation` to the member at `endpoint`; for a rebuild
+    /// (`rebuild` the base mark, empty for a full copy), the member rolls back first.
+    pub async fn open(
+        channel: Channel,
+        endpoint: &str,
+        volume: &str,
+        generation: u64,
+        rebuild: Option<&str>,
+    ) -> Result<Arc<Self>, Status> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let open = MirrorOpen { volume: volume.to_owned(), generation };
+        let open = MirrorOpen {
+            volume: volume.to_owned(),
+            generation,
+            rebuild: rebuild.is_some(),
+            base: rebuild.unwrap_or_default().to_owned(),
+        };
         tx.send(MirrorMessage { seq: 0, op: Some(Op::Open(open)) }).expect("the receiver is here");
         let mut client = MirrorClient::new(channel);
         let mut acks = client
@@ -87,6 +102,7 @@ impl Link {
             .into_inner();
         let link = Arc::new(Self {
             endpoint: endpoint.to_owned(),
+            rebuilding: AtomicBool::new(rebuild.is_some()),
             tx: Mutex::new(Some(tx)),
             waiting: Mutex::default(),
             ended: Mutex::default(),

@@ -6,9 +6,11 @@
 //! members before it counts, which is the rule that keeps a partition from having two primaries.
 //! `control.rs` holds adding members, promotion, status and the start-up of primaries.
 
+mod catch_up;
 pub mod control;
 mod link;
 mod primary;
+mod rebuild;
 pub mod records;
 pub mod serve;
 
@@ -29,6 +31,11 @@ use crate::replica::send::{at_peer, channel};
 pub use primary::Primary;
 use records::{Membership, State};
 
+/// Marks of `volume` (points its copies hold alike) are snapshots `<volume>.sync.<unix ms>`.
+pub fn mark_prefix(volume: &str) -> String {
+    format!("{volume}.sync.")
+}
+
 /// The largest mirrored request: an NBD request's payload (32 MiB) and framing.
 pub const MAX_MESSAGE: usize = (32 << 20) + (64 << 10);
 
@@ -42,6 +49,13 @@ pub struct SyncHub {
     pub me: String,
     pub records: Records<Membership>,
     primaries: Mutex<HashMap<String, Arc<Primary>>>,
+    /// Volumes being rebuilt here (this daemon a member): what their streams wrote.
+    catch_ups: Mutex<HashMap<String, Arc<catch_up::CatchUp>>>,
+    /// Sends of rebuilds to each member, paced (`replication-bandwidth`).
+    limiters: Mutex<HashMap<String, Arc<crate::replica::Limiter>>>,
+    bandwidth: u64,
+    /// How often a primary that took writes takes a mark with its members.
+    mark_interval: Duration,
     ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// A member that does not answer a request within this is ejected.
     pub timeout: Duration,
@@ -58,6 +72,10 @@ impl SyncHub {
             me: cfg.replication_endpoint.clone(),
             records: Records::load(&cfg.data_dir, "sync-members")?,
             primaries: Mutex::default(),
+            catch_ups: Mutex::default(),
+            limiters: Mutex::default(),
+            bandwidth: cfg.replication_bandwidth,
+            mark_interval: cfg.sync_mark_interval,
             ops: Mutex::default(),
             timeout: cfg.sync_timeout,
             rt: tokio::runtime::Handle::current(),

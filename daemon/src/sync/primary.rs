@@ -4,13 +4,13 @@
 //! on a majority of the members before the request (or any later one) is acknowledged. Without
 //! a majority the primary refuses writes from then on, saying why, until one answers again.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use ferrite_engine::{Error, ErrorKind, Mirror, MirrorOp, Pending};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
-use ferrite_proto::ferrite::v1::{MirrorFlush, MirrorMessage, MirrorTrim, MirrorWrite, MirrorZero};
+use ferrite_proto::ferrite::v1::{MirrorFlush, MirrorMark, MirrorMessage, MirrorTrim, MirrorWrite, MirrorZero};
 use prost::bytes::Bytes;
 
 use super::SyncHub;
@@ -35,6 +35,10 @@ pub struct Primary {
     inflight: Mutex<u64>,
     idle: Condvar,
     paused: AtomicBool,
+    /// Members being rebuilt: while there is one, writes reach the members as whole blocks.
+    rebuilding: AtomicUsize,
+    /// The rebuild running, if one does: the member, data bytes sent and to send.
+    pub progress: Mutex<Option<(String, Arc<AtomicU64>, u64)>>,
     timeout: Duration,
     pub requests: AtomicU64,
     pub waited_ns: AtomicU64,
@@ -54,6 +58,8 @@ impl Primary {
             inflight: Mutex::new(0),
             idle: Condvar::new(),
             paused: AtomicBool::new(false),
+            rebuilding: AtomicUsize::new(0),
+            progress: Mutex::new(None),
             timeout: hub.timeout,
             requests: AtomicU64::new(0),
             waited_ns: AtomicU64::new(0),
@@ -73,7 +79,24 @@ impl Primary {
     }
 
     pub fn add_link(&self, link: Arc<Link>) {
-        self.links.lock().expect("not poisoned").push(link);
+        let mut links = self.links.lock().expect("not poisoned");
+        if link.rebuilding.load(Ordering::SeqCst) {
+            self.rebuilding.fetch_add(1, Ordering::SeqCst);
+        }
+        links.push(link);
+    }
+
+    /// `member` has every piece of its rebuild: it needs whole blocks no longer.
+    pub fn rebuilt(&self, member: &str) {
+        for l in self.links.lock().expect("not poisoned").iter().filter(|l| l.endpoint == member) {
+            self.unmark_rebuilding(l);
+        }
+    }
+
+    fn unmark_rebuilding(&self, l: &Link) {
+        if l.rebuilding.swap(false, Ordering::SeqCst) {
+            self.rebuilding.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 
     /// Makes `next` the membership (it is recorded on a majority): streams of members that no
@@ -84,6 +107,7 @@ impl Primary {
         self.links.lock().expect("not poisoned").retain(|l| {
             let stays = keep.contains(&l.endpoint);
             if !stays {
+                self.unmark_rebuilding(l);
                 l.end("the member was ejected");
             }
             stays
@@ -94,6 +118,7 @@ impl Primary {
     pub fn close(&self, why: &str) {
         self.refuse(Some(why.to_owned()));
         for l in self.links.lock().expect("not poisoned").drain(..) {
+            self.unmark_rebuilding(&l);
             l.end(why);
         }
     }
@@ -107,6 +132,20 @@ impl Primary {
             n = self.idle.wait(n).expect("not poisoned");
         }
         PauseGuard(self)
+    }
+
+    /// [`Primary::pause`] from async code: held until the returned value drops.
+    pub async fn hold(self: &Arc<Self>) -> Hold {
+        let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+        let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let p = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            let _pause = p.pause();
+            let _ = held_tx.send(());
+            let _ = release_rx.blocking_recv();
+        });
+        let _ = held_rx.await;
+        Hold(Some(release_tx))
     }
 
     /// Ejects `member` (it failed a request, or did not answer it in time): records the next
@@ -147,6 +186,41 @@ impl Primary {
         }
     }
 
+    /// Takes a mark: under a pause, a snapshot here and the same on every member with a stream
+    /// (one that does not take it is ejected). The members that took it hold it alike with this
+    /// one: a later rebuild of theirs starts there. Blocking.
+    pub fn mark(&self, pool: &ferrite_engine::Pool) -> Result<String, String> {
+        let hub = self.hub.upgrade().ok_or_else(|| "the daemon is stopping".to_owned())?;
+        let _pause = self.pause();
+        if let Some(why) = self.refused() {
+            return Err(why);
+        }
+        let name = format!("{}{}", super::mark_prefix(&self.volume), crate::replica::now_ms());
+        pool.create_snapshot(&self.volume, &name).map_err(|e| e.to_string())?;
+        let links = self.links.lock().expect("not poisoned").clone();
+        let acks = Acks::new(links.iter().map(|l| l.endpoint.clone()).collect());
+        let msg = MirrorMessage {
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            op: Some(Op::Mark(MirrorMark { snapshot: name.clone() })),
+        };
+        for l in &links {
+            l.send(msg.clone(), &acks);
+        }
+        let bad = acks.wait_until(Instant::now() + self.timeout);
+        for (member, why) in &bad {
+            hub.rt.block_on(self.eject(member, why))?;
+        }
+        let mut rec = self.record.lock().expect("not poisoned");
+        let primary = rec.primary.clone();
+        for m in &mut rec.members {
+            let took = links.iter().any(|l| l.endpoint == m.endpoint) && !bad.iter().any(|(b, _)| *b == m.endpoint);
+            if m.endpoint == primary || took {
+                m.mark.clone_from(&name);
+            }
+        }
+        Ok(name)
+    }
+
     fn message(&self, op: MirrorOp<'_>) -> MirrorMessage {
         let op = match op {
             // Zero data (NBD's NO_HOLE zeroing comes as such writes) crosses as a range.
@@ -167,6 +241,17 @@ impl Primary {
 /// New requests wait while this lives.
 pub struct PauseGuard<'a>(&'a Primary);
 
+/// New requests wait while this lives ([`Primary::hold`]).
+pub struct Hold(Option<tokio::sync::oneshot::Sender<()>>);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
 impl Drop for PauseGuard<'_> {
     fn drop(&mut self) {
         let _n = self.0.inflight.lock().expect("not poisoned");
@@ -176,22 +261,27 @@ impl Drop for PauseGuard<'_> {
 }
 
 impl Mirror for Primary {
+    fn whole_blocks(&self) -> bool {
+        self.rebuilding.load(Ordering::SeqCst) > 0
+    }
+
+    fn admit(&self) -> ferrite_engine::Result<Box<dyn Send>> {
+        Ok(Box::new(self.enter(true)?))
+    }
+
     fn send(&self, op: MirrorOp<'_>) -> ferrite_engine::Result<Box<dyn Pending>> {
-        {
-            let mut n = self.inflight.lock().expect("not poisoned");
-            while self.paused.load(Ordering::SeqCst) {
-                n = self.idle.wait(n).expect("not poisoned");
-            }
-            *n += 1;
-        }
-        let mut waiting = Waiting {
-            primary: self.me.upgrade().expect("a primary in use is alive"),
-            acks: Acks::new(Vec::new()),
-            sent: Instant::now(),
-        };
-        if let Some(why) = self.refused() {
-            return Err(Error::new(ErrorKind::Io, why));
-        }
+        self.send_op(op, true)
+    }
+
+    fn send_admitted(&self, op: MirrorOp<'_>) -> ferrite_engine::Result<Box<dyn Pending>> {
+        // Its admission counts it in flight: a pause waits for it, so it must not wait for one.
+        self.send_op(op, false)
+    }
+}
+
+impl Primary {
+    fn send_op(&self, op: MirrorOp<'_>, wait_pause: bool) -> ferrite_engine::Result<Box<dyn Pending>> {
+        let mut waiting = self.enter(wait_pause)?;
         let links = self.links.lock().expect("not poisoned").clone();
         let acks = Acks::new(links.iter().map(|l| l.endpoint.clone()).collect());
         let msg = self.message(op);
@@ -200,6 +290,28 @@ impl Mirror for Primary {
         }
         waiting.acks = acks;
         Ok(Box::new(waiting))
+    }
+}
+
+impl Primary {
+    /// A request in flight (waiting out a pause first, if `wait_pause`), or its refusal.
+    fn enter(&self, wait_pause: bool) -> ferrite_engine::Result<Waiting> {
+        {
+            let mut n = self.inflight.lock().expect("not poisoned");
+            while wait_pause && self.paused.load(Ordering::SeqCst) {
+                n = self.idle.wait(n).expect("not poisoned");
+            }
+            *n += 1;
+        }
+        let waiting = Waiting {
+            primary: self.me.upgrade().expect("a primary in use is alive"),
+            acks: Acks::new(Vec::new()),
+            sent: Instant::now(),
+        };
+        match self.refused() {
+            Some(why) => Err(Error::new(ErrorKind::Io, why)),
+            None => Ok(waiting),
+        }
     }
 }
 

@@ -43,6 +43,10 @@ pub struct Member {
     pub state: State,
     #[serde(default)]
     pub reason: String,
+    /// The newest mark it held alike with the primary when it was last in sync: where its
+    /// rebuild starts.
+    #[serde(default)]
+    pub mark: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -99,9 +103,11 @@ impl Membership {
                     endpoint: m.endpoint.clone(),
                     state: m.state.as_str().into(),
                     reason: m.reason.clone(),
+                    mark: m.mark.clone(),
                 })
                 .collect(),
             size: self.size,
+            marks: Vec::new(),
         }
     }
 
@@ -118,7 +124,11 @@ impl Membership {
             if members.iter().any(|x| x.endpoint == m.endpoint) {
                 return Err(format!("member {} is listed twice", m.endpoint));
             }
-            members.push(Member { endpoint: m.endpoint.clone(), state, reason: m.reason.chars().take(200).collect() });
+            if m.mark.len() > 255 {
+                return Err(format!("mark {:?}... is too long", m.mark.chars().take(32).collect::<String>()));
+            }
+            let reason = m.reason.chars().take(200).collect();
+            members.push(Member { endpoint: m.endpoint.clone(), state, reason, mark: m.mark.clone() });
         }
         let rec = Self {
             volume: p.volume.clone(),
@@ -155,7 +165,7 @@ mod tests {
             primary: states[0].0.into(),
             members: states
                 .iter()
-                .map(|(e, s)| Member { endpoint: (*e).into(), state: *s, reason: String::new() })
+                .map(|(e, s)| Member { endpoint: (*e).into(), state: *s, reason: String::new(), mark: String::new() })
                 .collect(),
             size: 1 << 20,
         }

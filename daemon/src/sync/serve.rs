@@ -11,19 +11,25 @@ use std::sync::Arc;
 use ferrite_engine::Volume;
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{
-    Membership as PbMembership, MembershipRequest, MirrorAck, MirrorMessage, RecordReply, mirror_server,
+    Membership as PbMembership, MembershipRequest, MirrorAck, MirrorMessage, RebuildMessage, RebuildReply, RecordReply,
+    mirror_server, rebuild_message,
 };
+use ferrite_replication::Piece;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::SyncHub;
+use super::catch_up::CatchUp;
 use super::records::{Membership, State};
 use crate::authz::{Caller, caller_of};
 use crate::rpc::{blocking, status};
 
 /// Requests a stream applies at once; the stream reads no further while they are all busy.
-const IN_FLIGHT: usize = 64;
+const IN_FLIGHT: u32 = 64;
+
+/// A rebuild that sends nothing for this long is ended.
+const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
 
 #[derive(Debug, Clone)]
 pub struct MirrorService(pub Arc<SyncHub>);
@@ -76,8 +82,20 @@ fn apply(volume: &Volume, op: Op) -> Result<(), String> {
         Op::Zero(z) => volume.write_zeroes(z.offset, z.length, z.fua),
         Op::Flush(_) => volume.flush(),
         Op::Open(_) => return Err("the stream is already open".into()),
+        Op::Mark(_) => return Err("a mark is taken by the stream".into()),
     };
     r.map_err(|e| e.to_string())
+}
+
+/// The bytes a request changes, and whether only its whole blocks change (a trim); None for a
+/// flush.
+fn op_range(op: &Op) -> Option<(u64, u64, bool)> {
+    match op {
+        Op::Write(w) => Some((w.offset, w.data.len() as u64, false)),
+        Op::Zero(z) => Some((z.offset, z.length, false)),
+        Op::Trim(t) => Some((t.offset, t.length, true)),
+        Op::Flush(_) | Op::Open(_) | Op::Mark(_) => None,
+    }
 }
 
 /// Zeroes that stay allocated, as the primary wrote them: zero data, 1 MiB at a time.
@@ -121,12 +139,19 @@ impl mirror_server::Mirror for MirrorService {
                 open.generation, held.generation, open.volume, held.primary
             )));
         }
-        self.still_writer(&open.volume, &held.primary)?;
+        let state = self.still_writer(&open.volume, &held.primary)?.state_of(&self.0.me);
         let volume = self.0.pool.open_volume(&open.volume).map_err(status)?.past_read_only();
-        let (tx, rx) = mpsc::channel(2 * IN_FLIGHT);
+        let catch_up = match (open.rebuild, state) {
+            (false, _) => None,
+            (true, Some(State::Rebuilding)) => Some(self.0.start_catch_up(&volume, &open.base).await?),
+            (true, _) => {
+                return Err(Status::failed_precondition("only a member being rebuilt opens a stream for a rebuild"));
+            }
+        };
+        let (tx, rx) = mpsc::channel(2 * IN_FLIGHT as usize);
         let svc = self.clone();
         tokio::spawn(async move {
-            let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+            let slots = Arc::new(Semaphore::new(IN_FLIGHT as usize));
             loop {
                 let msg = match inbound.message().await {
                     Ok(Some(m)) => m,
@@ -146,12 +171,25 @@ impl mirror_server::Mirror for MirrorService {
                     let _ = tx.send(Err(Status::invalid_argument("a mirror message without a request"))).await;
                     break;
                 };
+                if let Op::Mark(m) = op {
+                    // Every earlier request applied, none later (the primary waits for this ack).
+                    let all = Arc::clone(&slots).acquire_many_owned(IN_FLIGHT).await.expect("never closed");
+                    let error = svc.0.take_mark(&open.volume, &m.snapshot).await.err().unwrap_or_default();
+                    drop(all);
+                    let _ = tx.send(Ok(MirrorAck { seq: msg.seq, error })).await;
+                    continue;
+                }
                 let permit = Arc::clone(&slots).acquire_owned().await.expect("never closed");
-                let (volume, tx, seq) = (volume.clone(), tx.clone(), msg.seq);
+                let (volume, tx, seq, catch_up) = (volume.clone(), tx.clone(), msg.seq, catch_up.clone());
                 tokio::task::spawn_blocking(move || {
-                    let error = apply(&volume, op).err().unwrap_or_default();
+                    let error = match (&catch_up, op_range(&op)) {
+                        (Some(c), Some((offset, len, whole_only))) => {
+                            c.write(offset, len, whole_only, || apply(&volume, op))
+                        }
+                        _ => apply(&volume, op),
+                    };
                     drop(permit);
-                    let _ = tx.blocking_send(Ok(MirrorAck { seq, error }));
+                    let _ = tx.blocking_send(Ok(MirrorAck { seq, error: error.err().unwrap_or_default() }));
                 });
             }
         });
@@ -225,11 +263,119 @@ impl mirror_server::Mirror for MirrorService {
         if !member && !caller.is_operator() {
             return Err(hub.policy.refuse(&caller, CALL, "it is no member of that volume"));
         }
-        Ok(Response::new(held.to_proto()))
+        let mut p = held.to_proto();
+        p.marks = hub.marks(&held.volume).await;
+        Ok(Response::new(p))
+    }
+
+    async fn rebuild(&self, req: Request<Streaming<RebuildMessage>>) -> Result<Response<RebuildReply>, Status> {
+        const CALL: &str = "/ferrite.v1.Mirror/Rebuild";
+        let caller = caller_of(&req)?;
+        let hub = &self.0;
+        let mut inbound = req.into_inner();
+        let first = tokio::time::timeout(hub.timeout, inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no begin on the rebuild"))??;
+        let Some(RebuildMessage { msg: Some(rebuild_message::Msg::Begin(begin)) }) = first else {
+            return Err(Status::invalid_argument("a rebuild starts with a begin"));
+        };
+        let held = hub.records.get(&begin.volume).ok_or_else(|| {
+            Status::not_found(format!("volume {:?} has no synchronous membership here", begin.volume))
+        })?;
+        self.check_is(&caller, &held.primary, CALL)?;
+        if begin.generation != held.generation || held.state_of(&hub.me) != Some(State::Rebuilding) {
+            return Err(Status::failed_precondition(format!(
+                "this member is not being rebuilt at generation {} of {:?}",
+                begin.generation, begin.volume
+            )));
+        }
+        let catch_up = hub.catch_ups.lock().expect("not poisoned").get(&begin.volume).cloned().ok_or_else(|| {
+            Status::failed_precondition("no stream was opened for this rebuild (the member restarted?)")
+        })?;
+        let volume = hub.pool.open_volume(&begin.volume).map_err(status)?.past_read_only();
+        let size = volume.size().map_err(status)?;
+        let (mut next, mut data_bytes) = (0u64, 0u64);
+        loop {
+            let msg = tokio::time::timeout(IDLE, inbound.message())
+                .await
+                .map_err(|_| Status::deadline_exceeded("the rebuild sent nothing for a minute"))??
+                .ok_or_else(|| Status::aborted("the rebuild ended before its end"))?;
+            let piece = match msg.msg {
+                Some(rebuild_message::Msg::Data(d)) => Piece::Data { offset: d.offset, data: d.data, crcs: d.crcs },
+                Some(rebuild_message::Msg::Zero(z)) => Piece::Zero { offset: z.offset, len: z.length },
+                Some(rebuild_message::Msg::End(_)) if next <= begin.end => break,
+                _ => return Err(Status::invalid_argument("a rebuild message out of place")),
+            };
+            let (offset, len) = piece.range();
+            if offset < next || offset.checked_add(len).is_none_or(|e| e > size) {
+                return Err(Status::invalid_argument(format!(
+                    "a piece at {offset} of {len} bytes is out of order or past the end"
+                )));
+            }
+            next = offset + len;
+            let (c, v) = (Arc::clone(&catch_up), volume.clone());
+            data_bytes += blocking(move || {
+                c.piece(&v, &piece).map_err(|e| ferrite_engine::Error::new(ferrite_engine::ErrorKind::Io, e))
+            })
+            .await?;
+        }
+        let v = volume.clone();
+        blocking(move || v.flush()).await?;
+        hub.catch_ups.lock().expect("not poisoned").remove(&begin.volume);
+        tracing::info!(volume = %begin.volume, data_bytes, "rebuilt up to the primary's point");
+        Ok(Response::new(RebuildReply { data_bytes }))
     }
 }
 
 impl SyncHub {
+    /// The marks of `volume` here, oldest first.
+    pub async fn marks(&self, volume: &str) -> Vec<String> {
+        let (pool, v) = (Arc::clone(&self.pool), volume.to_owned());
+        let prefix = super::mark_prefix(volume);
+        let all = blocking(move || pool.snapshots(Some(&v))).await.unwrap_or_default();
+        all.into_iter().map(|s| s.name).filter(|n| n.starts_with(&prefix)).collect()
+    }
+
+    /// Takes mark `name` of `volume` (every earlier request applied), and drops this member's
+    /// older marks but the one before it.
+    async fn take_mark(&self, volume: &str, name: &str) -> Result<(), String> {
+        if !name.starts_with(&super::mark_prefix(volume)) || name.len() > 255 {
+            return Err(format!("{name:?} is no mark of {volume:?}"));
+        }
+        let (pool, v, n) = (Arc::clone(&self.pool), volume.to_owned(), name.to_owned());
+        blocking(move || pool.create_snapshot(&v, &n).map(drop)).await.map_err(|e| e.message().to_owned())?;
+        let marks = self.marks(volume).await;
+        for old in marks.iter().take(marks.len().saturating_sub(2)) {
+            let (pool, old) = (Arc::clone(&self.pool), old.clone());
+            if let Err(e) = blocking(move || pool.delete_snapshot(&old)).await {
+                tracing::warn!(volume, error = %e.message(), "could not drop an older mark");
+            }
+        }
+        Ok(())
+    }
+
+    /// A stream opened for a rebuild: the copy goes back to mark `base` (or, with none, holds
+    /// nothing), and what the stream writes from now on is remembered against the pieces.
+    async fn start_catch_up(&self, volume: &Volume, base: &str) -> Result<Arc<CatchUp>, Status> {
+        let name = volume.name().to_owned();
+        if !base.is_empty() && !self.marks(&name).await.iter().any(|m| m == base) {
+            return Err(Status::not_found(format!("this member holds no mark {base:?} of {name:?}")));
+        }
+        let (pool, v, base) = (Arc::clone(&self.pool), volume.clone(), base.to_owned());
+        blocking(move || {
+            if base.is_empty() {
+                let size = v.size()?;
+                v.trim(0, size)
+            } else {
+                pool.rollback_volume(v.name(), &base).map(drop)
+            }
+        })
+        .await?;
+        let c = Arc::new(CatchUp::default());
+        self.catch_ups.lock().expect("not poisoned").insert(name, Arc::clone(&c));
+        Ok(c)
+    }
+
     /// Makes the replica volume of a first membership here: it must not exist yet (a member
     /// never takes over a volume it did not create), is bounded by the pool, and is read-only
     /// to clients.
