@@ -45,31 +45,26 @@ impl MirrorOp<'_> {
     }
 }
 
-/// Where a mirrored volume's writes also go.
+/// Where a mirrored volume's writes also go. Each client request is admitted first ([`Mirror::admit`]),
+/// then asks [`Mirror::whole_blocks`], then is sent; a point the mirror takes between requests
+/// (waiting for the admitted ones to end) sees each wholly before or wholly after it.
 pub trait Mirror: Send + Sync + std::fmt::Debug {
-    /// Sends `op` to every member that must have it. An error here refuses the request before
-    /// it runs locally (the volume may not accept writes now, e.g. its members lost their
+    /// Counts a client request in flight until the returned value drops. An error refuses it
+    /// before it runs locally (the volume may not accept writes now, e.g. its members lost their
     /// majority).
-    fn send(&self, op: MirrorOp<'_>) -> Result<Box<dyn Pending>>;
-
-    /// Whether every write and zeroing must reach the members as whole blocks (a member is
-    /// being rebuilt). A request touching part of a block then runs here first, and the blocks
-    /// it touched go to the members as they are afterwards.
-    fn whole_blocks(&self) -> bool {
-        false
-    }
-
-    /// Counts a request that runs here before it is sent (whole-block mode) as in flight until
-    /// the returned value drops, so that a point the mirror takes between requests sees it
-    /// either wholly before or wholly after; an error refuses it as `send` would.
     fn admit(&self) -> Result<Box<dyn Send>> {
         Ok(Box::new(()))
     }
 
-    /// [`Mirror::send`] for a request [`Mirror::admit`] let in: it must not wait for anything
-    /// that waits for admitted requests to end.
-    fn send_admitted(&self, op: MirrorOp<'_>) -> Result<Box<dyn Pending>> {
-        self.send(op)
+    /// Sends an admitted request to every member that must have it.
+    fn send(&self, op: MirrorOp<'_>) -> Result<Box<dyn Pending>>;
+
+    /// Whether every write and zeroing must reach the members as whole blocks (a member is
+    /// being rebuilt). A request touching part of a block then runs here first, and the blocks
+    /// it touched go to the members as they are afterwards. It changes only while no request is
+    /// admitted.
+    fn whole_blocks(&self) -> bool {
+        false
     }
 }
 

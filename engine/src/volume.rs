@@ -284,21 +284,21 @@ impl Volume {
             }
             None => None,
         };
+        let _admitted = mirror.admit()?;
         if mirror.whole_blocks()
             && let Some(parts) = whole_block_parts(op)
         {
             // A member being rebuilt cannot merge a partial block with what it holds (the
             // block may not have arrived yet): it gets the whole blocks as they are here.
-            let _admitted = mirror.admit()?;
             local()?;
             let mut pending = Vec::with_capacity(parts.len());
             for (offset, len, data, fua) in parts {
                 pending.push(if data {
                     let mut whole = vec![0u8; usize::try_from(len).expect("a few blocks")];
                     self.read(offset, &mut whole)?;
-                    mirror.send_admitted(MirrorOp::Write { offset, data: &whole, fua })?
+                    mirror.send(MirrorOp::Write { offset, data: &whole, fua })?
                 } else {
-                    mirror.send_admitted(MirrorOp::Zero { offset, len, fua })?
+                    mirror.send(MirrorOp::Zero { offset, len, fua })?
                 });
             }
             return pending.into_iter().try_for_each(|p| p.wait());

@@ -270,18 +270,8 @@ impl Mirror for Primary {
     }
 
     fn send(&self, op: MirrorOp<'_>) -> ferrite_engine::Result<Box<dyn Pending>> {
-        self.send_op(op, true)
-    }
-
-    fn send_admitted(&self, op: MirrorOp<'_>) -> ferrite_engine::Result<Box<dyn Pending>> {
         // Its admission counts it in flight: a pause waits for it, so it must not wait for one.
-        self.send_op(op, false)
-    }
-}
-
-impl Primary {
-    fn send_op(&self, op: MirrorOp<'_>, wait_pause: bool) -> ferrite_engine::Result<Box<dyn Pending>> {
-        let mut waiting = self.enter(wait_pause)?;
+        let mut waiting = self.enter(false)?;
         let links = self.links.lock().expect("not poisoned").clone();
         let acks = Acks::new(links.iter().map(|l| l.endpoint.clone()).collect());
         let msg = self.message(op);
