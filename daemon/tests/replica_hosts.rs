@@ -173,8 +173,16 @@ fn replication_between_two_hosts_survives_cuts_crashes_and_failback() {
     let sent = hosts.sent(1) - wire;
     eprintln!("failback resync: {sent} bytes on the wire for 1 MiB changed");
     assert!(sent < MIB + MIB / 4, "{sent} bytes on the wire for a 1 MiB resync");
-    let m2 = s["last_snapshot"].as_str().unwrap();
-    assert_eq!(read_image(&pa, "v", size), read_image(&pb, &format!("v@{m2}"), size));
+    // B keeps pushing every 2 s and prunes older mirror snapshots: compare with the newest one
+    // A holds, taken again if B pruned it meanwhile (nothing writes now, so all read the same).
+    let mut m2 = s["last_snapshot"].as_str().unwrap().to_owned();
+    let b = loop {
+        if let Some(b) = try_read_image(&pb, &format!("v@{m2}"), size) {
+            break b;
+        }
+        m2 = settled(&pa, &pb, "v")["last_snapshot"].as_str().unwrap().to_owned();
+    };
+    assert_eq!(read_image(&pa, "v", size), b);
 
     // Planned switch-over back to A: demote B (final delta), promote A; nothing is lost.
     assert_eq!(write_on(&mut open(&pb, "v"), 4 * MIB, &[0x77; 65536]), 0);
