@@ -194,12 +194,7 @@ impl Replication {
     /// connects to it and when it calls here: `peer-server-name` where set, else the endpoint's
     /// host. None for a local endpoint (a socket path), which only an operator may act as.
     pub fn peer_identity(&self, endpoint: &str) -> Option<String> {
-        let addr = endpoint.strip_prefix("tcp://")?;
-        if let Some(name) = self.tls.as_ref().and_then(|t| t.peer_name.clone()) {
-            return Some(name);
-        }
-        // The host as a TLS client names it when connecting there.
-        ferrite_tls::server_name(addr).ok().map(|n| n.to_str().into_owned())
+        identity_of(self.tls.as_ref(), endpoint)
     }
 
     /// Cancels an incoming transfer into `replica`, if one runs, and waits until it has stopped.
@@ -210,6 +205,17 @@ impl Replication {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
+}
+
+/// The identity the daemon at `endpoint` proves with its certificate: `peer-server-name` where
+/// set, else the endpoint's host, as a TLS client names it when connecting there. None for a
+/// local endpoint (a socket path).
+pub fn identity_of(tls: Option<&TlsFiles>, endpoint: &str) -> Option<String> {
+    let addr = endpoint.strip_prefix("tcp://")?;
+    if let Some(name) = tls.and_then(|t| t.peer_name.clone()) {
+        return Some(name);
+    }
+    ferrite_tls::server_name(addr).ok().map(|n| n.to_str().into_owned())
 }
 
 /// The largest volume a peer may make here: the pool's size times its overcommit cap.

@@ -95,11 +95,7 @@ impl SyncHub {
     /// The identity a member at `endpoint` proves with its certificate (as for async peers:
     /// `peer-server-name` where set, else the endpoint's host).
     pub fn identity(&self, endpoint: &str) -> Option<String> {
-        let addr = endpoint.strip_prefix("tcp://")?;
-        if let Some(name) = self.tls.as_ref().and_then(|t| t.peer_name.clone()) {
-            return Some(name);
-        }
-        ferrite_tls::server_name(addr).ok().map(|n| n.to_str().into_owned())
+        crate::replica::identity_of(self.tls.as_ref(), endpoint)
     }
 
     async fn client(&self, endpoint: &str) -> Result<MirrorClient<Channel>, Status> {
