@@ -6,6 +6,7 @@
 # MiB/s, p50/p99 completion latency, the latency each row adds over one copy, and the link's
 # round trip (ping) next to it. DELAY_MS adds netem delay to every host's link (a WAN).
 # Needs root (ip netns, tc), fio with its nbd engine.
+# ROWS (space-separated row names) runs only those rows.
 #   SECS=10 DELAY_MS=0 FERRITE_BIN=target/debug/ferrite bench/sync_replicas.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -91,6 +92,7 @@ for row in "randwrite-4k-qd1:--rw=randwrite --bs=4k --iodepth=1" \
            "randwrite-4k-qd32:--rw=randwrite --bs=4k --iodepth=32" \
            "write-128k-qd8:--rw=write --bs=128k --iodepth=8"; do
   name=${row%%:*}; args=${row#*:}
+  case " ${ROWS:-$name} " in *" $name "*) ;; *) continue ;; esac
   for v in c1 c2 c3; do
     # shellcheck disable=SC2086
     run $v "$name" $args >> "$OUT"
@@ -108,9 +110,11 @@ for r in rows:
     print(f"{r['row']:<20}{r['copies']:>7}{r['iops']:>10.0f}{r['mibs']:>9.1f}{r['p50']:>9.0f}{r['p99']:>9.0f}"
           f"{r['p50'] - o['p50']:>9.0f}{r['iops'] / o['iops']:>7.2f}")
 q1 = {r['copies']: r for r in rows if r['row'] == 'randwrite-4k-qd1'}
-goal = q1['1']['p50'] + rtt
-print(f"goal QD1: p50 with copies <= single + one RTT + 10% = {goal * 1.1:.0f} µs: "
-      + ", ".join(f"{c} copies {q1[c]['p50']:.0f} µs" for c in ('2', '3')))
+if q1:
+    goal = q1['1']['p50'] + rtt
+    print(f"goal QD1: p50 with copies <= single + one RTT + 10% = {goal * 1.1:.0f} µs: "
+          + ", ".join(f"{c} copies {q1[c]['p50']:.0f} µs" for c in ('2', '3')))
 q32 = {r['copies']: r for r in rows if r['row'] == 'randwrite-4k-qd32'}
-print(f"goal QD32: 2 copies >= 0.7x single: {q32['2']['iops'] / q32['1']['iops']:.2f}x")
+if q32:
+    print(f"goal QD32: 2 copies >= 0.7x single: {q32['2']['iops'] / q32['1']['iops']:.2f}x")
 EOF

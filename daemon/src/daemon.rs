@@ -213,6 +213,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             nbd: Arc::clone(&nbd),
             listeners: listeners.clone(),
             replication: Arc::clone(&replication),
+            sync: Arc::clone(&sync),
         };
         let limits = cfg.limits.clone();
         tasks.spawn(async move {

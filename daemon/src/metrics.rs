@@ -41,6 +41,7 @@ pub struct Sources {
     pub nbd: Arc<Server>,
     pub listeners: Listeners,
     pub replication: Arc<Replication>,
+    pub sync: Arc<crate::sync::SyncHub>,
 }
 
 fn load(a: &AtomicU64) -> u64 {
@@ -208,7 +209,8 @@ impl Collector for Sources {
                 m.encode_family(l)?.encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
             }
         }
-        self.encode_replication(&mut enc)
+        self.encode_replication(&mut enc)?;
+        self.encode_sync(&mut enc)
     }
 }
 
@@ -254,6 +256,83 @@ impl Sources {
             for (l, labels) in live.iter().zip(&labels) {
                 m.encode_family(labels)?.encode_counter::<NoLabelSet, _, u64>(&value(l), None)?;
             }
+        }
+        Ok(())
+    }
+}
+
+impl Sources {
+    /// Per volume with synchronous replicas (labels: volume, and this daemon's role in it).
+    fn encode_sync(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
+        let rows = self.sync.list(None);
+        let labels: Vec<_> = rows.iter().map(|r| [("volume", r.volume.as_str()), ("role", r.role.as_str())]).collect();
+        let mut m = enc.encode_descriptor(
+            "ferrite_sync_generation",
+            "Generation of the membership this daemon holds.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (r, l) in rows.iter().zip(&labels) {
+            m.encode_family(l)?.encode_gauge(&r.generation)?;
+        }
+        let mut m = enc.encode_descriptor(
+            "ferrite_sync_members",
+            "Members of the volume in each state (primary, in-sync, rebuilding, ejected, witness).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for r in &rows {
+            for state in ["primary", "in-sync", "rebuilding", "ejected", "witness"] {
+                let n = r.members.iter().filter(|m| m.state == state).count() as u64;
+                m.encode_family(&[("volume", r.volume.as_str()), ("state", state)])?.encode_gauge(&n)?;
+            }
+        }
+        // The rest only where this daemon is the primary.
+        let primaries: Vec<_> = rows.iter().filter_map(|r| self.sync.primary(&r.volume)).collect();
+        let labels: Vec<_> = primaries.iter().map(|p| [("volume", p.volume.as_str())]).collect();
+        let mut m = enc.encode_descriptor(
+            "ferrite_sync_refusing_writes",
+            "1 while the primary refuses writes (it lost the majority of its members, or stepped down).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (p, l) in primaries.iter().zip(&labels) {
+            m.encode_family(l)?.encode_gauge(&u64::from(p.refused().is_some()))?;
+        }
+        let mut m = enc.encode_descriptor(
+            "ferrite_sync_rebuild_bytes_left",
+            "Data bytes the running rebuild still has to send.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (p, l) in primaries.iter().zip(&labels) {
+            let left = p
+                .progress
+                .lock()
+                .expect("not poisoned")
+                .as_ref()
+                .map_or(0, |(_, done, total)| total.saturating_sub(done.load(Ordering::Relaxed)));
+            m.encode_family(l)?.encode_gauge(&left)?;
+        }
+        type Counter = fn(&crate::sync::primary::Primary) -> &AtomicU64;
+        for (name, help, counter) in [
+            ("ferrite_sync_ejections", "Members ejected for failing or not answering.", (|p| &p.ejections) as Counter),
+            ("ferrite_sync_rebuild_sent_bytes", "Data bytes rebuilds sent to members.", |p| &p.rebuilt_bytes),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (p, l) in primaries.iter().zip(&labels) {
+                m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&load(counter(p)), None)?;
+            }
+        }
+        let mut m = enc.encode_descriptor(
+            "ferrite_sync_added_seconds",
+            "Time a mirrored request waited for its members after the local write (the _count is the mirrored requests).",
+            None,
+            MetricType::Histogram,
+        )?;
+        for (p, l) in primaries.iter().zip(&labels) {
+            let h = p.added.snapshot();
+            m.encode_family(l)?.encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
         }
         Ok(())
     }

@@ -29,6 +29,31 @@ const MIB: u64 = 1 << 20;
 /// Short, so ejections in the tests take about a second.
 const TIMEOUT: &str = "sync-timeout-ms = 1000";
 
+/// GET /metrics of host `i` (its metrics listener on port 9100, mutual TLS), as host 1 would.
+fn metrics(sw: &Switch, root: &std::path::Path, i: usize) -> String {
+    let pki = root.join("pki");
+    let cfg = ferrite_tls::client_config(
+        &pki.join("ca.pem"),
+        Some((&pki.join("host-1.pem"), &pki.join("host-1-key.pem"))),
+        &[b"http/1.1"],
+    )
+    .unwrap();
+    let host = sw.endpoint(i).trim_start_matches("tcp://").split(':').next().unwrap().to_owned();
+    let name = ferrite_tls::server_name(&host).unwrap();
+    let conn = ferrite_tls::rustls::ClientConnection::new(cfg, name).unwrap();
+    let tcp = std::net::TcpStream::connect((host.as_str(), 9100)).unwrap();
+    let mut tls = ferrite_tls::rustls::StreamOwned::new(conn, tcp);
+    tls.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    let _ = tls.read_to_string(&mut out);
+    out
+}
+
+/// The value of the sample `line` starts with (name and labels).
+fn sample(text: &str, line: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+}
+
 fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
@@ -83,7 +108,8 @@ fn cluster(n: usize, root: &std::path::Path, extra: &str) -> Option<(Switch, Vec
 #[test]
 fn every_write_reaches_every_copy_and_a_killed_replica_is_ejected() {
     let root = tempfile::tempdir().unwrap();
-    let Some((sw, mut d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let extra = format!("{TIMEOUT}\nmetrics-listen = \"0.0.0.0:9100\"");
+    let Some((sw, mut d)) = cluster(3, root.path(), &extra) else { return };
     let (e0, e1, e2) = (sw.endpoint(0), sw.endpoint(1), sw.endpoint(2));
     d[0].ok(&["volume", "create", "v", "64M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
     let s = status(&d[0], "v");
@@ -132,6 +158,23 @@ fn every_write_reaches_every_copy_and_a_killed_replica_is_ejected() {
     assert!(s["members"][2]["reason"].as_str().unwrap().len() > 5, "the ejection says why: {s}");
     assert_eq!(status(&d[1], "v")["generation"], 4, "the ejection is recorded on the other member");
     assert!(read_image(&d[1], "v", 64 * MIB) == read_image(&d[0], "v", 64 * MIB));
+
+    // The same in the metrics, on the primary and on a replica.
+    let m = metrics(&sw, root.path(), 0);
+    for (line, want) in [
+        (r#"ferrite_sync_generation{volume="v",role="primary"}"#, 4.0),
+        (r#"ferrite_sync_members{volume="v",state="in-sync"}"#, 1.0),
+        (r#"ferrite_sync_members{volume="v",state="ejected"}"#, 1.0),
+        (r#"ferrite_sync_ejections_total{volume="v"}"#, 1.0),
+        (r#"ferrite_sync_refusing_writes{volume="v"}"#, 0.0),
+    ] {
+        assert_eq!(sample(&m, line), Some(want), "{line} in\n{m}");
+    }
+    let mirrored = sample(&m, r#"ferrite_sync_added_seconds_count{volume="v"}"#).unwrap_or(0.0);
+    assert!(mirrored > 8192.0, "{mirrored} mirrored requests counted:\n{m}");
+    let m = metrics(&sw, root.path(), 1);
+    assert_eq!(sample(&m, r#"ferrite_sync_generation{volume="v",role="replica"}"#), Some(4.0), "{m}");
+    assert!(!m.contains("ferrite_sync_added_seconds_count"), "a replica has no primary's metrics:\n{m}");
 }
 
 /// One FUA write of `data` at `offset`: its NBD error (0: done).

@@ -111,13 +111,20 @@ impl Keyed for PendingRecord {
 pub struct Records<T> {
     file: RecordFile,
     items: Mutex<Vec<T>>,
+    /// Counts changes: a reader that checked a record may skip checking again until it moves.
+    changes: std::sync::atomic::AtomicU64,
 }
 
 impl<T: Keyed + Clone + Serialize + DeserializeOwned> Records<T> {
     pub fn load(data_dir: &Path, name: &str) -> anyhow::Result<Self> {
         let file = RecordFile::new(data_dir, name);
         let items = Mutex::new(file.load()?);
-        Ok(Self { file, items })
+        Ok(Self { file, items, changes: Default::default() })
+    }
+
+    /// Moves on every change (before the changed record can be read).
+    pub fn changes(&self) -> u64 {
+        self.changes.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn get(&self, key: &str) -> Option<T> {
@@ -134,6 +141,7 @@ impl<T: Keyed + Clone + Serialize + DeserializeOwned> Records<T> {
         let before = items.clone();
         items.retain(|r| r.key() != key);
         items.extend(record);
+        self.changes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.file.save(&items).map_err(|e| {
             *items = before;
             Status::internal(format!("saving {}: {e}", self.file.path().display()))

@@ -353,12 +353,8 @@ impl SyncHub {
             Some(State::Witness) => "witness",
             _ => "replica",
         };
-        let (requests, waited) = p.as_ref().map_or((0, 0), |p| {
-            (
-                p.requests.load(std::sync::atomic::Ordering::Relaxed),
-                p.waited_ns.load(std::sync::atomic::Ordering::Relaxed),
-            )
-        });
+        let added = p.as_ref().map(|p| p.added.snapshot());
+        let (requests, waited) = added.map_or((0, 0.0), |h| (h.count, h.sum));
         let progress = p.as_ref().and_then(|p| p.progress.lock().expect("not poisoned").clone());
         Some(SyncVolume {
             volume: volume.to_owned(),
@@ -384,7 +380,7 @@ impl SyncHub {
                 .collect(),
             refused: p.as_ref().and_then(|p| p.refused()).unwrap_or_default(),
             requests,
-            added_latency_us: if requests == 0 { 0.0 } else { waited as f64 / requests as f64 / 1000.0 },
+            added_latency_us: if requests == 0 { 0.0 } else { waited / requests as f64 * 1e6 },
         })
     }
 }

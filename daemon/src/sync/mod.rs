@@ -9,7 +9,7 @@
 mod catch_up;
 pub mod control;
 mod link;
-mod primary;
+pub mod primary;
 mod rebuild;
 pub mod records;
 pub mod serve;

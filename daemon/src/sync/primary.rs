@@ -40,8 +40,11 @@ pub struct Primary {
     /// The rebuild running, if one does: the member, data bytes sent and to send.
     pub progress: Mutex<Option<(String, Arc<AtomicU64>, u64)>>,
     timeout: Duration,
-    pub requests: AtomicU64,
-    pub waited_ns: AtomicU64,
+    /// How long each mirrored request waited for the members after its local write.
+    pub added: ferrite_nbd::metrics::Histogram,
+    /// Members ejected, and data bytes rebuilds sent, since the daemon started.
+    pub ejections: AtomicU64,
+    pub rebuilt_bytes: AtomicU64,
 }
 
 impl Primary {
@@ -61,8 +64,9 @@ impl Primary {
             rebuilding: AtomicUsize::new(0),
             progress: Mutex::new(None),
             timeout: hub.timeout,
-            requests: AtomicU64::new(0),
-            waited_ns: AtomicU64::new(0),
+            added: Default::default(),
+            ejections: AtomicU64::new(0),
+            rebuilt_bytes: AtomicU64::new(0),
         })
     }
 
@@ -172,6 +176,7 @@ impl Primary {
         match hub.propose(&old, &next).await {
             Ok(()) => {
                 self.adopt(next);
+                self.ejections.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => {
@@ -331,9 +336,7 @@ impl Pending for Waiting {
             let hub = p.hub.upgrade().ok_or_else(|| Error::new(ErrorKind::Closed, "the daemon is stopping"))?;
             hub.rt.block_on(p.eject(&member, &why)).map_err(|e| Error::new(ErrorKind::Io, e))?;
         }
-        p.requests.fetch_add(1, Ordering::Relaxed);
-        let waited = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        p.waited_ns.fetch_add(waited, Ordering::Relaxed);
+        p.added.observe(started.elapsed());
         Ok(())
     }
 }

@@ -45,7 +45,7 @@ impl SyncHub {
                 .cloned()
                 .collect();
             for p in primaries {
-                let requests = p.requests.load(Ordering::Relaxed);
+                let requests = p.added.count();
                 let due = marked
                     .get(&p.volume)
                     .is_none_or(|&(at, seen)| seen != requests && at.elapsed() >= self.mark_interval);
@@ -185,13 +185,14 @@ impl SyncHub {
         let (tx, rx) = tokio::sync::mpsc::channel::<RebuildMessage>(4);
         let begin = RebuildBegin { volume: p.volume.clone(), generation, end: delta.end() };
         tx.send(RebuildMessage { msg: Some(rebuild_message::Msg::Begin(begin)) }).await.map_err(|e| e.to_string())?;
-        let (pool, limiter) = (Arc::clone(&self.pool), self.limiter(member));
+        let (pool, limiter, primary) = (Arc::clone(&self.pool), self.limiter(member), Arc::clone(p));
         let reader = tokio::task::spawn_blocking(move || -> Result<(), String> {
             for piece in delta.pieces(&pool, 0, PIECE).map_err(|e| e.to_string())? {
                 let msg = match piece.map_err(|e| e.to_string())? {
                     Piece::Data { offset, data, crcs } => {
                         limiter.take(data.len() as u64);
                         done.fetch_add(data.len() as u64, Ordering::Relaxed);
+                        primary.rebuilt_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
                         rebuild_message::Msg::Data(PushData { offset, data, crcs })
                     }
                     Piece::Zero { offset, len } => rebuild_message::Msg::Zero(PushZero { offset, length: len }),

@@ -1,8 +1,8 @@
 //! The member's side: the `Mirror` gRPC service on the admin listeners (mutual TLS on TCP, the
 //! fence list, connection limits). A stream is accepted only from the primary the member's own
 //! membership names, at the generation it holds, and only while this member gets writes in it;
-//! requests are applied on the blocking pool, at most [`IN_FLIGHT`] at a time, and acknowledged
-//! once applied (durable for FUA and flush). A membership is stored only from the primary it
+//! small writes are applied on the stream's task, other requests on the blocking pool (at most
+//! [`IN_FLIGHT`] at a time), each acknowledged once applied (durable for FUA and flush). A membership is stored only from the primary it
 //! names, only with a higher generation, and never makes this daemon primary (only a promotion
 //! here does).
 
@@ -27,6 +27,9 @@ use crate::rpc::{blocking, status};
 
 /// Requests a stream applies at once; the stream reads no further while they are all busy.
 const IN_FLIGHT: u32 = 64;
+
+/// Longest write applied on the stream's task (NBD's loop runs writes up to this in place too).
+const INLINE_WRITE: usize = 128 << 10;
 
 /// A rebuild that sends nothing for this long is ended.
 const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
@@ -85,6 +88,12 @@ fn apply(volume: &Volume, op: Op) -> Result<(), String> {
         Op::Mark(_) => return Err("a mark is taken by the stream".into()),
     };
     r.map_err(|e| e.to_string())
+}
+
+/// Whether the engine takes a request in memory without waiting for the device (as NBD's loop
+/// runs it in place): a small write that is not FUA.
+fn runs_now(op: &Op) -> bool {
+    matches!(op, Op::Write(w) if !w.fua && w.data.len() <= INLINE_WRITE)
 }
 
 /// The bytes a request changes, and whether only its whole blocks change (a trim); None for a
@@ -152,6 +161,7 @@ impl mirror_server::Mirror for MirrorService {
         let svc = self.clone();
         tokio::spawn(async move {
             let slots = Arc::new(Semaphore::new(IN_FLIGHT as usize));
+            let mut checked = u64::MAX;
             loop {
                 let msg = match inbound.message().await {
                     Ok(Some(m)) => m,
@@ -162,10 +172,15 @@ impl mirror_server::Mirror for MirrorService {
                     }
                 };
                 // A promotion elsewhere, or an ejection of this member, ends the stream: it
-                // never applies a request of a primary that is no longer its primary.
-                if let Err(e) = svc.still_writer(&open.volume, &held.primary) {
-                    let _ = tx.send(Err(e)).await;
-                    break;
+                // never applies a request of a primary that is no longer its primary. (The
+                // records are checked again only when they changed.)
+                let changes = svc.0.records.changes();
+                if changes != checked {
+                    if let Err(e) = svc.still_writer(&open.volume, &held.primary) {
+                        let _ = tx.send(Err(e)).await;
+                        break;
+                    }
+                    checked = changes;
                 }
                 let Some(op) = msg.op else {
                     let _ = tx.send(Err(Status::invalid_argument("a mirror message without a request"))).await;
@@ -177,6 +192,14 @@ impl mirror_server::Mirror for MirrorService {
                     let error = svc.0.take_mark(&open.volume, &m.snapshot).await.err().unwrap_or_default();
                     drop(all);
                     let _ = tx.send(Ok(MirrorAck { seq: msg.seq, error })).await;
+                    continue;
+                }
+                if catch_up.is_none() && runs_now(&op) {
+                    // Taken in memory by the engine: no thread hop.
+                    let error = apply(&volume, op).err().unwrap_or_default();
+                    if tx.send(Ok(MirrorAck { seq: msg.seq, error })).await.is_err() {
+                        break;
+                    }
                     continue;
                 }
                 let permit = Arc::clone(&slots).acquire_owned().await.expect("never closed");
