@@ -143,7 +143,7 @@ impl TlsConfigs {
         };
         Ok(Self {
             nbd: make(&[])?,
-            admin: if cfg.insecure_admin_listen { None } else { make(&[b"h2"])? },
+            admin: if cfg.insecure_admin_listen { None } else { make(&[b"h2", crate::sync::wire::ALPN])? },
             metrics: make(&[b"http/1.1"])?,
         })
     }
@@ -242,8 +242,21 @@ pub async fn run(cfg: Config) -> Result<()> {
                 "insecure-admin-listen: the admin API listens on TCP WITHOUT TLS OR AUTHENTICATION; \
                  anyone who reaches this address controls the daemon");
         }
-        let clients = listen::accept(l, "admin", Arc::clone(&fences), &cfg.limits, tls.admin.clone(), listeners.admin);
-        let incoming = tokio_stream::wrappers::ReceiverStream::new(clients).map(Ok::<_, std::io::Error>);
+        let mut clients =
+            listen::accept(l, "admin", Arc::clone(&fences), &cfg.limits, tls.admin.clone(), listeners.admin);
+        // Synchronous replicas' streams (their own ALPN) go to the mirror; the rest is gRPC.
+        let (grpc, incoming) = tokio::sync::mpsc::channel(16);
+        let streams = crate::sync::serve::MirrorService(Arc::clone(&sync));
+        tokio::spawn(async move {
+            while let Some(c) = clients.recv().await {
+                if c.alpn() == Some(crate::sync::wire::ALPN) {
+                    tokio::spawn(crate::sync::serve::serve_framed(streams.clone(), c));
+                } else if grpc.send(c).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let incoming = tokio_stream::wrappers::ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
         let (svc, replica, mirror) = (svc.clone(), replica.clone(), mirror.clone());
         let source = if tls.admin.is_some() { Source::Certificate } else { Source::Local };
         let authorize = Authorize::new(Arc::clone(&policy), source);

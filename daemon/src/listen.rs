@@ -43,6 +43,15 @@ impl Guarded {
     pub fn peer(&self) -> SocketAddr {
         self.info.remote
     }
+
+    pub fn info(&self) -> &PeerInfo {
+        &self.info
+    }
+
+    /// The application protocol its TLS handshake chose (ALPN).
+    pub fn alpn(&self) -> Option<&[u8]> {
+        self.stream.alpn()
+    }
 }
 
 /// Accepts on `listener` for ever; admitted (and, with `tls`, handshaken) connections come out

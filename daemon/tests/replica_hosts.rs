@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::nbd::{open, read_image, try_read_image, write_on};
-use common::netns::Hosts;
+use common::netns::{Hosts, Nics};
 use common::{Daemon, settled};
 
 const MIB: u64 = 1 << 20;

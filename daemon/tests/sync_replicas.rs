@@ -4,8 +4,8 @@
 //! writes go on, a partition never leaves two sides writing (majority of the members, a witness
 //! for two copies), a killed primary loses no acknowledged flushed write once an in-sync replica
 //! is promoted, a stale replica is refused promotion, a returning replica (or failed-over
-//! primary) is rebuilt by what changed while writes go on, and a member refuses what a peer may
-//! not do (called here over the switch with each host's certificate).
+//! primary) is rebuilt by what changed while writes go on, a replica that stops answering is
+//! ejected after the timeout instead of waited on, and a member refuses what a peer may not do (called here over the switch with each host's certificate).
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::nbd::{connect, read_image, request, write_on};
-use common::netns::Switch;
+use common::netns::{Nics, Switch};
 use common::{Daemon, pattern};
 use ferrite_nbd::proto::{CMD_FLAG_FUA, CMD_FLUSH, CMD_WRITE};
 use ferrite_proto::ferrite::v1 as pb;
@@ -244,6 +244,41 @@ fn a_partition_never_leaves_two_sides_writing() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("stale") && err.contains("generation 4"), "{err}");
     assert_eq!(status(&d[1], "w")["role"], "primary");
+}
+
+#[test]
+fn a_replica_that_stops_answering_is_ejected_after_the_timeout_not_waited_on() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let (e1, e2) = (sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "v", "16M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
+    d[0].ok(&["export", "nbd", "v"]);
+    let mut c = connect(&d[0].nbd(), "v");
+    assert_eq!(fua_write(&mut c, 0, &pattern(1, 4096)), 0);
+
+    // Host 2's daemon stops answering while its connections stay open (SIGSTOP: the kernel
+    // still acknowledges the bytes, as for a hung daemon or a disk that stalls; netem delays
+    // are not in this kernel).
+    let pid = d[2].child.as_ref().unwrap().id().to_string();
+    let signal = |sig: &str| assert!(Command::new("kill").args([sig, &pid]).status().unwrap().success());
+    signal("-STOP");
+    let t = Instant::now();
+    assert_eq!(fua_write(&mut c, 4096, &pattern(2, 4096)), 0, "the write failed: {}", d[0].log());
+    let first = t.elapsed();
+    assert!(first >= Duration::from_millis(900) && first < Duration::from_secs(4), "the first write took {first:?}");
+    let s = status(&d[0], "v");
+    assert_eq!(state_of(&d[0], "v", &e2), "ejected", "{s}");
+    assert!(s["members"][2]["reason"].as_str().unwrap().contains("did not answer"), "{s}");
+    let t = Instant::now();
+    for i in 2..20 {
+        assert_eq!(fua_write(&mut c, i * 4096, &pattern(i + 1, 4096)), 0);
+    }
+    assert!(t.elapsed() < Duration::from_secs(1), "writes still wait for the slow replica: {:?}", t.elapsed());
+
+    // Once it answers again it is rebuilt and back in sync, with every write.
+    signal("-CONT");
+    until("the slow replica is back in sync", 60, || state_of(&d[0], "v", &e2) == "in-sync");
+    assert!(read_image(&d[2], "v", 16 * MIB) == read_image(&d[0], "v", 16 * MIB));
 }
 
 #[test]

@@ -76,4 +76,4 @@ pub use pool::{Pool, PoolStats};
 pub use qos::{IoKind, QosLimits, QosStats};
 pub use read::reads::Reads;
 pub use recovery::RecoveryReport;
-pub use volume::Volume;
+pub use volume::{Volume, ZERO_DATA_SLICE};

@@ -26,6 +26,8 @@ use crate::state::{State, Target};
 use crate::write::req::{Payload, Req, Waiter};
 
 const B: u64 = BLOCK as u64;
+/// Zeroes [`Volume::write_zero_data`] writes per call (the buffer it needs).
+pub const ZERO_DATA_SLICE: u64 = 1 << 20;
 /// How long a write waits for the cleaner to make room before it gives up with ENOSPC.
 const NO_SPACE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -430,6 +432,20 @@ impl Volume {
         let inner = &*self.pool()?;
         let _in = self.enter()?;
         self.mirrored(inner, MirrorOp::Zero { offset, len, fua }, || self.zero_in(inner, offset, len, fua))
+    }
+
+    /// Zeroes [offset, offset+len) that stay allocated (NBD's NO_HOLE, a member applying its
+    /// primary's): zero data, [`ZERO_DATA_SLICE`] at a time, so the memory is one slice whatever
+    /// the length and other writes interleave between slices.
+    pub fn write_zero_data(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        let zeros = vec![0u8; usize::try_from(len.min(ZERO_DATA_SLICE)).expect("bounded")];
+        let mut at = offset;
+        while at < offset + len {
+            let n = (offset + len - at).min(zeros.len() as u64);
+            self.write(at, &zeros[..usize::try_from(n).expect("bounded")])?;
+            at += n;
+        }
+        if fua { self.flush() } else { Ok(()) }
     }
 
     fn zero_in(&self, inner: &Inner, offset: u64, len: u64, fua: bool) -> Result<()> {

@@ -11,13 +11,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use ferrite_engine::ZERO_DATA_SLICE;
 use parking_lot::{Condvar, Mutex};
 
 use crate::handshake::MAX_REQUEST;
 use crate::proto::{CMD_FLAG_NO_HOLE, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, Request};
 
-/// Zeroes written per engine call for WRITE_ZEROES with NO_HOLE (the buffer it needs).
-pub const ZERO_SLICE: u64 = 1 << 20;
 /// What every request costs besides its data (its reply, bookkeeping).
 const REQUEST_OVERHEAD: u64 = 256;
 
@@ -65,7 +64,7 @@ pub fn cost(req: &Request) -> u64 {
         + match req.kind {
             CMD_READ if req.length <= MAX_REQUEST => 2 * len,
             CMD_WRITE if req.length <= MAX_REQUEST => len,
-            CMD_WRITE_ZEROES if req.flags & CMD_FLAG_NO_HOLE != 0 => len.min(ZERO_SLICE),
+            CMD_WRITE_ZEROES if req.flags & CMD_FLAG_NO_HOLE != 0 => len.min(ZERO_DATA_SLICE),
             _ => 0,
         }
 }
@@ -227,6 +226,6 @@ mod tests {
         let mut z = req(CMD_WRITE_ZEROES, u32::MAX);
         assert_eq!(cost(&z), REQUEST_OVERHEAD);
         z.flags = CMD_FLAG_NO_HOLE;
-        assert_eq!(cost(&z), ZERO_SLICE + REQUEST_OVERHEAD);
+        assert_eq!(cost(&z), ZERO_DATA_SLICE + REQUEST_OVERHEAD);
     }
 }

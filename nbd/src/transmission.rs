@@ -13,7 +13,6 @@ use std::sync::atomic::Ordering;
 use ferrite_engine::{Error, ErrorKind, Volume};
 
 use crate::handshake::{BASE_ALLOCATION_ID, Session};
-use crate::limits::ZERO_SLICE;
 use crate::proto::*;
 
 /// Where a structured read reply's data starts: behind one data chunk's header and offset.
@@ -160,7 +159,7 @@ pub(crate) fn handle(s: &Session, req: Request, payload: &[u8]) -> Reply {
         }
         CMD_WRITE_ZEROES => {
             if req.flags & CMD_FLAG_NO_HOLE != 0 {
-                done(write_real_zeroes(vol, req.offset, u64::from(req.length), fua))
+                done(vol.write_zero_data(req.offset, u64::from(req.length), fua))
             } else {
                 // Unmapping is always fast, so FAST_ZERO needs nothing special.
                 done(vol.write_zeroes(req.offset, u64::from(req.length), fua))
@@ -170,19 +169,6 @@ pub(crate) fn handle(s: &Session, req: Request, payload: &[u8]) -> Reply {
         CMD_BLOCK_STATUS => block_status(s, req),
         _ => err(EINVAL, "unknown command"),
     }
-}
-
-/// Writes zeroes that stay allocated (NO_HOLE), one slice at a time: the memory is one slice
-/// whatever the length (up to 4 GiB), and other requests' writes interleave between slices.
-fn write_real_zeroes(vol: &Volume, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
-    let zeros = vec![0u8; usize::try_from(len.min(ZERO_SLICE)).expect("bounded")];
-    let mut at = offset;
-    while at < offset + len {
-        let n = (offset + len - at).min(zeros.len() as u64);
-        vol.write(at, &zeros[..usize::try_from(n).expect("bounded")])?;
-        at += n;
-    }
-    if fua { vol.flush() } else { Ok(()) }
 }
 
 /// The reply to a read whose data is in `out` behind the header room; `runs` is its

@@ -33,6 +33,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Stream<S> {
         matches!(self, Self::Tls(_))
     }
 
+    /// The application protocol the TLS handshake chose (ALPN), if any.
+    pub fn alpn(&self) -> Option<&[u8]> {
+        match self {
+            Self::Tls(t) => t.get_ref().1.alpn_protocol(),
+            _ => None,
+        }
+    }
+
     /// The client's certificate, verified against the CA, if it presented one over TLS.
     pub fn peer_certificate(&self) -> Option<&CertificateDer<'static>> {
         match self {

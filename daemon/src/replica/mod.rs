@@ -65,6 +65,22 @@ pub struct Live {
     pub failures: u64,
 }
 
+/// One shared value per key (a volume's lock, a peer's limiter), made on first use.
+#[derive(Debug)]
+pub struct PerKey<T>(Mutex<HashMap<String, Arc<T>>>);
+
+impl<T> Default for PerKey<T> {
+    fn default() -> Self {
+        Self(Mutex::default())
+    }
+}
+
+impl<T> PerKey<T> {
+    pub fn get(&self, key: &str, make: impl FnOnce() -> T) -> Arc<T> {
+        Arc::clone(self.0.lock().expect("not poisoned").entry(key.to_owned()).or_insert_with(|| Arc::new(make())))
+    }
+}
+
 /// Paces the bytes sent to one peer: each piece takes the next free slot of `rate` bytes per
 /// second and waits for its start.
 #[derive(Debug)]
@@ -109,9 +125,9 @@ pub struct Replication {
     pending: Records<PendingRecord>,
     live: Mutex<HashMap<String, Live>>,
     /// One state change or outgoing push per volume at a time.
-    ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    ops: PerKey<tokio::sync::Mutex<()>>,
     incoming: Mutex<HashMap<String, Arc<Notify>>>,
-    limiters: Mutex<HashMap<String, Arc<Limiter>>>,
+    limiters: PerKey<Limiter>,
     /// Wakes the scheduler (a relation was enabled or promoted).
     wake: Notify,
     /// Who may call the Replica service for which relation (and every other call).
@@ -154,9 +170,9 @@ impl Replication {
             relations: Records::load(&cfg.data_dir, "replication")?,
             pending: Records::load(&cfg.data_dir, "replica-transfers")?,
             live: Mutex::default(),
-            ops: Mutex::default(),
+            ops: PerKey::default(),
             incoming: Mutex::default(),
-            limiters: Mutex::default(),
+            limiters: PerKey::default(),
             wake: Notify::new(),
             policy,
             idle_timeout: cfg.replication_idle_timeout,
@@ -166,7 +182,7 @@ impl Replication {
 
     /// The lock that orders state changes and pushes of `volume`.
     fn op_lock(&self, volume: &str) -> Arc<tokio::sync::Mutex<()>> {
-        Arc::clone(self.ops.lock().expect("not poisoned").entry(volume.to_owned()).or_default())
+        self.ops.get(volume, Default::default)
     }
 
     /// Reads or updates the live status of `volume`.
@@ -175,8 +191,7 @@ impl Replication {
     }
 
     fn limiter(&self, peer: &str) -> Arc<Limiter> {
-        let mut m = self.limiters.lock().expect("not poisoned");
-        Arc::clone(m.entry(peer.to_owned()).or_insert_with(|| Arc::new(Limiter::new(self.bandwidth))))
+        self.limiters.get(peer, || Limiter::new(self.bandwidth))
     }
 
     /// Marks an incoming transfer into `replica`; a second one at once is Aborted.

@@ -108,8 +108,7 @@ impl SyncHub {
     }
 
     async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {
-        let ch = self.channel(endpoint).await?;
-        tokio::time::timeout(self.timeout, Link::open(ch, endpoint, &rec.volume, rec.generation, None))
+        tokio::time::timeout(self.timeout, Link::open(self.tls.as_ref(), endpoint, &rec.volume, rec.generation, None))
             .await
             .map_err(|_| Status::unavailable(format!("{endpoint} did not open the stream within {:?}", self.timeout)))?
     }

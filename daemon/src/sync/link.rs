@@ -1,5 +1,5 @@
-//! The primary's stream to one member: requests go out in order on one gRPC bidi stream (HTTP/2
-//! over mutual TLS) and acks come back by sequence number. A request waits on an [`Acks`] that
+//! The primary's stream to one member: requests go out in order on one framed mutual-TLS
+//! connection ([`super::wire`]) and acks come back by sequence number. A request waits on an [`Acks`] that
 //! every member it went to answers; a stream that ends answers everything still waiting on it
 //! with the reason, so no request waits longer than the primary's timeout in any case.
 
@@ -8,12 +8,13 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
 use ferrite_proto::ferrite::v1::mirror_message::Op;
-use ferrite_proto::ferrite::v1::{MirrorMessage, MirrorOpen};
-use tokio::sync::mpsc;
+use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorOpen};
+use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
-use tonic::transport::Channel;
+
+use super::wire::{self, Frames};
+use crate::config::TlsFiles;
 
 /// The members' answers to one request.
 #[derive(Debug)]
@@ -74,18 +75,24 @@ pub struct Link {
     tx: Mutex<Option<mpsc::UnboundedSender<MirrorMessage>>>,
     waiting: Mutex<HashMap<u64, Arc<Acks>>>,
     ended: Mutex<Option<String>>,
+    /// Stops the ack reader (a member that stopped answering never closes its side).
+    stop: Mutex<Option<oneshot::Sender<()>>>,
 }
 
 impl Link {
     /// Opens the stream of `volume` at `generation` to the member at `endpoint`; for a rebuild
     /// (`rebuild` the base mark, empty for a full copy), the member rolls back first.
     pub async fn open(
-        channel: Channel,
+        tls: Option<&TlsFiles>,
         endpoint: &str,
         volume: &str,
         generation: u64,
         rebuild: Option<&str>,
     ) -> Result<Arc<Self>, Status> {
+        let at_peer = |e: String| format!("peer {endpoint}: {e}");
+        let conn = wire::connect(tls, endpoint).await.map_err(|e| Status::unavailable(at_peer(e.to_string())))?;
+        let (r, w) = tokio::io::split(conn);
+        let mut acks = Frames::<_, MirrorAck>::new(r, None);
         let (tx, rx) = mpsc::unbounded_channel();
         let open = MirrorOpen {
             volume: volume.to_owned(),
@@ -94,26 +101,34 @@ impl Link {
             base: rebuild.unwrap_or_default().to_owned(),
         };
         tx.send(MirrorMessage { seq: 0, op: Some(Op::Open(open)) }).expect("the receiver is here");
-        let mut client = MirrorClient::new(channel);
-        let mut acks = client
-            .stream(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-            .map_err(crate::replica::send::at_peer(endpoint))?
-            .into_inner();
+        tokio::spawn(wire::send_requests(w, rx));
+        match acks.next().await {
+            Ok(Some(MirrorAck { seq: 0, error })) if error.is_empty() => {}
+            Ok(Some(MirrorAck { error, .. })) => return Err(Status::failed_precondition(at_peer(error))),
+            Ok(None) => return Err(Status::unavailable(at_peer("it closed the stream".into()))),
+            Err(e) => return Err(Status::unavailable(at_peer(e))),
+        }
+        let (stop, mut stopped) = oneshot::channel();
         let link = Arc::new(Self {
             endpoint: endpoint.to_owned(),
             rebuilding: AtomicBool::new(rebuild.is_some()),
             tx: Mutex::new(Some(tx)),
             waiting: Mutex::default(),
             ended: Mutex::default(),
+            stop: Mutex::new(Some(stop)),
         });
         let l = Arc::clone(&link);
         tokio::spawn(async move {
             let why = loop {
-                match acks.message().await {
+                let next = tokio::select! {
+                    a = acks.next() => a,
+                    _ = &mut stopped => break "the stream was ended here".to_owned(),
+                };
+                match next {
+                    Ok(Some(MirrorAck { seq: 0, error })) => break format!("the member ended the stream: {error}"),
                     Ok(Some(a)) => l.answered(a.seq, a.error),
                     Ok(None) => break "the member ended the stream".to_owned(),
-                    Err(e) => break format!("the stream failed: {}", e.message()),
+                    Err(e) => break format!("the stream failed: {e}"),
                 }
             };
             l.end(&why);
@@ -153,6 +168,9 @@ impl Link {
     pub fn end(&self, why: &str) {
         self.ended.lock().expect("not poisoned").get_or_insert_with(|| why.to_owned());
         self.tx.lock().expect("not poisoned").take();
+        if let Some(stop) = self.stop.lock().expect("not poisoned").take() {
+            let _ = stop.send(());
+        }
         let waiting: Vec<_> = self.waiting.lock().expect("not poisoned").drain().map(|(_, a)| a).collect();
         for a in waiting {
             a.answer(&self.endpoint, Some(why.to_owned()));

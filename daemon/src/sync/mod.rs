@@ -1,7 +1,7 @@
 //! Synchronous replicas (ARCHITECTURE.md "Synchronous replicas"): a volume's primary sends every
 //! client request to each in-sync member over a persistent mutual-TLS stream and answers the
 //! client when all of them hold it (`primary.rs`, `link.rs`, through the engine's `Mirror`
-//! hook); members apply what they receive (`serve.rs`). Every member keeps the volume's
+//! hook), on framed TLS connections (`wire.rs`); members apply what they receive (`serve.rs`). Every member keeps the volume's
 //! membership with its generation (`records.rs`); a change is recorded on a majority of the
 //! members before it counts, which is the rule that keeps a partition from having two primaries.
 //! `control.rs` holds adding members, promotion, status and the start-up of primaries.
@@ -13,6 +13,7 @@ pub mod primary;
 mod rebuild;
 pub mod records;
 pub mod serve;
+pub mod wire;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,7 +21,7 @@ use std::time::Duration;
 
 use ferrite_engine::Pool;
 use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
-use ferrite_proto::ferrite::v1::{MembershipRequest, RecordReply};
+use ferrite_proto::ferrite::v1::{self as pb, MembershipRequest, RecordReply};
 use tonic::Status;
 use tonic::transport::Channel;
 
@@ -28,6 +29,7 @@ use crate::authz::Policy;
 use crate::config::{Config, TlsFiles};
 use crate::replica::records::Records;
 use crate::replica::send::{at_peer, channel};
+use crate::replica::{Limiter, PerKey};
 pub use primary::Primary;
 use records::{Membership, State};
 
@@ -52,11 +54,11 @@ pub struct SyncHub {
     /// Volumes being rebuilt here (this daemon a member): what their streams wrote.
     catch_ups: Mutex<HashMap<String, Arc<catch_up::CatchUp>>>,
     /// Sends of rebuilds to each member, paced (`replication-bandwidth`).
-    limiters: Mutex<HashMap<String, Arc<crate::replica::Limiter>>>,
+    limiters: PerKey<Limiter>,
     bandwidth: u64,
     /// How often a primary that took writes takes a mark with its members.
     mark_interval: Duration,
-    ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    ops: PerKey<tokio::sync::Mutex<()>>,
     /// A member that does not answer a request within this is ejected.
     pub timeout: Duration,
     pub rt: tokio::runtime::Handle,
@@ -73,10 +75,10 @@ impl SyncHub {
             records: Records::load(&cfg.data_dir, "sync-members")?,
             primaries: Mutex::default(),
             catch_ups: Mutex::default(),
-            limiters: Mutex::default(),
+            limiters: PerKey::default(),
             bandwidth: cfg.replication_bandwidth,
             mark_interval: cfg.sync_mark_interval,
-            ops: Mutex::default(),
+            ops: PerKey::default(),
             timeout: cfg.sync_timeout,
             rt: tokio::runtime::Handle::current(),
             overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
@@ -85,7 +87,7 @@ impl SyncHub {
 
     /// The lock that orders membership operations on `volume` here.
     fn op_lock(&self, volume: &str) -> Arc<tokio::sync::Mutex<()>> {
-        Arc::clone(self.ops.lock().expect("not poisoned").entry(volume.to_owned()).or_default())
+        self.ops.get(volume, Default::default)
     }
 
     pub fn primary(&self, volume: &str) -> Option<Arc<Primary>> {
@@ -102,28 +104,29 @@ impl SyncHub {
         Ok(MirrorClient::new(channel(self.tls.as_ref(), endpoint).await?))
     }
 
-    pub async fn channel(&self, endpoint: &str) -> Result<Channel, Status> {
-        channel(self.tls.as_ref(), endpoint).await
-    }
-
     /// The generation after `rec`'s, and after any this daemon holds (a proposal of its own that
     /// did not win stays recorded here, and each generation is taken once).
     pub fn next_generation(&self, rec: &Membership) -> u64 {
         rec.generation.max(self.records.get(&rec.volume).map_or(0, |h| h.generation)) + 1
     }
 
-    /// What the member at `endpoint` holds for `volume`, within the timeout.
-    pub async fn held_at(&self, endpoint: &str, volume: &str) -> Result<Membership, String> {
+    /// The member at `endpoint`'s answer to Get for `volume` (its membership and marks), within
+    /// the timeout.
+    pub async fn get_at(&self, endpoint: &str, volume: &str) -> Result<pb::Membership, String> {
         let call = async {
             let mut c = self.client(endpoint).await?;
             let r = c.get(MembershipRequest { volume: volume.to_owned() }).await.map_err(at_peer(endpoint))?;
             Ok::<_, Status>(r.into_inner())
         };
-        let p = match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(p)) => p,
-            Ok(Err(e)) => return Err(e.message().to_owned()),
-            Err(_) => return Err(format!("{endpoint} did not answer within {:?}", self.timeout)),
-        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r.map_err(|e| e.message().to_owned()),
+            Err(_) => Err(format!("{endpoint} did not answer within {:?}", self.timeout)),
+        }
+    }
+
+    /// What the member at `endpoint` holds for `volume`, within the timeout.
+    pub async fn held_at(&self, endpoint: &str, volume: &str) -> Result<Membership, String> {
+        let p = self.get_at(endpoint, volume).await?;
         if p.generation == 0 {
             return Err(format!("{endpoint} holds no membership of {volume}"));
         }

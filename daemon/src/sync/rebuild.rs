@@ -13,9 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use ferrite_proto::ferrite::v1::{
-    MembershipRequest, PushData, PushZero, RebuildBegin, RebuildEnd, RebuildMessage, rebuild_message,
-};
+use ferrite_proto::ferrite::v1::{PushData, PushZero, RebuildBegin, RebuildEnd, RebuildMessage, rebuild_message};
 use ferrite_replication::Piece;
 use ferrite_replication::delta::Delta;
 
@@ -129,11 +127,7 @@ impl SyncHub {
     /// Rebuilds `member` of `p`'s volume: the data bytes that crossed.
     async fn rebuild(self: &Arc<Self>, p: &Arc<Primary>, member: &str) -> Result<u64, String> {
         let volume = p.volume.clone();
-        let theirs = {
-            let mut c = self.client(member).await.map_err(|e| e.message().to_owned())?;
-            let r = c.get(MembershipRequest { volume: volume.clone() }).await.map_err(at_peer(member));
-            r.map_err(|e| e.message().to_owned())?.into_inner().marks
-        };
+        let theirs = self.get_at(member, &volume).await?.marks;
         let base = self.marks(&volume).await.into_iter().rev().find(|m| theirs.contains(m));
         tracing::info!(volume, member, base = base.as_deref().unwrap_or("none: a full copy"), "rebuilding a member");
         self.set_state(p, member, State::Rebuilding, None).await?;
@@ -143,9 +137,9 @@ impl SyncHub {
             let _hold = p.hold().await;
             let (pool, v, n) = (Arc::clone(&self.pool), volume.clone(), point.clone());
             blocking(move || pool.create_snapshot(&v, &n).map(drop)).await.map_err(|e| e.message().to_owned())?;
-            let ch = self.channel(member).await.map_err(|e| e.message().to_owned())?;
             let generation = p.record().generation;
-            let open = Link::open(ch, member, &volume, generation, Some(base.as_deref().unwrap_or_default()));
+            let base = Some(base.as_deref().unwrap_or_default());
+            let open = Link::open(self.tls.as_ref(), member, &volume, generation, base);
             match tokio::time::timeout(self.timeout * 4, open).await {
                 Ok(Ok(link)) => {
                     p.add_link(link);
@@ -213,7 +207,6 @@ impl SyncHub {
     }
 
     fn limiter(&self, member: &str) -> Arc<crate::replica::Limiter> {
-        let mut m = self.limiters.lock().expect("not poisoned");
-        Arc::clone(m.entry(member.to_owned()).or_insert_with(|| Arc::new(crate::replica::Limiter::new(self.bandwidth))))
+        self.limiters.get(member, || crate::replica::Limiter::new(self.bandwidth))
     }
 }

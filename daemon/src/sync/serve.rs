@@ -1,11 +1,13 @@
 //! The member's side: the `Mirror` gRPC service on the admin listeners (mutual TLS on TCP, the
-//! fence list, connection limits). A stream is accepted only from the primary the member's own
+//! fence list, connection limits), and the same stream as a framed connection on them
+//! ([`wire`], what primaries use). A stream is accepted only from the primary the member's own
 //! membership names, at the generation it holds, and only while this member gets writes in it;
 //! small writes are applied on the stream's task, other requests on the blocking pool (at most
 //! [`IN_FLIGHT`] at a time), each acknowledged once applied (durable for FUA and flush). A membership is stored only from the primary it
 //! names, only with a higher generation, and never makes this daemon primary (only a promotion
 //! here does).
 
+use std::future::Future;
 use std::sync::Arc;
 
 use ferrite_engine::Volume;
@@ -15,14 +17,17 @@ use ferrite_proto::ferrite::v1::{
     mirror_server, rebuild_message,
 };
 use ferrite_replication::Piece;
+use tokio::io::AsyncRead;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::SyncHub;
 use super::catch_up::CatchUp;
+use super::wire::{self, Frames};
 use super::records::{Membership, State};
 use crate::authz::{Caller, caller_of};
+use crate::listen::Guarded;
 use crate::rpc::{blocking, status};
 
 /// Requests a stream applies at once; the stream reads no further while they are all busy.
@@ -81,7 +86,7 @@ fn apply(volume: &Volume, op: Op) -> Result<(), String> {
             if w.fua { volume.write_fua(w.offset, &w.data) } else { volume.write(w.offset, &w.data) }
         }
         Op::Trim(t) => volume.trim(t.offset, t.length),
-        Op::Zero(z) if z.allocate => write_zero_data(volume, z.offset, z.length, z.fua),
+        Op::Zero(z) if z.allocate => volume.write_zero_data(z.offset, z.length, z.fua),
         Op::Zero(z) => volume.write_zeroes(z.offset, z.length, z.fua),
         Op::Flush(_) => volume.flush(),
         Op::Open(_) => return Err("the stream is already open".into()),
@@ -107,33 +112,40 @@ fn op_range(op: &Op) -> Option<(u64, u64, bool)> {
     }
 }
 
-/// Zeroes that stay allocated, as the primary wrote them: zero data, 1 MiB at a time.
-fn write_zero_data(volume: &Volume, offset: u64, len: u64, fua: bool) -> ferrite_engine::Result<()> {
-    let zeros = vec![0u8; usize::try_from(len.min(1 << 20)).expect("at most 1 MiB")];
-    let mut at = offset;
-    while at < offset + len {
-        let n = usize::try_from((offset + len - at).min(zeros.len() as u64)).expect("at most 1 MiB");
-        if fua {
-            volume.write_fua(at, &zeros[..n])?
-        } else {
-            volume.write(at, &zeros[..n])?
-        }
-        at += n as u64;
-    }
-    Ok(())
+/// Where a stream's requests come from: the gRPC stream, or a framed connection.
+pub trait Inbound: Send + 'static {
+    fn message(&mut self) -> impl Future<Output = Result<Option<MirrorMessage>, String>> + Send;
 }
 
-#[tonic::async_trait]
-impl mirror_server::Mirror for MirrorService {
-    type StreamStream = ReceiverStream<Result<MirrorAck, Status>>;
+impl Inbound for Streaming<MirrorMessage> {
+    async fn message(&mut self) -> Result<Option<MirrorMessage>, String> {
+        Streaming::message(self).await.map_err(|e| e.message().to_owned())
+    }
+}
 
-    async fn stream(&self, req: Request<Streaming<MirrorMessage>>) -> Result<Response<Self::StreamStream>, Status> {
-        const CALL: &str = "/ferrite.v1.Mirror/Stream";
-        let caller = caller_of(&req)?;
-        let mut inbound = req.into_inner();
+impl<R: AsyncRead + Unpin + Send + 'static> Inbound for Frames<R, MirrorMessage> {
+    async fn message(&mut self) -> Result<Option<MirrorMessage>, String> {
+        self.next().await
+    }
+}
+
+/// A stream the member took: for which volume, from which primary, and where its writes go.
+struct Opened {
+    volume_name: String,
+    primary: String,
+    volume: Volume,
+    catch_up: Option<Arc<CatchUp>>,
+}
+
+const STREAM: &str = "/ferrite.v1.Mirror/Stream";
+
+impl MirrorService {
+    /// Takes the open a stream starts with, from `caller`, or refuses it saying why.
+    async fn accept(&self, caller: &Caller, inbound: &mut impl Inbound) -> Result<Opened, Status> {
         let first = tokio::time::timeout(self.0.timeout, inbound.message())
             .await
-            .map_err(|_| Status::deadline_exceeded("no open on the stream"))??;
+            .map_err(|_| Status::deadline_exceeded("no open on the stream"))?
+            .map_err(Status::unavailable)?;
         let Some(MirrorMessage { op: Some(Op::Open(open)), .. }) = first else {
             return Err(Status::invalid_argument("a mirror stream starts with an open"));
         };
@@ -141,7 +153,7 @@ impl mirror_server::Mirror for MirrorService {
             self.0.records.get(&open.volume).ok_or_else(|| {
                 Status::not_found(format!("volume {:?} has no synchronous membership here", open.volume))
             })?;
-        self.check_is(&caller, &held.primary, CALL)?;
+        self.check_is(caller, &held.primary, STREAM)?;
         if open.generation != held.generation {
             return Err(Status::failed_precondition(format!(
                 "stale generation {}: this member holds generation {} of {:?} (primary {})",
@@ -157,65 +169,109 @@ impl mirror_server::Mirror for MirrorService {
                 return Err(Status::failed_precondition("only a member being rebuilt opens a stream for a rebuild"));
             }
         };
-        let (tx, rx) = mpsc::channel(2 * IN_FLIGHT as usize);
-        let svc = self.clone();
-        tokio::spawn(async move {
-            let slots = Arc::new(Semaphore::new(IN_FLIGHT as usize));
-            let mut checked = u64::MAX;
-            loop {
-                let msg = match inbound.message().await {
-                    Ok(Some(m)) => m,
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::info!(volume = %open.volume, error = %e.message(), "mirror stream ended");
-                        break;
-                    }
-                };
-                // A promotion elsewhere, or an ejection of this member, ends the stream: it
-                // never applies a request of a primary that is no longer its primary. (The
-                // records are checked again only when they changed.)
-                let changes = svc.0.records.changes();
-                if changes != checked {
-                    if let Err(e) = svc.still_writer(&open.volume, &held.primary) {
-                        let _ = tx.send(Err(e)).await;
-                        break;
-                    }
-                    checked = changes;
-                }
-                let Some(op) = msg.op else {
-                    let _ = tx.send(Err(Status::invalid_argument("a mirror message without a request"))).await;
+        Ok(Opened { volume_name: open.volume, primary: held.primary, volume, catch_up })
+    }
+
+    /// Applies the requests of an opened stream as they come; their acks (and an error that
+    /// ends the stream) go to `tx`.
+    async fn apply_all(self, s: Opened, mut inbound: impl Inbound, tx: mpsc::Sender<Result<MirrorAck, Status>>) {
+        let slots = Arc::new(Semaphore::new(IN_FLIGHT as usize));
+        let mut checked = u64::MAX;
+        loop {
+            let msg = match inbound.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::info!(volume = %s.volume_name, error = %e, "mirror stream ended");
                     break;
-                };
-                if let Op::Mark(m) = op {
-                    // Every earlier request applied, none later (the primary waits for this ack).
-                    let all = Arc::clone(&slots).acquire_many_owned(IN_FLIGHT).await.expect("never closed");
-                    let error = svc.0.take_mark(&open.volume, &m.snapshot).await.err().unwrap_or_default();
-                    drop(all);
-                    let _ = tx.send(Ok(MirrorAck { seq: msg.seq, error })).await;
-                    continue;
                 }
-                if catch_up.is_none() && runs_now(&op) {
-                    // Taken in memory by the engine: no thread hop.
-                    let error = apply(&volume, op).err().unwrap_or_default();
-                    if tx.send(Ok(MirrorAck { seq: msg.seq, error })).await.is_err() {
-                        break;
-                    }
-                    continue;
-                }
-                let permit = Arc::clone(&slots).acquire_owned().await.expect("never closed");
-                let (volume, tx, seq, catch_up) = (volume.clone(), tx.clone(), msg.seq, catch_up.clone());
-                tokio::task::spawn_blocking(move || {
-                    let error = match (&catch_up, op_range(&op)) {
-                        (Some(c), Some((offset, len, whole_only))) => {
-                            c.write(offset, len, whole_only, || apply(&volume, op))
-                        }
-                        _ => apply(&volume, op),
-                    };
-                    drop(permit);
-                    let _ = tx.blocking_send(Ok(MirrorAck { seq, error: error.err().unwrap_or_default() }));
-                });
+            };
+            if msg.seq == 0 && msg.op.is_none() {
+                continue; // a keepalive
             }
-        });
+            // A promotion elsewhere, or an ejection of this member, ends the stream: it never
+            // applies a request of a primary that is no longer its primary. (The records are
+            // checked again only when they changed.)
+            let changes = self.0.records.changes();
+            if changes != checked {
+                if let Err(e) = self.still_writer(&s.volume_name, &s.primary) {
+                    let _ = tx.send(Err(e)).await;
+                    break;
+                }
+                checked = changes;
+            }
+            let Some(op) = msg.op else {
+                let _ = tx.send(Err(Status::invalid_argument("a mirror message without a request"))).await;
+                break;
+            };
+            if let Op::Mark(m) = op {
+                // Every earlier request applied, none later (the primary waits for this ack).
+                let all = Arc::clone(&slots).acquire_many_owned(IN_FLIGHT).await.expect("never closed");
+                let error = self.0.take_mark(&s.volume_name, &m.snapshot).await.err().unwrap_or_default();
+                drop(all);
+                let _ = tx.send(Ok(MirrorAck { seq: msg.seq, error })).await;
+                continue;
+            }
+            if s.catch_up.is_none() && runs_now(&op) {
+                // Taken in memory by the engine: no thread hop.
+                let error = apply(&s.volume, op).err().unwrap_or_default();
+                if tx.send(Ok(MirrorAck { seq: msg.seq, error })).await.is_err() {
+                    break;
+                }
+                continue;
+            }
+            let permit = Arc::clone(&slots).acquire_owned().await.expect("never closed");
+            let (volume, tx, seq, catch_up) = (s.volume.clone(), tx.clone(), msg.seq, s.catch_up.clone());
+            tokio::task::spawn_blocking(move || {
+                let error = match (&catch_up, op_range(&op)) {
+                    (Some(c), Some((offset, len, whole_only))) => c.write(offset, len, whole_only, || apply(&volume, op)),
+                    _ => apply(&volume, op),
+                };
+                drop(permit);
+                let _ = tx.blocking_send(Ok(MirrorAck { seq, error: error.err().unwrap_or_default() }));
+            });
+        }
+    }
+}
+
+/// Serves a framed mirror connection (the admin listener's clients that chose [`wire::ALPN`]):
+/// the caller's role is checked as the gRPC layer checks a call, then the stream runs as over
+/// gRPC; its first ack says whether the open was taken.
+pub async fn serve_framed(svc: MirrorService, conn: Guarded) {
+    let caller = svc.0.policy.caller(&conn.info().names);
+    let (r, w) = tokio::io::split(conn);
+    let mut inbound = Frames::new(r, Some(wire::IDLE));
+    let (tx, rx) = mpsc::channel(2 * IN_FLIGHT as usize);
+    let writer = tokio::spawn(wire::send_acks(w, rx));
+    let opened = match svc.0.policy.check(&caller, STREAM) {
+        Ok(()) => svc.accept(&caller, &mut inbound).await,
+        Err(e) => Err(e),
+    };
+    match opened {
+        Ok(s) => {
+            if tx.send(Ok(MirrorAck { seq: 0, error: String::new() })).await.is_ok() {
+                svc.apply_all(s, inbound, tx).await;
+            }
+        }
+        Err(e) => {
+            let _ = tx.send(Err(e)).await;
+            drop(tx);
+        }
+    }
+    let _ = writer.await;
+}
+
+#[tonic::async_trait]
+impl mirror_server::Mirror for MirrorService {
+    type StreamStream = ReceiverStream<Result<MirrorAck, Status>>;
+
+    /// The same stream over gRPC (primaries use the framed connection; see [`wire`]).
+    async fn stream(&self, req: Request<Streaming<MirrorMessage>>) -> Result<Response<Self::StreamStream>, Status> {
+        let caller = caller_of(&req)?;
+        let mut inbound = req.into_inner();
+        let s = self.accept(&caller, &mut inbound).await?;
+        let (tx, rx) = mpsc::channel(2 * IN_FLIGHT as usize);
+        tokio::spawn(self.clone().apply_all(s, inbound, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

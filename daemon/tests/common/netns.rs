@@ -53,28 +53,15 @@ impl Hosts {
             }
         }
     }
+}
 
-    /// Takes host `i`'s end of the link down or up (a cut cable).
-    pub fn link(&self, i: usize, up: bool) {
-        ip(&["-n", &self.ns[i], "link", "set", &self.dev[i], if up { "up" } else { "down" }]).unwrap();
+impl Nics for Hosts {
+    fn nic(&self, i: usize) -> (&str, &str, &str) {
+        (&self.ns[i], &self.dev[i], &self.ip[i])
     }
 
-    /// Bytes host `i` has sent over the link.
-    pub fn sent(&self, i: usize) -> u64 {
-        let p = format!("/sys/class/net/{}/statistics/tx_bytes", self.dev[i]);
-        let o = Command::new("ip").args(["netns", "exec", &self.ns[i], "cat", &p]).output().unwrap();
-        String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
-    }
-
-    /// A daemon on host `i`: its admin API on `<ip>:7070` with mutual TLS (certificates from
-    /// one CA in `<root>/pki`), `extra` added to its configuration.
-    pub fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon {
+    fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon {
         host_daemon(root, &self.ns, &self.ip, i, extra)
-    }
-
-    /// Host `i`'s admin endpoint, as the other host reaches it.
-    pub fn endpoint(&self, i: usize) -> String {
-        format!("tcp://{}:7070", self.ip[i])
     }
 }
 
@@ -149,8 +136,7 @@ impl Drop for Lan {
 
 /// Several hosts, each in its own namespace, plugged into one switch (a bridge in a namespace
 /// of its own) by a veth pair: a host's cable can be cut alone (its end down), a pair of hosts
-/// kept apart (a blackhole route on each side), and a host's link slowed (netem). This
-/// namespace is plugged in too (`gateway`), so a test can call the hosts itself.
+/// kept apart (a blackhole route on each side). This namespace is plugged in too (`gateway`), so a test can call the hosts itself.
 pub struct Switch {
     pub ns: Vec<String>,
     pub dev: Vec<String>,
@@ -211,11 +197,6 @@ impl Switch {
         }
     }
 
-    /// Host `i`'s cable: cut (down) or back (up).
-    pub fn link(&self, i: usize, up: bool) {
-        ip(&["-n", &self.ns[i], "link", "set", &self.dev[i], if up { "up" } else { "down" }]).unwrap();
-    }
-
     /// Keeps hosts `a` and `b` apart (each drops what it would send the other), or lets them
     /// talk again.
     pub fn part(&self, a: usize, b: usize, apart: bool) {
@@ -224,36 +205,45 @@ impl Switch {
             ip(&["-n", &self.ns[x], "route", if apart { "add" } else { "del" }, "blackhole", &dst]).unwrap();
         }
     }
+}
 
-    /// Delays everything host `i` sends by `ms` (0: no delay).
-    pub fn delay(&self, i: usize, ms: u32) {
-        let args: Vec<String> = if ms == 0 {
-            vec!["qdisc".into(), "del".into(), "dev".into(), self.dev[i].clone(), "root".into()]
-        } else {
-            ["qdisc", "replace", "dev", &self.dev[i], "root", "netem", "delay", &format!("{ms}ms")]
-                .iter()
-                .map(|s| (*s).to_owned())
-                .collect()
-        };
-        let o = Command::new("ip").args(["netns", "exec", &self.ns[i], "tc"]).args(&args).output().unwrap();
-        assert!(o.status.success(), "tc {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+impl Nics for Switch {
+    fn nic(&self, i: usize) -> (&str, &str, &str) {
+        (&self.ns[i], &self.dev[i], &self.ip[i])
+    }
+
+    fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon {
+        host_daemon(root, &self.ns, &self.ip, i, extra)
+    }
+}
+
+/// What a test does with the hosts of [`Hosts`] and [`Switch`]: host `i` is namespace `ns`,
+/// plugged in by its veth end `dev`, at address `ip`.
+pub trait Nics {
+    /// Host `i`'s namespace, device and address.
+    fn nic(&self, i: usize) -> (&str, &str, &str);
+
+    /// A daemon on host `i`: its admin API on `<ip>:7070` with mutual TLS (certificates
+    /// `host-<i>` from one CA in `<root>/pki`), `extra` added to its configuration.
+    fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon;
+
+    /// Host `i`'s cable: cut (down) or back (up).
+    fn link(&self, i: usize, up: bool) {
+        let (ns, dev, _) = self.nic(i);
+        ip(&["-n", ns, "link", "set", dev, if up { "up" } else { "down" }]).unwrap();
     }
 
     /// Bytes host `i` has sent on its cable.
-    pub fn sent(&self, i: usize) -> u64 {
-        let p = format!("/sys/class/net/{}/statistics/tx_bytes", self.dev[i]);
-        let o = Command::new("ip").args(["netns", "exec", &self.ns[i], "cat", &p]).output().unwrap();
+    fn sent(&self, i: usize) -> u64 {
+        let (ns, dev, _) = self.nic(i);
+        let p = format!("/sys/class/net/{dev}/statistics/tx_bytes");
+        let o = Command::new("ip").args(["netns", "exec", ns, "cat", &p]).output().unwrap();
         String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
     }
 
-    /// A daemon on host `i`, as for [`Hosts::daemon`].
-    pub fn daemon(&self, i: usize, root: &Path, extra: &str) -> Daemon {
-        host_daemon(root, &self.ns, &self.ip, i, extra)
-    }
-
     /// Host `i`'s admin endpoint, as the other hosts reach it.
-    pub fn endpoint(&self, i: usize) -> String {
-        format!("tcp://{}:7070", self.ip[i])
+    fn endpoint(&self, i: usize) -> String {
+        format!("tcp://{}:7070", self.nic(i).2)
     }
 }
 
