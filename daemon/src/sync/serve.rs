@@ -24,8 +24,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::SyncHub;
 use super::catch_up::CatchUp;
-use super::wire::{self, Frames};
 use super::records::{Membership, State};
+use super::wire::{self, Frames};
 use crate::authz::{Caller, caller_of};
 use crate::listen::Guarded;
 use crate::rpc::{blocking, status};
@@ -224,7 +224,9 @@ impl MirrorService {
             let (volume, tx, seq, catch_up) = (s.volume.clone(), tx.clone(), msg.seq, s.catch_up.clone());
             tokio::task::spawn_blocking(move || {
                 let error = match (&catch_up, op_range(&op)) {
-                    (Some(c), Some((offset, len, whole_only))) => c.write(offset, len, whole_only, || apply(&volume, op)),
+                    (Some(c), Some((offset, len, whole_only))) => {
+                        c.write(offset, len, whole_only, || apply(&volume, op))
+                    }
                     _ => apply(&volume, op),
                 };
                 drop(permit);
