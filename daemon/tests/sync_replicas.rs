@@ -366,6 +366,58 @@ async fn mirror_as(
     MirrorClient::new(common::csi::tls_channel(&addr, &root.join("pki"), who).await)
 }
 
+/// A framed mirror connection (the primaries' wire: ALPN ferrite-mirror/1, u32 length + message)
+/// to host `to` with `who`'s certificate: sends `frames` (raw bytes), then returns the acks that
+/// come back until the member closes the connection or 2 s pass.
+async fn framed(sw: &Switch, root: &std::path::Path, to: usize, who: &str, frames: Vec<u8>) -> Vec<pb::MirrorAck> {
+    use prost::Message;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = root.join("pki");
+    let cfg = ferrite_tls::client_config(
+        &pki.join("ca.pem"),
+        Some((&pki.join(format!("{who}.pem")), &pki.join(format!("{who}-key.pem")))),
+        &[b"ferrite-mirror/1"],
+    )
+    .unwrap();
+    let tcp = tokio::net::TcpStream::connect((sw.ip[to].as_str(), 7070)).await.unwrap();
+    let name = ferrite_tls::server_name(&sw.ip[to]).unwrap();
+    let mut c = ferrite_tls::TlsConnector::from(cfg).connect(name, tcp).await.unwrap();
+    c.write_all(&frames).await.unwrap();
+    c.flush().await.unwrap();
+    let mut acks = Vec::new();
+    let read = async {
+        loop {
+            let Ok(len) = c.read_u32().await else { break };
+            let mut buf = vec![0u8; len as usize];
+            if c.read_exact(&mut buf).await.is_err() {
+                break;
+            }
+            acks.push(pb::MirrorAck::decode(buf.as_slice()).unwrap());
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(2), read).await;
+    acks
+}
+
+/// One frame of `m`.
+fn frame(m: &pb::MirrorMessage) -> Vec<u8> {
+    let body = prost::Message::encode_to_vec(m);
+    [(body.len() as u32).to_be_bytes().as_slice(), &body].concat()
+}
+
+/// An open of `volume` at `generation`, then a 4 KiB write whose crc is `crc` (None: right).
+fn open_and_write(volume: &str, generation: u64, crc: Option<u32>) -> Vec<u8> {
+    let open = pb::MirrorOpen { volume: volume.into(), generation, ..Default::default() };
+    let data = prost::bytes::Bytes::from(vec![7u8; 4096]);
+    let crc = crc.unwrap_or_else(|| crc32c::crc32c(&data));
+    let write = pb::MirrorWrite { offset: 0, crc, data, fua: false };
+    [
+        frame(&pb::MirrorMessage { seq: 0, op: Some(Op::Open(open)) }),
+        frame(&pb::MirrorMessage { seq: 1, op: Some(Op::Write(write)) }),
+    ]
+    .concat()
+}
+
 fn membership(volume: &str, generation: u64, primary: &str, members: &[(&str, &str)]) -> pb::Membership {
     pb::Membership {
         volume: volume.into(),
@@ -452,6 +504,20 @@ async fn members_refuse_what_a_peer_may_not_do() {
     let e = stream_write(&mut as0, "w", 2).await;
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
     assert!(e.message().contains("stale generation 2"), "{e}");
+
+    // The same over the framed wire: the first ack says why the open was refused, and nothing
+    // after it is applied.
+    let acks = framed(&sw, root.path(), 1, "host-2", open_and_write("w", 3, None)).await;
+    assert!(acks.len() == 1 && acks[0].seq == 0 && acks[0].error.contains("may not call Stream"), "{acks:?}");
+    let acks = framed(&sw, root.path(), 1, "host-0", open_and_write("w", 2, None)).await;
+    assert!(acks.len() == 1 && acks[0].error.contains("stale generation 2"), "{acks:?}");
+    // A damaged write is refused by its ack; a frame longer than any message ends the stream.
+    let acks = framed(&sw, root.path(), 1, "host-0", open_and_write("w", 3, Some(1))).await;
+    assert!(acks.len() == 2 && acks[0].error.is_empty() && acks[1].error.contains("damaged"), "{acks:?}");
+    let huge = [open_and_write("w", 3, None), u32::MAX.to_be_bytes().to_vec(), vec![0; 64]].concat();
+    let acks = framed(&sw, root.path(), 1, "host-0", huge).await;
+    assert_eq!(acks.len(), 2, "{acks:?}");
+    assert!(acks[1].error.is_empty(), "the good write before the long frame is taken: {acks:?}");
 
     // A replica ejected while it was away cannot make itself primary by telling the others.
     sw.link(2, false);
