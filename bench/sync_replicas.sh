@@ -6,14 +6,18 @@
 # MiB/s, p50/p99 completion latency, the latency each row adds over one copy, and the link's
 # round trip (ping) next to it. DELAY_MS adds netem delay to every host's link (a WAN).
 # Needs root (ip netns, tc), fio with its nbd engine.
-# ROWS (space-separated row names) runs only those rows.
+# Then a rebuild by what changed (a REBUILD_SIZE volume, default 2G, written in full, with a
+# replica and a witness; the replica stopped while 1% of it is rewritten, then let go) next to
+# a full copy of a volume like it to a new replica, and a failover: kill -9 of the primary during writes, promote on a
+# replica, export, first write acknowledged there.
+# ROWS (space-separated row names, "rebuild", "failover") runs only those rows.
 #   SECS=10 DELAY_MS=0 FERRITE_BIN=target/debug/ferrite bench/sync_replicas.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${SECS:-10}
 DELAY_MS=${DELAY_MS:-0}
 DIR=${BENCH_DIR:-/tmp/ferrite-sync}
-for t in fio ip tc ping python3; do
+for t in fio ip tc ping python3 qemu-io; do
   command -v $t >/dev/null || { echo "SKIPPED: $t is not installed (scripts/setup.sh installs it)"; exit 0; }
 done
 [ "$(id -u)" = 0 ] || { echo "SKIPPED: network namespaces need root"; exit 0; }
@@ -56,6 +60,7 @@ admin-listen = "${IP[$i]}:7070"
 tls-cert = "$PKI/host-$i.pem"
 tls-key = "$PKI/host-$i-key.pem"
 tls-client-ca = "$PKI/ca.pem"
+sync-mark-interval-ms = 5000
 [roles]
 "host-0" = "replication-peer"
 "host-1" = "replication-peer"
@@ -98,10 +103,12 @@ for row in "randwrite-4k-qd1:--rw=randwrite --bs=4k --iodepth=1" \
     run $v "$name" $args >> "$OUT"
   done
 done
-for v in c3; do A -o json replica status $v | python3 -c "import json,sys; j=json.load(sys.stdin); print(f\"{j['volume']}: {j['requests']} mirrored requests, +{j['added_latency_us']:.0f} µs each on average (status)\")"; done
+[ -s "$OUT" ] && for v in c3; do A -o json replica status $v | python3 -c "import json,sys; j=json.load(sys.stdin); print(f\"{j['volume']}: {j['requests']} mirrored requests, +{j['added_latency_us']:.0f} µs each on average (status)\")"; done
 python3 - "$OUT" "$rtt" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+if not rows:
+    sys.exit(0)
 rtt = float(sys.argv[2])
 print(f"{'row':<20}{'copies':>7}{'IOPS':>10}{'MiB/s':>9}{'p50 µs':>9}{'p99 µs':>9}{'+p50 µs':>9}{'vs 1':>7}")
 one = {r['row']: r for r in rows if r['copies'] == '1'}
@@ -118,3 +125,67 @@ q32 = {r['copies']: r for r in rows if r['row'] == 'randwrite-4k-qd32'}
 if q32:
     print(f"goal QD32: 2 copies >= 0.7x single: {q32['2']['iops'] / q32['1']['iops']:.2f}x")
 EOF
+
+want() { case " ${ROWS:-rebuild failover} " in *" $1 "*) return 0 ;; esac; return 1; }
+now_ms() { date +%s%3N; }
+tx() { ip netns exec "${NS[0]}" cat /sys/class/net/frs0/statistics/tx_bytes; }
+state() { # state VOLUME ENDPOINT [HOST]
+  "$F" --admin-socket "$DIR/${3:-0}/admin.sock" -o json replica status "$1" |
+    python3 -c "import json,sys; print(next(m['state'] for m in json.load(sys.stdin)['members'] if m['endpoint']=='$2'))"
+}
+until_state() { # until_state VOLUME ENDPOINT STATE SECONDS
+  for _ in $(seq $(($4 * 20))); do [ "$(state "$1" "$2")" = "$3" ] && return 0; sleep 0.05; done
+  echo "$2 did not become $3 in $4 s" >&2; return 1
+}
+fill() { # fill VOLUME FIO-ARGS...
+  local v=$1; shift
+  fio --name=fill --ioengine=nbd --uri="nbd+unix:///$v?socket=$DIR/0/nbd.sock" --output=/dev/null "$@" >&2
+}
+if want rebuild; then
+  RB=${REBUILD_SIZE:-2G}
+  # Two copies and a witness: writes go on while the replica is away.
+  A volume create r "$RB" --replicas 2 --peer "$E1" --witness "$E2" >/dev/null
+  A volume create full "$RB" >/dev/null
+  for v in r full; do
+    A export nbd $v >/dev/null
+    fill $v --rw=write --bs=1M --iodepth=4 --size="$RB"
+  done
+  bytes=$(A -o json volume list | python3 -c "import json,sys; print(next(v['size'] for v in json.load(sys.stdin) if v['name']=='r'))")
+  # A mark with the member (every 5 s after writes), then the member stops answering.
+  for _ in $(seq 200); do
+    A -o json replica status r | python3 -c "import json,sys; sys.exit(0 if all(m['mark'] for m in json.load(sys.stdin)['members']) else 1)" && break
+    sleep 0.1
+  done
+  kill -STOP "$(cat "$DIR/1/pid")"
+  changed=$((bytes / 100))
+  fill r --rw=randwrite --bs=64k --iodepth=8 --size="$RB" --io_size="$changed"
+  until_state r "$E1" ejected 30
+  before=$(tx); t0=$(now_ms)
+  kill -CONT "$(cat "$DIR/1/pid")"
+  until_state r "$E1" in-sync 600
+  t1=$(now_ms); rebuilt=$(($(tx) - before))
+  before=$(tx); t2=$(now_ms)
+  A replica add full "$E1" --sync >/dev/null
+  until_state full "$E1" in-sync 1200
+  t3=$(now_ms); full=$(($(tx) - before))
+  echo "rebuild of a $RB volume with 1% rewritten ($((changed >> 20)) MiB): $((t1 - t0)) ms, $((rebuilt >> 20)) MiB on the wire;" \
+    "full copy to a new replica: $((t3 - t2)) ms, $((full >> 20)) MiB on the wire" \
+    "(time ratio $(python3 -c "print(f'{($t1 - $t0) / max(1, $t3 - $t2):.3f}')"))"
+fi
+if want failover; then
+  A volume create f 256M --replicas 3 --peer "$E1" --peer "$E2" >/dev/null
+  A export nbd f >/dev/null
+  # Its writes fail once the primary is gone: their errors are expected.
+  fill f --rw=randwrite --bs=4k --iodepth=4 --size=256M --time_based --runtime=30 2>/dev/null &
+  writer=$!
+  sleep 2
+  t0=$(now_ms)
+  kill -9 "$(cat "$DIR/0/pid")"
+  B() { "$F" --admin-socket "$DIR/1/admin.sock" "$@"; }
+  until B replica promote f >/dev/null 2>&1; do sleep 0.05; done
+  B export nbd f >/dev/null
+  qemu-io -f raw "nbd+unix:///f?socket=$DIR/1/nbd.sock" -c "write -P 7 0 4k" >/dev/null
+  t1=$(now_ms)
+  wait "$writer" 2>/dev/null || true
+  echo "failover: kill -9 of the primary to the first write acknowledged by the promoted replica: $((t1 - t0)) ms (goal < 5000)"
+fi
