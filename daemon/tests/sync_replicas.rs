@@ -309,7 +309,8 @@ fn two_copies_keep_writing_with_a_witness_and_stop_without_one() {
 #[test]
 fn a_killed_primary_loses_no_acknowledged_flushed_write() {
     let root = tempfile::tempdir().unwrap();
-    let Some((sw, mut d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let extra = format!("{TIMEOUT}\nnbd-listen = \"0.0.0.0:10809\"");
+    let Some((sw, mut d)) = cluster(3, root.path(), &extra) else { return };
     let (e1, e2) = (sw.endpoint(1), sw.endpoint(2));
     d[0].ok(&["volume", "create", "v", "64M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
     d[0].ok(&["export", "nbd", "v"]);
@@ -353,6 +354,27 @@ fn a_killed_primary_loses_no_acknowledged_flushed_write() {
         }
     }
     assert!(read_image(&d[2], "v", 64 * MIB)[..(durable * 4096) as usize] == image[..(durable * 4096) as usize]);
+
+    // A client goes to the new primary over NBD with TLS (its certificate from the same CA):
+    // it reads what was acknowledged and writes, and the write reaches the other replica.
+    d[1].ok(&["export", "nbd", "v"]);
+    let certs = root.path().join("client");
+    std::fs::create_dir_all(&certs).unwrap();
+    let pki = root.path().join("pki");
+    for (from, to) in [("ca.pem", "ca-cert.pem"), ("host-2.pem", "client-cert.pem"), ("host-2-key.pem", "client-key.pem")] {
+        std::fs::copy(pki.join(from), certs.join(to)).unwrap();
+    }
+    let o = Command::new("qemu-io")
+        .args(["--object", &format!("tls-creds-x509,id=tls0,endpoint=client,dir={}", certs.display())])
+        .args(["--image-opts", &format!("driver=nbd,host={},port=10809,export=v,tls-creds=tls0", sw.ip[1])])
+        .args(["-c", "read 0 4k", "-c", "write -P 0x5a 60M 64k", "-c", "flush"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let done = out.contains("read 4096/4096") && out.contains("wrote 65536/65536");
+    assert!(o.status.success() && done, "{out}{}{}", String::from_utf8_lossy(&o.stderr), d[1].log());
+    let at = (60 * MIB) as usize;
+    assert!(read_image(&d[2], "v", 64 * MIB)[at..at + 65536].iter().all(|&b| b == 0x5a), "the write missed the replica");
 }
 
 /// Calls the Mirror service of host `to` with the certificate of `who`.
