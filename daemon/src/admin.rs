@@ -294,7 +294,8 @@ impl Admin for AdminService {
         require("name", &name)?;
         if let Some(m) = self.sync.records.get(&name) {
             return Err(Status::failed_precondition(format!(
-                "volume {name:?} has synchronous replicas (generation {}, primary {}): it cannot be deleted here yet",
+                "volume {name:?} has synchronous members (generation {}, primary {}): remove them first \
+                 (ferrite replica remove on the primary)",
                 m.generation, m.primary
             )));
         }
@@ -459,6 +460,16 @@ impl Admin for AdminService {
         require("volume", &r.volume)?;
         require("peer", &r.peer)?;
         self.sync.add(&r.volume, &r.peer, r.witness).await.map(Response::new)
+    }
+
+    async fn remove_sync_replica(
+        &self,
+        req: Request<pb::RemoveSyncReplicaRequest>,
+    ) -> Result<Response<pb::SyncVolume>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        require("peer", &r.peer)?;
+        self.sync.remove(&r.volume, &r.peer).await.map(Response::new)
     }
 
     async fn promote_sync_replica(

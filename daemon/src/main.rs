@@ -287,6 +287,13 @@ enum ReplicaCmd {
         #[arg(long, conflicts_with = "sync")]
         witness: bool,
     },
+    /// Remove a synchronous replica or witness of a volume whose primary is here: writes stop
+    /// waiting for it, and its copy stays there, read-only, until deleted.
+    Remove {
+        volume: String,
+        /// The member's admin endpoint, as `replica status` lists it.
+        peer: String,
+    },
 }
 
 async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result<()> {
@@ -310,6 +317,11 @@ async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result
         }
         ReplicaCmd::Add { volume, peer, sync: _, witness } => {
             let v = c.add_sync_replica(pb::AddSyncReplicaRequest { volume, peer, witness }).await;
+            cli::print_sync_volumes(out, &[v.map_err(rpc_error)?.into_inner()]);
+            return Ok(());
+        }
+        ReplicaCmd::Remove { volume, peer } => {
+            let v = c.remove_sync_replica(pb::RemoveSyncReplicaRequest { volume, peer }).await;
             cli::print_sync_volumes(out, &[v.map_err(rpc_error)?.into_inner()]);
             return Ok(());
         }

@@ -33,6 +33,7 @@ const CONTROLLER: &[&str] = &[
     "ResyncReplication",
     "ListReplications",
     "AddSyncReplica",
+    "RemoveSyncReplica",
     "PromoteSyncReplica",
     "ListSyncReplicas",
     "CreateGroup",

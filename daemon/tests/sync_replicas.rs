@@ -307,6 +307,50 @@ fn two_copies_keep_writing_with_a_witness_and_stop_without_one() {
 }
 
 #[test]
+fn members_are_removed_and_without_them_the_volume_is_local_again() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, mut d)) = cluster(3, root.path(), TIMEOUT) else { return };
+    let (e0, e1, e2) = (sw.endpoint(0), sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "v", "16M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
+    d[0].ok(&["export", "nbd", "v"]);
+    let mut c = connect(&d[0].nbd(), "v");
+    assert_eq!(fua_write(&mut c, 0, &pattern(1, 4096)), 0);
+
+    // Only the primary removes, and not itself.
+    let o = d[1].cli(&["replica", "remove", "v", &e2]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("on its primary"));
+    let o = d[0].cli(&["replica", "remove", "v", &e0]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("promote another member"));
+    let o = d[0].cli(&["volume", "delete", "v"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("remove them first"));
+
+    // Removing host 2: the next generation without it; it forgets the membership and may
+    // delete its copy; writes go on with host 1.
+    d[0].ok(&["replica", "remove", "v", &e2]);
+    let s = status(&d[0], "v");
+    assert_eq!(s["generation"], 4, "{s}");
+    assert_eq!(s["members"].as_array().unwrap().len(), 2, "{s}");
+    assert_eq!(status(&d[1], "v")["generation"], 4);
+    assert!(d[2].json(&["replica", "status"]).to_string().find("\"v\"").is_none(), "host 2 still lists v");
+    d[2].ok(&["volume", "delete", "v"]);
+    assert_eq!(fua_write(&mut c, 4096, &pattern(2, 4096)), 0);
+    assert!(read_image(&d[1], "v", 16 * MIB) == read_image(&d[0], "v", 16 * MIB));
+
+    // Removing the last one: a local volume, which writes without anyone and can be deleted.
+    d[0].ok(&["replica", "remove", "v", &e1]);
+    d[1].crash();
+    d[0].ok(&["export", "nbd", "v"]); // read_image ended the export
+    let mut c = connect(&d[0].nbd(), "v");
+    let t = Instant::now();
+    assert_eq!(fua_write(&mut c, 8192, &pattern(3, 4096)), 0, "{}", d[0].log());
+    assert!(t.elapsed() < Duration::from_millis(500), "a local volume waited {:?}", t.elapsed());
+    drop(c);
+    assert!(d[0].json(&["replica", "status"]).to_string().find("\"v\"").is_none());
+    d[0].ok(&["export", "stop", "v"]);
+    d[0].ok(&["volume", "delete", "v"]);
+}
+
+#[test]
 fn a_killed_primary_loses_no_acknowledged_flushed_write() {
     let root = tempfile::tempdir().unwrap();
     let extra = format!("{TIMEOUT}\nnbd-listen = \"0.0.0.0:10809\"");
@@ -361,7 +405,9 @@ fn a_killed_primary_loses_no_acknowledged_flushed_write() {
     let certs = root.path().join("client");
     std::fs::create_dir_all(&certs).unwrap();
     let pki = root.path().join("pki");
-    for (from, to) in [("ca.pem", "ca-cert.pem"), ("host-2.pem", "client-cert.pem"), ("host-2-key.pem", "client-key.pem")] {
+    for (from, to) in
+        [("ca.pem", "ca-cert.pem"), ("host-2.pem", "client-cert.pem"), ("host-2-key.pem", "client-key.pem")]
+    {
         std::fs::copy(pki.join(from), certs.join(to)).unwrap();
     }
     let o = Command::new("qemu-io")
@@ -374,7 +420,10 @@ fn a_killed_primary_loses_no_acknowledged_flushed_write() {
     let done = out.contains("read 4096/4096") && out.contains("wrote 65536/65536");
     assert!(o.status.success() && done, "{out}{}{}", String::from_utf8_lossy(&o.stderr), d[1].log());
     let at = (60 * MIB) as usize;
-    assert!(read_image(&d[2], "v", 64 * MIB)[at..at + 65536].iter().all(|&b| b == 0x5a), "the write missed the replica");
+    assert!(
+        read_image(&d[2], "v", 64 * MIB)[at..at + 65536].iter().all(|&b| b == 0x5a),
+        "the write missed the replica"
+    );
 }
 
 /// Calls the Mirror service of host `to` with the certificate of `who`.
@@ -408,8 +457,7 @@ async fn framed(sw: &Switch, root: &std::path::Path, to: usize, who: &str, frame
     c.flush().await.unwrap();
     let mut acks = Vec::new();
     let read = async {
-        loop {
-            let Ok(len) = c.read_u32().await else { break };
+        while let Ok(len) = c.read_u32().await {
             let mut buf = vec![0u8; len as usize];
             if c.read_exact(&mut buf).await.is_err() {
                 break;

@@ -30,6 +30,7 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/ResyncReplication", &[Controller]),
     ("/ferrite.v1.Admin/ListReplications", &[Controller]),
     ("/ferrite.v1.Admin/AddSyncReplica", &[Controller]),
+    ("/ferrite.v1.Admin/RemoveSyncReplica", &[Controller]),
     ("/ferrite.v1.Admin/PromoteSyncReplica", &[Controller]),
     ("/ferrite.v1.Admin/ListSyncReplicas", &[Controller]),
     ("/ferrite.v1.Admin/CreateGroup", &[Controller]),

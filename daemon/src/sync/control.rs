@@ -107,6 +107,53 @@ impl SyncHub {
         Ok(self.view(volume).expect("just recorded"))
     }
 
+    /// Removes `peer` from the members of `volume` (primary here): the next generation without
+    /// it, recorded on a majority of the old and the new members (the member forgets the
+    /// membership; its copy stays read-only there). Without other members left the volume is a
+    /// local one again.
+    pub async fn remove(self: &Arc<Self>, volume: &str, peer: &str) -> Result<SyncVolume, Status> {
+        let op = self.op_lock(volume);
+        let _op = op.lock().await;
+        let Some(primary) = self.primary(volume) else {
+            return Err(match self.records.get(volume) {
+                Some(h) => Status::failed_precondition(format!(
+                    "volume {volume:?} is a synchronous replica here; remove members on its primary, {}",
+                    h.primary
+                )),
+                None => Status::not_found(format!("volume {volume:?} has no synchronous members here")),
+            });
+        };
+        if peer == self.me {
+            return Err(Status::invalid_argument(format!(
+                "{peer} is the primary of {volume:?}: promote another member first"
+            )));
+        }
+        let hold = primary.hold().await;
+        let _c = primary.change.lock().await;
+        let old = primary.record();
+        if old.member(peer).is_none() {
+            return Err(Status::not_found(format!("{peer} is not a member of {volume:?}")));
+        }
+        let mut next = old.clone();
+        next.generation = self.next_generation(&old);
+        next.members.retain(|m| m.endpoint != peer);
+        self.propose(&old, &next).await.map_err(Status::failed_precondition)?;
+        primary.adopt(next.clone());
+        tracing::info!(volume, member = peer, generation = next.generation, "synchronous member removed");
+        if next.members.len() > 1 {
+            drop((_c, hold));
+            return Ok(self.view(volume).expect("just recorded"));
+        }
+        // Only this daemon is left: no mirror, no membership.
+        self.primaries.lock().expect("not poisoned").remove(volume);
+        primary.close("the volume has no synchronous members any more");
+        let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
+        blocking(move || pool.set_mirror(&name, None)).await?;
+        self.records.set(volume, None)?;
+        drop((_c, hold));
+        Ok(SyncVolume { volume: volume.to_owned(), generation: next.generation, ..Default::default() })
+    }
+
     async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {
         tokio::time::timeout(self.timeout, Link::open(self.tls.as_ref(), endpoint, &rec.volume, rec.generation, None))
             .await

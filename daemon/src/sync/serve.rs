@@ -74,6 +74,23 @@ impl MirrorService {
             ))),
         }
     }
+
+    /// A membership without this member, from its primary (checked by the caller) in a later
+    /// generation: it was removed, and forgets the volume's membership (the copy stays).
+    async fn removed(&self, next: Membership) -> Result<Response<RecordReply>, Status> {
+        let hub = &self.0;
+        let _op = hub.op_lock(&next.volume);
+        let _op = _op.lock().await;
+        match hub.records.get(&next.volume) {
+            Some(h) if h.primary == next.primary && next.generation > h.generation => {
+                hub.records.set(&next.volume, None)?;
+                tracing::info!(volume = %next.volume, generation = next.generation, primary = %next.primary,
+                    "removed from the synchronous members: the copy here stays, read-only");
+                Ok(Response::new(RecordReply { stored: true, held: Some(next.to_proto()) }))
+            }
+            _ => Err(Status::invalid_argument(format!("{} is not a member of that membership", hub.me))),
+        }
+    }
 }
 
 /// Applies one request to the member's copy.
@@ -291,7 +308,7 @@ impl mirror_server::Mirror for MirrorService {
             return Err(hub.policy.refuse(&caller, CALL, "only a promotion on this daemon makes it the primary"));
         }
         let Some(mine) = next.state_of(&hub.me) else {
-            return Err(Status::invalid_argument(format!("{} is not a member of that membership", hub.me)));
+            return self.removed(next).await;
         };
         let _op = hub.op_lock(&next.volume);
         let _op = _op.lock().await;
