@@ -1,11 +1,12 @@
-//! Synchronous replicas between hosts: daemons in network namespaces this test makes, plugged
-//! into one switch, over the real mutual-TLS streams. Every write reaches every in-sync copy
-//! (trims and zeroes as such, not as zero data on the wire), a killed replica is ejected and
-//! writes go on, a partition never leaves two sides writing (majority of the members, a witness
-//! for two copies), a killed primary loses no acknowledged flushed write once an in-sync replica
-//! is promoted, a stale replica is refused promotion, a returning replica (or failed-over
-//! primary) is rebuilt by what changed while writes go on, a replica that stops answering is
-//! ejected after the timeout instead of waited on, and a member refuses what a peer may not do (called here over the switch with each host's certificate).
+//! Synchronous replicas between hosts: daemons in network namespaces this test makes, plugged into
+//! one switch, over the real mutual-TLS streams. Every write reaches every in-sync copy (trims and
+//! zeroes as such, not as zero data on the wire), a killed replica is ejected and writes go on, a
+//! partition never leaves two sides writing (majority of the members, a witness for two copies), a
+//! killed primary loses no acknowledged flushed write once an in-sync replica is promoted, a stale
+//! replica is refused promotion, a returning replica (or failed-over primary) is rebuilt by what
+//! changed while writes go on, a replica that stops answering is ejected after the timeout instead
+//! of waited on, and a member refuses what a peer may not do (called here over the switch with each
+//! host's certificate).
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 

@@ -1,7 +1,7 @@
 //! The primary's stream to one member: requests go out in order on one framed mutual-TLS
-//! connection ([`super::wire`]) and acks come back by sequence number. A request waits on an [`Acks`] that
-//! every member it went to answers; a stream that ends answers everything still waiting on it
-//! with the reason, so no request waits longer than the primary's timeout in any case.
+//! connection ([`super::wire`]) and acks come back by sequence number. A request waits on an
+//! [`Acks`] that every member it went to answers; a stream that ends answers everything still
+//! waiting on it with the reason, so no request waits longer than the primary's timeout.
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;

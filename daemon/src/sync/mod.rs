@@ -1,10 +1,11 @@
 //! Synchronous replicas (ARCHITECTURE.md "Synchronous replicas"): a volume's primary sends every
-//! client request to each in-sync member over a persistent mutual-TLS stream and answers the
-//! client when all of them hold it (`primary.rs`, `link.rs`, through the engine's `Mirror`
-//! hook), on framed TLS connections (`wire.rs`); members apply what they receive (`serve.rs`). Every member keeps the volume's
-//! membership with its generation (`records.rs`); a change is recorded on a majority of the
-//! members before it counts, which is the rule that keeps a partition from having two primaries.
-//! `control.rs` holds adding members, promotion, status and the start-up of primaries.
+//! client request to each in-sync member over a persistent mutual-TLS stream and answers the client
+//! when all of them hold it (`primary.rs`, `link.rs`, through the engine's `Mirror` hook), on
+//! framed TLS connections (`wire.rs`); members apply what they receive (`serve.rs`). Every member
+//! keeps the volume's membership with its generation (`records.rs`); a change is recorded on a
+//! majority of the members before it counts, which is the rule that keeps a partition from having
+//! two primaries. `control.rs` holds adding and removing members, promotion, status and the
+//! start-up of primaries.
 
 mod catch_up;
 pub mod control;

@@ -1,11 +1,11 @@
 //! The member's side: the `Mirror` gRPC service on the admin listeners (mutual TLS on TCP, the
-//! fence list, connection limits), and the same stream as a framed connection on them
-//! ([`wire`], what primaries use). A stream is accepted only from the primary the member's own
-//! membership names, at the generation it holds, and only while this member gets writes in it;
-//! small writes are applied on the stream's task, other requests on the blocking pool (at most
-//! [`IN_FLIGHT`] at a time), each acknowledged once applied (durable for FUA and flush). A membership is stored only from the primary it
-//! names, only with a higher generation, and never makes this daemon primary (only a promotion
-//! here does).
+//! fence list, connection limits), and the same stream as a framed connection on them ([`wire`],
+//! what primaries use). A stream is accepted only from the primary the member's own membership
+//! names, at the generation it holds, and only while this member gets writes in it; small writes
+//! are applied on the stream's task, other requests on the blocking pool (at most [`IN_FLIGHT`] at
+//! a time), each acknowledged once applied (durable for FUA and flush). A membership is stored only
+//! from the primary it names, only with a higher generation, and never makes this daemon primary
+//! (only a promotion here does).
 
 use std::future::Future;
 use std::sync::Arc;
