@@ -33,21 +33,8 @@ const TIMEOUT: &str = "sync-timeout-ms = 1000";
 /// GET /metrics of host `i` (its metrics listener on port 9100, mutual TLS), as host 1 would.
 fn metrics(sw: &Switch, root: &std::path::Path, i: usize) -> String {
     let pki = root.join("pki");
-    let cfg = ferrite_tls::client_config(
-        &pki.join("ca.pem"),
-        Some((&pki.join("host-1.pem"), &pki.join("host-1-key.pem"))),
-        &[b"http/1.1"],
-    )
-    .unwrap();
-    let host = sw.endpoint(i).trim_start_matches("tcp://").split(':').next().unwrap().to_owned();
-    let name = ferrite_tls::server_name(&host).unwrap();
-    let conn = ferrite_tls::rustls::ClientConnection::new(cfg, name).unwrap();
-    let tcp = std::net::TcpStream::connect((host.as_str(), 9100)).unwrap();
-    let mut tls = ferrite_tls::rustls::StreamOwned::new(conn, tcp);
-    tls.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut out = String::new();
-    let _ = tls.read_to_string(&mut out);
-    out
+    let host = (pki.join("host-1.pem"), pki.join("host-1-key.pem"));
+    common::scrape_tls(&format!("{}:9100", sw.ip[i]), &pki.join("ca.pem"), Some((&host.0, &host.1))).unwrap()
 }
 
 /// The value of the sample `line` starts with (name and labels).

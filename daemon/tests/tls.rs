@@ -199,19 +199,10 @@ fn the_admin_api_over_tcp_takes_only_mutual_tls() {
 
 #[test]
 fn the_metrics_endpoint_takes_only_mutual_tls() {
-    use ferrite_tls::rustls::{ClientConnection, StreamOwned};
     use std::io::{Read, Write};
     let mut s = setup();
     let p = |f: &str| s.pki.join(f);
-    let scrape = |identity: Option<(&Path, &Path)>| -> std::io::Result<String> {
-        let cfg = ferrite_tls::client_config(&p("ca.pem"), identity, &[b"http/1.1"])?;
-        let conn = ClientConnection::new(cfg, ferrite_tls::server_name(&s.metrics)?).map_err(std::io::Error::other)?;
-        let mut tls = StreamOwned::new(conn, std::net::TcpStream::connect(&s.metrics)?);
-        tls.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")?;
-        let mut text = String::new();
-        tls.read_to_string(&mut text)?;
-        Ok(text)
-    };
+    let scrape = |identity: Option<(&Path, &Path)>| common::scrape_tls(&s.metrics, &p("ca.pem"), identity);
     // An admin call that client-b (no role) may not make is counted.
     let (ca, bcert, bkey) = (p("ca.pem"), p("client-b.pem"), p("client-b-key.pem"));
     let tls = [ca.to_str().unwrap(), bcert.to_str().unwrap(), bkey.to_str().unwrap()];

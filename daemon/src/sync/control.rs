@@ -328,15 +328,7 @@ impl SyncHub {
     /// the members that do not answer) on a majority.
     async fn retry_refused(self: Arc<Self>) {
         loop {
-            let refused: Vec<Arc<Primary>> = self
-                .primaries
-                .lock()
-                .expect("not poisoned")
-                .values()
-                .filter(|p| p.refused().is_some())
-                .cloned()
-                .collect();
-            for p in refused {
+            for p in self.primaries_refusing(true) {
                 self.reassert(&p).await;
             }
             tokio::time::sleep(Duration::from_secs(1)).await;

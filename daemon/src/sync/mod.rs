@@ -91,6 +91,12 @@ impl SyncHub {
         self.ops.get(volume, Default::default)
     }
 
+    /// The primaries here that refuse writes now (`refused`), or that take them.
+    fn primaries_refusing(&self, refused: bool) -> Vec<Arc<Primary>> {
+        let all = self.primaries.lock().expect("not poisoned");
+        all.values().filter(|p| p.refused().is_some() == refused).cloned().collect()
+    }
+
     pub fn primary(&self, volume: &str) -> Option<Arc<Primary>> {
         self.primaries.lock().expect("not poisoned").get(volume).cloned()
     }

@@ -34,15 +34,7 @@ impl SyncHub {
         let mut marked: HashMap<String, (Instant, u64)> = HashMap::new();
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            let primaries: Vec<Arc<Primary>> = self
-                .primaries
-                .lock()
-                .expect("not poisoned")
-                .values()
-                .filter(|p| p.refused().is_none())
-                .cloned()
-                .collect();
-            for p in primaries {
+            for p in self.primaries_refusing(false) {
                 let requests = p.added.count();
                 let due = marked
                     .get(&p.volume)

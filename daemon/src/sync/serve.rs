@@ -33,9 +33,6 @@ use crate::rpc::{blocking, status};
 /// Requests a stream applies at once; the stream reads no further while they are all busy.
 const IN_FLIGHT: u32 = 64;
 
-/// Longest write applied on the stream's task (NBD's loop runs writes up to this in place too).
-const INLINE_WRITE: usize = 128 << 10;
-
 /// A rebuild that sends nothing for this long is ended.
 const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -113,9 +110,9 @@ fn apply(volume: &Volume, op: Op) -> Result<(), String> {
 }
 
 /// Whether the engine takes a request in memory without waiting for the device (as NBD's loop
-/// runs it in place): a small write that is not FUA.
+/// runs it in place): a write that is not FUA, no longer than NBD's loop runs.
 fn runs_now(op: &Op) -> bool {
-    matches!(op, Op::Write(w) if !w.fua && w.data.len() <= INLINE_WRITE)
+    matches!(op, Op::Write(w) if !w.fua && w.data.len() <= ferrite_nbd::inbox::MAX_HELD_WRITE as usize)
 }
 
 /// The bytes a request changes, and whether only its whole blocks change (a trim); None for a

@@ -127,6 +127,20 @@ impl Drop for Daemon {
 }
 
 /// `len` pseudo-random bytes from `seed` (xorshift): the same seed, the same bytes.
+/// GET /metrics at `addr` (host:port) over TLS with the CA `ca`, presenting `identity`
+/// (certificate, key) if given: the whole HTTP response.
+pub fn scrape_tls(addr: &str, ca: &Path, identity: Option<(&Path, &Path)>) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let cfg = ferrite_tls::client_config(ca, identity, &[b"http/1.1"])?;
+    let conn = ferrite_tls::rustls::ClientConnection::new(cfg, ferrite_tls::server_name(addr)?)
+        .map_err(std::io::Error::other)?;
+    let mut tls = ferrite_tls::rustls::StreamOwned::new(conn, std::net::TcpStream::connect(addr)?);
+    tls.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")?;
+    let mut text = String::new();
+    tls.read_to_string(&mut text)?;
+    Ok(text)
+}
+
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
