@@ -17,7 +17,7 @@ step "build (first cold build compiles RocksDB: ~15-25 min on 2 cores)"
 cargo build --workspace --all-targets --locked
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-# The libraries and binaries as a user builds them: the engine without its test-only failpoints.
+# The libraries and binaries as a user builds them (without the dev-dependencies).
 cargo clippy --workspace --lib --bins --locked -- -D warnings
 step "doc tests"
 cargo test --workspace --doc --locked -q

@@ -74,7 +74,7 @@ pub struct Options {
     pub max_volumes: i64,
     /// TLS for `tcp://` admin endpoints: the CA of the daemons' certificates and this driver's
     /// client certificate (the daemons require mutual TLS).
-    pub admin_tls: Option<Arc<ferrite_proto::ClientTls>>,
+    pub admin_tls: Option<Arc<ferrite_tls::Reloading<ferrite_proto::ClientTls>>>,
 }
 
 impl Options {

@@ -230,6 +230,11 @@ impl Config {
         Self::resolve(file, data_dir)
     }
 
+    /// A configuration from its text (one that was written, not read from a path).
+    pub fn load_str(text: &str) -> Result<Self> {
+        Self::resolve(toml::from_str(text).context("parsing the configuration")?, None)
+    }
+
     fn resolve(f: ConfigFile, data_dir: Option<PathBuf>) -> Result<Self> {
         let data_dir = data_dir.or(f.data_dir).unwrap_or_else(default_data_dir);
         let size = |v: Option<String>, default: &str, what: &str| -> Result<u64> {

@@ -10,7 +10,7 @@ use ferrite_nbd::{Exports, Server};
 use ferrite_proto::ferrite::v1::admin_server::AdminServer;
 use ferrite_proto::ferrite::v1::mirror_server::MirrorServer;
 use ferrite_proto::ferrite::v1::replica_server::ReplicaServer;
-use ferrite_tls::TlsAcceptor;
+use ferrite_tls::ServerTls;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_stream::StreamExt;
@@ -127,19 +127,18 @@ fn make_private(cfg: &Config) -> Result<()> {
 }
 
 /// The TLS server configs of the TCP listeners (None: plaintext), from `tls-cert`, `tls-key`
-/// and `tls-client-ca`, read once at start.
+/// and `tls-client-ca`, reloaded when the files change.
 struct TlsConfigs {
-    nbd: Option<TlsAcceptor>,
-    admin: Option<TlsAcceptor>,
-    metrics: Option<TlsAcceptor>,
+    nbd: Option<Arc<ServerTls>>,
+    admin: Option<Arc<ServerTls>>,
+    metrics: Option<Arc<ServerTls>>,
 }
 
 impl TlsConfigs {
     fn load(cfg: &Config) -> Result<Self> {
         let Some(t) = &cfg.tls else { return Ok(Self { nbd: None, admin: None, metrics: None }) };
-        let make = |alpn: &[&[u8]]| -> Result<Option<TlsAcceptor>> {
-            let c = ferrite_tls::server_config(&t.cert, &t.key, t.client_ca.as_deref(), alpn)?;
-            Ok(Some(TlsAcceptor::from(c)))
+        let make = |alpn: &[&[u8]]| -> Result<Option<Arc<ServerTls>>> {
+            Ok(Some(Arc::new(ferrite_tls::reload::server(&t.cert, &t.key, t.client_ca.as_deref(), alpn)?)))
         };
         Ok(Self {
             nbd: make(&[])?,

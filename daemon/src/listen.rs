@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use ferrite_tls::{Stream, TlsAcceptor};
+use ferrite_tls::{ServerTls, Stream};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -61,7 +61,7 @@ pub fn accept(
     name: &'static str,
     fences: Arc<Fences>,
     limits: &Limits,
-    tls: Option<TlsAcceptor>,
+    tls: Option<Arc<ServerTls>>,
     stats: Arc<ListenerStats>,
 ) -> mpsc::Receiver<Guarded> {
     let (tx, rx) = mpsc::channel(16);

@@ -10,6 +10,7 @@ mod exports;
 mod fence;
 mod listen;
 mod metrics;
+mod node_pool;
 mod pool_format;
 mod replica;
 mod rpc;
@@ -444,6 +445,20 @@ enum PoolCmd {
         #[arg(long, env = "FERRITE_DATA_DIR")]
         data_dir: Option<PathBuf>,
     },
+    /// For the data-path DaemonSet's init container: the pool this Kubernetes node's
+    /// annotations name (pool.ferrite.dev/device; formatted only if blank and
+    /// pool.ferrite.dev/format is "true"), written into the daemon's configuration.
+    Node {
+        /// This node's name.
+        #[arg(long, env = "NODE_NAME")]
+        node: String,
+        /// The configuration every node shares.
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Where the daemon reads its configuration.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Space, log, traffic and cleaner figures.
     Status,
     /// Run the cleaner now: move live data out of segments with dead space and free them.
@@ -477,6 +492,10 @@ fn main() {
                     .and_then(|cfg| pool_format::format(&cfg, &req)),
             );
         }
+        Cmd::Pool(PoolCmd::Node { node, config, out }) => {
+            init_logging("warn");
+            return exit(node_pool::prepare(node, config, out));
+        }
         Cmd::Csi {
             mode,
             endpoint,
@@ -489,7 +508,12 @@ fn main() {
             max_volumes,
         } => {
             init_logging("info");
-            let admin_tls = match client_tls(&cli) {
+            // The driver runs for months: its certificate follows its files.
+            let admin_tls = match check_tls_args(&cli).and_then(|()| {
+                let Some(ca) = &cli.tls_ca else { return Ok(None) };
+                let identity = cli.tls_cert.as_deref().zip(cli.tls_key.as_deref());
+                Ok(Some(std::sync::Arc::new(ferrite_proto::admin_tls_reloading(ca, identity)?)))
+            }) {
                 Ok(t) => t,
                 Err(e) => return exit(Err(e)),
             };
@@ -559,14 +583,17 @@ fn exit(r: Result<()>) {
 }
 
 /// The TLS client config the global --tls-* options describe.
+fn check_tls_args(cli: &Cli) -> Result<()> {
+    anyhow::ensure!(
+        cli.tls_ca.is_some() || cli.tls_cert.is_none(),
+        "--tls-cert needs --tls-ca (the CA the daemon's certificate is checked against)"
+    );
+    Ok(())
+}
+
 fn client_tls(cli: &Cli) -> Result<Option<std::sync::Arc<ferrite_proto::ClientTls>>> {
-    let Some(ca) = &cli.tls_ca else {
-        anyhow::ensure!(
-            cli.tls_cert.is_none(),
-            "--tls-cert needs --tls-ca (the CA the daemon's certificate is checked against)"
-        );
-        return Ok(None);
-    };
+    check_tls_args(cli)?;
+    let Some(ca) = &cli.tls_ca else { return Ok(None) };
     let identity = cli.tls_cert.as_deref().zip(cli.tls_key.as_deref());
     Ok(Some(ferrite_proto::admin_tls(ca, identity)?))
 }
@@ -584,7 +611,10 @@ async fn client(cli: Cli) -> Result<()> {
     let mut c = connect(&endpoint, client_tls(&cli)?).await?;
     let out = cli.output;
     match cli.cmd {
-        Cmd::Daemon { .. } | Cmd::Csi { .. } | Cmd::Certs { .. } | Cmd::Pool(PoolCmd::Format { .. }) => {
+        Cmd::Daemon { .. }
+        | Cmd::Csi { .. }
+        | Cmd::Certs { .. }
+        | Cmd::Pool(PoolCmd::Format { .. } | PoolCmd::Node { .. }) => {
             unreachable!("handled in main")
         }
         Cmd::Volume(v) => match v {

@@ -61,7 +61,7 @@ mod state;
 mod volume;
 mod write;
 
-#[cfg(feature = "failpoints")]
+#[doc(hidden)]
 pub use ctx::FaultPoint;
 pub use ctx::{Discard, PoolOptions};
 pub use error::{Error, ErrorKind, Result};

@@ -328,10 +328,11 @@ impl Pool {
         cleaner::clean(&i.ctx, &i.log, &i.cleaner, &i.readahead, 0.95, false, |_, _| true)
     }
 
-    /// Arms a fault injection point (crash tests; feature `failpoints`).
-    #[cfg(feature = "failpoints")]
+    /// Arms a fault injection point (crash tests only).
+    #[doc(hidden)]
     pub fn inject_fault(&self, point: crate::ctx::FaultPoint) {
         self.inner.faults.lock().push(point);
+        self.inner.faults_armed.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Space, log and traffic figures.

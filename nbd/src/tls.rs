@@ -4,9 +4,10 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::Arc;
 
+use ferrite_tls::ServerTls;
 pub use ferrite_tls::Stream;
-use ferrite_tls::TlsAcceptor;
 use ferrite_tls::rustls::ServerConnection;
 use parking_lot::Mutex;
 
@@ -40,7 +41,7 @@ impl std::str::FromStr for TlsMode {
 #[derive(Clone, Default)]
 pub struct Tls {
     pub mode: TlsMode,
-    pub acceptor: Option<TlsAcceptor>,
+    pub acceptor: Option<Arc<ServerTls>>,
 }
 
 impl std::fmt::Debug for Tls {

@@ -110,3 +110,11 @@ pub fn admin_tls(
 ) -> std::io::Result<std::sync::Arc<ClientTls>> {
     ferrite_tls::client_config(ca, identity, &[b"h2"])
 }
+
+/// [`admin_tls`], following its files (a long-running client: the CSI controller).
+pub fn admin_tls_reloading(
+    ca: &std::path::Path,
+    identity: Option<(&std::path::Path, &std::path::Path)>,
+) -> std::io::Result<ferrite_tls::Reloading<ClientTls>> {
+    ferrite_tls::reload::client(ca, identity, &[b"h2"])
+}

@@ -11,17 +11,21 @@
 //! (`ferrite certs`).
 
 pub mod certs;
+pub mod reload;
 mod stream;
 
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use reload::Reloading;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 pub use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
+/// A listener's TLS config, following its files.
+pub type ServerTls = Reloading<ServerConfig>;
 pub use stream::Stream;
 pub use tokio_rustls::{TlsAcceptor, TlsConnector};
 pub use {rustls, tokio_rustls};

@@ -7,6 +7,8 @@ use std::task::{Context, Poll};
 use rustls::pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_rustls::TlsAcceptor;
+
+use crate::ServerTls;
 use tokio_rustls::server::TlsStream;
 
 /// A server-side connection: plaintext, or TLS once its handshake succeeded (at once, or after
@@ -20,8 +22,9 @@ pub enum Stream<S> {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Stream<S> {
-    /// Runs the TLS handshake as the server.
-    pub async fn start_tls(&mut self, acceptor: &TlsAcceptor) -> io::Result<()> {
+    /// Runs the TLS handshake as the server, with the certificate `tls` holds now.
+    pub async fn start_tls(&mut self, tls: &ServerTls) -> io::Result<()> {
+        let acceptor = TlsAcceptor::from(tls.current());
         let Self::Plain(s) = std::mem::replace(self, Self::Broken) else {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "TLS is already on"));
         };

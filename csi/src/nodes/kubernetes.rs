@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use ferrite_proto::ClientTls;
+use ferrite_tls::Reloading;
 use futures_util::StreamExt;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::reflector::{self, Store};
@@ -27,7 +28,7 @@ const FIRST_LIST: std::time::Duration = std::time::Duration::from_secs(30);
 /// Node daemons found through the EndpointSlices of one Service.
 pub struct KubeNodes {
     store: Store<EndpointSlice>,
-    tls: Option<Arc<ClientTls>>,
+    tls: Option<Arc<Reloading<ClientTls>>>,
     server_name: Option<String>,
     watch: tokio::task::JoinHandle<()>,
 }
@@ -49,7 +50,7 @@ impl KubeNodes {
     /// infers (KUBECONFIG, else the pod's service account), and waits for the first list.
     pub async fn watch(
         service: &str,
-        tls: Option<Arc<ClientTls>>,
+        tls: Option<Arc<Reloading<ClientTls>>>,
         server_name: Option<String>,
     ) -> anyhow::Result<Self> {
         let (ns, name) = service
@@ -92,7 +93,7 @@ impl NodeDirectory for KubeNodes {
     }
 
     fn tls(&self) -> Option<Arc<ClientTls>> {
-        self.tls.clone()
+        self.tls.as_ref().map(|t| t.current())
     }
 
     fn server_name(&self) -> Option<String> {
@@ -132,6 +133,15 @@ fn endpoints(slices: &[Arc<EndpointSlice>]) -> BTreeMap<String, String> {
         }
     }
     best.into_iter().map(|(n, (_, at))| (n, at)).collect()
+}
+
+/// The annotations of Node `name` (the data-path daemon's init container reads which device
+/// holds the node's pool), with the client configuration kube-rs infers.
+pub async fn node_annotations(name: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
+    let api = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client);
+    let node = api.get(name).await.with_context(|| format!("reading Node {name}"))?;
+    Ok(node.metadata.annotations.unwrap_or_default())
 }
 
 #[cfg(test)]

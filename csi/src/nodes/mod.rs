@@ -18,6 +18,7 @@ use anyhow::Context;
 use ferrite_proto::ClientTls;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_client::AdminClient;
+use ferrite_tls::Reloading;
 use serde::Deserialize;
 use tonic::Status;
 use tonic::transport::Channel;
@@ -47,7 +48,7 @@ struct File {
 #[derive(Debug, Clone, Default)]
 pub struct StaticNodes {
     nodes: BTreeMap<String, String>,
-    tls: Option<Arc<ClientTls>>,
+    tls: Option<Arc<Reloading<ClientTls>>>,
     server_name: Option<String>,
 }
 
@@ -72,7 +73,7 @@ impl StaticNodes {
     }
 
     #[must_use]
-    pub fn with_tls(mut self, tls: Option<Arc<ClientTls>>, server_name: Option<String>) -> Self {
+    pub fn with_tls(mut self, tls: Option<Arc<Reloading<ClientTls>>>, server_name: Option<String>) -> Self {
         self.tls = tls;
         self.server_name = server_name;
         self
@@ -89,7 +90,7 @@ impl NodeDirectory for StaticNodes {
     }
 
     fn tls(&self) -> Option<Arc<ClientTls>> {
-        self.tls.clone()
+        self.tls.as_ref().map(|t| t.current())
     }
 
     fn server_name(&self) -> Option<String> {

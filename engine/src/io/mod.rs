@@ -30,7 +30,7 @@ pub use crash::{CrashBackend, CrashMode, IoCounters};
 pub use file::SyncFileBackend;
 pub(crate) use file::in_memory;
 pub use memory::MemoryBackend;
-pub use probe::probe;
+pub use probe::{holds_pool, probe};
 pub use uring::UringBackend;
 
 /// The engine's block size and the alignment of every backend request.

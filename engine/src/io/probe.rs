@@ -27,6 +27,16 @@ const SIGNATURES: &[(&str, u64, &[u8])] = &[
 /// Bytes read from the start of the store.
 const PROBE_BYTES: usize = 68 << 10;
 
+/// Whether `file` starts with a pool's superblock magic (a pool, or the start of one).
+pub fn holds_pool(file: &File) -> io::Result<bool> {
+    let mut magic = [0u8; 8];
+    match file.read_exact_at(&mut magic, 0) {
+        Ok(()) => Ok(magic == POOL_MAGIC),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Describes what `file` holds, if anything recognisable: a filesystem, volume manager or pool
 /// signature, or a DOS partition table (a boot signature with a partition entry). None for a
 /// store that is all zeros or holds nothing known.
