@@ -1,64 +1,86 @@
-//! The Kubernetes tier: deploy/kubernetes on a real control plane (etcd, kube-apiserver,
-//! kube-controller-manager as processes; no scheduler, no kubelet), with the controller pod's
-//! containers (ferrite csi --mode controller and the kubernetes-csi and CSI-Addons sidecars)
-//! run as processes under the manifests' arguments, ServiceAccount and RBAC, the
-//! snapshot-controller and the CSI-Addons manager under their upstream RBAC, and two daemons on
-//! two addresses of a network namespace standing for two nodes. The test plays scheduler and
-//! kubelet only where the driver needs them: it binds pods to nodes (pod status with the
-//! node's address) and picks the node of a WaitForFirstConsumer claim.
+//! The Kubernetes tier: deploy/kubernetes (with its CSI-Addons and group snapshot components)
+//! on a real control plane (etcd, kube-apiserver, kube-controller-manager as processes; no
+//! scheduler, no kubelet), three nodes in network namespaces of their own, and every container
+//! of the manifests run as a process: on each node the data-path daemon (after its init
+//! container chose the node's pool) and the CSI node plugin with node-driver-registrar and the
+//! liveness probe; the controller pod's ferrite and the kubernetes-csi and CSI-Addons sidecars;
+//! the snapshot-controller and the CSI-Addons manager under their upstream RBAC. The test plays
+//! scheduler, DaemonSet controller and kubelet (`common::kubelet`): it binds pods to nodes,
+//! makes their volumes with the modes and fsGroup the manifests give, runs each container as the
+//! user and groups its securityContext names, probes readiness as the manifests say, and picks
+//! the node of a WaitForFirstConsumer claim.
 
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use common::kube::{ControlPlane, binaries};
-use common::netns::Lan;
+use common::kubelet::{Node, Pod};
+use common::netns::Switch;
 use common::{BIN, Daemon};
 use serde_json::{Value, json};
 
 const NS: &str = "ferrite";
-const NODES: [&str; 2] = ["node-a", "node-b"];
+const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
 const LONG: Duration = Duration::from_secs(120);
+/// The node whose pool is a block device its annotation names.
+const DEVICE_NODE: usize = 2;
 
 fn deploy() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes")
 }
 
 /// CRDs and upstream RBAC: `FERRITE_K8S` (scripts/test.sh sets it), else ../shared/k8s.
-/// The `[roles]` table of the node ConfigMap in the manifests: every daemon of the tier grants
-/// exactly what a deployment from them would.
-fn manifest_roles() -> String {
-    let text = std::fs::read_to_string(deploy().join("node.yaml")).unwrap();
-    let table: Vec<&str> = text
-        .lines()
-        .skip_while(|l| l.trim() != "[roles]")
-        .take_while(|l| l.starts_with("    "))
-        .map(str::trim)
-        .filter(|l| !l.starts_with('#'))
-        .collect();
-    assert!(table.len() > 1, "node.yaml's ConfigMap has no [roles] table");
-    table.join("\n") + "\n"
-}
-
 fn upstream() -> PathBuf {
     std::env::var_os("FERRITE_K8S")
         .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/k8s"), PathBuf::from)
 }
 
-/// Brings up the cluster: CRDs, upstream RBAC, the manifests (after a server-side dry run of
-/// each), nodes, the node pods and daemons, the controller pod and its containers.
+fn sh(cmd: &str) -> String {
+    let o = Command::new("sh").arg("-c").arg(cmd).output().unwrap();
+    assert!(o.status.success(), "{cmd}: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap().trim().to_owned()
+}
+
+/// A loop device over a sparse file of `size`; detached when dropped.
+struct Loop(String);
+
+impl Loop {
+    fn new(file: &Path, size: &str) -> Self {
+        sh(&format!("truncate -s {size} {}", file.display()));
+        Self(sh(&format!("losetup -f --show {}", file.display())))
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
+/// Brings up the cluster: CRDs, upstream RBAC, the manifests (after a server-side dry run),
+/// nodes, the data-path daemons, the node plugins, the controller pod.
 struct Cluster {
     cp: ControlPlane,
+    sw: Switch,
+    nodes: Vec<Node>,
+    daemon_pods: Vec<Pod>,
+    plugin_pods: Vec<Pod>,
+    controller: Option<Pod>,
+    /// CLI handles on each node's daemon (its admin socket); the pods own the processes.
     daemons: Vec<Daemon>,
-    lan: Lan,
-    /// Processes whose logs must show no Forbidden.
-    sidecars: Vec<String>,
+    /// Logs of the processes that must not be refused by RBAC.
+    sidecars: Vec<PathBuf>,
+    pki: PathBuf,
+    loops: Vec<Loop>,
 }
 
 impl Cluster {
-    fn start(dir: &Path, bin: &Path, lan: Lan) -> Self {
-        let mut cp = ControlPlane::start(dir, bin);
+    fn start(dir: &Path, bin: &Path, sw: Switch) -> Self {
+        let mut cp = ControlPlane::start(dir, bin, Some(&sw.gateway));
+        common::kubelet::open_up(dir);
         let up = upstream();
         let crds = [up.join("crds/external-snapshotter"), up.join("crds/csi-addons")];
         for c in &crds {
@@ -74,51 +96,89 @@ impl Cluster {
         // Namespaces get their default ServiceAccount from the controller-manager; pods need it.
         cp.wait("the default ServiceAccount", LONG, |cp| cp.kubectl(&["get", "sa", "default"]).status.success());
 
-        println!("== every manifest passes a server-side dry run, then applies");
-        let dk = deploy().display().to_string();
+        println!("== the manifests with both optional components, as a user enables them");
+        let copy = dir.join("deploy");
+        sh(&format!("cp -r {} {}", deploy().display(), copy.display()));
+        let k = copy.join("kustomization.yaml");
+        let text = std::fs::read_to_string(&k).unwrap();
+        let enabled = text
+            .replace("  # - components/csi-addons ", "  - components/csi-addons ")
+            .replace("  # - components/group-snapshots ", "  - components/group-snapshots ");
+        assert_ne!(enabled, text, "kustomization.yaml lists the optional components, commented out");
+        std::fs::write(&k, enabled).unwrap();
+        let dk = copy.display().to_string();
         // A dry run does not create the namespace the other objects go to.
-        cp.ok(&["apply", "-f", &deploy().join("namespace.yaml").display().to_string()]);
+        cp.ok(&["apply", "-f", &copy.join("base/namespace.yaml").display().to_string()]);
         cp.ok(&["apply", "--dry-run=server", "-k", &dk]);
         cp.ok(&["apply", "-k", &dk]);
         cp.ok(&["apply", "--dry-run=server", "-f", &deploy().join("examples").display().to_string()]);
+        // Claims below name this class from the start.
+        cp.ok(&["apply", "-f", &deploy().join("examples/volumeattributesclass.yaml").display().to_string()]);
 
         let pki = dir.join("pki");
         common::csi::certs(&pki, "ferrite-controller", &[]);
-        let mut daemons = Vec::new();
-        for (i, node) in NODES.iter().enumerate() {
-            // What the kubelet and node-driver-registrar would publish for the node.
+        let p = |f: &str| pki.join(f).display().to_string();
+        cp.ok(&[
+            "create",
+            "secret",
+            "generic",
+            "ferrite-controller-tls",
+            "-n",
+            NS,
+            &format!("--from-file=ca.crt={}", p("ca.pem")),
+            &format!("--from-file=tls.crt={}", p("ferrite-controller.pem")),
+            &format!("--from-file=tls.key={}", p("ferrite-controller-key.pem")),
+        ]);
+
+        let nodes: Vec<Node> = NODES
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Node {
+                name: (*n).to_owned(),
+                root: dir.join("nodes").join(n),
+                ip: sw.ip[i].clone(),
+                netns: sw.ns[i].clone(),
+            })
+            .collect();
+        let mut loops = Vec::new();
+        for (i, node) in nodes.iter().enumerate() {
+            // What the kubelet publishes for the node, and what the administrator adds: the
+            // device of its pool, and the opt-in to format it.
+            let mut annotations = json!({});
+            if i == DEVICE_NODE {
+                let l = Loop::new(&dir.join("node-c-pool.img"), "2G");
+                annotations = json!({"pool.ferrite.dev/device": l.0, "pool.ferrite.dev/format": "true"});
+                loops.push(l);
+            }
             cp.apply(
-                &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node,
-                    "labels": {"kubernetes.io/hostname": node, "topology.ferrite.dev/node": node}}})
+                &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "annotations": annotations,
+                    "labels": {"kubernetes.io/hostname": node.name, "topology.ferrite.dev/node": node.name}}})
                 .to_string(),
             );
-            cp.apply(
-                &json!({"apiVersion": "storage.k8s.io/v1", "kind": "CSINode", "metadata": {"name": node},
-                    "spec": {"drivers": [{"name": "csi.ferrite.dev", "nodeID": node,
-                        "topologyKeys": ["topology.ferrite.dev/node"], "allocatable": {"count": 128}}]}})
-                .to_string(),
-            );
-            let d = dir.join(node);
-            std::fs::create_dir_all(&d).unwrap();
-            // The node's own certificate, as docs/kubernetes.md issues it.
-            common::csi::certs(&pki, node, &[&lan.hosts[i], "ferrite-node.ferrite.svc"]);
-            let p = |f: &str| pki.join(f).display().to_string();
-            let cfg = format!(
-                "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
-                 tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{}",
-                lan.hosts[i],
-                p(&format!("{node}.pem")),
-                p(&format!("{node}-key.pem")),
-                p("ca.pem"),
-                manifest_roles()
-            );
-            std::fs::write(d.join("ferrite.toml"), cfg).unwrap();
-            daemons.push(Daemon::start_in(&d, Some(&lan.ns)));
-            // The DaemonSet's pod on this node, as the scheduler and kubelet would run it.
-            let ds = cp.get(&["daemonset", "ferrite-node", "-n", NS]);
-            run_pod(&mut cp, &format!("ferrite-node-{node}"), &ds["spec"]["template"], node, &lan.hosts[i], None);
+            // The node's own certificate, put in /etc/ferrite/tls as docs/kubernetes.md says.
+            common::csi::certs(&pki, &node.name, &[&node.ip, "ferrite-node.ferrite.svc"]);
+            install_node_cert(&pki, node);
         }
-        cp.wait("the node Service's EndpointSlices to list both nodes", LONG, |cp| {
+        let mut c = Self {
+            cp,
+            sw,
+            nodes,
+            daemon_pods: Vec::new(),
+            plugin_pods: Vec::new(),
+            controller: None,
+            daemons: Vec::new(),
+            sidecars: Vec::new(),
+            pki,
+            loops,
+        };
+        for i in 0..NODES.len() {
+            let d = c.start_daemon_pod(i);
+            c.daemon_pods.push(d);
+            c.daemons.push(Daemon { dir: c.nodes[i].host("/run/ferrite"), child: None });
+            let p = c.start_plugin_pod(i);
+            c.plugin_pods.push(p);
+        }
+        c.cp.wait("the node Service's EndpointSlices to list every node", LONG, |cp| {
             let s = cp.get(&["endpointslices", "-n", NS, "-l", "kubernetes.io/service-name=ferrite-node"]);
             let listed = s["items"]
                 .as_array()
@@ -128,15 +188,85 @@ impl Cluster {
             let listed: Vec<String> = listed.filter_map(|e| e["nodeName"].as_str().map(str::to_owned)).collect();
             NODES.iter().all(|n| listed.iter().any(|l| l == n))
         });
-
-        let mut c = Self { cp, daemons, lan, sidecars: Vec::new() };
-        c.start_controller(dir, &pki);
+        c.start_controller();
         c
     }
 
+    /// The data-path DaemonSet's pod on node `i`: its init container, then the daemon (host
+    /// network: the node's namespace), ready when its readiness probe passes.
+    fn start_daemon_pod(&mut self, i: usize) -> Pod {
+        let node = &self.nodes[i];
+        let ds = self.cp.get(&["daemonset", "ferrite-daemon", "-n", NS]);
+        let tpl = &ds["spec"]["template"];
+        let name = format!("ferrite-daemon-{}-{}", node.name, self.cp.names().len());
+        let pod = Pod::run(&self.cp, NS, &name, tpl, node, Some(owner(&ds)), &node.ip);
+        // The ServiceAccount token a pod would have, as a kubeconfig.
+        let kc = self.cp.token_kubeconfig(NS, "ferrite-daemon", &format!("ferrite-daemon-{}.kubeconfig", node.name));
+        let env = [("KUBECONFIG".to_owned(), kc.display().to_string())];
+        for init in tpl["spec"]["initContainers"].as_array().unwrap() {
+            let name = init["name"].as_str().unwrap();
+            // Outside the node's namespace: the API server listens on this one's loopback only.
+            let o = pod.run_to_end(name, Path::new(BIN), &env, false);
+            println!("   {} init {name}: {}", node.name, String::from_utf8_lossy(&o.stdout).trim());
+            assert!(
+                o.status.success(),
+                "init container {name} on {}: {}",
+                node.name,
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        pod.start(&mut self.cp, "daemon", Path::new(BIN), &[], &[], true);
+        let what = format!("the daemon on {} to pass its readiness probe", self.nodes[i].name);
+        self.cp.wait(&what, LONG, |_| pod.ready("daemon", Path::new(BIN), true));
+        pod
+    }
+
+    /// The node plugin DaemonSet's pod on node `i` (its own network: the node's namespace stands
+    /// for it), its registration socket and liveness endpoint up, and the CSINode the kubelet
+    /// then writes.
+    fn start_plugin_pod(&mut self, i: usize) -> Pod {
+        let node = self.nodes[i].clone();
+        let ds = self.cp.get(&["daemonset", "ferrite-node-plugin", "-n", NS]);
+        let tpl = &ds["spec"]["template"];
+        let name = format!("ferrite-node-plugin-{}-{}", node.name, self.cp.names().len());
+        let pod = Pod::run(&self.cp, NS, &name, tpl, &node, Some(owner(&ds)), &node.ip);
+        for c in tpl["spec"]["containers"].as_array().unwrap() {
+            let cname = c["name"].as_str().unwrap();
+            let program = match cname {
+                "ferrite-csi" => PathBuf::from(BIN),
+                "node-driver-registrar" => self.cp.bin.join("csi-node-driver-registrar"),
+                "liveness-probe" => self.cp.bin.join("livenessprobe"),
+                "csi-addons" => {
+                    // It reads the in-cluster configuration: a pod's token, the API server by address.
+                    let cmd = pod.command(cname, &self.cp.bin.join("csi-addons-sidecar"), &[], &[], false);
+                    let at = Some((node.netns.as_str(), self.sw.gateway.as_str()));
+                    self.cp.spawn_in_pod(&pod.process(cname), &cmd, NS, "ferrite-node", at);
+                    self.sidecars.push(pod.log_path(cname));
+                    continue;
+                }
+                other => panic!("the node plugin pod has a container the tier does not know: {other}"),
+            };
+            pod.start(&mut self.cp, cname, &program, &[], &[], true);
+        }
+        let reg = node.host("/var/lib/kubelet/plugins_registry").join("csi.ferrite.dev-reg.sock");
+        let url = format!("http://{}:9818/healthz", node.ip);
+        self.cp.wait(
+            &format!("the node plugin on {} to register and pass its liveness probe", node.name),
+            LONG,
+            |_| reg.exists() && Command::new("curl").args(["-sf", &url]).output().is_ok_and(|o| o.status.success()),
+        );
+        self.cp.apply(
+            &json!({"apiVersion": "storage.k8s.io/v1", "kind": "CSINode", "metadata": {"name": node.name},
+                "spec": {"drivers": [{"name": "csi.ferrite.dev", "nodeID": node.name,
+                    "topologyKeys": ["topology.ferrite.dev/node"], "allocatable": {"count": 128}}]}})
+            .to_string(),
+        );
+        pod
+    }
+
     /// The controller Deployment's pod (a ReplicaSet and a pod owned as the Deployment's
-    /// controllers would make them) bound to node-a, and its containers as processes.
-    fn start_controller(&mut self, dir: &Path, pki: &Path) {
+    /// controllers would make them) on node-a, and its containers, each as the pod's user.
+    fn start_controller(&mut self) {
         let cp = &mut self.cp;
         let dep = cp.get(&["deployment", "ferrite-controller", "-n", NS]);
         let tpl = &dep["spec"]["template"];
@@ -149,66 +279,50 @@ impl Cluster {
         let rs = cp.get(&["replicaset", "ferrite-controller-1", "-n", NS]);
         let owner = json!({"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "ferrite-controller-1",
             "uid": rs["metadata"]["uid"], "controller": true});
-        let pod = run_pod(cp, "ferrite-controller-1-x", tpl, "node-a", &self.lan.gateway, Some(owner));
-
-        // The pod's mounts: the socket directory and the TLS secret.
-        let (csi_dir, tls_dir) = (dir.join("csi"), dir.join("tls"));
-        std::fs::create_dir_all(&csi_dir).unwrap();
-        std::fs::create_dir_all(&tls_dir).unwrap();
-        for (from, to) in
-            [("ca.pem", "ca.crt"), ("ferrite-controller.pem", "tls.crt"), ("ferrite-controller-key.pem", "tls.key")]
-        {
-            std::fs::copy(pki.join(from), tls_dir.join(to)).unwrap();
-        }
-        let mounts =
-            [("/csi/", format!("{}/", csi_dir.display())), ("/etc/ferrite/tls/", format!("{}/", tls_dir.display()))];
-        for c in pod["spec"]["containers"].as_array().unwrap() {
+        let pod = Pod::run(cp, NS, "ferrite-controller-1-x", tpl, &self.nodes[0], Some(owner), &self.sw.gateway);
+        let (uid, _, groups) = pod.user(pod.container("ferrite")).expect("the controller pod names its user");
+        assert!(uid != 0 && groups.contains(&65532), "the controller runs as its image's user, with the fsGroup");
+        let key = pod.rewrite(pod.container("ferrite"), "/etc/ferrite/tls/tls.key");
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&key).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o440, "the key is readable by the fsGroup only");
+        for c in tpl["spec"]["containers"].as_array().unwrap() {
             let name = c["name"].as_str().unwrap();
             let program = match name {
-                "ferrite" => BIN.to_owned(),
-                "csi-provisioner" | "csi-resizer" | "csi-snapshotter" => name.to_owned(),
-                "csi-addons" => "csi-addons-sidecar".to_owned(),
-                // No livenessprobe binary is built here; its arguments pass the dry run.
-                "liveness-probe" => continue,
+                "ferrite" => PathBuf::from(BIN),
+                "csi-provisioner" | "csi-resizer" | "csi-snapshotter" => cp.bin.join(name),
+                "csi-addons" => cp.bin.join("csi-addons-sidecar"),
+                "liveness-probe" => cp.bin.join("livenessprobe"),
                 other => panic!("the controller pod has a container the tier does not know: {other}"),
             };
-            let env = container_env(c, &pod);
-            let mut args: Vec<String> = c["args"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|a| {
-                    let mut a = expand(a.as_str().unwrap(), &env);
-                    for (from, to) in &mounts {
-                        a = a.replace(from, to);
-                    }
-                    a
-                })
-                .collect();
-            let kubeconfig = cp.token_kubeconfig(NS, "ferrite-controller", &format!("{name}.kubeconfig"));
-            let mut envs: Vec<(String, String)> = env.clone();
+            // The ServiceAccount token a pod would have, as a kubeconfig its user may read.
+            let kc = cp.token_kubeconfig(NS, "ferrite-controller", &format!("{name}.kubeconfig"));
+            std::os::unix::fs::chown(&kc, Some(0), Some(65532)).unwrap();
+            std::fs::set_permissions(&kc, std::os::unix::fs::PermissionsExt::from_mode(0o640)).unwrap();
+            let kc = kc.display().to_string();
+            let (mut extra, mut env) = (Vec::new(), Vec::new());
             match name {
-                "ferrite" => envs.push(("KUBECONFIG".into(), kubeconfig.display().to_string())),
+                "ferrite" => env.push(("KUBECONFIG".to_owned(), kc)),
                 // The CSI-Addons sidecar takes only the in-cluster configuration.
-                "csi-addons" => self.sidecars.push(name.to_owned()),
-                _ => {
-                    args.push(format!("--kubeconfig={}", kubeconfig.display()));
-                    self.sidecars.push(name.to_owned());
-                }
+                "csi-addons" | "liveness-probe" => {}
+                _ => extra.push(format!("--kubeconfig={kc}")),
             }
+            if name != "ferrite" && name != "liveness-probe" {
+                self.sidecars.push(pod.log_path(name));
+            }
+            let mut cmd = pod.command(name, &program, &extra, &env, false);
             if name == "csi-provisioner" {
                 // Capacity objects are owned by the Deployment (through the pod and ReplicaSet).
-                assert!(args.iter().any(|a| a == "--capacity-ownerref-level=2"), "{args:?}");
+                assert!(cmd.get_args().any(|a| a == "--capacity-ownerref-level=2"));
             }
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
             if name == "csi-addons" {
-                cp.spawn_in_pod(name, &program, &args, &envs, NS, "ferrite-controller");
+                cp.spawn_in_pod(&pod.process(name), &cmd, NS, "ferrite-controller", None);
             } else {
-                cp.spawn(name, &program, &args, &envs);
+                cp.spawn_cmd(&pod.process(name), &mut cmd);
             }
         }
+        self.controller = Some(pod);
         // The cluster-wide controllers, each under its upstream ServiceAccount and RBAC.
+        let cp = &mut self.cp;
         let snap = cp.token_kubeconfig("kube-system", "snapshot-controller", "snapshot-controller.kubeconfig");
         cp.spawn(
             "snapshot-controller",
@@ -220,80 +334,94 @@ impl Cluster {
             ],
             &[],
         );
-        self.sidecars.push("snapshot-controller".into());
+        self.sidecars.push(cp.dir.join("snapshot-controller.log"));
         // The manager calls the sidecars with the token a pod has; it runs as in a pod.
         let probe = format!("--health-probe-bind-address=127.0.0.1:{}", common::csi::free_port("127.0.0.1"));
-        let args = ["--namespace=csi-addons-system", &probe, "--metrics-bind-address=0"];
-        cp.spawn_in_pod(
-            "csi-addons-manager",
-            "csi-addons-manager",
-            &args,
-            &[],
-            "csi-addons-system",
-            "csi-addons-controller-manager",
-        );
-        self.sidecars.push("csi-addons-manager".into());
+        let mut manager = Command::new(cp.bin.join("csi-addons-manager"));
+        manager.args(["--namespace=csi-addons-system", &probe, "--metrics-bind-address=0"]);
+        cp.spawn_in_pod("csi-addons-manager", &manager, "csi-addons-system", "csi-addons-controller-manager", None);
+        self.sidecars.push(cp.dir.join("csi-addons-manager.log"));
         cp.wait("the CSI-Addons manager to connect to the controller's sidecar", LONG, |cp| {
             let n = cp.get(&["csiaddonsnodes", "-n", NS]);
             n["items"].as_array().unwrap().iter().any(|n| n["status"]["state"] == "Connected")
         });
     }
+
+    /// What the DaemonSet controller and the kubelet do after a DaemonSet's template changed:
+    /// a RollingUpdate DaemonSet's pods are replaced one node at a time; an OnDelete one's are
+    /// left until someone deletes them. Returns the DaemonSets rolled.
+    fn roll_daemonsets(&mut self) -> Vec<&'static str> {
+        let mut rolled = Vec::new();
+        for ds in ["ferrite-daemon", "ferrite-node-plugin"] {
+            let d = self.cp.get(&["daemonset", ds, "-n", NS]);
+            let (template, strategy) = (&d["spec"]["template"], &d["spec"]["updateStrategy"]["type"]);
+            for i in 0..NODES.len() {
+                let pods = if ds == "ferrite-daemon" { &self.daemon_pods } else { &self.plugin_pods };
+                if pods[i].template == *template || strategy == "OnDelete" {
+                    continue;
+                }
+                assert_eq!(strategy, "RollingUpdate", "{ds}");
+                let old = pods[i].name().to_owned();
+                pods[i].kill(&mut self.cp);
+                self.cp.ok(&["delete", "pod", &old, "-n", NS, "--wait=false"]);
+                if ds == "ferrite-daemon" {
+                    self.daemon_pods[i] = self.start_daemon_pod(i);
+                } else {
+                    self.plugin_pods[i] = self.start_plugin_pod(i);
+                }
+                if !rolled.contains(&ds) {
+                    rolled.push(ds);
+                }
+            }
+        }
+        rolled
+    }
 }
 
-/// Creates pod `name` from `template` bound to `node`, and sets its status as the kubelet would
-/// once it runs (address `ip`, Ready). Returns the pod.
-fn run_pod(cp: &mut ControlPlane, name: &str, template: &Value, node: &str, ip: &str, owner: Option<Value>) -> Value {
-    let mut spec = template["spec"].clone();
-    spec["nodeName"] = json!(node);
-    let mut meta = json!({"name": name, "namespace": NS, "labels": template["metadata"]["labels"]});
-    if let Some(o) = owner {
-        meta["ownerReferences"] = json!([o]);
-    }
-    cp.apply(&json!({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}).to_string());
-    let now = "2026-01-01T00:00:00Z";
-    let status = json!({"status": {"phase": "Running", "hostIP": ip, "hostIPs": [{"ip": ip}], "podIP": ip,
-        "podIPs": [{"ip": ip}], "startTime": now,
-        "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now},
-                       {"type": "ContainersReady", "status": "True", "lastTransitionTime": now}]}});
-    cp.ok(&["patch", "pod", name, "-n", NS, "--subresource=status", "--type=merge", "-p", &status.to_string()]);
-    cp.get(&["pod", name, "-n", NS])
+/// The owner reference its controller gives a pod of `object` (a DaemonSet).
+fn owner(object: &Value) -> Value {
+    json!({"apiVersion": object["apiVersion"], "kind": object["kind"], "name": object["metadata"]["name"],
+        "uid": object["metadata"]["uid"], "controller": true})
 }
 
-/// A container's environment as the kubelet gives it: values and the pod fields it names.
-fn container_env(c: &Value, pod: &Value) -> Vec<(String, String)> {
-    let mut env = Vec::new();
-    for e in c["env"].as_array().cloned().unwrap_or_default() {
-        let name = e["name"].as_str().unwrap().to_owned();
-        let value = match (&e["value"], e["valueFrom"]["fieldRef"]["fieldPath"].as_str()) {
-            (Value::String(v), _) => v.clone(),
-            (_, Some("metadata.name")) => pod["metadata"]["name"].as_str().unwrap().to_owned(),
-            (_, Some("metadata.namespace")) => NS.to_owned(),
-            (_, Some("metadata.uid")) => pod["metadata"]["uid"].as_str().unwrap().to_owned(),
-            (_, Some("spec.nodeName")) => pod["spec"]["nodeName"].as_str().unwrap().to_owned(),
-            (_, Some("status.hostIP")) => pod["status"]["hostIP"].as_str().unwrap().to_owned(),
-            other => panic!("env {name}: {other:?} is not something the tier resolves"),
-        };
-        env.push((name, value));
+/// Writes node's certificate, key and the CA where the daemon's hostPath volume reads them.
+fn install_node_cert(pki: &Path, node: &Node) {
+    let tls = node.host("/etc/ferrite/tls");
+    std::fs::create_dir_all(&tls).unwrap();
+    for (from, to) in [
+        ("ca.pem", "ca.crt"),
+        (&format!("{}.pem", node.name), "tls.crt"),
+        (&format!("{}-key.pem", node.name), "tls.key"),
+    ] {
+        // Written beside and renamed, as a rotation would be.
+        let tmp = tls.join(format!("{to}.new"));
+        std::fs::copy(pki.join(from), &tmp).unwrap();
+        std::fs::rename(&tmp, tls.join(to)).unwrap();
     }
-    env
 }
 
-/// `$(VAR)` references in an argument, as the kubelet expands them.
-fn expand(arg: &str, env: &[(String, String)]) -> String {
-    let mut out = arg.to_owned();
-    for (k, v) in env {
-        out = out.replace(&format!("$({k})"), v);
+/// The certificate `addr` presents, by a TLS handshake with the CA `ca` (and a client identity).
+fn presented(addr: &str, ca: &Path, identity: (&Path, &Path)) -> Vec<u8> {
+    let cfg = ferrite_tls::client_config(ca, Some(identity), &[b"h2"]).unwrap();
+    let name = ferrite_tls::server_name(addr).unwrap();
+    let mut conn = ferrite_tls::rustls::ClientConnection::new(cfg, name).unwrap();
+    let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+    while conn.is_handshaking() {
+        conn.complete_io(&mut tcp).unwrap();
     }
-    out
+    conn.peer_certificates().unwrap()[0].to_vec()
 }
 
 /// A claim of `class` on `node` (the scheduler's choice for a WaitForFirstConsumer claim), from
-/// `source` (a dataSource) if given, labelled `labels`.
-fn claim(cp: &ControlPlane, name: &str, node: &str, size: &str, source: Option<Value>, labels: Value) {
+/// `source` (a dataSource) if given, labelled `labels`, `extra` merged into its spec.
+fn claim(cp: &ControlPlane, name: &str, node: &str, size: &str, source: Option<Value>, labels: Value, extra: Value) {
     let mut spec = json!({"storageClassName": "ferrite-ext4", "accessModes": ["ReadWriteOnce"],
         "resources": {"requests": {"storage": size}}});
     if let Some(s) = source {
         spec["dataSource"] = s;
+    }
+    for (k, v) in extra.as_object().unwrap() {
+        spec[k] = v.clone();
     }
     cp.apply(
         &json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": "default",
@@ -324,6 +452,11 @@ impl Cluster {
         });
         last
     }
+
+    /// Every log of the daemons' pods.
+    fn daemon_logs(&self) -> String {
+        self.daemon_pods.iter().map(|p| p.log("daemon")).collect()
+    }
 }
 
 fn volumes(d: &Daemon) -> Vec<String> {
@@ -337,9 +470,21 @@ fn pattern(len: usize) -> Vec<u8> {
 #[test]
 fn ferrite_on_kubernetes() {
     let Some(bin) = binaries() else { return };
-    let Some(lan) = Lan::new(2) else { return };
+    let Some(sw) = Switch::new(NODES.len()) else { return };
+    if !common::have("fio") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start(dir.path(), &bin, lan);
+    let mut c = Cluster::start(dir.path(), &bin, sw);
+
+    println!("== each node's pool: node-c's is the device its annotation names, formatted on opt-in");
+    let dev = c.loops[0].0.clone();
+    assert_eq!(c.daemon("node-c").json(&["pool", "status"])["path"], dev.as_str());
+    for n in ["node-a", "node-b"] {
+        let path = c.daemon(n).json(&["pool", "status"])["path"].as_str().unwrap().to_owned();
+        assert!(path.ends_with("var/lib/ferrite/pool.img"), "{n}: {path}");
+    }
+    pool_refusals(&mut c, dir.path());
 
     println!("== capacity per node, published by the provisioner");
     c.cp.wait("CSIStorageCapacity for both nodes", LONG, |cp| {
@@ -353,8 +498,15 @@ fn ferrite_on_kubernetes() {
     });
 
     println!("== claims bind on the node the scheduler picked");
-    claim(&c.cp, "data", "node-a", "64Mi", None, json!({"app": "shop"}));
-    claim(&c.cp, "logs", "node-b", "32Mi", None, json!({}));
+    claim(&c.cp, "data", "node-a", "64Mi", None, json!({"app": "shop"}), json!({}));
+    claim(&c.cp, "logs", "node-b", "32Mi", None, json!({}), json!({}));
+    // A claim that names a VolumeAttributesClass from the start (the provisioner reads it).
+    claim(&c.cp, "gold", "node-c", "32Mi", None, json!({}), json!({"volumeAttributesClassName": "ferrite-gold"}));
+    let gold = c.bound("gold");
+    let (node, gold_vol) = gold.split_once('/').unwrap();
+    assert_eq!(node, "node-c");
+    let l = &c.daemon("node-c").json(&["volume", "show", gold_vol])["limits"];
+    assert!(l["iops"] == 5000 && l["bps"] == 200 << 20, "the class's limits from the start: {l}");
     let data = c.bound("data");
     let logs = c.bound("logs");
     let (node, data_vol) = data.split_once('/').unwrap();
@@ -388,6 +540,7 @@ fn ferrite_on_kubernetes() {
         "64Mi",
         Some(json!({"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "snap"})),
         json!({}),
+        json!({}),
     );
     claim(
         &c.cp,
@@ -396,6 +549,7 @@ fn ferrite_on_kubernetes() {
         "64Mi",
         Some(json!({"kind": "PersistentVolumeClaim", "name": "data"})),
         json!({"app": "shop"}),
+        json!({}),
     );
     for name in ["restore", "copy"] {
         let handle = c.bound(name);
@@ -404,6 +558,57 @@ fn ferrite_on_kubernetes() {
         let got = common::nbd::read_image(c.daemon(node), vol, 1 << 20);
         assert!(got == content, "claim {name} does not hold the source's data");
     }
+
+    println!("== a rotated node certificate is served without a restart");
+    let pki = c.pki.clone();
+    let (ca, id) = (pki.join("ca.pem"), (pki.join("ferrite-controller.pem"), pki.join("ferrite-controller-key.pem")));
+    let addr = format!("{}:7070", c.nodes[0].ip);
+    let leaf = |f: &str| ferrite_tls::load_certs(&pki.join(f)).unwrap()[0].to_vec();
+    assert!(presented(&addr, &ca, (&id.0, &id.1)) == leaf("node-a.pem"));
+    let pid = c.cp.pid(&c.daemon_pods[0].process("daemon"));
+    std::fs::remove_file(pki.join("node-a.pem")).unwrap();
+    std::fs::remove_file(pki.join("node-a-key.pem")).unwrap();
+    common::csi::certs(&pki, "node-a", &[&c.nodes[0].ip, "ferrite-node.ferrite.svc"]);
+    install_node_cert(&pki, &c.nodes[0]);
+    c.cp.wait("node-a's daemon to present its new certificate", LONG, |_| {
+        presented(&addr, &ca, (&id.0, &id.1)) == leaf("node-a.pem")
+    });
+    assert_eq!(c.cp.pid(&c.daemon_pods[0].process("daemon")), pid, "no restart");
+
+    println!("== a new node plugin image rolls its DaemonSet; the data path is not touched");
+    let fio_vol = "fio";
+    c.daemon("node-a").ok(&["volume", "create", fio_vol, "64M"]);
+    c.daemon("node-a").ok(&["export", "nbd", fio_vol]);
+    let uri = format!("nbd+unix:///{fio_vol}?socket={}", c.daemon("node-a").nbd().display());
+    // fio writes and verifies, run after run, for 20 s; any error ends it with a failure.
+    let mut fio = Command::new("sh")
+        .arg("-c")
+        .arg(
+            "end=$(( $(date +%s) + 20 )); while [ $(date +%s) -lt $end ]; do \
+             fio --name=io --ioengine=nbd --uri=\"$0\" --rw=randwrite --bs=4k --size=16M --iodepth=8 \
+             --verify=crc32c --output-format=terse >/dev/null || exit 1; done",
+        )
+        .arg(&uri)
+        .spawn()
+        .unwrap();
+    let daemons: Vec<u32> = c.daemon_pods.iter().map(|p| c.cp.pid(&p.process("daemon"))).collect();
+    let plugins: Vec<u32> = c.plugin_pods.iter().map(|p| c.cp.pid(&p.process("ferrite-csi"))).collect();
+    c.cp.ok(&[
+        "set",
+        "image",
+        "daemonset/ferrite-node-plugin",
+        "-n",
+        NS,
+        "node-driver-registrar=ferrite-registry.invalid/sig-storage/csi-node-driver-registrar:v2.16.0",
+    ]);
+    assert_eq!(c.roll_daemonsets(), ["ferrite-node-plugin"]);
+    let after: Vec<u32> = c.daemon_pods.iter().map(|p| c.cp.pid(&p.process("daemon"))).collect();
+    assert_eq!(after, daemons, "the data-path daemons were not restarted");
+    let rolled: Vec<u32> = c.plugin_pods.iter().map(|p| c.cp.pid(&p.process("ferrite-csi"))).collect();
+    assert!(rolled.iter().zip(&plugins).all(|(a, b)| a != b), "every node plugin pod was replaced");
+    assert!(fio.wait().unwrap().success(), "fio's writes and verification went on through the roll");
+    c.daemon("node-a").ok(&["export", "stop", fio_vol]);
+    c.daemon("node-a").ok(&["volume", "delete", fio_vol]);
 
     println!("== expansion");
     c.cp.ok(&[
@@ -509,21 +714,19 @@ fn ferrite_on_kubernetes() {
     assert!(left.iter().all(|v| *v == data_vol), "node-b keeps {left:?}");
 
     println!("== no component was refused by RBAC");
-    for name in &c.sidecars {
-        let log = c.cp.log(name);
-        let bad: Vec<&str> = log.lines().filter(|l| l.contains("forbidden") || l.contains("Forbidden")).collect();
-        assert!(bad.is_empty(), "{name} was refused:\n{}", bad.join("\n"));
+    for log in &c.sidecars {
+        let text = std::fs::read_to_string(log).unwrap();
+        let bad: Vec<&str> = text.lines().filter(|l| l.contains("forbidden") || l.contains("Forbidden")).collect();
+        assert!(bad.is_empty(), "{} was refused:\n{}", log.display(), bad.join("\n"));
     }
     println!("== each identity did only what its role allows");
-    for d in &c.daemons {
-        let refused: Vec<String> = d.log().lines().filter(|l| l.contains("call refused")).map(str::to_owned).collect();
-        assert!(refused.is_empty(), "a component was refused a call:\n{}", refused.join("\n"));
-    }
+    let logs = c.daemon_logs();
+    let refused: Vec<&str> = logs.lines().filter(|l| l.contains("call refused")).collect();
+    assert!(refused.is_empty(), "a component was refused a call:\n{}", refused.join("\n"));
     // A node's certificate (a replication peer) may not make an operator's call.
-    let pki = dir.path().join("pki");
     let (cert, key) = (pki.join("node-b.pem"), pki.join("node-b-key.pem"));
     let tls = ferrite_proto::admin_tls(&pki.join("ca.pem"), Some((&cert, &key))).unwrap();
-    let endpoint = format!("tcp://{}:7070", c.lan.hosts[0]);
+    let endpoint = format!("tcp://{}:7070", c.nodes[0].ip);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let refused = rt.block_on(async {
         let ch = ferrite_proto::connect_as(&endpoint, Some(tls), Some("ferrite-node.ferrite.svc")).await.unwrap();
@@ -537,4 +740,33 @@ fn ferrite_on_kubernetes() {
     );
     c.cp.check_alive();
     println!("KUBERNETES_TIER_OK");
+}
+
+/// The pool init container refuses what it must: a device holding a filesystem, and a blank
+/// one without the opt-in (node-d has no daemon; its annotations alone are read).
+fn pool_refusals(c: &mut Cluster, dir: &Path) {
+    let ext4 = Loop::new(&dir.join("ext4.img"), "64M");
+    sh(&format!("mkfs.ext4 -q {}", ext4.0));
+    let blank = Loop::new(&dir.join("blank.img"), "64M");
+    let cfg = c.daemon_pods[0].rewrite(c.daemon_pods[0].container("pool"), "/etc/ferrite/ferrite.toml");
+    let kc = c.cp.token_kubeconfig(NS, "ferrite-daemon", "node-d.kubeconfig");
+    for (dev, format, why) in
+        [(&ext4.0, "true", "holds an ext2/3/4 filesystem"), (&blank.0, "false", "pool.ferrite.dev/format=\"true\"")]
+    {
+        c.cp.apply(
+            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-d",
+                "annotations": {"pool.ferrite.dev/device": dev, "pool.ferrite.dev/format": format}}})
+            .to_string(),
+        );
+        let out = dir.join("node-d.toml");
+        let o = Command::new(BIN)
+            .args(["pool", "node", "--node=node-d", &format!("--config={cfg}"), &format!("--out={}", out.display())])
+            .env("KUBECONFIG", &kc)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(why), "{dev} (format {format}): {err}");
+        assert!(!out.exists(), "no configuration is written for a refused device");
+    }
+    c.cp.ok(&["delete", "node", "node-d"]);
 }

@@ -58,7 +58,9 @@ pub fn kubeconfig(path: &Path, server: &str, ca: &Path, user: &str) -> PathBuf {
 }
 
 impl ControlPlane {
-    pub fn start(dir: &Path, bin: &Path) -> Self {
+    /// `also`: another address of this machine (a network's gateway) on which processes in
+    /// other network namespaces reach the API server.
+    pub fn start(dir: &Path, bin: &Path, also: Option<&str>) -> Self {
         let pki = dir.join("kpki");
         std::fs::create_dir_all(&pki).unwrap();
         let p = |f: &str| pki.join(f).display().to_string();
@@ -98,7 +100,10 @@ impl ControlPlane {
         issue(
             "apiserver",
             "/CN=kube-apiserver",
-            Some("IP:127.0.0.1,IP:10.0.0.1,DNS:kubernetes.default.svc,DNS:localhost"),
+            Some(&format!(
+                "IP:127.0.0.1,IP:10.0.0.1,DNS:kubernetes.default.svc,DNS:localhost{}",
+                also.map(|a| format!(",IP:{a}")).unwrap_or_default()
+            )),
         );
         issue("admin", "/O=system:masters/CN=admin", None);
         issue("kcm", "/CN=system:kube-controller-manager", None);
@@ -132,7 +137,8 @@ impl ControlPlane {
             "kube-apiserver",
             &[
                 &format!("--etcd-servers=http://127.0.0.1:{etcd}"),
-                "--bind-address=127.0.0.1",
+                // Every address when others must reach it (it takes one bind address).
+                if also.is_some() { "--bind-address=0.0.0.0" } else { "--bind-address=127.0.0.1" },
                 "--advertise-address=127.0.0.1",
                 &format!("--secure-port={api}"),
                 &format!("--tls-cert-file={}", p("apiserver.crt")),
@@ -179,11 +185,13 @@ impl ControlPlane {
         self.procs.push((name.to_owned(), child));
     }
 
-    /// Starts `program` as a pod's container would see the API: in a private mount namespace
-    /// whose /run holds ServiceAccount `ns/sa`'s token and the cluster CA where client-go's
-    /// in-cluster configuration reads them, and KUBERNETES_SERVICE_HOST/PORT naming the server
-    /// (some sidecars know no other way to the API).
-    pub fn spawn_in_pod(&mut self, name: &str, program: &str, args: &[&str], env: &[(&str, &str)], ns: &str, sa: &str) {
+    /// Starts `cmd` as a pod's container would see the API: in a private mount namespace whose
+    /// /run holds ServiceAccount `ns/sa`'s token and the cluster CA where client-go's in-cluster
+    /// configuration reads them, and KUBERNETES_SERVICE_HOST/PORT naming the server (some
+    /// sidecars know no other way to the API).
+    /// `netns`: the network namespace it runs in, and the address there it reaches the API
+    /// server at (see [`ControlPlane::start`]).
+    pub fn spawn_in_pod(&mut self, name: &str, cmd: &Command, ns: &str, sa: &str, netns: Option<(&str, &str)>) {
         let account = self.dir.join(format!("{name}.serviceaccount"));
         std::fs::create_dir_all(&account).unwrap();
         let token = self.ok(&["create", "token", sa, "-n", ns, "--duration=2h"]);
@@ -191,20 +199,43 @@ impl ControlPlane {
         std::fs::write(account.join("namespace"), ns).unwrap();
         std::fs::copy(self.dir.join("kpki/ca.crt"), account.join("ca.crt")).unwrap();
         let port = self.server.rsplit(':').next().unwrap().to_owned();
-        let exe = self.bin.join(program);
-        let mut cmd = Command::new("unshare");
-        cmd.args(["--mount", "--propagation", "private", "sh", "-c"])
+        // In the namespace first: `ip netns exec` finds it under /run, which the pod's tmpfs hides.
+        let mut wrapped = match netns {
+            Some((n, _)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", n, "unshare"]);
+                c
+            }
+            None => Command::new("unshare"),
+        };
+        wrapped
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
             .arg(
                 "mount -t tmpfs tmpfs /run && mkdir -p /run/secrets/kubernetes.io && \
-                 cp -r \"$0\" /run/secrets/kubernetes.io/serviceaccount && exec \"$@\"",
+                 cp -r \"$0\" /run/secrets/kubernetes.io/serviceaccount && \
+                 chmod -R a+rX /run/secrets && exec \"$@\"",
             )
             .arg(&account)
-            .arg(exe)
-            .args(args)
-            .envs(env.iter().copied())
-            .env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+            .arg(cmd.get_program())
+            .args(cmd.get_args())
+            .envs(cmd.get_envs().filter_map(|(k, v)| Some((k, v?))))
+            .env("KUBERNETES_SERVICE_HOST", netns.map_or("127.0.0.1", |(_, at)| at))
             .env("KUBERNETES_SERVICE_PORT", port);
-        self.spawn_cmd(name, &mut cmd);
+        self.spawn_cmd(name, &mut wrapped);
+    }
+
+    /// Kills (SIGKILL) and forgets the processes whose names start with `prefix`.
+    pub fn kill(&mut self, prefix: &str) {
+        for (_, c) in self.procs.iter_mut().filter(|(n, _)| n.starts_with(prefix)) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.procs.retain(|(n, _)| !n.starts_with(prefix));
+    }
+
+    /// The pid of process `name`.
+    pub fn pid(&self, name: &str) -> u32 {
+        self.procs.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no process {name}")).1.id()
     }
 
     /// The log of a process started with `spawn`.

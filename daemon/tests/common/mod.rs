@@ -3,6 +3,7 @@
 
 pub mod csi;
 pub mod kube;
+pub mod kubelet;
 pub mod nbd;
 pub mod netns;
 pub mod push;
