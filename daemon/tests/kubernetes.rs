@@ -249,11 +249,11 @@ impl Cluster {
             pod.start(&mut self.cp, cname, &program, &[], &[], true);
         }
         let reg = node.host("/var/lib/kubelet/plugins_registry").join("csi.ferrite.dev-reg.sock");
-        let url = format!("http://{}:9818/healthz", node.ip);
+        let url = format!("{}:9818", node.ip);
         self.cp.wait(
             &format!("the node plugin on {} to register and pass its liveness probe", node.name),
             LONG,
-            |_| reg.exists() && Command::new("curl").args(["-sf", &url]).output().is_ok_and(|o| o.status.success()),
+            |_| reg.exists() && healthz(&url),
         );
         self.cp.apply(
             &json!({"apiVersion": "storage.k8s.io/v1", "kind": "CSINode", "metadata": {"name": node.name},
@@ -376,6 +376,18 @@ impl Cluster {
         }
         rolled
     }
+}
+
+/// The kubelet's HTTP liveness probe: GET /healthz at `addr` answers 200.
+fn healthz(addr: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut reply = String::new();
+    s.write_all(b"GET /healthz HTTP/1.0\r\nHost: x\r\n\r\n").is_ok()
+        && s.read_to_string(&mut reply).is_ok()
+        && reply.starts_with("HTTP/1.")
+        && reply.split(' ').nth(1) == Some("200")
 }
 
 /// The owner reference its controller gives a pod of `object` (a DaemonSet).
