@@ -23,8 +23,15 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
 /// except the metadata Kubernetes adds: `csi.storage.k8s.io/*` (the PVC or VolumeSnapshot name
 /// with `--extra-create-metadata`) and `storage.kubernetes.io/*` (the provisioner's identity in
 /// a PV's attributes, which CSI-Addons passes on as parameters).
+/// A StorageClass's own parameter, `replicas`, is taken (and checked) wherever the class's
+/// parameters come (CreateVolume, GetCapacity, ValidateVolumeCapabilities).
 pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
-    let ours = |k: &&String| !k.starts_with("csi.storage.k8s.io/") && !k.starts_with("storage.kubernetes.io/");
+    crate::copies::replicas(params)?;
+    let ours = |k: &&String| {
+        !k.starts_with("csi.storage.k8s.io/")
+            && !k.starts_with("storage.kubernetes.io/")
+            && *k != crate::copies::REPLICAS
+    };
     match params.keys().find(ours) {
         Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),
         None => Ok(()),

@@ -9,8 +9,8 @@ use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Code, Request, Response, Status};
 
 use crate::args::{TOPOLOGY_KEY, check_capabilities, no_parameters, paginate, require, volume_msg};
-use crate::ids;
 use crate::nodes::{NodeDirectory, admin};
+use crate::{copies, ids};
 
 /// Size of a volume created without a capacity range.
 const DEFAULT_SIZE: u64 = 1 << 30;
@@ -73,20 +73,33 @@ impl Controller {
         best.map(|(_, n)| n).ok_or_else(|| Status::unavailable("no node's daemon answers"))
     }
 
-    /// The volume named `name` on any node.
-    /// The volume under any of `names` (a CSI name's engine names), on any node.
+    /// The volume under any of `names` (a CSI name's engine names), on any node: the node
+    /// serving it (a replicated volume's primary) and the volume.
     async fn find(&self, names: &[String]) -> Result<Option<(String, pb::Volume)>, Status> {
         for node in self.nodes.nodes() {
             let mut c = admin(&*self.nodes, &node).await?;
             for name in names {
                 match c.get_volume(pb::GetVolumeRequest { name: name.clone() }).await {
-                    Ok(v) => return Ok(Some((node, v.into_inner()))),
+                    Ok(_) => {
+                        let (node, _, v, _) = copies::primary(&*self.nodes, &node, name).await?;
+                        return Ok(Some((node, v)));
+                    }
                     Err(s) if s.code() == Code::NotFound => {}
                     Err(s) => return Err(s),
                 }
             }
         }
         Ok(None)
+    }
+
+    /// Gives the volume on `node` its `n` copies (a replicated class) and says where they are
+    /// in the volume's context.
+    async fn copies(&self, node: &str, mut volume: csi::Volume, name: &str, n: usize) -> Result<csi::Volume, Status> {
+        if n > 1 {
+            let at = copies::ensure(&*self.nodes, node, name, n).await?;
+            volume.volume_context.insert("copies".into(), at.join(","));
+        }
+        Ok(volume)
     }
 
     async fn get(&self, volume_id: &str) -> Result<(String, pb::Volume), Status> {
@@ -105,6 +118,13 @@ impl csi::controller_server::Controller for Controller {
         require("name", &r.name)?;
         check_capabilities(&r.volume_capabilities).map_err(Status::invalid_argument)?;
         no_parameters(&r.parameters)?;
+        let replicas = copies::replicas(&r.parameters)?;
+        if replicas > self.nodes.nodes().len() {
+            return Err(Status::resource_exhausted(format!(
+                "{replicas} copies need as many nodes; the directory knows {}",
+                self.nodes.nodes().len()
+            )));
+        }
         let limits = crate::qos::limits(&r.mutable_parameters)?;
         let _busy = self.busy.begin(&format!("volume name {}", r.name))?;
         let size = size_for(r.capacity_range.as_ref(), DEFAULT_SIZE)?;
@@ -117,14 +137,13 @@ impl csi::controller_server::Controller for Controller {
                     r.name, v.size
                 )));
             }
-            // A retry after a call that made the volume but not its limits completes it.
+            // A retry after a call that made the volume but not its limits or copies completes it.
             if v.limits.unwrap_or_default() != limits {
                 let req = pb::SetVolumeLimitsRequest { name: v.name.clone(), limits: Some(limits) };
                 v = admin(&*self.nodes, &node).await?.set_volume_limits(req).await?.into_inner();
             }
-            return Ok(Response::new(csi::CreateVolumeResponse {
-                volume: Some(volume_msg(&node, &v, r.volume_content_source)),
-            }));
+            let volume = self.copies(&node, volume_msg(&node, &v, r.volume_content_source), &v.name, replicas).await?;
+            return Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }));
         }
         let source = r.volume_content_source.clone();
         let clone_of = match source.as_ref().and_then(|s| s.r#type.as_ref()) {
@@ -135,9 +154,9 @@ impl csi::controller_server::Controller for Controller {
                 Some((node.to_owned(), pb::clone_volume_request::Source::Snapshot(snap.to_owned())))
             }
             Some(csi::volume_content_source::Type::Volume(v)) => {
-                let (node, vol) = ids::parse(&v.volume_id)
-                    .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", v.volume_id)))?;
-                Some((node.to_owned(), pb::clone_volume_request::Source::Volume(vol.to_owned())))
+                // Where the source is served now (a replicated volume's primary).
+                let (node, _, vol) = crate::nodes::volume(&*self.nodes, &v.volume_id).await?;
+                Some((node, pb::clone_volume_request::Source::Volume(vol.name)))
             }
         };
         let (node, v) = match clone_of {
@@ -166,7 +185,8 @@ impl csi::controller_server::Controller for Controller {
             }
         };
         tracing::info!(name = %r.name, volume_id = %ids::make(&node, &v.name), size = v.size, "CSI volume created");
-        Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume_msg(&node, &v, source)) }))
+        let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, replicas).await?;
+        Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }))
     }
 
     async fn delete_volume(
@@ -180,7 +200,15 @@ impl csi::controller_server::Controller for Controller {
         if let Some((node, name)) = ids::parse(&id)
             && self.nodes.admin_endpoint(node).is_some()
         {
-            let mut c = admin(&*self.nodes, node).await?;
+            let (node, mut c, _, view) = match copies::primary(&*self.nodes, node, name).await {
+                Ok(found) => found,
+                Err(s) if s.code() == Code::NotFound => return Ok(Response::new(csi::DeleteVolumeResponse {})),
+                Err(s) => return Err(s),
+            };
+            // A replicated volume's copies go first: the primary then holds a local volume.
+            if let Some(view) = view {
+                copies::remove_all(&*self.nodes, &node, &view).await?;
+            }
             match c.delete_volume(pb::DeleteVolumeRequest { name: name.to_owned() }).await {
                 Ok(_) => tracing::info!(volume_id = %id, "CSI volume deleted"),
                 Err(s) if s.code() == Code::NotFound => {}
@@ -222,11 +250,22 @@ impl csi::controller_server::Controller for Controller {
         req: Request<csi::ListVolumesRequest>,
     ) -> Result<Response<csi::ListVolumesResponse>, Status> {
         let r = req.into_inner();
-        // Every node's volumes in (node, name) order: the token is an index into that order.
+        // Every node's volumes in (node, name) order: the token is an index into that order. A
+        // replicated volume is listed once, where its primary is.
         let mut all = Vec::new();
         for node in self.nodes.nodes() {
             let mut c = admin(&*self.nodes, &node).await?;
+            let copies: Vec<String> = c
+                .list_sync_replicas(pb::ListReplicationsRequest::default())
+                .await?
+                .into_inner()
+                .volumes
+                .into_iter()
+                .filter(|v| v.role != "primary")
+                .map(|v| v.volume)
+                .collect();
             let mut vols = c.list_volumes(pb::ListVolumesRequest {}).await?.into_inner().volumes;
+            vols.retain(|v| !copies.contains(&v.name));
             vols.sort_by(|a, b| a.name.cmp(&b.name));
             all.extend(vols.into_iter().map(|v| volume_msg(&node, &v, None)));
         }
@@ -356,8 +395,15 @@ impl csi::controller_server::Controller for Controller {
         require("volume_id", &r.volume_id)?;
         let limits = crate::qos::limits(&r.mutable_parameters)?;
         let _busy = self.busy.begin(&r.volume_id)?;
-        let (_, mut c, v) = crate::nodes::volume(&*self.nodes, &r.volume_id).await?;
-        c.set_volume_limits(pb::SetVolumeLimitsRequest { name: v.name, limits: Some(limits) }).await?;
+        let (node, name) = ids::parse(&r.volume_id)
+            .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", r.volume_id)))?;
+        let (node, _, v, view) = copies::primary(&*self.nodes, node, name).await?;
+        // Every copy keeps the limits, so a promoted one enforces them too.
+        let at = view.map_or_else(|| vec![node.clone()], |view| copies::nodes_of(&*self.nodes, &view));
+        for n in at {
+            let req = pb::SetVolumeLimitsRequest { name: v.name.clone(), limits: Some(limits) };
+            admin(&*self.nodes, &n).await?.set_volume_limits(req).await?;
+        }
         tracing::info!(volume_id = %r.volume_id, ?limits, "CSI volume modified");
         Ok(Response::new(csi::ControllerModifyVolumeResponse {}))
     }

@@ -96,14 +96,16 @@ impl csi::group_controller_server::GroupController for GroupController {
         let mut node = None;
         let mut volumes = BTreeSet::new();
         for id in &r.source_volume_ids {
-            let (n, v) = ids::parse(id).ok_or_else(|| Status::not_found(format!("volume {id:?} does not exist")))?;
-            if node.is_some_and(|x| x != n) {
+            // Where each is served now (a replicated volume's primary).
+            let (n, _, v) = crate::nodes::volume(&*self.nodes, id).await?;
+            if node.as_ref().is_some_and(|x| *x != n) {
                 return Err(Status::failed_precondition("volumes on different nodes cannot be snapshotted together"));
             }
             node = Some(n);
-            volumes.insert(v.to_owned());
+            volumes.insert(v.name);
         }
         let node = node.expect("at least one volume");
+        let node = node.as_str();
         let name = ids::engine_name(&r.name);
         let mut c = admin(&*self.nodes, node).await?;
         if let Some(g) = find(&mut c, &ids::engine_names(&r.name)).await? {

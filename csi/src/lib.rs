@@ -21,6 +21,7 @@ pub mod addons;
 mod args;
 mod busy;
 pub mod controller;
+pub mod copies;
 pub mod fence;
 pub mod group;
 mod host;

@@ -29,11 +29,11 @@ impl Controller {
         require("name", &r.name)?;
         require("source_volume_id", &r.source_volume_id)?;
         no_parameters(&r.parameters)?;
-        let (node, volume) = ids::parse(&r.source_volume_id)
-            .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", r.source_volume_id)))?;
         let name = ids::engine_name(&r.name);
         let _busy = self.busy.begin(&format!("snapshot name {}", r.name))?;
-        let mut c = admin(&*self.nodes, node).await?;
+        // A replicated volume's snapshot is taken where its primary is now.
+        let (node, mut c, v) = crate::nodes::volume(&*self.nodes, &r.source_volume_id).await?;
+        let (node, volume) = (node.as_str(), v.name.as_str());
         for known in ids::engine_names(&r.name) {
             match c.get_snapshot(pb::GetSnapshotRequest { name: known }).await {
                 Ok(s) if s.get_ref().volume == volume => return Ok(snapshot_msg(node, s.get_ref())),

@@ -267,6 +267,8 @@ impl Admin for AdminService {
     async fn grow_volume(&self, req: Request<pb::GrowVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
         let r = req.into_inner();
         require("name", &r.name)?;
+        // A synchronous volume's members grow first (refused on a member: grow the primary).
+        self.sync.grow(&r.name, r.new_size).await?;
         let info = self.engine(move |p| p.grow_volume(&r.name, r.new_size)).await?;
         tracing::info!(volume = %info.name, size = info.size, "volume grown");
         let notes = self.attachments.resize(&info.name, info.size).await;

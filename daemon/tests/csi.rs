@@ -51,8 +51,16 @@ async fn controller_conformance_across_two_nodes() {
     r.volume_capabilities = vec![mount_cap(csi::volume_capability::access_mode::Mode::MultiNodeMultiWriter)];
     assert_eq!(code(ctl.create_volume(r).await), Code::InvalidArgument);
     let mut r = create("v1", 1 << 20, None);
-    r.parameters.insert("replicas".into(), "3".into());
+    r.parameters.insert("replicas".into(), "4".into());
     assert_eq!(code(ctl.create_volume(r).await), Code::InvalidArgument);
+    let mut r = create("v1", 1 << 20, None);
+    r.parameters.insert("color".into(), "blue".into());
+    assert_eq!(code(ctl.create_volume(r).await), Code::InvalidArgument);
+    // Three copies on two nodes: refused before anything is made.
+    let mut r = create("v1", 1 << 20, None);
+    r.parameters.insert("replicas".into(), "3".into());
+    assert_eq!(code(ctl.create_volume(r).await), Code::ResourceExhausted);
+    assert!(a.json(&["volume", "list"]).as_array().unwrap().is_empty());
     let mut r = create("v1", 10_000, None);
     r.capacity_range.as_mut().unwrap().limit_bytes = 10_000;
     assert_eq!(code(ctl.create_volume(r).await), Code::OutOfRange);

@@ -514,6 +514,16 @@ fn ferrite_on_kubernetes() {
     claim(&c.cp, "logs", "node-b", "32Mi", None, json!({}), json!({}));
     // A claim that names a VolumeAttributesClass from the start (the provisioner reads it).
     claim(&c.cp, "gold", "node-c", "32Mi", None, json!({}), json!({"volumeAttributesClassName": "ferrite-gold"}));
+    // A replicated class: a copy on every node, the primary where the scheduler put the claim.
+    claim(&c.cp, "triple", "node-b", "32Mi", None, json!({}), json!({"storageClassName": "ferrite-replicated"}));
+    let triple = c.bound("triple");
+    let (node, triple_vol) = triple.split_once('/').unwrap();
+    assert_eq!(node, "node-b");
+    for n in NODES {
+        assert!(volumes(c.daemon(n)).contains(&triple_vol.to_owned()), "{n} holds no copy of {triple_vol}");
+    }
+    let s = c.daemon("node-b").json(&["replica", "status", triple_vol]);
+    assert_eq!((s["role"].as_str(), s["members"].as_array().map(Vec::len)), (Some("primary"), Some(3)), "{s}");
     let gold = c.bound("gold");
     let (node, gold_vol) = gold.split_once('/').unwrap();
     assert_eq!(node, "node-c");
@@ -724,6 +734,7 @@ fn ferrite_on_kubernetes() {
     // node-b keeps only the replica, which disabling replication left as a writable copy.
     let left = volumes(c.daemon("node-b"));
     assert!(left.iter().all(|v| *v == data_vol), "node-b keeps {left:?}");
+    assert!(volumes(c.daemon("node-c")).is_empty(), "node-c keeps {:?}", volumes(c.daemon("node-c")));
 
     println!("== no component was refused by RBAC");
     for log in &c.sidecars {
@@ -781,4 +792,27 @@ fn pool_refusals(c: &mut Cluster, dir: &Path) {
         assert!(!out.exists(), "no configuration is written for a refused device");
     }
     c.cp.ok(&["delete", "node", "node-d"]);
+}
+
+/// The tier's own kubelet stand-in: path rewriting and Secret decoding.
+mod kubelet {
+    use super::common::kubelet::{base64, rewrite};
+    use std::path::PathBuf;
+
+    #[test]
+    fn rewrites_whole_paths_only() {
+        let m =
+            vec![("/run/ferrite".to_owned(), PathBuf::from("/t/run")), ("/csi".to_owned(), PathBuf::from("/t/csi"))];
+        assert_eq!(rewrite(&m, "/csi/csi.sock"), "/t/csi/csi.sock");
+        assert_eq!(rewrite(&m, "--config=/run/ferrite/x.toml"), "--config=/t/run/x.toml");
+        assert_eq!(rewrite(&m, "a = \"/run/ferrite\"\n"), "a = \"/t/run\"\n");
+        assert_eq!(rewrite(&m, "/run/ferrite2/x /csix"), "/run/ferrite2/x /csix");
+    }
+
+    #[test]
+    fn decodes_base64() {
+        assert_eq!(base64("aGVsbG8gd29ybGQ="), b"hello world");
+        assert_eq!(base64("YWJj"), b"abc");
+        assert_eq!(base64("YQ=="), b"a");
+    }
 }

@@ -304,6 +304,25 @@ fn members_are_removed_and_without_them_the_volume_is_local_again() {
     let mut c = connect(&d[0].nbd(), "v");
     assert_eq!(fua_write(&mut c, 0, &pattern(1, 4096)), 0);
 
+    // Growing: on the primary only; every copy grows first (the next generation carries the
+    // size), so a write past the old end reaches them all.
+    let o = d[1].cli(&["volume", "resize", "v", "32M"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("on its primary"));
+    d[0].ok(&["volume", "resize", "v", "32M"]);
+    for h in &d {
+        assert_eq!(h.json(&["volume", "show", "v"])["size"], 32 * MIB, "{}", h.log());
+    }
+    assert_eq!(status(&d[0], "v")["generation"], 4);
+    drop(c);
+    let mut c = connect(&d[0].nbd(), "v");
+    assert_eq!(fua_write(&mut c, 24 * MIB, &pattern(9, 4096)), 0);
+    drop(c);
+    for h in &d[1..] {
+        assert!(read_image(h, "v", 32 * MIB) == read_image(&d[0], "v", 32 * MIB), "a copy differs after growing");
+    }
+    d[0].ok(&["export", "nbd", "v"]);
+    let mut c = connect(&d[0].nbd(), "v");
+
     // Only the primary removes, and not itself.
     let o = d[1].cli(&["replica", "remove", "v", &e2]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("on its primary"));
@@ -316,13 +335,13 @@ fn members_are_removed_and_without_them_the_volume_is_local_again() {
     // delete its copy; writes go on with host 1.
     d[0].ok(&["replica", "remove", "v", &e2]);
     let s = status(&d[0], "v");
-    assert_eq!(s["generation"], 4, "{s}");
+    assert_eq!(s["generation"], 5, "{s}");
     assert_eq!(s["members"].as_array().unwrap().len(), 2, "{s}");
-    assert_eq!(status(&d[1], "v")["generation"], 4);
+    assert_eq!(status(&d[1], "v")["generation"], 5);
     assert!(d[2].json(&["replica", "status"]).to_string().find("\"v\"").is_none(), "host 2 still lists v");
     d[2].ok(&["volume", "delete", "v"]);
     assert_eq!(fua_write(&mut c, 4096, &pattern(2, 4096)), 0);
-    assert!(read_image(&d[1], "v", 16 * MIB) == read_image(&d[0], "v", 16 * MIB));
+    assert!(read_image(&d[1], "v", 32 * MIB) == read_image(&d[0], "v", 32 * MIB));
 
     // Removing the last one: a local volume, which writes without anyone and can be deleted.
     d[0].ok(&["replica", "remove", "v", &e1]);

@@ -116,17 +116,16 @@ pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Ch
     Ok(AdminClient::new(ch))
 }
 
-/// The node, an admin client for it, and the volume a CSI volume id names; NotFound when any of
-/// them does not exist.
+/// The node serving the volume a CSI volume id names (for a replicated volume, the node of its
+/// primary now), an admin client for it, and the volume; NotFound when it does not exist.
 pub async fn volume(
     dir: &dyn NodeDirectory,
     volume_id: &str,
 ) -> Result<(String, AdminClient<Channel>, pb::Volume), Status> {
     let not_found = || Status::not_found(format!("volume {volume_id:?} does not exist"));
     let (node, name) = crate::ids::parse(volume_id).ok_or_else(not_found)?;
-    let mut c = admin(dir, node).await.map_err(|s| if s.code() == tonic::Code::NotFound { not_found() } else { s })?;
-    let v = c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await?.into_inner();
-    Ok((node.to_owned(), c, v))
+    let (node, c, v, _) = crate::copies::primary(dir, node, name).await?;
+    Ok((node, c, v))
 }
 
 #[cfg(test)]

@@ -154,6 +154,40 @@ impl SyncHub {
         Ok(SyncVolume { volume: volume.to_owned(), generation: next.generation, ..Default::default() })
     }
 
+    /// Grows every copy of `volume` (primary here) to `new_size` before the primary's own: the
+    /// next generation carries the size, and each member grows its copy as it records it (a
+    /// majority must, as for any change). No request is in flight meanwhile, and none can reach
+    /// past the old end until this daemon's volume grows, after the record.
+    pub async fn grow(self: &Arc<Self>, volume: &str, new_size: u64) -> Result<(), Status> {
+        let op = self.op_lock(volume);
+        let _op = op.lock().await;
+        let Some(primary) = self.primary(volume) else {
+            return match self.records.get(volume) {
+                Some(h) => Err(Status::failed_precondition(format!(
+                    "volume {volume:?} is a synchronous replica here: grow it on its primary, {}",
+                    h.primary
+                ))),
+                None => Ok(()),
+            };
+        };
+        let hold = primary.hold().await;
+        let _c = primary.change.lock().await;
+        let old = primary.record();
+        if new_size <= old.size {
+            return Ok(());
+        }
+        let mut next = old.clone();
+        next.generation = self.next_generation(&old);
+        next.size = new_size;
+        self.propose(&old, &next)
+            .await
+            .map_err(|e| Status::failed_precondition(format!("the members did not take the new size: {e}")))?;
+        primary.adopt(next);
+        drop((_c, hold));
+        tracing::info!(volume, size = new_size, "synchronous members grown");
+        Ok(())
+    }
+
     async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {
         tokio::time::timeout(self.timeout, Link::open(self.tls.as_ref(), endpoint, &rec.volume, rec.generation, None))
             .await

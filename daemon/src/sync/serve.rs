@@ -338,6 +338,15 @@ impl mirror_server::Mirror for MirrorService {
             None if mine == State::Witness => {}
             None => hub.create_replica(&next).await?,
         }
+        // A larger size (the primary grows the volume): this copy first, so that no write the
+        // new size allows can fail here.
+        if let Some(h) = &held
+            && next.size > h.size
+            && mine != State::Witness
+        {
+            let (pool, name, size) = (Arc::clone(&hub.pool), next.volume.clone(), next.size);
+            blocking(move || pool.grow_volume(&name, size).map(drop)).await?;
+        }
         if held.as_ref().is_some_and(|h| h.primary == hub.me) {
             hub.step_down(&next.volume, &format!("generation {} names {} the primary", next.generation, next.primary));
         }

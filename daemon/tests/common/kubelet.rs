@@ -353,7 +353,7 @@ impl Pod {
 
 /// Rewrites paths under the mounts' paths (longest first) where they start a path: at the
 /// start, or after `=`, `"`, `:`, `'` or a space, and followed by `/`, a quote or the end.
-fn rewrite(mounts: &[(String, PathBuf)], text: &str) -> String {
+pub fn rewrite(mounts: &[(String, PathBuf)], text: &str) -> String {
     let mut out = text.to_owned();
     for (inside, host) in mounts {
         let host = host.display().to_string();
@@ -411,7 +411,7 @@ fn chown(p: &Path, uid: Option<u32>, gid: Option<u32>) {
 }
 
 /// Decodes standard base64 (a Secret's data).
-fn base64(text: &str) -> Vec<u8> {
+pub fn base64(text: &str) -> Vec<u8> {
     let value = |c: u8| match c {
         b'A'..=b'Z' => c - b'A',
         b'a'..=b'z' => c - b'a' + 26,
@@ -427,26 +427,4 @@ fn base64(text: &str) -> Vec<u8> {
         out.extend_from_slice(&n.to_be_bytes()[1..chunk.len()]);
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rewrites_whole_paths_only() {
-        let m =
-            vec![("/run/ferrite".to_owned(), PathBuf::from("/t/run")), ("/csi".to_owned(), PathBuf::from("/t/csi"))];
-        assert_eq!(rewrite(&m, "/csi/csi.sock"), "/t/csi/csi.sock");
-        assert_eq!(rewrite(&m, "--config=/run/ferrite/x.toml"), "--config=/t/run/x.toml");
-        assert_eq!(rewrite(&m, "a = \"/run/ferrite\"\n"), "a = \"/t/run\"\n");
-        assert_eq!(rewrite(&m, "/run/ferrite2/x /csix"), "/run/ferrite2/x /csix");
-    }
-
-    #[test]
-    fn decodes_base64() {
-        assert_eq!(base64("aGVsbG8gd29ybGQ="), b"hello world");
-        assert_eq!(base64("YWJj"), b"abc");
-        assert_eq!(base64("YQ=="), b"a");
-    }
 }

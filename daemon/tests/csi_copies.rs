@@ -1,0 +1,179 @@
+//! Replicated volumes through the CSI controller (a StorageClass's `replicas`), over the real
+//! gRPC socket of `ferrite csi --mode controller` and three daemons on three loopback addresses
+//! standing for three nodes: copies placed on distinct nodes, the volume's own operations
+//! (expansion, limits, snapshots, clones, listing) on every copy or on the primary, a volume id
+//! that follows its primary after a promotion, and deletion of every copy.
+
+mod common;
+
+use common::csi::{channel, create, start_csi_with, tcp_node};
+use common::nbd::{connect, read_image, write_on};
+use common::{Daemon, pattern};
+use ferrite_proto::csi::v1 as csi;
+use serde_json::Value;
+
+const MIB: i64 = 1 << 20;
+
+fn replicated(name: &str, bytes: i64, node: &str, copies: &str) -> csi::CreateVolumeRequest {
+    let mut r = create(name, bytes, Some(node));
+    r.parameters.insert("replicas".into(), copies.into());
+    r
+}
+
+fn sync(d: &Daemon, volume: &str) -> Value {
+    d.json(&["replica", "status", volume])
+}
+
+fn names(d: &Daemon) -> Vec<String> {
+    d.json(&["volume", "list"]).as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap().to_owned()).collect()
+}
+
+/// Waits until every member of `volume` on its primary `d` is in sync.
+fn in_sync(d: &Daemon, volume: &str, members: usize) {
+    let start = std::time::Instant::now();
+    loop {
+        let s = sync(d, volume);
+        let m = s["members"].as_array().map_or(0, |m| m.iter().filter(|m| m["state"] != "ejected").count());
+        if s["members"].as_array().is_some_and(|all| all.len() == members) && m == members {
+            let rebuilding = s["members"].as_array().unwrap().iter().any(|m| m["state"] == "rebuilding");
+            if !rebuilding {
+                return;
+            }
+        }
+        assert!(start.elapsed().as_secs() < 60, "{volume} did not get {members} members in sync: {s}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replicated_volumes_through_the_controller() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
+    let (b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
+    let (c, c_admin, _) = tcp_node(&dir.path().join("c"), "127.0.0.4");
+    let d = [&a, &b, &c];
+    let nodes = [
+        ("node-a", format!("tcp://{a_admin}")),
+        ("node-b", format!("tcp://{b_admin}")),
+        ("node-c", format!("tcp://{c_admin}")),
+    ];
+    let _csi = start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
+    let ch = channel(&dir.path().join("csi.sock")).await;
+    let mut ctl = csi::controller_client::ControllerClient::new(ch);
+
+    println!("== three copies, the primary on the node the topology prefers");
+    let v = ctl.create_volume(replicated("r1", 16 * MIB, "node-b", "3")).await.unwrap().into_inner().volume.unwrap();
+    assert_eq!(v.volume_id, "node-b/r1");
+    let copies = &v.volume_context["copies"];
+    assert_eq!(copies.split(',').count(), 3, "{copies}");
+    assert!(copies.starts_with("node-b,"), "{copies}");
+    for n in d {
+        assert!(names(n).contains(&"r1".to_owned()));
+    }
+    assert_eq!(sync(&b, "r1")["role"], "primary");
+    in_sync(&b, "r1", 3);
+    // A retry finds the same volume and copies.
+    let again =
+        ctl.create_volume(replicated("r1", 16 * MIB, "node-b", "3")).await.unwrap().into_inner().volume.unwrap();
+    assert_eq!((again.volume_id, &again.volume_context["copies"]), (v.volume_id.clone(), copies));
+    // Listed once, where its primary is.
+    let listed = ctl.list_volumes(csi::ListVolumesRequest::default()).await.unwrap().into_inner().entries;
+    let ids: Vec<String> = listed.iter().map(|e| e.volume.as_ref().unwrap().volume_id.clone()).collect();
+    assert_eq!(ids, ["node-b/r1"]);
+
+    println!("== writes reach every copy; expansion and limits apply to all of them");
+    b.ok(&["export", "nbd", "r1"]);
+    let mut s = connect(&b.nbd(), "r1");
+    let data = pattern(7, 1 << 20);
+    assert_eq!(write_on(&mut s, 0, &data), 0);
+    drop(s);
+    b.ok(&["export", "stop", "r1"]);
+    let range = csi::CapacityRange { required_bytes: 32 * MIB, limit_bytes: 0 };
+    let grown = ctl
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            capacity_range: Some(range),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(grown.capacity_bytes, 32 * MIB);
+    for n in d {
+        assert_eq!(n.json(&["volume", "show", "r1"])["size"], 32 * MIB);
+    }
+    let params = [("iops".to_owned(), "800".to_owned())].into();
+    ctl.controller_modify_volume(csi::ControllerModifyVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        mutable_parameters: params,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    for n in d {
+        assert_eq!(n.json(&["volume", "show", "r1"])["limits"]["iops"], 800, "every copy keeps the limits");
+    }
+    let image = read_image(&b, "r1", 32 << 20);
+    assert!(image[..data.len()] == data[..]);
+    for n in [&a, &c] {
+        assert!(read_image(n, "r1", 32 << 20) == image, "a copy differs from the primary");
+    }
+
+    println!("== a snapshot on the primary; a clone of it gets copies of its own");
+    let snap = ctl
+        .create_snapshot(csi::CreateSnapshotRequest {
+            source_volume_id: v.volume_id.clone(),
+            name: "s1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert_eq!(snap.snapshot_id, "node-b/s1");
+    let mut r = replicated("r2", 32 * MIB, "node-b", "2");
+    r.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
+            snapshot_id: snap.snapshot_id.clone(),
+        })),
+    });
+    let clone = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
+    assert_eq!(clone.volume_id, "node-b/r2");
+    assert_eq!(clone.volume_context["copies"].split(',').count(), 2);
+    in_sync(&b, "r2", 2);
+    let other = clone.volume_context["copies"].split(',').nth(1).unwrap().to_owned();
+    let holder = d[usize::from(other.as_bytes()[5] - b'a')];
+    assert!(read_image(holder, "r2", 1 << 20) == data, "the clone's copy on {other} holds the snapshot's data");
+
+    println!("== after a promotion the same id reaches the new primary");
+    a.ok(&["replica", "promote", "r1"]);
+    assert_eq!(sync(&a, "r1")["role"], "primary");
+    let got = ctl
+        .controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: v.volume_id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(got.volume.unwrap().capacity_bytes, 32 * MIB);
+    let range = csi::CapacityRange { required_bytes: 48 * MIB, limit_bytes: 0 };
+    ctl.controller_expand_volume(csi::ControllerExpandVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        capacity_range: Some(range),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(a.json(&["volume", "show", "r1"])["size"], 48 * MIB, "grown through the new primary");
+
+    println!("== deletion removes every copy");
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: clone.volume_id, ..Default::default() }).await.unwrap();
+    ctl.delete_snapshot(csi::DeleteSnapshotRequest { snapshot_id: snap.snapshot_id, ..Default::default() })
+        .await
+        .unwrap();
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() }).await.unwrap();
+    for n in d {
+        assert!(names(n).is_empty(), "{:?} left: {:?}", n.dir, names(n));
+    }
+    // Deleting again: nothing left, still success.
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: v.volume_id, ..Default::default() }).await.unwrap();
+}
