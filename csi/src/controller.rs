@@ -21,6 +21,8 @@ pub struct Controller {
     pub nodes: Arc<dyn NodeDirectory>,
     /// Operations in flight, by volume id or CSI name (shared with the node service).
     pub busy: crate::busy::Busy,
+    /// Most volumes published to one node (what NodeGetInfo reports).
+    pub max_volumes: i64,
 }
 
 /// The size to create or grow to for a capacity range: `required` rounded up to whole blocks,
@@ -308,6 +310,8 @@ impl csi::controller_server::Controller for Controller {
         use csi::controller_service_capability::rpc::Type;
         let capabilities = [
             Type::CreateDeleteVolume,
+            Type::PublishUnpublishVolume,
+            Type::PublishReadonly,
             Type::ListVolumes,
             Type::GetCapacity,
             Type::ExpandVolume,
@@ -326,6 +330,22 @@ impl csi::controller_server::Controller for Controller {
         })
         .collect();
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse { capabilities }))
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        req: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+        let publish_context = self.publish(req.into_inner()).await?;
+        Ok(Response::new(csi::ControllerPublishVolumeResponse { publish_context }))
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        req: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+        self.unpublish(req.into_inner()).await?;
+        Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
     }
 
     async fn controller_expand_volume(

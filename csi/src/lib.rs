@@ -29,6 +29,7 @@ pub mod identity;
 pub mod ids;
 pub mod node;
 pub mod nodes;
+mod publish;
 pub mod qos;
 pub mod reclaim;
 pub mod replication;
@@ -71,7 +72,8 @@ pub struct Options {
     pub admin_server_name: Option<String>,
     /// How the node attaches volumes: auto (ublk if the kernel has it, else NBD), ublk or nbd.
     pub transport: String,
-    /// What NodeGetInfo reports as the most volumes this node takes.
+    /// What NodeGetInfo reports as the most volumes this node takes, and the most the
+    /// controller publishes to one node.
     pub max_volumes: i64,
     /// TLS for `tcp://` admin endpoints: the CA of the daemons' certificates and this driver's
     /// client certificate (the daemons require mutual TLS).
@@ -129,6 +131,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
             csi::controller_server::ControllerServer::new(controller::Controller {
                 nodes: Arc::clone(&dir),
                 busy: busy.clone(),
+                max_volumes: opts.max_volumes,
             })
         }))
         .add_optional_service(controller.then(|| {

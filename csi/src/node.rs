@@ -57,17 +57,32 @@ fn capability(cap: Option<&csi::VolumeCapability>) -> Result<(Option<Fs>, Mode),
 }
 
 impl Node {
-    /// The engine name of a volume of this node; NotFound for any other id.
-    pub(crate) fn local<'a>(&self, volume_id: &'a str) -> Result<&'a str, Status> {
+    /// The engine name of a volume this node serves; NotFound for any other id. A volume id
+    /// names the node the volume was made on; a replicated volume's primary may have moved
+    /// since, to this node: the publish context says so (NodeStage, NodePublish), or this
+    /// node's daemon, which holds it as a synchronous primary.
+    pub(crate) async fn local<'a>(
+        &self,
+        volume_id: &'a str,
+        publish_context: Option<&std::collections::HashMap<String, String>>,
+    ) -> Result<&'a str, Status> {
         let (node, name) =
             ids::parse(volume_id).ok_or_else(|| Status::not_found(format!("no volume {volume_id:?}")))?;
-        if node != self.node_id {
-            return Err(Status::not_found(format!(
-                "volume {volume_id} lives on node {node}, not on this node ({})",
-                self.node_id
-            )));
+        let serving = publish_context.and_then(|c| c.get("primary")).map_or(node, String::as_str);
+        if serving == self.node_id {
+            return Ok(name);
         }
-        Ok(name)
+        if publish_context.is_none_or(|c| !c.contains_key("primary")) {
+            let req = pb::ListReplicationsRequest { volume: name.to_owned() };
+            let held = self.admin().await?.list_sync_replicas(req).await?.into_inner().volumes;
+            if held.iter().any(|v| v.volume == name && v.role == "primary") {
+                return Ok(name);
+            }
+        }
+        Err(Status::not_found(format!(
+            "volume {volume_id} is served by node {serving}, not by this node ({})",
+            self.node_id
+        )))
     }
 
     pub(crate) async fn admin(&self) -> Result<AdminClient<Channel>, Status> {
@@ -155,7 +170,7 @@ impl csi::node_server::Node for Node {
         require("staging_target_path", &r.staging_target_path)?;
         let (mount, mode) = capability(r.volume_capability.as_ref())?;
         let read_only = mode == Mode::SingleNodeReaderOnly;
-        let name = self.local(&r.volume_id)?;
+        let name = self.local(&r.volume_id, Some(&r.publish_context)).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let mut c = self.admin().await?;
         c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
@@ -216,7 +231,7 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("staging_target_path", &r.staging_target_path)?;
-        let name = self.local(&r.volume_id)?;
+        let name = self.local(&r.volume_id, None).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let staging = Path::new(&r.staging_target_path);
         let mut c = self.admin().await?;
@@ -252,7 +267,7 @@ impl csi::node_server::Node for Node {
         require("target_path", &r.target_path)?;
         let (mount, mode) = capability(r.volume_capability.as_ref())?;
         let read_only = r.readonly || mode == Mode::SingleNodeReaderOnly;
-        let name = self.local(&r.volume_id)?;
+        let name = self.local(&r.volume_id, Some(&r.publish_context)).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let device = Self::staged_device(&mut self.admin().await?, name).await?;
         let (target, staging) = (Path::new(&r.target_path), Path::new(&r.staging_target_path));
@@ -316,7 +331,7 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("target_path", &r.target_path)?;
-        self.local(&r.volume_id)?;
+        self.local(&r.volume_id, None).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let target = Path::new(&r.target_path);
         let shown = mounted_at(target)?;
@@ -342,7 +357,7 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("volume_path", &r.volume_path)?;
-        let name = self.local(&r.volume_id)?;
+        let name = self.local(&r.volume_id, None).await?;
         let path = Path::new(&r.volume_path);
         let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Status::not_found(format!("{} does not exist", path.display())),
@@ -398,7 +413,7 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("volume_path", &r.volume_path)?;
-        let name = self.local(&r.volume_id)?;
+        let name = self.local(&r.volume_id, None).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let mut c = self.admin().await?;
         let volume = c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?.into_inner();

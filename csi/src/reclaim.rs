@@ -107,7 +107,7 @@ impl rs::reclaim_space_node_server::ReclaimSpaceNode for Node {
         if r.volume_path.is_empty() && r.staging_target_path.is_empty() {
             return Err(Status::invalid_argument("volume_path or staging_target_path is required"));
         }
-        let name = self.local(&r.volume_id)?;
+        let name = self.local(&r.volume_id, None).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let mut c = self.admin().await?;
         let get = pb::GetVolumeRequest { name: name.into() };

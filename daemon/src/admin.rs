@@ -99,10 +99,15 @@ impl AdminService {
         blocking(move || f(&pool)).await
     }
 
+    /// The NBD TCP listener's address (empty without one).
+    fn nbd_tcp(&self) -> String {
+        self.cfg.nbd_listen.map(|a| a.to_string()).unwrap_or_default()
+    }
+
     fn export_msg(&self, r: &ExportRecord) -> pb::Export {
         let sock = self.cfg.nbd_socket.display().to_string();
         let mut uris = vec![format!("nbd+unix:///{}?socket={sock}", r.name)];
-        let tcp = self.cfg.nbd_listen.map(|a| a.to_string()).unwrap_or_default();
+        let tcp = self.nbd_tcp();
         if !tcp.is_empty() {
             let scheme = if self.cfg.nbd_tls == ferrite_nbd::tls::TlsMode::Require { "nbds" } else { "nbd" };
             uris.push(format!("{scheme}://{tcp}/{}", r.name));
@@ -706,6 +711,35 @@ impl Admin for AdminService {
 
     async fn list_fences(&self, _: Request<pb::ListFencesRequest>) -> Result<Response<pb::FenceResponse>, Status> {
         self.update_fences(&[], false).map(Response::new)
+    }
+
+    async fn publish_volume(
+        &self,
+        req: Request<pb::PublishVolumeRequest>,
+    ) -> Result<Response<pb::Publication>, Status> {
+        let r = req.into_inner();
+        let allow = crate::publications::allow_of(&r)?;
+        // A volume that does not exist is NotFound, not an export that fails later.
+        let name = r.volume.clone();
+        self.engine(move |p| p.volume_info(&name)).await?;
+        crate::publications::publish(&self.exports, &r, allow, &self.nbd_tcp()).await.map(Response::new)
+    }
+
+    async fn unpublish_volume(
+        &self,
+        req: Request<pb::UnpublishVolumeRequest>,
+    ) -> Result<Response<pb::UnpublishVolumeResponse>, Status> {
+        crate::publications::unpublish(&self.exports, &req.into_inner().volume).await?;
+        Ok(Response::new(pb::UnpublishVolumeResponse {}))
+    }
+
+    async fn list_publications(
+        &self,
+        _: Request<pb::ListPublicationsRequest>,
+    ) -> Result<Response<pb::ListPublicationsResponse>, Status> {
+        let tcp = self.nbd_tcp();
+        let publications = crate::publications::list(&self.exports, &tcp).await;
+        Ok(Response::new(pb::ListPublicationsResponse { publications }))
     }
 
     async fn list_clients(

@@ -12,6 +12,7 @@ mod listen;
 mod metrics;
 mod node_pool;
 mod pool_format;
+mod publications;
 mod replica;
 mod rpc;
 mod size;

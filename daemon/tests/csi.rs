@@ -369,3 +369,124 @@ async fn modify_volume_sets_limits_online() {
     ctl.create_volume(again).await.unwrap();
     assert_eq!(d.json(&["volume", "show", "half"])["limits"]["iops"], 77);
 }
+
+/// ControllerPublishVolume / ControllerUnpublishVolume over the real socket: required fields,
+/// unknown volume or node, idempotent repeats, an incompatible repeat, a second node, a node
+/// past its attach limit, and the record the daemon keeps (an export allowed to the node).
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_and_unpublish_follow_the_spec() {
+    use csi::volume_capability::access_mode::Mode as M;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
+    let (b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
+    let nodes = [("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}"))];
+    let _csi = start_csi_with(dir.path(), &nodes, &["--mode", "controller", "--max-volumes", "2"]);
+    let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
+    let caps = ctl.controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {}).await.unwrap().into_inner();
+    let has = |t: csi::controller_service_capability::rpc::Type| {
+        caps.capabilities.iter().any(
+            |c| matches!(&c.r#type, Some(csi::controller_service_capability::Type::Rpc(r)) if r.r#type == t as i32),
+        )
+    };
+    use csi::controller_service_capability::rpc::Type as T;
+    assert!(has(T::PublishUnpublishVolume) && has(T::PublishReadonly));
+
+    let v = ctl.create_volume(create("p1", 1 << 20, Some("node-a"))).await.unwrap().into_inner().volume.unwrap();
+    let publish = |vol: &str, node: &str, readonly: bool| csi::ControllerPublishVolumeRequest {
+        volume_id: vol.into(),
+        node_id: node.into(),
+        volume_capability: Some(mount_cap(M::SingleNodeWriter)),
+        readonly,
+        ..Default::default()
+    };
+    // Required fields, and what does not exist.
+    assert_eq!(code(ctl.controller_publish_volume(publish("", "node-a", false)).await), Code::InvalidArgument);
+    assert_eq!(code(ctl.controller_publish_volume(publish(&v.volume_id, "", false)).await), Code::InvalidArgument);
+    let mut r = publish(&v.volume_id, "node-a", false);
+    r.volume_capability = None;
+    assert_eq!(code(ctl.controller_publish_volume(r).await), Code::InvalidArgument);
+    let mut r = publish(&v.volume_id, "node-a", false);
+    r.volume_capability = Some(mount_cap(M::MultiNodeMultiWriter));
+    assert_eq!(code(ctl.controller_publish_volume(r).await), Code::InvalidArgument);
+    assert_eq!(code(ctl.controller_publish_volume(publish("node-a/nope", "node-a", false)).await), Code::NotFound);
+    assert_eq!(code(ctl.controller_publish_volume(publish(&v.volume_id, "node-z", false)).await), Code::NotFound);
+
+    // On its own node: a local publication, recorded on the daemon; a repeat is the same.
+    let ctx = ctl.controller_publish_volume(publish(&v.volume_id, "node-a", false)).await.unwrap().into_inner();
+    assert_eq!(ctx.publish_context["primary"], "node-a");
+    let again = ctl.controller_publish_volume(publish(&v.volume_id, "node-a", false)).await.unwrap().into_inner();
+    assert_eq!(again.publish_context, ctx.publish_context);
+    let exports = a.json(&["export", "list"]);
+    let e = exports.as_array().unwrap().iter().find(|e| e["name"] == "csi-publish-p1").cloned().unwrap();
+    assert_eq!(e["allow"], serde_json::json!(["local"]), "{e}");
+    // Incompatible repeat, and a second node while published.
+    assert_eq!(code(ctl.controller_publish_volume(publish(&v.volume_id, "node-a", true)).await), Code::AlreadyExists);
+    assert_eq!(
+        code(ctl.controller_publish_volume(publish(&v.volume_id, "node-b", false)).await),
+        Code::FailedPrecondition
+    );
+    // A published volume is not deleted.
+    let del = ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: v.volume_id.clone(), ..Default::default() });
+    assert_eq!(code(del.await), Code::FailedPrecondition);
+
+    // Unpublish: required fields; from a node it is not published to, nothing; then for real,
+    // and again (idempotent).
+    let unpublish = |vol: &str, node: &str| csi::ControllerUnpublishVolumeRequest {
+        volume_id: vol.into(),
+        node_id: node.into(),
+        ..Default::default()
+    };
+    assert_eq!(code(ctl.controller_unpublish_volume(unpublish("", "node-a")).await), Code::InvalidArgument);
+    assert_eq!(code(ctl.controller_unpublish_volume(unpublish(&v.volume_id, "")).await), Code::InvalidArgument);
+    ctl.controller_unpublish_volume(unpublish(&v.volume_id, "node-b")).await.unwrap();
+    assert!(a.ok(&["export", "list"]).contains("csi-publish-p1"));
+    for _ in 0..2 {
+        ctl.controller_unpublish_volume(unpublish(&v.volume_id, "node-a")).await.unwrap();
+    }
+    assert!(!a.ok(&["export", "list"]).contains("csi-publish-p1"));
+    for gone in ["node-a/nope", "node-z/p1", "garbage"] {
+        ctl.controller_unpublish_volume(unpublish(gone, "node-a")).await.unwrap();
+    }
+
+    // Over the network: allowed to the node's identity, read-only when asked.
+    let ctx = ctl.controller_publish_volume(publish(&v.volume_id, "node-b", true)).await.unwrap().into_inner();
+    assert_eq!(ctx.publish_context["primary"], "node-a");
+    assert!(!ctx.publish_context["nbd"].is_empty(), "{:?}", ctx.publish_context);
+    let e = a.json(&["export", "list"]);
+    let e = e.as_array().unwrap().iter().find(|e| e["name"] == "csi-publish-p1").cloned().unwrap();
+    assert_eq!((e["allow"].clone(), e["read_only"].clone()), (serde_json::json!(["node-b"]), true.into()), "{e}");
+    ctl.controller_unpublish_volume(unpublish(&v.volume_id, "node-b")).await.unwrap();
+
+    // The attach limit (2 here) counts every daemon's publications to the node.
+    let mut ids = Vec::new();
+    for (i, on) in ["node-a", "node-b", "node-a"].iter().enumerate() {
+        let id = ctl.create_volume(create(&format!("q{i}"), 1 << 20, Some(on))).await.unwrap().into_inner();
+        ids.push(id.volume.unwrap().volume_id);
+    }
+    ctl.controller_publish_volume(publish(&ids[0], "node-b", false)).await.unwrap();
+    ctl.controller_publish_volume(publish(&ids[1], "node-b", false)).await.unwrap();
+    assert_eq!(code(ctl.controller_publish_volume(publish(&ids[2], "node-b", false)).await), Code::ResourceExhausted);
+    ctl.controller_unpublish_volume(unpublish(&ids[0], "node-b")).await.unwrap();
+    ctl.controller_publish_volume(publish(&ids[2], "node-b", false)).await.unwrap();
+
+    // What the daemon takes from the controller: one node's identity or local, nothing wider.
+    let mut admin = ferrite_proto::ferrite::v1::admin_client::AdminClient::new(
+        common::csi::tls_channel(&a_admin.to_string(), &dir.path().join("pki"), "csi").await,
+    );
+    let req = |volume: &str, node: &str, local: bool| ferrite_proto::ferrite::v1::PublishVolumeRequest {
+        volume: volume.into(),
+        node: node.into(),
+        local,
+        read_only: false,
+    };
+    for (r, want) in [
+        (req("q2", "10.0.0.0/8", false), Code::InvalidArgument),
+        (req("q2", "", false), Code::InvalidArgument),
+        (req("q2", "node-b", true), Code::InvalidArgument),
+        (req("q2@s", "node-b", false), Code::InvalidArgument),
+        (req("nope", "node-b", false), Code::NotFound),
+    ] {
+        assert_eq!(code(admin.publish_volume(r).await), want);
+    }
+    drop(b);
+}

@@ -165,6 +165,24 @@ async fn replicated_volumes_through_the_controller() {
     .unwrap();
     assert_eq!(a.json(&["volume", "show", "r1"])["size"], 48 * MIB, "grown through the new primary");
 
+    println!("== publishing to a node with an in-sync copy moves the primary there");
+    in_sync(&a, "r1", 3);
+    let publish = csi::ControllerPublishVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        node_id: "node-c".into(),
+        volume_capability: Some(common::csi::mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)),
+        ..Default::default()
+    };
+    let ctx = ctl.controller_publish_volume(publish).await.unwrap().into_inner().publish_context;
+    assert_eq!(ctx["primary"], "node-c");
+    assert_eq!(sync(&c, "r1")["role"], "primary");
+    let unpublish = csi::ControllerUnpublishVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        node_id: "node-c".into(),
+        ..Default::default()
+    };
+    ctl.controller_unpublish_volume(unpublish).await.unwrap();
+
     println!("== deletion removes every copy");
     ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: clone.volume_id, ..Default::default() }).await.unwrap();
     ctl.delete_snapshot(csi::DeleteSnapshotRequest { snapshot_id: snap.snapshot_id, ..Default::default() })

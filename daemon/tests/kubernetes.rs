@@ -289,7 +289,7 @@ impl Cluster {
             let name = c["name"].as_str().unwrap();
             let program = match name {
                 "ferrite" => PathBuf::from(BIN),
-                "csi-provisioner" | "csi-resizer" | "csi-snapshotter" => cp.bin.join(name),
+                "csi-provisioner" | "csi-resizer" | "csi-snapshotter" | "csi-attacher" => cp.bin.join(name),
                 "csi-addons" => cp.bin.join("csi-addons-sidecar"),
                 "liveness-probe" => cp.bin.join("livenessprobe"),
                 other => panic!("the controller pod has a container the tier does not know: {other}"),
@@ -547,6 +547,33 @@ fn ferrite_on_kubernetes() {
     assert_eq!(common::nbd::write_on(&mut s, 0, &content), 0);
     drop(s);
     c.daemon("node-a").ok(&["export", "stop", &data_vol]);
+
+    println!("== attach: one node at a time, recorded on the daemon serving the volume");
+    let data_pv = c.cp.get(&["pvc", "data"])["spec"]["volumeName"].as_str().unwrap().to_owned();
+    let attach = |cp: &ControlPlane, name: &str, node: &str| {
+        cp.apply(
+            &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": name},
+                "spec": {"attacher": "csi.ferrite.dev", "nodeName": node, "source": {"persistentVolumeName": data_pv}}})
+            .to_string(),
+        );
+    };
+    attach(&c.cp, "data-a", "node-a");
+    let va = c.wait_field("the attacher to publish the volume", &["volumeattachment", "data-a"], |v| {
+        v["status"]["attached"] == true
+    });
+    assert_eq!(va["status"]["attachmentMetadata"]["primary"], "node-a", "{}", va["status"]);
+    let publication = format!("csi-publish-{data_vol}");
+    assert!(c.daemon("node-a").ok(&["export", "list"]).contains(&publication));
+    attach(&c.cp, "data-b", "node-b");
+    let va = c.wait_field("a second node's attach to be refused", &["volumeattachment", "data-b"], |v| {
+        v["status"]["attachError"]["message"].is_string()
+    });
+    let why = va["status"]["attachError"]["message"].as_str().unwrap();
+    assert!(why.contains("one node at a time") && va["status"]["attached"] != true, "{why}");
+    for va in ["data-b", "data-a"] {
+        c.cp.ok(&["delete", "volumeattachment", va, "--wait=true", "--timeout=60s"]);
+    }
+    assert!(!c.daemon("node-a").ok(&["export", "list"]).contains(&publication), "detach ends the publication");
 
     println!("== snapshot, restore and clone carry the source's data");
     c.cp.apply(

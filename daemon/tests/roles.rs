@@ -52,6 +52,9 @@ const CONTROLLER: &[&str] = &[
     "UnfenceNetworks",
     "ListFences",
     "ListClients",
+    "PublishVolume",
+    "UnpublishVolume",
+    "ListPublications",
 ];
 
 /// Operators only.

@@ -45,6 +45,10 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/StartExport", &[]),
     ("/ferrite.v1.Admin/StopExport", &[]),
     ("/ferrite.v1.Admin/ListExports", &[]),
+    // A publication is an export to exactly one node (or none over TCP): the controller's.
+    ("/ferrite.v1.Admin/PublishVolume", &[Controller]),
+    ("/ferrite.v1.Admin/UnpublishVolume", &[Controller]),
+    ("/ferrite.v1.Admin/ListPublications", &[Controller]),
     ("/ferrite.v1.Admin/AttachVolume", &[Controller]),
     ("/ferrite.v1.Admin/DetachVolume", &[Controller]),
     ("/ferrite.v1.Admin/ListAttachments", &[Controller]),
