@@ -8,7 +8,7 @@ use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Code, Request, Response, Status};
 
-use crate::args::{TOPOLOGY_KEY, check_capabilities, no_parameters, paginate, require, volume_msg};
+use crate::args::{TOPOLOGY_KEY, check_capabilities, no_parameters, paginate, require, topology, volume_msg};
 use crate::nodes::{NodeDirectory, admin};
 use crate::{copies, ids};
 
@@ -94,11 +94,13 @@ impl Controller {
         Ok(None)
     }
 
-    /// Gives the volume on `node` its `n` copies (a replicated class) and says where they are
-    /// in the volume's context.
+    /// Gives the volume on `node` its `n` copies (a replicated class): it is accessible where
+    /// each copy is (publishing it to one of them moves the primary there), and its context
+    /// lists them.
     async fn copies(&self, node: &str, mut volume: csi::Volume, name: &str, n: usize) -> Result<csi::Volume, Status> {
         if n > 1 {
             let at = copies::ensure(&*self.nodes, node, name, n).await?;
+            volume.accessible_topology = at.iter().map(|n| topology(n)).collect();
             volume.volume_context.insert("copies".into(), at.join(","));
         }
         Ok(volume)
@@ -485,6 +487,8 @@ mod tests {
         assert!(check_capabilities(&[cap(Mode::SingleNodeWriter, None)]).is_err());
         assert!(check_capabilities(&[]).is_err());
         assert!(no_parameters(&HashMap::from([("csi.storage.k8s.io/pvc/name".into(), "x".into())])).is_ok());
-        assert!(no_parameters(&HashMap::from([("replicas".into(), "3".into())])).is_err());
+        assert!(no_parameters(&HashMap::from([("replicas".into(), "3".into())])).is_ok());
+        assert!(no_parameters(&HashMap::from([("replicas".into(), "9".into())])).is_err());
+        assert!(no_parameters(&HashMap::from([("color".into(), "blue".into())])).is_err());
     }
 }

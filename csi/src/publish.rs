@@ -55,15 +55,24 @@ impl Controller {
                     r.volume_id, r.node_id, p.read_only, r.readonly
                 )));
             }
-            return Ok(context(&primary, p));
+            return Ok(self.context(&primary, p));
         }
         self.check_attach_limit(&r.node_id).await?;
-        // Data locality: the node's in-sync copy becomes the primary.
-        if let Some(v) = &view
-            && r.node_id != primary
-            && let Some(ep) = self.nodes.admin_endpoint(&r.node_id)
-            && v.members.iter().any(|m| m.endpoint == ep && m.state == "in-sync")
+        // Data locality: the node's in-sync copy becomes the primary; a copy still rebuilding
+        // is waited for (the attacher retries).
+        let copy = view.as_ref().filter(|_| r.node_id != primary).and_then(|v| {
+            let ep = self.nodes.admin_endpoint(&r.node_id)?;
+            v.members.iter().find(|m| m.endpoint == ep && m.state != "witness")
+        });
+        if let Some(m) = copy
+            && m.state != "in-sync"
         {
+            return Err(Status::unavailable(format!(
+                "the copy of {:?} on {} is {} ({}); it is published there once in sync",
+                r.volume_id, r.node_id, m.state, m.reason
+            )));
+        }
+        if copy.is_some() {
             let mut there = admin(&*self.nodes, &r.node_id).await?;
             let req = pb::PromoteReplicationRequest { volume: name.to_owned(), force: false };
             there.promote_sync_replica(req).await?;
@@ -79,7 +88,18 @@ impl Controller {
         };
         let p = c.publish_volume(req).await?.into_inner();
         tracing::info!(volume_id = %r.volume_id, node = %r.node_id, primary = %primary, "CSI volume published");
-        Ok(context(&primary, &p))
+        Ok(self.context(&primary, &p))
+    }
+
+    /// What NodeStage learns: where the volume is served, and how another node reaches it (the
+    /// NBD listener's address, with the primary's own address where it listens on all).
+    fn context(&self, primary: &str, p: &pb::Publication) -> HashMap<String, String> {
+        let mut c =
+            HashMap::from([("primary".to_owned(), primary.to_owned()), ("export".to_owned(), p.export.clone())]);
+        if !p.tcp_address.is_empty() {
+            c.insert("nbd".to_owned(), reachable(&p.tcp_address, self.nodes.admin_endpoint(primary).as_deref()));
+        }
+        c
     }
 
     /// ResourceExhausted when `node` already has as many volumes published as NodeGetInfo says
@@ -124,11 +144,26 @@ impl Controller {
     }
 }
 
-/// What NodeStage learns: where the volume is served, and how to reach it from elsewhere.
-fn context(primary: &str, p: &pb::Publication) -> HashMap<String, String> {
-    let mut c = HashMap::from([("primary".to_owned(), primary.to_owned()), ("export".to_owned(), p.export.clone())]);
-    if !p.tcp_address.is_empty() {
-        c.insert("nbd".to_owned(), p.tcp_address.clone());
+/// `addr` (a listener's `host:port`) as other nodes reach it: an unspecified host (0.0.0.0,
+/// [::]) becomes the host of `admin` (the daemon's `tcp://host:port` admin endpoint).
+fn reachable(addr: &str, admin: Option<&str>) -> String {
+    let Ok(sa) = addr.parse::<std::net::SocketAddr>() else { return addr.to_owned() };
+    let host = admin.and_then(|a| a.strip_prefix("tcp://")).and_then(|a| a.rsplit_once(':')).map(|(h, _)| h);
+    match host {
+        Some(h) if sa.ip().is_unspecified() => format!("{h}:{}", sa.port()),
+        _ => addr.to_owned(),
     }
-    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reachable;
+
+    #[test]
+    fn listeners_on_every_address_are_reached_at_the_node() {
+        assert_eq!(reachable("0.0.0.0:10809", Some("tcp://10.0.0.5:7070")), "10.0.0.5:10809");
+        assert_eq!(reachable("[::]:10809", Some("tcp://[fd00::5]:7070")), "[fd00::5]:10809");
+        assert_eq!(reachable("10.0.0.9:10809", Some("tcp://10.0.0.5:7070")), "10.0.0.9:10809");
+        assert_eq!(reachable("0.0.0.0:10809", Some("/run/ferrite/admin.sock")), "0.0.0.0:10809");
+    }
 }

@@ -67,6 +67,11 @@ async fn replicated_volumes_through_the_controller() {
     let copies = &v.volume_context["copies"];
     assert_eq!(copies.split(',').count(), 3, "{copies}");
     assert!(copies.starts_with("node-b,"), "{copies}");
+    // Accessible where each copy is: publishing to one moves the primary there.
+    let mut at: Vec<&str> =
+        v.accessible_topology.iter().map(|t| t.segments["topology.ferrite.dev/node"].as_str()).collect();
+    at.sort_unstable();
+    assert_eq!(at, ["node-a", "node-b", "node-c"]);
     for n in d {
         assert!(names(n).contains(&"r1".to_owned()));
     }

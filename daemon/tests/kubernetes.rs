@@ -524,6 +524,28 @@ fn ferrite_on_kubernetes() {
     }
     let s = c.daemon("node-b").json(&["replica", "status", triple_vol]);
     assert_eq!((s["role"].as_str(), s["members"].as_array().map(Vec::len)), (Some("primary"), Some(3)), "{s}");
+    // Its pods may run where any copy is; attaching it to node-c moves the primary there.
+    let triple_pv = c.cp.get(&["pvc", "triple"])["spec"]["volumeName"].as_str().unwrap().to_owned();
+    let terms = c.cp.get(&["pv", &triple_pv])["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"].to_string();
+    assert!(NODES.iter().all(|n| terms.contains(n)), "{terms}");
+    let start = std::time::Instant::now();
+    loop {
+        let s = c.daemon("node-b").json(&["replica", "status", triple_vol]);
+        if s["members"].as_array().unwrap().iter().all(|m| m["state"] == "primary" || m["state"] == "in-sync") {
+            break;
+        }
+        assert!(start.elapsed() < LONG, "{triple_vol}'s copies did not get in sync: {s}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    c.cp.apply(
+        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": "triple-c"},
+            "spec": {"attacher": "csi.ferrite.dev", "nodeName": "node-c", "source": {"persistentVolumeName": triple_pv}}})
+        .to_string(),
+    );
+    let va = c.wait_field("node-c's attach", &["volumeattachment", "triple-c"], |v| v["status"]["attached"] == true);
+    assert_eq!(va["status"]["attachmentMetadata"]["primary"], "node-c", "{}", va["status"]);
+    assert_eq!(c.daemon("node-c").json(&["replica", "status", triple_vol])["role"], "primary");
+    c.cp.ok(&["delete", "volumeattachment", "triple-c", "--wait=true", "--timeout=60s"]);
     let gold = c.bound("gold");
     let (node, gold_vol) = gold.split_once('/').unwrap();
     assert_eq!(node, "node-c");
@@ -562,6 +584,8 @@ fn ferrite_on_kubernetes() {
         v["status"]["attached"] == true
     });
     assert_eq!(va["status"]["attachmentMetadata"]["primary"], "node-a", "{}", va["status"]);
+    // Where another node would reach it: the daemon's NBD listener at the node's address.
+    assert_eq!(va["status"]["attachmentMetadata"]["nbd"], format!("{}:10809", c.nodes[0].ip).as_str());
     let publication = format!("csi-publish-{data_vol}");
     assert!(c.daemon("node-a").ok(&["export", "list"]).contains(&publication));
     attach(&c.cp, "data-b", "node-b");

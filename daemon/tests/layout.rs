@@ -17,6 +17,7 @@ const MODULES: &[&str] = &[
     "fence",
     "listen",
     "exports",
+    "publications",
     "attachments",
     "replica",
     "sync",
@@ -25,6 +26,7 @@ const MODULES: &[&str] = &[
     "cli",
     "daemon",
     "pool_format",
+    "node_pool",
     "main",
 ];
 

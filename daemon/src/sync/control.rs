@@ -150,6 +150,7 @@ impl SyncHub {
         let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
         blocking(move || pool.set_mirror(&name, None)).await?;
         self.records.set(volume, None)?;
+        self.drop_marks(volume).await;
         drop((_c, hold));
         Ok(SyncVolume { volume: volume.to_owned(), generation: next.generation, ..Default::default() })
     }

@@ -81,6 +81,7 @@ impl MirrorService {
         match hub.records.get(&next.volume) {
             Some(h) if h.primary == next.primary && next.generation > h.generation => {
                 hub.records.set(&next.volume, None)?;
+                hub.drop_marks(&next.volume).await;
                 tracing::info!(volume = %next.volume, generation = next.generation, primary = %next.primary,
                     "removed from the synchronous members: the copy here stays, read-only");
                 Ok(Response::new(RecordReply { stored: true, held: Some(next.to_proto()) }))
@@ -438,6 +439,16 @@ impl SyncHub {
         let prefix = super::mark_prefix(volume);
         let all = blocking(move || pool.snapshots(Some(&v))).await.unwrap_or_default();
         all.into_iter().map(|s| s.name).filter(|n| n.starts_with(&prefix)).collect()
+    }
+
+    /// Deletes every mark of `volume` here (it left the membership: they mean nothing now).
+    pub async fn drop_marks(&self, volume: &str) {
+        for m in self.marks(volume).await {
+            let (pool, name) = (Arc::clone(&self.pool), m.clone());
+            if let Err(e) = blocking(move || pool.delete_snapshot(&name)).await {
+                tracing::warn!(volume, mark = %m, error = %e.message(), "could not drop a mark");
+            }
+        }
     }
 
     /// Takes mark `name` of `volume` (every earlier request applied), and drops this member's
