@@ -4,6 +4,7 @@
 //! a file). Stateless like the controller: the daemon's attachment list says which device a volume
 //! has, and the mount table says what is staged or published where.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -35,6 +36,14 @@ fn internal(what: &str) -> impl Fn(std::io::Error) -> Status + '_ {
     move |e| Status::internal(format!("{what}: {e}"))
 }
 
+/// Another node's volume as its publish context gives it.
+struct Remote {
+    /// The primary's NBD listener, host:port.
+    address: String,
+    /// The export granted to this node.
+    export: String,
+}
+
 /// A filesystem volume's type and mount flags.
 struct Fs {
     kind: String,
@@ -64,7 +73,7 @@ impl Node {
     pub(crate) async fn local<'a>(
         &self,
         volume_id: &'a str,
-        publish_context: Option<&std::collections::HashMap<String, String>>,
+        publish_context: Option<&HashMap<String, String>>,
     ) -> Result<&'a str, Status> {
         let (node, name) =
             ids::parse(volume_id).ok_or_else(|| Status::not_found(format!("no volume {volume_id:?}")))?;
@@ -83,6 +92,40 @@ impl Node {
             "volume {volume_id} is served by node {serving}, not by this node ({})",
             self.node_id
         )))
+    }
+
+    /// Where NodeStage gets a volume: this node's daemon (the engine name), or, when the publish
+    /// context names another primary, that primary's NBD listener and the export granted to
+    /// this node, relayed by this node's daemon.
+    async fn source<'a>(
+        &self,
+        volume_id: &'a str,
+        context: &HashMap<String, String>,
+    ) -> Result<(&'a str, Option<Remote>), Status> {
+        let (_, name) = ids::parse(volume_id).ok_or_else(|| Status::not_found(format!("no volume {volume_id:?}")))?;
+        match context.get("primary") {
+            Some(primary) if *primary != self.node_id => match (context.get("nbd"), context.get("export")) {
+                (Some(address), Some(export)) => {
+                    Ok((name, Some(Remote { address: address.clone(), export: export.clone() })))
+                }
+                _ => Err(Status::failed_precondition(format!(
+                    "volume {volume_id} is served by node {primary}, and its publish context gives no NBD \
+                     listener for this node (is nbd-listen set on {primary}'s daemon?)"
+                ))),
+            },
+            _ => Ok((self.local(volume_id, Some(context)).await?, None)),
+        }
+    }
+
+    /// A volume known here without a publish context (NodeUnstage, NodeUnpublish, stats,
+    /// expansion): one this node's daemon attached (another node's volume included, with its
+    /// attachment), else a volume this node serves.
+    async fn here<'a>(&self, volume_id: &'a str) -> Result<(&'a str, Option<pb::Attachment>), Status> {
+        let (_, name) = ids::parse(volume_id).ok_or_else(|| Status::not_found(format!("no volume {volume_id:?}")))?;
+        if let Some(a) = Self::attachment(&mut self.admin().await?, name).await? {
+            return Ok((name, Some(a)));
+        }
+        Ok((self.local(volume_id, None).await?, None))
     }
 
     pub(crate) async fn admin(&self) -> Result<AdminClient<Channel>, Status> {
@@ -170,17 +213,28 @@ impl csi::node_server::Node for Node {
         require("staging_target_path", &r.staging_target_path)?;
         let (mount, mode) = capability(r.volume_capability.as_ref())?;
         let read_only = mode == Mode::SingleNodeReaderOnly;
-        let name = self.local(&r.volume_id, Some(&r.publish_context)).await?;
+        let (name, remote) = self.source(&r.volume_id, &r.publish_context).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let mut c = self.admin().await?;
-        c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
+        if remote.is_none() {
+            c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
+        }
         let device = match Self::attachment(&mut c, name).await? {
             Some(a) => PathBuf::from(a.device),
             None => {
-                let req = pb::AttachVolumeRequest {
-                    volume: name.into(),
-                    transport: self.transport.clone(),
-                    ..Default::default()
+                let req = match remote {
+                    None => pb::AttachVolumeRequest {
+                        volume: name.into(),
+                        transport: self.transport.clone(),
+                        ..Default::default()
+                    },
+                    Some(Remote { address, export }) => pb::AttachVolumeRequest {
+                        volume: name.into(),
+                        transport: "nbd".into(),
+                        remote: address,
+                        export,
+                        ..Default::default()
+                    },
                 };
                 let a = c.attach_volume(req).await?.into_inner();
                 tracing::info!(volume = %r.volume_id, device = %a.device, transport = %a.transport, "volume attached");
@@ -231,11 +285,10 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("staging_target_path", &r.staging_target_path)?;
-        let name = self.local(&r.volume_id, None).await?;
+        let (_, attachment) = self.here(&r.volume_id).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let staging = Path::new(&r.staging_target_path);
         let mut c = self.admin().await?;
-        let attachment = Self::attachment(&mut c, name).await?;
         if let Some(a) = &attachment {
             let users: Vec<PathBuf> =
                 other_users(Path::new(&a.device), Some(staging))?.into_iter().map(|m| m.target).collect();
@@ -267,7 +320,7 @@ impl csi::node_server::Node for Node {
         require("target_path", &r.target_path)?;
         let (mount, mode) = capability(r.volume_capability.as_ref())?;
         let read_only = r.readonly || mode == Mode::SingleNodeReaderOnly;
-        let name = self.local(&r.volume_id, Some(&r.publish_context)).await?;
+        let (name, _) = self.source(&r.volume_id, &r.publish_context).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let device = Self::staged_device(&mut self.admin().await?, name).await?;
         let (target, staging) = (Path::new(&r.target_path), Path::new(&r.staging_target_path));
@@ -331,7 +384,7 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("target_path", &r.target_path)?;
-        self.local(&r.volume_id, None).await?;
+        self.here(&r.volume_id).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let target = Path::new(&r.target_path);
         let shown = mounted_at(target)?;
@@ -357,15 +410,15 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("volume_path", &r.volume_path)?;
-        let name = self.local(&r.volume_id, None).await?;
+        let (name, attachment) = self.here(&r.volume_id).await?;
         let path = Path::new(&r.volume_path);
         let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Status::not_found(format!("{} does not exist", path.display())),
             _ => Status::internal(format!("{}: {e}", path.display())),
         })?;
-        let mut c = self.admin().await?;
-        c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
-        let attachment = Self::attachment(&mut c, name).await?;
+        if attachment.as_ref().is_none_or(|a| a.remote.is_empty()) {
+            self.admin().await?.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
+        }
         let mounted = mounted_at(path)?;
         let problem = match (&attachment, &mounted) {
             (None, _) => Some("the volume is not attached to a block device".to_owned()),
@@ -413,25 +466,31 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("volume_path", &r.volume_path)?;
-        let name = self.local(&r.volume_id, None).await?;
+        let (name, attachment) = self.here(&r.volume_id).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let mut c = self.admin().await?;
-        let volume = c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?.into_inner();
         let required = r.capacity_range.as_ref().map_or(0, |c| u64::try_from(c.required_bytes).unwrap_or(0));
-        if required > volume.size {
+        let volume_size = match attachment.filter(|a| !a.remote.is_empty()) {
+            // Another node grew the volume (ControllerExpandVolume): the device takes its new size.
+            Some(a) if a.size < required => {
+                c.resize_attachment(pb::ResizeAttachmentRequest { device: a.device }).await?.into_inner().size
+            }
+            Some(a) => a.size,
+            None => c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?.into_inner().size,
+        };
+        if required > volume_size {
             return Err(Status::failed_precondition(format!(
-                "volume {} is {} bytes, less than the {required} asked for: ControllerExpandVolume first",
-                r.volume_id, volume.size
+                "volume {} is {volume_size} bytes, less than the {required} asked for: ControllerExpandVolume first",
+                r.volume_id
             )));
         }
         let device = Self::staged_device(&mut c, name).await?;
         let size = host::device_size(&device).map_err(internal("reading the device size"))?;
-        if size < volume.size {
+        if size < volume_size {
             return Err(Status::failed_precondition(format!(
-                "{} still has {size} of the volume's {} bytes: this kernel cannot grow it online \
+                "{} still has {size} of the volume's {volume_size} bytes: this kernel cannot grow it online \
                  (ublk UPDATE_SIZE needs Linux 6.16); it takes the new size when it is staged again",
-                device.display(),
-                volume.size
+                device.display()
             )));
         }
         let path = Path::new(&r.volume_path);

@@ -124,7 +124,10 @@ impl AdminService {
     }
 
     fn attachment_msg(&self, r: &AttachRecord, detail: String) -> pb::Attachment {
-        let size = open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0);
+        let size = match &r.remote {
+            Some(_) => ferrite_nbd::kernel::size(r.index).unwrap_or(0),
+            None => open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0),
+        };
         pb::Attachment {
             volume: r.volume.clone(),
             device: r.device.clone(),
@@ -132,6 +135,7 @@ impl AdminService {
             read_only: r.read_only,
             size,
             detail,
+            remote: r.remote.clone().unwrap_or_default(),
         }
     }
 
@@ -669,6 +673,15 @@ impl Admin for AdminService {
     async fn attach_volume(&self, req: Request<pb::AttachVolumeRequest>) -> Result<Response<pb::Attachment>, Status> {
         let r = req.into_inner();
         require("volume", &r.volume)?;
+        if !r.remote.is_empty() {
+            require("export", &r.export)?;
+            if !matches!(r.transport.as_str(), "" | "auto" | "nbd") {
+                return Err(Status::invalid_argument("another node's volume is attached with the kernel NBD client"));
+            }
+            let rec = self.attachments.attach_remote(self.cfg.tls.as_ref(), &r.volume, &r.remote, &r.export).await?;
+            let detail = format!("kernel NBD client, relayed over TLS to {}", r.remote);
+            return Ok(Response::new(self.attachment_msg(&rec, detail)));
+        }
         let (transport, detail) = choose_transport(&r.transport)?;
         let mut opts = self.cfg.ublk;
         if r.queues != 0 {
@@ -690,6 +703,17 @@ impl Admin for AdminService {
         require("device", &device)?;
         self.attachments.detach(&self.exports, &device).await?;
         Ok(Response::new(pb::DetachVolumeResponse {}))
+    }
+
+    async fn resize_attachment(
+        &self,
+        req: Request<pb::ResizeAttachmentRequest>,
+    ) -> Result<Response<pb::Attachment>, Status> {
+        let r = req.into_inner();
+        require("device", &r.device)?;
+        let rec = self.attachments.resize_remote(self.cfg.tls.as_ref(), &r.device).await?;
+        let detail = format!("the device has the size of {} on {}", rec.volume, rec.remote.as_deref().unwrap_or(""));
+        Ok(Response::new(self.attachment_msg(&rec, detail)))
     }
 
     async fn list_attachments(

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 use tonic::Status;
 
+use crate::config::TlsFiles;
 use crate::exports::{ExportRecord, ExportTable, open_image};
 use crate::rpc::status;
 use crate::state::RecordFile;
@@ -34,6 +35,9 @@ pub struct AttachRecord {
     /// The NBD export the kernel client uses (NBD only).
     #[serde(default)]
     pub export: Option<String>,
+    /// For a volume another node serves: its NBD listener (host:port), reached through a relay.
+    #[serde(default)]
+    pub remote: Option<String>,
 }
 
 /// The live half of an attachment.
@@ -41,6 +45,8 @@ pub struct AttachRecord {
 pub enum Handle {
     Ublk(ferrite_ublk::Device),
     Nbd,
+    /// A remote export's kernel NBD device: the task relaying its socket over TLS.
+    Relay(tokio::task::JoinHandle<()>),
 }
 
 /// The devices this daemon attached, with their records.
@@ -129,6 +135,7 @@ impl Attachments {
                 index: dev.id(),
                 read_only: dev.is_read_only(),
                 export: None,
+                remote: None,
             };
             (rec, Handle::Ublk(dev))
         } else {
@@ -161,15 +168,48 @@ impl Attachments {
                 index: a.index,
                 read_only: a.read_only,
                 export: created.then_some(export.name),
+                remote: None,
             };
             (rec, Handle::Nbd)
         };
-        tracing::info!(volume = %rec.volume, device = %rec.device, transport, "volume attached");
+        Ok(self.add(&mut live, rec, handle))
+    }
+
+    fn add(&self, live: &mut Vec<(AttachRecord, Handle)>, rec: AttachRecord, handle: Handle) -> AttachRecord {
+        tracing::info!(volume = %rec.volume, device = %rec.device, transport = %rec.transport, "volume attached");
         live.push((rec.clone(), handle));
-        if let Err(e) = self.save(&live) {
+        if let Err(e) = self.save(live) {
             tracing::error!(error = %e, "cannot save the attachment list; a restart will not recover this device");
         }
-        Ok(rec)
+        rec
+    }
+
+    /// Attaches `export` of the NBD listener at `address` (another node's daemon, which serves
+    /// `volume`) as a kernel NBD device, over TLS with this daemon's certificate.
+    pub async fn attach_remote(
+        &self,
+        tls: Option<&TlsFiles>,
+        volume: &str,
+        address: &str,
+        export: &str,
+    ) -> Result<AttachRecord, Status> {
+        let (cfg, name) = relay_tls(tls, address)?;
+        let mut live = self.live.lock().await;
+        if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == volume) {
+            return Err(Status::already_exists(format!("{volume} is already attached as {}", old.device)));
+        }
+        let failed = |e: std::io::Error| Status::unavailable(format!("attaching {volume} from {address}: {e}"));
+        let (a, relay) = ferrite_nbd::relay::attach(cfg, name, address, export).await.map_err(failed)?;
+        let rec = AttachRecord {
+            volume: volume.to_owned(),
+            transport: "nbd".into(),
+            device: a.device.display().to_string(),
+            index: a.index,
+            read_only: a.read_only,
+            export: Some(export.to_owned()),
+            remote: Some(address.to_owned()),
+        };
+        Ok(self.add(&mut live, rec, Handle::Relay(relay)))
     }
 
     /// Detaches by device path or volume name; stops the export the attach made, if any.
@@ -182,13 +222,16 @@ impl Attachments {
         let index = rec.index;
         let done = match handle {
             Handle::Ublk(d) => tokio::task::block_in_place(|| d.detach()),
-            Handle::Nbd => tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
+            Handle::Nbd | Handle::Relay(_) => tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
                 .await
                 .map_err(|e| Status::internal(format!("detach task failed: {e}")))?,
         };
         done.map_err(|e| Status::internal(format!("detaching {}: {e}", rec.device)))?;
-        let (rec, _) = live.remove(i);
-        if let Some(export) = &rec.export {
+        let (rec, handle) = live.remove(i);
+        if let Handle::Relay(relay) = handle {
+            relay.abort();
+        }
+        if let Some(export) = rec.export.as_ref().filter(|_| rec.remote.is_none()) {
             exports.discard(export).await;
         }
         if let Err(e) = self.save(&live) {
@@ -213,7 +256,7 @@ impl Attachments {
                     ),
                     Err(e) => format!("{}: resize failed: {e}", r.device),
                 },
-                Handle::Nbd => {
+                Handle::Nbd | Handle::Relay(_) => {
                     let index = r.index;
                     match tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size)).await {
                         Ok(Ok(())) => format!("{} resized online", r.device),
@@ -228,6 +271,42 @@ impl Attachments {
             notes.push(note);
         }
         notes
+    }
+
+    /// Gives a remote volume's device (`device` or the volume's name) the volume's current size,
+    /// after its primary grew it.
+    pub async fn resize_remote(&self, tls: Option<&TlsFiles>, device: &str) -> Result<AttachRecord, Status> {
+        let rec = self.list().await.into_iter().find(|r| r.device == device || r.volume == device);
+        let Some(rec) = rec else {
+            return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
+        };
+        let Some(address) = &rec.remote else {
+            return Err(Status::failed_precondition(format!(
+                "{} is a local volume's device: it follows its volume's size by itself",
+                rec.device
+            )));
+        };
+        let export = rec.export.as_deref().unwrap_or_default();
+        let failed =
+            |e: std::io::Error| Status::unavailable(format!("asking {address} for {}'s size: {e}", rec.volume));
+        let (cfg, name) = relay_tls(tls, address)?;
+        let size = ferrite_nbd::relay::export_size(cfg, name, address, export).await.map_err(failed)?;
+        let index = rec.index;
+        let now = ferrite_nbd::kernel::size(index).map_err(|e| Status::internal(format!("{}: {e}", rec.device)))?;
+        if size < now {
+            return Err(Status::failed_precondition(format!(
+                "{} is {now} bytes but its volume on {address} only {size}; it does not shrink",
+                rec.device
+            )));
+        }
+        if size > now {
+            tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size))
+                .await
+                .map_err(|e| Status::internal(format!("resize task failed: {e}")))?
+                .map_err(|e| Status::internal(format!("resizing {}: {e}", rec.device)))?;
+            tracing::info!(device = %rec.device, size, "remote volume's device resized");
+        }
+        Ok(rec)
     }
 
     /// Before the pool closes: ublk devices stop taking requests (the kernel keeps them for the
@@ -246,6 +325,23 @@ impl Attachments {
         });
         live
     }
+}
+
+/// The client TLS of a relay to `address`: this daemon's certificate, and the name the remote
+/// daemon's must carry.
+fn relay_tls(
+    tls: Option<&TlsFiles>,
+    address: &str,
+) -> Result<(Arc<ferrite_tls::rustls::ClientConfig>, ferrite_tls::ServerName<'static>), Status> {
+    let Some(TlsFiles { cert, key, client_ca: Some(ca), peer_name }) = tls else {
+        return Err(Status::failed_precondition(
+            "reaching another node's volume needs tls-cert, tls-key and tls-client-ca",
+        ));
+    };
+    let bad = |e: std::io::Error| Status::failed_precondition(format!("TLS for {address}: {e}"));
+    let cfg = ferrite_tls::client_config(ca, Some((cert, key)), &[]).map_err(bad)?;
+    let name = ferrite_tls::server_name(peer_name.as_deref().unwrap_or(address)).map_err(bad)?;
+    Ok((cfg, name))
 }
 
 /// The records a previous daemon left whose devices can be taken back.
@@ -282,7 +378,8 @@ pub fn refuse_if_attached(
     what: &str,
     serves: impl Fn(&str) -> bool,
 ) -> Result<(), Status> {
-    let devs: Vec<&str> = live.iter().filter(|(r, _)| serves(&r.volume)).map(|(r, _)| r.device.as_str()).collect();
+    let devs: Vec<&str> =
+        live.iter().filter(|(r, _)| r.remote.is_none() && serves(&r.volume)).map(|(r, _)| r.device.as_str()).collect();
     if devs.is_empty() {
         return Ok(());
     }

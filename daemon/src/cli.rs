@@ -426,7 +426,7 @@ pub fn print_volume(out: Output, v: &pb::Volume) {
 
 fn attachment_json(a: &pb::Attachment) -> serde_json::Value {
     serde_json::json!({"volume": a.volume, "device": a.device, "transport": a.transport,
-                       "read_only": a.read_only, "size": a.size, "detail": a.detail})
+                       "read_only": a.read_only, "size": a.size, "detail": a.detail, "remote": a.remote})
 }
 
 /// `ferrite attach` prints the device alone (for `DEV=$(ferrite attach vol)`) and says on stderr
@@ -451,7 +451,11 @@ pub fn print_attachments(out: Output, list: &[pb::Attachment]) {
                     vec![
                         a.device.clone(),
                         a.volume.clone(),
-                        a.transport.clone(),
+                        if a.remote.is_empty() {
+                            a.transport.clone()
+                        } else {
+                            format!("{} via {}", a.transport, a.remote)
+                        },
                         if a.read_only { "ro" } else { "rw" }.into(),
                         format_size(a.size),
                     ]

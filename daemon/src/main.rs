@@ -135,9 +135,19 @@ enum Cmd {
         /// ublk queue depth (default: the daemon's ublk-depth).
         #[arg(long, default_value_t = 0)]
         depth: u32,
+        /// Another daemon's NBD listener (host:port) serving the volume: attached with the kernel
+        /// NBD client, relayed over TLS with this daemon's certificate. Needs --export.
+        #[arg(long, requires = "export")]
+        remote: Option<String>,
+        /// The export the remote daemon granted to this node.
+        #[arg(long, requires = "remote")]
+        export: Option<String>,
     },
     /// Detach a device made by `ferrite attach` (by device path or volume name).
     Detach { device: String },
+    /// Give the device of another node's volume (`attach --remote`) that volume's current size,
+    /// after its node grew it.
+    Refresh { device: String },
     /// List the devices attached by the daemon.
     Attachments,
     /// Network fencing: refuse (and cut) TCP clients from CIDR blocks on the NBD and admin listeners.
@@ -757,14 +767,19 @@ async fn client(cli: Cli) -> Result<()> {
                 cli::print_groups(out, std::slice::from_ref(r.get_ref()));
             }
         },
-        Cmd::Attach { volume, transport, queues, depth } => {
-            let req = pb::AttachVolumeRequest { volume, transport, queues, depth };
+        Cmd::Attach { volume, transport, queues, depth, remote, export } => {
+            let (remote, export) = (remote.unwrap_or_default(), export.unwrap_or_default());
+            let req = pb::AttachVolumeRequest { volume, transport, queues, depth, remote, export };
             let a = c.attach_volume(req).await.map_err(rpc_error)?;
             cli::print_attachment(out, a.get_ref());
         }
         Cmd::Detach { device } => {
             c.detach_volume(pb::DetachVolumeRequest { device: device.clone() }).await.map_err(rpc_error)?;
             cli::print_done(out, "detached", &device);
+        }
+        Cmd::Refresh { device } => {
+            let a = c.resize_attachment(pb::ResizeAttachmentRequest { device }).await.map_err(rpc_error)?;
+            cli::print_attachment(out, a.get_ref());
         }
         Cmd::Attachments => {
             let r = c.list_attachments(pb::ListAttachmentsRequest {}).await.map_err(rpc_error)?;

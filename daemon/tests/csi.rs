@@ -455,6 +455,13 @@ async fn publish_and_unpublish_follow_the_spec() {
     let e = a.json(&["export", "list"]);
     let e = e.as_array().unwrap().iter().find(|e| e["name"] == "csi-publish-p1").cloned().unwrap();
     assert_eq!((e["allow"].clone(), e["read_only"].clone()), (serde_json::json!(["node-b"]), true.into()), "{e}");
+    // Only node-b's certificate opens it: node-a's daemon relaying for itself is refused before
+    // any device is made, and keeps no attachment.
+    let (nbd, export) = (&ctx.publish_context["nbd"], &ctx.publish_context["export"]);
+    let o = a.cli(&["attach", "p1", "--remote", nbd, "--export", export]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("refused"), "{err}");
+    assert!(a.json(&["attachments"]).as_array().unwrap().is_empty());
     ctl.controller_unpublish_volume(unpublish(&v.volume_id, "node-b")).await.unwrap();
 
     // The attach limit (2 here) counts every daemon's publications to the node.

@@ -67,8 +67,8 @@ fn read_u64(s: &mut impl Read) -> io::Result<u64> {
     Ok(u64::from_be_bytes(b))
 }
 
-/// Client side of the handshake: `OPT_GO` for `export`; returns (size, transmission flags).
-pub fn negotiate_client<S: Read + Write>(s: &mut S, export: &str) -> io::Result<(u64, u16)> {
+/// Client side of the greeting: checks the server's, answers with our flags.
+pub fn greet<S: Read + Write>(s: &mut S) -> io::Result<()> {
     if read_u64(s)? != NBD_MAGIC || read_u64(s)? != IHAVEOPT {
         return Err(invalid("not an NBD server (bad greeting)"));
     }
@@ -80,7 +80,49 @@ pub fn negotiate_client<S: Read + Write>(s: &mut S, export: &str) -> io::Result<
     if server & FLAG_NO_ZEROES != 0 {
         client |= FLAG_C_NO_ZEROES;
     }
-    s.write_all(&client.to_be_bytes())?;
+    s.write_all(&client.to_be_bytes())
+}
+
+/// One option reply: (kind, data).
+fn option_reply<S: Read>(s: &mut S) -> io::Result<(u32, Vec<u8>)> {
+    if read_u64(s)? != REP_MAGIC {
+        return Err(invalid("bad option reply magic"));
+    }
+    let (_opt, kind, len) = (read_u32(s)?, read_u32(s)?, read_u32(s)?);
+    if len > 1 << 20 {
+        return Err(invalid("option reply too long"));
+    }
+    let mut data = vec![0u8; len as usize];
+    s.read_exact(&mut data)?;
+    Ok((kind, data))
+}
+
+/// `NBD_OPT_STARTTLS` after the greeting: once it returns, the caller runs the TLS handshake on
+/// the same connection and negotiates the export inside it.
+pub fn start_tls<S: Read + Write>(s: &mut S) -> io::Result<()> {
+    let mut opt = Vec::with_capacity(16);
+    opt.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    opt.extend_from_slice(&OPT_STARTTLS.to_be_bytes());
+    opt.extend_from_slice(&0u32.to_be_bytes());
+    s.write_all(&opt)?;
+    match option_reply(s)? {
+        (REP_ACK, _) => Ok(()),
+        (_, data) => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("the NBD server refused TLS: {}", String::from_utf8_lossy(&data)),
+        )),
+    }
+}
+
+/// Client side of the handshake: the greeting, then `OPT_GO` for `export`; returns (size,
+/// transmission flags).
+pub fn negotiate_client<S: Read + Write>(s: &mut S, export: &str) -> io::Result<(u64, u16)> {
+    greet(s)?;
+    go(s, export)
+}
+
+/// `OPT_GO` for `export` after the greeting (and TLS, if any); returns (size, transmission flags).
+pub fn go<S: Read + Write>(s: &mut S, export: &str) -> io::Result<(u64, u16)> {
     let name = export.as_bytes();
     let len = u32::try_from(name.len() + 6).map_err(|_| invalid("export name too long"))?;
     let mut opt = Vec::with_capacity(16 + name.len() + 6);
@@ -93,15 +135,7 @@ pub fn negotiate_client<S: Read + Write>(s: &mut S, export: &str) -> io::Result<
     s.write_all(&opt)?;
     let mut export_info = None;
     loop {
-        if read_u64(s)? != REP_MAGIC {
-            return Err(invalid("bad option reply magic"));
-        }
-        let (_opt, kind, len) = (read_u32(s)?, read_u32(s)?, read_u32(s)?);
-        if len > 1 << 20 {
-            return Err(invalid("option reply too long"));
-        }
-        let mut data = vec![0u8; len as usize];
-        s.read_exact(&mut data)?;
+        let (kind, data) = option_reply(s)?;
         match kind {
             REP_ACK => break,
             REP_INFO if data.len() >= 12 && u16::from_be_bytes([data[0], data[1]]) == INFO_EXPORT => {
@@ -217,6 +251,13 @@ pub fn attach(socket: &Path, export: &str) -> io::Result<Attached> {
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let (size, flags) = negotiate_client(&mut s, export)?;
     s.set_read_timeout(None)?;
+    connect(&s, size, flags)
+}
+
+/// Hands `sock`, negotiated to the transmission phase (size and flags from `OPT_GO`), to the
+/// kernel as the next free `/dev/nbdN`. The kernel takes its own reference: the caller may drop
+/// its end.
+pub fn connect(sock: &impl AsRawFd, size: u64, flags: u16) -> io::Result<Attached> {
     let nl = Genl::open()?;
     let family = nl.nbd_family()?;
     let mut body = Vec::new();
@@ -224,7 +265,7 @@ pub fn attach(socket: &Path, export: &str) -> io::Result<Attached> {
     attr(&mut body, NBD_ATTR_BLOCK_SIZE_BYTES, &4096u64.to_ne_bytes());
     attr(&mut body, NBD_ATTR_TIMEOUT, &120u64.to_ne_bytes());
     attr(&mut body, NBD_ATTR_SERVER_FLAGS, &u64::from(flags).to_ne_bytes());
-    let fd = u32::try_from(s.as_raw_fd()).expect("descriptors are non-negative");
+    let fd = u32::try_from(sock.as_raw_fd()).expect("descriptors are non-negative");
     let mut item = Vec::new();
     attr(&mut item, NBD_SOCK_FD, &fd.to_ne_bytes());
     let mut socks = Vec::new();
@@ -236,8 +277,6 @@ pub fn attach(socket: &Path, export: &str) -> io::Result<Attached> {
         .and_then(|r| attrs(r).into_iter().find(|a| a.0 == NBD_ATTR_INDEX))
         .and_then(|a| a.1.get(..4).map(|x| u32::from_ne_bytes(x.try_into().expect("4"))))
         .ok_or_else(|| invalid("the kernel did not say which device it attached"))?;
-    // The kernel holds its own reference to the socket now.
-    drop(s);
     Ok(Attached {
         index,
         device: PathBuf::from(format!("/dev/nbd{index}")),
@@ -264,6 +303,12 @@ pub fn resize(index: u32, size: u64) -> io::Result<()> {
     attr(&mut body, NBD_ATTR_INDEX, &index.to_ne_bytes());
     attr(&mut body, NBD_ATTR_SIZE_BYTES, &size.to_ne_bytes());
     nl.request(family, NBD_CMD_RECONFIGURE, &body).map(|_| ())
+}
+
+/// The size of `/dev/nbd<index>` as the kernel has it.
+pub fn size(index: u32) -> io::Result<u64> {
+    let sectors = std::fs::read_to_string(format!("/sys/block/nbd{index}/size"))?;
+    sectors.trim().parse::<u64>().map(|s| s * 512).map_err(|e| invalid(format!("/sys/block/nbd{index}/size: {e}")))
 }
 
 /// The device index of a `/dev/nbdN` path (or a bare `N`).

@@ -23,6 +23,7 @@ pub mod limits;
 pub mod metrics;
 mod outbox;
 pub mod proto;
+pub mod relay;
 pub mod server;
 pub mod tls;
 pub mod transmission;

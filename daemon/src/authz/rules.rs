@@ -51,6 +51,7 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/ListPublications", &[Controller]),
     ("/ferrite.v1.Admin/AttachVolume", &[Controller]),
     ("/ferrite.v1.Admin/DetachVolume", &[Controller]),
+    ("/ferrite.v1.Admin/ResizeAttachment", &[Controller]),
     ("/ferrite.v1.Admin/ListAttachments", &[Controller]),
     ("/ferrite.v1.Admin/PoolStatus", &[Controller]),
     ("/ferrite.v1.Admin/ReclaimPool", &[Controller]),
