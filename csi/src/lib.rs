@@ -7,6 +7,8 @@
 //! - [`nodes`]: the node directory (a static file, or the Kubernetes API's EndpointSlices).
 //! - [`qos`]: per-volume limits as mutable parameters (ModifyVolume, VolumeAttributesClass).
 //! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
+//! - [`copies`]: replicated volumes (synchronous copies on distinct nodes); [`failover`]
+//!   promotes a copy when the primary's node is lost (on Kubernetes).
 //!
 //! - [`group`]: crash-consistent group snapshots (GroupController).
 //! - [`node`]: stage (attach, mkfs if blank, mount), publish (bind), expand, stats; `host` runs
@@ -22,6 +24,7 @@ mod args;
 mod busy;
 pub mod controller;
 pub mod copies;
+pub mod failover;
 pub mod fence;
 pub mod group;
 mod host;
@@ -78,6 +81,9 @@ pub struct Options {
     /// TLS for `tcp://` admin endpoints: the CA of the daemons' certificates and this driver's
     /// client certificate (the daemons require mutual TLS).
     pub admin_tls: Option<Arc<ferrite_tls::Reloading<ferrite_proto::ClientTls>>>,
+    /// Controller mode with the Kubernetes node directory: fail replicated volumes over from a
+    /// node not Ready for this long whose daemon does not answer (None: never).
+    pub failover_after: Option<std::time::Duration>,
 }
 
 impl Options {
@@ -124,6 +130,9 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         max_volumes: opts.max_volumes,
         busy: busy.clone(),
     });
+    if let (true, Some(_), Some(after)) = (controller, &opts.node_service, opts.failover_after) {
+        failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after).await?;
+    }
     let identity = identity::Identity { nodes: Arc::clone(&dir), controller };
     let router = tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::new(identity))

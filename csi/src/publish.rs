@@ -19,6 +19,13 @@ use crate::controller::Controller;
 use crate::nodes::admin;
 use crate::{copies, ids};
 
+/// The publications a daemon keeps.
+async fn publications(
+    c: &mut ferrite_proto::ferrite::v1::admin_client::AdminClient<tonic::transport::Channel>,
+) -> Result<Vec<pb::Publication>, Status> {
+    Ok(c.list_publications(pb::ListPublicationsRequest {}).await?.into_inner().publications)
+}
+
 /// The node a publication on the daemon of node `on` grants its volume to.
 fn granted_to(p: &pb::Publication, on: &str) -> String {
     if p.local { on.to_owned() } else { p.node.clone() }
@@ -40,7 +47,7 @@ impl Controller {
         let (node, name) = ids::parse(&r.volume_id)
             .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", r.volume_id)))?;
         let (mut primary, mut c, _, view) = copies::primary(&*self.nodes, node, name).await?;
-        let held = c.list_publications(pb::ListPublicationsRequest {}).await?.into_inner().publications;
+        let held = publications(&mut c).await?;
         if let Some(p) = held.iter().find(|p| p.volume == name) {
             if granted_to(p, &primary) != r.node_id {
                 return Err(Status::failed_precondition(format!(
@@ -103,12 +110,20 @@ impl Controller {
     }
 
     /// ResourceExhausted when `node` already has as many volumes published as NodeGetInfo says
-    /// it takes.
+    /// it takes. A daemon that does not answer is not counted: its volumes cannot be used
+    /// until it is back or they fail over, and refusing every publish meanwhile would keep the
+    /// failed-over ones from their pods.
     async fn check_attach_limit(&self, node: &str) -> Result<(), Status> {
         let mut n = 0i64;
         for d in self.nodes.nodes() {
-            let mut c = admin(&*self.nodes, &d).await?;
-            let held = c.list_publications(pb::ListPublicationsRequest {}).await?.into_inner().publications;
+            let held = match admin(&*self.nodes, &d).await {
+                Ok(mut c) => publications(&mut c).await?,
+                Err(s) if s.code() == Code::Unavailable => {
+                    tracing::warn!(node = d, "attach limit: daemon unreachable, its publications not counted");
+                    continue;
+                }
+                Err(s) => return Err(s),
+            };
             let here = held.iter().filter(|p| granted_to(p, &d) == node).count();
             n = n.saturating_add(i64::try_from(here).unwrap_or(i64::MAX));
         }
@@ -135,7 +150,7 @@ impl Controller {
             Err(s) if s.code() == Code::NotFound => return Ok(()),
             Err(s) => return Err(s),
         };
-        let held = c.list_publications(pb::ListPublicationsRequest {}).await?.into_inner().publications;
+        let held = publications(&mut c).await?;
         if held.iter().any(|p| p.volume == name && granted_to(p, &primary) == r.node_id) {
             c.unpublish_volume(pb::UnpublishVolumeRequest { volume: name.to_owned() }).await?;
             tracing::info!(volume_id = %r.volume_id, node = %r.node_id, "CSI volume unpublished");

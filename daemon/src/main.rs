@@ -97,6 +97,11 @@ enum Cmd {
         /// The most volumes this node takes (reported by NodeGetInfo).
         #[arg(long, default_value_t = 128)]
         max_volumes: i64,
+        /// Controller mode with --node-service: seconds a Node may be not Ready, its daemon
+        /// unreachable, before its replicated volumes fail over to another copy (the node is
+        /// fenced first); 0: never.
+        #[arg(long, default_value_t = 60)]
+        failover_after: u64,
     },
     /// Manage volumes.
     #[command(subcommand)]
@@ -517,6 +522,7 @@ fn main() {
             admin_server_name,
             attach_transport,
             max_volumes,
+            failover_after,
         } => {
             init_logging("info");
             // The driver runs for months: its certificate follows its files.
@@ -545,6 +551,7 @@ fn main() {
                 transport: attach_transport.clone(),
                 max_volumes: *max_volumes,
                 admin_tls,
+                failover_after: (*failover_after > 0).then(|| std::time::Duration::from_secs(*failover_after)),
             };
             return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));
         }

@@ -188,6 +188,15 @@ impl Cluster {
             let listed: Vec<String> = listed.filter_map(|e| e["nodeName"].as_str().map(str::to_owned)).collect();
             NODES.iter().all(|n| listed.iter().any(|l| l == n))
         });
+        // Failover waits a minute by default; the tier's nodes are lost on purpose.
+        let mut dep = c.cp.get(&["deployment", "ferrite-controller", "-n", NS]);
+        let containers = dep["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
+        let ferrite = containers.iter_mut().find(|c| c["name"] == "ferrite").unwrap();
+        let args = ferrite["args"].as_array_mut().unwrap();
+        let at = args.iter().position(|a| a == "--failover-after=60").expect("the controller fails over after 60 s");
+        args[at] = json!(format!("--failover-after={}", FAILOVER_AFTER.as_secs()));
+        dep["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
+        c.cp.apply(&dep.to_string());
         c.start_controller();
         c
     }
@@ -474,6 +483,9 @@ impl Cluster {
 fn volumes(d: &Daemon) -> Vec<String> {
     d.json(&["volume", "list"]).as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap().to_owned()).collect()
 }
+
+/// How long the tier's controller waits before failing a lost node's volumes over.
+const FAILOVER_AFTER: Duration = Duration::from_secs(4);
 
 fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| u8::try_from((i * 7 + i / 4096) % 251).unwrap()).collect()
@@ -772,6 +784,8 @@ fn ferrite_on_kubernetes() {
         a.replica(&data_vol)["last_snapshot"].as_str().is_some_and(|s| !s.is_empty())
     });
 
+    failover(&mut c, triple_vol, &triple_pv);
+
     println!("== deletes clean up");
     for (kind, name) in [("volumereplication", "data"), ("volumegroupsnapshot", "shop"), ("volumesnapshot", "snap")] {
         c.cp.ok(&["delete", kind, name, "--wait=true", "--timeout=120s"]);
@@ -814,6 +828,107 @@ fn ferrite_on_kubernetes() {
     );
     c.cp.check_alive();
     println!("KUBERNETES_TIER_OK");
+}
+
+/// Marks Node `node` Ready or not as its kubelet would (the tier has none), from now.
+fn set_ready(c: &Cluster, node: &str, ready: bool) {
+    let ip = &c.nodes[NODES.iter().position(|n| *n == node).unwrap()].ip;
+    let now = sh("date -u +%Y-%m-%dT%H:%M:%SZ");
+    let (status, reason) = if ready { ("True", "KubeletReady") } else { ("Unknown", "NodeStatusUnknown") };
+    let patch = json!({"status": {"addresses": [{"type": "InternalIP", "address": ip}],
+        "conditions": [{"type": "Ready", "status": status, "reason": reason, "lastTransitionTime": now.trim(),
+            "lastHeartbeatTime": now.trim()}]}});
+    c.cp.ok(&["patch", "node", node, "--subresource=status", "--type=merge", "-p", &patch.to_string()]);
+}
+
+/// The events.k8s.io Events about `object` (a PV, or a claim in `default`) with `reason`.
+fn events(cp: &ControlPlane, object: &str, reason: &str) -> Vec<String> {
+    let list = cp.get(&["events.v1.events.k8s.io", "-A", "--field-selector", &format!("regarding.name={object}")]);
+    let items = list["items"].as_array().cloned().unwrap_or_default();
+    items.iter().filter(|e| e["reason"] == reason).map(|e| e["note"].as_str().unwrap_or("").to_owned()).collect()
+}
+
+/// The node holding a replicated volume's primary is lost (its daemon killed, its Node not
+/// Ready): the controller fences it and promotes another copy, which holds every acknowledged
+/// write; the volume publishes elsewhere; the node comes back fenced, is rebuilt, and is an
+/// in-sync replica before its fence is lifted.
+fn failover(c: &mut Cluster, vol: &str, pv: &str) {
+    println!("== failover: the primary's node is lost");
+    let (lost, i) = ("node-c", 2);
+    let survivors = ["node-a", "node-b"];
+    let s = c.daemon(lost).json(&["replica", "status", vol]);
+    assert_eq!(s["role"], "primary", "{s}");
+    let generation = s["generation"].as_u64().unwrap();
+    for n in NODES {
+        set_ready(c, n, true);
+    }
+    // Acknowledged writes: a synchronous primary answers once a majority of the copies hold them.
+    let content: Vec<u8> = pattern(2 << 20).into_iter().rev().collect();
+    let mut s = common::nbd::open(c.daemon(lost), vol);
+    assert_eq!(common::nbd::write_on(&mut s, 0, &content), 0);
+    drop(s);
+    c.daemon(lost).ok(&["export", "stop", vol]);
+    c.daemon_pods[i].kill(&mut c.cp); // kill -9
+    set_ready(c, lost, false);
+    let block = format!("{}/32", c.nodes[i].ip);
+    let mut promoted = String::new();
+    let daemons = &c.daemons;
+    c.cp.wait("the controller to fence node-c and promote a copy", LONG, |_| {
+        promoted = survivors
+            .iter()
+            .enumerate()
+            .find(|(j, _)| {
+                let v = daemons[*j].json(&["replica", "status", vol]);
+                v["role"] == "primary" && v["generation"].as_u64() > Some(generation)
+            })
+            .map_or(String::new(), |(_, n)| (*n).to_owned());
+        !promoted.is_empty()
+    });
+    println!("   promoted on {promoted}");
+    for n in survivors {
+        assert!(c.daemon(n).ok(&["fence", "list"]).contains(&block), "{n} does not fence node-c");
+    }
+    let node = c.cp.get(&["node", lost]);
+    assert_eq!(node["metadata"]["annotations"]["failover.ferrite.dev/fenced"], block.as_str(), "{}", node["metadata"]);
+    let got = common::nbd::read_image(c.daemon(&promoted), vol, content.len() as u64);
+    assert!(got == content, "the promoted copy lacks acknowledged writes");
+    let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
+    for object in [pv, &claim] {
+        let said = events(&c.cp, object, "FailedOver");
+        assert!(said.iter().any(|n| n.contains("node node-c was lost") && n.contains(&promoted)), "{object}: {said:?}");
+    }
+    // The volume publishes on the other survivor (its in-sync copy becomes the primary).
+    let other = survivors.iter().find(|n| **n != promoted).unwrap();
+    c.cp.apply(
+        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": "triple-after"},
+            "spec": {"attacher": "csi.ferrite.dev", "nodeName": other, "source": {"persistentVolumeName": pv}}})
+        .to_string(),
+    );
+    let va = c.wait_field("the attach after failover", &["volumeattachment", "triple-after"], |v| {
+        v["status"]["attached"] == true
+    });
+    assert_eq!(va["status"]["attachmentMetadata"]["primary"], *other, "{}", va["status"]);
+    c.cp.ok(&["delete", "volumeattachment", "triple-after", "--wait=true", "--timeout=60s"]);
+    let got = common::nbd::read_image(c.daemon(other), vol, content.len() as u64);
+    assert!(got == content, "the copy on {other} lacks acknowledged writes");
+
+    println!("== failover: node-c comes back, is rebuilt, then unfenced");
+    let old = c.daemon_pods[i].name().to_owned();
+    c.cp.ok(&["delete", "pod", &old, "-n", NS, "--wait=false"]);
+    c.daemon_pods[i] = c.start_daemon_pod(i);
+    set_ready(c, lost, true);
+    let daemons = &c.daemons;
+    c.cp.wait("node-c to be in sync and its fence lifted", LONG, |cp| {
+        let fenced = daemons[..2].iter().any(|d| d.ok(&["fence", "list"]).contains(&block));
+        let annotated = cp.get(&["node", lost])["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_string();
+        !fenced && !annotated
+    });
+    let s = c.daemon(other).json(&["replica", "status", vol]);
+    let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"].as_str().unwrap().contains(&c.nodes[i].ip));
+    assert_eq!(m.unwrap()["state"], "in-sync", "{s}");
+    assert_eq!(c.daemon(lost).json(&["replica", "status", vol])["role"], "replica");
+    let said = events(&c.cp, pv, "Rejoined");
+    assert!(said.iter().any(|n| n.contains("node node-c came back")), "{said:?}");
 }
 
 /// The pool init container refuses what it must: a device holding a filesystem, and a blank

@@ -375,16 +375,44 @@ impl SyncHub {
         let old = p.record();
         let mut next = old.clone();
         next.generation = self.next_generation(&old);
-        // Members that cannot take a stream now are ejected in the same generation.
+        // Members that cannot take a stream now are ejected in the same generation. Without a
+        // majority answering nothing is proposed: a proposal stores its generation here first,
+        // and a primary cut off from its members (fenced after a failover) would count its
+        // generation up every second, past the one that replaced it, and refuse that one.
         let mut links = Vec::new();
-        for m in next.members.iter_mut().filter(|m| m.endpoint != self.me && m.state == State::InSync) {
+        let mut answered = 1;
+        let mut newer = None;
+        for m in next.members.iter_mut().filter(|m| m.endpoint != self.me) {
             match self.held_at(&m.endpoint, &old.volume).await {
-                Ok(_) => links.push(m.endpoint.clone()),
-                Err(e) => {
+                Ok(h) => {
+                    answered += 1;
+                    if m.state == State::InSync {
+                        links.push(m.endpoint.clone());
+                    }
+                    if h.generation > old.generation && h.primary != self.me {
+                        newer = Some(h);
+                    }
+                }
+                Err(e) if m.state == State::InSync => {
                     m.state = State::Ejected;
                     m.reason = e.chars().take(200).collect();
                 }
+                Err(_) => {}
             }
+        }
+        if let Some(h) = newer {
+            let why =
+                format!("this daemon was failed over: generation {} names {} the primary", h.generation, h.primary);
+            if let Err(e) = self.records.put(h) {
+                tracing::error!(volume = %old.volume, error = %e.message(), "storing the newer membership");
+            }
+            return self.step_down(&old.volume, &why);
+        }
+        if answered < old.majority() {
+            let why =
+                format!("only {answered} of {} members answer (a majority is {})", old.members.len(), old.majority());
+            p.refuse(Some(format!("volume {} refuses writes: {why}", old.volume)));
+            return;
         }
         match self.propose(&old, &next).await {
             Ok(()) => {

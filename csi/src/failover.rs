@@ -1,0 +1,333 @@
+//! Automatic failover of replicated volumes (controller mode, with the Kubernetes node
+//! directory). Every few seconds the controller reads the Nodes:
+//!
+//! - A node is lost when its Ready condition has not been True for `--failover-after` and its
+//!   daemon does not answer. Its addresses are fenced on every other daemon (they refuse and cut
+//!   its connections: a primary cut off from its members cannot record a generation, and it
+//!   refuses writes without a majority), the Node is annotated so that the fence is known to be
+//!   ours, and each volume whose primary was there is promoted on the most current in-sync copy:
+//!   the daemons' generation rule decides (only an in-sync member of the newest generation a
+//!   majority holds). A volume of two copies has no majority left; the fence is what makes
+//!   promoting its in-sync survivor safe, so that promotion is forced. Events on the PV and its
+//!   claim say what happened.
+//! - A fenced node whose Node is Ready and whose daemon answers again is rebuilt by the new
+//!   primaries (from the last mark both hold: what changed); once it is in sync in every
+//!   membership it belongs to, the fence is lifted and the annotation removed.
+//!
+//! Stateless like the rest of the controller: the fences live in the daemons, the memberships
+//! too, the annotation on the Node. A node that never reported a Ready condition is left alone.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrite_proto::ferrite::v1 as pb;
+use k8s_openapi::api::core::v1::{Node, ObjectReference, PersistentVolume};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Resource, ResourceExt};
+use tonic::Code;
+
+use crate::nodes::{NodeDirectory, admin};
+
+/// The annotation on a Node the controller fenced: the blocks it fenced, comma-separated.
+pub const FENCED: &str = "failover.ferrite.dev/fenced";
+/// How often the Nodes are looked at.
+const EVERY: Duration = Duration::from_secs(3);
+/// How long a daemon has to answer before it counts as unreachable.
+const ANSWER: Duration = Duration::from_secs(5);
+
+struct Failover {
+    dir: Arc<dyn NodeDirectory>,
+    nodes: Api<Node>,
+    volumes: Api<PersistentVolume>,
+    events: Recorder,
+    /// The CSI driver name, to find its PersistentVolumes.
+    driver: String,
+    after: Duration,
+}
+
+/// The host of `tcp://host:port` (or `host:port`), without brackets.
+fn host(endpoint: &str) -> &str {
+    let hp = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+    let h = hp.rsplit_once(':').map_or(hp, |(h, _)| h);
+    h.trim_start_matches('[').trim_end_matches(']')
+}
+
+/// Since when a Node's Ready condition is not True; None while it is True or was never reported.
+fn not_ready_since(n: &Node) -> Option<k8s_openapi::jiff::Timestamp> {
+    let c = n.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == "Ready")?;
+    (c.status != "True")
+        .then(|| c.last_transition_time.as_ref().map_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH, |t| t.0))
+}
+
+fn ready(n: &Node) -> bool {
+    n.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Starts the failover loop, with the client configuration kube-rs infers.
+pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -> anyhow::Result<()> {
+    let client = kube::Client::try_default().await?;
+    let reporter = Reporter { controller: "ferrite-failover".into(), instance: std::env::var("POD_NAME").ok() };
+    let this = Failover {
+        dir,
+        nodes: Api::all(client.clone()),
+        volumes: Api::all(client.clone()),
+        events: Recorder::new(client, reporter),
+        driver: driver.to_owned(),
+        after,
+    };
+    tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
+    tokio::spawn(async move {
+        loop {
+            if let Err(e) = this.pass().await {
+                tracing::warn!("failover pass: {e:#}");
+            }
+            tokio::time::sleep(EVERY).await;
+        }
+    });
+    Ok(())
+}
+
+impl Failover {
+    async fn pass(&self) -> anyhow::Result<()> {
+        for n in self.nodes.list(&ListParams::default()).await? {
+            let fenced = n.annotations().contains_key(FENCED);
+            let lost = not_ready_since(&n).is_some_and(|t| {
+                let for_ = k8s_openapi::jiff::Timestamp::now().duration_since(t);
+                for_.as_secs_f64() >= self.after.as_secs_f64()
+            });
+            if lost && !self.answers(&n.name_any()).await {
+                self.fail_over(&n).await?;
+            } else if fenced && ready(&n) && self.answers(&n.name_any()).await {
+                self.rejoin(&n).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn answers(&self, node: &str) -> bool {
+        let ask = async {
+            let mut c = admin(&*self.dir, node).await?;
+            c.pool_status(pb::PoolStatusRequest {}).await
+        };
+        matches!(tokio::time::timeout(ANSWER, ask).await, Ok(Ok(_)))
+    }
+
+    /// The other nodes' daemons that answer, with their view of every synchronous volume.
+    async fn views(&self, except: &str) -> Vec<(String, Vec<pb::SyncVolume>)> {
+        let mut out = Vec::new();
+        for node in self.dir.nodes().into_iter().filter(|n| n != except) {
+            let ask = async {
+                let mut c = admin(&*self.dir, &node).await?;
+                c.list_sync_replicas(pb::ListReplicationsRequest::default()).await
+            };
+            match tokio::time::timeout(ANSWER, ask).await {
+                Ok(Ok(r)) => out.push((node, r.into_inner().volumes)),
+                Ok(Err(e)) => tracing::warn!(node, error = %e.message(), "failover: daemon did not answer"),
+                Err(_) => tracing::warn!(node, "failover: daemon did not answer within {ANSWER:?}"),
+            }
+        }
+        out
+    }
+
+    /// Fences `blocks` (`fence`) or lifts them on every daemon but `except`'s.
+    async fn fence(&self, except: &str, blocks: &[String], fence: bool) -> Result<(), String> {
+        let mut failed = Vec::new();
+        for node in self.dir.nodes().into_iter().filter(|n| n != except) {
+            let req = pb::FenceRequest { cidrs: blocks.to_vec() };
+            let done = async {
+                let mut c = admin(&*self.dir, &node).await?;
+                if fence { c.fence_networks(req).await } else { c.unfence_networks(req).await }
+            };
+            match tokio::time::timeout(ANSWER, done).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => failed.push(format!("{node}: {}", e.message())),
+                Err(_) => failed.push(format!("{node}: no answer")),
+            }
+        }
+        if failed.is_empty() { Ok(()) } else { Err(failed.join("; ")) }
+    }
+
+    async fn annotate(&self, node: &str, value: Option<String>) -> anyhow::Result<()> {
+        let patch = serde_json::json!({"metadata": {"annotations": {FENCED: value}}});
+        self.nodes.patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        Ok(())
+    }
+
+    /// Fences a lost node and promotes a copy of every volume whose primary it held.
+    async fn fail_over(&self, n: &Node) -> anyhow::Result<()> {
+        let name = n.name_any();
+        let mut addrs: BTreeSet<String> =
+            n.status.iter().flat_map(|s| s.addresses.iter().flatten()).map(|a| a.address.clone()).collect();
+        if let Some(at) = self.dir.admin_endpoint(&name) {
+            addrs.insert(host(&at).to_owned());
+        }
+        let blocks: Vec<String> = addrs
+            .iter()
+            .filter_map(|a| a.parse::<std::net::IpAddr>().ok())
+            .map(|ip| if ip.is_ipv4() { format!("{ip}/32") } else { format!("{ip}/128") })
+            .collect();
+        if blocks.is_empty() {
+            anyhow::bail!("node {name} is lost but has no address to fence: its volumes are not failed over");
+        }
+        if !n.annotations().contains_key(FENCED) {
+            tracing::warn!(node = %name, fence = ?blocks, "node lost (not Ready, daemon unreachable): fencing it");
+            // The annotation first: a fence whose author is not written down would never be lifted.
+            self.annotate(&name, Some(blocks.join(","))).await?;
+        }
+        let fenced = self.fence(&name, &blocks, true).await;
+        if let Err(e) = &fenced {
+            tracing::warn!(node = %name, "the fence does not hold everywhere yet: {e}");
+        }
+        // Volumes whose primary was on the lost node, with the copies that answer, newest first.
+        let mut lost: BTreeMap<String, Vec<(u64, String, bool)>> = BTreeMap::new();
+        for (node, views) in self.views(&name).await {
+            let me = self.dir.admin_endpoint(&node).map(|e| host(&e).to_owned()).unwrap_or_default();
+            for v in views.into_iter().filter(|v| addrs.contains(host(&v.primary)) && v.role == "replica") {
+                let in_sync = v.members.iter().any(|m| host(&m.endpoint) == me && m.state == "in-sync");
+                lost.entry(v.volume).or_default().push((v.generation, node.clone(), in_sync));
+            }
+        }
+        for (volume, mut copies) in lost {
+            copies.sort_by(|a, b| b.cmp(a));
+            match self.promote(&volume, &copies, fenced.is_ok()).await {
+                Ok((to, generation)) => {
+                    let note = format!(
+                        "node {name} was lost (not Ready for {:?}, its daemon unreachable): fenced it and \
+                         promoted the copy on {to} (generation {generation})",
+                        self.after
+                    );
+                    tracing::warn!(volume, "{note}");
+                    self.event(&volume, EventType::Warning, "FailedOver", "Failover", note).await;
+                }
+                Err(e) => {
+                    let note = format!("node {name} was lost, and no copy could be promoted yet: {e}");
+                    tracing::error!(volume, "{note}");
+                    self.event(&volume, EventType::Warning, "FailoverPending", "Failover", note).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Promotes the first copy the daemons accept; returns its node and generation. Without a
+    /// majority (two copies), an in-sync copy is promoted by force, once the fence holds.
+    async fn promote(
+        &self,
+        volume: &str,
+        copies: &[(u64, String, bool)],
+        fenced: bool,
+    ) -> Result<(String, u64), String> {
+        let mut refused = Vec::new();
+        for (_, node, in_sync) in copies {
+            let mut c = admin(&*self.dir, node).await.map_err(|e| e.message().to_owned())?;
+            let req = |force| pb::PromoteReplicationRequest { volume: volume.to_owned(), force };
+            let done = match c.promote_sync_replica(req(false)).await {
+                Err(e) if e.code() == Code::Unavailable && *in_sync && fenced => {
+                    tracing::warn!(
+                        volume,
+                        node,
+                        "no majority of the copies answers: the fenced old primary \
+                        cannot take writes, promoting the in-sync copy by force"
+                    );
+                    c.promote_sync_replica(req(true)).await
+                }
+                other => other,
+            };
+            match done {
+                Ok(v) => return Ok((node.clone(), v.into_inner().generation)),
+                Err(e) => refused.push(format!("{node}: {}", e.message())),
+            }
+        }
+        Err(refused.join("; "))
+    }
+
+    /// Lifts the fence of a node that came back once every membership it is in has it in sync.
+    async fn rejoin(&self, n: &Node) -> anyhow::Result<()> {
+        let name = n.name_any();
+        let blocks: Vec<String> =
+            n.annotations().get(FENCED).map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default();
+        let hosts: BTreeSet<&str> = blocks.iter().map(|b| b.split_once('/').map_or(b.as_str(), |(h, _)| h)).collect();
+        let mut member_of = Vec::new();
+        for (_, views) in self.views(&name).await {
+            for v in views.iter().filter(|v| v.role == "primary") {
+                let Some(m) = v.members.iter().find(|m| hosts.contains(host(&m.endpoint))) else { continue };
+                if m.state != "in-sync" {
+                    tracing::info!(node = %name, volume = %v.volume, state = %m.state, reason = %m.reason,
+                        "returning node not in sync yet; fence kept");
+                    return Ok(());
+                }
+                member_of.push(v.volume.clone());
+            }
+        }
+        self.fence(&name, &blocks, false).await.map_err(|e| anyhow::anyhow!("lifting the fence of {name}: {e}"))?;
+        self.annotate(&name, None).await?;
+        tracing::info!(node = %name, volumes = ?member_of, "returned node in sync everywhere: fence lifted");
+        for volume in member_of {
+            let note = format!(
+                "node {name} came back, was rebuilt from what changed and is in sync again; its fence is lifted"
+            );
+            self.event(&volume, EventType::Normal, "Rejoined", "Rebuild", note).await;
+        }
+        Ok(())
+    }
+
+    /// An Event on the PersistentVolume of engine volume `volume`, and on its claim.
+    async fn event(&self, volume: &str, kind: EventType, reason: &str, action: &str, note: String) {
+        let pvs = match self.volumes.list(&ListParams::default()).await {
+            Ok(l) => l,
+            Err(e) => return tracing::warn!(volume, "listing PersistentVolumes for an event: {e}"),
+        };
+        let pv = pvs.into_iter().find(|pv| {
+            pv.spec.as_ref().and_then(|s| s.csi.as_ref()).is_some_and(|c| {
+                c.driver == self.driver && crate::ids::parse(&c.volume_handle).is_some_and(|(_, v)| v == volume)
+            })
+        });
+        let Some(pv) = pv else { return };
+        let mut regarding: Vec<ObjectReference> = vec![pv.object_ref(&())];
+        regarding.extend(pv.spec.as_ref().and_then(|s| s.claim_ref.clone()));
+        let ev = Event { type_: kind, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
+        for r in regarding {
+            if let Err(e) = self.events.publish(&ev, &r).await {
+                tracing::warn!(volume, "publishing an event: {e}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn node(ready: Option<&str>) -> Node {
+        let conditions = ready.map(|s| {
+            vec![NodeCondition {
+                type_: "Ready".into(),
+                status: s.into(),
+                last_transition_time: Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH)),
+                ..Default::default()
+            }]
+        });
+        Node { status: Some(NodeStatus { conditions, ..Default::default() }), ..Default::default() }
+    }
+
+    #[test]
+    fn reads_readiness_and_hosts() {
+        assert!(ready(&node(Some("True"))) && not_ready_since(&node(Some("True"))).is_none());
+        for s in ["False", "Unknown"] {
+            assert!(!ready(&node(Some(s))));
+            assert_eq!(not_ready_since(&node(Some(s))), Some(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        }
+        // Never reported: neither ready nor lost.
+        assert!(!ready(&node(None)) && not_ready_since(&node(None)).is_none());
+        assert_eq!(host("tcp://10.0.0.5:7070"), "10.0.0.5");
+        assert_eq!(host("tcp://[fd00::5]:7070"), "fd00::5");
+        assert_eq!(host("10.0.0.5:7070"), "10.0.0.5");
+    }
+}
