@@ -584,3 +584,93 @@ async fn node_lifecycle_on_block_devices() {
     single_writer(&mut l, block_cap(Mode::SingleNodeSingleWriter)).await;
     println!("CSI_NODE_LIFECYCLE_OK");
 }
+
+/// A node without a copy of the volume: ControllerPublish grants it the primary's export,
+/// NodeStage attaches it through the node's own daemon (kernel NBD, relayed over TLS), files go
+/// in, the volume grows online from the other node, and after unpublishing the export the old
+/// publish context no longer opens it.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs root and the kernel NBD client: the VM tier runs it (tests/vm/remote_nbd.sh)"]
+async fn a_node_without_the_volume_stages_it_from_its_primary() {
+    use common::csi::{create, start_csi_with, tcp_node};
+    let dir = tempfile::tempdir().unwrap();
+    let (_a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
+    let (b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
+    let (na, nb) = ("node-127-0-0-2", "node-127-0-0-3");
+    let nodes = [(na, format!("tcp://{a_admin}")), (nb, format!("tcp://{b_admin}"))];
+    let _ctl = start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
+    let node_dir = dir.path().join("node-b");
+    std::fs::create_dir_all(&node_dir).unwrap();
+    let _node = start_csi(&node_dir, &[(nb, &b)], &["--mode", "node", "--node-id", nb]);
+    let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
+    let mut node = csi::node_client::NodeClient::new(channel(&node_dir.join("csi.sock")).await);
+    let cap = mount_cap(Mode::SingleNodeWriter);
+    let id =
+        ctl.create_volume(create("far", 256 << 20, Some(na))).await.unwrap().into_inner().volume.unwrap().volume_id;
+    let (staging, target) = (dir.path().join("staging"), dir.path().join("target"));
+
+    // Without a publication the node has nothing to reach it with.
+    let e = node.node_stage_volume(stage(&id, &staging, cap.clone())).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let publish_req = csi::ControllerPublishVolumeRequest {
+        volume_id: id.clone(),
+        node_id: nb.into(),
+        volume_capability: Some(cap.clone()),
+        ..Default::default()
+    };
+    let ctx = ctl.controller_publish_volume(publish_req).await.unwrap().into_inner().publish_context;
+    assert_eq!(ctx["primary"], na);
+    let mut s = stage(&id, &staging, cap.clone());
+    s.publish_context = ctx.clone();
+    node.node_stage_volume(s.clone()).await.unwrap();
+    node.node_stage_volume(s.clone()).await.unwrap(); // idempotent
+    let att = b.json(&["attachments"]);
+    assert_eq!(att[0]["remote"], ctx["nbd"].as_str(), "{att}");
+    let mut p = publish(&id, &staging, &target, cap.clone());
+    p.publish_context = ctx.clone();
+    node.node_publish_volume(p).await.unwrap();
+    let files = write_tree(&target);
+    check_tree(&target, &files);
+    let stats = csi::NodeGetVolumeStatsRequest {
+        volume_id: id.clone(),
+        volume_path: target.display().to_string(),
+        staging_target_path: String::new(),
+    };
+    let st = node.node_get_volume_stats(stats.clone()).await.unwrap().into_inner();
+    assert!(!st.volume_condition.unwrap().abnormal);
+
+    // The primary's node grows it; the node's device and filesystem follow online.
+    let grow = csi::ControllerExpandVolumeRequest {
+        volume_id: id.clone(),
+        capacity_range: Some(csi::CapacityRange { required_bytes: 512 << 20, limit_bytes: 0 }),
+        volume_capability: Some(cap.clone()),
+        ..Default::default()
+    };
+    ctl.controller_expand_volume(grow).await.unwrap();
+    let r = csi::NodeExpandVolumeRequest {
+        volume_id: id.clone(),
+        volume_path: target.display().to_string(),
+        capacity_range: Some(csi::CapacityRange { required_bytes: 512 << 20, limit_bytes: 0 }),
+        volume_capability: Some(cap.clone()),
+        ..Default::default()
+    };
+    assert_eq!(node.node_expand_volume(r).await.unwrap().into_inner().capacity_bytes, 512 << 20);
+    let st = node.node_get_volume_stats(stats).await.unwrap().into_inner();
+    assert!(total_bytes(&st) > 400 << 20, "{st:?}");
+    check_tree(&target, &files);
+
+    // Unpublish on the node, then the controller's: the export is gone, the old context fails.
+    let r = csi::NodeUnpublishVolumeRequest { volume_id: id.clone(), target_path: target.display().to_string() };
+    node.node_unpublish_volume(r).await.unwrap();
+    let r = csi::NodeUnstageVolumeRequest { volume_id: id.clone(), staging_target_path: staging.display().to_string() };
+    node.node_unstage_volume(r.clone()).await.unwrap();
+    node.node_unstage_volume(r).await.unwrap(); // idempotent
+    assert!(b.json(&["attachments"]).as_array().unwrap().is_empty());
+    let unpublish =
+        csi::ControllerUnpublishVolumeRequest { volume_id: id.clone(), node_id: nb.into(), ..Default::default() };
+    ctl.controller_unpublish_volume(unpublish).await.unwrap();
+    let e = node.node_stage_volume(s).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(b.json(&["attachments"]).as_array().unwrap().is_empty());
+    println!("CSI_REMOTE_STAGE_OK");
+}

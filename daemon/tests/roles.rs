@@ -45,6 +45,7 @@ const CONTROLLER: &[&str] = &[
     "DeleteGroupSnapshot",
     "AttachVolume",
     "DetachVolume",
+    "ResizeAttachment",
     "ListAttachments",
     "PoolStatus",
     "ReclaimPool",

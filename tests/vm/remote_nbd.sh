@@ -78,4 +78,8 @@ step "both daemons stop cleanly"
 kill -TERM $B; wait $B || { echo "node-b exited with $?"; cat $D/b.log; exit 1; }
 kill -TERM $A; wait $A || { echo "node-a exited with $?"; cat $D/a.log; exit 1; }
 ip netns del node-a
+
+step "the CSI path: a node without the volume stages it from its primary"
+BIN=$(cat .vm-csi-node)
+(cd /tmp && timeout 600 "$BIN" --ignored --exact a_node_without_the_volume_stages_it_from_its_primary --nocapture)
 echo "REMOTE_NBD_OK"
