@@ -128,6 +128,16 @@ impl Node {
         Ok((self.local(volume_id, None).await?, None))
     }
 
+    /// [`Self::here`] for NodeUnstage and NodeUnpublish: a volume served elsewhere and not
+    /// attached here is not staged here, which their repeats must answer with success.
+    async fn here_or_gone(&self, volume_id: &str) -> Result<Option<pb::Attachment>, Status> {
+        match self.here(volume_id).await {
+            Ok((_, a)) => Ok(a),
+            Err(e) if e.code() == Code::NotFound && ids::parse(volume_id).is_some() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     pub(crate) async fn admin(&self) -> Result<AdminClient<Channel>, Status> {
         nodes::admin(&*self.nodes, &self.node_id).await
     }
@@ -285,7 +295,7 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("staging_target_path", &r.staging_target_path)?;
-        let (_, attachment) = self.here(&r.volume_id).await?;
+        let attachment = self.here_or_gone(&r.volume_id).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let staging = Path::new(&r.staging_target_path);
         let mut c = self.admin().await?;
@@ -384,7 +394,7 @@ impl csi::node_server::Node for Node {
         let r = request.into_inner();
         require("volume_id", &r.volume_id)?;
         require("target_path", &r.target_path)?;
-        self.here(&r.volume_id).await?;
+        self.here_or_gone(&r.volume_id).await?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let target = Path::new(&r.target_path);
         let shown = mounted_at(target)?;

@@ -142,6 +142,11 @@ async fn node_service_checks_and_errors_without_kernel_devices() {
         assert_eq!(code(node.node_stage_volume(stage(id, &staging, w())).await), Code::NotFound, "{id}");
     }
     assert_eq!(code(node.node_get_volume_stats(stats("node-a/missing", dir.path())).await), Code::NotFound);
+    // Undoing what is not done here is done: another node's volume is neither staged nor
+    // published here; an id we never made is NotFound.
+    node.node_unstage_volume(unstage("node-b/v1", &staging)).await.unwrap();
+    node.node_unpublish_volume(unpub("node-b/v1", &target)).await.unwrap();
+    assert_eq!(code(node.node_unstage_volume(unstage("garbage", &staging)).await), Code::NotFound);
     assert_eq!(code(node.node_get_volume_stats(stats("node-a/v1", &dir.path().join("nope"))).await), Code::NotFound);
 
     // No ublk on this kernel: staging with --attach-transport ublk fails cleanly and leaves nothing attached.
