@@ -1,6 +1,6 @@
 //! Encryption at rest for Ferrite volumes.
 //!
-//! - [`xts`]: a volume's blocks under AES-256-XTS, each 4 KiB block's tweak its logical block
+//! - [`xts`]: a volume's blocks under AES-256-XTS (IEEE 1619, over the `aes` crate's batched calls), each 4 KiB block's tweak its logical block
 //!   address in the volume (dm-crypt's `aes-xts-plain64` with 4 KiB sectors), so a block moved in
 //!   the log is never re-encrypted and a clone reads its parent's blocks at the same addresses.
 //! - [`envelope`]: each volume's random data key is stored only wrapped (AES-256-GCM) by a

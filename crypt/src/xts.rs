@@ -1,9 +1,8 @@
 //! AES-256-XTS over 4 KiB blocks, tweaked by each block's logical address in its volume.
 
-use aes::Aes256;
-use aes::cipher::KeyInit;
 use aes::cipher::generic_array::GenericArray;
-use xts_mode::{Xts128, get_tweak_default};
+use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
+use aes::{Aes256, Block};
 use zeroize::Zeroizing;
 
 use crate::Result;
@@ -15,8 +14,14 @@ pub const BLOCK: usize = 4096;
 /// zeroed when it is dropped; the expanded AES key schedules live inside the ciphers.
 pub struct DataKey {
     bytes: Zeroizing<[u8; 64]>,
-    xts: Xts128<Aes256>,
+    /// Encrypts the data (the first half of the key).
+    data: Aes256,
+    /// Encrypts each block's address into its first tweak (the second half).
+    tweak: Aes256,
 }
+
+/// AES blocks in one volume block.
+const PER_BLOCK: usize = BLOCK / 16;
 
 impl std::fmt::Debug for DataKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -31,11 +36,11 @@ impl DataKey {
     }
 
     pub fn from_bytes(bytes: &[u8; 64]) -> Self {
-        let xts = Xts128::new(
-            Aes256::new(GenericArray::from_slice(&bytes[..32])),
-            Aes256::new(GenericArray::from_slice(&bytes[32..])),
-        );
-        Self { bytes: Zeroizing::new(*bytes), xts }
+        Self {
+            bytes: Zeroizing::new(*bytes),
+            data: Aes256::new(GenericArray::from_slice(&bytes[..32])),
+            tweak: Aes256::new(GenericArray::from_slice(&bytes[32..])),
+        }
     }
 
     /// The raw key, for wrapping only.
@@ -48,8 +53,7 @@ impl DataKey {
     /// # Panics
     /// If `buf` is not a whole number of blocks.
     pub fn encrypt(&self, first: u64, buf: &mut [u8]) {
-        assert!(buf.len().is_multiple_of(BLOCK), "XTS works on whole {BLOCK}-byte blocks");
-        self.xts.encrypt_area(buf, BLOCK, u128::from(first), get_tweak_default);
+        self.xts(first, buf, true);
     }
 
     /// Decrypts whole blocks in place; the first is block `first` of the volume.
@@ -57,8 +61,39 @@ impl DataKey {
     /// # Panics
     /// If `buf` is not a whole number of blocks.
     pub fn decrypt(&self, first: u64, buf: &mut [u8]) {
+        self.xts(first, buf, false);
+    }
+
+    /// XTS (IEEE 1619) a volume block at a time: the block's 256 tweaks first (its address
+    /// encrypted, then multiplied by x in GF(2^128) per AES block), then all its AES blocks in
+    /// one call, which AES-NI pipelines (one block at a time leaves it idle most cycles).
+    fn xts(&self, first: u64, buf: &mut [u8], encrypt: bool) {
         assert!(buf.len().is_multiple_of(BLOCK), "XTS works on whole {BLOCK}-byte blocks");
-        self.xts.decrypt_area(buf, BLOCK, u128::from(first), get_tweak_default);
+        let mut tweaks = [0u128; PER_BLOCK];
+        let mut blocks = [Block::default(); PER_BLOCK];
+        for (n, sector) in (first..).zip(buf.chunks_exact_mut(BLOCK)) {
+            let mut t = Block::from(u128::from(n).to_le_bytes());
+            self.tweak.encrypt_block(&mut t);
+            let mut t = u128::from_le_bytes(t.into());
+            for tw in &mut tweaks {
+                *tw = t;
+                // Times x: a shift, and the carry folded back with x^7 + x^2 + x + 1.
+                t = (t << 1) ^ if t >> 127 == 1 { 0x87 } else { 0 };
+            }
+            for ((b, chunk), tw) in blocks.iter_mut().zip(sector.chunks_exact(16)).zip(&tweaks) {
+                let v = u128::from_le_bytes(chunk.try_into().expect("16 bytes")) ^ tw;
+                *b = Block::from(v.to_le_bytes());
+            }
+            if encrypt {
+                self.data.encrypt_blocks(&mut blocks);
+            } else {
+                self.data.decrypt_blocks(&mut blocks);
+            }
+            for ((b, chunk), tw) in blocks.iter().zip(sector.chunks_exact_mut(16)).zip(&tweaks) {
+                let v = u128::from_le_bytes((*b).into()) ^ tw;
+                chunk.copy_from_slice(&v.to_le_bytes());
+            }
+        }
     }
 }
 
