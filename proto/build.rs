@@ -25,6 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "csi-addons/fence.proto",
             "csi-addons/volumegroup.proto",
             "csi-addons/replication.proto",
+            "csi-addons/encryptionkeyrotation.proto",
         ],
         &[".", wkt.to_str().ok_or("protoc include path is not UTF-8")?],
     )?;

@@ -18,6 +18,7 @@ const TAG: usize = 16;
 const SEALED: usize = NONCE + 64 + TAG;
 
 /// A key-encryption key and its id (what a volume records: which key opens it).
+#[derive(Clone)]
 pub struct Kek {
     id: String,
     key: Zeroizing<[u8; 32]>,

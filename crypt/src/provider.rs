@@ -57,6 +57,10 @@ impl KeyFiles {
         Self { dir: dir.to_owned() }
     }
 
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     fn path(&self, id: &str) -> Result<PathBuf> {
         if !valid_id(id) {
             return Err(Error::Unavailable {

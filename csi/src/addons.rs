@@ -1,5 +1,6 @@
 //! The CSI-Addons endpoint: its Identity, and the services the mode serves (controller:
-//! ReclaimSpace, NetworkFence, VolumeGroup, Replication; node: ReclaimSpace on the node).
+//! ReclaimSpace, NetworkFence, VolumeGroup, Replication, EncryptionKeyRotation; node:
+//! ReclaimSpace on the node).
 
 use std::sync::Arc;
 
@@ -38,9 +39,12 @@ impl id::identity_server::Identity for AddonsIdentity {
         _: Request<id::GetCapabilitiesRequest>,
     ) -> Result<Response<id::GetCapabilitiesResponse>, Status> {
         use id::capability::{
-            NetworkFence as F, ReclaimSpace as R, Service as S, Type as T, VolumeGroup as G, VolumeReplication as VR,
+            EncryptionKeyRotation as EK, NetworkFence as F, ReclaimSpace as R, Service as S, Type as T,
+            VolumeGroup as G, VolumeReplication as VR,
         };
-        use id::capability::{network_fence, reclaim_space, service, volume_group, volume_replication};
+        use id::capability::{
+            encryption_key_rotation, network_fence, reclaim_space, service, volume_group, volume_replication,
+        };
         let mut caps = Vec::new();
         // ONLINE: NodeReclaimSpace on a staged volume; OFFLINE: ControllerReclaimSpace, which
         // needs only the storage (the manager picks the controller's sidecar by it).
@@ -69,6 +73,8 @@ impl id::identity_server::Identity for AddonsIdentity {
             {
                 caps.push(cap(T::VolumeReplication(VR { r#type: t as i32 })));
             }
+            let rotation = encryption_key_rotation::Type::Encryptionkeyrotation as i32;
+            caps.push(cap(T::EncryptionKeyRotation(EK { r#type: rotation })));
         }
         Ok(Response::new(id::GetCapabilitiesResponse { capabilities: caps }))
     }

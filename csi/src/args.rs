@@ -31,6 +31,7 @@ pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Stat
         !k.starts_with("csi.storage.k8s.io/")
             && !k.starts_with("storage.kubernetes.io/")
             && *k != crate::copies::REPLICAS
+            && *k != crate::encryption::ENCRYPTED
     };
     match params.keys().find(ours) {
         Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),

@@ -123,6 +123,15 @@ impl csi::controller_server::Controller for Controller {
         check_capabilities(&r.volume_capabilities).map_err(Status::invalid_argument)?;
         no_parameters(&r.parameters)?;
         let replicas = copies::replicas(&r.parameters)?;
+        let encryption = match crate::encryption::requested(&r.parameters)? {
+            true if replicas > 1 => {
+                return Err(Status::invalid_argument(
+                    "encrypted volumes with more than one copy are not supported yet (replicas would hold plaintext)",
+                ));
+            }
+            true => Some(crate::encryption::required(&r.secrets, "CreateVolume")?),
+            false => None,
+        };
         if replicas > self.nodes.nodes().len() {
             return Err(Status::resource_exhausted(format!(
                 "{replicas} copies need as many nodes; the directory knows {}",
@@ -183,8 +192,8 @@ impl csi::controller_server::Controller for Controller {
             None => {
                 let node = self.place(r.accessibility_requirements.as_ref()).await?;
                 let mut c = admin(&*self.nodes, &node).await?;
-                let v =
-                    c.create_volume(pb::CreateVolumeRequest { name, size, limits: Some(limits) }).await?.into_inner();
+                let req = pb::CreateVolumeRequest { name, size, limits: Some(limits), encryption };
+                let v = c.create_volume(req).await?.into_inner();
                 (node, v)
             }
         };

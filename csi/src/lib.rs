@@ -24,6 +24,7 @@ mod args;
 mod busy;
 pub mod controller;
 pub mod copies;
+pub mod encryption;
 pub mod failover;
 pub mod fence;
 pub mod group;
@@ -153,7 +154,8 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     };
     let addons = addons_listener.map(|l| {
         use ferrite_proto::csi_addons::{
-            fence as f, identity as i, reclaimspace as r, replication as rp, volumegroup as v,
+            encryptionkeyrotation as ek, fence as f, identity as i, reclaimspace as r, replication as rp,
+            volumegroup as v,
         };
         let identity = addons::AddonsIdentity { nodes: Arc::clone(&dir), controller, node: node.is_some() };
         tonic::transport::Server::builder()
@@ -174,6 +176,11 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
                     nodes: Arc::clone(&dir),
                     busy: busy.clone(),
                 })
+            }))
+            .add_optional_service(controller.then(|| {
+                ek::encryption_key_rotation_controller_server::EncryptionKeyRotationControllerServer::new(
+                    encryption::KeyRotation { nodes: Arc::clone(&dir), busy: busy.clone() },
+                )
             }))
             .add_optional_service(node.map(r::reclaim_space_node_server::ReclaimSpaceNodeServer::new))
             .serve_with_incoming_shutdown(UnixListenerStream::new(l), until(stopped.clone()))

@@ -227,7 +227,8 @@ impl csi::node_server::Node for Node {
         let _busy = self.busy.begin(&r.volume_id)?;
         let mut c = self.admin().await?;
         if remote.is_none() {
-            c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
+            let v = c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?.into_inner();
+            crate::encryption::unlock(&mut c, &v, &r.secrets, "NodeStageVolume").await?;
         }
         let device = match Self::attachment(&mut c, name).await? {
             Some(a) => PathBuf::from(a.device),

@@ -46,7 +46,9 @@ impl Controller {
         }
         let (node, name) = ids::parse(&r.volume_id)
             .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", r.volume_id)))?;
-        let (mut primary, mut c, _, view) = copies::primary(&*self.nodes, node, name).await?;
+        let (mut primary, mut c, vol, view) = copies::primary(&*self.nodes, node, name).await?;
+        // The primary serves an encrypted volume only with its key open.
+        crate::encryption::unlock(&mut c, &vol, &r.secrets, "ControllerPublishVolume").await?;
         let held = publications(&mut c).await?;
         if let Some(p) = held.iter().find(|p| p.volume == name) {
             if granted_to(p, &primary) != r.node_id {

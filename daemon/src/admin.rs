@@ -31,6 +31,7 @@ pub struct AdminService {
     pub fences: Arc<Fences>,
     pub replication: Arc<Replication>,
     pub sync: Arc<crate::sync::SyncHub>,
+    pub keys: crate::encryption::KeyDir,
 }
 
 fn limits_msg(l: QosLimits) -> pb::VolumeLimits {
@@ -173,6 +174,19 @@ impl AdminService {
             chain_depth: info.chain_depth as u64,
             notes: Vec::new(),
             read_only: info.read_only,
+            encryption: crate::encryption::encryption_msg(info.encryption),
+        }
+    }
+
+    /// Refuses synchronous replicas of an encrypted volume: members get the client's plaintext
+    /// writes (async replicas ship ciphertext).
+    fn refuse_if_encrypted(&self, volume: &str) -> Result<(), Status> {
+        match self.pool.volume_info(volume) {
+            Ok(i) if i.encryption.is_some() => Err(Status::failed_precondition(format!(
+                "volume {volume:?} is encrypted: synchronous replicas of encrypted volumes are not supported yet \
+                 (asynchronous replication ships its ciphertext)"
+            ))),
+            _ => Ok(()),
         }
     }
 }
@@ -244,9 +258,21 @@ impl Admin for AdminService {
             return Err(Status::invalid_argument("size is required"));
         }
         let limits = limits_of(r.limits);
+        let kek = match r.encryption {
+            Some(mut k) => {
+                if k.key_id.is_empty() && k.key.is_empty() {
+                    k.key_id = crate::encryption::DEFAULT_KEY.into();
+                }
+                Some(self.keys.kek(&k, true)?)
+            }
+            None => None,
+        };
         let info = self
             .engine(move |p| {
-                let info = p.create_volume(&r.name, r.size)?;
+                let info = match &kek {
+                    Some(kek) => p.create_encrypted_volume(&r.name, r.size, kek)?,
+                    None => p.create_volume(&r.name, r.size)?,
+                };
                 if limits.is_unlimited() { Ok(info) } else { p.set_qos(&r.name, limits) }
             })
             .await?;
@@ -341,6 +367,63 @@ impl Admin for AdminService {
                 pb::clone_volume_request::Source::Volume(v) => p.clone_volume(Image::Volume(v), &name),
             })
             .await?;
+        Ok(Response::new(self.volume_msg(info).await))
+    }
+
+    async fn unlock_volume(&self, req: Request<pb::UnlockVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        let given = match r.key.filter(|k| !k.key.is_empty()) {
+            Some(k) => Some(self.keys.kek(&k, false)?),
+            None => None,
+        };
+        let keys = self.keys.clone();
+        let name = r.name.clone();
+        let info = self
+            .engine(move |p| {
+                let lookup = keys.lookup(given.as_ref());
+                if p.volume_info(&name).is_ok() {
+                    p.unlock(Image::Volume(&name), lookup)?;
+                    p.volume_info(&name).map(Some)
+                } else {
+                    p.unlock(Image::Snapshot(&name), lookup).map(|()| None)
+                }
+            })
+            .await?;
+        self.exports.revive(&r.name).await;
+        match info {
+            Some(info) => Ok(Response::new(self.volume_msg(info).await)),
+            // A snapshot: what it is, unlocked.
+            None => Ok(Response::new(pb::Volume {
+                name: r.name,
+                encryption: Some(pb::VolumeEncryption { key_id: String::new(), unlocked: true }),
+                ..Default::default()
+            })),
+        }
+    }
+
+    async fn rekey_volume(&self, req: Request<pb::RekeyVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let r = req.into_inner();
+        require("name", &r.name)?;
+        let old = match r.old_key.filter(|k| !k.key.is_empty()) {
+            Some(k) => Some(self.keys.kek(&k, false)?),
+            None => None,
+        };
+        let mut new = r.new_key.unwrap_or_default();
+        if new.key_id.is_empty() && new.key.is_empty() {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            new.key_id = format!("{}-{}", r.name, now.as_secs());
+        }
+        let new = self.keys.kek(&new, true)?;
+        let keys = self.keys.clone();
+        let name = r.name;
+        let info = self
+            .engine(move |p| {
+                p.rewrap_volume(&name, keys.lookup(old.as_ref()), &new)?;
+                p.volume_info(&name)
+            })
+            .await?;
+        tracing::info!(volume = %info.name, "volume rekeyed");
         Ok(Response::new(self.volume_msg(info).await))
     }
 
@@ -470,6 +553,7 @@ impl Admin for AdminService {
         let r = req.into_inner();
         require("volume", &r.volume)?;
         require("peer", &r.peer)?;
+        self.refuse_if_encrypted(&r.volume)?;
         self.sync.add(&r.volume, &r.peer, r.witness).await.map(Response::new)
     }
 
@@ -682,6 +766,7 @@ impl Admin for AdminService {
             let detail = format!("kernel NBD client, relayed over TLS to {}", r.remote);
             return Ok(Response::new(self.attachment_msg(&rec, detail)));
         }
+        crate::encryption::refuse_if_locked(&self.pool, &r.volume)?;
         let (transport, detail) = choose_transport(&r.transport)?;
         let mut opts = self.cfg.ublk;
         if r.queues != 0 {

@@ -123,7 +123,17 @@ fn volume_json(v: &pb::Volume) -> serde_json::Value {
            "limits": {"iops": l.iops, "read_iops": l.read_iops, "write_iops": l.write_iops, "bps": l.bps,
                       "read_bps": l.read_bps, "write_bps": l.write_bps, "burst_ms": l.burst_ms},
            "ops_per_sec": v.ops_per_sec, "bytes_per_sec": v.bytes_per_sec,
-           "throttled_requests": v.throttled_requests, "throttled_seconds": v.throttled_seconds})
+           "throttled_requests": v.throttled_requests, "throttled_seconds": v.throttled_seconds,
+           "encryption": v.encryption.as_ref().map(|e| json!({"key_id": e.key_id, "unlocked": e.unlocked}))})
+}
+
+/// How a volume is encrypted, in a word or three.
+fn encryption_text(v: &pb::Volume) -> String {
+    match &v.encryption {
+        None => "-".into(),
+        Some(e) if e.unlocked => format!("aes-xts, key {}", e.key_id),
+        Some(e) => format!("aes-xts, key {}, LOCKED", e.key_id),
+    }
 }
 
 /// `--iops`, `--bw` and the rest, for `volume create` and `volume set`.
@@ -385,9 +395,12 @@ pub fn print_volumes(out: Output, vols: &[pb::Volume]) {
         Output::Table => {
             let rows = vols
                 .iter()
-                .map(|v| vec![v.name.clone(), format_size(v.size), format_size(v.allocated), v.exports.join(",")])
+                .map(|v| {
+                    let enc = encryption_text(v);
+                    vec![v.name.clone(), format_size(v.size), format_size(v.allocated), enc, v.exports.join(",")]
+                })
                 .collect();
-            println!("{}", table(&["NAME", "SIZE", "ALLOCATED", "EXPORTS"], rows));
+            println!("{}", table(&["NAME", "SIZE", "ALLOCATED", "ENCRYPTION", "EXPORTS"], rows));
         }
     }
 }
@@ -407,6 +420,7 @@ pub fn print_volume(out: Output, v: &pb::Volume) {
                 vec!["exclusive".into(), format_size(v.exclusive)],
                 vec!["chain depth".into(), v.chain_depth.to_string()],
                 vec!["exports".into(), if v.exports.is_empty() { "-".into() } else { v.exports.join(", ") }],
+                vec!["encryption".into(), encryption_text(v)],
                 vec!["limits".into(), limits_text(&v.limits.unwrap_or_default())],
                 vec![
                     "rate".into(),

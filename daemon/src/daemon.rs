@@ -112,6 +112,9 @@ fn make_private(cfg: &Config) -> Result<()> {
         }
     };
     tighten(&cfg.data_dir, 0o700)?;
+    if cfg.key_dir.is_dir() {
+        tighten(&cfg.key_dir, 0o700)?;
+    }
     if cfg.pool_path.is_file() {
         tighten(&cfg.pool_path, 0o600)?;
     }
@@ -173,6 +176,12 @@ pub async fn run(cfg: Config) -> Result<()> {
         let cfg = cfg.clone();
         Arc::new(tokio::task::spawn_blocking(move || open_pool(&cfg)).await??)
     };
+    // Before exports and devices come back: those of volumes whose key is here can serve.
+    let keys = crate::encryption::KeyDir::new(&cfg.key_dir);
+    {
+        let (keys, pool) = (keys.clone(), Arc::clone(&pool));
+        tokio::task::spawn_blocking(move || keys.unlock_all(&pool)).await?;
+    }
     let policy = Arc::new(crate::authz::Policy::new(cfg.roles.clone()));
     // Primaries refuse writes until their membership is re-established: set before any export
     // or device can take a write.
@@ -229,6 +238,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         fences: Arc::clone(&fences),
         replication: Arc::clone(&replication),
         sync: Arc::clone(&sync),
+        keys,
     });
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);

@@ -89,6 +89,20 @@ impl ExportTable {
         self.records.lock().await.clone()
     }
 
+    /// Starts the recorded exports of `volume` (and its snapshots) that are not running: those
+    /// a restart could not start while the volume was locked, once it is unlocked.
+    pub async fn revive(&self, volume: &str) {
+        let prefix = format!("{volume}@");
+        for r in self.records.lock().await.iter() {
+            if (r.volume == volume || r.volume.starts_with(&prefix)) && self.live.get(&r.name).is_none() {
+                match publish(&self.pool, &self.live, r) {
+                    Ok(()) => tracing::info!(export = %r.name, "export started"),
+                    Err(e) => tracing::warn!(export = %r.name, error = %e.message(), "cannot start export"),
+                }
+            }
+        }
+    }
+
     /// Names of the exports serving `volume` itself.
     pub async fn of_volume(&self, volume: &str) -> Vec<String> {
         self.records.lock().await.iter().filter(|r| r.volume == volume).map(|r| r.name.clone()).collect()
@@ -162,6 +176,7 @@ fn publish(pool: &Pool, live: &Exports, r: &ExportRecord) -> Result<(), Status> 
         .map(|a| a.parse::<Allow>())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| Status::invalid_argument(format!("allow: {e}")))?;
+    crate::encryption::refuse_if_locked(pool, &r.volume)?;
     let handle = open_image(pool, &r.volume).map_err(status)?;
     let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
     live.add(

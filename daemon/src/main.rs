@@ -6,6 +6,7 @@ mod authz;
 mod cli;
 mod config;
 mod daemon;
+mod encryption;
 mod exports;
 mod fence;
 mod listen;
@@ -209,6 +210,24 @@ enum VolumeCmd {
         /// with two copies, one side keeps writing when the other is lost.
         #[arg(long)]
         witness: Option<String>,
+        /// Encrypt the volume (AES-256-XTS) with a data key of its own, wrapped by a
+        /// key-encryption key from the daemon's key directory (--key, made there if missing).
+        #[arg(long)]
+        encrypt: bool,
+        /// The key-encryption key's id (<key-dir>/<id>.key).
+        #[arg(long, requires = "encrypt", default_value = "default")]
+        key: String,
+    },
+    /// Open an encrypted volume (or snapshot) with its key from the daemon's key directory:
+    /// what the daemon does at start for every volume whose key is there.
+    Unlock { name: String },
+    /// Wrap an encrypted volume's data key with a new key-encryption key, online, without
+    /// rewriting data (--key: its id, made in the key directory if missing; default: a new
+    /// key named after the volume and the time). The old key file may then be removed.
+    Rekey {
+        name: String,
+        #[arg(long)]
+        key: Option<String>,
     },
     /// Change a volume's limits online: `ferrite volume set db --iops 5000 --bw 200M` (limits
     /// not named keep their value; 0 removes one).
@@ -636,14 +655,15 @@ async fn client(cli: Cli) -> Result<()> {
             unreachable!("handled in main")
         }
         Cmd::Volume(v) => match v {
-            VolumeCmd::Create { name, size, limits, replicas, peers, witness } => {
+            VolumeCmd::Create { name, size, limits, replicas, peers, witness, encrypt, key } => {
                 anyhow::ensure!(
                     replicas == peers.len() + 1,
                     "--replicas {replicas} needs {} --peer (this daemon holds one copy)",
                     replicas.saturating_sub(1)
                 );
                 let limits = Some(limits.over(pb::VolumeLimits::default()));
-                let req = pb::CreateVolumeRequest { name: name.clone(), size, limits };
+                let encryption = encrypt.then(|| pb::KeyRef { key_id: key, key: Vec::new() });
+                let req = pb::CreateVolumeRequest { name: name.clone(), size, limits, encryption };
                 let v = c.create_volume(req).await.map_err(rpc_error)?;
                 let members = peers.into_iter().map(|p| (p, false)).chain(witness.map(|w| (w, true)));
                 let mut last = None;
@@ -662,6 +682,16 @@ async fn client(cli: Cli) -> Result<()> {
                 let now = c.get_volume(pb::GetVolumeRequest { name: name.clone() }).await.map_err(rpc_error)?;
                 let limits = Some(limits.over(now.into_inner().limits.unwrap_or_default()));
                 let v = c.set_volume_limits(pb::SetVolumeLimitsRequest { name, limits }).await.map_err(rpc_error)?;
+                cli::print_volume(out, v.get_ref());
+            }
+            VolumeCmd::Unlock { name } => {
+                let v = c.unlock_volume(pb::UnlockVolumeRequest { name, key: None }).await.map_err(rpc_error)?;
+                cli::print_volume(out, v.get_ref());
+            }
+            VolumeCmd::Rekey { name, key } => {
+                let new_key = key.map(|key_id| pb::KeyRef { key_id, key: Vec::new() });
+                let req = pb::RekeyVolumeRequest { name, old_key: None, new_key };
+                let v = c.rekey_volume(req).await.map_err(rpc_error)?;
                 cli::print_volume(out, v.get_ref());
             }
             VolumeCmd::List => {

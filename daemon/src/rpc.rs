@@ -17,7 +17,7 @@ pub fn status(e: ferrite_engine::Error) -> Status {
         ErrorKind::Closed => Status::unavailable(msg),
         ErrorKind::Corrupt => Status::data_loss(msg),
         ErrorKind::Unsupported => Status::unimplemented(msg),
-        ErrorKind::ReadOnly => Status::failed_precondition(msg),
+        ErrorKind::ReadOnly | ErrorKind::Locked => Status::failed_precondition(msg),
         _ => Status::internal(msg),
     }
 }

@@ -296,3 +296,37 @@ fn user_snapshots_named_in_the_settings_replicate_in_order_and_stay() {
     assert_eq!(read(&peer, "c"), read(&primary, "c"));
     assert_eq!(depth(&primary), before + 1, "only the mirror snapshot was added");
 }
+
+/// An encrypted volume replicates as ciphertext: the peer holds it without the key (locked, no
+/// plaintext in its pool file), follows a rekey of the primary, and opens with the primary's key.
+#[test]
+fn an_encrypted_volume_replicates_as_ciphertext() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (primary, mut peer) = (Daemon::start(a.path()), Daemon::start(b.path()));
+    primary.ok(&["volume", "create", "v", "8M", "--encrypt"]);
+    write(&primary, "v", 1, 0, 2 * MIB);
+    enable(&primary, peer.admin().to_str().unwrap());
+    let m1 = sync(&primary)["snapshot"].as_str().unwrap().to_owned();
+    let r = peer.json(&["volume", "show", "r"]);
+    assert_eq!(r["encryption"], serde_json::json!({"key_id": "default", "unlocked": false}), "{r}");
+    let o = peer.cli(&["export", "nbd", &format!("r@{m1}")]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("locked"));
+
+    // The primary's new key-encryption key travels with the next delta (wrapped data key only).
+    primary.ok(&["volume", "rekey", "v", "--key", "k2"]);
+    write(&primary, "v", 2, 4 * MIB, MIB);
+    let m2 = sync(&primary)["snapshot"].as_str().unwrap().to_owned();
+    assert_eq!(peer.json(&["volume", "show", "r"])["encryption"]["key_id"], "k2");
+    assert!(peer.stop().success());
+    let raw = std::fs::read(b.path().join("pool.img")).unwrap();
+    let plain = bytes(1, 4096);
+    assert!(!raw.windows(4096).step_by(4096).any(|w| w == &plain[..]), "plaintext in the replica's pool");
+
+    // Given the key, the replica opens and reads what the primary holds.
+    let keys = b.path().join("keys");
+    std::fs::create_dir_all(&keys).unwrap();
+    std::fs::copy(a.path().join("keys/k2.key"), keys.join("k2.key")).unwrap();
+    let peer = Daemon::start(b.path());
+    assert_eq!(peer.json(&["volume", "show", "r"])["encryption"]["unlocked"], true);
+    assert_eq!(read(&peer, &format!("r@{m2}")), read(&primary, &format!("v@{m2}")));
+}

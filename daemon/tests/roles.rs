@@ -21,6 +21,8 @@ const CONTROLLER: &[&str] = &[
     "SetVolumeLimits",
     "DeleteVolume",
     "CloneVolume",
+    "UnlockVolume",
+    "RekeyVolume",
     "CreateSnapshot",
     "ListSnapshots",
     "GetSnapshot",

@@ -31,6 +31,8 @@ pub enum ErrorKind {
     Closed,
     /// A write to a snapshot, or to a volume made read-only.
     ReadOnly,
+    /// I/O on an encrypted volume whose data key is not open (no key, or the wrong one).
+    Locked,
 }
 
 /// The engine's error: a kind, a message with context, and the underlying cause if any.
@@ -79,6 +81,7 @@ impl Error {
             ErrorKind::Unsupported => libc::EOPNOTSUPP,
             ErrorKind::Closed => libc::ESHUTDOWN,
             ErrorKind::ReadOnly => libc::EROFS,
+            ErrorKind::Locked => libc::ENOKEY,
         }
     }
 }

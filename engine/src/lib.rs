@@ -17,6 +17,7 @@
 //!  gate      a volume's write gate: read-only volumes, and waiting out the writes in flight
 //!  mirror    the hook for synchronous replicas: where a volume's client writes also go
 //!  qos       a volume's limits (IOPS, bandwidth; token buckets): requests over them wait
+//!  keys      data keys of encrypted layers: wrapped in the catalog, open once a volume is unlocked
 //!  meta      RocksDB: catalog, map chunks, crc tables, checkpoint record, segment chain
 //!  map/      extent maps, layer views and chains, the segment table: pure, in memory
 //!  format    superblock and batch header: pure encode/decode
@@ -47,6 +48,7 @@ mod error;
 pub mod format;
 mod gate;
 pub mod io;
+mod keys;
 mod maint;
 mod map;
 mod meta;
@@ -68,6 +70,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use maint::cleaner::CleanReport;
 pub use maint::defrag::{DefragProgress, DefragReport};
 pub use mirror::{Mirror, MirrorOp, Pending, RangeGuard, RangeLocks};
+pub use ops::encryption::Encryption;
 pub use ops::group::{GroupInfo, GroupSnapshotInfo};
 pub use ops::scrub::{Damage, ScrubProgress, ScrubReport};
 pub use ops::snapshot::{Image, SnapshotInfo};

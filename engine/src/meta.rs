@@ -5,7 +5,9 @@
 //! p/uuid               pool uuid (must match the superblock)
 //! p/next_id            next volume/layer id (ids are never reused: the log may name old ones)
 //! v/<id>               volume record (its head layer, size, name)
-//! y/<layer>            layer record: its parent layer (absent for a root layer)
+//! y/<layer>            layer record: its parent layer (0 for a root), then the data key its
+//!                      blocks are encrypted with (absent: plaintext)
+//! d/<key>              a data key, wrapped by its key-encryption key (see ferrite-crypt)
 //! n/<id>               snapshot record (volume, frozen layer, size, name)
 //! g/<id>               volume group (member volume ids, name)
 //! h/<id>               group snapshot (group, member snapshot ids, name)
@@ -103,8 +105,8 @@ impl GroupRecord {
 pub(crate) enum CatalogOp {
     PutVolume(VolumeRecord),
     DeleteVolume(u64),
-    /// A layer and its parent (None: a root layer).
-    PutLayer(u64, Option<u64>),
+    /// A layer, its parent (None: a root layer) and its data key (None: plaintext).
+    PutLayer(u64, Option<u64>, Option<u64>),
     /// Removes a layer's record and every checkpointed chunk of its map.
     DeleteLayer(u64),
     PutSnapshot(SnapshotRecord),
@@ -113,6 +115,9 @@ pub(crate) enum CatalogOp {
     DeleteGroup(u64),
     PutGroupSnapshot(GroupRecord),
     DeleteGroupSnapshot(u64),
+    /// A data key, wrapped (`ferrite_crypt::WrappedKey::encode`).
+    PutDataKey(u64, Vec<u8>),
+    DeleteDataKey(u64),
 }
 
 /// Where replay starts, and the generation new batches carry.
@@ -361,14 +366,29 @@ impl Meta {
         Ok(out)
     }
 
-    /// Every layer record: (layer, parent).
-    pub fn layers(&self) -> Result<Vec<(u64, Option<u64>)>> {
+    /// Every layer record: (layer, parent, data key). A build without encryption refuses the
+    /// 16-byte records of encrypted layers instead of reading their blocks as plaintext.
+    pub fn layers(&self) -> Result<Vec<(u64, Option<u64>, Option<u64>)>> {
         let mut out = Vec::new();
         self.scan(b"y/", |k, v| {
-            if k.len() != 8 || v.len() != 8 {
+            if k.len() != 8 || !matches!(v.len(), 8 | 16) {
                 return Err(corrupt("malformed layer record"));
             }
-            out.push((be64(k, 0), Some(le64(v, 0)).filter(|&p| p != 0)));
+            let key = (v.len() == 16).then(|| le64(v, 8)).filter(|&k| k != 0);
+            out.push((be64(k, 0), Some(le64(v, 0)).filter(|&p| p != 0), key));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Every data key, wrapped: (key id, `WrappedKey` encoding).
+    pub fn data_keys(&self) -> Result<Vec<(u64, Vec<u8>)>> {
+        let mut out = Vec::new();
+        self.scan(b"d/", |k, v| {
+            if k.len() != 8 {
+                return Err(corrupt("malformed data key record"));
+            }
+            out.push((be64(k, 0), v.to_vec()));
             Ok(())
         })?;
         Ok(out)
@@ -509,7 +529,13 @@ fn add_ops(b: &mut WriteBatch, ops: &[CatalogOp]) {
         match op {
             CatalogOp::PutVolume(v) => b.put(key(b"v/", &[v.id]), v.encode()),
             CatalogOp::DeleteVolume(id) => b.delete(key(b"v/", &[*id])),
-            CatalogOp::PutLayer(id, parent) => b.put(key(b"y/", &[*id]), parent.unwrap_or(0).to_le_bytes()),
+            CatalogOp::PutLayer(id, parent, data_key) => {
+                let mut v = parent.unwrap_or(0).to_le_bytes().to_vec();
+                if let Some(k) = data_key {
+                    v.extend_from_slice(&k.to_le_bytes());
+                }
+                b.put(key(b"y/", &[*id]), v);
+            }
             CatalogOp::DeleteLayer(id) => {
                 b.delete(key(b"y/", &[*id]));
                 b.delete_range(key(b"m/", &[*id]), key(b"m/", &[*id + 1]));
@@ -520,6 +546,8 @@ fn add_ops(b: &mut WriteBatch, ops: &[CatalogOp]) {
             CatalogOp::DeleteGroup(id) => b.delete(key(b"g/", &[*id])),
             CatalogOp::PutGroupSnapshot(g) => b.put(key(b"h/", &[g.id]), g.encode()),
             CatalogOp::DeleteGroupSnapshot(id) => b.delete(key(b"h/", &[*id])),
+            CatalogOp::PutDataKey(id, wrapped) => b.put(key(b"d/", &[*id]), wrapped),
+            CatalogOp::DeleteDataKey(id) => b.delete(key(b"d/", &[*id])),
         }
     }
 }

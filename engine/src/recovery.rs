@@ -51,11 +51,17 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
     for rec in meta.volumes()? {
         names.insert(rec.name.clone(), rec.id);
         // A volume's head without a layer record (pools from before snapshots) is a root.
-        layers.insert(rec.layer, Layer::over(None));
+        layers.insert(rec.layer, Layer::over(None, None));
         volumes.insert(rec.id, VolumeEntry::new(rec));
     }
-    for (id, parent) in meta.layers()? {
-        layers.insert(id, Layer::over(parent));
+    for (id, parent, key) in meta.layers()? {
+        layers.insert(id, Layer::over(parent, key));
+    }
+    let data_keys = crate::keys::load(meta)?;
+    for (&id, l) in &layers {
+        if let Some(k) = l.key.filter(|k| !data_keys.contains_key(k)) {
+            return Err(corrupt(format!("metadata: layer {id} names a missing data key {k}")));
+        }
     }
     for (&id, l) in &layers {
         if let Some(p) = l.parent.filter(|p| !layers.contains_key(p)) {
@@ -122,6 +128,7 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         log_bytes_since_ckpt: 0,
         head_in_reserve: false,
         cold: None,
+        keys: data_keys,
     };
     let report = replay(meta, backend, sb, &mut st, ckpt.generation)?;
     st.layers.build_views();

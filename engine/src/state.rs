@@ -67,6 +67,8 @@ pub(crate) struct State {
     pub head_in_reserve: bool,
     /// Where the cleaner's moves go (see `write/cold.rs`); None until a move needs it.
     pub cold: Option<ColdHead>,
+    /// Data keys of encrypted layers, wrapped, and open where their volume was unlocked.
+    pub keys: crate::keys::Keys,
 }
 
 /// The open segment the cleaner's moves go to (`write/cold.rs`), and how far it is written.

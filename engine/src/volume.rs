@@ -76,6 +76,8 @@ pub struct Volume {
     qos: Option<Arc<Qos>>,
     /// The caller waits out [`Volume::reserve`] itself ([`Volume::caller_paces`]).
     caller_paces: bool,
+    /// Reads and writes blocks as the pool holds them ([`Volume::ciphertext`]).
+    raw: bool,
     /// Sequential streams of this handle and its clones, for readahead.
     pub(crate) streams: Arc<Mutex<Streams>>,
 }
@@ -88,7 +90,7 @@ impl Volume {
         limits: Option<(Arc<WriteGate>, Arc<Qos>)>,
     ) -> Self {
         let (gate, qos) = limits.unzip();
-        Self { inner, target, name, gate, qos, caller_paces: false, streams: Arc::default() }
+        Self { inner, target, name, gate, qos, caller_paces: false, raw: false, streams: Arc::default() }
     }
 
     /// True for a snapshot's handle, and for a volume made read-only ([`Pool::set_read_only`]):
@@ -108,6 +110,15 @@ impl Volume {
     pub fn past_read_only(mut self) -> Self {
         self.gate = None;
         self.qos = None;
+        self
+    }
+
+    /// This handle, reading and writing an encrypted volume's blocks as the pool holds them
+    /// (ciphertext, no key needed; the same as any handle's for a plaintext volume): what
+    /// replication ships, so a replica never needs the key. Writes must be whole blocks.
+    #[must_use]
+    pub fn ciphertext(mut self) -> Self {
+        self.raw = true;
         self
     }
 
@@ -245,7 +256,7 @@ impl Volume {
             let st = inner.state.read();
             parts
                 .iter()
-                .map(|&(offset, len)| resolve(&st, self.target, &self.name, &mut pins, offset, len as u64))
+                .map(|&(offset, len)| resolve(&st, self.target, &self.name, &mut pins, (offset, len as u64), self.raw))
                 .collect()
         };
         let pinned = pins.into_held();
@@ -344,12 +355,27 @@ impl Volume {
         let len = data.len() as u64;
         let start = offset - offset % B;
         let end = (offset + len).div_ceil(B) * B;
+        let key = match self.raw {
+            false => self.write_key(inner)?,
+            true if (start, end) != (offset, offset + len) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("volume {:?}: a ciphertext write is of whole blocks", self.name),
+                ));
+            }
+            true => None,
+        };
         if start == offset && end == offset + len {
-            let payload = match data {
-                Cow::Owned(v) => Payload::new(v),
+            let payload = match (data, key) {
+                (data, Some(k)) => {
+                    let mut v = data.into_owned();
+                    k.encrypt(start / B, &mut v);
+                    Payload::new(v)
+                }
+                (Cow::Owned(v), None) => Payload::new(v),
                 // SAFETY: `submit_blocks` returns only once every request it sent completed,
                 // and `data` outlives it.
-                Cow::Borrowed(d) => unsafe { Payload::lent(d) },
+                (Cow::Borrowed(d), None) => unsafe { Payload::lent(d) },
             };
             return self.submit_blocks(inner, start, payload, fua);
         }
@@ -364,7 +390,18 @@ impl Volume {
         self.read_sparse_many(&mut edges).into_iter().try_for_each(|r| r.map(drop))?;
         let rel = usize::try_from(offset - start).expect("fits");
         whole[rel..rel + data.len()].copy_from_slice(&data);
+        if let Some(k) = key {
+            k.encrypt(start / B, &mut whole);
+        }
         self.submit_blocks(inner, start, Payload::new(whole), fua)
+    }
+
+    /// The data key this volume's writes are encrypted with (None: plaintext), as of now: its
+    /// head layer's. A handle of a locked volume fails here, before anything is written.
+    fn write_key(&self, inner: &Inner) -> Result<Option<Arc<ferrite_crypt::DataKey>>> {
+        let st = inner.state.read();
+        let (head, _) = self.head(&st)?;
+        crate::keys::open(&st.keys, st.layers.key_of(head), &self.name)
     }
 
     /// Sends whole blocks at block-aligned `offset` and waits for them. A pool that is full while

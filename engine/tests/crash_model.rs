@@ -7,7 +7,9 @@
 //! every block, its current content and every content it may have after a crash (the content at
 //! the last completed flush plus everything written since). After every crash the engine must
 //! show, for every block, one of those; after a clean reopen, exactly the current content. Half
-//! the sequences run with discard of freed segments on, the backend zeroing them at once.
+//! the sequences run with discard of freed segments on, the backend zeroing them at once. Half
+//! the volumes are encrypted (their clones and snapshots with them), unlocked again after every
+//! reopen: the contract is the same for them.
 //!
 //! `FERRITE_PROPTEST_CASES` sets the number of sequences (default 1000); `FERRITE_LONG=1` runs
 //! 20000.
@@ -19,6 +21,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{Fixture, pattern};
+use ferrite_crypt::Kek;
 use ferrite_engine::io::CrashMode;
 use ferrite_engine::{Discard, ErrorKind, Image, Pool, PoolOptions};
 use proptest::prelude::*;
@@ -29,7 +32,7 @@ const SNAPS: [&str; 3] = ["s0", "s1", "s2"];
 
 #[derive(Debug, Clone)]
 enum Op {
-    Create { vol: usize, blocks: u64 },
+    Create { vol: usize, blocks: u64, encrypted: bool },
     Write { vol: usize, at: u64, len: usize, seed: u64, fua: bool },
     Trim { vol: usize, at: u64, len: u64 },
     Zero { vol: usize, at: u64, len: u64 },
@@ -50,7 +53,7 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let vol = 0..NAMES.len();
     prop_oneof![
-        2 => (vol.clone(), 4u64..48).prop_map(|(vol, blocks)| Op::Create { vol, blocks }),
+        2 => (vol.clone(), 4u64..48, any::<bool>()).prop_map(|(vol, blocks, encrypted)| Op::Create { vol, blocks, encrypted }),
         10 => (vol.clone(), any::<u64>(), 1usize..24_000, any::<u64>(), prop::bool::weighted(0.1))
             .prop_map(|(vol, at, len, seed, fua)| Op::Write { vol, at, len, seed, fua }),
         2 => (vol.clone(), any::<u64>(), 1u64..40_000).prop_map(|(vol, at, len)| Op::Trim { vol, at, len }),
@@ -122,8 +125,22 @@ fn clip(size: u64, at: u64, len: u64) -> (u64, u64) {
     (at, len.min(size - at).max(1))
 }
 
-/// Checks every volume against the model; `exact` after a clean reopen, sets after a crash.
+const KEK_ID: &str = "model";
+
+/// The one key-encryption key of the run's encrypted volumes.
+fn kek(id: &str) -> Result<Kek, ferrite_crypt::Error> {
+    Kek::new(id, [7; 32])
+}
+
+/// Checks every volume against the model (unlocking it first); `exact` after a clean reopen,
+/// sets after a crash.
 fn verify(pool: &Pool, model: &mut Model, exact: bool) -> Result<(), TestCaseError> {
+    for &vol in model.vols.keys() {
+        pool.unlock(Image::Volume(NAMES[vol]), kek).unwrap();
+    }
+    for &snap in model.snaps.keys() {
+        pool.unlock(Image::Snapshot(SNAPS[snap]), kek).unwrap();
+    }
     for (&vol, blocks) in model.vols.iter_mut() {
         let v = pool.open_volume(NAMES[vol]).unwrap();
         let mut buf = vec![0u8; blocks.len() * B];
@@ -171,8 +188,13 @@ fn run(ops: Vec<Op>, discard: bool) -> Result<(), TestCaseError> {
     let mut model = Model::default();
     for op in ops {
         match op {
-            Op::Create { vol, blocks } => {
-                let r = pool.create_volume(NAMES[vol], blocks * B as u64);
+            Op::Create { vol, blocks, encrypted } => {
+                let size = blocks * B as u64;
+                let r = if encrypted {
+                    pool.create_encrypted_volume(NAMES[vol], size, &kek(KEK_ID).unwrap())
+                } else {
+                    pool.create_volume(NAMES[vol], size)
+                };
                 if let std::collections::btree_map::Entry::Vacant(e) = model.vols.entry(vol) {
                     r.unwrap();
                     e.insert(vec![ModelBlock::zero(); blocks as usize]);

@@ -67,7 +67,7 @@ pub fn nbd_errno(e: &Error) -> u32 {
         ErrorKind::InvalidArgument | ErrorKind::OutOfRange => EINVAL,
         ErrorKind::Closed | ErrorKind::NotFound => ESHUTDOWN,
         ErrorKind::Unsupported => ENOTSUP,
-        ErrorKind::ReadOnly => EPERM,
+        ErrorKind::ReadOnly | ErrorKind::Locked => EPERM,
         _ => EIO,
     }
 }

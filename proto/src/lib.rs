@@ -27,6 +27,9 @@ pub mod csi_addons {
     pub mod reclaimspace {
         tonic::include_proto!("reclaimspace");
     }
+    pub mod encryptionkeyrotation {
+        tonic::include_proto!("encryptionkeyrotation");
+    }
     pub mod fence {
         tonic::include_proto!("fence");
     }

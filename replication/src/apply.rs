@@ -32,6 +32,12 @@ impl Transfer {
     /// Refused: a writable volume, `base` not a snapshot of the replica (it needs a resync), a
     /// first sync into a replica that already holds snapshots, `to` already there, `end` past `size`, a size
     /// smaller than the replica's.
+    ///
+    /// `wrapped_key`: the source volume's wrapped data key, for an encrypted one. Its replica is
+    /// made with it and written with the ciphertext the pieces carry (it never needs the key);
+    /// a later delta brings the source's current wrapping (after a rekey there). Refused: a
+    /// plaintext delta into an encrypted replica, and the other way round.
+    #[allow(clippy::too_many_arguments)] // the push's begin message, field by field
     pub fn begin(
         pool: &Pool,
         replica: &str,
@@ -40,6 +46,7 @@ impl Transfer {
         size: u64,
         end: u64,
         resume: Option<u64>,
+        wrapped_key: Option<&[u8]>,
     ) -> Result<Transfer> {
         if end > size || !size.is_multiple_of(BLOCK as u64) {
             return Err(Error::new(
@@ -89,7 +96,10 @@ impl Transfer {
                 // Clients may read a replica's mirror snapshots, never write it.
                 match (exists, resume) {
                     (false, _) => {
-                        pool.create_volume(replica, size)?;
+                        match wrapped_key {
+                            Some(w) => pool.create_volume_wrapped(replica, size, w)?,
+                            None => pool.create_volume(replica, size)?,
+                        };
                         pool.set_read_only(replica, true)?;
                     }
                     (true, Some(_)) => {}
@@ -102,7 +112,19 @@ impl Transfer {
                 }
             }
         }
-        let have = pool.volume_info(replica)?.size;
+        let info = pool.volume_info(replica)?;
+        match (wrapped_key, info.encryption.is_some()) {
+            (Some(w), true) => pool.set_wrapped_key(replica, w)?,
+            (None, false) => {}
+            (w, _) => {
+                let (delta, here) = if w.is_some() { ("encrypted", "plaintext") } else { ("plaintext", "encrypted") };
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("delta for {to:?} is of an {delta} volume; replica {replica:?} is {here}"),
+                ));
+            }
+        }
+        let have = info.size;
         if have > size {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -117,7 +139,7 @@ impl Transfer {
             to: to.to_owned(),
             end,
             next: resume.unwrap_or(0).min(end),
-            vol: pool.open_volume(replica)?.past_read_only(),
+            vol: pool.open_volume(replica)?.past_read_only().ciphertext(),
         })
     }
 

@@ -55,7 +55,8 @@ impl Delta {
     pub fn pieces<'a>(&'a self, pool: &Pool, from: u64, max_piece: usize) -> Result<Pieces<'a>> {
         Ok(Pieces {
             delta: self,
-            snap: pool.open_snapshot(&self.to)?,
+            // An encrypted volume's blocks travel as the pool holds them: ciphertext.
+            snap: pool.open_snapshot(&self.to)?.ciphertext(),
             run: 0,
             at: from,
             max: (max_piece / BLOCK).max(1) * BLOCK,

@@ -54,7 +54,7 @@ fn content(pool: &Pool, snapshot: &str) -> Vec<u8> {
 /// data bytes sent.
 fn ship(src: &Pool, dst: &Pool, to: &str, base: Option<&str>, resume: Option<u64>) -> u64 {
     let delta = Delta::plan(src, to, base).unwrap();
-    let mut t = Transfer::begin(dst, "r", base, to, delta.size, delta.end(), resume).unwrap();
+    let mut t = Transfer::begin(dst, "r", base, to, delta.size, delta.end(), resume, None).unwrap();
     let mut sent = 0;
     for p in delta.pieces(src, t.next(), PIECE).unwrap() {
         let p = p.unwrap();
@@ -116,7 +116,7 @@ fn an_interrupted_transfer_resumes_from_its_durable_point_or_restarts_exactly() 
     let (_a, src) = primary();
     let (_b, dst) = pool();
     let delta = Delta::plan(&src, "m1", None).unwrap();
-    let mut t = Transfer::begin(&dst, "r", None, "m1", delta.size, delta.end(), None).unwrap();
+    let mut t = Transfer::begin(&dst, "r", None, "m1", delta.size, delta.end(), None, None).unwrap();
     let (mut first, mut last_end) = (0, 0);
     for p in delta.pieces(&src, 0, PIECE).unwrap().take(5) {
         let p = p.unwrap();
@@ -130,7 +130,7 @@ fn an_interrupted_transfer_resumes_from_its_durable_point_or_restarts_exactly() 
     assert!(dst.snapshot_info("m1").is_err(), "no snapshot from a partial delta");
 
     // Resumed: only what is left crosses.
-    let mut t = Transfer::begin(&dst, "r", None, "m1", delta.size, delta.end(), Some(kept)).unwrap();
+    let mut t = Transfer::begin(&dst, "r", None, "m1", delta.size, delta.end(), Some(kept), None).unwrap();
     let mut sent = 0;
     for p in delta.pieces(&src, t.next(), PIECE).unwrap() {
         let p = p.unwrap();
@@ -149,7 +149,7 @@ fn an_interrupted_transfer_resumes_from_its_durable_point_or_restarts_exactly() 
     src.create_snapshot("v", "m2").unwrap();
     let delta = Delta::plan(&src, "m2", Some("m1")).unwrap();
     // (A sender that lied about the delta's end: the stray piece lands outside the real delta.)
-    let mut t = Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, SIZE, None).unwrap();
+    let mut t = Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, SIZE, None, None).unwrap();
     let stray = fill(77, PIECE);
     let crcs = ferrite_replication::block_crcs(&stray);
     t.apply(&Piece::Data { offset: 40 * MIB, data: stray, crcs }).unwrap();
@@ -167,7 +167,7 @@ fn bad_pieces_and_streams_are_refused_and_change_nothing() {
     src.open_volume("v").unwrap().write(MIB, &fill(5, MIB as usize)).unwrap();
     src.create_snapshot("v", "m2").unwrap();
     let delta = Delta::plan(&src, "m2", Some("m1")).unwrap();
-    let begin = || Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, delta.end(), None).unwrap();
+    let begin = || Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, delta.end(), None, None).unwrap();
 
     // A corrupt block: refused by its crc, nothing written.
     let mut t = begin();
@@ -199,13 +199,19 @@ fn bad_pieces_and_streams_are_refused_and_change_nothing() {
 
     // A delta against a base the replica does not hold; a snapshot it already holds; a first
     // sync into a replica with history.
-    let err = Transfer::begin(&dst, "r", Some("m0"), "m2", delta.size, delta.end(), None).unwrap_err();
+    let err = Transfer::begin(&dst, "r", Some("m0"), "m2", delta.size, delta.end(), None, None).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
     assert!(err.to_string().contains("resync"), "{err}");
-    assert_eq!(Transfer::begin(&dst, "r", None, "m1", SIZE, 0, None).unwrap_err().kind(), ErrorKind::AlreadyExists);
-    assert_eq!(Transfer::begin(&dst, "r", None, "m9", SIZE, 0, None).unwrap_err().kind(), ErrorKind::AlreadyExists);
     assert_eq!(
-        Transfer::begin(&dst, "r", Some("m1"), "m2", SIZE, SIZE + 4096, None).unwrap_err().kind(),
+        Transfer::begin(&dst, "r", None, "m1", SIZE, 0, None, None).unwrap_err().kind(),
+        ErrorKind::AlreadyExists
+    );
+    assert_eq!(
+        Transfer::begin(&dst, "r", None, "m9", SIZE, 0, None, None).unwrap_err().kind(),
+        ErrorKind::AlreadyExists
+    );
+    assert_eq!(
+        Transfer::begin(&dst, "r", Some("m1"), "m2", SIZE, SIZE + 4096, None, None).unwrap_err().kind(),
         ErrorKind::InvalidArgument
     );
 
@@ -233,11 +239,11 @@ fn a_writable_volume_takes_no_delta() {
     };
     let now = head(&dst);
     for resume in [None, Some(0)] {
-        let err = Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, delta.end(), resume).unwrap_err();
+        let err = Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, delta.end(), resume, None).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::ReadOnly, "{err}");
         assert!(err.to_string().contains("writable"), "{err}");
     }
-    let err = Transfer::begin(&dst, "r", None, "m2", SIZE * 2, 0, None).unwrap_err();
+    let err = Transfer::begin(&dst, "r", None, "m2", SIZE * 2, 0, None, None).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::ReadOnly, "{err}");
     assert!(head(&dst) == now, "the writable volume changed");
     assert_eq!(dst.volume_info("r").unwrap().size, SIZE);

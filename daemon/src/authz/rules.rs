@@ -16,6 +16,9 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/SetVolumeLimits", &[Controller]),
     ("/ferrite.v1.Admin/DeleteVolume", &[Controller]),
     ("/ferrite.v1.Admin/CloneVolume", &[Controller]),
+    // With the key a CSI request's secret carries (NodeStage, ControllerPublish, key rotation).
+    ("/ferrite.v1.Admin/UnlockVolume", &[Controller]),
+    ("/ferrite.v1.Admin/RekeyVolume", &[Controller]),
     ("/ferrite.v1.Admin/CreateSnapshot", &[Controller]),
     ("/ferrite.v1.Admin/ListSnapshots", &[Controller]),
     ("/ferrite.v1.Admin/GetSnapshot", &[Controller]),

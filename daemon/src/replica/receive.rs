@@ -247,9 +247,11 @@ impl ReplicaService {
             .await?;
         }
         let (pool, r, size, end) = (Arc::clone(&hub.pool), rec.clone(), b.size, b.end);
+        let wrapped = b.wrapped_key.clone();
         let mut t = blocking(move || {
             let base = (!r.base.is_empty()).then_some(r.base.as_str());
-            Transfer::begin(&pool, &r.replica, base, &r.snapshot, size, end, resume)
+            let wrapped = (!wrapped.is_empty()).then_some(wrapped.as_slice());
+            Transfer::begin(&pool, &r.replica, base, &r.snapshot, size, end, resume, wrapped)
         })
         .await?;
         if let Some(r) = new_relation {

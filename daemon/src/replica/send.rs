@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use ferrite_engine::GroupSnapshotInfo;
+use ferrite_engine::{GroupSnapshotInfo, Image};
 use ferrite_proto::ferrite::v1::push_message::Msg;
 use ferrite_proto::ferrite::v1::replica_client::ReplicaClient;
 use ferrite_proto::ferrite::v1::{
@@ -265,7 +265,11 @@ async fn push_leg(
         }
     };
     let (p, t, b) = (Arc::clone(&hub.pool), to.clone(), base.clone());
-    let delta = blocking(move || Delta::plan(&p, &t, Some(b.as_str()).filter(|b| !b.is_empty()))).await?;
+    let (delta, wrapped_key) = blocking(move || {
+        let delta = Delta::plan(&p, &t, Some(b.as_str()).filter(|b| !b.is_empty()))?;
+        Ok((delta, p.wrapped_key(Image::Snapshot(&t))?.unwrap_or_default()))
+    })
+    .await?;
     let progress = Arc::new(Progress {
         started: Instant::now(),
         done: AtomicU64::new(0),
@@ -285,6 +289,7 @@ async fn push_leg(
         group: leg.group.to_owned(),
         prefix: rel.prefix.clone(),
         epoch: rel.epoch,
+        wrapped_key,
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<PushMessage>(4);
     let reader = {

@@ -18,18 +18,21 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::map::extent_map::{ExtentMap, Freed, is_zero};
 use crate::map::view::View;
 
-/// One layer: its map, the layer under it, and which layer answers each block.
+/// One layer: its map, the layer under it, the data key its blocks are encrypted with, and
+/// which layer answers each block.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Layer {
     pub map: ExtentMap,
     pub parent: Option<u64>,
+    /// The data key (an id in the catalog) of every block this layer maps; None: plaintext.
+    pub key: Option<u64>,
     view: View,
 }
 
 impl Layer {
     /// An empty layer over `parent`, for [`Layers::load`].
-    pub fn over(parent: Option<u64>) -> Self {
-        Self { parent, ..Self::default() }
+    pub fn over(parent: Option<u64>, key: Option<u64>) -> Self {
+        Self { parent, key, ..Self::default() }
     }
 }
 
@@ -138,11 +141,22 @@ impl Layers {
         order
     }
 
-    /// Adds an empty layer over `parent` (or a root): a new head after a snapshot, a clone's
-    /// head, a new volume. O(1): the view is the parent's, shared.
-    pub fn add(&mut self, id: u64, parent: Option<u64>) {
+    /// Adds an empty layer over `parent`, encrypted with its parent's data key: a new head
+    /// after a snapshot, a clone's head. O(1): the view is the parent's, shared.
+    pub fn add(&mut self, id: u64, parent: u64) {
+        let key = self.key_of(parent);
+        self.add_keyed(id, Some(parent), key);
+    }
+
+    /// Adds an empty layer over `parent` (or a root) whose blocks `key` encrypts.
+    pub fn add_keyed(&mut self, id: u64, parent: Option<u64>, key: Option<u64>) {
         let view = parent.and_then(|p| self.table.get(&p)).map(|p| p.view.clone()).unwrap_or_default();
-        self.table.insert(id, Layer { map: ExtentMap::default(), parent, view });
+        self.table.insert(id, Layer { map: ExtentMap::default(), parent, key, view });
+    }
+
+    /// The data key of `layer`'s blocks (None: plaintext, or no such layer).
+    pub fn key_of(&self, layer: u64) -> Option<u64> {
+        self.table.get(&layer).and_then(|l| l.key)
     }
 
     /// Resolves [lba, lba+blocks) through the chain from `head`: runs in lba order, covering
@@ -355,7 +369,7 @@ mod tests {
     #[test]
     fn chains_resolve_head_first_and_zero_markers_hide_parents() {
         let mut ls = layers(vec![(1, layer(None, &[(0, 10, 100)])), (2, layer(Some(1), &[(5, 2, 200)]))]);
-        ls.add(3, Some(2));
+        ls.add(3, 2);
         assert_eq!(read(&ls, 3, 0), Some(100));
         assert_eq!(read(&ls, 3, 6), Some(201));
         assert_eq!(read(&ls, 3, 20), None);
@@ -448,7 +462,7 @@ mod tests {
                 match op {
                     Op::Add(n) => {
                         let p = pick(&ls, n, false);
-                        ls.add(next_id, Some(p));
+                        ls.add(next_id, p);
                         next_id += 1;
                     }
                     Op::Write(n, lba, k) => {

@@ -253,7 +253,7 @@ impl Pool {
         let (name, new_group) = (name.to_owned(), new_group.to_owned());
         self.inner.barrier(move |inner| {
             let _m = inner.meta_lock.lock();
-            let sources: Vec<(String, u64, u64)> = {
+            let sources: Vec<(String, u64, u64, Option<u64>)> = {
                 let st = inner.state.read();
                 if group_by_name(&st, &new_group).is_ok() {
                     return Err(Error::new(ErrorKind::AlreadyExists, format!("group {new_group:?} already exists")));
@@ -269,17 +269,17 @@ impl Pool {
                     }
                     let s = &st.snapshots[id];
                     debug_assert_eq!(s.name, snap);
-                    out.push((clone, s.layer, s.size));
+                    out.push((clone, s.layer, s.size, st.layers.key_of(s.layer)));
                 }
                 check_overcommit(inner, &st, out.iter().map(|o| o.2).sum())?;
                 out
             };
             let mut ops = Vec::new();
             let mut recs = Vec::new();
-            for (clone, parent, size) in sources {
+            for (clone, parent, size, key) in sources {
                 let id = inner.meta.next_id()?;
                 let rec = new_record(id, size, clone);
-                ops.push(CatalogOp::PutLayer(id, Some(parent)));
+                ops.push(CatalogOp::PutLayer(id, Some(parent), key));
                 ops.push(CatalogOp::PutVolume(rec.clone()));
                 recs.push((rec, parent));
             }
@@ -294,7 +294,7 @@ impl Pool {
             inner.meta.apply(&ops)?;
             let mut st = inner.state.write();
             for (rec, parent) in recs {
-                st.layers.add(rec.id, Some(parent));
+                st.layers.add(rec.id, parent);
                 st.names.insert(rec.name.clone(), rec.id);
                 st.volumes.insert(rec.id, VolumeEntry::new(rec));
             }

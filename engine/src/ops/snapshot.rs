@@ -67,6 +67,7 @@ fn referenced(st: &State, layer: u64) -> bool {
 fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
     let mut ops = Vec::new();
     let mut freed: Freed = Vec::new();
+    let mut keys = Vec::new();
     loop {
         if !st.layers.contains_key(&layer) || referenced(st, layer) {
             break;
@@ -74,7 +75,9 @@ fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
         let kids = layers::children(&st.layers, layer);
         match kids.as_slice() {
             [] => {
-                let parent = st.layers.free(layer, &mut freed).and_then(|l| l.parent);
+                let gone = st.layers.free(layer, &mut freed);
+                keys.extend(gone.as_ref().and_then(|l| l.key));
+                let parent = gone.and_then(|l| l.parent);
                 st.dirty_chunks.retain(|&(l, _)| l != layer);
                 ops.push(CatalogOp::DeleteLayer(layer));
                 match parent {
@@ -89,7 +92,7 @@ fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
                 });
                 dirty.retain(|&(l, _)| l != layer);
                 ops.push(CatalogOp::DeleteLayer(layer));
-                ops.push(CatalogOp::PutLayer(kid, st.layers[&kid].parent));
+                ops.push(CatalogOp::PutLayer(kid, st.layers[&kid].parent, st.layers[&kid].key));
                 break;
             }
             _ => break,
@@ -97,6 +100,13 @@ fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
     }
     for (pba, n) in freed {
         st.segs.add_live(pba, n, false);
+    }
+    // A data key goes with the last layer encrypted with it.
+    for k in keys {
+        if st.keys.contains_key(&k) && !st.layers.values().any(|l| l.key == Some(k)) {
+            st.keys.remove(&k);
+            ops.push(CatalogOp::DeleteDataKey(k));
+        }
     }
     ops
 }
@@ -108,18 +118,25 @@ pub(crate) type Planned = (VolumeRecord, SnapshotRecord);
 /// checks the names, allocates ids, and returns the new records and the catalog ops. The
 /// caller syncs the store, applies the ops, then [`apply_snapshots`].
 pub(crate) fn plan_snapshots(inner: &Inner, items: &[(u64, String)]) -> Result<(Vec<Planned>, Vec<CatalogOp>)> {
-    let recs: Vec<VolumeRecord> = {
+    let recs: Vec<(VolumeRecord, Option<u64>)> = {
         let st = inner.state.read();
         for (i, (_, name)) in items.iter().enumerate() {
             if snapshot_by_name(&st, name).is_ok() || items[..i].iter().any(|o| &o.1 == name) {
                 return Err(Error::new(ErrorKind::AlreadyExists, format!("snapshot {name:?} already exists")));
             }
         }
-        items.iter().map(|(id, _)| st.volumes[id].rec.clone()).collect()
+        items
+            .iter()
+            .map(|(id, _)| {
+                let rec = st.volumes[id].rec.clone();
+                let key = st.layers.key_of(rec.layer);
+                (rec, key)
+            })
+            .collect()
     };
     let mut out = Vec::with_capacity(items.len());
     let mut ops = Vec::with_capacity(items.len() * 3);
-    for (mut rec, (_, name)) in recs.into_iter().zip(items) {
+    for ((mut rec, key), (_, name)) in recs.into_iter().zip(items) {
         let (sid, head) = (inner.meta.next_id()?, inner.meta.next_id()?);
         let snap = SnapshotRecord {
             id: sid,
@@ -130,7 +147,7 @@ pub(crate) fn plan_snapshots(inner: &Inner, items: &[(u64, String)]) -> Result<(
             name: name.clone(),
         };
         rec.layer = head;
-        ops.push(CatalogOp::PutLayer(head, Some(snap.layer)));
+        ops.push(CatalogOp::PutLayer(head, Some(snap.layer), key));
         ops.push(CatalogOp::PutSnapshot(snap.clone()));
         ops.push(CatalogOp::PutVolume(rec.clone()));
         out.push((rec, snap));
@@ -143,7 +160,7 @@ pub(crate) fn apply_snapshots(st: &mut State, planned: Vec<Planned>) -> Vec<Snap
     planned
         .into_iter()
         .map(|(rec, snap)| {
-            st.layers.add(rec.layer, Some(snap.layer));
+            st.layers.add(rec.layer, snap.layer);
             let id = rec.id;
             st.volumes.get_mut(&id).expect("planned from a live volume").rec = rec;
             st.snapshots.insert(snap.id, snap.clone());
@@ -351,13 +368,15 @@ impl Pool {
                 }
             };
             check_overcommit(inner, &st, size)?;
+            // A clone reads its origin's blocks and writes its own with the origin's data key.
+            let key = st.layers.key_of(parent);
             drop(st); // no catalog I/O under the state lock
             let mut ops = Vec::new();
             let origin = match origin {
                 Some(mut rec) => {
                     // The source's head freezes (hidden) under a new head of its own.
                     rec.layer = inner.meta.next_id()?;
-                    ops.push(CatalogOp::PutLayer(rec.layer, Some(parent)));
+                    ops.push(CatalogOp::PutLayer(rec.layer, Some(parent), key));
                     ops.push(CatalogOp::PutVolume(rec.clone()));
                     Some(rec)
                 }
@@ -365,7 +384,7 @@ impl Pool {
             };
             let id = inner.meta.next_id()?;
             let rec = new_record(id, size, name.clone());
-            ops.push(CatalogOp::PutLayer(id, Some(parent)));
+            ops.push(CatalogOp::PutLayer(id, Some(parent), key));
             ops.push(CatalogOp::PutVolume(rec.clone()));
             if origin.is_some() {
                 inner.sync_store()?;
@@ -373,11 +392,11 @@ impl Pool {
             inner.meta.apply(&ops)?;
             let mut st = inner.state.write();
             if let Some(o) = origin {
-                st.layers.add(o.layer, Some(parent));
+                st.layers.add(o.layer, parent);
                 let id = o.id;
                 st.volumes.get_mut(&id).expect("looked up above").rec = o;
             }
-            st.layers.add(id, Some(parent));
+            st.layers.add(id, parent);
             st.names.insert(name.clone(), id);
             st.volumes.insert(id, VolumeEntry::new(rec.clone()));
             tracing::info!(volume = %name, "clone created");
@@ -436,9 +455,11 @@ impl Pool {
             rec.size = snap.size;
             let ops = {
                 let mut st = inner.state.write();
-                st.layers.add(rec.layer, Some(snap.layer));
+                st.layers.add(rec.layer, snap.layer);
                 st.volumes.get_mut(&rec.id).expect("looked up above").rec = rec.clone();
-                let mut ops = vec![CatalogOp::PutLayer(rec.layer, Some(snap.layer)), CatalogOp::PutVolume(rec.clone())];
+                let key = st.layers.key_of(snap.layer);
+                let mut ops =
+                    vec![CatalogOp::PutLayer(rec.layer, Some(snap.layer), key), CatalogOp::PutVolume(rec.clone())];
                 ops.extend(collect(&mut st, old));
                 ops
             };

@@ -10,6 +10,8 @@ use crate::meta::{CatalogOp, VolumeRecord};
 use crate::pool::{Inner, Pool, now_unix};
 use crate::qos::{QosLimits, QosStats};
 
+use crate::keys::KeyEntry as NewKey;
+use crate::ops::encryption::{Encryption, encryption_of};
 use crate::state::{State, Target, VolumeEntry};
 use crate::volume::Volume;
 
@@ -32,6 +34,8 @@ pub struct VolumeInfo {
     pub read_only: bool,
     /// IOPS and bandwidth limits ([`Pool::set_qos`]).
     pub qos: QosLimits,
+    /// How the volume is encrypted, if it is ([`Pool::create_encrypted_volume`]).
+    pub encryption: Option<Encryption>,
 }
 
 pub(crate) fn validate_name(name: &str) -> Result<()> {
@@ -73,6 +77,11 @@ impl Pool {
 
     /// Creates a thin volume of `size` bytes (a multiple of 4 KiB). Durable on return.
     pub fn create_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        self.create_with_key(name, size, None)
+    }
+
+    /// Creates a volume, encrypted with `key` (a new data key: its id, wrapped and open) or not.
+    pub(crate) fn create_with_key(&self, name: &str, size: u64, key: Option<(u64, NewKey)>) -> Result<VolumeInfo> {
         validate_name(name)?;
         validate_size(size)?;
         let inner = &self.inner;
@@ -87,10 +96,18 @@ impl Pool {
         }
         let id = inner.meta.next_id()?;
         let rec = new_record(id, size, name.to_owned());
-        inner.meta.apply(&[CatalogOp::PutLayer(id, None), CatalogOp::PutVolume(rec.clone())])?;
+        let key_id = key.as_ref().map(|(k, _)| *k);
+        let mut ops = vec![CatalogOp::PutLayer(id, None, key_id), CatalogOp::PutVolume(rec.clone())];
+        if let Some((k, new)) = &key {
+            ops.push(CatalogOp::PutDataKey(*k, new.wrapped.encode()));
+        }
+        inner.meta.apply(&ops)?;
         let mut st = inner.state.write();
+        if let Some((k, new)) = key {
+            st.keys.insert(k, new);
+        }
         st.names.insert(rec.name.clone(), id);
-        st.layers.add(rec.layer, None);
+        st.layers.add_keyed(rec.layer, None, key_id);
         let info = info_of(&st, &rec);
         st.volumes.insert(id, VolumeEntry::new(rec));
         Ok(info)
@@ -268,6 +285,7 @@ pub(crate) fn info_of(st: &State, rec: &VolumeRecord) -> VolumeInfo {
         read_only: rec.read_only,
         qos: rec.qos,
         chain_depth: crate::map::layers::depth(&st.layers, rec.layer),
+        encryption: encryption_of(st, rec.layer),
     }
 }
 

@@ -190,7 +190,7 @@ pub(crate) fn note_read(
     segs.dedup();
     let window = {
         let mut c = ra.cache.lock();
-        let fresh = blocks.iter().flatten().map(|&(pba, _)| pba).filter(|pba| !c.index.contains_key(pba));
+        let fresh = blocks.iter().flatten().map(|m| m.pba).filter(|pba| !c.index.contains_key(pba));
         let runs = pba_runs(fresh);
         if runs.is_empty() {
             return;

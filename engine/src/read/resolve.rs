@@ -3,6 +3,10 @@
 //! under the state lock, with the segments it will be read from pinned. And the other end: a
 //! resolved range filled from the media read for it, every block's checksum checked.
 
+use std::sync::Arc;
+
+use ferrite_crypt::DataKey;
+
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::block_crc;
 use crate::io::BLOCK;
@@ -12,12 +16,21 @@ use crate::state::{State, Target};
 
 const B: u64 = BLOCK as u64;
 
-/// One block of a read, resolved: unmapped (reads as zeros), or its pool block and checksum.
-pub(crate) type Resolved = Option<(u64, u32)>;
+/// One block of a read, resolved: unmapped (reads as zeros), or where it is.
+pub(crate) type Resolved = Option<Mapped>;
+
+/// A mapped block of a read: its pool block, its checksum (of what the pool holds), and the
+/// data key its layer is encrypted with.
+#[derive(Clone)]
+pub(crate) struct Mapped {
+    pub pba: u64,
+    pub crc: u32,
+    pub key: Option<Arc<DataKey>>,
+}
 
 /// The pool blocks of resolved reads as runs of consecutive blocks, one request each, in order.
 pub(crate) fn media_runs<'a>(blocks: impl IntoIterator<Item = &'a Resolved>) -> Vec<(u64, u64)> {
-    pba_runs(blocks.into_iter().flatten().map(|&(pba, _)| pba))
+    pba_runs(blocks.into_iter().flatten().map(|m| m.pba))
 }
 
 /// Pool blocks as runs of consecutive blocks, in order.
@@ -49,18 +62,26 @@ pub(crate) fn check_within(name: &str, size: u64, offset: u64, len: u64) -> Resu
 }
 
 /// Resolves every block of `[offset, offset + len)` of `target` (checking the range), pinning
-/// the segments it will be read from.
+/// the segments it will be read from. `raw`: blocks are read as the pool holds them, never
+/// decrypted (see [`crate::Volume::ciphertext`]).
 pub(crate) fn resolve(
     st: &State,
     target: Target,
     name: &str,
     pins: &mut Pinned<'_>,
-    offset: u64,
-    len: u64,
+    (offset, len): (u64, u64),
+    raw: bool,
 ) -> Result<Vec<Resolved>> {
     let (head, size) = st.head_of(target).ok_or_else(|| gone(name))?;
     check_within(name, size, offset, len)?;
-    resolve_from(st, head, name, pins, offset, len)
+    if raw {
+        let mut blocks = resolve_from(st, head, name, pins, offset, len, true)?;
+        blocks.iter_mut().flatten().for_each(|m| m.key = None);
+        return Ok(blocks);
+    }
+    // A locked image reads nothing, not even its holes.
+    crate::keys::open(&st.keys, st.layers.key_of(head), name)?;
+    resolve_from(st, head, name, pins, offset, len, false)
 }
 
 /// As [`resolve`] for a readahead window: clipped to the end of `target`.
@@ -73,7 +94,7 @@ pub(crate) fn resolve_ahead(
     len: u64,
 ) -> Result<Vec<Resolved>> {
     let (head, size) = st.head_of(target).ok_or_else(|| gone(name))?;
-    resolve_from(st, head, name, pins, offset.min(size), len.min(size.saturating_sub(offset)))
+    resolve_from(st, head, name, pins, offset.min(size), len.min(size.saturating_sub(offset)), true)
 }
 
 /// Resolves `[offset, offset + len)` (within bounds) through the chain from layer `head`.
@@ -84,6 +105,7 @@ fn resolve_from(
     pins: &mut Pinned<'_>,
     offset: u64,
     len: u64,
+    raw: bool,
 ) -> Result<Vec<Resolved>> {
     if len == 0 {
         return Ok(Vec::new());
@@ -96,6 +118,10 @@ fn resolve_from(
             resolved.extend(std::iter::repeat_n(None, usize::try_from(run.blocks).expect("fits")));
             continue;
         };
+        let key = match raw {
+            true => None,
+            false => crate::keys::open(&st.keys, st.layers.key_of(run.layer), name)?,
+        };
         for pba in start..start + run.blocks {
             let crc = st.segs.crc(pba).ok_or_else(|| {
                 Error::new(
@@ -104,7 +130,7 @@ fn resolve_from(
                 )
             })?;
             pins.pin(st.segs.locate(pba).0);
-            resolved.push(Some((pba, crc)));
+            resolved.push(Some(Mapped { pba, crc, key: key.clone() }));
         }
     }
     Ok(resolved)
@@ -119,8 +145,9 @@ pub(crate) fn media_error(name: &str, offset: u64, len: usize, e: &std::io::Erro
 }
 
 /// Copies the resolved blocks of a read into `buf` (zeros for holes) from `media`, whose blocks
-/// from the given slot on are the mapped ones in order, verifying each checksum; appends the
-/// range's allocation to `alloc` as runs of (bytes, mapped).
+/// from the given slot on are the mapped ones in order, verifying each checksum and decrypting
+/// the blocks of encrypted layers; appends the range's allocation to `alloc` as runs of
+/// (bytes, mapped).
 pub(crate) fn fill(
     name: &str,
     offset: u64,
@@ -142,7 +169,7 @@ pub(crate) fn fill(
         }
         match r {
             None => dst.fill(0),
-            Some((pba, crc)) => {
+            Some(Mapped { pba, crc, key }) => {
                 let (media, first) = media.expect("a read with mapped blocks has their media");
                 let src = media.block(first + slot);
                 if block_crc(src) != *crc {
@@ -152,7 +179,19 @@ pub(crate) fn fill(
                     ));
                 }
                 let from = usize::try_from(lo - block_start).expect("fits");
-                dst.copy_from_slice(&src[from..from + dst.len()]);
+                match key {
+                    None => dst.copy_from_slice(&src[from..from + dst.len()]),
+                    Some(k) if dst.len() == BLOCK => {
+                        dst.copy_from_slice(src);
+                        k.decrypt(block_start / B, dst);
+                    }
+                    Some(k) => {
+                        let mut whole = [0u8; BLOCK];
+                        whole.copy_from_slice(src);
+                        k.decrypt(block_start / B, &mut whole);
+                        dst.copy_from_slice(&whole[from..from + dst.len()]);
+                    }
+                }
                 slot += 1;
             }
         }

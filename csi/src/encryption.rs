@@ -1,0 +1,130 @@
+//! Encrypted volumes through CSI: the StorageClass parameter `encrypted: "true"`, the key in the
+//! request's secrets (a Kubernetes Secret named by the class's `csi.storage.k8s.io/*-secret-name`
+//! parameters), and the CSI-Addons EncryptionKeyRotation service.
+//!
+//! The secret holds `encryptionKey` (64 hex digits: `openssl rand -hex 32`) and optionally
+//! `encryptionKeyID` (what the volume records as its key's id; default `csi`). The daemon keeps
+//! only the data key wrapped by it; CreateVolume needs it to wrap a new volume's key,
+//! ControllerPublish to open the volume on its primary, NodeStage on the node's daemon.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferrite_proto::csi_addons::encryptionkeyrotation as ekr;
+use ferrite_proto::ferrite::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::args::require;
+use crate::nodes::{self, NodeDirectory};
+
+/// The StorageClass parameter that asks for an encrypted volume.
+pub const ENCRYPTED: &str = "encrypted";
+const KEY: &str = "encryptionKey";
+const KEY_ID: &str = "encryptionKeyID";
+const DEFAULT_ID: &str = "csi";
+
+/// Whether the parameters ask for encryption (`encrypted: "true"`).
+pub fn requested(params: &HashMap<String, String>) -> Result<bool, Status> {
+    match params.get(ENCRYPTED).map(String::as_str) {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(v) => {
+            Err(Status::invalid_argument(format!("parameter {ENCRYPTED:?} is \"true\" or \"false\", not {v:?}")))
+        }
+    }
+}
+
+/// 32 bytes from exactly 64 hex digits.
+fn hex32(text: &str) -> Option<Vec<u8>> {
+    let t = text.trim().as_bytes();
+    if t.len() != 64 {
+        return None;
+    }
+    t.chunks(2).map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok()).collect()
+}
+
+/// The key `value` (64 hex digits) under `id`, for the daemon.
+fn key_ref(id: &str, value: &str, what: &str) -> Result<pb::KeyRef, Status> {
+    let key = hex32(value).ok_or_else(|| {
+        Status::invalid_argument(format!("{what} must be 64 hex digits (32 random bytes: openssl rand -hex 32)"))
+    })?;
+    Ok(pb::KeyRef { key_id: id.to_owned(), key })
+}
+
+/// The key the secrets carry, if any.
+pub fn from_secrets(secrets: &HashMap<String, String>) -> Result<Option<pb::KeyRef>, Status> {
+    let Some(value) = secrets.get(KEY) else { return Ok(None) };
+    let id = secrets.get(KEY_ID).map_or(DEFAULT_ID, String::as_str);
+    key_ref(id, value, &format!("secret {KEY:?}")).map(Some)
+}
+
+/// The key the secrets must carry for an encrypted volume.
+pub fn required(secrets: &HashMap<String, String>, call: &str) -> Result<pb::KeyRef, Status> {
+    from_secrets(secrets)?.ok_or_else(|| {
+        Status::invalid_argument(format!(
+            "an encrypted volume's {call} needs its key in the secrets ({KEY:?}; set the StorageClass's \
+             csi.storage.k8s.io/*-secret-name parameters)"
+        ))
+    })
+}
+
+/// Opens volume `name` on the daemon `c` with the secrets' key, if it is encrypted and they
+/// carry one; an encrypted volume without a key in them is refused.
+pub async fn unlock(
+    c: &mut pb::admin_client::AdminClient<tonic::transport::Channel>,
+    v: &pb::Volume,
+    secrets: &HashMap<String, String>,
+    call: &str,
+) -> Result<(), Status> {
+    if v.encryption.is_none() {
+        return Ok(());
+    }
+    let key = required(secrets, call)?;
+    c.unlock_volume(pb::UnlockVolumeRequest { name: v.name.clone(), key: Some(key) }).await?;
+    Ok(())
+}
+
+/// EncryptionKeyRotationController: the volume's primary wraps its data key with the request's
+/// `encryption_key` instead of the secrets' key. Online, O(1), no data rewritten; the Secret is
+/// then updated to the new key by whoever rotates it. A repeat after the Secret already holds
+/// the new key succeeds.
+#[derive(Debug)]
+pub struct KeyRotation {
+    pub nodes: Arc<dyn NodeDirectory>,
+    pub busy: crate::busy::Busy,
+}
+
+#[tonic::async_trait]
+impl ekr::encryption_key_rotation_controller_server::EncryptionKeyRotationController for KeyRotation {
+    async fn encryption_key_rotate(
+        &self,
+        req: Request<ekr::EncryptionKeyRotateRequest>,
+    ) -> Result<Response<ekr::EncryptionKeyRotateResponse>, Status> {
+        let r = req.into_inner();
+        require("volume_id", &r.volume_id)?;
+        require("encryption_key", &r.encryption_key)?;
+        let _busy = self.busy.begin(&r.volume_id)?;
+        let old = required(&r.secrets, "key rotation")?;
+        let new_id = r.parameters.get(KEY_ID).cloned().unwrap_or_else(|| {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            format!("{DEFAULT_ID}-{}", now.as_secs())
+        });
+        let new = key_ref(&new_id, &r.encryption_key, "encryption_key")?;
+        let (node, mut c, v) = nodes::volume(&*self.nodes, &r.volume_id).await?;
+        if v.encryption.is_none() {
+            return Err(Status::failed_precondition(format!("volume {:?} is not encrypted", r.volume_id)));
+        }
+        let req = pb::RekeyVolumeRequest { name: v.name.clone(), old_key: Some(old), new_key: Some(new.clone()) };
+        match c.rekey_volume(req).await {
+            Ok(_) => {}
+            // Already rotated (the Secret holds the new key now): the new key opens it.
+            Err(e) if e.code() == tonic::Code::FailedPrecondition => {
+                let again = pb::UnlockVolumeRequest { name: v.name.clone(), key: Some(new) };
+                c.unlock_volume(again).await.map_err(|_| Status::unauthenticated(e.message().to_owned()))?;
+            }
+            Err(e) => return Err(e),
+        }
+        tracing::info!(volume_id = %r.volume_id, node, key = %new_id, "volume key-encryption key rotated");
+        Ok(Response::new(ekr::EncryptionKeyRotateResponse {}))
+    }
+}
