@@ -56,7 +56,13 @@ pub fn setup_with(dir: &Path, pool_size: u64, vol_size: u64, opts: PoolOptions) 
     }
     let backend = std::sync::Arc::new(ferrite_engine::io::UringBackend::open(&path).expect("open pool file"));
     let pool = Pool::create_on(backend, &dir.join("meta"), opts).expect("create pool");
-    pool.create_volume("bench", vol_size).expect("create volume");
+    // FERRITE_BENCH_ENCRYPT=1: the same volume, encrypted (AES-256-XTS).
+    if std::env::var("FERRITE_BENCH_ENCRYPT").is_ok_and(|v| v == "1") {
+        let kek = ferrite_crypt::Kek::new("bench", [7; 32]).expect("key");
+        pool.create_encrypted_volume("bench", vol_size, &kek).expect("create volume");
+    } else {
+        pool.create_volume("bench", vol_size).expect("create volume");
+    }
     let vol = pool.open_volume("bench").expect("open volume");
     (pool, vol)
 }

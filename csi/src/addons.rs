@@ -46,6 +46,9 @@ impl id::identity_server::Identity for AddonsIdentity {
             encryption_key_rotation, network_fence, reclaim_space, service, volume_group, volume_replication,
         };
         let mut caps = Vec::new();
+        // Served in both modes: the CSI-Addons controller calls the node the volume is attached to.
+        let rotation = encryption_key_rotation::Type::Encryptionkeyrotation as i32;
+        caps.push(cap(T::EncryptionKeyRotation(EK { r#type: rotation })));
         // ONLINE: NodeReclaimSpace on a staged volume; OFFLINE: ControllerReclaimSpace, which
         // needs only the storage (the manager picks the controller's sidecar by it).
         if self.node {
@@ -73,8 +76,6 @@ impl id::identity_server::Identity for AddonsIdentity {
             {
                 caps.push(cap(T::VolumeReplication(VR { r#type: t as i32 })));
             }
-            let rotation = encryption_key_rotation::Type::Encryptionkeyrotation as i32;
-            caps.push(cap(T::EncryptionKeyRotation(EK { r#type: rotation })));
         }
         Ok(Response::new(id::GetCapabilitiesResponse { capabilities: caps }))
     }

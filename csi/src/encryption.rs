@@ -84,10 +84,14 @@ pub async fn unlock(
     Ok(())
 }
 
-/// EncryptionKeyRotationController: the volume's primary wraps its data key with the request's
-/// `encryption_key` instead of the secrets' key. Online, O(1), no data rewritten; the Secret is
-/// then updated to the new key by whoever rotates it. A repeat after the Secret already holds
-/// the new key succeeds.
+/// EncryptionKeyRotationController, on the controller and on the nodes (the CSI-Addons
+/// controller calls the node where the volume is attached, with the PV's node-stage secret):
+/// - with `encryption_key`: the volume's daemon wraps its data key with that key instead of the
+///   secrets' one (online, O(1), no data rewritten); the Secret is then updated to the new key
+///   by whoever rotates it. A repeat after the Secret already holds the new key succeeds.
+/// - without (what an EncryptionKeyRotationJob sends): the data key itself is replaced, every
+///   block re-encrypted in the background under a new one wrapped by the same Secret's key; the
+///   call returns once that has started (a repeat while it runs changes nothing).
 #[derive(Debug)]
 pub struct KeyRotation {
     pub nodes: Arc<dyn NodeDirectory>,
@@ -102,9 +106,21 @@ impl ekr::encryption_key_rotation_controller_server::EncryptionKeyRotationContro
     ) -> Result<Response<ekr::EncryptionKeyRotateResponse>, Status> {
         let r = req.into_inner();
         require("volume_id", &r.volume_id)?;
-        require("encryption_key", &r.encryption_key)?;
         let _busy = self.busy.begin(&r.volume_id)?;
         let old = required(&r.secrets, "key rotation")?;
+        if r.encryption_key.is_empty() {
+            let (node, mut c, v) = nodes::volume(&*self.nodes, &r.volume_id).await?;
+            if v.encryption.is_none() {
+                return Err(Status::failed_precondition(format!("volume {:?} is not encrypted", r.volume_id)));
+            }
+            let req = pb::RekeyVolumeRequest { name: v.name, old_key: Some(old), new_key: None, data_key: true };
+            c.rekey_volume(req).await.map_err(|e| match e.code() {
+                tonic::Code::FailedPrecondition => Status::unauthenticated(e.message().to_owned()),
+                _ => e,
+            })?;
+            tracing::info!(volume_id = %r.volume_id, node, "volume data key rotation started");
+            return Ok(Response::new(ekr::EncryptionKeyRotateResponse {}));
+        }
         let new_id = r.parameters.get(KEY_ID).cloned().unwrap_or_else(|| {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             format!("{DEFAULT_ID}-{}", now.as_secs())
@@ -114,7 +130,12 @@ impl ekr::encryption_key_rotation_controller_server::EncryptionKeyRotationContro
         if v.encryption.is_none() {
             return Err(Status::failed_precondition(format!("volume {:?} is not encrypted", r.volume_id)));
         }
-        let req = pb::RekeyVolumeRequest { name: v.name.clone(), old_key: Some(old), new_key: Some(new.clone()) };
+        let req = pb::RekeyVolumeRequest {
+            name: v.name.clone(),
+            old_key: Some(old),
+            new_key: Some(new.clone()),
+            data_key: false,
+        };
         match c.rekey_volume(req).await {
             Ok(_) => {}
             // Already rotated (the Secret holds the new key now): the new key opens it.

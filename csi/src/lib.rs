@@ -177,7 +177,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
                     busy: busy.clone(),
                 })
             }))
-            .add_optional_service(controller.then(|| {
+            .add_optional_service((controller || node.is_some()).then(|| {
                 ek::encryption_key_rotation_controller_server::EncryptionKeyRotationControllerServer::new(
                     encryption::KeyRotation { nodes: Arc::clone(&dir), busy: busy.clone() },
                 )

@@ -32,6 +32,7 @@ pub struct AdminService {
     pub replication: Arc<Replication>,
     pub sync: Arc<crate::sync::SyncHub>,
     pub keys: crate::encryption::KeyDir,
+    pub rotations: Arc<crate::rotations::Rotations>,
 }
 
 fn limits_msg(l: QosLimits) -> pb::VolumeLimits {
@@ -158,6 +159,7 @@ impl AdminService {
     async fn volume_msg(&self, info: ferrite_engine::VolumeInfo) -> pb::Volume {
         let exports = self.exports.of_volume(&info.name).await;
         let stats = self.pool.qos_stats(&info.name).unwrap_or_default();
+        let job = self.rotations.job(&info.name);
         pb::Volume {
             limits: Some(limits_msg(info.qos)),
             ops_per_sec: stats.ops_per_sec,
@@ -174,7 +176,7 @@ impl AdminService {
             chain_depth: info.chain_depth as u64,
             notes: Vec::new(),
             read_only: info.read_only,
-            encryption: crate::encryption::encryption_msg(info.encryption),
+            encryption: crate::encryption::encryption_msg(info.encryption, job),
         }
     }
 
@@ -391,12 +393,13 @@ impl Admin for AdminService {
             })
             .await?;
         self.exports.revive(&r.name).await;
+        self.rotations.resume(&r.name);
         match info {
             Some(info) => Ok(Response::new(self.volume_msg(info).await)),
             // A snapshot: what it is, unlocked.
             None => Ok(Response::new(pb::Volume {
                 name: r.name,
-                encryption: Some(pb::VolumeEncryption { key_id: String::new(), unlocked: true }),
+                encryption: Some(pb::VolumeEncryption { unlocked: true, ..Default::default() }),
                 ..Default::default()
             })),
         }
@@ -409,6 +412,23 @@ impl Admin for AdminService {
             Some(k) => Some(self.keys.kek(&k, false)?),
             None => None,
         };
+        if r.data_key {
+            let name = r.name.clone();
+            let info = self.engine(move |p| p.volume_info(&name)).await?;
+            let enc = info
+                .encryption
+                .as_ref()
+                .ok_or_else(|| Status::failed_precondition(format!("volume {:?} is not encrypted", r.name)))?;
+            let kek = match old {
+                Some(k) => k,
+                None => self.keys.kek(&pb::KeyRef { key_id: enc.key_id.clone(), key: Vec::new() }, false)?,
+            };
+            self.rotations.start(&r.name, kek).await?;
+            let name = r.name.clone();
+            let info = self.engine(move |p| p.volume_info(&name)).await?;
+            tracing::info!(volume = %info.name, "data key rotation started");
+            return Ok(Response::new(self.volume_msg(info).await));
+        }
         let mut new = r.new_key.unwrap_or_default();
         if new.key_id.is_empty() && new.key.is_empty() {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();

@@ -118,19 +118,35 @@ fn format_time(unix: u64) -> String {
 fn volume_json(v: &pb::Volume) -> serde_json::Value {
     let l = v.limits.unwrap_or_default();
     json!({"name": v.name, "id": v.id, "size": v.size, "allocated": v.allocated, "exclusive": v.exclusive,
-           "chain_depth": v.chain_depth, "created_unix": v.created_unix, "exports": v.exports,
-           "read_only": v.read_only, "notes": v.notes,
-           "limits": {"iops": l.iops, "read_iops": l.read_iops, "write_iops": l.write_iops, "bps": l.bps,
-                      "read_bps": l.read_bps, "write_bps": l.write_bps, "burst_ms": l.burst_ms},
-           "ops_per_sec": v.ops_per_sec, "bytes_per_sec": v.bytes_per_sec,
-           "throttled_requests": v.throttled_requests, "throttled_seconds": v.throttled_seconds,
-           "encryption": v.encryption.as_ref().map(|e| json!({"key_id": e.key_id, "unlocked": e.unlocked}))})
+    "chain_depth": v.chain_depth, "created_unix": v.created_unix, "exports": v.exports,
+    "read_only": v.read_only, "notes": v.notes,
+    "limits": {"iops": l.iops, "read_iops": l.read_iops, "write_iops": l.write_iops, "bps": l.bps,
+               "read_bps": l.read_bps, "write_bps": l.write_bps, "burst_ms": l.burst_ms},
+    "ops_per_sec": v.ops_per_sec, "bytes_per_sec": v.bytes_per_sec,
+    "throttled_requests": v.throttled_requests, "throttled_seconds": v.throttled_seconds,
+    "encryption": v.encryption.as_ref().map(|e| {
+        let mut j = json!({"key_id": e.key_id, "unlocked": e.unlocked});
+        if let Some(r) = &e.rotation {
+            j["rotation"] = json!({"running": r.running, "done": r.done, "total": r.total,
+                                   "copied": r.copied, "error": r.error});
+        }
+        j
+    })})
 }
 
 /// How a volume is encrypted, in a word or three.
 fn encryption_text(v: &pb::Volume) -> String {
     match &v.encryption {
         None => "-".into(),
+        Some(e) if e.rotation.is_some() => {
+            let r = e.rotation.clone().unwrap_or_default();
+            let pct = (r.done * 100).checked_div(r.total).unwrap_or(0);
+            format!(
+                "aes-xts, key {}, data key rotation at {pct}%{}",
+                e.key_id,
+                if r.running { "" } else { " (stopped)" }
+            )
+        }
         Some(e) if e.unlocked => format!("aes-xts, key {}", e.key_id),
         Some(e) => format!("aes-xts, key {}, LOCKED", e.key_id),
     }
@@ -664,6 +680,33 @@ pub async fn follow<T>(
         bar.finish();
     }
     last.ok_or_else(|| anyhow::anyhow!("the daemon ended the {what} without a result"))
+}
+
+/// Follows volume `name`'s data-key rotation until it is done, with progress; fails with the
+/// reason it stopped.
+pub async fn wait_for_rotation(c: &mut Admin, name: &str) -> anyhow::Result<pb::Volume> {
+    let mut progress = Progress::new("re-encrypting");
+    let mut total = 0;
+    loop {
+        let v = c.get_volume(pb::GetVolumeRequest { name: name.into() }).await.map_err(rpc_error)?.into_inner();
+        match v.encryption.as_ref().and_then(|e| e.rotation.as_ref()) {
+            None => {
+                let total = if total == 0 { v.size } else { total };
+                progress.update(total, total);
+                progress.finish();
+                return Ok(v);
+            }
+            Some(r) if !r.running && !r.error.is_empty() => {
+                progress.finish();
+                anyhow::bail!("the data key rotation of {name} stopped: {} (run the command again to resume)", r.error);
+            }
+            Some(r) => {
+                total = r.total;
+                progress.update(r.done, r.total);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 /// Progress of a long operation on stderr: an indicatif bar on a terminal, left at its final

@@ -182,6 +182,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         let (keys, pool) = (keys.clone(), Arc::clone(&pool));
         tokio::task::spawn_blocking(move || keys.unlock_all(&pool)).await?;
     }
+    let rotations = crate::rotations::Rotations::restore(Arc::clone(&pool), &cfg.data_dir)?;
     let policy = Arc::new(crate::authz::Policy::new(cfg.roles.clone()));
     // Primaries refuse writes until their membership is re-established: set before any export
     // or device can take a write.
@@ -239,6 +240,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         replication: Arc::clone(&replication),
         sync: Arc::clone(&sync),
         keys,
+        rotations,
     });
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);

@@ -107,6 +107,19 @@ pub fn refuse_if_locked(pool: &Pool, image: &str) -> Result<(), Status> {
     }
 }
 
-pub fn encryption_msg(e: Option<ferrite_engine::Encryption>) -> Option<pb::VolumeEncryption> {
-    e.map(|e| pb::VolumeEncryption { key_id: e.key_id, unlocked: e.unlocked })
+pub fn encryption_msg(
+    e: Option<ferrite_engine::Encryption>,
+    job: Option<crate::rotations::Job>,
+) -> Option<pb::VolumeEncryption> {
+    let rotation = job.map(|j| {
+        let p = j.progress.unwrap_or(ferrite_engine::RotationProgress { done: 0, total: 0, copied: 0 });
+        pb::KeyRotation {
+            running: j.running,
+            done: p.done,
+            total: p.total,
+            copied: p.copied,
+            error: j.error.unwrap_or_default(),
+        }
+    });
+    e.map(|e| pb::VolumeEncryption { key_id: e.key_id, unlocked: e.unlocked, rotation })
 }

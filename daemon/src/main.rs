@@ -15,6 +15,7 @@ mod node_pool;
 mod pool_format;
 mod publications;
 mod replica;
+mod rotations;
 mod rpc;
 mod size;
 mod state;
@@ -224,10 +225,18 @@ enum VolumeCmd {
     /// Wrap an encrypted volume's data key with a new key-encryption key, online, without
     /// rewriting data (--key: its id, made in the key directory if missing; default: a new
     /// key named after the volume and the time). The old key file may then be removed.
+    ///
+    /// With --data-key: replace the data key itself (one that may have leaked): every block is
+    /// re-encrypted in the background, online; shows progress until done (--detach: returns at
+    /// once; `volume show` shows it). Snapshots keep the old data key until deleted.
     Rekey {
         name: String,
-        #[arg(long)]
+        #[arg(long, conflicts_with = "data_key")]
         key: Option<String>,
+        #[arg(long)]
+        data_key: bool,
+        #[arg(long, requires = "data_key")]
+        detach: bool,
     },
     /// Change a volume's limits online: `ferrite volume set db --iops 5000 --bw 200M` (limits
     /// not named keep their value; 0 removes one).
@@ -688,11 +697,14 @@ async fn client(cli: Cli) -> Result<()> {
                 let v = c.unlock_volume(pb::UnlockVolumeRequest { name, key: None }).await.map_err(rpc_error)?;
                 cli::print_volume(out, v.get_ref());
             }
-            VolumeCmd::Rekey { name, key } => {
+            VolumeCmd::Rekey { name, key, data_key, detach } => {
                 let new_key = key.map(|key_id| pb::KeyRef { key_id, key: Vec::new() });
-                let req = pb::RekeyVolumeRequest { name, old_key: None, new_key };
-                let v = c.rekey_volume(req).await.map_err(rpc_error)?;
-                cli::print_volume(out, v.get_ref());
+                let req = pb::RekeyVolumeRequest { name: name.clone(), old_key: None, new_key, data_key };
+                let mut v = c.rekey_volume(req).await.map_err(rpc_error)?.into_inner();
+                if data_key && !detach {
+                    v = cli::wait_for_rotation(&mut c, &name).await?;
+                }
+                cli::print_volume(out, &v);
             }
             VolumeCmd::List => {
                 let r = c.list_volumes(pb::ListVolumesRequest {}).await.map_err(rpc_error)?;

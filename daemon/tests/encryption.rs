@@ -118,3 +118,32 @@ fn encrypted_volumes_through_the_daemon() {
     let o = d.cli(&["replica", "add", "db", "tcp://127.0.0.1:9", "--sync"]);
     assert!(!o.status.success() && stderr(&o).contains("encrypted"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_data_key_rotation_reencrypts_a_volume_in_use_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start(dir.path());
+    d.ok(&["volume", "create", "db", "64MiB", "--encrypt"]);
+    let data = common::pattern(9, 8 << 20);
+    assert_eq!(common::nbd::write_on(&mut common::nbd::open(&d, "db"), 4 << 20, &data), 0);
+    d.ok(&["snapshot", "create", "db", "before"]);
+    // Shows progress until done; the volume reads the same, its snapshot keeps the old key.
+    let o = d.cli(&["volume", "rekey", "db", "--data-key"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("re-encrypting: 100%"), "{}", stderr(&o));
+    assert_eq!(&common::nbd::read_image(&d, "db", 64 << 20)[4 << 20..12 << 20], &data[..]);
+    assert_eq!(&common::nbd::read_image(&d, "db@before", 64 << 20)[4 << 20..12 << 20], &data[..]);
+    // Started and cut by a restart: it resumes by itself and finishes.
+    let v = d.json(&["volume", "rekey", "db", "--data-key", "--detach"]);
+    assert!(v["encryption"]["rotation"].is_object() || v["encryption"]["rotation"].is_null(), "{v}");
+    assert!(d.stop().success());
+    let d = Daemon::start(dir.path());
+    let start = std::time::Instant::now();
+    while d.json(&["volume", "show", "db"])["encryption"].get("rotation").is_some() {
+        assert!(start.elapsed() < std::time::Duration::from_secs(60), "{}", d.ok(&["volume", "show", "db"]));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(&common::nbd::read_image(&d, "db", 64 << 20)[4 << 20..12 << 20], &data[..]);
+    let o = d.cli(&["volume", "rekey", "plain-nope", "--data-key"]);
+    assert!(!o.status.success() && stderr(&o).contains("not found"), "{}", stderr(&o));
+}

@@ -18,8 +18,14 @@ pub(crate) struct WriteGate {
     closed: AtomicBool,
     inside: AtomicU64,
     mirror: RwLock<Option<Arc<dyn Mirror>>>,
-    /// Overlapping writes of a mirrored volume, one at a time.
+    /// Overlapping writes of a mirrored volume (or one whose data key is being replaced), one
+    /// at a time.
     pub ranges: RangeLocks,
+    /// Held (shared) by every client request while it runs; a data-key rotation takes it
+    /// alone to start, so no request encrypted with the old key lands in the new key's layer.
+    pub rekey: RwLock<()>,
+    /// A data-key rotation is copying blocks: client requests take their range's lock.
+    pub rekeying: AtomicBool,
 }
 
 /// A write inside the gate; leaving drops it.
@@ -52,6 +58,11 @@ impl WriteGate {
         self.inside.fetch_add(1, SeqCst);
         let inside = Inside(Arc::clone(self));
         (!self.closed.load(SeqCst)).then_some(inside)
+    }
+
+    /// Whether client requests must lock their ranges (a rotation is copying blocks).
+    pub fn is_rekeying(&self) -> bool {
+        self.rekeying.load(SeqCst)
     }
 
     pub fn is_closed(&self) -> bool {

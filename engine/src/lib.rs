@@ -72,6 +72,7 @@ pub use maint::defrag::{DefragProgress, DefragReport};
 pub use mirror::{Mirror, MirrorOp, Pending, RangeGuard, RangeLocks};
 pub use ops::encryption::Encryption;
 pub use ops::group::{GroupInfo, GroupSnapshotInfo};
+pub use ops::rotation::RotationProgress;
 pub use ops::scrub::{Damage, ScrubProgress, ScrubReport};
 pub use ops::snapshot::{Image, SnapshotInfo};
 pub use ops::volumes::VolumeInfo;

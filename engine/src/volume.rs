@@ -287,9 +287,12 @@ impl Volume {
     /// at the same time: done when both are. Overlapping requests wait for each other (see
     /// `mirror.rs`). A member refusing the request before it is sent refuses it here too.
     fn mirrored(&self, inner: &Inner, op: MirrorOp<'_>, local: impl FnOnce() -> Result<()>) -> Result<()> {
-        let Some((gate, mirror)) = self.gate.as_ref().and_then(|g| Some((g, g.mirror()?))) else {
+        let Some(gate) = self.gate.as_ref() else { return local() };
+        let _running = gate.rekey.read();
+        let mirror = gate.mirror();
+        if mirror.is_none() && !gate.is_rekeying() {
             return local();
-        };
+        }
         let _held = match op.range() {
             Some((offset, len)) => {
                 self.check_range(inner, offset, len)?;
@@ -297,6 +300,7 @@ impl Volume {
             }
             None => None,
         };
+        let Some(mirror) = mirror else { return local() };
         let _admitted = mirror.admit()?;
         if mirror.whole_blocks()
             && let Some(parts) = whole_block_parts(op)

@@ -278,6 +278,13 @@ impl Layers {
         }
     }
 
+    /// Whether merging `from` into `into` would move data blocks (not only zero markers): blocks
+    /// `into` does not shadow. A merge of layers under different data keys may move none.
+    pub fn merge_moves_data(&self, from: u64, into: u64) -> bool {
+        let (Some(src), Some(dst)) = (self.table.get(&from), self.table.get(&into)) else { return false };
+        src.map.all_entries().any(|(lba, pba, n)| !is_zero(pba) && !dst.map.gaps(lba, n).is_empty())
+    }
+
     /// Moves `from`'s entries into its child `into` wherever `into` says nothing, removes
     /// `from`, and gives `into` `from`'s parent. Physical blocks `into` shadows are pushed to
     /// `freed`. Calls `dirty` with every chunk of `into` that changed.

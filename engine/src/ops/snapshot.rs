@@ -63,8 +63,10 @@ fn referenced(st: &State, layer: u64) -> bool {
 }
 
 /// After a reference to `layer` went away: frees it (and then looks at its parent) if nothing
-/// depends on it, merges it into its only child, or leaves it hidden. Returns the catalog ops.
-fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
+/// depends on it, merges it into its only child, or leaves it hidden (also while its child is
+/// under another data key and does not yet shadow all its data: a rotation not done). Returns
+/// the catalog ops.
+pub(crate) fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
     let mut ops = Vec::new();
     let mut freed: Freed = Vec::new();
     let mut keys = Vec::new();
@@ -84,6 +86,9 @@ fn collect(st: &mut State, mut layer: u64) -> Vec<CatalogOp> {
                     Some(p) => layer = p,
                     None => break,
                 }
+            }
+            &[kid] if st.layers.key_of(kid) != st.layers.key_of(layer) && st.layers.merge_moves_data(layer, kid) => {
+                break;
             }
             &[kid] => {
                 let dirty = &mut st.dirty_chunks;
