@@ -47,6 +47,12 @@ impl Kek {
         &self.id
     }
 
+    /// The same key under another id: a key a request carries opens whatever its volume
+    /// records it as (the id only names the key).
+    pub fn with_id(&self, id: &str) -> Result<Self> {
+        Self::new(id, *self.key)
+    }
+
     /// The key itself, for a provider that stores or copies it.
     pub(crate) fn key_bytes(&self) -> &[u8; 32] {
         &self.key

@@ -138,10 +138,17 @@ impl ekr::encryption_key_rotation_controller_server::EncryptionKeyRotationContro
         };
         match c.rekey_volume(req).await {
             Ok(_) => {}
-            // Already rotated (the Secret holds the new key now): the new key opens it.
-            Err(e) if e.code() == tonic::Code::FailedPrecondition => {
+            // Already rotated (the volume records the new key's id, and the Secret holds the new
+            // key now): the new key opens it.
+            Err(e)
+                if e.code() == tonic::Code::FailedPrecondition
+                    && v.encryption.as_ref().is_some_and(|enc| enc.key_id == new_id) =>
+            {
                 let again = pb::UnlockVolumeRequest { name: v.name.clone(), key: Some(new) };
                 c.unlock_volume(again).await.map_err(|_| Status::unauthenticated(e.message().to_owned()))?;
+            }
+            Err(e) if e.code() == tonic::Code::FailedPrecondition => {
+                return Err(Status::unauthenticated(e.message().to_owned()));
             }
             Err(e) => return Err(e),
         }

@@ -56,11 +56,12 @@ impl KeyDir {
         ferrite_crypt::provider::valid_id(id) && self.0.dir().join(format!("{id}.key")).exists()
     }
 
-    /// A lookup by id for the engine: `given` if it is that key, else the key directory's.
+    /// A lookup by id for the engine: the key a call carries (`given`), whatever id the volume
+    /// records for it (a CSI Secret's id only names it); else the key directory's by id.
     pub fn lookup<'a>(&'a self, given: Option<&'a Kek>) -> impl Fn(&str) -> Result<Kek, ferrite_crypt::Error> + 'a {
         move |id| match given {
-            Some(k) if k.id() == id => Ok(k.clone()),
-            _ => self.0.kek(id),
+            Some(k) => k.with_id(id),
+            None => self.0.kek(id),
         }
     }
 

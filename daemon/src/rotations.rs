@@ -62,13 +62,8 @@ impl Rotations {
         let unfinished = self.jobs.lock().expect("not poisoned").contains_key(name);
         if !unfinished {
             blocking(move || {
-                pool.start_data_key_rotation(&n, |id| {
-                    if id == kek.id() {
-                        Ok(kek.clone())
-                    } else {
-                        Err(ferrite_crypt::Error::WrongKey { key_id: kek.id().into() })
-                    }
-                })
+                // The key wraps the current data key whatever id the volume records for it.
+                pool.start_data_key_rotation(&n, |id| kek.with_id(id))
             })
             .await?;
             self.jobs.lock().expect("not poisoned").insert(name.to_owned(), Job::default());

@@ -3,7 +3,7 @@
 # `ferrite attach`, which falls back to the kernel NBD client (netlink) without ublk.
 # fio verify on the raw device; ext4 and xfs: mkfs, mount, a tree of files, sync, unmount,
 # detach, re-attach, mount, compare checksums; fstrim + reclaim gives space back; a snapshot
-# attaches read-only.
+# attaches read-only; an encrypted volume reads and writes the same, across a data-key rotation.
 set -euo pipefail
 D=/tmp/ferrite; mkdir -p $D
 DEV_PREFIX=/dev/nbd
@@ -19,6 +19,7 @@ timeout 60 nbd-client -d /dev/nbd0 >/dev/null
 
 fs_lifecycle ext4
 fs_lifecycle xfs
+encrypted_lifecycle
 
 step "snapshot attached read-only"
 snapshot_mount

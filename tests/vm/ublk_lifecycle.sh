@@ -34,6 +34,7 @@ echo "detach with nothing attached fails cleanly:"
 
 fs_lifecycle ext4
 fs_lifecycle xfs
+encrypted_lifecycle
 
 step "snapshot attached read-only; attached things cannot be deleted"
 snapshot_mount
