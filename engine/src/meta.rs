@@ -44,6 +44,14 @@ pub(crate) struct VolumeRecord {
     pub name: String,
 }
 
+/// A layer as stored in the catalog: its parent (None: a root) and its data key (None: plaintext).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LayerRecord {
+    pub id: u64,
+    pub parent: Option<u64>,
+    pub key: Option<u64>,
+}
+
 /// A snapshot as stored in the catalog.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SnapshotRecord {
@@ -366,16 +374,16 @@ impl Meta {
         Ok(out)
     }
 
-    /// Every layer record: (layer, parent, data key). A build without encryption refuses the
-    /// 16-byte records of encrypted layers instead of reading their blocks as plaintext.
-    pub fn layers(&self) -> Result<Vec<(u64, Option<u64>, Option<u64>)>> {
+    /// Every layer record. A build without encryption refuses the 16-byte records of encrypted
+    /// layers instead of reading their blocks as plaintext.
+    pub fn layers(&self) -> Result<Vec<LayerRecord>> {
         let mut out = Vec::new();
         self.scan(b"y/", |k, v| {
             if k.len() != 8 || !matches!(v.len(), 8 | 16) {
                 return Err(corrupt("malformed layer record"));
             }
             let key = (v.len() == 16).then(|| le64(v, 8)).filter(|&k| k != 0);
-            out.push((be64(k, 0), Some(le64(v, 0)).filter(|&p| p != 0), key));
+            out.push(LayerRecord { id: be64(k, 0), parent: Some(le64(v, 0)).filter(|&p| p != 0), key });
             Ok(())
         })?;
         Ok(out)

@@ -54,8 +54,8 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         layers.insert(rec.layer, Layer::over(None, None));
         volumes.insert(rec.id, VolumeEntry::new(rec));
     }
-    for (id, parent, key) in meta.layers()? {
-        layers.insert(id, Layer::over(parent, key));
+    for l in meta.layers()? {
+        layers.insert(l.id, Layer::over(l.parent, l.key));
     }
     let data_keys = crate::keys::load(meta)?;
     for (&id, l) in &layers {

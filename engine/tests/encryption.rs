@@ -3,6 +3,8 @@
 //! nothing, snapshots and clones read with their parents' key, the cleaner and scrub work
 //! without any key, and rekeying rewraps without rewriting.
 
+#![allow(clippy::cast_possible_truncation)] // the shared test patterns
+
 mod common;
 
 use common::{Fixture, pattern, small_opts};

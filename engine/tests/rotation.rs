@@ -2,6 +2,8 @@
 //! are kept), crash-safe at any point (every block still reads, under the old key or the new),
 //! resumable, and the old key gone once nothing uses it.
 
+#![allow(clippy::cast_possible_truncation)] // the shared test patterns
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
