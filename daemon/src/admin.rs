@@ -176,7 +176,7 @@ impl AdminService {
             chain_depth: info.chain_depth as u64,
             notes: Vec::new(),
             read_only: info.read_only,
-            encryption: crate::encryption::encryption_msg(info.encryption, job),
+            encryption: crate::encryption::encryption_msg(info.encryption, job, &self.keys),
         }
     }
 

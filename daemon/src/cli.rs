@@ -125,7 +125,7 @@ fn volume_json(v: &pb::Volume) -> serde_json::Value {
     "ops_per_sec": v.ops_per_sec, "bytes_per_sec": v.bytes_per_sec,
     "throttled_requests": v.throttled_requests, "throttled_seconds": v.throttled_seconds,
     "encryption": v.encryption.as_ref().map(|e| {
-        let mut j = json!({"key_id": e.key_id, "unlocked": e.unlocked});
+        let mut j = json!({"key_id": e.key_id, "unlocked": e.unlocked, "provider": e.provider});
         if let Some(r) = &e.rotation {
             j["rotation"] = json!({"running": r.running, "done": r.done, "total": r.total,
                                    "copied": r.copied, "error": r.error});
@@ -141,14 +141,11 @@ fn encryption_text(v: &pb::Volume) -> String {
         Some(e) if e.rotation.is_some() => {
             let r = e.rotation.clone().unwrap_or_default();
             let pct = (r.done * 100).checked_div(r.total).unwrap_or(0);
-            format!(
-                "aes-xts, key {}, data key rotation at {pct}%{}",
-                e.key_id,
-                if r.running { "" } else { " (stopped)" }
-            )
+            let state = if r.running { "" } else { " (stopped)" };
+            format!("aes-xts, key {} ({}), data key rotation at {pct}%{state}", e.key_id, e.provider)
         }
-        Some(e) if e.unlocked => format!("aes-xts, key {}", e.key_id),
-        Some(e) => format!("aes-xts, key {}, LOCKED", e.key_id),
+        Some(e) if e.unlocked => format!("aes-xts, key {} ({})", e.key_id, e.provider),
+        Some(e) => format!("aes-xts, key {} ({}), LOCKED", e.key_id, e.provider),
     }
 }
 

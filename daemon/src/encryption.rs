@@ -52,7 +52,7 @@ impl KeyDir {
         }
     }
 
-    fn exists(&self, id: &str) -> bool {
+    pub fn exists(&self, id: &str) -> bool {
         ferrite_crypt::provider::valid_id(id) && self.0.dir().join(format!("{id}.key")).exists()
     }
 
@@ -111,6 +111,7 @@ pub fn refuse_if_locked(pool: &Pool, image: &str) -> Result<(), Status> {
 pub fn encryption_msg(
     e: Option<ferrite_engine::Encryption>,
     job: Option<crate::rotations::Job>,
+    keys: &KeyDir,
 ) -> Option<pb::VolumeEncryption> {
     let rotation = job.map(|j| {
         let p = j.progress.unwrap_or(ferrite_engine::RotationProgress { done: 0, total: 0, copied: 0 });
@@ -122,5 +123,8 @@ pub fn encryption_msg(
             error: j.error.unwrap_or_default(),
         }
     });
-    e.map(|e| pb::VolumeEncryption { key_id: e.key_id, unlocked: e.unlocked, rotation })
+    e.map(|e| {
+        let provider = if keys.exists(&e.key_id) { keys.kind() } else { "request" };
+        pb::VolumeEncryption { unlocked: e.unlocked, rotation, provider: provider.into(), key_id: e.key_id }
+    })
 }

@@ -57,7 +57,11 @@ async fn encrypted_volumes_and_key_rotation_through_csi() {
     let v = ctl.create_volume(encrypted("e1", Some(KEY_A))).await.unwrap().into_inner().volume.unwrap();
     let name = v.volume_id.split_once('/').map_or(v.volume_id.as_str(), |(_, n)| n).to_owned();
     let show = a.json(&["volume", "show", &name]);
-    assert_eq!(show["encryption"]["key_id"], "team-a", "{show}");
+    assert_eq!(
+        (&show["encryption"]["key_id"], &show["encryption"]["provider"]),
+        (&"team-a".into(), &"request".into()),
+        "{show}"
+    );
     // The daemon stores only the wrapped key: nothing in its key directory.
     assert!(!a.dir.join("keys").exists());
 

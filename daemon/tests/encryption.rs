@@ -35,8 +35,8 @@ fn encrypted_volumes_through_the_daemon() {
     let keys = dir.path().join("keys");
     assert_eq!((mode(&keys), mode(&keys.join("default.key"))), (0o700, 0o600));
     let v = d.json(&["volume", "show", "db"]);
-    assert_eq!(v["encryption"], serde_json::json!({"key_id": "default", "unlocked": true}), "{v}");
-    assert!(d.ok(&["volume", "list"]).contains("aes-xts, key default"));
+    assert_eq!(v["encryption"], serde_json::json!({"key_id": "default", "unlocked": true, "provider": "file"}), "{v}");
+    assert!(d.ok(&["volume", "list"]).contains("aes-xts, key default (file)"));
     assert_eq!(d.json(&["volume", "show", "plain"])["encryption"], serde_json::Value::Null);
 
     // Real NBD clients read and write it like any other volume.
@@ -88,7 +88,7 @@ fn encrypted_volumes_through_the_daemon() {
     let o = d.cli(&["volume", "unlock", "db"]);
     assert!(!o.status.success() && stderr(&o).contains("chmod 600"), "{}", stderr(&o));
     std::fs::set_permissions(keys.join("default.key"), std::fs::Permissions::from_mode(0o600)).unwrap();
-    assert!(d.ok(&["volume", "unlock", "db"]).contains("aes-xts, key default"));
+    assert!(d.ok(&["volume", "unlock", "db"]).contains("aes-xts, key default (file)"));
     let (ok, out) = io(&d, "db", &["read -P 0x77 1M 2M"]);
     assert!(ok && !out.contains("verification failed"), "{out}");
 

@@ -14,6 +14,8 @@ const MODULES: &[&str] = &[
     "authz",
     "rpc",
     "config",
+    "rotations",
+    "encryption",
     "fence",
     "listen",
     "exports",

@@ -308,7 +308,11 @@ fn an_encrypted_volume_replicates_as_ciphertext() {
     enable(&primary, peer.admin().to_str().unwrap());
     let m1 = sync(&primary)["snapshot"].as_str().unwrap().to_owned();
     let r = peer.json(&["volume", "show", "r"]);
-    assert_eq!(r["encryption"], serde_json::json!({"key_id": "default", "unlocked": false}), "{r}");
+    assert_eq!(
+        r["encryption"],
+        serde_json::json!({"key_id": "default", "unlocked": false, "provider": "request"}),
+        "{r}"
+    );
     let o = peer.cli(&["export", "nbd", &format!("r@{m1}")]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("locked"));
 

@@ -88,7 +88,7 @@ encrypted_lifecycle() {
   fio_verify "$DEV"
   mkfs.ext4 -q -F "$DEV"; mkdir -p /mnt/enc; mount "$DEV" /mnt/enc
   write_tree /mnt/enc
-  yes FERRITE-SECRET-MARKER | head -c 4M > /mnt/enc/marker
+  printf 'FERRITE-SECRET-MARKER-%08d\n' $(seq 100000) > /mnt/enc/marker
   sync
   head -c 8M /dev/urandom > /mnt/enc/during &
   f volume rekey enc --data-key 2>&1 | tail -1

@@ -41,6 +41,20 @@ fn chain_keys(st: &State, head: u64) -> BTreeSet<u64> {
     keys
 }
 
+/// The layer an image reads from.
+fn head_of(st: &State, image: Image<'_>) -> Result<u64> {
+    Ok(match image {
+        Image::Volume(v) => st.volumes[&lookup(st, v)?].rec.layer,
+        Image::Snapshot(s) => st.snapshots[&snapshot_by_name(st, s)?].layer,
+    })
+}
+
+/// The data keys of an image's chain, wrapped.
+fn chain_wrapped(st: &State, image: Image<'_>) -> Result<Vec<(u64, ferrite_crypt::WrappedKey)>> {
+    let head = head_of(st, image)?;
+    Ok(chain_keys(st, head).into_iter().map(|k| (k, st.keys[&k].wrapped.clone())).collect())
+}
+
 pub(crate) fn encryption_of(st: &State, head: u64) -> Option<Encryption> {
     let keys = chain_keys(st, head);
     let entry = &st.keys[&st.layers.key_of(head).or_else(|| keys.first().copied())?];
@@ -52,7 +66,7 @@ pub(crate) fn encryption_of(st: &State, head: u64) -> Option<Encryption> {
 }
 
 /// An engine error for a key that failed, never naming key material.
-fn key_error(name: &str, e: ferrite_crypt::Error) -> Error {
+pub(crate) fn key_error(name: &str, e: ferrite_crypt::Error) -> Error {
     let kind = match e {
         ferrite_crypt::Error::Io(_) | ferrite_crypt::Error::Random => ErrorKind::Io,
         _ => ErrorKind::Locked,
@@ -75,10 +89,7 @@ impl Pool {
     /// replica of it is made with ([`Pool::create_volume_wrapped`]).
     pub fn wrapped_key(&self, image: Image<'_>) -> Result<Option<Vec<u8>>> {
         let st = self.inner.state.read();
-        let head = match image {
-            Image::Volume(v) => st.volumes[&lookup(&st, v)?].rec.layer,
-            Image::Snapshot(s) => st.snapshots[&snapshot_by_name(&st, s)?].layer,
-        };
+        let head = head_of(&st, image)?;
         Ok(st.layers.key_of(head).map(|k| st.keys[&k].wrapped.encode()))
     }
 
@@ -128,14 +139,7 @@ impl Pool {
         let name = match image {
             Image::Volume(n) | Image::Snapshot(n) => n,
         };
-        let wrapped: Vec<(u64, ferrite_crypt::WrappedKey)> = {
-            let st = self.inner.state.read();
-            let head = match image {
-                Image::Volume(v) => st.volumes[&lookup(&st, v)?].rec.layer,
-                Image::Snapshot(s) => st.snapshots[&snapshot_by_name(&st, s)?].layer,
-            };
-            chain_keys(&st, head).into_iter().map(|k| (k, st.keys[&k].wrapped.clone())).collect()
-        };
+        let wrapped = chain_wrapped(&self.inner.state.read(), image)?;
         let mut opened = Vec::with_capacity(wrapped.len());
         for (id, w) in wrapped {
             let key = kek(&w.key_id).and_then(|kek| kek.unwrap(&w)).map_err(|e| key_error(name, e))?;
@@ -162,11 +166,7 @@ impl Pool {
     ) -> Result<Encryption> {
         let inner = &self.inner;
         let _m = inner.meta_lock.lock();
-        let wrapped: Vec<(u64, ferrite_crypt::WrappedKey)> = {
-            let st = inner.state.read();
-            let head = st.volumes[&lookup(&st, name)?].rec.layer;
-            chain_keys(&st, head).into_iter().map(|k| (k, st.keys[&k].wrapped.clone())).collect()
-        };
+        let wrapped = chain_wrapped(&inner.state.read(), Image::Volume(name))?;
         if wrapped.is_empty() {
             return Err(Error::new(ErrorKind::InvalidArgument, format!("volume {name:?} is not encrypted")));
         }

@@ -24,6 +24,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::io::BLOCK;
 use crate::keys::KeyEntry;
 use crate::meta::CatalogOp;
+use crate::ops::encryption::key_error;
 use crate::ops::snapshot::collect;
 use crate::ops::volumes::lookup;
 use crate::pool::Pool;
@@ -40,10 +41,6 @@ pub struct RotationProgress {
     pub total: u64,
     /// Bytes re-encrypted so far.
     pub copied: u64,
-}
-
-fn key_error(name: &str, e: ferrite_crypt::Error) -> Error {
-    Error::new(ErrorKind::Locked, format!("volume {name:?}: {e}"))
 }
 
 impl Pool {
