@@ -91,8 +91,9 @@ encrypted_lifecycle() {
   printf 'FERRITE-SECRET-MARKER-%08d\n' $(seq 100000) > /mnt/enc/marker
   sync
   head -c 8M /dev/urandom > /mnt/enc/during &
-  f volume rekey enc --data-key 2>&1 | tail -1
-  wait
+  local writer=$!
+  f volume rekey enc --data-key 2>&1 | grep -m1 'encryption'
+  wait "$writer"  # not a bare wait: the daemon runs in the background too
   sums /mnt/enc > /tmp/enc.sums
   sync; umount /mnt/enc; detach "$DEV"
   attach enc 2>/dev/null; mount "$DEV" /mnt/enc
