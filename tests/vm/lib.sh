@@ -92,7 +92,7 @@ encrypted_lifecycle() {
   sync
   head -c 8M /dev/urandom > /mnt/enc/during &
   local writer=$!
-  f volume rekey enc --data-key 2>&1 | grep -m1 'encryption'
+  f volume rekey enc --data-key 2>&1 | grep encryption
   wait "$writer"  # not a bare wait: the daemon runs in the background too
   sums /mnt/enc > /tmp/enc.sums
   sync; umount /mnt/enc; detach "$DEV"
