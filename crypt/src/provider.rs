@@ -32,7 +32,7 @@ pub fn valid_id(id: &str) -> bool {
 }
 
 /// 32 key bytes from `text`: exactly 64 hex digits (surrounding whitespace ignored).
-fn parse_hex(text: &str) -> Option<Zeroizing<[u8; 32]>> {
+pub fn parse_hex(text: &str) -> Option<Zeroizing<[u8; 32]>> {
     let t = text.trim().as_bytes();
     if t.len() != 64 {
         return None;

@@ -34,18 +34,9 @@ pub fn requested(params: &HashMap<String, String>) -> Result<bool, Status> {
     }
 }
 
-/// 32 bytes from exactly 64 hex digits.
-fn hex32(text: &str) -> Option<Vec<u8>> {
-    let t = text.trim().as_bytes();
-    if t.len() != 64 {
-        return None;
-    }
-    t.chunks(2).map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok()).collect()
-}
-
 /// The key `value` (64 hex digits) under `id`, for the daemon.
 fn key_ref(id: &str, value: &str, what: &str) -> Result<pb::KeyRef, Status> {
-    let key = hex32(value).ok_or_else(|| {
+    let key = ferrite_crypt::provider::parse_hex(value).map(|k| k.to_vec()).ok_or_else(|| {
         Status::invalid_argument(format!("{what} must be 64 hex digits (32 random bytes: openssl rand -hex 32)"))
     })?;
     Ok(pb::KeyRef { key_id: id.to_owned(), key })
