@@ -180,13 +180,42 @@ impl AdminService {
         }
     }
 
-    /// Refuses synchronous replicas of an encrypted volume: members get the client's plaintext
-    /// writes (async replicas ship ciphertext).
-    fn refuse_if_encrypted(&self, volume: &str) -> Result<(), Status> {
-        match self.pool.volume_info(volume) {
-            Ok(i) if i.encryption.is_some() => Err(Status::failed_precondition(format!(
-                "volume {volume:?} is encrypted: synchronous replicas of encrypted volumes are not supported yet \
-                 (asynchronous replication ships its ciphertext)"
+    /// Refuses synchronous replicas of a volume whose data-key rotation is unfinished: members
+    /// hold one data key's ciphertext, and the rotation's copies are not mirrored.
+    fn refuse_if_rotating(&self, volume: &str) -> Result<(), Status> {
+        match self.rotations.job(volume) {
+            Some(_) => Err(Status::failed_precondition(format!(
+                "volume {volume:?} has an unfinished data-key rotation: add synchronous replicas once it is done \
+                 (ferrite volume show {volume})"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Opens a promoted replica of an encrypted volume with its key from the key directory,
+    /// where it is there; else it stays locked until `ferrite volume unlock` (or a CSI publish
+    /// with the key) opens it.
+    async fn open_promoted(&self, volume: &str) {
+        let (keys, name) = (self.keys.clone(), volume.to_owned());
+        let opened = self
+            .engine(move |p| match p.volume_info(&name)?.encryption {
+                Some(e) if !e.unlocked => p.unlock(Image::Volume(&name), keys.lookup(None)).map(|()| true),
+                _ => Ok(false),
+            })
+            .await;
+        match opened {
+            Ok(true) => self.exports.revive(volume).await,
+            Ok(false) => {}
+            Err(e) => tracing::warn!(volume, "promoted, and stays locked: {}", e.message()),
+        }
+    }
+
+    /// Refuses a rekey of a synchronous replica here: its primary's rekey reaches it.
+    fn refuse_if_member(&self, volume: &str) -> Result<(), Status> {
+        match self.sync.records.get(volume) {
+            Some(m) if self.sync.primary(volume).is_none() => Err(Status::failed_precondition(format!(
+                "volume {volume:?} is a synchronous replica here: rekey it on its primary, {}",
+                m.primary
             ))),
             _ => Ok(()),
         }
@@ -408,6 +437,7 @@ impl Admin for AdminService {
     async fn rekey_volume(&self, req: Request<pb::RekeyVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
         let r = req.into_inner();
         require("name", &r.name)?;
+        self.refuse_if_member(&r.name)?;
         let old = match r.old_key.filter(|k| !k.key.is_empty()) {
             Some(k) => Some(self.keys.kek(&k, false)?),
             None => None,
@@ -443,6 +473,7 @@ impl Admin for AdminService {
                 p.volume_info(&name)
             })
             .await?;
+        self.sync.rewrapped(&info.name).await?;
         tracing::info!(volume = %info.name, "volume rekeyed");
         Ok(Response::new(self.volume_msg(info).await))
     }
@@ -548,7 +579,9 @@ impl Admin for AdminService {
         req: Request<pb::PromoteReplicationRequest>,
     ) -> Result<Response<pb::Replication>, Status> {
         let r = req.into_inner();
-        self.replication.promote(&r.volume, r.force).await.map(Response::new)
+        let promoted = self.replication.promote(&r.volume, r.force).await?;
+        self.open_promoted(&r.volume).await;
+        Ok(Response::new(promoted))
     }
 
     async fn resync_replication(
@@ -573,7 +606,7 @@ impl Admin for AdminService {
         let r = req.into_inner();
         require("volume", &r.volume)?;
         require("peer", &r.peer)?;
-        self.refuse_if_encrypted(&r.volume)?;
+        self.refuse_if_rotating(&r.volume)?;
         self.sync.add(&r.volume, &r.peer, r.witness).await.map(Response::new)
     }
 
@@ -593,7 +626,9 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::SyncVolume>, Status> {
         let r = req.into_inner();
         require("volume", &r.volume)?;
-        self.sync.promote(&r.volume, r.force).await.map(Response::new)
+        let promoted = self.sync.promote(&r.volume, r.force).await?;
+        self.open_promoted(&r.volume).await;
+        Ok(Response::new(promoted))
     }
 
     async fn list_sync_replicas(

@@ -505,7 +505,7 @@ fn membership(volume: &str, generation: u64, primary: &str, members: &[(&str, &s
             .map(|(e, s)| pb::Member { endpoint: (*e).into(), state: (*s).into(), ..Default::default() })
             .collect(),
         size: 16 * MIB,
-        marks: Vec::new(),
+        ..Default::default()
     }
 }
 

@@ -302,23 +302,40 @@ impl Volume {
         };
         let Some(mirror) = mirror else { return local() };
         let _admitted = mirror.admit()?;
-        if mirror.whole_blocks()
+        // Members of an encrypted volume hold its ciphertext and no key: they get whole blocks
+        // as this volume stores them.
+        let key = match op {
+            MirrorOp::Write { .. } | MirrorOp::Zero { .. } => self.write_key(inner)?,
+            MirrorOp::Trim { .. } | MirrorOp::Flush => None,
+        };
+        if (mirror.whole_blocks() || key.is_some())
             && let Some(parts) = whole_block_parts(op)
         {
             // A member being rebuilt cannot merge a partial block with what it holds (the
-            // block may not have arrived yet): it gets the whole blocks as they are here.
+            // block may not have arrived yet), nor can one without the key: it gets the whole
+            // blocks as they are here.
             local()?;
+            let raw = self.clone().ciphertext();
             let mut pending = Vec::with_capacity(parts.len());
             for (offset, len, data, fua) in parts {
                 pending.push(if data {
                     let mut whole = vec![0u8; usize::try_from(len).expect("a few blocks")];
-                    self.read(offset, &mut whole)?;
+                    raw.read(offset, &mut whole)?;
                     mirror.send(MirrorOp::Write { offset, data: &whole, fua })?
                 } else {
                     mirror.send(MirrorOp::Zero { offset, len, fua })?
                 });
             }
             return pending.into_iter().try_for_each(|p| p.wait());
+        }
+        if let (Some(key), MirrorOp::Write { offset, data, fua }) = (key, op) {
+            // Whole blocks: encrypted once, the same ciphertext here and on the members.
+            let mut sealed = data.to_vec();
+            key.encrypt(offset / B, &mut sealed);
+            let pending = mirror.send(MirrorOp::Write { offset, data: &sealed, fua })?;
+            let here = self.clone().ciphertext().write_in(inner, offset, Cow::Owned(sealed), fua);
+            let there = pending.wait();
+            return here.and(there);
         }
         let pending = mirror.send(op)?;
         let here = local();
@@ -479,6 +496,10 @@ impl Volume {
     /// primary's): zero data, [`ZERO_DATA_SLICE`] at a time, so the memory is one slice whatever
     /// the length and other writes interleave between slices.
     pub fn write_zero_data(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        if self.raw && self.is_encrypted()? {
+            // Zero bytes are no block's ciphertext: without the key, zeros are holes.
+            return self.write_zeroes(offset, len, fua);
+        }
         let zeros = vec![0u8; usize::try_from(len.min(ZERO_DATA_SLICE)).expect("bounded")];
         let mut at = offset;
         while at < offset + len {
@@ -564,6 +585,14 @@ impl Volume {
     pub fn flush(&self) -> Result<()> {
         let inner = &*self.pool()?;
         self.mirrored(inner, MirrorOp::Flush, || inner.log.flush(inner))
+    }
+
+    /// Whether this volume's (or snapshot's) own blocks are encrypted.
+    pub fn is_encrypted(&self) -> Result<bool> {
+        let inner = self.pool()?;
+        let st = inner.state.read();
+        let (head, _) = self.head(&st)?;
+        Ok(st.layers.key_of(head).is_some())
     }
 
     /// Whether client writes of this volume also go to synchronous replicas.

@@ -45,6 +45,7 @@ impl SyncHub {
                 if info.read_only {
                     return Err(Status::failed_precondition(format!("volume {volume:?} is read-only here")));
                 }
+                let wrapped_key = self.wrapped_key(volume).await?;
                 let first = Membership {
                     volume: volume.to_owned(),
                     generation: 1,
@@ -56,6 +57,7 @@ impl SyncHub {
                         mark: String::new(),
                     }],
                     size: info.size,
+                    wrapped_key,
                 };
                 self.records.put(first.clone())?;
                 self.start_primary(first, None)
@@ -187,6 +189,35 @@ impl SyncHub {
         drop((_c, hold));
         tracing::info!(volume, size = new_size, "synchronous members grown");
         Ok(())
+    }
+
+    /// After a rekey of `volume` here (its primary): the members record its new wrapping, so
+    /// that a promoted one opens with the new key-encryption key.
+    pub async fn rewrapped(self: &Arc<Self>, volume: &str) -> Result<(), Status> {
+        let op = self.op_lock(volume);
+        let _op = op.lock().await;
+        let Some(primary) = self.primary(volume) else { return Ok(()) };
+        let wrapped_key = self.wrapped_key(volume).await?;
+        let _c = primary.change.lock().await;
+        let old = primary.record();
+        if old.wrapped_key == wrapped_key {
+            return Ok(());
+        }
+        let next = Membership { generation: self.next_generation(&old), wrapped_key, ..old.clone() };
+        self.propose(&old, &next).await.map_err(|e| {
+            Status::unavailable(format!(
+                "rekeyed here, but the members did not record the new wrapping ({e}): run the rekey again once they answer"
+            ))
+        })?;
+        primary.adopt(next);
+        tracing::info!(volume, "synchronous members follow the new key wrapping");
+        Ok(())
+    }
+
+    /// `volume`'s wrapped data key here (empty: plaintext).
+    async fn wrapped_key(&self, volume: &str) -> Result<Vec<u8>, Status> {
+        let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
+        blocking(move || pool.wrapped_key(ferrite_engine::Image::Volume(&name)).map(Option::unwrap_or_default)).await
     }
 
     async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {

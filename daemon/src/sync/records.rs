@@ -56,6 +56,9 @@ pub struct Membership {
     pub primary: String,
     pub members: Vec<Member>,
     pub size: u64,
+    /// An encrypted volume's wrapped data key (empty: plaintext), as the primary holds it now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub wrapped_key: Vec<u8>,
 }
 
 impl Keyed for Membership {
@@ -108,6 +111,7 @@ impl Membership {
                 .collect(),
             size: self.size,
             marks: Vec::new(),
+            wrapped_key: self.wrapped_key.clone(),
         }
     }
 
@@ -130,12 +134,16 @@ impl Membership {
             let reason = m.reason.chars().take(200).collect();
             members.push(Member { endpoint: m.endpoint.clone(), state, reason, mark: m.mark.clone() });
         }
+        if p.wrapped_key.len() > MAX_WRAPPED_KEY {
+            return Err(format!("a wrapped key of {} bytes (at most {MAX_WRAPPED_KEY})", p.wrapped_key.len()));
+        }
         let rec = Self {
             volume: p.volume.clone(),
             generation: p.generation,
             primary: p.primary.clone(),
             members,
             size: p.size,
+            wrapped_key: p.wrapped_key.clone(),
         };
         if rec.state_of(&rec.primary) != Some(State::InSync) {
             return Err(format!("the primary {:?} is not an in-sync member", rec.primary));
@@ -146,6 +154,9 @@ impl Membership {
 
 /// At most this many members per volume (the primary, replicas and witnesses).
 pub const MAX_MEMBERS: usize = 7;
+
+/// A wrapped data key is a few dozen bytes and a key id of at most 255.
+const MAX_WRAPPED_KEY: usize = 512;
 
 /// A member's endpoint: tcp://host:port, bounded.
 pub fn check_endpoint(e: &str) -> Result<(), String> {
@@ -168,6 +179,7 @@ mod tests {
                 .map(|(e, s)| Member { endpoint: (*e).into(), state: *s, reason: String::new(), mark: String::new() })
                 .collect(),
             size: 1 << 20,
+            wrapped_key: Vec::new(),
         }
     }
 
@@ -194,5 +206,8 @@ mod tests {
         let mut p = three.to_proto();
         p.members.push(p.members[0].clone());
         assert!(Membership::from_proto(&p).unwrap_err().contains("twice"));
+        let mut p = three.to_proto();
+        p.wrapped_key = vec![1; 513];
+        assert!(Membership::from_proto(&p).unwrap_err().contains("wrapped key"));
     }
 }

@@ -10,7 +10,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use ferrite_engine::Volume;
+use ferrite_engine::{Pool, Volume};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{
     Membership as PbMembership, MembershipRequest, MirrorAck, MirrorMessage, RebuildMessage, RebuildReply, RecordReply,
@@ -89,6 +89,13 @@ impl MirrorService {
             _ => Err(Status::invalid_argument(format!("{} is not a member of that membership", hub.me))),
         }
     }
+}
+
+/// A member's handle on its copy: past its read-only flag, and for an encrypted volume one
+/// that writes the ciphertext the primary sends as it is (a member holds no key).
+fn member_volume(pool: &Pool, name: &str) -> ferrite_engine::Result<Volume> {
+    let v = pool.open_volume(name)?.past_read_only();
+    Ok(if v.is_encrypted()? { v.ciphertext() } else { v })
 }
 
 /// Applies one request to the member's copy.
@@ -176,7 +183,7 @@ impl MirrorService {
             )));
         }
         let state = self.still_writer(&open.volume, &held.primary)?.state_of(&self.0.me);
-        let volume = self.0.pool.open_volume(&open.volume).map_err(status)?.past_read_only();
+        let volume = member_volume(&self.0.pool, &open.volume).map_err(status)?;
         let catch_up = match (open.rebuild, state) {
             (false, _) => None,
             (true, Some(State::Rebuilding)) => Some(self.0.start_catch_up(&volume, &open.base).await?),
@@ -348,6 +355,9 @@ impl mirror_server::Mirror for MirrorService {
             let (pool, name, size) = (Arc::clone(&hub.pool), next.volume.clone(), next.size);
             blocking(move || pool.grow_volume(&name, size).map(drop)).await?;
         }
+        if held.is_some() && mine != State::Witness {
+            hub.follow_key(&next).await?;
+        }
         if held.as_ref().is_some_and(|h| h.primary == hub.me) {
             hub.step_down(&next.volume, &format!("generation {} names {} the primary", next.generation, next.primary));
         }
@@ -397,7 +407,7 @@ impl mirror_server::Mirror for MirrorService {
         let catch_up = hub.catch_ups.lock().expect("not poisoned").get(&begin.volume).cloned().ok_or_else(|| {
             Status::failed_precondition("no stream was opened for this rebuild (the member restarted?)")
         })?;
-        let volume = hub.pool.open_volume(&begin.volume).map_err(status)?.past_read_only();
+        let volume = member_volume(&hub.pool, &begin.volume).map_err(status)?;
         let size = volume.size().map_err(status)?;
         let (mut next, mut data_bytes) = (0u64, 0u64);
         loop {
@@ -491,6 +501,29 @@ impl SyncHub {
         Ok(c)
     }
 
+    /// Keeps this member's copy wrapped as `rec` says its primary's volume is now (after a
+    /// rekey there); refuses a membership that disagrees with the copy on whether it is
+    /// encrypted.
+    async fn follow_key(&self, rec: &Membership) -> Result<(), Status> {
+        let (pool, name, wrapped) = (Arc::clone(&self.pool), rec.volume.clone(), rec.wrapped_key.clone());
+        blocking(move || {
+            let encrypted = pool.volume_info(&name)?.encryption.is_some();
+            match (encrypted, wrapped.is_empty()) {
+                (true, false) => pool.set_wrapped_key(&name, &wrapped),
+                (false, true) => Ok(()),
+                (here, _) => Err(ferrite_engine::Error::new(
+                    ferrite_engine::ErrorKind::InvalidArgument,
+                    format!(
+                        "volume {name:?} is {} here and the membership says it is {}",
+                        if here { "encrypted" } else { "plaintext" },
+                        if here { "plaintext" } else { "encrypted" }
+                    ),
+                )),
+            }
+        })
+        .await
+    }
+
     /// Makes the replica volume of a first membership here: it must not exist yet (a member
     /// never takes over a volume it did not create), is bounded by the pool, and is read-only
     /// to clients.
@@ -502,7 +535,8 @@ impl SyncHub {
                 rec.size
             )));
         }
-        let (pool, name, size) = (Arc::clone(&self.pool), rec.volume.clone(), rec.size);
+        let (pool, name, size, wrapped) =
+            (Arc::clone(&self.pool), rec.volume.clone(), rec.size, rec.wrapped_key.clone());
         blocking(move || {
             if pool.volume_info(&name).is_ok() {
                 return Err(ferrite_engine::Error::new(
@@ -510,7 +544,13 @@ impl SyncHub {
                     format!("volume {name:?} exists here and is no synchronous replica: a member never takes over a volume it did not create"),
                 ));
             }
-            pool.create_volume(&name, size)?;
+            // An encrypted volume's copy is made with its wrapped key: locked here, written
+            // with the ciphertext the primary sends, and opened with the same key-encryption
+            // key once promoted.
+            match wrapped.is_empty() {
+                true => pool.create_volume(&name, size)?,
+                false => pool.create_volume_wrapped(&name, size, &wrapped)?,
+            };
             pool.set_read_only(&name, true).map(drop)
         })
         .await

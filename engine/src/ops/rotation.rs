@@ -63,7 +63,13 @@ impl Pool {
             (Arc::clone(&e.gate), e.rec.layer, st.keys[&key].wrapped.clone())
         };
         if gate.mirror().is_some() {
-            return Err(Error::new(ErrorKind::InvalidArgument, format!("volume {name:?} has synchronous replicas")));
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "volume {name:?} has synchronous replicas: its data key cannot be replaced while they hold its \
+                     ciphertext (remove them first; a new key-encryption key needs no rotation)"
+                ),
+            ));
         }
         let kek = kek(&wrapped.key_id).map_err(|e| key_error(name, e))?;
         kek.unwrap(&wrapped).map_err(|e| key_error(name, e))?;
