@@ -8,7 +8,6 @@ mod common;
 
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 

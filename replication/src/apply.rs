@@ -33,10 +33,12 @@ impl Transfer {
     /// first sync into a replica that already holds snapshots, `to` already there, `end` past `size`, a size
     /// smaller than the replica's.
     ///
-    /// `wrapped_key`: the source volume's wrapped data key, for an encrypted one. Its replica is
-    /// made with it and written with the ciphertext the pieces carry (it never needs the key);
-    /// a later delta brings the source's current wrapping (after a rekey there). Refused: a
-    /// plaintext delta into an encrypted replica, and the other way round.
+    /// `wrapped_keys`, for an encrypted source: its snapshot's wrapped data key first, then the
+    /// older keys of its chain. The replica is made with the first and written with the
+    /// ciphertext the pieces carry (it never needs the key); a later delta brings the source's
+    /// current wrappings (a rekey there) or a new data key (a rotation there), which the
+    /// replica's head takes (`Pool::follow_wrapped_keys`). Refused: a plaintext delta into an
+    /// encrypted replica, and the other way round.
     #[allow(clippy::too_many_arguments)] // the push's begin message, field by field
     pub fn begin(
         pool: &Pool,
@@ -46,8 +48,9 @@ impl Transfer {
         size: u64,
         end: u64,
         resume: Option<u64>,
-        wrapped_key: Option<&[u8]>,
+        wrapped_keys: Option<&[Vec<u8>]>,
     ) -> Result<Transfer> {
+        let wrapped_key = wrapped_keys.and_then(<[_]>::split_first);
         if end > size || !size.is_multiple_of(BLOCK as u64) {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -97,7 +100,7 @@ impl Transfer {
                 match (exists, resume) {
                     (false, _) => {
                         match wrapped_key {
-                            Some(w) => pool.create_volume_wrapped(replica, size, w)?,
+                            Some((w, _)) => pool.create_volume_wrapped(replica, size, w)?,
                             None => pool.create_volume(replica, size)?,
                         };
                         pool.set_read_only(replica, true)?;
@@ -114,7 +117,7 @@ impl Transfer {
         }
         let info = pool.volume_info(replica)?;
         match (wrapped_key, info.encryption.is_some()) {
-            (Some(w), true) => pool.set_wrapped_key(replica, w)?,
+            (Some((w, older)), true) => pool.follow_wrapped_keys(replica, w, older)?,
             (None, false) => {}
             (w, _) => {
                 let (delta, here) = if w.is_some() { ("encrypted", "plaintext") } else { ("plaintext", "encrypted") };

@@ -1,15 +1,17 @@
 //! Deltas between two pools in one process: a first sync ships only allocated blocks, an
 //! incremental one only what changed, interrupted transfers resume or restart exactly, and a
-//! bad piece or stream changes nothing on the replica.
+//! bad piece or stream changes nothing on the replica. An encrypted source's data-key rotation
+//! and rekeys reach its replica as ciphertext and wrappings.
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferrite_crypt::Kek;
 use ferrite_engine::format::DATA_START;
 use ferrite_engine::io::MemoryBackend;
-use ferrite_engine::{ErrorKind, Pool, PoolOptions};
+use ferrite_engine::{ErrorKind, Image, Pool, PoolOptions};
 use ferrite_replication::apply::Transfer;
 use ferrite_replication::delta::Delta;
 use ferrite_replication::{BLOCK, Piece};
@@ -53,8 +55,20 @@ fn content(pool: &Pool, snapshot: &str) -> Vec<u8> {
 /// Ships `to` over `base` from `src` into `dst`'s volume "r", from byte `from`; returns the
 /// data bytes sent.
 fn ship(src: &Pool, dst: &Pool, to: &str, base: Option<&str>, resume: Option<u64>) -> u64 {
+    ship_keyed(src, dst, to, base, resume, None)
+}
+
+/// [`ship`] with the wrapped keys a push of an encrypted volume carries.
+fn ship_keyed(
+    src: &Pool,
+    dst: &Pool,
+    to: &str,
+    base: Option<&str>,
+    resume: Option<u64>,
+    keys: Option<&[Vec<u8>]>,
+) -> u64 {
     let delta = Delta::plan(src, to, base).unwrap();
-    let mut t = Transfer::begin(dst, "r", base, to, delta.size, delta.end(), resume, None).unwrap();
+    let mut t = Transfer::begin(dst, "r", base, to, delta.size, delta.end(), resume, keys).unwrap();
     let mut sent = 0;
     for p in delta.pieces(src, t.next(), PIECE).unwrap() {
         let p = p.unwrap();
@@ -247,4 +261,56 @@ fn a_writable_volume_takes_no_delta() {
     assert_eq!(err.kind(), ErrorKind::ReadOnly, "{err}");
     assert!(head(&dst) == now, "the writable volume changed");
     assert_eq!(dst.volume_info("r").unwrap().size, SIZE);
+}
+
+/// The wrapped keys a push of snapshot `to` carries: its own first, then the older ones.
+fn keys_of(src: &Pool, to: &str) -> Vec<Vec<u8>> {
+    let image = Image::Snapshot(to);
+    std::iter::once(src.wrapped_key(image).unwrap().unwrap()).chain(src.older_wrapped_keys(image).unwrap()).collect()
+}
+
+#[test]
+fn an_encrypted_source_s_rotation_and_rekey_reach_its_replica_as_ciphertext() {
+    let (_a, src) = pool();
+    let (_b, dst) = pool();
+    let k1 = Kek::new("k1", [1; 32]).unwrap();
+    let k2 = Kek::new("k2", [2; 32]).unwrap();
+    src.create_encrypted_volume("v", SIZE, &k1).unwrap();
+    let v = src.open_volume("v").unwrap();
+    v.write(0, &fill(1, 4 * MIB as usize)).unwrap();
+    src.create_snapshot("v", "m1").unwrap();
+    ship_keyed(&src, &dst, "m1", None, None, Some(&keys_of(&src, "m1")));
+
+    // A rotation under way when m2 is taken: the delta holds blocks under the old key (written
+    // before it) and the new; the replica gets one key's ciphertext, and its head that key.
+    v.write(8 * MIB, &fill(2, MIB as usize)).unwrap();
+    src.start_data_key_rotation("v", |id| k1.with_id(id)).unwrap();
+    v.write(MIB, &fill(3, 64 << 10)).unwrap();
+    src.create_snapshot("v", "m2").unwrap();
+    let keys = keys_of(&src, "m2");
+    assert_eq!(keys.len(), 2, "m2 reads with the new key and the old one");
+    ship_keyed(&src, &dst, "m2", Some("m1"), None, Some(&keys));
+    dst.unlock(Image::Volume("r"), |id| k1.with_id(id)).unwrap();
+    assert_eq!(dst.volume_info("r").unwrap().encryption.unwrap().data_keys, 2);
+    for s in ["m1", "m2"] {
+        assert!(content(&dst, s) == content(&src, s), "the replica's {s} differs");
+    }
+
+    // Finished, then the KEK replaced at the source: the next push rewraps both keys there,
+    // and the replica then opens with the new KEK alone (its older snapshot included).
+    src.run_data_key_rotation("v", |_| {}).unwrap();
+    src.rewrap_volume("v", |id| k1.with_id(id), &k2).unwrap();
+    v.write(20 * MIB, &fill(4, MIB as usize)).unwrap();
+    src.create_snapshot("v", "m3").unwrap();
+    ship_keyed(&src, &dst, "m3", Some("m2"), None, Some(&keys_of(&src, "m3")));
+    assert!(content(&dst, "m3") == content(&src, "m3"));
+    // Every key is checked, open or not: k2 opens the whole chain, k1 nothing of it.
+    assert_eq!(dst.unlock(Image::Volume("r"), |id| k1.with_id(id)).unwrap_err().kind(), ErrorKind::Locked);
+    dst.unlock(Image::Volume("r"), |id| k2.with_id(id)).unwrap();
+
+    // A new data key never relabels blocks already written under another one.
+    dst.open_volume("r").unwrap().past_read_only().ciphertext().write(0, &[9; BLOCK]).unwrap();
+    let other = k2.wrap(&ferrite_crypt::DataKey::generate().unwrap()).unwrap().encode();
+    let err = dst.follow_wrapped_keys("r", &other, &[]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
 }

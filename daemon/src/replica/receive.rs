@@ -18,6 +18,9 @@ use ferrite_replication::apply::Transfer;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Replication;
+
+/// Older data keys a push may name: one per data-key rotation its snapshots span.
+const MAX_OLDER_KEYS: usize = 64;
 use super::admit::{check_epoch_bound, check_name, check_not_stale};
 use super::records::{PendingRecord, Relation, Role};
 use crate::authz::{Caller, caller_of};
@@ -247,11 +250,16 @@ impl ReplicaService {
             .await?;
         }
         let (pool, r, size, end) = (Arc::clone(&hub.pool), rec.clone(), b.size, b.end);
-        let wrapped = b.wrapped_key.clone();
+        if b.older_keys.len() > MAX_OLDER_KEYS || b.older_keys.iter().chain([&b.wrapped_key]).any(|k| k.len() > 512) {
+            return Err(Status::invalid_argument(format!(
+                "a push carries at most {MAX_OLDER_KEYS} older keys, each wrapped key at most 512 bytes"
+            )));
+        }
+        let keys: Vec<Vec<u8>> = std::iter::once(b.wrapped_key.clone()).chain(b.older_keys.clone()).collect();
         let mut t = blocking(move || {
             let base = (!r.base.is_empty()).then_some(r.base.as_str());
-            let wrapped = (!wrapped.is_empty()).then_some(wrapped.as_slice());
-            Transfer::begin(&pool, &r.replica, base, &r.snapshot, size, end, resume, wrapped)
+            let keys = (!keys[0].is_empty()).then_some(keys.as_slice());
+            Transfer::begin(&pool, &r.replica, base, &r.snapshot, size, end, resume, keys)
         })
         .await?;
         if let Some(r) = new_relation {

@@ -265,9 +265,10 @@ async fn push_leg(
         }
     };
     let (p, t, b) = (Arc::clone(&hub.pool), to.clone(), base.clone());
-    let (delta, wrapped_key) = blocking(move || {
+    let (delta, wrapped_key, older_keys) = blocking(move || {
         let delta = Delta::plan(&p, &t, Some(b.as_str()).filter(|b| !b.is_empty()))?;
-        Ok((delta, p.wrapped_key(Image::Snapshot(&t))?.unwrap_or_default()))
+        let image = Image::Snapshot(&t);
+        Ok((delta, p.wrapped_key(image)?.unwrap_or_default(), p.older_wrapped_keys(image)?))
     })
     .await?;
     let progress = Arc::new(Progress {
@@ -290,6 +291,7 @@ async fn push_leg(
         prefix: rel.prefix.clone(),
         epoch: rel.epoch,
         wrapped_key,
+        older_keys,
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<PushMessage>(4);
     let reader = {

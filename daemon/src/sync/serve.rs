@@ -509,7 +509,7 @@ impl SyncHub {
         blocking(move || {
             let encrypted = pool.volume_info(&name)?.encryption.is_some();
             match (encrypted, wrapped.is_empty()) {
-                (true, false) => pool.set_wrapped_key(&name, &wrapped),
+                (true, false) => pool.follow_wrapped_keys(&name, &wrapped, &[]),
                 (false, true) => Ok(()),
                 (here, _) => Err(ferrite_engine::Error::new(
                     ferrite_engine::ErrorKind::InvalidArgument,

@@ -154,6 +154,15 @@ impl Layers {
         self.table.insert(id, Layer { map: ExtentMap::default(), parent, key, view });
     }
 
+    /// Gives `layer`, which maps nothing yet, the data key `key` (a replica's head that starts
+    /// its source's new data key).
+    pub fn set_key(&mut self, layer: u64, key: Option<u64>) {
+        if let Some(l) = self.table.get_mut(&layer) {
+            debug_assert!(l.map.all_entries().next().is_none(), "a layer with blocks changes its key");
+            l.key = key;
+        }
+    }
+
     /// The data key of `layer`'s blocks (None: plaintext, or no such layer).
     pub fn key_of(&self, layer: u64) -> Option<u64> {
         self.table.get(&layer).and_then(|l| l.key)

@@ -9,7 +9,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use ferrite_crypt::{DataKey, Kek};
+use ferrite_crypt::{DataKey, Kek, WrappedKey};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::keys::KeyEntry;
@@ -93,6 +93,15 @@ impl Pool {
         Ok(st.layers.key_of(head).map(|k| st.keys[&k].wrapped.encode()))
     }
 
+    /// The wrapped data keys of an image's chain other than its own ([`Pool::wrapped_key`]):
+    /// keys its older layers read with (before a data-key rotation), which a replica's older
+    /// snapshots keep.
+    pub fn older_wrapped_keys(&self, image: Image<'_>) -> Result<Vec<Vec<u8>>> {
+        let st = self.inner.state.read();
+        let own = st.layers.key_of(head_of(&st, image)?);
+        Ok(chain_wrapped(&st, image)?.into_iter().filter(|(k, _)| Some(*k) != own).map(|(_, w)| w.encode()).collect())
+    }
+
     /// Creates an encrypted volume whose data key is `wrapped` (as [`Pool::wrapped_key`] gave
     /// it), locked: a replica, written with [`crate::Volume::ciphertext`] handles, that opens
     /// with the same key-encryption key as its source.
@@ -103,27 +112,83 @@ impl Pool {
         self.create_with_key(name, size, Some((id, KeyEntry { wrapped, open: None })))
     }
 
-    /// Stores `wrapped` as the wrapping of encrypted volume `name`'s data key: on a replica, what
-    /// its primary's volume is wrapped with now (after a rekey there). The data key itself must
-    /// be the same; without the key-encryption key that cannot be checked here, and a wrong
-    /// one only makes the replica fail to unlock. Durable on return.
-    pub fn set_wrapped_key(&self, name: &str, wrapped: &[u8]) -> Result<()> {
-        let inner = &self.inner;
-        let w = ferrite_crypt::WrappedKey::decode(wrapped)
-            .map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("volume {name:?}: {e}")))?;
-        let _m = inner.meta_lock.lock();
-        let id = {
-            let st = inner.state.read();
-            let head = st.volumes[&lookup(&st, name)?].rec.layer;
-            st.layers
-                .key_of(head)
-                .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("volume {name:?} is not encrypted")))?
+    /// Makes replica volume `name`'s data keys follow its source's: `head` is the wrapped key
+    /// the source's image is encrypted with now (what the replica's head is written with from
+    /// now on), `others` the other data keys of its chain, as wrapped now. A rewrapping of a key
+    /// the replica holds replaces that key's wrapping (a rekey at the source); another data key
+    /// (a rotation there) becomes the head's own, which needs an empty head (a transfer's, right
+    /// after its rollback): the blocks under the old key stay readable in the layers below.
+    /// Keys cannot be checked here (no key-encryption key): a wrong wrapping only makes the
+    /// replica fail to unlock. Durable on return.
+    pub fn follow_wrapped_keys(&self, name: &str, head: &[u8], others: &[Vec<u8>]) -> Result<()> {
+        let decode = |b: &[u8]| {
+            WrappedKey::decode(b).map_err(|e| Error::new(ErrorKind::InvalidArgument, format!("volume {name:?}: {e}")))
         };
-        if inner.state.read().keys[&id].wrapped == w {
+        let w = decode(head)?;
+        let others = others.iter().map(|b| decode(b)).collect::<Result<Vec<_>>>()?;
+        // Version 1 wrappings cannot tell: they are taken as the same key, as before.
+        let same = |a: &WrappedKey, b: &WrappedKey| a.same_key(b).unwrap_or(true);
+        let inner = &self.inner;
+        let _m = inner.meta_lock.lock();
+        let (layer, parent, id, chain, orphaned) = {
+            let st = inner.state.read();
+            let layer = st.volumes[&lookup(&st, name)?].rec.layer;
+            let id = st
+                .layers
+                .key_of(layer)
+                .ok_or_else(|| Error::new(ErrorKind::InvalidArgument, format!("volume {name:?} is not encrypted")))?;
+            let l = &st.layers[&layer];
+            let new = !same(&st.keys[&id].wrapped, &w);
+            if new && l.map.all_entries().next().is_some() {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("volume {name:?} holds blocks under its data key: a new data key starts in an empty head"),
+                ));
+            }
+            // With a new key for the head, the old one goes unless a layer below reads with it.
+            let orphaned = new && !st.layers.iter().any(|(&other, o)| other != layer && o.key == Some(id));
+            (layer, l.parent, id, chain_wrapped(&st, Image::Volume(name))?, orphaned)
+        };
+        let new_key = match chain.iter().any(|(k, old)| *k == id && same(old, &w)) {
+            true => None,
+            false => Some(inner.meta.next_id()?),
+        };
+        // Each key of the chain takes the wrapping of the same key among the given ones.
+        let rewrapped: Vec<(u64, WrappedKey)> = chain
+            .into_iter()
+            .filter(|(k, _)| !(orphaned && *k == id))
+            .filter_map(|(k, old)| {
+                let now = match k == id && new_key.is_none() {
+                    true => &w,
+                    false => std::iter::once(&w).chain(&others).find(|o| old.same_key(o) == Some(true))?,
+                };
+                (*now != old).then(|| (k, now.clone()))
+            })
+            .collect();
+        let mut ops: Vec<CatalogOp> = rewrapped.iter().map(|(k, w)| CatalogOp::PutDataKey(*k, w.encode())).collect();
+        if let Some(n) = new_key {
+            ops.push(CatalogOp::PutDataKey(n, w.encode()));
+            ops.push(CatalogOp::PutLayer(layer, parent, Some(n)));
+        }
+        if orphaned {
+            ops.push(CatalogOp::DeleteDataKey(id));
+        }
+        if ops.is_empty() {
             return Ok(());
         }
-        inner.meta.apply(&[CatalogOp::PutDataKey(id, w.encode())])?;
-        inner.state.write().keys.get_mut(&id).expect("keys are only dropped under the meta lock").wrapped = w;
+        inner.meta.apply(&ops)?;
+        let mut st = inner.state.write();
+        for (k, w) in rewrapped {
+            st.keys.get_mut(&k).expect("keys are only dropped under the meta lock").wrapped = w;
+        }
+        if let Some(n) = new_key {
+            st.keys.insert(n, KeyEntry { wrapped: w, open: None });
+            st.layers.set_key(layer, Some(n));
+            if orphaned {
+                st.keys.remove(&id);
+            }
+            tracing::info!(volume = %name, "a new data key from the source: the replica's head is written with it");
+        }
         Ok(())
     }
 

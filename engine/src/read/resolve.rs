@@ -19,13 +19,28 @@ const B: u64 = BLOCK as u64;
 /// One block of a read, resolved: unmapped (reads as zeros), or where it is.
 pub(crate) type Resolved = Option<Mapped>;
 
-/// A mapped block of a read: its pool block, its checksum (of what the pool holds), and the
-/// data key its layer is encrypted with.
+/// A mapped block of a read: its pool block, its checksum (of what the pool holds), the data
+/// key its layer is encrypted with (to decrypt it), and the key to encrypt it with afterwards
+/// (a ciphertext read of a block under another key than the image's own).
 #[derive(Clone)]
 pub(crate) struct Mapped {
     pub pba: u64,
     pub crc: u32,
     pub key: Option<Arc<DataKey>>,
+    pub reseal: Option<Arc<DataKey>>,
+}
+
+/// What a resolved read does with encrypted blocks.
+#[derive(Clone, Copy)]
+enum Keys {
+    /// Reads them as the pool holds them (readahead: decrypted when served).
+    Stored,
+    /// Decrypts them.
+    Open,
+    /// Reads them as ciphertext under this key, the image's own: a block of a layer under
+    /// another key (a data-key rotation under way when a snapshot was taken) is re-encrypted,
+    /// so a ciphertext reader gets one key's blocks.
+    Under(Option<u64>),
 }
 
 /// The pool blocks of resolved reads as runs of consecutive blocks, one request each, in order.
@@ -62,8 +77,8 @@ pub(crate) fn check_within(name: &str, size: u64, offset: u64, len: u64) -> Resu
 }
 
 /// Resolves every block of `[offset, offset + len)` of `target` (checking the range), pinning
-/// the segments it will be read from. `raw`: blocks are read as the pool holds them, never
-/// decrypted (see [`crate::Volume::ciphertext`]).
+/// the segments it will be read from. `raw`: blocks are read as ciphertext under the image's
+/// own key (see [`crate::Volume::ciphertext`]).
 pub(crate) fn resolve(
     st: &State,
     target: Target,
@@ -75,13 +90,11 @@ pub(crate) fn resolve(
     let (head, size) = st.head_of(target).ok_or_else(|| gone(name))?;
     check_within(name, size, offset, len)?;
     if raw {
-        let mut blocks = resolve_from(st, head, name, pins, offset, len, true)?;
-        blocks.iter_mut().flatten().for_each(|m| m.key = None);
-        return Ok(blocks);
+        return resolve_from(st, head, name, pins, offset, len, Keys::Under(st.layers.key_of(head)));
     }
     // A locked image reads nothing, not even its holes.
     crate::keys::open(&st.keys, st.layers.key_of(head), name)?;
-    resolve_from(st, head, name, pins, offset, len, false)
+    resolve_from(st, head, name, pins, offset, len, Keys::Open)
 }
 
 /// As [`resolve`] for a readahead window: clipped to the end of `target`.
@@ -94,7 +107,7 @@ pub(crate) fn resolve_ahead(
     len: u64,
 ) -> Result<Vec<Resolved>> {
     let (head, size) = st.head_of(target).ok_or_else(|| gone(name))?;
-    resolve_from(st, head, name, pins, offset.min(size), len.min(size.saturating_sub(offset)), true)
+    resolve_from(st, head, name, pins, offset.min(size), len.min(size.saturating_sub(offset)), Keys::Stored)
 }
 
 /// Resolves `[offset, offset + len)` (within bounds) through the chain from layer `head`.
@@ -105,7 +118,7 @@ fn resolve_from(
     pins: &mut Pinned<'_>,
     offset: u64,
     len: u64,
-    raw: bool,
+    keys: Keys,
 ) -> Result<Vec<Resolved>> {
     if len == 0 {
         return Ok(Vec::new());
@@ -118,9 +131,13 @@ fn resolve_from(
             resolved.extend(std::iter::repeat_n(None, usize::try_from(run.blocks).expect("fits")));
             continue;
         };
-        let key = match raw {
-            true => None,
-            false => crate::keys::open(&st.keys, st.layers.key_of(run.layer), name)?,
+        let open = |key| crate::keys::open(&st.keys, key, name);
+        let layer_key = st.layers.key_of(run.layer);
+        let (key, reseal) = match keys {
+            Keys::Stored => (None, None),
+            Keys::Open => (open(layer_key)?, None),
+            Keys::Under(own) if own == layer_key => (None, None),
+            Keys::Under(own) => (open(layer_key)?, open(own)?),
         };
         for pba in start..start + run.blocks {
             let crc = st.segs.crc(pba).ok_or_else(|| {
@@ -130,7 +147,7 @@ fn resolve_from(
                 )
             })?;
             pins.pin(st.segs.locate(pba).0);
-            resolved.push(Some(Mapped { pba, crc, key: key.clone() }));
+            resolved.push(Some(Mapped { pba, crc, key: key.clone(), reseal: reseal.clone() }));
         }
     }
     Ok(resolved)
@@ -169,7 +186,7 @@ pub(crate) fn fill(
         }
         match r {
             None => dst.fill(0),
-            Some(Mapped { pba, crc, key }) => {
+            Some(Mapped { pba, crc, key, reseal }) => {
                 let (media, first) = media.expect("a read with mapped blocks has their media");
                 let src = media.block(first + slot);
                 if block_crc(src) != *crc {
@@ -179,18 +196,24 @@ pub(crate) fn fill(
                     ));
                 }
                 let from = usize::try_from(lo - block_start).expect("fits");
-                match key {
-                    None => dst.copy_from_slice(&src[from..from + dst.len()]),
-                    Some(k) if dst.len() == BLOCK => {
-                        dst.copy_from_slice(src);
-                        k.decrypt(block_start / B, dst);
+                let crypt = |b: &mut [u8]| {
+                    if let Some(k) = key {
+                        k.decrypt(block_start / B, b);
                     }
-                    Some(k) => {
-                        let mut whole = [0u8; BLOCK];
-                        whole.copy_from_slice(src);
-                        k.decrypt(block_start / B, &mut whole);
-                        dst.copy_from_slice(&whole[from..from + dst.len()]);
+                    if let Some(k) = reseal {
+                        k.encrypt(block_start / B, b);
                     }
+                };
+                if key.is_none() && reseal.is_none() {
+                    dst.copy_from_slice(&src[from..from + dst.len()]);
+                } else if dst.len() == BLOCK {
+                    dst.copy_from_slice(src);
+                    crypt(dst);
+                } else {
+                    let mut whole = [0u8; BLOCK];
+                    whole.copy_from_slice(src);
+                    crypt(&mut whole);
+                    dst.copy_from_slice(&whole[from..from + dst.len()]);
                 }
                 slot += 1;
             }
