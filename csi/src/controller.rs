@@ -124,11 +124,6 @@ impl csi::controller_server::Controller for Controller {
         no_parameters(&r.parameters)?;
         let replicas = copies::replicas(&r.parameters)?;
         let encryption = match crate::encryption::requested(&r.parameters)? {
-            true if replicas > 1 => {
-                return Err(Status::invalid_argument(
-                    "encrypted volumes with more than one copy are not supported yet (replicas would hold plaintext)",
-                ));
-            }
             true => Some(crate::encryption::required(&r.secrets, "CreateVolume")?),
             false => None,
         };

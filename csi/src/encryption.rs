@@ -75,6 +75,26 @@ pub async fn unlock(
     Ok(())
 }
 
+/// Opens the copies of replicated volume `v` (other than its primary's) with the secrets' key,
+/// where their daemons answer: keys held in memory there, never stored. A copy that cannot be
+/// opened now is opened by the publish or stage that needs it.
+pub async fn unlock_copies(
+    dir: &dyn NodeDirectory,
+    view: &pb::SyncVolume,
+    v: &pb::Volume,
+    secrets: &HashMap<String, String>,
+) {
+    for node in crate::copies::nodes_of(dir, view).into_iter().skip(1) {
+        let opened = async {
+            let mut c = nodes::admin(dir, &node).await?;
+            unlock(&mut c, v, secrets, "ControllerPublishVolume").await
+        };
+        if let Err(e) = opened.await {
+            tracing::warn!(volume = %v.name, node, "its copy stays locked for now: {}", e.message());
+        }
+    }
+}
+
 /// EncryptionKeyRotationController, on the controller and on the nodes (the CSI-Addons
 /// controller calls the node where the volume is attached, with the PV's node-stage secret):
 /// - with `encryption_key`: the volume's daemon wraps its data key with that key instead of the

@@ -47,8 +47,13 @@ impl Controller {
         let (node, name) = ids::parse(&r.volume_id)
             .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", r.volume_id)))?;
         let (mut primary, mut c, vol, view) = copies::primary(&*self.nodes, node, name).await?;
-        // The primary serves an encrypted volume only with its key open.
+        // The primary serves an encrypted volume only with its key open; its copies get the key
+        // too, so that the one promoted (here for locality, or when the primary's node is lost)
+        // serves at once.
         crate::encryption::unlock(&mut c, &vol, &r.secrets, "ControllerPublishVolume").await?;
+        if let Some(v) = view.as_ref().filter(|_| vol.encryption.is_some()) {
+            crate::encryption::unlock_copies(&*self.nodes, v, &vol, &r.secrets).await;
+        }
         let held = publications(&mut c).await?;
         if let Some(p) = held.iter().find(|p| p.volume == name) {
             if granted_to(p, &primary) != r.node_id {

@@ -2,7 +2,8 @@
 //! gRPC socket of `ferrite csi --mode controller` and three daemons on three loopback addresses
 //! standing for three nodes: copies placed on distinct nodes, the volume's own operations
 //! (expansion, limits, snapshots, clones, listing) on every copy or on the primary, a volume id
-//! that follows its primary after a promotion, and deletion of every copy.
+//! that follows its primary after a promotion, and deletion of every copy. An encrypted one keeps
+//! its copies locked until a publish hands them the key, and is served where it is published.
 
 mod common;
 
@@ -199,4 +200,44 @@ async fn replicated_volumes_through_the_controller() {
     }
     // Deleting again: nothing left, still success.
     ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: v.volume_id, ..Default::default() }).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_encrypted_replicated_volume_is_served_where_it_is_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
+    let (b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
+    let nodes = [("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}"))];
+    let _csi = start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
+    let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
+    let secrets: std::collections::HashMap<String, String> =
+        [("encryptionKey".into(), "c3".repeat(32)), ("encryptionKeyID".into(), "team-c".into())].into();
+
+    let mut r = replicated("e1", 16 * MIB, "node-a", "2");
+    r.parameters.insert("encrypted".into(), "true".into());
+    r.secrets = secrets.clone();
+    let v = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
+    in_sync(&a, "e1", 2);
+    a.ok(&["export", "nbd", "e1"]);
+    let data = pattern(11, 1 << 20);
+    assert_eq!(write_on(&mut connect(&a.nbd(), "e1"), 4096, &data), 0);
+    a.ok(&["export", "stop", "e1"]);
+    // The copy holds ciphertext and no key.
+    assert_eq!(b.json(&["volume", "show", "e1"])["encryption"]["unlocked"], false);
+
+    // Published to node-b: its copy becomes the primary (locality) and opens with the key the
+    // publish carries; without the key the publish is refused.
+    let publish = |secrets| csi::ControllerPublishVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        node_id: "node-b".into(),
+        volume_capability: Some(common::csi::mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)),
+        secrets,
+        ..Default::default()
+    };
+    let refused = ctl.controller_publish_volume(publish(Default::default())).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused}");
+    let ctx = ctl.controller_publish_volume(publish(secrets)).await.unwrap().into_inner().publish_context;
+    assert_eq!(ctx["primary"], "node-b");
+    assert_eq!(b.json(&["volume", "show", "e1"])["encryption"]["unlocked"], true);
+    assert!(read_image(&b, "e1", 16 << 20)[4096..4096 + data.len()] == data[..]);
 }

@@ -43,15 +43,12 @@ async fn encrypted_volumes_and_key_rotation_through_csi() {
     let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
     let addons = channel(&addons_sock).await;
 
-    // Bad requests: no key, a key that is not 64 hex digits, a bad parameter value, copies.
+    // Bad requests: no key, a key that is not 64 hex digits, a bad parameter value.
     assert_eq!(code(ctl.create_volume(encrypted("e0", None)).await), Code::InvalidArgument);
     assert_eq!(code(ctl.create_volume(encrypted("e0", Some("abc"))).await), Code::InvalidArgument);
     let mut bad = encrypted("e0", Some(KEY_A));
     bad.parameters.insert("encrypted".into(), "yes".into());
     assert_eq!(code(ctl.create_volume(bad).await), Code::InvalidArgument);
-    let mut copies = encrypted("e0", Some(KEY_A));
-    copies.parameters.insert("replicas".into(), "2".into());
-    assert_eq!(code(ctl.create_volume(copies).await), Code::InvalidArgument);
     assert!(a.ok(&["volume", "list"]).lines().count() == 1, "a refused request made a volume");
 
     let v = ctl.create_volume(encrypted("e1", Some(KEY_A))).await.unwrap().into_inner().volume.unwrap();
