@@ -16,7 +16,7 @@ pub mod provider;
 pub mod xts;
 
 pub use envelope::{Kek, WrappedKey};
-pub use provider::{KeyFiles, KeyProvider, SecretKey};
+pub use provider::{KeyFiles, KeyProvider};
 pub use xts::{BLOCK, DataKey};
 
 /// What can go wrong with keys. Messages name keys by id, never by content.

@@ -3,8 +3,10 @@
 //!
 //! - [`KeyFiles`]: a directory of key files for the standalone daemon (`<id>.key`, 32 random
 //!   bytes or 64 hex digits), refused unless private to their owner (mode 0600 or 0400).
-//! - [`SecretKey`]: the key a CSI request carries in its secrets (a Kubernetes Secret), as 64 hex
-//!   digits (`openssl rand -hex 32`).
+//!
+//! The key a CSI request carries in its secrets (a Kubernetes Secret, 64 hex digits: `openssl
+//! rand -hex 32`, read with [`parse_hex`]) reaches the daemon in the request itself, which opens
+//! the volume with it without storing it (the "request" provider in status).
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -17,7 +19,7 @@ use crate::{Error, Result};
 
 /// A source of key-encryption keys, by id.
 pub trait KeyProvider: Send + Sync + std::fmt::Debug {
-    /// What status shows as the provider: "file", "csi-secret".
+    /// What status shows as the provider ("file").
     fn kind(&self) -> &'static str;
     /// The KEK called `id`.
     fn kek(&self, id: &str) -> Result<Kek>;
@@ -121,44 +123,6 @@ impl KeyProvider for KeyFiles {
     }
 }
 
-/// The key of a CSI request's secrets, under the id the volume records for it.
-pub struct SecretKey {
-    kek: Kek,
-}
-
-impl std::fmt::Debug for SecretKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SecretKey").field("id", &self.kek.id()).finish()
-    }
-}
-
-impl SecretKey {
-    /// `value`: the secret's 64 hex digits.
-    pub fn new(id: &str, value: &str) -> Result<Self> {
-        let key = parse_hex(value).ok_or_else(|| Error::Unavailable {
-            key_id: id.to_owned(),
-            why: "the secret must hold 64 hex digits (32 random bytes: openssl rand -hex 32)".into(),
-        })?;
-        Ok(Self { kek: Kek::new(id, *key)? })
-    }
-}
-
-impl KeyProvider for SecretKey {
-    fn kind(&self) -> &'static str {
-        "csi-secret"
-    }
-
-    fn kek(&self, id: &str) -> Result<Kek> {
-        if id != self.kek.id() {
-            return Err(Error::Unavailable {
-                key_id: id.to_owned(),
-                why: format!("the request's secret is key {:?}", self.kek.id()),
-            });
-        }
-        Kek::new(id, *self.kek.key_bytes())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,18 +162,12 @@ mod tests {
     }
 
     #[test]
-    fn secrets_hold_hex_keys_for_their_id() {
+    fn hex_keys_are_64_digits_of_either_case() {
         let hex = "00112233445566778899aabbccddeeff00112233445566778899AABBCCDDEEFF\n";
-        let s = SecretKey::new("csi:default/db-key", hex).unwrap();
-        assert_eq!(s.kind(), "csi-secret");
-        let w = s.kek("csi:default/db-key").unwrap().wrap(&DataKey::generate().unwrap()).unwrap();
-        s.kek("csi:default/db-key").unwrap().unwrap(&w).unwrap();
-        assert!(s.kek("csi:other").is_err());
-        // Refused, and the message does not repeat what the secret held.
-        for bad in ["", "00", &"zz".repeat(32), &"7".repeat(63)] {
-            let e = SecretKey::new("k", bad).unwrap_err().to_string();
-            assert!(e.contains("64 hex digits") && !e.contains("zz") && !e.contains("777"), "{e}");
+        let k = parse_hex(hex).unwrap();
+        assert_eq!((k[0], k[15], k[31]), (0x00, 0xff, 0xff));
+        for bad in ["", "00", &"zz".repeat(32), &"7".repeat(63), &"7".repeat(65)] {
+            assert!(parse_hex(bad).is_none(), "{bad:?}");
         }
-        assert_eq!(format!("{s:?}"), r#"SecretKey { id: "csi:default/db-key" }"#);
     }
 }

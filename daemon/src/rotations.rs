@@ -55,11 +55,11 @@ impl Rotations {
     /// Starts re-encrypting volume `name` under a new data key wrapped by `kek` (which must
     /// wrap its current one); returns at once, the job runs on. A running one is left alone.
     pub async fn start(self: &Arc<Self>, name: &str, kek: Kek) -> Result<(), Status> {
-        if self.jobs.lock().expect("not poisoned").get(name).is_some_and(|j| j.running) {
-            return Ok(());
-        }
+        let unfinished = match self.jobs.lock().expect("not poisoned").get(name) {
+            Some(j) if j.running => return Ok(()),
+            j => j.is_some(),
+        };
         let (pool, n) = (Arc::clone(&self.pool), name.to_owned());
-        let unfinished = self.jobs.lock().expect("not poisoned").contains_key(name);
         if !unfinished {
             blocking(move || {
                 // The key wraps the current data key whatever id the volume records for it.
