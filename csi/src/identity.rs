@@ -44,6 +44,7 @@ impl csi::identity_server::Identity for Identity {
         if self.controller {
             capabilities.push(service(Type::ControllerService));
             capabilities.push(service(Type::GroupControllerService));
+            capabilities.push(service(Type::SnapshotMetadataService));
         }
         let online = csi::plugin_capability::VolumeExpansion {
             r#type: csi::plugin_capability::volume_expansion::Type::Online as i32,

@@ -11,6 +11,7 @@
 //!   promotes a copy when the primary's node is lost (on Kubernetes).
 //!
 //! - [`group`]: crash-consistent group snapshots (GroupController).
+//! - [`metadata`]: SnapshotMetadata (allocated and changed ranges of snapshots, for backups).
 //! - [`node`]: stage (attach, mkfs if blank, mount), publish (bind), expand, stats; `host` runs
 //!   the mount table and the host tools.
 //! - `busy`: one operation per volume at a time (Aborted for the second).
@@ -31,6 +32,7 @@ pub mod group;
 mod host;
 pub mod identity;
 pub mod ids;
+pub mod metadata;
 pub mod node;
 pub mod nodes;
 mod publish;
@@ -146,6 +148,11 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         }))
         .add_optional_service(controller.then(|| {
             csi::group_controller_server::GroupControllerServer::new(group::GroupController { nodes: Arc::clone(&dir) })
+        }))
+        .add_optional_service(controller.then(|| {
+            csi::snapshot_metadata_server::SnapshotMetadataServer::new(metadata::SnapshotMetadata {
+                nodes: Arc::clone(&dir),
+            })
         }))
         .add_optional_service(node.clone().map(csi::node_server::NodeServer::new));
     let (stop, stopped) = tokio::sync::watch::channel(false);
