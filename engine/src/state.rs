@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
+use crate::error::{Error, ErrorKind, Result};
 use crate::format::{BatchHeader, Entry, EntryKind};
 use crate::gate::WriteGate;
 use crate::io::BLOCK;
@@ -126,4 +127,78 @@ pub(crate) fn finish_batch(st: &mut State, seq: u64, pos: LogPos, len: u64) {
     st.segs.segs[pos.seg].last_seq = seq;
     st.applied = LogPos { seq: seq + 1, seg: pos.seg, off: pos.off + len };
     st.log_bytes_since_ckpt += len;
+}
+
+/// The id of snapshot `name`.
+pub(crate) fn snapshot_by_name(st: &State, name: &str) -> Result<u64> {
+    st.snapshots
+        .values()
+        .find(|s| s.name == name)
+        .map(|s| s.id)
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("snapshot {name:?} not found")))
+}
+
+const B: u64 = BLOCK as u64;
+
+/// The ranges of the image whose head layer is `head` (`size` bytes) that changed since
+/// snapshot `since` (None: its allocated ranges), within bytes [offset, offset+len) (ranges cut
+/// at its edges), in bytes: in time of the window, not of the image.
+pub(crate) fn changed_in(
+    st: &State,
+    head: u64,
+    size: u64,
+    since: Option<&str>,
+    offset: u64,
+    len: u64,
+) -> Result<Vec<(u64, u64)>> {
+    let end = offset.saturating_add(len).min(size);
+    if offset >= end {
+        return Ok(Vec::new());
+    }
+    let (first, blocks) = (offset / B, end.div_ceil(B) - offset / B);
+    let mut runs: Vec<(u64, u64)> = match since {
+        None => st
+            .layers
+            .resolve(head, first, blocks)
+            .into_iter()
+            .filter(|r| r.pba.is_some())
+            .map(|r| (r.lba, r.blocks))
+            .collect(),
+        Some(name) => {
+            let base = st.snapshots[&snapshot_by_name(st, name)?].layer;
+            let mut out = Vec::new();
+            let mut at = Some(head);
+            loop {
+                match at {
+                    Some(l) if l == base => break,
+                    Some(l) => {
+                        let layer = &st.layers[&l];
+                        out.extend(layer.map.entries_in(first, blocks).into_iter().map(|(lba, _, n)| (lba, n)));
+                        at = layer.parent;
+                    }
+                    None => {
+                        return Err(Error::new(
+                            ErrorKind::InvalidArgument,
+                            format!("snapshot {name:?} is not an earlier snapshot of this image"),
+                        ));
+                    }
+                }
+            }
+            out
+        }
+    };
+    runs.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (lba, n) in runs {
+        match merged.last_mut() {
+            Some((s, e)) if *e >= lba => *e = (*e).max(lba + n),
+            _ => merged.push((lba, lba + n)),
+        }
+    }
+    Ok(merged
+        .into_iter()
+        .map(|(s, e)| ((s * B).max(offset), (e * B).min(end)))
+        .filter(|(s, e)| s < e)
+        .map(|(s, e)| (s, e - s))
+        .collect())
 }

@@ -53,7 +53,8 @@ pub fn requests(input: &[u8]) -> usize {
 pub fn transmission(export: &Arc<Export>, input: &[u8]) -> usize {
     let Some((&mode, stream)) = input.split_first() else { return 0 };
     let structured = mode & 1 != 0;
-    let session = Session { export: Arc::clone(export), structured, base_allocation: structured && mode & 2 != 0 };
+    let session =
+        Session { export: Arc::clone(export), structured, base_allocation: structured && mode & 2 != 0, changed: None };
     let limits =
         Limits { connection_bytes: 1 << 20, connection_requests: 8, memory: Budget::new(4 << 20), ..Limits::default() };
     let (mut client, server) = UnixStream::pair().expect("socket pair");

@@ -32,6 +32,10 @@ pub const MAX_REQUEST: u32 = 32 << 20;
 /// Context id of `base:allocation` once selected.
 pub const BASE_ALLOCATION_ID: u32 = 1;
 const BASE_ALLOCATION: &str = "base:allocation";
+/// Context id of `ferrite:changed:<snapshot>` once selected: which extents changed since that
+/// snapshot (beneath the export's image), flag [`crate::proto::STATE_CHANGED`].
+pub const CHANGED_ID: u32 = 2;
+const CHANGED: &str = "ferrite:changed:";
 
 /// What negotiation agreed on.
 #[derive(Debug)]
@@ -39,6 +43,31 @@ pub struct Session {
     pub export: Arc<Export>,
     pub structured: bool,
     pub base_allocation: bool,
+    /// The snapshot `ferrite:changed:` reports against, if that context was selected.
+    pub changed: Option<String>,
+}
+
+/// Metadata contexts selected so far, and for which export.
+#[derive(Debug, Default)]
+struct Contexts {
+    base_allocation: bool,
+    /// (export, snapshot) of a selected `ferrite:changed:` context.
+    changed: Option<(String, String)>,
+}
+
+impl Contexts {
+    /// The session on `export` (named `name`): a changed context selected for another export
+    /// does not carry over.
+    fn session(self, name: &str, export: Arc<Export>, structured: bool) -> Session {
+        let changed = self.changed.filter(|(e, _)| e == name).map(|(_, snap)| snap);
+        Session { export, structured, base_allocation: self.base_allocation, changed }
+    }
+}
+
+/// Whether `ferrite:changed:<snapshot>` can be served on `export`: the snapshot lies beneath
+/// its image.
+fn changed_context_ok(export: &Export, snapshot: &str) -> bool {
+    !snapshot.is_empty() && export.volume.changed(snapshot, 0, 1).is_ok()
 }
 
 /// Transmission flags of an export for this session.
@@ -100,7 +129,7 @@ where
     }
     let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
     let mut structured = false;
-    let mut base_allocation = false;
+    let mut contexts = Contexts::default();
     loop {
         let mut header = [0u8; OPTION_HEADER_LEN];
         s.read_exact(&mut header).await?;
@@ -121,7 +150,8 @@ where
         }
         match option {
             OPT_EXPORT_NAME => {
-                let Some(export) = std::str::from_utf8(&data).ok().and_then(|n| visible(s, n)) else {
+                let name = std::str::from_utf8(&data).unwrap_or_default().to_owned();
+                let Some(export) = visible(s, &name) else {
                     tracing::debug!("NBD_OPT_EXPORT_NAME for an unknown export; disconnecting");
                     return Ok(None);
                 };
@@ -130,7 +160,7 @@ where
                     out.extend_from_slice(&[0u8; 124]);
                 }
                 s.write_all(&out).await?;
-                return Ok(Some(Session { export, structured, base_allocation }));
+                return Ok(Some(contexts.session(&name, export, structured)));
             }
             OPT_ABORT => {
                 let _ = reply(s, option, REP_ACK, &[]).await;
@@ -161,7 +191,7 @@ where
                     reply(s, option, REP_ACK, &[]).await?;
                     s.start_tls(acceptor).await?;
                     // Nothing negotiated in plaintext carries over into TLS.
-                    (structured, base_allocation) = (false, false);
+                    (structured, contexts) = (false, Contexts::default());
                 } else {
                     reply_err(s, option, REP_ERR_POLICY, "TLS is not configured on this listener").await?;
                 }
@@ -178,7 +208,7 @@ where
                 send_info(s, option, &export, &infos, structured).await?;
                 reply(s, option, REP_ACK, &[]).await?;
                 if option == OPT_GO {
-                    return Ok(Some(Session { export, structured, base_allocation }));
+                    return Ok(Some(contexts.session(name, export, structured)));
                 }
             }
             OPT_STRUCTURED_REPLY => {
@@ -199,21 +229,36 @@ where
                     reply_err(s, option, REP_ERR_INVALID, "malformed meta context request").await?;
                     continue;
                 };
-                if visible(s, name).is_none() {
+                let Some(export) = visible(s, name) else {
                     reply_err(s, option, REP_ERR_UNKNOWN, &format!("no export named {name:?}")).await?;
                     continue;
-                }
+                };
                 let wanted = if queries.is_empty() {
                     !set
                 } else {
                     queries.iter().any(|q| *q == BASE_ALLOCATION || (!set && (*q == "base:" || q.is_empty())))
                 };
+                // Changed extents against a snapshot: asked for by its full name (one context per
+                // snapshot beneath the export, so they are not listed).
+                let changed = queries
+                    .iter()
+                    .filter_map(|q| q.strip_prefix(CHANGED))
+                    .find(|snap| changed_context_ok(&export, snap))
+                    .map(str::to_owned);
                 if set {
-                    base_allocation = wanted;
+                    contexts = Contexts {
+                        base_allocation: wanted,
+                        changed: changed.clone().map(|snap| (name.to_owned(), snap)),
+                    };
                 }
                 if wanted {
                     let mut p = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
                     p.extend_from_slice(BASE_ALLOCATION.as_bytes());
+                    reply(s, option, REP_META_CONTEXT, &p).await?;
+                }
+                if let Some(snap) = changed {
+                    let mut p = CHANGED_ID.to_be_bytes().to_vec();
+                    p.extend_from_slice(format!("{CHANGED}{snap}").as_bytes());
                     reply(s, option, REP_META_CONTEXT, &p).await?;
                 }
                 reply(s, option, REP_ACK, &[]).await?;

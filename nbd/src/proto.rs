@@ -106,6 +106,8 @@ pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 // base:allocation status flags.
 pub const STATE_HOLE: u32 = 1 << 0;
 pub const STATE_ZERO: u32 = 1 << 1;
+// ferrite:changed: status flag (as qemu:dirty-bitmap's dirty bit): changed since the snapshot.
+pub const STATE_CHANGED: u32 = 1 << 0;
 
 // Error values on the wire.
 pub const EPERM: u32 = 1;

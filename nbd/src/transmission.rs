@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 
 use ferrite_engine::{Error, ErrorKind, Volume};
 
-use crate::handshake::{BASE_ALLOCATION_ID, Session};
+use crate::handshake::{BASE_ALLOCATION_ID, CHANGED_ID, Session};
 use crate::proto::*;
 
 /// Where a structured read reply's data starts: behind one data chunk's header and offset.
@@ -212,25 +212,46 @@ pub(crate) fn read_reply(st: bool, req: &Request, mut out: Vec<u8>, runs: &[(u64
 
 fn block_status(s: &Session, req: Request) -> Reply {
     let st = s.structured;
-    if !st || !s.base_allocation {
+    if !st || (!s.base_allocation && s.changed.is_none()) {
         return error_reply(st, req.cookie, EINVAL, "no metadata context negotiated");
     }
     if req.length == 0 {
         return error_reply(st, req.cookie, EINVAL, "zero-length block status");
     }
-    let runs = match s.export.volume.allocation(req.offset, u64::from(req.length)) {
-        Ok(r) => r,
-        Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
-    };
-    let limit = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
-    let mut body = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
-    for &(n, mapped) in runs.iter().take(limit) {
-        let flags = if mapped { 0 } else { STATE_HOLE | STATE_ZERO };
-        body.extend_from_slice(&u32::try_from(n).expect("request length is a u32").to_be_bytes());
-        body.extend_from_slice(&flags.to_be_bytes());
+    let (offset, len) = (req.offset, u64::from(req.length));
+    // One chunk per selected context, each a run of (length, flags).
+    let mut contexts: Vec<(u32, Vec<(u64, u32)>)> = Vec::with_capacity(2);
+    if s.base_allocation {
+        match s.export.volume.allocation(offset, len) {
+            Ok(runs) => contexts.push((
+                BASE_ALLOCATION_ID,
+                runs.into_iter().map(|(n, mapped)| (n, if mapped { 0 } else { STATE_HOLE | STATE_ZERO })).collect(),
+            )),
+            Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
+        }
     }
-    let len = u32::try_from(body.len()).expect("bounded by MAX_EXTENTS");
-    let mut out = structured_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.cookie, len).to_vec();
-    out.extend_from_slice(&body);
+    if let Some(snap) = &s.changed {
+        match s.export.volume.changed(snap, offset, len) {
+            Ok(runs) => contexts.push((
+                CHANGED_ID,
+                runs.into_iter().map(|(n, changed)| (n, if changed { STATE_CHANGED } else { 0 })).collect(),
+            )),
+            Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
+        }
+    }
+    let limit = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
+    let last = contexts.len() - 1;
+    let mut out = Vec::new();
+    for (i, (id, runs)) in contexts.into_iter().enumerate() {
+        let mut body = id.to_be_bytes().to_vec();
+        for (n, flags) in runs.into_iter().take(limit) {
+            body.extend_from_slice(&u32::try_from(n).expect("request length is a u32").to_be_bytes());
+            body.extend_from_slice(&flags.to_be_bytes());
+        }
+        let len = u32::try_from(body.len()).expect("bounded by MAX_EXTENTS");
+        let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+        out.extend_from_slice(&structured_header(flags, REPLY_TYPE_BLOCK_STATUS, req.cookie, len));
+        out.extend_from_slice(&body);
+    }
     Reply::success(out)
 }

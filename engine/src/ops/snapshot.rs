@@ -20,7 +20,8 @@ use crate::map::layers;
 use crate::meta::{CatalogOp, SnapshotRecord, VolumeRecord};
 use crate::ops::volumes::{VolumeInfo, check_overcommit, info_of, lookup, new_record, validate_name};
 use crate::pool::{Inner, Pool, now_unix};
-use crate::state::{State, Target, VolumeEntry};
+pub(crate) use crate::state::snapshot_by_name;
+use crate::state::{State, Target, VolumeEntry, changed_in};
 use crate::volume::Volume;
 
 const B: u64 = BLOCK as u64;
@@ -47,14 +48,6 @@ pub struct SnapshotInfo {
 pub enum Image<'a> {
     Snapshot(&'a str),
     Volume(&'a str),
-}
-
-pub(crate) fn snapshot_by_name(st: &State, name: &str) -> Result<u64> {
-    st.snapshots
-        .values()
-        .find(|s| s.name == name)
-        .map(|s| s.id)
-        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("snapshot {name:?} not found")))
 }
 
 /// Whether a volume head or a snapshot names `layer`.
@@ -229,51 +222,7 @@ impl Pool {
                 (rec.layer, rec.size)
             }
         };
-        let blocks = size / B;
-        let mut runs: Vec<(u64, u64)> = match since {
-            None => st
-                .layers
-                .resolve(head, 0, blocks)
-                .into_iter()
-                .filter(|r| r.pba.is_some())
-                .map(|r| (r.lba, r.blocks))
-                .collect(),
-            Some(name) => {
-                let base = st.snapshots[&snapshot_by_name(&st, name)?].layer;
-                let mut out = Vec::new();
-                let mut at = Some(head);
-                loop {
-                    match at {
-                        Some(l) if l == base => break,
-                        Some(l) => {
-                            let layer = &st.layers[&l];
-                            out.extend(layer.map.all_entries().map(|(lba, _, n)| (lba, n)));
-                            at = layer.parent;
-                        }
-                        None => {
-                            return Err(Error::new(
-                                ErrorKind::InvalidArgument,
-                                format!("snapshot {name:?} is not an earlier snapshot of this image"),
-                            ));
-                        }
-                    }
-                }
-                out
-            }
-        };
-        runs.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::new();
-        for (lba, n) in runs {
-            let end = (lba + n).min(blocks);
-            if lba >= end {
-                continue;
-            }
-            match merged.last_mut() {
-                Some((s, m)) if *s + *m >= lba => *m = (*m).max(end - *s),
-                _ => merged.push((lba, end - lba)),
-            }
-        }
-        Ok(merged.into_iter().map(|(l, n)| (l * B, n * B)).collect())
+        changed_in(&st, head, size, since, 0, u64::MAX)
     }
 
     /// Snapshots a volume: O(1), durable on return, containing every write acknowledged before
