@@ -3,6 +3,8 @@
 //! `starting_offset` continues it exactly, the answer is `ferrite snapshot diff`'s, every error
 //! case of the spec, and an incremental copy driven by the delta turns the base into the target.
 
+#![allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap, clippy::cast_sign_loss)] // small test sizes
+
 mod common;
 
 use common::csi::{channel, start_csi};
