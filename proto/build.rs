@@ -6,14 +6,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // SAFETY: build scripts are single-threaded; nothing else reads the environment now.
         unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
     }
-    for dir in ["ferrite", "csi", "csi-addons"] {
+    for dir in ["ferrite", "csi", "csi-addons", "snapshot-metadata"] {
         println!("cargo:rerun-if-changed={dir}");
     }
     // A mirrored write's data is sent to every member: `Bytes` shares one copy among them.
     tonic_prost_build::configure()
         .bytes(".ferrite.v1.MirrorWrite.data")
         .compile_protos(&["ferrite/v1/admin.proto", "ferrite/v1/replica.proto", "ferrite/v1/mirror.proto"], &["."])?;
-    // CSI and CSI-Addons: servers for `ferrite csi`, clients for its tests. The well-known types
+    // CSI, CSI-Addons and the snapshot-metadata sidecar's API: servers for `ferrite csi`,
+    // clients for its tests. The well-known types
     // (descriptor, timestamp, wrappers) come with the vendored protoc.
     // RPCs a plugin does not advertise answer UNIMPLEMENTED (default stubs), as the spec expects.
     let wkt = protoc_bin_vendored::include_path()?;
@@ -26,6 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "csi-addons/volumegroup.proto",
             "csi-addons/replication.proto",
             "csi-addons/encryptionkeyrotation.proto",
+            "snapshot-metadata/schema.proto",
         ],
         &[".", wkt.to_str().ok_or("protoc include path is not UTF-8")?],
     )?;

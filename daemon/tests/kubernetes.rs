@@ -1,10 +1,12 @@
-//! The Kubernetes tier: deploy/kubernetes (with its CSI-Addons and group snapshot components)
+//! The Kubernetes tier: deploy/kubernetes (with its CSI-Addons, group snapshot and
+//! snapshot-metadata components)
 //! on a real control plane (etcd, kube-apiserver, kube-controller-manager as processes; no
 //! scheduler, no kubelet), three nodes in network namespaces of their own, and every container
 //! of the manifests run as a process: on each node the data-path daemon (after its init
 //! container chose the node's pool) and the CSI node plugin with node-driver-registrar and the
 //! liveness probe; the controller pod's ferrite and the kubernetes-csi and CSI-Addons sidecars;
-//! the snapshot-controller and the CSI-Addons manager under their upstream RBAC. The test plays
+//! the snapshot-controller and the CSI-Addons manager under their upstream RBAC; a backup tool
+//! calls the snapshot-metadata sidecar with an audience-scoped token. The test plays
 //! scheduler, DaemonSet controller and kubelet (`common::kubelet`): it binds pods to nodes,
 //! makes their volumes with the modes and fsGroup the manifests give, runs each container as the
 //! user and groups its securityContext names, probes readiness as the manifests say, and picks
@@ -82,7 +84,11 @@ impl Cluster {
         let mut cp = ControlPlane::start(dir, bin, Some(&sw.gateway));
         common::kubelet::open_up(dir);
         let up = upstream();
-        let crds = [up.join("crds/external-snapshotter"), up.join("crds/csi-addons")];
+        let crds = [
+            up.join("crds/external-snapshotter"),
+            up.join("crds/csi-addons"),
+            up.join("crds/external-snapshot-metadata"),
+        ];
         for c in &crds {
             cp.ok(&["apply", "--server-side", "-f", &c.display().to_string()]);
         }
@@ -96,15 +102,20 @@ impl Cluster {
         // Namespaces get their default ServiceAccount from the controller-manager; pods need it.
         cp.wait("the default ServiceAccount", LONG, |cp| cp.kubectl(&["get", "sa", "default"]).status.success());
 
-        println!("== the manifests with both optional components, as a user enables them");
+        println!("== the manifests with the optional components, as a user enables them");
         let copy = dir.join("deploy");
         sh(&format!("cp -r {} {}", deploy().display(), copy.display()));
         let k = copy.join("kustomization.yaml");
         let text = std::fs::read_to_string(&k).unwrap();
         let enabled = text
             .replace("  # - components/csi-addons ", "  - components/csi-addons ")
-            .replace("  # - components/group-snapshots ", "  - components/group-snapshots ");
-        assert_ne!(enabled, text, "kustomization.yaml lists the optional components, commented out");
+            .replace("  # - components/group-snapshots ", "  - components/group-snapshots ")
+            .replace("  # - components/snapshot-metadata ", "  - components/snapshot-metadata ");
+        assert_eq!(
+            enabled.matches("  - components/").count(),
+            4,
+            "kustomization.yaml lists the optional components, commented out"
+        );
         std::fs::write(&k, enabled).unwrap();
         let dk = copy.display().to_string();
         // A dry run does not create the namespace the other objects go to.
@@ -129,6 +140,28 @@ impl Cluster {
             &format!("--from-file=tls.crt={}", p("ferrite-controller.pem")),
             &format!("--from-file=tls.key={}", p("ferrite-controller-key.pem")),
         ]);
+        // The snapshot-metadata sidecar's server certificate (the pod's address here: the host's),
+        // its CA in the SnapshotMetadataService, and a backup tool's ServiceAccount under the
+        // sidecar's upstream client RBAC.
+        common::csi::certs(&pki, "snapshot-metadata", &["127.0.0.1"]);
+        cp.ok(&[
+            "create",
+            "secret",
+            "tls",
+            "ferrite-snapshot-metadata-tls",
+            "-n",
+            NS,
+            &format!("--cert={}", p("snapshot-metadata.pem")),
+            &format!("--key={}", p("snapshot-metadata-key.pem")),
+        ]);
+        let ca = sh(&format!("base64 -w0 {}", p("ca.pem")));
+        let patch = json!({"spec": {"caCert": ca.trim()}}).to_string();
+        cp.ok(&["patch", "snapshotmetadataservice", "csi.ferrite.dev", "--type=merge", "-p", &patch]);
+        cp.ok(&["create", "namespace", "backup-app-namespace"]);
+        for r in ["service-account", "cluster-role", "cluster-role-binding"] {
+            let f = up.join(format!("rbac/csi-snapshot-metadata-client-{r}.yaml"));
+            cp.ok(&["apply", "-n", "backup-app-namespace", "-f", &f.display().to_string()]);
+        }
 
         let nodes: Vec<Node> = NODES
             .iter()
@@ -298,7 +331,9 @@ impl Cluster {
             let name = c["name"].as_str().unwrap();
             let program = match name {
                 "ferrite" => PathBuf::from(BIN),
-                "csi-provisioner" | "csi-resizer" | "csi-snapshotter" | "csi-attacher" => cp.bin.join(name),
+                "csi-provisioner" | "csi-resizer" | "csi-snapshotter" | "csi-attacher" | "csi-snapshot-metadata" => {
+                    cp.bin.join(name)
+                }
                 "csi-addons" => cp.bin.join("csi-addons-sidecar"),
                 "liveness-probe" => cp.bin.join("livenessprobe"),
                 other => panic!("the controller pod has a container the tier does not know: {other}"),
@@ -618,6 +653,7 @@ fn ferrite_on_kubernetes() {
         .to_string(),
     );
     c.wait_field("the snapshot to be ready", &["volumesnapshot", "snap"], |v| v["status"]["readyToUse"] == true);
+    backup_tool(&mut c, &data_vol);
     claim(
         &c.cp,
         "restore",
@@ -787,7 +823,12 @@ fn ferrite_on_kubernetes() {
     failover(&mut c, triple_vol, &triple_pv);
 
     println!("== deletes clean up");
-    for (kind, name) in [("volumereplication", "data"), ("volumegroupsnapshot", "shop"), ("volumesnapshot", "snap")] {
+    for (kind, name) in [
+        ("volumereplication", "data"),
+        ("volumegroupsnapshot", "shop"),
+        ("volumesnapshot", "snap"),
+        ("volumesnapshot", "snap2"),
+    ] {
         c.cp.ok(&["delete", kind, name, "--wait=true", "--timeout=120s"]);
     }
     c.cp.ok(&["delete", "networkfence", "fence", "--wait=true", "--timeout=120s"]);
@@ -831,6 +872,104 @@ fn ferrite_on_kubernetes() {
 }
 
 /// Marks Node `node` Ready or not as its kubelet would (the tier has none), from now.
+/// A backup tool's view, through the external-snapshot-metadata sidecar in the controller pod:
+/// a second snapshot of `data` after a few writes, then its allocated ranges and the ranges
+/// changed since `snap`, asked with an audience-scoped token of the upstream client's
+/// ServiceAccount, equal to what the daemon's `snapshot diff` says. A token for another audience
+/// is refused, and so is a ServiceAccount that may not read the snapshots.
+fn backup_tool(c: &mut Cluster, data_vol: &str) {
+    use ferrite_proto::snapshot_metadata as sm;
+    println!("== changed blocks for a backup tool, through the snapshot-metadata sidecar");
+    let mut s = common::nbd::open(c.daemon("node-a"), data_vol);
+    for at in [4u64 << 20, 9 << 20, 9 << 20 | 4096] {
+        assert_eq!(common::nbd::write_on(&mut s, at, &pattern(8192)), 0);
+    }
+    drop(s);
+    c.daemon("node-a").ok(&["export", "stop", data_vol]);
+    c.cp.apply(
+        &json!({"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "snap2", "namespace": "default"},
+            "spec": {"volumeSnapshotClassName": "ferrite", "source": {"persistentVolumeClaimName": "data"}}})
+        .to_string(),
+    );
+    let handle = |c: &mut Cluster, snap: &str| {
+        let v =
+            c.wait_field("the snapshot to be ready", &["volumesnapshot", snap], |v| v["status"]["readyToUse"] == true);
+        let content =
+            c.cp.get(&["volumesnapshotcontent", v["status"]["boundVolumeSnapshotContentName"].as_str().unwrap()]);
+        content["status"]["snapshotHandle"].as_str().unwrap().to_owned()
+    };
+    let (base, target) = (handle(c, "snap"), handle(c, "snap2"));
+    let engine_name = |h: &str| h.split_once('/').unwrap().1.to_owned();
+    let ranges = |v: Value| -> Vec<(i64, i64)> {
+        v["ranges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["offset"].as_i64().unwrap(), r["length"].as_i64().unwrap()))
+            .collect()
+    };
+    let image = format!("{data_vol}@{}", engine_name(&target));
+    let a = c.daemon("node-a");
+    let allocated_here = ranges(a.json(&["snapshot", "diff", &image]));
+    let delta_here = ranges(a.json(&["snapshot", "diff", &image, "--since", &engine_name(&base)]));
+    assert!(!delta_here.is_empty());
+    let token = |ns: &str, sa: &str, audience: &str| {
+        c.cp.ok(&["create", "token", sa, "-n", ns, "--audience", audience, "--duration=10m"]).trim().to_owned()
+    };
+    let backup = token("backup-app-namespace", "backup-app-service-account", "ferrite-snapshot-metadata");
+    let elsewhere = token("backup-app-namespace", "backup-app-service-account", "another-service");
+    let stranger = token("default", "default", "ferrite-snapshot-metadata");
+    let ca = c.pki.join("ca.pem");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let tls = ferrite_tls::client_config(&ca, None, &[b"h2"]).unwrap();
+        let start = std::time::Instant::now();
+        let ch = loop {
+            match ferrite_proto::connect("tcp://127.0.0.1:50051", Some(std::sync::Arc::clone(&tls))).await {
+                Ok(ch) => break ch,
+                Err(e) => assert!(start.elapsed() < LONG, "the sidecar does not answer: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let mut cl = sm::snapshot_metadata_client::SnapshotMetadataClient::new(ch);
+        let allocated = |token: &str| sm::GetMetadataAllocatedRequest {
+            security_token: token.to_owned(),
+            namespace: "default".into(),
+            snapshot_name: "snap2".into(),
+            max_results: 2,
+            ..Default::default()
+        };
+        let mut got = Vec::new();
+        let mut st = cl.get_metadata_allocated(allocated(&backup)).await.unwrap().into_inner();
+        while let Some(m) = st.message().await.unwrap() {
+            assert!(m.block_metadata.len() <= 2);
+            assert_eq!(m.block_metadata_type, sm::BlockMetadataType::VariableLength as i32);
+            got.extend(m.block_metadata.iter().map(|b| (b.byte_offset, b.size_bytes)));
+        }
+        assert_eq!(got, allocated_here, "the sidecar's allocated ranges differ from the daemon's");
+        let delta = sm::GetMetadataDeltaRequest {
+            security_token: backup.clone(),
+            namespace: "default".into(),
+            base_snapshot_id: base.clone(),
+            target_snapshot_name: "snap2".into(),
+            ..Default::default()
+        };
+        let mut got = Vec::new();
+        let mut st = cl.get_metadata_delta(delta).await.unwrap().into_inner();
+        while let Some(m) = st.message().await.unwrap() {
+            got.extend(m.block_metadata.iter().map(|b| (b.byte_offset, b.size_bytes)));
+        }
+        assert_eq!(got, delta_here, "the sidecar's delta differs from the daemon's");
+        for (token, code) in [(&elsewhere, tonic::Code::Unauthenticated), (&stranger, tonic::Code::PermissionDenied)] {
+            let refused = match cl.get_metadata_allocated(allocated(token)).await {
+                Err(e) => e,
+                Ok(r) => r.into_inner().message().await.unwrap_err(),
+            };
+            assert_eq!(refused.code(), code, "{refused}");
+        }
+    });
+}
+
 fn set_ready(c: &Cluster, node: &str, ready: bool) {
     let ip = &c.nodes[NODES.iter().position(|n| *n == node).unwrap()].ip;
     let now = sh("date -u +%Y-%m-%dT%H:%M:%SZ");

@@ -1,4 +1,5 @@
-//! Generated gRPC code: Ferrite's admin API, and the CSI 1.12 and CSI-Addons protocols.
+//! Generated gRPC code: Ferrite's admin API, the CSI 1.12 and CSI-Addons protocols, and the
+//! snapshot-metadata sidecar's API.
 
 /// `ferrite.v1`: the daemon's admin API.
 pub mod ferrite {
@@ -39,6 +40,13 @@ pub mod csi_addons {
     pub mod replication {
         tonic::include_proto!("replication");
     }
+}
+
+/// `snapshotmetadata`: the API of the kubernetes-csi external-snapshot-metadata sidecar, as
+/// backup tools call it.
+pub mod snapshot_metadata {
+    #![allow(clippy::all, clippy::pedantic, missing_debug_implementations)]
+    tonic::include_proto!("snapshotmetadata");
 }
 
 /// A gRPC channel to a server on a Unix socket (the daemon's admin API, a CSI endpoint).
