@@ -2,7 +2,8 @@
 //! what `ferrite snapshot diff` lists, on a snapshot's export and on the live volume's; an
 //! incremental copy driven by the map (a libnbd script, as a backup tool would run it) turns a
 //! copy of the base into an exact copy of the target (`qemu-img compare`); a snapshot that is
-//! not beneath the export gets no context.
+//! not beneath the export gets no context. `ferrite:allocation-depth` says which layer of the
+//! chain holds each extent.
 
 mod common;
 
@@ -142,6 +143,20 @@ fn the_changed_context_drives_an_incremental_copy() {
     assert_eq!(write_on(&mut s, 30 << 20, &pattern(9, 8192)), 0);
     drop(s);
     assert_eq!(nbdinfo_changed(&uri("v"), "s2").unwrap(), [(30 << 20, 8192)]);
+
+    // Allocation depth on the live volume: 1 what it wrote since s2, 2 what s2's layer holds
+    // (written between s1 and s2), 3 what s1's does, 0 where nothing is.
+    let o = Command::new("nbdinfo").arg("--map=ferrite:allocation-depth").arg(uri("v")).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let depth_at = |at: u64| {
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| l.split_whitespace().take(3).map(|x| x.parse::<u64>().unwrap()).collect::<Vec<_>>())
+            .find(|f| f[0] <= at && at < f[0] + f[1])
+            .map(|f| f[2])
+            .unwrap()
+    };
+    assert_eq!([depth_at(30 << 20), depth_at(50 << 20), depth_at(2 << 20), depth_at(63 << 20)], [1, 2, 3, 0]);
 
     // No context against a snapshot that is not beneath the export.
     for base in ["w1", "nope", "s2"] {

@@ -580,6 +580,42 @@ impl Volume {
         Ok(runs)
     }
 
+    /// Where each block of [offset, offset+len) comes from, as runs of (bytes, depth): 0 where
+    /// nothing in the chain holds it (it reads as zeros), 1 where this image's own layer does,
+    /// 2 its parent's, and so on (what `qemu:allocation-depth` reports for a backing chain).
+    /// No media I/O.
+    pub fn allocation_depth(&self, offset: u64, len: u64) -> Result<Vec<(u64, u32)>> {
+        let inner = self.pool()?;
+        self.check_range(&inner, offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let (first, end) = (offset / B, (offset + len).div_ceil(B));
+        let blocks: Vec<(u64, u64, u32)> = {
+            let st = inner.state.read();
+            let (head, _) = self.head(&st)?;
+            let mut chain = Vec::new();
+            let mut at = Some(head);
+            while let Some(l) = at.filter(|l| st.layers.contains_key(l)) {
+                chain.push(l);
+                at = st.layers[&l].parent;
+            }
+            let depth = |layer: u64| {
+                chain.iter().position(|&l| l == layer).map_or(0, |i| u32::try_from(i + 1).unwrap_or(u32::MAX))
+            };
+            st.layers.resolve(head, first, end - first).into_iter().map(|r| (r.lba, r.blocks, depth(r.layer))).collect()
+        };
+        let mut runs: Vec<(u64, u32)> = Vec::new();
+        for (lba, n, d) in blocks {
+            let (from, to) = ((lba * B).max(offset), ((lba + n) * B).min(offset + len));
+            match runs.last_mut() {
+                Some((bytes, last)) if *last == d => *bytes += to - from,
+                _ => runs.push((to - from, d)),
+            }
+        }
+        Ok(runs)
+    }
+
     /// What changed in [offset, offset+len) since snapshot `since` (an earlier snapshot beneath
     /// this image) as runs of (bytes, changed), in order, at block granularity: what NBD's
     /// `ferrite:changed:` context reports. A block rewritten with equal bytes, or trimmed where

@@ -207,4 +207,7 @@ fn a_rewrite_of_equal_bytes_is_reported_changed() {
     assert_eq!(pool.changed_ranges(Image::Snapshot("b"), Some("a")).unwrap(), [(2 * B, B)]);
     let snap: Volume = pool.open_snapshot("b").unwrap();
     assert_eq!(snap.changed("a", B + 100, 3 * B).unwrap(), [(B - 100, false), (B, true), (B + 100, false)]);
+    // Depth: b's own layer holds block 2, a's the rest of the first 8, nothing after them.
+    assert_eq!(snap.allocation_depth(0, 10 * B).unwrap(), [(2 * B, 2), (B, 1), (5 * B, 2), (2 * B, 0)]);
+    assert_eq!(v.allocation_depth(2 * B + 1, 100).unwrap(), [(100, 2)], "from the live head, b is its parent");
 }

@@ -48,13 +48,18 @@ pub fn requests(input: &[u8]) -> usize {
 
 /// Serves `input[1..]` as a client's whole request stream on `export`, as a connection in
 /// transmission does (its event loop, helpers, engine calls), under limits small enough that
-/// backpressure comes into play. `input[0]` picks structured replies, block status and the
-/// ring. Must never panic or hang; returns the bytes of replies sent.
+/// backpressure comes into play. `input[0]` picks structured replies, block status (base
+/// allocation, allocation depth) and the ring. Must never panic or hang; returns the bytes of replies sent.
 pub fn transmission(export: &Arc<Export>, input: &[u8]) -> usize {
     let Some((&mode, stream)) = input.split_first() else { return 0 };
     let structured = mode & 1 != 0;
-    let session =
-        Session { export: Arc::clone(export), structured, base_allocation: structured && mode & 2 != 0, changed: None };
+    let session = Session {
+        export: Arc::clone(export),
+        structured,
+        base_allocation: structured && mode & 2 != 0,
+        changed: None,
+        depth: structured && mode & 8 != 0,
+    };
     let limits =
         Limits { connection_bytes: 1 << 20, connection_requests: 8, memory: Budget::new(4 << 20), ..Limits::default() };
     let (mut client, server) = UnixStream::pair().expect("socket pair");

@@ -36,6 +36,11 @@ const BASE_ALLOCATION: &str = "base:allocation";
 /// snapshot (beneath the export's image), flag [`crate::proto::STATE_CHANGED`].
 pub const CHANGED_ID: u32 = 2;
 const CHANGED: &str = "ferrite:changed:";
+/// Context id of `ferrite:allocation-depth` once selected: for each extent, which layer of the
+/// image's chain holds it (0: none, 1: the image's own, 2: its parent, ...), as
+/// `qemu:allocation-depth` reports a backing chain.
+pub const DEPTH_ID: u32 = 3;
+const DEPTH: &str = "ferrite:allocation-depth";
 
 /// What negotiation agreed on.
 #[derive(Debug)]
@@ -45,12 +50,14 @@ pub struct Session {
     pub base_allocation: bool,
     /// The snapshot `ferrite:changed:` reports against, if that context was selected.
     pub changed: Option<String>,
+    pub depth: bool,
 }
 
 /// Metadata contexts selected so far, and for which export.
 #[derive(Debug, Default)]
 struct Contexts {
     base_allocation: bool,
+    depth: bool,
     /// (export, snapshot) of a selected `ferrite:changed:` context.
     changed: Option<(String, String)>,
 }
@@ -60,7 +67,7 @@ impl Contexts {
     /// does not carry over.
     fn session(self, name: &str, export: Arc<Export>, structured: bool) -> Session {
         let changed = self.changed.filter(|(e, _)| e == name).map(|(_, snap)| snap);
-        Session { export, structured, base_allocation: self.base_allocation, changed }
+        Session { export, structured, base_allocation: self.base_allocation, changed, depth: self.depth }
     }
 }
 
@@ -238,6 +245,11 @@ where
                 } else {
                     queries.iter().any(|q| *q == BASE_ALLOCATION || (!set && (*q == "base:" || q.is_empty())))
                 };
+                let depth = if queries.is_empty() {
+                    !set
+                } else {
+                    queries.iter().any(|q| *q == DEPTH || (!set && (*q == "ferrite:" || q.is_empty())))
+                };
                 // Changed extents against a snapshot: asked for by its full name (one context per
                 // snapshot beneath the export, so they are not listed).
                 let changed = queries
@@ -248,12 +260,18 @@ where
                 if set {
                     contexts = Contexts {
                         base_allocation: wanted,
+                        depth,
                         changed: changed.clone().map(|snap| (name.to_owned(), snap)),
                     };
                 }
                 if wanted {
                     let mut p = BASE_ALLOCATION_ID.to_be_bytes().to_vec();
                     p.extend_from_slice(BASE_ALLOCATION.as_bytes());
+                    reply(s, option, REP_META_CONTEXT, &p).await?;
+                }
+                if depth {
+                    let mut p = DEPTH_ID.to_be_bytes().to_vec();
+                    p.extend_from_slice(DEPTH.as_bytes());
                     reply(s, option, REP_META_CONTEXT, &p).await?;
                 }
                 if let Some(snap) = changed {

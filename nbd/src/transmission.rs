@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 
 use ferrite_engine::{Error, ErrorKind, Volume};
 
-use crate::handshake::{BASE_ALLOCATION_ID, CHANGED_ID, Session};
+use crate::handshake::{BASE_ALLOCATION_ID, CHANGED_ID, DEPTH_ID, Session};
 use crate::proto::*;
 
 /// Where a structured read reply's data starts: behind one data chunk's header and offset.
@@ -212,7 +212,7 @@ pub(crate) fn read_reply(st: bool, req: &Request, mut out: Vec<u8>, runs: &[(u64
 
 fn block_status(s: &Session, req: Request) -> Reply {
     let st = s.structured;
-    if !st || (!s.base_allocation && s.changed.is_none()) {
+    if !st || (!s.base_allocation && s.changed.is_none() && !s.depth) {
         return error_reply(st, req.cookie, EINVAL, "no metadata context negotiated");
     }
     if req.length == 0 {
@@ -227,6 +227,12 @@ fn block_status(s: &Session, req: Request) -> Reply {
                 BASE_ALLOCATION_ID,
                 runs.into_iter().map(|(n, mapped)| (n, if mapped { 0 } else { STATE_HOLE | STATE_ZERO })).collect(),
             )),
+            Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
+        }
+    }
+    if s.depth {
+        match s.export.volume.allocation_depth(offset, len) {
+            Ok(runs) => contexts.push((DEPTH_ID, runs)),
             Err(e) => return error_reply(true, req.cookie, nbd_errno(&e), &e.to_string()),
         }
     }

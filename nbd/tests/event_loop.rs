@@ -181,7 +181,8 @@ fn tight() -> Arc<Limits> {
 fn run_with(pool: &Pool, ring: bool, limits: Arc<Limits>) {
     pool.create_volume("v", SIZE).unwrap();
     let export = Arc::new(Export::new("v", pool.open_volume("v").unwrap(), false, ""));
-    let session = Session { export: Arc::clone(&export), structured: false, base_allocation: false, changed: None };
+    let session =
+        Session { export: Arc::clone(&export), structured: false, base_allocation: false, changed: None, depth: false };
     let (client, server) = UnixStream::pair().unwrap();
     let l = Arc::clone(&limits);
     let served = std::thread::spawn(move || serve(&server, &session, &l, ring));
@@ -260,7 +261,8 @@ fn reads_go_on_while_replies_wait_for_the_client() {
     volume.write(0, &data).unwrap();
     volume.flush().unwrap();
     let export = Arc::new(Export::new("v", volume, false, ""));
-    let session = Session { export: Arc::clone(&export), structured: false, base_allocation: false, changed: None };
+    let session =
+        Session { export: Arc::clone(&export), structured: false, base_allocation: false, changed: None, depth: false };
     let limits = Arc::new(Limits::default());
     let (mut client, server) = UnixStream::pair().unwrap();
     let served = std::thread::spawn(move || serve(&server, &session, &limits, true));
@@ -302,7 +304,7 @@ fn a_client_that_does_not_read_its_replies_is_cut_after_the_send_timeout() {
     let pool = file_pool(&dir);
     pool.create_volume("v", SIZE).unwrap();
     let export = Arc::new(Export::new("v", pool.open_volume("v").unwrap(), false, ""));
-    let session = Session { export, structured: false, base_allocation: false, changed: None };
+    let session = Session { export, structured: false, base_allocation: false, changed: None, depth: false };
     let (mut client, server) = UnixStream::pair().unwrap();
     server.set_write_timeout(Some(std::time::Duration::from_millis(500))).unwrap();
     let (done, ended) = std::sync::mpsc::channel();
