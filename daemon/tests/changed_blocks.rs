@@ -43,13 +43,6 @@ fn nbdinfo_changed(uri: &str, base: &str) -> Result<Vec<(u64, u64)>, String> {
     Ok(merged(rows.filter(|r| r.2 & 1 == 1).map(|r| (r.0, r.1))))
 }
 
-fn diff(d: &Daemon, image: &str, since: &str) -> Vec<(u64, u64)> {
-    let v = d.json(&["snapshot", "diff", image, "--since", since]);
-    merged(
-        v["ranges"].as_array().unwrap().iter().map(|r| (r["offset"].as_u64().unwrap(), r["length"].as_u64().unwrap())),
-    )
-}
-
 /// Copies into `file` every extent of `uri` that context `ferrite:changed:<base>` flags.
 const INCREMENTAL: &str = r#"
 import nbd, sys
@@ -115,7 +108,8 @@ fn the_changed_context_drives_an_incremental_copy() {
     d.ok(&["export", "nbd", "v@s2"]);
     let uri = |image: &str| format!("nbd+unix:///{image}?socket={}", d.nbd().display());
     let listed = nbdinfo_changed(&uri("v@s2"), "s1").unwrap();
-    assert_eq!(listed, diff(&d, "v@s2", "s1"));
+    let diff = d.diff("v@s2", Some("s1")).into_iter().map(|(o, n)| (o.cast_unsigned(), n.cast_unsigned()));
+    assert_eq!(listed, merged(diff));
     assert!(!listed.is_empty());
 
     // An incremental backup: the base's copy plus the flagged extents is the target.

@@ -69,21 +69,6 @@ async fn delta(
     Ok(all)
 }
 
-/// `ferrite snapshot diff` of `image` (since `since`) as tuples.
-fn diff(d: &Daemon, image: &str, since: Option<&str>) -> Tuples {
-    let mut args = vec!["snapshot", "diff", image];
-    if let Some(s) = since {
-        args.extend(["--since", s]);
-    }
-    let v = d.json(&args);
-    v["ranges"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| (r["offset"].as_i64().unwrap(), r["length"].as_i64().unwrap()))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_metadata_through_the_controller() {
     let dir = tempfile::tempdir().unwrap();
@@ -124,13 +109,13 @@ async fn snapshot_metadata_through_the_controller() {
 
     // The same answer as the admin API's, streamed in pages of at most max_results.
     let (all, sizes) = allocated(&mut c, "node-a/s2", 0, 0).await.unwrap();
-    assert_eq!(all, diff(&a, "v@s2", None));
+    assert_eq!(all, a.diff("v@s2", None));
     assert_eq!(sizes.len(), 1);
     let (paged, sizes) = allocated(&mut c, "node-a/s2", 0, 7).await.unwrap();
     assert_eq!(paged, all);
     assert!(sizes.iter().all(|&n| n <= 7) && sizes.len() >= all.len() / 7, "{sizes:?}");
     let changed = delta(&mut c, "node-a/s1", "node-a/s2", 0, 5).await.unwrap();
-    assert_eq!(changed, diff(&a, "v@s2", Some("s1")));
+    assert_eq!(changed, a.diff("v@s2", Some("s1")));
     assert!(!changed.is_empty());
 
     // Restarted after the 4th tuple (cut inside the 5th): the rest, exactly, the first tuple

@@ -900,18 +900,10 @@ fn backup_tool(c: &mut Cluster, data_vol: &str) {
     };
     let (base, target) = (handle(c, "snap"), handle(c, "snap2"));
     let engine_name = |h: &str| h.split_once('/').unwrap().1.to_owned();
-    let ranges = |v: Value| -> Vec<(i64, i64)> {
-        v["ranges"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| (r["offset"].as_i64().unwrap(), r["length"].as_i64().unwrap()))
-            .collect()
-    };
     let image = format!("{data_vol}@{}", engine_name(&target));
     let a = c.daemon("node-a");
-    let allocated_here = ranges(a.json(&["snapshot", "diff", &image]));
-    let delta_here = ranges(a.json(&["snapshot", "diff", &image, "--since", &engine_name(&base)]));
+    let allocated_here = a.diff(&image, None);
+    let delta_here = a.diff(&image, Some(&engine_name(&base)));
     assert!(!delta_here.is_empty());
     let token = |ns: &str, sa: &str, audience: &str| {
         c.cp.ok(&["create", "token", sa, "-n", ns, "--audience", audience, "--duration=10m"]).trim().to_owned()

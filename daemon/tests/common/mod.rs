@@ -98,6 +98,16 @@ impl Daemon {
         self.json(&["replica", "status", name])
     }
 
+    /// `snapshot diff IMAGE [--since SINCE]`: the ranges as (offset, length), as CSI's
+    /// BlockMetadata types them.
+    pub fn diff(&self, image: &str, since: Option<&str>) -> Vec<(i64, i64)> {
+        let mut args = vec!["snapshot", "diff", image];
+        args.extend(since.iter().flat_map(|s| ["--since", s]));
+        let v = self.json(&args);
+        let field = |r: &serde_json::Value, k: &str| r[k].as_i64().unwrap();
+        v["ranges"].as_array().unwrap().iter().map(|r| (field(r, "offset"), field(r, "length"))).collect()
+    }
+
     /// SIGTERM and wait; returns the exit status.
     pub fn stop(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().unwrap();
