@@ -93,16 +93,27 @@ pub fn format(cfg: &Config, req: &FormatRequest) -> Result<()> {
     Ok(())
 }
 
+/// How long a device that is busy may take to be let go (udev probes a device right after it
+/// is unmounted or closed) before it counts as in use.
+const BUSY_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Opens an existing store to look at it; a device exclusively, so one in use is refused.
 fn open_existing(path: &Path, device: bool) -> Result<File> {
     let flags = if device { i32::try_from(rustix::fs::OFlags::EXCL.bits()).expect("a small flag") } else { 0 };
-    OpenOptions::new().read(true).write(true).custom_flags(flags).open(path).map_err(|e| {
-        if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) {
-            anyhow::anyhow!("{} is in use (mounted, or held by another program); refusing to format it", path.display())
-        } else {
-            anyhow::Error::new(e).context(format!("opening {}", path.display()))
+    let start = std::time::Instant::now();
+    loop {
+        let e = match OpenOptions::new().read(true).write(true).custom_flags(flags).open(path) {
+            Ok(f) => return Ok(f),
+            Err(e) => e,
+        };
+        if e.raw_os_error() != Some(rustix::io::Errno::BUSY.raw_os_error()) {
+            return Err(anyhow::Error::new(e).context(format!("opening {}", path.display())));
         }
-    })
+        if start.elapsed() >= BUSY_PATIENCE {
+            anyhow::bail!("{} is in use (mounted, or held by another program); refusing to format it", path.display());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// Writes zeros over the whole file, with progress, and syncs it.
