@@ -22,6 +22,9 @@ use crate::nodes::{NodeDirectory, admin};
 /// Tuples per message when the caller leaves it to us, and at most whatever it asks.
 const PAGE: usize = 1024;
 
+/// The largest ChangedRanges answer taken from a daemon: some 25 million ranges.
+const MAX_LISTING: usize = 256 << 20;
+
 #[derive(Debug)]
 pub struct SnapshotMetadata {
     pub nodes: Arc<dyn NodeDirectory>,
@@ -106,7 +109,9 @@ impl SnapshotMetadata {
             }
         };
         let start = starting(starting_offset, t.size)?;
-        let mut c = admin(dir, &node).await?;
+        // A scattered delta is many ranges (about 10 bytes each on the wire): more than gRPC's
+        // 4 MiB default for a volume with a few hundred thousand of them.
+        let mut c = admin(dir, &node).await?.max_decoding_message_size(MAX_LISTING);
         let req = pb::ChangedRangesRequest { image: Some(pb::changed_ranges_request::Image::Snapshot(t.name)), since };
         let ranges = c.changed_ranges(req).await?.into_inner().ranges;
         Ok((t.size, start, ranges))
