@@ -11,6 +11,10 @@ use ferrite_engine::{Image, Pool};
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::Status;
 
+/// The largest wrapped data key a peer may send: a wrapping is a few dozen bytes and a key id
+/// of at most 255.
+pub const MAX_WRAPPED_KEY: usize = 512;
+
 /// The KEK a new encrypted volume gets when the call names none.
 pub const DEFAULT_KEY: &str = "default";
 

@@ -544,40 +544,7 @@ impl Volume {
     /// Allocation of [offset, offset+len) as runs of (bytes, mapped), in order, at block
     /// granularity: what NBD `base:allocation` and changed-block queries report. No media I/O.
     pub fn allocation(&self, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
-        let inner = self.pool()?;
-        self.check_range(&inner, offset, len)?;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let (first, end) = (offset / B, (offset + len).div_ceil(B));
-        let mapped: Vec<(u64, u64)> = {
-            let st = inner.state.read();
-            let (head, _) = self.head(&st)?;
-            let mut v: Vec<(u64, u64)> = Vec::new();
-            for r in st.layers.resolve(head, first, end - first).into_iter().filter(|r| r.pba.is_some()) {
-                match v.last_mut() {
-                    Some((l, n)) if *l + *n == r.lba => *n += r.blocks,
-                    _ => v.push((r.lba, r.blocks)),
-                }
-            }
-            v
-        };
-        // Turn block runs into byte runs clipped to the request, with the holes between them.
-        let mut runs: Vec<(u64, bool)> = Vec::new();
-        let mut push = |from: u64, to: u64, m: bool| {
-            let (from, to) = (from.max(offset), to.min(offset + len));
-            if from < to {
-                runs.push((to - from, m));
-            }
-        };
-        let mut at = offset;
-        for (lba, n) in mapped {
-            push(at, lba * B, false);
-            push(lba * B, (lba + n) * B, true);
-            at = (lba + n) * B;
-        }
-        push(at, offset + len, false);
-        Ok(runs)
+        self.runs_since(None, offset, len)
     }
 
     /// Where each block of [offset, offset+len) comes from, as runs of (bytes, depth): 0 where
@@ -622,16 +589,22 @@ impl Volume {
     /// it read as zeros, counts as changed; a block reported unchanged reads the same in both.
     /// No media I/O.
     pub fn changed(&self, since: &str, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
+        self.runs_since(Some(since), offset, len)
+    }
+
+    /// [offset, offset+len) as runs of (bytes, flagged): flagged where it changed since snapshot
+    /// `since`, or with no `since` where it is allocated, the runs between them unflagged.
+    fn runs_since(&self, since: Option<&str>, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
         let inner = self.pool()?;
         self.check_range(&inner, offset, len)?;
-        let changed = {
+        let flagged = {
             let st = inner.state.read();
             let (head, size) = self.head(&st)?;
-            crate::state::changed_in(&st, head, size, Some(since), offset, len)?
+            crate::state::changed_in(&st, head, size, since, offset, len)?
         };
         let mut runs: Vec<(u64, bool)> = Vec::new();
         let mut at = offset;
-        for (o, n) in changed {
+        for (o, n) in flagged {
             if o > at {
                 runs.push((o - at, false));
             }

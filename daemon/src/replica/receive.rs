@@ -18,13 +18,14 @@ use ferrite_replication::apply::Transfer;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Replication;
-
-/// Older data keys a push may name: one per data-key rotation its snapshots span.
-const MAX_OLDER_KEYS: usize = 64;
 use super::admit::{check_epoch_bound, check_name, check_not_stale};
 use super::records::{PendingRecord, Relation, Role};
 use crate::authz::{Caller, caller_of};
+use crate::encryption::MAX_WRAPPED_KEY;
 use crate::rpc::{blocking, status};
+
+/// Older data keys a push may name: one per data-key rotation its snapshots span.
+const MAX_OLDER_KEYS: usize = 64;
 
 /// Bytes applied between two durable resume points.
 const CHECKPOINT_BYTES: u64 = 64 << 20;
@@ -250,9 +251,11 @@ impl ReplicaService {
             .await?;
         }
         let (pool, r, size, end) = (Arc::clone(&hub.pool), rec.clone(), b.size, b.end);
-        if b.older_keys.len() > MAX_OLDER_KEYS || b.older_keys.iter().chain([&b.wrapped_key]).any(|k| k.len() > 512) {
+        if b.older_keys.len() > MAX_OLDER_KEYS
+            || b.older_keys.iter().chain([&b.wrapped_key]).any(|k| k.len() > MAX_WRAPPED_KEY)
+        {
             return Err(Status::invalid_argument(format!(
-                "a push carries at most {MAX_OLDER_KEYS} older keys, each wrapped key at most 512 bytes"
+                "a push carries at most {MAX_OLDER_KEYS} older keys, each wrapped key at most {MAX_WRAPPED_KEY} bytes"
             )));
         }
         let keys: Vec<Vec<u8>> = std::iter::once(b.wrapped_key.clone()).chain(b.older_keys.clone()).collect();

@@ -6,6 +6,7 @@
 use ferrite_proto::ferrite::v1 as pb;
 use serde::{Deserialize, Serialize};
 
+use crate::encryption::MAX_WRAPPED_KEY;
 use crate::replica::records::Keyed;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -154,9 +155,6 @@ impl Membership {
 
 /// At most this many members per volume (the primary, replicas and witnesses).
 pub const MAX_MEMBERS: usize = 7;
-
-/// A wrapped data key is a few dozen bytes and a key id of at most 255.
-const MAX_WRAPPED_KEY: usize = 512;
 
 /// A member's endpoint: tcp://host:port, bounded.
 pub fn check_endpoint(e: &str) -> Result<(), String> {

@@ -130,7 +130,7 @@ impl Pool {
         let same = |a: &WrappedKey, b: &WrappedKey| a.same_key(b).unwrap_or(true);
         let inner = &self.inner;
         let _m = inner.meta_lock.lock();
-        let (layer, parent, id, chain, orphaned) = {
+        let (layer, parent, id, new, chain, orphaned) = {
             let st = inner.state.read();
             let layer = st.volumes[&lookup(&st, name)?].rec.layer;
             let id = st
@@ -147,12 +147,9 @@ impl Pool {
             }
             // With a new key for the head, the old one goes unless a layer below reads with it.
             let orphaned = new && !st.layers.iter().any(|(&other, o)| other != layer && o.key == Some(id));
-            (layer, l.parent, id, chain_wrapped(&st, Image::Volume(name))?, orphaned)
+            (layer, l.parent, id, new, chain_wrapped(&st, Image::Volume(name))?, orphaned)
         };
-        let new_key = match chain.iter().any(|(k, old)| *k == id && same(old, &w)) {
-            true => None,
-            false => Some(inner.meta.next_id()?),
-        };
+        let new_key = if new { Some(inner.meta.next_id()?) } else { None };
         // Each key of the chain takes the wrapping of the same key among the given ones.
         let rewrapped: Vec<(u64, WrappedKey)> = chain
             .into_iter()
