@@ -344,9 +344,12 @@ fn relay_tls(
     Ok((cfg, name))
 }
 
-/// The records a previous daemon left whose devices can be taken back.
+/// The records a previous daemon left whose devices can be taken back. A device is never
+/// resumed over a loss: where recovery dropped part of the log (a torn batch, a damaged store),
+/// acknowledged writes may be missing, and every device left in recovery is failed instead.
 fn recover(pool: &Pool, records: Vec<AttachRecord>, opts: &ferrite_ublk::Options) -> Vec<(AttachRecord, Handle)> {
     let mut live = Vec::new();
+    let lost = pool.recovery_report().truncated.clone();
     for r in records {
         if r.transport != "ublk" {
             tracing::warn!(device = %r.device, volume = %r.volume,
@@ -355,6 +358,13 @@ fn recover(pool: &Pool, records: Vec<AttachRecord>, opts: &ferrite_ublk::Options
         }
         if !Path::new(&format!("/sys/class/ublk-char/ublkc{}", r.index)).exists() {
             tracing::warn!(device = %r.device, volume = %r.volume, "ublk device is gone; not recovering it");
+            continue;
+        }
+        if let Some(why) = &lost {
+            let failed = ferrite_ublk::Device::fail(r.index);
+            tracing::error!(device = %r.device, volume = %r.volume, reason = %why, result = ?failed,
+                "not resuming the ublk device: recovery dropped part of the log, so acknowledged writes \
+                 may be missing; its I/O fails instead (attach the volume again after checking it)");
             continue;
         }
         let recovered = open_image(pool, &r.volume)

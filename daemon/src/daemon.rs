@@ -54,6 +54,7 @@ fn open_pool(cfg: &Config) -> Result<Pool> {
             uuid = %pool.stats().uuid,
             path = %cfg.pool_path.display(),
             replayed_batches = r.batches_replayed,
+            from_tail = r.batches_from_tail,
             truncated = r.truncated.as_deref().unwrap_or("no"),
             "pool opened"
         );

@@ -11,7 +11,8 @@
 //!  recovery  load the checkpoint, replay the log after it (policy: truncate at the first bad batch)
 //!  maint/    background work: checkpoint, cleaner (+ victims, pace); room for the write path
 //!  read/     resolve ranges through the layer chain, gather from memory, read the store, readahead
-//!  write/    the log: queue + group-commit leader, the open batch (tail), batches, room at the head
+//!  write/    the log: queue + group-commit leader, the open batch (tail, built in the tail file),
+//!            batches, room at the head
 //!  ctx       the shared context: store, metadata, state lock, pins, health, counters, wake-ups
 //!  state     the in-memory state and the one place a batch is applied (write path and recovery)
 //!  gate      a volume's write gate: read-only volumes, and waiting out the writes in flight
@@ -37,6 +38,8 @@
 //! - every batch has a unique, gap-free sequence number within a generation, and replay accepts
 //!   only the exact next one, so a pool always recovers to a prefix of its log;
 //! - a flush is acknowledged only after a store sync that covers every batch before it;
+//! - a write is acknowledged only once the kernel holds it (the store, or the tail file's shared
+//!   mapping), so a process crash loses nothing acknowledged;
 //! - a segment is reused only after a durable checkpoint no longer refers to it (see
 //!   `maint/checkpoint.rs`), and never while a read holds a pin on it;
 //! - the engine knows no transport: errors carry an [`ErrorKind`] and an errno.
@@ -81,3 +84,5 @@ pub use qos::{IoKind, QosLimits, QosStats};
 pub use read::reads::Reads;
 pub use recovery::RecoveryReport;
 pub use volume::{Volume, ZERO_DATA_SLICE};
+/// The tail file's name in a pool's metadata directory.
+pub use write::tailfile::FILE_NAME as TAIL_FILE;

@@ -271,10 +271,12 @@ pub(crate) struct CheckpointWrite {
 #[derive(Debug)]
 pub(crate) struct Meta {
     db: DB,
-    /// Chain records not yet durable. A segment move is noted here and becomes durable with
-    /// the next store sync (`Ctx::sync_store`) or checkpoint, not with a RocksDB sync of its
-    /// own on the write path: batches in the new segment need the record only once something
-    /// promised them durable, and every such promise goes through one of those two.
+    /// Chain records written but not yet synced. A segment move is written to RocksDB at once
+    /// without a sync (its WAL write reaches the kernel, so a process crash keeps it, as it keeps
+    /// the batches after it) and becomes durable against a power cut with the next store sync
+    /// (`Ctx::sync_store`) or checkpoint, not with a sync of its own on the write path: batches
+    /// in the new segment need it durable only once something promised them durable, and every
+    /// such promise goes through one of those two.
     pending_chain: Mutex<BTreeMap<u64, u64>>,
 }
 
@@ -457,10 +459,12 @@ impl Meta {
         Ok(out)
     }
 
-    /// Notes that batch `seq` and its successors go to segment `seg`; durable with the next
-    /// [`Meta::sync_chain`] or checkpoint.
-    pub fn note_chain(&self, seq: u64, seg: u64) {
+    /// Records that batch `seq` and its successors go to segment `seg`: written now (kept by a
+    /// process crash), durable with the next [`Meta::sync_chain`] or checkpoint.
+    pub fn note_chain(&self, seq: u64, seg: u64) -> Result<()> {
+        self.db.put(key(b"l/", &[seq]), seg.to_le_bytes())?;
         self.pending_chain.lock().insert(seq, seg);
+        Ok(())
     }
 
     /// Makes every chain record noted so far durable (one synchronous write, none if nothing
@@ -610,24 +614,24 @@ mod tests {
             let m = Meta::create(dir.path(), &[1; 16], first).unwrap();
             assert_eq!(m.next_id().unwrap(), 1);
             assert_eq!(m.next_id().unwrap(), 2);
-            m.note_chain(10, 3);
+            m.note_chain(10, 3).unwrap();
             m.sync_chain().unwrap();
-            // Noted only: lost with the process, as after a crash before any sync.
-            m.note_chain(20, 4);
+            // Not synced, but written: a process crash (this drop) keeps it.
+            m.note_chain(20, 4).unwrap();
         }
         assert_eq!(Meta::create(dir.path(), &[1; 16], first).unwrap_err().kind(), ErrorKind::AlreadyExists);
         let m = Meta::open(dir.path()).unwrap();
         assert_eq!(m.next_id().unwrap(), 3);
-        assert_eq!(m.chain().unwrap().into_iter().collect::<Vec<_>>(), vec![(10, 3)]);
+        assert_eq!(m.chain().unwrap().into_iter().collect::<Vec<_>>(), vec![(10, 3), (20, 4)]);
         // A checkpoint carries what is pending and drops what it makes unneeded.
-        m.note_chain(20, 4);
+        m.note_chain(25, 6).unwrap();
         let rec = CheckpointRecord { seq: 15, ..first };
         m.write_checkpoint(CheckpointWrite { record: Some(rec), ..Default::default() }).unwrap();
-        assert_eq!(m.chain().unwrap().into_iter().collect::<Vec<_>>(), vec![(20, 4)]);
-        m.note_chain(30, 5);
+        assert_eq!(m.chain().unwrap().into_iter().collect::<Vec<_>>(), vec![(20, 4), (25, 6)]);
+        m.note_chain(30, 5).unwrap();
         m.sync_chain().unwrap();
         m.sync_chain().unwrap();
-        assert_eq!(m.chain().unwrap().len(), 2);
+        assert_eq!(m.chain().unwrap().len(), 3);
         assert_eq!(m.checkpoint().unwrap(), rec);
         let missing = dir.path().join("nope");
         assert_eq!(Meta::open(&missing).unwrap_err().kind(), ErrorKind::NotFound);

@@ -21,7 +21,8 @@ use crate::meta::{CatalogOp, CheckpointRecord, Meta};
 use crate::read::readahead::{self, Readahead, readahead_loop};
 use crate::recovery::RecoveryReport;
 use crate::write::Log;
-use crate::write::tail::{FLIGHTS, flusher_loop};
+use crate::write::tail::{self, FLIGHTS, flusher_loop};
+use crate::write::tailfile::TailFile;
 
 /// Space and log state of a pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -253,12 +254,13 @@ impl Pool {
                 format!("metadata store {} belongs to another pool (uuid mismatch)", meta_dir.display()),
             ));
         }
-        let (state, report) = crate::recovery::recover(&meta, backend.as_ref(), &sb)?;
+        let tail = TailFile::open(meta_dir, tail::SLOTS, tail::BATCH_BLOCKS)?;
+        let (state, report) = crate::recovery::recover(&meta, backend.as_ref(), &sb, &tail)?;
         let ctx = Arc::new(Ctx::new(backend, meta, sb, opts, state));
         let cleaner = Arc::new(Cleaner::default());
         let readahead = Arc::new(Readahead::default());
         let room = Room { cleaner: Arc::clone(&cleaner), readahead: Arc::clone(&readahead) };
-        let log = Arc::new(Log::new(Box::new(room)));
+        let log = Arc::new(Log::new(Box::new(room), tail.bufs()));
         let inner = Arc::new(Inner { ctx, log, cleaner, readahead, recovery: report });
         // A fresh checkpoint before any write: replayed state becomes durable, stale chain
         // records go, and the new generation fences off anything a crash left past the end.

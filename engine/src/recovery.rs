@@ -4,9 +4,12 @@
 //! at the checkpoint's position and sequence and accepts a batch only if its header checksum,
 //! pool tag, sequence (exactly the next one) and generation (not older than the checkpoint's)
 //! are right and every data block matches its crc. When a segment holds no further valid batch,
-//! replay follows the durable chain record for the next sequence, if any. Anything after the
-//! first failure is ignored and reported: it was never covered by a completed flush, since a
-//! flush syncs every batch before it. The new generation written by the post-recovery
+//! replay follows the chain record for the next sequence, if any. Where the store does not hold
+//! the next batch, the tail file may: after a process crash it has the open batch and those in
+//! flight, whole; such a batch is written to its place on the store and replayed like the rest.
+//! Anything after the first failure is ignored and reported: it was never covered by a
+//! completed flush, since a flush syncs every batch before it, and no process crash lost it
+//! (the tail file would have it). The new generation written by the post-recovery
 //! checkpoint makes sure nothing past the truncation point can be picked up later.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -19,14 +22,18 @@ use crate::io::{AlignedBuf, BLOCK, Backend};
 use crate::map::segments::{SegState, SegmentTable};
 use crate::meta::Meta;
 use crate::state::{ColdHead, LogPos, State, VolumeEntry, apply};
+use crate::write::tailfile::TailFile;
 
 /// What recovery did when the pool was opened.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecoveryReport {
     /// Sequence number replay started from (the checkpoint's).
     pub from_seq: u64,
-    /// Batches replayed from the log.
+    /// Batches replayed from the log (those from the tail file among them).
     pub batches_replayed: u64,
+    /// Batches the process had not written to the store when it stopped, taken from the tail
+    /// file (acknowledged writes a process crash would otherwise have lost).
+    pub batches_from_tail: u64,
     /// Data blocks those batches carried.
     pub blocks_replayed: u64,
     /// If replay stopped at a batch that looked like ours but was damaged: why and where.
@@ -42,7 +49,12 @@ enum Stop {
 }
 
 /// Loads the checkpointed state from `meta` and replays the log on `backend`.
-pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Result<(State, RecoveryReport)> {
+pub(crate) fn recover(
+    meta: &Meta,
+    backend: &dyn Backend,
+    sb: &Superblock,
+    tail: &TailFile,
+) -> Result<(State, RecoveryReport)> {
     let ckpt = meta.checkpoint()?;
     let mut segs = SegmentTable::new(sb.segment_size, sb.segment_count);
     let mut volumes = BTreeMap::new();
@@ -130,7 +142,7 @@ pub(crate) fn recover(meta: &Meta, backend: &dyn Backend, sb: &Superblock) -> Re
         cold: None,
         keys: data_keys,
     };
-    let report = replay(meta, backend, sb, &mut st, ckpt.generation)?;
+    let report = replay(meta, backend, sb, tail, &mut st, ckpt.generation)?;
     st.layers.build_views();
     // The cold head continues where the checkpoint left it: past that, nothing was committed.
     let seg_size = sb.segment_size;
@@ -164,6 +176,7 @@ fn replay(
     meta: &Meta,
     backend: &dyn Backend,
     sb: &Superblock,
+    tail: &TailFile,
     st: &mut State,
     gen_floor: u64,
 ) -> Result<RecoveryReport> {
@@ -172,6 +185,8 @@ fn replay(
     let mut floor = gen_floor;
     // The read cursor; `st.applied` (moved by `apply`) stays after the last batch replayed.
     let mut pos = st.applied;
+    // The batch last written from the tail file: read back, it must be accepted.
+    let mut written_from_tail = None;
     loop {
         let stop = match read_batch(backend, sb, pos, floor) {
             Ok(h) => {
@@ -191,6 +206,31 @@ fn replay(
                 pos = LogPos { seq: pos.seq, seg, off: 0 };
             }
             _ => {
+                // Not on the store: the process may have stopped before writing it. The tail
+                // file's copy goes exactly where the log continues, nowhere else.
+                let (found, stop) = match tail.find(pos.seq, floor, sb.uuid_tag()) {
+                    Ok(f) => (f, stop),
+                    Err(why) => (None, Stop::Damaged(why)),
+                };
+                let found = found
+                    .filter(|f| f.at == pos && f.at.off + f.bytes.len() as u64 <= sb.segment_size)
+                    .filter(|_| written_from_tail != Some(pos.seq));
+                if let Some(f) = found {
+                    let at = f.at;
+                    backend.write_at(&f.bytes, sb.segment_offset(at.seg, at.off)).map_err(|e| {
+                        Error::io(format!("writing batch {} from the tail file to segment {}", at.seq, at.seg), e)
+                    })?;
+                    tracing::info!(
+                        seq = at.seq,
+                        segment = at.seg,
+                        offset = at.off,
+                        blocks = f.header.crcs.len(),
+                        "recovery took a batch the process had not written from the tail file"
+                    );
+                    report.batches_from_tail += 1;
+                    written_from_tail = Some(at.seq);
+                    continue;
+                }
                 if let Stop::Damaged(why) = stop {
                     tracing::warn!(seq = pos.seq, segment = pos.seg, offset = pos.off, reason = %why,
                         "recovery truncated the log here: what follows was never flushed and is dropped");

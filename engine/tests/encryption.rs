@@ -72,8 +72,11 @@ fn the_pool_file_and_the_metadata_hold_no_plaintext_and_no_key() {
     assert!(contains(&raw, b"FERRITE-PLAINTEXT-in-the-clear"));
     assert!(!contains(&raw, b"FERRITE-PLAINTEXT-0"), "plaintext of the encrypted volume in the pool file");
     assert!(!contains(&raw, b"unaligned"), "an unaligned write's plaintext in the pool file");
+    // The metadata directory's tail file holds batches as the store does: ciphertext here.
     let meta_bytes = all_bytes(&meta);
-    assert!(!contains(&meta_bytes, b"FERRITE-PLAINTEXT"));
+    assert!(contains(&meta_bytes, b"FERRITE-PLAINTEXT-in-the-clear"), "the control, in the tail file");
+    assert!(!contains(&meta_bytes, b"FERRITE-PLAINTEXT-0"), "plaintext of the encrypted volume in the metadata");
+    assert!(!contains(&meta_bytes, b"unaligned"), "an unaligned write's plaintext in the metadata");
     assert!(!contains(&meta_bytes, &[0xa1; 32]), "the key-encryption key in the metadata");
     assert!(contains(&meta_bytes, b"k1"), "the wrapped key names its key-encryption key");
 

@@ -59,28 +59,40 @@ fn open_batch_is_readable_and_shares_one_header() {
 }
 
 #[test]
-fn unflushed_writes_may_be_lost_flushed_and_checkpointed_ones_never() {
-    let (f, pool) = Fixture::with_opts(16, held_opts());
-    pool.create_volume("v", MIB).unwrap();
-    let v = pool.open_volume("v").unwrap();
-    v.write(0, &pattern(1, B)).unwrap();
-    v.flush().unwrap();
-    v.write(B as u64, &pattern(2, B)).unwrap();
-    pool.checkpoint().unwrap();
-    v.write(2 * B as u64, &pattern(3, B)).unwrap();
-    v.write_fua(3 * B as u64, &pattern(4, B)).unwrap();
-    // Acknowledged after the FUA write, never flushed: still only in memory at the crash.
-    v.write(4 * B as u64, &pattern(5, B)).unwrap();
-    drop(v);
-    f.backend.crash();
-    drop(pool);
-    f.backend.restart(CrashMode::Random(7));
-    let pool = f.reopen();
-    let got = read(&pool, 0, 5 * B);
-    for (i, seed) in [1u64, 2, 3, 4].into_iter().enumerate() {
-        assert_eq!(&got[i * B..(i + 1) * B], &pattern(seed, B)[..], "block {i} was covered by a flush");
+fn a_power_cut_may_lose_unflushed_writes_a_process_crash_never() {
+    for power_cut in [true, false] {
+        let (f, pool) = Fixture::with_opts(16, held_opts());
+        pool.create_volume("v", MIB).unwrap();
+        let v = pool.open_volume("v").unwrap();
+        v.write(0, &pattern(1, B)).unwrap();
+        v.flush().unwrap();
+        v.write(B as u64, &pattern(2, B)).unwrap();
+        pool.checkpoint().unwrap();
+        v.write(2 * B as u64, &pattern(3, B)).unwrap();
+        v.write_fua(3 * B as u64, &pattern(4, B)).unwrap();
+        // Acknowledged after the FUA write, never flushed: only in the open batch at the crash.
+        v.write(4 * B as u64, &pattern(5, B)).unwrap();
+        drop(v);
+        f.backend.crash();
+        drop(pool);
+        if power_cut {
+            f.backend.restart(CrashMode::Random(7));
+            f.lose_tail_file();
+        } else {
+            f.backend.restart(CrashMode::KeepAll);
+        }
+        let pool = f.reopen();
+        let got = read(&pool, 0, 5 * B);
+        for (i, seed) in [1u64, 2, 3, 4].into_iter().enumerate() {
+            assert_eq!(&got[i * B..(i + 1) * B], &pattern(seed, B)[..], "block {i} was covered by a flush");
+        }
+        if power_cut {
+            assert_eq!(&got[4 * B..], &[0u8; B][..], "the unflushed write was in the open batch at the power cut");
+        } else {
+            assert_eq!(&got[4 * B..], &pattern(5, B)[..], "the open batch came back from the tail file");
+            assert_eq!(pool.recovery_report().batches_from_tail, 1);
+        }
     }
-    assert_eq!(&got[4 * B..], &[0u8; B][..], "the unflushed write was in the open batch at the crash");
 }
 
 #[test]

@@ -1,7 +1,9 @@
 # In the guest (run by tests/vm/guest.sh): Ferrite volumes as ublk block devices.
 # fio verify on /dev/ublkbN; ext4 and xfs: mkfs, files, detach, re-attach, compare checksums;
 # fstrim + reclaim gives space back; a snapshot attaches read-only; kill -9 of the daemon with a
-# mounted filesystem under I/O, restart: device and mount survive, flushed data intact; a clean
+# mounted filesystem under I/O, restart: device and mount survive, flushed data intact; kill -9
+# right after writes no flush covered (raw device and ext4 files): every one reads back, and
+# fsck finds the filesystem clean; a clean
 # daemon restart keeps the device too; growing a volume and the resize fallback of this kernel.
 set -euo pipefail
 D=/tmp/ferrite-ublk; mkdir -p $D
@@ -62,6 +64,32 @@ sync -f /mnt/ext4
 head -c 1M /dev/urandom > /mnt/ext4/after; sync -f /mnt/ext4
 f attachments | grep -q "$UDEV"
 
+step "kill -9 half a second after writes no flush covered: user recovery brings every one back"
+# The raw device: 32 MiB of O_DIRECT writes, acknowledged and never flushed (fd 7 keeps the device
+# open, so no last close syncs it), then the kill; the same device reads every block back.
+f volume create unsynced 64M >/dev/null
+attach unsynced 2>/dev/null; RDEV=$DEV
+head -c 32M /dev/urandom > $D/unsynced.bin
+exec 7<>"$RDEV"
+dd if=$D/unsynced.bin of="$RDEV" bs=4k oflag=direct status=none
+# ext4 on the mounted device: files written with O_DIRECT and no sync, so their blocks went to the
+# device and only the journal and page cache know of them.
+mkdir -p /mnt/ext4/unsynced
+for i in $(seq 16); do
+  head -c $((i * 64 * 1024)) /dev/urandom > $D/u$i
+  dd if=$D/u$i of=/mnt/ext4/unsynced/u$i bs=64k oflag=direct status=none
+done
+sleep 0.5
+kill -9 $DAEMON; wait $DAEMON 2>/dev/null || true
+start_daemon
+grep -q "ublk device recovered" $D/daemon.log
+exec 7>&-
+dd if="$RDEV" bs=1M count=32 iflag=direct status=none | cmp - $D/unsynced.bin
+echo 3 > /proc/sys/vm/drop_caches
+for i in $(seq 16); do cmp /mnt/ext4/unsynced/u$i $D/u$i; done
+echo "every acknowledged block read back after kill -9 (raw device and ext4 files)"
+detach "$RDEV"; f volume delete unsynced >/dev/null
+
 step "clean daemon restart (SIGTERM) keeps the mounted device"
 sums /mnt/ext4 > /tmp/all.sums
 kill -TERM $DAEMON; wait $DAEMON
@@ -84,7 +112,10 @@ fi
 resize2fs "$UDEV"
 [ "$(df -B1M --output=size /mnt/ext4 | tail -1)" -gt 700 ]
 (cd /mnt/ext4 && sha256sum --quiet -c /tmp/all.sums)
-umount /mnt/ext4; detach "$UDEV"
+umount /mnt/ext4
+# Everything above, kills included, left a consistent filesystem.
+fsck.ext4 -n -f "$UDEV"
+detach "$UDEV"
 
 step "QoS on a ublk device: 300 write IOPS hold over 10 s; a change applies within a second"
 f volume create qos 64M --write-iops 300 --burst 250ms >/dev/null

@@ -85,6 +85,18 @@ impl Device {
         Self::start(volume, opts, Some(id))
     }
 
+    /// Ends device `id` left by a daemon that exited, without taking it over: the requests the
+    /// kernel holds for it, and every later one, fail (EIO) and the device goes away. For a
+    /// device whose volume may have lost acknowledged writes: resuming it would hand the
+    /// filesystem above stale blocks it believes written.
+    pub fn fail(id: u32) -> io::Result<()> {
+        let ctrl = UblkCtrl::new_simple(i32::try_from(id).unwrap_or(i32::MAX))
+            .map_err(|e| ublk_error("opening the device to fail it", e))?;
+        // Stopping a device no daemon serves fails what it held; deleting it removes it.
+        ctrl.kill_dev().map_err(|e| ublk_error("stopping the device", e))?;
+        ctrl.del_dev().map(drop).map_err(|e| ublk_error("deleting the device", e))
+    }
+
     fn start(volume: Volume, opts: &Options, recover: Option<u32>) -> io::Result<Self> {
         opts.validate()?;
         let features = Features::probe()?;

@@ -21,6 +21,7 @@ use crate::write::batch::{head_room_blocks, write_batch};
 use crate::write::req::{Done, Req, Waiter};
 use crate::write::room::MakeRoom;
 use crate::write::tail::{self, Tail};
+use crate::write::tailfile::TailBuf;
 
 /// Most entries in one batch.
 pub(crate) const MAX_ENTRIES: usize = 512;
@@ -45,8 +46,9 @@ struct Queue {
 }
 
 impl Log {
-    pub fn new(room: Box<dyn MakeRoom>) -> Self {
-        Self { queue: Mutex::default(), tail: Tail::default(), leader: Mutex::new(AlignedBuf::new(BLOCK)), room }
+    /// The log, its open batch built in `bufs` (the tail file's slots).
+    pub fn new(room: Box<dyn MakeRoom>, bufs: Vec<TailBuf>) -> Self {
+        Self { queue: Mutex::default(), tail: Tail::new(bufs), leader: Mutex::new(AlignedBuf::new(BLOCK)), room }
     }
 
     /// Refuses new requests and waits for the current leader to finish.

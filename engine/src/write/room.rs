@@ -90,7 +90,7 @@ pub(crate) fn reserve_room(ctx: &Ctx, log: &Log, len: u64, may_use_reserve: bool
         .allocate(ctx.sb.segment_offset(seg, 0), seg_size)
         .map_err(|e| Error::io(format!("allocating segment {seg}"), e))
         .and_then(|()| ctx.fault(FaultPoint::RoomBeforeChain))
-        .map(|()| ctx.meta.note_chain(head.seq, seg as u64));
+        .and_then(|()| ctx.meta.note_chain(head.seq, seg as u64));
     let mut st = ctx.state.write();
     if let Err(e) = ready {
         st.segs.segs[seg].state = SegState::Free;

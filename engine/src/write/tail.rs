@@ -9,8 +9,10 @@
 //!  flush, FUA, barrier, checkpoint, any other batch --> wait for that write; close the open one
 //! ```
 //! This is the volatile write cache the durability contract allows (DESIGN §1): an
-//! acknowledged write may be lost in a crash until a flush covers it, and a flush closes the
-//! open batch before it syncs. What it buys: a write at queue depth 1 costs a copy instead of a
+//! acknowledged write may be lost in a power cut until a flush covers it, and a flush closes
+//! the open batch before it syncs. A process crash loses none of it: the batches are built in
+//! the tail file's shared mapping ([`super::tailfile`]), which the kernel keeps, and each is
+//! whole there (its header saved) before any write in it is acknowledged. What it buys: a write at queue depth 1 costs a copy instead of a
 //! device round trip, and batches grow to up to [`MAX_BLOCKS`] blocks under one 4 KiB header,
 //! where a lone write used to cost a header block of its own (half of its media bytes, and
 //! space the cleaner later has to win back).
@@ -40,6 +42,7 @@ use crate::state::{LogPos, finish_batch, map_entries};
 use crate::write::Log;
 use crate::write::req::Req;
 use crate::write::room::reserve_room;
+use crate::write::tailfile::TailBuf;
 
 /// Most data blocks in an open batch (3 MiB); its header must also fit one block, which is the
 /// tighter bound for small writes (about 144 of 4 KiB). Room for 24 writes of 128 KiB: one such
@@ -54,6 +57,12 @@ const MAX_WRITE_BLOCKS: usize = 32;
 /// the next is already on the device. With one, the device drained between batches.
 pub(crate) const FLIGHTS: usize = 2;
 
+/// Batch buffers: the open batch and those in flight. Each is a slot of the tail file.
+pub(crate) const SLOTS: usize = FLIGHTS + 1;
+
+/// Blocks of a batch buffer: the header block and up to [`MAX_BLOCKS`] data blocks.
+pub(crate) const BATCH_BLOCKS: usize = 1 + MAX_BLOCKS;
+
 #[derive(Debug)]
 struct OpenBatch {
     pos: LogPos,
@@ -63,15 +72,15 @@ struct OpenBatch {
     /// Data blocks it may take: bounded by [`MAX_BLOCKS`], the batch size limit and the room
     /// left in the head segment.
     capacity: usize,
-    entries: Vec<Entry>,
-    crcs: Vec<u32>,
+    /// Everything appended so far; saved in `buf` before each acknowledgement.
+    header: BatchHeader,
     /// Header block, then the data blocks appended so far.
-    buf: AlignedBuf,
+    buf: TailBuf,
 }
 
 impl OpenBatch {
     fn blocks(&self) -> usize {
-        self.crcs.len()
+        self.header.crcs.len()
     }
 
     fn block(&self, pba: u64) -> Option<&[u8]> {
@@ -80,7 +89,7 @@ impl OpenBatch {
 
     fn fits(&self, blocks: usize) -> bool {
         let total = self.blocks() + blocks;
-        total <= self.capacity && BatchHeader::blocks_for(self.entries.len() + 1, total) == 1
+        total <= self.capacity && BatchHeader::blocks_for(self.header.entries.len() + 1, total) == 1
     }
 }
 
@@ -92,7 +101,7 @@ struct Sealed {
     blocks: usize,
     /// Bytes to write: the header block and the data blocks.
     len: u64,
-    buf: AlignedBuf,
+    buf: TailBuf,
 }
 
 impl Sealed {
@@ -103,7 +112,7 @@ impl Sealed {
 
 /// Block `pba` of a batch buffer (header block, then `blocks` data blocks from pool block
 /// `first_pba`), if the batch holds it.
-fn buffered_block(buf: &AlignedBuf, first_pba: u64, blocks: usize, pba: u64) -> Option<&[u8]> {
+fn buffered_block(buf: &[u8], first_pba: u64, blocks: usize, pba: u64) -> Option<&[u8]> {
     let i = usize::try_from(pba.checked_sub(first_pba)?).ok().filter(|&i| i < blocks)?;
     Some(&buf[(1 + i) * BLOCK..(2 + i) * BLOCK])
 }
@@ -124,18 +133,15 @@ pub(crate) struct Slot {
     batch: Option<OpenBatch>,
     /// Sealed batches not yet written, at most [`FLIGHTS`].
     flights: Vec<Flight>,
-    /// Written batches' buffers, reused (see [`Slot::recycle`]).
-    spares: Vec<AlignedBuf>,
+    /// Buffers no batch holds: [`SLOTS`] in all, the open batch and the flights holding the rest.
+    spares: Vec<TailBuf>,
     stop: bool,
 }
 
 impl Slot {
-    /// Keeps a written batch's buffer for a later batch: at most one more than [`FLIGHTS`] are
-    /// in use (the open batch too), and a fresh one costs a 3 MiB allocation and zeroing.
-    fn recycle(&mut self, buf: AlignedBuf) {
-        if self.spares.len() < FLIGHTS {
-            self.spares.push(buf);
-        }
+    /// Gives a batch's buffer back once the batch is written (or was empty).
+    fn recycle(&mut self, buf: TailBuf) {
+        self.spares.push(buf);
     }
 }
 
@@ -174,6 +180,14 @@ pub(crate) struct Tail {
 }
 
 impl Tail {
+    /// The tail over the tail file's buffers ([`SLOTS`] of [`BATCH_BLOCKS`] blocks).
+    pub fn new(bufs: Vec<TailBuf>) -> Self {
+        debug_assert_eq!(bufs.len(), SLOTS);
+        let tail = Self::default();
+        tail.slot.lock().spares = bufs;
+        tail
+    }
+
     /// Stops the flusher threads once the batches in flight are written (the final checkpoint
     /// closes the open one).
     pub fn stop(&self) {
@@ -220,15 +234,18 @@ pub(crate) fn append(ctx: &Ctx, log: &Log, reqs: Vec<Req>) -> Vec<(Req, Result<(
             let pba = b.first_pba + b.blocks() as u64;
             let at = (1 + b.blocks()) * BLOCK;
             b.buf[at..at + data.len()].copy_from_slice(data);
-            let first_crc = b.crcs.len();
-            b.crcs.extend(data.chunks(BLOCK).map(block_crc));
+            let first_crc = b.blocks();
+            b.header.crcs.extend(data.chunks(BLOCK).map(block_crc));
             let entry = Entry { layer, lba: *lba, blocks, kind: EntryKind::Data };
             tail.open.hi.store(pba + u64::from(blocks), Ordering::Release);
-            map_entries(&mut st, std::slice::from_ref(&entry), pba, &b.crcs[first_crc..]);
-            b.entries.push(entry);
+            map_entries(&mut st, std::slice::from_ref(&entry), pba, &b.header.crcs[first_crc..]);
+            b.header.entries.push(entry);
             ctx.client_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
             out.push((r, Ok(())));
         }
+        drop(st);
+        // Before any of them is acknowledged: the batch in the tail file holds them all.
+        b.buf.save_header(&b.header);
         if !b.fits(1) {
             tail.cv.notify_all(); // the flusher sends a full batch at once
         }
@@ -243,21 +260,19 @@ fn open(ctx: &Ctx, log: &Log, need: usize) -> Result<()> {
     let room = usize::try_from((ctx.sb.segment_size - pos.off) / BLOCK as u64).expect("small") - 1;
     let max = usize::try_from(ctx.max_batch_blocks).expect("small");
     let capacity = room.min(MAX_BLOCKS).min(max).max(need);
-    let first_pba = ctx.state.read().segs.pba(pos.seg, pos.off / BLOCK as u64 + 1);
+    let (first_pba, generation) = {
+        let st = ctx.state.read();
+        (st.segs.pba(pos.seg, pos.off / BLOCK as u64 + 1), st.generation)
+    };
     let tail = &log.tail;
     let mut slot = tail.slot.lock();
     debug_assert!(slot.batch.is_none(), "only the leader opens batches, after sealing the last");
-    let buf = slot.spares.pop().unwrap_or_else(|| AlignedBuf::new((1 + MAX_BLOCKS) * BLOCK));
+    let mut buf = slot.spares.pop().expect("a buffer for the open batch: the flights hold the others");
+    buf.start(pos, generation);
     tail.open.set(first_pba, first_pba);
-    slot.batch = Some(OpenBatch {
-        pos,
-        opened: Instant::now(),
-        first_pba,
-        capacity,
-        entries: Vec::new(),
-        crcs: Vec::new(),
-        buf,
-    });
+    let header =
+        BatchHeader { seq: pos.seq, generation, uuid_tag: ctx.sb.uuid_tag(), entries: Vec::new(), crcs: Vec::new() };
+    slot.batch = Some(OpenBatch { pos, opened: Instant::now(), first_pba, capacity, header, buf });
     tail.cv.notify_all();
     Ok(())
 }
@@ -297,7 +312,7 @@ fn close_locked(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Resu
 /// Seals the open batch, if any, and hands it to the flushers, once fewer than [`FLIGHTS`] are
 /// in flight.
 fn hand_off(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Result<()> {
-    if slot.batch.as_ref().is_none_or(|b| b.entries.is_empty()) {
+    if slot.batch.as_ref().is_none_or(|b| b.header.entries.is_empty()) {
         take_sealed(ctx, tail, slot); // nothing to wait for: drops an empty batch
         return Ok(());
     }
@@ -317,7 +332,7 @@ fn hand_off(ctx: &Ctx, tail: &Tail, slot: &mut MutexGuard<'_, Slot>) -> Result<(
 /// batch between its opening and its first write) takes no place in the log: it is dropped.
 fn take_sealed(ctx: &Ctx, tail: &Tail, slot: &mut Slot) -> Option<Sealed> {
     let b = slot.batch.take()?;
-    if b.entries.is_empty() {
+    if b.header.entries.is_empty() {
         tail.open.set(0, 0);
         slot.recycle(b.buf);
         return None;
@@ -325,25 +340,20 @@ fn take_sealed(ctx: &Ctx, tail: &Tail, slot: &mut Slot) -> Option<Sealed> {
     Some(seal(ctx, b))
 }
 
-/// Encodes the batch's header and moves the log past it: the next batch may open behind it
+/// Puts the batch's final header in place and moves the log past it: the next batch may open behind it
 /// before it is written.
-fn seal(ctx: &Ctx, mut b: OpenBatch) -> Sealed {
+fn seal(ctx: &Ctx, b: OpenBatch) -> Sealed {
+    let OpenBatch { pos, first_pba, header, mut buf, .. } = b;
     let mut st = ctx.state.write();
-    let header = BatchHeader {
-        seq: b.pos.seq,
-        generation: st.generation,
-        uuid_tag: ctx.sb.uuid_tag(),
-        entries: std::mem::take(&mut b.entries),
-        crcs: std::mem::take(&mut b.crcs),
-    };
     debug_assert_eq!(header.header_blocks(), 1, "fits() keeps the header to one block");
-    header.encode_into(&mut b.buf[..BLOCK]);
+    debug_assert_eq!(header.generation, st.generation, "the generation changes only when the pool opens");
+    buf.seal_header(&header);
     let len = header.batch_len();
-    finish_batch(&mut st, header.seq, b.pos, len);
+    finish_batch(&mut st, header.seq, pos, len);
     if st.log_bytes_since_ckpt >= ctx.opts.checkpoint_bytes {
         ctx.wake.checkpoint.raise();
     }
-    Sealed { pos: b.pos, first_pba: b.first_pba, blocks: header.crcs.len(), len, buf: b.buf }
+    Sealed { pos, first_pba, blocks: header.crcs.len(), len, buf }
 }
 
 fn write(ctx: &Ctx, b: &Sealed) -> Result<()> {

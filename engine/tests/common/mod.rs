@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferrite_engine::TAIL_FILE;
 use ferrite_engine::format::DATA_START;
 use ferrite_engine::io::CrashBackend;
 use ferrite_engine::{Pool, PoolOptions};
@@ -47,6 +48,14 @@ impl Fixture {
 
     pub fn meta(&self) -> PathBuf {
         self.dir.path().join("meta")
+    }
+
+    /// A power cut takes the page cache, and with it the tail file's pages (it is left empty).
+    pub fn lose_tail_file(&self) {
+        let f = std::fs::OpenOptions::new().write(true).open(self.meta().join(TAIL_FILE)).unwrap();
+        let len = f.metadata().unwrap().len();
+        f.set_len(0).unwrap();
+        f.set_len(len).unwrap();
     }
 
     pub fn reopen(&self) -> Pool {
