@@ -12,8 +12,9 @@
 //! acknowledged write may be lost in a power cut until a flush covers it, and a flush closes
 //! the open batch before it syncs. A process crash loses none of it: the batches are built in
 //! the tail file's shared mapping ([`super::tailfile`]), which the kernel keeps, and each is
-//! whole there (its header saved) before any write in it is acknowledged. What it buys: a write at queue depth 1 costs a copy instead of a
-//! device round trip, and batches grow to up to [`MAX_BLOCKS`] blocks under one 4 KiB header,
+//! whole there (its header saved) before any write in it is acknowledged. What it buys: a
+//! write at queue depth 1 costs a copy instead of a device round trip, and batches grow to up
+//! to [`MAX_BLOCKS`] blocks under one 4 KiB header,
 //! where a lone write used to cost a header block of its own (half of its media bytes, and
 //! space the cleaner later has to win back).
 //!
