@@ -64,32 +64,6 @@ sync -f /mnt/ext4
 head -c 1M /dev/urandom > /mnt/ext4/after; sync -f /mnt/ext4
 f attachments | grep -q "$UDEV"
 
-step "kill -9 half a second after writes no flush covered: user recovery brings every one back"
-# The raw device: 32 MiB of O_DIRECT writes, acknowledged and never flushed (fd 7 keeps the device
-# open, so no last close syncs it), then the kill; the same device reads every block back.
-f volume create unsynced 64M >/dev/null
-attach unsynced 2>/dev/null; RDEV=$DEV
-head -c 32M /dev/urandom > $D/unsynced.bin
-exec 7<>"$RDEV"
-dd if=$D/unsynced.bin of="$RDEV" bs=4k oflag=direct status=none
-# ext4 on the mounted device: files written with O_DIRECT and no sync, so their blocks went to the
-# device and only the journal and page cache know of them.
-mkdir -p /mnt/ext4/unsynced
-for i in $(seq 16); do
-  head -c $((i * 64 * 1024)) /dev/urandom > $D/u$i
-  dd if=$D/u$i of=/mnt/ext4/unsynced/u$i bs=64k oflag=direct status=none
-done
-sleep 0.5
-kill -9 $DAEMON; wait $DAEMON 2>/dev/null || true
-start_daemon
-grep -q "ublk device recovered" $D/daemon.log
-exec 7>&-
-dd if="$RDEV" bs=1M count=32 iflag=direct status=none | cmp - $D/unsynced.bin
-echo 3 > /proc/sys/vm/drop_caches
-for i in $(seq 16); do cmp /mnt/ext4/unsynced/u$i $D/u$i; done
-echo "every acknowledged block read back after kill -9 (raw device and ext4 files)"
-detach "$RDEV"; f volume delete unsynced >/dev/null
-
 step "clean daemon restart (SIGTERM) keeps the mounted device"
 sums /mnt/ext4 > /tmp/all.sums
 kill -TERM $DAEMON; wait $DAEMON
@@ -116,6 +90,52 @@ umount /mnt/ext4
 # Everything above, kills included, left a consistent filesystem.
 fsck.ext4 -n -f "$UDEV"
 detach "$UDEV"
+
+# kill_recover: kill -9 of the daemon half a second after the writes, restart; the devices are
+# recovered (a failure shows the daemon's log).
+kill_recover() {
+  sleep 0.5
+  kill -9 $DAEMON; wait $DAEMON 2>/dev/null || true
+  start_daemon
+  [ "$(grep -c "ublk device recovered" $D/daemon.log)" -gt "$1" ] || { tail -40 $D/daemon.log; exit 1; }
+}
+
+step "kill -9 right after writes no flush covered, raw device: every acknowledged block comes back"
+# 32 MiB of O_DIRECT writes, acknowledged and never flushed (a holder process keeps the device
+# open, so no last close syncs it; not this shell, whose open files the next daemon would
+# inherit, and a daemon holding its own device cannot delete it), then the kill; the same device
+# reads every block back.
+f volume create unsynced 64M >/dev/null
+attach unsynced 2>/dev/null; RDEV=$DEV
+head -c 32M /dev/urandom > $D/unsynced.bin
+( exec 7<>"$RDEV"; exec sleep 3600 ) &
+HOLDER=$!
+dd if=$D/unsynced.bin of="$RDEV" bs=4k oflag=direct status=none
+kill_recover "$(grep -c "ublk device recovered" $D/daemon.log)"
+kill $HOLDER; wait $HOLDER 2>/dev/null || true
+dd if="$RDEV" bs=1M count=32 iflag=direct status=none | cmp - $D/unsynced.bin
+detach "$RDEV" || { tail -40 $D/daemon.log; exit 1; }
+f volume delete unsynced >/dev/null; rm -f $D/unsynced.bin
+
+step "kill -9 right after writes no flush covered, ext4: every file comes back, fsck clean"
+# Files written with O_DIRECT and no sync: their blocks went to the device, and only the journal
+# and the page cache know of them.
+attach ext4 2>/dev/null; UDEV=$DEV
+mount "$UDEV" /mnt/ext4
+mkdir -p /mnt/ext4/unsynced
+for i in $(seq 16); do
+  head -c $((i * 64 * 1024)) /dev/urandom > $D/u$i
+  dd if=$D/u$i of=/mnt/ext4/unsynced/u$i bs=64k oflag=direct status=none
+done
+kill_recover "$(grep -c "ublk device recovered" $D/daemon.log)"
+echo 3 > /proc/sys/vm/drop_caches
+for i in $(seq 16); do cmp /mnt/ext4/unsynced/u$i $D/u$i; done
+(cd /mnt/ext4 && sha256sum --quiet -c /tmp/all.sums)
+umount /mnt/ext4
+fsck.ext4 -n -f "$UDEV"
+detach "$UDEV" || { tail -40 $D/daemon.log; exit 1; }
+rm -f $D/u[0-9]*
+echo "every acknowledged block read back after kill -9 (raw device, ext4 files)"
 
 step "QoS on a ublk device: 300 write IOPS hold over 10 s; a change applies within a second"
 f volume create qos 64M --write-iops 300 --burst 250ms >/dev/null
