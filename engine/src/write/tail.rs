@@ -14,9 +14,8 @@
 //! the tail file's shared mapping ([`super::tailfile`]), which the kernel keeps, and each is
 //! whole there (its header saved) before any write in it is acknowledged. What it buys: a
 //! write at queue depth 1 costs a copy instead of a device round trip, and batches grow to up
-//! to [`MAX_BLOCKS`] blocks under one 4 KiB header,
-//! where a lone write used to cost a header block of its own (half of its media bytes, and
-//! space the cleaner later has to win back).
+//! to [`MAX_BLOCKS`] blocks under one 4 KiB header, where a lone write used to cost a header
+//! block of its own (half of its media bytes, and space the cleaner later has to win back).
 //!
 //! The batch's place in the log is fixed when it opens (nothing else is written until it
 //! closes), so its blocks have pool addresses from the start and the maps can point at them.
@@ -341,8 +340,8 @@ fn take_sealed(ctx: &Ctx, tail: &Tail, slot: &mut Slot) -> Option<Sealed> {
     Some(seal(ctx, b))
 }
 
-/// Puts the batch's final header in place and moves the log past it: the next batch may open behind it
-/// before it is written.
+/// Puts the batch's final header in place and moves the log past it: the next batch may open
+/// behind it before it is written.
 fn seal(ctx: &Ctx, b: OpenBatch) -> Sealed {
     let OpenBatch { pos, first_pba, header, mut buf, .. } = b;
     let mut st = ctx.state.write();

@@ -143,6 +143,15 @@ impl TailFile {
         (self.batch_blocks + 2) * BLOCK
     }
 
+    /// Byte offset in a slot of its alternate header block; the place block follows it.
+    fn alt_header_at(&self) -> usize {
+        self.batch_blocks * BLOCK
+    }
+
+    fn place_at(&self) -> usize {
+        self.alt_header_at() + BLOCK
+    }
+
     fn slot(&self, i: usize) -> &[u8] {
         assert!(i < self.slots);
         // SAFETY: slot i lies inside the mapping, which lives as long as self; see `Sync`.
@@ -161,11 +170,11 @@ impl TailFile {
         (0..self.slots)
             .find_map(|i| {
                 let s = self.slot(i);
-                let p = Place::decode(&s[(self.batch_blocks + 1) * BLOCK..])?;
+                let p = Place::decode(&s[self.place_at()..])?;
                 if p.seq != seq || p.generation < floor {
                     return None;
                 }
-                let copies = [&s[..BLOCK], &s[self.batch_blocks * BLOCK..(self.batch_blocks + 1) * BLOCK]];
+                let copies = [&s[..BLOCK], &s[self.alt_header_at()..self.place_at()]];
                 let h = copies
                     .into_iter()
                     .filter_map(BatchHeader::decode)
@@ -215,9 +224,9 @@ impl TailBuf {
     /// Starts a new batch in this slot: records where it goes, before anything is acknowledged
     /// from it (the header copies left from an earlier batch have another sequence or place).
     pub fn start(&mut self, pos: LogPos, generation: u64) {
-        let bb = self.file.batch_blocks;
         let place = Place { seq: pos.seq, generation, seg: pos.seg as u64, off: pos.off };
-        place.encode_into(&mut self.slot_mut()[(bb + 1) * BLOCK..]);
+        let at = self.file.place_at();
+        place.encode_into(&mut self.slot_mut()[at..]);
         self.newest_at_zero = None;
     }
 
@@ -235,7 +244,7 @@ impl TailBuf {
     }
 
     fn encode_header(&mut self, h: &BatchHeader, at_zero: bool) {
-        let at = if at_zero { 0 } else { self.file.batch_blocks * BLOCK };
+        let at = if at_zero { 0 } else { self.file.alt_header_at() };
         h.encode_into(&mut self.slot_mut()[at..at + BLOCK]);
         self.newest_at_zero = Some(at_zero);
     }
@@ -244,13 +253,13 @@ impl TailBuf {
 impl Deref for TailBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.file.slot(self.slot)[..self.file.batch_blocks * BLOCK]
+        &self.file.slot(self.slot)[..self.file.alt_header_at()]
     }
 }
 
 impl DerefMut for TailBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        let n = self.file.batch_blocks * BLOCK;
+        let n = self.file.alt_header_at();
         &mut self.slot_mut()[..n]
     }
 }
@@ -292,7 +301,7 @@ mod tests {
             fill(b, 5);
             b.save_header(&header(7, 5));
             // A kill while the next copy was being encoded: it is torn, the other one stands.
-            let at = if b.newest_at_zero == Some(true) { 8 * BLOCK } else { 0 };
+            let at = if b.newest_at_zero == Some(true) { b.file.alt_header_at() } else { 0 };
             b.slot_mut()[at..at + 64].fill(0xee);
             assert_eq!(std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().permissions().mode() & 0o777, 0o600);
         }
