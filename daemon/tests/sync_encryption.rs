@@ -148,6 +148,8 @@ fn an_encrypted_volume_mirrors_its_ciphertext_and_opens_where_it_is_promoted() {
     assert_eq!(d[1].json(&["volume", "show", "v"])["encryption"]["unlocked"], true, "{}", d[1].log());
     assert!(read_image(&d[1], "v", 64 * MIB) == image, "the promoted copy differs from what the primary held");
     run(&d[1], "qemu-io", &["write -P 0x31 1000 5000", "read -P 0x31 1000 5000"], "v");
+    // The other member is brought to the new primary's content (from ciphertext) first.
+    until("the other member is reconciled", 60, || state_of(&d[1], "v", &e2) == "in-sync");
     copy_key(&d[1], &d[2], "k2");
     d[2].ok(&["volume", "unlock", "v"]);
     assert!(read_image(&d[2], "v", 64 * MIB) == read_image(&d[1], "v", 64 * MIB), "the members differ");

@@ -207,13 +207,15 @@ fn a_partition_never_leaves_two_sides_writing() {
     let image = read_image(&d[1], "v", 16 * MIB);
     assert_eq!(&image[..4096], &pattern(1, 4096)[..], "an acknowledged write was lost in the failover");
     assert_eq!(&image[4096..8192], &pattern(4, 4096)[..]);
+    // The other replica is brought to the new primary's content before it is in sync again.
+    until("the replica is reconciled", 30, || state_of(&d[1], "v", &e2) == "in-sync");
     assert!(read_image(&d[2], "v", 16 * MIB) == image, "the new primary's replica differs");
 
     // The old primary's cable comes back: it finds the newer generation and steps down.
     sw.link(0, true);
     until("the old primary steps down", 20, || status(&d[0], "v")["role"] == "replica");
     assert_ne!(fua_write(&mut s0, 8192, &pattern(5, 4096)), 0, "the old primary took a write after the failover");
-    assert_eq!(status(&d[0], "v")["primary"], e1.as_str());
+    until("the old primary records the new one", 30, || status(&d[0], "v")["primary"] == e1.as_str());
     assert!(read_image(&d[1], "v", 16 * MIB) == image, "the old primary's attempts reached the new primary");
     // ... and is rebuilt as a replica of the new one, without anyone asking.
     until("the old primary is rebuilt as a replica", 30, || state_of(&d[1], "v", &e0) == "in-sync");
@@ -396,6 +398,7 @@ fn a_killed_primary_loses_no_acknowledged_flushed_write() {
     let p = d[1].json(&["replica", "promote", "v"]);
     assert_eq!(p["role"], "primary", "{p}");
     eprintln!("promotion took {:?}; {durable} blocks acknowledged durable", t.elapsed());
+    until("the other replica is reconciled", 60, || state_of(&d[1], "v", &e2) == "in-sync");
     let image = read_image(&d[1], "v", 64 * MIB);
     for i in 0..durable {
         let at = (i * 4096) as usize;

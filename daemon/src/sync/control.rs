@@ -9,7 +9,7 @@ use ferrite_proto::ferrite::v1::{SyncMember, SyncVolume};
 use tonic::Status;
 
 use super::link::Link;
-use super::records::{Member, Membership, State, check_endpoint};
+use super::records::{self, Member, Membership, State, check_endpoint};
 use super::{Primary, SyncHub};
 use crate::rpc::blocking;
 
@@ -81,7 +81,7 @@ impl SyncHub {
             return Err(Status::already_exists(format!("{peer} is already a member of {volume:?}")));
         }
         let mut next = old.clone();
-        next.generation = self.next_generation(&old);
+        next.generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
         // A replica of a volume that holds data joins out of sync: its rebuild (a copy of the
         // allocated blocks) starts within a second, and it is in sync when that is done.
         let (state, reason) = match (witness, empty) {
@@ -137,7 +137,7 @@ impl SyncHub {
             return Err(Status::not_found(format!("{peer} is not a member of {volume:?}")));
         }
         let mut next = old.clone();
-        next.generation = self.next_generation(&old);
+        next.generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
         next.members.retain(|m| m.endpoint != peer);
         self.propose(&old, &next).await.map_err(Status::failed_precondition)?;
         primary.adopt(next.clone());
@@ -180,7 +180,7 @@ impl SyncHub {
             return Ok(());
         }
         let mut next = old.clone();
-        next.generation = self.next_generation(&old);
+        next.generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
         next.size = new_size;
         self.propose(&old, &next)
             .await
@@ -203,7 +203,8 @@ impl SyncHub {
         if old.wrapped_key == wrapped_key {
             return Ok(());
         }
-        let next = Membership { generation: self.next_generation(&old), wrapped_key, ..old.clone() };
+        let generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
+        let next = Membership { generation, wrapped_key, ..old.clone() };
         self.propose(&old, &next).await.map_err(|e| {
             Status::unavailable(format!(
                 "rekeyed here, but the members did not record the new wrapping ({e}): run the rekey again once they answer"
@@ -237,22 +238,6 @@ impl SyncHub {
         p
     }
 
-    /// Opens the streams of every data member of the primary's membership; a member whose
-    /// stream does not open is ejected.
-    async fn link_all(self: &Arc<Self>, p: &Arc<Primary>) {
-        let rec = p.record();
-        let mut failed = Vec::new();
-        for m in rec.data_members() {
-            match self.open_link(&rec, &m.endpoint).await {
-                Ok(l) => p.add_link(l),
-                Err(e) => failed.push((m.endpoint.clone(), e.message().to_owned())),
-            }
-        }
-        for (m, why) in failed {
-            let _ = p.eject(&m, &format!("its stream did not open: {why}")).await;
-        }
-    }
-
     /// This daemon is no longer the primary of `volume` (a newer generation names another):
     /// its writes stop for good, the volume turns read-only, and it waits to be rebuilt.
     /// Its writes are refused at once; turning the volume read-only waits for the writes inside
@@ -274,7 +259,12 @@ impl SyncHub {
     /// Makes this member the primary of `volume`. Without `force`: only an in-sync member of
     /// the newest generation a majority of the members hold, and only if a majority records
     /// the new one. With it: a stale member too, and without a majority (the operator knows the
-    /// others are gone): what that loses is logged and answered.
+    /// others are gone): what that loses is logged and answered. The next membership is built
+    /// from this daemon's own record (the others' answers are evidence of the newest generation
+    /// only), and every other member leaves it out of sync: each is brought to this copy's
+    /// content (rolled back to the newest mark both hold, then sent what changed since) before
+    /// it is in sync again, so in-sync copies never differ and a write that failed to its client
+    /// never reappears in a later failover.
     pub async fn promote(self: &Arc<Self>, volume: &str, force: bool) -> Result<SyncVolume, Status> {
         let op = self.op_lock(volume);
         let _op = op.lock().await;
@@ -291,18 +281,28 @@ impl SyncHub {
             _ => {}
         }
         // What the others hold: the newest generation among a majority is at least the newest
-        // one ever recorded on a majority.
+        // one ever recorded on a majority. They are asked at once; one that does not answer
+        // costs the timeout, once.
+        let others: Vec<String> =
+            held.members.iter().filter(|m| m.endpoint != self.me).map(|m| m.endpoint.clone()).collect();
+        tracing::info!(volume, members = %others.join(", "), timeout = ?self.timeout,
+            "promotion: asking the members what they hold");
+        let mut calls = tokio::task::JoinSet::new();
+        for e in others {
+            let (hub, v) = (Arc::clone(self), volume.to_owned());
+            calls.spawn(async move { (hub.held_at(&e, &v).await, e) });
+        }
         let mut newest = held.clone();
         let mut answered = 1;
-        for m in held.members.iter().filter(|m| m.endpoint != self.me) {
-            match self.held_at(&m.endpoint, volume).await {
+        while let Some(Ok((r, member))) = calls.join_next().await {
+            match r {
                 Ok(h) => {
                     answered += 1;
-                    if h.generation > newest.generation {
+                    if h.outranks(&newest) {
                         newest = h;
                     }
                 }
-                Err(e) => tracing::info!(volume, member = %m.endpoint, error = %e, "member did not answer"),
+                Err(e) => tracing::info!(volume, %member, error = %e, "member did not answer"),
             }
         }
         let mut lost = Vec::new();
@@ -338,24 +338,25 @@ impl SyncHub {
             }
             lost.push(format!("{why}: the writes acknowledged since then are lost"));
         }
-        let mut next = newest.clone();
-        next.generation = newest.generation.max(held.generation) + 1;
-        let old_primary = next.primary.clone();
+        let mut next = held.clone();
+        next.generation = self
+            .next_generation(&newest)
+            .and_then(|g| records::next_number(held.generation).map(|h| g.max(h)))
+            .map_err(Status::failed_precondition)?;
         next.primary = self.me.clone();
         for m in &mut next.members {
             if m.endpoint == self.me {
                 m.state = State::InSync;
                 m.reason.clear();
-            } else if m.endpoint == old_primary {
+            } else if m.endpoint == held.primary {
                 m.state = State::Ejected;
                 m.reason = format!("failed over to {}", self.me);
-            } else if force && m.state == State::InSync {
-                // A forced promotion cannot know what the others hold.
+            } else if matches!(m.state, State::InSync | State::Rebuilding) {
                 m.state = State::Ejected;
-                m.reason = "forced promotion elsewhere".into();
+                m.reason = format!("reconciling with the new primary {}", self.me);
             }
         }
-        if let Err(e) = self.propose(&newest, &next).await {
+        if let Err(e) = self.propose(&held, &next).await {
             if !force {
                 return Err(Status::failed_precondition(format!("promotion not recorded: {e}")));
             }
@@ -367,8 +368,7 @@ impl SyncHub {
         }
         let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
         blocking(move || pool.set_read_only(&name, false)).await?;
-        let p = self.start_primary(next.clone(), None);
-        self.link_all(&p).await;
+        self.start_primary(next.clone(), None);
         tracing::info!(volume, generation = next.generation, "promoted to synchronous primary");
         let mut v = self.view(volume).expect("held");
         v.refused = lost.join("; ");
@@ -405,7 +405,10 @@ impl SyncHub {
         let _c = p.change.lock().await;
         let old = p.record();
         let mut next = old.clone();
-        next.generation = self.next_generation(&old);
+        next.generation = match self.next_generation(&old) {
+            Ok(g) => g,
+            Err(e) => return p.refuse(Some(format!("volume {} refuses writes: {e}", old.volume))),
+        };
         // Members that cannot take a stream now are ejected in the same generation. Without a
         // majority answering nothing is proposed: a proposal stores its generation here first,
         // and a primary cut off from its members (fenced after a failover) would count its
@@ -420,7 +423,7 @@ impl SyncHub {
                     if m.state == State::InSync {
                         links.push(m.endpoint.clone());
                     }
-                    if h.generation > old.generation && h.primary != self.me {
+                    if h.outranks(&old) && h.primary != self.me {
                         newer = Some(h);
                     }
                 }
@@ -432,11 +435,10 @@ impl SyncHub {
             }
         }
         if let Some(h) = newer {
+            // Evidence only: the new primary's Record, when it rebuilds this daemon, is what
+            // changes the membership here.
             let why =
                 format!("this daemon was failed over: generation {} names {} the primary", h.generation, h.primary);
-            if let Err(e) = self.records.put(h) {
-                tracing::error!(volume = %old.volume, error = %e.message(), "storing the newer membership");
-            }
             return self.step_down(&old.volume, &why);
         }
         if answered < old.majority() {

@@ -111,10 +111,10 @@ impl SyncHub {
         Ok(MirrorClient::new(channel(self.tls.as_ref(), endpoint).await?))
     }
 
-    /// The generation after `rec`'s, and after any this daemon holds (a proposal of its own that
-    /// did not win stays recorded here, and each generation is taken once).
-    pub fn next_generation(&self, rec: &Membership) -> u64 {
-        rec.generation.max(self.records.get(&rec.volume).map_or(0, |h| h.generation)) + 1
+    /// The generation number after `rec`'s, and after any this daemon holds (a proposal of its
+    /// own that did not win stays recorded here, and each number is taken once).
+    pub fn next_generation(&self, rec: &Membership) -> Result<u64, String> {
+        records::next_number(rec.generation.max(self.records.get(&rec.volume).map_or(0, |h| h.generation)))
     }
 
     /// The member at `endpoint`'s answer to Get for `volume` (its membership and marks), within
@@ -131,23 +131,25 @@ impl SyncHub {
         }
     }
 
-    /// What the member at `endpoint` holds for `volume`, within the timeout.
+    /// What the member at `endpoint` holds for `volume`, within the timeout: evidence only (it
+    /// is checked to be of `volume`, and never stored here).
     pub async fn held_at(&self, endpoint: &str, volume: &str) -> Result<Membership, String> {
         let p = self.get_at(endpoint, volume).await?;
         if p.generation == 0 {
             return Err(format!("{endpoint} holds no membership of {volume}"));
         }
-        Membership::from_proto(&p).map_err(|e| format!("{endpoint} answered a bad membership: {e}"))
+        evidence(endpoint, volume, &p)
     }
 
     /// Records `next` on the members of `old` and `next` (here first): Ok once a majority of
     /// each stored it, which makes it the volume's membership. A member holding a newer
-    /// generation under another primary means this daemon was failed over: the error says so.
+    /// generation under another primary means this daemon was failed over: the error says so,
+    /// and nothing a member answers is stored here.
     pub async fn propose(self: &Arc<Self>, old: &Membership, next: &Membership) -> Result<(), String> {
         let mut stored: Vec<String> = Vec::new();
         let mut failures: Vec<String> = Vec::new();
         let here = self.records.get(&next.volume);
-        if here.as_ref().is_some_and(|h| h.generation >= next.generation && h != next) {
+        if here.as_ref().is_some_and(|h| !next.outranks(h) && h != next) {
             failures.push(format!("this daemon already holds generation {}", here.map_or(0, |h| h.generation)));
         } else if let Err(e) = self.records.put(next.clone()) {
             failures.push(format!("storing it here: {}", e.message()));
@@ -175,15 +177,15 @@ impl SyncHub {
             match r {
                 Ok(Ok(RecordReply { stored: true, .. })) => stored.push(e),
                 Ok(Ok(RecordReply { held, .. })) => {
-                    let held = held.and_then(|h| Membership::from_proto(&h).ok());
+                    let held = held.and_then(|h| evidence(&e, &next.volume, &h).ok());
                     let g = held.as_ref().map_or(0, |h| h.generation);
                     failures.push(format!("{e} holds generation {g}"));
                     // Another primary there, with a generation this one does not outrank or
                     // one that ejected this daemon: it was failed over.
                     let over = |h: &Membership| {
                         h.primary != self.me
-                            && h.generation > old.generation
-                            && (h.generation >= next.generation || h.state_of(&self.me) != Some(State::InSync))
+                            && h.outranks(old)
+                            && (h.outranks(next) || h.state_of(&self.me) != Some(State::InSync))
                     };
                     if let Some(h) = held.filter(over) {
                         newer = Some(h);
@@ -199,12 +201,12 @@ impl SyncHub {
             return Ok(());
         }
         if let Some(h) = newer {
-            let why =
-                format!("this daemon was failed over: generation {} names {} the primary", h.generation, h.primary);
-            // This daemon's own proposal did not win (no majority): the winner's membership is
-            // what it holds from now on.
-            let _ = self.records.put(h);
-            return Err(why);
+            // Evidence, not a record: the new primary's own Record (when it rebuilds this
+            // daemon) is what changes the membership here.
+            return Err(format!(
+                "this daemon was failed over: generation {} names {} the primary",
+                h.generation, h.primary
+            ));
         }
         Err(format!(
             "generation {} was recorded on {in_next} of {} members (a majority is {}): {}",
@@ -213,5 +215,38 @@ impl SyncHub {
             next.majority(),
             failures.join("; ")
         ))
+    }
+}
+
+/// A membership a member at `endpoint` answered about `volume`, checked as evidence: well
+/// formed and of the volume asked about.
+fn evidence(endpoint: &str, volume: &str, p: &pb::Membership) -> Result<Membership, String> {
+    let h = Membership::from_proto(p).map_err(|e| format!("{endpoint} answered a bad membership: {e}"))?;
+    if h.volume != volume {
+        return Err(format!("{endpoint} answered with a membership of {:?}, not of {volume:?}", h.volume));
+    }
+    Ok(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_members_answer_is_evidence_about_the_volume_asked_only() {
+        let m = |volume: &str| pb::Membership {
+            volume: volume.into(),
+            generation: 100,
+            primary: "tcp://m:1".into(),
+            members: vec![pb::Member { endpoint: "tcp://m:1".into(), state: "in-sync".into(), ..Default::default() }],
+            size: 1 << 20,
+            ..Default::default()
+        };
+        assert_eq!(evidence("tcp://m:1", "v", &m("v")).unwrap().generation, 100);
+        let e = evidence("tcp://m:1", "v", &m("plain3")).unwrap_err();
+        assert!(e.contains("\"plain3\", not of \"v\""), "{e}");
+        let mut bad = m("v");
+        bad.generation = u64::MAX;
+        assert!(evidence("tcp://m:1", "v", &bad).is_err());
     }
 }

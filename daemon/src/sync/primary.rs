@@ -169,11 +169,17 @@ impl Primary {
             _ => return Ok(()),
         }
         let hub = self.hub.upgrade().ok_or_else(|| "the daemon is stopping".to_owned())?;
-        next.generation = hub.next_generation(&next);
-        tracing::warn!(volume = %self.volume, %member, reason = why, generation = next.generation,
-            "ejecting a synchronous replica");
         let old = self.record();
-        match hub.propose(&old, &next).await {
+        let proposed = match hub.next_generation(&next) {
+            Ok(g) => {
+                next.generation = g;
+                tracing::warn!(volume = %self.volume, %member, reason = why, generation = g,
+                    "ejecting a synchronous replica");
+                hub.propose(&old, &next).await
+            }
+            Err(e) => Err(e),
+        };
+        match proposed {
             Ok(()) => {
                 self.adopt(next);
                 self.ejections.fetch_add(1, Ordering::Relaxed);

@@ -110,7 +110,7 @@ impl SyncHub {
         if let Some(mark) = mark {
             mark.clone_into(&mut m.mark);
         }
-        next.generation = self.next_generation(&old);
+        next.generation = self.next_generation(&old)?;
         self.propose(&old, &next).await?;
         p.adopt(next);
         Ok(())

@@ -1,7 +1,8 @@
 //! A synchronous volume's membership as every member keeps it (`sync-members.json`): the
-//! generation, the primary, each member's state. A member stores a membership only with a
-//! higher generation than the one it holds, so a generation is taken at most once per member,
-//! and two proposals of one generation cannot both reach a majority.
+//! generation, the primary, each member's state. A generation is the pair (number, primary):
+//! only the primary proposes a membership naming it, and it takes each number once, so two
+//! proposals never share a generation. A member stores a membership only with a higher
+//! generation than the one it holds, so two proposals cannot both reach a majority.
 
 use ferrite_proto::ferrite::v1 as pb;
 use serde::{Deserialize, Serialize};
@@ -69,6 +70,17 @@ impl Keyed for Membership {
 }
 
 impl Membership {
+    /// The generation as memberships are ordered: the number, then the proposer (the primary
+    /// it names), so that two sides never hold different memberships under one generation.
+    pub fn rank(&self) -> (u64, &str) {
+        (self.generation, &self.primary)
+    }
+
+    /// Whether `self` is a later generation than `other`.
+    pub fn outranks(&self, other: &Membership) -> bool {
+        self.rank() > other.rank()
+    }
+
     pub fn member(&self, endpoint: &str) -> Option<&Member> {
         self.members.iter().find(|m| m.endpoint == endpoint)
     }
@@ -135,6 +147,12 @@ impl Membership {
             let reason = m.reason.chars().take(200).collect();
             members.push(Member { endpoint: m.endpoint.clone(), state, reason, mark: m.mark.clone() });
         }
+        if p.generation == 0 || p.generation > MAX_GENERATION {
+            return Err(format!("generation {} is out of bounds (1 to {MAX_GENERATION})", p.generation));
+        }
+        if p.size > MAX_SIZE {
+            return Err(format!("size {} is out of bounds (at most {MAX_SIZE})", p.size));
+        }
         if p.wrapped_key.len() > MAX_WRAPPED_KEY {
             return Err(format!("a wrapped key of {} bytes (at most {MAX_WRAPPED_KEY})", p.wrapped_key.len()));
         }
@@ -151,6 +169,20 @@ impl Membership {
         }
         Ok(rec)
     }
+}
+
+/// Generations end here (refused above): a number no volume reaches at a change per
+/// millisecond for thirty years, and far from wrapping.
+pub const MAX_GENERATION: u64 = 1 << 40;
+
+/// The largest volume size a membership may carry (1 PiB): bounded like every other size.
+pub const MAX_SIZE: u64 = 1 << 50;
+
+/// The generation number after `g`, refused past [`MAX_GENERATION`].
+pub fn next_number(g: u64) -> Result<u64, String> {
+    g.checked_add(1)
+        .filter(|&n| n <= MAX_GENERATION)
+        .ok_or_else(|| format!("generation {g} is the last one (at most {MAX_GENERATION})"))
 }
 
 /// At most this many members per volume (the primary, replicas and witnesses).
@@ -207,5 +239,24 @@ mod tests {
         let mut p = three.to_proto();
         p.wrapped_key = vec![1; 513];
         assert!(Membership::from_proto(&p).unwrap_err().contains("wrapped key"));
+        for g in [0, MAX_GENERATION + 1, u64::MAX] {
+            let mut p = three.to_proto();
+            p.generation = g;
+            assert!(Membership::from_proto(&p).unwrap_err().contains("generation"), "{g}");
+        }
+        let mut p = three.to_proto();
+        p.size = u64::MAX;
+        assert!(Membership::from_proto(&p).unwrap_err().contains("size"));
+        assert_eq!(next_number(MAX_GENERATION - 1), Ok(MAX_GENERATION));
+        assert!(next_number(MAX_GENERATION).is_err() && next_number(u64::MAX).is_err());
+    }
+
+    #[test]
+    fn generations_are_ordered_by_number_then_proposer() {
+        let a = rec(&[("tcp://a:1", State::InSync), ("tcp://b:1", State::InSync)]);
+        let b = Membership { primary: "tcp://b:1".into(), ..a.clone() };
+        assert!(b.outranks(&a) && !a.outranks(&b), "one number, two proposers: never equal");
+        let later = Membership { generation: 4, ..a.clone() };
+        assert!(later.outranks(&b) && !a.outranks(&a));
     }
 }

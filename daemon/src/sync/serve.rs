@@ -72,6 +72,32 @@ impl MirrorService {
         }
     }
 
+    /// Whether `next` (a later generation, proposed by its primary, the caller) may replace
+    /// `held` here: from the same primary; or a promotion of a member in sync here; or, where
+    /// `held` is this daemon's own proposal and it no longer takes writes as primary, a
+    /// membership that leaves it out of sync (its proposal did not win: a majority moved on,
+    /// and its copy is rebuilt from the new primary). A witness never turns into a copy.
+    fn may_change(&self, held: &Membership, next: &Membership, mine: State) -> Result<(), String> {
+        let hub = &self.0;
+        let (volume, by) = (&next.volume, &next.primary);
+        if held.state_of(&hub.me) == Some(State::Witness) && mine != State::Witness {
+            return Err(format!("this daemon is a witness of {volume:?}: it never becomes a copy of it"));
+        }
+        let stepped_down = held.primary == hub.me
+            && hub.primary(volume).is_none_or(|p| p.refused().is_some())
+            && mine != State::InSync;
+        match held.state_of(by) {
+            None => Err(format!("{by} is not a member of {volume:?} here")),
+            _ if held.primary == *by || stepped_down => Ok(()),
+            Some(State::InSync) => Ok(()),
+            Some(s) => Err(format!(
+                "{by} is {} at generation {} here: a stale member cannot become primary",
+                s.as_str(),
+                held.generation
+            )),
+        }
+    }
+
     /// A membership without this member, from its primary (checked by the caller) in a later
     /// generation: it was removed, and forgets the volume's membership (the copy stays).
     async fn removed(&self, next: Membership) -> Result<Response<RecordReply>, Status> {
@@ -79,7 +105,7 @@ impl MirrorService {
         let _op = hub.op_lock(&next.volume);
         let _op = _op.lock().await;
         match hub.records.get(&next.volume) {
-            Some(h) if h.primary == next.primary && next.generation > h.generation => {
+            Some(h) if h.primary == next.primary && next.outranks(&h) => {
                 hub.records.set(&next.volume, None)?;
                 hub.drop_marks(&next.volume).await;
                 tracing::info!(volume = %next.volume, generation = next.generation, primary = %next.primary,
@@ -319,32 +345,21 @@ impl mirror_server::Mirror for MirrorService {
         let _op = _op.lock().await;
         let held = hub.records.get(&next.volume);
         match &held {
-            Some(h) if h.state_of(&next.primary).is_none() => {
-                return Err(hub.policy.refuse(
-                    &caller,
-                    CALL,
-                    &format!("{} is not a member of {:?} here", next.primary, next.volume),
-                ));
-            }
-            Some(h) if next.generation <= h.generation => {
+            None => hub.create_member(&next, mine).await?,
+            Some(h) if !next.outranks(h) => {
                 return Ok(Response::new(RecordReply { stored: false, held: Some(h.to_proto()) }));
             }
-            // A new primary must hold every acknowledged write as far as this member knows: a
-            // member ejected here cannot make itself primary by telling the others so.
-            // Refused with what this member holds, so a failed-over primary learns it was.
-            Some(h) if h.primary != next.primary && h.state_of(&next.primary) != Some(State::InSync) => {
-                let why = format!(
-                    "{} is {} at generation {} here: a stale member cannot become primary",
-                    next.primary,
-                    h.state_of(&next.primary).map_or("no member", State::as_str),
-                    h.generation
-                );
-                drop(hub.policy.refuse(&caller, CALL, &why));
-                return Ok(Response::new(RecordReply { stored: false, held: Some(h.to_proto()) }));
+            Some(h) => {
+                if let Err(why) = self.may_change(h, &next, mine) {
+                    // Answered with what this member holds (a failed-over primary learns it
+                    // was), unless the caller is no member at all.
+                    let refused = hub.policy.refuse(&caller, CALL, &why);
+                    return match h.state_of(&next.primary) {
+                        None => Err(refused),
+                        Some(_) => Ok(Response::new(RecordReply { stored: false, held: Some(h.to_proto()) })),
+                    };
+                }
             }
-            Some(_) => {}
-            None if mine == State::Witness => {}
-            None => hub.create_replica(&next).await?,
         }
         // A larger size (the primary grows the volume): this copy first, so that no write the
         // new size allows can fail here.
@@ -352,6 +367,7 @@ impl mirror_server::Mirror for MirrorService {
             && next.size > h.size
             && mine != State::Witness
         {
+            hub.check_size(next.size)?;
             let (pool, name, size) = (Arc::clone(&hub.pool), next.volume.clone(), next.size);
             blocking(move || pool.grow_volume(&name, size).map(drop)).await?;
         }
@@ -502,48 +518,65 @@ impl SyncHub {
     }
 
     /// Keeps this member's copy wrapped as `rec` says its primary's volume is now (after a
-    /// rekey there); refuses a membership that disagrees with the copy on whether it is
-    /// encrypted.
+    /// rekey there: the same data key, sealed anew); refuses a membership that disagrees with
+    /// the copy on whether it is encrypted, or that names another data key.
     async fn follow_key(&self, rec: &Membership) -> Result<(), Status> {
         let (pool, name, wrapped) = (Arc::clone(&self.pool), rec.volume.clone(), rec.wrapped_key.clone());
         blocking(move || {
-            let encrypted = pool.volume_info(&name)?.encryption.is_some();
-            match (encrypted, wrapped.is_empty()) {
-                (true, false) => pool.follow_wrapped_keys(&name, &wrapped, &[]),
-                (false, true) => Ok(()),
-                (here, _) => Err(ferrite_engine::Error::new(
-                    ferrite_engine::ErrorKind::InvalidArgument,
-                    format!(
-                        "volume {name:?} is {} here and the membership says it is {}",
-                        if here { "encrypted" } else { "plaintext" },
-                        if here { "plaintext" } else { "encrypted" }
-                    ),
+            let refuse = |why: String| {
+                Err(ferrite_engine::Error::new(ferrite_engine::ErrorKind::InvalidArgument, format!("volume {name:?}: {why}")))
+            };
+            let here = pool.wrapped_key(ferrite_engine::Image::Volume(&name))?;
+            match (here, wrapped.is_empty()) {
+                (Some(here), false) if here == wrapped => Ok(()),
+                (Some(here), false) => {
+                    let decode = |b: &[u8]| ferrite_crypt::WrappedKey::decode(b).map_err(|e| e.to_string());
+                    match decode(&here).and_then(|h| Ok(h.same_key(&decode(&wrapped)?))) {
+                        Ok(Some(false)) => refuse("the membership names another data key: only a rekey (the same key, wrapped anew) changes it".into()),
+                        Err(e) => refuse(format!("a bad wrapped key: {e}")),
+                        Ok(_) => pool.follow_wrapped_keys(&name, &wrapped, &[]),
+                    }
+                }
+                (None, true) => Ok(()),
+                (here, _) => refuse(format!(
+                    "it is {} here and the membership says it is {}",
+                    if here.is_some() { "encrypted" } else { "plaintext" },
+                    if here.is_some() { "plaintext" } else { "encrypted" }
                 )),
             }
         })
         .await
     }
 
-    /// Makes the replica volume of a first membership here: it must not exist yet (a member
-    /// never takes over a volume it did not create), is bounded by the pool, and is read-only
-    /// to clients.
-    async fn create_replica(&self, rec: &Membership) -> Result<(), Status> {
+    /// Refuses a copy of `size` bytes unless the pool could hold it.
+    fn check_size(&self, size: u64) -> Result<(), Status> {
         let most = crate::replica::largest_replica(&self.pool, self.overcommit);
-        if rec.size == 0 || rec.size > most {
+        if size == 0 || size > most {
             return Err(Status::invalid_argument(format!(
-                "volume size {} is out of bounds here (at most {most}: the pool's size times its overcommit cap)",
-                rec.size
+                "volume size {size} is out of bounds here (at most {most}: the pool's size times its overcommit cap)"
             )));
         }
+        Ok(())
+    }
+
+    /// Takes a first membership of `rec`'s volume here: the volume must not exist (a member
+    /// never takes over a volume it did not create, whatever its role, witness included). A
+    /// copy is made bounded by the pool and read-only to clients; a witness holds no volume.
+    async fn create_member(&self, rec: &Membership, mine: State) -> Result<(), Status> {
+        let (pool, name) = (Arc::clone(&self.pool), rec.volume.clone());
+        if blocking(move || Ok(pool.volume_info(&name).is_ok())).await? {
+            return Err(Status::already_exists(format!(
+                "volume {:?} exists here and is no synchronous replica: a member never takes over a volume it did not create",
+                rec.volume
+            )));
+        }
+        if mine == State::Witness {
+            return Ok(());
+        }
+        self.check_size(rec.size)?;
         let (pool, name, size, wrapped) =
             (Arc::clone(&self.pool), rec.volume.clone(), rec.size, rec.wrapped_key.clone());
         blocking(move || {
-            if pool.volume_info(&name).is_ok() {
-                return Err(ferrite_engine::Error::new(
-                    ferrite_engine::ErrorKind::AlreadyExists,
-                    format!("volume {name:?} exists here and is no synchronous replica: a member never takes over a volume it did not create"),
-                ));
-            }
             // An encrypted volume's copy is made with its wrapped key: locked here, written
             // with the ciphertext the primary sends, and opened with the same key-encryption
             // key once promoted.

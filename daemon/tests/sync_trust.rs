@@ -1,0 +1,194 @@
+//! The membership rule of synchronous replicas, tried as an attacker and as a tester would,
+//! between daemons in network namespaces over their real mutual-TLS admin listeners: a peer
+//! holding only a `replication-peer` certificate cannot take over, grow or rekey a volume
+//! through a membership, nor store an unbounded generation; and in-sync copies never differ
+//! after a failover, so a write that failed to its client never reads back after two of them.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::nbd::{connect, read_image, request};
+use common::netns::{Nics, Switch};
+use common::{Daemon, pattern};
+use ferrite_nbd::proto::{CMD_FLAG_FUA, CMD_WRITE};
+use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
+use ferrite_proto::ferrite::v1::mirror_message::Op;
+
+const MIB: u64 = 1 << 20;
+const TIMEOUT: &str = "sync-timeout-ms = 1000";
+
+fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(secs), "{what} did not happen within {secs} s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The state of `member` in `d`'s view of `volume`.
+fn state_of(d: &Daemon, volume: &str, member: &str) -> String {
+    let s = d.json(&["replica", "status", volume]);
+    let m = s["members"].as_array().and_then(|a| a.iter().find(|m| m["endpoint"] == member).cloned());
+    m.map_or("none".into(), |m| m["state"].as_str().unwrap_or_default().to_owned())
+}
+
+fn cluster(n: usize, root: &std::path::Path) -> Option<(Switch, Vec<Daemon>)> {
+    if !common::have("qemu-io") {
+        return None;
+    }
+    let sw = Switch::new(n)?;
+    let d = (0..n).map(|i| sw.daemon(i, root, TIMEOUT)).collect();
+    Some((sw, d))
+}
+
+/// A FUA write of `data` at `offset`: the NBD error (0: acknowledged).
+fn fua_write(s: &mut std::os::unix::net::UnixStream, offset: u64, data: &[u8]) -> u32 {
+    use std::io::{Read, Write};
+    let len = u32::try_from(data.len()).unwrap();
+    s.write_all(&request(CMD_WRITE, CMD_FLAG_FUA, 7, offset, len, data)).unwrap();
+    let mut reply = [0u8; 16];
+    s.read_exact(&mut reply).unwrap();
+    u32::from_be_bytes(reply[4..8].try_into().unwrap())
+}
+
+fn membership(volume: &str, generation: u64, primary: &str, members: &[(&str, &str)]) -> pb::Membership {
+    pb::Membership {
+        volume: volume.into(),
+        generation,
+        primary: primary.into(),
+        members: members
+            .iter()
+            .map(|(e, s)| pb::Member { endpoint: (*e).into(), state: (*s).into(), ..Default::default() })
+            .collect(),
+        size: 16 * MIB,
+        ..Default::default()
+    }
+}
+
+/// Opens a mirror stream of `volume` at `generation` and sends one write of 0x5a: the answer.
+async fn stream_write(c: &mut MirrorClient<tonic::transport::Channel>, volume: &str, generation: u64) -> tonic::Status {
+    let open = pb::MirrorMessage {
+        seq: 0,
+        op: Some(Op::Open(pb::MirrorOpen { volume: volume.into(), generation, ..Default::default() })),
+    };
+    let data = prost::bytes::Bytes::from(vec![0x5a; 4096]);
+    let write = pb::MirrorMessage {
+        seq: 1,
+        op: Some(Op::Write(pb::MirrorWrite { offset: 0, crc: crc32c::crc32c(&data), data, fua: true })),
+    };
+    match c.stream(tokio_stream::iter(vec![open, write])).await {
+        Err(e) => e,
+        Ok(r) => match r.into_inner().message().await {
+            Ok(m) => tonic::Status::ok(format!("{m:?}")),
+            Err(e) => e,
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_cannot_take_over_grow_or_rekey_a_volume_through_a_membership() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, d)) = cluster(2, root.path()) else { return };
+    let (e0, e1) = (sw.endpoint(0), sw.endpoint(1));
+    let run = |args: &[&str]| {
+        let (dir, args) = (d[0].dir.clone(), args.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
+        tokio::task::spawn_blocking(move || {
+            let o = std::process::Command::new(common::BIN)
+                .arg("--admin-socket")
+                .arg(dir.join("admin.sock"))
+                .args(&args)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        })
+    };
+    run(&["volume", "create", "plain2", "16M"]).await.unwrap();
+    run(&["export", "nbd", "plain2"]).await.unwrap();
+    let nbd = d[0].nbd();
+    let wrote = tokio::task::spawn_blocking(move || fua_write(&mut connect(&nbd, "plain2"), 0, &pattern(9, 4096)));
+    assert_eq!(wrote.await.unwrap(), 0);
+    let before = d[0].json(&["volume", "show", "plain2"]);
+
+    let mut as1 = MirrorClient::new(
+        common::csi::tls_channel(&format!("{}:7070", sw.ip[0]), &root.path().join("pki"), "host-1").await,
+    );
+    // A first membership of a volume that exists here: refused whatever this daemon's role.
+    for (g, mine) in [(1, "witness"), (2, "in-sync"), (3, "ejected")] {
+        let take = membership("plain2", g, &e1, &[(&e1, "in-sync"), (&e0, mine)]);
+        let e = as1.record(take).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::AlreadyExists, "{mine}: {e}");
+        assert!(e.message().contains("never takes over"), "{e}");
+    }
+    let e = stream_write(&mut as1, "plain2", 2).await;
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e}");
+    // Generations and sizes are bounded.
+    for g in [u64::MAX, (1 << 40) + 1] {
+        let e = as1.record(membership("fresh", g, &e1, &[(&e1, "in-sync"), (&e0, "in-sync")])).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    }
+    let mut huge = membership("fresh", 1, &e1, &[(&e1, "in-sync"), (&e0, "in-sync")]);
+    huge.size = u64::MAX;
+    assert_eq!(as1.record(huge).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // A witness of a volume that does not exist here never turns into its copy.
+    let ghost = membership("ghost", 1, &e1, &[(&e1, "in-sync"), (&e0, "witness")]);
+    assert!(as1.record(ghost).await.unwrap().into_inner().stored);
+    let r = as1.record(membership("ghost", 2, &e1, &[(&e1, "in-sync"), (&e0, "in-sync")])).await;
+    assert!(!r.unwrap().into_inner().stored, "a witness became a copy");
+
+    let image = read_image(&d[0], "plain2", 16 * MIB);
+    assert_eq!(&image[..4096], &pattern(9, 4096)[..], "the peer's writes landed in plain2");
+    assert!(image[4096..].iter().all(|&b| b == 0), "plain2 changed");
+    let after = d[0].json(&["volume", "show", "plain2"]);
+    for field in ["size", "read_only", "encryption", "id"] {
+        assert_eq!(after[field], before[field], "plain2's {field} changed");
+    }
+}
+
+/// Block 0 holds 1 (acknowledged); host 0, the primary, is cut from host 1, and a write of 2
+/// reaches host 2 only before host 0 is cut from host 2 too: the client gets an error. Host 1
+/// is promoted (no force), then killed and host 2 promoted (no force): after each promotion the
+/// in-sync copies read alike, and block 0 never reads 2.
+#[test]
+fn in_sync_copies_never_differ_after_a_failover() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, mut d)) = cluster(3, root.path()) else { return };
+    let (e0, e1, e2) = (sw.endpoint(0), sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "v", "16M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
+    d[0].ok(&["export", "nbd", "v"]);
+    let mut s0 = connect(&d[0].nbd(), "v");
+    assert_eq!(fua_write(&mut s0, 0, &pattern(1, 4096)), 0);
+    assert_eq!(fua_write(&mut s0, 65536, &pattern(7, 4096)), 0);
+
+    sw.part(0, 1, true);
+    let failed = std::thread::spawn(move || fua_write(&mut s0, 0, &pattern(2, 4096)));
+    std::thread::sleep(Duration::from_millis(300));
+    sw.part(0, 2, true);
+    assert_ne!(failed.join().unwrap(), 0, "the write was acknowledged without a majority");
+
+    let same = |a: &Daemon, b: &Daemon| read_image(a, "v", 16 * MIB) == read_image(b, "v", 16 * MIB);
+    let p = d[1].json(&["replica", "promote", "v"]);
+    assert_eq!(p["role"], "primary", "{p}");
+    until("host 2 is reconciled with host 1", 60, || state_of(&d[1], "v", &e2) == "in-sync");
+    let image = read_image(&d[1], "v", 16 * MIB);
+    assert_eq!(&image[..4096], &pattern(1, 4096)[..], "the failed write reads back on the new primary");
+    assert_eq!(&image[65536..65536 + 4096], &pattern(7, 4096)[..], "an acknowledged write was lost");
+    assert!(same(&d[1], &d[2]), "in-sync copies differ after the first promotion");
+
+    // The cuts heal: the old primary steps down and is brought to the new primary's content.
+    sw.part(0, 1, false);
+    sw.part(0, 2, false);
+    until("the old primary is reconciled", 60, || state_of(&d[1], "v", &e0) == "in-sync");
+    assert!(same(&d[1], &d[0]), "the old primary differs once in sync");
+
+    d[1].crash();
+    let p = d[2].json(&["replica", "promote", "v"]);
+    assert_eq!(p["role"], "primary", "{p}");
+    let image = read_image(&d[2], "v", 16 * MIB);
+    assert_eq!(&image[..4096], &pattern(1, 4096)[..], "the failed write reappeared after the second failover");
+    until("host 0 is reconciled with host 2", 60, || state_of(&d[2], "v", &e0) == "in-sync");
+    assert!(same(&d[2], &d[0]), "in-sync copies differ after the second promotion");
+    let g = p["generation"].as_u64().unwrap();
+    assert!(g > 4, "generation {g}");
+}
