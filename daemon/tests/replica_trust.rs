@@ -73,6 +73,26 @@ async fn a_group_push_cannot_touch_a_volume_outside_its_group() {
     let gc = GroupCommitRequest { group: "g".into(), point: "s1".into(), members: vec!["prod".into()], epoch: 0 };
     let e = ReplicaClient::new(c.clone()).group_commit(gc).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e}");
+    // A first group push may not name a local group (its prune would delete the group's
+    // snapshots that share the prefix), nor a local volume.
+    d.ok(&["volume", "create", "lv", "8M"]);
+    d.ok(&["group", "create", "lg", "lv"]);
+    d.ok(&["group", "snapshot", "lg", "gsnap1"]);
+    for group in ["lg", "lv"] {
+        let take = PushBegin {
+            group: group.into(),
+            replica: "fresh".into(),
+            snapshot: "gsnap2".into(),
+            prefix: "gsnap".into(),
+            size: 4096,
+            ..Default::default()
+        };
+        refused(push(&c, vec![begin(take), commit()]).await, Code::AlreadyExists, "local group or volume");
+    }
+    let gc = GroupCommitRequest { group: "lg".into(), point: "gsnap2".into(), members: vec![], epoch: 0 };
+    assert!(ReplicaClient::new(c.clone()).group_commit(gc).await.is_err());
+    assert!(d.ok(&["group", "snapshots"]).contains("gsnap1"), "a local group snapshot was deleted");
+    assert!(d.json(&["snapshot", "show", "gsnap1.lv"])["name"] == "gsnap1.lv");
     let now = read_image(&d, "prod", 4096);
     assert!(now.iter().all(|&b| b == 0xBB), "the acknowledged write is still there");
     assert_eq!(d.json(&["volume", "show", "prod"])["read_only"], false);

@@ -186,6 +186,15 @@ impl ReplicaService {
                 b.replica
             )));
         }
+        // Nor, for a group, a local group or volume of the group's name.
+        let group = &b.group;
+        if !group.is_empty()
+            && (self.0.pool.groups().iter().any(|g| g.name == *group) || self.0.pool.volume_info(group).is_ok())
+        {
+            return Err(Status::already_exists(format!(
+                "{group:?} already exists here as a local group or volume and is no replica of yours: a first group sync creates its replica group"
+            )));
+        }
         let key = if b.group.is_empty() { &b.replica } else { &b.group };
         Ok(Relation {
             volume: key.clone(),

@@ -74,6 +74,17 @@ impl Relation {
             })
     }
 
+    /// Whether the relation made snapshot `name`: a mirror snapshot `<prefix><unix ms>`, with
+    /// `.<member>` after it for a group's member snapshot. A name that merely starts with the
+    /// prefix is someone else's, and pruning never deletes it.
+    pub fn made(&self, name: &str, member: Option<&str>) -> bool {
+        let point = match member {
+            Some(m) => name.strip_suffix(m).and_then(|s| s.strip_suffix('.')),
+            None => Some(name),
+        };
+        point.is_some_and(|p| self.taken_ms(p).is_some())
+    }
+
     /// When mirror snapshot `name` of this relation was taken (Unix ms), if it is one.
     pub fn taken_ms(&self, name: &str) -> Option<u64> {
         name.strip_prefix(&self.prefix)?.parse().ok()
@@ -184,6 +195,10 @@ mod tests {
         assert_eq!(again.get("v").unwrap().epoch, 3, "the epoch is durable");
         assert_eq!(r.taken_ms("v.mirror.1700000000123"), Some(1_700_000_000_123));
         assert_eq!(r.taken_ms("v.snap"), None);
+        assert!(r.made("v.mirror.17", None) && r.made("v.mirror.17.db", Some("db")));
+        for (name, member) in [("v.mirror.nightly", None), ("v.mirror.17.db", None), ("v.mirror.17.db", Some("web"))] {
+            assert!(!r.made(name, member), "{name} is not the relation's own");
+        }
         for (name, carried) in
             [("v.mirror.1", true), ("nightly-3", true), ("weekly", true), ("weekly-2", false), ("x", false)]
         {

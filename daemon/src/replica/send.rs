@@ -88,12 +88,12 @@ pub async fn prune(hub: &Replication, rel: &Relation, keep: &[&str]) {
     let keep: Vec<String> = keep.iter().map(|k| (*k).to_owned()).collect();
     let name = rel.volume.clone();
     let r = blocking(move || {
-        let deletable = |snapshot: &str| snapshot.starts_with(&rel.prefix) && !in_use.iter().any(|u| u == snapshot);
+        let unused = |snapshot: &str| !in_use.iter().any(|u| u == snapshot);
         let volumes = if rel.group {
             for p in pool.group_snapshots(Some(&rel.volume)).unwrap_or_default() {
-                if p.name.starts_with(&rel.prefix)
+                if rel.made(&p.name, None)
                     && !keep.contains(&p.name)
-                    && p.snapshots.iter().all(|(s, _)| deletable(s))
+                    && p.snapshots.iter().all(|(s, v)| rel.made(s, Some(v)) && unused(s))
                 {
                     pool.delete_group_snapshot(&p.name)?;
                 }
@@ -106,7 +106,7 @@ pub async fn prune(hub: &Replication, rel: &Relation, keep: &[&str]) {
             let own: Vec<String> =
                 keep.iter().map(|k| if rel.group { format!("{k}.{v}") } else { k.clone() }).collect();
             for s in pool.snapshots(Some(v)).unwrap_or_default() {
-                if !own.contains(&s.name) && deletable(&s.name) {
+                if !own.contains(&s.name) && rel.made(&s.name, rel.group.then_some(v.as_str())) && unused(&s.name) {
                     pool.delete_snapshot(&s.name)?;
                 }
             }
