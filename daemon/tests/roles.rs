@@ -45,10 +45,6 @@ const CONTROLLER: &[&str] = &[
     "CreateGroupSnapshot",
     "ListGroupSnapshots",
     "DeleteGroupSnapshot",
-    "AttachVolume",
-    "DetachVolume",
-    "ResizeAttachment",
-    "ListAttachments",
     "PoolStatus",
     "ReclaimPool",
     "FenceNetworks",
@@ -61,8 +57,20 @@ const CONTROLLER: &[&str] = &[
 ];
 
 /// Operators only.
-const OPERATOR: &[&str] =
-    &["SyncReplication", "CloneGroupSnapshot", "StartExport", "StopExport", "ListExports", "ScrubPool", "DefragVolume"];
+const OPERATOR: &[&str] = &[
+    "SyncReplication",
+    "CloneGroupSnapshot",
+    "StartExport",
+    "StopExport",
+    "ListExports",
+    "ScrubPool",
+    "DefragVolume",
+    // The node plugin attaches over the admin socket.
+    "AttachVolume",
+    "DetachVolume",
+    "ResizeAttachment",
+    "ListAttachments",
+];
 
 /// The Replica and Mirror services: replication peers (and operators).
 const PEER: &[&str] = &["Position", "Push", "Sync", "GroupCommit", "Stream", "Record", "Get", "Rebuild"];

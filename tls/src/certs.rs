@@ -102,6 +102,19 @@ mod tests {
     }
 
     #[test]
+    fn a_certificate_is_its_sans_alone_and_no_wildcard_matches() {
+        use crate::identities;
+        let ca = new_ca(30).unwrap();
+        let both = der(&issue(&ca.key_pem, "csi", &["not-csi".into(), "10.0.0.7".into()], 30).unwrap().cert_pem);
+        assert_eq!(identities(&both), ["not-csi", "10.0.0.7"], "the CN of a certificate with SANs is no identity");
+        assert!(!names(&both, "csi") && names(&both, "NOT-CSI") && names(&both, "10.0.0.7"));
+        let cn_only = der(&issue(&ca.key_pem, "csi", &[], 30).unwrap().cert_pem);
+        assert_eq!(identities(&cn_only), ["csi"]);
+        let wild = der(&issue(&ca.key_pem, "w", &["*.cluster.test".into()], 30).unwrap().cert_pem);
+        assert!(!names(&wild, "node-a.cluster.test") && !names(&wild, "*.cluster.test"));
+    }
+
+    #[test]
     fn issued_certificates_carry_their_names_and_make_working_configs() {
         let dir = tempfile::tempdir().unwrap();
         let ca = new_ca(30).unwrap();

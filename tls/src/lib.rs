@@ -120,17 +120,26 @@ pub fn server_name(addr: &str) -> io::Result<ServerName<'static>> {
     ServerName::try_from(host.to_string()).map_err(|e| invalid(format!("{host:?} is not a host name: {e}")))
 }
 
-/// Whether a (verified) certificate is valid for `identity`: a DNS name or IP address in its
-/// subjectAltName, matched as webpki matches server names.
+/// Whether a (verified) certificate names `identity`: one of its [`identities`], matched
+/// exactly. A wildcard never matches: a configured name is a name, not a pattern.
 pub fn names(cert: &CertificateDer<'_>, identity: &str) -> bool {
-    let Ok(name) = ServerName::try_from(identity) else { return false };
-    webpki::EndEntityCert::try_from(cert).is_ok_and(|c| c.verify_is_valid_for_subject_name(&name).is_ok())
+    !identity.contains('*') && identities(cert).iter().any(|n| same_name(n, identity))
 }
 
-/// The names a (verified) certificate carries, in order: the DNS names and IP addresses of its
-/// subjectAltName, then its subject's common names. Roles are bound to these by exact match
-/// (no wildcard expansion: a role is granted to a name, not to a pattern). Empty for a
-/// certificate that does not parse.
+/// Whether two names are the same identity: IP addresses compared as addresses, DNS names
+/// without regard to ASCII case.
+pub fn same_name(a: &str, b: &str) -> bool {
+    match (a.parse::<std::net::IpAddr>(), b.parse::<std::net::IpAddr>()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a.eq_ignore_ascii_case(b),
+    }
+}
+
+/// The identity function of every listener (roles, relations, publications, NBD allow lists):
+/// the DNS names and IP addresses of a (verified) certificate's subjectAltName; its subject's
+/// common names only when it has no such name at all (RFC 6125: a certificate with SANs is
+/// identified by them alone). A wildcard name is kept as written, so it equals no configured
+/// name. Empty for a certificate that does not parse.
 pub fn identities(cert: &CertificateDer<'_>) -> Vec<String> {
     use x509_parser::extensions::GeneralName;
     let Ok((_, c)) = x509_parser::parse_x509_certificate(cert.as_ref()) else { return Vec::new() };
@@ -148,7 +157,9 @@ pub fn identities(cert: &CertificateDer<'_>) -> Vec<String> {
             }
         }
     }
-    out.extend(c.subject().iter_common_name().filter_map(|a| a.as_str().ok()).map(str::to_owned));
+    if out.is_empty() {
+        out.extend(c.subject().iter_common_name().filter_map(|a| a.as_str().ok()).map(str::to_owned));
+    }
     out
 }
 

@@ -15,9 +15,9 @@
 pub mod layer;
 pub mod rules;
 
+use ferrite_tls::same_name;
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::IpAddr;
 use std::sync::Mutex;
 
 use anyhow::{Result, bail};
@@ -120,14 +120,6 @@ pub struct Caller {
 impl fmt::Display for Caller {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.name)
-    }
-}
-
-/// Whether two names are the same identity (IP addresses compared as addresses).
-fn same_name(a: &str, b: &str) -> bool {
-    match (a.parse::<IpAddr>(), b.parse::<IpAddr>()) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => a.eq_ignore_ascii_case(b),
     }
 }
 

@@ -52,10 +52,11 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/PublishVolume", &[Controller]),
     ("/ferrite.v1.Admin/UnpublishVolume", &[Controller]),
     ("/ferrite.v1.Admin/ListPublications", &[Controller]),
-    ("/ferrite.v1.Admin/AttachVolume", &[Controller]),
-    ("/ferrite.v1.Admin/DetachVolume", &[Controller]),
-    ("/ferrite.v1.Admin/ResizeAttachment", &[Controller]),
-    ("/ferrite.v1.Admin/ListAttachments", &[Controller]),
+    // Block devices on this host: the node plugin's, over the admin socket (an operator).
+    ("/ferrite.v1.Admin/AttachVolume", &[]),
+    ("/ferrite.v1.Admin/DetachVolume", &[]),
+    ("/ferrite.v1.Admin/ResizeAttachment", &[]),
+    ("/ferrite.v1.Admin/ListAttachments", &[]),
     ("/ferrite.v1.Admin/PoolStatus", &[Controller]),
     ("/ferrite.v1.Admin/ReclaimPool", &[Controller]),
     ("/ferrite.v1.Admin/ScrubPool", &[]),
@@ -104,6 +105,28 @@ mod tests {
         for (path, _) in RULES {
             assert!(all.iter().any(|r| r == path), "{path} is in the role table but not in the protos");
         }
+    }
+
+    /// The README's table of what each role may call, as the role table says.
+    fn readme_table() -> String {
+        let mut out = String::from("| role | calls |\n|---|---|\n| `operator` | every call |\n");
+        for role in [Controller, ReplicationPeer] {
+            let calls: Vec<&str> = RULES
+                .iter()
+                .filter(|(_, r)| r.contains(&role))
+                .map(|(p, _)| p.rsplit('/').next().unwrap_or(p))
+                .collect();
+            out += &format!("| `{}` | {} |\n", role.as_str(), calls.join(", "));
+        }
+        out + "| `nbd-client` | none: it opens NBD exports that admit it |\n"
+    }
+
+    #[test]
+    fn the_readme_lists_what_each_role_may_do() {
+        let readme = include_str!("../../../README.md");
+        let table = readme_table();
+        let shown = readme.split("<!-- roles:begin -->\n").nth(1).and_then(|r| r.split("<!-- roles:end -->").next());
+        assert_eq!(shown, Some(table.as_str()), "README.md's role table is not the code's; it should read:\n{table}");
     }
 
     #[test]

@@ -67,12 +67,16 @@ pub struct CatchUp {
 impl CatchUp {
     /// Runs a write of the stream touching bytes [offset, offset+len) (whole blocks; a trim's
     /// partial edge blocks are not touched): no piece of its blocks runs meanwhile or after.
-    pub fn write<R>(&self, offset: u64, len: u64, whole_only: bool, f: impl FnOnce() -> R) -> R {
-        let (first, end) = if whole_only {
-            (offset.div_ceil(B), (offset + len) / B)
-        } else {
-            (offset / B, (offset + len).div_ceil(B))
-        };
+    /// A range past 2^64 bytes (a peer's) is refused.
+    pub fn write(
+        &self,
+        offset: u64,
+        len: u64,
+        whole_only: bool,
+        f: impl FnOnce() -> Result<(), String>,
+    ) -> Result<(), String> {
+        let stop = offset.checked_add(len).ok_or_else(|| format!("a request at {offset} of {len} bytes"))?;
+        let (first, end) = if whole_only { (offset.div_ceil(B), stop / B) } else { (offset / B, stop.div_ceil(B)) };
         let _held = self.locks.lock(first, end.max(first));
         self.written.lock().expect("not poisoned").insert(first, end);
         f()

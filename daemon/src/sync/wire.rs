@@ -14,13 +14,15 @@ use std::time::Duration;
 
 use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage};
 use prost::Message;
-use prost::bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::MAX_MESSAGE;
+
+/// What a frame's length reserves before its bytes arrive.
+const FIRST_CHUNK: usize = 64 << 10;
 use crate::config::TlsFiles;
 
 /// The ALPN protocol of the framed mirror stream.
@@ -80,9 +82,13 @@ impl<R: AsyncRead + Unpin, M: Message + Default> Frames<R, M> {
             if len > MAX_MESSAGE {
                 return Err(format!("a frame of {len} bytes (at most {MAX_MESSAGE})"));
             }
-            let mut buf = BytesMut::zeroed(len);
-            self.r.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
-            M::decode(buf.freeze()).map(Some).map_err(|e| format!("a damaged frame: {e}"))
+            // Memory follows the bytes that arrive: a length alone reserves one chunk.
+            let mut buf = Vec::with_capacity(len.min(FIRST_CHUNK));
+            (&mut self.r).take(len as u64).read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+            if buf.len() != len {
+                return Err(format!("the connection ended {} bytes into a frame of {len}", buf.len()));
+            }
+            M::decode(prost::bytes::Bytes::from(buf)).map(Some).map_err(|e| format!("a damaged frame: {e}"))
         };
         match self.idle {
             Some(d) => tokio::time::timeout(d, read).await.unwrap_or_else(|_| Err(format!("nothing came for {d:?}"))),
