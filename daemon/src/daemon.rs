@@ -217,7 +217,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     let listeners = crate::metrics::Listeners::default();
     if let Some(l) = metrics {
         let stats = Arc::clone(&listeners.metrics);
-        let clients = listen::accept(l, "metrics", Arc::clone(&fences), &cfg.limits, tls.metrics.clone(), stats);
+        let clients = listen::accept(l, "metrics", Arc::clone(&fences), &cfg.limits, tls.metrics.clone(), None, stats);
         let sources = crate::metrics::Sources {
             pool: Arc::clone(&pool),
             nbd: Arc::clone(&nbd),
@@ -254,8 +254,16 @@ pub async fn run(cfg: Config) -> Result<()> {
                 "insecure-admin-listen: the admin API listens on TCP WITHOUT TLS OR AUTHENTICATION; \
                  anyone who reaches this address controls the daemon");
         }
-        let mut clients =
-            listen::accept(l, "admin", Arc::clone(&fences), &cfg.limits, tls.admin.clone(), listeners.admin);
+        let gate = Arc::new(listen::Gate::new(Arc::clone(&policy), cfg.limits.max_connections));
+        let mut clients = listen::accept(
+            l,
+            "admin",
+            Arc::clone(&fences),
+            &cfg.limits,
+            tls.admin.clone(),
+            Some(gate),
+            listeners.admin,
+        );
         // Synchronous replicas' streams (their own ALPN) go to the mirror; the rest is gRPC.
         let (grpc, incoming) = tokio::sync::mpsc::channel(16);
         let streams = crate::sync::serve::MirrorService(Arc::clone(&sync));

@@ -1,8 +1,11 @@
 //! The daemon's own TCP listeners (the admin API, the metrics endpoint). Every client passes the
 //! fence list, takes one of the listener's `max-connections` slots (past them it is closed on
 //! arrival), and, where the listener has TLS, completes its TLS handshake (a client certificate
-//! too, under mutual TLS) within the handshake timeout. A failed accept (EMFILE, ...) is logged
-//! and retried with backoff: a listener never ends because of load.
+//! too, under mutual TLS) within the handshake timeout. Behind a [`Gate`] (the admin listener),
+//! a certificate whose identity holds no role is closed right after its handshake, and each
+//! identity holds at most its share of the slots, so one identity cannot keep the others out. A
+//! failed accept (EMFILE, ...) is logged and retried with backoff: a listener never ends because
+//! of load.
 
 use std::io;
 use std::net::SocketAddr;
@@ -28,6 +31,39 @@ pub struct ListenerStats {
     pub refused: AtomicU64,
     /// Failed or timed-out TLS handshakes.
     pub handshake_failures: AtomicU64,
+    /// Closed after the handshake: the certificate's identity holds no role ([`Gate`]).
+    pub no_role: AtomicU64,
+    /// Closed after the handshake: the identity held its share of the slots ([`Gate`]).
+    pub identity_full: AtomicU64,
+}
+
+/// Who may hold a connection of a listener with client certificates: identities with a role,
+/// each at most `per_identity` connections at a time.
+#[derive(Debug)]
+pub struct Gate {
+    pub policy: Arc<crate::authz::Policy>,
+    pub per_identity: usize,
+    held: crate::replica::PerKey<Semaphore>,
+}
+
+impl Gate {
+    pub fn new(policy: Arc<crate::authz::Policy>, max_connections: usize) -> Self {
+        Self { policy, per_identity: max_connections.div_ceil(2), held: Default::default() }
+    }
+
+    /// A slot for the holder of `names`, or why it is closed.
+    fn admit(&self, names: &[String], stats: &ListenerStats) -> Result<OwnedSemaphorePermit, String> {
+        let caller = self.policy.caller(names);
+        if caller.roles.is_empty() {
+            stats.no_role.fetch_add(1, Ordering::Relaxed);
+            return Err(format!("{caller} holds no role"));
+        }
+        let slots = self.held.get(&caller.label, || Semaphore::new(self.per_identity));
+        slots.try_acquire_owned().map_err(|_| {
+            stats.identity_full.fetch_add(1, Ordering::Relaxed);
+            format!("{caller} holds {} connections already", self.per_identity)
+        })
+    }
 }
 
 /// An admitted connection, holding its fence registration and its connection slot.
@@ -37,6 +73,7 @@ pub struct Guarded {
     info: PeerInfo,
     _admission: Admission,
     _slot: OwnedSemaphorePermit,
+    _identity: Option<OwnedSemaphorePermit>,
 }
 
 impl Guarded {
@@ -62,6 +99,7 @@ pub fn accept(
     fences: Arc<Fences>,
     limits: &Limits,
     tls: Option<Arc<ServerTls>>,
+    gate: Option<Arc<Gate>>,
     stats: Arc<ListenerStats>,
 ) -> mpsc::Receiver<Guarded> {
     let (tx, rx) = mpsc::channel(16);
@@ -87,7 +125,7 @@ pub fn accept(
                 continue;
             };
             let _ = stream.set_nodelay(true);
-            let (tx, tls, stats) = (tx.clone(), tls.clone(), Arc::clone(&stats));
+            let (tx, tls, gate, stats) = (tx.clone(), tls.clone(), gate.clone(), Arc::clone(&stats));
             tokio::spawn(async move {
                 let mut stream = Stream::Plain(stream);
                 if let Some(acceptor) = &tls {
@@ -106,8 +144,17 @@ pub fn accept(
                     }
                 }
                 let names = stream.peer_certificate().map(ferrite_tls::identities).unwrap_or_default();
+                let identity = match gate.filter(|_| tls.is_some()).map(|g| g.admit(&names, &stats)) {
+                    None => None,
+                    Some(Ok(permit)) => Some(permit),
+                    Some(Err(why)) => {
+                        tracing::info!(listener = name, %peer, why, "client closed after its handshake");
+                        return;
+                    }
+                };
                 let info = PeerInfo { remote: peer, names };
-                let _ = tx.send(Guarded { stream, info, _admission: admission, _slot: slot }).await;
+                let _ =
+                    tx.send(Guarded { stream, info, _admission: admission, _slot: slot, _identity: identity }).await;
             });
         }
     });

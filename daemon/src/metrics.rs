@@ -111,6 +111,16 @@ impl Collector for Sources {
                 load(&listeners.admin.handshake_failures),
             ),
             (
+                "ferrite_admin_connections_no_role",
+                "Admin API TCP clients closed after the handshake: their identity holds no role.",
+                load(&listeners.admin.no_role),
+            ),
+            (
+                "ferrite_admin_connections_identity_full",
+                "Admin API TCP clients closed after the handshake: their identity held its share of max-connections.",
+                load(&listeners.admin.identity_full),
+            ),
+            (
                 "ferrite_metrics_connections_refused",
                 "Metrics clients closed on arrival: the listener was at max-connections.",
                 load(&listeners.metrics.refused),

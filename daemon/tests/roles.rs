@@ -7,7 +7,7 @@
 mod common;
 
 use common::Daemon;
-use common::csi::{certs, free_port, tls_channel};
+use common::csi::{certs, closed_for, free_port, tls_channel, tls_connection};
 use tonic::Code;
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::Channel;
@@ -131,11 +131,12 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
         certs(&pki, who, &[]);
     }
     let admin = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let metrics = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let data = dir.path().join("data");
     std::fs::create_dir_all(&data).unwrap();
     let p = |f: &str| pki.join(f).display().to_string();
     let cfg = format!(
-        "pool-size = \"1G\"\nsegment-size = \"4M\"\nadmin-listen = \"{admin}\"\ntls-cert = {:?}\ntls-key = {:?}\n\
+        "pool-size = \"1G\"\nsegment-size = \"4M\"\nmax-connections = 8\nadmin-listen = \"{admin}\"\nmetrics-listen = \"{metrics}\"\ntls-cert = {:?}\ntls-key = {:?}\n\
          tls-client-ca = {:?}\n[roles]\n\"op\" = \"operator\"\n\"ctl\" = \"controller\"\n\
          \"peer\" = \"replication-peer\"\n\"reader\" = \"nbd-client\"\n",
         p("server.pem"),
@@ -158,7 +159,6 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
         ("ctl", &[CONTROLLER][..]),
         ("peer", &[PEER][..]),
         ("reader", &[][..]),
-        ("nobody", &[][..]),
     ] {
         let ch = tls_channel(&admin, &pki, who).await;
         for rpc in &all {
@@ -174,6 +174,29 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
         }
     }
     assert!(refused > 100, "{refused}");
+
+    // A certificate naming no configured identity is closed right after its handshake (and
+    // counted); one identity holds at most half the connection slots (4 of 8 here): neither a
+    // crowd of role-less connections nor one peer's idle ones keep the controller out.
+    assert!(closed_for(&admin, &pki, "nobody").await, "a certificate with no role kept its connection");
+    let mut held = Vec::new();
+    for who in std::iter::repeat_n("nobody", 24).chain(std::iter::repeat_n("peer", 6)) {
+        held.push(tls_connection(&admin, &pki, who).await);
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let ch = tls_channel(&admin, &pki, "ctl").await;
+    let list = Rpc {
+        path: "/ferrite.v1.Admin/ListVolumes".into(),
+        name: "ListVolumes".into(),
+        client_stream: false,
+        server_stream: false,
+    };
+    call(&ch, &list).await.expect("the controller was kept out");
+    let (op, op_key) = (pki.join("op.pem"), pki.join("op-key.pem"));
+    let m = common::scrape_tls(&metrics, &pki.join("ca.pem"), Some((&op, &op_key))).unwrap();
+    drop(held);
+    assert!(m.contains("ferrite_admin_connections_no_role_total 25"), "{m}");
+    assert!(m.contains("ferrite_admin_connections_identity_full_total 2"), "{m}");
     // Refusals are logged with the identity and the call, and nothing was harmed.
     assert!(d.log().contains("call refused"));
     assert!(d.stop().success(), "{}", d.log());

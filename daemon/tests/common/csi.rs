@@ -123,6 +123,34 @@ pub async fn tls_channel(addr: &str, pki: &Path, who: &str) -> Channel {
     ferrite_proto::connect(&format!("tcp://{addr}"), Some(tls)).await.unwrap()
 }
 
+/// Whether the daemon at `addr` closes `who`'s connection right after its TLS handshake (an
+/// identity with no role): the channel does not open, or its first call finds it closed.
+pub async fn closed_for(addr: &str, pki: &Path, who: &str) -> bool {
+    use ferrite_proto::ferrite::v1::{ListVolumesRequest, admin_client::AdminClient};
+    let (cert, key) = (pki.join(format!("{who}.pem")), pki.join(format!("{who}-key.pem")));
+    let tls = ferrite_proto::admin_tls(&pki.join("ca.pem"), Some((&cert, &key))).unwrap();
+    match ferrite_proto::connect(&format!("tcp://{addr}"), Some(tls)).await {
+        Err(_) => true,
+        Ok(ch) => AdminClient::new(ch)
+            .list_volumes(ListVolumesRequest {})
+            .await
+            .is_err_and(|e| matches!(e.code(), tonic::Code::Unavailable | tonic::Code::Unknown)),
+    }
+}
+
+/// A raw TLS connection to `addr` with `who`'s certificate, handshaken, held open by the caller.
+pub async fn tls_connection(
+    addr: &str,
+    pki: &Path,
+    who: &str,
+) -> std::io::Result<ferrite_tls::tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let (cert, key) = (pki.join(format!("{who}.pem")), pki.join(format!("{who}-key.pem")));
+    let cfg = ferrite_tls::client_config(&pki.join("ca.pem"), Some((&cert, &key)), &[b"h2"])?;
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = ferrite_tls::server_name(addr)?;
+    ferrite_tls::TlsConnector::from(cfg).connect(name, tcp).await
+}
+
 pub fn free_port(ip: &str) -> u16 {
     std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port()
 }
