@@ -18,6 +18,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::admin::AdminService;
 use crate::attachments::Attachments;
+use crate::authz::Role;
 use crate::authz::layer::{Authorize, Source};
 use crate::config::Config;
 use crate::exports::ExportTable;
@@ -217,7 +218,17 @@ pub async fn run(cfg: Config) -> Result<()> {
     let listeners = crate::metrics::Listeners::default();
     if let Some(l) = metrics {
         let stats = Arc::clone(&listeners.metrics);
-        let clients = listen::accept(l, "metrics", Arc::clone(&fences), &cfg.limits, tls.metrics.clone(), None, stats);
+        let gate =
+            listen::Gate::new(Arc::clone(&policy), Some(&[Role::Operator, Role::Metrics]), cfg.limits.max_connections);
+        let clients = listen::accept(
+            l,
+            "metrics",
+            Arc::clone(&fences),
+            &cfg.limits,
+            tls.metrics.clone(),
+            Some(Arc::new(gate)),
+            stats,
+        );
         let sources = crate::metrics::Sources {
             pool: Arc::clone(&pool),
             nbd: Arc::clone(&nbd),
@@ -254,7 +265,7 @@ pub async fn run(cfg: Config) -> Result<()> {
                 "insecure-admin-listen: the admin API listens on TCP WITHOUT TLS OR AUTHENTICATION; \
                  anyone who reaches this address controls the daemon");
         }
-        let gate = Arc::new(listen::Gate::new(Arc::clone(&policy), cfg.limits.max_connections));
+        let gate = Arc::new(listen::Gate::new(Arc::clone(&policy), None, cfg.limits.max_connections));
         let mut clients = listen::accept(
             l,
             "admin",

@@ -20,7 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::authz::PeerInfo;
+use crate::authz::{PeerInfo, Role};
 use crate::config::Limits;
 use crate::fence::{Admission, Fences};
 
@@ -31,34 +31,44 @@ pub struct ListenerStats {
     pub refused: AtomicU64,
     /// Failed or timed-out TLS handshakes.
     pub handshake_failures: AtomicU64,
-    /// Closed after the handshake: the certificate's identity holds no role ([`Gate`]).
+    /// Closed after the handshake: the certificate's identity holds no role for the listener
+    /// ([`Gate`]).
     pub no_role: AtomicU64,
     /// Closed after the handshake: the identity held its share of the slots ([`Gate`]).
     pub identity_full: AtomicU64,
 }
 
-/// Who may hold a connection of a listener with client certificates: identities with a role,
-/// each at most `per_identity` connections at a time.
+/// Who may hold a connection of a listener with client certificates: identities with a role
+/// (one of `roles`, where given), each at most `per_identity` connections at a time.
 #[derive(Debug)]
 pub struct Gate {
     pub policy: Arc<crate::authz::Policy>,
+    pub roles: Option<&'static [Role]>,
     pub per_identity: usize,
-    held: crate::replica::PerKey<Semaphore>,
+    /// Slots by identity label (configured identities only: bounded).
+    held: std::sync::Mutex<std::collections::HashMap<String, Arc<Semaphore>>>,
 }
 
 impl Gate {
-    pub fn new(policy: Arc<crate::authz::Policy>, max_connections: usize) -> Self {
-        Self { policy, per_identity: max_connections.div_ceil(2), held: Default::default() }
+    pub fn new(policy: Arc<crate::authz::Policy>, roles: Option<&'static [Role]>, max_connections: usize) -> Self {
+        Self { policy, roles, per_identity: max_connections.div_ceil(2), held: Default::default() }
     }
 
     /// A slot for the holder of `names`, or why it is closed.
     fn admit(&self, names: &[String], stats: &ListenerStats) -> Result<OwnedSemaphorePermit, String> {
         let caller = self.policy.caller(names);
-        if caller.roles.is_empty() {
+        let fits = self.roles.is_none_or(|need| need.iter().any(|r| caller.roles.contains(r)));
+        if caller.roles.is_empty() || !fits {
             stats.no_role.fetch_add(1, Ordering::Relaxed);
-            return Err(format!("{caller} holds no role"));
+            return Err(format!("{caller} holds no role for this listener"));
         }
-        let slots = self.held.get(&caller.label, || Semaphore::new(self.per_identity));
+        let slots = Arc::clone(
+            self.held
+                .lock()
+                .expect("not poisoned")
+                .entry(caller.label.clone())
+                .or_insert_with(|| Arc::new(Semaphore::new(self.per_identity))),
+        );
         slots.try_acquire_owned().map_err(|_| {
             stats.identity_full.fetch_add(1, Ordering::Relaxed);
             format!("{caller} holds {} connections already", self.per_identity)

@@ -121,6 +121,11 @@ impl Collector for Sources {
                 load(&listeners.admin.identity_full),
             ),
             (
+                "ferrite_metrics_connections_no_role",
+                "Metrics clients closed after the handshake: their identity holds neither the metrics nor the operator role.",
+                load(&listeners.metrics.no_role),
+            ),
+            (
                 "ferrite_metrics_connections_refused",
                 "Metrics clients closed on arrival: the listener was at max-connections.",
                 load(&listeners.metrics.refused),

@@ -194,8 +194,16 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
     call(&ch, &list).await.expect("the controller was kept out");
     let (op, op_key) = (pki.join("op.pem"), pki.join("op-key.pem"));
     let m = common::scrape_tls(&metrics, &pki.join("ca.pem"), Some((&op, &op_key))).unwrap();
+    // The metrics endpoint: operators and the metrics role only.
+    for who in ["ctl", "peer", "reader"] {
+        let (cert, key) = (pki.join(format!("{who}.pem")), pki.join(format!("{who}-key.pem")));
+        let got = common::scrape_tls(&metrics, &pki.join("ca.pem"), Some((&cert, &key)));
+        assert!(got.as_ref().map_or(true, |t| !t.contains("200 OK")), "{who} read the metrics: {got:?}");
+    }
     drop(held);
-    assert!(m.contains("ferrite_admin_connections_no_role_total 25"), "{m}");
+    let count = |name: &str| m.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok()).unwrap_or(0);
+    // The 24 held, and the first (which the client may open twice: connect, then the call).
+    assert!(count("ferrite_admin_connections_no_role_total ") >= 25, "{m}");
     assert!(m.contains("ferrite_admin_connections_identity_full_total 2"), "{m}");
     // Refusals are logged with the identity and the call, and nothing was harmed.
     assert!(d.log().contains("call refused"));

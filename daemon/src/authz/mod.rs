@@ -35,10 +35,13 @@ pub enum Role {
     ReplicationPeer,
     /// No admin access at all (NBD exports' allow lists decide what it may read or write).
     NbdClient,
+    /// The metrics endpoint only.
+    Metrics,
 }
 
 impl Role {
-    pub const ALL: [Role; 4] = [Role::Operator, Role::Controller, Role::ReplicationPeer, Role::NbdClient];
+    pub const ALL: [Role; 5] =
+        [Role::Operator, Role::Controller, Role::ReplicationPeer, Role::NbdClient, Role::Metrics];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -46,6 +49,7 @@ impl Role {
             Role::Controller => "controller",
             Role::ReplicationPeer => "replication-peer",
             Role::NbdClient => "nbd-client",
+            Role::Metrics => "metrics",
         }
     }
 }
@@ -53,10 +57,9 @@ impl Role {
 impl std::str::FromStr for Role {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Role::ALL
-            .into_iter()
-            .find(|r| r.as_str() == s)
-            .ok_or_else(|| format!("unknown role {s:?} (roles: operator, controller, replication-peer, nbd-client)"))
+        Role::ALL.into_iter().find(|r| r.as_str() == s).ok_or_else(|| {
+            format!("unknown role {s:?} (roles: operator, controller, replication-peer, nbd-client, metrics)")
+        })
     }
 }
 

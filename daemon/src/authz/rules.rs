@@ -118,7 +118,7 @@ mod tests {
                 .collect();
             out += &format!("| `{}` | {} |\n", role.as_str(), calls.join(", "));
         }
-        out + "| `nbd-client` | none: it opens NBD exports that admit it |\n"
+        out + "| `nbd-client` | none: it opens NBD exports that admit it |\n| `metrics` | none: it reads `/metrics` |\n"
     }
 
     #[test]
@@ -135,6 +135,7 @@ mod tests {
             let replica = path.starts_with("/ferrite.v1.Replica/") || path.starts_with("/ferrite.v1.Mirror/");
             assert_eq!(roles.contains(&ReplicationPeer), replica, "{path}");
             assert!(!roles.contains(&Role::NbdClient), "{path}: nbd-client has no admin access");
+            assert!(!roles.contains(&Role::Metrics), "{path}: metrics has no admin access");
             assert!(!(replica && roles.contains(&Controller)), "{path}");
         }
     }

@@ -131,10 +131,18 @@ pub async fn closed_for(addr: &str, pki: &Path, who: &str) -> bool {
     let tls = ferrite_proto::admin_tls(&pki.join("ca.pem"), Some((&cert, &key))).unwrap();
     match ferrite_proto::connect(&format!("tcp://{addr}"), Some(tls)).await {
         Err(_) => true,
-        Ok(ch) => AdminClient::new(ch)
-            .list_volumes(ListVolumesRequest {})
-            .await
-            .is_err_and(|e| matches!(e.code(), tonic::Code::Unavailable | tonic::Code::Unknown)),
+        // Closed under it: a transport error, whichever code the client gives it; a refusal or
+        // an answer means the call reached the daemon.
+        Ok(ch) => match AdminClient::new(ch).list_volumes(ListVolumesRequest {}).await {
+            Ok(_) => false,
+            Err(e) => {
+                eprintln!("{who} at {addr}: {e}");
+                matches!(
+                    e.code(),
+                    tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::Internal
+                )
+            }
+        },
     }
 }
 

@@ -266,7 +266,8 @@ fn host_daemon(root: &Path, ns: &[String], ips: &[String], i: usize, extra: &str
     let name = format!("host-{i}");
     super::csi::certs(&pki, &name, &[&ips[i]]);
     let p = |f: &str| pki.join(f).display().to_string();
-    let roles: String = (0..ns.len()).map(|h| format!("\"host-{h}\" = \"replication-peer\"\n")).collect();
+    let roles: String =
+        (0..ns.len()).map(|h| format!("\"host-{h}\" = [\"replication-peer\", \"metrics\"]\n")).collect();
     let cfg = format!(
         "pool-size = \"2G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
          tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n[roles]\n{roles}",
