@@ -55,10 +55,11 @@
 //!                                   # TLS (nbd-tls off): volume data in the clear on the network
 //!
 //! [roles]                           # what each client certificate may do over mutual TLS, by
-//! "csi-controller" = "controller"   # a name it carries (DNS or IP subjectAltName, or CN; exact
-//! "node-b.example" = ["replication-peer", "nbd-client"]  # match): operator, controller,
-//! "10.0.0.6" = "replication-peer"   # replication-peer, nbd-client. A certificate naming none has
-//!                                   # no admin access; the admin socket is always operator
+//! "csi-controller" = "controller"   # a name it carries (DNS or IP subjectAltName; the CN only
+//! "node-b.example" = ["replication-peer", "nbd-client"]  # without any; exact match): operator,
+//! "10.0.0.6" = "replication-peer"   # controller, replication-peer, nbd-client, metrics. A
+//! "prometheus" = "metrics"          # certificate naming none is closed after its handshake;
+//!                                   # the admin socket is always operator
 //! ```
 //! Past the memory and request limits a connection is not refused: the server stops reading
 //! its requests until replies drain (backpressure).

@@ -175,7 +175,7 @@ enum Cmd {
         dir: PathBuf,
         name: String,
         sans: Vec<String>,
-        /// A role for NAME (operator, controller, replication-peer, nbd-client); repeatable.
+        /// A role for NAME (operator, controller, replication-peer, nbd-client, metrics); repeatable.
         #[arg(long = "role")]
         roles: Vec<String>,
         /// Validity in days (the CA, when made now: ten times as long).
