@@ -48,6 +48,8 @@
 //!                                   # (its resume point kept); default 60
 //! sync-timeout-ms = 3000            # a synchronous replica that does not answer a request for
 //!                                   # this long is ejected; default 3000
+//! peer-quota = 2000                 # what one replication peer may make here: at most this many
+//!                                   # relations and as many synchronous memberships; default 2000
 //! sync-mark-interval-ms = 60000     # how often a synchronous primary that took writes takes a
 //!                                   # mark with its members (where a returning member's rebuild
 //!                                   # starts); default 60000
@@ -123,6 +125,7 @@ pub struct ConfigFile {
     pub replication_idle_timeout_s: Option<u64>,
     pub sync_timeout_ms: Option<u64>,
     pub sync_mark_interval_ms: Option<u64>,
+    pub peer_quota: Option<usize>,
     pub insecure_nbd_listen: Option<bool>,
     pub roles: Option<BTreeMap<String, RoleList>>,
 }
@@ -163,6 +166,8 @@ pub struct Config {
     pub sync_timeout: Duration,
     /// How often a synchronous primary that took writes takes a mark with its members.
     pub sync_mark_interval: Duration,
+    /// Relations, and synchronous memberships, one replication peer may make here.
+    pub peer_quota: usize,
     /// Client certificate identities and their roles (`[roles]`).
     pub roles: Vec<(String, Vec<Role>)>,
 }
@@ -367,6 +372,12 @@ impl Config {
                     bail!("sync-mark-interval-ms must be between 100 and 86400000, not {ms}")
                 }
                 Some(ms) => Duration::from_millis(ms),
+            },
+            // 50 nodes, each primary of a few dozen volumes with a copy here: far below this.
+            peer_quota: match f.peer_quota {
+                None => 2000,
+                Some(n) if !(1..=1_000_000).contains(&n) => bail!("peer-quota must be between 1 and 1000000, not {n}"),
+                Some(n) => n,
             },
             roles: parse_roles(f.roles.unwrap_or_default())?,
             data_dir,

@@ -141,6 +141,11 @@ impl Pair {
     }
 
     fn new() -> Option<Self> {
+        Self::with("")
+    }
+
+    /// The pair, host 1's daemon configured with `extra_b` too.
+    fn with(extra_b: &str) -> Option<Self> {
         let lan = Lan::new(3)?;
         let root = tempfile::tempdir().unwrap();
         let pki = root.path().join("pki");
@@ -149,7 +154,7 @@ impl Pair {
         }
         certs(&pki, "stray", &[]);
         let a = Self::daemon(&lan, root.path(), 0, "");
-        let b = Self::daemon(&lan, root.path(), 1, "");
+        let b = Self::daemon(&lan, root.path(), 1, extra_b);
         Some(Self { lan, root, a, b })
     }
 
@@ -357,5 +362,22 @@ async fn pushes_and_forced_promotions_race_without_a_partial_replica() {
         // And the old primary cannot push into it any more.
         assert!(!pair.a.cli(&["replica", "sync", &v]).status.success());
         assert_eq!(read_image(&pair.b, &v, 32 * MIB), here);
+    }
+}
+
+#[test]
+fn a_peer_makes_at_most_its_quota_of_relations() {
+    let Some(pair) = Pair::with("peer-quota = 2") else { return };
+    for i in 0..3 {
+        let v = format!("q{i}");
+        pair.a.ok(&["volume", "create", &v, "8M"]);
+        pair.a.ok(&["replica", "enable", &v, &pair.endpoint(1), "--interval", "0"]);
+        let o = pair.a.cli(&["replica", "sync", &v]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.success(), i < 2, "{v}: {err}");
+        if i == 2 {
+            assert!(err.contains("peer-quota 2"), "{err}");
+            assert!(pair.b.cli(&["volume", "show", &v]).status.code() != Some(0), "the refused replica exists");
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! The membership rule of synchronous replicas, tried as an attacker and as a tester would,
 //! between daemons in network namespaces over their real mutual-TLS admin listeners: a peer
 //! holding only a `replication-peer` certificate cannot take over, grow or rekey a volume
-//! through a membership, nor store an unbounded generation; and in-sync copies never differ
+//! through a membership, nor store an unbounded generation, nor more than its quota; and in-sync copies never differ
 //! after a failover, so a write that failed to its client never reads back after two of them.
 
 mod common;
@@ -34,12 +34,12 @@ fn state_of(d: &Daemon, volume: &str, member: &str) -> String {
     m.map_or("none".into(), |m| m["state"].as_str().unwrap_or_default().to_owned())
 }
 
-fn cluster(n: usize, root: &std::path::Path) -> Option<(Switch, Vec<Daemon>)> {
+fn cluster(n: usize, root: &std::path::Path, extra: &str) -> Option<(Switch, Vec<Daemon>)> {
     if !common::have("qemu-io") {
         return None;
     }
     let sw = Switch::new(n)?;
-    let d = (0..n).map(|i| sw.daemon(i, root, TIMEOUT)).collect();
+    let d = (0..n).map(|i| sw.daemon(i, root, &format!("{TIMEOUT}\n{extra}"))).collect();
     Some((sw, d))
 }
 
@@ -90,7 +90,7 @@ async fn stream_write(c: &mut MirrorClient<tonic::transport::Channel>, volume: &
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_cannot_take_over_grow_or_rekey_a_volume_through_a_membership() {
     let root = tempfile::tempdir().unwrap();
-    let Some((sw, d)) = cluster(2, root.path()) else { return };
+    let Some((sw, d)) = cluster(2, root.path(), "peer-quota = 3") else { return };
     let (e0, e1) = (sw.endpoint(0), sw.endpoint(1));
     let run = |args: &[&str]| {
         let (dir, args) = (d[0].dir.clone(), args.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
@@ -137,6 +137,15 @@ async fn a_peer_cannot_take_over_grow_or_rekey_a_volume_through_a_membership() {
     let r = as1.record(membership("ghost", 2, &e1, &[(&e1, "in-sync"), (&e0, "in-sync")])).await;
     assert!(!r.unwrap().into_inner().stored, "a witness became a copy");
 
+    // A peer makes at most peer-quota memberships here (ghost is one).
+    for (i, name) in ["q1", "q2", "q3"].iter().enumerate() {
+        let r = as1.record(membership(name, 1, &e1, &[(&e1, "in-sync"), (&e0, "witness")])).await;
+        match i {
+            2 => assert_eq!(r.unwrap_err().code(), tonic::Code::ResourceExhausted),
+            _ => assert!(r.unwrap().into_inner().stored, "{name}"),
+        }
+    }
+
     let image = read_image(&d[0], "plain2", 16 * MIB);
     assert_eq!(&image[..4096], &pattern(9, 4096)[..], "the peer's writes landed in plain2");
     assert!(image[4096..].iter().all(|&b| b == 0), "plain2 changed");
@@ -153,7 +162,7 @@ async fn a_peer_cannot_take_over_grow_or_rekey_a_volume_through_a_membership() {
 #[test]
 fn in_sync_copies_never_differ_after_a_failover() {
     let root = tempfile::tempdir().unwrap();
-    let Some((sw, mut d)) = cluster(3, root.path()) else { return };
+    let Some((sw, mut d)) = cluster(3, root.path(), "") else { return };
     let (e0, e1, e2) = (sw.endpoint(0), sw.endpoint(1), sw.endpoint(2));
     d[0].ok(&["volume", "create", "v", "16M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
     d[0].ok(&["export", "nbd", "v"]);

@@ -203,6 +203,13 @@ impl Policy {
         Status::permission_denied(format!("{caller} may not call {short}: {why}"))
     }
 
+    /// A refusal of `call` to `caller` for a quota, counted with the other refusals.
+    pub fn exhausted(&self, caller: &Caller, call: &str, why: &str) -> Status {
+        let short = call.rsplit('/').next().unwrap_or(call);
+        let _ = self.refuse(caller, call, why);
+        Status::resource_exhausted(format!("{caller} may not call {short}: {why}"))
+    }
+
     /// Refusals so far, by identity label and call.
     pub fn denials(&self) -> Vec<((String, String), u64)> {
         self.denied.lock().expect("not poisoned").iter().map(|(k, v)| (k.clone(), *v)).collect()

@@ -179,6 +179,11 @@ impl ReplicaService {
                 ));
             }
         }
+        let made = self.0.relations.all().iter().filter(|r| r.peer == b.origin).count();
+        if made >= self.0.quota && !caller.is_operator() {
+            let why = format!("{} is the peer of {made} relations here (peer-quota {})", b.origin, self.0.quota);
+            return Err(self.0.policy.exhausted(caller, "/ferrite.v1.Replica/Push", &why));
+        }
         // A first sync creates its volume; it never takes over one that exists.
         if self.0.pool.volume_info(&b.replica).is_ok() || self.0.pending.get(&b.replica).is_some() {
             return Err(Status::already_exists(format!(

@@ -136,6 +136,8 @@ pub struct Replication {
     idle_timeout: Duration,
     /// The overcommit cap (at least 1): a replica may be at most this many times the pool.
     overcommit: f64,
+    /// Relations one peer may make here (`peer-quota`).
+    quota: usize,
 }
 
 /// An incoming transfer in flight (promoting or disabling the replica cancels it through
@@ -177,6 +179,7 @@ impl Replication {
             policy,
             idle_timeout: cfg.replication_idle_timeout,
             overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
+            quota: cfg.peer_quota,
         }))
     }
 

@@ -64,6 +64,8 @@ pub struct SyncHub {
     pub timeout: Duration,
     pub rt: tokio::runtime::Handle,
     overcommit: f64,
+    /// Memberships one primary may make here (`peer-quota`).
+    quota: usize,
 }
 
 impl SyncHub {
@@ -83,6 +85,7 @@ impl SyncHub {
             timeout: cfg.sync_timeout,
             rt: tokio::runtime::Handle::current(),
             overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
+            quota: cfg.peer_quota,
         }))
     }
 

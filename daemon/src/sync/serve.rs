@@ -345,7 +345,17 @@ impl mirror_server::Mirror for MirrorService {
         let _op = _op.lock().await;
         let held = hub.records.get(&next.volume);
         match &held {
-            None => hub.create_member(&next, mine).await?,
+            None => {
+                let made = hub.records.all().iter().filter(|r| r.primary == next.primary).count();
+                if made >= hub.quota {
+                    let why = format!(
+                        "{} is the primary of {made} memberships here (peer-quota {})",
+                        next.primary, hub.quota
+                    );
+                    return Err(hub.policy.exhausted(&caller, CALL, &why));
+                }
+                hub.create_member(&next, mine).await?;
+            }
             Some(h) if !next.outranks(h) => {
                 return Ok(Response::new(RecordReply { stored: false, held: Some(h.to_proto()) }));
             }
