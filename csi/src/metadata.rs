@@ -51,16 +51,23 @@ fn pages(ranges: &[pb::Range], start: u64, max: i32, capacity: u64) -> Result<Ve
         Ok(0) => PAGE,
         Ok(n) => n.min(PAGE),
     };
-    let tuples: Vec<csi::BlockMetadata> = ranges
-        .iter()
-        .filter(|r| r.offset + r.length > start)
-        .map(|r| {
+    // The daemon's answer is checked like any input: a range past the capacity (or a capacity
+    // past i64) is an error, never a panic or a wrapped offset.
+    capacity_i64(capacity)?;
+    let mut tuples: Vec<csi::BlockMetadata> = Vec::new();
+    for r in ranges {
+        let end = r.offset.checked_add(r.length).filter(|&e| e <= capacity).ok_or_else(|| {
+            Status::internal(format!(
+                "the daemon answered a range at {} of {} bytes, past the volume's {capacity} bytes",
+                r.offset, r.length
+            ))
+        })?;
+        if end > start {
             let from = r.offset.max(start);
-            let to_i64 = |v: u64| i64::try_from(v).expect("below the capacity, which fits");
-            csi::BlockMetadata { byte_offset: to_i64(from), size_bytes: to_i64(r.offset + r.length - from) }
-        })
-        .collect();
-    debug_assert!(tuples.iter().all(|t| u64::try_from(t.byte_offset + t.size_bytes).unwrap() <= capacity));
+            let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX); // within the capacity, checked above
+            tuples.push(csi::BlockMetadata { byte_offset: to_i64(from), size_bytes: to_i64(end - from) });
+        }
+    }
     let mut out: Vec<Vec<_>> = tuples.chunks(max).map(<[_]>::to_vec).collect();
     if out.is_empty() {
         out.push(Vec::new());
@@ -118,8 +125,8 @@ impl SnapshotMetadata {
     }
 }
 
-fn capacity_i64(capacity: u64) -> i64 {
-    i64::try_from(capacity).expect("a volume's size fits an i64")
+fn capacity_i64(capacity: u64) -> Result<i64, Status> {
+    i64::try_from(capacity).map_err(|_| Status::internal(format!("the daemon answered a size of {capacity} bytes")))
 }
 
 #[tonic::async_trait]
@@ -134,7 +141,7 @@ impl csi::snapshot_metadata_server::SnapshotMetadata for SnapshotMetadata {
         let msgs = pages.into_iter().map(|block_metadata| {
             Ok(csi::GetMetadataAllocatedResponse {
                 block_metadata_type: csi::BlockMetadataType::VariableLength as i32,
-                volume_capacity_bytes: capacity_i64(capacity),
+                volume_capacity_bytes: capacity_i64(capacity)?,
                 block_metadata,
             })
         });
@@ -153,7 +160,7 @@ impl csi::snapshot_metadata_server::SnapshotMetadata for SnapshotMetadata {
         let msgs = pages.into_iter().map(|block_metadata| {
             Ok(csi::GetMetadataDeltaResponse {
                 block_metadata_type: csi::BlockMetadataType::VariableLength as i32,
-                volume_capacity_bytes: capacity_i64(capacity),
+                volume_capacity_bytes: capacity_i64(capacity)?,
                 block_metadata,
             })
         });
@@ -183,6 +190,11 @@ mod tests {
         let past = pages(&ranges, 2 << 20, 5, 4 << 20).unwrap();
         assert_eq!(past, vec![Vec::new()], "one empty page tells the capacity");
         assert!(pages(&ranges, 0, -1, 4 << 20).is_err());
+        // A daemon's answer past the capacity, or wrapping, is an error, not a panic.
+        for bad in [pb::Range { offset: 4 << 20, length: 4096 }, pb::Range { offset: u64::MAX, length: 2 }] {
+            assert_eq!(pages(&[bad], 0, 0, 4 << 20).unwrap_err().code(), tonic::Code::Internal);
+        }
+        assert!(pages(&ranges, 0, 0, u64::MAX).is_err());
         assert_eq!(starting(-1, 10).unwrap_err().code(), tonic::Code::OutOfRange);
         assert_eq!(starting(11, 10).unwrap_err().code(), tonic::Code::OutOfRange);
         assert_eq!(starting(10, 10).unwrap(), 10);

@@ -212,7 +212,10 @@ fn the_metrics_endpoint_takes_only_mutual_tls() {
     let m = scrape(Some((&cert, &key))).unwrap();
     assert!(m.starts_with("HTTP/1.1 200") && m.contains("ferrite_pool_size_bytes"), "{m}");
     // ... it was closed right after its handshake, and counted.
-    assert!(m.contains("ferrite_admin_connections_no_role_total 1"), "{m}");
+    // (the client may have opened it more than once).
+    let closed =
+        m.lines().find_map(|l| l.strip_prefix("ferrite_admin_connections_no_role_total ")?.parse::<u64>().ok());
+    assert!(closed.is_some_and(|n| n >= 1), "{m}");
     // No client certificate: the handshake (or the first read after it) fails.
     assert!(scrape(None).map_or(true, |t| !t.contains("200 OK")), "a scrape without a certificate must fail");
     // Plaintext: no HTTP answer.
