@@ -42,9 +42,9 @@ pub struct ListenerStats {
 /// (one of `roles`, where given), each at most `per_identity` connections at a time.
 #[derive(Debug)]
 pub struct Gate {
-    pub policy: Arc<crate::authz::Policy>,
-    pub roles: Option<&'static [Role]>,
-    pub per_identity: usize,
+    policy: Arc<crate::authz::Policy>,
+    roles: Option<&'static [Role]>,
+    per_identity: usize,
     /// Slots by identity label (configured identities only: bounded).
     held: std::sync::Mutex<std::collections::HashMap<String, Arc<Semaphore>>>,
 }

@@ -9,7 +9,7 @@ use ferrite_proto::ferrite::v1::{SyncMember, SyncVolume};
 use tonic::Status;
 
 use super::link::Link;
-use super::records::{self, Member, Membership, State, check_endpoint};
+use super::records::{Member, Membership, State, check_endpoint};
 use super::{Primary, SyncHub};
 use crate::rpc::blocking;
 
@@ -339,10 +339,7 @@ impl SyncHub {
             lost.push(format!("{why}: the writes acknowledged since then are lost"));
         }
         let mut next = held.clone();
-        next.generation = self
-            .next_generation(&newest)
-            .and_then(|g| records::next_number(held.generation).map(|h| g.max(h)))
-            .map_err(Status::failed_precondition)?;
+        next.generation = self.next_generation(&newest).map_err(Status::failed_precondition)?;
         next.primary = self.me.clone();
         for m in &mut next.members {
             if m.endpoint == self.me {
