@@ -4,8 +4,9 @@
 //! names, at the generation it holds, and only while this member gets writes in it; small writes
 //! are applied on the stream's task, other requests on the blocking pool (at most [`IN_FLIGHT`] at
 //! a time), each acknowledged once applied (durable for FUA and flush). A membership is stored only
-//! from the primary it names, only with a higher generation, and never makes this daemon primary
-//! (only a promotion here does).
+//! from the primary it names, only with a higher generation, never as the first one of a volume
+//! that exists here, and never makes this daemon primary (only a promotion here does); the
+//! whole rule is `MirrorService::may_change` and ARCHITECTURE.md "Trust".
 
 use std::future::Future;
 use std::sync::Arc;
