@@ -17,6 +17,7 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::mirror::{membership, stream_write};
 use common::nbd::{connect, read_image, request, write_on};
 use common::netns::{Nics, Switch};
 use common::{Daemon, pattern};
@@ -496,40 +497,6 @@ fn open_and_write(volume: &str, generation: u64, crc: Option<u32>) -> Vec<u8> {
         frame(&pb::MirrorMessage { seq: 1, op: Some(Op::Write(write)) }),
     ]
     .concat()
-}
-
-fn membership(volume: &str, generation: u64, primary: &str, members: &[(&str, &str)]) -> pb::Membership {
-    pb::Membership {
-        volume: volume.into(),
-        generation,
-        primary: primary.into(),
-        members: members
-            .iter()
-            .map(|(e, s)| pb::Member { endpoint: (*e).into(), state: (*s).into(), ..Default::default() })
-            .collect(),
-        size: 16 * MIB,
-        ..Default::default()
-    }
-}
-
-/// Opens a mirror stream of `volume` at `generation` and sends one write: the first answer.
-async fn stream_write(c: &mut MirrorClient<tonic::transport::Channel>, volume: &str, generation: u64) -> tonic::Status {
-    let open = pb::MirrorMessage {
-        seq: 0,
-        op: Some(Op::Open(pb::MirrorOpen { volume: volume.into(), generation, ..Default::default() })),
-    };
-    let data = prost::bytes::Bytes::from(vec![7u8; 4096]);
-    let write = pb::MirrorMessage {
-        seq: 1,
-        op: Some(Op::Write(pb::MirrorWrite { offset: 0, crc: crc32c::crc32c(&data), data, fua: false })),
-    };
-    match c.stream(tokio_stream::iter(vec![open, write])).await {
-        Err(e) => e,
-        Ok(r) => match r.into_inner().message().await {
-            Ok(m) => tonic::Status::ok(format!("{m:?}")),
-            Err(e) => e,
-        },
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

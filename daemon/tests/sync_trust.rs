@@ -8,13 +8,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::mirror::{membership, stream_write};
 use common::nbd::{connect, read_image, request};
 use common::netns::{Nics, Switch};
 use common::{Daemon, pattern};
 use ferrite_nbd::proto::{CMD_FLAG_FUA, CMD_WRITE};
-use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
-use ferrite_proto::ferrite::v1::mirror_message::Op;
 
 const MIB: u64 = 1 << 20;
 const TIMEOUT: &str = "sync-timeout-ms = 1000";
@@ -51,40 +50,6 @@ fn fua_write(s: &mut std::os::unix::net::UnixStream, offset: u64, data: &[u8]) -
     let mut reply = [0u8; 16];
     s.read_exact(&mut reply).unwrap();
     u32::from_be_bytes(reply[4..8].try_into().unwrap())
-}
-
-fn membership(volume: &str, generation: u64, primary: &str, members: &[(&str, &str)]) -> pb::Membership {
-    pb::Membership {
-        volume: volume.into(),
-        generation,
-        primary: primary.into(),
-        members: members
-            .iter()
-            .map(|(e, s)| pb::Member { endpoint: (*e).into(), state: (*s).into(), ..Default::default() })
-            .collect(),
-        size: 16 * MIB,
-        ..Default::default()
-    }
-}
-
-/// Opens a mirror stream of `volume` at `generation` and sends one write of 0x5a: the answer.
-async fn stream_write(c: &mut MirrorClient<tonic::transport::Channel>, volume: &str, generation: u64) -> tonic::Status {
-    let open = pb::MirrorMessage {
-        seq: 0,
-        op: Some(Op::Open(pb::MirrorOpen { volume: volume.into(), generation, ..Default::default() })),
-    };
-    let data = prost::bytes::Bytes::from(vec![0x5a; 4096]);
-    let write = pb::MirrorMessage {
-        seq: 1,
-        op: Some(Op::Write(pb::MirrorWrite { offset: 0, crc: crc32c::crc32c(&data), data, fua: true })),
-    };
-    match c.stream(tokio_stream::iter(vec![open, write])).await {
-        Err(e) => e,
-        Ok(r) => match r.into_inner().message().await {
-            Ok(m) => tonic::Status::ok(format!("{m:?}")),
-            Err(e) => e,
-        },
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,6 +4,7 @@
 pub mod csi;
 pub mod kube;
 pub mod kubelet;
+pub mod mirror;
 pub mod nbd;
 pub mod netns;
 pub mod push;
