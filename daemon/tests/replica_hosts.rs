@@ -13,21 +13,13 @@ use std::time::{Duration, Instant};
 
 use common::nbd::{open, read_image, try_read_image, write_on};
 use common::netns::{Hosts, Nics};
-use common::{Daemon, settled};
+use common::{Daemon, settled, until};
 
 const MIB: u64 = 1 << 20;
 /// Each daemon sends at most this much per second to its peer, so transfers take seconds.
 const BANDWIDTH: &str = "replication-bandwidth = \"16M\"";
 
 /// Waits up to `secs` for `f` to hold.
-fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < Duration::from_secs(secs), "{what} did not happen within {secs} s");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// fio on `volume` of `d` over NBD: `rw` with `bs` blocks over `size`, for `secs` if given.
 fn fio(d: &Daemon, volume: &str, rw: &str, bs: &str, size: &str, secs: Option<u64>) -> Child {
     d.ok(&["export", "nbd", volume]);

@@ -9,28 +9,15 @@ mod common;
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::Daemon;
+use common::mirror::state_of;
 use common::nbd::read_image;
 use common::netns::{Nics, Switch};
+use common::until;
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
-
-fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < Duration::from_secs(secs), "{what} did not happen within {secs} s");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn state_of(d: &Daemon, volume: &str, member: &str) -> String {
-    let s = d.json(&["replica", "status", volume]);
-    let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"] == member).cloned();
-    m.map_or("none".into(), |m| m["state"].as_str().unwrap().to_owned())
-}
 
 fn run(d: &Daemon, program: &str, args: &[&str], volume: &str) {
     d.ok(&["export", "nbd", volume]);

@@ -17,10 +17,10 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::mirror::{membership, stream_write};
+use common::mirror::{membership, state_of, stream_write};
 use common::nbd::{connect, read_image, request, write_on};
 use common::netns::{Nics, Switch};
-use common::{Daemon, pattern};
+use common::{Daemon, pattern, until};
 use ferrite_nbd::proto::{CMD_FLAG_FUA, CMD_FLUSH, CMD_WRITE};
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
@@ -43,23 +43,8 @@ fn sample(text: &str, line: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
 }
 
-fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < Duration::from_secs(secs), "{what} did not happen within {secs} s");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 fn status(d: &Daemon, volume: &str) -> Value {
     d.json(&["replica", "status", volume])
-}
-
-/// The state of `member` in `d`'s view of `volume`.
-fn state_of(d: &Daemon, volume: &str, member: &str) -> String {
-    let s = status(d, volume);
-    let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"] == member).cloned();
-    m.map_or("none".into(), |m| m["state"].as_str().unwrap().to_owned())
 }
 
 fn fio(d: &Daemon, volume: &str, args: &[&str]) -> std::process::Child {

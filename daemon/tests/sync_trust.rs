@@ -6,32 +6,17 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::mirror::{membership, stream_write};
+use common::mirror::{membership, state_of, stream_write};
 use common::nbd::{connect, read_image, request};
 use common::netns::{Nics, Switch};
-use common::{Daemon, pattern};
+use common::{Daemon, pattern, until};
 use ferrite_nbd::proto::{CMD_FLAG_FUA, CMD_WRITE};
 use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
 
 const MIB: u64 = 1 << 20;
 const TIMEOUT: &str = "sync-timeout-ms = 1000";
-
-fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < Duration::from_secs(secs), "{what} did not happen within {secs} s");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-/// The state of `member` in `d`'s view of `volume`.
-fn state_of(d: &Daemon, volume: &str, member: &str) -> String {
-    let s = d.json(&["replica", "status", volume]);
-    let m = s["members"].as_array().and_then(|a| a.iter().find(|m| m["endpoint"] == member).cloned());
-    m.map_or("none".into(), |m| m["state"].as_str().unwrap_or_default().to_owned())
-}
 
 fn cluster(n: usize, root: &std::path::Path, extra: &str) -> Option<(Switch, Vec<Daemon>)> {
     if !common::have("qemu-io") {

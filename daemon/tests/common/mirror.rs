@@ -43,3 +43,10 @@ pub async fn stream_write(
         },
     }
 }
+
+/// The state of `member` in `d`'s view of synchronous volume `volume` ("none": not a member).
+pub fn state_of(d: &super::Daemon, volume: &str, member: &str) -> String {
+    let s = d.json(&["replica", "status", volume]);
+    let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"] == member).cloned();
+    m.map_or("none".into(), |m| m["state"].as_str().unwrap().to_owned())
+}

@@ -202,3 +202,12 @@ pub fn have(tool: &str) -> bool {
     }
     found
 }
+
+/// Waits until `f` holds, failing the test after `secs` seconds with what did not happen.
+pub fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < std::time::Duration::from_secs(secs), "{what} did not happen within {secs} s");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
