@@ -2,17 +2,13 @@
 //! ReclaimSpace, NetworkFence, VolumeGroup, Replication, EncryptionKeyRotation; node:
 //! ReclaimSpace on the node).
 
-use std::sync::Arc;
-
 use ferrite_proto::csi_addons::identity as id;
 use tonic::{Request, Response, Status};
 
-use crate::identity::{DRIVER_NAME, ready};
-use crate::nodes::NodeDirectory;
+use crate::identity::DRIVER_NAME;
 
 #[derive(Debug)]
 pub struct AddonsIdentity {
-    pub nodes: Arc<dyn NodeDirectory>,
     pub controller: bool,
     pub node: bool,
 }
@@ -81,6 +77,7 @@ impl id::identity_server::Identity for AddonsIdentity {
     }
 
     async fn probe(&self, _: Request<id::ProbeRequest>) -> Result<Response<id::ProbeResponse>, Status> {
-        Ok(Response::new(id::ProbeResponse { ready: Some(ready(&*self.nodes).await) }))
+        // From local state, as the CSI Probe (identity.rs).
+        Ok(Response::new(id::ProbeResponse { ready: Some(true) }))
     }
 }

@@ -41,6 +41,17 @@ pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Stat
 
 /// One page of `all` (in a stable order): the token is the index to start at; a token we did not
 /// hand out is Aborted, as the spec asks.
+/// Names the nodes a listing could not read (comma-separated) in the response's
+/// `ferrite-unread-nodes` header: CSI's listings have no field for it.
+pub(crate) fn unread_header<T>(mut r: tonic::Response<T>, unread: &str) -> tonic::Response<T> {
+    if let Ok(v) = unread.parse()
+        && !unread.is_empty()
+    {
+        r.metadata_mut().insert("ferrite-unread-nodes", v);
+    }
+    r
+}
+
 pub(crate) fn paginate<T>(mut all: Vec<T>, max_entries: i32, token: &str) -> Result<(Vec<T>, String), Status> {
     if max_entries < 0 {
         return Err(Status::invalid_argument("max_entries must not be negative"));

@@ -8,8 +8,10 @@ use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Code, Request, Response, Status};
 
-use crate::args::{TOPOLOGY_KEY, check_capabilities, no_parameters, paginate, require, topology, volume_msg};
-use crate::nodes::{NodeDirectory, admin};
+use crate::args::{
+    TOPOLOGY_KEY, check_capabilities, no_parameters, paginate, require, topology, unread_header, volume_msg,
+};
+use crate::nodes::{NodeDirectory, admin, scan};
 use crate::{copies, ids};
 
 /// Size of a volume created without a capacity range.
@@ -63,35 +65,37 @@ impl Controller {
                 );
             }
         }
-        let mut best: Option<(u64, String)> = None;
-        for node in known {
-            if let Ok(mut c) = admin(&*self.nodes, &node).await
-                && let Ok(s) = c.pool_status(pb::PoolStatusRequest {}).await
-                && best.as_ref().is_none_or(|(free, _)| s.get_ref().free > *free)
-            {
-                best = Some((s.get_ref().free, node));
-            }
-        }
-        best.map(|(_, n)| n).ok_or_else(|| Status::unavailable("no node's daemon answers"))
+        let free = scan(&*self.nodes, known, |_, mut c| async move {
+            Ok(c.pool_status(pb::PoolStatusRequest {}).await?.into_inner().free)
+        })
+        .await?;
+        // The most free space; of equals, the first in the directory's order.
+        let best = free.answers.into_iter().rev().max_by_key(|(_, free)| *free);
+        best.map(|(n, _)| n).ok_or_else(|| Status::unavailable("no node's daemon answers"))
     }
 
-    /// The volume under any of `names` (a CSI name's engine names), on any node: the node
-    /// serving it (a replicated volume's primary) and the volume.
+    /// The volume under any of `names` (a CSI name's engine names), on any node that answers
+    /// (one that does not is skipped: a lost node never stops provisioning): the node serving
+    /// it (a replicated volume's primary) and the volume.
     async fn find(&self, names: &[String]) -> Result<Option<(String, pb::Volume)>, Status> {
-        for node in self.nodes.nodes() {
-            let mut c = admin(&*self.nodes, &node).await?;
+        let found = scan(&*self.nodes, self.nodes.nodes(), |_, mut c| async move {
             for name in names {
                 match c.get_volume(pb::GetVolumeRequest { name: name.clone() }).await {
-                    Ok(_) => {
-                        let (node, _, v, _) = copies::primary(&*self.nodes, &node, name).await?;
-                        return Ok(Some((node, v)));
-                    }
+                    Ok(_) => return Ok(Some(name.clone())),
                     Err(s) if s.code() == Code::NotFound => {}
                     Err(s) => return Err(s),
                 }
             }
+            Ok(None)
+        })
+        .await?;
+        match found.answers.into_iter().find_map(|(node, name)| name.map(|n| (node, n))) {
+            Some((node, name)) => {
+                let (node, _, v, _) = copies::primary(&*self.nodes, &node, &name).await?;
+                Ok(Some((node, v)))
+            }
+            None => Ok(None),
         }
-        Ok(None)
     }
 
     /// Gives the volume on `node` its `n` copies (a replicated class): it is accessible where
@@ -258,11 +262,10 @@ impl csi::controller_server::Controller for Controller {
         req: Request<csi::ListVolumesRequest>,
     ) -> Result<Response<csi::ListVolumesResponse>, Status> {
         let r = req.into_inner();
-        // Every node's volumes in (node, name) order: the token is an index into that order. A
-        // replicated volume is listed once, where its primary is.
-        let mut all = Vec::new();
-        for node in self.nodes.nodes() {
-            let mut c = admin(&*self.nodes, &node).await?;
+        // Every answering node's volumes in (node, name) order: the token is an index into that
+        // order. A replicated volume is listed once, where its primary is. The nodes that did
+        // not answer are named in the response's `ferrite-unread-nodes` header.
+        let listed = scan(&*self.nodes, self.nodes.nodes(), |node, mut c| async move {
             let copies: Vec<String> = c
                 .list_sync_replicas(pb::ListReplicationsRequest::default())
                 .await?
@@ -275,12 +278,15 @@ impl csi::controller_server::Controller for Controller {
             let mut vols = c.list_volumes(pb::ListVolumesRequest {}).await?.into_inner().volumes;
             vols.retain(|v| !copies.contains(&v.name));
             vols.sort_by(|a, b| a.name.cmp(&b.name));
-            all.extend(vols.into_iter().map(|v| volume_msg(&node, &v, None)));
-        }
+            Ok(vols.into_iter().map(|v| volume_msg(&node, &v, None)).collect::<Vec<_>>())
+        })
+        .await?;
+        let unread = listed.silent_names();
+        let all: Vec<_> = listed.answers.into_iter().flat_map(|(_, v)| v).collect();
         let (page, next_token) = paginate(all, r.max_entries, &r.starting_token)?;
         let entries =
             page.into_iter().map(|v| csi::list_volumes_response::Entry { volume: Some(v), status: None }).collect();
-        Ok(Response::new(csi::ListVolumesResponse { entries, next_token }))
+        Ok(unread_header(Response::new(csi::ListVolumesResponse { entries, next_token }), &unread))
     }
 
     async fn get_capacity(
@@ -297,11 +303,11 @@ impl csi::controller_server::Controller for Controller {
             Some(_) => vec![],
             None => self.nodes.nodes(),
         };
-        let mut free = 0u64;
-        for node in nodes {
-            let mut c = admin(&*self.nodes, &node).await?;
-            free = free.saturating_add(c.pool_status(pb::PoolStatusRequest {}).await?.get_ref().free);
-        }
+        let pools = scan(&*self.nodes, nodes, |_, mut c| async move {
+            Ok(c.pool_status(pb::PoolStatusRequest {}).await?.into_inner().free)
+        })
+        .await?;
+        let free = pools.answers.iter().fold(0u64, |sum, (_, free)| sum.saturating_add(*free));
         Ok(Response::new(csi::GetCapacityResponse {
             available_capacity: i64::try_from(free).unwrap_or(i64::MAX),
             maximum_volume_size: None,

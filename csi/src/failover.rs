@@ -10,19 +10,25 @@
 //!   majority holds). A volume of two copies has no majority left; the fence is what makes
 //!   promoting its in-sync survivor safe, so that promotion is forced. Events on the PV and its
 //!   claim say what happened.
+//! - Once the fence holds, the lost Node is tainted `node.kubernetes.io/out-of-service`
+//!   (NoExecute): Kubernetes then force-deletes its pods and detaches their volumes at once, so
+//!   the workload is rescheduled next to the new primary instead of waiting for the eviction
+//!   timeout and the attach-detach controller's six-minute force-detach. It is also tainted
+//!   `failover.ferrite.dev/fenced` (NoSchedule) for as long as it is fenced.
 //! - A fenced node whose Node is Ready and whose daemon answers again is rebuilt by the new
 //!   primaries (from the last mark both hold: what changed); once it is in sync in every
-//!   membership it belongs to, the fence is lifted and the annotation removed.
+//!   membership it belongs to, the fence is lifted, the annotation and our taints removed.
 //!
 //! Stateless like the rest of the controller: the fences live in the daemons, the memberships
-//! too, the annotation on the Node. A node that never reported a Ready condition is left alone.
+//! too, the annotation on the Node. Of several controller replicas only the holder of the
+//! `ferrite-failover` Lease runs the loop (`lease.rs`). A node that never reported a Ready condition is left alone.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use ferrite_proto::ferrite::v1 as pb;
-use k8s_openapi::api::core::v1::{Node, ObjectReference, PersistentVolume};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, PersistentVolume, Taint};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Resource, ResourceExt};
@@ -32,6 +38,17 @@ use crate::nodes::{NodeDirectory, admin};
 
 /// The annotation on a Node the controller fenced: the blocks it fenced, comma-separated.
 pub const FENCED: &str = "failover.ferrite.dev/fenced";
+/// The owner of the fences failover makes: a NetworkFence's fence of the same block (or an
+/// operator's) is a separate mark that failover's unfence leaves in place.
+const FENCE_OWNER: &str = "failover";
+/// The taint that has Kubernetes delete a lost node's pods and detach their volumes at once
+/// (non-graceful node shutdown); ours carry [`TAINT_VALUE`], so that we remove only our own.
+const OUT_OF_SERVICE: &str = "node.kubernetes.io/out-of-service";
+const TAINT_VALUE: &str = "ferrite-failover";
+/// The Lease whose holder runs the failover loop, and how long a holder that stopped renewing
+/// keeps it (several passes).
+const LEASE: &str = "ferrite-failover";
+const LEASE_FOR: Duration = Duration::from_secs(15);
 /// How often the Nodes are looked at.
 const EVERY: Duration = Duration::from_secs(3);
 /// How long a daemon has to answer before it counts as unreachable.
@@ -45,6 +62,8 @@ struct Failover {
     /// The CSI driver name, to find its PersistentVolumes.
     driver: String,
     after: Duration,
+    /// Only the holder of the failover Lease runs a pass.
+    leader: crate::lease::Leadership,
 }
 
 /// The host of `tcp://host:port` (or `host:port`), without brackets.
@@ -71,8 +90,12 @@ fn ready(n: &Node) -> bool {
 /// Starts the failover loop, with the client configuration kube-rs infers.
 pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -> anyhow::Result<()> {
     let client = kube::Client::try_default().await?;
-    let reporter = Reporter { controller: "ferrite-failover".into(), instance: std::env::var("POD_NAME").ok() };
+    let me = std::env::var("POD_NAME").unwrap_or_else(|_| format!("ferrite-controller-{}", std::process::id()));
+    let namespace = std::env::var("POD_NAMESPACE").unwrap_or_else(|_| client.default_namespace().to_owned());
+    let leader = crate::lease::Leadership::new(Api::namespaced(client.clone(), &namespace), LEASE, &me, LEASE_FOR);
+    let reporter = Reporter { controller: "ferrite-failover".into(), instance: Some(me) };
     let this = Failover {
+        leader,
         dir,
         nodes: Api::all(client.clone()),
         volumes: Api::all(client.clone()),
@@ -83,8 +106,14 @@ pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
     tokio::spawn(async move {
         loop {
-            if let Err(e) = this.pass().await {
-                tracing::warn!("failover pass: {e:#}");
+            match this.leader.hold().await {
+                Ok(true) => {
+                    if let Err(e) = this.pass().await {
+                        tracing::warn!("failover pass: {e:#}");
+                    }
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!("failover lease: {e:#}"),
             }
             tokio::time::sleep(EVERY).await;
         }
@@ -138,7 +167,7 @@ impl Failover {
     async fn fence(&self, except: &str, blocks: &[String], fence: bool) -> Result<(), String> {
         let mut failed = Vec::new();
         for node in self.dir.nodes().into_iter().filter(|n| n != except) {
-            let req = pb::FenceRequest { cidrs: blocks.to_vec() };
+            let req = pb::FenceRequest { cidrs: blocks.to_vec(), owner: FENCE_OWNER.into() };
             let done = async {
                 let mut c = admin(&*self.dir, &node).await?;
                 if fence { c.fence_networks(req).await } else { c.unfence_networks(req).await }
@@ -155,6 +184,36 @@ impl Failover {
     async fn annotate(&self, node: &str, value: Option<String>) -> anyhow::Result<()> {
         let patch = serde_json::json!({"metadata": {"annotations": {FENCED: value}}});
         self.nodes.patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        Ok(())
+    }
+
+    /// Adds (`on`) or removes our taints of node `name`: out-of-service (NoExecute) and fenced
+    /// (NoSchedule). A compare-and-swap on the Node's resourceVersion (the node lifecycle
+    /// controller changes taints too): a concurrent change makes it fail, and the next pass
+    /// tries again.
+    async fn taint(&self, name: &str, on: bool) -> anyhow::Result<()> {
+        let n = self.nodes.get(name).await?;
+        let ours = [(OUT_OF_SERVICE, "NoExecute"), (FENCED, "NoSchedule")];
+        let held = n.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+        let is_ours = |t: &Taint| ours.iter().any(|(k, _)| t.key == *k) && t.value.as_deref() == Some(TAINT_VALUE);
+        let mut taints: Vec<Taint> = held.iter().filter(|t| !is_ours(t)).cloned().collect();
+        if on {
+            taints.extend(ours.iter().map(|(key, effect)| Taint {
+                key: (*key).to_owned(),
+                value: Some(TAINT_VALUE.to_owned()),
+                effect: (*effect).to_owned(),
+                time_added: None,
+            }));
+        }
+        if taints.len() == held.len() && held.iter().all(|t| taints.contains(t)) {
+            return Ok(());
+        }
+        let patch = serde_json::json!({
+            "metadata": {"resourceVersion": n.resource_version()},
+            "spec": {"taints": taints},
+        });
+        self.nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        tracing::warn!(node = name, tainted = on, "node taints {OUT_OF_SERVICE} and {FENCED} (ours)");
         Ok(())
     }
 
@@ -211,6 +270,10 @@ impl Failover {
                 }
             }
         }
+        if fenced.is_ok() {
+            // The node can no longer write anywhere: its pods may run elsewhere, now.
+            self.taint(&name, true).await?;
+        }
         Ok(())
     }
 
@@ -265,6 +328,7 @@ impl Failover {
             }
         }
         self.fence(&name, &blocks, false).await.map_err(|e| anyhow::anyhow!("lifting the fence of {name}: {e}"))?;
+        self.taint(&name, false).await?;
         self.annotate(&name, None).await?;
         tracing::info!(node = %name, volumes = ?member_of, "returned node in sync everywhere: fence lifted");
         for volume in member_of {

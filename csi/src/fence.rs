@@ -37,7 +37,7 @@ impl Fence {
         let mut union = BTreeSet::new();
         for node in self.nodes.nodes() {
             let mut c = admin(&*self.nodes, &node).await?;
-            let req = pb::FenceRequest { cidrs: cidrs.to_vec() };
+            let req = pb::FenceRequest { cidrs: cidrs.to_vec(), owner: "network-fence".into() };
             let r = match fence {
                 Some(true) => c.fence_networks(req).await,
                 Some(false) => c.unfence_networks(req).await,

@@ -1,19 +1,13 @@
-//! CSI Identity: who we are, which services we offer, and whether the daemon(s) behind us answer.
-
-use std::sync::Arc;
+//! CSI Identity: who we are, which services we offer, and that we answer.
 
 use ferrite_proto::csi::v1 as csi;
-use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
-
-use crate::nodes::{NodeDirectory, admin};
 
 /// The plugin name Kubernetes registers us under.
 pub const DRIVER_NAME: &str = "csi.ferrite.dev";
 
 #[derive(Debug)]
 pub struct Identity {
-    pub nodes: Arc<dyn NodeDirectory>,
     pub controller: bool,
 }
 
@@ -54,21 +48,10 @@ impl csi::identity_server::Identity for Identity {
         Ok(Response::new(csi::GetPluginCapabilitiesResponse { capabilities }))
     }
 
-    /// Ready when a daemon answers (any node's, for a controller); not ready is an answer, not
-    /// an error.
+    /// Ready whenever this plugin answers: Probe is what the livenessprobe sidecar asks (with a
+    /// 1 s timeout), so it answers from local state and never waits on a daemon. A lost node, or
+    /// the node's own daemon restarting for an upgrade, must not restart the plugin too.
     async fn probe(&self, _: Request<csi::ProbeRequest>) -> Result<Response<csi::ProbeResponse>, Status> {
-        Ok(Response::new(csi::ProbeResponse { ready: Some(ready(&*self.nodes).await) }))
+        Ok(Response::new(csi::ProbeResponse { ready: Some(true) }))
     }
-}
-
-/// Whether any daemon of the directory answers.
-pub(crate) async fn ready(nodes: &dyn NodeDirectory) -> bool {
-    for node in nodes.nodes() {
-        if let Ok(mut c) = admin(nodes, &node).await
-            && c.pool_status(pb::PoolStatusRequest {}).await.is_ok()
-        {
-            return true;
-        }
-    }
-    false
 }

@@ -32,6 +32,7 @@ pub mod group;
 mod host;
 pub mod identity;
 pub mod ids;
+mod lease;
 pub mod metadata;
 pub mod node;
 pub mod nodes;
@@ -136,7 +137,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     if let (true, Some(_), Some(after)) = (controller, &opts.node_service, opts.failover_after) {
         failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after).await?;
     }
-    let identity = identity::Identity { nodes: Arc::clone(&dir), controller };
+    let identity = identity::Identity { controller };
     let router = tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::new(identity))
         .add_optional_service(controller.then(|| {
@@ -164,7 +165,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
             encryptionkeyrotation as ek, fence as f, identity as i, reclaimspace as r, replication as rp,
             volumegroup as v,
         };
-        let identity = addons::AddonsIdentity { nodes: Arc::clone(&dir), controller, node: node.is_some() };
+        let identity = addons::AddonsIdentity { controller, node: node.is_some() };
         tonic::transport::Server::builder()
             .add_service(i::identity_server::IdentityServer::new(identity))
             .add_optional_service(controller.then(|| {

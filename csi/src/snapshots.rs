@@ -78,9 +78,9 @@ impl Controller {
         if let Some((n, _)) = snap.as_ref().or(source.as_ref()) {
             nodes.retain(|x| x == n);
         }
-        let mut all = Vec::new();
-        for node in nodes {
-            let mut c = admin(&*self.nodes, &node).await?;
+        // Nodes that do not answer are skipped (and logged), as for ListVolumes.
+        let (source, snap) = (&source, &snap);
+        let listed = crate::nodes::scan(&*self.nodes, nodes, |node, mut c| async move {
             let volume = source.as_ref().map(|(_, v)| v.clone()).unwrap_or_default();
             let mut list = match c.list_snapshots(pb::ListSnapshotsRequest { volume }).await {
                 Ok(l) => l.into_inner().snapshots,
@@ -89,8 +89,10 @@ impl Controller {
             };
             list.retain(|s| snap.as_ref().is_none_or(|(_, name)| &s.name == name));
             list.sort_by(|a, b| a.name.cmp(&b.name));
-            all.extend(list.iter().map(|s| snapshot_msg(&node, s)));
-        }
+            Ok(list.iter().map(|s| snapshot_msg(&node, s)).collect::<Vec<_>>())
+        })
+        .await?;
+        let all: Vec<_> = listed.answers.into_iter().flat_map(|(_, s)| s).collect();
         let (page, next_token) = paginate(all, r.max_entries, &r.starting_token)?;
         let entries = page.into_iter().map(|s| csi::list_snapshots_response::Entry { snapshot: Some(s) }).collect();
         Ok(csi::ListSnapshotsResponse { entries, next_token })

@@ -12,9 +12,10 @@ use ferrite_proto::ferrite::v1::admin_server::Admin;
 use tonic::{Request, Response, Status};
 
 use crate::attachments::{AttachRecord, Attachments, choose_transport, refuse_if_attached};
+use crate::authz::{Caller, Role, caller_of};
 use crate::config::Config;
 use crate::exports::{ExportRecord, ExportTable, open_image, refuse_if_exported, snapshot_of};
-use crate::fence::{Cidr, Fences};
+use crate::fence::{Change, Cidr, FenceError, Fences};
 use crate::replica::Replication;
 use crate::rpc::{blocking, require, status};
 
@@ -33,6 +34,19 @@ pub struct AdminService {
     pub sync: Arc<crate::sync::SyncHub>,
     pub keys: crate::encryption::KeyDir,
     pub rotations: Arc<crate::rotations::Rotations>,
+    pub policy: Arc<crate::authz::Policy>,
+}
+
+/// A key named by its id alone is one of this daemon's key directory, which only an operator
+/// uses; any other caller carries the key itself (a CSI request's secret), and so shows it holds
+/// the volume's current key before it may open or rewrap it.
+fn key_carried(caller: &Caller, key: Option<&pb::KeyRef>, field: &str) -> Result<(), Status> {
+    if caller.is_operator() || key.is_some_and(|k| !k.key.is_empty()) {
+        return Ok(());
+    }
+    Err(Status::permission_denied(format!(
+        "{caller} may not use the key directory: {field} must carry the key itself (only an operator names a key by id alone)"
+    )))
 }
 
 fn limits_msg(l: QosLimits) -> pb::VolumeLimits {
@@ -141,19 +155,63 @@ impl AdminService {
         }
     }
 
-    /// Adds (`fence`) or removes the given blocks; with none, just lists.
-    fn update_fences(&self, cidrs: &[String], fence: bool) -> Result<pb::FenceResponse, Status> {
-        let parsed =
-            cidrs.iter().map(|c| c.parse()).collect::<Result<Vec<Cidr>, _>>().map_err(Status::invalid_argument)?;
-        let (add, remove) = if fence { (&parsed[..], &[][..]) } else { (&[][..], &parsed[..]) };
-        let (list, cut) = self
-            .fences
-            .update(add, remove)
-            .map_err(|e| Status::internal(format!("saving the fence list (nothing changed): {e}")))?;
-        if !parsed.is_empty() {
-            tracing::info!(fenced = fence, cidrs = ?cidrs, connections_cut = cut, "fence list changed");
+    /// Refuses a peer endpoint (for `call`) whose certificate's identity holds no
+    /// `replication-peer` role here, unless the caller is an operator: a controller replicates
+    /// only to replication peers. The certificate is the one the endpoint presents now.
+    async fn peer_holds_role(&self, caller: &Caller, endpoint: &str, call: &str) -> Result<(), Status> {
+        if caller.is_operator() {
+            return Ok(());
         }
-        Ok(pb::FenceResponse { cidrs: list.iter().map(ToString::to_string).collect(), connections_cut: cut })
+        let conn = crate::sync::wire::connect(self.cfg.tls.as_ref(), endpoint).await.map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput => Status::invalid_argument(format!("peer {endpoint:?}: {e}")),
+            _ => Status::unavailable(format!("peer {endpoint:?}: {e}")),
+        })?;
+        let cert = conn.get_ref().1.peer_certificates().and_then(|c| c.first());
+        let names = cert.map(ferrite_tls::identities).unwrap_or_default();
+        if self.policy.caller(&names).roles.contains(&Role::ReplicationPeer) {
+            return Ok(());
+        }
+        let why = format!("peer {endpoint:?} (certificate [{}]) holds no replication-peer role here", names.join(", "));
+        Err(self.policy.refuse(caller, &format!("/ferrite.v1.Admin/{call}"), &why))
+    }
+
+    /// Fences or lifts the given blocks as `caller` (and its `owner`); lists with `None`.
+    fn update_fences(
+        &self,
+        caller: &Caller,
+        req: Option<(pb::FenceRequest, bool)>,
+    ) -> Result<pb::FenceResponse, Status> {
+        let (list, cut) = match req {
+            None => (self.fences.list(), 0),
+            Some((req, fence)) => {
+                let parsed = req
+                    .cidrs
+                    .iter()
+                    .map(|c| c.parse())
+                    .collect::<Result<Vec<Cidr>, _>>()
+                    .map_err(Status::invalid_argument)?;
+                let maker = crate::fence::maker(caller.is_operator(), &req.owner).map_err(Status::invalid_argument)?;
+                let change = if fence {
+                    Change::Fence(&parsed)
+                } else {
+                    Change::Lift { cidrs: &parsed, all: caller.is_operator() }
+                };
+                let done = self.fences.update(change, &maker).map_err(|e| match e {
+                    FenceError::NotYours { .. } => Status::permission_denied(e.to_string()),
+                    FenceError::Save(_) => Status::internal(e.to_string()),
+                })?;
+                tracing::info!(fenced = fence, cidrs = ?req.cidrs, maker, connections_cut = done.1, "fence list changed");
+                done
+            }
+        };
+        Ok(pb::FenceResponse {
+            cidrs: list.keys().map(ToString::to_string).collect(),
+            connections_cut: cut,
+            fences: list
+                .iter()
+                .map(|(c, by)| pb::FencedBlock { cidr: c.to_string(), by: by.iter().cloned().collect() })
+                .collect(),
+        })
     }
 
     async fn volume_msg(&self, info: ferrite_engine::VolumeInfo) -> pb::Volume {
@@ -283,8 +341,12 @@ impl Admin for AdminService {
     }
 
     async fn create_volume(&self, req: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         require("name", &r.name)?;
+        if r.encryption.is_some() {
+            key_carried(&caller, r.encryption.as_ref(), "encryption")?;
+        }
         if r.size == 0 {
             return Err(Status::invalid_argument("size is required"));
         }
@@ -402,8 +464,10 @@ impl Admin for AdminService {
     }
 
     async fn unlock_volume(&self, req: Request<pb::UnlockVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         require("name", &r.name)?;
+        key_carried(&caller, r.key.as_ref(), "key")?;
         let given = match r.key.filter(|k| !k.key.is_empty()) {
             Some(k) => Some(self.keys.kek(&k, false)?),
             None => None,
@@ -435,8 +499,13 @@ impl Admin for AdminService {
     }
 
     async fn rekey_volume(&self, req: Request<pb::RekeyVolumeRequest>) -> Result<Response<pb::Volume>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         require("name", &r.name)?;
+        key_carried(&caller, r.old_key.as_ref(), "old_key")?;
+        if !r.data_key {
+            key_carried(&caller, r.new_key.as_ref(), "new_key")?;
+        }
         self.refuse_if_member(&r.name)?;
         let old = match r.old_key.filter(|k| !k.key.is_empty()) {
             Some(k) => Some(self.keys.kek(&k, false)?),
@@ -545,8 +614,10 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::EnableReplicationRequest>,
     ) -> Result<Response<pb::Replication>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         require("volume", &r.volume)?;
+        self.peer_holds_role(&caller, &r.peer, "EnableReplication").await?;
         self.replication
             .enable(&r.volume, &r.peer, &r.replica, r.interval_secs, r.group, r.snapshots)
             .await
@@ -603,9 +674,11 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::AddSyncReplicaRequest>,
     ) -> Result<Response<pb::SyncVolume>, Status> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         require("volume", &r.volume)?;
         require("peer", &r.peer)?;
+        self.peer_holds_role(&caller, &r.peer, "AddSyncReplica").await?;
         self.refuse_if_rotating(&r.volume)?;
         self.sync.add(&r.volume, &r.peer, r.witness).await.map(Response::new)
     }
@@ -866,15 +939,18 @@ impl Admin for AdminService {
     }
 
     async fn fence_networks(&self, req: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
-        self.update_fences(&req.into_inner().cidrs, true).map(Response::new)
+        let caller = caller_of(&req)?;
+        self.update_fences(&caller, Some((req.into_inner(), true))).map(Response::new)
     }
 
     async fn unfence_networks(&self, req: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
-        self.update_fences(&req.into_inner().cidrs, false).map(Response::new)
+        let caller = caller_of(&req)?;
+        self.update_fences(&caller, Some((req.into_inner(), false))).map(Response::new)
     }
 
-    async fn list_fences(&self, _: Request<pb::ListFencesRequest>) -> Result<Response<pb::FenceResponse>, Status> {
-        self.update_fences(&[], false).map(Response::new)
+    async fn list_fences(&self, req: Request<pb::ListFencesRequest>) -> Result<Response<pb::FenceResponse>, Status> {
+        let caller = caller_of(&req)?;
+        self.update_fences(&caller, None).map(Response::new)
     }
 
     async fn publish_volume(

@@ -495,13 +495,16 @@ pub fn print_attachments(out: Output, list: &[pb::Attachment]) {
 
 pub fn print_fences(out: Output, r: &pb::FenceResponse) {
     match out {
-        Output::Json => println!("{}", json!({ "fenced": r.cidrs, "connections_cut": r.connections_cut })),
+        Output::Json => {
+            let by: serde_json::Map<_, _> = r.fences.iter().map(|f| (f.cidr.clone(), json!(f.by))).collect();
+            println!("{}", json!({ "fenced": r.cidrs, "by": by, "connections_cut": r.connections_cut }));
+        }
         Output::Table => {
             if r.connections_cut > 0 {
                 println!("cut {} open connection(s)", r.connections_cut);
             }
-            let rows = r.cidrs.iter().map(|c| vec![c.clone()]).collect();
-            println!("{}", table(&["FENCED"], rows));
+            let rows = r.fences.iter().map(|f| vec![f.cidr.clone(), f.by.join(", ")]).collect();
+            println!("{}", table(&["FENCED", "BY"], rows));
         }
     }
 }

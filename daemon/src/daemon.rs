@@ -153,6 +153,15 @@ impl TlsConfigs {
     }
 }
 
+/// Whether an NBD client's certificate identity holds `nbd-client` (or is an operator).
+fn nbd_role(policy: &Arc<crate::authz::Policy>) -> ferrite_nbd::tls::RoleCheck {
+    let policy = Arc::clone(policy);
+    Arc::new(move |cert| {
+        let caller = policy.caller(&ferrite_tls::identities(cert));
+        caller.is_operator() || caller.roles.contains(&crate::authz::Role::NbdClient)
+    })
+}
+
 /// The admin API's gRPC server, with per-connection limits: streams in flight, and keepalive
 /// pings that drop a peer that stopped answering.
 fn admin_server() -> tonic::transport::Server {
@@ -192,12 +201,25 @@ pub async fn run(cfg: Config) -> Result<()> {
     sync.resume();
     let exports = Arc::new(Exports::default());
     let export_table = Arc::new(ExportTable::restore(Arc::clone(&pool), Arc::clone(&exports), &cfg.data_dir)?);
+    {
+        // A primary that stepped down ends its publication: its node's client sees the
+        // connection cut rather than a read-only copy, and the volume can be published where
+        // the new primary is.
+        let (mut rx, exports) = (sync.steps_down(), Arc::clone(&export_table));
+        tokio::spawn(async move {
+            while let Some(volume) = rx.recv().await {
+                if let Err(e) = crate::publications::unpublish(&exports, &volume).await {
+                    tracing::warn!(volume, error = %e.message(), "the stepped-down volume's publication stays");
+                }
+            }
+        });
+    }
     let attachments = Arc::new(Attachments::restore(&pool, &cfg.data_dir, cfg.nbd_socket.clone(), cfg.ublk).await?);
     let tls = TlsConfigs::load(&cfg)?;
     let mut nbd = Server::new(Arc::clone(&exports));
     nbd.admission = Some(Arc::new(NbdAdmission(Arc::clone(&fences))));
     nbd.limits = cfg.limits.nbd();
-    nbd.tls = ferrite_nbd::tls::Tls { mode: cfg.nbd_tls, acceptor: tls.nbd.clone() };
+    nbd.tls = ferrite_nbd::tls::Tls { mode: cfg.nbd_tls, acceptor: tls.nbd.clone(), role: Some(nbd_role(&policy)) };
     let nbd = Arc::new(nbd);
     let mut tasks = tokio::task::JoinSet::new();
     {
@@ -253,6 +275,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         sync: Arc::clone(&sync),
         keys,
         rotations,
+        policy: Arc::clone(&policy),
     });
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);

@@ -14,6 +14,10 @@ use tonic::Status;
 use crate::rpc::status;
 use crate::state::RecordFile;
 
+/// The names of the exports that are publications (`publications.rs`): an identity on their
+/// allow list needs the `nbd-client` role too.
+pub const PUBLICATION_PREFIX: &str = "csi-publish-";
+
 /// An export as persisted.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ExportRecord {
@@ -180,7 +184,8 @@ fn publish(pool: &Pool, live: &Exports, r: &ExportRecord) -> Result<(), Status> 
     let handle = open_image(pool, &r.volume).map_err(status)?;
     let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
     live.add(
-        Export::new(r.name.clone(), handle, r.read_only, format!("ferrite {what} {}", r.volume)).with_allow(allow),
+        Export::new(r.name.clone(), handle, r.read_only, format!("ferrite {what} {}", r.volume))
+            .with_allow(allow, r.name.starts_with(PUBLICATION_PREFIX)),
     );
     Ok(())
 }

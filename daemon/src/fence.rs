@@ -2,8 +2,12 @@
 //! the admin API when it listens on TCP), persisted in `<data-dir>/fences.json`. Fencing also cuts
 //! the open connections from those blocks: every TCP client is registered with a duplicate of its
 //! socket, and `shutdown(2)` through it ends the connection whichever task or thread serves it.
+//!
+//! Every fence records who made it (`operator`, or `controller` with the owner the controller
+//! names, such as `controller/failover`): a maker lifts only its own mark, and a block stays
+//! fenced while any mark remains. An operator lifts every mark.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr};
@@ -63,10 +67,37 @@ struct Client {
     socket: std::net::TcpStream,
 }
 
+/// A fence as saved: its block and its makers. A bare string (files before makers were
+/// recorded) has the maker [`UNRECORDED`].
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+enum Saved {
+    Made { cidr: String, by: BTreeSet<String> },
+    Legacy(String),
+}
+
+/// The maker of a fence from before makers were recorded: any controller lifts it, as any
+/// controller could then.
+const UNRECORDED: &str = "unrecorded";
+
+/// Fenced blocks and who made each.
+pub type FenceList = BTreeMap<Cidr, BTreeSet<String>>;
+
+/// A change of the fence list, made by `maker`.
+#[derive(Debug, Clone, Copy)]
+pub enum Change<'a> {
+    Fence(&'a [Cidr]),
+    /// Removes `maker`'s marks; `all` removes every mark (an operator).
+    Lift {
+        cidrs: &'a [Cidr],
+        all: bool,
+    },
+}
+
 #[derive(Debug)]
 pub struct Fences {
     file: RecordFile,
-    cidrs: Mutex<Vec<Cidr>>,
+    cidrs: Mutex<FenceList>,
     clients: Mutex<BTreeMap<u64, Client>>,
     next_id: AtomicU64,
 }
@@ -78,20 +109,24 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Fences {
     pub fn load(data_dir: &Path) -> anyhow::Result<Arc<Self>> {
         let file = RecordFile::new(data_dir, "fences");
-        let saved: Vec<String> = file.load()?;
-        let cidrs = saved
-            .iter()
-            .map(|s| s.parse())
-            .collect::<Result<Vec<Cidr>, _>>()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", file.path().display()))?;
+        let saved: Vec<Saved> = file.load()?;
+        let mut cidrs = FenceList::new();
+        for s in saved {
+            let (cidr, by) = match s {
+                Saved::Made { cidr, by } => (cidr, by),
+                Saved::Legacy(cidr) => (cidr, BTreeSet::from([UNRECORDED.to_owned()])),
+            };
+            let c: Cidr = cidr.parse().map_err(|e| anyhow::anyhow!("{}: {e}", file.path().display()))?;
+            cidrs.entry(c).or_default().extend(by);
+        }
         if !cidrs.is_empty() {
-            tracing::info!(fenced = ?saved, "network fences restored");
+            tracing::info!(fenced = ?cidrs, "network fences restored");
         }
         Ok(Arc::new(Self { file, cidrs: Mutex::new(cidrs), clients: Mutex::default(), next_id: AtomicU64::new(1) }))
     }
 
     pub fn is_fenced(&self, ip: IpAddr) -> bool {
-        lock(&self.cidrs).iter().any(|c| c.contains(ip))
+        lock(&self.cidrs).keys().any(|c| c.contains(ip))
     }
 
     /// Registers a new TCP client; None (and the caller drops the connection) when it is fenced.
@@ -115,23 +150,43 @@ impl Fences {
     }
 
     /// Changes the fence list durably (the file first, then memory; nothing is written when
-    /// nothing changes, as for a plain listing); cuts the open connections the list covers. Returns the list and how many connections were cut.
-    pub fn update(&self, add: &[Cidr], remove: &[Cidr]) -> io::Result<(Vec<Cidr>, u64)> {
+    /// nothing changes, as for a plain listing) and cuts the open connections it covers. Lifting
+    /// a block that holds no mark of `maker` is refused (naming who made it). Returns the list
+    /// and how many connections were cut.
+    pub fn update(&self, change: Change<'_>, maker: &str) -> Result<(FenceList, u64), FenceError> {
         let list = {
             let mut cidrs = lock(&self.cidrs);
-            let mut next: Vec<Cidr> = cidrs.iter().filter(|c| !remove.contains(c)).copied().collect();
-            next.extend(add.iter().filter(|c| !cidrs.contains(c)));
-            next.sort();
-            next.dedup();
+            let mut next = cidrs.clone();
+            match change {
+                Change::Fence(add) => {
+                    for c in add {
+                        next.entry(*c).or_default().insert(maker.to_owned());
+                    }
+                }
+                Change::Lift { cidrs: lift, all } => {
+                    for c in lift {
+                        let Some(by) = next.get_mut(c) else { continue };
+                        let unrecorded = maker.starts_with("controller") && by.remove(UNRECORDED);
+                        if !all && !by.remove(maker) && !unrecorded {
+                            let made: Vec<&str> = by.iter().map(String::as_str).collect();
+                            return Err(FenceError::NotYours { cidr: *c, by: made.join(", ") });
+                        }
+                        if all || by.is_empty() {
+                            next.remove(c);
+                        }
+                    }
+                }
+            }
             if next != *cidrs {
-                let text: Vec<String> = next.iter().map(ToString::to_string).collect();
-                self.file.save(&text)?;
+                let saved: Vec<Saved> =
+                    next.iter().map(|(c, by)| Saved::Made { cidr: c.to_string(), by: by.clone() }).collect();
+                self.file.save(&saved).map_err(FenceError::Save)?;
                 *cidrs = next.clone();
             }
             next
         };
         let mut cut = 0;
-        for c in lock(&self.clients).values().filter(|c| list.iter().any(|f| f.contains(c.info.peer.ip()))) {
+        for c in lock(&self.clients).values().filter(|c| list.keys().any(|f| f.contains(c.info.peer.ip()))) {
             let _ = c.socket.shutdown(Shutdown::Both);
             tracing::warn!(peer = %c.info.peer, listener = c.info.listener, "connection cut: the address is fenced");
             cut += 1;
@@ -139,9 +194,35 @@ impl Fences {
         Ok((list, cut))
     }
 
+    pub fn list(&self) -> FenceList {
+        lock(&self.cidrs).clone()
+    }
+
     pub fn clients(&self) -> Vec<ClientInfo> {
         lock(&self.clients).values().map(|c| c.info.clone()).collect()
     }
+}
+
+/// The maker of a fence: `operator`, or `controller` with the job the controller names (`owner`,
+/// lowercase letters, digits and '-', at most 63).
+pub fn maker(operator: bool, owner: &str) -> Result<String, String> {
+    let ok = owner.len() <= 63
+        && !owner.starts_with('-')
+        && owner.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !ok {
+        return Err(format!("owner {owner:?} is not a name (lowercase letters, digits and '-', at most 63)"));
+    }
+    let role = if operator { "operator" } else { "controller" };
+    Ok(if owner.is_empty() { role.to_owned() } else { format!("{role}/{owner}") })
+}
+
+/// Why a fence list change failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    #[error("{cidr} was fenced by {by}, not by the caller: only its makers (or an operator) lift it")]
+    NotYours { cidr: Cidr, by: String },
+    #[error("saving the fence list (nothing changed): {0}")]
+    Save(io::Error),
 }
 
 /// Held for as long as an admitted connection lives.
@@ -201,7 +282,8 @@ mod tests {
         let (server_side, peer) = l.accept().await.unwrap();
         let adm = f.admit(peer, &server_side, "nbd").unwrap();
         assert_eq!(f.clients().len(), 1);
-        let (list, cut) = f.update(&["127.0.0.0/8".parse().unwrap()], &[]).unwrap();
+        let lo: Cidr = "127.0.0.0/8".parse().unwrap();
+        let (list, cut) = f.update(Change::Fence(&[lo]), "controller").unwrap();
         assert_eq!((list.len(), cut), (1, 1));
         // The client sees its connection end.
         let mut buf = [0u8; 1];
@@ -212,9 +294,38 @@ mod tests {
         assert!(f.clients().is_empty());
         // Persisted: a new registry (the next daemon) has it; unfencing removes it.
         let again = Fences::load(&dir).unwrap();
-        assert_eq!(again.update(&[], &[]).unwrap().0, list);
-        again.update(&[], &list).unwrap();
-        assert!(Fences::load(&dir).unwrap().update(&[], &[]).unwrap().0.is_empty());
+        assert_eq!(again.list(), list);
+        again.update(Change::Lift { cidrs: &[lo], all: false }, "controller").unwrap();
+        assert!(Fences::load(&dir).unwrap().list().is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_maker_lifts_only_its_own_mark() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = Fences::load(dir.path()).unwrap();
+        let net: Cidr = "10.0.0.0/8".parse().unwrap();
+        f.update(Change::Fence(&[net]), "operator").unwrap();
+        let lift = Change::Lift { cidrs: &[net], all: false };
+        let e = f.update(lift, "controller/failover").unwrap_err();
+        assert!(e.to_string().contains("fenced by operator"), "{e}");
+        f.update(Change::Fence(&[net]), "controller/failover").unwrap();
+        // The failover's lift leaves the operator's fence in place.
+        let (list, _) = f.update(lift, "controller/failover").unwrap();
+        assert_eq!(list[&net], BTreeSet::from(["operator".to_owned()]));
+        f.update(Change::Fence(&[net]), "controller").unwrap();
+        assert!(f.update(Change::Lift { cidrs: &[net], all: true }, "operator").unwrap().0.is_empty());
+        // A block that is not fenced lifts as a no-op (the call is idempotent).
+        assert!(f.update(lift, "controller").unwrap().0.is_empty());
+    }
+
+    #[test]
+    fn fences_saved_before_makers_were_recorded_are_lifted_by_any_controller() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("fences.json"), r#"["10.1.0.0/16"]"#).unwrap();
+        let f = Fences::load(dir.path()).unwrap();
+        let net: Cidr = "10.1.0.0/16".parse().unwrap();
+        assert_eq!(f.list()[&net], BTreeSet::from([UNRECORDED.to_owned()]));
+        assert!(f.update(Change::Lift { cidrs: &[net], all: false }, "controller/failover").unwrap().0.is_empty());
     }
 }

@@ -836,8 +836,10 @@ async fn client(cli: Cli) -> Result<()> {
         }
         Cmd::Fence(f) => {
             let r = match f {
-                FenceCmd::Add { cidrs } => c.fence_networks(pb::FenceRequest { cidrs }).await,
-                FenceCmd::Remove { cidrs } => c.unfence_networks(pb::FenceRequest { cidrs }).await,
+                FenceCmd::Add { cidrs } => c.fence_networks(pb::FenceRequest { cidrs, owner: String::new() }).await,
+                FenceCmd::Remove { cidrs } => {
+                    c.unfence_networks(pb::FenceRequest { cidrs, owner: String::new() }).await
+                }
                 FenceCmd::List => c.list_fences(pb::ListFencesRequest {}).await,
             };
             cli::print_fences(out, r.map_err(rpc_error)?.get_ref());

@@ -4,14 +4,13 @@
 //! the node's connections. The controller role may make these and nothing wider: an export open
 //! to any client, or to a network, stays an operator's decision. One node at a time: a second
 //! node is refused here, whatever the caller checked before (and of two racing calls the
-//! exports' own check lets one through).
+//! exports' own check lets one through). The node opens it only while its identity also holds
+//! the `nbd-client` role: a controller cannot open a volume to a certificate without it.
 
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::Status;
 
-use crate::exports::{ExportRecord, ExportTable};
-
-const PREFIX: &str = "csi-publish-";
+use crate::exports::{ExportRecord, ExportTable, PUBLICATION_PREFIX as PREFIX};
 
 fn export_name(volume: &str) -> String {
     format!("{PREFIX}{volume}")

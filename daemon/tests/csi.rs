@@ -276,10 +276,52 @@ async fn controller_conformance_across_two_nodes() {
     assert_eq!(ctl.delete_volume(del("")).await.unwrap_err().code(), Code::InvalidArgument);
     assert!(!b.ok(&["volume", "list"]).contains("v1 "));
 
-    // Probe says not ready (without failing) once no daemon answers.
+    // Probe answers from the plugin's own state, ready, even once no daemon answers: the
+    // livenessprobe must not restart the controller for a lost node.
     a.stop();
     b.stop();
-    assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(false));
+    assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
+}
+
+/// A node whose daemon accepts connections and never answers (powered off behind a listening
+/// address, partitioned), sorted first: CreateVolume, ListVolumes, GetCapacity, ListSnapshots
+/// and Probe all answer, the listing naming the node it could not read. The times are printed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silent_node_never_stalls_the_controller() {
+    let dir = tempfile::tempdir().unwrap();
+    let silent = std::net::TcpListener::bind("127.0.0.4:0").unwrap();
+    let da = dir.path().join("a");
+    std::fs::create_dir_all(&da).unwrap();
+    let a = Daemon::start(&da);
+    let nodes =
+        [("node-0", format!("tcp://{}", silent.local_addr().unwrap())), ("node-a", a.admin().display().to_string())];
+    let _csi = common::csi::start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
+    let ch = channel(&dir.path().join("csi.sock")).await;
+    let mut ctl = csi::controller_client::ControllerClient::new(ch.clone());
+    let mut id = csi::identity_client::IdentityClient::new(ch);
+    let timed = |what: &str, t: std::time::Instant| println!("   {what}: {:?} with node-0 silent", t.elapsed());
+    let t = std::time::Instant::now();
+    assert_eq!(id.probe(csi::ProbeRequest {}).await.unwrap().into_inner().ready, Some(true));
+    assert!(t.elapsed() < std::time::Duration::from_secs(1), "Probe took {:?}", t.elapsed());
+    timed("Probe", t);
+    let t = std::time::Instant::now();
+    let v = ctl.create_volume(create("v", 1 << 20, None)).await.unwrap().into_inner().volume.unwrap();
+    assert!(v.volume_id.starts_with("node-a/"), "{v:?}");
+    timed("CreateVolume", t);
+    let t = std::time::Instant::now();
+    let listed = ctl.list_volumes(csi::ListVolumesRequest::default()).await.unwrap();
+    assert_eq!(listed.metadata().get("ferrite-unread-nodes").unwrap(), "node-0");
+    let ids: Vec<_> = listed.get_ref().entries.iter().map(|e| e.volume.as_ref().unwrap().volume_id.clone()).collect();
+    assert_eq!(ids, [v.volume_id.clone()]);
+    timed("ListVolumes", t);
+    let t = std::time::Instant::now();
+    let cap = ctl.get_capacity(csi::GetCapacityRequest::default()).await.unwrap().into_inner();
+    assert!(cap.available_capacity > 0, "{cap:?}");
+    timed("GetCapacity", t);
+    let t = std::time::Instant::now();
+    ctl.list_snapshots(csi::ListSnapshotsRequest::default()).await.unwrap();
+    timed("ListSnapshots", t);
+    drop(silent);
 }
 
 /// A second operation on a volume while the first is still running is Aborted. The first one

@@ -1021,6 +1021,23 @@ fn failover(c: &mut Cluster, vol: &str, pv: &str) {
     }
     let node = c.cp.get(&["node", lost]);
     assert_eq!(node["metadata"]["annotations"]["failover.ferrite.dev/fenced"], block.as_str(), "{}", node["metadata"]);
+    // The workload may go: the node is tainted out-of-service (Kubernetes deletes its pods and
+    // detaches their volumes at once) and fenced (NoSchedule).
+    let ours = |cp: &ControlPlane| -> Vec<String> {
+        let n = cp.get(&["node", lost]);
+        let taints = n["spec"]["taints"].as_array().cloned().unwrap_or_default();
+        taints
+            .iter()
+            .filter(|t| t["value"] == "ferrite-failover")
+            .map(|t| format!("{}:{}", t["key"], t["effect"]))
+            .collect()
+    };
+    c.cp.wait("node-c tainted out-of-service and fenced", LONG, |cp| ours(cp).len() == 2);
+    let taints = ours(&c.cp);
+    assert!(
+        taints.iter().any(|t| t.contains("node.kubernetes.io/out-of-service") && t.contains("NoExecute")),
+        "{taints:?}"
+    );
     let got = common::nbd::read_image(c.daemon(&promoted), vol, content.len() as u64);
     assert!(got == content, "the promoted copy lacks acknowledged writes");
     let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
@@ -1052,7 +1069,7 @@ fn failover(c: &mut Cluster, vol: &str, pv: &str) {
     c.cp.wait("node-c to be in sync and its fence lifted", LONG, |cp| {
         let fenced = daemons[..2].iter().any(|d| d.ok(&["fence", "list"]).contains(&block));
         let annotated = cp.get(&["node", lost])["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_string();
-        !fenced && !annotated
+        !fenced && !annotated && ours(cp).is_empty()
     });
     let s = c.daemon(other).json(&["replica", "status", vol]);
     let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"].as_str().unwrap().contains(&c.nodes[i].ip));

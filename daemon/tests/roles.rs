@@ -174,6 +174,9 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
         }
     }
     assert!(refused > 100, "{refused}");
+    controller_lifts_only_its_own_fences(&admin, &pki).await;
+    controller_carries_the_keys_it_uses(&admin, &pki).await;
+    controller_replicates_only_to_replication_peers(&admin, &pki).await;
 
     // A certificate naming no configured identity is closed right after its handshake (and
     // counted); one identity holds at most half the connection slots (4 of 8 here): neither a
@@ -208,4 +211,87 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
     // Refusals are logged with the identity and the call, and nothing was harmed.
     assert!(d.log().contains("call refused"));
     assert!(d.stop().success(), "{}", d.log());
+}
+
+/// A fence records its maker: the controller's failover and its NetworkFence are separate marks,
+/// and the controller lifts neither an operator's fence nor the other job's mark.
+async fn controller_lifts_only_its_own_fences(admin: &str, pki: &std::path::Path) {
+    use ferrite_proto::ferrite::v1::{FenceRequest, ListFencesRequest, admin_client::AdminClient};
+    let op = AdminClient::new(tls_channel(admin, pki, "op").await);
+    let ctl = AdminClient::new(tls_channel(admin, pki, "ctl").await);
+    let req = |cidr: &str, owner: &str| FenceRequest { cidrs: vec![cidr.into()], owner: owner.into() };
+    op.clone().fence_networks(req("10.250.0.0/16", "")).await.unwrap();
+    ctl.clone().fence_networks(req("10.251.0.0/16", "failover")).await.unwrap();
+    ctl.clone().fence_networks(req("10.250.0.0/16", "failover")).await.unwrap();
+    for (cidr, owner) in [("10.250.0.0/16", ""), ("10.251.0.0/16", "network-fence")] {
+        let e = ctl.clone().unfence_networks(req(cidr, owner)).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{cidr} {owner}: {e:?}");
+        assert!(e.message().contains("only its makers"), "{e:?}");
+    }
+    let bad = ctl.clone().fence_networks(req("10.252.0.0/16", "Not A Name")).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    // The failover's lift leaves the operator's fence of the same block in place.
+    for cidr in ["10.250.0.0/16", "10.251.0.0/16"] {
+        ctl.clone().unfence_networks(req(cidr, "failover")).await.unwrap();
+    }
+    let list = ctl.clone().list_fences(ListFencesRequest {}).await.unwrap().into_inner();
+    assert_eq!(list.cidrs, ["10.250.0.0/16"]);
+    assert_eq!(list.fences[0].by, ["operator"]);
+    // An operator lifts every mark.
+    op.clone().unfence_networks(req("10.250.0.0/16", "")).await.unwrap();
+    assert!(op.clone().list_fences(ListFencesRequest {}).await.unwrap().into_inner().cidrs.is_empty());
+}
+
+/// Only an operator names a key-directory key by its id alone; a controller carries the key, and
+/// a key that is not the volume's current one opens and rewraps nothing.
+async fn controller_carries_the_keys_it_uses(admin: &str, pki: &std::path::Path) {
+    use ferrite_proto::ferrite::v1::{
+        CreateVolumeRequest, GetVolumeRequest, KeyRef, RekeyVolumeRequest, UnlockVolumeRequest,
+        admin_client::AdminClient,
+    };
+    let op = AdminClient::new(tls_channel(admin, pki, "op").await);
+    let ctl = AdminClient::new(tls_channel(admin, pki, "ctl").await);
+    let by_id = |id: &str| Some(KeyRef { key_id: id.into(), key: Vec::new() });
+    let carried = |id: &str, b: u8| Some(KeyRef { key_id: id.into(), key: vec![b; 32] });
+    let create =
+        |name: &str, key| CreateVolumeRequest { name: name.into(), size: 1 << 20, limits: None, encryption: key };
+    op.clone().create_volume(create("enc", by_id("k1"))).await.unwrap();
+    let denied = |r: Result<_, tonic::Status>, what: &str| {
+        let e = r.err().unwrap_or_else(|| panic!("{what}: allowed"));
+        assert_eq!(e.code(), Code::PermissionDenied, "{what}: {e:?}");
+        assert!(e.message().contains("key directory"), "{what}: {e:?}");
+    };
+    denied(ctl.clone().create_volume(create("enc2", by_id("k9"))).await.map(drop), "create by id");
+    denied(
+        ctl.clone().unlock_volume(UnlockVolumeRequest { name: "enc".into(), key: by_id("k1") }).await.map(drop),
+        "unlock by id",
+    );
+    let rekey = |old, new, data_key| RekeyVolumeRequest { name: "enc".into(), old_key: old, new_key: new, data_key };
+    denied(ctl.clone().rekey_volume(rekey(by_id("k1"), carried("k2", 2), false)).await.map(drop), "rekey by id");
+    denied(ctl.clone().rekey_volume(rekey(None, None, true)).await.map(drop), "data key by id");
+    denied(ctl.clone().rekey_volume(rekey(carried("k1", 7), by_id("k2"), false)).await.map(drop), "to a key by id");
+    // A carried key that is not the volume's: refused by the volume, nothing changed.
+    let wrong = ctl.clone().rekey_volume(rekey(carried("k1", 7), carried("k2", 2), false)).await.unwrap_err();
+    assert_eq!(wrong.code(), Code::FailedPrecondition, "{wrong:?}");
+    let v = op.clone().get_volume(GetVolumeRequest { name: "enc".into() }).await.unwrap().into_inner();
+    assert_eq!(v.encryption.unwrap().key_id, "k1");
+    let made = op.clone().get_volume(GetVolumeRequest { name: "enc2".into() }).await;
+    assert_eq!(made.unwrap_err().code(), Code::NotFound);
+}
+
+/// A controller names as a replication peer only an endpoint whose certificate holds the
+/// replication-peer role: this daemon's own certificate (`server`) holds none.
+async fn controller_replicates_only_to_replication_peers(admin: &str, pki: &std::path::Path) {
+    use ferrite_proto::ferrite::v1::{AddSyncReplicaRequest, EnableReplicationRequest, admin_client::AdminClient};
+    let ctl = AdminClient::new(tls_channel(admin, pki, "ctl").await);
+    let peer = format!("tcp://{admin}");
+    let add = AddSyncReplicaRequest { volume: "enc".into(), peer: peer.clone(), witness: false };
+    let enable = EnableReplicationRequest { volume: "enc".into(), peer, ..Default::default() };
+    for got in
+        [ctl.clone().add_sync_replica(add).await.map(drop), ctl.clone().enable_replication(enable).await.map(drop)]
+    {
+        let e = got.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("holds no replication-peer role"), "{e:?}");
+    }
 }

@@ -151,3 +151,196 @@ fn in_sync_copies_never_differ_after_a_failover() {
     let g = p["generation"].as_u64().unwrap();
     assert!(g > 4, "generation {g}");
 }
+
+/// A member that stores what it is sent, or, once told to lie, answers every Record and Get
+/// with one membership of its choosing.
+#[derive(Debug, Clone, Default)]
+struct Liar {
+    lie: std::sync::Arc<std::sync::Mutex<Option<ferrite_proto::ferrite::v1::Membership>>>,
+    held: std::sync::Arc<std::sync::Mutex<ferrite_proto::ferrite::v1::Membership>>,
+}
+
+#[tonic::async_trait]
+impl ferrite_proto::ferrite::v1::mirror_server::Mirror for Liar {
+    type StreamStream = tokio_stream::Empty<Result<ferrite_proto::ferrite::v1::MirrorAck, tonic::Status>>;
+    async fn stream(
+        &self,
+        _: tonic::Request<tonic::Streaming<ferrite_proto::ferrite::v1::MirrorMessage>>,
+    ) -> Result<tonic::Response<Self::StreamStream>, tonic::Status> {
+        Err(tonic::Status::unavailable("a liar takes no stream"))
+    }
+    async fn record(
+        &self,
+        req: tonic::Request<ferrite_proto::ferrite::v1::Membership>,
+    ) -> Result<tonic::Response<ferrite_proto::ferrite::v1::RecordReply>, tonic::Status> {
+        let reply = match self.lie.lock().unwrap().clone() {
+            Some(lie) => ferrite_proto::ferrite::v1::RecordReply { stored: false, held: Some(lie) },
+            None => {
+                *self.held.lock().unwrap() = req.get_ref().clone();
+                ferrite_proto::ferrite::v1::RecordReply { stored: true, held: Some(req.into_inner()) }
+            }
+        };
+        Ok(tonic::Response::new(reply))
+    }
+    async fn get(
+        &self,
+        _: tonic::Request<ferrite_proto::ferrite::v1::MembershipRequest>,
+    ) -> Result<tonic::Response<ferrite_proto::ferrite::v1::Membership>, tonic::Status> {
+        let lie = self.lie.lock().unwrap().clone();
+        Ok(tonic::Response::new(lie.unwrap_or_else(|| self.held.lock().unwrap().clone())))
+    }
+    async fn rebuild(
+        &self,
+        _: tonic::Request<tonic::Streaming<ferrite_proto::ferrite::v1::RebuildMessage>>,
+    ) -> Result<tonic::Response<ferrite_proto::ferrite::v1::RebuildReply>, tonic::Status> {
+        Err(tonic::Status::unavailable("a liar rebuilds nothing"))
+    }
+}
+
+/// A TLS connection the liar's gRPC server takes.
+struct Conn(ferrite_tls::tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for Conn {
+    type ConnectInfo = ();
+    fn connect_info(&self) {}
+}
+
+impl tokio::io::AsyncRead for Conn {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Conn {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+impl Liar {
+    /// Serves the Mirror service on `ip` with the certificate `name` of `pki` (a replication
+    /// peer of the primary's); returns it and its endpoint.
+    async fn start(pki: &std::path::Path, name: &str, ip: &str) -> (Self, String) {
+        let p = |f: &str| pki.join(f);
+        let cfg = ferrite_tls::server_config(
+            &p(&format!("{name}.pem")),
+            &p(&format!("{name}-key.pem")),
+            Some(&p("ca.pem")),
+            &[b"h2"],
+        )
+        .unwrap();
+        let acceptor = ferrite_tls::TlsAcceptor::from(cfg);
+        let listener = tokio::net::TcpListener::bind(format!("{ip}:0")).await.unwrap();
+        let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+        let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Conn>>(4);
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                tokio::spawn(async move {
+                    if let Ok(tls) = acceptor.accept(tcp).await {
+                        let _ = tx.send(Ok(Conn(tls))).await;
+                    }
+                });
+            }
+        });
+        let liar = Self::default();
+        let svc = ferrite_proto::ferrite::v1::mirror_server::MirrorServer::new(liar.clone());
+        let incoming = tokio_stream::wrappers::ReceiverStream::new(rx);
+        tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming));
+        (liar, endpoint)
+    }
+
+    /// Lies with `m` from now on; None: honest again.
+    fn says(&self, m: Option<ferrite_proto::ferrite::v1::Membership>) {
+        *self.lie.lock().unwrap() = m;
+    }
+}
+
+/// A member that lies — its answers name another volume, or a later generation of the volume
+/// with itself as primary and another member list — changes nothing on the primary: nothing it
+/// says is stored, the primary never steps down on its word (as a joining peer, nor as a member
+/// the primary asks again after a restart), and the other volume keeps taking writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lying_member_changes_nothing_on_the_primary() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("p");
+    let (mut d, admin, _) = common::csi::tcp_node(&dir, "127.0.0.2");
+    let pki = root.path().join("pki");
+    common::csi::certs(&pki, "node-127-0-0-3", &["127.0.0.3"]);
+    let (liar, at) = Liar::start(&pki, "node-127-0-0-3", "127.0.0.3").await;
+    let me = format!("tcp://{admin}");
+    for v in ["v", "w", "plain3"] {
+        d.ok(&["volume", "create", v, "16M"]);
+        d.ok(&["export", "nbd", v]);
+    }
+    let write = |d: &Daemon, volume: &'static str, seed: u64| {
+        let nbd = d.nbd();
+        tokio::task::spawn_blocking(move || fua_write(&mut connect(&nbd, volume), 0, &pattern(seed, 4096)))
+    };
+    let add = |d: &Daemon, volume: &str, how: &str| {
+        let (sock, args) = (d.admin(), ["replica", "add", volume, &at, how].map(str::to_owned));
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(common::BIN).arg("--admin-socket").arg(sock).args(args).output().unwrap()
+        })
+    };
+    let primary_here = |d: &Daemon, volume: &str, why: &str| {
+        let s = d.json(&["replica", "status", volume]);
+        assert_eq!((s["role"].as_str(), s["primary"].as_str()), (Some("primary"), Some(me.as_str())), "{why}: {s}");
+        assert!(s["generation"].as_u64().unwrap() < 100, "{why}: {s}");
+        assert_eq!(d.json(&["volume", "show", volume])["read_only"], false, "{why}");
+        s
+    };
+    assert_eq!(write(&d, "v", 1).await.unwrap(), 0);
+    // As a joining peer.
+    let lies = [
+        membership("plain3", 100, &at, &[(&at, "in-sync"), (&me, "in-sync")]),
+        membership("v", 100, &at, &[(&at, "in-sync")]),
+        membership("v", 1 << 39, &at, &[(&at, "in-sync"), (&me, "ejected")]),
+    ];
+    for lie in lies {
+        liar.says(Some(lie.clone()));
+        assert!(!add(&d, "v", "--sync").await.unwrap().status.success(), "{lie:?} was taken");
+        assert_eq!(primary_here(&d, "v", &format!("{lie:?}"))["refused"], "", "{lie:?}");
+    }
+    assert_eq!(write(&d, "v", 2).await.unwrap(), 0);
+
+    // As a member (a witness of w) the primary asks again after a restart: a later generation
+    // naming itself, and no vote. The primary refuses writes without a majority, but stays the
+    // primary, and takes writes again once the member answers truly.
+    liar.says(None);
+    let o = add(&d, "w", "--witness").await.unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    liar.says(Some(membership("w", 1 << 39, &at, &[(&at, "in-sync"), (&me, "ejected")])));
+    assert!(d.stop().success(), "{}", d.log());
+    let d = Daemon::start(&dir);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_ne!(primary_here(&d, "w", "a lying witness")["refused"], "", "no majority, no writes");
+    liar.says(None);
+    until("the primary takes writes again", 20, || d.json(&["replica", "status", "w"])["refused"] == "");
+    primary_here(&d, "w", "an honest witness again");
+    assert_eq!(write(&d, "w", 4).await.unwrap(), 0);
+    // plain3 was never made a replica, and takes writes.
+    assert_eq!(write(&d, "plain3", 3).await.unwrap(), 0);
+    assert!(!d.cli(&["replica", "status", "plain3"]).status.success());
+    assert_eq!(d.json(&["volume", "show", "plain3"])["read_only"], false);
+}

@@ -1,7 +1,7 @@
 //! TLS with real clients: nbdinfo, nbdcopy (libnbd, GnuTLS) and qemu-img / qemu-io
 //! (tls-creds-x509) over `NBD_OPT_STARTTLS` with client certificates; clients without a
-//! certificate, with one from another CA, or off an export's allow list are refused, and so is
-//! plaintext where TLS is required. The admin API and the metrics endpoint over TCP take only
+//! certificate, with one from another CA, without the nbd-client role, or off an export's allow
+//! list are refused, and so is plaintext where TLS is required. The admin API and the metrics endpoint over TCP take only
 //! mutual TLS.
 
 mod common;
@@ -36,9 +36,11 @@ struct Setup {
     admin: String,
     metrics: String,
     pki: PathBuf,
-    /// Client directories: with client-a's, client-b's, no, and a stranger's certificate.
+    /// Client directories: with client-a's (operator), client-b's (no role), client-c's
+    /// (nbd-client), no, and a stranger's certificate.
     a: PathBuf,
     b: PathBuf,
+    c: PathBuf,
     anonymous: PathBuf,
     stranger: PathBuf,
 }
@@ -49,6 +51,7 @@ fn setup() -> Setup {
     certs(&pki, "server", &["127.0.0.1", "localhost"]);
     certs(&pki, "client-a", &[]);
     certs(&pki, "client-b", &[]);
+    certs(&pki, "client-c", &[]);
     let other = dir.path().join("other-ca");
     certs(&other, "client-a", &[]); // the same name, from another CA
     let port = || format!("127.0.0.1:{}", free_port("127.0.0.1"));
@@ -61,7 +64,7 @@ fn setup() -> Setup {
         format!(
             "pool-size = \"1G\"\nsegment-size = \"4M\"\nnbd-listen = \"{nbd}\"\nadmin-listen = \"{admin}\"\n\
              metrics-listen = \"{metrics}\"\n\
-             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n[roles]\n\"client-a\" = \"operator\"\n",
+             tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n[roles]\n\"client-a\" = \"operator\"\n\"client-c\" = \"nbd-client\"\n",
             p("server.pem"),
             p("server-key.pem"),
             p("ca.pem")
@@ -74,6 +77,7 @@ fn setup() -> Setup {
     Setup {
         a: client_dir(&clients, "a", &ca, Some((&pki, "client-a"))),
         b: client_dir(&clients, "b", &ca, Some((&pki, "client-b"))),
+        c: client_dir(&clients, "c", &ca, Some((&pki, "client-c"))),
         anonymous: client_dir(&clients, "anonymous", &ca, None),
         stranger: client_dir(&clients, "stranger", &ca, Some((&other, "client-a"))),
         _dir: dir,
@@ -148,9 +152,12 @@ fn nbd_over_tls_with_real_clients_and_who_is_refused() {
     assert!(!s.qemu_io("db", &s.stranger, &["read 0 4k"]).status.success());
 
     // Allow lists: by identity, and by network; listing shows only what the client may open.
+    // client-b has no role: it opens only what names it, never an export open to every client.
     assert!(!s.nbdinfo("secret", &s.a, &[]).status.success(), "client-a is not on secret's list");
     let o = s.nbdinfo("secret", &s.b, &["--size"]);
     assert!(o.status.success(), "client-b is: {}", text(&o));
+    assert!(!s.nbdinfo("db", &s.b, &[]).status.success(), "client-b has no nbd-client role");
+    assert!(!s.qemu_io("db", &s.b, &["read 0 4k"]).status.success(), "client-b has no nbd-client role");
     assert!(!s.nbdinfo("elsewhere", &s.a, &[]).status.success(), "127.0.0.1 is not in 10.9.0.0/16");
     let listed = |dir: &Path| {
         let o = s.nbdinfo("", dir, &["--list", "--json"]);
@@ -162,7 +169,32 @@ fn nbd_over_tls_with_real_clients_and_who_is_refused() {
         names
     };
     assert_eq!(listed(&s.a), ["db"]);
-    assert_eq!(listed(&s.b), ["db", "secret"]);
+    assert_eq!(listed(&s.b), ["secret"]);
+    assert_eq!(listed(&s.c), ["db"]);
+    assert!(s.d.stop().success(), "{}", s.d.log());
+}
+
+/// A publication (the export a controller makes for one node) opens only for that node, and
+/// only while its identity holds nbd-client: a controller cannot open a volume to a certificate
+/// without the role, as an operator's own allow list can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_opens_only_for_its_node_holding_nbd_client() {
+    use ferrite_proto::ferrite::v1::{PublishVolumeRequest, admin_client::AdminClient};
+    if !have("nbdinfo") {
+        return;
+    }
+    let mut s = setup();
+    let mut op = AdminClient::new(common::csi::tls_channel(&s.admin, &s.pki, "client-a").await);
+    for (volume, node) in [("to-b", "client-b"), ("to-c", "client-c")] {
+        s.d.ok(&["volume", "create", volume, "16M"]);
+        let req = PublishVolumeRequest { volume: volume.into(), node: node.into(), local: false, read_only: false };
+        op.publish_volume(req).await.unwrap();
+    }
+    let o = s.nbdinfo("csi-publish-to-c", &s.c, &["--size"]);
+    assert!(o.status.success(), "client-c holds nbd-client and is named: {}", text(&o));
+    assert!(!s.nbdinfo("csi-publish-to-c", &s.a, &[]).status.success(), "client-a is not the node named");
+    let o = s.nbdinfo("csi-publish-to-b", &s.b, &[]);
+    assert!(!o.status.success(), "client-b is named but holds no nbd-client: {}", text(&o));
     assert!(s.d.stop().success(), "{}", s.d.log());
 }
 

@@ -69,6 +69,9 @@ pub struct Export {
     /// TCP client must match an entry. Unix-socket clients are local: the socket's permissions
     /// decide.
     pub allow: Vec<Allow>,
+    /// An identity on the allow list is admitted only if it also holds the listener's role (an
+    /// export a controller made); otherwise the name alone admits it (an operator's own list).
+    pub names_need_role: bool,
     pub metrics: ExportMetrics,
     /// Duplicates of the sockets of the connections in transmission on this export (to cut
     /// them), or None once the export was removed.
@@ -90,29 +93,47 @@ impl Export {
             read_only,
             description: description.into(),
             allow: Vec::new(),
+            names_need_role: false,
             metrics: ExportMetrics::default(),
             connections: Mutex::new(Some(BTreeMap::new())),
             next_connection: AtomicU64::new(0),
         }
     }
 
-    /// Restricts who may open the export.
+    /// Restricts who may open the export; with `names_need_role`, see the field.
     #[must_use]
-    pub fn with_allow(mut self, allow: Vec<Allow>) -> Self {
+    pub fn with_allow(mut self, allow: Vec<Allow>, names_need_role: bool) -> Self {
         self.allow = allow;
+        self.names_need_role = names_need_role;
         self
     }
 
     /// Whether a client (its address, None on a Unix socket; its verified certificate) may
-    /// open this export.
-    pub fn permits(&self, ip: Option<IpAddr>, cert: Option<&ferrite_tls::CertificateDer<'_>>) -> bool {
+    /// open this export. A certificate whose identity lacks the listener's role (`role`) is
+    /// refused unless the allow list names it (and the export does not need the role of names
+    /// too); the rest is judged by the list's entries (an empty list: every client).
+    pub fn permits(
+        &self,
+        ip: Option<IpAddr>,
+        cert: Option<&ferrite_tls::CertificateDer<'_>>,
+        role: Option<&crate::tls::RoleCheck>,
+    ) -> bool {
         let Some(ip) = ip.map(|ip| ip.to_canonical()) else { return true };
-        self.allow.is_empty()
-            || self.allow.iter().any(|a| match a {
-                Allow::Net(n) => n.contains(&ip),
-                Allow::Identity(id) => cert.is_some_and(|c| ferrite_tls::names(c, id)),
-                Allow::Local => false,
-            })
+        let named = |id: &str| cert.is_some_and(|c| ferrite_tls::names(c, id));
+        let has_role = match (cert, role) {
+            (Some(cert), Some(role)) => role(cert),
+            _ => true,
+        };
+        if !self.names_need_role && self.allow.iter().any(|a| matches!(a, Allow::Identity(id) if named(id))) {
+            return true;
+        }
+        has_role
+            && (self.allow.is_empty()
+                || self.allow.iter().any(|a| match a {
+                    Allow::Net(n) => n.contains(&ip),
+                    Allow::Identity(id) => named(id),
+                    Allow::Local => false,
+                }))
     }
 
     /// Registers a connection about to serve this export; None once the export was removed
@@ -215,10 +236,10 @@ mod tests {
         let store = Arc::new(ferrite_engine::io::MemoryBackend::new(64 << 20));
         let pool = ferrite_engine::Pool::create_on(store, &pool_dir.path().join("meta"), opts).unwrap();
         pool.create_volume("v", 1 << 20).unwrap();
-        let e = Export::new("v", pool.open_volume("v").unwrap(), false, "").with_allow(vec![Allow::Local]);
-        assert!(e.permits(None, None), "the Unix socket is local");
-        assert!(!e.permits(Some("127.0.0.1".parse().unwrap()), None), "TCP from loopback is still TCP");
+        let e = Export::new("v", pool.open_volume("v").unwrap(), false, "").with_allow(vec![Allow::Local], false);
+        assert!(e.permits(None, None, None), "the Unix socket is local");
+        assert!(!e.permits(Some("127.0.0.1".parse().unwrap()), None, None), "TCP from loopback is still TCP");
         let open = Export::new("w", pool.open_volume("v").unwrap(), false, "");
-        assert!(open.permits(Some("192.0.2.1".parse().unwrap()), None));
+        assert!(open.permits(Some("192.0.2.1".parse().unwrap()), None, None));
     }
 }

@@ -124,7 +124,9 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     // The exports this client may see and open.
-    let visible = |s: &Stream<S>, name: &str| exports.get(name).filter(|e| e.permits(client.ip, s.peer_certificate()));
+    let role = client.tls.role.as_ref();
+    let permits = |s: &Stream<S>, e: &Export| e.permits(client.ip, s.peer_certificate(), role);
+    let visible = |s: &Stream<S>, name: &str| exports.get(name).filter(|e| permits(s, e));
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBD_MAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -178,8 +180,7 @@ where
                     reply_err(s, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data").await?;
                     continue;
                 }
-                let listed: Vec<_> =
-                    exports.list().into_iter().filter(|e| e.permits(client.ip, s.peer_certificate())).collect();
+                let listed: Vec<_> = exports.list().into_iter().filter(|e| permits(s, e)).collect();
                 for e in listed {
                     let mut p = Vec::with_capacity(4 + e.name.len());
                     p.extend_from_slice(&u32::try_from(e.name.len()).unwrap_or(0).to_be_bytes());

@@ -37,16 +37,22 @@ impl std::str::FromStr for TlsMode {
     }
 }
 
+/// Whether a verified client certificate's identity holds the role that opens exports.
+pub type RoleCheck = Arc<dyn Fn(&ferrite_tls::CertificateDer<'_>) -> bool + Send + Sync>;
+
 /// A listener's TLS: its mode and, unless off, the acceptor (certificate, client verification).
 #[derive(Clone, Default)]
 pub struct Tls {
     pub mode: TlsMode,
     pub acceptor: Option<Arc<ServerTls>>,
+    /// With it, a client certificate whose identity lacks the role opens only exports whose
+    /// allow list names it; None: any certificate the CA signed is judged by allow lists alone.
+    pub role: Option<RoleCheck>,
 }
 
 impl std::fmt::Debug for Tls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tls").field("mode", &self.mode).finish_non_exhaustive()
+        f.debug_struct("Tls").field("mode", &self.mode).field("role", &self.role.is_some()).finish_non_exhaustive()
     }
 }
 

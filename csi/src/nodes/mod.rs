@@ -11,8 +11,10 @@
 pub mod kubernetes;
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use ferrite_proto::ClientTls;
@@ -114,6 +116,59 @@ pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Ch
         .await
         .map_err(|e| Status::unavailable(format!("node {node}: daemon at {at} unreachable: {e}")))?;
     Ok(AdminClient::new(ch))
+}
+
+/// How long each node has to answer a call that asks every node: one that does not answer in
+/// time (powered off, partitioned) is skipped, so a lost node never stalls the controller.
+pub const SCAN: Duration = Duration::from_secs(3);
+
+/// What a scan of the nodes found: the answers in the directory's order, and the nodes that
+/// did not answer within [`SCAN`] (or whose daemon was unreachable), with why.
+#[derive(Debug)]
+pub struct Scan<T> {
+    pub answers: Vec<(String, T)>,
+    pub silent: Vec<(String, String)>,
+}
+
+impl<T> Scan<T> {
+    /// The silent nodes for a message or a response header ("" when none).
+    pub fn silent_names(&self) -> String {
+        self.silent.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(",")
+    }
+}
+
+/// Asks every node of `nodes` at once with `f` (given the node and a client for it), each
+/// within [`SCAN`]. A node that is unreachable or does not answer in time is skipped and
+/// logged; any other error is the scan's error (an answer that says something is wrong).
+pub async fn scan<T, F, Fut>(dir: &dyn NodeDirectory, nodes: Vec<String>, f: F) -> Result<Scan<T>, Status>
+where
+    F: Fn(String, AdminClient<Channel>) -> Fut,
+    Fut: Future<Output = Result<T, Status>>,
+{
+    let f = &f;
+    let calls = nodes.into_iter().map(|node| async move {
+        let call = async {
+            let c = admin(dir, &node).await?;
+            f(node.clone(), c).await
+        };
+        let r = tokio::time::timeout(SCAN, call).await;
+        (node, r)
+    });
+    let mut out = Scan { answers: Vec::new(), silent: Vec::new() };
+    for (node, r) in futures_util::future::join_all(calls).await {
+        match r {
+            Ok(Ok(t)) => out.answers.push((node, t)),
+            Ok(Err(s)) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded) => {
+                out.silent.push((node, s.message().to_owned()));
+            }
+            Ok(Err(s)) => return Err(s),
+            Err(_) => out.silent.push((node, format!("no answer within {SCAN:?}"))),
+        }
+    }
+    for (node, why) in &out.silent {
+        tracing::warn!(node, why, "node skipped: its daemon does not answer");
+    }
+    Ok(out)
 }
 
 /// The node serving the volume a CSI volume id names (for a replicated volume, the node of its

@@ -247,6 +247,9 @@ impl SyncHub {
         let Some(p) = self.primaries.lock().expect("not poisoned").remove(volume) else { return };
         p.close(&format!("volume {volume} is no longer primary here: {why}"));
         tracing::warn!(volume, reason = why, "synchronous primary stepped down: read-only here now");
+        if let Some(tx) = self.stepped_down.lock().expect("not poisoned").as_ref() {
+            let _ = tx.send(volume.to_owned());
+        }
         let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
         drop(tokio::task::spawn_blocking(move || {
             let r = pool.set_read_only(&name, true).and_then(|_| pool.set_mirror(&name, None));
@@ -412,7 +415,7 @@ impl SyncHub {
         // generation up every second, past the one that replaced it, and refuse that one.
         let mut links = Vec::new();
         let mut answered = 1;
-        let mut newer = None;
+        let mut newer = Vec::new();
         for m in next.members.iter_mut().filter(|m| m.endpoint != self.me) {
             match self.held_at(&m.endpoint, &old.volume).await {
                 Ok(h) => {
@@ -421,7 +424,7 @@ impl SyncHub {
                         links.push(m.endpoint.clone());
                     }
                     if h.outranks(&old) && h.primary != self.me {
-                        newer = Some(h);
+                        newer.push((m.endpoint.clone(), h));
                     }
                 }
                 Err(e) if m.state == State::InSync => {
@@ -431,11 +434,9 @@ impl SyncHub {
                 Err(_) => {}
             }
         }
-        if let Some(h) = newer {
+        if let Some(why) = super::failed_over(&old, &newer) {
             // Evidence only: the new primary's Record, when it rebuilds this daemon, is what
             // changes the membership here.
-            let why =
-                format!("this daemon was failed over: generation {} names {} the primary", h.generation, h.primary);
             return self.step_down(&old.volume, &why);
         }
         if answered < old.majority() {

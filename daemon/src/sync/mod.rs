@@ -66,6 +66,9 @@ pub struct SyncHub {
     overcommit: f64,
     /// Memberships one primary may make here (`peer-quota`).
     quota: usize,
+    /// Told the name of every volume this daemon stepped down as primary of (its
+    /// publications end: see `daemon.rs`).
+    stepped_down: Mutex<Option<tokio::sync::mpsc::UnboundedSender<String>>>,
 }
 
 impl SyncHub {
@@ -86,7 +89,15 @@ impl SyncHub {
             rt: tokio::runtime::Handle::current(),
             overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
             quota: cfg.peer_quota,
+            stepped_down: Mutex::default(),
         }))
+    }
+
+    /// The volumes this daemon steps down as primary of, from now on.
+    pub fn steps_down(&self) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        *self.stepped_down.lock().expect("not poisoned") = Some(tx);
+        rx
     }
 
     /// The lock that orders membership operations on `volume` here.
@@ -175,7 +186,7 @@ impl SyncHub {
                 (e, r)
             });
         }
-        let mut newer: Option<Membership> = None;
+        let mut newer: Vec<(String, Membership)> = Vec::new();
         while let Some(Ok((e, r))) = calls.join_next().await {
             match r {
                 Ok(Ok(RecordReply { stored: true, .. })) => stored.push(e),
@@ -190,9 +201,7 @@ impl SyncHub {
                             && h.outranks(old)
                             && (h.outranks(next) || h.state_of(&self.me) != Some(State::InSync))
                     };
-                    if let Some(h) = held.filter(over) {
-                        newer = Some(h);
-                    }
+                    newer.extend(held.filter(over).map(|h| (e.clone(), h)));
                 }
                 Ok(Err(s)) => failures.push(s.message().to_owned()),
                 Err(_) => failures.push(format!("{e} did not answer within {:?}", self.timeout)),
@@ -203,13 +212,10 @@ impl SyncHub {
         if in_old >= old.majority() && in_next >= next.majority() {
             return Ok(());
         }
-        if let Some(h) = newer {
+        if let Some(why) = failed_over(old, &newer) {
             // Evidence, not a record: the new primary's own Record (when it rebuilds this
             // daemon) is what changes the membership here.
-            return Err(format!(
-                "this daemon was failed over: generation {} names {} the primary",
-                h.generation, h.primary
-            ));
+            return Err(why);
         }
         Err(format!(
             "generation {} was recorded on {in_next} of {} members (a majority is {}): {}",
@@ -219,6 +225,21 @@ impl SyncHub {
             failures.join("; ")
         ))
     }
+}
+
+/// Whether this daemon was failed over as primary of `old`, from the newer memberships naming
+/// another primary that members answered (endpoint, membership): only when a majority of
+/// `old`'s members says so. One member's word (a lie, a joining peer's, or a stale promotion
+/// that never won) never makes a primary step down for good; with fewer such answers it cannot
+/// record anything anyway, and it refuses writes until it can.
+fn failed_over(old: &Membership, newer: &[(String, Membership)]) -> Option<String> {
+    let mut said: Vec<&str> = newer.iter().map(|(e, _)| e.as_str()).filter(|e| old.member(e).is_some()).collect();
+    said.sort_unstable();
+    said.dedup();
+    let newest = newer.iter().map(|(_, h)| h).max_by(|a, b| a.rank().cmp(&b.rank()))?;
+    (said.len() >= old.majority()).then(|| {
+        format!("this daemon was failed over: generation {} names {} the primary", newest.generation, newest.primary)
+    })
 }
 
 /// A membership a member at `endpoint` answered about `volume`, checked as evidence: well
@@ -251,5 +272,34 @@ mod tests {
         let mut bad = m("v");
         bad.generation = u64::MAX;
         assert!(evidence("tcp://m:1", "v", &bad).is_err());
+    }
+
+    #[test]
+    fn only_a_majority_of_members_says_a_primary_was_failed_over() {
+        let member =
+            |e: &str, state: &str| pb::Member { endpoint: e.into(), state: state.into(), ..Default::default() };
+        let old = Membership::from_proto(&pb::Membership {
+            volume: "v".into(),
+            generation: 3,
+            primary: "tcp://p:1".into(),
+            members: vec![
+                member("tcp://p:1", "in-sync"),
+                member("tcp://a:1", "in-sync"),
+                member("tcp://b:1", "in-sync"),
+            ],
+            size: 1 << 20,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut claim = old.clone();
+        claim.generation = 100;
+        claim.primary = "tcp://a:1".into();
+        let said = |e: &str| (e.to_owned(), claim.clone());
+        assert_eq!(failed_over(&old, &[]), None);
+        assert_eq!(failed_over(&old, &[said("tcp://a:1")]), None, "one member's word");
+        assert_eq!(failed_over(&old, &[said("tcp://a:1"), said("tcp://a:1")]), None, "twice");
+        assert_eq!(failed_over(&old, &[said("tcp://a:1"), said("tcp://x:1")]), None, "a stranger");
+        let why = failed_over(&old, &[said("tcp://a:1"), said("tcp://b:1")]).unwrap();
+        assert!(why.contains("generation 100 names tcp://a:1"), "{why}");
     }
 }

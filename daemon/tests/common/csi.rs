@@ -173,11 +173,12 @@ pub fn certs(dir: &Path, name: &str, sans: &[&str]) {
 }
 
 /// The `[roles]` of every daemon of a test cluster: the CSI driver's certificate (`csi`) is the
-/// controller, the nodes of `tcp_node` (127.0.0.2 to 127.0.0.9) replicate with each other.
+/// controller, the nodes of `tcp_node` (127.0.0.2 to 127.0.0.9) replicate with each other and
+/// open the publications made for them.
 pub fn cluster_roles() -> String {
     let mut t = String::from("[roles]\n\"csi\" = \"controller\"\n");
     for i in 2..10 {
-        t.push_str(&format!("\"node-127-0-0-{i}\" = \"replication-peer\"\n"));
+        t.push_str(&format!("\"node-127-0-0-{i}\" = [\"replication-peer\", \"nbd-client\"]\n"));
     }
     t
 }

@@ -258,7 +258,7 @@ impl Drop for Switch {
 
 /// A daemon on host `i` of hosts in namespaces `ns` with addresses `ip`: its admin API on
 /// `<ip>:7070` with mutual TLS (certificates `host-<i>` from one CA in `<root>/pki`), every host
-/// a replication peer, `extra` added to its configuration.
+/// a replication peer and NBD client, `extra` added to its configuration.
 fn host_daemon(root: &Path, ns: &[String], ips: &[String], i: usize, extra: &str) -> Daemon {
     let dir = root.join(&ns[i]);
     std::fs::create_dir_all(&dir).unwrap();
@@ -266,8 +266,9 @@ fn host_daemon(root: &Path, ns: &[String], ips: &[String], i: usize, extra: &str
     let name = format!("host-{i}");
     super::csi::certs(&pki, &name, &[&ips[i]]);
     let p = |f: &str| pki.join(f).display().to_string();
-    let roles: String =
-        (0..ns.len()).map(|h| format!("\"host-{h}\" = [\"replication-peer\", \"metrics\"]\n")).collect();
+    let roles: String = (0..ns.len())
+        .map(|h| format!("\"host-{h}\" = [\"replication-peer\", \"nbd-client\", \"metrics\"]\n"))
+        .collect();
     let cfg = format!(
         "pool-size = \"2G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{}:7070\"\n\
          tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n[roles]\n{roles}",
