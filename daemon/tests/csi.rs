@@ -312,7 +312,7 @@ async fn a_silent_node_never_stalls_the_controller() {
     let listed = ctl.list_volumes(csi::ListVolumesRequest::default()).await.unwrap();
     assert_eq!(listed.metadata().get("ferrite-unread-nodes").unwrap(), "node-0");
     let ids: Vec<_> = listed.get_ref().entries.iter().map(|e| e.volume.as_ref().unwrap().volume_id.clone()).collect();
-    assert_eq!(ids, [v.volume_id.clone()]);
+    assert_eq!(ids, std::slice::from_ref(&v.volume_id));
     timed("ListVolumes", t);
     let t = std::time::Instant::now();
     let cap = ctl.get_capacity(csi::GetCapacityRequest::default()).await.unwrap().into_inner();

@@ -1,8 +1,10 @@
 //! The membership rule of synchronous replicas, tried as an attacker and as a tester would,
 //! between daemons in network namespaces over their real mutual-TLS admin listeners: a peer
 //! holding only a `replication-peer` certificate cannot take over, grow or rekey a volume
-//! through a membership, nor store an unbounded generation, nor more than its quota; and in-sync copies never differ
-//! after a failover, so a write that failed to its client never reads back after two of them.
+//! through a membership, nor store an unbounded generation, nor more than its quota; a lying
+//! member changes nothing; in-sync copies never differ after a failover, so a write that failed
+//! to its client never reads back after two of them; and a primary without a majority for
+//! longer than the ejection timeout serves no reads.
 
 mod common;
 
@@ -35,6 +37,20 @@ fn fua_write(s: &mut std::os::unix::net::UnixStream, offset: u64, data: &[u8]) -
     let mut reply = [0u8; 16];
     s.read_exact(&mut reply).unwrap();
     u32::from_be_bytes(reply[4..8].try_into().unwrap())
+}
+
+/// A read of `len` bytes at `offset`: the NBD error (0: served).
+fn read(s: &mut std::os::unix::net::UnixStream, offset: u64, len: u32) -> u32 {
+    use std::io::{Read, Write};
+    s.write_all(&request(ferrite_nbd::proto::CMD_READ, 0, 8, offset, len, &[])).unwrap();
+    let mut reply = [0u8; 16];
+    s.read_exact(&mut reply).unwrap();
+    let error = u32::from_be_bytes(reply[4..8].try_into().unwrap());
+    if error == 0 {
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data).unwrap();
+    }
+    error
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,6 +141,10 @@ fn in_sync_copies_never_differ_after_a_failover() {
     std::thread::sleep(Duration::from_millis(300));
     sw.part(0, 2, true);
     assert_ne!(failed.join().unwrap(), 0, "the write was acknowledged without a majority");
+    // Without a majority for longer than the ejection timeout, the old primary serves no reads
+    // either: the majority may move on without it.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_ne!(read(&mut connect(&d[0].nbd(), "v"), 0, 4096), 0, "an isolated primary served a read");
 
     let same = |a: &Daemon, b: &Daemon| read_image(a, "v", 16 * MIB) == read_image(b, "v", 16 * MIB);
     let p = d[1].json(&["replica", "promote", "v"]);

@@ -56,6 +56,12 @@ pub trait Mirror: Send + Sync + std::fmt::Debug {
         Ok(Box::new(()))
     }
 
+    /// Whether the volume may serve reads now; an error fails them (a primary cut off from its
+    /// members for too long: the majority may have moved on without it).
+    fn admit_read(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Sends an admitted request to every member that must have it.
     fn send(&self, op: MirrorOp<'_>) -> Result<Box<dyn Pending>>;
 

@@ -240,6 +240,9 @@ impl Volume {
     /// the store reads, which the caller does (see [`Reads`]). Fails as a whole only when the
     /// volume or the pool is gone; each range's own errors come from [`Reads::finish`].
     pub fn start_reads(&self, parts: &[(u64, usize)]) -> Result<Reads<'_>> {
+        if let Some(mirror) = self.gate.as_ref().and_then(|g| g.mirror()) {
+            mirror.admit_read()?;
+        }
         if !self.caller_paces && self.qos.is_some() {
             let wait = parts.iter().map(|&(_, len)| self.reserve(IoKind::Read, len as u64)).max();
             if let Some(w) = wait.filter(|w| !w.is_zero()) {

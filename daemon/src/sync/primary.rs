@@ -25,8 +25,8 @@ pub struct Primary {
     /// The membership as last recorded on a majority.
     pub record: Mutex<Membership>,
     links: Mutex<Vec<Arc<Link>>>,
-    /// Why writes are refused now; None while they are taken.
-    refused: Mutex<Option<String>>,
+    /// Why writes are refused now, and since when; None while they are taken.
+    refused: Mutex<Option<(String, Instant)>>,
     seq: AtomicU64,
     /// One membership change at a time.
     pub change: tokio::sync::Mutex<()>,
@@ -55,7 +55,7 @@ impl Primary {
             me: me.clone(),
             record: Mutex::new(record),
             links: Mutex::default(),
-            refused: Mutex::new(refused),
+            refused: Mutex::new(refused.map(|why| (why, Instant::now()))),
             seq: AtomicU64::new(1),
             change: tokio::sync::Mutex::new(()),
             inflight: Mutex::new(0),
@@ -75,11 +75,24 @@ impl Primary {
     }
 
     pub fn refused(&self) -> Option<String> {
-        self.refused.lock().expect("not poisoned").clone()
+        self.refused.lock().expect("not poisoned").as_ref().map(|(why, _)| why.clone())
     }
 
+    /// Refuses writes for `why` (kept from the first refusal: since then, see [`Self::reads`]),
+    /// or takes them again.
     pub fn refuse(&self, why: Option<String>) {
-        *self.refused.lock().expect("not poisoned") = why;
+        let mut r = self.refused.lock().expect("not poisoned");
+        *r = why.map(|why| (why, r.as_ref().map_or_else(Instant::now, |(_, since)| *since)));
+    }
+
+    /// Whether reads may be served: not once writes have been refused for longer than the
+    /// members' ejection timeout. A primary that long without a majority may have been replaced
+    /// on the other side of a partition, and its copy is stale for every write since; as DRBD's
+    /// quorum does, it fails reads rather than serve them.
+    fn reads(&self) -> Option<String> {
+        let r = self.refused.lock().expect("not poisoned");
+        let (why, since) = r.as_ref().filter(|(_, since)| since.elapsed() > self.timeout)?;
+        Some(format!("{why}; reads are refused too after {:?} without a majority", since.elapsed()))
     }
 
     pub fn add_link(&self, link: Arc<Link>) {
@@ -278,6 +291,10 @@ impl Mirror for Primary {
 
     fn admit(&self) -> ferrite_engine::Result<Box<dyn Send>> {
         Ok(Box::new(self.enter(true)?))
+    }
+
+    fn admit_read(&self) -> ferrite_engine::Result<()> {
+        self.reads().map_or(Ok(()), |why| Err(Error::new(ErrorKind::Io, why)))
     }
 
     fn send(&self, op: MirrorOp<'_>) -> ferrite_engine::Result<Box<dyn Pending>> {
