@@ -999,6 +999,7 @@ fn failover(c: &mut Cluster, vol: &str, pv: &str) {
     assert_eq!(common::nbd::write_on(&mut s, 0, &content), 0);
     drop(s);
     c.daemon(lost).ok(&["export", "stop", vol]);
+    let fault = std::time::Instant::now();
     c.daemon_pods[i].kill(&mut c.cp); // kill -9
     set_ready(c, lost, false);
     let block = format!("{}/32", c.nodes[i].ip);
@@ -1015,7 +1016,7 @@ fn failover(c: &mut Cluster, vol: &str, pv: &str) {
             .map_or(String::new(), |(_, n)| (*n).to_owned());
         !promoted.is_empty()
     });
-    println!("   promoted on {promoted}");
+    println!("   promoted on {promoted} {:?} after the fault (--failover-after={FAILOVER_AFTER:?})", fault.elapsed());
     for n in survivors {
         assert!(c.daemon(n).ok(&["fence", "list"]).contains(&block), "{n} does not fence node-c");
     }
@@ -1056,6 +1057,7 @@ fn failover(c: &mut Cluster, vol: &str, pv: &str) {
         v["status"]["attached"] == true
     });
     assert_eq!(va["status"]["attachmentMetadata"]["primary"], *other, "{}", va["status"]);
+    println!("   attached where the new primary is {:?} after the fault", fault.elapsed());
     c.cp.ok(&["delete", "volumeattachment", "triple-after", "--wait=true", "--timeout=60s"]);
     let got = common::nbd::read_image(c.daemon(other), vol, content.len() as u64);
     assert!(got == content, "the copy on {other} lacks acknowledged writes");
