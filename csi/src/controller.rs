@@ -49,9 +49,9 @@ fn size_for(range: Option<&csi::CapacityRange>, default: u64) -> Result<u64, Sta
 
 impl Controller {
     /// The node for a new volume: the first preferred, else the first requisite topology naming a
-    /// known node, else the node with the most free space.
-    async fn place(&self, req: Option<&csi::TopologyRequirement>) -> Result<String, Status> {
-        let known = self.nodes.nodes();
+    /// known node, else of the nodes that answered (`free`, each one's free space) the one with
+    /// the most.
+    fn place(&self, req: Option<&csi::TopologyRequirement>, free: Vec<(String, u64)>) -> Result<String, Status> {
         if let Some(r) = req {
             let named: Vec<&str> = r
                 .preferred
@@ -60,41 +60,41 @@ impl Controller {
                 .filter_map(|t| t.segments.get(TOPOLOGY_KEY).map(String::as_str))
                 .collect();
             if !named.is_empty() {
+                let known = self.nodes.nodes();
                 return named.iter().find(|n| known.iter().any(|k| k == *n)).map(|n| (*n).to_owned()).ok_or_else(
                     || Status::resource_exhausted(format!("no known node among the required topologies {named:?}")),
                 );
             }
         }
-        let free = scan(&*self.nodes, known, |_, mut c| async move {
-            Ok(c.pool_status(pb::PoolStatusRequest {}).await?.into_inner().free)
-        })
-        .await?;
         // The most free space; of equals, the first in the directory's order.
-        let best = free.answers.into_iter().rev().max_by_key(|(_, free)| *free);
+        let best = free.into_iter().rev().max_by_key(|(_, free)| *free);
         best.map(|(n, _)| n).ok_or_else(|| Status::unavailable("no node's daemon answers"))
     }
 
-    /// The volume under any of `names` (a CSI name's engine names), on any node that answers
-    /// (one that does not is skipped: a lost node never stops provisioning): the node serving
-    /// it (a replicated volume's primary) and the volume.
-    async fn find(&self, names: &[String]) -> Result<Option<(String, pb::Volume)>, Status> {
+    /// What CreateVolume needs from every node, in one scan (a node that does not answer is
+    /// skipped: a lost node never stops provisioning): the volume under any of `names` (a CSI
+    /// name's engine names) with the node serving it (a replicated volume's primary), and the
+    /// free space of each node that answered.
+    async fn survey(&self, names: &[String]) -> Result<(Option<(String, pb::Volume)>, Vec<(String, u64)>), Status> {
         let found = scan(&*self.nodes, self.nodes.nodes(), |_, mut c| async move {
+            let free = c.pool_status(pb::PoolStatusRequest {}).await?.into_inner().free;
             for name in names {
                 match c.get_volume(pb::GetVolumeRequest { name: name.clone() }).await {
-                    Ok(_) => return Ok(Some(name.clone())),
+                    Ok(_) => return Ok((Some(name.clone()), free)),
                     Err(s) if s.code() == Code::NotFound => {}
                     Err(s) => return Err(s),
                 }
             }
-            Ok(None)
+            Ok((None, free))
         })
         .await?;
-        match found.answers.into_iter().find_map(|(node, name)| name.map(|n| (node, n))) {
+        let free = found.answers.iter().map(|(node, (_, free))| (node.clone(), *free)).collect();
+        match found.answers.into_iter().find_map(|(node, (name, _))| name.map(|n| (node, n))) {
             Some((node, name)) => {
                 let (node, _, v, _) = copies::primary(&*self.nodes, &node, &name).await?;
-                Ok(Some((node, v)))
+                Ok((Some((node, v)), free))
             }
-            None => Ok(None),
+            None => Ok((None, free)),
         }
     }
 
@@ -141,7 +141,8 @@ impl csi::controller_server::Controller for Controller {
         let _busy = self.busy.begin(&format!("volume name {}", r.name))?;
         let size = size_for(r.capacity_range.as_ref(), DEFAULT_SIZE)?;
         let name = ids::engine_name(&r.name);
-        if let Some((node, mut v)) = self.find(&ids::engine_names(&r.name)).await? {
+        let (found, free) = self.survey(&ids::engine_names(&r.name)).await?;
+        if let Some((node, mut v)) = found {
             let lim = r.capacity_range.as_ref().map_or(0, |c| u64::try_from(c.limit_bytes).unwrap_or(0));
             if v.size < size || (lim != 0 && v.size > lim) {
                 return Err(Status::already_exists(format!(
@@ -189,7 +190,7 @@ impl csi::controller_server::Controller for Controller {
                 (node, v)
             }
             None => {
-                let node = self.place(r.accessibility_requirements.as_ref()).await?;
+                let node = self.place(r.accessibility_requirements.as_ref(), free)?;
                 let mut c = admin(&*self.nodes, &node).await?;
                 let req = pb::CreateVolumeRequest { name, size, limits: Some(limits), encryption };
                 let v = c.create_volume(req).await?.into_inner();

@@ -117,23 +117,17 @@ impl Controller {
     }
 
     /// ResourceExhausted when `node` already has as many volumes published as NodeGetInfo says
-    /// it takes. A daemon that does not answer is not counted: its volumes cannot be used
-    /// until it is back or they fail over, and refusing every publish meanwhile would keep the
-    /// failed-over ones from their pods.
+    /// it takes. A daemon that does not answer (within the scan's time) is not counted: its
+    /// volumes cannot be used until it is back or they fail over, and refusing every publish
+    /// meanwhile would keep the failed-over ones from their pods.
     async fn check_attach_limit(&self, node: &str) -> Result<(), Status> {
-        let mut n = 0i64;
-        for d in self.nodes.nodes() {
-            let held = match admin(&*self.nodes, &d).await {
-                Ok(mut c) => publications(&mut c).await?,
-                Err(s) if s.code() == Code::Unavailable => {
-                    tracing::warn!(node = d, "attach limit: daemon unreachable, its publications not counted");
-                    continue;
-                }
-                Err(s) => return Err(s),
-            };
-            let here = held.iter().filter(|p| granted_to(p, &d) == node).count();
-            n = n.saturating_add(i64::try_from(here).unwrap_or(i64::MAX));
-        }
+        let held = crate::nodes::scan(&*self.nodes, self.nodes.nodes(), |d, mut c| async move {
+            let held = publications(&mut c).await?;
+            Ok(held.iter().filter(|p| granted_to(p, &d) == node).count())
+        })
+        .await?;
+        let n =
+            held.answers.iter().fold(0i64, |n, (_, here)| n.saturating_add(i64::try_from(*here).unwrap_or(i64::MAX)));
         if n >= self.max_volumes {
             return Err(Status::resource_exhausted(format!(
                 "node {node} has {n} volumes published, the most it takes ({})",
@@ -152,15 +146,41 @@ impl Controller {
         if self.nodes.admin_endpoint(node).is_none() {
             return Ok(());
         }
-        let (primary, mut c, _, _) = match copies::primary(&*self.nodes, node, name).await {
+        let (primary, mut c, _, view) = match copies::primary(&*self.nodes, node, name).await {
             Ok(found) => found,
             Err(s) if s.code() == Code::NotFound => return Ok(()),
             Err(s) => return Err(s),
         };
-        let held = publications(&mut c).await?;
-        if held.iter().any(|p| p.volume == name && granted_to(p, &primary) == r.node_id) {
-            c.unpublish_volume(pb::UnpublishVolumeRequest { volume: name.to_owned() }).await?;
-            tracing::info!(volume_id = %r.volume_id, node = %r.node_id, "CSI volume unpublished");
+        self.unpublish_on(&mut c, &primary, name, &r.node_id).await?;
+        // A copy that was the primary before a failover may still hold a publication to the
+        // node (a daemon that steps down ends its own; one that was down then did not).
+        for other in view.iter().flat_map(|v| copies::nodes_of(&*self.nodes, v)).filter(|n| *n != primary) {
+            let done = async {
+                let mut c = admin(&*self.nodes, &other).await?;
+                self.unpublish_on(&mut c, &other, name, &r.node_id).await
+            };
+            if let Err(e) = tokio::time::timeout(crate::nodes::SCAN, done)
+                .await
+                .unwrap_or_else(|_| Err(Status::unavailable(format!("no answer within {:?}", crate::nodes::SCAN))))
+            {
+                tracing::warn!(volume_id = %r.volume_id, copy = other, "its publication is not checked: {}", e.message());
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the publication of `volume` on `on`'s daemon if it grants it to `node`.
+    async fn unpublish_on(
+        &self,
+        c: &mut pb::admin_client::AdminClient<tonic::transport::Channel>,
+        on: &str,
+        volume: &str,
+        node: &str,
+    ) -> Result<(), Status> {
+        let held = publications(c).await?;
+        if held.iter().any(|p| p.volume == volume && granted_to(p, on) == node) {
+            c.unpublish_volume(pb::UnpublishVolumeRequest { volume: volume.to_owned() }).await?;
+            tracing::info!(volume, node, on, "CSI volume unpublished");
         }
         Ok(())
     }

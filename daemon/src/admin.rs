@@ -49,6 +49,18 @@ fn key_carried(caller: &Caller, key: Option<&pb::KeyRef>, field: &str) -> Result
     )))
 }
 
+/// The fence list as the API answers it.
+fn fence_response(list: &crate::fence::FenceList, connections_cut: u64) -> pb::FenceResponse {
+    pb::FenceResponse {
+        cidrs: list.keys().map(ToString::to_string).collect(),
+        connections_cut,
+        fences: list
+            .iter()
+            .map(|(c, by)| pb::FencedBlock { cidr: c.to_string(), by: by.iter().cloned().collect() })
+            .collect(),
+    }
+}
+
 fn limits_msg(l: QosLimits) -> pb::VolumeLimits {
     pb::VolumeLimits {
         iops: l.iops,
@@ -162,10 +174,15 @@ impl AdminService {
         if caller.is_operator() {
             return Ok(());
         }
-        let conn = crate::sync::wire::connect(self.cfg.tls.as_ref(), endpoint).await.map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidInput => Status::invalid_argument(format!("peer {endpoint:?}: {e}")),
-            _ => Status::unavailable(format!("peer {endpoint:?}: {e}")),
-        })?;
+        let probe = crate::sync::wire::connect(self.cfg.tls.as_ref(), endpoint);
+        let conn = match tokio::time::timeout(self.sync.timeout.max(std::time::Duration::from_secs(5)), probe).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                return Err(Status::invalid_argument(format!("peer {endpoint:?}: {e}")));
+            }
+            Ok(Err(e)) => return Err(Status::unavailable(format!("peer {endpoint:?}: {e}"))),
+            Err(_) => return Err(Status::unavailable(format!("peer {endpoint:?} did not complete a TLS handshake"))),
+        };
         let cert = conn.get_ref().1.peer_certificates().and_then(|c| c.first());
         let names = cert.map(ferrite_tls::identities).unwrap_or_default();
         if self.policy.caller(&names).roles.contains(&Role::ReplicationPeer) {
@@ -175,43 +192,19 @@ impl AdminService {
         Err(self.policy.refuse(caller, &format!("/ferrite.v1.Admin/{call}"), &why))
     }
 
-    /// Fences or lifts the given blocks as `caller` (and its `owner`); lists with `None`.
-    fn update_fences(
-        &self,
-        caller: &Caller,
-        req: Option<(pb::FenceRequest, bool)>,
-    ) -> Result<pb::FenceResponse, Status> {
-        let (list, cut) = match req {
-            None => (self.fences.list(), 0),
-            Some((req, fence)) => {
-                let parsed = req
-                    .cidrs
-                    .iter()
-                    .map(|c| c.parse())
-                    .collect::<Result<Vec<Cidr>, _>>()
-                    .map_err(Status::invalid_argument)?;
-                let maker = crate::fence::maker(caller.is_operator(), &req.owner).map_err(Status::invalid_argument)?;
-                let change = if fence {
-                    Change::Fence(&parsed)
-                } else {
-                    Change::Lift { cidrs: &parsed, all: caller.is_operator() }
-                };
-                let done = self.fences.update(change, &maker).map_err(|e| match e {
-                    FenceError::NotYours { .. } => Status::permission_denied(e.to_string()),
-                    FenceError::Save(_) => Status::internal(e.to_string()),
-                })?;
-                tracing::info!(fenced = fence, cidrs = ?req.cidrs, maker, connections_cut = done.1, "fence list changed");
-                done
-            }
-        };
-        Ok(pb::FenceResponse {
-            cidrs: list.keys().map(ToString::to_string).collect(),
-            connections_cut: cut,
-            fences: list
-                .iter()
-                .map(|(c, by)| pb::FencedBlock { cidr: c.to_string(), by: by.iter().cloned().collect() })
-                .collect(),
-        })
+    /// Fences (`fence`) or lifts the blocks of `req` as `caller` (and the request's owner).
+    fn change_fences(&self, caller: &Caller, req: &pb::FenceRequest, fence: bool) -> Result<pb::FenceResponse, Status> {
+        let parsed =
+            req.cidrs.iter().map(|c| c.parse()).collect::<Result<Vec<Cidr>, _>>().map_err(Status::invalid_argument)?;
+        let maker = crate::fence::maker(caller.is_operator(), &req.owner).map_err(Status::invalid_argument)?;
+        let change =
+            if fence { Change::Fence(&parsed) } else { Change::Lift { cidrs: &parsed, all: caller.is_operator() } };
+        let (list, cut) = self.fences.update(change, &maker).map_err(|e| match e {
+            FenceError::NotYours { .. } => Status::permission_denied(e.to_string()),
+            FenceError::Save(_) => Status::internal(e.to_string()),
+        })?;
+        tracing::info!(fenced = fence, cidrs = ?req.cidrs, maker, connections_cut = cut, "fence list changed");
+        Ok(fence_response(&list, cut))
     }
 
     async fn volume_msg(&self, info: ferrite_engine::VolumeInfo) -> pb::Volume {
@@ -939,18 +932,15 @@ impl Admin for AdminService {
     }
 
     async fn fence_networks(&self, req: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
-        let caller = caller_of(&req)?;
-        self.update_fences(&caller, Some((req.into_inner(), true))).map(Response::new)
+        self.change_fences(&caller_of(&req)?, req.get_ref(), true).map(Response::new)
     }
 
     async fn unfence_networks(&self, req: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
-        let caller = caller_of(&req)?;
-        self.update_fences(&caller, Some((req.into_inner(), false))).map(Response::new)
+        self.change_fences(&caller_of(&req)?, req.get_ref(), false).map(Response::new)
     }
 
-    async fn list_fences(&self, req: Request<pb::ListFencesRequest>) -> Result<Response<pb::FenceResponse>, Status> {
-        let caller = caller_of(&req)?;
-        self.update_fences(&caller, None).map(Response::new)
+    async fn list_fences(&self, _: Request<pb::ListFencesRequest>) -> Result<Response<pb::FenceResponse>, Status> {
+        Ok(Response::new(fence_response(&self.fences.list(), 0)))
     }
 
     async fn publish_volume(

@@ -101,8 +101,9 @@ enum Cmd {
         max_volumes: i64,
         /// Controller mode with --node-service: seconds a Node may be not Ready, its daemon
         /// unreachable, before its replicated volumes fail over to another copy (the node is
-        /// fenced first); 0: never.
-        #[arg(long, default_value_t = 60)]
+        /// fenced first, then tainted out-of-service so that its pods move); 0: never. Not Ready
+        /// already means no heartbeat for the node-monitor grace period (40-50 s).
+        #[arg(long, default_value_t = 20)]
         failover_after: u64,
     },
     /// Manage volumes.

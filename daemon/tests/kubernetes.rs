@@ -226,7 +226,7 @@ impl Cluster {
         let containers = dep["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
         let ferrite = containers.iter_mut().find(|c| c["name"] == "ferrite").unwrap();
         let args = ferrite["args"].as_array_mut().unwrap();
-        let at = args.iter().position(|a| a == "--failover-after=60").expect("the controller fails over after 60 s");
+        let at = args.iter().position(|a| a == "--failover-after=20").expect("the controller fails over after 20 s");
         args[at] = json!(format!("--failover-after={}", FAILOVER_AFTER.as_secs()));
         dep["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
         c.cp.apply(&dep.to_string());
