@@ -21,16 +21,20 @@
 //!
 //! Stateless like the rest of the controller: the fences live in the daemons, the memberships
 //! too, the annotation on the Node. Of several controller replicas only the holder of the
-//! `ferrite-failover` Lease runs the loop (`lease.rs`). A node that never reported a Ready condition is left alone.
+//! `ferrite-failover` Lease runs the loop (`lease.rs`). A node that never reported a Ready
+//! condition is left alone.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use ferrite_proto::ferrite::v1 as pb;
+use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, PersistentVolume, Taint};
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use tonic::Code;
 
@@ -57,7 +61,9 @@ const ANSWER: Duration = Duration::from_secs(5);
 struct Failover {
     dir: Arc<dyn NodeDirectory>,
     nodes: Api<Node>,
-    volumes: Api<PersistentVolume>,
+    /// The Nodes and PersistentVolumes as watches keep them (no list of every one each pass).
+    node_store: Store<Node>,
+    volume_store: Store<PersistentVolume>,
     events: Recorder,
     /// The CSI driver name, to find its PersistentVolumes.
     driver: String,
@@ -87,6 +93,25 @@ fn ready(n: &Node) -> bool {
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
+/// A store of every `K`, kept by a watch (with backoff) for as long as the process runs.
+fn watched<K>(api: Api<K>) -> Store<K>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    let (store, writer) = reflector::store();
+    let stream = reflector::reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(ev) = stream.next().await {
+            if let Err(e) = ev {
+                tracing::warn!("failover watch of {}: {e}", K::kind(&K::DynamicType::default()));
+            }
+        }
+    });
+    store
+}
+
 /// Starts the failover loop, with the client configuration kube-rs infers.
 pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -> anyhow::Result<()> {
     let client = kube::Client::try_default().await?;
@@ -94,17 +119,26 @@ pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -
     let namespace = std::env::var("POD_NAMESPACE").unwrap_or_else(|_| client.default_namespace().to_owned());
     let leader = crate::lease::Leadership::new(Api::namespaced(client.clone(), &namespace), LEASE, &me, LEASE_FOR);
     let reporter = Reporter { controller: "ferrite-failover".into(), instance: Some(me) };
+    let nodes = Api::all(client.clone());
     let this = Failover {
         leader,
         dir,
-        nodes: Api::all(client.clone()),
-        volumes: Api::all(client.clone()),
+        node_store: watched(Api::clone(&nodes)),
+        volume_store: watched(Api::all(client.clone())),
+        nodes,
         events: Recorder::new(client, reporter),
         driver: driver.to_owned(),
         after,
     };
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
     tokio::spawn(async move {
+        let synced = async {
+            this.node_store.wait_until_ready().await?;
+            this.volume_store.wait_until_ready().await
+        };
+        if let Err(e) = synced.await {
+            return tracing::error!("failover is off: the Node and PersistentVolume watches ended: {e}");
+        }
         loop {
             match this.leader.hold().await {
                 Ok(true) => {
@@ -123,7 +157,7 @@ pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -
 
 impl Failover {
     async fn pass(&self) -> anyhow::Result<()> {
-        for n in self.nodes.list(&ListParams::default()).await? {
+        for n in self.node_store.state() {
             let fenced = n.annotations().contains_key(FENCED);
             let lost = not_ready_since(&n).is_some_and(|t| {
                 let for_ = k8s_openapi::jiff::Timestamp::now().duration_since(t);
@@ -342,11 +376,8 @@ impl Failover {
 
     /// An Event on the PersistentVolume of engine volume `volume`, and on its claim.
     async fn event(&self, volume: &str, kind: EventType, reason: &str, action: &str, note: String) {
-        let pvs = match self.volumes.list(&ListParams::default()).await {
-            Ok(l) => l,
-            Err(e) => return tracing::warn!(volume, "listing PersistentVolumes for an event: {e}"),
-        };
-        let pv = pvs.into_iter().find(|pv| {
+        let pvs = self.volume_store.state();
+        let pv = pvs.iter().find(|pv| {
             pv.spec.as_ref().and_then(|s| s.csi.as_ref()).is_some_and(|c| {
                 c.driver == self.driver && crate::ids::parse(&c.volume_handle).is_some_and(|(_, v)| v == volume)
             })

@@ -153,19 +153,14 @@ impl Controller {
         };
         self.unpublish_on(&mut c, &primary, name, &r.node_id).await?;
         // A copy that was the primary before a failover may still hold a publication to the
-        // node (a daemon that steps down ends its own; one that was down then did not).
-        for other in view.iter().flat_map(|v| copies::nodes_of(&*self.nodes, v)).filter(|n| *n != primary) {
-            let done = async {
-                let mut c = admin(&*self.nodes, &other).await?;
-                self.unpublish_on(&mut c, &other, name, &r.node_id).await
-            };
-            if let Err(e) = tokio::time::timeout(crate::nodes::SCAN, done)
-                .await
-                .unwrap_or_else(|_| Err(Status::unavailable(format!("no answer within {:?}", crate::nodes::SCAN))))
-            {
-                tracing::warn!(volume_id = %r.volume_id, copy = other, "its publication is not checked: {}", e.message());
-            }
-        }
+        // node (a daemon that steps down ends its own; one that was down then did not). A copy
+        // that does not answer is skipped (logged).
+        let others = view.iter().flat_map(|v| copies::nodes_of(&*self.nodes, v)).filter(|n| *n != primary).collect();
+        let node = r.node_id.as_str();
+        crate::nodes::scan(&*self.nodes, others, |other, mut c| async move {
+            self.unpublish_on(&mut c, &other, name, node).await
+        })
+        .await?;
         Ok(())
     }
 
