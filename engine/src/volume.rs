@@ -238,7 +238,8 @@ impl Volume {
 
     /// Starts reading the ranges `(offset, length)` as [`Volume::read_sparse_many`] does, up to
     /// the store reads, which the caller does (see [`Reads`]). Fails as a whole only when the
-    /// volume or the pool is gone; each range's own errors come from [`Reads::finish`].
+    /// volume or the pool is gone, or its mirror refuses reads ([`crate::mirror::Mirror::admit_read`]);
+    /// each range's own errors come from [`Reads::finish`].
     pub fn start_reads(&self, parts: &[(u64, usize)]) -> Result<Reads<'_>> {
         if let Some(mirror) = self.gate.as_ref().and_then(|g| g.mirror()) {
             mirror.admit_read()?;
