@@ -135,6 +135,17 @@ impl Fences {
             tracing::warn!(%peer, listener, "connection refused: the address is fenced");
             return None;
         }
+        self.register(peer, stream, listener)
+    }
+
+    /// Registers a new TCP client, fenced or not (a listener that decides on a fenced client
+    /// once it knows who it is); None when its socket cannot be registered.
+    pub fn register(
+        self: &Arc<Self>,
+        peer: SocketAddr,
+        stream: &TcpStream,
+        listener: &'static str,
+    ) -> Option<Admission> {
         let socket = match stream.as_fd().try_clone_to_owned() {
             Ok(fd) => std::net::TcpStream::from(fd),
             Err(e) => {

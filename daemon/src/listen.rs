@@ -2,8 +2,10 @@
 //! fence list, takes one of the listener's `max-connections` slots (past them it is closed on
 //! arrival), and, where the listener has TLS, completes its TLS handshake (a client certificate
 //! too, under mutual TLS) within the handshake timeout. Behind a [`Gate`] (the admin listener),
-//! a certificate whose identity holds no role is closed right after its handshake, and each
-//! identity holds at most its share of the slots, so one identity cannot keep the others out. A
+//! a certificate whose identity holds no role is closed right after its handshake, each
+//! identity holds at most its share of the slots, so one identity cannot keep the others out,
+//! and a client from a fenced address passes only as a controller or an operator: a fence of a
+//! lost node never locks out the controller that runs there (or shares its address). A
 //! failed accept (EMFILE, ...) is logged and retried with backoff: a listener never ends because
 //! of load.
 
@@ -52,6 +54,12 @@ pub struct Gate {
 impl Gate {
     pub fn new(policy: Arc<crate::authz::Policy>, roles: Option<&'static [Role]>, max_connections: usize) -> Self {
         Self { policy, roles, per_identity: max_connections.div_ceil(2), held: Default::default() }
+    }
+
+    /// Whether the holder of `names` passes a fence of its address: a controller or an operator.
+    fn passes_fences(&self, names: &[String]) -> bool {
+        let caller = self.policy.caller(names);
+        caller.is_operator() || caller.roles.contains(&Role::Controller)
     }
 
     /// A slot for the holder of `names`, or why it is closed.
@@ -128,7 +136,12 @@ pub fn accept(
                 }
             };
             backoff = Duration::ZERO;
-            let Some(admission) = fences.admit(peer, &stream, name) else { continue };
+            // Behind a gate, with TLS, a fenced client is judged once its certificate is known.
+            let fenced = fences.is_fenced(peer.ip());
+            let deferred = fenced && gate.is_some() && tls.is_some();
+            let admitted =
+                if deferred { fences.register(peer, &stream, name) } else { fences.admit(peer, &stream, name) };
+            let Some(admission) = admitted else { continue };
             let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
                 stats.refused.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(listener = name, %peer, "client refused: connection limit");
@@ -154,6 +167,10 @@ pub fn accept(
                     }
                 }
                 let names = stream.peer_certificate().map(ferrite_tls::identities).unwrap_or_default();
+                if deferred && !gate.as_ref().is_some_and(|g| g.passes_fences(&names)) {
+                    tracing::warn!(listener = name, %peer, "connection refused: the address is fenced");
+                    return;
+                }
                 let identity = match gate.filter(|_| tls.is_some()).map(|g| g.admit(&names, &stats)) {
                     None => None,
                     Some(Ok(permit)) => Some(permit),

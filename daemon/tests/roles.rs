@@ -177,6 +177,7 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
     controller_lifts_only_its_own_fences(&admin, &pki).await;
     controller_carries_the_keys_it_uses(&admin, &pki).await;
     controller_replicates_only_to_replication_peers(&admin, &pki).await;
+    only_controllers_and_operators_pass_a_fence_of_their_address(&d, &admin, &pki).await;
 
     // A certificate naming no configured identity is closed right after its handshake (and
     // counted); one identity holds at most half the connection slots (4 of 8 here): neither a
@@ -294,4 +295,19 @@ async fn controller_replicates_only_to_replication_peers(admin: &str, pki: &std:
         assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
         assert!(e.message().contains("holds no replication-peer role"), "{e:?}");
     }
+}
+
+/// A fence of the clients' own address (all of loopback here) keeps out a replication peer, but
+/// never the controller (it may run on, or share the address of, the node it fenced) nor an
+/// operator.
+async fn only_controllers_and_operators_pass_a_fence_of_their_address(d: &Daemon, admin: &str, pki: &std::path::Path) {
+    use ferrite_proto::ferrite::v1::{ListVolumesRequest, admin_client::AdminClient};
+    d.ok(&["fence", "add", "127.0.0.0/8"]);
+    for who in ["ctl", "op"] {
+        let mut c = AdminClient::new(tls_channel(admin, pki, who).await);
+        c.list_volumes(ListVolumesRequest {}).await.unwrap_or_else(|e| panic!("{who} was kept out by the fence: {e}"));
+    }
+    assert!(closed_for(admin, pki, "peer").await, "a replication peer passed a fence of its address");
+    d.ok(&["fence", "remove", "127.0.0.0/8"]);
+    assert!(!closed_for(admin, pki, "peer").await, "the lifted fence still keeps the peer out");
 }
