@@ -1,8 +1,10 @@
 //! Automatic failover of replicated volumes (controller mode, with the Kubernetes node
 //! directory). Every few seconds the controller reads the Nodes:
 //!
-//! - A node is lost when its Ready condition has not been True for `--failover-after` and its
-//!   daemon does not answer. Its addresses are fenced on every other daemon (they refuse and cut
+//! - A node is lost when its daemon does not answer (or its pool failed) and either its Ready
+//!   condition has not been True for `--failover-after`, or its storage heartbeat's Lease
+//!   (`heartbeat.rs`) has expired: a crash-looping or hung daemon, or a dead pool device, on a
+//!   node the kubelet keeps Ready. Its addresses are fenced on every other daemon (they refuse and cut
 //!   its connections: a primary cut off from its members cannot record a generation, and it
 //!   refuses writes without a majority), the Node is annotated so that the fence is known to be
 //!   ours, and each volume whose primary was there is promoted on the most current in-sync copy:
@@ -15,7 +17,8 @@
 //!   the workload is rescheduled next to the new primary instead of waiting for the eviction
 //!   timeout and the attach-detach controller's six-minute force-detach. It is also tainted
 //!   `failover.ferrite.dev/fenced` (NoSchedule) for as long as it is fenced.
-//! - A fenced node whose Node is Ready and whose daemon answers again is rebuilt by the new
+//! - A fenced node whose Node is Ready, whose Lease is renewed and whose daemon answers again
+//!   is rebuilt by the new
 //!   primaries (from the last mark both hold: what changed); once it is in sync in every
 //!   membership it belongs to, the fence is lifted, the annotation and our taints removed.
 //!
@@ -30,10 +33,12 @@ use std::time::Duration;
 
 use ferrite_proto::ferrite::v1 as pb;
 use futures_util::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, PersistentVolume, Taint};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use tonic::Code;
@@ -64,6 +69,9 @@ struct Failover {
     /// The Nodes and PersistentVolumes as watches keep them (no list of every one each pass).
     node_store: Store<Node>,
     volume_store: Store<PersistentVolume>,
+    /// The nodes' storage heartbeats, and their namespace.
+    heartbeats: Store<Lease>,
+    lease_namespace: String,
     events: Recorder,
     /// The CSI driver name, to find its PersistentVolumes.
     driver: String,
@@ -80,10 +88,18 @@ fn host(endpoint: &str) -> &str {
 }
 
 /// Since when a Node's Ready condition is not True; None while it is True or was never reported.
-fn not_ready_since(n: &Node) -> Option<k8s_openapi::jiff::Timestamp> {
+fn not_ready_since(n: &Node) -> Option<Timestamp> {
     let c = n.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == "Ready")?;
-    (c.status != "True")
-        .then(|| c.last_transition_time.as_ref().map_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH, |t| t.0))
+    (c.status != "True").then(|| c.last_transition_time.as_ref().map_or(Timestamp::UNIX_EPOCH, |t| t.0))
+}
+
+/// How long a Lease has gone unrenewed, once that is longer than its own duration (None while
+/// it holds). The duration is the Lease's: a heartbeat stopped on purpose renews for longer.
+fn expired_for(lease: &Lease, now: Timestamp) -> Option<SignedDuration> {
+    let spec = lease.spec.as_ref()?;
+    let renewed = spec.renew_time.as_ref()?.0;
+    let since = now.duration_since(renewed);
+    (since > SignedDuration::from_secs(i64::from(spec.lease_duration_seconds?))).then_some(since)
 }
 
 fn ready(n: &Node) -> bool {
@@ -113,7 +129,12 @@ where
 }
 
 /// Starts the failover loop, with the client configuration kube-rs infers.
-pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -> anyhow::Result<()> {
+pub async fn start(
+    dir: Arc<dyn NodeDirectory>,
+    driver: &str,
+    after: Duration,
+    lease_namespace: &str,
+) -> anyhow::Result<()> {
     let client = kube::Client::try_default().await?;
     let me = std::env::var("POD_NAME").unwrap_or_else(|_| format!("ferrite-controller-{}", std::process::id()));
     let namespace = std::env::var("POD_NAMESPACE").unwrap_or_else(|_| client.default_namespace().to_owned());
@@ -125,6 +146,8 @@ pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -
         dir,
         node_store: watched(Api::clone(&nodes)),
         volume_store: watched(Api::all(client.clone())),
+        heartbeats: watched(Api::namespaced(client.clone(), lease_namespace)),
+        lease_namespace: lease_namespace.to_owned(),
         nodes,
         events: Recorder::new(client, reporter),
         driver: driver.to_owned(),
@@ -134,6 +157,7 @@ pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -
     tokio::spawn(async move {
         let synced = async {
             this.node_store.wait_until_ready().await?;
+            this.heartbeats.wait_until_ready().await?;
             this.volume_store.wait_until_ready().await
         };
         if let Err(e) = synced.await {
@@ -157,27 +181,44 @@ pub async fn start(dir: Arc<dyn NodeDirectory>, driver: &str, after: Duration) -
 
 impl Failover {
     async fn pass(&self) -> anyhow::Result<()> {
+        let now = Timestamp::now();
         for n in self.node_store.state() {
-            let fenced = n.annotations().contains_key(FENCED);
-            let lost = not_ready_since(&n).is_some_and(|t| {
-                let for_ = k8s_openapi::jiff::Timestamp::now().duration_since(t);
-                for_.as_secs_f64() >= self.after.as_secs_f64()
-            });
-            if lost && !self.answers(&n.name_any()).await {
-                self.fail_over(&n).await?;
-            } else if fenced && ready(&n) && self.answers(&n.name_any()).await {
+            let name = n.name_any();
+            let not_ready = not_ready_since(&n)
+                .map(|t| now.duration_since(t))
+                .filter(|d| d.as_secs_f64() >= self.after.as_secs_f64());
+            let silent = self
+                .heartbeats
+                .get(&ObjectRef::new(&crate::heartbeat::lease_name(&name)).within(&self.lease_namespace))
+                .and_then(|l| expired_for(&l, now));
+            let sign = match (not_ready, silent) {
+                (Some(d), _) => Some(format!("not Ready for {}s", d.as_secs())),
+                (None, Some(d)) => Some(format!("its storage heartbeat silent for {}s", d.as_secs())),
+                (None, None) => None,
+            };
+            if let Some(sign) = sign {
+                if let Some(trouble) = self.trouble(&name).await {
+                    self.fail_over(&n, &format!("{sign}, {trouble}")).await?;
+                }
+            } else if n.annotations().contains_key(FENCED) && ready(&n) && self.trouble(&name).await.is_none() {
                 self.rejoin(&n).await?;
             }
         }
         Ok(())
     }
 
-    async fn answers(&self, node: &str) -> bool {
+    /// What is wrong with node `node`'s daemon as the controller sees it, if anything: it does
+    /// not answer, or its pool failed.
+    async fn trouble(&self, node: &str) -> Option<String> {
         let ask = async {
             let mut c = admin(&*self.dir, node).await?;
             c.pool_status(pb::PoolStatusRequest {}).await
         };
-        matches!(tokio::time::timeout(ANSWER, ask).await, Ok(Ok(_)))
+        match tokio::time::timeout(ANSWER, ask).await {
+            Ok(Ok(s)) if s.get_ref().failed => Some("its pool failed".to_owned()),
+            Ok(Ok(_)) => None,
+            Ok(Err(_)) | Err(_) => Some("its daemon unreachable".to_owned()),
+        }
     }
 
     /// The other nodes' daemons that answer, with their view of every synchronous volume.
@@ -251,8 +292,9 @@ impl Failover {
         Ok(())
     }
 
-    /// Fences a lost node and promotes a copy of every volume whose primary it held.
-    async fn fail_over(&self, n: &Node) -> anyhow::Result<()> {
+    /// Fences a lost node (lost as `why` says) and promotes a copy of every volume whose primary
+    /// it held.
+    async fn fail_over(&self, n: &Node, why: &str) -> anyhow::Result<()> {
         let name = n.name_any();
         let mut addrs: BTreeSet<String> =
             n.status.iter().flat_map(|s| s.addresses.iter().flatten()).map(|a| a.address.clone()).collect();
@@ -268,7 +310,7 @@ impl Failover {
             anyhow::bail!("node {name} is lost but has no address to fence: its volumes are not failed over");
         }
         if !n.annotations().contains_key(FENCED) {
-            tracing::warn!(node = %name, fence = ?blocks, "node lost (not Ready, daemon unreachable): fencing it");
+            tracing::warn!(node = %name, fence = ?blocks, "node lost ({why}): fencing it");
             // The annotation first: a fence whose author is not written down would never be lifted.
             self.annotate(&name, Some(blocks.join(","))).await?;
         }
@@ -290,17 +332,16 @@ impl Failover {
             match self.promote(&volume, &copies, fenced.is_ok()).await {
                 Ok((to, generation)) => {
                     let note = format!(
-                        "node {name} was lost (not Ready for {:?}, its daemon unreachable): fenced it and \
-                         promoted the copy on {to} (generation {generation})",
-                        self.after
+                        "node {name} was lost ({why}): fenced it and promoted the copy on {to} \
+                         (generation {generation})"
                     );
                     tracing::warn!(volume, "{note}");
-                    self.event(&volume, EventType::Warning, "FailedOver", "Failover", note).await;
+                    self.event(&volume, n, EventType::Warning, "FailedOver", "Failover", note).await;
                 }
                 Err(e) => {
                     let note = format!("node {name} was lost, and no copy could be promoted yet: {e}");
                     tracing::error!(volume, "{note}");
-                    self.event(&volume, EventType::Warning, "FailoverPending", "Failover", note).await;
+                    self.event(&volume, n, EventType::Warning, "FailoverPending", "Failover", note).await;
                 }
             }
         }
@@ -369,13 +410,15 @@ impl Failover {
             let note = format!(
                 "node {name} came back, was rebuilt from what changed and is in sync again; its fence is lifted"
             );
-            self.event(&volume, EventType::Normal, "Rejoined", "Rebuild", note).await;
+            self.event(&volume, n, EventType::Normal, "Rejoined", "Rebuild", note).await;
         }
         Ok(())
     }
 
-    /// An Event on the PersistentVolume of engine volume `volume`, and on its claim.
-    async fn event(&self, volume: &str, kind: EventType, reason: &str, action: &str, note: String) {
+    /// An Event on the PersistentVolume of engine volume `volume`, and on its claim, related to
+    /// the Node it is about (Events of one kind about another node, or another failover of the
+    /// same one, are separate Events rather than a count on the first one's note).
+    async fn event(&self, volume: &str, node: &Node, kind: EventType, reason: &str, action: &str, note: String) {
         let pvs = self.volume_store.state();
         let pv = pvs.iter().find(|pv| {
             pv.spec.as_ref().and_then(|s| s.csi.as_ref()).is_some_and(|c| {
@@ -385,7 +428,8 @@ impl Failover {
         let Some(pv) = pv else { return };
         let mut regarding: Vec<ObjectReference> = vec![pv.object_ref(&())];
         regarding.extend(pv.spec.as_ref().and_then(|s| s.claim_ref.clone()));
-        let ev = Event { type_: kind, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
+        let secondary = Some(node.object_ref(&()));
+        let ev = Event { type_: kind, reason: reason.into(), note: Some(note), action: action.into(), secondary };
         for r in regarding {
             if let Err(e) = self.events.publish(&ev, &r).await {
                 tracing::warn!(volume, "publishing an event: {e}");
@@ -424,5 +468,27 @@ mod tests {
         assert_eq!(host("tcp://10.0.0.5:7070"), "10.0.0.5");
         assert_eq!(host("tcp://[fd00::5]:7070"), "fd00::5");
         assert_eq!(host("10.0.0.5:7070"), "10.0.0.5");
+    }
+
+    #[test]
+    fn a_lease_expires_after_its_own_duration() {
+        use k8s_openapi::api::coordination::v1::LeaseSpec;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+        let now = Timestamp::now();
+        let lease = |ago: i64, duration: Option<i32>| Lease {
+            spec: Some(LeaseSpec {
+                renew_time: Some(MicroTime(now - SignedDuration::from_secs(ago))),
+                lease_duration_seconds: duration,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(expired_for(&lease(5, Some(10)), now), None);
+        assert_eq!(expired_for(&lease(12, Some(10)), now), Some(SignedDuration::from_secs(12)));
+        // A heartbeat stopped on purpose renewed for its restart grace.
+        assert_eq!(expired_for(&lease(60, Some(120)), now), None);
+        // Incomplete Leases say nothing.
+        assert_eq!(expired_for(&lease(60, None), now), None);
+        assert_eq!(expired_for(&Lease::default(), now), None);
     }
 }

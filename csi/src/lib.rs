@@ -29,6 +29,7 @@ pub mod encryption;
 pub mod failover;
 pub mod fence;
 pub mod group;
+pub mod heartbeat;
 mod host;
 pub mod identity;
 pub mod ids;
@@ -88,6 +89,8 @@ pub struct Options {
     /// Controller mode with the Kubernetes node directory: fail replicated volumes over from a
     /// node not Ready for this long whose daemon does not answer (None: never).
     pub failover_after: Option<std::time::Duration>,
+    /// Where the nodes' storage heartbeats (Leases) are.
+    pub node_lease_namespace: String,
 }
 
 impl Options {
@@ -135,7 +138,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         busy: busy.clone(),
     });
     if let (true, Some(_), Some(after)) = (controller, &opts.node_service, opts.failover_after) {
-        failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after).await?;
+        failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after, &opts.node_lease_namespace).await?;
     }
     let identity = identity::Identity { controller };
     let router = tonic::transport::Server::builder()

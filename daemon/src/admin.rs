@@ -850,6 +850,7 @@ impl Admin for AdminService {
             cleaner_runs: s.cleaner_runs,
             cleaner_segments_cleaned: s.cleaner_segments_cleaned,
             cleaner_bytes_moved: s.cleaner_bytes_moved,
+            failed: s.failed,
         }))
     }
 

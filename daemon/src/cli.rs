@@ -583,7 +583,7 @@ pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
                    "client_bytes_written": s.client_bytes_written, "media_bytes_written": s.media_bytes_written,
                    "nbd_connections": s.nbd_connections, "cleaner_active": s.cleaner_active,
                    "cleaner_runs": s.cleaner_runs, "cleaner_segments_cleaned": s.cleaner_segments_cleaned,
-                   "cleaner_bytes_moved": s.cleaner_bytes_moved})
+                   "cleaner_bytes_moved": s.cleaner_bytes_moved, "failed": s.failed})
         ),
         Output::Table => {
             let wa = if s.client_bytes_written > 0 {
@@ -593,6 +593,7 @@ pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
             };
             let rows = vec![
                 vec!["uuid".into(), s.uuid.clone()],
+                vec!["state".into(), if s.failed { "FAILED (media failure: restart the daemon)" } else { "ok" }.into()],
                 vec!["path".into(), s.path.clone()],
                 vec!["size".into(), format_size(s.size)],
                 vec!["used".into(), format_size(s.used)],

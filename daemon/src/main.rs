@@ -105,6 +105,31 @@ enum Cmd {
         /// already means no heartbeat for the node-monitor grace period (40-50 s).
         #[arg(long, default_value_t = 20)]
         failover_after: u64,
+        /// The namespace of the nodes' storage heartbeats (`ferrite heartbeat`): failover also
+        /// takes a node whose Lease expired, its daemon unreachable or its pool failed, for lost.
+        #[arg(long, default_value = ferrite_csi::heartbeat::NAMESPACE)]
+        node_lease_namespace: String,
+    },
+    /// Renew this node's storage Lease (`ferrite-node-<node>`) for as long as the daemon at
+    /// --admin-socket answers with a healthy pool: the daemon pod's heartbeat container, which
+    /// the failover loop watches to see a silent daemon on a Ready node.
+    Heartbeat {
+        /// This node's name.
+        #[arg(long, env = "NODE_NAME")]
+        node: String,
+        /// The namespace of the nodes' Leases (the controller's --node-lease-namespace).
+        #[arg(long, default_value = ferrite_csi::heartbeat::NAMESPACE)]
+        namespace: String,
+        /// Seconds between renewals (and the time the daemon has to answer).
+        #[arg(long, default_value_t = 2)]
+        every: u64,
+        /// Seconds after its last renewal the Lease counts as expired.
+        #[arg(long, default_value_t = 10)]
+        lease_duration: u64,
+        /// Seconds the Lease holds after the heartbeat is stopped on purpose (the pod deleted for
+        /// an upgrade): a planned restart is not a lost node.
+        #[arg(long, default_value_t = 120)]
+        restart_grace: u64,
     },
     /// Manage volumes.
     #[command(subcommand)]
@@ -541,6 +566,18 @@ fn main() {
             init_logging("warn");
             return exit(node_pool::prepare(node, config, out));
         }
+        Cmd::Heartbeat { node, namespace, every, lease_duration, restart_grace } => {
+            init_logging("info");
+            let socket = cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock"));
+            let secs = std::time::Duration::from_secs;
+            let t = ferrite_csi::heartbeat::Timing {
+                every: secs(*every),
+                duration: secs(*lease_duration),
+                grace: secs(*restart_grace),
+            };
+            let run = ferrite_csi::heartbeat::run(node, namespace, &socket, t, shutdown_signal());
+            return exit(runtime().block_on(run));
+        }
         Cmd::Csi {
             mode,
             endpoint,
@@ -552,6 +589,7 @@ fn main() {
             attach_transport,
             max_volumes,
             failover_after,
+            node_lease_namespace,
         } => {
             init_logging("info");
             // The driver runs for months: its certificate follows its files.
@@ -581,6 +619,7 @@ fn main() {
                 max_volumes: *max_volumes,
                 admin_tls,
                 failover_after: (*failover_after > 0).then(|| std::time::Duration::from_secs(*failover_after)),
+                node_lease_namespace: node_lease_namespace.clone(),
             };
             return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));
         }
@@ -660,6 +699,7 @@ async fn client(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Daemon { .. }
         | Cmd::Csi { .. }
+        | Cmd::Heartbeat { .. }
         | Cmd::Certs { .. }
         | Cmd::Pool(PoolCmd::Format { .. } | PoolCmd::Node { .. }) => {
             unreachable!("handled in main")
@@ -867,6 +907,8 @@ async fn client(cli: Cli) -> Result<()> {
         Cmd::Pool(PoolCmd::Status) => {
             let s = c.pool_status(pb::PoolStatusRequest {}).await.map_err(rpc_error)?;
             cli::print_pool(out, s.get_ref());
+            // The daemon's readiness probe runs this: a failed pool takes the node out of service.
+            anyhow::ensure!(!s.get_ref().failed, "the pool stopped after a media failure; restart the daemon");
         }
         Cmd::Pool(PoolCmd::Scrub) => {
             let stream = c.scrub_pool(pb::ScrubPoolRequest {}).await.map_err(rpc_error)?.into_inner();

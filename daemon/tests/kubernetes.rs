@@ -13,6 +13,8 @@
 //! the node of a WaitForFirstConsumer claim.
 
 mod common;
+#[path = "kubernetes/failover.rs"]
+mod failover;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -257,7 +259,19 @@ impl Cluster {
                 String::from_utf8_lossy(&o.stderr)
             );
         }
-        pod.start(&mut self.cp, "daemon", Path::new(BIN), &[], &[], true);
+        for c in tpl["spec"]["containers"].as_array().unwrap() {
+            match c["name"].as_str().unwrap() {
+                "daemon" => pod.start(&mut self.cp, "daemon", Path::new(BIN), &[], &[], true),
+                // The storage heartbeat reaches the API server from the node, as a pod does.
+                "heartbeat" => {
+                    let cmd = pod.command("heartbeat", Path::new(BIN), &[], &[], false);
+                    let at = Some((node.netns.as_str(), self.sw.gateway.as_str()));
+                    self.cp.spawn_in_pod(&pod.process("heartbeat"), &cmd, NS, "ferrite-daemon", at);
+                    self.sidecars.push(pod.log_path("heartbeat"));
+                }
+                other => panic!("the daemon pod has a container the tier does not know: {other}"),
+            }
+        }
         let what = format!("the daemon on {} to pass its readiness probe", self.nodes[i].name);
         self.cp.wait(&what, LONG, |_| pod.ready("daemon", Path::new(BIN), true));
         pod
@@ -820,7 +834,8 @@ fn ferrite_on_kubernetes() {
         a.replica(&data_vol)["last_snapshot"].as_str().is_some_and(|s| !s.is_empty())
     });
 
-    failover(&mut c, triple_vol, &triple_pv);
+    failover::node_lost(&mut c, triple_vol, &triple_pv);
+    failover::daemon_silent(&mut c, triple_vol, &triple_pv);
 
     println!("== deletes clean up");
     for (kind, name) in [
@@ -977,108 +992,6 @@ fn events(cp: &ControlPlane, object: &str, reason: &str) -> Vec<String> {
     let list = cp.get(&["events.v1.events.k8s.io", "-A", "--field-selector", &format!("regarding.name={object}")]);
     let items = list["items"].as_array().cloned().unwrap_or_default();
     items.iter().filter(|e| e["reason"] == reason).map(|e| e["note"].as_str().unwrap_or("").to_owned()).collect()
-}
-
-/// The node holding a replicated volume's primary is lost (its daemon killed, its Node not
-/// Ready): the controller fences it and promotes another copy, which holds every acknowledged
-/// write; the volume publishes elsewhere; the node comes back fenced, is rebuilt, and is an
-/// in-sync replica before its fence is lifted.
-fn failover(c: &mut Cluster, vol: &str, pv: &str) {
-    println!("== failover: the primary's node is lost");
-    let (lost, i) = ("node-c", 2);
-    let survivors = ["node-a", "node-b"];
-    let s = c.daemon(lost).json(&["replica", "status", vol]);
-    assert_eq!(s["role"], "primary", "{s}");
-    let generation = s["generation"].as_u64().unwrap();
-    for n in NODES {
-        set_ready(c, n, true);
-    }
-    // Acknowledged writes: a synchronous primary answers once a majority of the copies hold them.
-    let content: Vec<u8> = pattern(2 << 20).into_iter().rev().collect();
-    let mut s = common::nbd::open(c.daemon(lost), vol);
-    assert_eq!(common::nbd::write_on(&mut s, 0, &content), 0);
-    drop(s);
-    c.daemon(lost).ok(&["export", "stop", vol]);
-    let fault = std::time::Instant::now();
-    c.daemon_pods[i].kill(&mut c.cp); // kill -9
-    set_ready(c, lost, false);
-    let block = format!("{}/32", c.nodes[i].ip);
-    let mut promoted = String::new();
-    let daemons = &c.daemons;
-    c.cp.wait("the controller to fence node-c and promote a copy", LONG, |_| {
-        promoted = survivors
-            .iter()
-            .enumerate()
-            .find(|(j, _)| {
-                let v = daemons[*j].json(&["replica", "status", vol]);
-                v["role"] == "primary" && v["generation"].as_u64() > Some(generation)
-            })
-            .map_or(String::new(), |(_, n)| (*n).to_owned());
-        !promoted.is_empty()
-    });
-    println!("   promoted on {promoted} {:?} after the fault (--failover-after={FAILOVER_AFTER:?})", fault.elapsed());
-    for n in survivors {
-        assert!(c.daemon(n).ok(&["fence", "list"]).contains(&block), "{n} does not fence node-c");
-    }
-    let node = c.cp.get(&["node", lost]);
-    assert_eq!(node["metadata"]["annotations"]["failover.ferrite.dev/fenced"], block.as_str(), "{}", node["metadata"]);
-    // The workload may go: the node is tainted out-of-service (Kubernetes deletes its pods and
-    // detaches their volumes at once) and fenced (NoSchedule).
-    let ours = |cp: &ControlPlane| -> Vec<String> {
-        let n = cp.get(&["node", lost]);
-        let taints = n["spec"]["taints"].as_array().cloned().unwrap_or_default();
-        taints
-            .iter()
-            .filter(|t| t["value"] == "ferrite-failover")
-            .map(|t| format!("{}:{}", t["key"], t["effect"]))
-            .collect()
-    };
-    c.cp.wait("node-c tainted out-of-service and fenced", LONG, |cp| ours(cp).len() == 2);
-    let taints = ours(&c.cp);
-    assert!(
-        taints.iter().any(|t| t.contains("node.kubernetes.io/out-of-service") && t.contains("NoExecute")),
-        "{taints:?}"
-    );
-    let got = common::nbd::read_image(c.daemon(&promoted), vol, content.len() as u64);
-    assert!(got == content, "the promoted copy lacks acknowledged writes");
-    let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
-    for object in [pv, &claim] {
-        let said = events(&c.cp, object, "FailedOver");
-        assert!(said.iter().any(|n| n.contains("node node-c was lost") && n.contains(&promoted)), "{object}: {said:?}");
-    }
-    // The volume publishes on the other survivor (its in-sync copy becomes the primary).
-    let other = survivors.iter().find(|n| **n != promoted).unwrap();
-    c.cp.apply(
-        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": "triple-after"},
-            "spec": {"attacher": "csi.ferrite.dev", "nodeName": other, "source": {"persistentVolumeName": pv}}})
-        .to_string(),
-    );
-    let va = c.wait_field("the attach after failover", &["volumeattachment", "triple-after"], |v| {
-        v["status"]["attached"] == true
-    });
-    assert_eq!(va["status"]["attachmentMetadata"]["primary"], *other, "{}", va["status"]);
-    println!("   attached where the new primary is {:?} after the fault", fault.elapsed());
-    c.cp.ok(&["delete", "volumeattachment", "triple-after", "--wait=true", "--timeout=60s"]);
-    let got = common::nbd::read_image(c.daemon(other), vol, content.len() as u64);
-    assert!(got == content, "the copy on {other} lacks acknowledged writes");
-
-    println!("== failover: node-c comes back, is rebuilt, then unfenced");
-    let old = c.daemon_pods[i].name().to_owned();
-    c.cp.ok(&["delete", "pod", &old, "-n", NS, "--wait=false"]);
-    c.daemon_pods[i] = c.start_daemon_pod(i);
-    set_ready(c, lost, true);
-    let daemons = &c.daemons;
-    c.cp.wait("node-c to be in sync and its fence lifted", LONG, |cp| {
-        let fenced = daemons[..2].iter().any(|d| d.ok(&["fence", "list"]).contains(&block));
-        let annotated = cp.get(&["node", lost])["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_string();
-        !fenced && !annotated && ours(cp).is_empty()
-    });
-    let s = c.daemon(other).json(&["replica", "status", vol]);
-    let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"].as_str().unwrap().contains(&c.nodes[i].ip));
-    assert_eq!(m.unwrap()["state"], "in-sync", "{s}");
-    assert_eq!(c.daemon(lost).json(&["replica", "status", vol])["role"], "replica");
-    let said = events(&c.cp, pv, "Rejoined");
-    assert!(said.iter().any(|n| n.contains("node node-c came back")), "{said:?}");
 }
 
 /// The pool init container refuses what it must: a device holding a filesystem, and a blank

@@ -53,6 +53,8 @@ pub struct PoolStats {
     pub cleaner_runs: u64,
     pub cleaner_segments_cleaned: u64,
     pub cleaner_bytes_moved: u64,
+    /// The pool stopped after a media failure: it refuses writes until it is reopened.
+    pub failed: bool,
     /// Bytes read ahead for sequential readers, and bytes reads took from what was read ahead.
     pub readahead_bytes: u64,
     pub readahead_hit_bytes: u64,
@@ -368,6 +370,7 @@ impl Pool {
             cleaner_runs: inner.cleaner.stats.runs.load(Ordering::Relaxed),
             cleaner_segments_cleaned: inner.cleaner.stats.segments_cleaned.load(Ordering::Relaxed),
             cleaner_bytes_moved: inner.cleaner.stats.blocks_moved.load(Ordering::Relaxed) * BLOCK as u64,
+            failed: inner.ctx.failed.load(Ordering::Acquire),
             readahead_bytes: inner.readahead.read_bytes.load(Ordering::Relaxed),
             readahead_hit_bytes: inner.readahead.hit_bytes.load(Ordering::Relaxed),
             head_segment: st.applied.seg as u64,

@@ -1,0 +1,183 @@
+//! The tier's node-loss scenarios for a three-copy volume: (a) the primary's node lost (its
+//! daemon killed, its Node not Ready), (c) its daemon dead while the Node stays Ready (only the
+//! storage heartbeat's Lease tells). Each checks that every acknowledged write is on the promoted
+//! copy, that the node is tainted so that its pods move, that the volume attaches and takes a
+//! write on the new primary (timed from the fault), and that the node comes back rebuilt before
+//! its fence and taints are lifted.
+
+use std::time::Instant;
+
+use serde_json::json;
+
+use super::common::Daemon;
+use super::{Cluster, ControlPlane, FAILOVER_AFTER, LONG, NODES, NS, events, pattern, set_ready};
+
+/// The node holding `vol`'s primary (its index and name) and the generation it serves.
+fn primary_of(c: &Cluster, vol: &str) -> (usize, &'static str, u64) {
+    for (i, n) in NODES.iter().enumerate() {
+        let s = c.daemons[i].json(&["replica", "status", vol]);
+        if s["role"] == "primary" {
+            return (i, n, s["generation"].as_u64().unwrap());
+        }
+    }
+    panic!("no node serves {vol} as its primary");
+}
+
+/// Writes `content` at the start of `vol` on its primary (`d`): acknowledged once a majority
+/// of the copies hold it.
+fn acknowledged(d: &Daemon, vol: &str, content: &[u8]) {
+    let mut s = super::common::nbd::open(d, vol);
+    assert_eq!(super::common::nbd::write_on(&mut s, 0, content), 0);
+    drop(s);
+    d.ok(&["export", "stop", vol]);
+}
+
+/// Waits for a survivor of node `lost` to serve `vol` as primary in a generation after
+/// `generation`; its name.
+fn promoted(c: &mut Cluster, vol: &str, lost: &str, generation: u64) -> String {
+    let mut to = String::new();
+    let daemons = &c.daemons;
+    c.cp.wait(&format!("the controller to fence {lost} and promote a copy"), LONG, |_| {
+        let survivor = NODES.iter().zip(daemons).filter(|(n, _)| **n != lost).find(|(_, d)| {
+            let v = d.json(&["replica", "status", vol]);
+            v["role"] == "primary" && v["generation"].as_u64() > Some(generation)
+        });
+        to = survivor.map_or(String::new(), |(n, _)| (*n).to_owned());
+        !to.is_empty()
+    });
+    to
+}
+
+/// Our taints of `node` (`key:effect`).
+fn ours(cp: &ControlPlane, node: &str) -> Vec<String> {
+    let n = cp.get(&["node", node]);
+    let taints = n["spec"]["taints"].as_array().cloned().unwrap_or_default();
+    taints
+        .iter()
+        .filter(|t| t["value"] == "ferrite-failover")
+        .map(|t| format!("{}:{}", t["key"], t["effect"]))
+        .collect()
+}
+
+/// The lost node `i` is fenced everywhere else, annotated and tainted out-of-service (its pods
+/// are deleted, their volumes detached at once) and fenced (NoSchedule).
+fn check_fenced(c: &mut Cluster, i: usize) {
+    let lost = NODES[i];
+    let block = format!("{}/32", c.nodes[i].ip);
+    for (n, d) in NODES.iter().zip(&c.daemons).filter(|(n, _)| **n != lost) {
+        assert!(d.ok(&["fence", "list"]).contains(&block), "{n} does not fence {lost}");
+    }
+    let node = c.cp.get(&["node", lost]);
+    assert_eq!(node["metadata"]["annotations"]["failover.ferrite.dev/fenced"], block.as_str(), "{}", node["metadata"]);
+    c.cp.wait(&format!("{lost} tainted out-of-service and fenced"), LONG, |cp| ours(cp, lost).len() == 2);
+    let taints = ours(&c.cp, lost);
+    assert!(
+        taints.iter().any(|t| t.contains("node.kubernetes.io/out-of-service") && t.contains("NoExecute")),
+        "{taints:?}"
+    );
+}
+
+/// The workload comes back on `on` (a copy node, the new primary): the volume attaches there and
+/// the first write after the fault is acknowledged. Prints both times from the fault.
+fn workload_back(c: &mut Cluster, vol: &str, pv: &str, on: &str, fault: Instant, va: &str) {
+    c.cp.apply(
+        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": va},
+            "spec": {"attacher": "csi.ferrite.dev", "nodeName": on, "source": {"persistentVolumeName": pv}}})
+        .to_string(),
+    );
+    let got = c.wait_field("the attach after failover", &["volumeattachment", va], |v| v["status"]["attached"] == true);
+    assert_eq!(got["status"]["attachmentMetadata"]["primary"], on, "{}", got["status"]);
+    let attached = fault.elapsed();
+    let mut s = super::common::nbd::open(c.daemon(on), vol);
+    assert_eq!(super::common::nbd::write_on(&mut s, 4 << 20, &pattern(4096)), 0, "the first write after failover");
+    drop(s);
+    c.daemon(on).ok(&["export", "stop", vol]);
+    println!("   attached on {on} {attached:?}, first write acknowledged {:?} after the fault", fault.elapsed());
+    c.cp.ok(&["delete", "volumeattachment", va, "--wait=true", "--timeout=60s"]);
+}
+
+/// Waits for the returned node `i` to be an in-sync member everywhere, then for its fence,
+/// annotation and taints to be lifted; checks the Rejoined event on `pv`.
+fn rejoined(c: &mut Cluster, vol: &str, pv: &str, i: usize) {
+    let (lost, block) = (NODES[i], format!("{}/32", c.nodes[i].ip));
+    let daemons = &c.daemons;
+    c.cp.wait(&format!("{lost} to be in sync and its fence lifted"), LONG, |cp| {
+        let fenced = NODES.iter().zip(daemons).any(|(n, d)| *n != lost && d.ok(&["fence", "list"]).contains(&block));
+        let annotated = cp.get(&["node", lost])["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_string();
+        !fenced && !annotated && ours(cp, lost).is_empty()
+    });
+    let (_, primary, _) = primary_of(c, vol);
+    let s = c.daemon(primary).json(&["replica", "status", vol]);
+    let ip = &c.nodes[i].ip;
+    let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"].as_str().unwrap().contains(ip.as_str()));
+    assert_eq!(m.unwrap()["state"], "in-sync", "{s}");
+    assert_eq!(c.daemons[i].json(&["replica", "status", vol])["role"], "replica");
+    let said = events(&c.cp, pv, "Rejoined");
+    assert!(said.iter().any(|n| n.contains(&format!("node {lost} came back"))), "{said:?}");
+}
+
+/// (a) The node holding the primary is lost (its daemon killed, its Node not Ready): the
+/// controller fences it and promotes another copy, which holds every acknowledged write; the
+/// volume publishes elsewhere; the node comes back fenced, is rebuilt, and is an in-sync
+/// replica before its fence is lifted.
+pub fn node_lost(c: &mut Cluster, vol: &str, pv: &str) {
+    println!("== failover (a): the primary's node is lost");
+    let (i, lost, generation) = primary_of(c, vol);
+    for n in NODES {
+        set_ready(c, n, true);
+    }
+    let content: Vec<u8> = pattern(2 << 20).into_iter().rev().collect();
+    acknowledged(&c.daemons[i], vol, &content);
+    let fault = Instant::now();
+    c.daemon_pods[i].kill(&mut c.cp); // kill -9 of every container of the pod
+    set_ready(c, lost, false);
+    let to = promoted(c, vol, lost, generation);
+    println!("   promoted on {to} {:?} after the fault (--failover-after={FAILOVER_AFTER:?})", fault.elapsed());
+    check_fenced(c, i);
+    assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
+    let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
+    for object in [pv, &claim] {
+        let said = events(&c.cp, object, "FailedOver");
+        let why = format!("node {lost} was lost (not Ready for");
+        assert!(said.iter().any(|n| n.contains(&why) && n.contains(&to)), "{object}: {said:?}");
+    }
+    // The other survivor: publishing there makes its in-sync copy the primary (locality).
+    let other = NODES.iter().find(|n| **n != lost && **n != to).unwrap();
+    workload_back(c, vol, pv, other, fault, "failover-a");
+    assert!(super::common::nbd::read_image(c.daemon(other), vol, content.len() as u64) == content, "lost writes");
+
+    println!("== failover (a): {lost} comes back, is rebuilt, then unfenced");
+    let old = c.daemon_pods[i].name().to_owned();
+    c.cp.ok(&["delete", "pod", &old, "-n", NS, "--wait=false"]);
+    c.daemon_pods[i] = c.start_daemon_pod(i);
+    set_ready(c, lost, true);
+    rejoined(c, vol, pv, i);
+}
+
+/// (c) The primary's daemon dies while its Node stays Ready (the kubelet is fine): its heartbeat
+/// stops renewing the node's Lease, which expires; failover then handles the node as lost. The
+/// kubelet restarts the daemon container; the node is rebuilt and rejoins.
+pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
+    println!("== failover (c): the primary's daemon dies, its Node stays Ready");
+    let (i, lost, generation) = primary_of(c, vol);
+    let lease = c.cp.get(&["lease", &format!("ferrite-node-{lost}"), "-n", "ferrite-node-lease"]);
+    assert_eq!(lease["spec"]["holderIdentity"], lost, "the heartbeat renews the node's Lease: {lease}");
+    let content = pattern(1 << 20);
+    acknowledged(&c.daemons[i], vol, &content);
+    let fault = Instant::now();
+    c.cp.kill(&c.daemon_pods[i].process("daemon"));
+    let to = promoted(c, vol, lost, generation);
+    println!("   promoted on {to} {:?} after the fault (heartbeat lease 10 s)", fault.elapsed());
+    let node = c.cp.get(&["node", lost]);
+    let ready = node["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
+    assert_eq!(ready["status"], "True", "the Node stayed Ready: only the Lease said the daemon was gone");
+    check_fenced(c, i);
+    assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
+    let said = events(&c.cp, pv, "FailedOver");
+    assert!(said.iter().any(|n| n.contains("storage heartbeat silent") && n.contains(&to)), "{said:?}");
+    workload_back(c, vol, pv, &to, fault, "failover-c");
+
+    println!("== failover (c): the kubelet restarts the daemon; {lost} is rebuilt, then unfenced");
+    c.daemon_pods[i].start(&mut c.cp, "daemon", std::path::Path::new(super::common::BIN), &[], &[], true);
+    rejoined(c, vol, pv, i);
+}
