@@ -836,6 +836,7 @@ fn ferrite_on_kubernetes() {
 
     failover::node_lost(&mut c, triple_vol, &triple_pv);
     failover::daemon_silent(&mut c, triple_vol, &triple_pv);
+    failover::cordoned(&mut c, triple_vol, &triple_pv);
 
     println!("== deletes clean up");
     for (kind, name) in [

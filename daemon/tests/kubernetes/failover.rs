@@ -1,7 +1,7 @@
 //! The tier's node-loss scenarios for a three-copy volume: (a) the primary's node lost (its
 //! daemon killed, its Node not Ready), (c) its daemon dead while the Node stays Ready (only the
 //! storage heartbeat's Lease tells). Each checks that every acknowledged write is on the promoted
-//! copy, that the node is tainted so that its pods move, that the volume attaches and takes a
+//! copy, that the node is tainted and its pod using the volume deleted (one using none stays), that the volume attaches and takes a
 //! write on the new primary (timed from the fault), and that the node comes back rebuilt before
 //! its fence and taints are lifted.
 
@@ -37,7 +37,7 @@ fn acknowledged(d: &Daemon, vol: &str, content: &[u8]) {
 fn promoted(c: &mut Cluster, vol: &str, lost: &str, generation: u64) -> String {
     let mut to = String::new();
     let daemons = &c.daemons;
-    c.cp.wait(&format!("the controller to fence {lost} and promote a copy"), LONG, |_| {
+    c.cp.wait(&format!("the controller to promote a copy not on {lost}"), LONG, |_| {
         let survivor = NODES.iter().zip(daemons).filter(|(n, _)| **n != lost).find(|(_, d)| {
             let v = d.json(&["replica", "status", vol]);
             v["role"] == "primary" && v["generation"].as_u64() > Some(generation)
@@ -75,6 +75,37 @@ fn check_fenced(c: &mut Cluster, i: usize) {
         taints.iter().any(|t| t.contains("node.kubernetes.io/out-of-service") && t.contains("NoExecute")),
         "{taints:?}"
     );
+}
+
+/// Pods on node `node` as the scheduler bound them: `app` uses the claim of `pv`, `bystander`
+/// no volume.
+fn place_pods(c: &Cluster, pv: &str, node: &str, app: &str) {
+    let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
+    for (name, volumes) in
+        [(app, json!([{"name": "data", "persistentVolumeClaim": {"claimName": claim}}])), ("bystander", json!([]))]
+    {
+        c.cp.apply(
+            &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+                "spec": {"nodeName": node, "containers": [{"name": "app", "image": "app.invalid/app:1"}],
+                    "volumes": volumes}})
+            .to_string(),
+        );
+    }
+}
+
+/// The lost node's pod that used the volume is deleted (with an Event saying why), so that it
+/// can restart where the volume is; the one that used none stays.
+fn check_pods_moved(c: &mut Cluster, app: &str) {
+    c.cp.wait(&format!("pod {app} deleted from the lost node"), LONG, |cp| {
+        !cp.kubectl(&["get", "pod", app, "-n", "default"]).status.success()
+    });
+    let said = events(&c.cp, app, "FailedOver");
+    assert!(said.iter().any(|n| n.contains("deleted so that the pod restarts where its volumes")), "{said:?}");
+    assert!(
+        c.cp.kubectl(&["get", "pod", "bystander", "-n", "default"]).status.success(),
+        "a pod without our volumes stays"
+    );
+    c.cp.ok(&["delete", "pod", "bystander", "-n", "default", "--grace-period=0", "--force"]);
 }
 
 /// The workload comes back on `on` (a copy node, the new primary): the volume attaches there and
@@ -128,12 +159,14 @@ pub fn node_lost(c: &mut Cluster, vol: &str, pv: &str) {
     }
     let content: Vec<u8> = pattern(2 << 20).into_iter().rev().collect();
     acknowledged(&c.daemons[i], vol, &content);
+    place_pods(c, pv, lost, "app-a");
     let fault = Instant::now();
     c.daemon_pods[i].kill(&mut c.cp); // kill -9 of every container of the pod
     set_ready(c, lost, false);
     let to = promoted(c, vol, lost, generation);
     println!("   promoted on {to} {:?} after the fault (--failover-after={FAILOVER_AFTER:?})", fault.elapsed());
     check_fenced(c, i);
+    check_pods_moved(c, "app-a");
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
     let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
     for object in [pv, &claim] {
@@ -164,6 +197,7 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     assert_eq!(lease["spec"]["holderIdentity"], lost, "the heartbeat renews the node's Lease: {lease}");
     let content = pattern(1 << 20);
     acknowledged(&c.daemons[i], vol, &content);
+    place_pods(c, pv, lost, "app-c");
     let fault = Instant::now();
     c.cp.kill(&c.daemon_pods[i].process("daemon"));
     let to = promoted(c, vol, lost, generation);
@@ -172,6 +206,7 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     let ready = node["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
     assert_eq!(ready["status"], "True", "the Node stayed Ready: only the Lease said the daemon was gone");
     check_fenced(c, i);
+    check_pods_moved(c, "app-c");
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
     let said = events(&c.cp, pv, "FailedOver");
     assert!(said.iter().any(|n| n.contains("storage heartbeat silent") && n.contains(&to)), "{said:?}");
@@ -180,4 +215,34 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     println!("== failover (c): the kubelet restarts the daemon; {lost} is rebuilt, then unfenced");
     c.daemon_pods[i].start(&mut c.cp, "daemon", std::path::Path::new(super::common::BIN), &[], &[], true);
     rejoined(c, vol, pv, i);
+}
+
+/// (f) The primary's node is cordoned (maintenance): the controller hands the primary over to an
+/// in-sync copy elsewhere without a fence or a taint; every acknowledged write is there, and the
+/// old primary is an in-sync replica of the new one.
+pub fn cordoned(c: &mut Cluster, vol: &str, pv: &str) {
+    println!("== maintenance (f): the primary's node is cordoned");
+    let (i, node, generation) = primary_of(c, vol);
+    let content: Vec<u8> = pattern(1 << 20).into_iter().map(|b| b ^ 0x5a).collect();
+    acknowledged(&c.daemons[i], vol, &content);
+    let start = Instant::now();
+    c.cp.ok(&["cordon", node]);
+    let to = promoted(c, vol, node, generation);
+    println!("   handed over to {to} {:?} after the cordon", start.elapsed());
+    let block = format!("{}/32", c.nodes[i].ip);
+    for d in &c.daemons {
+        assert!(!d.ok(&["fence", "list"]).contains(&block), "a planned handover fences nothing");
+    }
+    assert!(ours(&c.cp, node).is_empty(), "a planned handover taints nothing");
+    assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
+    let said = events(&c.cp, pv, "HandedOver");
+    assert!(said.iter().any(|n| n.contains(&format!("node {node} is cordoned")) && n.contains(&to)), "{said:?}");
+    let (d, ip) = (&c.daemons[i], c.nodes[i].ip.clone());
+    let primary = &c.daemons[NODES.iter().position(|n| *n == to).unwrap()];
+    c.cp.wait(&format!("{node} to be an in-sync replica of {to}"), LONG, |_| {
+        let s = primary.json(&["replica", "status", vol]);
+        let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"].as_str().unwrap().contains(ip.as_str()));
+        d.json(&["replica", "status", vol])["role"] == "replica" && m.is_some_and(|m| m["state"] == "in-sync")
+    });
+    c.cp.ok(&["uncordon", node]);
 }

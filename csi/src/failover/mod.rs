@@ -13,14 +13,18 @@
 //!   promoting its in-sync survivor safe, so that promotion is forced. Events on the PV and its
 //!   claim say what happened.
 //! - Once the fence holds, the lost Node is tainted `node.kubernetes.io/out-of-service`
-//!   (NoExecute): Kubernetes then force-deletes its pods and detaches their volumes at once, so
-//!   the workload is rescheduled next to the new primary instead of waiting for the eviction
-//!   timeout and the attach-detach controller's six-minute force-detach. It is also tainted
-//!   `failover.ferrite.dev/fenced` (NoSchedule) for as long as it is fenced.
+//!   (NoExecute): Kubernetes then detaches its volumes at once, and the pods there that use our
+//!   volumes are deleted (`workload.rs`), so the workload is rescheduled next to the new primary
+//!   instead of waiting for the eviction timeout and the attach-detach controller's six-minute
+//!   force-detach. It is also tainted `failover.ferrite.dev/fenced` (NoSchedule) for as long as
+//!   it is fenced.
 //! - A fenced node whose Node is Ready, whose Lease is renewed and whose daemon answers again
 //!   is rebuilt by the new
 //!   primaries (from the last mark both hold: what changed); once it is in sync in every
 //!   membership it belongs to, the fence is lifted, the annotation and our taints removed.
+//!
+//! - A cordoned node's primaries are handed over to in-sync copies elsewhere, without a fence,
+//!   volume by volume once it is not published (`maintenance.rs`).
 //!
 //! Stateless like the rest of the controller: the fences live in the daemons, the memberships
 //! too, the annotation on the Node. Of several controller replicas only the holder of the
@@ -45,6 +49,9 @@ use tonic::Code;
 
 use crate::nodes::{NodeDirectory, admin};
 
+mod maintenance;
+mod workload;
+
 /// The annotation on a Node the controller fenced: the blocks it fenced, comma-separated.
 pub const FENCED: &str = "failover.ferrite.dev/fenced";
 /// The owner of the fences failover makes: a NetworkFence's fence of the same block (or an
@@ -65,6 +72,7 @@ const ANSWER: Duration = Duration::from_secs(5);
 
 struct Failover {
     dir: Arc<dyn NodeDirectory>,
+    client: kube::Client,
     nodes: Api<Node>,
     /// The Nodes and PersistentVolumes as watches keep them (no list of every one each pass).
     node_store: Store<Node>,
@@ -149,7 +157,8 @@ pub async fn start(
         heartbeats: watched(Api::namespaced(client.clone(), lease_namespace)),
         lease_namespace: lease_namespace.to_owned(),
         nodes,
-        events: Recorder::new(client, reporter),
+        events: Recorder::new(client.clone(), reporter),
+        client,
         driver: driver.to_owned(),
         after,
     };
@@ -202,6 +211,10 @@ impl Failover {
                 }
             } else if n.annotations().contains_key(FENCED) && ready(&n) && self.trouble(&name).await.is_none() {
                 self.rejoin(&n).await?;
+            } else if maintenance::cordoned(&n) && ready(&n) {
+                if let Err(e) = self.hand_over(&n).await {
+                    tracing::warn!(node = %name, "planned handover: {e:#}");
+                }
             }
         }
         Ok(())
@@ -348,6 +361,7 @@ impl Failover {
         if fenced.is_ok() {
             // The node can no longer write anywhere: its pods may run elsewhere, now.
             self.taint(&name, true).await?;
+            self.delete_pods(&name).await?;
         }
         Ok(())
     }

@@ -1,0 +1,82 @@
+//! Planned maintenance: a cordoned node (`kubectl cordon`, the first step of `kubectl drain`)
+//! hands the primaries it holds over to in-sync copies on schedulable nodes, without a fence.
+//! The copy is promoted as the daemons' rule allows (an in-sync member of the newest
+//! generation, with a majority), the old primary takes the new generation and is rebuilt as a
+//! replica from what changed; no data moves but the marks. A volume still published (its pod
+//! not evicted yet) is left until the drain has evicted the pod and the volume is detached, so
+//! no writer loses its connection in the middle of a request; its next publication then goes
+//! to the new primary.
+
+use std::collections::BTreeSet;
+
+use ferrite_proto::ferrite::v1 as pb;
+use k8s_openapi::api::core::v1::Node;
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
+
+use super::{ANSWER, FENCED, host, ready};
+use crate::nodes::admin;
+
+/// Whether a node may take primaries: Ready, schedulable, not fenced.
+fn usable(n: &Node) -> bool {
+    let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+    ready(n) && !cordoned && !n.annotations().contains_key(FENCED)
+}
+
+/// Whether node `n` is cordoned (and not fenced: a fenced node's volumes failed over already).
+pub(super) fn cordoned(n: &Node) -> bool {
+    n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false) && !n.annotations().contains_key(FENCED)
+}
+
+impl super::Failover {
+    /// Hands the unpublished primaries on cordoned node `n` over to in-sync copies elsewhere.
+    pub(super) async fn hand_over(&self, n: &Node) -> anyhow::Result<()> {
+        let name = n.name_any();
+        let ask = async {
+            let mut c = admin(&*self.dir, &name).await?;
+            let held = c.list_sync_replicas(pb::ListReplicationsRequest::default()).await?.into_inner().volumes;
+            let published = c.list_publications(pb::ListPublicationsRequest {}).await?.into_inner().publications;
+            Ok::<_, tonic::Status>((held, published))
+        };
+        let (held, published) = tokio::time::timeout(ANSWER, ask)
+            .await
+            .map_err(|_| anyhow::anyhow!("the daemon of cordoned node {name} did not answer"))?
+            .map_err(|e| anyhow::anyhow!("cordoned node {name}: {}", e.message()))?;
+        let published: BTreeSet<String> = published.into_iter().map(|p| p.volume).collect();
+        // Where each usable node's daemon is (by host), to find the copies' nodes.
+        let usable: Vec<(String, String)> = self
+            .node_store
+            .state()
+            .iter()
+            .filter(|n| usable(n))
+            .filter_map(|n| Some((host(&self.dir.admin_endpoint(&n.name_any())?).to_owned(), n.name_any())))
+            .collect();
+        for v in held.iter().filter(|v| v.role == "primary" && !published.contains(&v.volume)) {
+            let copies = v.members.iter().filter(|m| m.state == "in-sync" && m.endpoint != v.primary);
+            let to = copies.filter_map(|m| usable.iter().find(|(h, _)| h == host(&m.endpoint))).map(|(_, n)| n).next();
+            let Some(to) = to else {
+                tracing::warn!(node = %name, volume = %v.volume, "cordoned, but no in-sync copy is on a usable node");
+                continue;
+            };
+            let promote = async {
+                let mut c = admin(&*self.dir, to).await?;
+                let req = pb::PromoteReplicationRequest { volume: v.volume.clone(), force: false };
+                c.promote_sync_replica(req).await
+            };
+            match tokio::time::timeout(ANSWER, promote).await {
+                Ok(Ok(r)) => {
+                    let note = format!(
+                        "node {name} is cordoned: handed the primary over to the in-sync copy on {to} \
+                         (generation {}), without a fence",
+                        r.get_ref().generation
+                    );
+                    tracing::info!(volume = %v.volume, "{note}");
+                    self.event(&v.volume, n, EventType::Normal, "HandedOver", "Promote", note).await;
+                }
+                Ok(Err(e)) => tracing::warn!(volume = %v.volume, to, "handing over: {}", e.message()),
+                Err(_) => tracing::warn!(volume = %v.volume, to, "handing over: no answer within {ANSWER:?}"),
+            }
+        }
+        Ok(())
+    }
+}
