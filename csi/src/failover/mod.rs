@@ -211,10 +211,11 @@ impl Failover {
                 }
             } else if n.annotations().contains_key(FENCED) && ready(&n) && self.trouble(&name).await.is_none() {
                 self.rejoin(&n).await?;
-            } else if maintenance::cordoned(&n) && ready(&n) {
-                if let Err(e) = self.hand_over(&n).await {
-                    tracing::warn!(node = %name, "planned handover: {e:#}");
-                }
+            } else if maintenance::cordoned(&n)
+                && ready(&n)
+                && let Err(e) = self.hand_over(&n).await
+            {
+                tracing::warn!(node = %name, "planned handover: {e:#}");
             }
         }
         Ok(())
