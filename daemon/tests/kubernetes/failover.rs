@@ -187,6 +187,54 @@ pub fn node_lost(c: &mut Cluster, vol: &str, pv: &str) {
     rejoined(c, vol, pv, i);
 }
 
+/// (d) While node `lost`'s daemon is down, the controller's calls that ask every node answer
+/// without it, and Probe from local state: each is timed (the livenessprobe gives Probe 1 s);
+/// the controller process is still the same one afterwards.
+fn controller_answers(c: &mut Cluster, lost: &str) {
+    use ferrite_proto::csi::v1 as csi;
+    use ferrite_proto::csi::v1::controller_client::ControllerClient;
+    use ferrite_proto::csi::v1::identity_client::IdentityClient;
+    let ctl = c.controller.as_ref().unwrap();
+    let sock = std::path::PathBuf::from(ctl.rewrite(ctl.container("ferrite"), "/csi/csi.sock"));
+    let process = ctl.process("ferrite");
+    let pid = c.cp.pid(&process);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let bound = std::time::Duration::from_secs(10);
+    let times = rt.block_on(async {
+        let ch = super::common::csi::channel(&sock).await;
+        let (mut id, mut ctl) = (IdentityClient::new(ch.clone()), ControllerClient::new(ch));
+        let timed = async |what: &str, f: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::Status>> + '_>>| {
+            let t = Instant::now();
+            let r = tokio::time::timeout(bound, f).await.unwrap_or_else(|_| panic!("{what} hung with {lost} down"));
+            r.unwrap_or_else(|e| panic!("{what} with {lost} down: {e}"));
+            format!("{what} {:?}", t.elapsed())
+        };
+        let mut out = vec![timed("Probe", Box::pin(async { id.probe(csi::ProbeRequest {}).await.map(drop) })).await];
+        let listed = timed(
+            "ListVolumes",
+            Box::pin(async {
+                let r = ctl.list_volumes(csi::ListVolumesRequest::default()).await?;
+                let unread = r.metadata().get("ferrite-unread-nodes").map(|v| v.to_str().unwrap().to_owned());
+                assert!(unread.is_some_and(|u| u.contains(lost)), "ListVolumes says which node it could not read");
+                Ok(())
+            }),
+        );
+        out.push(listed.await);
+        let capacity = Box::pin(async { ctl.get_capacity(csi::GetCapacityRequest::default()).await.map(drop) });
+        out.push(timed("GetCapacity", capacity).await);
+        let create = Box::pin(async {
+            let v = ctl.create_volume(super::common::csi::create("while-lost", 1 << 20, None)).await?;
+            let volume_id = v.into_inner().volume.unwrap().volume_id;
+            ctl.delete_volume(csi::DeleteVolumeRequest { volume_id, ..Default::default() }).await.map(drop)
+        });
+        out.push(timed("CreateVolume+DeleteVolume", create).await);
+        out
+    });
+    println!("   with {lost}'s daemon down, the controller answered: {}", times.join(", "));
+    c.cp.check_alive();
+    assert_eq!(c.cp.pid(&process), pid, "the controller was not restarted");
+}
+
 /// (c) The primary's daemon dies while its Node stays Ready (the kubelet is fine): its heartbeat
 /// stops renewing the node's Lease, which expires; failover then handles the node as lost. The
 /// kubelet restarts the daemon container; the node is rebuilt and rejoins.
@@ -206,6 +254,7 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     let ready = node["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
     assert_eq!(ready["status"], "True", "the Node stayed Ready: only the Lease said the daemon was gone");
     check_fenced(c, i);
+    controller_answers(c, lost);
     check_pods_moved(c, "app-c");
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
     let said = events(&c.cp, pv, "FailedOver");
