@@ -1,9 +1,11 @@
-//! The tier's node-loss scenarios for a three-copy volume: (a) the primary's node lost (its
-//! daemon killed, its Node not Ready), (c) its daemon dead while the Node stays Ready (only the
-//! storage heartbeat's Lease tells). Each checks that every acknowledged write is on the promoted
-//! copy, that the node is tainted and its pod using the volume deleted (one using none stays), that the volume attaches and takes a
-//! write on the new primary (timed from the fault), and that the node comes back rebuilt before
-//! its fence and taints are lifted.
+//! The tier's node-loss and maintenance scenarios for a three-copy volume: (a) the primary's
+//! node lost (its daemon killed, its Node not Ready); (c) its daemon dead while the Node stays
+//! Ready (only the storage heartbeat's Lease tells), with (d) the controller's calls timed
+//! meanwhile and (g) a publication to a third node after this second failover; (f) the
+//! primary's node cordoned. The failovers check that every acknowledged write is on the promoted
+//! copy, that the node is tainted and its pod using the volume deleted (one using none stays),
+//! that the volume attaches and takes a write on the new primary (timed from the fault), and
+//! that the node comes back rebuilt before its fence and taints are lifted.
 
 use std::time::Instant;
 
@@ -77,6 +79,19 @@ fn check_fenced(c: &mut Cluster, i: usize) {
     );
 }
 
+/// Attaches `pv` to node `on` (VolumeAttachment `va`, as the attach-detach controller makes it)
+/// and checks that its primary is there (a copy node becomes the primary when it publishes).
+fn attach(c: &mut Cluster, pv: &str, on: &str, va: &str) {
+    c.cp.apply(
+        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": va},
+            "spec": {"attacher": "csi.ferrite.dev", "nodeName": on, "source": {"persistentVolumeName": pv}}})
+        .to_string(),
+    );
+    let got =
+        c.wait_field(&format!("the attach to {on}"), &["volumeattachment", va], |v| v["status"]["attached"] == true);
+    assert_eq!(got["status"]["attachmentMetadata"]["primary"], on, "{}", got["status"]);
+}
+
 /// Pods on node `node` as the scheduler bound them: `app` uses the claim of `pv`, `bystander`
 /// no volume.
 fn place_pods(c: &Cluster, pv: &str, node: &str, app: &str) {
@@ -111,13 +126,7 @@ fn check_pods_moved(c: &mut Cluster, app: &str) {
 /// The workload comes back on `on` (a copy node, the new primary): the volume attaches there and
 /// the first write after the fault is acknowledged. Prints both times from the fault.
 fn workload_back(c: &mut Cluster, vol: &str, pv: &str, on: &str, fault: Instant, va: &str) {
-    c.cp.apply(
-        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": va},
-            "spec": {"attacher": "csi.ferrite.dev", "nodeName": on, "source": {"persistentVolumeName": pv}}})
-        .to_string(),
-    );
-    let got = c.wait_field("the attach after failover", &["volumeattachment", va], |v| v["status"]["attached"] == true);
-    assert_eq!(got["status"]["attachmentMetadata"]["primary"], on, "{}", got["status"]);
+    attach(c, pv, on, va);
     let attached = fault.elapsed();
     let mut s = super::common::nbd::open(c.daemon(on), vol);
     assert_eq!(super::common::nbd::write_on(&mut s, 4 << 20, &pattern(4096)), 0, "the first write after failover");
@@ -246,6 +255,7 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     let content = pattern(1 << 20);
     acknowledged(&c.daemons[i], vol, &content);
     place_pods(c, pv, lost, "app-c");
+    attach(c, pv, lost, "app-c");
     let fault = Instant::now();
     c.cp.kill(&c.daemon_pods[i].process("daemon"));
     let to = promoted(c, vol, lost, generation);
@@ -256,6 +266,8 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     check_fenced(c, i);
     controller_answers(c, lost);
     check_pods_moved(c, "app-c");
+    // The pod is gone and the node out of service: the attach-detach controller detaches at once.
+    c.cp.ok(&["delete", "volumeattachment", "app-c", "--wait=true", "--timeout=60s"]);
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
     let said = events(&c.cp, pv, "FailedOver");
     assert!(said.iter().any(|n| n.contains("storage heartbeat silent") && n.contains(&to)), "{said:?}");
@@ -264,6 +276,14 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     println!("== failover (c): the kubelet restarts the daemon; {lost} is rebuilt, then unfenced");
     c.daemon_pods[i].start(&mut c.cp, "daemon", std::path::Path::new(super::common::BIN), &[], &[], true);
     rejoined(c, vol, pv, i);
+
+    println!("== failover (g): after this second failover the volume publishes to a third node");
+    let publication = format!("csi-publish-{vol}");
+    let exports = c.daemons[i].ok(&["export", "list"]);
+    assert!(!exports.contains(&publication), "{lost} stepped down and ended its publication: {exports}");
+    let third = NODES.iter().find(|n| **n != lost && **n != to).unwrap();
+    attach(c, pv, third, "failover-g");
+    c.cp.ok(&["delete", "volumeattachment", "failover-g", "--wait=true", "--timeout=60s"]);
 }
 
 /// (f) The primary's node is cordoned (maintenance): the controller hands the primary over to an
