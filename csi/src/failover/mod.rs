@@ -4,14 +4,14 @@
 //! - A node is lost when its daemon does not answer (or its pool failed) and either its Ready
 //!   condition has not been True for `--failover-after`, or its storage heartbeat's Lease
 //!   (`heartbeat.rs`) has expired: a crash-looping or hung daemon, or a dead pool device, on a
-//!   node the kubelet keeps Ready. Its addresses are fenced on every other daemon (they refuse and cut
-//!   its connections: a primary cut off from its members cannot record a generation, and it
-//!   refuses writes without a majority), the Node is annotated so that the fence is known to be
-//!   ours, and each volume whose primary was there is promoted on the most current in-sync copy:
-//!   the daemons' generation rule decides (only an in-sync member of the newest generation a
-//!   majority holds). A volume of two copies has no majority left; the fence is what makes
-//!   promoting its in-sync survivor safe, so that promotion is forced. Events on the PV and its
-//!   claim say what happened.
+//!   node the kubelet keeps Ready. Its addresses are fenced on every other daemon (they refuse
+//!   and cut its connections: a primary cut off from its members cannot record a generation,
+//!   and it refuses writes without a majority), the Node is annotated so that the fence is
+//!   known to be ours, and each volume whose primary was there is promoted on the most current
+//!   in-sync copy: the daemons' generation rule decides (only an in-sync member of the newest
+//!   generation a majority holds). A volume of two copies has no majority left; the fence is
+//!   what makes promoting its in-sync survivor safe, so that promotion is forced. Events on the
+//!   PV and its claim say what happened.
 //! - Once the fence holds, the lost Node is tainted `node.kubernetes.io/out-of-service`
 //!   (NoExecute): Kubernetes then detaches its volumes at once, and the pods there that use our
 //!   volumes are deleted (`workload.rs`), so the workload is rescheduled next to the new primary
@@ -19,10 +19,9 @@
 //!   force-detach. It is also tainted `failover.ferrite.dev/fenced` (NoSchedule) for as long as
 //!   it is fenced.
 //! - A fenced node whose Node is Ready, whose Lease is renewed and whose daemon answers again
-//!   is rebuilt by the new
-//!   primaries (from the last mark both hold: what changed); once it is in sync in every
-//!   membership it belongs to, the fence is lifted, the annotation and our taints removed.
-//!
+//!   is rebuilt by the new primaries (from the last mark both hold: what changed); once it is in
+//!   sync in every membership it belongs to, the fence is lifted, the annotation and our taints
+//!   removed.
 //! - A cordoned node's primaries are handed over to in-sync copies elsewhere, without a fence,
 //!   volume by volume once it is not published (`maintenance.rs`).
 //!
