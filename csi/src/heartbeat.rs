@@ -18,12 +18,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use ferrite_proto::ferrite::v1 as pb;
-use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 
 use crate::lease::Leadership;
+use crate::nodes::{StaticNodes, trouble};
 
 /// Where the nodes' Leases live by default: a namespace of their own, so that the daemons'
 /// right to renew Leases reaches none of the controller's.
@@ -32,20 +31,6 @@ pub const NAMESPACE: &str = "ferrite-node-lease";
 /// The Lease of a node's storage heartbeat.
 pub fn lease_name(node: &str) -> String {
     format!("ferrite-node-{node}")
-}
-
-/// Why the local daemon cannot vouch for its node now, if it cannot.
-async fn unhealthy(socket: &Path, within: Duration) -> Option<String> {
-    let ask = async {
-        let ch = ferrite_proto::connect_unix(socket).await.map_err(|e| format!("daemon unreachable: {e}"))?;
-        let s = AdminClient::new(ch).pool_status(pb::PoolStatusRequest {}).await.map_err(|e| e.message().to_owned())?;
-        if s.get_ref().failed { Err("its pool stopped after a media failure".to_owned()) } else { Ok(()) }
-    };
-    match tokio::time::timeout(within, ask).await {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(e),
-        Err(_) => Some(format!("the daemon did not answer within {within:?}")),
-    }
 }
 
 /// How often and for how long the heartbeat renews.
@@ -76,11 +61,12 @@ pub async fn run(
     let client = kube::Client::try_default().await.context("the Kubernetes API")?;
     let api: Api<Lease> = Api::namespaced(client, namespace);
     let lease = Leadership::new(api.clone(), &lease_name(node), node, duration);
+    let daemon = StaticNodes::single(node, socket);
     tracing::info!(node, lease = %lease_name(node), ?every, ?duration, ?grace, "storage heartbeat");
     let mut silent = false;
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        match unhealthy(socket, every).await {
+        match trouble(&daemon, node, every).await {
             None => match lease.hold().await {
                 Ok(_) if silent => {
                     silent = false;

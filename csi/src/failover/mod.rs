@@ -46,7 +46,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use tonic::Code;
 
-use crate::nodes::{NodeDirectory, admin};
+use crate::nodes::{NodeDirectory, admin, trouble};
 
 mod maintenance;
 mod workload;
@@ -205,10 +205,13 @@ impl Failover {
                 (None, None) => None,
             };
             if let Some(sign) = sign {
-                if let Some(trouble) = self.trouble(&name).await {
-                    self.fail_over(&n, &format!("{sign}, {trouble}")).await?;
+                if let Some(why) = trouble(&*self.dir, &name, ANSWER).await {
+                    self.fail_over(&n, &format!("{sign}, {why}")).await?;
                 }
-            } else if n.annotations().contains_key(FENCED) && ready(&n) && self.trouble(&name).await.is_none() {
+            } else if n.annotations().contains_key(FENCED)
+                && ready(&n)
+                && trouble(&*self.dir, &name, ANSWER).await.is_none()
+            {
                 self.rejoin(&n).await?;
             } else if maintenance::cordoned(&n)
                 && ready(&n)
@@ -218,20 +221,6 @@ impl Failover {
             }
         }
         Ok(())
-    }
-
-    /// What is wrong with node `node`'s daemon as the controller sees it, if anything: it does
-    /// not answer, or its pool failed.
-    async fn trouble(&self, node: &str) -> Option<String> {
-        let ask = async {
-            let mut c = admin(&*self.dir, node).await?;
-            c.pool_status(pb::PoolStatusRequest {}).await
-        };
-        match tokio::time::timeout(ANSWER, ask).await {
-            Ok(Ok(s)) if s.get_ref().failed => Some("its pool failed".to_owned()),
-            Ok(Ok(_)) => None,
-            Ok(Err(_)) | Err(_) => Some("its daemon unreachable".to_owned()),
-        }
     }
 
     /// The other nodes' daemons that answer, with their view of every synchronous volume.

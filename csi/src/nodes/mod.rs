@@ -118,6 +118,22 @@ pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Ch
     Ok(AdminClient::new(ch))
 }
 
+/// What is wrong with `node`'s daemon, if anything: it does not answer within `within` (or
+/// answers with an error), or its pool failed. The failover loop asks it of every node it
+/// judges, the storage heartbeat of its own daemon.
+pub async fn trouble(dir: &dyn NodeDirectory, node: &str, within: Duration) -> Option<String> {
+    let ask = async {
+        let mut c = admin(dir, node).await?;
+        c.pool_status(pb::PoolStatusRequest {}).await
+    };
+    match tokio::time::timeout(within, ask).await {
+        Ok(Ok(s)) if s.get_ref().failed => Some("its pool failed".to_owned()),
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some(format!("its daemon unreachable ({})", e.message())),
+        Err(_) => Some(format!("its daemon unreachable (no answer within {within:?})")),
+    }
+}
+
 /// How long each node has to answer a call that asks every node: one that does not answer in
 /// time (powered off, partitioned) is skipped, so a lost node never stalls the controller.
 pub const SCAN: Duration = Duration::from_secs(3);
