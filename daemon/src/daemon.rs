@@ -156,10 +156,7 @@ impl TlsConfigs {
 /// Whether an NBD client's certificate identity holds `nbd-client` (or is an operator).
 fn nbd_role(policy: &Arc<crate::authz::Policy>) -> ferrite_nbd::tls::RoleCheck {
     let policy = Arc::clone(policy);
-    Arc::new(move |cert| {
-        let caller = policy.caller(&ferrite_tls::identities(cert));
-        caller.is_operator() || caller.roles.contains(&crate::authz::Role::NbdClient)
-    })
+    Arc::new(move |cert| policy.caller(&ferrite_tls::identities(cert)).acts_as(crate::authz::Role::NbdClient))
 }
 
 /// The admin API's gRPC server, with per-connection limits: streams in flight, and keepalive

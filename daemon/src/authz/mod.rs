@@ -136,6 +136,11 @@ impl Caller {
         self.roles.contains(&Role::Operator)
     }
 
+    /// Whether this caller holds `role`, or is an operator (who holds every role).
+    pub fn acts_as(&self, role: Role) -> bool {
+        self.is_operator() || self.roles.contains(&role)
+    }
+
     /// Whether this caller's certificate names `identity`.
     pub fn is(&self, identity: &str) -> bool {
         self.names.as_ref().is_some_and(|n| n.iter().any(|x| same_name(x, identity)))
