@@ -58,8 +58,7 @@ impl Gate {
 
     /// Whether the holder of `names` passes a fence of its address: a controller or an operator.
     fn passes_fences(&self, names: &[String]) -> bool {
-        let caller = self.policy.caller(names);
-        caller.is_operator() || caller.roles.contains(&Role::Controller)
+        self.policy.caller(names).acts_as(Role::Controller)
     }
 
     /// A slot for the holder of `names`, or why it is closed.
@@ -137,8 +136,7 @@ pub fn accept(
             };
             backoff = Duration::ZERO;
             // Behind a gate, with TLS, a fenced client is judged once its certificate is known.
-            let fenced = fences.is_fenced(peer.ip());
-            let deferred = fenced && gate.is_some() && tls.is_some();
+            let deferred = gate.is_some() && tls.is_some() && fences.is_fenced(peer.ip());
             let admitted =
                 if deferred { fences.register(peer, &stream, name) } else { fences.admit(peer, &stream, name) };
             let Some(admission) = admitted else { continue };

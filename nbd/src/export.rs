@@ -120,14 +120,15 @@ impl Export {
     ) -> bool {
         let Some(ip) = ip.map(|ip| ip.to_canonical()) else { return true };
         let named = |id: &str| cert.is_some_and(|c| ferrite_tls::names(c, id));
-        let has_role = match (cert, role) {
+        // Looked up only when the allow list alone does not decide.
+        let has_role = || match (cert, role) {
             (Some(cert), Some(role)) => role(cert),
             _ => true,
         };
         if !self.names_need_role && self.allow.iter().any(|a| matches!(a, Allow::Identity(id) if named(id))) {
             return true;
         }
-        has_role
+        has_role()
             && (self.allow.is_empty()
                 || self.allow.iter().any(|a| match a {
                     Allow::Net(n) => n.contains(&ip),
