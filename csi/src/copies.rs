@@ -10,7 +10,7 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
-use crate::nodes::{NodeDirectory, admin};
+use crate::nodes::{NodeDirectory, SCAN, admin, scan};
 
 /// The StorageClass parameter: how many copies (1, the default, is a local volume).
 pub const REPLICAS: &str = "replicas";
@@ -39,10 +39,28 @@ fn node_of(dir: &dyn NodeDirectory, endpoint: &str) -> Option<String> {
     dir.nodes().into_iter().find(|n| dir.admin_endpoint(n).as_deref() == Some(endpoint))
 }
 
+/// What a node holds of volume `name`: a client there, the volume, and its membership; within
+/// [`SCAN`] (a node that does not answer in time is Unavailable, as one that refuses).
+async fn held(
+    dir: &dyn NodeDirectory,
+    node: &str,
+    name: &str,
+) -> Result<(AdminClient<Channel>, pb::Volume, Option<pb::SyncVolume>), Status> {
+    let ask = async {
+        let mut c = admin(dir, node).await?;
+        let v = c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await?.into_inner();
+        let s = view(&mut c, name).await?;
+        Ok((c, v, s))
+    };
+    tokio::time::timeout(SCAN, ask)
+        .await
+        .unwrap_or_else(|_| Err(Status::unavailable(format!("node {node}: no answer within {SCAN:?}"))))
+}
+
 /// Where volume `name` is served now: its node, a client there, the volume, and its membership
 /// (None for a local volume). `hint` is where to ask first (the node its id names); a copy that
-/// is not the primary says which is, and when neither answers every node is asked. NotFound
-/// when no node holds it.
+/// is not the primary says which is, and when neither answers every other node is asked at
+/// once, each within [`SCAN`]. NotFound when no node holds it.
 pub async fn primary(
     dir: &dyn NodeDirectory,
     hint: &str,
@@ -54,39 +72,30 @@ pub async fn primary(
     let mut unreachable = None;
     while let Some(node) = next.take() {
         tried.push(node.clone());
-        let mut c = match admin(dir, &node).await {
-            Ok(c) => c,
+        match held(dir, &node, name).await {
+            Ok((c, v, None)) => return Ok((node, c, v, None)),
+            Ok((c, v, Some(s))) if s.role == "primary" => return Ok((node, c, v, Some(s))),
+            Ok((_, _, Some(s))) => next = node_of(dir, &s.primary).filter(|n| !tried.contains(n)),
             Err(s) if s.code() == Code::NotFound => return Err(not_found()),
-            Err(s) => {
-                unreachable = Some(s);
-                break;
-            }
-        };
-        let v = match c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await {
-            Ok(v) => v.into_inner(),
-            Err(s) if s.code() == Code::NotFound => return Err(not_found()),
+            Err(s) if matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded) => unreachable = Some(s),
             Err(s) => return Err(s),
-        };
-        match view(&mut c, name).await? {
-            None => return Ok((node, c, v, None)),
-            Some(s) if s.role == "primary" => return Ok((node, c, v, Some(s))),
-            Some(s) => next = node_of(dir, &s.primary).filter(|n| !tried.contains(n)),
         }
     }
     // The named copies do not answer as primary: the newest generation that does, anywhere.
-    let mut best: Option<(String, AdminClient<Channel>, pb::Volume, pb::SyncVolume)> = None;
-    for node in dir.nodes() {
-        let Ok(mut c) = admin(dir, &node).await else { continue };
-        let Ok(v) = c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await else { continue };
-        if let Ok(Some(s)) = view(&mut c, name).await
-            && s.role == "primary"
-            && best.as_ref().is_none_or(|b| s.generation > b.3.generation)
-        {
-            best = Some((node, c, v.into_inner(), s));
-        }
-    }
+    let others: Vec<String> = dir.nodes().into_iter().filter(|n| !tried.contains(n)).collect();
+    let found = scan(dir, others, |_, mut c| async move {
+        let v = match c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await {
+            Ok(v) => v.into_inner(),
+            // Silent nodes are logged as such; any other answer means it holds no primary.
+            Err(s) if s.code() == Code::Unavailable => return Err(s),
+            Err(_) => return Ok(None),
+        };
+        Ok(view(&mut c, name).await.ok().flatten().filter(|s| s.role == "primary").map(|s| (c, v, s)))
+    })
+    .await?;
+    let best = found.answers.into_iter().filter_map(|(n, a)| Some((n, a?))).max_by_key(|(_, (_, _, s))| s.generation);
     match (best, unreachable) {
-        (Some((n, c, v, s)), _) => Ok((n, c, v, Some(s))),
+        (Some((n, (c, v, s))), _) => Ok((n, c, v, Some(s))),
         (None, Some(s)) => Err(s),
         (None, None) => Err(Status::unavailable(format!(
             "volume {name:?}: no copy answers as its primary (asked {})",

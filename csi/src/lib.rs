@@ -43,6 +43,7 @@ pub mod reclaim;
 pub mod replication;
 mod snapshots;
 pub mod volume_group;
+mod webhook;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -91,6 +92,9 @@ pub struct Options {
     pub failover_after: Option<std::time::Duration>,
     /// Where the nodes' storage heartbeats (Leases) are.
     pub node_lease_namespace: String,
+    /// Where the drain guard's admission webhook listens, and its TLS (controller mode with
+    /// failover).
+    pub webhook: Option<(std::net::SocketAddr, Arc<ferrite_tls::ServerTls>)>,
 }
 
 impl Options {
@@ -138,7 +142,16 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         busy: busy.clone(),
     });
     if let (true, Some(_), Some(after)) = (controller, &opts.node_service, opts.failover_after) {
-        failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after, &opts.node_lease_namespace).await?;
+        let guard = failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after, &opts.node_lease_namespace).await?;
+        if let Some((at, tls)) = &opts.webhook {
+            let listener = tokio::net::TcpListener::bind(at).await.with_context(|| format!("binding {at}"))?;
+            tracing::info!(%at, "the drain guard's admission webhook is on");
+            tokio::spawn(webhook::serve(listener, Arc::clone(tls), guard));
+        }
+    } else if opts.webhook.is_some() {
+        anyhow::bail!(
+            "--webhook-listen serves the drain guard, which needs controller mode, --node-service and failover"
+        );
     }
     let identity = identity::Identity { controller };
     let router = tonic::transport::Server::builder()

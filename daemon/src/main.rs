@@ -109,6 +109,11 @@ enum Cmd {
         /// takes a node whose Lease expired, its daemon unreachable or its pool failed, for lost.
         #[arg(long, default_value = ferrite_csi::heartbeat::NAMESPACE)]
         node_lease_namespace: String,
+        /// Controller mode with failover: serve the drain guard, the admission webhook that
+        /// refuses a Node's cordon when it would leave a replicated volume without a majority,
+        /// on this address (HTTPS with --tls-cert, which must name the controller Service).
+        #[arg(long)]
+        webhook_listen: Option<std::net::SocketAddr>,
     },
     /// Renew this node's storage Lease (`ferrite-node-<node>`) for as long as the daemon at
     /// --admin-socket answers with a healthy pool: the daemon pod's heartbeat container, which
@@ -590,6 +595,7 @@ fn main() {
             max_volumes,
             failover_after,
             node_lease_namespace,
+            webhook_listen,
         } => {
             init_logging("info");
             // The driver runs for months: its certificate follows its files.
@@ -600,6 +606,16 @@ fn main() {
             }) {
                 Ok(t) => t,
                 Err(e) => return exit(Err(e)),
+            };
+            let webhook = match (webhook_listen, cli.tls_cert.as_deref().zip(cli.tls_key.as_deref())) {
+                (None, _) => None,
+                (Some(_), None) => {
+                    return exit(Err(anyhow::anyhow!("--webhook-listen needs --tls-cert and --tls-key")));
+                }
+                (Some(at), Some((cert, key))) => match ferrite_tls::reload::server(cert, key, None, &[b"http/1.1"]) {
+                    Ok(tls) => Some((*at, std::sync::Arc::new(tls))),
+                    Err(e) => return exit(Err(anyhow::anyhow!("the webhook's certificate: {e}"))),
+                },
             };
             let node_id = if node_id.is_empty() { hostname() } else { node_id.clone() };
             let opts = ferrite_csi::Options {
@@ -620,6 +636,7 @@ fn main() {
                 admin_tls,
                 failover_after: (*failover_after > 0).then(|| std::time::Duration::from_secs(*failover_after)),
                 node_lease_namespace: node_lease_namespace.clone(),
+                webhook,
             };
             return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));
         }

@@ -129,7 +129,8 @@ impl Cluster {
         cp.ok(&["apply", "-f", &deploy().join("examples/volumeattributesclass.yaml").display().to_string()]);
 
         let pki = dir.join("pki");
-        common::csi::certs(&pki, "ferrite-controller", &[]);
+        // Its identity to the daemons, and the name of its Service (the drain guard's webhook).
+        common::csi::certs(&pki, "ferrite-controller", &["ferrite-controller.ferrite.svc"]);
         let p = |f: &str| pki.join(f).display().to_string();
         cp.ok(&[
             "create",
@@ -159,6 +160,16 @@ impl Cluster {
         let ca = sh(&format!("base64 -w0 {}", p("ca.pem")));
         let patch = json!({"spec": {"caCert": ca.trim()}}).to_string();
         cp.ok(&["patch", "snapshotmetadataservice", "csi.ferrite.dev", "--type=merge", "-p", &patch]);
+        // The drain guard's CA, as docs/kubernetes.md has the operator patch it in.
+        let patch = json!([{"op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": ca.trim()}]);
+        cp.ok(&[
+            "patch",
+            "validatingwebhookconfiguration",
+            "ferrite-drain-guard",
+            "--type=json",
+            "-p",
+            &patch.to_string(),
+        ]);
         cp.ok(&["create", "namespace", "backup-app-namespace"]);
         for r in ["service-account", "cluster-role", "cluster-role-binding"] {
             let f = up.join(format!("rbac/csi-snapshot-metadata-client-{r}.yaml"));
@@ -836,7 +847,11 @@ fn ferrite_on_kubernetes() {
 
     failover::node_lost(&mut c, triple_vol, &triple_pv);
     failover::daemon_silent(&mut c, triple_vol, &triple_pv);
-    failover::cordoned(&mut c, triple_vol, &triple_pv);
+    let second = failover::rollout_begins(&mut c);
+    let cut = failover::partitioned(&mut c, triple_vol, &triple_pv);
+    failover::one_loop_at_a_time(&mut c, &second, cut);
+    failover::cordoned(&mut c, triple_vol, &triple_pv, Some(&second));
+    second.kill(&mut c.cp);
 
     println!("== deletes clean up");
     for (kind, name) in [

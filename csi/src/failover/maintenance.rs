@@ -18,7 +18,7 @@ use super::{ANSWER, FENCED, host, ready};
 use crate::nodes::admin;
 
 /// Whether a node may take primaries: Ready, schedulable, not fenced.
-fn usable(n: &Node) -> bool {
+pub(super) fn usable(n: &Node) -> bool {
     let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
     ready(n) && !cordoned && !n.annotations().contains_key(FENCED)
 }

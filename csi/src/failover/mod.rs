@@ -48,8 +48,11 @@ use tonic::Code;
 
 use crate::nodes::{NodeDirectory, admin, trouble};
 
+mod guard;
 mod maintenance;
 mod workload;
+
+pub use guard::OVERRIDE;
 
 /// The annotation on a Node the controller fenced: the blocks it fenced, comma-separated.
 pub const FENCED: &str = "failover.ferrite.dev/fenced";
@@ -135,20 +138,21 @@ where
     store
 }
 
-/// Starts the failover loop, with the client configuration kube-rs infers.
+/// Starts the failover loop, with the client configuration kube-rs infers. Returns the drain
+/// guard (`guard.rs`), which every replica answers, leader or not.
 pub async fn start(
     dir: Arc<dyn NodeDirectory>,
     driver: &str,
     after: Duration,
     lease_namespace: &str,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Arc<dyn crate::webhook::Review>> {
     let client = kube::Client::try_default().await?;
     let me = std::env::var("POD_NAME").unwrap_or_else(|_| format!("ferrite-controller-{}", std::process::id()));
     let namespace = std::env::var("POD_NAMESPACE").unwrap_or_else(|_| client.default_namespace().to_owned());
     let leader = crate::lease::Leadership::new(Api::namespaced(client.clone(), &namespace), LEASE, &me, LEASE_FOR);
     let reporter = Reporter { controller: "ferrite-failover".into(), instance: Some(me) };
     let nodes = Api::all(client.clone());
-    let this = Failover {
+    let this = Arc::new(Failover {
         leader,
         dir,
         node_store: watched(Api::clone(&nodes)),
@@ -160,8 +164,9 @@ pub async fn start(
         client,
         driver: driver.to_owned(),
         after,
-    };
+    });
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
+    let guard = Arc::clone(&this);
     tokio::spawn(async move {
         let synced = async {
             this.node_store.wait_until_ready().await?;
@@ -184,7 +189,7 @@ pub async fn start(
             tokio::time::sleep(EVERY).await;
         }
     });
-    Ok(())
+    Ok(guard)
 }
 
 impl Failover {

@@ -151,6 +151,8 @@ impl ControlPlane {
                 "--authorization-mode=Node,RBAC",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--enable-priority-and-fairness=false",
+                // Webhooks reached through their Service's endpoints: there is no kube-proxy here.
+                "--enable-aggregator-routing=true",
                 &format!("--cert-dir={}", dir.join("apiserver-certs").display()),
             ],
             &[],

@@ -1,17 +1,21 @@
 //! The tier's node-loss and maintenance scenarios for a three-copy volume: (a) the primary's
 //! node lost (its daemon killed, its Node not Ready); (c) its daemon dead while the Node stays
 //! Ready (only the storage heartbeat's Lease tells), with (d) the controller's calls timed
-//! meanwhile and (g) a publication to a third node after this second failover; (f) the
-//! primary's node cordoned. The failovers check that every acknowledged write is on the promoted
+//! meanwhile and (g) a publication to a third node after this second failover; (b) its node
+//! cut off the network with its daemon alive; (f) the primary's node cordoned, and a drain that
+//! would take a second copy refused; (e) with a second controller of a rollout beside the first,
+//! one failover loop at a time and a takeover when the holder hangs. The failovers check that every acknowledged write is on the promoted
 //! copy, that the node is tainted and its pod using the volume deleted (one using none stays),
 //! that the volume attaches and takes a write on the new primary (timed from the fault), and
 //! that the node comes back rebuilt before its fence and taints are lifted.
 
+use std::io::Write as _;
 use std::time::Instant;
 
 use serde_json::json;
 
 use super::common::Daemon;
+use super::common::kubelet::Pod;
 use super::{Cluster, ControlPlane, FAILOVER_AFTER, LONG, NODES, NS, events, pattern, set_ready};
 
 /// The node holding `vol`'s primary (its index and name) and the generation it serves.
@@ -286,10 +290,122 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     c.cp.ok(&["delete", "volumeattachment", "failover-g", "--wait=true", "--timeout=60s"]);
 }
 
+/// (b) The primary's node is cut off the network whole, its daemon alive (a partition): the
+/// isolated primary acknowledges no write after the cut and serves no read once it has been
+/// without a majority for the ejection timeout, which is before the other side promotes a copy
+/// (the node's Lease has to expire first); the rest goes as in (a). The Node stays Ready until
+/// the node-monitor grace would end, here after the promotion.
+pub fn partitioned(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
+    use super::common::nbd::{reply, request, write_on};
+    use super::common::netns::Nics;
+    println!("== failover (b): the primary's node is cut off the network, its daemon alive");
+    let (i, lost, generation) = primary_of(c, vol);
+    let content: Vec<u8> = pattern(1 << 20).into_iter().map(|b| b.rotate_left(3)).collect();
+    acknowledged(&c.daemons[i], vol, &content);
+    place_pods(c, pv, lost, "app-b");
+    // The workload's connection on the isolated side, made before the cut.
+    let mut isolated = super::common::nbd::open(&c.daemons[i], vol);
+    let fault = Instant::now();
+    c.sw.link(i, false);
+    assert_ne!(write_on(&mut isolated, 0, &[0xee; 4096]), 0, "a write acknowledged on the isolated side");
+    let writes_refused = fault.elapsed();
+    let reads_refused = loop {
+        isolated.write_all(&request(0, 0, 9, 0, 4096, &[])).unwrap();
+        if reply(&mut isolated, 4096).0 != 0 {
+            break fault.elapsed();
+        }
+        assert!(fault.elapsed() < LONG, "the isolated primary still serves reads");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let to = promoted(c, vol, lost, generation);
+    let promoted_at = fault.elapsed();
+    println!(
+        "   isolated side: writes refused {writes_refused:?}, reads {reads_refused:?} after the cut; \
+         promoted on {to} {promoted_at:?} after it"
+    );
+    assert!(reads_refused < promoted_at, "the isolated side served reads after a copy was promoted");
+    assert_ne!(write_on(&mut isolated, 0, &[0xee; 4096]), 0, "a write acknowledged on the isolated side");
+    drop(isolated);
+    set_ready(c, lost, false);
+    check_fenced(c, i);
+    check_pods_moved(c, "app-b");
+    assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
+    let said = events(&c.cp, pv, "FailedOver");
+    assert!(said.iter().any(|n| n.contains("storage heartbeat silent") && n.contains(&to)), "{said:?}");
+    workload_back(c, vol, pv, &to, fault, "failover-b");
+
+    println!("== failover (b): the partition heals; {lost} steps down, is rebuilt, then unfenced");
+    c.sw.link(i, true);
+    set_ready(c, lost, true);
+    c.daemons[i].ok(&["export", "stop", vol]);
+    rejoined(c, vol, pv, i);
+    lost
+}
+
+/// The holder of the failover Lease.
+fn leader(cp: &ControlPlane) -> String {
+    let lease = cp.get(&["lease", "ferrite-failover", "-n", NS]);
+    lease["spec"]["holderIdentity"].as_str().unwrap_or_default().to_owned()
+}
+
+/// (e) A rollout begins: a second controller pod (a new ReplicaSet's) runs beside the first,
+/// its `ferrite` container only (the sidecars leader-elect on their own); its webhook on a port
+/// of its own, since the tier's pods share the host's network. The first keeps the Lease.
+pub fn rollout_begins(c: &mut Cluster) -> Pod {
+    println!("== (e) a rollout: a second controller runs beside the first");
+    let dep = c.cp.get(&["deployment", "ferrite-controller", "-n", NS]);
+    let mut tpl = dep["spec"]["template"].clone();
+    let containers = tpl["spec"]["containers"].as_array_mut().unwrap();
+    let ferrite = containers.iter_mut().find(|c| c["name"] == "ferrite").unwrap();
+    for a in ferrite["args"].as_array_mut().unwrap() {
+        if a.as_str().is_some_and(|a| a.starts_with("--webhook-listen=")) {
+            *a = json!("--webhook-listen=127.0.0.1:0");
+        }
+    }
+    let rs = json!({"apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": "ferrite-controller-2", "namespace": NS, "labels": tpl["metadata"]["labels"],
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "ferrite-controller",
+                "uid": dep["metadata"]["uid"], "controller": true}]},
+        "spec": {"replicas": 1, "selector": dep["spec"]["selector"], "template": tpl}});
+    c.cp.apply(&rs.to_string());
+    let rs = c.cp.get(&["replicaset", "ferrite-controller-2", "-n", NS]);
+    let owner = json!({"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "ferrite-controller-2",
+        "uid": rs["metadata"]["uid"], "controller": true});
+    let pod = Pod::run(&c.cp, NS, "ferrite-controller-2-y", &tpl, &c.nodes[1], Some(owner), &c.sw.gateway);
+    let kc = c.cp.token_kubeconfig(NS, "ferrite-controller", "ferrite-2.kubeconfig");
+    std::os::unix::fs::chown(&kc, Some(0), Some(65532)).unwrap();
+    std::fs::set_permissions(&kc, std::os::unix::fs::PermissionsExt::from_mode(0o640)).unwrap();
+    let env = [("KUBECONFIG".to_owned(), kc.display().to_string())];
+    pod.start(&mut c.cp, "ferrite", std::path::Path::new(super::common::BIN), &[], &env, false);
+    c.cp.wait("the second controller's failover loop", LONG, |_| pod.log("ferrite").contains("automatic failover"));
+    assert_eq!(leader(&c.cp), c.controller.as_ref().unwrap().name(), "the first controller keeps the Lease");
+    pod
+}
+
+/// (e) With two controllers, only the Lease holder acted on the lost node of (b), and the
+/// rejoined node stays unfenced. Then the holder hangs (SIGSTOP): the second takes the Lease
+/// (timed) and runs the loop from then on; the first, resumed, stands by.
+pub fn one_loop_at_a_time(c: &mut Cluster, second: &Pod, rejoined: &str) {
+    let first = c.controller.as_ref().unwrap();
+    assert!(first.log("ferrite").contains("fencing it"), "the holder failed the node over");
+    assert!(!second.log("ferrite").contains("fencing it"), "the standby fenced too: {}", second.log("ferrite"));
+    std::thread::sleep(std::time::Duration::from_secs(7));
+    let n = c.cp.get(&["node", rejoined]);
+    assert!(n["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_null(), "{rejoined} re-fenced");
+    println!("== (e) the Lease holder hangs; the second controller takes over");
+    let pid = c.cp.pid(&first.process("ferrite")).to_string();
+    let signal = |s: &str| assert!(std::process::Command::new("kill").args([s, &pid]).status().unwrap().success());
+    signal("-STOP");
+    let start = Instant::now();
+    c.cp.wait("the second controller to take the failover Lease", LONG, |cp| leader(cp) == second.name());
+    println!("   took over {:?} after the holder stopped", start.elapsed());
+    signal("-CONT");
+}
+
 /// (f) The primary's node is cordoned (maintenance): the controller hands the primary over to an
 /// in-sync copy elsewhere without a fence or a taint; every acknowledged write is there, and the
 /// old primary is an in-sync replica of the new one.
-pub fn cordoned(c: &mut Cluster, vol: &str, pv: &str) {
+pub fn cordoned(c: &mut Cluster, vol: &str, pv: &str, second: Option<&Pod>) {
     println!("== maintenance (f): the primary's node is cordoned");
     let (i, node, generation) = primary_of(c, vol);
     let content: Vec<u8> = pattern(1 << 20).into_iter().map(|b| b ^ 0x5a).collect();
@@ -298,6 +414,9 @@ pub fn cordoned(c: &mut Cluster, vol: &str, pv: &str) {
     c.cp.ok(&["cordon", node]);
     let to = promoted(c, vol, node, generation);
     println!("   handed over to {to} {:?} after the cordon", start.elapsed());
+    if let Some(second) = second {
+        assert!(second.log("ferrite").contains("handed the primary over"), "the new holder runs the loop");
+    }
     let block = format!("{}/32", c.nodes[i].ip);
     for d in &c.daemons {
         assert!(!d.ok(&["fence", "list"]).contains(&block), "a planned handover fences nothing");
@@ -313,5 +432,22 @@ pub fn cordoned(c: &mut Cluster, vol: &str, pv: &str) {
         let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"].as_str().unwrap().contains(ip.as_str()));
         d.json(&["replica", "status", vol])["role"] == "replica" && m.is_some_and(|m| m["state"] == "in-sync")
     });
+
+    println!("== maintenance (f): a drain that would take a second copy is refused, naming the volume");
+    let start = Instant::now();
+    let o = c.cp.kubectl(&["drain", &to, "--ignore-daemonsets", "--timeout=30s"]);
+    let said = String::from_utf8_lossy(&o.stderr);
+    println!("   refused in {:?}", start.elapsed());
+    assert!(!o.status.success(), "draining {to} with {node} cordoned leaves one copy of three: {said}");
+    assert!(
+        said.contains("ferrite drain guard") && said.contains(pv) && said.contains(&format!("{node} (cordoned)")),
+        "{said}"
+    );
+    let cordoned = |n: &str| c.cp.get(&["node", n])["spec"]["unschedulable"] == true;
+    assert!(!cordoned(&to), "the refused drain left {to} schedulable");
     c.cp.ok(&["uncordon", node]);
+    // With the first node back, the same cordon is allowed (a server-side dry run asks the guard
+    // and changes nothing).
+    c.cp.ok(&["cordon", &to, "--dry-run=server"]);
+    assert!(!cordoned(&to));
 }
