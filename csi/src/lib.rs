@@ -92,6 +92,8 @@ pub struct Options {
     pub failover_after: Option<std::time::Duration>,
     /// Where the nodes' storage heartbeats (Leases) are.
     pub node_lease_namespace: String,
+    /// Failover taints a fenced node out-of-service (else it deletes its VolumeAttachments).
+    pub out_of_service_taint: bool,
     /// Where the drain guard's admission webhook listens, and its TLS (controller mode with
     /// failover).
     pub webhook: Option<(std::net::SocketAddr, Arc<ferrite_tls::ServerTls>)>,
@@ -142,7 +144,9 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         busy: busy.clone(),
     });
     if let (true, Some(_), Some(after)) = (controller, &opts.node_service, opts.failover_after) {
-        let guard = failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after, &opts.node_lease_namespace).await?;
+        let lease_namespace = &opts.node_lease_namespace;
+        let taint = opts.out_of_service_taint;
+        let guard = failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after, lease_namespace, taint).await?;
         if let Some((at, tls)) = &opts.webhook {
             let listener = tokio::net::TcpListener::bind(at).await.with_context(|| format!("binding {at}"))?;
             tracing::info!(%at, "the drain guard's admission webhook is on");

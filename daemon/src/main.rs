@@ -114,6 +114,11 @@ enum Cmd {
         /// on this address (HTTPS with --tls-cert, which must name the controller Service).
         #[arg(long)]
         webhook_listen: Option<std::net::SocketAddr>,
+        /// Failover taints a fenced node `node.kubernetes.io/out-of-service` so that Kubernetes
+        /// detaches its volumes at once; `false` leaves that taint off and deletes the node's
+        /// VolumeAttachments of this driver instead (the pods using them are deleted either way).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        out_of_service_taint: bool,
     },
     /// Renew this node's storage Lease (`ferrite-node-<node>`) for as long as the daemon at
     /// --admin-socket answers with a healthy pool: the daemon pod's heartbeat container, which
@@ -596,6 +601,7 @@ fn main() {
             failover_after,
             node_lease_namespace,
             webhook_listen,
+            out_of_service_taint,
         } => {
             init_logging("info");
             // The driver runs for months: its certificate follows its files.
@@ -636,6 +642,7 @@ fn main() {
                 admin_tls,
                 failover_after: (*failover_after > 0).then(|| std::time::Duration::from_secs(*failover_after)),
                 node_lease_namespace: node_lease_namespace.clone(),
+                out_of_service_taint: *out_of_service_taint,
                 webhook,
             };
             return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));

@@ -848,8 +848,9 @@ fn ferrite_on_kubernetes() {
     failover::node_lost(&mut c, triple_vol, &triple_pv);
     failover::daemon_silent(&mut c, triple_vol, &triple_pv);
     let second = failover::rollout_begins(&mut c);
+    let since = failover::takeover(&mut c, &second);
     let cut = failover::partitioned(&mut c, triple_vol, &triple_pv);
-    failover::one_loop_at_a_time(&mut c, &second, cut);
+    failover::one_loop_at_a_time(&c, &second, cut, since);
     failover::cordoned(&mut c, triple_vol, &triple_pv, Some(&second));
     second.kill(&mut c.cp);
 

@@ -86,6 +86,9 @@ struct Failover {
     /// The CSI driver name, to find its PersistentVolumes.
     driver: String,
     after: Duration,
+    /// Taint a fenced node out-of-service (Kubernetes then detaches its volumes); without it,
+    /// the controller deletes their VolumeAttachments itself.
+    out_of_service: bool,
     /// Only the holder of the failover Lease runs a pass.
     leader: crate::lease::Leadership,
 }
@@ -145,6 +148,7 @@ pub async fn start(
     driver: &str,
     after: Duration,
     lease_namespace: &str,
+    out_of_service: bool,
 ) -> anyhow::Result<Arc<dyn crate::webhook::Review>> {
     let client = kube::Client::try_default().await?;
     let me = std::env::var("POD_NAME").unwrap_or_else(|_| format!("ferrite-controller-{}", std::process::id()));
@@ -164,6 +168,7 @@ pub async fn start(
         client,
         driver: driver.to_owned(),
         after,
+        out_of_service,
     });
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
     let guard = Arc::clone(&this);
@@ -269,8 +274,8 @@ impl Failover {
         Ok(())
     }
 
-    /// Adds (`on`) or removes our taints of node `name`: out-of-service (NoExecute) and fenced
-    /// (NoSchedule). A compare-and-swap on the Node's resourceVersion (the node lifecycle
+    /// Adds (`on`) or removes our taints of node `name`: out-of-service (NoExecute, unless
+    /// turned off) and fenced (NoSchedule). A compare-and-swap on the Node's resourceVersion (the node lifecycle
     /// controller changes taints too): a concurrent change makes it fail, and the next pass
     /// tries again.
     async fn taint(&self, name: &str, on: bool) -> anyhow::Result<()> {
@@ -280,7 +285,8 @@ impl Failover {
         let is_ours = |t: &Taint| ours.iter().any(|(k, _)| t.key == *k) && t.value.as_deref() == Some(TAINT_VALUE);
         let mut taints: Vec<Taint> = held.iter().filter(|t| !is_ours(t)).cloned().collect();
         if on {
-            taints.extend(ours.iter().map(|(key, effect)| Taint {
+            let added = ours.iter().filter(|(key, _)| *key != OUT_OF_SERVICE || self.out_of_service);
+            taints.extend(added.map(|(key, effect)| Taint {
                 key: (*key).to_owned(),
                 value: Some(TAINT_VALUE.to_owned()),
                 effect: (*effect).to_owned(),
@@ -295,7 +301,7 @@ impl Failover {
             "spec": {"taints": taints},
         });
         self.nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-        tracing::warn!(node = name, tainted = on, "node taints {OUT_OF_SERVICE} and {FENCED} (ours)");
+        tracing::warn!(node = name, tainted = on, out_of_service = self.out_of_service, "node taints (ours)");
         Ok(())
     }
 
@@ -356,6 +362,9 @@ impl Failover {
             // The node can no longer write anywhere: its pods may run elsewhere, now.
             self.taint(&name, true).await?;
             self.delete_pods(&name).await?;
+            if !self.out_of_service {
+                self.detach(&name).await?;
+            }
         }
         Ok(())
     }

@@ -6,11 +6,14 @@
 //! node (a dead daemon under a live kubelet) the taint's eviction is graceful, so the pod waits
 //! for the kubelet to unmount a device whose daemon is gone. With the out-of-service taint in place the
 //! attach-detach controller then detaches their volumes at once, and their controllers
-//! (StatefulSet, Deployment) recreate them where the volumes are published next.
+//! (StatefulSet, Deployment) recreate them where the volumes are published next. Where the
+//! taint is not wanted (`--out-of-service-taint=false`), the controller deletes the node's
+//! VolumeAttachments of this driver itself, which is what the taint has Kubernetes do.
 
 use std::collections::BTreeSet;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DeleteParams, ListParams};
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
@@ -70,6 +73,27 @@ impl super::Failover {
             };
             if let Err(e) = self.events.publish(&ev, &pod.object_ref(&())).await {
                 tracing::warn!(pod = %name, "publishing an event: {e}");
+            }
+        }
+        Ok(())
+    }
+}
+
+impl super::Failover {
+    /// Deletes the VolumeAttachments of this driver's volumes to fenced node `node`: the
+    /// attacher then unpublishes them (the fenced node can no longer use them) and the volumes
+    /// attach where their pods go next.
+    pub(super) async fn detach(&self, node: &str) -> anyhow::Result<()> {
+        let api = Api::<VolumeAttachment>::all(self.client.clone());
+        for va in api.list(&ListParams::default()).await? {
+            if va.spec.attacher != self.driver || va.spec.node_name != node || va.metadata.deletion_timestamp.is_some()
+            {
+                continue;
+            }
+            match api.delete(&va.name_any(), &DeleteParams::default()).await {
+                Ok(_) => tracing::warn!(node, attachment = %va.name_any(), "fenced node's VolumeAttachment deleted"),
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => return Err(e.into()),
             }
         }
         Ok(())

@@ -31,6 +31,7 @@ pub struct KubeNodes {
     tls: Option<Arc<Reloading<ClientTls>>>,
     server_name: Option<String>,
     watch: tokio::task::JoinHandle<()>,
+    connections: super::Connections,
 }
 
 impl std::fmt::Debug for KubeNodes {
@@ -75,7 +76,7 @@ impl KubeNodes {
             .await
             .map_err(|_| anyhow::anyhow!("no EndpointSlice list from the Kubernetes API within {FIRST_LIST:?}"))?
             .context("the EndpointSlice watch ended")?;
-        Ok(Self { store, tls, server_name, watch })
+        Ok(Self { store, tls, server_name, watch, connections: super::Connections::default() })
     }
 
     fn map(&self) -> BTreeMap<String, String> {
@@ -98,6 +99,10 @@ impl NodeDirectory for KubeNodes {
 
     fn server_name(&self) -> Option<String> {
         self.server_name.clone()
+    }
+
+    fn connections(&self) -> Option<&super::Connections> {
+        Some(&self.connections)
     }
 }
 

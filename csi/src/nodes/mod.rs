@@ -38,6 +38,10 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     fn server_name(&self) -> Option<String> {
         None
     }
+    /// The connections this directory keeps for reuse (None: a connection per call).
+    fn connections(&self) -> Option<&Connections> {
+        None
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -52,6 +56,7 @@ pub struct StaticNodes {
     nodes: BTreeMap<String, String>,
     tls: Option<Arc<Reloading<ClientTls>>>,
     server_name: Option<String>,
+    connections: Connections,
 }
 
 impl StaticNodes {
@@ -62,16 +67,12 @@ impl StaticNodes {
         if let Some(bad) = f.nodes.keys().find(|n| !valid_node(n)) {
             anyhow::bail!("node directory {}: invalid node name {bad:?}", path.display());
         }
-        Ok(Self { nodes: f.nodes, tls: None, server_name: None })
+        Ok(Self { nodes: f.nodes, ..Self::default() })
     }
 
     /// One node (node mode, or `--mode all` without a directory).
     pub fn single(node: &str, admin_socket: &Path) -> Self {
-        Self {
-            nodes: BTreeMap::from([(node.to_owned(), admin_socket.display().to_string())]),
-            tls: None,
-            server_name: None,
-        }
+        Self { nodes: BTreeMap::from([(node.to_owned(), admin_socket.display().to_string())]), ..Self::default() }
     }
 
     #[must_use]
@@ -98,6 +99,10 @@ impl NodeDirectory for StaticNodes {
     fn server_name(&self) -> Option<String> {
         self.server_name.clone()
     }
+
+    fn connections(&self) -> Option<&Connections> {
+        Some(&self.connections)
+    }
 }
 
 /// Node names as Kubernetes allows them (DNS subdomain), which also keeps them out of volume ids'
@@ -108,14 +113,51 @@ pub fn valid_node(n: &str) -> bool {
         && n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
 }
 
+/// A connection to a daemon kept for the next call: one HTTP/2 connection, which tonic dials
+/// again when it breaks (a restarted daemon is reconnected to on the next call; one that is
+/// down answers that call Unavailable). It was made with this TLS config and server name: a
+/// rotated certificate (a new config) gets a new connection.
+#[derive(Debug)]
+struct Kept {
+    tls: Option<Arc<ClientTls>>,
+    server_name: Option<String>,
+    channel: Channel,
+}
+
+/// A directory's kept connections, by admin endpoint. Each directory has its own: a channel
+/// works only on the runtime that made it, and a directory lives within one.
+#[derive(Debug, Default, Clone)]
+pub struct Connections(Arc<std::sync::Mutex<BTreeMap<String, Kept>>>);
+
+/// Beyond this many endpoints (nodes that left, or came back elsewhere), the kept connections
+/// are dropped and made again as they are used.
+const MOST_KEPT: usize = 1024;
+
 /// An admin client for `node`: NotFound for a node the directory does not know, Unavailable
-/// when its daemon does not answer.
+/// when its daemon does not answer. Where the directory keeps connections, one is reused
+/// across calls (no TCP and TLS handshake per call: a scan of fifty nodes would make fifty).
 pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Channel>, Status> {
     let at = dir.admin_endpoint(node).ok_or_else(|| Status::not_found(format!("unknown node {node:?}")))?;
-    let ch = ferrite_proto::connect_as(&at, dir.tls(), dir.server_name().as_deref())
+    let (tls, server_name) = (dir.tls(), dir.server_name());
+    let ptr = |t: &Option<Arc<ClientTls>>| t.as_ref().map(Arc::as_ptr);
+    let kept = dir.connections().map(|c| &c.0);
+    if let Some(kept) = kept {
+        let kept = kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(k) = kept.get(&at).filter(|k| k.server_name == server_name && ptr(&k.tls) == ptr(&tls)) {
+            return Ok(AdminClient::new(k.channel.clone()));
+        }
+    }
+    let channel = ferrite_proto::connect_as(&at, tls.clone(), server_name.as_deref())
         .await
         .map_err(|e| Status::unavailable(format!("node {node}: daemon at {at} unreachable: {e}")))?;
-    Ok(AdminClient::new(ch))
+    if let Some(kept) = kept {
+        let mut kept = kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if kept.len() >= MOST_KEPT {
+            kept.clear();
+        }
+        kept.insert(at, Kept { tls, server_name, channel: channel.clone() });
+    }
+    Ok(AdminClient::new(channel))
 }
 
 /// What is wrong with `node`'s daemon, if anything: it does not answer within `within` (or

@@ -65,9 +65,10 @@ fn ours(cp: &ControlPlane, node: &str) -> Vec<String> {
         .collect()
 }
 
-/// The lost node `i` is fenced everywhere else, annotated and tainted out-of-service (its pods
-/// are deleted, their volumes detached at once) and fenced (NoSchedule).
-fn check_fenced(c: &mut Cluster, i: usize) {
+/// The lost node `i` is fenced everywhere else, annotated and tainted fenced (NoSchedule) and,
+/// unless the controller runs with `--out-of-service-taint=false`, out-of-service (its pods are
+/// deleted, their volumes detached at once).
+fn check_fenced(c: &mut Cluster, i: usize, out_of_service: bool) {
     let lost = NODES[i];
     let block = format!("{}/32", c.nodes[i].ip);
     for (n, d) in NODES.iter().zip(&c.daemons).filter(|(n, _)| **n != lost) {
@@ -75,12 +76,12 @@ fn check_fenced(c: &mut Cluster, i: usize) {
     }
     let node = c.cp.get(&["node", lost]);
     assert_eq!(node["metadata"]["annotations"]["failover.ferrite.dev/fenced"], block.as_str(), "{}", node["metadata"]);
-    c.cp.wait(&format!("{lost} tainted out-of-service and fenced"), LONG, |cp| ours(cp, lost).len() == 2);
+    let want = if out_of_service { 2 } else { 1 };
+    c.cp.wait(&format!("{lost} tainted"), LONG, |cp| ours(cp, lost).len() == want);
     let taints = ours(&c.cp, lost);
-    assert!(
-        taints.iter().any(|t| t.contains("node.kubernetes.io/out-of-service") && t.contains("NoExecute")),
-        "{taints:?}"
-    );
+    assert!(taints.iter().any(|t| t.contains("failover.ferrite.dev/fenced") && t.contains("NoSchedule")), "{taints:?}");
+    let oos = taints.iter().any(|t| t.contains("node.kubernetes.io/out-of-service") && t.contains("NoExecute"));
+    assert_eq!(oos, out_of_service, "{taints:?}");
 }
 
 /// Attaches `pv` to node `on` (VolumeAttachment `va`, as the attach-detach controller makes it)
@@ -178,7 +179,7 @@ pub fn node_lost(c: &mut Cluster, vol: &str, pv: &str) {
     set_ready(c, lost, false);
     let to = promoted(c, vol, lost, generation);
     println!("   promoted on {to} {:?} after the fault (--failover-after={FAILOVER_AFTER:?})", fault.elapsed());
-    check_fenced(c, i);
+    check_fenced(c, i, true);
     check_pods_moved(c, "app-a");
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
     let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
@@ -267,7 +268,7 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     let node = c.cp.get(&["node", lost]);
     let ready = node["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
     assert_eq!(ready["status"], "True", "the Node stayed Ready: only the Lease said the daemon was gone");
-    check_fenced(c, i);
+    check_fenced(c, i, true);
     controller_answers(c, lost);
     check_pods_moved(c, "app-c");
     // The pod is gone and the node out of service: the attach-detach controller detaches at once.
@@ -303,6 +304,7 @@ pub fn partitioned(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
     let content: Vec<u8> = pattern(1 << 20).into_iter().map(|b| b.rotate_left(3)).collect();
     acknowledged(&c.daemons[i], vol, &content);
     place_pods(c, pv, lost, "app-b");
+    attach(c, pv, lost, "app-b");
     // The workload's connection on the isolated side, made before the cut.
     let mut isolated = super::common::nbd::open(&c.daemons[i], vol);
     let fault = Instant::now();
@@ -327,8 +329,13 @@ pub fn partitioned(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
     assert_ne!(write_on(&mut isolated, 0, &[0xee; 4096]), 0, "a write acknowledged on the isolated side");
     drop(isolated);
     set_ready(c, lost, false);
-    check_fenced(c, i);
+    // The controller that failed it over runs with --out-of-service-taint=false: it deletes the
+    // node's VolumeAttachment itself (the attacher unpublishes; the isolated copy is skipped).
+    check_fenced(c, i, false);
     check_pods_moved(c, "app-b");
+    c.cp.wait("the controller to delete the lost node's VolumeAttachment", LONG, |cp| {
+        !cp.kubectl(&["get", "volumeattachment", "app-b"]).status.success()
+    });
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
     let said = events(&c.cp, pv, "FailedOver");
     assert!(said.iter().any(|n| n.contains("storage heartbeat silent") && n.contains(&to)), "{said:?}");
@@ -357,11 +364,14 @@ pub fn rollout_begins(c: &mut Cluster) -> Pod {
     let mut tpl = dep["spec"]["template"].clone();
     let containers = tpl["spec"]["containers"].as_array_mut().unwrap();
     let ferrite = containers.iter_mut().find(|c| c["name"] == "ferrite").unwrap();
-    for a in ferrite["args"].as_array_mut().unwrap() {
+    let args = ferrite["args"].as_array_mut().unwrap();
+    for a in args.iter_mut() {
         if a.as_str().is_some_and(|a| a.starts_with("--webhook-listen=")) {
             *a = json!("--webhook-listen=127.0.0.1:0");
         }
     }
+    // The rollout also turns the out-of-service taint off (the failover of (b) is this one's).
+    args.push(json!("--out-of-service-taint=false"));
     let rs = json!({"apiVersion": "apps/v1", "kind": "ReplicaSet",
         "metadata": {"name": "ferrite-controller-2", "namespace": NS, "labels": tpl["metadata"]["labels"],
             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "ferrite-controller",
@@ -382,17 +392,12 @@ pub fn rollout_begins(c: &mut Cluster) -> Pod {
     pod
 }
 
-/// (e) With two controllers, only the Lease holder acted on the lost node of (b), and the
-/// rejoined node stays unfenced. Then the holder hangs (SIGSTOP): the second takes the Lease
-/// (timed) and runs the loop from then on; the first, resumed, stands by.
-pub fn one_loop_at_a_time(c: &mut Cluster, second: &Pod, rejoined: &str) {
-    let first = c.controller.as_ref().unwrap();
-    assert!(first.log("ferrite").contains("fencing it"), "the holder failed the node over");
-    assert!(!second.log("ferrite").contains("fencing it"), "the standby fenced too: {}", second.log("ferrite"));
-    std::thread::sleep(std::time::Duration::from_secs(7));
-    let n = c.cp.get(&["node", rejoined]);
-    assert!(n["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_null(), "{rejoined} re-fenced");
+/// (e) The Lease holder hangs (SIGSTOP): the second controller takes the Lease (timed) and runs
+/// the loop from then on; the first, resumed, stands by. Returns how much of the first's log
+/// was written before.
+pub fn takeover(c: &mut Cluster, second: &Pod) -> usize {
     println!("== (e) the Lease holder hangs; the second controller takes over");
+    let first = c.controller.as_ref().unwrap();
     let pid = c.cp.pid(&first.process("ferrite")).to_string();
     let signal = |s: &str| assert!(std::process::Command::new("kill").args([s, &pid]).status().unwrap().success());
     signal("-STOP");
@@ -400,6 +405,19 @@ pub fn one_loop_at_a_time(c: &mut Cluster, second: &Pod, rejoined: &str) {
     c.cp.wait("the second controller to take the failover Lease", LONG, |cp| leader(cp) == second.name());
     println!("   took over {:?} after the holder stopped", start.elapsed());
     signal("-CONT");
+    first.log("ferrite").len()
+}
+
+/// (e) With two controllers, only the Lease holder (the second, since the takeover) acted on the
+/// lost node of (b): the first, resumed, wrote nothing of it after `since`; the rejoined node
+/// stays unfenced.
+pub fn one_loop_at_a_time(c: &Cluster, second: &Pod, rejoined: &str, since: usize) {
+    let first = c.controller.as_ref().unwrap().log("ferrite");
+    assert!(second.log("ferrite").contains("fencing it"), "the holder failed the node over");
+    assert!(!first[since..].contains("fencing it"), "the standby fenced too: {}", &first[since..]);
+    std::thread::sleep(std::time::Duration::from_secs(7));
+    let n = c.cp.get(&["node", rejoined]);
+    assert!(n["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_null(), "{rejoined} re-fenced");
 }
 
 /// (f) The primary's node is cordoned (maintenance): the controller hands the primary over to an
