@@ -38,7 +38,23 @@ impl Drop for Inside {
     }
 }
 
+/// Blocks of a mirrored volume held by a write that another thread finishes; dropping it frees
+/// them (the owned form of [`crate::mirror::RangeGuard`]).
+#[derive(Debug)]
+pub(crate) struct HeldRange(Arc<WriteGate>, (u64, u64));
+
+impl Drop for HeldRange {
+    fn drop(&mut self) {
+        self.0.ranges.unlock(self.1);
+    }
+}
+
 impl WriteGate {
+    /// Holds blocks [first, end) unless a request in flight holds one of them.
+    pub fn try_hold(self: &Arc<Self>, first: u64, end: u64) -> Option<HeldRange> {
+        self.ranges.try_hold(first, end).then(|| HeldRange(Arc::clone(self), (first, end)))
+    }
+
     pub fn new(closed: bool) -> Arc<Self> {
         Arc::new(Self { closed: AtomicBool::new(closed), ..Self::default() })
     }

@@ -72,7 +72,7 @@ pub use ctx::{Discard, PoolOptions};
 pub use error::{Error, ErrorKind, Result};
 pub use maint::cleaner::CleanReport;
 pub use maint::defrag::{DefragProgress, DefragReport};
-pub use mirror::{Mirror, MirrorOp, Pending, RangeGuard, RangeLocks};
+pub use mirror::{Mirror, MirrorOp, Pending, RangeGuard, RangeLocks, WriteDone};
 pub use ops::encryption::Encryption;
 pub use ops::group::{GroupInfo, GroupSnapshotInfo};
 pub use ops::rotation::RotationProgress;

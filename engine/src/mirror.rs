@@ -56,6 +56,12 @@ pub trait Mirror: Send + Sync + std::fmt::Debug {
         Ok(Box::new(()))
     }
 
+    /// As [`Mirror::admit`], for a caller that must not block: None when admitting the request
+    /// would wait (a pause), and the caller then admits it where it may block.
+    fn try_admit(&self) -> Option<Result<Box<dyn Send>>> {
+        None
+    }
+
     /// Whether the volume may serve reads now; an error fails them (a primary cut off from its
     /// members for too long: the majority may have moved on without it).
     fn admit_read(&self) -> Result<()> {
@@ -75,11 +81,22 @@ pub trait Mirror: Send + Sync + std::fmt::Debug {
 }
 
 /// A request sent to the members, not yet answered by all of them.
-pub trait Pending: Send {
+pub trait Pending: Send + 'static {
     /// Waits until every member that must have the request answered (or was dropped from the
     /// members); an error fails the client's request.
     fn wait(self: Box<Self>) -> Result<()>;
+
+    /// Calls `done` with what [`Pending::wait`] would return once it would return, without a
+    /// thread waiting meanwhile where the mirror can (its answers' reader calls it; it must be
+    /// quick). The default waits on a thread of its own.
+    fn then(self: Box<Self>, done: Box<dyn FnOnce(Result<()>) + Send>) {
+        std::thread::spawn(move || done(self.wait()));
+    }
 }
+
+/// What a write started with [`crate::Volume::start_write`] reports its outcome to: called
+/// once, on whichever thread finishes the write.
+pub type WriteDone = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// Block ranges with a request in flight; a request overlapping one waits for it to end.
 #[derive(Debug, Default)]
@@ -105,16 +122,31 @@ impl RangeLocks {
         held.push((first, end));
         RangeGuard { locks: self, range: (first, end) }
     }
+
+    /// Holds blocks [first, end) if no held range overlaps them; the caller frees them with
+    /// [`RangeLocks::unlock`].
+    pub(crate) fn try_hold(&self, first: u64, end: u64) -> bool {
+        let mut held = self.held.lock();
+        let free = !held.iter().any(|&(s, e)| s < end && first < e);
+        if free {
+            held.push((first, end));
+        }
+        free
+    }
+
+    pub(crate) fn unlock(&self, range: (u64, u64)) {
+        let mut held = self.held.lock();
+        if let Some(i) = held.iter().position(|r| *r == range) {
+            held.swap_remove(i);
+        }
+        drop(held);
+        self.freed.notify_all();
+    }
 }
 
 impl Drop for RangeGuard<'_> {
     fn drop(&mut self) {
-        let mut held = self.locks.held.lock();
-        if let Some(i) = held.iter().position(|r| *r == self.range) {
-            held.swap_remove(i);
-        }
-        drop(held);
-        self.locks.freed.notify_all();
+        self.locks.unlock(self.range);
     }
 }
 

@@ -110,6 +110,11 @@ impl Qos {
         s.last = Instant::now();
     }
 
+    /// Whether any limit is set (a request may have to wait).
+    pub fn is_limited(&self) -> bool {
+        !self.state.lock().limits.is_unlimited()
+    }
+
     /// Takes the tokens of one request of `bytes`; how long its caller waits before the I/O.
     pub fn reserve(&self, kind: IoKind, bytes: u64) -> Duration {
         let now = Instant::now();

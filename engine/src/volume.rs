@@ -16,7 +16,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::gate::{Inside, WriteGate};
 use crate::io::BLOCK;
 use crate::map::segments::Pinned;
-use crate::mirror::MirrorOp;
+use crate::mirror::{MirrorOp, WriteDone};
 use crate::pool::Inner;
 use crate::qos::{IoKind, Qos};
 use crate::read::readahead::{Streams, note_read};
@@ -285,6 +285,57 @@ impl Volume {
         self.mirrored(inner, MirrorOp::Write { offset, data, fua }, || {
             self.write_in(inner, offset, Cow::Borrowed(data), fua)
         })
+    }
+
+    /// Starts a client write (not FUA) of a volume with synchronous replicas without waiting for
+    /// them: written here, sent to the members, and `done` gets the outcome once every member
+    /// answered, from the thread that reads their answers; no thread waits meanwhile. The same
+    /// rules as [`Volume::write`] (an overlapping write waits for this one). Gives `done` back,
+    /// untouched and with nothing written, when the write cannot start without waiting (the
+    /// volume is not mirrored, an overlapping write is in flight, the mirror pauses, a member is
+    /// rebuilt, the volume is encrypted or paced): the caller then calls [`Volume::write`]
+    /// where it may block.
+    pub fn start_write(&self, offset: u64, data: &[u8], done: WriteDone) -> std::result::Result<(), WriteDone> {
+        let Some(gate) = self.gate.as_ref().filter(|g| !g.is_rekeying()) else { return Err(done) };
+        let Some(mirror) = gate.mirror().filter(|m| !m.whole_blocks()) else { return Err(done) };
+        let Ok(inner) = self.pool() else { return Err(done) };
+        let limited = !self.caller_paces && self.qos.as_ref().is_some_and(|q| q.is_limited());
+        if limited || inner.cleaner.pace.is_on() || !matches!(self.write_key(&inner), Ok(None)) {
+            return Err(done);
+        }
+        let len = data.len() as u64;
+        if self.check_range(&inner, offset, len).is_err() {
+            return Err(done);
+        }
+        let Some(_running) = gate.rekey.try_read() else { return Err(done) };
+        let Some(held) = gate.try_hold(offset / B, (offset + len).div_ceil(B)) else { return Err(done) };
+        let admitted = match mirror.try_admit() {
+            None => return Err(done),
+            Some(Ok(a)) => a,
+            Some(Err(e)) => {
+                done(Err(e));
+                return Ok(());
+            }
+        };
+        // Unlimited: counted in the volume's rates, never waits.
+        self.pace(IoKind::Write, len);
+        let started = self.enter().and_then(|inside| {
+            let pending = mirror.send(MirrorOp::Write { offset, data, fua: false })?;
+            Ok((inside, pending))
+        });
+        let (inside, pending) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                done(Err(e));
+                return Ok(());
+            }
+        };
+        let here = self.write_in(&inner, offset, Cow::Borrowed(data), false);
+        pending.then(Box::new(move |there| {
+            drop((held, admitted, inside));
+            done(here.and(there));
+        }));
+        Ok(())
     }
 
     /// Runs a client request here and, for a volume with synchronous replicas, on its members

@@ -6,6 +6,8 @@
 //!  loop:  take every request received:
 //!           reads            -> started as one batch (Volume::start_reads), store reads submitted
 //!           small writes, block status, cache -> run now (the engine takes a small write in memory)
+//!           small writes of a volume with synchronous replicas -> started now; the members'
+//!             answer posts the reply and wakes the loop (an eventfd polled on the ring)
 //!           flush, FUA, trim, zeroes, large writes, writes the cleaner paces -> a helper thread
 //!         send the replies that are ready (as far as the socket takes them; the sender thread
 //!           writes the rest, see outbox.rs)
@@ -20,7 +22,8 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd as _, OwnedFd, RawFd};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -34,7 +37,7 @@ use crate::inbox::{Event, Inbox, MAX_HELD_WRITE};
 use crate::limits::{InFlight, Limits, cost};
 use crate::outbox::{Cost, Outbox, Sent};
 use crate::proto::*;
-use crate::transmission::{DATA_AT, Reply, Socket, error_reply, handle, nbd_errno, read_reply, record};
+use crate::transmission::{DATA_AT, Reply, Socket, Started, error_reply, handle, nbd_errno, read_reply, record};
 
 /// Submission queue entries of a connection's ring (completions: twice as many).
 const RING_ENTRIES: u32 = 128;
@@ -49,6 +52,43 @@ const MAX_BATCHED_READ: u32 = 256 << 10;
 const MAX_INLINE_WRITE: u32 = MAX_HELD_WRITE;
 /// The receive's completion tag; a store read's is its batch's slot and its index there.
 const RECV: u64 = u64::MAX;
+/// The completion tag of the poll on [`Answered`]'s eventfd.
+const ANSWERED: u64 = u64::MAX - 1;
+
+/// Writes started on the loop whose members answer later: their replies, posted by the thread
+/// that reads the answers, and the eventfd that wakes the loop for them.
+struct Answered {
+    replies: Mutex<Vec<(Request, Reply, Instant)>>,
+    wake: OwnedFd,
+}
+
+impl Answered {
+    fn new() -> io::Result<Arc<Self>> {
+        let wake =
+            rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)?;
+        Ok(Arc::new(Self { replies: Mutex::default(), wake }))
+    }
+
+    fn post(&self, req: Request, reply: Reply, start: Instant) {
+        let mut replies = self.replies.lock();
+        replies.push((req, reply, start));
+        // The first reply of a batch wakes the loop; it takes them all.
+        if replies.len() == 1 {
+            self.ring_bell();
+        }
+    }
+
+    fn ring_bell(&self) {
+        // Only a counter overflow fails an eventfd write, which one per batch cannot reach.
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// The replies posted so far (the eventfd reset first, so none posted after goes unseen).
+    fn take(&self) -> Vec<(Request, Reply, Instant)> {
+        let _ = rustix::io::read(&self.wake, &mut [0u8; 8]);
+        std::mem::take(&mut *self.replies.lock())
+    }
+}
 
 /// What the loop, its helpers and its sender share.
 struct Conn<'a, S> {
@@ -102,9 +142,17 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits, ring: bool
         // Stops the helpers and the sender however the loop ends (a panic too), or the scope
         // would wait forever.
         let _stop = StopOnDrop(&helpers, &conn.out);
+        let answered = ring.as_ref().and_then(|_| {
+            Answered::new()
+                .inspect_err(|e| tracing::warn!(error = %e, "no eventfd: mirrored writes wait on helper threads"))
+                .ok()
+        });
         let mut l = Loop {
             conn: &conn,
             ring,
+            answered,
+            later: 0,
+            polling: false,
             backlog: VecDeque::new(),
             submitted: 0,
             receiving: false,
@@ -155,6 +203,11 @@ impl AsyncIo for Backlog<'_> {
 struct Loop<'a, S: Socket> {
     conn: &'a Conn<'a, S>,
     ring: Option<IoUring>,
+    /// Replies of writes started here that another thread finishes (with a ring only).
+    answered: Option<Arc<Answered>>,
+    /// Such writes not replied to yet, and whether the ring polls for their replies.
+    later: usize,
+    polling: bool,
     /// Entries the submission queue had no room for.
     backlog: VecDeque<squeue::Entry>,
     /// Entries handed to the ring whose completions are not reaped yet.
@@ -189,11 +242,11 @@ impl<'a, S: Socket> Loop<'a, S> {
                 Sent::Queued => {}
                 Sent::StartSender => start_sender(),
             }
-            let idle = self.submitted == 0 && self.backlog.is_empty();
+            let idle = self.submitted == 0 && self.backlog.is_empty() && self.later == 0;
             if self.end.is_some() && idle {
                 return self.end.take().expect("checked");
             }
-            if self.paused && self.flights.iter().all(Option::is_none) {
+            if self.paused && self.flights.iter().all(Option::is_none) && self.later == 0 {
                 // Only helpers hold what must drain (a receive in flight, if any, waits on the
                 // ring meanwhile): wait for one to reply.
                 self.conn.in_flight.wait_release(std::time::Duration::from_millis(100));
@@ -226,6 +279,8 @@ impl<'a, S: Socket> Loop<'a, S> {
         let st = session.structured;
         // Gathered while the inbox lends out payloads, then queued and started.
         let mut replies: Vec<(Request, Reply, Instant)> = Vec::new();
+        let mut later = 0;
+        let answered = self.answered.clone();
         let mut batches: Vec<Vec<Request>> = Vec::new();
         let mut reads = Vec::new();
         self.paused = false;
@@ -243,12 +298,21 @@ impl<'a, S: Socket> Loop<'a, S> {
                     continue;
                 }
                 Event::Request(req, payload) if req.kind != CMD_READ => {
+                    let start = Instant::now();
                     if runs_now(conn, &req) {
-                        let start = Instant::now();
                         replies.push((req, handle(session, req, &payload), start));
-                    } else {
-                        offload(req, payload.into_owned());
+                        continue;
                     }
+                    if let Some(a) = answered.as_ref().filter(|_| starts_later(conn, &req)) {
+                        let a = Arc::clone(a);
+                        match crate::transmission::start_write(session, req, &payload, move |r| a.post(req, r, start)) {
+                            Started::Later => later += 1,
+                            Started::Now(reply) => replies.push((req, reply, start)),
+                            Started::Blocking => offload(req, payload.into_owned()),
+                        }
+                        continue;
+                    }
+                    offload(req, payload.into_owned());
                     continue;
                 }
                 Event::Request(req, _) => req,
@@ -280,6 +344,7 @@ impl<'a, S: Socket> Loop<'a, S> {
             }
         }
         self.paused = refused;
+        self.later += later;
         for (req, reply, start) in replies {
             self.reply(&req, reply, start);
         }
@@ -347,6 +412,11 @@ impl<'a, S: Socket> Loop<'a, S> {
     /// Hands queued entries to the ring (as many as it has room for, keeping completions within
     /// its completion queue), sleeps until at least one completes, and handles what completed.
     fn wait(&mut self) {
+        if let Some(a) = self.answered.as_ref().filter(|_| self.later > 0 && !self.polling) {
+            let poll = opcode::PollAdd::new(types::Fd(a.wake.as_raw_fd()), libc::POLLIN as u32);
+            self.backlog.push_back(poll.build().user_data(ANSWERED));
+            self.polling = true;
+        }
         let ring = self.ring.as_mut().expect("the ring loop");
         while self.submitted < 2 * RING_ENTRIES as usize {
             let Some(entry) = self.backlog.pop_front() else { break };
@@ -378,6 +448,12 @@ impl<'a, S: Socket> Loop<'a, S> {
             if tag == RECV {
                 self.receiving = false;
                 self.received(usize::try_from(res).map_err(|_| io::Error::from_raw_os_error(-res)));
+            } else if tag == ANSWERED {
+                self.polling = false;
+                for (req, reply, start) in self.answered.as_ref().expect("polled").take() {
+                    self.later -= 1;
+                    self.reply(&req, reply, start);
+                }
             } else {
                 self.read_done(tag, res);
             }
@@ -433,6 +509,9 @@ impl<S: Socket> Drop for Loop<'_, S> {
         self.conn.limits.receive_buffers.give(self.grown as u64);
         let Some(ring) = self.ring.as_mut().filter(|_| self.submitted > 0) else { return };
         let _ = rustix::net::shutdown(self.conn.sock.as_fd(), rustix::net::Shutdown::Both);
+        if let Some(a) = &self.answered {
+            a.ring_bell(); // completes the poll, if one is armed
+        }
         while self.submitted > 0 {
             if ring.submit_and_wait(1).is_ok() {
                 self.submitted -= ring.completion().count();
@@ -453,6 +532,15 @@ fn runs_now<S: Socket>(conn: &Conn<'_, S>, req: &Request) -> bool {
         // Block status and cache are answered from memory; anything else is refused.
         _ => true,
     }
+}
+
+/// Whether a request is a write the loop starts and the members of its volume's synchronous
+/// replicas finish (see [`crate::transmission::start_write`]).
+fn starts_later<S: Socket>(conn: &Conn<'_, S>, req: &Request) -> bool {
+    req.kind == CMD_WRITE
+        && req.length <= MAX_INLINE_WRITE
+        && req.flags & CMD_FLAG_FUA == 0
+        && conn.session.export.volume.is_mirrored()
 }
 
 fn tag(slot: usize, i: usize) -> u64 {

@@ -171,6 +171,48 @@ pub(crate) fn handle(s: &Session, req: Request, payload: &[u8]) -> Reply {
     }
 }
 
+/// How [`start_write`] went.
+pub(crate) enum Started {
+    /// The finish gets the reply later.
+    Later,
+    /// The request failed its checks: its reply.
+    Now(Reply),
+    /// It cannot start without waiting: run it with [`handle`] where it may block.
+    Blocking,
+}
+
+/// Starts a small write (not FUA) of a volume with synchronous replicas whose members answer
+/// later ([`Volume::start_write`]): `finish` gets its reply on the thread that reads their
+/// answers, and no thread waits meanwhile.
+pub(crate) fn start_write(
+    s: &Session,
+    req: Request,
+    payload: &[u8],
+    finish: impl FnOnce(Reply) + Send + 'static,
+) -> Started {
+    let (st, vol) = (s.structured, &s.export.volume);
+    if s.export.is_read_only() {
+        return Started::Now(error_reply(st, req.cookie, EPERM, "export is read-only"));
+    }
+    match in_range(vol, &req) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Started::Now(error_reply(st, req.cookie, ENOSPC, "request reaches past the end of the export"));
+        }
+        Err(e) => return Started::Now(error_reply(st, req.cookie, nbd_errno(&e), &e.to_string())),
+    }
+    let reply = move |r: Result<(), Error>| {
+        finish(r.map_or_else(
+            |e| error_reply(st, req.cookie, nbd_errno(&e), &e.to_string()),
+            |()| ok_reply(st, req.cookie),
+        ));
+    };
+    match vol.start_write(req.offset, payload, Box::new(reply)) {
+        Ok(()) => Started::Later,
+        Err(_) => Started::Blocking,
+    }
+}
+
 /// The reply to a read whose data is in `out` behind the header room; `runs` is its
 /// allocation: holes go out as OFFSET_HOLE chunks, unless the client asked for one data chunk
 /// (DF).

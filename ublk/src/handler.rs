@@ -61,6 +61,21 @@ impl Request {
         }
     }
 
+    /// Starts a small write of a volume with synchronous replicas that its members acknowledge
+    /// later ([`Volume::start_write`]): `done` gets the completion value on the thread that
+    /// reads their answers, and no thread waits meanwhile. False, with nothing done, when the
+    /// request cannot start so: it then runs with [`Request::execute`] on a worker.
+    pub fn start(&self, volume: &Volume, buf: &[u8], done: impl FnOnce(i32) + Send + 'static) -> bool {
+        let small = self.op == (Op::Write { fua: false }) && self.len <= MAX_INLINE_WRITE;
+        let data = usize::try_from(self.len).ok().and_then(|n| buf.get(..n));
+        let Some(data) = data.filter(|_| small && volume.is_mirrored() && !volume.is_read_only()) else {
+            return false;
+        };
+        let me = *self;
+        let name = volume.name().to_owned();
+        volume.start_write(self.offset, data, Box::new(move |r| done(me.completion(&name, r)))).is_ok()
+    }
+
     /// Runs the request on `volume`. `buf` is the tag's I/O buffer: read data lands in it, write
     /// data comes from it. Returns the value to complete the tag with.
     pub fn execute(&self, volume: &Volume, buf: &mut [u8]) -> i32 {
@@ -82,12 +97,17 @@ impl Request {
             Op::Discard => volume.trim(self.offset, self.len),
             Op::WriteZeroes { fua } => volume.write_zeroes(self.offset, self.len, fua),
         };
+        self.completion(volume.name(), res)
+    }
+
+    /// The value the tag completes with for outcome `res`.
+    fn completion(&self, volume: &str, res: Result<(), Error>) -> i32 {
         match res {
             // Lengths are bounded by the device's max_sectors (a few MiB) for data and by u32
             // sectors for the others; the kernel only reads the sign of non-data completions.
             Ok(()) => i32::try_from(self.len).unwrap_or(i32::MAX),
             Err(e) => {
-                tracing::debug!(volume = volume.name(), op = ?self.op, offset = self.offset, error = %e, "ublk request failed");
+                tracing::debug!(volume, op = ?self.op, offset = self.offset, error = %e, "ublk request failed");
                 -errno(&e)
             }
         }

@@ -3,7 +3,9 @@
 //! reads of a store in memory: `Request::runs_inline`) run on that thread; the others go to a
 //! small pool of worker threads, because the engine's calls block (and concurrent writes must
 //! reach the engine at once to share a log batch). Workers post completions to a list and wake the
-//! queue thread through an eventfd it polls on the same ring:
+//! queue thread through an eventfd it polls on the same ring (so does the members' answer to a
+//! small write of a volume with synchronous replicas, which the queue thread starts itself:
+//! `Request::start`, no thread waits for the members):
 //!
 //! ```text
 //!  kernel --FETCH--> queue thread --job--> worker: Request::execute(volume, tag buffer)
@@ -174,13 +176,20 @@ fn work(shared: &Shared) {
         let buf = unsafe { std::slice::from_raw_parts_mut(job.buf.ptr, job.buf.len) };
         let res = job.req.execute(&shared.volume, buf);
         tracing::trace!(tag = job.tag, req = ?job.req, res, "ublk request done");
-        let mut done = shared.done.lock();
-        done.push((job.tag, res));
-        shared.gate.leave();
+        shared.post(job.tag, res);
+    }
+}
+
+impl Shared {
+    /// Posts a request's completion for the queue thread, and wakes it.
+    fn post(&self, tag: u16, res: i32) {
+        let mut done = self.done.lock();
+        done.push((tag, res));
+        self.gate.leave();
         // Only the first completion of a batch needs to wake the queue thread: it takes them all.
         if done.len() == 1 {
             // An eventfd write only fails on counter overflow, which one per batch cannot reach.
-            let _ = rustix::io::write(&shared.wake, &1u64.to_ne_bytes());
+            let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
         }
     }
 }
@@ -234,6 +243,11 @@ pub(crate) fn serve(qid: u16, dev: &UblkDev, volume: Volume, gate: Arc<Gate>) {
         }
         let iod = q.get_iod(tag);
         match Request::decode(iod.op_flags, iod.start_sector, iod.nr_sectors) {
+            Ok(req)
+                if req.start(&offload.shared.volume, bufs[usize::from(tag)].as_slice(), {
+                    let shared = Arc::clone(&offload.shared);
+                    move |res| shared.post(tag, res)
+                }) => {}
             Ok(req) if req.runs_inline(&offload.shared.volume) => {
                 let b = &bufs[usize::from(tag)];
                 // SAFETY: the tag's buffer is not lent to a worker (the kernel gives a tag out

@@ -222,9 +222,12 @@ impl SyncHub {
     }
 
     async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {
-        tokio::time::timeout(self.timeout, Link::open(self.tls.as_ref(), endpoint, &rec.volume, rec.generation, None))
-            .await
-            .map_err(|_| Status::unavailable(format!("{endpoint} did not open the stream within {:?}", self.timeout)))?
+        tokio::time::timeout(
+            self.timeout,
+            Link::open(self.tls.as_ref(), endpoint, &rec.volume, rec.generation, None, self.timeout),
+        )
+        .await
+        .map_err(|_| Status::unavailable(format!("{endpoint} did not open the stream within {:?}", self.timeout)))?
     }
 
     /// Serves `rec` (whose primary is this daemon) from now on: the engine sends the volume's

@@ -1,12 +1,15 @@
 //! The primary's stream to one member: requests go out in order on one framed mutual-TLS
 //! connection ([`super::wire`]) and acks come back by sequence number. A request waits on an
 //! [`Acks`] that every member it went to answers; a stream that ends answers everything still
-//! waiting on it with the reason, so no request waits longer than the primary's timeout.
+//! waiting on it with the reason, and a request its member has not answered within the
+//! primary's timeout is answered "did not answer" by the stream's ack reader, so none waits
+//! longer. Whoever waits for an [`Acks`] either blocks ([`Acks::wait_until`]) or leaves a
+//! completion that the last answer runs ([`Acks::then`]), on the ack reader: no thread waits.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorOpen};
@@ -16,28 +19,43 @@ use tonic::Status;
 use super::wire::{self, Frames};
 use crate::config::TlsFiles;
 
+/// The members that failed a request or did not answer it in time, each with why.
+pub type Failed = Vec<(String, String)>;
+
+/// What runs once every member answered ([`Acks::then`]).
+type Then = Box<dyn FnOnce(Failed) + Send>;
+
 /// The members' answers to one request.
-#[derive(Debug)]
 pub struct Acks {
     state: Mutex<AckState>,
     answered: Condvar,
 }
 
-#[derive(Debug)]
 struct AckState {
     waiting: Vec<String>,
-    failed: Vec<(String, String)>,
+    failed: Failed,
+    then: Option<Then>,
 }
+
+impl std::fmt::Debug for Acks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.state.lock().expect("not poisoned");
+        f.debug_struct("Acks").field("waiting", &s.waiting).field("failed", &s.failed).finish_non_exhaustive()
+    }
+}
+
+const LATE: &str = "did not answer within the sync timeout";
 
 impl Acks {
     pub fn new(members: Vec<String>) -> Arc<Self> {
         Arc::new(Self {
-            state: Mutex::new(AckState { waiting: members, failed: Vec::new() }),
+            state: Mutex::new(AckState { waiting: members, failed: Vec::new(), then: None }),
             answered: Condvar::new(),
         })
     }
 
-    /// `member` answered: done, or failed saying why.
+    /// `member` answered: done, or failed saying why. The last answer runs the completion
+    /// left by [`Acks::then`], here.
     pub fn answer(&self, member: &str, error: Option<String>) {
         let mut s = self.state.lock().expect("not poisoned");
         let Some(i) = s.waiting.iter().position(|m| m == member) else { return };
@@ -47,6 +65,25 @@ impl Acks {
         }
         if s.waiting.is_empty() {
             self.answered.notify_all();
+            if let Some(then) = s.then.take() {
+                let failed = std::mem::take(&mut s.failed);
+                drop(s);
+                then(failed);
+            }
+        }
+    }
+
+    /// Runs `then` with the members that failed once every member answered (at once if they
+    /// all did): on the thread of the last answer, so it must be quick. The stream's timeout
+    /// answers for a member that stays silent.
+    pub fn then(&self, then: impl FnOnce(Failed) + Send + 'static) {
+        let mut s = self.state.lock().expect("not poisoned");
+        if s.waiting.is_empty() {
+            let failed = std::mem::take(&mut s.failed);
+            drop(s);
+            then(failed);
+        } else {
+            s.then = Some(Box::new(then));
         }
     }
 
@@ -61,7 +98,7 @@ impl Acks {
             }
             s = self.answered.wait_timeout(s, left).expect("not poisoned").0;
         }
-        let late = s.waiting.iter().map(|m| (m.clone(), "did not answer within the sync timeout".to_owned()));
+        let late = s.waiting.iter().map(|m| (m.clone(), LATE.to_owned()));
         s.failed.iter().cloned().chain(late).collect()
     }
 }
@@ -73,7 +110,10 @@ pub struct Link {
     /// The member is being rebuilt (it gets whole blocks).
     pub rebuilding: AtomicBool,
     tx: Mutex<Option<mpsc::UnboundedSender<MirrorMessage>>>,
-    waiting: Mutex<HashMap<u64, Arc<Acks>>>,
+    /// Requests sent and not answered yet, by sequence number, with when they were sent.
+    waiting: Mutex<BTreeMap<u64, (Instant, Arc<Acks>)>>,
+    /// How long the member has to answer a request.
+    timeout: Duration,
     ended: Mutex<Option<String>>,
     /// Stops the ack reader (a member that stopped answering never closes its side).
     stop: Mutex<Option<oneshot::Sender<()>>>,
@@ -81,13 +121,15 @@ pub struct Link {
 
 impl Link {
     /// Opens the stream of `volume` at `generation` to the member at `endpoint`; for a rebuild
-    /// (`rebuild` the base mark, empty for a full copy), the member rolls back first.
+    /// (`rebuild` the base mark, empty for a full copy), the member rolls back first. A request
+    /// it does not answer within `timeout` is answered as failed.
     pub async fn open(
         tls: Option<&TlsFiles>,
         endpoint: &str,
         volume: &str,
         generation: u64,
         rebuild: Option<&str>,
+        timeout: Duration,
     ) -> Result<Arc<Self>, Status> {
         let at_peer = |e: String| format!("peer {endpoint}: {e}");
         let conn = wire::connect(tls, endpoint).await.map_err(|e| Status::unavailable(at_peer(e.to_string())))?;
@@ -114,14 +156,22 @@ impl Link {
             rebuilding: AtomicBool::new(rebuild.is_some()),
             tx: Mutex::new(Some(tx)),
             waiting: Mutex::default(),
+            timeout,
             ended: Mutex::default(),
             stop: Mutex::new(Some(stop)),
         });
         let l = Arc::clone(&link);
         tokio::spawn(async move {
+            let mut tick =
+                tokio::time::interval((timeout / 10).clamp(Duration::from_millis(10), Duration::from_millis(250)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let why = loop {
                 let next = tokio::select! {
                     a = acks.next() => a,
+                    _ = tick.tick() => {
+                        l.expire();
+                        continue;
+                    }
                     _ = &mut stopped => break "the stream was ended here".to_owned(),
                 };
                 match next {
@@ -147,7 +197,7 @@ impl Link {
             acks.answer(&self.endpoint, Some(why));
             return;
         }
-        waiting.insert(seq, Arc::clone(acks));
+        waiting.insert(seq, (Instant::now(), Arc::clone(acks)));
         let sent = self.tx.lock().expect("not poisoned").as_ref().is_some_and(|tx| tx.send(msg).is_ok());
         if !sent {
             waiting.remove(&seq);
@@ -158,8 +208,25 @@ impl Link {
 
     fn answered(&self, seq: u64, error: String) {
         let acks = self.waiting.lock().expect("not poisoned").remove(&seq);
-        if let Some(a) = acks {
+        if let Some((_, a)) = acks {
             a.answer(&self.endpoint, (!error.is_empty()).then_some(error));
+        }
+    }
+
+    /// Answers the requests the member left unanswered for longer than the timeout (oldest
+    /// first: sequence numbers go up with time).
+    fn expire(&self) {
+        let now = Instant::now();
+        let late: Vec<Arc<Acks>> = {
+            let mut waiting = self.waiting.lock().expect("not poisoned");
+            let mut late = Vec::new();
+            while let Some(e) = waiting.first_entry().filter(|e| now.duration_since(e.get().0) > self.timeout) {
+                late.push(e.remove().1);
+            }
+            late
+        };
+        for a in late {
+            a.answer(&self.endpoint, Some(LATE.to_owned()));
         }
     }
 
@@ -171,8 +238,8 @@ impl Link {
         if let Some(stop) = self.stop.lock().expect("not poisoned").take() {
             let _ = stop.send(());
         }
-        let waiting: Vec<_> = self.waiting.lock().expect("not poisoned").drain().map(|(_, a)| a).collect();
-        for a in waiting {
+        let waiting = std::mem::take(&mut *self.waiting.lock().expect("not poisoned"));
+        for (_, a) in waiting.into_values() {
             a.answer(&self.endpoint, Some(why.to_owned()));
         }
     }
@@ -204,5 +271,43 @@ mod tests {
         };
         all.answer("b", None);
         assert!(waiter.join().unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_last_answer_runs_the_completion_and_a_late_member_is_answered_by_the_timeout() {
+        let got = Arc::new(Mutex::new(None));
+        let done = |got: &Arc<Mutex<Option<Failed>>>| {
+            let got = Arc::clone(got);
+            move |f: Failed| *got.lock().unwrap() = Some(f)
+        };
+        let a = Acks::new(vec!["b".into(), "c".into()]);
+        a.then(done(&got));
+        a.answer("b", None);
+        assert!(got.lock().unwrap().is_none(), "completed before every member answered");
+        a.answer("c", Some("disk full".into()));
+        assert_eq!(got.lock().unwrap().take(), Some(vec![("c".into(), "disk full".into())]));
+        // Every member answered already: at once.
+        a.then(done(&got));
+        assert_eq!(got.lock().unwrap().take(), Some(vec![]));
+
+        let link = Link {
+            endpoint: "tcp://m:1".into(),
+            rebuilding: AtomicBool::new(false),
+            tx: Mutex::new(None),
+            waiting: Mutex::default(),
+            timeout: Duration::from_millis(30),
+            ended: Mutex::default(),
+            stop: Mutex::default(),
+        };
+        let (old, new) = (Acks::new(vec!["tcp://m:1".into()]), Acks::new(vec!["tcp://m:1".into()]));
+        old.then(done(&got));
+        link.waiting.lock().unwrap().insert(1, (Instant::now(), Arc::clone(&old)));
+        std::thread::sleep(Duration::from_millis(40));
+        link.waiting.lock().unwrap().insert(2, (Instant::now(), Arc::clone(&new)));
+        link.expire();
+        assert_eq!(got.lock().unwrap().take(), Some(vec![("tcp://m:1".into(), LATE.into())]));
+        assert_eq!(link.waiting.lock().unwrap().keys().copied().collect::<Vec<_>>(), vec![2], "only the late one");
+        link.answered(2, String::new());
+        assert!(new.wait_until(Instant::now()).is_empty());
     }
 }

@@ -293,6 +293,14 @@ impl Mirror for Primary {
         Ok(Box::new(self.enter(true)?))
     }
 
+    fn try_admit(&self) -> Option<ferrite_engine::Result<Box<dyn Send>>> {
+        // A pause that begins after this look waits for the request like any admitted one.
+        if self.paused.load(Ordering::SeqCst) {
+            return None;
+        }
+        Some(self.enter(false).map(|w| Box::new(w) as Box<dyn Send>))
+    }
+
     fn admit_read(&self) -> ferrite_engine::Result<()> {
         self.reads().map_or(Ok(()), |why| Err(Error::new(ErrorKind::Io, why)))
     }
@@ -355,11 +363,47 @@ impl Pending for Waiting {
         let p = &self.primary;
         let started = Instant::now();
         let bad = self.acks.wait_until(self.sent + p.timeout);
-        for (member, why) in bad {
-            let hub = p.hub.upgrade().ok_or_else(|| Error::new(ErrorKind::Closed, "the daemon is stopping"))?;
-            hub.rt.block_on(p.eject(&member, &why)).map_err(|e| Error::new(ErrorKind::Io, e))?;
+        if !bad.is_empty() {
+            let hub = p.hub.upgrade().ok_or_else(stopping)?;
+            hub.rt.block_on(p.eject_all(bad))?;
         }
         p.added.observe(started.elapsed());
+        Ok(())
+    }
+
+    fn then(self: Box<Self>, done: Box<dyn FnOnce(ferrite_engine::Result<()>) + Send>) {
+        let started = Instant::now();
+        let acks = Arc::clone(&self.acks);
+        acks.then(move |bad| {
+            let p = Arc::clone(&self.primary);
+            if bad.is_empty() {
+                p.added.observe(started.elapsed());
+                drop(self);
+                return done(Ok(()));
+            }
+            // An ejection waits for a majority to record it: not on the ack reader.
+            let Some(hub) = p.hub.upgrade() else { return done(Err(stopping())) };
+            hub.rt.spawn(async move {
+                let r = p.eject_all(bad).await;
+                p.added.observe(started.elapsed());
+                drop(self);
+                done(r);
+            });
+        });
+    }
+}
+
+fn stopping() -> Error {
+    Error::new(ErrorKind::Closed, "the daemon is stopping")
+}
+
+impl Primary {
+    /// Ejects the members that failed a request or did not answer it: Ok once none of them
+    /// gets writes any more.
+    async fn eject_all(&self, bad: super::link::Failed) -> ferrite_engine::Result<()> {
+        for (member, why) in bad {
+            self.eject(&member, &why).await.map_err(|e| Error::new(ErrorKind::Io, e))?;
+        }
         Ok(())
     }
 }

@@ -131,7 +131,7 @@ impl SyncHub {
             blocking(move || pool.create_snapshot(&v, &n).map(drop)).await.map_err(|e| e.message().to_owned())?;
             let generation = p.record().generation;
             let base = Some(base.as_deref().unwrap_or_default());
-            let open = Link::open(self.tls.as_ref(), member, &volume, generation, base);
+            let open = Link::open(self.tls.as_ref(), member, &volume, generation, base, self.timeout);
             match tokio::time::timeout(self.timeout * 4, open).await {
                 Ok(Ok(link)) => {
                     p.add_link(link);
