@@ -69,7 +69,7 @@ fn write_message(seq: u64) -> MirrorMessage {
 
 fn ack_of(msg: &MirrorMessage) -> MirrorAck {
     let ok = matches!(&msg.op, Some(Op::Write(w)) if crc32c::crc32c(&w.data) == w.crc);
-    MirrorAck { seq: msg.seq, error: if ok { String::new() } else { "damaged".into() } }
+    MirrorAck { seq: msg.seq, error: if ok { String::new() } else { "damaged".into() }, through: 0 }
 }
 
 // --- (a) gRPC --------------------------------------------------------------------------------

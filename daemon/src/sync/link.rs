@@ -141,11 +141,12 @@ impl Link {
             generation,
             rebuild: rebuild.is_some(),
             base: rebuild.unwrap_or_default().to_owned(),
+            cumulative_acks: true,
         };
         tx.send(MirrorMessage { seq: 0, op: Some(Op::Open(open)) }).expect("the receiver is here");
         tokio::spawn(wire::send_requests(w, rx));
         match acks.next().await {
-            Ok(Some(MirrorAck { seq: 0, error })) if error.is_empty() => {}
+            Ok(Some(MirrorAck { seq: 0, error, through: 0 })) if error.is_empty() => {}
             Ok(Some(MirrorAck { error, .. })) => return Err(Status::failed_precondition(at_peer(error))),
             Ok(None) => return Err(Status::unavailable(at_peer("it closed the stream".into()))),
             Err(e) => return Err(Status::unavailable(at_peer(e))),
@@ -175,7 +176,8 @@ impl Link {
                     _ = &mut stopped => break "the stream was ended here".to_owned(),
                 };
                 match next {
-                    Ok(Some(MirrorAck { seq: 0, error })) => break format!("the member ended the stream: {error}"),
+                    Ok(Some(MirrorAck { through, .. })) if through > 0 => l.answered_through(through),
+                    Ok(Some(MirrorAck { seq: 0, error, .. })) => break format!("the member ended the stream: {error}"),
                     Ok(Some(a)) => l.answered(a.seq, a.error),
                     Ok(None) => break "the member ended the stream".to_owned(),
                     Err(e) => break format!("the stream failed: {e}"),
@@ -210,6 +212,18 @@ impl Link {
         let acks = self.waiting.lock().expect("not poisoned").remove(&seq);
         if let Some((_, a)) = acks {
             a.answer(&self.endpoint, (!error.is_empty()).then_some(error));
+        }
+    }
+
+    /// The member did every request up to `through` that it did not answer on its own.
+    fn answered_through(&self, through: u64) {
+        let done = {
+            let mut waiting = self.waiting.lock().expect("not poisoned");
+            let later = waiting.split_off(&through.saturating_add(1));
+            std::mem::replace(&mut *waiting, later)
+        };
+        for (_, a) in done.into_values() {
+            a.answer(&self.endpoint, None);
         }
     }
 

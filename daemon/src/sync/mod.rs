@@ -7,6 +7,7 @@
 //! two primaries. `control.rs` holds adding and removing members, promotion, status and the
 //! start-up of primaries.
 
+mod applied;
 mod catch_up;
 pub mod control;
 mod link;

@@ -24,6 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::SyncHub;
+use super::applied::Applied;
 use super::catch_up::CatchUp;
 use super::records::{Membership, State};
 use super::wire::{self, Frames};
@@ -144,6 +145,15 @@ fn apply(volume: &Volume, op: Op) -> Result<(), String> {
     r.map_err(|e| e.to_string())
 }
 
+/// The ack of request `seq` that ended with `r`: a success is cumulative where the stream takes
+/// them, a failure always answers its own request.
+fn ack_of(seq: u64, r: Result<(), String>, cumulative: Option<&Applied>) -> MirrorAck {
+    match (r, cumulative) {
+        (Ok(()), Some(a)) => MirrorAck { seq: 0, error: String::new(), through: a.through() },
+        (r, _) => MirrorAck { seq, error: r.err().unwrap_or_default(), through: 0 },
+    }
+}
+
 /// Whether the engine takes a request in memory without waiting for the device (as NBD's loop
 /// runs it in place): a write that is not FUA, no longer than NBD's loop runs.
 fn runs_now(op: &Op) -> bool {
@@ -184,6 +194,8 @@ struct Opened {
     primary: String,
     volume: Volume,
     catch_up: Option<Arc<CatchUp>>,
+    /// The primary takes cumulative acks: what has been applied.
+    cumulative: Option<Arc<Applied>>,
 }
 
 const STREAM: &str = "/ferrite.v1.Mirror/Stream";
@@ -218,7 +230,8 @@ impl MirrorService {
                 return Err(Status::failed_precondition("only a member being rebuilt opens a stream for a rebuild"));
             }
         };
-        Ok(Opened { volume_name: open.volume, primary: held.primary, volume, catch_up })
+        let cumulative = open.cumulative_acks.then(Arc::default);
+        Ok(Opened { volume_name: open.volume, primary: held.primary, volume, catch_up, cumulative })
     }
 
     /// Applies the requests of an opened stream as they come; their acks (and an error that
@@ -258,28 +271,50 @@ impl MirrorService {
                 let all = Arc::clone(&slots).acquire_many_owned(IN_FLIGHT).await.expect("never closed");
                 let error = self.0.take_mark(&s.volume_name, &m.snapshot).await.err().unwrap_or_default();
                 drop(all);
-                let _ = tx.send(Ok(MirrorAck { seq: msg.seq, error })).await;
+                let _ = tx.send(Ok(MirrorAck { seq: msg.seq, error, through: 0 })).await;
                 continue;
             }
             if s.catch_up.is_none() && runs_now(&op) {
-                // Taken in memory by the engine: no thread hop.
-                let error = apply(&s.volume, op).err().unwrap_or_default();
-                if tx.send(Ok(MirrorAck { seq: msg.seq, error })).await.is_err() {
+                // Taken in memory by the engine: no thread hop. A success counts as received
+                // before its cumulative ack; a failure only once its own ack is queued, so no
+                // cumulative ack covers it first.
+                let r = apply(&s.volume, op);
+                let (ok, count) = (r.is_ok(), |a: &Applied| a.received(msg.seq, false));
+                if ok {
+                    s.cumulative.as_deref().map(count);
+                }
+                if tx.send(Ok(ack_of(msg.seq, r, s.cumulative.as_deref()))).await.is_err() {
                     break;
+                }
+                if !ok {
+                    s.cumulative.as_deref().map(count);
                 }
                 continue;
             }
+            if let Some(a) = &s.cumulative {
+                a.received(msg.seq, true);
+            }
             let permit = Arc::clone(&slots).acquire_owned().await.expect("never closed");
             let (volume, tx, seq, catch_up) = (s.volume.clone(), tx.clone(), msg.seq, s.catch_up.clone());
+            let cumulative = s.cumulative.clone();
             tokio::task::spawn_blocking(move || {
-                let error = match (&catch_up, op_range(&op)) {
+                let r = match (&catch_up, op_range(&op)) {
                     (Some(c), Some((offset, len, whole_only))) => {
                         c.write(offset, len, whole_only, || apply(&volume, op))
                     }
                     _ => apply(&volume, op),
                 };
                 drop(permit);
-                let _ = tx.blocking_send(Ok(MirrorAck { seq, error: error.err().unwrap_or_default() }));
+                if let (Some(a), Err(_)) = (&cumulative, &r) {
+                    // Queued before it leaves `running`: no cumulative ack covers it first.
+                    let _ = tx.blocking_send(Ok(ack_of(seq, r, None)));
+                    a.finished(seq);
+                    return;
+                }
+                if let Some(a) = &cumulative {
+                    a.finished(seq);
+                }
+                let _ = tx.blocking_send(Ok(ack_of(seq, r, cumulative.as_deref())));
             });
         }
     }
@@ -300,7 +335,7 @@ pub async fn serve_framed(svc: MirrorService, conn: Guarded) {
     };
     match opened {
         Ok(s) => {
-            if tx.send(Ok(MirrorAck { seq: 0, error: String::new() })).await.is_ok() {
+            if tx.send(Ok(MirrorAck { seq: 0, error: String::new(), through: 0 })).await.is_ok() {
                 svc.apply_all(s, inbound, tx).await;
             }
         }

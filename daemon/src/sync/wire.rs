@@ -103,6 +103,13 @@ fn put(buf: &mut Vec<u8>, m: &impl Message) {
     m.encode(buf).expect("a Vec grows");
 }
 
+/// Puts the cumulative ack gathered so far, if any.
+fn put_through(buf: &mut Vec<u8>, through: &mut u64) {
+    if *through > 0 {
+        put(buf, &MirrorAck { seq: 0, error: String::new(), through: std::mem::take(through) });
+    }
+}
+
 /// The primary's side: sends what `rx` gives, every message that is ready in one write, and a
 /// keepalive when idle; shuts the connection down when `rx` closes.
 pub async fn send_requests<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::UnboundedReceiver<MirrorMessage>) {
@@ -125,24 +132,32 @@ pub async fn send_requests<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::Unboun
     let _ = w.shutdown().await;
 }
 
-/// The member's side: sends the acks `rx` gives, every one that is ready in one write; an error
-/// goes out as the stream's last ack, and the connection is shut down.
+/// The member's side: sends the acks `rx` gives, every one that is ready in one write (of the
+/// cumulative ones among them, only the last before each ack of its own request); an error goes
+/// out as the stream's last ack, and the connection is shut down.
 pub async fn send_acks<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::Receiver<Result<MirrorAck, Status>>) {
     let mut buf = Vec::new();
     let mut last = false;
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
+        let mut through = 0;
         while let Some(a) = next.take() {
             match a {
-                Ok(a) => put(&mut buf, &a),
+                Ok(a) if a.through > 0 => through = through.max(a.through),
+                Ok(a) => {
+                    put_through(&mut buf, &mut through);
+                    put(&mut buf, &a);
+                }
                 Err(s) => {
-                    put(&mut buf, &MirrorAck { seq: 0, error: s.message().to_owned() });
+                    put_through(&mut buf, &mut through);
+                    put(&mut buf, &MirrorAck { seq: 0, error: s.message().to_owned(), through: 0 });
                     last = true;
                     break;
                 }
             }
             next = rx.try_recv().ok();
         }
+        put_through(&mut buf, &mut through);
         if w.write_all(&buf).await.is_err() || w.flush().await.is_err() || last {
             break;
         }
