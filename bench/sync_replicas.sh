@@ -4,7 +4,10 @@
 # host 0, volumes with 1, 2 and 3 copies; fio through NBD (unix socket on host 0) on each in
 # turn: 4 KiB random write at QD1 and QD32, 128 KiB sequential write at QD8. Prints IOPS,
 # MiB/s, p50/p99 completion latency, the latency each row adds over one copy, and the link's
-# round trip (ping) next to it. DELAY_MS adds netem delay to every host's link (a WAN).
+# round trip (ping) next to it. DELAY_MS adds that many ms to every round trip between hosts (a
+# WAN): netem on each host's link, half each way, or where the kernel has no netem a delay line
+# (bench/src/bin/delay-line.rs) in front of each daemon's replication endpoint, holding each
+# direction half of it; DELAY_LINE=1 takes the delay line even at 0 ms (the baseline of its ratio).
 # Needs root (ip netns, tc), fio with its nbd engine.
 # Then a rebuild by what changed (a REBUILD_SIZE volume, default 2G, written in full, with a
 # replica and a witness; the replica stopped while 1% of it is rewritten, then let go) next to
@@ -17,6 +20,7 @@ cd "$(dirname "$0")/.."
 SECS=${SECS:-10}
 DELAY_MS=${DELAY_MS:-0}
 DIR=${BENCH_DIR:-/tmp/ferrite-sync}
+LINE=${DELAY_LINE:-0}
 for t in fio ip tc ping python3 qemu-io; do
   command -v $t >/dev/null || { echo "SKIPPED: $t is not installed (scripts/setup.sh installs it)"; exit 0; }
 done
@@ -27,12 +31,15 @@ if [ -z "${FERRITE_BIN:-}" ]; then
   FERRITE_BIN="$CARGO_TARGET_DIR/debug/ferrite"
 fi
 F=$FERRITE_BIN
+DELAY_LINE_BIN=$(dirname "$F")/delay-line
 NS=(frsync0 frsync1 frsync2)
 HUB=frsynchub
 IP=(10.204.0.1 10.204.0.2 10.204.0.3)
 
 cleanup() {
-  for i in 0 1 2; do [ -f "$DIR/$i/pid" ] && kill -9 "$(cat "$DIR/$i/pid")" 2>/dev/null; done
+  for i in 0 1 2; do
+    for p in pid line.pid; do [ -f "$DIR/$i/$p" ] && kill -9 "$(cat "$DIR/$i/$p")" 2>/dev/null; done
+  done
   wait 2>/dev/null || true
   for n in "${NS[@]}" $HUB; do ip netns del "$n" 2>/dev/null || true; done
   rm -rf "$DIR"
@@ -47,8 +54,17 @@ for i in 0 1 2; do
   ip link add "frs$i" netns "${NS[$i]}" type veth peer name "p$i" netns $HUB
   ip -n "${NS[$i]}" addr add "${IP[$i]}/24" dev "frs$i"; ip -n "${NS[$i]}" link set "frs$i" up
   ip -n $HUB link set "p$i" master br0; ip -n $HUB link set "p$i" up
-  if [ "$DELAY_MS" != 0 ]; then ip netns exec "${NS[$i]}" tc qdisc replace dev "frs$i" root netem delay "${DELAY_MS}ms"; fi
+  if [ "$DELAY_MS" != 0 ] && [ "$LINE" = 0 ] &&
+    ! ip netns exec "${NS[$i]}" tc qdisc replace dev "frs$i" root netem delay "$((DELAY_MS * 500))us" 2>/dev/null; then
+    echo "this kernel has no netem: a delay line holds each replication stream instead" >&2
+    LINE=1
+  fi
 done
+PORT=7070
+if [ "$LINE" = 1 ]; then
+  [ -x "$DELAY_LINE_BIN" ] || { echo "no $DELAY_LINE_BIN: cargo build --workspace builds it" >&2; exit 1; }
+  PORT=7071
+fi
 
 PKI=$DIR/pki
 for i in 0 1 2; do "$F" certs "$PKI" "host-$i" "${IP[$i]}" >/dev/null; done
@@ -57,6 +73,7 @@ for i in 0 1 2; do
   cat > "$DIR/$i/ferrite.toml" <<EOF
 pool-size = "8G"
 admin-listen = "${IP[$i]}:7070"
+replication-endpoint = "tcp://${IP[$i]}:$PORT"
 tls-cert = "$PKI/host-$i.pem"
 tls-key = "$PKI/host-$i-key.pem"
 tls-client-ca = "$PKI/ca.pem"
@@ -66,6 +83,10 @@ sync-mark-interval-ms = 5000
 "host-1" = "replication-peer"
 "host-2" = "replication-peer"
 EOF
+  if [ "$LINE" = 1 ]; then
+    ip netns exec "${NS[$i]}" "$DELAY_LINE_BIN" "${IP[$i]}:7071" "${IP[$i]}:7070" "$((DELAY_MS * 500))" &
+    echo $! > "$DIR/$i/line.pid"
+  fi
   ip netns exec "${NS[$i]}" "$F" daemon --config "$DIR/$i/ferrite.toml" --data-dir "$DIR/$i" >>"$DIR/$i/log" 2>&1 &
   echo $! > "$DIR/$i/pid"
 done
@@ -73,13 +94,14 @@ for i in 0 1 2; do
   for _ in $(seq 6000); do "$F" --admin-socket "$DIR/$i/admin.sock" pool status >/dev/null 2>&1 && break; sleep 0.01; done
 done
 A() { "$F" --admin-socket "$DIR/0/admin.sock" "$@"; }
-E1="tcp://${IP[1]}:7070"; E2="tcp://${IP[2]}:7070"
+E1="tcp://${IP[1]}:$PORT"; E2="tcp://${IP[2]}:$PORT"
 A volume create c1 2G >/dev/null
 A volume create c2 2G --replicas 2 --peer "$E1" >/dev/null
 A volume create c3 2G --replicas 3 --peer "$E1" --peer "$E2" >/dev/null
 for v in c1 c2 c3; do A export nbd $v >/dev/null; done
 rtt=$(ip netns exec "${NS[0]}" ping -q -c 50 -i 0.01 "${IP[1]}" | python3 -c "import sys; l=[x for x in sys.stdin if 'min/avg' in x][0]; print(float(l.split('=')[1].split('/')[1])*1000)")
-echo "link round trip host 0 -> host 1: ${rtt%.*} µs (ping avg)"
+[ "$LINE" = 1 ] && rtt=$((${rtt%.*} + DELAY_MS * 1000))
+echo "link round trip host 0 -> host 1: ${rtt%.*} µs (ping avg$([ "$DELAY_MS" = 0 ] || echo ", with the ${DELAY_MS} ms added"))$([ "$LINE" = 1 ] && echo "; through delay lines")"
 
 # The machine's busy CPU time (user, system, irq, softirq: µs) and context switches so far,
 # from /proc/stat: the daemons, fio and the network stack together.

@@ -281,6 +281,8 @@ impl<'a, S: Socket> Loop<'a, S> {
         let mut replies: Vec<(Request, Reply, Instant)> = Vec::new();
         let mut later = 0;
         let answered = self.answered.clone();
+        // The writes started here reach the volume's replicas together, when this returns.
+        let _sends = answered.as_ref().and_then(|_| session.export.volume.batch_sends());
         let mut batches: Vec<Vec<Request>> = Vec::new();
         let mut reads = Vec::new();
         self.paused = false;

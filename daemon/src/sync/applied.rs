@@ -8,6 +8,8 @@
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
+use ferrite_proto::ferrite::v1::MirrorAck;
+
 /// The requests a member received and has not finished yet.
 #[derive(Debug, Default)]
 pub struct Applied {
@@ -24,6 +26,12 @@ impl Applied {
         }
     }
 
+    /// Whether request `seq` comes after every one received: a stream carries them in order, and
+    /// a cumulative ack for one that overtook an older request would answer that one unseen.
+    pub fn follows(&self, seq: u64) -> bool {
+        seq > self.state.lock().expect("not poisoned").0
+    }
+
     /// Request `seq` of the blocking pool finished (after its failure, if it failed, was queued).
     pub fn finished(&self, seq: u64) {
         self.state.lock().expect("not poisoned").1.remove(&seq);
@@ -33,6 +41,18 @@ impl Applied {
     pub fn through(&self) -> u64 {
         let s = self.state.lock().expect("not poisoned");
         s.1.first().map_or(s.0, |oldest| oldest - 1)
+    }
+}
+
+/// The ack of request `seq` that ended with `r`: a success is cumulative where the stream takes
+/// them (None while an older request still runs from the first one on: there is nothing to say
+/// yet, and a zero would read as the stream's own ack), a failure always answers its own request.
+pub fn ack_of(seq: u64, r: Result<(), String>, cumulative: Option<&Applied>) -> Option<MirrorAck> {
+    match (r, cumulative) {
+        (Ok(()), Some(a)) => {
+            Some(a.through()).filter(|&n| n > 0).map(|through| MirrorAck { seq: 0, error: String::new(), through })
+        }
+        (r, _) => Some(MirrorAck { seq, error: r.err().unwrap_or_default(), through: 0 }),
     }
 }
 
@@ -54,5 +74,19 @@ mod tests {
         assert_eq!(a.through(), 4);
         a.received(5, false);
         assert_eq!(a.through(), 5);
+        assert!(!a.follows(4) && !a.follows(5) && a.follows(6), "an older request after a newer one is refused");
+    }
+
+    #[test]
+    fn a_success_behind_the_first_request_still_running_waits_for_it() {
+        let a = Applied::default();
+        a.received(1, true);
+        a.received(2, false);
+        assert_eq!(ack_of(2, Ok(()), Some(&a)), None, "a zero would read as the stream's own ack");
+        let failed = ack_of(1, Err("disk full".into()), Some(&a)).unwrap();
+        assert_eq!((failed.seq, failed.error.as_str(), failed.through), (1, "disk full", 0));
+        a.finished(1);
+        assert_eq!(ack_of(1, Ok(()), Some(&a)).unwrap().through, 2, "the newer success is acknowledged then");
+        assert_eq!(ack_of(3, Ok(()), None).unwrap().seq, 3, "without cumulative acks, each its own");
     }
 }

@@ -5,17 +5,20 @@
 //! primary's timeout is answered "did not answer" by the stream's ack reader, so none waits
 //! longer. Whoever waits for an [`Acks`] either blocks ([`Acks::wait_until`]) or leaves a
 //! completion that the last answer runs ([`Acks::then`]), on the ack reader: no thread waits.
+//! Requests go out from the sending thread ([`super::outbound`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorOpen};
-use tokio::sync::{mpsc, oneshot};
+use tokio::io::AsyncWrite;
+use tokio::sync::oneshot;
 use tonic::Status;
 
+use super::outbound::{Batch, Outbound, Push};
 use super::wire::{self, Frames};
 use crate::config::TlsFiles;
 
@@ -90,6 +93,7 @@ impl Acks {
     /// Waits until every member answered or `deadline` passed: the members that failed, and
     /// those that did not answer in time, each with why.
     pub fn wait_until(&self, deadline: Instant) -> Vec<(String, String)> {
+        Batch::flush();
         let mut s = self.state.lock().expect("not poisoned");
         while !s.waiting.is_empty() {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -109,7 +113,7 @@ pub struct Link {
     pub endpoint: String,
     /// The member is being rebuilt (it gets whole blocks).
     pub rebuilding: AtomicBool,
-    tx: Mutex<Option<mpsc::UnboundedSender<MirrorMessage>>>,
+    out: Arc<Out>,
     /// Requests sent and not answered yet, by sequence number, with when they were sent.
     waiting: Mutex<BTreeMap<u64, (Instant, Arc<Acks>)>>,
     /// How long the member has to answer a request.
@@ -135,7 +139,11 @@ impl Link {
         let conn = wire::connect(tls, endpoint).await.map_err(|e| Status::unavailable(at_peer(e.to_string())))?;
         let (r, w) = tokio::io::split(conn);
         let mut acks = Frames::<_, MirrorAck>::new(r, None);
-        let (tx, rx) = mpsc::unbounded_channel();
+        let me = Arc::new(OnceLock::<Weak<Self>>::new());
+        let out = Out::start(Box::new(w), {
+            let me = Arc::clone(&me);
+            move |why| me.get().and_then(Weak::upgrade).into_iter().for_each(|l| l.end(&why))
+        });
         let open = MirrorOpen {
             volume: volume.to_owned(),
             generation,
@@ -143,8 +151,8 @@ impl Link {
             base: rebuild.unwrap_or_default().to_owned(),
             cumulative_acks: true,
         };
-        tx.send(MirrorMessage { seq: 0, op: Some(Op::Open(open)) }).expect("the receiver is here");
-        tokio::spawn(wire::send_requests(w, rx));
+        out.queue(&MirrorMessage { seq: 0, op: Some(Op::Open(open)) });
+        out.push().map_err(|e| Status::unavailable(at_peer(e)))?;
         match acks.next().await {
             Ok(Some(MirrorAck { seq: 0, error, through: 0 })) if error.is_empty() => {}
             Ok(Some(MirrorAck { error, .. })) => return Err(Status::failed_precondition(at_peer(error))),
@@ -155,12 +163,13 @@ impl Link {
         let link = Arc::new(Self {
             endpoint: endpoint.to_owned(),
             rebuilding: AtomicBool::new(rebuild.is_some()),
-            tx: Mutex::new(Some(tx)),
+            out,
             waiting: Mutex::default(),
             timeout,
             ended: Mutex::default(),
             stop: Mutex::new(Some(stop)),
         });
+        let _ = me.set(Arc::downgrade(&link));
         let l = Arc::clone(&link);
         tokio::spawn(async move {
             let mut tick =
@@ -188,9 +197,9 @@ impl Link {
         Ok(link)
     }
 
-    /// Sends one request; `acks` hears the member's answer (at once if the stream has ended).
-    pub fn send(&self, msg: MirrorMessage, acks: &Arc<Acks>) {
-        let seq = msg.seq;
+    /// Queues one request for the stream's next push; `acks` hears the member's answer (at
+    /// once if the stream has ended). Requests are queued in sequence order.
+    pub fn queue(&self, msg: &MirrorMessage, acks: &Arc<Acks>) {
         let mut waiting = self.waiting.lock().expect("not poisoned");
         // `end` records why before it answers the waiting, so a request registered here after
         // that sees the reason instead.
@@ -199,13 +208,8 @@ impl Link {
             acks.answer(&self.endpoint, Some(why));
             return;
         }
-        waiting.insert(seq, (Instant::now(), Arc::clone(acks)));
-        let sent = self.tx.lock().expect("not poisoned").as_ref().is_some_and(|tx| tx.send(msg).is_ok());
-        if !sent {
-            waiting.remove(&seq);
-            drop(waiting);
-            acks.answer(&self.endpoint, Some("the stream is closed".into()));
-        }
+        waiting.insert(msg.seq, (Instant::now(), Arc::clone(acks)));
+        self.out.queue(msg);
     }
 
     fn answered(&self, seq: u64, error: String) {
@@ -248,13 +252,24 @@ impl Link {
     /// from now on.
     pub fn end(&self, why: &str) {
         self.ended.lock().expect("not poisoned").get_or_insert_with(|| why.to_owned());
-        self.tx.lock().expect("not poisoned").take();
+        self.out.end(why);
         if let Some(stop) = self.stop.lock().expect("not poisoned").take() {
             let _ = stop.send(());
         }
         let waiting = std::mem::take(&mut *self.waiting.lock().expect("not poisoned"));
         for (_, a) in waiting.into_values() {
             a.answer(&self.endpoint, Some(why.to_owned()));
+        }
+    }
+}
+
+/// The primary's side of a mirror connection.
+type Out = Outbound<Box<dyn AsyncWrite + Unpin + Send>>;
+
+impl Push for Link {
+    fn push_now(&self) {
+        if let Err(why) = self.out.push() {
+            self.end(&why);
         }
     }
 }
@@ -287,8 +302,8 @@ mod tests {
         assert!(waiter.join().unwrap().is_empty());
     }
 
-    #[test]
-    fn the_last_answer_runs_the_completion_and_a_late_member_is_answered_by_the_timeout() {
+    #[tokio::test]
+    async fn the_last_answer_runs_the_completion_and_a_late_member_is_answered_by_the_timeout() {
         let got = Arc::new(Mutex::new(None));
         let done = |got: &Arc<Mutex<Option<Failed>>>| {
             let got = Arc::clone(got);
@@ -307,7 +322,7 @@ mod tests {
         let link = Link {
             endpoint: "tcp://m:1".into(),
             rebuilding: AtomicBool::new(false),
-            tx: Mutex::new(None),
+            out: Out::start(Box::new(tokio::io::sink()), |_| {}),
             waiting: Mutex::default(),
             timeout: Duration::from_millis(30),
             ended: Mutex::default(),

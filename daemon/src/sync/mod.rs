@@ -11,6 +11,7 @@ mod applied;
 mod catch_up;
 pub mod control;
 mod link;
+mod outbound;
 pub mod primary;
 mod rebuild;
 pub mod records;

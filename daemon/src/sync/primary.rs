@@ -15,6 +15,7 @@ use prost::bytes::Bytes;
 
 use super::SyncHub;
 use super::link::{Acks, Link};
+use super::outbound::Batch;
 use super::records::{Membership, State};
 
 #[derive(Debug)]
@@ -27,7 +28,10 @@ pub struct Primary {
     links: Mutex<Vec<Arc<Link>>>,
     /// Why writes are refused now, and since when; None while they are taken.
     refused: Mutex<Option<(String, Instant)>>,
-    seq: AtomicU64,
+    /// The next request's sequence number, taken under this lock while the request is queued
+    /// on every stream: each stream carries them in increasing order (a member's cumulative ack
+    /// says "every request up to N", which counts on it).
+    seq: Mutex<u64>,
     /// One membership change at a time.
     pub change: tokio::sync::Mutex<()>,
     /// Requests sent and not yet answered to the client, and a pause that holds new ones back
@@ -56,7 +60,7 @@ impl Primary {
             record: Mutex::new(record),
             links: Mutex::default(),
             refused: Mutex::new(refused.map(|why| (why, Instant::now()))),
-            seq: AtomicU64::new(1),
+            seq: Mutex::new(1),
             change: tokio::sync::Mutex::new(()),
             inflight: Mutex::new(0),
             idle: Condvar::new(),
@@ -221,15 +225,7 @@ impl Primary {
         }
         let name = format!("{}{}", super::mark_prefix(&self.volume), crate::replica::now_ms());
         pool.create_snapshot(&self.volume, &name).map_err(|e| e.to_string())?;
-        let links = self.links.lock().expect("not poisoned").clone();
-        let acks = Acks::new(links.iter().map(|l| l.endpoint.clone()).collect());
-        let msg = MirrorMessage {
-            seq: self.seq.fetch_add(1, Ordering::Relaxed),
-            op: Some(Op::Mark(MirrorMark { snapshot: name.clone() })),
-        };
-        for l in &links {
-            l.send(msg.clone(), &acks);
-        }
+        let (links, acks) = self.send_all(Op::Mark(MirrorMark { snapshot: name.clone() }));
         let bad = acks.wait_until(Instant::now() + self.timeout);
         for (member, why) in &bad {
             hub.rt.block_on(self.eject(member, why))?;
@@ -245,8 +241,27 @@ impl Primary {
         Ok(name)
     }
 
-    fn message(&self, op: MirrorOp<'_>) -> MirrorMessage {
-        let op = match op {
+    /// Sends `op` to every member with a stream: the streams, and their answers to come.
+    fn send_all(&self, op: Op) -> (Vec<Arc<Link>>, Arc<Acks>) {
+        let (links, acks) = {
+            let mut seq = self.seq.lock().expect("not poisoned");
+            let links = self.links.lock().expect("not poisoned").clone();
+            let acks = Acks::new(links.iter().map(|l| l.endpoint.clone()).collect());
+            let msg = MirrorMessage { seq: *seq, op: Some(op) };
+            *seq += 1;
+            for l in &links {
+                l.queue(&msg, &acks);
+            }
+            (links, acks)
+        };
+        for l in &links {
+            Batch::push(l);
+        }
+        (links, acks)
+    }
+
+    fn op(op: MirrorOp<'_>) -> Op {
+        match op {
             // Zero data (NBD's NO_HOLE zeroing comes as such writes) crosses as a range.
             MirrorOp::Write { offset, data, fua } if data.iter().all(|&b| b == 0) => {
                 Op::Zero(MirrorZero { offset, length: data.len() as u64, fua, allocate: true })
@@ -257,8 +272,7 @@ impl Primary {
             MirrorOp::Trim { offset, len } => Op::Trim(MirrorTrim { offset, length: len }),
             MirrorOp::Zero { offset, len, fua } => Op::Zero(MirrorZero { offset, length: len, fua, allocate: false }),
             MirrorOp::Flush => Op::Flush(MirrorFlush {}),
-        };
-        MirrorMessage { seq: self.seq.fetch_add(1, Ordering::Relaxed), op: Some(op) }
+        }
     }
 }
 
@@ -289,6 +303,10 @@ impl Mirror for Primary {
         self.rebuilding.load(Ordering::SeqCst) > 0
     }
 
+    fn batch(&self) -> Box<dyn std::any::Any> {
+        Box::new(Batch::hold())
+    }
+
     fn admit(&self) -> ferrite_engine::Result<Box<dyn Send>> {
         Ok(Box::new(self.enter(true)?))
     }
@@ -308,13 +326,7 @@ impl Mirror for Primary {
     fn send(&self, op: MirrorOp<'_>) -> ferrite_engine::Result<Box<dyn Pending>> {
         // Its admission counts it in flight: a pause waits for it, so it must not wait for one.
         let mut waiting = self.enter(false)?;
-        let links = self.links.lock().expect("not poisoned").clone();
-        let acks = Acks::new(links.iter().map(|l| l.endpoint.clone()).collect());
-        let msg = self.message(op);
-        for l in &links {
-            l.send(msg.clone(), &acks);
-        }
-        waiting.acks = acks;
+        waiting.acks = self.send_all(Self::op(op)).1;
         Ok(Box::new(waiting))
     }
 }

@@ -24,7 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::SyncHub;
-use super::applied::Applied;
+use super::applied::{Applied, ack_of};
 use super::catch_up::CatchUp;
 use super::records::{Membership, State};
 use super::wire::{self, Frames};
@@ -145,15 +145,6 @@ fn apply(volume: &Volume, op: Op) -> Result<(), String> {
     r.map_err(|e| e.to_string())
 }
 
-/// The ack of request `seq` that ended with `r`: a success is cumulative where the stream takes
-/// them, a failure always answers its own request.
-fn ack_of(seq: u64, r: Result<(), String>, cumulative: Option<&Applied>) -> MirrorAck {
-    match (r, cumulative) {
-        (Ok(()), Some(a)) => MirrorAck { seq: 0, error: String::new(), through: a.through() },
-        (r, _) => MirrorAck { seq, error: r.err().unwrap_or_default(), through: 0 },
-    }
-}
-
 /// Whether the engine takes a request in memory without waiting for the device (as NBD's loop
 /// runs it in place): a write that is not FUA, no longer than NBD's loop runs.
 fn runs_now(op: &Op) -> bool {
@@ -262,6 +253,11 @@ impl MirrorService {
                 }
                 checked = changes;
             }
+            if let Some(a) = s.cumulative.as_deref().filter(|a| !a.follows(msg.seq)) {
+                let why = format!("request {} came after a newer one (through {})", msg.seq, a.through());
+                let _ = tx.send(Err(Status::invalid_argument(why))).await;
+                break;
+            }
             let Some(op) = msg.op else {
                 let _ = tx.send(Err(Status::invalid_argument("a mirror message without a request"))).await;
                 break;
@@ -283,7 +279,9 @@ impl MirrorService {
                 if ok {
                     s.cumulative.as_deref().map(count);
                 }
-                if tx.send(Ok(ack_of(msg.seq, r, s.cumulative.as_deref()))).await.is_err() {
+                if let Some(ack) = ack_of(msg.seq, r, s.cumulative.as_deref())
+                    && tx.send(Ok(ack)).await.is_err()
+                {
                     break;
                 }
                 if !ok {
@@ -305,16 +303,17 @@ impl MirrorService {
                     _ => apply(&volume, op),
                 };
                 drop(permit);
-                if let (Some(a), Err(_)) = (&cumulative, &r) {
-                    // Queued before it leaves `running`: no cumulative ack covers it first.
-                    let _ = tx.blocking_send(Ok(ack_of(seq, r, None)));
-                    a.finished(seq);
-                    return;
+                let send = |ack: Option<MirrorAck>| ack.map(|ack| tx.blocking_send(Ok(ack)));
+                if r.is_err() || cumulative.is_none() {
+                    // A failure is queued before it leaves `running`: no cumulative ack covers
+                    // it first.
+                    send(ack_of(seq, r, None));
                 }
                 if let Some(a) = &cumulative {
                     a.finished(seq);
+                    // This request, and the newer ones that finished while it ran.
+                    send(ack_of(seq, Ok(()), Some(a)));
                 }
-                let _ = tx.blocking_send(Ok(ack_of(seq, r, cumulative.as_deref())));
             });
         }
     }

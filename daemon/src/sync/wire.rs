@@ -7,12 +7,12 @@
 //! A frame is a big-endian u32 length and the message. Sequence number 0 is the stream's own:
 //! the member's first ack says whether it took the open (an error says why not), a last one
 //! with an error says why it ends the stream; the primary sends a request-less message with it
-//! every [`KEEPALIVE`] while idle, and a member ends a stream silent for [`IDLE`].
+//! every [`KEEPALIVE`], and a member ends a stream silent for [`IDLE`].
 
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage};
+use ferrite_proto::ferrite::v1::MirrorAck;
 use prost::Message;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -97,7 +97,8 @@ impl<R: AsyncRead + Unpin, M: Message + Default> Frames<R, M> {
     }
 }
 
-fn put(buf: &mut Vec<u8>, m: &impl Message) {
+/// Appends `m` as a frame.
+pub(super) fn put(buf: &mut Vec<u8>, m: &impl Message) {
     let len = u32::try_from(m.encoded_len()).expect("a frame is below 4 GiB");
     buf.extend_from_slice(&len.to_be_bytes());
     m.encode(buf).expect("a Vec grows");
@@ -108,28 +109,6 @@ fn put_through(buf: &mut Vec<u8>, through: &mut u64) {
     if *through > 0 {
         put(buf, &MirrorAck { seq: 0, error: String::new(), through: std::mem::take(through) });
     }
-}
-
-/// The primary's side: sends what `rx` gives, every message that is ready in one write, and a
-/// keepalive when idle; shuts the connection down when `rx` closes.
-pub async fn send_requests<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::UnboundedReceiver<MirrorMessage>) {
-    let mut buf = Vec::new();
-    loop {
-        let first = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
-            Ok(Some(m)) => m,
-            Ok(None) => break,
-            Err(_) => MirrorMessage { seq: 0, op: None },
-        };
-        put(&mut buf, &first);
-        while let Ok(m) = rx.try_recv() {
-            put(&mut buf, &m);
-        }
-        if w.write_all(&buf).await.is_err() || w.flush().await.is_err() {
-            break;
-        }
-        buf.clear();
-    }
-    let _ = w.shutdown().await;
 }
 
 /// The member's side: sends the acks `rx` gives, every one that is ready in one write (of the
