@@ -550,6 +550,18 @@ async fn members_refuse_what_a_peer_may_not_do() {
     let acks = framed(&sw, root.path(), 1, "host-0", huge).await;
     assert_eq!(acks.len(), 2, "{acks:?}");
     assert!(acks[1].error.is_empty(), "the good write before the long frame is taken: {acks:?}");
+    // With cumulative acks, an older request after a newer one ends the stream: an ack of the
+    // newer one would answer the older one unseen.
+    let open = pb::MirrorOpen { volume: "w".into(), generation: 3, cumulative_acks: true, ..Default::default() };
+    let data = prost::bytes::Bytes::from(vec![5u8; 4096]);
+    let write = |seq| {
+        let w = pb::MirrorWrite { offset: 0, crc: crc32c::crc32c(&data), data: data.clone(), fua: false };
+        frame(&pb::MirrorMessage { seq, op: Some(Op::Write(w)) })
+    };
+    let frames = [frame(&pb::MirrorMessage { seq: 0, op: Some(Op::Open(open)) }), write(2), write(1)].concat();
+    let acks = framed(&sw, root.path(), 1, "host-0", frames).await;
+    assert!(acks.len() == 3 && acks[1].through == 2, "{acks:?}");
+    assert!(acks[2].error.contains("request 1 came after a newer one"), "{acks:?}");
 
     // A replica ejected while it was away cannot make itself primary by telling the others.
     sw.link(2, false);
