@@ -22,9 +22,9 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsRawFd as _, OwnedFd, RawFd};
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd, RawFd};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use ferrite_engine::Reads;
@@ -56,24 +56,45 @@ const RECV: u64 = u64::MAX;
 const ANSWERED: u64 = u64::MAX - 1;
 
 /// Writes started on the loop whose members answer later: their replies, posted by the thread
-/// that reads the answers, and the eventfd that wakes the loop for them.
+/// that reads the answers, and the eventfd that wakes the loop for them. A reply the socket takes
+/// at once is written by that thread itself ([`Outbox::try_send`]) and only noted for the loop,
+/// which takes the note when it next wakes (the client's next request wakes it): no wake-up of
+/// the loop per reply. The bell rings for a reply left to the loop, and for any while the loop
+/// sleeps with no receive in flight.
 struct Answered {
-    replies: Mutex<Vec<(Request, Reply, Instant)>>,
+    posted: Mutex<Posted>,
     wake: OwnedFd,
+    /// The connection's socket (a duplicate) and replies, for a reply written here.
+    sock: OwnedFd,
+    out: Arc<Outbox>,
+    /// The loop sleeps with no receive in flight: only the bell wakes it.
+    deaf: AtomicBool,
+}
+
+#[derive(Default)]
+struct Posted {
+    /// Each reply, and whether it was written already.
+    replies: Vec<(Request, Reply, Instant, bool)>,
+    rung: bool,
 }
 
 impl Answered {
-    fn new() -> io::Result<Arc<Self>> {
+    fn new(sock: OwnedFd, out: Arc<Outbox>) -> io::Result<Arc<Self>> {
         let wake =
             rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)?;
-        Ok(Arc::new(Self { replies: Mutex::default(), wake }))
+        Ok(Arc::new(Self { posted: Mutex::default(), wake, sock, out, deaf: AtomicBool::new(false) }))
     }
 
     fn post(&self, req: Request, reply: Reply, start: Instant) {
-        let mut replies = self.replies.lock();
-        replies.push((req, reply, start));
-        // The first reply of a batch wakes the loop; it takes them all.
-        if replies.len() == 1 {
+        let failed = reply.failed;
+        let (entry, needs_loop) = match self.out.try_send(self.sock.as_fd(), reply) {
+            Ok(rest_queued) => ((req, Reply { bytes: Vec::new(), failed }, start, true), rest_queued),
+            Err(reply) => ((req, reply, start, false), true),
+        };
+        let mut posted = self.posted.lock();
+        posted.replies.push(entry);
+        if !posted.rung && (needs_loop || self.deaf.load(Ordering::SeqCst)) {
+            posted.rung = true;
             self.ring_bell();
         }
     }
@@ -83,10 +104,20 @@ impl Answered {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
     }
 
-    /// The replies posted so far (the eventfd reset first, so none posted after goes unseen).
-    fn take(&self) -> Vec<(Request, Reply, Instant)> {
-        let _ = rustix::io::read(&self.wake, &mut [0u8; 8]);
-        std::mem::take(&mut *self.replies.lock())
+    /// The replies posted so far (the eventfd reset first if it rang, so none posted after goes
+    /// unseen).
+    fn take(&self) -> Vec<(Request, Reply, Instant, bool)> {
+        let mut posted = self.posted.lock();
+        if std::mem::take(&mut posted.rung) {
+            let _ = rustix::io::read(&self.wake, &mut [0u8; 8]);
+        }
+        std::mem::take(&mut posted.replies)
+    }
+
+    /// The loop is about to sleep, `deaf` if with no receive in flight: whether replies wait.
+    fn sleeping(&self, deaf: bool) -> bool {
+        self.deaf.store(deaf, Ordering::SeqCst);
+        !self.posted.lock().replies.is_empty()
     }
 }
 
@@ -96,7 +127,7 @@ struct Conn<'a, S> {
     session: &'a Session,
     limits: &'a Limits,
     in_flight: InFlight,
-    out: Outbox,
+    out: Arc<Outbox>,
 }
 
 impl<S: Socket> Conn<'_, S> {
@@ -136,14 +167,16 @@ pub fn serve<S: Socket>(sock: &S, session: &Session, limits: &Limits, ring: bool
         tracing::warn!(error = %e, "io_uring unavailable; serving the NBD connection with blocking calls");
         None
     });
-    let conn = Conn { sock, session, limits, in_flight: InFlight::default(), out: Outbox::default() };
+    let conn = Conn { sock, session, limits, in_flight: InFlight::default(), out: Arc::default() };
     let helpers = Helpers::default();
     std::thread::scope(|scope| {
         // Stops the helpers and the sender however the loop ends (a panic too), or the scope
         // would wait forever.
         let _stop = StopOnDrop(&helpers, &conn.out);
         let answered = ring.as_ref().and_then(|_| {
-            Answered::new()
+            sock.as_fd()
+                .try_clone_to_owned()
+                .and_then(|fd| Answered::new(fd, Arc::clone(&conn.out)))
                 .inspect_err(|e| tracing::warn!(error = %e, "no eventfd: mirrored writes wait on helper threads"))
                 .ok()
         });
@@ -232,6 +265,9 @@ struct Loop<'a, S: Socket> {
 impl<'a, S: Socket> Loop<'a, S> {
     fn run(&mut self, offload: impl Fn(Request, Vec<u8>), start_sender: impl Fn()) -> io::Result<()> {
         loop {
+            if self.later > 0 {
+                self.take_answered();
+            }
             if self.end.is_none() {
                 self.take_requests(&offload);
             }
@@ -358,6 +394,19 @@ impl<'a, S: Socket> Loop<'a, S> {
         }
     }
 
+    /// Takes the replies of writes the members answered: those written already are done.
+    fn take_answered(&mut self) {
+        for (req, reply, start, written) in self.answered.as_ref().map(|a| a.take()).unwrap_or_default() {
+            self.later -= 1;
+            if written {
+                record(self.conn.session, &req, &reply, start.elapsed());
+                self.conn.release((cost(&req), 1));
+            } else {
+                self.reply(&req, reply, start);
+            }
+        }
+    }
+
     fn reply(&mut self, req: &Request, reply: Reply, start: Instant) {
         record(self.conn.session, req, &reply, start.elapsed());
         self.replies.push(reply);
@@ -414,6 +463,11 @@ impl<'a, S: Socket> Loop<'a, S> {
     /// Hands queued entries to the ring (as many as it has room for, keeping completions within
     /// its completion queue), sleeps until at least one completes, and handles what completed.
     fn wait(&mut self) {
+        if let Some(a) = self.answered.as_ref().filter(|_| self.later > 0)
+            && a.sleeping(!self.receiving)
+        {
+            return; // replies to take first
+        }
         if let Some(a) = self.answered.as_ref().filter(|_| self.later > 0 && !self.polling) {
             let poll = opcode::PollAdd::new(types::Fd(a.wake.as_raw_fd()), libc::POLLIN as u32);
             self.backlog.push_back(poll.build().user_data(ANSWERED));
@@ -452,10 +506,7 @@ impl<'a, S: Socket> Loop<'a, S> {
                 self.received(usize::try_from(res).map_err(|_| io::Error::from_raw_os_error(-res)));
             } else if tag == ANSWERED {
                 self.polling = false;
-                for (req, reply, start) in self.answered.as_ref().expect("polled").take() {
-                    self.later -= 1;
-                    self.reply(&req, reply, start);
-                }
+                self.take_answered();
             } else {
                 self.read_done(tag, res);
             }

@@ -16,6 +16,7 @@
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
+use std::os::fd::{AsFd, BorrowedFd};
 
 use parking_lot::{Condvar, Mutex};
 use rustix::io::Errno;
@@ -64,11 +65,16 @@ impl Outbox {
     /// to start (a connection whose replies always fit never has one). Both write to the
     /// descriptor itself: only for a socket whose bytes are the protocol's own.
     pub fn send<S: Socket>(&self, sock: &S, replies: Vec<Reply>, cost: Cost, may_start: bool) -> Sent {
-        if replies.is_empty() {
-            return Sent::Written(cost);
-        }
         let mut st = self.state.lock();
-        if !st.sender && !may_start {
+        if replies.is_empty() {
+            // The rest of a reply written by [`Outbox::try_send`] may wait for a sender.
+            if st.queue.is_empty() || st.sender || !may_start {
+                return Sent::Written(cost);
+            }
+            st.sender = true;
+            return Sent::StartSender;
+        }
+        if !st.sender && !may_start && st.queue.is_empty() {
             write_blocking(sock, &replies, 0);
             return Sent::Written(cost);
         }
@@ -77,12 +83,34 @@ impl Outbox {
             return Sent::Written(cost);
         }
         st.queue.push_back((replies, sent, cost));
-        if st.sender {
+        if st.sender || !may_start {
+            // Without a sender, the rest of a reply [`Outbox::try_send`] wrote is ahead: the
+            // loop starts one (told so by the writer of that reply).
             self.ready.notify_one();
             return Sent::Queued;
         }
         st.sender = true;
         Sent::StartSender
+    }
+
+    /// Writes `reply` now, from any thread, if no reply is ahead of it and the socket takes it
+    /// without waiting; gives it back, with nothing written, if not. `Ok(true)` when only part
+    /// went out: the rest is queued, and the loop must start a sender for it unless one runs
+    /// (the loop's next [`Outbox::send`] does).
+    pub fn try_send(&self, fd: BorrowedFd<'_>, reply: Reply) -> Result<bool, Reply> {
+        let mut st = self.state.lock();
+        if st.writing || st.stop || !st.queue.is_empty() {
+            return Err(reply);
+        }
+        match write_nowait(fd, std::slice::from_ref(&reply)) {
+            0 => Err(reply),
+            n if n == reply.bytes.len() => Ok(false),
+            n => {
+                st.queue.push_back((vec![reply], n, (0, 0)));
+                self.ready.notify_one();
+                Ok(!st.sender)
+            }
+        }
     }
 
     /// The sender: writes what was queued, in order, and gives back its cost with `release`;
@@ -141,14 +169,14 @@ fn write_blocking<'r, S: Socket>(sock: &S, replies: impl IntoIterator<Item = &'r
 
 /// Writes as much of `replies` as the socket takes without waiting; returns how many bytes. A
 /// failure stops it early: the sender's write of the rest meets it again and handles it.
-fn write_nowait<S: Socket>(sock: &S, replies: &[Reply]) -> usize {
+fn write_nowait(fd: impl AsFd, replies: &[Reply]) -> usize {
     let mut bufs = slices(replies, 0);
     let mut view = &mut bufs[..];
     let mut sent = 0;
     while !view.is_empty() {
         let n = view.len().min(MAX_IOV);
         let flags = net::SendFlags::DONTWAIT | net::SendFlags::NOSIGNAL;
-        match net::sendmsg(sock.as_fd(), &view[..n], &mut net::SendAncillaryBuffer::default(), flags) {
+        match net::sendmsg(fd.as_fd(), &view[..n], &mut net::SendAncillaryBuffer::default(), flags) {
             Ok(0) => break,
             Ok(k) => {
                 sent += k;
@@ -159,4 +187,37 @@ fn write_nowait<S: Socket>(sock: &S, replies: &[Reply]) -> usize {
         }
     }
     sent
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+
+    fn reply(byte: u8, len: usize) -> Reply {
+        Reply { bytes: vec![byte; len], failed: false }
+    }
+
+    #[test]
+    fn a_reply_written_in_part_by_another_thread_stays_ahead_of_later_ones() {
+        let (sock, mut peer) = UnixStream::pair().unwrap();
+        let out = Outbox::default();
+        // Far more than the socket buffer: only part of it goes out.
+        let big = 4 << 20;
+        assert!(matches!(out.try_send(sock.as_fd(), reply(1, big)), Ok(true)), "the loop must start a sender");
+        assert!(out.try_send(sock.as_fd(), reply(9, 10)).is_err(), "nothing overtakes the rest");
+        // A helper's reply queues behind it instead of writing.
+        assert!(matches!(out.send(&sock, vec![reply(2, 10)], (10, 1), false), Sent::Queued));
+        // The loop's next send, with nothing new, starts the sender.
+        assert!(matches!(out.send(&sock, Vec::new(), (0, 0), true), Sent::StartSender));
+        std::thread::scope(|s| {
+            s.spawn(|| out.run_sender(&sock, true, |_| {}));
+            let mut got = vec![0u8; big + 10];
+            peer.read_exact(&mut got).unwrap();
+            assert!(got[..big].iter().all(|&b| b == 1) && got[big..].iter().all(|&b| b == 2), "out of order");
+        });
+        assert!(matches!(out.try_send(sock.as_fd(), reply(3, 10)), Ok(false)), "an empty queue: written whole");
+    }
 }
