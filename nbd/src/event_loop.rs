@@ -25,7 +25,7 @@ use std::io;
 use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ferrite_engine::Reads;
 use ferrite_engine::io::AsyncIo;
@@ -73,8 +73,8 @@ struct Answered {
 
 #[derive(Default)]
 struct Posted {
-    /// Each reply, and whether it was written already.
-    replies: Vec<(Request, Reply, Instant, bool)>,
+    /// Each reply, and how long its request took if it was written already.
+    replies: Vec<(Request, Reply, Instant, Option<Duration>)>,
     rung: bool,
 }
 
@@ -88,8 +88,8 @@ impl Answered {
     fn post(&self, req: Request, reply: Reply, start: Instant) {
         let failed = reply.failed;
         let (entry, needs_loop) = match self.out.try_send(self.sock.as_fd(), reply) {
-            Ok(rest_queued) => ((req, Reply { bytes: Vec::new(), failed }, start, true), rest_queued),
-            Err(reply) => ((req, reply, start, false), true),
+            Ok(rest_queued) => ((req, Reply { bytes: Vec::new(), failed }, start, Some(start.elapsed())), rest_queued),
+            Err(reply) => ((req, reply, start, None), true),
         };
         let mut posted = self.posted.lock();
         posted.replies.push(entry);
@@ -106,7 +106,7 @@ impl Answered {
 
     /// The replies posted so far (the eventfd reset first if it rang, so none posted after goes
     /// unseen).
-    fn take(&self) -> Vec<(Request, Reply, Instant, bool)> {
+    fn take(&self) -> Vec<(Request, Reply, Instant, Option<Duration>)> {
         let mut posted = self.posted.lock();
         if std::mem::take(&mut posted.rung) {
             let _ = rustix::io::read(&self.wake, &mut [0u8; 8]);
@@ -398,8 +398,8 @@ impl<'a, S: Socket> Loop<'a, S> {
     fn take_answered(&mut self) {
         for (req, reply, start, written) in self.answered.as_ref().map(|a| a.take()).unwrap_or_default() {
             self.later -= 1;
-            if written {
-                record(self.conn.session, &req, &reply, start.elapsed());
+            if let Some(took) = written {
+                record(self.conn.session, &req, &reply, took);
                 self.conn.release((cost(&req), 1));
             } else {
                 self.reply(&req, reply, start);
