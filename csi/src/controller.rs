@@ -98,12 +98,13 @@ impl Controller {
         }
     }
 
-    /// Gives the volume on `node` its `n` copies (a replicated class): it is accessible where
-    /// each copy is (publishing it to one of them moves the primary there), and its context
-    /// lists them.
+    /// Gives the volume on `node` its `n` copies (a replicated class): its id names no node, it
+    /// is accessible where each copy is (publishing it to one of them moves the primary there),
+    /// and its context lists them.
     async fn copies(&self, node: &str, mut volume: csi::Volume, name: &str, n: usize) -> Result<csi::Volume, Status> {
         if n > 1 {
             let at = copies::ensure(&*self.nodes, node, name, n).await?;
+            volume.volume_id = ids::make(ids::ANY, name);
             volume.accessible_topology = at.iter().map(|n| topology(n)).collect();
             volume.volume_context.insert("copies".into(), at.join(","));
         }
@@ -209,24 +210,11 @@ impl csi::controller_server::Controller for Controller {
         let id = req.into_inner().volume_id;
         require("volume_id", &id)?;
         let _busy = self.busy.begin(&id)?;
-        // An id we never made, or a node we do not know, names nothing: deleting it succeeds.
-        if let Some((node, name)) = ids::parse(&id)
-            && self.nodes.admin_endpoint(node).is_some()
-        {
-            let (node, mut c, _, view) = match copies::primary(&*self.nodes, node, name).await {
-                Ok(found) => found,
-                Err(s) if s.code() == Code::NotFound => return Ok(Response::new(csi::DeleteVolumeResponse {})),
-                Err(s) => return Err(s),
-            };
-            // A replicated volume's copies go first: the primary then holds a local volume.
-            if let Some(view) = view {
-                copies::remove_all(&*self.nodes, &node, &view).await?;
-            }
-            match c.delete_volume(pb::DeleteVolumeRequest { name: name.to_owned() }).await {
-                Ok(_) => tracing::info!(volume_id = %id, "CSI volume deleted"),
-                Err(s) if s.code() == Code::NotFound => {}
-                Err(s) => return Err(s),
-            }
+        // An id we never made names nothing: deleting it succeeds. The id's node may be gone:
+        // the copies elsewhere are found and deleted all the same.
+        if let Some((node, name)) = ids::parse(&id) {
+            copies::delete(&*self.nodes, node, name).await?;
+            tracing::info!(volume_id = %id, "CSI volume deleted");
         }
         Ok(Response::new(csi::DeleteVolumeResponse {}))
     }
@@ -267,19 +255,21 @@ impl csi::controller_server::Controller for Controller {
         // order. A replicated volume is listed once, where its primary is. The nodes that did
         // not answer are named in the response's `ferrite-unread-nodes` header.
         let listed = scan(&*self.nodes, self.nodes.nodes(), |node, mut c| async move {
-            let copies: Vec<String> = c
-                .list_sync_replicas(pb::ListReplicationsRequest::default())
-                .await?
-                .into_inner()
-                .volumes
-                .into_iter()
-                .filter(|v| v.role != "primary")
-                .map(|v| v.volume)
-                .collect();
+            let sync = c.list_sync_replicas(pb::ListReplicationsRequest::default()).await?.into_inner().volumes;
+            let role = |name: &str| sync.iter().find(|s| s.volume == name).map(|s| s.role.as_str());
             let mut vols = c.list_volumes(pb::ListVolumesRequest {}).await?.into_inner().volumes;
-            vols.retain(|v| !copies.contains(&v.name));
+            vols.retain(|v| role(&v.name).is_none_or(|r| r == "primary"));
             vols.sort_by(|a, b| a.name.cmp(&b.name));
-            Ok(vols.into_iter().map(|v| volume_msg(&node, &v, None)).collect::<Vec<_>>())
+            Ok(vols
+                .into_iter()
+                .map(|v| {
+                    let mut m = volume_msg(&node, &v, None);
+                    if role(&v.name).is_some() {
+                        m.volume_id = ids::make(ids::ANY, &v.name);
+                    }
+                    m
+                })
+                .collect::<Vec<_>>())
         })
         .await?;
         let unread = listed.silent_names();
@@ -449,6 +439,7 @@ impl csi::controller_server::Controller for Controller {
         require("volume_id", &id)?;
         let (node, v) = self.get(&id).await?;
         let mut volume = volume_msg(&node, &v, None);
+        volume.volume_id = id;
         // The limits in force, as the mutable parameters that set them.
         volume.volume_context = crate::qos::parameters(&v.limits.unwrap_or_default());
         Ok(Response::new(csi::ControllerGetVolumeResponse {

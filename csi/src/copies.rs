@@ -3,7 +3,7 @@
 //! no state: a volume id names the node the volume was made on, and which node holds the primary
 //! now is asked of the daemons (the copy that calls itself primary, newest generation first).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_client::AdminClient;
@@ -57,51 +57,124 @@ async fn held(
         .unwrap_or_else(|_| Err(Status::unavailable(format!("node {node}: no answer within {SCAN:?}"))))
 }
 
-/// Where volume `name` is served now: its node, a client there, the volume, and its membership
-/// (None for a local volume). `hint` is where to ask first (the node its id names); a copy that
-/// is not the primary says which is, and when neither answers every other node is asked at
-/// once, each within [`SCAN`]. NotFound when no node holds it.
+/// Where the copies of a volume were found (`locate`).
+#[derive(Debug)]
+pub struct Found {
+    /// The copy that answers as primary (the newest generation's), or the local volume: its
+    /// node, a client there, the volume, and its membership (None for a local volume).
+    pub primary: Option<(String, AdminClient<Channel>, pb::Volume, Option<pb::SyncVolume>)>,
+    /// Copies that are not the primary, by node, when no primary answered.
+    pub copies: Vec<(String, pb::SyncVolume)>,
+    /// Nodes that did not answer.
+    pub silent: Vec<String>,
+}
+
+/// The node that last served each volume as primary (volume name → node): where a lookup asks
+/// first, so that a volume whose id names no node (or a node that no longer holds it) costs
+/// one call, not a scan. A wrong entry costs one call more.
+static LAST_SEEN: std::sync::Mutex<BTreeMap<String, String>> = std::sync::Mutex::new(BTreeMap::new());
+/// Entries kept before the map starts over.
+const MOST_REMEMBERED: usize = 1 << 16;
+
+fn remember(name: &str, node: &str) {
+    let mut m = LAST_SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if m.len() >= MOST_REMEMBERED {
+        m.clear();
+    }
+    m.insert(name.to_owned(), node.to_owned());
+}
+
+fn last_seen(name: &str) -> Option<String> {
+    LAST_SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(name).cloned()
+}
+
+/// Finds volume `name`: first where it was last served, then at `hint` (the node its id names,
+/// or [`crate::ids::ANY`]), following a copy that names another primary; when none of those
+/// answers as its primary, every other node is asked at once, each within [`SCAN`], and the
+/// copy of the newest generation that calls itself primary wins. A node the directory no
+/// longer knows (its Node deleted) or that lost the volume is no answer: the others are asked.
+pub async fn locate(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<Found, Status> {
+    let known = dir.nodes();
+    let mut tried: Vec<String> = Vec::new();
+    let mut queue: Vec<String> = last_seen(name).into_iter().chain([hint.to_owned()]).collect();
+    queue.retain(|n| known.contains(n));
+    queue.dedup();
+    queue.reverse();
+    let mut silent = Vec::new();
+    while let Some(node) = queue.pop() {
+        if tried.contains(&node) {
+            continue;
+        }
+        tried.push(node.clone());
+        match held(dir, &node, name).await {
+            Ok((_, _, Some(s))) if s.role != "primary" => queue.extend(node_of(dir, &s.primary)),
+            Ok((c, v, s)) => {
+                remember(name, &node);
+                return Ok(Found { primary: Some((node, c, v, s)), copies: Vec::new(), silent });
+            }
+            Err(s) if s.code() == Code::NotFound => {}
+            Err(s) if matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded) => silent.push(node),
+            Err(s) => return Err(s),
+        }
+    }
+    let others: Vec<String> = known.into_iter().filter(|n| !tried.contains(n)).collect();
+    let found = scan(dir, others, |_, mut c| async move {
+        let v = match c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await {
+            Ok(v) => v.into_inner(),
+            Err(s) if s.code() == Code::NotFound => return Ok(None),
+            Err(s) => return Err(s),
+        };
+        Ok(Some((c.clone(), v, view(&mut c, name).await?)))
+    })
+    .await?;
+    silent.extend(found.silent.into_iter().map(|(n, _)| n));
+    let mut out = Found { primary: None, copies: Vec::new(), silent };
+    for (node, (c, v, s)) in found.answers.into_iter().filter_map(|(n, a)| Some((n, a?))) {
+        match s {
+            Some(s) if s.role != "primary" => out.copies.push((node, s)),
+            s => {
+                let newer = |p: &Option<pb::SyncVolume>| s.as_ref().map(|s| s.generation) > p.as_ref().map(|p| p.generation);
+                if out.primary.as_ref().is_none_or(|(_, _, _, p)| newer(p)) {
+                    out.primary = Some((node, c, v, s));
+                }
+            }
+        }
+    }
+    if let Some((node, ..)) = &out.primary {
+        remember(name, node);
+    }
+    Ok(out)
+}
+
+/// Where volume `name` is served now ([`locate`]): its node, a client there, the volume, and its
+/// membership (None for a local volume). NotFound only when every node answered and none
+/// holds it; Unavailable when copies answer but none as primary (not failed over yet), or when
+/// nothing was found and some node is silent.
 pub async fn primary(
     dir: &dyn NodeDirectory,
     hint: &str,
     name: &str,
 ) -> Result<(String, AdminClient<Channel>, pb::Volume, Option<pb::SyncVolume>), Status> {
-    let not_found = || Status::not_found(format!("volume {name:?} does not exist"));
-    let mut tried = Vec::new();
-    let mut next = Some(hint.to_owned());
-    let mut unreachable = None;
-    while let Some(node) = next.take() {
-        tried.push(node.clone());
-        match held(dir, &node, name).await {
-            Ok((c, v, None)) => return Ok((node, c, v, None)),
-            Ok((c, v, Some(s))) if s.role == "primary" => return Ok((node, c, v, Some(s))),
-            Ok((_, _, Some(s))) => next = node_of(dir, &s.primary).filter(|n| !tried.contains(n)),
-            Err(s) if s.code() == Code::NotFound => return Err(not_found()),
-            Err(s) if matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded) => unreachable = Some(s),
-            Err(s) => return Err(s),
-        }
+    let found = locate(dir, hint, name).await?;
+    if let Some(p) = found.primary {
+        return Ok(p);
     }
-    // The named copies do not answer as primary: the newest generation that does, anywhere.
-    let others: Vec<String> = dir.nodes().into_iter().filter(|n| !tried.contains(n)).collect();
-    let found = scan(dir, others, |_, mut c| async move {
-        let v = match c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await {
-            Ok(v) => v.into_inner(),
-            // Silent nodes are logged as such; any other answer means it holds no primary.
-            Err(s) if s.code() == Code::Unavailable => return Err(s),
-            Err(_) => return Ok(None),
-        };
-        Ok(view(&mut c, name).await.ok().flatten().filter(|s| s.role == "primary").map(|s| (c, v, s)))
-    })
-    .await?;
-    let best = found.answers.into_iter().filter_map(|(n, a)| Some((n, a?))).max_by_key(|(_, (_, _, s))| s.generation);
-    match (best, unreachable) {
-        (Some((n, (c, v, s))), _) => Ok((n, c, v, Some(s))),
-        (None, Some(s)) => Err(s),
-        (None, None) => Err(Status::unavailable(format!(
-            "volume {name:?}: no copy answers as its primary (asked {})",
-            tried.join(", ")
-        ))),
+    let nodes = |v: &[String]| v.join(", ");
+    if !found.copies.is_empty() {
+        let at: Vec<String> = found.copies.into_iter().map(|(n, _)| n).collect();
+        return Err(Status::unavailable(format!(
+            "volume {name:?}: no copy answers as its primary (copies on {}{})",
+            nodes(&at),
+            if found.silent.is_empty() { String::new() } else { format!("; silent: {}", nodes(&found.silent)) }
+        )));
     }
+    if !found.silent.is_empty() {
+        return Err(Status::unavailable(format!(
+            "volume {name:?} was found on no node that answers; silent: {}",
+            nodes(&found.silent)
+        )));
+    }
+    Err(Status::not_found(format!("volume {name:?} does not exist")))
 }
 
 /// The nodes of every copy of `view` (the primary's first), as the directory names them.
@@ -114,19 +187,25 @@ pub fn nodes_of(dir: &dyn NodeDirectory, view: &pb::SyncVolume) -> Vec<String> {
 }
 
 /// Makes `volume` (on `node`, its primary) have `n` copies: keeps the members it has and adds
-/// nodes with the most free space that hold no copy yet. ResourceExhausted when too few nodes
-/// answer.
+/// nodes with the most free space that hold no copy yet. Two copies get a witness on a third
+/// node too (a member that votes and holds no data): the majority of two is both, so without
+/// it either copy's node being away (a reboot, a daemon upgrade) would stop the writes.
+/// ResourceExhausted when too few nodes answer.
 pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize) -> Result<Vec<String>, Status> {
     let mut c = admin(dir, node).await?;
-    let mut have = match view(&mut c, volume).await? {
-        Some(v) => nodes_of(dir, &v),
-        None => vec![node.to_owned()],
-    };
-    if have.len() >= n {
+    let current = view(&mut c, volume).await?;
+    let mut have = current.as_ref().map_or_else(|| vec![node.to_owned()], |v| nodes_of(dir, v));
+    let witnesses: Vec<String> = current
+        .iter()
+        .flat_map(|v| v.members.iter().filter(|m| m.state == "witness"))
+        .filter_map(|m| node_of(dir, &m.endpoint))
+        .collect();
+    let witness = n == 2 && witnesses.is_empty();
+    if have.len() >= n && !witness {
         return Ok(have);
     }
     let mut candidates = Vec::new();
-    for other in dir.nodes().into_iter().filter(|o| !have.contains(o)) {
+    for other in dir.nodes().into_iter().filter(|o| !have.contains(o) && !witnesses.contains(o)) {
         let Ok(mut oc) = admin(dir, &other).await else { continue };
         let Ok(s) = oc.pool_status(pb::PoolStatusRequest {}).await else { continue };
         // A node that has a volume of this name already cannot take a copy.
@@ -136,48 +215,133 @@ pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize)
         candidates.push((s.into_inner().free, other));
     }
     candidates.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-    let wanted = n - have.len();
-    if candidates.len() < wanted {
+    let wanted = n.saturating_sub(have.len());
+    if candidates.len() < wanted + usize::from(witness) {
+        let why = if witness {
+            "; two copies need a witness on a third node, so that writes go on while either copy's node is away"
+        } else {
+            ""
+        };
         return Err(Status::resource_exhausted(format!(
-            "{n} copies of {volume:?} need {wanted} more nodes with a daemon that answers; {} found",
+            "{n} copies of {volume:?} need {} more nodes with a daemon that answers; {} found{why}",
+            wanted + usize::from(witness),
             candidates.len()
         )));
     }
-    for (_, other) in candidates.into_iter().take(wanted) {
-        let peer = dir.admin_endpoint(&other).ok_or_else(|| Status::not_found(format!("unknown node {other:?}")))?;
-        let r = pb::AddSyncReplicaRequest { volume: volume.to_owned(), peer, witness: false };
-        c.add_sync_replica(r)
-            .await
-            .map_err(|s| Status::new(s.code(), format!("adding a copy of {volume:?} on {other}: {}", s.message())))?;
-        tracing::info!(volume, node = %other, "copy added");
-        have.push(other);
+    let add = |other: String, witness: bool| {
+        let peer = dir.admin_endpoint(&other).ok_or_else(|| Status::not_found(format!("unknown node {other:?}")));
+        let mut c = c.clone();
+        async move {
+            let r = pb::AddSyncReplicaRequest { volume: volume.to_owned(), peer: peer?, witness };
+            let what = if witness { "a witness" } else { "a copy" };
+            c.add_sync_replica(r)
+                .await
+                .map_err(|s| Status::new(s.code(), format!("adding {what} of {volume:?} on {other}: {}", s.message())))?;
+            tracing::info!(volume, node = %other, witness, "member added");
+            Ok::<_, Status>(other)
+        }
+    };
+    let mut candidates = candidates.into_iter().map(|(_, n)| n);
+    for other in candidates.by_ref().take(wanted) {
+        have.push(add(other, false).await?);
+    }
+    // The witness holds no data: the node with the least free space of those left.
+    if let Some(other) = candidates.last().filter(|_| witness) {
+        add(other, true).await?;
     }
     Ok(have)
 }
 
-/// Removes every copy of `volume` but the primary's (on `node`), and deletes them where their
-/// node answers; a node that does not keeps a read-only copy, which its daemon lists.
-pub async fn remove_all(dir: &dyn NodeDirectory, node: &str, view: &pb::SyncVolume) -> Result<(), Status> {
+/// Deletes volume `name` (its id names `hint`) and every copy of it. Nothing is changed
+/// unless every copy can go: a copy whose node the directory knows but that does not answer
+/// makes it Unavailable (the caller retries: Kubernetes keeps the PV until a retry succeeds), so
+/// no copy is left behind to come back later. A copy whose node the directory no longer knows
+/// (its Node deleted) went with its node: it leaves the membership without being asked. When
+/// no copy answers as primary (its node gone, not failed over yet), the newest in-sync copy is
+/// promoted first, which takes a majority as any promotion does.
+pub async fn delete(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<(), Status> {
+    let mut found = locate(dir, hint, name).await?;
+    if found.primary.is_none() && !found.copies.is_empty() {
+        promote_newest(dir, name, &mut found.copies).await?;
+        found = locate(dir, hint, name).await?;
+    }
+    let Some((node, mut c, _, view)) = found.primary else {
+        return match found.silent.is_empty() {
+            true => Ok(()),
+            false => Err(Status::unavailable(format!(
+                "volume {name:?}: no copy found, and {} did not answer; deletion is retried",
+                found.silent.join(", ")
+            ))),
+        };
+    };
+    if let Some(view) = view {
+        remove_copies(dir, &node, &view).await?;
+    }
+    match c.delete_volume(pb::DeleteVolumeRequest { name: name.to_owned() }).await {
+        Ok(_) => Ok(()),
+        Err(s) if s.code() == Code::NotFound => Ok(()),
+        Err(s) => Err(s),
+    }
+}
+
+/// Promotes the first of `copies` (newest generation first, in-sync ones first) the daemons
+/// accept.
+async fn promote_newest(dir: &dyn NodeDirectory, name: &str, copies: &mut [(String, pb::SyncVolume)]) -> Result<(), Status> {
+    let in_sync = |node: &str, v: &pb::SyncVolume| {
+        let me = dir.admin_endpoint(node);
+        v.members.iter().any(|m| Some(&m.endpoint) == me.as_ref() && m.state == "in-sync")
+    };
+    copies.sort_by_key(|(n, v)| std::cmp::Reverse((v.generation, in_sync(n, v))));
+    let mut refused = Vec::new();
+    for (node, _) in copies.iter() {
+        let req = pb::PromoteReplicationRequest { volume: name.to_owned(), force: false };
+        match admin(dir, node).await?.promote_sync_replica(req).await {
+            Ok(_) => {
+                tracing::warn!(volume = name, node, "no copy answered as primary: promoted this one to delete the volume");
+                return Ok(());
+            }
+            Err(s) => refused.push(format!("{node}: {}", s.message())),
+        }
+    }
+    Err(Status::unavailable(format!(
+        "volume {name:?}: no copy answers as its primary and none could be promoted ({})",
+        refused.join("; ")
+    )))
+}
+
+/// Removes every copy of `view`'s volume but the primary's (on `node`) and deletes them on
+/// their nodes; Unavailable before any change when a copy's node is known but does not answer.
+async fn remove_copies(dir: &dyn NodeDirectory, node: &str, view: &pb::SyncVolume) -> Result<(), Status> {
+    let volume = &view.volume;
+    let others: Vec<&pb::SyncMember> = view.members.iter().filter(|m| m.endpoint != view.primary).collect();
+    let at: Vec<(&pb::SyncMember, Option<String>)> = others.iter().map(|m| (*m, node_of(dir, &m.endpoint))).collect();
+    let known: Vec<String> = at.iter().filter_map(|(_, n)| n.clone()).collect();
+    let asked = scan(dir, known, |_, mut c| async move { c.pool_status(pb::PoolStatusRequest {}).await }).await?;
+    if !asked.silent.is_empty() {
+        return Err(Status::unavailable(format!(
+            "volume {volume:?} has copies on {}, which did not answer: nothing was deleted; deletion is retried",
+            asked.silent_names()
+        )));
+    }
     let mut c = admin(dir, node).await?;
-    for m in view.members.iter().filter(|m| m.endpoint != view.primary) {
-        let r = pb::RemoveSyncReplicaRequest { volume: view.volume.clone(), peer: m.endpoint.clone() };
+    // The copies of nodes that are gone first: the majority that records each removal is then
+    // made of members that answer.
+    let (gone, here): (Vec<_>, Vec<_>) = at.into_iter().partition(|(_, n)| n.is_none());
+    for (m, other) in gone.into_iter().chain(here) {
+        let r = pb::RemoveSyncReplicaRequest { volume: volume.clone(), peer: m.endpoint.clone() };
         match c.remove_sync_replica(r).await {
             Ok(_) => {}
             Err(s) if s.code() == Code::NotFound => {}
             Err(s) => return Err(s),
         }
-        let Some(other) = node_of(dir, &m.endpoint) else { continue };
-        let deleted = match admin(dir, &other).await {
-            Ok(mut oc) => match oc.delete_volume(pb::DeleteVolumeRequest { name: view.volume.clone() }).await {
-                Ok(_) => Ok(()),
-                Err(s) if s.code() == Code::NotFound => Ok(()),
-                Err(s) => Err(s),
-            },
-            Err(s) => Err(s),
+        let Some(other) = other else {
+            tracing::warn!(volume, member = %m.endpoint, "a copy whose node is gone left the membership with it");
+            continue;
         };
-        if let Err(s) = deleted {
-            tracing::warn!(volume = %view.volume, node = %other, error = %s.message(),
-                "a removed copy could not be deleted; it stays read-only there");
+        match admin(dir, &other).await?.delete_volume(pb::DeleteVolumeRequest { name: volume.clone() }).await {
+            Ok(_) => {}
+            Err(s) if s.code() == Code::NotFound => {}
+            Err(s) => return Err(Status::new(s.code(), format!("deleting the copy on {other}: {}", s.message()))),
         }
     }
     Ok(())

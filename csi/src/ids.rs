@@ -1,15 +1,24 @@
-//! CSI ids and names. A volume or snapshot id is `<node>/<engine name>`: it says where the data
-//! lives, so the controller needs no state of its own.
+//! CSI ids and names. A local volume's or a snapshot's id is `<node>/<engine name>`: it says
+//! where the data lives, so the controller needs no state of its own. A replicated volume's id
+//! is `_/<engine name>` ([`ANY`]): its copies move between nodes (failover, replacement) and it
+//! outlives any one of them, so its id names none; the copies are asked where it is served
+//! (`copies::locate`). Ids of replicated volumes made before (`<creation node>/<name>`) resolve
+//! the same way once that node no longer holds the primary.
 
 use sha2::{Digest, Sha256};
 
 use crate::nodes::valid_node;
 
-/// `(node, name)` of an id; None for an id this driver never made (callers treat that as "does
-/// not exist", which the spec asks of Delete and answers NotFound elsewhere).
+/// The node part of a replicated volume's id: no node ([`valid_node`] refuses it), so the
+/// directory knows none by that name and the copies are asked.
+pub const ANY: &str = "_";
+
+/// `(node, name)` of an id (the node may be [`ANY`]); None for an id this driver never made
+/// (callers treat that as "does not exist", which the spec asks of Delete and answers NotFound
+/// elsewhere).
 pub fn parse(id: &str) -> Option<(&str, &str)> {
     let (node, name) = id.split_once('/')?;
-    (valid_node(node) && valid_name(name)).then_some((node, name))
+    ((node == ANY || valid_node(node)) && valid_name(name)).then_some((node, name))
 }
 
 pub fn make(node: &str, name: &str) -> String {
@@ -48,7 +57,9 @@ mod tests {
     #[test]
     fn ids_round_trip_and_strangers_are_refused() {
         assert_eq!(parse(&make("node-a", "pvc-1")), Some(("node-a", "pvc-1")));
-        for bad in ["", "pvc-1", "/pvc", "node-a/", "Node/x", "node-a/x/y", "node-a/.x"] {
+        assert_eq!(parse(&make(ANY, "pvc-1")), Some((ANY, "pvc-1")));
+        assert!(!valid_node(ANY), "no node can be named like the replicated volumes' ids");
+        for bad in ["", "pvc-1", "/pvc", "node-a/", "Node/x", "node-a/x/y", "node-a/.x", "__/x", "_/"] {
             assert_eq!(parse(bad), None, "{bad}");
         }
     }

@@ -143,9 +143,6 @@ impl Controller {
         let _busy = self.busy.begin(&r.volume_id)?;
         // A volume or node that is gone is unpublished from it.
         let Some((node, name)) = ids::parse(&r.volume_id) else { return Ok(()) };
-        if self.nodes.admin_endpoint(node).is_none() {
-            return Ok(());
-        }
         let (primary, mut c, _, view) = match copies::primary(&*self.nodes, node, name).await {
             Ok(found) => found,
             Err(s) if s.code() == Code::NotFound => return Ok(()),

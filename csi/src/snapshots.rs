@@ -24,6 +24,14 @@ pub(crate) fn snapshot_msg(node: &str, s: &pb::Snapshot) -> csi::Snapshot {
     }
 }
 
+/// A point the copies of a replicated volume hold alike (`<volume>.sync.<unix ms>`, the
+/// daemons' own): not a CSI snapshot.
+fn is_mark(s: &pb::Snapshot) -> bool {
+    s.name.strip_prefix(&s.volume).and_then(|r| r.strip_prefix(".sync.")).is_some_and(|ms| {
+        !ms.is_empty() && ms.bytes().all(|b| b.is_ascii_digit())
+    })
+}
+
 impl Controller {
     pub(crate) async fn create_snapshot_impl(&self, r: csi::CreateSnapshotRequest) -> Result<csi::Snapshot, Status> {
         require("name", &r.name)?;
@@ -36,7 +44,9 @@ impl Controller {
         let (node, volume) = (node.as_str(), v.name.as_str());
         for known in ids::engine_names(&r.name) {
             match c.get_snapshot(pb::GetSnapshotRequest { name: known }).await {
-                Ok(s) if s.get_ref().volume == volume => return Ok(snapshot_msg(node, s.get_ref())),
+                Ok(s) if s.get_ref().volume == volume => {
+                    return Ok(csi::Snapshot { source_volume_id: r.source_volume_id, ..snapshot_msg(node, s.get_ref()) });
+                }
                 Ok(_) => {
                     return Err(Status::already_exists(format!("snapshot {:?} exists for another volume", r.name)));
                 }
@@ -46,7 +56,7 @@ impl Controller {
         }
         let s = c.create_snapshot(pb::CreateSnapshotRequest { volume: volume.to_owned(), name }).await?.into_inner();
         tracing::info!(name = %r.name, snapshot_id = %ids::make(node, &s.name), "CSI snapshot created");
-        Ok(snapshot_msg(node, &s))
+        Ok(csi::Snapshot { source_volume_id: r.source_volume_id, ..snapshot_msg(node, &s) })
     }
 
     pub(crate) async fn delete_snapshot_impl(&self, id: &str) -> Result<(), Status> {
@@ -75,7 +85,8 @@ impl Controller {
         if (!r.snapshot_id.is_empty() && snap.is_none()) || (!r.source_volume_id.is_empty() && source.is_none()) {
             nodes.clear();
         }
-        if let Some((n, _)) = snap.as_ref().or(source.as_ref()) {
+        // A replicated volume's id names no node: its snapshots are looked for everywhere.
+        if let Some((n, _)) = snap.as_ref().or(source.as_ref()).filter(|(n, _)| n != ids::ANY) {
             nodes.retain(|x| x == n);
         }
         // Nodes that do not answer are skipped (and logged), as for ListVolumes.
@@ -87,9 +98,17 @@ impl Controller {
                 Err(s) if s.code() == Code::NotFound => Vec::new(),
                 Err(s) => return Err(s),
             };
-            list.retain(|s| snap.as_ref().is_none_or(|(_, name)| &s.name == name));
+            list.retain(|s| snap.as_ref().is_none_or(|(_, name)| &s.name == name) && !is_mark(s));
             list.sort_by(|a, b| a.name.cmp(&b.name));
-            Ok(list.iter().map(|s| snapshot_msg(&node, s)).collect::<Vec<_>>())
+            let sync = c.list_sync_replicas(pb::ListReplicationsRequest::default()).await?.into_inner().volumes;
+            let msg = |s: &pb::Snapshot| {
+                let mut m = snapshot_msg(&node, s);
+                if sync.iter().any(|v| v.volume == s.volume) {
+                    m.source_volume_id = ids::make(ids::ANY, &s.volume);
+                }
+                m
+            };
+            Ok(list.iter().map(msg).collect::<Vec<_>>())
         })
         .await?;
         let all: Vec<_> = listed.answers.into_iter().flat_map(|(_, s)| s).collect();

@@ -64,7 +64,7 @@ async fn replicated_volumes_through_the_controller() {
 
     println!("== three copies, the primary on the node the topology prefers");
     let v = ctl.create_volume(replicated("r1", 16 * MIB, "node-b", "3")).await.unwrap().into_inner().volume.unwrap();
-    assert_eq!(v.volume_id, "node-b/r1");
+    assert_eq!(v.volume_id, "_/r1", "a replicated volume's id names no node");
     let copies = &v.volume_context["copies"];
     assert_eq!(copies.split(',').count(), 3, "{copies}");
     assert!(copies.starts_with("node-b,"), "{copies}");
@@ -85,7 +85,7 @@ async fn replicated_volumes_through_the_controller() {
     // Listed once, where its primary is.
     let listed = ctl.list_volumes(csi::ListVolumesRequest::default()).await.unwrap().into_inner().entries;
     let ids: Vec<String> = listed.iter().map(|e| e.volume.as_ref().unwrap().volume_id.clone()).collect();
-    assert_eq!(ids, ["node-b/r1"]);
+    assert_eq!(ids, ["_/r1"]);
 
     println!("== writes reach every copy; expansion and limits apply to all of them");
     b.ok(&["export", "nbd", "r1"]);
@@ -145,9 +145,12 @@ async fn replicated_volumes_through_the_controller() {
         })),
     });
     let clone = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
-    assert_eq!(clone.volume_id, "node-b/r2");
+    assert_eq!(clone.volume_id, "_/r2");
     assert_eq!(clone.volume_context["copies"].split(',').count(), 2);
-    in_sync(&b, "r2", 2);
+    // Two copies and a witness on the third node: either copy's node may be away.
+    in_sync(&b, "r2", 3);
+    let witness = sync(&b, "r2")["members"].as_array().unwrap().iter().filter(|m| m["state"] == "witness").count();
+    assert_eq!(witness, 1, "{}", sync(&b, "r2"));
     let other = clone.volume_context["copies"].split(',').nth(1).unwrap().to_owned();
     let holder = d[usize::from(other.as_bytes()[5] - b'a')];
     assert!(read_image(holder, "r2", 1 << 20) == data, "the clone's copy on {other} holds the snapshot's data");
@@ -207,7 +210,12 @@ async fn an_encrypted_replicated_volume_is_served_where_it_is_published() {
     let dir = tempfile::tempdir().unwrap();
     let (a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
     let (b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
-    let nodes = [("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}"))];
+    let (c, c_admin, _) = tcp_node(&dir.path().join("c"), "127.0.0.4");
+    let nodes = [
+        ("node-a", format!("tcp://{a_admin}")),
+        ("node-b", format!("tcp://{b_admin}")),
+        ("node-c", format!("tcp://{c_admin}")),
+    ];
     let _csi = start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
     let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
     let secrets: std::collections::HashMap<String, String> =
@@ -217,19 +225,22 @@ async fn an_encrypted_replicated_volume_is_served_where_it_is_published() {
     r.parameters.insert("encrypted".into(), "true".into());
     r.secrets = secrets.clone();
     let v = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
-    in_sync(&a, "e1", 2);
+    // The copy on node-b or node-c, the witness on the other.
+    let other = v.volume_context["copies"].strip_prefix("node-a,").unwrap().to_owned();
+    let holder = if other == "node-b" { &b } else { &c };
+    in_sync(&a, "e1", 3);
     a.ok(&["export", "nbd", "e1"]);
     let data = pattern(11, 1 << 20);
     assert_eq!(write_on(&mut connect(&a.nbd(), "e1"), 4096, &data), 0);
     a.ok(&["export", "stop", "e1"]);
     // The copy holds ciphertext and no key.
-    assert_eq!(b.json(&["volume", "show", "e1"])["encryption"]["unlocked"], false);
+    assert_eq!(holder.json(&["volume", "show", "e1"])["encryption"]["unlocked"], false);
 
-    // Published to node-b: its copy becomes the primary (locality) and opens with the key the
+    // Published to the copy's node: its copy becomes the primary (locality) and opens with the key the
     // publish carries; without the key the publish is refused.
     let publish = |secrets| csi::ControllerPublishVolumeRequest {
         volume_id: v.volume_id.clone(),
-        node_id: "node-b".into(),
+        node_id: other.clone(),
         volume_capability: Some(common::csi::mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)),
         secrets,
         ..Default::default()
@@ -237,7 +248,125 @@ async fn an_encrypted_replicated_volume_is_served_where_it_is_published() {
     let refused = ctl.controller_publish_volume(publish(Default::default())).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused}");
     let ctx = ctl.controller_publish_volume(publish(secrets)).await.unwrap().into_inner().publish_context;
-    assert_eq!(ctx["primary"], "node-b");
-    assert_eq!(b.json(&["volume", "show", "e1"])["encryption"]["unlocked"], true);
-    assert!(read_image(&b, "e1", 16 << 20)[4096..4096 + data.len()] == data[..]);
+    assert_eq!(ctx["primary"], other);
+    assert_eq!(holder.json(&["volume", "show", "e1"])["encryption"]["unlocked"], true);
+    assert!(read_image(holder, "e1", 16 << 20)[4096..4096 + data.len()] == data[..]);
+}
+
+/// The node a replicated volume was made on leaves the directory (its Node deleted): the
+/// volume's old `<node>/<name>` id and its node-free id still reach the surviving copies once
+/// one of them is promoted; deletion removes every copy that is left. A copy whose node does
+/// not answer keeps a deletion from changing anything until it answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replicated_volume_outlives_the_node_it_was_made_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
+    let (mut b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
+    let (mut c, c_admin, _) = tcp_node(&dir.path().join("c"), "127.0.0.4");
+    let (ea, eb, ec) = (format!("tcp://{a_admin}"), format!("tcp://{b_admin}"), format!("tcp://{c_admin}"));
+    let all = [("node-a", ea.clone()), ("node-b", eb), ("node-c", ec.clone())];
+    let csi_dir = dir.path();
+    let mut csi_proc = Some(start_csi_with(csi_dir, &all, &["--mode", "controller"]));
+    let sock = csi_dir.join("csi.sock");
+    let mut ctl = csi::controller_client::ControllerClient::new(channel(&sock).await);
+
+    let v = ctl.create_volume(replicated("r1", 16 * MIB, "node-b", "3")).await.unwrap().into_inner().volume.unwrap();
+    assert_eq!(v.volume_id, "_/r1");
+    in_sync(&b, "r1", 3);
+    b.ok(&["export", "nbd", "r1"]);
+    let data = pattern(5, 1 << 20);
+    assert_eq!(write_on(&mut connect(&b.nbd(), "r1"), 0, &data), 0);
+    b.ok(&["export", "stop", "r1"]);
+    in_sync(&b, "r1", 3);
+
+    println!("== node-b's Node is deleted: its daemon gone, the directory without it");
+    b.crash();
+    drop(csi_proc.take());
+    let rest = [("node-a", ea.clone()), ("node-c", ec.clone())];
+    csi_proc = Some(start_csi_with(csi_dir, &rest, &["--mode", "controller"]));
+    let mut ctl = csi::controller_client::ControllerClient::new(channel(&sock).await);
+    let old_id = "node-b/r1".to_owned();
+    let get = |id: &str| csi::ControllerGetVolumeRequest { volume_id: id.to_owned() };
+    // No copy serves as primary yet: not "does not exist", but unavailable, naming the copies.
+    let e = ctl.controller_get_volume(get(&old_id)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    assert!(e.message().contains("node-a") && e.message().contains("node-c"), "{e}");
+    // Failover's part (the Kubernetes tier runs the real one): a's copy is promoted with c's vote.
+    a.ok(&["replica", "promote", "r1"]);
+    for id in [&old_id, &v.volume_id] {
+        let got = ctl.controller_get_volume(get(id)).await.unwrap().into_inner().volume.unwrap();
+        assert_eq!((got.volume_id.as_str(), got.capacity_bytes), (id.as_str(), 16 * MIB));
+    }
+    let range = csi::CapacityRange { required_bytes: 24 * MIB, limit_bytes: 0 };
+    ctl.controller_expand_volume(csi::ControllerExpandVolumeRequest {
+        volume_id: old_id.clone(),
+        capacity_range: Some(range),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(a.json(&["volume", "show", "r1"])["size"], 24 * MIB);
+    ctl.controller_modify_volume(csi::ControllerModifyVolumeRequest {
+        volume_id: old_id.clone(),
+        mutable_parameters: [("iops".to_owned(), "500".to_owned())].into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(a.json(&["volume", "show", "r1"])["limits"]["iops"], 500);
+    let snap = ctl
+        .create_snapshot(csi::CreateSnapshotRequest {
+            source_volume_id: old_id.clone(),
+            name: "s1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert_eq!((snap.snapshot_id.as_str(), snap.source_volume_id.as_str()), ("node-a/s1", old_id.as_str()));
+    let publish = |readonly| csi::ControllerPublishVolumeRequest {
+        volume_id: old_id.clone(),
+        node_id: "node-a".into(),
+        volume_capability: Some(common::csi::mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)),
+        readonly,
+        ..Default::default()
+    };
+    let ctx = ctl.controller_publish_volume(publish(false)).await.unwrap().into_inner().publish_context;
+    assert_eq!(ctx["primary"], "node-a");
+    assert!(read_image(&a, "r1", 1 << 20) == data, "the promoted copy holds what node-b's primary acknowledged");
+    let unpublish = csi::ControllerUnpublishVolumeRequest {
+        volume_id: old_id.clone(),
+        node_id: "node-a".into(),
+        ..Default::default()
+    };
+    ctl.controller_unpublish_volume(unpublish.clone()).await.unwrap();
+    // Unpublished on the new primary: a publication of another kind is taken now.
+    ctl.controller_publish_volume(publish(true)).await.unwrap();
+    ctl.controller_unpublish_volume(unpublish).await.unwrap();
+
+    println!("== a copy whose node does not answer: deletion changes nothing, and is retried");
+    ctl.delete_snapshot(csi::DeleteSnapshotRequest { snapshot_id: snap.snapshot_id, ..Default::default() })
+        .await
+        .unwrap();
+    let pid = c.child.as_ref().unwrap().id().to_string();
+    assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let e = ctl
+        .delete_volume(csi::DeleteVolumeRequest { volume_id: old_id.clone(), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    assert!(e.message().contains("node-c"), "{e}");
+    assert!(names(&a).contains(&"r1".to_owned()), "nothing deleted while a copy is silent");
+    assert!(std::process::Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
+
+    println!("== deletion removes the copies left, and node-b's leaves the membership with its node");
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: old_id.clone(), ..Default::default() }).await.unwrap();
+    for n in [&a, &c] {
+        assert!(names(n).is_empty(), "{:?} left: {:?}", n.dir, names(n));
+    }
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: v.volume_id, ..Default::default() }).await.unwrap();
+    c.stop();
+    drop(csi_proc);
 }
