@@ -88,28 +88,33 @@ fn last_seen(name: &str) -> Option<String> {
     LAST_SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(name).cloned()
 }
 
-/// Finds volume `name`: first where it was last served, then at `hint` (the node its id names,
-/// or [`crate::ids::ANY`]), following a copy that names another primary; when none of those
-/// answers as its primary, every other node is asked at once, each within [`SCAN`], and the
-/// copy of the newest generation that calls itself primary wins. A node the directory no
-/// longer knows (its Node deleted) or that lost the volume is no answer: the others are asked.
+/// Finds volume `name`: at `hint` (the node its id names, or [`crate::ids::ANY`]), else where it
+/// was last served as a replicated volume's primary, following a copy that names another
+/// primary; when none of those answers as its primary, every other node is asked at once, each
+/// within [`SCAN`], and the copy of the newest generation that calls itself primary wins. A
+/// node the directory no longer knows (its Node deleted) or that lost the volume is no answer:
+/// the others are asked. Only the node an id names may answer with a local volume: elsewhere a
+/// volume of that name (an asynchronous replica's secondary, say) is another volume.
 pub async fn locate(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<Found, Status> {
     let known = dir.nodes();
     let mut tried: Vec<String> = Vec::new();
-    let mut queue: Vec<String> = last_seen(name).into_iter().chain([hint.to_owned()]).collect();
-    queue.retain(|n| known.contains(n));
-    queue.dedup();
-    queue.reverse();
+    // (node, whether a local volume there is the one), asked last first.
+    let mut queue: Vec<(String, bool)> = last_seen(name).into_iter().map(|n| (n, false)).collect();
+    queue.push((hint.to_owned(), true));
+    queue.retain(|(n, _)| known.contains(n));
     let mut silent = Vec::new();
-    while let Some(node) = queue.pop() {
+    while let Some((node, local)) = queue.pop() {
         if tried.contains(&node) {
             continue;
         }
         tried.push(node.clone());
         match held(dir, &node, name).await {
-            Ok((_, _, Some(s))) if s.role != "primary" => queue.extend(node_of(dir, &s.primary)),
+            Ok((_, _, Some(s))) if s.role != "primary" => queue.extend(node_of(dir, &s.primary).map(|n| (n, false))),
+            Ok((_, _, None)) if !local => {}
             Ok((c, v, s)) => {
-                remember(name, &node);
+                if s.is_some() {
+                    remember(name, &node);
+                }
                 return Ok(Found { primary: Some((node, c, v, s)), copies: Vec::new(), silent });
             }
             Err(s) if s.code() == Code::NotFound => {}
@@ -124,20 +129,16 @@ pub async fn locate(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<F
             Err(s) if s.code() == Code::NotFound => return Ok(None),
             Err(s) => return Err(s),
         };
-        Ok(Some((c.clone(), v, view(&mut c, name).await?)))
+        Ok(view(&mut c, name).await?.map(|s| (c, v, s)))
     })
     .await?;
     silent.extend(found.silent.into_iter().map(|(n, _)| n));
     let mut out = Found { primary: None, copies: Vec::new(), silent };
     for (node, (c, v, s)) in found.answers.into_iter().filter_map(|(n, a)| Some((n, a?))) {
-        match s {
-            Some(s) if s.role != "primary" => out.copies.push((node, s)),
-            s => {
-                let newer = |p: &Option<pb::SyncVolume>| s.as_ref().map(|s| s.generation) > p.as_ref().map(|p| p.generation);
-                if out.primary.as_ref().is_none_or(|(_, _, _, p)| newer(p)) {
-                    out.primary = Some((node, c, v, s));
-                }
-            }
+        if s.role != "primary" {
+            out.copies.push((node, s));
+        } else if out.primary.as_ref().is_none_or(|p| p.3.as_ref().is_none_or(|p| s.generation > p.generation)) {
+            out.primary = Some((node, c, v, Some(s)));
         }
     }
     if let Some((node, ..)) = &out.primary {
