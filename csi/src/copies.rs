@@ -235,9 +235,9 @@ pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize)
         async move {
             let r = pb::AddSyncReplicaRequest { volume: volume.to_owned(), peer: peer?, witness };
             let what = if witness { "a witness" } else { "a copy" };
-            c.add_sync_replica(r)
-                .await
-                .map_err(|s| Status::new(s.code(), format!("adding {what} of {volume:?} on {other}: {}", s.message())))?;
+            c.add_sync_replica(r).await.map_err(|s| {
+                Status::new(s.code(), format!("adding {what} of {volume:?} on {other}: {}", s.message()))
+            })?;
             tracing::info!(volume, node = %other, witness, "member added");
             Ok::<_, Status>(other)
         }
@@ -247,7 +247,7 @@ pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize)
         have.push(add(other, false).await?);
     }
     // The witness holds no data: the node with the least free space of those left.
-    if let Some(other) = candidates.last().filter(|_| witness) {
+    if let Some(other) = candidates.next_back().filter(|_| witness) {
         add(other, true).await?;
     }
     Ok(have)
@@ -287,7 +287,11 @@ pub async fn delete(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<(
 
 /// Promotes the first of `copies` (newest generation first, in-sync ones first) the daemons
 /// accept.
-async fn promote_newest(dir: &dyn NodeDirectory, name: &str, copies: &mut [(String, pb::SyncVolume)]) -> Result<(), Status> {
+async fn promote_newest(
+    dir: &dyn NodeDirectory,
+    name: &str,
+    copies: &mut [(String, pb::SyncVolume)],
+) -> Result<(), Status> {
     let in_sync = |node: &str, v: &pb::SyncVolume| {
         let me = dir.admin_endpoint(node);
         v.members.iter().any(|m| Some(&m.endpoint) == me.as_ref() && m.state == "in-sync")
@@ -298,7 +302,11 @@ async fn promote_newest(dir: &dyn NodeDirectory, name: &str, copies: &mut [(Stri
         let req = pb::PromoteReplicationRequest { volume: name.to_owned(), force: false };
         match admin(dir, node).await?.promote_sync_replica(req).await {
             Ok(_) => {
-                tracing::warn!(volume = name, node, "no copy answered as primary: promoted this one to delete the volume");
+                tracing::warn!(
+                    volume = name,
+                    node,
+                    "no copy answered as primary: promoted this one to delete the volume"
+                );
                 return Ok(());
             }
             Err(s) => refused.push(format!("{node}: {}", s.message())),

@@ -27,9 +27,10 @@ pub(crate) fn snapshot_msg(node: &str, s: &pb::Snapshot) -> csi::Snapshot {
 /// A point the copies of a replicated volume hold alike (`<volume>.sync.<unix ms>`, the
 /// daemons' own): not a CSI snapshot.
 fn is_mark(s: &pb::Snapshot) -> bool {
-    s.name.strip_prefix(&s.volume).and_then(|r| r.strip_prefix(".sync.")).is_some_and(|ms| {
-        !ms.is_empty() && ms.bytes().all(|b| b.is_ascii_digit())
-    })
+    s.name
+        .strip_prefix(&s.volume)
+        .and_then(|r| r.strip_prefix(".sync."))
+        .is_some_and(|ms| !ms.is_empty() && ms.bytes().all(|b| b.is_ascii_digit()))
 }
 
 impl Controller {
@@ -45,7 +46,10 @@ impl Controller {
         for known in ids::engine_names(&r.name) {
             match c.get_snapshot(pb::GetSnapshotRequest { name: known }).await {
                 Ok(s) if s.get_ref().volume == volume => {
-                    return Ok(csi::Snapshot { source_volume_id: r.source_volume_id, ..snapshot_msg(node, s.get_ref()) });
+                    return Ok(csi::Snapshot {
+                        source_volume_id: r.source_volume_id,
+                        ..snapshot_msg(node, s.get_ref())
+                    });
                 }
                 Ok(_) => {
                     return Err(Status::already_exists(format!("snapshot {:?} exists for another volume", r.name)));

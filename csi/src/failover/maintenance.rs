@@ -71,7 +71,7 @@ impl super::Failover {
                         r.get_ref().generation
                     );
                     tracing::info!(volume = %v.volume, "{note}");
-                    self.event(&v.volume, n, EventType::Normal, "HandedOver", "Promote", note).await;
+                    self.event(&v.volume, Some(n), EventType::Normal, "HandedOver", "Promote", note).await;
                 }
                 Ok(Err(e)) => tracing::warn!(volume = %v.volume, to, "handing over: {}", e.message()),
                 Err(_) => tracing::warn!(volume = %v.volume, to, "handing over: no answer within {ANSWER:?}"),

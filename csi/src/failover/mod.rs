@@ -48,6 +48,7 @@ use tonic::Code;
 
 use crate::nodes::{NodeDirectory, admin, trouble};
 
+mod gone;
 mod guard;
 mod maintenance;
 mod workload;
@@ -91,6 +92,8 @@ struct Failover {
     out_of_service: bool,
     /// Only the holder of the failover Lease runs a pass.
     leader: crate::lease::Leadership,
+    /// Passes run so far (deleted nodes are looked for every [`gone::EVERY_PASSES`]).
+    passes: std::sync::atomic::AtomicU32,
 }
 
 /// The host of `tcp://host:port` (or `host:port`), without brackets.
@@ -98,6 +101,17 @@ fn host(endpoint: &str) -> &str {
     let hp = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
     let h = hp.rsplit_once(':').map_or(hp, |(h, _)| h);
     h.trim_start_matches('[').trim_end_matches(']')
+}
+
+/// A Node's addresses.
+fn addresses(n: &Node) -> impl Iterator<Item = String> + '_ {
+    n.status.iter().flat_map(|s| s.addresses.iter().flatten()).map(|a| a.address.clone())
+}
+
+/// The fence block of one address (None for a name).
+fn block(addr: &str) -> Option<String> {
+    let ip = addr.parse::<std::net::IpAddr>().ok()?;
+    Some(if ip.is_ipv4() { format!("{ip}/32") } else { format!("{ip}/128") })
 }
 
 /// Since when a Node's Ready condition is not True; None while it is True or was never reported.
@@ -169,6 +183,7 @@ pub async fn start(
         driver: driver.to_owned(),
         after,
         out_of_service,
+        passes: std::sync::atomic::AtomicU32::new(0),
     });
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
     let guard = Arc::clone(&this);
@@ -186,6 +201,12 @@ pub async fn start(
                 Ok(true) => {
                     if let Err(e) = this.pass().await {
                         tracing::warn!("failover pass: {e:#}");
+                    }
+                    let n = this.passes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if n.is_multiple_of(gone::EVERY_PASSES)
+                        && let Err(e) = this.gone().await
+                    {
+                        tracing::warn!("failover of deleted nodes: {e:#}");
                     }
                 }
                 Ok(false) => {}
@@ -309,16 +330,11 @@ impl Failover {
     /// it held.
     async fn fail_over(&self, n: &Node, why: &str) -> anyhow::Result<()> {
         let name = n.name_any();
-        let mut addrs: BTreeSet<String> =
-            n.status.iter().flat_map(|s| s.addresses.iter().flatten()).map(|a| a.address.clone()).collect();
+        let mut addrs: BTreeSet<String> = addresses(n).collect();
         if let Some(at) = self.dir.admin_endpoint(&name) {
             addrs.insert(host(&at).to_owned());
         }
-        let blocks: Vec<String> = addrs
-            .iter()
-            .filter_map(|a| a.parse::<std::net::IpAddr>().ok())
-            .map(|ip| if ip.is_ipv4() { format!("{ip}/32") } else { format!("{ip}/128") })
-            .collect();
+        let blocks: Vec<String> = addrs.iter().filter_map(|a| block(a)).collect();
         if blocks.is_empty() {
             anyhow::bail!("node {name} is lost but has no address to fence: its volumes are not failed over");
         }
@@ -349,12 +365,12 @@ impl Failover {
                          (generation {generation})"
                     );
                     tracing::warn!(volume, "{note}");
-                    self.event(&volume, n, EventType::Warning, "FailedOver", "Failover", note).await;
+                    self.event(&volume, Some(n), EventType::Warning, "FailedOver", "Failover", note).await;
                 }
                 Err(e) => {
                     let note = format!("node {name} was lost, and no copy could be promoted yet: {e}");
                     tracing::error!(volume, "{note}");
-                    self.event(&volume, n, EventType::Warning, "FailoverPending", "Failover", note).await;
+                    self.event(&volume, Some(n), EventType::Warning, "FailoverPending", "Failover", note).await;
                 }
             }
         }
@@ -427,7 +443,7 @@ impl Failover {
             let note = format!(
                 "node {name} came back, was rebuilt from what changed and is in sync again; its fence is lifted"
             );
-            self.event(&volume, n, EventType::Normal, "Rejoined", "Rebuild", note).await;
+            self.event(&volume, Some(n), EventType::Normal, "Rejoined", "Rebuild", note).await;
         }
         Ok(())
     }
@@ -435,7 +451,15 @@ impl Failover {
     /// An Event on the PersistentVolume of engine volume `volume`, and on its claim, related to
     /// the Node it is about (Events of one kind about another node, or another failover of the
     /// same one, are separate Events rather than a count on the first one's note).
-    async fn event(&self, volume: &str, node: &Node, kind: EventType, reason: &str, action: &str, note: String) {
+    async fn event(
+        &self,
+        volume: &str,
+        node: Option<&Node>,
+        kind: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
         let pvs = self.volume_store.state();
         let pv = pvs.iter().find(|pv| {
             pv.spec.as_ref().and_then(|s| s.csi.as_ref()).is_some_and(|c| {
@@ -445,7 +469,7 @@ impl Failover {
         let Some(pv) = pv else { return };
         let mut regarding: Vec<ObjectReference> = vec![pv.object_ref(&())];
         regarding.extend(pv.spec.as_ref().and_then(|s| s.claim_ref.clone()));
-        let secondary = Some(node.object_ref(&()));
+        let secondary = node.map(|n| n.object_ref(&()));
         let ev = Event { type_: kind, reason: reason.into(), note: Some(note), action: action.into(), secondary };
         for r in regarding {
             if let Err(e) = self.events.publish(&ev, &r).await {

@@ -469,3 +469,75 @@ pub fn cordoned(c: &mut Cluster, vol: &str, pv: &str, second: Option<&Pod>) {
     c.cp.ok(&["cordon", &to, "--dry-run=server"]);
     assert!(!cordoned(&to));
 }
+
+/// (h) The Node of the primary's node is deleted (its daemon gone with it; the primary is first
+/// moved to `node-c`, which holds no other volume the tier deletes later): the controller finds
+/// the copies whose primary no Node has, fences that address and promotes one; the PV's id,
+/// which names no node, still expands, snapshots, modifies and publishes. Returns the node.
+pub fn node_deleted(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
+    println!("== (h) the primary's Node is deleted");
+    let lost = "node-c";
+    let i = NODES.iter().position(|n| *n == lost).unwrap();
+    let ip = c.nodes[i].ip.clone();
+    let primary = primary_of(c, vol).1;
+    let (d, p) = (&c.daemons[i], &c.daemons[NODES.iter().position(|n| *n == primary).unwrap()]);
+    c.cp.wait(&format!("{lost}'s copy in sync"), LONG, |_| {
+        let s = p.json(&["replica", "status", vol]);
+        let m = s["members"].as_array().unwrap().iter().find(|m| m["endpoint"].as_str().unwrap().contains(ip.as_str()));
+        primary == lost
+            || (d.json(&["replica", "status", vol])["role"] == "replica" && m.is_some_and(|m| m["state"] == "in-sync"))
+    });
+    if primary != lost {
+        attach(c, pv, lost, "to-node-c");
+        c.cp.ok(&["delete", "volumeattachment", "to-node-c", "--wait=true", "--timeout=60s"]);
+    }
+    let (_, _, generation) = primary_of(c, vol);
+    let content: Vec<u8> = pattern(1 << 20).into_iter().map(|b| b ^ 0x33).collect();
+    acknowledged(&c.daemons[i], vol, &content);
+    let fault = Instant::now();
+    c.daemon_pods[i].kill(&mut c.cp);
+    c.cp.ok(&["delete", "node", lost, "--wait=true", "--timeout=60s"]);
+    let to = promoted(c, vol, lost, generation);
+    println!("   promoted on {to} {:?} after the Node's deletion", fault.elapsed());
+    assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
+    let said = events(&c.cp, pv, "FailedOver");
+    assert!(said.iter().any(|n| n.contains("is gone") && n.contains(&to)), "{said:?}");
+    let block = format!("{ip}/32");
+    for (n, d) in NODES.iter().zip(&c.daemons).filter(|(n, _)| **n != lost) {
+        assert!(d.ok(&["fence", "list"]).contains(&block), "{n} fences the deleted node's address");
+    }
+
+    println!("== (h) the volume whose first node is gone expands, snapshots, modifies and publishes");
+    let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
+    c.cp.ok(&[
+        "patch",
+        "pvc",
+        &claim,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"resources":{"requests":{"storage":"48Mi"}}}}"#,
+    ]);
+    c.wait_field("the PV to grow", &["pv", pv], |v| v["spec"]["capacity"]["storage"] == "48Mi");
+    c.cp.apply(
+        &json!({"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "after-h", "namespace": "default"},
+            "spec": {"volumeSnapshotClassName": "ferrite", "source": {"persistentVolumeClaimName": claim}}})
+        .to_string(),
+    );
+    c.wait_field("the snapshot to be ready", &["volumesnapshot", "after-h"], |v| v["status"]["readyToUse"] == true);
+    c.cp.ok(&[
+        "patch",
+        "pvc",
+        &claim,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"volumeAttributesClassName":"ferrite-gold"}}"#,
+    ]);
+    let p = &c.daemons[NODES.iter().position(|n| *n == to).unwrap()];
+    c.cp.wait("the new primary to hold the class's limits", LONG, |_| {
+        p.json(&["volume", "show", vol])["limits"]["iops"] == 5000
+    });
+    assert_eq!(p.json(&["volume", "show", vol])["size"], 48 << 20);
+    let other = NODES.iter().find(|n| **n != lost && **n != to).unwrap();
+    workload_back(c, vol, pv, other, fault, "after-h");
+    lost
+}

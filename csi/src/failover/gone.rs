@@ -1,0 +1,114 @@
+//! Nodes gone for good. A deleted Node (hardware replaced, re-provisioned under a new name,
+//! `kubectl delete node`) leaves the Node store and the directory, so no pass over the Nodes
+//! looks at it again. Its primaries are found from the other side: a copy whose membership
+//! names a primary at an address that no Node and no daemon in the directory has. Once that
+//! primary does not answer either, it is handled as a lost node's: its address is fenced on
+//! every daemon and a copy promoted, by the same rules. A Node that later shows up with an
+//! address we fenced and without our annotation (the machine re-registered) gets the
+//! annotation, so that the usual rejoin lifts the fence once its copies are rebuilt.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ferrite_proto::ferrite::v1 as pb;
+use k8s_openapi::api::core::v1::Node;
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
+
+use super::{ANSWER, FENCE_OWNER, FENCED, Failover, addresses, block, host};
+use crate::nodes::admin;
+
+/// Every how many passes the memberships are read for primaries on deleted nodes.
+pub(super) const EVERY_PASSES: u32 = 5;
+
+/// Copies of one volume that answer: (generation, node, in sync).
+type Copies = Vec<(u64, String, bool)>;
+
+impl Failover {
+    pub(super) async fn gone(&self) -> anyhow::Result<()> {
+        let nodes = self.node_store.state();
+        let mut known: BTreeSet<String> = nodes.iter().flat_map(|n| addresses(n).collect::<Vec<_>>()).collect();
+        let endpoints: Vec<String> = self.dir.nodes().iter().filter_map(|n| self.dir.admin_endpoint(n)).collect();
+        known.extend(endpoints.iter().map(|e| host(e).to_owned()));
+        // Primary endpoint → volume → its copies.
+        let mut orphans: BTreeMap<String, BTreeMap<String, Copies>> = BTreeMap::new();
+        for (node, views) in self.views("").await {
+            let me = self.dir.admin_endpoint(&node).map(|e| host(&e).to_owned()).unwrap_or_default();
+            for v in views.into_iter().filter(|v| v.role == "replica" && !known.contains(host(&v.primary))) {
+                let in_sync = v.members.iter().any(|m| host(&m.endpoint) == me && m.state == "in-sync");
+                let copies = orphans.entry(v.primary.clone()).or_default().entry(v.volume).or_default();
+                copies.push((v.generation, node.clone(), in_sync));
+            }
+        }
+        for (primary, volumes) in orphans {
+            if self.answers(&primary).await {
+                continue; // a daemon the directory does not list yet
+            }
+            let Some(fence) = block(host(&primary)) else { continue };
+            tracing::warn!(
+                primary,
+                fence,
+                "the primary of {} volumes is on no known node and silent: fencing it",
+                volumes.len()
+            );
+            let fenced = self.fence("", std::slice::from_ref(&fence), true).await;
+            if let Err(e) = &fenced {
+                tracing::warn!(primary, "the fence does not hold everywhere yet: {e}");
+            }
+            for (volume, mut copies) in volumes {
+                copies.sort_by(|a, b| b.cmp(a));
+                let (kind, reason, note) = match self.promote(&volume, &copies, fenced.is_ok()).await {
+                    Ok((to, generation)) => (
+                        EventType::Warning,
+                        "FailedOver",
+                        format!(
+                            "the primary's node ({primary}) is gone (no Node has its address): fenced it and promoted \
+                             the copy on {to} (generation {generation})"
+                        ),
+                    ),
+                    Err(e) => (
+                        EventType::Warning,
+                        "FailoverPending",
+                        format!("the primary's node ({primary}) is gone, and no copy could be promoted yet: {e}"),
+                    ),
+                };
+                tracing::warn!(volume, "{note}");
+                self.event(&volume, None, kind, reason, "Failover", note).await;
+            }
+        }
+        self.adopt(&nodes).await
+    }
+
+    /// Whether the daemon at `endpoint` answers, though the directory does not list it.
+    async fn answers(&self, endpoint: &str) -> bool {
+        let ask = async {
+            let ch =
+                ferrite_proto::connect_as(endpoint, self.dir.tls(), self.dir.server_name().as_deref()).await.ok()?;
+            pb::admin_client::AdminClient::new(ch).pool_status(pb::PoolStatusRequest {}).await.ok()
+        };
+        tokio::time::timeout(ANSWER, ask).await.ok().flatten().is_some()
+    }
+
+    /// Annotates the Nodes that have an address failover fenced but not our annotation. The
+    /// fences are read from the first daemon that answers (every one holds the same).
+    async fn adopt(&self, nodes: &[std::sync::Arc<Node>]) -> anyhow::Result<()> {
+        let mut fences = None;
+        for node in self.dir.nodes() {
+            let ask = async { admin(&*self.dir, &node).await?.list_fences(pb::ListFencesRequest {}).await };
+            if let Ok(Ok(r)) = tokio::time::timeout(ANSWER, ask).await {
+                fences = Some(r.into_inner().fences);
+                break;
+            }
+        }
+        let ours = format!("/{FENCE_OWNER}");
+        let by_us: BTreeSet<String> =
+            fences.into_iter().flatten().filter(|f| f.by.iter().any(|b| b.ends_with(&ours))).map(|f| f.cidr).collect();
+        for n in nodes.iter().filter(|n| !n.annotations().contains_key(FENCED)) {
+            let blocks: Vec<String> = addresses(n).filter_map(|a| block(&a)).filter(|b| by_us.contains(b)).collect();
+            if !blocks.is_empty() {
+                tracing::warn!(node = %n.name_any(), ?blocks, "a node came back at addresses failover fenced: adopting the fence");
+                self.annotate(&n.name_any(), Some(blocks.join(","))).await?;
+            }
+        }
+        Ok(())
+    }
+}
