@@ -47,6 +47,43 @@ fn size_for(range: Option<&csi::CapacityRange>, default: u64) -> Result<u64, Sta
     Ok(want)
 }
 
+/// What one node's pool can give a new volume: the free bytes it can write (bounded by the
+/// filesystem under a file pool), and the size it may still provision (None: no overcommit cap).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Room {
+    free: u64,
+    provisionable: Option<u64>,
+}
+
+impl Room {
+    fn of(s: &pb::PoolStatusResponse) -> Self {
+        Self { free: s.free.min(s.backing_free.unwrap_or(u64::MAX)), provisionable: s.provisionable }
+    }
+}
+
+/// GetCapacity's answer for a class of `copies` copies over `pools` (the nodes that answered),
+/// at node `at` if the topology names one: (available bytes, largest volume when a cap applies).
+/// One copy: that node's room, or the sum over the nodes. Several: every copy needs room on its
+/// own node, so the `copies`-th largest room counts (with `at` among them); two copies need a
+/// third node for their witness.
+fn capacity(pools: &[(String, Room)], at: Option<&str>, copies: usize) -> (u64, Option<u64>) {
+    let cap = |rooms: &[Room]| rooms.iter().filter_map(|r| r.provisionable).min();
+    if copies == 1 {
+        let rooms: Vec<Room> = pools.iter().filter(|(n, _)| at.is_none_or(|a| a == n)).map(|(_, r)| *r).collect();
+        return (rooms.iter().fold(0u64, |sum, r| sum.saturating_add(r.free)), cap(&rooms));
+    }
+    let mut rooms: Vec<Room> = pools.iter().filter(|(n, _)| at.is_none_or(|a| a != n)).map(|(_, r)| *r).collect();
+    rooms.sort_by_key(|r| std::cmp::Reverse(r.free));
+    let mut chosen: Vec<Room> =
+        at.and_then(|a| pools.iter().find(|(n, _)| n == a)).map(|(_, r)| *r).into_iter().collect();
+    let witness = usize::from(copies == 2);
+    if chosen.len() + rooms.len() < copies + witness || (at.is_some() && chosen.is_empty()) {
+        return (0, None);
+    }
+    chosen.extend(rooms.into_iter().take(copies - chosen.len()));
+    (chosen.iter().map(|r| r.free).min().unwrap_or(0), cap(&chosen))
+}
+
 impl Controller {
     /// The node for a new volume: the first preferred, else the first requisite topology naming a
     /// known node, else of the nodes that answered (`free`, each one's free space) the one with
@@ -289,19 +326,25 @@ impl csi::controller_server::Controller for Controller {
             return Ok(Response::new(csi::GetCapacityResponse::default()));
         }
         no_parameters(&r.parameters)?;
-        let nodes = match r.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_KEY)) {
-            Some(n) if self.nodes.admin_endpoint(n).is_some() => vec![n.clone()],
-            Some(_) => vec![],
-            None => self.nodes.nodes(),
+        let copies = copies::replicas(&r.parameters)?;
+        let at = r.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_KEY));
+        if at.is_some_and(|n| self.nodes.admin_endpoint(n).is_none()) {
+            return Ok(Response::new(csi::GetCapacityResponse::default()));
+        }
+        // A replicated class's copies go to other nodes too: every node is asked.
+        let nodes = match at {
+            Some(n) if copies == 1 => vec![n.clone()],
+            _ => self.nodes.nodes(),
         };
         let pools = scan(&*self.nodes, nodes, |_, mut c| async move {
-            Ok(c.pool_status(pb::PoolStatusRequest {}).await?.into_inner().free)
+            Ok(c.pool_status(pb::PoolStatusRequest {}).await?.into_inner())
         })
         .await?;
-        let free = pools.answers.iter().fold(0u64, |sum, (_, free)| sum.saturating_add(*free));
+        let pools: Vec<(String, Room)> = pools.answers.into_iter().map(|(n, s)| (n, Room::of(&s))).collect();
+        let (available, most) = capacity(&pools, at.map(String::as_str), copies);
         Ok(Response::new(csi::GetCapacityResponse {
-            available_capacity: i64::try_from(free).unwrap_or(i64::MAX),
-            maximum_volume_size: None,
+            available_capacity: i64::try_from(available).unwrap_or(i64::MAX),
+            maximum_volume_size: most.map(|m| i64::try_from(m).unwrap_or(i64::MAX)),
             minimum_volume_size: Some(i64::try_from(BLOCK).unwrap_or(0)),
         }))
     }
@@ -459,6 +502,26 @@ mod tests {
 
     fn range(req: i64, lim: i64) -> csi::CapacityRange {
         csi::CapacityRange { required_bytes: req, limit_bytes: lim }
+    }
+
+    #[test]
+    fn capacity_counts_what_each_copy_can_get() {
+        let room = |free, provisionable| Room { free, provisionable };
+        let pools: Vec<(String, Room)> = [("a", room(100, None)), ("b", room(40, Some(30))), ("c", room(70, None))]
+            .into_iter()
+            .map(|(n, r)| (n.to_owned(), r))
+            .collect();
+        assert_eq!(capacity(&pools, None, 1), (210, Some(30)));
+        assert_eq!(capacity(&pools, Some("a"), 1), (100, None));
+        assert_eq!(capacity(&pools, Some("b"), 1), (40, Some(30)));
+        // Three copies: the smallest room of three nodes; two: the second largest, a third node
+        // answering for the witness.
+        assert_eq!(capacity(&pools, None, 3), (40, Some(30)));
+        assert_eq!(capacity(&pools, None, 2), (70, None));
+        assert_eq!(capacity(&pools, Some("b"), 2), (40, Some(30)));
+        assert_eq!(capacity(&pools[..2], None, 2), (0, None), "no node for the witness");
+        assert_eq!(capacity(&pools, Some("z"), 2), (0, None));
+        assert_eq!(capacity(&pools[..2], None, 3), (0, None));
     }
 
     #[test]

@@ -851,6 +851,8 @@ impl Admin for AdminService {
             cleaner_segments_cleaned: s.cleaner_segments_cleaned,
             cleaner_bytes_moved: s.cleaner_bytes_moved,
             failed: s.failed,
+            backing_free: backing_free(&self.cfg.pool_path),
+            provisionable: s.provision_cap.map(|cap| cap.saturating_sub(s.provisioned)),
         }))
     }
 
@@ -1008,4 +1010,14 @@ fn stream_job<M: Send + 'static>(
         let _ = tx.blocking_send(last);
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Free bytes of the filesystem under a pool that is a regular file (None for a device, or
+/// when the filesystem cannot say).
+fn backing_free(pool: &std::path::Path) -> Option<u64> {
+    if !std::fs::metadata(pool).ok()?.is_file() {
+        return None;
+    }
+    let s = rustix::fs::statvfs(pool).ok()?;
+    Some(s.f_bavail.saturating_mul(s.f_frsize))
 }

@@ -87,6 +87,26 @@ async fn replicated_volumes_through_the_controller() {
     let ids: Vec<String> = listed.iter().map(|e| e.volume.as_ref().unwrap().volume_id.clone()).collect();
     assert_eq!(ids, ["_/r1"]);
 
+    println!("== capacity for a class of three copies: the room of its third-roomiest node");
+    let capacity = |copies: &str, node: Option<&str>| {
+        let mut ctl = ctl.clone();
+        let r = csi::GetCapacityRequest {
+            parameters: [("replicas".to_owned(), copies.to_owned())].into(),
+            accessible_topology: node.map(|n| csi::Topology {
+                segments: [("topology.ferrite.dev/node".to_owned(), n.to_owned())].into(),
+            }),
+            ..Default::default()
+        };
+        async move { ctl.get_capacity(r).await.unwrap().into_inner().available_capacity }
+    };
+    let free: Vec<i64> = d.iter().map(|n| n.json(&["pool", "status"])["free"].as_i64().unwrap()).collect();
+    let three = capacity("3", None).await;
+    assert!(three > 0 && free.iter().all(|f| three <= *f), "{three} vs {free:?}");
+    let one: i64 = capacity("1", None).await;
+    assert!(one >= free.iter().sum::<i64>() - 3 * MIB && one <= free.iter().sum(), "{one} vs {free:?}");
+    assert!(capacity("1", Some("node-a")).await <= free[0]);
+    assert_eq!(capacity("3", Some("node-x")).await, 0, "an unknown node has no room");
+
     println!("== writes reach every copy; expansion and limits apply to all of them");
     b.ok(&["export", "nbd", "r1"]);
     let mut s = connect(&b.nbd(), "r1");

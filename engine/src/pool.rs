@@ -42,6 +42,10 @@ pub struct PoolStats {
     pub segments: u64,
     pub segments_free: u64,
     pub volumes: usize,
+    /// Bytes the volumes provision (their sizes), and the most they may under the thin
+    /// overcommit cap (None: no cap).
+    pub provisioned: u64,
+    pub provision_cap: Option<u64>,
     /// Next batch sequence number and the current generation (pool opens).
     pub log_seq: u64,
     pub generation: u64,
@@ -362,6 +366,8 @@ impl Pool {
             segments: inner.sb.segment_count,
             segments_free: free_segs,
             volumes: st.volumes.len(),
+            provisioned: st.volumes.values().map(|v| v.rec.size).sum(),
+            provision_cap: crate::ops::volumes::overcommit_cap(inner),
             log_seq: st.applied.seq,
             generation: st.generation,
             client_bytes_written: inner.client_bytes.load(Ordering::Relaxed),

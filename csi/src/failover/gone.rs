@@ -26,9 +26,13 @@ type Copies = Vec<(u64, String, bool)>;
 impl Failover {
     pub(super) async fn gone(&self) -> anyhow::Result<()> {
         let nodes = self.node_store.state();
+        // The addresses of the Nodes, and of the daemons on them (the directory may list a
+        // deleted Node's daemon for a while: its pod outlives the Node until it is collected).
         let mut known: BTreeSet<String> = nodes.iter().flat_map(|n| addresses(n).collect::<Vec<_>>()).collect();
-        let endpoints: Vec<String> = self.dir.nodes().iter().filter_map(|n| self.dir.admin_endpoint(n)).collect();
-        known.extend(endpoints.iter().map(|e| host(e).to_owned()));
+        let names: BTreeSet<String> = nodes.iter().map(|n| n.name_any()).collect();
+        let endpoints =
+            self.dir.nodes().into_iter().filter(|n| names.contains(n)).filter_map(|n| self.dir.admin_endpoint(&n));
+        known.extend(endpoints.map(|e| host(&e).to_owned()));
         // Primary endpoint → volume → its copies.
         let mut orphans: BTreeMap<String, BTreeMap<String, Copies>> = BTreeMap::new();
         for (node, views) in self.views("").await {
