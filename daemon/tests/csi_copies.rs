@@ -92,9 +92,8 @@ async fn replicated_volumes_through_the_controller() {
         let mut ctl = ctl.clone();
         let r = csi::GetCapacityRequest {
             parameters: [("replicas".to_owned(), copies.to_owned())].into(),
-            accessible_topology: node.map(|n| csi::Topology {
-                segments: [("topology.ferrite.dev/node".to_owned(), n.to_owned())].into(),
-            }),
+            accessible_topology: node
+                .map(|n| csi::Topology { segments: [("topology.ferrite.dev/node".to_owned(), n.to_owned())].into() }),
             ..Default::default()
         };
         async move { ctl.get_capacity(r).await.unwrap().into_inner().available_capacity }
