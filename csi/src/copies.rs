@@ -1,7 +1,7 @@
 //! Replicated volumes (a StorageClass's `replicas: "2"` or `"3"`): copies of one volume on
 //! distinct nodes, kept in step by the daemons' synchronous replicas. The controller still keeps
-//! no state: a volume id names the node the volume was made on, and which node holds the primary
-//! now is asked of the daemons (the copy that calls itself primary, newest generation first).
+//! no state: a replicated volume's id names no node, and where it is served now is asked of the
+//! daemons ([`locate`]: the copy that calls itself primary, newest generation first).
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -92,6 +92,13 @@ impl std::fmt::Debug for Inner {
 }
 
 impl Inner {
+    /// The most bytes the volumes may provision (None: no thin overcommit cap).
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // a ratio >= 1; `as` saturates
+    pub(crate) fn overcommit_cap(&self) -> Option<u64> {
+        let ratio = self.opts.overcommit_ratio?;
+        Some(((self.sb.segment_size * self.sb.segment_count) as f64 * ratio) as u64)
+    }
+
     /// Runs `f` on the log's leader with every earlier write applied and no later one started;
     /// `f` gets these parts again (barriers restructure layers and commit with checkpoints).
     pub fn barrier<T: Send + 'static>(
@@ -367,7 +374,7 @@ impl Pool {
             segments_free: free_segs,
             volumes: st.volumes.len(),
             provisioned: st.volumes.values().map(|v| v.rec.size).sum(),
-            provision_cap: crate::ops::volumes::overcommit_cap(inner),
+            provision_cap: inner.overcommit_cap(),
             log_seq: st.applied.seq,
             generation: st.generation,
             client_bytes_written: inner.client_bytes.load(Ordering::Relaxed),

@@ -491,6 +491,13 @@ pub fn node_deleted(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
         attach(c, pv, lost, "to-node-c");
         c.cp.ok(&["delete", "volumeattachment", "to-node-c", "--wait=true", "--timeout=60s"]);
     }
+    // The others are rebuilt by the new primary: until they are in sync, losing it would lose
+    // acknowledged writes, and nothing may be promoted.
+    let d = &c.daemons[i];
+    c.cp.wait(&format!("every copy in sync with {lost}"), LONG, |_| {
+        let s = d.json(&["replica", "status", vol]);
+        s["members"].as_array().unwrap().iter().all(|m| m["state"] == "primary" || m["state"] == "in-sync")
+    });
     let (_, _, generation) = primary_of(c, vol);
     let content: Vec<u8> = pattern(1 << 20).into_iter().map(|b| b ^ 0x33).collect();
     acknowledged(&c.daemons[i], vol, &content);

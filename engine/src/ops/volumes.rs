@@ -243,13 +243,6 @@ impl Pool {
     }
 }
 
-/// The most bytes the volumes may provision (None: no overcommit cap).
-#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // a positive ratio; `as` saturates
-pub(crate) fn overcommit_cap(inner: &Inner) -> Option<u64> {
-    let ratio = inner.opts.overcommit_ratio?;
-    Some(((inner.sb.segment_size * inner.sb.segment_count) as f64 * ratio) as u64)
-}
-
 /// Refuses `extra` more provisioned bytes if they would pass the overcommit cap.
 pub(crate) fn check_overcommit(inner: &Inner, st: &State, extra: u64) -> Result<()> {
     let Some(ratio) = inner.opts.overcommit_ratio else { return Ok(()) };
