@@ -5,7 +5,9 @@
 //! primary does not answer either, it is handled as a lost node's: its address is fenced on
 //! every daemon and a copy promoted, by the same rules. A Node that later shows up with an
 //! address we fenced and without our annotation (the machine re-registered) gets the
-//! annotation, so that the usual rejoin lifts the fence once its copies are rebuilt.
+//! annotation, so that the usual rejoin lifts the fence once its copies are rebuilt. The daemons
+//! run on the host network (deploy/), so a daemon's address is its Node's: a restarted daemon
+//! keeps it, and is never taken for a gone one.
 
 use std::collections::{BTreeMap, BTreeSet};
 
