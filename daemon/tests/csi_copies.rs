@@ -15,6 +15,8 @@ use serde_json::Value;
 
 const MIB: i64 = 1 << 20;
 
+type Controller = csi::controller_client::ControllerClient<tonic::transport::Channel>;
+
 fn replicated(name: &str, bytes: i64, node: &str, copies: &str) -> csi::CreateVolumeRequest {
     let mut r = create(name, bytes, Some(node));
     r.parameters.insert("replicas".into(), copies.into());
@@ -27,6 +29,12 @@ fn sync(d: &Daemon, volume: &str) -> Value {
 
 fn names(d: &Daemon) -> Vec<String> {
     d.json(&["volume", "list"]).as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap().to_owned()).collect()
+}
+
+/// A CSI snapshot `name` of the volume with id `source`.
+async fn snapshot(ctl: &mut Controller, source: &str, name: &str) -> csi::Snapshot {
+    let r = csi::CreateSnapshotRequest { source_volume_id: source.to_owned(), name: name.into(), ..Default::default() };
+    ctl.create_snapshot(r).await.unwrap().into_inner().snapshot.unwrap()
 }
 
 /// Waits until every member of `volume` on its primary `d` is in sync.
@@ -145,17 +153,7 @@ async fn replicated_volumes_through_the_controller() {
     }
 
     println!("== a snapshot on the primary; a clone of it gets copies of its own");
-    let snap = ctl
-        .create_snapshot(csi::CreateSnapshotRequest {
-            source_volume_id: v.volume_id.clone(),
-            name: "s1".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap();
+    let snap = snapshot(&mut ctl, &v.volume_id, "s1").await;
     assert_eq!(snap.snapshot_id, "node-b/s1");
     let mut r = replicated("r2", 32 * MIB, "node-b", "2");
     r.volume_content_source = Some(csi::VolumeContentSource {
@@ -333,17 +331,7 @@ async fn a_replicated_volume_outlives_the_node_it_was_made_on() {
     .await
     .unwrap();
     assert_eq!(a.json(&["volume", "show", "r1"])["limits"]["iops"], 500);
-    let snap = ctl
-        .create_snapshot(csi::CreateSnapshotRequest {
-            source_volume_id: old_id.clone(),
-            name: "s1".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap();
+    let snap = snapshot(&mut ctl, &old_id, "s1").await;
     assert_eq!((snap.snapshot_id.as_str(), snap.source_volume_id.as_str()), ("node-a/s1", old_id.as_str()));
     let publish = |readonly| csi::ControllerPublishVolumeRequest {
         volume_id: old_id.clone(),

@@ -159,7 +159,7 @@ impl Cluster {
         ]);
         let ca = sh(&format!("base64 -w0 {}", p("ca.pem")));
         let patch = json!({"spec": {"caCert": ca.trim()}}).to_string();
-        cp.ok(&["patch", "snapshotmetadataservice", "csi.ferrite.dev", "--type=merge", "-p", &patch]);
+        cp.merge_patch("snapshotmetadataservice", "csi.ferrite.dev", &patch);
         // The drain guard's CA, as docs/kubernetes.md has the operator patch it in.
         let patch = json!([{"op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": ca.trim()}]);
         cp.ok(&[
@@ -757,14 +757,7 @@ fn ferrite_on_kubernetes() {
     c.daemon("node-a").ok(&["volume", "delete", fio_vol]);
 
     println!("== expansion");
-    c.cp.ok(&[
-        "patch",
-        "pvc",
-        "data",
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}"#,
-    ]);
+    c.cp.merge_patch("pvc", "data", r#"{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}"#);
     let pv_name = c.cp.get(&["pvc", "data"])["spec"]["volumeName"].as_str().unwrap().to_owned();
     c.wait_field("the PV to grow", &["pv", &pv_name], |v| v["spec"]["capacity"]["storage"] == "128Mi");
     let info = c.daemon("node-a").json(&["volume", "show", &data_vol]);
@@ -772,14 +765,7 @@ fn ferrite_on_kubernetes() {
 
     println!("== a VolumeAttributesClass sets the volume's limits online (ControllerModifyVolume)");
     c.cp.ok(&["apply", "-f", &deploy().join("examples/volumeattributesclass.yaml").display().to_string()]);
-    c.cp.ok(&[
-        "patch",
-        "pvc",
-        "data",
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"volumeAttributesClassName":"ferrite-gold"}}"#,
-    ]);
+    c.cp.merge_patch("pvc", "data", r#"{"spec":{"volumeAttributesClassName":"ferrite-gold"}}"#);
     let a = &c.daemons[0];
     c.cp.wait("the daemon to hold the class's limits", LONG, |_| {
         let l = &a.json(&["volume", "show", &data_vol])["limits"];
@@ -821,7 +807,7 @@ fn ferrite_on_kubernetes() {
     for d in &c.daemons {
         assert!(d.ok(&["fence", "list"]).contains("192.0.2.0/24"), "every daemon is fenced");
     }
-    c.cp.ok(&["patch", "networkfence", "fence", "--type=merge", "-p", r#"{"spec":{"fenceState":"Unfenced"}}"#]);
+    c.cp.merge_patch("networkfence", "fence", r#"{"spec":{"fenceState":"Unfenced"}}"#);
     let nodes: Vec<&Daemon> = c.daemons.iter().collect();
     c.cp.wait("the daemons to lift the fence", LONG, |_| {
         nodes.iter().all(|d| !d.ok(&["fence", "list"]).contains("192.0.2.0/24"))

@@ -373,7 +373,7 @@ impl Pool {
             segments: inner.sb.segment_count,
             segments_free: free_segs,
             volumes: st.volumes.len(),
-            provisioned: st.volumes.values().map(|v| v.rec.size).sum(),
+            provisioned: st.provisioned(),
             provision_cap: inner.overcommit_cap(),
             log_seq: st.applied.seq,
             generation: st.generation,

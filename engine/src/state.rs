@@ -29,6 +29,11 @@ impl State {
             Target::Snapshot(id) => self.snapshots.get(&id).map(|s| (s.layer, s.size)),
         }
     }
+
+    /// Bytes the volumes provision: the sum of their sizes.
+    pub fn provisioned(&self) -> u64 {
+        self.volumes.values().map(|v| v.rec.size).sum()
+    }
 }
 
 pub(crate) struct VolumeEntry {

@@ -280,6 +280,11 @@ impl ControlPlane {
         serde_json::from_str(&self.ok(&all)).unwrap()
     }
 
+    /// `kubectl patch KIND NAME --type=merge -p PATCH`.
+    pub fn merge_patch(&self, kind: &str, name: &str, patch: &str) -> String {
+        self.ok(&["patch", kind, name, "--type=merge", "-p", patch])
+    }
+
     /// `kubectl apply -f -` of a YAML or JSON text.
     pub fn apply(&self, text: &str) -> String {
         self.with_stdin(&["apply", "-f", "-"], text)

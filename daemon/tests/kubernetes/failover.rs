@@ -516,14 +516,7 @@ pub fn node_deleted(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
 
     println!("== (h) the volume whose first node is gone expands, snapshots, modifies and publishes");
     let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
-    c.cp.ok(&[
-        "patch",
-        "pvc",
-        &claim,
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"resources":{"requests":{"storage":"48Mi"}}}}"#,
-    ]);
+    c.cp.merge_patch("pvc", &claim, r#"{"spec":{"resources":{"requests":{"storage":"48Mi"}}}}"#);
     c.wait_field("the PV to grow", &["pv", pv], |v| v["spec"]["capacity"]["storage"] == "48Mi");
     c.cp.apply(
         &json!({"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot", "metadata": {"name": "after-h", "namespace": "default"},
@@ -531,14 +524,7 @@ pub fn node_deleted(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
         .to_string(),
     );
     c.wait_field("the snapshot to be ready", &["volumesnapshot", "after-h"], |v| v["status"]["readyToUse"] == true);
-    c.cp.ok(&[
-        "patch",
-        "pvc",
-        &claim,
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"volumeAttributesClassName":"ferrite-gold"}}"#,
-    ]);
+    c.cp.merge_patch("pvc", &claim, r#"{"spec":{"volumeAttributesClassName":"ferrite-gold"}}"#);
     let p = &c.daemons[NODES.iter().position(|n| *n == to).unwrap()];
     c.cp.wait("the new primary to hold the class's limits", LONG, |_| {
         p.json(&["volume", "show", vol])["limits"]["iops"] == 5000

@@ -245,10 +245,9 @@ impl Pool {
 
 /// Refuses `extra` more provisioned bytes if they would pass the overcommit cap.
 pub(crate) fn check_overcommit(inner: &Inner, st: &State, extra: u64) -> Result<()> {
-    let Some(ratio) = inner.opts.overcommit_ratio else { return Ok(()) };
-    let cap = (inner.sb.segment_size * inner.sb.segment_count) as f64 * ratio;
-    let provisioned: u64 = st.volumes.values().map(|v| v.rec.size).sum();
-    if (provisioned + extra) as f64 > cap {
+    let (Some(cap), Some(ratio)) = (inner.overcommit_cap(), inner.opts.overcommit_ratio) else { return Ok(()) };
+    let provisioned = st.provisioned();
+    if provisioned.saturating_add(extra) > cap {
         return Err(Error::new(
             ErrorKind::NoSpace,
             format!(
