@@ -23,14 +23,16 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
 /// except the metadata Kubernetes adds: `csi.storage.k8s.io/*` (the PVC or VolumeSnapshot name
 /// with `--extra-create-metadata`) and `storage.kubernetes.io/*` (the provisioner's identity in
 /// a PV's attributes, which CSI-Addons passes on as parameters).
-/// A StorageClass's own parameter, `replicas`, is taken (and checked) wherever the class's
+/// A StorageClass's own parameters, `replicas` and `replace-after`, are taken (and checked) wherever the class's
 /// parameters come (CreateVolume, GetCapacity, ValidateVolumeCapabilities).
 pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
     crate::copies::replicas(params)?;
+    crate::copies::replace_after(params)?;
     let ours = |k: &&String| {
         !k.starts_with("csi.storage.k8s.io/")
             && !k.starts_with("storage.kubernetes.io/")
             && *k != crate::copies::REPLICAS
+            && *k != crate::copies::REPLACE_AFTER
             && *k != crate::encryption::ENCRYPTED
     };
     match params.keys().find(ours) {

@@ -2,6 +2,7 @@
 //! the node directory says where each node's daemon answers. Required fields are checked first
 //! (InvalidArgument); daemon statuses keep their codes.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferrite_proto::csi::v1 as csi;
@@ -137,13 +138,27 @@ impl Controller {
 
     /// Gives the volume on `node` its `n` copies (a replicated class): its id names no node, it
     /// is accessible where each copy is (publishing it to one of them moves the primary there),
-    /// and its context lists them.
-    async fn copies(&self, node: &str, mut volume: csi::Volume, name: &str, n: usize) -> Result<csi::Volume, Status> {
+    /// and its context lists them, with what failover needs of the class (`failover/replace.rs`):
+    /// how many copies, and when a lost one is replaced (seconds, 0 never).
+    async fn copies(
+        &self,
+        node: &str,
+        mut volume: csi::Volume,
+        name: &str,
+        params: &HashMap<String, String>,
+    ) -> Result<csi::Volume, Status> {
+        let n = copies::replicas(params)?;
         if n > 1 {
+            let after = copies::replace_after(params)?.map_or(0, |d| d.as_secs());
             let at = copies::ensure(&*self.nodes, node, name, n).await?;
             volume.volume_id = ids::make(ids::ANY, name);
             volume.accessible_topology = at.iter().map(|n| topology(n)).collect();
-            volume.volume_context.insert("copies".into(), at.join(","));
+            let context = [
+                ("copies", at.join(",")),
+                (copies::REPLICAS, n.to_string()),
+                (copies::REPLACE_AFTER, after.to_string()),
+            ];
+            volume.volume_context.extend(context.map(|(k, v)| (k.to_owned(), v)));
         }
         Ok(volume)
     }
@@ -193,7 +208,8 @@ impl csi::controller_server::Controller for Controller {
                 let req = pb::SetVolumeLimitsRequest { name: v.name.clone(), limits: Some(limits) };
                 v = admin(&*self.nodes, &node).await?.set_volume_limits(req).await?.into_inner();
             }
-            let volume = self.copies(&node, volume_msg(&node, &v, r.volume_content_source), &v.name, replicas).await?;
+            let volume =
+                self.copies(&node, volume_msg(&node, &v, r.volume_content_source), &v.name, &r.parameters).await?;
             return Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }));
         }
         let source = r.volume_content_source.clone();
@@ -236,7 +252,7 @@ impl csi::controller_server::Controller for Controller {
             }
         };
         tracing::info!(name = %r.name, volume_id = %ids::make(&node, &v.name), size = v.size, "CSI volume created");
-        let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, replicas).await?;
+        let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &r.parameters).await?;
         Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }))
     }
 

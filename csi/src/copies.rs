@@ -4,6 +4,7 @@
 //! daemons ([`locate`]: the copy that calls itself primary, newest generation first).
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
 
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_client::AdminClient;
@@ -16,6 +17,11 @@ use crate::nodes::{NodeDirectory, SCAN, admin, scan};
 pub const REPLICAS: &str = "replicas";
 /// Most copies a class may ask for.
 const MOST: usize = 3;
+/// The StorageClass parameter: how long a copy may be unreachable (or its node gone) before
+/// another node gets a copy in its place: seconds, or with an `s`, `m` or `h` suffix; `0` never.
+pub const REPLACE_AFTER: &str = "replace-after";
+/// Without the parameter: longer than a reboot or a daemon upgrade takes.
+pub const DEFAULT_REPLACE_AFTER: Duration = Duration::from_secs(5 * 60);
 
 /// The copies `params` ask for.
 pub fn replicas(params: &HashMap<String, String>) -> Result<usize, Status> {
@@ -28,6 +34,30 @@ pub fn replicas(params: &HashMap<String, String>) -> Result<usize, Status> {
     }
 }
 
+/// The replacement delay `params` ask for (None: never). Checked wherever `replicas` is.
+pub fn replace_after(params: &HashMap<String, String>) -> Result<Option<Duration>, Status> {
+    let Some(v) = params.get(REPLACE_AFTER) else { return Ok(Some(DEFAULT_REPLACE_AFTER)) };
+    let bad = || {
+        Status::invalid_argument(format!(
+            "parameter {REPLACE_AFTER} must be a duration such as \"300\", \"90s\", \"5m\" or \"1h\" (\"0\": never), not {v:?}"
+        ))
+    };
+    let (digits, unit) = match v.strip_suffix(['s', 'm', 'h']) {
+        Some(d) => (d, &v[d.len()..]),
+        None => (v.as_str(), "s"),
+    };
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let secs = n.checked_mul(match unit {
+        "h" => 3600,
+        "m" => 60,
+        _ => 1,
+    });
+    match secs.ok_or_else(bad)? {
+        0 => Ok(None),
+        s => Ok(Some(Duration::from_secs(s))),
+    }
+}
+
 /// `node`'s view of `volume`'s synchronous membership (None: a local volume there).
 async fn view(c: &mut AdminClient<Channel>, volume: &str) -> Result<Option<pb::SyncVolume>, Status> {
     let r = c.list_sync_replicas(pb::ListReplicationsRequest { volume: volume.to_owned() }).await?;
@@ -35,7 +65,7 @@ async fn view(c: &mut AdminClient<Channel>, volume: &str) -> Result<Option<pb::S
 }
 
 /// The node whose admin endpoint is `endpoint`.
-fn node_of(dir: &dyn NodeDirectory, endpoint: &str) -> Option<String> {
+pub fn node_of(dir: &dyn NodeDirectory, endpoint: &str) -> Option<String> {
     dir.nodes().into_iter().find(|n| dir.admin_endpoint(n).as_deref() == Some(endpoint))
 }
 
@@ -205,17 +235,8 @@ pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize)
     if have.len() >= n && !witness {
         return Ok(have);
     }
-    let mut candidates = Vec::new();
-    for other in dir.nodes().into_iter().filter(|o| !have.contains(o) && !witnesses.contains(o)) {
-        let Ok(mut oc) = admin(dir, &other).await else { continue };
-        let Ok(s) = oc.pool_status(pb::PoolStatusRequest {}).await else { continue };
-        // A node that has a volume of this name already cannot take a copy.
-        if oc.get_volume(pb::GetVolumeRequest { name: volume.to_owned() }).await.is_ok() {
-            continue;
-        }
-        candidates.push((s.into_inner().free, other));
-    }
-    candidates.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    let exclude: Vec<String> = have.iter().chain(&witnesses).cloned().collect();
+    let candidates = candidates(dir, &exclude, volume).await;
     let wanted = n.saturating_sub(have.len());
     if candidates.len() < wanted + usize::from(witness) {
         let why = if witness {
@@ -229,28 +250,55 @@ pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize)
             candidates.len()
         )));
     }
-    let add = |other: String, witness: bool| {
-        let peer = dir.admin_endpoint(&other).ok_or_else(|| Status::not_found(format!("unknown node {other:?}")));
-        let mut c = c.clone();
-        async move {
-            let r = pb::AddSyncReplicaRequest { volume: volume.to_owned(), peer: peer?, witness };
-            let what = if witness { "a witness" } else { "a copy" };
-            c.add_sync_replica(r).await.map_err(|s| {
-                Status::new(s.code(), format!("adding {what} of {volume:?} on {other}: {}", s.message()))
-            })?;
-            tracing::info!(volume, node = %other, witness, "member added");
-            Ok::<_, Status>(other)
-        }
-    };
-    let mut candidates = candidates.into_iter().map(|(_, n)| n);
+    let mut candidates = candidates.into_iter();
     for other in candidates.by_ref().take(wanted) {
-        have.push(add(other, false).await?);
+        have.push(add_member(dir, &mut c, volume, &other, false).await?);
     }
     // The witness holds no data: the node with the least free space of those left.
     if let Some(other) = candidates.next_back().filter(|_| witness) {
-        add(other, true).await?;
+        add_member(dir, &mut c, volume, &other, true).await?;
     }
     Ok(have)
+}
+
+/// The nodes that could take a copy of `volume`: their daemon answers within [`SCAN`], they are
+/// not in `exclude` and hold no volume of that name; the most free space first.
+pub async fn candidates(dir: &dyn NodeDirectory, exclude: &[String], volume: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for other in dir.nodes().into_iter().filter(|o| !exclude.contains(o)) {
+        let ask = async {
+            let mut oc = admin(dir, &other).await.ok()?;
+            let s = oc.pool_status(pb::PoolStatusRequest {}).await.ok()?;
+            // A node that has a volume of this name already cannot take a copy.
+            match oc.get_volume(pb::GetVolumeRequest { name: volume.to_owned() }).await {
+                Err(e) if e.code() == Code::NotFound => Some(s.into_inner().free),
+                _ => None,
+            }
+        };
+        if let Ok(Some(free)) = tokio::time::timeout(SCAN, ask).await {
+            found.push((free, other));
+        }
+    }
+    found.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    found.into_iter().map(|(_, n)| n).collect()
+}
+
+/// Adds a copy (or a `witness`) of `volume` on node `other` through its primary's client `c`.
+pub async fn add_member(
+    dir: &dyn NodeDirectory,
+    c: &mut AdminClient<Channel>,
+    volume: &str,
+    other: &str,
+    witness: bool,
+) -> Result<String, Status> {
+    let peer = dir.admin_endpoint(other).ok_or_else(|| Status::not_found(format!("unknown node {other:?}")))?;
+    let r = pb::AddSyncReplicaRequest { volume: volume.to_owned(), peer, witness };
+    let what = if witness { "a witness" } else { "a copy" };
+    c.add_sync_replica(r)
+        .await
+        .map_err(|s| Status::new(s.code(), format!("adding {what} of {volume:?} on {other}: {}", s.message())))?;
+    tracing::info!(volume, node = %other, witness, "member added");
+    Ok(other.to_owned())
 }
 
 /// Deletes volume `name` (its id names `hint`) and every copy of it. Nothing is changed
@@ -367,6 +415,21 @@ mod tests {
         assert_eq!(replicas(&p("3")).unwrap(), 3);
         for bad in ["0", "4", "two", "-1", ""] {
             assert_eq!(replicas(&p(bad)).unwrap_err().code(), Code::InvalidArgument, "{bad}");
+        }
+    }
+
+    #[test]
+    fn replace_after_parameter() {
+        let p = |v: &str| replace_after(&HashMap::from([(REPLACE_AFTER.to_owned(), v.to_owned())]));
+        assert_eq!(replace_after(&HashMap::new()).unwrap(), Some(DEFAULT_REPLACE_AFTER));
+        assert_eq!(p("0").unwrap(), None);
+        assert_eq!(p("0m").unwrap(), None);
+        assert_eq!(p("90").unwrap(), Some(Duration::from_secs(90)));
+        assert_eq!(p("90s").unwrap(), Some(Duration::from_secs(90)));
+        assert_eq!(p("5m").unwrap(), Some(Duration::from_secs(300)));
+        assert_eq!(p("2h").unwrap(), Some(Duration::from_secs(7200)));
+        for bad in ["", "m", "-5m", "5d", "1.5m", "five", " 5m", "99999999999999999999h"] {
+            assert_eq!(p(bad).unwrap_err().code(), Code::InvalidArgument, "{bad}");
         }
     }
 }

@@ -827,8 +827,15 @@ fn ferrite_on_kubernetes() {
     let rel = c.daemon("node-a").replica(&data_vol);
     assert_eq!(rel["role"], "primary", "{rel}");
     let a = &c.daemons[0];
+    // A failed push is retried within seconds; what it said shows if it never succeeds.
+    let mut said = String::new();
     c.cp.wait("the first sync to reach node-b", LONG, |_| {
-        a.replica(&data_vol)["last_snapshot"].as_str().is_some_and(|s| !s.is_empty())
+        let r = a.replica(&data_vol);
+        if let Some(e) = r["error"].as_str().filter(|e| !e.is_empty() && *e != said) {
+            println!("   the push failed: {e}");
+            said = e.to_owned();
+        }
+        r["last_snapshot"].as_str().is_some_and(|s| !s.is_empty())
     });
 
     failover::node_lost(&mut c, triple_vol, &triple_pv);

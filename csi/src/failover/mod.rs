@@ -51,6 +51,7 @@ use crate::nodes::{NodeDirectory, admin, trouble};
 mod gone;
 mod guard;
 mod maintenance;
+mod replace;
 mod workload;
 
 pub use guard::OVERRIDE;
@@ -92,8 +93,10 @@ struct Failover {
     out_of_service: bool,
     /// Only the holder of the failover Lease runs a pass.
     leader: crate::lease::Leadership,
-    /// Passes run so far (deleted nodes are looked for every [`gone::EVERY_PASSES`]).
+    /// Passes run so far (deleted nodes are looked for every [`gone::EVERY_PASSES`], lost
+    /// copies every [`replace::EVERY_PASSES`]).
     passes: std::sync::atomic::AtomicU32,
+    lost_since: replace::LostSince,
 }
 
 /// The host of `tcp://host:port` (or `host:port`), without brackets.
@@ -184,6 +187,7 @@ pub async fn start(
         after,
         out_of_service,
         passes: std::sync::atomic::AtomicU32::new(0),
+        lost_since: replace::LostSince::default(),
     });
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
     let guard = Arc::clone(&this);
@@ -207,6 +211,11 @@ pub async fn start(
                         && let Err(e) = this.gone().await
                     {
                         tracing::warn!("failover of deleted nodes: {e:#}");
+                    }
+                    if n.is_multiple_of(replace::EVERY_PASSES)
+                        && let Err(e) = this.replace().await
+                    {
+                        tracing::warn!("replacing lost copies: {e:#}");
                     }
                 }
                 Ok(false) => {}

@@ -28,6 +28,23 @@ use crate::rpc::blocking;
 
 /// How often a demoted volume retries its final delta when it has no interval of its own.
 const HANDOVER_RETRY: Duration = Duration::from_secs(10);
+/// A failed push is retried after this, doubled per consecutive failure up to the interval: a
+/// peer that was briefly away (a restart, a rotated certificate) does not cost a whole interval.
+const FAILED_RETRY: Duration = Duration::from_secs(5);
+
+/// How often the scheduler pushes a relation, if it does.
+fn period(rel: &Relation) -> Option<Duration> {
+    match rel.role {
+        Role::Primary if rel.interval_secs > 0 => Some(Duration::from_secs(rel.interval_secs)),
+        Role::Secondary if rel.handover => Some(Duration::from_secs(rel.interval_secs).max(HANDOVER_RETRY)),
+        _ => None,
+    }
+}
+
+/// When to retry after the `failing`-th consecutive failure (1-based), no later than `every`.
+fn retry_after(failing: u32, every: Duration) -> Duration {
+    FAILED_RETRY.saturating_mul(1 << failing.saturating_sub(1).min(16)).min(every)
+}
 
 fn not_replicated(volume: &str) -> Status {
     Status::not_found(format!("volume {volume:?} is not replicated on this daemon"))
@@ -274,6 +291,7 @@ impl Replication {
             Ok(done) => {
                 self.live(volume, |l| {
                     l.error.clear();
+                    l.failing = 0;
                     l.syncs += 1;
                     l.sent_bytes += done.data_bytes;
                 });
@@ -286,9 +304,13 @@ impl Replication {
             }
             Err(e) => {
                 tracing::warn!(%volume, error = %e.message(), "replication push failed");
+                let every = period(&rel).unwrap_or(Duration::MAX);
                 self.live(volume, |l| {
                     l.error = e.message().to_owned();
                     l.failures += 1;
+                    l.failing = l.failing.saturating_add(1);
+                    let retry = Instant::now() + retry_after(l.failing, every);
+                    l.next_at = Some(l.next_at.map_or(retry, |t| t.min(retry)));
                 });
             }
         }
@@ -429,11 +451,7 @@ impl Replication {
         loop {
             let now = Instant::now();
             for rel in self.relations.all() {
-                let every = match rel.role {
-                    Role::Primary if rel.interval_secs > 0 => Duration::from_secs(rel.interval_secs),
-                    Role::Secondary if rel.handover => Duration::from_secs(rel.interval_secs).max(HANDOVER_RETRY),
-                    _ => continue,
-                };
+                let Some(every) = period(&rel) else { continue };
                 if self.live(&rel.volume, |l| l.next_at.is_some_and(|t| t > now)) {
                     continue;
                 }
@@ -445,5 +463,19 @@ impl Replication {
                 () = tokio::time::sleep(Duration::from_millis(250)) => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_pushes_back_off_up_to_the_interval() {
+        let every = Duration::from_secs(300);
+        let waits: Vec<u64> = (1..=8).map(|n| retry_after(n, every).as_secs()).collect();
+        assert_eq!(waits, [5, 10, 20, 40, 80, 160, 300, 300]);
+        assert_eq!(retry_after(u32::MAX, every), every);
+        assert_eq!(retry_after(1, Duration::from_secs(2)), Duration::from_secs(2));
     }
 }

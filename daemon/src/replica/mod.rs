@@ -63,6 +63,8 @@ pub struct Live {
     pub sent_bytes: u64,
     pub syncs: u64,
     pub failures: u64,
+    /// Failures since the last push that succeeded: how soon the scheduler retries.
+    pub failing: u32,
 }
 
 /// One shared value per key (a volume's lock, a peer's limiter), made on first use.

@@ -1,0 +1,349 @@
+//! Copies replaced by themselves. A replicated volume's member whose node is gone (its Node
+//! deleted) or whose daemon has not answered for the class's `replace-after` is replaced: a new
+//! copy (or witness) on another node first, rebuilt by the primary, then the lost member
+//! removed. Each step is one membership change that a majority of the old and the new members
+//! records, as the daemons require of any change: with four members while the new copy
+//! rebuilds, three must answer, the three that do. One change per volume and pass: the next
+//! pass sees its outcome (a copy still rebuilding is waited for).
+//!
+//! The PV's node affinity then follows the copies. A PV's affinity is immutable unless the
+//! cluster runs the `MutablePVNodeAffinity` feature (alpha in Kubernetes 1.35), so where a patch
+//! is refused the PV is re-created under the same name with the same claim, as LINSTOR's
+//! affinity controller does: its reclaim policy set to Retain first (deleting the object never
+//! deletes the volume), the object deleted and its finalizers cleared, then created again with
+//! the new affinity and its own policy. The claim keeps its binding (the PV controller binds a
+//! PV whose claimRef names the claim's uid), attachments name the PV by name.
+//!
+//! The controller keeps no state but when it first saw each member lost: after a restart (or a
+//! new leader) the delay starts over, which only ever makes a replacement later.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ferrite_proto::ferrite::v1 as pb;
+use k8s_openapi::api::core::v1::{
+    NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolume, VolumeNodeAffinity,
+};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::events::EventType;
+
+use super::Failover;
+use crate::args::TOPOLOGY_KEY;
+use crate::copies::{self, REPLACE_AFTER, REPLICAS, node_of};
+use crate::nodes::admin;
+
+/// Every how many passes replicated volumes are checked for lost copies.
+pub(super) const EVERY_PASSES: u32 = 5;
+/// The annotation that keeps a PV's own reclaim policy while it is re-created.
+const RECLAIM: &str = "ferrite.dev/reclaim-policy";
+
+/// When each (volume, member endpoint) was first seen lost.
+pub(super) type LostSince = Mutex<BTreeMap<(String, String), Instant>>;
+
+/// One membership change, or a reason to wait.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    AddCopy,
+    AddWitness,
+    Remove(String),
+    /// A member is joining or rebuilding: its outcome first.
+    Wait,
+}
+
+/// What `view` (a primary's) needs next, given the members `lost` past the class's delay and
+/// the `copies` the class asks for (two get a witness too). None: nothing is lost.
+fn plan(view: &pb::SyncVolume, lost: &BTreeSet<String>, copies: usize) -> Option<Step> {
+    if lost.is_empty() {
+        return None;
+    }
+    let kept: Vec<&pb::SyncMember> = view.members.iter().filter(|m| !lost.contains(&m.endpoint)).collect();
+    if kept.iter().any(|m| !matches!(m.state.as_str(), "primary" | "in-sync" | "witness")) {
+        return Some(Step::Wait);
+    }
+    let data = kept.iter().filter(|m| m.state != "witness").count();
+    let witness = kept.iter().any(|m| m.state == "witness");
+    Some(if data < copies {
+        Step::AddCopy
+    } else if copies == 2 && !witness {
+        Step::AddWitness
+    } else {
+        Step::Remove(lost.iter().next().cloned().unwrap_or_default())
+    })
+}
+
+/// The nodes a PV's affinity names (the values of our topology key).
+fn affinity_nodes(pv: &PersistentVolume) -> BTreeSet<String> {
+    let terms = pv.spec.as_ref().and_then(|s| s.node_affinity.as_ref()).and_then(|a| a.required.as_ref());
+    terms
+        .iter()
+        .flat_map(|r| &r.node_selector_terms)
+        .flat_map(|t| t.match_expressions.iter().flatten())
+        .filter(|e| e.key == TOPOLOGY_KEY)
+        .flat_map(|e| e.values.iter().flatten().cloned())
+        .collect()
+}
+
+/// The affinity of a volume served on `nodes`, as the provisioner writes it from CreateVolume's
+/// accessible topology: one term per node.
+fn affinity(nodes: &BTreeSet<String>) -> VolumeNodeAffinity {
+    let term = |n: &String| NodeSelectorTerm {
+        match_expressions: Some(vec![NodeSelectorRequirement {
+            key: TOPOLOGY_KEY.to_owned(),
+            operator: "In".to_owned(),
+            values: Some(vec![n.clone()]),
+        }]),
+        match_fields: None,
+    };
+    VolumeNodeAffinity { required: Some(NodeSelector { node_selector_terms: nodes.iter().map(term).collect() }) }
+}
+
+/// A replicated PV of ours: its volume, the copies its class asks for, and the delay (None: never).
+fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, usize, Option<Duration>)> {
+    let csi = pv.spec.as_ref()?.csi.as_ref().filter(|c| c.driver == driver)?;
+    let (_, name) = crate::ids::parse(&csi.volume_handle)?;
+    let attrs = csi.volume_attributes.clone().unwrap_or_default();
+    // PVs made before the class's parameters were kept in the context: the copies they got.
+    let copies = match attrs.get(REPLICAS) {
+        Some(n) => n.parse().ok()?,
+        None => attrs.get("copies")?.split(',').count(),
+    };
+    let after = match attrs.get(REPLACE_AFTER) {
+        Some(s) => s.parse::<u64>().ok().filter(|s| *s > 0).map(Duration::from_secs),
+        None => Some(copies::DEFAULT_REPLACE_AFTER),
+    };
+    (copies > 1).then(|| (name.to_owned(), copies, after))
+}
+
+impl Failover {
+    pub(super) async fn replace(&self) -> anyhow::Result<()> {
+        let views = self.views("").await;
+        let answered: BTreeSet<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
+        // Each volume's primary that takes writes, the newest generation's.
+        let mut primaries: BTreeMap<&str, (&str, &pb::SyncVolume)> = BTreeMap::new();
+        for (node, v) in views.iter().flat_map(|(n, vs)| vs.iter().map(move |v| (n, v))) {
+            if v.role == "primary" && v.refused.is_empty() {
+                let newer = primaries.get(v.volume.as_str()).is_none_or(|(_, p)| v.generation > p.generation);
+                if newer {
+                    primaries.insert(&v.volume, (node, v));
+                }
+            }
+        }
+        let now = Instant::now();
+        let mut seen = BTreeSet::new();
+        for pv in self.volume_store.state() {
+            let Some((name, copies, after)) = replicated(&pv, &self.driver) else { continue };
+            let Some((node, view)) = primaries.get(name.as_str()).copied() else { continue };
+            let mut lost = BTreeSet::new();
+            for m in view.members.iter().filter(|m| m.endpoint != view.primary) {
+                let up = node_of(&*self.dir, &m.endpoint).is_some_and(|n| answered.contains(n.as_str()));
+                if up {
+                    continue;
+                }
+                let key = (name.clone(), m.endpoint.clone());
+                let since = *self.lost_since.lock().expect("not poisoned").entry(key.clone()).or_insert(now);
+                seen.insert(key);
+                if after.is_some_and(|a| now.duration_since(since) >= a) {
+                    lost.insert(m.endpoint.clone());
+                }
+            }
+            let done = match plan(view, &lost, copies) {
+                None => self.follow(&pv, view).await,
+                Some(Step::Wait) => Ok(()),
+                Some(step) => self.step(&name, node, view, step).await,
+            };
+            if let Err(e) = done {
+                tracing::warn!(volume = %name, "replacing a lost copy: {e:#}");
+            }
+        }
+        self.lost_since.lock().expect("not poisoned").retain(|k, _| seen.contains(k));
+        Ok(())
+    }
+
+    /// Takes one step of a replacement on the primary (`node`) of `volume`.
+    async fn step(&self, volume: &str, node: &str, view: &pb::SyncVolume, step: Step) -> anyhow::Result<()> {
+        let mut c = admin(&*self.dir, node).await?;
+        let note = match step {
+            Step::AddCopy | Step::AddWitness => {
+                let witness = step == Step::AddWitness;
+                let holding: Vec<String> =
+                    view.members.iter().filter_map(|m| node_of(&*self.dir, &m.endpoint)).collect();
+                let candidates = copies::candidates(&*self.dir, &holding, volume).await;
+                // A witness holds no data: the least free space; a copy the most.
+                let pick = if witness { candidates.last() } else { candidates.first() };
+                let Some(to) = pick else {
+                    tracing::warn!(volume, witness, "a member is lost and no other node can take its place");
+                    return Ok(());
+                };
+                copies::add_member(&*self.dir, &mut c, volume, to, witness).await?;
+                let what = if witness { "a witness" } else { "a copy" };
+                format!(
+                    "a member has been unreachable past {REPLACE_AFTER}: {what} added on {to}, rebuilt from the primary on {node}"
+                )
+            }
+            Step::Remove(endpoint) => {
+                let r = pb::RemoveSyncReplicaRequest { volume: volume.to_owned(), peer: endpoint.clone() };
+                c.remove_sync_replica(r).await?;
+                format!("the lost member {endpoint} was replaced and removed from the volume's members")
+            }
+            Step::Wait => return Ok(()),
+        };
+        tracing::warn!(volume, "{note}");
+        self.event(volume, None, EventType::Normal, "CopyReplaced", "Replace", note).await;
+        Ok(())
+    }
+
+    /// Makes `pv`'s node affinity name the nodes of `view`'s copies, once they are all in sync.
+    async fn follow(&self, pv: &PersistentVolume, view: &pb::SyncVolume) -> anyhow::Result<()> {
+        if view.members.iter().any(|m| !matches!(m.state.as_str(), "primary" | "in-sync" | "witness")) {
+            return Ok(());
+        }
+        let want: BTreeSet<String> = copies::nodes_of(&*self.dir, view).into_iter().collect();
+        let have = affinity_nodes(pv);
+        // A PV without our affinity (remote access) is left alone, as one whose copies some
+        // node of the directory does not know yet.
+        let members = view.members.iter().filter(|m| m.state != "witness").count();
+        if have.is_empty() || want == have || want.len() != members {
+            return Ok(());
+        }
+        let api: Api<PersistentVolume> = Api::all(self.client.clone());
+        let name = pv.name_any();
+        let patch = serde_json::json!({"spec": {"nodeAffinity": affinity(&want)}});
+        match api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) => {}
+            // Immutable here (no MutablePVNodeAffinity): the PV is made again.
+            Err(kube::Error::Api(e)) if e.code == 422 => self.recreate(&api, pv, &want).await?,
+            Err(e) => return Err(e.into()),
+        }
+        let note = format!(
+            "the volume's copies are on {}: its node affinity follows them (was {})",
+            want.iter().cloned().collect::<Vec<_>>().join(", "),
+            have.into_iter().collect::<Vec<_>>().join(", ")
+        );
+        tracing::info!(pv = %name, "{note}");
+        self.event(&view.volume, None, EventType::Normal, "AffinityUpdated", "Replace", note).await;
+        Ok(())
+    }
+
+    /// Re-creates `pv` with the affinity of `nodes`; a PV left Retained by an interrupted
+    /// re-creation gets its own policy back from the annotation.
+    async fn recreate(
+        &self,
+        api: &Api<PersistentVolume>,
+        pv: &PersistentVolume,
+        nodes: &BTreeSet<String>,
+    ) -> anyhow::Result<()> {
+        let name = pv.name_any();
+        let spec = pv.spec.clone().unwrap_or_default();
+        let policy = pv
+            .annotations()
+            .get(RECLAIM)
+            .cloned()
+            .or_else(|| spec.persistent_volume_reclaim_policy.clone())
+            .unwrap_or_else(|| "Delete".to_owned());
+        let keep = serde_json::json!({
+            "metadata": {"annotations": {RECLAIM: policy}},
+            "spec": {"persistentVolumeReclaimPolicy": "Retain"},
+        });
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&keep)).await?;
+        let uid = pv.uid();
+        match api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
+        // Only the finalizers of the object we deleted (a precondition on its uid).
+        let clear = serde_json::json!({"metadata": {"finalizers": null, "uid": uid}});
+        match api.patch(&name, &PatchParams::default(), &Patch::Merge(&clear)).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409) => {}
+            Err(e) => return Err(e.into()),
+        }
+        for _ in 0..50 {
+            match api.get_opt(&name).await? {
+                Some(p) if p.uid() == uid => tokio::time::sleep(Duration::from_millis(100)).await,
+                _ => break,
+            }
+        }
+        let mut again = PersistentVolume::default();
+        again.metadata.name = Some(name.clone());
+        again.metadata.labels = pv.metadata.labels.clone();
+        let mut annotations = pv.annotations().clone();
+        annotations.remove(RECLAIM);
+        again.metadata.annotations = Some(annotations);
+        again.metadata.finalizers = pv.metadata.finalizers.clone();
+        let mut spec = spec;
+        spec.node_affinity = Some(affinity(nodes));
+        spec.persistent_volume_reclaim_policy = Some(policy);
+        if let Some(c) = spec.claim_ref.as_mut() {
+            c.resource_version = None;
+        }
+        again.spec = Some(spec);
+        api.create(&PostParams::default(), &again).await?;
+        tracing::warn!(pv = %name, "PersistentVolume re-created with the copies' affinity");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(endpoint: &str, state: &str) -> pb::SyncMember {
+        pb::SyncMember { endpoint: endpoint.into(), state: state.into(), ..Default::default() }
+    }
+
+    fn view(members: &[(&str, &str)]) -> pb::SyncVolume {
+        pb::SyncVolume {
+            volume: "v".into(),
+            role: "primary".into(),
+            primary: "a".into(),
+            members: members.iter().map(|(e, s)| member(e, s)).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn lost(e: &[&str]) -> BTreeSet<String> {
+        e.iter().map(|e| (*e).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_lost_copy_is_replaced_before_it_is_removed() {
+        let three = view(&[("a", "primary"), ("b", "in-sync"), ("c", "ejected")]);
+        assert_eq!(plan(&three, &lost(&[]), 3), None);
+        assert_eq!(plan(&three, &lost(&["c"]), 3), Some(Step::AddCopy));
+        let joining = view(&[("a", "primary"), ("b", "in-sync"), ("c", "ejected"), ("d", "ejected")]);
+        assert_eq!(plan(&joining, &lost(&["c"]), 3), Some(Step::Wait), "the new copy rebuilds first");
+        let rebuilding = view(&[("a", "primary"), ("b", "in-sync"), ("c", "ejected"), ("d", "rebuilding")]);
+        assert_eq!(plan(&rebuilding, &lost(&["c"]), 3), Some(Step::Wait));
+        let rebuilt = view(&[("a", "primary"), ("b", "in-sync"), ("c", "ejected"), ("d", "in-sync")]);
+        assert_eq!(plan(&rebuilt, &lost(&["c"]), 3), Some(Step::Remove("c".into())));
+    }
+
+    #[test]
+    fn two_copies_keep_their_witness() {
+        let w = view(&[("a", "primary"), ("b", "in-sync"), ("w", "witness")]);
+        assert_eq!(plan(&w, &lost(&["w"]), 2), Some(Step::AddWitness));
+        assert_eq!(plan(&w, &lost(&["b"]), 2), Some(Step::AddCopy));
+        let replaced = view(&[("a", "primary"), ("b", "in-sync"), ("w", "witness"), ("x", "witness")]);
+        assert_eq!(plan(&replaced, &lost(&["w"]), 2), Some(Step::Remove("w".into())));
+        // Both of the lost go, one per pass, once their places are taken.
+        let both = view(&[("a", "primary"), ("b", "ejected"), ("w", "witness"), ("c", "in-sync"), ("x", "witness")]);
+        assert_eq!(plan(&both, &lost(&["b", "w"]), 2), Some(Step::Remove("b".into())));
+    }
+
+    #[test]
+    fn the_affinity_names_each_copy() {
+        let nodes: BTreeSet<String> = ["node-a", "node-d"].map(str::to_owned).into();
+        let pv = PersistentVolume {
+            spec: Some(k8s_openapi::api::core::v1::PersistentVolumeSpec {
+                node_affinity: Some(affinity(&nodes)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(affinity_nodes(&pv), nodes);
+        assert!(affinity_nodes(&PersistentVolume::default()).is_empty());
+    }
+}
