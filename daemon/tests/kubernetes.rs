@@ -176,64 +176,22 @@ impl Cluster {
             cp.ok(&["apply", "-n", "backup-app-namespace", "-f", &f.display().to_string()]);
         }
 
-        let nodes: Vec<Node> = NODES
-            .iter()
-            .enumerate()
-            .map(|(i, n)| Node {
-                name: (*n).to_owned(),
-                root: dir.join("nodes").join(n),
-                ip: sw.ip[i].clone(),
-                netns: sw.ns[i].clone(),
-            })
-            .collect();
-        let mut loops = Vec::new();
-        for (i, node) in nodes.iter().enumerate() {
-            // What the kubelet publishes for the node, and what the administrator adds: the
-            // device of its pool, and the opt-in to format it.
-            let mut annotations = json!({});
-            if i == DEVICE_NODE {
-                let l = Loop::new(&dir.join("node-c-pool.img"), "2G");
-                annotations = json!({"pool.ferrite.dev/device": l.0, "pool.ferrite.dev/format": "true"});
-                loops.push(l);
-            }
-            cp.apply(
-                &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "annotations": annotations,
-                    "labels": {"kubernetes.io/hostname": node.name, "topology.ferrite.dev/node": node.name}}})
-                .to_string(),
-            );
-            // The node's own certificate, put in /etc/ferrite/tls as docs/kubernetes.md says.
-            common::csi::certs(&pki, &node.name, &[&node.ip, "ferrite-node.ferrite.svc"]);
-            install_node_cert(&pki, node);
-        }
         let mut c = Self {
             cp,
             sw,
-            nodes,
+            nodes: Vec::new(),
             daemon_pods: Vec::new(),
             plugin_pods: Vec::new(),
             controller: None,
             daemons: Vec::new(),
             sidecars: Vec::new(),
             pki,
-            loops,
+            loops: Vec::new(),
         };
-        for i in 0..NODES.len() {
-            let d = c.start_daemon_pod(i);
-            c.daemon_pods.push(d);
-            c.daemons.push(Daemon { dir: c.nodes[i].host("/run/ferrite"), child: None });
-            let p = c.start_plugin_pod(i);
-            c.plugin_pods.push(p);
+        for n in NODES {
+            c.add_node(dir, n);
         }
-        c.cp.wait("the node Service's EndpointSlices to list every node", LONG, |cp| {
-            let s = cp.get(&["endpointslices", "-n", NS, "-l", "kubernetes.io/service-name=ferrite-node"]);
-            let listed = s["items"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default());
-            let listed: Vec<String> = listed.filter_map(|e| e["nodeName"].as_str().map(str::to_owned)).collect();
-            NODES.iter().all(|n| listed.iter().any(|l| l == n))
-        });
+        c.listed();
         // Failover waits a minute by default; the tier's nodes are lost on purpose.
         let mut dep = c.cp.get(&["deployment", "ferrite-controller", "-n", NS]);
         let containers = dep["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
@@ -245,6 +203,54 @@ impl Cluster {
         c.cp.apply(&dep.to_string());
         c.start_controller();
         c
+    }
+
+    /// Node `name` joins: its Node object (what the kubelet publishes, and what the administrator
+    /// adds: node-c's pool is a device its annotation names, formatted on opt-in), its
+    /// certificate in /etc/ferrite/tls as docs/kubernetes.md says, its daemon and node plugin pods.
+    /// The switch has a host for it.
+    fn add_node(&mut self, dir: &Path, name: &str) {
+        let i = self.nodes.len();
+        let node = Node {
+            name: name.to_owned(),
+            root: dir.join("nodes").join(name),
+            ip: self.sw.ip[i].clone(),
+            netns: self.sw.ns[i].clone(),
+        };
+        let mut annotations = json!({});
+        if i == DEVICE_NODE {
+            let l = Loop::new(&dir.join("node-c-pool.img"), "2G");
+            annotations = json!({"pool.ferrite.dev/device": l.0, "pool.ferrite.dev/format": "true"});
+            self.loops.push(l);
+        }
+        self.cp.apply(
+            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "annotations": annotations,
+                "labels": {"kubernetes.io/hostname": name, "topology.ferrite.dev/node": name}}})
+            .to_string(),
+        );
+        common::csi::certs(&self.pki, name, &[&node.ip, "ferrite-node.ferrite.svc"]);
+        install_node_cert(&self.pki, &node);
+        self.nodes.push(node);
+        let d = self.start_daemon_pod(i);
+        self.daemon_pods.push(d);
+        self.daemons.push(Daemon { dir: self.nodes[i].host("/run/ferrite"), child: None });
+        let p = self.start_plugin_pod(i);
+        self.plugin_pods.push(p);
+    }
+
+    /// Waits for the node Service's EndpointSlices (the controller's directory) to list every node.
+    fn listed(&mut self) {
+        let names: Vec<String> = self.nodes.iter().map(|n| n.name.clone()).collect();
+        self.cp.wait("the node Service's EndpointSlices to list every node", LONG, |cp| {
+            let s = cp.get(&["endpointslices", "-n", NS, "-l", "kubernetes.io/service-name=ferrite-node"]);
+            let listed = s["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default());
+            let listed: Vec<String> = listed.filter_map(|e| e["nodeName"].as_str().map(str::to_owned)).collect();
+            names.iter().all(|n| listed.contains(n))
+        });
     }
 
     /// The data-path DaemonSet's pod on node `i`: its init container, then the daemon (host
@@ -522,7 +528,7 @@ impl Cluster {
     }
 
     fn daemon(&self, node: &str) -> &Daemon {
-        &self.daemons[NODES.iter().position(|n| *n == node).unwrap()]
+        &self.daemons[self.nodes.iter().position(|n| n.name == node).unwrap()]
     }
 
     fn wait_field(&mut self, what: &str, args: &[&str], ok: impl Fn(&Value) -> bool) -> Value {
@@ -554,7 +560,8 @@ fn pattern(len: usize) -> Vec<u8> {
 #[test]
 fn ferrite_on_kubernetes() {
     let Some(bin) = binaries() else { return };
-    let Some(sw) = Switch::new(NODES.len()) else { return };
+    // A spare host for the node that joins late (failover (i)).
+    let Some(sw) = Switch::new(NODES.len() + 1) else { return };
     if !common::have("fio") {
         return;
     }
@@ -587,6 +594,13 @@ fn ferrite_on_kubernetes() {
     // A claim that names a VolumeAttributesClass from the start (the provisioner reads it).
     claim(&c.cp, "gold", "node-c", "32Mi", None, json!({}), json!({"volumeAttributesClassName": "ferrite-gold"}));
     // A replicated class: a copy on every node, the primary where the scheduler put the claim.
+    // The shipped class, its lost copies replaced after 20 s rather than minutes (failover (i)).
+    let mut class = c.cp.get(&["storageclass", "ferrite-replicated"]);
+    assert_eq!(class["parameters"]["replace-after"], "5m", "{class}");
+    class["parameters"]["replace-after"] = json!("20s");
+    class["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name");
+    c.cp.ok(&["delete", "storageclass", "ferrite-replicated"]);
+    c.cp.apply(&class.to_string());
     claim(&c.cp, "triple", "node-b", "32Mi", None, json!({}), json!({"storageClassName": "ferrite-replicated"}));
     let triple = c.bound("triple");
     let (node, triple_vol) = triple.split_once('/').unwrap();
@@ -847,6 +861,9 @@ fn ferrite_on_kubernetes() {
     failover::cordoned(&mut c, triple_vol, &triple_pv, Some(&second));
     second.kill(&mut c.cp);
     let deleted = failover::node_deleted(&mut c, triple_vol, &triple_pv);
+    c.add_node(dir.path(), "node-d");
+    c.listed();
+    failover::copy_replaced(&mut c, triple_vol, &triple_pv, deleted, "node-d");
 
     println!("== deletes clean up");
     for (kind, name) in [
@@ -870,7 +887,9 @@ fn ferrite_on_kubernetes() {
     // The deleted node's daemon is gone with it; the copies of the triple volume on the others
     // went with its claim.
     assert_eq!(deleted, "node-c");
-    assert!(volumes(c.daemon("node-b")).iter().all(|v| v != triple_vol), "node-b keeps a copy of {triple_vol}");
+    for n in ["node-b", "node-d"] {
+        assert!(volumes(c.daemon(n)).iter().all(|v| v != triple_vol), "{n} keeps a copy of {triple_vol}");
+    }
 
     println!("== no component was refused by RBAC");
     for log in &c.sidecars {

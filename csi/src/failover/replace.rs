@@ -14,6 +14,9 @@
 //! the new affinity and its own policy. The claim keeps its binding (the PV controller binds a
 //! PV whose claimRef names the claim's uid), attachments name the PV by name.
 //!
+//! A replaced copy whose node comes back still holds the membership it was removed from: the
+//! primary sends it the current one (it forgets the old), and the copy is deleted.
+//!
 //! The controller keeps no state but when it first saw each member lost: after a restart (or a
 //! new leader) the delay starts over, which only ever makes a replacement later.
 
@@ -158,6 +161,28 @@ impl Failover {
             }
         }
         self.lost_since.lock().expect("not poisoned").retain(|k, _| seen.contains(k));
+        // Copies the current membership no longer has (replaced while their node was away).
+        for (node, v) in views.iter().flat_map(|(n, vs)| vs.iter().map(move |v| (n.as_str(), v))) {
+            let Some((primary, current)) = primaries.get(v.volume.as_str()).copied() else { continue };
+            let Some(me) = self.dir.admin_endpoint(node) else { continue };
+            if node != primary && v.generation < current.generation && current.members.iter().all(|m| m.endpoint != me) {
+                if let Err(e) = self.forget(primary, node, &me, &v.volume).await {
+                    tracing::warn!(volume = %v.volume, node, "deleting a copy that was replaced: {e:#}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes the copy of `volume` on `node` (at `endpoint`) that is no member any more: its
+    /// primary tells it first, so that it forgets the membership it still holds.
+    async fn forget(&self, primary: &str, node: &str, endpoint: &str, volume: &str) -> anyhow::Result<()> {
+        let r = pb::RemoveSyncReplicaRequest { volume: volume.to_owned(), peer: endpoint.to_owned() };
+        admin(&*self.dir, primary).await?.remove_sync_replica(r).await?;
+        admin(&*self.dir, node).await?.delete_volume(pb::DeleteVolumeRequest { name: volume.to_owned() }).await?;
+        let note = format!("the copy on {node} had been replaced while its node was away: deleted");
+        tracing::warn!(volume, "{note}");
+        self.event(volume, None, EventType::Normal, "CopyReplaced", "Replace", note).await;
         Ok(())
     }
 
@@ -247,6 +272,8 @@ impl Failover {
             "spec": {"persistentVolumeReclaimPolicy": "Retain"},
         });
         api.patch(&name, &PatchParams::default(), &Patch::Merge(&keep)).await?;
+        // What to restore by hand should this process die before the create below.
+        tracing::warn!(pv = %name, object = %serde_json::to_string(pv).unwrap_or_default(), "re-creating a PersistentVolume");
         let uid = pv.uid();
         match api.delete(&name, &DeleteParams::default()).await {
             Ok(_) => {}
@@ -280,7 +307,16 @@ impl Failover {
             c.resource_version = None;
         }
         again.spec = Some(spec);
-        api.create(&PostParams::default(), &again).await?;
+        // The claim is Lost until the PV is back: a failed create is tried again at once.
+        let mut tries = 0;
+        while let Err(e) = api.create(&PostParams::default(), &again).await {
+            tries += 1;
+            if tries == 10 {
+                return Err(e.into());
+            }
+            tracing::warn!(pv = %name, "creating the PersistentVolume again: {e}");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
         tracing::warn!(pv = %name, "PersistentVolume re-created with the copies' affinity");
         Ok(())
     }

@@ -134,7 +134,8 @@ impl SyncHub {
         let _c = primary.change.lock().await;
         let old = primary.record();
         if old.member(peer).is_none() {
-            return Err(Status::not_found(format!("{peer} is not a member of {volume:?}")));
+            drop((_c, hold));
+            return self.tell_removed(&old, peer).await;
         }
         let mut next = old.clone();
         next.generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
@@ -155,6 +156,27 @@ impl SyncHub {
         self.drop_marks(volume).await;
         drop((_c, hold));
         Ok(SyncVolume { volume: volume.to_owned(), generation: next.generation, ..Default::default() })
+    }
+
+    /// A former member (`peer`, not in `current`) that still holds an older membership of the
+    /// volume (it was away when it was removed: a replaced copy whose node came back) gets the
+    /// current one, in which it is no member: it forgets the membership, and its copy stays
+    /// there read-only, to be deleted. NotFound when it holds none.
+    async fn tell_removed(self: &Arc<Self>, current: &Membership, peer: &str) -> Result<SyncVolume, Status> {
+        let volume = &current.volume;
+        let held = self.held_at(peer, volume).await.map_err(|e| {
+            Status::not_found(format!("{peer} is not a member of {volume:?} and holds no membership of it: {e}"))
+        })?;
+        if !current.outranks(&held) {
+            return Err(Status::failed_precondition(format!(
+                "{peer} holds generation {} of {volume:?}, not older than this one's {}",
+                held.generation, current.generation
+            )));
+        }
+        let mut c = self.client(peer).await?;
+        c.record(current.to_proto()).await.map_err(crate::replica::send::at_peer(peer))?;
+        tracing::info!(volume, member = peer, held = held.generation, "a removed member that came back forgot the membership");
+        Ok(self.view(volume).expect("a primary here"))
     }
 
     /// Grows every copy of `volume` (primary here) to `new_size` before the primary's own: the

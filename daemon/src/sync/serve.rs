@@ -101,13 +101,22 @@ impl MirrorService {
     }
 
     /// A membership without this member, from its primary (checked by the caller) in a later
-    /// generation: it was removed, and forgets the volume's membership (the copy stays).
+    /// generation: it was removed, and forgets the volume's membership (the copy stays). The
+    /// primary is the one held here, or a member in sync here (promoted while this member was
+    /// away), or this daemon was the primary and takes no writes: the same primaries whose
+    /// memberships it would take as a member.
     async fn removed(&self, next: Membership) -> Result<Response<RecordReply>, Status> {
         let hub = &self.0;
         let _op = hub.op_lock(&next.volume);
         let _op = _op.lock().await;
+        let from_its_primary = |h: &Membership| {
+            h.primary == next.primary
+                || h.state_of(&next.primary) == Some(State::InSync)
+                || (h.primary == hub.me && hub.primary(&next.volume).is_none_or(|p| p.refused().is_some()))
+        };
         match hub.records.get(&next.volume) {
-            Some(h) if h.primary == next.primary && next.outranks(&h) => {
+            Some(h) if from_its_primary(&h) && next.outranks(&h) => {
+                hub.step_down(&next.volume, "removed from the synchronous members");
                 hub.records.set(&next.volume, None)?;
                 hub.drop_marks(&next.volume).await;
                 tracing::info!(volume = %next.volume, generation = next.generation, primary = %next.primary,

@@ -534,3 +534,48 @@ pub fn node_deleted(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
     workload_back(c, vol, pv, other, fault, "after-h");
     lost
 }
+
+/// (i) A node joins after `lost`'s Node was deleted: the copy `lost` held, gone past the class's
+/// `replace-after`, is replaced on `new` (added, rebuilt, then the lost member removed), and the
+/// PV's node affinity follows the copies while its claim stays bound.
+pub fn copy_replaced(c: &mut Cluster, vol: &str, pv: &str, lost: &str, new: &str) {
+    println!("== (i) {new} joins; the copy {lost} held is replaced there");
+    let ip = |c: &Cluster, n: &str| c.nodes.iter().find(|x| x.name == n).unwrap().ip.clone();
+    let (lost_ip, new_ip) = (format!("tcp://{}:", ip(c, lost)), format!("tcp://{}:", ip(c, new)));
+    let start = Instant::now();
+    let survivors: Vec<&str> = ["node-a", "node-b", new].into_iter().filter(|n| *n != lost).collect();
+    let mut members = json!(null);
+    let at: Vec<usize> = survivors.iter().map(|n| c.nodes.iter().position(|x| x.name == *n).unwrap()).collect();
+    let daemons: Vec<&Daemon> = at.iter().map(|i| &c.daemons[*i]).collect();
+    c.cp.wait(&format!("a copy on {new} in sync, and {lost}'s member removed"), LONG, |_| {
+        let Some(p) = daemons.iter().map(|d| d.json(&["replica", "status", vol])).find(|s| s["role"] == "primary")
+        else {
+            return false;
+        };
+        members = p["members"].clone();
+        let m = members.as_array().unwrap();
+        let at = |ip: &str, m: &serde_json::Value| m["endpoint"].as_str().unwrap().starts_with(ip);
+        m.len() == 3
+            && m.iter().any(|m| at(&new_ip, m) && m["state"] == "in-sync")
+            && !m.iter().any(|m| at(&lost_ip, m))
+    });
+    println!("   replaced {:?} after {new} joined: {members}", start.elapsed());
+    assert!(super::volumes(c.daemon(new)).contains(&vol.to_owned()), "{new} holds no copy of {vol}");
+    let terms =
+        |c: &mut Cluster| c.cp.get(&["pv", pv])["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"].to_string();
+    c.cp.wait("the PV's affinity to name the copies", LONG, |cp| {
+        let t = cp.get(&["pv", pv])["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"].to_string();
+        survivors.iter().all(|n| t.contains(&format!("\"{n}\""))) && !t.contains(&format!("\"{lost}\""))
+    });
+    println!("   the PV's affinity: {}", terms(c));
+    let p = c.cp.get(&["pv", pv]);
+    assert_eq!(p["spec"]["persistentVolumeReclaimPolicy"], "Delete", "{p}");
+    let claim = p["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
+    c.cp.wait("the claim to stay bound to its PV", LONG, |cp| {
+        let v = cp.get(&["pvc", &claim]);
+        v["status"]["phase"] == "Bound" && v["spec"]["volumeName"] == pv
+    });
+    c.cp.wait("the PV to be bound again", LONG, |cp| cp.get(&["pv", pv])["status"]["phase"] == "Bound");
+    let said = events(&c.cp, pv, "CopyReplaced");
+    assert!(said.iter().any(|n| n.contains(new)), "{said:?}");
+}
