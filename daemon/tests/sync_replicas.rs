@@ -345,6 +345,44 @@ fn members_are_removed_and_without_them_the_volume_is_local_again() {
     d[0].ok(&["volume", "delete", "v"]);
 }
 
+/// A copy replaced while its host was down (a copy added elsewhere, then it removed) still
+/// holds the old membership when it comes back: removing it again on the primary tells it, it
+/// forgets the membership, and its copy can be deleted. A host that holds nothing is NotFound.
+#[test]
+fn a_replaced_member_that_comes_back_forgets_the_membership() {
+    let root = tempfile::tempdir().unwrap();
+    let Some((sw, mut d)) = cluster(4, root.path(), TIMEOUT) else { return };
+    let (e1, e2, e3) = (sw.endpoint(1), sw.endpoint(2), sw.endpoint(3));
+    d[0].ok(&["volume", "create", "v", "16M", "--replicas", "3", "--peer", &e1, "--peer", &e2]);
+    d[0].ok(&["export", "nbd", "v"]);
+    let mut c = connect(&d[0].nbd(), "v");
+    assert_eq!(fua_write(&mut c, 0, &pattern(1, 4096)), 0);
+    d[2].crash();
+    assert_eq!(fua_write(&mut c, 4096, &pattern(2, 4096)), 0);
+    let o = d[0].cli(&["replica", "remove", "v", &e3]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("holds no membership"));
+    // Replaced: a copy on host 3 first, then host 2 removed (3 of the 4 members record it).
+    d[0].ok(&["replica", "add", "v", &e3, "--sync"]);
+    until("the new copy is in sync", 60, || state_of(&d[0], "v", &e3) == "in-sync");
+    d[0].ok(&["replica", "remove", "v", &e2]);
+    assert_eq!(fua_write(&mut c, 8192, &pattern(3, 4096)), 0);
+    let now = status(&d[0], "v")["generation"].as_u64().unwrap();
+
+    d[2] = sw.daemon(2, root.path(), TIMEOUT);
+    let held = status(&d[2], "v");
+    assert!(held["generation"].as_u64().unwrap() < now, "{held}");
+    let o = d[2].cli(&["volume", "delete", "v"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("remove them first"));
+    d[0].ok(&["replica", "remove", "v", &e2]);
+    assert!(d[2].json(&["replica", "status"]).to_string().find("\"v\"").is_none(), "host 2 still lists v");
+    d[2].ok(&["volume", "delete", "v"]);
+    // The membership is unchanged, and writes go on.
+    assert_eq!(status(&d[0], "v")["generation"].as_u64().unwrap(), now);
+    assert_eq!(fua_write(&mut c, 12288, &pattern(4, 4096)), 0);
+    drop(c);
+    assert!(read_image(&d[3], "v", 16 * MIB) == read_image(&d[0], "v", 16 * MIB), "the new copy differs");
+}
+
 #[test]
 fn a_killed_primary_loses_no_acknowledged_flushed_write() {
     let root = tempfile::tempdir().unwrap();

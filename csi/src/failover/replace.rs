@@ -162,13 +162,20 @@ impl Failover {
         }
         self.lost_since.lock().expect("not poisoned").retain(|k, _| seen.contains(k));
         // Copies the current membership no longer has (replaced while their node was away).
-        for (node, v) in views.iter().flat_map(|(n, vs)| vs.iter().map(move |v| (n.as_str(), v))) {
-            let Some((primary, current)) = primaries.get(v.volume.as_str()).copied() else { continue };
+        let mut stale = Vec::new();
+        for (node, vs) in &views {
             let Some(me) = self.dir.admin_endpoint(node) else { continue };
-            if node != primary && v.generation < current.generation && current.members.iter().all(|m| m.endpoint != me) {
-                if let Err(e) = self.forget(primary, node, &me, &v.volume).await {
-                    tracing::warn!(volume = %v.volume, node, "deleting a copy that was replaced: {e:#}");
+            for v in vs {
+                let Some((primary, current)) = primaries.get(v.volume.as_str()) else { continue };
+                let member = current.members.iter().any(|m| m.endpoint == me);
+                if node != primary && v.generation < current.generation && !member {
+                    stale.push(((*primary).to_owned(), node.clone(), me.clone(), v.volume.clone()));
                 }
+            }
+        }
+        for (primary, node, me, volume) in stale {
+            if let Err(e) = self.forget(&primary, &node, &me, &volume).await {
+                tracing::warn!(volume, node, "deleting a copy that was replaced: {e:#}");
             }
         }
         Ok(())

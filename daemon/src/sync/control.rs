@@ -175,7 +175,12 @@ impl SyncHub {
         }
         let mut c = self.client(peer).await?;
         c.record(current.to_proto()).await.map_err(crate::replica::send::at_peer(peer))?;
-        tracing::info!(volume, member = peer, held = held.generation, "a removed member that came back forgot the membership");
+        tracing::info!(
+            volume,
+            member = peer,
+            held = held.generation,
+            "a removed member that came back forgot the membership"
+        );
         Ok(self.view(volume).expect("a primary here"))
     }
 
