@@ -217,25 +217,32 @@ impl Cluster {
             ip: self.sw.ip[i].clone(),
             netns: self.sw.ns[i].clone(),
         };
-        let mut annotations = json!({});
         if i == DEVICE_NODE {
-            let l = Loop::new(&dir.join("node-c-pool.img"), "2G");
-            annotations = json!({"pool.ferrite.dev/device": l.0, "pool.ferrite.dev/format": "true"});
-            self.loops.push(l);
+            self.loops.push(Loop::new(&dir.join("node-c-pool.img"), "2G"));
         }
-        self.cp.apply(
-            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "annotations": annotations,
-                "labels": {"kubernetes.io/hostname": name, "topology.ferrite.dev/node": name}}})
-            .to_string(),
-        );
         common::csi::certs(&self.pki, name, &[&node.ip, "ferrite-node.ferrite.svc"]);
         install_node_cert(&self.pki, &node);
         self.nodes.push(node);
+        self.register(i);
         let d = self.start_daemon_pod(i);
         self.daemon_pods.push(d);
         self.daemons.push(Daemon { dir: self.nodes[i].host("/run/ferrite"), child: None });
         let p = self.start_plugin_pod(i);
         self.plugin_pods.push(p);
+    }
+
+    /// Node `i`'s Node object, as its kubelet registers it.
+    fn register(&mut self, i: usize) {
+        let name = &self.nodes[i].name;
+        let annotations = match i {
+            DEVICE_NODE => json!({"pool.ferrite.dev/device": self.loops[0].0, "pool.ferrite.dev/format": "true"}),
+            _ => json!({}),
+        };
+        self.cp.apply(
+            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "annotations": annotations,
+                "labels": {"kubernetes.io/hostname": name, "topology.ferrite.dev/node": name}}})
+            .to_string(),
+        );
     }
 
     /// Waits for the node Service's EndpointSlices (the controller's directory) to list every node.
@@ -864,6 +871,7 @@ fn ferrite_on_kubernetes() {
     c.add_node(dir.path(), "node-d");
     c.listed();
     failover::copy_replaced(&mut c, triple_vol, &triple_pv, deleted, "node-d");
+    failover::deleted_node_returns(&mut c, triple_vol, &triple_pv, deleted);
 
     println!("== deletes clean up");
     for (kind, name) in [

@@ -579,3 +579,27 @@ pub fn copy_replaced(c: &mut Cluster, vol: &str, pv: &str, lost: &str, new: &str
     let said = events(&c.cp, pv, "CopyReplaced");
     assert!(said.iter().any(|n| n.contains(new)), "{said:?}");
 }
+
+/// (j) The deleted node's machine registers again under its name, with the copy it held: the
+/// Node is adopted as fenced (failover fenced its address), the copy that was replaced while
+/// it was away is told so by the primary and deleted, and with no membership left to rebuild,
+/// the fence, annotation and taints are lifted.
+pub fn deleted_node_returns(c: &mut Cluster, vol: &str, pv: &str, lost: &str) {
+    println!("== (j) {lost} registers again with the copy that was replaced");
+    let i = NODES.iter().position(|n| *n == lost).unwrap();
+    let block = format!("{}/32", c.nodes[i].ip);
+    let start = Instant::now();
+    c.register(i);
+    set_ready(c, lost, true);
+    c.daemon_pods[i] = c.start_daemon_pod(i);
+    c.listed();
+    let daemons = &c.daemons;
+    c.cp.wait(&format!("{lost}'s replaced copy deleted and its fence lifted"), LONG, |cp| {
+        let fenced = daemons.iter().enumerate().any(|(j, d)| j != i && d.ok(&["fence", "list"]).contains(&block));
+        let annotated = cp.get(&["node", lost])["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_string();
+        !fenced && !annotated && ours(cp, lost).is_empty() && !super::volumes(&daemons[i]).contains(&vol.to_owned())
+    });
+    println!("   {:?} after it registered", start.elapsed());
+    let said = events(&c.cp, pv, "CopyReplaced");
+    assert!(said.iter().any(|n| n.contains(&format!("copy on {lost} had been replaced"))), "{said:?}");
+}
