@@ -216,9 +216,21 @@ impl csi::controller_server::Controller for Controller {
         let clone_of = match source.as_ref().and_then(|s| s.r#type.as_ref()) {
             None => None,
             Some(csi::volume_content_source::Type::Snapshot(s)) => {
-                let (node, snap) = ids::parse(&s.snapshot_id)
+                // A replicated volume's snapshot is on each copy: the holder the topology
+                // prefers, else any.
+                let named: Vec<&String> = r
+                    .accessibility_requirements
+                    .iter()
+                    .flat_map(|t| t.preferred.iter().chain(&t.requisite))
+                    .filter_map(|t| t.segments.get(TOPOLOGY_KEY))
+                    .collect();
+                let (mut at, name, _) = crate::snapshots::holders(&*self.nodes, &s.snapshot_id).await?;
+                at.sort_by_key(|n| named.iter().position(|x| *x == n).unwrap_or(usize::MAX));
+                let node = at
+                    .into_iter()
+                    .next()
                     .ok_or_else(|| Status::not_found(format!("snapshot {:?} does not exist", s.snapshot_id)))?;
-                Some((node.to_owned(), pb::clone_volume_request::Source::Snapshot(snap.to_owned())))
+                Some((node, pb::clone_volume_request::Source::Snapshot(name)))
             }
             Some(csi::volume_content_source::Type::Volume(v)) => {
                 // Where the source is served now (a replicated volume's primary).

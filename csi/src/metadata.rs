@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::args::require;
 use crate::ids;
@@ -30,17 +30,26 @@ pub struct SnapshotMetadata {
     pub nodes: Arc<dyn NodeDirectory>,
 }
 
-/// A snapshot a request names: its node, its engine name, and what the daemon says of it.
-async fn snapshot(dir: &dyn NodeDirectory, field: &str, id: &str) -> Result<(String, pb::Snapshot), Status> {
+/// A snapshot a request names: a node holding it (`on` when given and it does: a replicated
+/// volume's snapshots are on each copy), and what the daemon says of it.
+async fn snapshot(
+    dir: &dyn NodeDirectory,
+    field: &str,
+    id: &str,
+    on: Option<&str>,
+) -> Result<(String, pb::Snapshot), Status> {
     require(field, id)?;
-    let not_found = || Status::not_found(format!("snapshot {id:?} does not exist"));
-    let (node, name) = ids::parse(id).ok_or_else(not_found)?;
-    if dir.admin_endpoint(node).is_none() {
-        return Err(not_found());
+    if let Some(node) = on
+        && let Some((at, name)) = ids::parse(id).filter(|(at, _)| *at == ids::ANY || at == &node)
+    {
+        let name = name.to_owned();
+        match admin(dir, node).await?.get_snapshot(pb::GetSnapshotRequest { name }).await {
+            Ok(s) => return Ok((node.to_owned(), s.into_inner())),
+            Err(s) if s.code() == Code::NotFound && at == ids::ANY => {}
+            Err(s) => return Err(s),
+        }
     }
-    let mut c = admin(dir, node).await?;
-    let s = c.get_snapshot(pb::GetSnapshotRequest { name: name.to_owned() }).await?.into_inner();
-    Ok((node.to_owned(), s))
+    crate::snapshots::holder(dir, id).await
 }
 
 /// `ranges` from byte `start` on (a range across it cut there), as pages of at most `max`
@@ -95,11 +104,11 @@ impl SnapshotMetadata {
     ) -> Result<(u64, u64, Vec<pb::Range>), Status> {
         let dir = &*self.nodes;
         let field = if base.is_some() { "target_snapshot_id" } else { "snapshot_id" };
-        let (node, t) = snapshot(dir, field, target).await?;
+        let (node, t) = snapshot(dir, field, target, None).await?;
         let since = match base {
             None => String::new(),
             Some(b) => {
-                let (base_node, b) = snapshot(dir, "base_snapshot_id", b).await?;
+                let (base_node, b) = snapshot(dir, "base_snapshot_id", b, Some(&node)).await?;
                 if base_node != node || b.volume_id != t.volume_id {
                     return Err(Status::invalid_argument(format!(
                         "snapshots {:?} and {target:?} are not of one volume",

@@ -1,4 +1,7 @@
-//! CSI snapshots: the engine's O(1) snapshots, ids `<node>/<snapshot>` like volumes.
+//! CSI snapshots: the engine's O(1) snapshots, ids `<node>/<snapshot>` like volumes. A
+//! replicated volume's snapshot is taken on every copy at one point of its writes (the
+//! daemons do it), so its id names no node either (`_/<snapshot>`): it is found on any node that
+//! holds it, and outlives the node it was taken on.
 
 use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
@@ -7,7 +10,12 @@ use tonic::{Code, Status};
 use crate::args::{no_parameters, paginate, require};
 use crate::controller::Controller;
 use crate::ids;
-use crate::nodes::admin;
+use crate::nodes::{NodeDirectory, admin, scan};
+
+/// The request that lists `volume`'s synchronous membership (none: a local volume).
+fn sync_of(volume: &str) -> pb::ListReplicationsRequest {
+    pb::ListReplicationsRequest { volume: volume.to_owned() }
+}
 
 pub(crate) fn snapshot_msg(node: &str, s: &pb::Snapshot) -> csi::Snapshot {
     csi::Snapshot {
@@ -33,6 +41,47 @@ fn is_mark(s: &pb::Snapshot) -> bool {
         .is_some_and(|ms| !ms.is_empty() && ms.bytes().all(|b| b.is_ascii_digit()))
 }
 
+/// The nodes that hold snapshot `id` (for an id naming a node, that one if the directory knows
+/// it), its engine name, and the nodes that did not answer; NotFound for an id we never made.
+pub(crate) async fn holders(dir: &dyn NodeDirectory, id: &str) -> Result<(Vec<String>, String, Vec<String>), Status> {
+    let (node, name) = ids::parse(id).ok_or_else(|| Status::not_found(format!("snapshot {id:?} does not exist")))?;
+    if node != ids::ANY {
+        let known = dir.admin_endpoint(node).is_some();
+        return Ok((if known { vec![node.to_owned()] } else { Vec::new() }, name.to_owned(), Vec::new()));
+    }
+    let found = scan(dir, dir.nodes(), |_, mut c| async move {
+        match c.get_snapshot(pb::GetSnapshotRequest { name: name.to_owned() }).await {
+            Ok(_) => Ok(true),
+            Err(s) if s.code() == Code::NotFound => Ok(false),
+            Err(s) => Err(s),
+        }
+    })
+    .await?;
+    let silent = found.silent.iter().map(|(n, _)| n.clone()).collect();
+    let mut at: Vec<String> = found.answers.into_iter().filter(|(_, held)| *held).map(|(n, _)| n).collect();
+    at.sort();
+    Ok((at, name.to_owned(), silent))
+}
+
+/// A node that holds snapshot `id`, a client there and the snapshot.
+pub(crate) async fn holder(dir: &dyn NodeDirectory, id: &str) -> Result<(String, pb::Snapshot), Status> {
+    let (at, name, silent) = holders(dir, id).await?;
+    for node in at {
+        match admin(dir, &node).await?.get_snapshot(pb::GetSnapshotRequest { name: name.clone() }).await {
+            Ok(s) => return Ok((node, s.into_inner())),
+            Err(s) if s.code() == Code::NotFound => {}
+            Err(s) => return Err(s),
+        }
+    }
+    match silent.is_empty() {
+        true => Err(Status::not_found(format!("snapshot {id:?} does not exist"))),
+        false => Err(Status::unavailable(format!(
+            "snapshot {id:?} was found on no node that answers; silent: {}",
+            silent.join(", ")
+        ))),
+    }
+}
+
 impl Controller {
     pub(crate) async fn create_snapshot_impl(&self, r: csi::CreateSnapshotRequest) -> Result<csi::Snapshot, Status> {
         require("name", &r.name)?;
@@ -46,10 +95,9 @@ impl Controller {
         for known in ids::engine_names(&r.name) {
             match c.get_snapshot(pb::GetSnapshotRequest { name: known }).await {
                 Ok(s) if s.get_ref().volume == volume => {
-                    return Ok(csi::Snapshot {
-                        source_volume_id: r.source_volume_id,
-                        ..snapshot_msg(node, s.get_ref())
-                    });
+                    let replicated = !c.list_sync_replicas(sync_of(volume)).await?.into_inner().volumes.is_empty();
+                    let at = if replicated { ids::ANY } else { node };
+                    return Ok(csi::Snapshot { source_volume_id: r.source_volume_id, ..snapshot_msg(at, s.get_ref()) });
                 }
                 Ok(_) => {
                     return Err(Status::already_exists(format!("snapshot {:?} exists for another volume", r.name)));
@@ -59,23 +107,37 @@ impl Controller {
             }
         }
         let s = c.create_snapshot(pb::CreateSnapshotRequest { volume: volume.to_owned(), name }).await?.into_inner();
-        tracing::info!(name = %r.name, snapshot_id = %ids::make(node, &s.name), "CSI snapshot created");
-        Ok(csi::Snapshot { source_volume_id: r.source_volume_id, ..snapshot_msg(node, &s) })
+        let replicated = !c.list_sync_replicas(sync_of(volume)).await?.into_inner().volumes.is_empty();
+        let at = if replicated { ids::ANY } else { node };
+        tracing::info!(name = %r.name, snapshot_id = %ids::make(at, &s.name), "CSI snapshot created");
+        Ok(csi::Snapshot { source_volume_id: r.source_volume_id, ..snapshot_msg(at, &s) })
     }
 
     pub(crate) async fn delete_snapshot_impl(&self, id: &str) -> Result<(), Status> {
         require("snapshot_id", id)?;
         let _busy = self.busy.begin(id)?;
-        let Some((node, name)) = ids::parse(id) else { return Ok(()) };
-        if self.nodes.admin_endpoint(node).is_none() {
-            return Ok(());
+        let (at, name, silent) = match holders(&*self.nodes, id).await {
+            Err(s) if s.code() == Code::NotFound => return Ok(()),
+            other => other?,
+        };
+        // Every copy goes, or none: a silent node may hold one (retried, as for volumes).
+        if !silent.is_empty() {
+            return Err(Status::unavailable(format!(
+                "snapshot {id:?}: {} did not answer; nothing was deleted, deletion is retried",
+                silent.join(", ")
+            )));
         }
-        let mut c = admin(&*self.nodes, node).await?;
-        match c.delete_snapshot(pb::DeleteSnapshotRequest { name: name.to_owned() }).await {
-            Ok(_) => Ok(()),
-            Err(s) if s.code() == Code::NotFound => Ok(()),
-            Err(s) => Err(s),
+        for node in at {
+            let mut c = admin(&*self.nodes, &node).await?;
+            match c.delete_snapshot(pb::DeleteSnapshotRequest { name: name.clone() }).await {
+                Ok(_) => {}
+                Err(s) if s.code() == Code::NotFound => {}
+                Err(s) => {
+                    return Err(Status::new(s.code(), format!("deleting snapshot {id:?} on {node}: {}", s.message())));
+                }
+            }
         }
+        Ok(())
     }
 
     pub(crate) async fn list_snapshots_impl(
@@ -105,17 +167,17 @@ impl Controller {
             list.retain(|s| snap.as_ref().is_none_or(|(_, name)| &s.name == name) && !is_mark(s));
             list.sort_by(|a, b| a.name.cmp(&b.name));
             let sync = c.list_sync_replicas(pb::ListReplicationsRequest::default()).await?.into_inner().volumes;
-            let msg = |s: &pb::Snapshot| {
-                let mut m = snapshot_msg(&node, s);
-                if sync.iter().any(|v| v.volume == s.volume) {
-                    m.source_volume_id = ids::make(ids::ANY, &s.volume);
-                }
-                m
+            let msg = |s: &pb::Snapshot| match sync.iter().any(|v| v.volume == s.volume) {
+                true => snapshot_msg(ids::ANY, s),
+                false => snapshot_msg(&node, s),
             };
             Ok(list.iter().map(msg).collect::<Vec<_>>())
         })
         .await?;
-        let all: Vec<_> = listed.answers.into_iter().flat_map(|(_, s)| s).collect();
+        // A replicated volume's snapshot is on each of its copies: listed once.
+        let mut all: Vec<csi::Snapshot> = listed.answers.into_iter().flat_map(|(_, s)| s).collect();
+        let mut seen = std::collections::BTreeSet::new();
+        all.retain(|s| seen.insert(s.snapshot_id.clone()));
         let (page, next_token) = paginate(all, r.max_entries, &r.starting_token)?;
         let entries = page.into_iter().map(|s| csi::list_snapshots_response::Entry { snapshot: Some(s) }).collect();
         Ok(csi::ListSnapshotsResponse { entries, next_token })
@@ -123,13 +185,8 @@ impl Controller {
 
     pub(crate) async fn get_snapshot_impl(&self, id: &str) -> Result<csi::Snapshot, Status> {
         require("snapshot_id", id)?;
-        let not_found = || Status::not_found(format!("snapshot {id:?} does not exist"));
-        let (node, name) = ids::parse(id).ok_or_else(not_found)?;
-        if self.nodes.admin_endpoint(node).is_none() {
-            return Err(not_found());
-        }
-        let mut c = admin(&*self.nodes, node).await?;
-        let s = c.get_snapshot(pb::GetSnapshotRequest { name: name.to_owned() }).await?.into_inner();
-        Ok(snapshot_msg(node, &s))
+        let (node, s) = holder(&*self.nodes, id).await?;
+        let at = if id.starts_with(&ids::make(ids::ANY, "")) { ids::ANY } else { node.as_str() };
+        Ok(snapshot_msg(at, &s))
     }
 }

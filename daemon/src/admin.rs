@@ -544,6 +544,20 @@ impl Admin for AdminService {
         let r = req.into_inner();
         require("volume", &r.volume)?;
         require("name", &r.name)?;
+        // A synchronous volume's snapshot is taken on every copy, at one point of its writes.
+        if let Some(primary) = self.sync.primary(&r.volume) {
+            let pool = Arc::clone(&self.pool);
+            let s = tokio::task::spawn_blocking(move || primary.snapshot(&pool, &r.name))
+                .await
+                .map_err(|e| Status::internal(format!("snapshot task failed: {e}")))??;
+            return Ok(Response::new(snapshot_msg(s)));
+        }
+        if let Some(m) = self.sync.records.get(&r.volume) {
+            return Err(Status::failed_precondition(format!(
+                "volume {:?} is a synchronous copy here: snapshot it on its primary, {}",
+                r.volume, m.primary
+            )));
+        }
         let s = self.engine(move |p| p.create_snapshot(&r.volume, &r.name)).await?;
         Ok(Response::new(snapshot_msg(s)))
     }

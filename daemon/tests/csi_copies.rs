@@ -152,9 +152,9 @@ async fn replicated_volumes_through_the_controller() {
         assert!(read_image(n, "r1", 32 << 20) == image, "a copy differs from the primary");
     }
 
-    println!("== a snapshot on the primary; a clone of it gets copies of its own");
+    println!("== a snapshot on every copy; a clone of it gets copies of its own");
     let snap = snapshot(&mut ctl, &v.volume_id, "s1").await;
-    assert_eq!(snap.snapshot_id, "node-b/s1");
+    assert_eq!(snap.snapshot_id, "_/s1");
     let mut r = replicated("r2", 32 * MIB, "node-b", "2");
     r.volume_content_source = Some(csi::VolumeContentSource {
         r#type: Some(csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
@@ -295,6 +295,14 @@ async fn a_replicated_volume_outlives_the_node_it_was_made_on() {
     assert_eq!(write_on(&mut connect(&b.nbd(), "r1"), 0, &data), 0);
     b.ok(&["export", "stop", "r1"]);
     in_sync(&b, "r1", 3);
+    // Taken on node-b, the primary, and at the same point on every copy.
+    let s0 = snapshot(&mut ctl, &v.volume_id, "s0").await;
+    assert_eq!(s0.snapshot_id, "_/s0", "a replicated volume's snapshot names no node");
+    for n in [&a, &b, &c] {
+        assert_eq!(n.json(&["snapshot", "show", "s0"])["volume"], "r1", "{:?} holds no copy of s0", n.dir);
+    }
+    let e = a.cli(&["snapshot", "create", "r1", "on-a-copy"]);
+    assert!(String::from_utf8_lossy(&e.stderr).contains("snapshot it on its primary"), "{e:?}");
 
     println!("== node-b's Node is deleted: its daemon gone, the directory without it");
     b.crash();
@@ -332,7 +340,41 @@ async fn a_replicated_volume_outlives_the_node_it_was_made_on() {
     .unwrap();
     assert_eq!(a.json(&["volume", "show", "r1"])["limits"]["iops"], 500);
     let snap = snapshot(&mut ctl, &old_id, "s1").await;
-    assert_eq!((snap.snapshot_id.as_str(), snap.source_volume_id.as_str()), ("node-a/s1", old_id.as_str()));
+    assert_eq!((snap.snapshot_id.as_str(), snap.source_volume_id.as_str()), ("_/s1", old_id.as_str()));
+
+    println!("== the snapshot taken before the primary's node went: listed once, restorable, its delta answers");
+    let list = ctl.list_snapshots(csi::ListSnapshotsRequest::default()).await.unwrap().into_inner().entries;
+    let ids: Vec<String> = list.iter().map(|e| e.snapshot.as_ref().unwrap().snapshot_id.clone()).collect();
+    assert_eq!(ids, ["_/s0", "_/s1"], "each snapshot once");
+    let mut from = create("from-s0", 16 * MIB, Some("node-c"));
+    from.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
+            snapshot_id: s0.snapshot_id.clone(),
+        })),
+    });
+    let restored = ctl.create_volume(from).await.unwrap().into_inner().volume.unwrap();
+    let (at, name) = restored.volume_id.split_once('/').unwrap();
+    let holder = if at == "node-a" { &a } else { &c };
+    assert!(read_image(holder, name, 1 << 20) == data, "the restored volume holds what s0 saw");
+    let mut md = ferrite_proto::csi::v1::snapshot_metadata_client::SnapshotMetadataClient::new(channel(&sock).await);
+    let req = csi::GetMetadataDeltaRequest {
+        base_snapshot_id: s0.snapshot_id.clone(),
+        target_snapshot_id: snap.snapshot_id.clone(),
+        ..Default::default()
+    };
+    let mut stream = md.get_metadata_delta(req).await.unwrap().into_inner();
+    let mut changed = 0;
+    while let Some(m) = stream.message().await.unwrap() {
+        changed += m.block_metadata.len();
+    }
+    assert_eq!(changed, 0, "nothing was written between s0 and s1");
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: restored.volume_id, ..Default::default() }).await.unwrap();
+    ctl.delete_snapshot(csi::DeleteSnapshotRequest { snapshot_id: s0.snapshot_id, ..Default::default() })
+        .await
+        .unwrap();
+    for n in [&a, &c] {
+        assert!(!n.cli(&["snapshot", "show", "s0"]).status.success(), "{:?} keeps s0", n.dir);
+    }
     let publish = |readonly| csi::ControllerPublishVolumeRequest {
         volume_id: old_id.clone(),
         node_id: "node-a".into(),

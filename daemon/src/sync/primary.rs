@@ -12,6 +12,7 @@ use ferrite_engine::{Error, ErrorKind, Mirror, MirrorOp, Pending};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{MirrorFlush, MirrorMark, MirrorMessage, MirrorTrim, MirrorWrite, MirrorZero};
 use prost::bytes::Bytes;
+use tonic::Status;
 
 use super::SyncHub;
 use super::link::{Acks, Link};
@@ -225,7 +226,7 @@ impl Primary {
         }
         let name = format!("{}{}", super::mark_prefix(&self.volume), crate::replica::now_ms());
         pool.create_snapshot(&self.volume, &name).map_err(|e| e.to_string())?;
-        let (links, acks) = self.send_all(Op::Mark(MirrorMark { snapshot: name.clone() }));
+        let (links, acks) = self.send_all(Op::Mark(MirrorMark { snapshot: name.clone(), kept: false }));
         let bad = acks.wait_until(Instant::now() + self.timeout);
         for (member, why) in &bad {
             hub.rt.block_on(self.eject(member, why))?;
@@ -239,6 +240,25 @@ impl Primary {
             }
         }
         Ok(name)
+    }
+
+    /// Takes snapshot `name` here and, at the same point of the stream, on every member with
+    /// one: the snapshot outlives this node. A member that cannot take it keeps streaming (a
+    /// snapshot is no part of what it must hold alike); which members hold it is logged.
+    /// Blocking.
+    pub fn snapshot(&self, pool: &ferrite_engine::Pool, name: &str) -> Result<ferrite_engine::SnapshotInfo, Status> {
+        let _pause = self.pause();
+        if let Some(why) = self.refused() {
+            return Err(Status::unavailable(why));
+        }
+        let s = pool.create_snapshot(&self.volume, name).map_err(crate::rpc::status)?;
+        let (links, acks) = self.send_all(Op::Mark(MirrorMark { snapshot: name.to_owned(), kept: true }));
+        let bad = acks.wait_until(Instant::now() + self.timeout);
+        for (member, why) in &bad {
+            tracing::warn!(volume = %self.volume, snapshot = name, member, why, "a copy did not take the snapshot");
+        }
+        tracing::info!(volume = %self.volume, snapshot = name, copies = 1 + links.len() - bad.len(), "snapshot taken on every copy");
+        Ok(s)
     }
 
     /// Sends `op` to every member with a stream: the streams, and their answers to come.

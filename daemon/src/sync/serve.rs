@@ -274,7 +274,11 @@ impl MirrorService {
             if let Op::Mark(m) = op {
                 // Every earlier request applied, none later (the primary waits for this ack).
                 let all = Arc::clone(&slots).acquire_many_owned(IN_FLIGHT).await.expect("never closed");
-                let error = self.0.take_mark(&s.volume_name, &m.snapshot).await.err().unwrap_or_default();
+                let taken = match m.kept {
+                    true => self.0.take_kept(&s.volume_name, &m.snapshot).await,
+                    false => self.0.take_mark(&s.volume_name, &m.snapshot).await,
+                };
+                let error = taken.err().unwrap_or_default();
                 drop(all);
                 let _ = tx.send(Ok(MirrorAck { seq: msg.seq, error, through: 0 })).await;
                 continue;
@@ -547,6 +551,16 @@ impl SyncHub {
             }
         }
         Ok(())
+    }
+
+    /// Takes the user's snapshot `name` of `volume`, at the point the primary took it.
+    async fn take_kept(&self, volume: &str, name: &str) -> Result<(), String> {
+        crate::replica::check_name("snapshot", name).map_err(|e| e.message().to_owned())?;
+        if name.starts_with(&super::mark_prefix(volume)) {
+            return Err(format!("{name:?} is a mark's name, not a snapshot's"));
+        }
+        let (pool, v, n) = (Arc::clone(&self.pool), volume.to_owned(), name.to_owned());
+        blocking(move || pool.create_snapshot(&v, &n).map(drop)).await.map_err(|e| e.message().to_owned())
     }
 
     /// A stream opened for a rebuild: the copy goes back to mark `base` (or, with none, holds
