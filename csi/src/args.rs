@@ -11,6 +11,9 @@ use crate::ids;
 
 /// Topology key naming the node a volume lives on.
 pub const TOPOLOGY_KEY: &str = "topology.ferrite.dev/node";
+/// Kubernetes' well-known topology labels, reported as segments where the node has them.
+pub const ZONE_KEY: &str = "topology.kubernetes.io/zone";
+pub const REGION_KEY: &str = "topology.kubernetes.io/region";
 
 pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
     if value.is_empty() {
@@ -23,16 +26,20 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
 /// except the metadata Kubernetes adds: `csi.storage.k8s.io/*` (the PVC or VolumeSnapshot name
 /// with `--extra-create-metadata`) and `storage.kubernetes.io/*` (the provisioner's identity in
 /// a PV's attributes, which CSI-Addons passes on as parameters).
-/// A StorageClass's own parameters, `replicas` and `replace-after`, are taken (and checked) wherever the class's
+/// A StorageClass's own parameters (`replicas`, `replace-after`, `remoteAccess`, `zoneSpread`) are taken (and checked) wherever the class's
 /// parameters come (CreateVolume, GetCapacity, ValidateVolumeCapabilities).
 pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
     crate::copies::replicas(params)?;
     crate::copies::replace_after(params)?;
+    crate::copies::remote_access(params)?;
+    crate::copies::zone_spread(params)?;
     let ours = |k: &&String| {
         !k.starts_with("csi.storage.k8s.io/")
             && !k.starts_with("storage.kubernetes.io/")
             && *k != crate::copies::REPLICAS
             && *k != crate::copies::REPLACE_AFTER
+            && *k != crate::copies::REMOTE_ACCESS
+            && *k != crate::copies::ZONE_SPREAD
             && *k != crate::encryption::ENCRYPTED
     };
     match params.keys().find(ours) {

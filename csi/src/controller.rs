@@ -138,6 +138,7 @@ impl Controller {
 
     /// Gives the volume on `node` its `n` copies (a replicated class): its id names no node, it
     /// is accessible where each copy is (publishing it to one of them moves the primary there),
+    /// or everywhere with `remoteAccess`,
     /// and its context lists them, with what failover needs of the class (`failover/replace.rs`):
     /// how many copies, and when a lost one is replaced (seconds, 0 never).
     async fn copies(
@@ -148,17 +149,24 @@ impl Controller {
         params: &HashMap<String, String>,
     ) -> Result<csi::Volume, Status> {
         let n = copies::replicas(params)?;
+        let remote = copies::remote_access(params)?;
         if n > 1 {
             let after = copies::replace_after(params)?.map_or(0, |d| d.as_secs());
-            let at = copies::ensure(&*self.nodes, node, name, n).await?;
+            let spread = copies::zone_spread(params)?;
+            let at = copies::ensure(&*self.nodes, node, name, n, spread).await?;
             volume.volume_id = ids::make(ids::ANY, name);
             volume.accessible_topology = at.iter().map(|n| topology(n)).collect();
             let context = [
                 ("copies", at.join(",")),
                 (copies::REPLICAS, n.to_string()),
                 (copies::REPLACE_AFTER, after.to_string()),
+                (copies::ZONE_SPREAD, params.get(copies::ZONE_SPREAD).cloned().unwrap_or_default()),
             ];
             volume.volume_context.extend(context.map(|(k, v)| (k.to_owned(), v)));
+        }
+        // Accessible from every node: no topology, so the PV has no node affinity.
+        if remote {
+            volume.accessible_topology.clear();
         }
         Ok(volume)
     }

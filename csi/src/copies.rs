@@ -20,6 +20,10 @@ const MOST: usize = 3;
 /// The StorageClass parameter: how long a copy may be unreachable (or its node gone) before
 /// another node gets a copy in its place: seconds, or with an `s`, `m` or `h` suffix; `0` never.
 pub const REPLACE_AFTER: &str = "replace-after";
+/// The StorageClass parameter: `"true"` makes a volume accessible from every node (a node
+/// without a copy reaches the primary through its relay), so pods are not bound to the copies'
+/// nodes; `"false"` (the default) keeps them there, next to their data.
+pub const REMOTE_ACCESS: &str = "remoteAccess";
 /// Without the parameter: longer than a reboot or a daemon upgrade takes.
 pub const DEFAULT_REPLACE_AFTER: Duration = Duration::from_secs(5 * 60);
 
@@ -31,6 +35,17 @@ pub fn replicas(params: &HashMap<String, String>) -> Result<usize, Status> {
             Ok(n @ 1..=MOST) => Ok(n),
             _ => Err(Status::invalid_argument(format!("parameter {REPLICAS} must be 1 to {MOST}, not {v:?}"))),
         },
+    }
+}
+
+/// Whether `params` ask for access from every node.
+pub fn remote_access(params: &HashMap<String, String>) -> Result<bool, Status> {
+    match params.get(REMOTE_ACCESS).map(String::as_str) {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(v) => {
+            Err(Status::invalid_argument(format!("parameter {REMOTE_ACCESS} must be \"true\" or \"false\", not {v:?}")))
+        }
     }
 }
 
@@ -218,11 +233,18 @@ pub fn nodes_of(dir: &dyn NodeDirectory, view: &pb::SyncVolume) -> Vec<String> {
 }
 
 /// Makes `volume` (on `node`, its primary) have `n` copies: keeps the members it has and adds
-/// nodes with the most free space that hold no copy yet. Two copies get a witness on a third
-/// node too (a member that votes and holds no data): the majority of two is both, so without
-/// it either copy's node being away (a reboot, a daemon upgrade) would stop the writes.
-/// ResourceExhausted when too few nodes answer.
-pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize) -> Result<Vec<String>, Status> {
+/// nodes with the most free space that hold no copy yet, in zones no copy uses as `spread`
+/// asks. Two copies get a witness on a third node too (a member that votes and holds no data;
+/// in a zone of its own where there is one): the majority of two is both, so without it either
+/// copy's node being away (a reboot, a daemon upgrade) would stop the writes.
+/// ResourceExhausted when too few nodes (or zones) answer.
+pub async fn ensure(
+    dir: &dyn NodeDirectory,
+    node: &str,
+    volume: &str,
+    n: usize,
+    spread: Spread,
+) -> Result<Vec<String>, Status> {
     let mut c = admin(dir, node).await?;
     let current = view(&mut c, volume).await?;
     let mut have = current.as_ref().map_or_else(|| vec![node.to_owned()], |v| nodes_of(dir, v));
@@ -236,7 +258,7 @@ pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize)
         return Ok(have);
     }
     let exclude: Vec<String> = have.iter().chain(&witnesses).cloned().collect();
-    let candidates = candidates(dir, &exclude, volume).await;
+    let mut candidates = candidates(dir, &exclude, volume).await;
     let wanted = n.saturating_sub(have.len());
     if candidates.len() < wanted + usize::from(witness) {
         let why = if witness {
@@ -250,37 +272,114 @@ pub async fn ensure(dir: &dyn NodeDirectory, node: &str, volume: &str, n: usize)
             candidates.len()
         )));
     }
-    let mut candidates = candidates.into_iter();
-    for other in candidates.by_ref().take(wanted) {
+    let mut zones = zones_of(dir, &have).await;
+    let mut picked = Vec::new();
+    for _ in 0..wanted {
+        picked.push(pick(&mut candidates, &mut zones, spread, false).map_err(|why| {
+            Status::resource_exhausted(format!("{n} copies of {volume:?} with zoneSpread required: {why}"))
+        })?);
+    }
+    for other in picked {
         have.push(add_member(dir, &mut c, volume, &other, false).await?);
     }
-    // The witness holds no data: the node with the least free space of those left.
-    if let Some(other) = candidates.next_back().filter(|_| witness) {
+    if witness && let Ok(other) = pick(&mut candidates, &mut zones, Spread::Preferred, true) {
         add_member(dir, &mut c, volume, &other, true).await?;
     }
     Ok(have)
 }
 
+/// How a class spreads its copies across zones (the `zoneSpread` parameter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spread {
+    /// By free space alone.
+    Any,
+    /// Each copy in a zone no other copy uses, where there is one.
+    Preferred,
+    /// Each copy in a zone of its own, or the volume is refused.
+    Required,
+}
+
+/// The StorageClass parameter: `required` or `preferred` (unset: copies by free space alone).
+/// A node without a zone label counts as one zone, "".
+pub const ZONE_SPREAD: &str = "zoneSpread";
+
+/// The spread `params` ask for.
+pub fn zone_spread(params: &HashMap<String, String>) -> Result<Spread, Status> {
+    match params.get(ZONE_SPREAD).map(String::as_str) {
+        None => Ok(Spread::Any),
+        Some("preferred") => Ok(Spread::Preferred),
+        Some("required") => Ok(Spread::Required),
+        Some(v) => Err(Status::invalid_argument(format!(
+            "parameter {ZONE_SPREAD} must be \"required\" or \"preferred\", not {v:?}"
+        ))),
+    }
+}
+
+/// A node that could take a copy, and its zone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub node: String,
+    pub zone: String,
+}
+
+/// Takes the node for the next copy (or, `witness`, the witness: the least free space) out of
+/// `candidates` (the most free space first): the first in a zone not in `zones` where `spread`
+/// asks for one, and records its zone. Required with no such zone: why not.
+pub fn pick(
+    candidates: &mut Vec<Candidate>,
+    zones: &mut Vec<String>,
+    spread: Spread,
+    witness: bool,
+) -> Result<String, String> {
+    let order: Vec<usize> =
+        if witness { (0..candidates.len()).rev().collect() } else { (0..candidates.len()).collect() };
+    let fresh = order.iter().copied().find(|&i| !zones.contains(&candidates[i].zone));
+    let at = match (spread, fresh) {
+        (Spread::Any, _) => order.first().copied(),
+        (_, Some(i)) => Some(i),
+        (Spread::Preferred, None) => order.first().copied(),
+        (Spread::Required, None) => {
+            return Err(format!(
+                "no node that answers is in a zone other than {}",
+                zones.iter().map(|z| if z.is_empty() { "(none)" } else { z.as_str() }).collect::<Vec<_>>().join(", ")
+            ));
+        }
+    };
+    let c = candidates.remove(at.ok_or("no node left")?);
+    zones.push(c.zone);
+    Ok(c.node)
+}
+
+/// The zones of `nodes`, as their daemons report them (a silent one: none).
+pub async fn zones_of(dir: &dyn NodeDirectory, nodes: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    for n in nodes {
+        let ask = async { admin(dir, n).await.ok()?.pool_status(pb::PoolStatusRequest {}).await.ok() };
+        out.push(tokio::time::timeout(SCAN, ask).await.ok().flatten().map(|s| s.into_inner().zone).unwrap_or_default());
+    }
+    out
+}
+
 /// The nodes that could take a copy of `volume`: their daemon answers within [`SCAN`], they are
 /// not in `exclude` and hold no volume of that name; the most free space first.
-pub async fn candidates(dir: &dyn NodeDirectory, exclude: &[String], volume: &str) -> Vec<String> {
+pub async fn candidates(dir: &dyn NodeDirectory, exclude: &[String], volume: &str) -> Vec<Candidate> {
     let mut found = Vec::new();
     for other in dir.nodes().into_iter().filter(|o| !exclude.contains(o)) {
         let ask = async {
             let mut oc = admin(dir, &other).await.ok()?;
-            let s = oc.pool_status(pb::PoolStatusRequest {}).await.ok()?;
+            let s = oc.pool_status(pb::PoolStatusRequest {}).await.ok()?.into_inner();
             // A node that has a volume of this name already cannot take a copy.
             match oc.get_volume(pb::GetVolumeRequest { name: volume.to_owned() }).await {
-                Err(e) if e.code() == Code::NotFound => Some(s.into_inner().free),
+                Err(e) if e.code() == Code::NotFound => Some((s.free, s.zone)),
                 _ => None,
             }
         };
-        if let Ok(Some(free)) = tokio::time::timeout(SCAN, ask).await {
-            found.push((free, other));
+        if let Ok(Some((free, zone))) = tokio::time::timeout(SCAN, ask).await {
+            found.push((free, Candidate { node: other, zone }));
         }
     }
-    found.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-    found.into_iter().map(|(_, n)| n).collect()
+    found.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.node.cmp(&b.1.node)));
+    found.into_iter().map(|(_, c)| c).collect()
 }
 
 /// Adds a copy (or a `witness`) of `volume` on node `other` through its primary's client `c`.
@@ -415,6 +514,43 @@ mod tests {
         assert_eq!(replicas(&p("3")).unwrap(), 3);
         for bad in ["0", "4", "two", "-1", ""] {
             assert_eq!(replicas(&p(bad)).unwrap_err().code(), Code::InvalidArgument, "{bad}");
+        }
+    }
+
+    fn cands(list: &[(&str, &str)]) -> Vec<Candidate> {
+        list.iter().map(|(n, z)| Candidate { node: (*n).into(), zone: (*z).into() }).collect()
+    }
+
+    #[test]
+    fn copies_spread_across_zones() {
+        let all = cands(&[("n1", "z1"), ("n2", "z1"), ("n3", "z2"), ("n4", "z3")]);
+        // By free space alone: n1 and n2, though one zone.
+        let (mut c, mut z) = (all.clone(), vec!["z1".to_owned()]);
+        assert_eq!(pick(&mut c, &mut z, Spread::Any, false).unwrap(), "n1");
+        // Spread: the roomiest node of an unused zone, then the next zone.
+        let (mut c, mut z) = (all.clone(), vec!["z1".to_owned()]);
+        assert_eq!(pick(&mut c, &mut z, Spread::Required, false).unwrap(), "n3");
+        assert_eq!(pick(&mut c, &mut z, Spread::Required, false).unwrap(), "n4");
+        let e = pick(&mut c, &mut z, Spread::Required, false).unwrap_err();
+        assert!(e.contains("z1, z2, z3"), "{e}");
+        assert_eq!(pick(&mut c, &mut z, Spread::Preferred, false).unwrap(), "n1", "preferred falls back");
+        // A witness: the least free space of an unused zone.
+        let (mut c, mut z) = (all, vec!["z1".to_owned(), "z2".to_owned()]);
+        assert_eq!(pick(&mut c, &mut z, Spread::Preferred, true).unwrap(), "n4");
+        assert_eq!(
+            zone_spread(&HashMap::from([(ZONE_SPREAD.to_owned(), "sometimes".to_owned())])).unwrap_err().code(),
+            Code::InvalidArgument
+        );
+    }
+
+    #[test]
+    fn remote_access_parameter() {
+        let p = |v: &str| remote_access(&HashMap::from([(REMOTE_ACCESS.to_owned(), v.to_owned())]));
+        assert!(!remote_access(&HashMap::new()).unwrap());
+        assert!(p("true").unwrap());
+        assert!(!p("false").unwrap());
+        for bad in ["", "yes", "True", "1"] {
+            assert_eq!(p(bad).unwrap_err().code(), Code::InvalidArgument, "{bad}");
         }
     }
 

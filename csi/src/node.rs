@@ -14,7 +14,7 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
-use crate::args::{TOPOLOGY_KEY, check_capabilities, require};
+use crate::args::{REGION_KEY, TOPOLOGY_KEY, ZONE_KEY, check_capabilities, require};
 use crate::busy::Busy;
 use crate::host;
 use crate::ids;
@@ -539,7 +539,22 @@ impl csi::node_server::Node for Node {
         &self,
         _: Request<csi::NodeGetInfoRequest>,
     ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
-        let segments = [(TOPOLOGY_KEY.to_owned(), self.node_id.clone())].into();
+        let mut segments: std::collections::HashMap<String, String> =
+            [(TOPOLOGY_KEY.to_owned(), self.node_id.clone())].into();
+        // The node's zone and region, as its daemon's configuration has them (from the Node's
+        // labels): the scheduler then knows them as segments of the volumes' topology.
+        let status = async { self.admin().await?.pool_status(pb::PoolStatusRequest {}).await };
+        match tokio::time::timeout(std::time::Duration::from_secs(10), status).await {
+            Ok(Ok(s)) => {
+                let s = s.into_inner();
+                for (key, v) in [(ZONE_KEY, s.zone), (REGION_KEY, s.region)] {
+                    if !v.is_empty() {
+                        segments.insert(key.to_owned(), v);
+                    }
+                }
+            }
+            _ => tracing::warn!("NodeGetInfo: the node's daemon did not answer; no zone or region reported"),
+        }
         Ok(Response::new(csi::NodeGetInfoResponse {
             node_id: self.node_id.clone(),
             max_volumes_per_node: self.max_volumes,

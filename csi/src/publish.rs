@@ -6,7 +6,8 @@
 //!
 //! Every access mode this driver serves is single-node: a volume is published to one node at a
 //! time. Publishing to a node that holds an in-sync copy of a replicated volume makes that copy
-//! the primary first (data locality), when the volume is published nowhere.
+//! the primary first (data locality), when the volume is published nowhere; a node whose copy
+//! is still rebuilding, or that holds none, reaches the primary through its relay.
 
 use std::collections::HashMap;
 
@@ -72,21 +73,18 @@ impl Controller {
             return Ok(self.context(&primary, p));
         }
         self.check_attach_limit(&r.node_id).await?;
-        // Data locality: the node's in-sync copy becomes the primary; a copy still rebuilding
-        // is waited for (the attacher retries).
+        // Data locality: the node's in-sync copy becomes the primary. A copy still rebuilding
+        // is not waited for: the node reaches the primary through its relay, as a node without
+        // a copy does, until a later publication finds its copy in sync.
         let copy = view.as_ref().filter(|_| r.node_id != primary).and_then(|v| {
             let ep = self.nodes.admin_endpoint(&r.node_id)?;
             v.members.iter().find(|m| m.endpoint == ep && m.state != "witness")
         });
-        if let Some(m) = copy
-            && m.state != "in-sync"
-        {
-            return Err(Status::unavailable(format!(
-                "the copy of {:?} on {} is {} ({}); it is published there once in sync",
-                r.volume_id, r.node_id, m.state, m.reason
-            )));
+        if let Some(m) = copy.filter(|m| m.state != "in-sync") {
+            tracing::info!(volume = name, node = %r.node_id, state = %m.state,
+                "the copy there is not in sync: published from the primary, through the relay");
         }
-        if copy.is_some() {
+        if copy.is_some_and(|m| m.state == "in-sync") {
             let mut there = admin(&*self.nodes, &r.node_id).await?;
             let req = pb::PromoteReplicationRequest { volume: name.to_owned(), force: false };
             there.promote_sync_replica(req).await?;

@@ -867,6 +867,8 @@ impl Admin for AdminService {
             failed: s.failed,
             backing_free: backing_free(&self.cfg.pool_path),
             provisionable: s.provision_cap.map(|cap| cap.saturating_sub(s.provisioned)),
+            zone: self.cfg.zone.clone(),
+            region: self.cfg.region.clone(),
         }))
     }
 

@@ -583,7 +583,9 @@ pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
                    "client_bytes_written": s.client_bytes_written, "media_bytes_written": s.media_bytes_written,
                    "nbd_connections": s.nbd_connections, "cleaner_active": s.cleaner_active,
                    "cleaner_runs": s.cleaner_runs, "cleaner_segments_cleaned": s.cleaner_segments_cleaned,
-                   "cleaner_bytes_moved": s.cleaner_bytes_moved, "failed": s.failed})
+                   "cleaner_bytes_moved": s.cleaner_bytes_moved, "failed": s.failed,
+                   "backing_free": s.backing_free, "provisionable": s.provisionable,
+                   "zone": s.zone, "region": s.region})
         ),
         Output::Table => {
             let wa = if s.client_bytes_written > 0 {
@@ -591,7 +593,7 @@ pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
             } else {
                 "-".into()
             };
-            let rows = vec![
+            let mut rows = vec![
                 vec!["uuid".into(), s.uuid.clone()],
                 vec!["state".into(), if s.failed { "FAILED (media failure: restart the daemon)" } else { "ok" }.into()],
                 vec!["path".into(), s.path.clone()],
@@ -618,6 +620,9 @@ pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
                 ],
                 vec!["nbd connections".into(), s.nbd_connections.to_string()],
             ];
+            if !s.zone.is_empty() || !s.region.is_empty() {
+                rows.push(vec!["zone / region".into(), format!("{} / {}", s.zone, s.region)]);
+            }
             println!("{}", table(&["POOL", ""], rows));
         }
     }

@@ -126,6 +126,10 @@ pub struct ConfigFile {
     pub sync_timeout_ms: Option<u64>,
     pub sync_mark_interval_ms: Option<u64>,
     pub peer_quota: Option<usize>,
+    /// The failure domains of this daemon's node (its `topology.kubernetes.io/zone` and
+    /// `region` labels): reported to the CSI node plugin, and where replicated volumes spread.
+    pub zone: Option<String>,
+    pub region: Option<String>,
     pub insecure_nbd_listen: Option<bool>,
     pub roles: Option<BTreeMap<String, RoleList>>,
 }
@@ -168,6 +172,9 @@ pub struct Config {
     pub sync_mark_interval: Duration,
     /// Relations, and synchronous memberships, one replication peer may make here.
     pub peer_quota: usize,
+    /// This node's zone and region (empty: none).
+    pub zone: String,
+    pub region: String,
     /// Client certificate identities and their roles (`[roles]`).
     pub roles: Vec<(String, Vec<Role>)>,
 }
@@ -210,6 +217,19 @@ impl Limits {
 
 /// A level, or a tracing filter whose every directive names a level (`ferrite=debug,warn`): a
 /// bare word is a target, which would silently log nothing useful, so it is refused.
+/// A zone or region: a Kubernetes label value (at most 63 of `A-Za-z0-9-_.`, alphanumeric at
+/// both ends).
+fn check_domain(what: &str, v: Option<String>) -> Result<String> {
+    let v = v.unwrap_or_default();
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    let ends = v.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && v.chars().last().is_some_and(|c| c.is_ascii_alphanumeric());
+    if !v.is_empty() && (v.len() > 63 || !v.chars().all(ok) || !ends) {
+        bail!("{what} {v:?}: a label value (at most 63 letters, digits, '-', '_' or '.', alphanumeric at both ends)");
+    }
+    Ok(v)
+}
+
 fn check_log_level(l: String) -> Result<String> {
     const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
     let known = |d: &str| d.contains('=') || LEVELS.contains(&d.trim().to_ascii_lowercase().as_str());
@@ -380,6 +400,8 @@ impl Config {
                 Some(n) => n,
             },
             roles: parse_roles(f.roles.unwrap_or_default())?,
+            zone: check_domain("zone", f.zone)?,
+            region: check_domain("region", f.region)?,
             data_dir,
         };
         // The environment wins: in a DaemonSet the node's address is known only to the pod.

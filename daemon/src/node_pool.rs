@@ -9,7 +9,8 @@
 //! that already holds a pool is used as it is; one that holds anything else (a filesystem, a
 //! partition table, a volume manager) or is in use is refused whatever the annotations say, and
 //! a blank one is formatted only with the opt-in. The result is the daemon's configuration with
-//! `pool-path` set, written where the daemon container reads it.
+//! `pool-path` set, and `zone` and `region` from the node's `topology.kubernetes.io/` labels,
+//! written where the daemon container reads it.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -57,7 +58,7 @@ pub fn prepare(node: &str, config: &Path, out: &Path) -> Result<()> {
     rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
     let text = std::fs::read_to_string(config).with_context(|| format!("reading config {}", config.display()))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let annotations = rt.block_on(ferrite_csi::nodes::kubernetes::node_annotations(node))?;
+    let (annotations, labels) = rt.block_on(ferrite_csi::nodes::kubernetes::node_annotations(node))?;
     let text = match plan(&annotations).with_context(|| format!("node {node}"))? {
         Plan::Configured => {
             println!("node {node}: no {DEVICE} annotation; the pool is the configuration's");
@@ -79,7 +80,17 @@ pub fn prepare(node: &str, config: &Path, out: &Path) -> Result<()> {
             text
         }
     };
+    let text = domains(&labels) + &text;
+    Config::load_str(&text).with_context(|| format!("node {node}'s topology labels"))?;
     write_private(out, &text)
+}
+
+/// The configuration lines of a node's zone and region labels (none for a label it lacks).
+fn domains(labels: &BTreeMap<String, String>) -> String {
+    let line = |key: &str, label: &str| {
+        labels.get(label).map(|v| format!("{key} = {}\n", toml::Value::String(v.clone()))).unwrap_or_default()
+    };
+    line("zone", "topology.kubernetes.io/zone") + &line("region", "topology.kubernetes.io/region")
 }
 
 /// Uses the device if it holds a pool; formats it if it holds nothing and `format` allows.
@@ -126,6 +137,20 @@ mod tests {
 
     fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    #[test]
+    fn zone_and_region_from_labels() {
+        let labels = BTreeMap::from([
+            ("topology.kubernetes.io/zone".to_owned(), "eu-1a".to_owned()),
+            ("kubernetes.io/hostname".to_owned(), "n1".to_owned()),
+        ]);
+        assert_eq!(domains(&labels), "zone = \"eu-1a\"\n");
+        let cfg = Config::load_str(&domains(&labels)).unwrap();
+        assert_eq!((cfg.zone.as_str(), cfg.region.as_str()), ("eu-1a", ""));
+        assert!(domains(&BTreeMap::new()).is_empty());
+        let bad = BTreeMap::from([("topology.kubernetes.io/region".to_owned(), "-x".to_owned())]);
+        assert!(Config::load_str(&domains(&bad)).is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::csi::{channel, create, start_csi_with, tcp_node};
+use common::csi::{channel, create, start_csi_with, tcp_node, tcp_node_with};
 use common::nbd::{connect, read_image, write_on};
 use common::{Daemon, pattern};
 use ferrite_proto::csi::v1 as csi;
@@ -208,6 +208,37 @@ async fn replicated_volumes_through_the_controller() {
         ..Default::default()
     };
     ctl.controller_unpublish_volume(unpublish).await.unwrap();
+
+    println!("== remoteAccess: accessible from every node; a node without a copy is served through its relay");
+    let mut r = replicated("r3", 16 * MIB, "node-a", "2");
+    r.parameters.insert("remoteAccess".into(), "true".into());
+    let r3 = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
+    assert!(r3.accessible_topology.is_empty(), "{:?}", r3.accessible_topology);
+    let members = sync(&a, "r3")["members"].clone();
+    let witness = members.as_array().unwrap().iter().find(|m| m["state"] == "witness").unwrap();
+    let no_copy = nodes.iter().find(|(_, e)| witness["endpoint"] == *e).unwrap().0;
+    let publish = |node: &str| csi::ControllerPublishVolumeRequest {
+        volume_id: r3.volume_id.clone(),
+        node_id: node.into(),
+        volume_capability: Some(common::csi::mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)),
+        ..Default::default()
+    };
+    let ctx = ctl.controller_publish_volume(publish(no_copy)).await.unwrap().into_inner().publish_context;
+    assert_eq!(ctx["primary"], "node-a", "{ctx:?}");
+    assert!(!ctx["nbd"].is_empty() && !ctx["export"].is_empty(), "a remote publication: {ctx:?}");
+    let unpublish = |node: &str| csi::ControllerUnpublishVolumeRequest {
+        volume_id: r3.volume_id.clone(),
+        node_id: node.into(),
+        ..Default::default()
+    };
+    ctl.controller_unpublish_volume(unpublish(no_copy)).await.unwrap();
+    let mut bad = replicated("r4", 16 * MIB, "node-a", "2");
+    bad.parameters.insert("remoteAccess".into(), "yes".into());
+    let e = ctl.create_volume(bad).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: r3.volume_id.clone(), ..Default::default() })
+        .await
+        .unwrap();
 
     println!("== deletion removes every copy");
     ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: clone.volume_id, ..Default::default() }).await.unwrap();
@@ -418,4 +449,45 @@ async fn a_replicated_volume_outlives_the_node_it_was_made_on() {
     ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: v.volume_id, ..Default::default() }).await.unwrap();
     c.stop();
     drop(csi_proc);
+}
+
+/// Copies spread across zones (the daemons' `zone`, from their Nodes' labels): `zoneSpread:
+/// required` puts each copy in a zone of its own or refuses the volume, `preferred` spreads
+/// where it can; NodeGetInfo reports the zone as a topology segment.
+#[tokio::test(flavor = "multi_thread")]
+async fn copies_spread_across_zones() {
+    let dir = tempfile::tempdir().unwrap();
+    let zones = [("a", "127.0.0.2", "z1"), ("b", "127.0.0.3", "z1"), ("c", "127.0.0.4", "z2")];
+    let mut d = Vec::new();
+    let mut nodes = Vec::new();
+    for (n, ip, zone) in zones {
+        let (daemon, admin, _) = tcp_node_with(&dir.path().join(n), ip, &format!("zone = \"{zone}\"\nregion = \"r1\""));
+        d.push(daemon);
+        nodes.push((format!("node-{n}"), format!("tcp://{admin}")));
+    }
+    let all: Vec<(&str, String)> = nodes.iter().map(|(n, e)| (n.as_str(), e.clone())).collect();
+    let _csi = start_csi_with(dir.path(), &all, &["--mode", "controller"]);
+    let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
+    assert_eq!(d[0].json(&["pool", "status"])["zone"], "z1");
+
+    println!("== required: two copies in two zones, whichever node has more room");
+    let mut r = replicated("spread", 16 * MIB, "node-a", "2");
+    r.parameters.insert("zoneSpread".into(), "required".into());
+    let v = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
+    assert_eq!(v.volume_context["copies"], "node-a,node-c", "the copy goes to z2, not to node-b in z1");
+    assert_eq!(v.volume_context["zoneSpread"], "required");
+    // Three copies cannot be in three zones here.
+    let mut r = replicated("three", 16 * MIB, "node-a", "3");
+    r.parameters.insert("zoneSpread".into(), "required".into());
+    let e = ctl.create_volume(r).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
+    assert!(e.message().contains("zoneSpread required") && e.message().contains("z1, z2"), "{e}");
+    assert!(names(&d[1]).is_empty() && names(&d[2]) == ["spread"], "nothing added for the refused volume");
+    let mut r = replicated("three", 16 * MIB, "node-a", "3");
+    r.parameters.insert("zoneSpread".into(), "preferred".into());
+    let three = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
+    assert_eq!(three.volume_context["copies"].split(',').count(), 3);
+    for id in [v.volume_id, three.volume_id] {
+        ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: id, ..Default::default() }).await.unwrap();
+    }
 }

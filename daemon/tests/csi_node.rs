@@ -80,7 +80,9 @@ async fn node_service_checks_and_errors_without_kernel_devices() {
     let info = node.node_get_info(csi::NodeGetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.node_id, "node-a");
     assert_eq!(info.max_volumes_per_node, 7);
-    assert_eq!(info.accessible_topology.unwrap().segments["topology.ferrite.dev/node"], "node-a");
+    let segments = info.accessible_topology.unwrap().segments;
+    assert_eq!(segments["topology.ferrite.dev/node"], "node-a");
+    assert_eq!(segments.len(), 1, "a daemon without a zone reports none: {segments:?}");
     let caps = node.node_get_capabilities(csi::NodeGetCapabilitiesRequest {}).await.unwrap().into_inner();
     use csi::node_service_capability::rpc::Type;
     let rpcs: Vec<i32> = caps

@@ -102,11 +102,20 @@ fn affinity(nodes: &BTreeSet<String>) -> VolumeNodeAffinity {
     VolumeNodeAffinity { required: Some(NodeSelector { node_selector_terms: nodes.iter().map(term).collect() }) }
 }
 
-/// A replicated PV of ours: its volume, the copies its class asks for, and the delay (None: never).
-fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, usize, Option<Duration>)> {
+/// What the controller keeps of a replicated volume's class (in its PV's attributes).
+struct Class {
+    copies: usize,
+    /// None: never replaced.
+    after: Option<Duration>,
+    spread: copies::Spread,
+}
+
+/// A replicated PV of ours: its volume and its class.
+fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, Class)> {
     let csi = pv.spec.as_ref()?.csi.as_ref().filter(|c| c.driver == driver)?;
     let (_, name) = crate::ids::parse(&csi.volume_handle)?;
-    let attrs = csi.volume_attributes.clone().unwrap_or_default();
+    let attrs: std::collections::HashMap<String, String> =
+        csi.volume_attributes.clone().unwrap_or_default().into_iter().collect();
     // PVs made before the class's parameters were kept in the context: the copies they got.
     let copies = match attrs.get(REPLICAS) {
         Some(n) => n.parse().ok()?,
@@ -116,7 +125,8 @@ fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, usize, Opt
         Some(s) => s.parse::<u64>().ok().filter(|s| *s > 0).map(Duration::from_secs),
         None => Some(copies::DEFAULT_REPLACE_AFTER),
     };
-    (copies > 1).then(|| (name.to_owned(), copies, after))
+    let spread = copies::zone_spread(&attrs).unwrap_or(copies::Spread::Any);
+    (copies > 1).then(|| (name.to_owned(), Class { copies, after, spread }))
 }
 
 impl Failover {
@@ -136,7 +146,7 @@ impl Failover {
         let now = Instant::now();
         let mut seen = BTreeSet::new();
         for pv in self.volume_store.state() {
-            let Some((name, copies, after)) = replicated(&pv, &self.driver) else { continue };
+            let Some((name, class)) = replicated(&pv, &self.driver) else { continue };
             let Some((node, view)) = primaries.get(name.as_str()).copied() else { continue };
             let mut lost = BTreeSet::new();
             for m in view.members.iter().filter(|m| m.endpoint != view.primary) {
@@ -147,14 +157,14 @@ impl Failover {
                 let key = (name.clone(), m.endpoint.clone());
                 let since = *self.lost_since.lock().expect("not poisoned").entry(key.clone()).or_insert(now);
                 seen.insert(key);
-                if after.is_some_and(|a| now.duration_since(since) >= a) {
+                if class.after.is_some_and(|a| now.duration_since(since) >= a) {
                     lost.insert(m.endpoint.clone());
                 }
             }
-            let done = match plan(view, &lost, copies) {
+            let done = match plan(view, &lost, class.copies) {
                 None => self.follow(&pv, view).await,
                 Some(Step::Wait) => Ok(()),
-                Some(step) => self.step(&name, node, view, step).await,
+                Some(step) => self.step(&name, node, view, (step, &lost, class.spread)).await,
             };
             if let Err(e) = done {
                 tracing::warn!(volume = %name, "replacing a lost copy: {e:#}");
@@ -193,22 +203,34 @@ impl Failover {
         Ok(())
     }
 
-    /// Takes one step of a replacement on the primary (`node`) of `volume`.
-    async fn step(&self, volume: &str, node: &str, view: &pb::SyncVolume, step: Step) -> anyhow::Result<()> {
+    /// Takes one step of a replacement on the primary (`node`) of `volume` whose `lost` members
+    /// are being replaced, spread as its class asks.
+    async fn step(
+        &self,
+        volume: &str,
+        node: &str,
+        view: &pb::SyncVolume,
+        (step, lost, spread): (Step, &BTreeSet<String>, copies::Spread),
+    ) -> anyhow::Result<()> {
         let mut c = admin(&*self.dir, node).await?;
         let note = match step {
             Step::AddCopy | Step::AddWitness => {
                 let witness = step == Step::AddWitness;
-                let holding: Vec<String> =
-                    view.members.iter().filter_map(|m| node_of(&*self.dir, &m.endpoint)).collect();
-                let candidates = copies::candidates(&*self.dir, &holding, volume).await;
-                // A witness holds no data: the least free space; a copy the most.
-                let pick = if witness { candidates.last() } else { candidates.first() };
-                let Some(to) = pick else {
-                    tracing::warn!(volume, witness, "a member is lost and no other node can take its place");
-                    return Ok(());
+                let at = |m: &pb::SyncMember| node_of(&*self.dir, &m.endpoint);
+                let holding: Vec<String> = view.members.iter().filter_map(at).collect();
+                let mut candidates = copies::candidates(&*self.dir, &holding, volume).await;
+                // The zones of the members that stay (the lost ones' are free again).
+                let kept: Vec<String> =
+                    view.members.iter().filter(|m| !lost.contains(&m.endpoint)).filter_map(at).collect();
+                let mut zones = copies::zones_of(&*self.dir, &kept).await;
+                let to = match copies::pick(&mut candidates, &mut zones, spread, witness) {
+                    Ok(to) => to,
+                    Err(why) => {
+                        tracing::warn!(volume, witness, "a member is lost and no other node can take its place: {why}");
+                        return Ok(());
+                    }
                 };
-                copies::add_member(&*self.dir, &mut c, volume, to, witness).await?;
+                copies::add_member(&*self.dir, &mut c, volume, &to, witness).await?;
                 let what = if witness { "a witness" } else { "a copy" };
                 format!(
                     "a member has been unreachable past {REPLACE_AFTER}: {what} added on {to}, rebuilt from the primary on {node}"

@@ -142,11 +142,11 @@ fn endpoints(slices: &[Arc<EndpointSlice>]) -> BTreeMap<String, String> {
 
 /// The annotations of Node `name` (the data-path daemon's init container reads which device
 /// holds the node's pool), with the client configuration kube-rs infers.
-pub async fn node_annotations(name: &str) -> anyhow::Result<BTreeMap<String, String>> {
+pub async fn node_annotations(name: &str) -> anyhow::Result<(BTreeMap<String, String>, BTreeMap<String, String>)> {
     let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
     let api = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client);
     let node = api.get(name).await.with_context(|| format!("reading Node {name}"))?;
-    Ok(node.metadata.annotations.unwrap_or_default())
+    Ok((node.metadata.annotations.unwrap_or_default(), node.metadata.labels.unwrap_or_default()))
 }
 
 #[cfg(test)]

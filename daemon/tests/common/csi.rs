@@ -187,6 +187,11 @@ pub fn cluster_roles() -> String {
 /// a node), with mutual TLS on both: its certificate, and the CSI driver's (`csi`), come from
 /// one CA in `<dir>/../pki`. Returns the daemon, its admin and NBD addresses.
 pub fn tcp_node(dir: &Path, ip: &str) -> (Daemon, SocketAddr, SocketAddr) {
+    tcp_node_with(dir, ip, "")
+}
+
+/// [`tcp_node`] with `extra` configuration lines (before its `[roles]`).
+pub fn tcp_node_with(dir: &Path, ip: &str, extra: &str) -> (Daemon, SocketAddr, SocketAddr) {
     std::fs::create_dir_all(dir).unwrap();
     let pki = dir.parent().unwrap().join("pki");
     let name = format!("node-{}", ip.replace('.', "-"));
@@ -197,7 +202,7 @@ pub fn tcp_node(dir: &Path, ip: &str) -> (Daemon, SocketAddr, SocketAddr) {
     let p = |f: &str| pki.join(f).display().to_string();
     let cfg = format!(
         "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nadmin-listen = \"{admin}\"\nnbd-listen = \"{nbd}\"\n\
-         tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{}",
+         tls-cert = {:?}\ntls-key = {:?}\ntls-client-ca = {:?}\n{extra}\n{}",
         p(&format!("{name}.pem")),
         p(&format!("{name}-key.pem")),
         p("ca.pem"),
