@@ -5,6 +5,8 @@
 
 use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::admin_client::AdminClient;
+use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use crate::args::{no_parameters, paginate, require};
@@ -12,9 +14,12 @@ use crate::controller::Controller;
 use crate::ids;
 use crate::nodes::{NodeDirectory, admin, scan};
 
-/// The request that lists `volume`'s synchronous membership (none: a local volume).
-fn sync_of(volume: &str) -> pb::ListReplicationsRequest {
-    pb::ListReplicationsRequest { volume: volume.to_owned() }
+/// The node the ids of `volume`'s snapshots name: none (`_`) for a replicated volume, whose
+/// snapshots are on every copy; else `node`, where it is.
+async fn id_node<'a>(c: &mut AdminClient<Channel>, volume: &str, node: &'a str) -> Result<&'a str, Status> {
+    let req = pb::ListReplicationsRequest { volume: volume.to_owned() };
+    let held = c.list_sync_replicas(req).await?.into_inner().volumes;
+    Ok(if held.is_empty() { node } else { ids::ANY })
 }
 
 pub(crate) fn snapshot_msg(node: &str, s: &pb::Snapshot) -> csi::Snapshot {
@@ -95,8 +100,7 @@ impl Controller {
         for known in ids::engine_names(&r.name) {
             match c.get_snapshot(pb::GetSnapshotRequest { name: known }).await {
                 Ok(s) if s.get_ref().volume == volume => {
-                    let replicated = !c.list_sync_replicas(sync_of(volume)).await?.into_inner().volumes.is_empty();
-                    let at = if replicated { ids::ANY } else { node };
+                    let at = id_node(&mut c, volume, node).await?;
                     return Ok(csi::Snapshot { source_volume_id: r.source_volume_id, ..snapshot_msg(at, s.get_ref()) });
                 }
                 Ok(_) => {
@@ -107,8 +111,7 @@ impl Controller {
             }
         }
         let s = c.create_snapshot(pb::CreateSnapshotRequest { volume: volume.to_owned(), name }).await?.into_inner();
-        let replicated = !c.list_sync_replicas(sync_of(volume)).await?.into_inner().volumes.is_empty();
-        let at = if replicated { ids::ANY } else { node };
+        let at = id_node(&mut c, volume, node).await?;
         tracing::info!(name = %r.name, snapshot_id = %ids::make(at, &s.name), "CSI snapshot created");
         Ok(csi::Snapshot { source_volume_id: r.source_volume_id, ..snapshot_msg(at, &s) })
     }

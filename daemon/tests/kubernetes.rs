@@ -231,16 +231,19 @@ impl Cluster {
         self.plugin_pods.push(p);
     }
 
-    /// Node `i`'s Node object, as its kubelet registers it.
+    /// Node `i`'s Node object, as its kubelet registers it: one zone per node of NODES, and
+    /// node-d (a machine that joins late) in node-c's.
     fn register(&mut self, i: usize) {
         let name = &self.nodes[i].name;
         let annotations = match i {
             DEVICE_NODE => json!({"pool.ferrite.dev/device": self.loops[0].0, "pool.ferrite.dev/format": "true"}),
             _ => json!({}),
         };
+        let zone = format!("zone-{}", if name == "node-d" { "c" } else { &name[5..] });
         self.cp.apply(
             &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "annotations": annotations,
-                "labels": {"kubernetes.io/hostname": name, "topology.ferrite.dev/node": name}}})
+                "labels": {"kubernetes.io/hostname": name, "topology.ferrite.dev/node": name,
+                    "topology.kubernetes.io/zone": zone, "topology.kubernetes.io/region": "lab"}}})
             .to_string(),
         );
     }
@@ -601,10 +604,16 @@ fn ferrite_on_kubernetes() {
     // A claim that names a VolumeAttributesClass from the start (the provisioner reads it).
     claim(&c.cp, "gold", "node-c", "32Mi", None, json!({}), json!({"volumeAttributesClassName": "ferrite-gold"}));
     // A replicated class: a copy on every node, the primary where the scheduler put the claim.
-    // The shipped class, its lost copies replaced after 20 s rather than minutes (failover (i)).
+    // The shipped class, its lost copies replaced after 20 s rather than minutes (failover (i)),
+    // one copy per zone.
     let mut class = c.cp.get(&["storageclass", "ferrite-replicated"]);
     assert_eq!(class["parameters"]["replace-after"], "5m", "{class}");
     class["parameters"]["replace-after"] = json!("20s");
+    class["parameters"]["zoneSpread"] = json!("required");
+    for n in NODES {
+        let s = c.daemon(n).json(&["pool", "status"]);
+        assert_eq!((&s["zone"], &s["region"]), (&json!(format!("zone-{}", &n[5..])), &json!("lab")), "{n}: {s}");
+    }
     class["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name");
     c.cp.ok(&["delete", "storageclass", "ferrite-replicated"]);
     c.cp.apply(&class.to_string());
