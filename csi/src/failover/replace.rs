@@ -253,6 +253,13 @@ impl Failover {
         if view.members.iter().any(|m| !matches!(m.state.as_str(), "primary" | "in-sync" | "witness")) {
             return Ok(());
         }
+        // Only a PV bound to its claim: one deleted by anyone but an unfinished re-creation of
+        // ours (its annotation) is never made again.
+        let bound = pv.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+        let deleted = pv.metadata.deletion_timestamp.is_some() && !pv.annotations().contains_key(RECLAIM);
+        if !bound || deleted {
+            return Ok(());
+        }
         let want: BTreeSet<String> = copies::nodes_of(&*self.dir, view).into_iter().collect();
         let have = affinity_nodes(pv);
         // A PV without our affinity (remote access) is left alone, as one whose copies some
