@@ -22,6 +22,15 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// A boolean parameter `key` of `params`: `"true"` or `"false"`, false when unset.
+pub(crate) fn flag(params: &HashMap<String, String>, key: &str) -> Result<bool, Status> {
+    match params.get(key).map(String::as_str) {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(v) => Err(Status::invalid_argument(format!("parameter {key:?} is \"true\" or \"false\", not {v:?}"))),
+    }
+}
+
 /// For calls that take no parameters of ours: any given one is refused rather than ignored,
 /// except the metadata Kubernetes adds: `csi.storage.k8s.io/*` (the PVC or VolumeSnapshot name
 /// with `--extra-create-metadata`) and `storage.kubernetes.io/*` (the provisioner's identity in

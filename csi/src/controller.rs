@@ -232,13 +232,13 @@ impl csi::controller_server::Controller for Controller {
                     .flat_map(|t| t.preferred.iter().chain(&t.requisite))
                     .filter_map(|t| t.segments.get(TOPOLOGY_KEY))
                     .collect();
-                let (mut at, name, _) = crate::snapshots::holders(&*self.nodes, &s.snapshot_id).await?;
-                at.sort_by_key(|n| named.iter().position(|x| *x == n).unwrap_or(usize::MAX));
-                let node = at
+                let (mut at, _) = crate::snapshots::holders(&*self.nodes, &s.snapshot_id).await?;
+                at.sort_by_key(|(n, _)| named.iter().position(|x| *x == n).unwrap_or(usize::MAX));
+                let (node, snap) = at
                     .into_iter()
                     .next()
                     .ok_or_else(|| Status::not_found(format!("snapshot {:?} does not exist", s.snapshot_id)))?;
-                Some((node, pb::clone_volume_request::Source::Snapshot(name)))
+                Some((node, pb::clone_volume_request::Source::Snapshot(snap.name)))
             }
             Some(csi::volume_content_source::Type::Volume(v)) => {
                 // Where the source is served now (a replicated volume's primary).

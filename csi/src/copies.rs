@@ -40,13 +40,7 @@ pub fn replicas(params: &HashMap<String, String>) -> Result<usize, Status> {
 
 /// Whether `params` ask for access from every node.
 pub fn remote_access(params: &HashMap<String, String>) -> Result<bool, Status> {
-    match params.get(REMOTE_ACCESS).map(String::as_str) {
-        None | Some("false") => Ok(false),
-        Some("true") => Ok(true),
-        Some(v) => {
-            Err(Status::invalid_argument(format!("parameter {REMOTE_ACCESS} must be \"true\" or \"false\", not {v:?}")))
-        }
-    }
+    crate::args::flag(params, REMOTE_ACCESS)
 }
 
 /// The replacement delay `params` ask for (None: never). Checked wherever `replicas` is.

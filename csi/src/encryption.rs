@@ -25,13 +25,7 @@ const DEFAULT_ID: &str = "csi";
 
 /// Whether the parameters ask for encryption (`encrypted: "true"`).
 pub fn requested(params: &HashMap<String, String>) -> Result<bool, Status> {
-    match params.get(ENCRYPTED).map(String::as_str) {
-        None | Some("false") => Ok(false),
-        Some("true") => Ok(true),
-        Some(v) => {
-            Err(Status::invalid_argument(format!("parameter {ENCRYPTED:?} is \"true\" or \"false\", not {v:?}")))
-        }
-    }
+    crate::args::flag(params, ENCRYPTED)
 }
 
 /// The key `value` (64 hex digits) under `id`, for the daemon.

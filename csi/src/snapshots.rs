@@ -46,41 +46,40 @@ fn is_mark(s: &pb::Snapshot) -> bool {
         .is_some_and(|ms| !ms.is_empty() && ms.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// The nodes that hold snapshot `id` (for an id naming a node, that one if the directory knows
-/// it), its engine name, and the nodes that did not answer; NotFound for an id we never made.
-pub(crate) async fn holders(dir: &dyn NodeDirectory, id: &str) -> Result<(Vec<String>, String, Vec<String>), Status> {
+/// The nodes that hold snapshot `id` with what each says of it (for an id naming a node, only
+/// that one, if the directory knows it), and the nodes that did not answer; NotFound for an id
+/// we never made.
+pub(crate) async fn holders(
+    dir: &dyn NodeDirectory,
+    id: &str,
+) -> Result<(Vec<(String, pb::Snapshot)>, Vec<String>), Status> {
     let (node, name) = ids::parse(id).ok_or_else(|| Status::not_found(format!("snapshot {id:?} does not exist")))?;
-    if node != ids::ANY {
-        let known = dir.admin_endpoint(node).is_some();
-        return Ok((if known { vec![node.to_owned()] } else { Vec::new() }, name.to_owned(), Vec::new()));
-    }
-    let found = scan(dir, dir.nodes(), |_, mut c| async move {
+    let nodes = match node {
+        ids::ANY => dir.nodes(),
+        n if dir.admin_endpoint(n).is_some() => vec![n.to_owned()],
+        _ => Vec::new(),
+    };
+    let found = scan(dir, nodes, |_, mut c| async move {
         match c.get_snapshot(pb::GetSnapshotRequest { name: name.to_owned() }).await {
-            Ok(_) => Ok(true),
-            Err(s) if s.code() == Code::NotFound => Ok(false),
+            Ok(s) => Ok(Some(s.into_inner())),
+            Err(s) if s.code() == Code::NotFound => Ok(None),
             Err(s) => Err(s),
         }
     })
     .await?;
     let silent = found.silent.iter().map(|(n, _)| n.clone()).collect();
-    let mut at: Vec<String> = found.answers.into_iter().filter(|(_, held)| *held).map(|(n, _)| n).collect();
-    at.sort();
-    Ok((at, name.to_owned(), silent))
+    let mut at: Vec<(String, pb::Snapshot)> = found.answers.into_iter().filter_map(|(n, s)| Some((n, s?))).collect();
+    at.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((at, silent))
 }
 
-/// A node that holds snapshot `id`, a client there and the snapshot.
+/// A node that holds snapshot `id`, and the snapshot.
 pub(crate) async fn holder(dir: &dyn NodeDirectory, id: &str) -> Result<(String, pb::Snapshot), Status> {
-    let (at, name, silent) = holders(dir, id).await?;
-    for node in at {
-        match admin(dir, &node).await?.get_snapshot(pb::GetSnapshotRequest { name: name.clone() }).await {
-            Ok(s) => return Ok((node, s.into_inner())),
-            Err(s) if s.code() == Code::NotFound => {}
-            Err(s) => return Err(s),
-        }
-    }
-    match silent.is_empty() {
-        true => Err(Status::not_found(format!("snapshot {id:?} does not exist"))),
-        false => Err(Status::unavailable(format!(
+    let (at, silent) = holders(dir, id).await?;
+    match (at.into_iter().next(), silent.is_empty()) {
+        (Some(held), _) => Ok(held),
+        (None, true) => Err(Status::not_found(format!("snapshot {id:?} does not exist"))),
+        (None, false) => Err(Status::unavailable(format!(
             "snapshot {id:?} was found on no node that answers; silent: {}",
             silent.join(", ")
         ))),
@@ -119,7 +118,7 @@ impl Controller {
     pub(crate) async fn delete_snapshot_impl(&self, id: &str) -> Result<(), Status> {
         require("snapshot_id", id)?;
         let _busy = self.busy.begin(id)?;
-        let (at, name, silent) = match holders(&*self.nodes, id).await {
+        let (at, silent) = match holders(&*self.nodes, id).await {
             Err(s) if s.code() == Code::NotFound => return Ok(()),
             other => other?,
         };
@@ -130,9 +129,9 @@ impl Controller {
                 silent.join(", ")
             )));
         }
-        for node in at {
+        for (node, snap) in at {
             let mut c = admin(&*self.nodes, &node).await?;
-            match c.delete_snapshot(pb::DeleteSnapshotRequest { name: name.clone() }).await {
+            match c.delete_snapshot(pb::DeleteSnapshotRequest { name: snap.name }).await {
                 Ok(_) => {}
                 Err(s) if s.code() == Code::NotFound => {}
                 Err(s) => {

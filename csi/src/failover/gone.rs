@@ -19,14 +19,11 @@ use kube::runtime::events::EventType;
 use super::{ANSWER, FENCE_OWNER, FENCED, Failover, addresses, block, host};
 use crate::nodes::admin;
 
-/// Every how many passes the memberships are read for primaries on deleted nodes.
-pub(super) const EVERY_PASSES: u32 = 5;
-
 /// Copies of one volume that answer: (generation, node, in sync).
 type Copies = Vec<(u64, String, bool)>;
 
 impl Failover {
-    pub(super) async fn gone(&self) -> anyhow::Result<()> {
+    pub(super) async fn gone(&self, views: &[(String, Vec<pb::SyncVolume>)]) -> anyhow::Result<()> {
         let nodes = self.node_store.state();
         // The addresses of the Nodes, and of the daemons on them (the directory may list a
         // deleted Node's daemon for a while: its pod outlives the Node until it is collected).
@@ -37,11 +34,11 @@ impl Failover {
         known.extend(endpoints.map(|e| host(&e).to_owned()));
         // Primary endpoint → volume → its copies.
         let mut orphans: BTreeMap<String, BTreeMap<String, Copies>> = BTreeMap::new();
-        for (node, views) in self.views("").await {
-            let me = self.dir.admin_endpoint(&node).map(|e| host(&e).to_owned()).unwrap_or_default();
-            for v in views.into_iter().filter(|v| v.role == "replica" && !known.contains(host(&v.primary))) {
+        for (node, views) in views {
+            let me = self.dir.admin_endpoint(node).map(|e| host(&e).to_owned()).unwrap_or_default();
+            for v in views.iter().filter(|v| v.role == "replica" && !known.contains(host(&v.primary))) {
                 let in_sync = v.members.iter().any(|m| host(&m.endpoint) == me && m.state == "in-sync");
-                let copies = orphans.entry(v.primary.clone()).or_default().entry(v.volume).or_default();
+                let copies = orphans.entry(v.primary.clone()).or_default().entry(v.volume.clone()).or_default();
                 copies.push((v.generation, node.clone(), in_sync));
             }
         }

@@ -71,6 +71,9 @@ const LEASE: &str = "ferrite-failover";
 const LEASE_FOR: Duration = Duration::from_secs(15);
 /// How often the Nodes are looked at.
 const EVERY: Duration = Duration::from_secs(3);
+/// Every how many passes every daemon's memberships are read, for primaries on deleted nodes
+/// (`gone.rs`) and lost copies (`replace.rs`).
+const MEMBERSHIPS_EVERY: u32 = 5;
 /// How long a daemon has to answer before it counts as unreachable.
 const ANSWER: Duration = Duration::from_secs(5);
 
@@ -93,8 +96,8 @@ struct Failover {
     out_of_service: bool,
     /// Only the holder of the failover Lease runs a pass.
     leader: crate::lease::Leadership,
-    /// Passes run so far (deleted nodes are looked for every [`gone::EVERY_PASSES`], lost
-    /// copies every [`replace::EVERY_PASSES`]).
+    /// Passes run so far (deleted nodes and lost copies are looked for every
+    /// [`MEMBERSHIPS_EVERY`]).
     passes: std::sync::atomic::AtomicU32,
     lost_since: replace::LostSince,
 }
@@ -207,15 +210,15 @@ pub async fn start(
                         tracing::warn!("failover pass: {e:#}");
                     }
                     let n = this.passes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if n.is_multiple_of(gone::EVERY_PASSES)
-                        && let Err(e) = this.gone().await
-                    {
-                        tracing::warn!("failover of deleted nodes: {e:#}");
-                    }
-                    if n.is_multiple_of(replace::EVERY_PASSES)
-                        && let Err(e) = this.replace().await
-                    {
-                        tracing::warn!("replacing lost copies: {e:#}");
+                    if n.is_multiple_of(MEMBERSHIPS_EVERY) {
+                        // Both read every daemon's memberships: one read serves the two.
+                        let views = this.views("").await;
+                        if let Err(e) = this.gone(&views).await {
+                            tracing::warn!("failover of deleted nodes: {e:#}");
+                        }
+                        if let Err(e) = this.replace(&views).await {
+                            tracing::warn!("replacing lost copies: {e:#}");
+                        }
                     }
                 }
                 Ok(false) => {}

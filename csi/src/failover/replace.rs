@@ -37,8 +37,6 @@ use crate::args::TOPOLOGY_KEY;
 use crate::copies::{self, REPLACE_AFTER, REPLICAS, node_of};
 use crate::nodes::admin;
 
-/// Every how many passes replicated volumes are checked for lost copies.
-pub(super) const EVERY_PASSES: u32 = 5;
 /// The annotation that keeps a PV's own reclaim policy while it is re-created.
 const RECLAIM: &str = "ferrite.dev/reclaim-policy";
 
@@ -130,8 +128,8 @@ fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, Class)> {
 }
 
 impl Failover {
-    pub(super) async fn replace(&self) -> anyhow::Result<()> {
-        let views = self.views("").await;
+    /// One look at every replicated PV, with every daemon's memberships (`views`).
+    pub(super) async fn replace(&self, views: &[(String, Vec<pb::SyncVolume>)]) -> anyhow::Result<()> {
         let answered: BTreeSet<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
         // Each volume's primary that takes writes, the newest generation's.
         let mut primaries: BTreeMap<&str, (&str, &pb::SyncVolume)> = BTreeMap::new();
@@ -173,7 +171,7 @@ impl Failover {
         self.lost_since.lock().expect("not poisoned").retain(|k, _| seen.contains(k));
         // Copies the current membership no longer has (replaced while their node was away).
         let mut stale = Vec::new();
-        for (node, vs) in &views {
+        for (node, vs) in views {
             let Some(me) = self.dir.admin_endpoint(node) else { continue };
             for v in vs {
                 let Some((primary, current)) = primaries.get(v.volume.as_str()) else { continue };
