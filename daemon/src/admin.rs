@@ -872,6 +872,17 @@ impl Admin for AdminService {
         }))
     }
 
+    async fn version(&self, _: Request<pb::VersionRequest>) -> Result<Response<pb::VersionResponse>, Status> {
+        use ferrite_engine::format::{FORMAT_VERSION, OLDEST_FORMAT};
+        let upgraded_from = self.engine(|p| Ok(p.recovery_report().upgraded_from.unwrap_or(0))).await?;
+        Ok(Response::new(pb::VersionResponse {
+            version: ferrite_proto::version::VERSION.into(),
+            format_version: FORMAT_VERSION,
+            oldest_format: OLDEST_FORMAT,
+            upgraded_from,
+        }))
+    }
+
     async fn reclaim_pool(
         &self,
         _: Request<pb::ReclaimPoolRequest>,

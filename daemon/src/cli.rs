@@ -572,6 +572,27 @@ pub fn print_export(out: Output, e: &pb::Export) {
     }
 }
 
+pub fn print_version(out: Output, v: &pb::VersionResponse) {
+    let cli = ferrite_proto::version::VERSION;
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"cli": cli, "daemon": v.version, "format_version": v.format_version,
+                   "oldest_format": v.oldest_format, "upgraded_from": v.upgraded_from})
+        ),
+        Output::Table => {
+            println!("cli      {cli}");
+            println!(
+                "daemon   {} (pool format {}, opens {} to {})",
+                v.version, v.format_version, v.oldest_format, v.format_version
+            );
+            if v.upgraded_from != 0 {
+                println!("         upgraded the pool from format {} when it started", v.upgraded_from);
+            }
+        }
+    }
+}
+
 pub fn print_pool(out: Output, s: &pb::PoolStatusResponse) {
     match out {
         Output::Json => println!(

@@ -198,6 +198,9 @@ enum Cmd {
     Fence(FenceCmd),
     /// List the clients connected over TCP (NBD, admin).
     Clients,
+    /// This CLI's version and the daemon's, with the pool formats it reads; fails where the two
+    /// may not work together (the skew rule: docs/operations.md, "Upgrades").
+    Version,
     /// Pool information.
     #[command(subcommand)]
     Pool(PoolCmd),
@@ -908,6 +911,10 @@ async fn client(cli: Cli) -> Result<()> {
                 FenceCmd::List => c.list_fences(pb::ListFencesRequest {}).await,
             };
             cli::print_fences(out, r.map_err(rpc_error)?.get_ref());
+        }
+        Cmd::Version => {
+            let r = c.version(pb::VersionRequest {}).await.map_err(rpc_error)?;
+            cli::print_version(out, r.get_ref());
         }
         Cmd::Clients => {
             let r = c.list_clients(pb::ListClientsRequest {}).await.map_err(rpc_error)?;

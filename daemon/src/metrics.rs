@@ -52,6 +52,15 @@ impl Collector for Sources {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         let s = self.pool.stats();
         let (nbd, listeners) = (&self.nbd, &self.listeners);
+        let format = ferrite_engine::format::FORMAT_VERSION.to_string();
+        enc.encode_descriptor(
+            "ferrite_build_info",
+            "The daemon's version and pool format (always 1).",
+            None,
+            MetricType::Gauge,
+        )?
+        .encode_family(&[("version", ferrite_proto::version::VERSION), ("format", format.as_str())])?
+        .encode_gauge(&1u64)?;
         for (name, help, v) in [
             ("ferrite_pool_size_bytes", "Data area of the pool.", s.size),
             ("ferrite_pool_used_bytes", "Bytes of log in segments that are not free.", s.used),

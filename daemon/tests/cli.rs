@@ -141,6 +141,9 @@ fn metrics_endpoint_reports_pool_volumes_and_traffic() {
     assert!((1000e6..=1073741824.0).contains(&data_area), "a 1 GiB pool's data area: {data_area}");
     assert_eq!(find("ferrite_volume_size_bytes", &[("volume", "m")]), Value::Gauge(16.0 * 1024.0 * 1024.0));
     assert_eq!(find("ferrite_pool_volumes", &[]), Value::Gauge(1.0));
+    let format = ferrite_engine::format::FORMAT_VERSION.to_string();
+    let build = [("version", env!("CARGO_PKG_VERSION")), ("format", format.as_str())];
+    assert_eq!(find("ferrite_build_info", &build), Value::Gauge(1.0));
     assert!(scrape.docs.contains_key("ferrite_nbd_read_seconds"), "every family has its HELP");
     let replicated = [("volume", "m"), ("role", "primary")];
     assert_eq!(find("ferrite_replication_error", &replicated), Value::Gauge(1.0));

@@ -4,7 +4,7 @@
 //! decoded by pure functions (bytes in, structs out) so they can be fuzzed.
 //!
 //! ```text
-//! pool:   | superblock (4 KiB) | pad to DATA_START | segment 0 | segment 1 | ... |
+//! pool:   | superblock (4 KiB) | its copy (4 KiB, v2+) | pad to DATA_START | segment 0 | ... |
 //! batch:  | header: fixed 48 B, entries 24 B each, one crc32c per data block | data blocks |
 //!           (header padded to whole 4 KiB blocks; a batch never crosses a segment end)
 //! ```
@@ -15,8 +15,14 @@ use crate::io::BLOCK;
 
 /// Magic at offset 0 of every Ferrite pool.
 pub const SUPER_MAGIC: [u8; 8] = *b"FERRPOOL";
-/// Current pool format version.
-pub const FORMAT_VERSION: u32 = 1;
+/// Current pool format version. Version 2 keeps a copy of the superblock in the second block,
+/// so that rewriting it (an upgrade) can never leave a pool without a valid one; version 1 pools
+/// are upgraded in place when a daemon of version 2 opens them (one way: see CHANGELOG.md).
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest pool format this build opens (and upgrades).
+pub const OLDEST_FORMAT: u32 = 1;
+/// Byte offset of the superblock's copy (format 2+).
+pub const SUPER_COPY_AT: u64 = BLOCK as u64;
 /// Byte offset of segment 0 (the superblock lives in the first block; 1 MiB keeps segments
 /// aligned for any device).
 pub const DATA_START: u64 = 1 << 20;
@@ -88,11 +94,18 @@ impl Superblock {
             return Err(corrupt("not a Ferrite pool (bad superblock magic)"));
         }
         let version = le32(b, 8);
-        if version != FORMAT_VERSION {
+        if version > FORMAT_VERSION {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("pool format version {version} is not supported (this build reads version {FORMAT_VERSION})"),
+                format!(
+                    "pool format version {version} is newer than this ferrite {} understands (it reads format \
+                     versions {OLDEST_FORMAT} to {FORMAT_VERSION}): run the ferrite that wrote the pool, or a newer one",
+                    env!("CARGO_PKG_VERSION")
+                ),
             ));
+        }
+        if version < OLDEST_FORMAT {
+            return Err(corrupt(format!("superblock names format version {version}, which never existed")));
         }
         if crc32c::crc32c(&b[..SUPER_CRC_AT]) != le32(b, SUPER_CRC_AT) {
             return Err(corrupt("superblock checksum mismatch"));
@@ -291,9 +304,19 @@ mod tests {
         let mut bad = enc;
         bad[0] ^= 1;
         assert!(Superblock::decode(&bad).unwrap_err().to_string().contains("magic"));
-        let mut bad = enc;
-        bad[8] = 9;
-        assert_eq!(Superblock::decode(&bad).unwrap_err().kind(), ErrorKind::Unsupported);
+        // A newer format is refused naming both versions; an older one is read (and upgraded by
+        // the pool); version 0 never existed.
+        let newer = Superblock { version: FORMAT_VERSION + 1, ..sb() }.encode();
+        let e = Superblock::decode(&newer).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        let msg = e.to_string();
+        assert!(msg.contains(&format!("version {}", FORMAT_VERSION + 1)), "{msg}");
+        assert!(msg.contains(&format!("{OLDEST_FORMAT} to {FORMAT_VERSION}")), "{msg}");
+        assert!(msg.contains(env!("CARGO_PKG_VERSION")), "{msg}");
+        let older = Superblock { version: OLDEST_FORMAT, ..sb() };
+        assert_eq!(Superblock::decode(&older.encode()).unwrap(), older);
+        let never = Superblock { version: 0, ..sb() }.encode();
+        assert_eq!(Superblock::decode(&never).unwrap_err().kind(), ErrorKind::Corrupt);
         let mut bad = enc;
         bad[100] ^= 1;
         assert!(Superblock::decode(&bad).unwrap_err().to_string().contains("checksum"));

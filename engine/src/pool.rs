@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 
 use crate::ctx::{Ctx, PoolOptions};
 use crate::error::{Error, ErrorKind, Result, invalid};
-use crate::format::{DATA_START, FORMAT_VERSION, Superblock};
+use crate::format::{DATA_START, FORMAT_VERSION, SUPER_COPY_AT, Superblock};
 use crate::io::{AlignedBuf, BLOCK, Backend, BackendKind, SyncFileBackend, UringBackend};
 use crate::maint::checkpoint::{self, checkpointer_loop};
 use crate::maint::cleaner::{self, CleanReport, Cleaner, Room, cleaner_loop};
@@ -230,10 +230,8 @@ impl Pool {
         };
         let first = CheckpointRecord { seq: 1, seg: 0, off: 0, generation: 1, cold: None };
         Meta::create(meta_dir, &sb.uuid, first)?;
-        let mut block = AlignedBuf::new(BLOCK);
-        block.copy_from_slice(&sb.encode());
-        backend.write_at(&block, 0).map_err(|e| Error::io("writing the superblock", e))?;
-        backend.sync().map_err(|e| Error::io("syncing the superblock", e))?;
+        write_superblock(backend.as_ref(), &sb, SUPER_COPY_AT)?;
+        write_superblock(backend.as_ref(), &sb, 0)?;
         Self::open_on(backend, meta_dir, opts)
     }
 
@@ -247,9 +245,7 @@ impl Pool {
                 format!("store is {} bytes, too small to hold a Ferrite pool", backend.len()),
             ));
         }
-        let mut block = AlignedBuf::new(BLOCK);
-        backend.read_at(&mut block, 0).map_err(|e| Error::io("reading the superblock", e))?;
-        let sb = Superblock::decode(&block)?;
+        let (sb, stale) = read_superblock(backend.as_ref())?;
         if backend.len() < sb.required_len() {
             return Err(Error::new(
                 ErrorKind::Corrupt,
@@ -268,7 +264,24 @@ impl Pool {
             ));
         }
         let tail = TailFile::open(meta_dir, tail::SLOTS, tail::BATCH_BLOCKS)?;
-        let (state, report) = crate::recovery::recover(&meta, backend.as_ref(), &sb, &tail)?;
+        let (state, mut report) = crate::recovery::recover(&meta, backend.as_ref(), &sb, &tail)?;
+        // Verified and recovered: now an older format is upgraded and a damaged copy rewritten,
+        // the copy first, so that one valid superblock is on the store at every moment.
+        let sb = if sb.version < FORMAT_VERSION || !stale.is_empty() {
+            let current = Superblock { version: FORMAT_VERSION, ..sb };
+            let mut at = stale;
+            if sb.version < FORMAT_VERSION {
+                at = vec![SUPER_COPY_AT, 0];
+                report.upgraded_from = Some(sb.version);
+                tracing::info!(from = sb.version, to = FORMAT_VERSION, "upgrading the pool's format in place");
+            }
+            for off in at {
+                write_superblock(backend.as_ref(), &current, off)?;
+            }
+            current
+        } else {
+            sb
+        };
         let ctx = Arc::new(Ctx::new(backend, meta, sb, opts, state));
         let cleaner = Arc::new(Cleaner::default());
         let readahead = Arc::new(Readahead::default());
@@ -428,4 +441,35 @@ impl Drop for Pool {
             tracing::debug!(error = %e, "pool closed with an error");
         }
     }
+}
+
+/// Reads the superblock: the first block, or its copy (format 2+) where the first is damaged.
+/// Returns it with the offsets of the copies to rewrite (damaged, or missing in a format 2 pool).
+fn read_superblock(backend: &dyn Backend) -> Result<(Superblock, Vec<u64>)> {
+    let read = |off: u64| -> Result<Superblock> {
+        let mut block = AlignedBuf::new(BLOCK);
+        backend.read_at(&mut block, off).map_err(|e| Error::io("reading the superblock", e))?;
+        Superblock::decode(&block)
+    };
+    let copy = read(SUPER_COPY_AT).ok().filter(|c| c.version >= 2);
+    match (read(0), copy) {
+        (Ok(sb), Some(c)) if c == sb => Ok((sb, vec![])),
+        (Ok(sb), _) if sb.version < 2 => Ok((sb, vec![])),
+        (Ok(sb), _) => Ok((sb, vec![SUPER_COPY_AT])),
+        // A newer format is refused as it is, never "repaired" from an older copy.
+        (Err(e), _) if e.kind() == ErrorKind::Unsupported => Err(e),
+        (Err(e), Some(c)) => {
+            tracing::warn!(error = %e, "the superblock is damaged; using its copy and rewriting it");
+            Ok((c, vec![0]))
+        }
+        (Err(e), None) => Err(e),
+    }
+}
+
+/// Writes `sb` at `off` (the superblock or its copy) and syncs it.
+fn write_superblock(backend: &dyn Backend, sb: &Superblock, off: u64) -> Result<()> {
+    let mut block = AlignedBuf::new(BLOCK);
+    block.copy_from_slice(&sb.encode());
+    backend.write_at(&block, off).map_err(|e| Error::io("writing the superblock", e))?;
+    backend.sync().map_err(|e| Error::io("syncing the superblock", e))
 }

@@ -38,6 +38,8 @@ pub struct RecoveryReport {
     pub blocks_replayed: u64,
     /// If replay stopped at a batch that looked like ours but was damaged: why and where.
     pub truncated: Option<String>,
+    /// The format version the pool had, when opening it upgraded it to the current one.
+    pub upgraded_from: Option<u32>,
 }
 
 /// Why a candidate batch was not accepted.

@@ -49,10 +49,13 @@ pub mod snapshot_metadata {
     tonic::include_proto!("snapshotmetadata");
 }
 
+pub mod version;
+
 /// A gRPC channel to a server on a Unix socket (the daemon's admin API, a CSI endpoint).
 pub async fn connect_unix(path: &std::path::Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {
     let path = path.to_path_buf();
     tonic::transport::Endpoint::from_static("http://ferrite.invalid")
+        .user_agent(version::user_agent())?
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let path = path.clone();
             async move {
@@ -92,6 +95,7 @@ pub async fn connect_as(
         return connect_unix(std::path::Path::new(endpoint.strip_prefix("unix://").unwrap_or(endpoint))).await;
     };
     let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .user_agent(version::user_agent())?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_keepalive(Some(KEEPALIVE))
         .http2_keep_alive_interval(KEEPALIVE)

@@ -61,6 +61,19 @@ impl<S> Authorized<S> {
     }
 }
 
+/// Refuses a caller whose version may not talk to this daemon ([`ferrite_proto::version`]).
+fn skew<B>(req: &http::Request<B>) -> Result<(), tonic::Status> {
+    use ferrite_proto::version::{self, Caller};
+    let ua = req.headers().get(http::header::USER_AGENT).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    let Some(theirs) = version::from_user_agent(ua) else { return Ok(()) };
+    let path = req.uri().path();
+    let role = if path.starts_with("/ferrite.v1.Admin/") { Caller::Client } else { Caller::Peer };
+    version::check(role, theirs, version::VERSION).map_err(|why| {
+        tracing::warn!(call = path, caller_version = theirs, "refused: {why}");
+        tonic::Status::failed_precondition(why)
+    })
+}
+
 type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
 impl<S, B, R> tower::Service<http::Request<B>> for Authorized<S>
@@ -80,7 +93,8 @@ where
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let caller = self.caller(&req);
-        match self.policy.check(&caller, req.uri().path()) {
+        let checked = self.policy.check(&caller, req.uri().path()).and_then(|()| skew(&req));
+        match checked {
             Ok(()) => {
                 req.extensions_mut().insert(caller);
                 Box::pin(self.inner.call(req))

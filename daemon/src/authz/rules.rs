@@ -58,6 +58,7 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/ResizeAttachment", &[]),
     ("/ferrite.v1.Admin/ListAttachments", &[]),
     ("/ferrite.v1.Admin/PoolStatus", &[Controller]),
+    ("/ferrite.v1.Admin/Version", &[Controller]),
     ("/ferrite.v1.Admin/ReclaimPool", &[Controller]),
     ("/ferrite.v1.Admin/ScrubPool", &[]),
     ("/ferrite.v1.Admin/DefragVolume", &[]),
