@@ -913,7 +913,7 @@ impl Admin for AdminService {
             if !matches!(r.transport.as_str(), "" | "auto" | "nbd") {
                 return Err(Status::invalid_argument("another node's volume is attached with the kernel NBD client"));
             }
-            let rec = self.attachments.attach_remote(self.cfg.tls.as_ref(), &r.volume, &r.remote, &r.export).await?;
+            let rec = self.attachments.attach_remote(&r.volume, &r.remote, &r.export).await?;
             let detail = format!("kernel NBD client, relayed over TLS to {}", r.remote);
             return Ok(Response::new(self.attachment_msg(&rec, detail)));
         }
@@ -947,7 +947,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::Attachment>, Status> {
         let r = req.into_inner();
         require("device", &r.device)?;
-        let rec = self.attachments.resize_remote(self.cfg.tls.as_ref(), &r.device).await?;
+        let rec = self.attachments.resize_remote(&r.device).await?;
         let detail = format!("the device has the size of {} on {}", rec.volume, rec.remote.as_deref().unwrap_or(""));
         Ok(Response::new(self.attachment_msg(&rec, detail)))
     }

@@ -53,6 +53,10 @@
 //! sync-mark-interval-ms = 60000     # how often a synchronous primary that took writes takes a
 //!                                   # mark with its members (where a returning member's rebuild
 //!                                   # starts); default 60000
+//! device-hold-s = 120               # how long a kernel NBD device holds its I/O while its
+//!                                   # daemon (or a relayed volume's primary) is away; then EIO
+//! nbd-device-timeout-s = 10         # a kernel NBD request unanswered this long is re-sent on
+//!                                   # a new connection (what a daemon killed mid-request costs)
 //! insecure-nbd-listen = false       # true allows nbd-listen on a non-loopback address without
 //!                                   # TLS (nbd-tls off): volume data in the clear on the network
 //!
@@ -126,6 +130,8 @@ pub struct ConfigFile {
     pub sync_timeout_ms: Option<u64>,
     pub sync_mark_interval_ms: Option<u64>,
     pub peer_quota: Option<usize>,
+    pub device_hold_s: Option<u64>,
+    pub nbd_device_timeout_s: Option<u64>,
     /// The failure domains of this daemon's node (its `topology.kubernetes.io/zone` and
     /// `region` labels): reported to the CSI node plugin, and where replicated volumes spread.
     pub zone: Option<String>,
@@ -172,6 +178,10 @@ pub struct Config {
     pub sync_mark_interval: Duration,
     /// Relations, and synchronous memberships, one replication peer may make here.
     pub peer_quota: usize,
+    /// How long a kernel NBD device holds its I/O for a new connection.
+    pub device_hold: Duration,
+    /// A kernel NBD request unanswered this long is re-sent on the next connection.
+    pub nbd_device_timeout: Duration,
     /// This node's zone and region (empty: none).
     pub zone: String,
     pub region: String,
@@ -392,6 +402,18 @@ impl Config {
                     bail!("sync-mark-interval-ms must be between 100 and 86400000, not {ms}")
                 }
                 Some(ms) => Duration::from_millis(ms),
+            },
+            device_hold: match f.device_hold_s {
+                None => Duration::from_secs(120),
+                Some(s) if !(5..=86_400).contains(&s) => bail!("device-hold-s must be between 5 and 86400, not {s}"),
+                Some(s) => Duration::from_secs(s),
+            },
+            nbd_device_timeout: match f.nbd_device_timeout_s {
+                None => Duration::from_secs(10),
+                Some(s) if !(1..=3600).contains(&s) => {
+                    bail!("nbd-device-timeout-s must be between 1 and 3600, not {s}")
+                }
+                Some(s) => Duration::from_secs(s),
             },
             // 50 nodes, each primary of a few dozen volumes with a copy here: far below this.
             peer_quota: match f.peer_quota {

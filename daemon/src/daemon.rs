@@ -211,13 +211,19 @@ pub async fn run(cfg: Config) -> Result<()> {
             }
         });
     }
-    let attachments = Arc::new(Attachments::restore(&pool, &cfg.data_dir, cfg.nbd_socket.clone(), cfg.ublk).await?);
     let tls = TlsConfigs::load(&cfg)?;
     let mut nbd = Server::new(Arc::clone(&exports));
     nbd.admission = Some(Arc::new(NbdAdmission(Arc::clone(&fences))));
     nbd.limits = cfg.limits.nbd();
     nbd.tls = ferrite_nbd::tls::Tls { mode: cfg.nbd_tls, acceptor: tls.nbd.clone(), role: Some(nbd_role(&policy)) };
     let nbd = Arc::new(nbd);
+    let links = crate::attachments::kernel_nbd::Links {
+        nbd: Arc::clone(&nbd),
+        tls: cfg.tls.clone(),
+        hold: cfg.device_hold,
+        request_timeout: cfg.nbd_device_timeout,
+    };
+    let attachments = Arc::new(Attachments::restore(&pool, &cfg.data_dir, links, cfg.ublk).await?);
     let mut tasks = tokio::task::JoinSet::new();
     {
         let nbd = Arc::clone(&nbd);
@@ -352,8 +358,14 @@ pub async fn run(cfg: Config) -> Result<()> {
     tasks.abort_all();
     let _ = std::fs::remove_file(&cfg.admin_socket);
     let _ = std::fs::remove_file(&cfg.nbd_socket);
-    // ublk devices stay for the next daemon (USER_RECOVERY): stop feeding them to the engine first.
+    // Devices stay for the next daemon: ublk ones frozen (user recovery), kernel NBD ones cut
+    // unrepaired; then every NBD client's connection ends before the pool closes, so none sees
+    // an error for a request in flight (a closed pool would answer one).
     let _frozen = attachments.freeze().await;
+    let cut = exports.close_all();
+    if cut > 0 {
+        tracing::info!(connections = cut, "NBD connections cut for shutdown");
+    }
     let closed = tokio::task::spawn_blocking(move || pool.shutdown()).await?;
     match outcome {
         Ok(sig) => {

@@ -204,6 +204,13 @@ impl Exports {
         removed.map(|e| e.close())
     }
 
+    /// Before the pool closes (the daemon exits): every export refuses new connections and cuts
+    /// its open ones, whose clients see the connection end, not an error, for what they had in
+    /// flight (a kernel client re-sends it to the next daemon). Returns how many were cut.
+    pub fn close_all(&self) -> usize {
+        self.map.read().values().map(|e| e.close()).sum()
+    }
+
     pub fn get(&self, name: &str) -> Option<Arc<Export>> {
         self.map.read().get(name).cloned()
     }

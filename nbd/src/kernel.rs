@@ -1,13 +1,21 @@
-//! Attaching an export as a kernel NBD device (`/dev/nbdN`) over a Unix socket, through the
-//! kernel's generic-netlink NBD interface: we connect, negotiate (fixed newstyle, `OPT_GO`, no
-//! structured replies: the kernel client speaks simple replies only), then hand the connected
-//! socket to the kernel with `NBD_CMD_CONNECT`. The kernel keeps the socket; no process has to
-//! stay behind (unlike the old ioctl interface). `detach` sends `NBD_CMD_DISCONNECT`.
+//! Attaching an export as a kernel NBD device (`/dev/nbdN`), through the kernel's
+//! generic-netlink NBD interface: the caller connects and negotiates (fixed newstyle, `OPT_GO`,
+//! no structured replies: the kernel client speaks simple replies only), then hands the
+//! connected socket to the kernel with `NBD_CMD_CONNECT`. The kernel keeps the socket; no
+//! process has to stay behind (unlike the old ioctl interface). `detach` sends
+//! `NBD_CMD_DISCONNECT`.
+//!
+//! A device outlives its server: it is attached with a dead-connection timeout, so when its
+//! socket closes (the serving daemon restarts) the kernel holds new requests for that long, and
+//! requests already sent are re-queued after the request timeout; a new socket handed over with
+//! `NBD_CMD_RECONFIGURE` ([`reconnect`]) serves them all. The device carries a backend identifier
+//! (`/sys/block/nbdN/backend`) that the kernel checks on reconfigure, so a socket for another
+//! volume is never handed to it.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use rustix::net;
@@ -24,6 +32,8 @@ const NBD_ATTR_BLOCK_SIZE_BYTES: u16 = 3;
 const NBD_ATTR_TIMEOUT: u16 = 4;
 const NBD_ATTR_SERVER_FLAGS: u16 = 5;
 const NBD_ATTR_SOCKETS: u16 = 7;
+const NBD_ATTR_DEAD_CONN_TIMEOUT: u16 = 8;
+const NBD_ATTR_BACKEND_IDENTIFIER: u16 = 10;
 const NBD_SOCK_ITEM: u16 = 1;
 const NBD_SOCK_FD: u16 = 1;
 const GENL_ID_CTRL: u16 = 0x10;
@@ -35,6 +45,18 @@ const NLA_F_NESTED: u16 = 1 << 15;
 const NLM_F_REQUEST: u16 = 1;
 const NLM_F_ACK: u16 = 4;
 const NLMSG_ERROR: u16 = 2;
+
+/// How a device waits for its server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// A request without a reply for this long marks the connection dead and is re-queued for
+    /// the next one (so a daemon that died with requests in flight costs at most this).
+    pub request_timeout: Duration,
+    /// How long requests wait for a new connection before they fail with EIO.
+    pub dead_connection: Duration,
+    /// Names what the device serves (a volume): checked by the kernel on every reconnect.
+    pub backend: String,
+}
 
 /// A kernel NBD device attached to an export.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -243,34 +265,44 @@ impl Genl {
     }
 }
 
-/// Connects to the NBD server on `socket`, negotiates `export`, and attaches it as the next free
-/// `/dev/nbdN`. Needs root (CAP_SYS_ADMIN) and the nbd module.
-pub fn attach(socket: &Path, export: &str) -> io::Result<Attached> {
-    let mut s = UnixStream::connect(socket)
-        .map_err(|e| io::Error::new(e.kind(), format!("connecting to {}: {e}", socket.display())))?;
+/// Negotiates `export` on `s` (a new connection to its server) up to the transmission phase;
+/// returns its size and transmission flags.
+pub fn negotiate_blocking(s: &mut UnixStream, export: &str) -> io::Result<(u64, u16)> {
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let (size, flags) = negotiate_client(&mut s, export)?;
+    let negotiated = negotiate_client(s, export)?;
     s.set_read_timeout(None)?;
-    connect(&s, size, flags)
+    Ok(negotiated)
 }
 
-/// Hands `sock`, negotiated to the transmission phase (size and flags from `OPT_GO`), to the
-/// kernel as the next free `/dev/nbdN`. The kernel takes its own reference: the caller may drop
-/// its end.
-pub fn connect(sock: &impl AsRawFd, size: u64, flags: u16) -> io::Result<Attached> {
-    let nl = Genl::open()?;
-    let family = nl.nbd_family()?;
-    let mut body = Vec::new();
-    attr(&mut body, NBD_ATTR_SIZE_BYTES, &size.to_ne_bytes());
-    attr(&mut body, NBD_ATTR_BLOCK_SIZE_BYTES, &4096u64.to_ne_bytes());
-    attr(&mut body, NBD_ATTR_TIMEOUT, &120u64.to_ne_bytes());
-    attr(&mut body, NBD_ATTR_SERVER_FLAGS, &u64::from(flags).to_ne_bytes());
+fn sockets_attr(body: &mut Vec<u8>, sock: &impl AsRawFd) {
     let fd = u32::try_from(sock.as_raw_fd()).expect("descriptors are non-negative");
     let mut item = Vec::new();
     attr(&mut item, NBD_SOCK_FD, &fd.to_ne_bytes());
     let mut socks = Vec::new();
     attr(&mut socks, NBD_SOCK_ITEM | NLA_F_NESTED, &item);
-    attr(&mut body, NBD_ATTR_SOCKETS | NLA_F_NESTED, &socks);
+    attr(body, NBD_ATTR_SOCKETS | NLA_F_NESTED, &socks);
+}
+
+fn backend_attr(body: &mut Vec<u8>, backend: &str) {
+    let mut name = backend.as_bytes().to_vec();
+    name.push(0);
+    attr(body, NBD_ATTR_BACKEND_IDENTIFIER, &name);
+}
+
+/// Hands `sock`, negotiated to the transmission phase (size and flags from `OPT_GO`), to the
+/// kernel as the next free `/dev/nbdN`, waiting for its server as `hold` says. The kernel takes
+/// its own reference: the caller may drop its end.
+pub fn connect(sock: &impl AsRawFd, size: u64, flags: u16, hold: &Hold) -> io::Result<Attached> {
+    let nl = Genl::open()?;
+    let family = nl.nbd_family()?;
+    let mut body = Vec::new();
+    attr(&mut body, NBD_ATTR_SIZE_BYTES, &size.to_ne_bytes());
+    attr(&mut body, NBD_ATTR_BLOCK_SIZE_BYTES, &4096u64.to_ne_bytes());
+    attr(&mut body, NBD_ATTR_TIMEOUT, &hold.request_timeout.as_secs().max(1).to_ne_bytes());
+    attr(&mut body, NBD_ATTR_DEAD_CONN_TIMEOUT, &hold.dead_connection.as_secs().max(1).to_ne_bytes());
+    attr(&mut body, NBD_ATTR_SERVER_FLAGS, &u64::from(flags).to_ne_bytes());
+    backend_attr(&mut body, &hold.backend);
+    sockets_attr(&mut body, sock);
     let reply = nl.request(family, NBD_CMD_CONNECT, &body)?;
     let index = reply
         .as_deref()
@@ -285,6 +317,37 @@ pub fn connect(sock: &impl AsRawFd, size: u64, flags: u16) -> io::Result<Attache
     })
 }
 
+/// Gives the live `/dev/nbd<index>`, whose connection died, the new connection `sock` (negotiated
+/// to the transmission phase): the requests it holds go there. The kernel refuses it (EINVAL)
+/// if the device serves another backend than `backend`. Until the kernel has noticed the old
+/// connection's end there is no dead socket to replace (ENOSPC): that is retried for a while.
+pub fn reconnect(index: u32, sock: &impl AsRawFd, backend: &str) -> io::Result<()> {
+    let nl = Genl::open()?;
+    let family = nl.nbd_family()?;
+    let mut body = Vec::new();
+    attr(&mut body, NBD_ATTR_INDEX, &index.to_ne_bytes());
+    backend_attr(&mut body, backend);
+    sockets_attr(&mut body, sock);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match nl.request(family, NBD_CMD_RECONFIGURE, &body) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(io::Error::new(e.kind(), format!("reconnecting /dev/nbd{index}: {e}"))),
+            Ok(_) => return Ok(()),
+        }
+    }
+}
+
+/// What `/dev/nbd<index>` serves, as its backend identifier says (None: not connected, or
+/// attached without one).
+pub fn backend(index: u32) -> Option<String> {
+    let b = std::fs::read_to_string(format!("/sys/block/nbd{index}/backend")).ok()?;
+    let b = b.trim_end_matches(['\n', '\0']);
+    (!b.is_empty()).then(|| b.to_owned())
+}
+
 /// Detaches `/dev/nbd<index>` (in-flight requests finish first).
 pub fn detach(index: u32) -> io::Result<()> {
     let nl = Genl::open()?;
@@ -296,11 +359,13 @@ pub fn detach(index: u32) -> io::Result<()> {
 
 /// Sets the size of the live `/dev/nbd<index>` (after its export grew): `NBD_CMD_RECONFIGURE`
 /// with a new size, which the kernel applies online (Linux 5.3+) and announces to the disk.
-pub fn resize(index: u32, size: u64) -> io::Result<()> {
+/// A device attached with a backend identifier takes a reconfigure only with the same one.
+pub fn resize(index: u32, size: u64, backend: &str) -> io::Result<()> {
     let nl = Genl::open()?;
     let family = nl.nbd_family()?;
     let mut body = Vec::new();
     attr(&mut body, NBD_ATTR_INDEX, &index.to_ne_bytes());
+    backend_attr(&mut body, backend);
     attr(&mut body, NBD_ATTR_SIZE_BYTES, &size.to_ne_bytes());
     nl.request(family, NBD_CMD_RECONFIGURE, &body).map(|_| ())
 }

@@ -6,8 +6,10 @@
 //! ```text
 //!  /dev/nbdN ─► kernel ─► socketpair ─► relay task (tokio) ─► TLS ─► remote NBD listener
 //! ```
-//! The relay ends when either side closes: a lost remote fails the device's I/O (the kernel sees
-//! its socket close) until it is attached again; a detach closes the kernel's end.
+//! The relay ends when either side closes; a detach closes the kernel's end. A lost remote (a
+//! restarted daemon, a dead node: TCP_USER_TIMEOUT and keepalives notice it in seconds even
+//! while requests are outstanding) ends it too: the kernel holds the device's I/O, and the
+//! daemon opens a new relay and hands it over ([`kernel::reconnect`]).
 
 use std::io::{self, Write};
 use std::net::ToSocketAddrs;
@@ -21,7 +23,7 @@ use ferrite_tls::rustls::ClientConfig;
 use rustix::net::sockopt;
 use tokio::task::JoinHandle;
 
-use crate::kernel::{self, Attached};
+use crate::kernel;
 use crate::proto::{CMD_DISC, Request};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -31,33 +33,14 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_COUNT: u32 = 3;
+/// Data sent and not acknowledged for this long ends the connection (a peer gone mid-request,
+/// which keepalives alone would not notice: they only probe an idle connection).
+const USER_TIMEOUT_MS: u32 = 15_000;
 /// Bytes buffered per direction: a few requests of the kernel's usual 128 KiB.
 const RELAY_BUFFER: usize = 512 << 10;
 
 fn timed_out(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, format!("{what} took longer than {HANDSHAKE_TIMEOUT:?}"))
-}
-
-/// Attaches `export` of the NBD server at `address` (host:port) as the next free `/dev/nbdN`,
-/// authenticating with `tls`'s client certificate and expecting the server to be `name`. The
-/// returned task is the relay: the device works while it runs.
-pub async fn attach(
-    tls: Arc<ClientConfig>,
-    name: ServerName<'static>,
-    address: &str,
-    export: &str,
-) -> io::Result<(Attached, JoinHandle<()>)> {
-    let (kernel_end, size, flags, relay) = open(tls, name, address, export).await?;
-    let attached = tokio::task::spawn_blocking(move || kernel::connect(&kernel_end, size, flags))
-        .await
-        .map_err(io::Error::other)?;
-    match attached {
-        Ok(a) => Ok((a, relay)),
-        Err(e) => {
-            relay.abort();
-            Err(e)
-        }
-    }
 }
 
 /// The current size of `export` at `address` (after its server grew it), from a new handshake.
@@ -79,7 +62,7 @@ pub async fn export_size(
 
 /// Negotiates `export` over TLS with a relay in place: returns the plaintext end, in the
 /// transmission phase, with the export's size and transmission flags, and the relay task.
-async fn open(
+pub async fn open(
     tls: Arc<ClientConfig>,
     name: ServerName<'static>,
     address: &str,
@@ -104,6 +87,7 @@ async fn open(
         sockopt::set_tcp_keepidle(&s, KEEPALIVE_IDLE)?;
         sockopt::set_tcp_keepintvl(&s, KEEPALIVE_INTERVAL)?;
         sockopt::set_tcp_keepcnt(&s, KEEPALIVE_COUNT)?;
+        sockopt::set_tcp_user_timeout(&s, USER_TIMEOUT_MS)?;
         s.set_nonblocking(true)?;
         Ok(s)
     })
@@ -121,7 +105,7 @@ async fn open(
     let relay = tokio::spawn(async move {
         match tokio::io::copy_bidirectional_with_sizes(&mut relay_end, &mut secure, RELAY_BUFFER, RELAY_BUFFER).await {
             Ok(_) => tracing::debug!(peer, "NBD relay closed"),
-            Err(e) => tracing::warn!(peer, error = %e, "NBD relay lost its connection; the device fails its I/O"),
+            Err(e) => tracing::warn!(peer, error = %e, "NBD relay lost its connection"),
         }
     });
     let export = export.to_owned();

@@ -8,10 +8,11 @@ step() { echo "== $*"; }
 live() { f -o json pool status | sed -n 's/.*"live":\([0-9]*\).*/\1/p'; }
 sums() { (cd "$1" && find . -type f -print0 | sort -z | xargs -0 sha256sum); }
 
-# start_daemon CONFIG-LINES: (re)starts the daemon on $D, appending to its log; sets DAEMON.
+# start_daemon CONFIG-LINES: (re)starts the daemon ($DAEMON_BIN, default $FERRITE) on $D,
+# appending to its log; sets DAEMON.
 start_daemon() {
   [ -f $D/ferrite.toml ] || printf '%b' "$1" > $D/ferrite.toml
-  "$FERRITE" daemon --config $D/ferrite.toml --data-dir $D >> $D/daemon.log 2>&1 &
+  "${DAEMON_BIN:-$FERRITE}" daemon --config $D/ferrite.toml --data-dir $D >> $D/daemon.log 2>&1 &
   DAEMON=$!
   for _ in $(seq 300); do "$FERRITE" pool status >/dev/null 2>&1 && return 0; sleep 0.2; done
   echo "daemon did not start"; cat $D/daemon.log; exit 1
@@ -99,6 +100,47 @@ encrypted_lifecycle() {
   attach enc 2>/dev/null; mount "$DEV" /mnt/enc
   (cd /mnt/enc && sha256sum --quiet -c /tmp/enc.sums)
   umount /mnt/enc; detach "$DEV"
-  if grep -aq FERRITE-SECRET-MARKER $D/pool.img; then echo "plaintext of an encrypted volume in the pool file"; exit 1; fi
+  # In chunks (grep would hold a whole NUL-free "line" of the pool file in memory).
+  python3 -c 'import sys
+f = open(sys.argv[1], "rb"); prev = b""
+while chunk := f.read(1 << 20):
+    if b"FERRITE-SECRET-MARKER" in prev[-32:] + chunk: sys.exit("plaintext of an encrypted volume in the pool file")
+    prev = chunk' $D/pool.img
   f volume delete enc >/dev/null
+}
+
+# restarts_under_io DEVICE RESTART: ext4 on DEVICE, fio writing files and verifying them as it
+# goes, while RESTART (a function given TERM or KILL) replaces the daemon behind the device three
+# times (SIGTERM, kill -9, SIGTERM, each followed by a start of another binary): no I/O error, no
+# verify failure, fsck clean; prints the longest I/O, which is the pause a restart cost.
+restarts_under_io() {
+  local dev=$1 restart=$2
+  mkfs.ext4 -q -F "$dev"; mkdir -p /mnt/io; mount "$dev" /mnt/io
+  timeout 900 fio --name=io --directory=/mnt/io --size=24M --nrfiles=3 --rw=randwrite --bs=4k --ioengine=libaio \
+    --direct=1 --iodepth=8 --verify=crc32c --verify_backlog=128 --verify_fatal=1 --verify_state_save=0 \
+    --runtime=50 --time_based --eta=never --output-format=json --output=$D/io.json &
+  local fio=$! how
+  for how in TERM KILL TERM; do
+    sleep 6
+    echo "daemon replaced ($how)"
+    "$restart" $how
+  done
+  wait $fio || { cat $D/io.json; echo "fio saw an error across daemon restarts"; exit 1; }
+  python3 - $D/io.json <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))["jobs"][0]
+assert job["error"] == 0, job["error"]
+longest = max(job["write"]["clat_ns"]["max"], job["read"]["clat_ns"]["max"]) / 1e6
+print(f"no I/O error, no verify failure; {job['write']['total_ios']} writes, "
+      f"{job['read']['total_ios']} verify reads; longest I/O (the pause): {longest:.0f} ms")
+PY
+  umount /mnt/io
+  fsck.ext4 -n -f "$dev" >/dev/null
+}
+
+# restart_local TERM|KILL: the daemon on $D stops that way; a copy of its binary starts.
+restart_local() {
+  kill -"$1" $DAEMON; wait $DAEMON 2>/dev/null || true
+  cp -f "$FERRITE" $D/ferrite-next
+  DAEMON_BIN=$D/ferrite-next start_daemon
 }

@@ -4,12 +4,14 @@
 # NBD listener, node-b attaches it with `ferrite attach --remote`, relaying the kernel client's
 # plaintext over TLS with its own certificate, as a Kubernetes node without a copy does.
 # fio verify; ext4 across detach and re-attach; growth followed online (`ferrite refresh`); an
-# export granted to another identity is refused; stopping the export cuts the device (its I/O
-# fails at once, nothing hangs) and it detaches cleanly.
+# export granted to another identity is refused; node-a's daemon replaced three times (SIGTERM,
+# kill -9) under fio on ext4 over the relayed device: a pause, no I/O error; stopping the export
+# holds the device's I/O for device-hold-s, then fails it (nothing hangs), and it detaches cleanly.
 set -euo pipefail
 D=/tmp/ferrite-remote; rm -rf $D; mkdir -p $D/a $D/b
 DEV_PREFIX=/dev/nbd
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+trap 'echo "--- node-b log"; tail -20 $D/b.log; echo "--- node-a log"; tail -20 $D/a.log' ERR
 fa() { FERRITE_ADMIN_SOCKET=$D/a/admin.sock f "$@"; }
 fb() { FERRITE_ADMIN_SOCKET=$D/b/admin.sock f "$@"; }
 modprobe nbd nbds_max=4
@@ -25,9 +27,12 @@ f certs $D/pki node-a 10.77.0.2 >/dev/null 2>&1
 f certs $D/pki node-b 10.77.0.1 >/dev/null 2>&1
 tls() { printf 'tls-cert = "%s"\ntls-key = "%s"\ntls-client-ca = "%s"\n' "$D/pki/$1.pem" "$D/pki/$1-key.pem" "$D/pki/ca.pem"; }
 { printf 'pool-size = "1G"\nsegment-size = "4M"\nlog-level = "warn"\nnbd-listen = "10.77.0.2:10809"\n'; tls node-a; } > $D/a.toml
-{ printf 'pool-size = "256M"\nsegment-size = "4M"\nlog-level = "info"\n'; tls node-b; } > $D/b.toml
-ip netns exec node-a "$FERRITE" daemon --config $D/a.toml --data-dir $D/a >> $D/a.log 2>&1 &
-A=$!
+{ printf 'pool-size = "256M"\nsegment-size = "4M"\nlog-level = "info"\nnbd-device-timeout-s = 5\ndevice-hold-s = 20\n'; tls node-b; } > $D/b.toml
+start_a() {
+  ip netns exec node-a "${DAEMON_BIN:-$FERRITE}" daemon --config $D/a.toml --data-dir $D/a >> $D/a.log 2>&1 &
+  A=$!
+}
+start_a
 "$FERRITE" daemon --config $D/b.toml --data-dir $D/b >> $D/b.log 2>&1 &
 B=$!
 for _ in $(seq 300); do fa pool status >/dev/null 2>&1 && fb pool status >/dev/null 2>&1 && break; sleep 0.2; done
@@ -50,11 +55,26 @@ DEV=$(fb attach v --remote 10.77.0.2:10809 --export v 2>/dev/null); mount "$DEV"
 step "node-a grows the volume; node-b's device follows, ext4 grows online"
 fa volume resize v 512M >/dev/null
 [ "$(blockdev --getsize64 "$DEV")" = $((256 << 20)) ]
-fb refresh "$DEV" >/dev/null 2>&1
+fb refresh "$DEV" >/dev/null
 [ "$(blockdev --getsize64 "$DEV")" = $((512 << 20)) ] || { echo "device did not take the new size"; exit 1; }
 resize2fs "$DEV" >/dev/null 2>&1
 [ "$(df -B1M --output=size /mnt/remote | tail -1)" -gt 400 ] || { df /mnt/remote; echo "ext4 did not grow"; exit 1; }
 (cd /mnt/remote && sha256sum --quiet -c /tmp/remote.sums)
+
+step "node-a's daemon replaced three times under fio on the relayed device: a pause, no error"
+restart_a() {
+  kill -"$1" $A; wait $A 2>/dev/null || true
+  cp -f "$FERRITE" $D/ferrite-next
+  DAEMON_BIN=$D/ferrite-next start_a
+  for _ in $(seq 300); do fa pool status >/dev/null 2>&1 && return 0; sleep 0.2; done
+  echo "node-a did not start"; tail -30 $D/a.log; exit 1
+}
+fa volume create io 256M >/dev/null
+fa export nbd io --allow node-b >/dev/null
+IODEV=$(fb attach io --remote 10.77.0.2:10809 --export io)
+restarts_under_io "$IODEV" restart_a
+grep -c "kernel NBD device reconnected" $D/b.log
+fb detach "$IODEV" >/dev/null
 
 step "an export granted to another node is refused"
 fa export nbd v --name for-c --allow node-c >/dev/null
@@ -65,11 +85,13 @@ echo "refused: $err"
 case $err in *for-c*) ;; *) echo "the error does not name the export"; exit 1;; esac
 fb attachments | grep -q v-c && { echo "a refused attach left an attachment"; exit 1; }
 
-step "stopping the export cuts the device; it detaches cleanly"
+step "stopping the export holds the device's I/O for device-hold-s (20 s), then fails it"
 fa export stop v >/dev/null
-if timeout 60 dd if="$DEV" of=/dev/null bs=4k count=1 skip=12345 iflag=direct 2>/dev/null; then
-  echo "a read went through after the export stopped"; exit 1
-fi
+t0=$(date +%s)
+rc=0; timeout 120 dd if="$DEV" of=/dev/null bs=4k count=1 skip=12345 iflag=direct 2>/dev/null || rc=$?
+echo "read ended with $rc after $(( $(date +%s) - t0 )) s"
+[ "$rc" != 0 ] || { echo "a read went through after the export stopped"; exit 1; }
+[ "$rc" != 124 ] || { echo "the read hung past the hold time"; exit 1; }
 umount -l /mnt/remote
 fb detach "$DEV" >/dev/null
 fb attachments | grep -q "10.77.0.2" && { echo "attachment left behind"; exit 1; }

@@ -3,10 +3,14 @@
 # (cwd = $PWD, which is mounted read-write at the same path), prints the guest's console and
 # exits with the script's exit code (124: timeout, 255: the guest died before finishing).
 # If the harness is not set up and cannot be, prints "SKIPPED: ..." and exits 0.
-# Env: VM_TIMEOUT (600 s), VM_MEM (2G), VM_CPUS (2).
+# Env: VM_TIMEOUT (600 s), VM_MEM (2G), VM_CPUS (2), FERRITE_VM_KERNEL (6.12 or 6.17).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-VMDIR=${FERRITE_VM_DIR:-$HOME/.cache/ferrite/vm}
+# The kernel (FERRITE_VM_KERNEL) and its directory: as setup.sh picks them.
+case ${FERRITE_VM_KERNEL:-6.12} in
+  6.12) VMDIR=${FERRITE_VM_DIR:-$HOME/.cache/ferrite/vm} ;;
+  *) VMDIR=${FERRITE_VM_DIR:-$HOME/.cache/ferrite/vm-$FERRITE_VM_KERNEL} ;;
+esac
 SCRIPT=$(readlink -f "${1:?usage: run.sh SCRIPT}")
 out=$(bash "$HERE/setup.sh" 2>&1 | tail -1)
 case $out in SKIPPED:*) echo "$out"; exit 0;; esac

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # Prepares the QEMU guest for the tests that need real kernel block devices (ublk, kernel NBD):
-# qemu-system-x86 (bookworm-backports, TCG: this machine kind has no usable KVM), Debian's
-# bookworm-backports 6.12 kernel *extracted, not installed* (it has ublk_drv and nbd as modules),
-# and a busybox initramfs that boots into the host's root filesystem (9p, read-only, tmpfs
-# overlay), so host-built binaries run in the guest unchanged. Idempotent; everything lives in
-# $FERRITE_VM_DIR (default ~/.cache/ferrite/vm).
+# qemu-system-x86 (bookworm-backports, TCG: this machine kind has no usable KVM), a Debian
+# kernel *extracted, not installed* (ublk_drv and nbd as modules) and a busybox initramfs that
+# boots into the host's root filesystem (9p, read-only, tmpfs overlay), so host-built binaries
+# run in the guest unchanged. Idempotent; everything lives in $FERRITE_VM_DIR.
+#
+# FERRITE_VM_KERNEL picks the kernel: 6.12 (default; bookworm-backports, what most users run:
+# ublk with user recovery, no QUIESCE or UPDATE_SIZE) or 6.17 (trixie-backports, read through a
+# private apt state so the host's is untouched: QUIESCE, USER_RECOVERY_FAIL_IO, UPDATE_SIZE).
+# FERRITE_VM_DIR defaults to ~/.cache/ferrite/vm (6.12) or ~/.cache/ferrite/vm-6.17.
 #
 # Exits 0 with a "SKIPPED:" line when it cannot work here (not root, no apt, no network, no
 # kernel package), so callers can skip instead of failing.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-VMDIR=${FERRITE_VM_DIR:-$HOME/.cache/ferrite/vm}
+KERNEL=${FERRITE_VM_KERNEL:-6.12}
+case $KERNEL in
+  6.12) VMDIR=${FERRITE_VM_DIR:-$HOME/.cache/ferrite/vm} ;;
+  6.17) VMDIR=${FERRITE_VM_DIR:-$HOME/.cache/ferrite/vm-6.17} ;;
+  *) echo "FERRITE_VM_KERNEL must be 6.12 or 6.17, not $KERNEL" >&2; exit 2 ;;
+esac
 skip() { echo "SKIPPED: VM harness unavailable: $*"; exit 0; }
 [ "$(id -u)" = 0 ] || skip "needs root to install packages"
 command -v apt-get >/dev/null || skip "no apt-get"
@@ -36,13 +45,31 @@ timeout 900 apt-get install -y -q --no-install-recommends -t bookworm-backports 
   || skip "cannot install qemu-system-x86 from bookworm-backports"
 timeout 900 apt-get install -y -q --no-install-recommends kmod busybox-static xz-utils cpio nbd-client \
   e2fsprogs xfsprogs util-linux fio >/dev/null || skip "cannot install the guest tools"
-if [ ! -d kernel/boot ]; then
+if [ ! -d kernel/boot ] && [ "$KERNEL" = 6.12 ]; then
   echo "vm: downloading the bookworm-backports kernel (extracted here, not installed)..." >&2
   pkg=$(apt-cache show linux-image-amd64 | awk '/^Version:/{v=$2} /^Depends:/ && v ~ /bpo12/ {print $2; exit}')
   [ -n "$pkg" ] || skip "no bookworm-backports kernel package"
   rm -rf kernel dl; mkdir -p dl
   (cd dl && timeout 600 apt-get download "$pkg" >/dev/null 2>&1) || skip "cannot download $pkg"
   dpkg-deb -x dl/"$pkg"_*.deb kernel
+  rm -rf dl
+elif [ ! -d kernel/boot ]; then
+  echo "vm: downloading the trixie-backports 6.17 kernel (extracted here, not installed)..." >&2
+  uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+  [ -n "$uri" ] || uri=$(awk '/^deb / {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+  [ -n "$uri" ] || skip "cannot find the Debian mirror to reach trixie-backports"
+  apt_dir=$VMDIR/apt; mkdir -p "$apt_dir/lists/partial"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri trixie-backports main" > "$apt_dir/sources.list"
+  apt_opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=- -o "Dir::State::Lists=$apt_dir/lists"
+    -o APT::Get::List-Cleanup=0)
+  timeout 600 apt-get "${apt_opts[@]}" update -q >/dev/null || skip "apt-get update of trixie-backports failed"
+  pkg=$(apt-cache "${apt_opts[@]}" pkgnames linux-image-6.17 | grep -E '^linux-image-6\.17\.[0-9.]+\+deb13-amd64$' | sort -V | tail -1)
+  [ -n "$pkg" ] || skip "no linux-image-6.17 package in trixie-backports"
+  rm -rf kernel dl; mkdir -p dl
+  (cd dl && timeout 900 apt-get "${apt_opts[@]}" download "$pkg" >/dev/null 2>&1) || skip "cannot download $pkg"
+  dpkg-deb -x dl/"$pkg"_*.deb kernel
+  # Merged /usr: the modules are under usr/lib; depmod -b and the initramfs expect lib/modules.
+  [ -e kernel/lib ] || ln -s usr/lib kernel/lib
   rm -rf dl
 fi
 V=$(ls kernel/lib/modules)

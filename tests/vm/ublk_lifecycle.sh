@@ -4,7 +4,8 @@
 # mounted filesystem under I/O, restart: device and mount survive, flushed data intact; kill -9
 # right after writes no flush covered (raw device and ext4 files): every one reads back, and
 # fsck finds the filesystem clean; a clean
-# daemon restart keeps the device too; growing a volume and the resize fallback of this kernel.
+# daemon restart keeps the device too; growing a volume (online where the kernel has UPDATE_SIZE,
+# else the fallback); the daemon replaced three times under fio on ext4: a pause, no I/O error.
 set -euo pipefail
 D=/tmp/ferrite-ublk; mkdir -p $D
 DEV_PREFIX=/dev/ublkb
@@ -153,6 +154,12 @@ after=$(awk -F', *' '$1 > 5250 { s += $2; n++ } END { printf "%d", s / n }' $D/q
 echo "after the change to 600: $after IOPS"
 [ "$after" -ge 570 ] && [ "$after" -le 630 ]
 detach "$QDEV"
+
+step "the daemon replaced three times under fio on ext4: a pause, no error"
+f volume create io 256M >/dev/null
+attach io 2>/dev/null; IODEV=$DEV
+restarts_under_io "$IODEV" restart_local
+detach "$IODEV"
 
 step "scrub, clean shutdown"
 f pool scrub 2>/dev/null

@@ -1,9 +1,11 @@
 //! Volumes attached as block devices on this node: ublk where the kernel has it, else the kernel
-//! NBD client connected to our own Unix socket. Attachments are persisted in
-//! `<data-dir>/attachments.json`, so a restarted daemon takes its ublk devices back
-//! (USER_RECOVERY) instead of leaving them hung.
+//! NBD client, served by this daemon ([`kernel_nbd`]). Attachments are persisted in
+//! `<data-dir>/attachments.json`, so a restarted daemon takes its devices back (ublk: user
+//! recovery; kernel NBD: a new connection) instead of leaving them hung.
 
-use std::path::{Path, PathBuf};
+pub mod kernel_nbd;
+
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,10 +14,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 use tonic::Status;
 
-use crate::config::TlsFiles;
 use crate::exports::{ExportRecord, ExportTable, open_image};
 use crate::rpc::status;
 use crate::state::RecordFile;
+use kernel_nbd::{Keeper, Links};
 
 /// How long a daemon exit waits for ublk requests already in the engine.
 const FREEZE_LIMIT: Duration = Duration::from_secs(30);
@@ -44,17 +46,15 @@ pub struct AttachRecord {
 #[derive(Debug)]
 pub enum Handle {
     Ublk(ferrite_ublk::Device),
-    Nbd,
-    /// A remote export's kernel NBD device: the task relaying its socket over TLS.
-    Relay(tokio::task::JoinHandle<()>),
+    /// A kernel NBD device (a local volume's, or a relayed one's): the task keeping it connected.
+    Nbd(Keeper),
 }
 
 /// The devices this daemon attached, with their records.
 #[derive(Debug)]
 pub struct Attachments {
     file: RecordFile,
-    /// The NBD Unix socket the kernel client connects to.
-    nbd_socket: PathBuf,
+    links: Arc<Links>,
     live: Mutex<Vec<(AttachRecord, Handle)>>,
 }
 
@@ -74,19 +74,25 @@ pub fn choose_transport(wanted: &str) -> Result<(&'static str, String), Status> 
 }
 
 impl Attachments {
-    /// Takes back the ublk devices a previous daemon left (kill -9, or a clean exit that froze
-    /// them; USER_RECOVERY) and saves what remains: kernel NBD connections ended with that daemon.
+    /// Takes back the devices a previous daemon left (kill -9, or a clean exit): ublk devices
+    /// through user recovery, kernel NBD devices with a new connection each; saves what remains.
     pub async fn restore(
         pool: &Arc<Pool>,
         data_dir: &Path,
-        nbd_socket: PathBuf,
+        links: Links,
         ublk: ferrite_ublk::Options,
     ) -> anyhow::Result<Self> {
         let file = RecordFile::new(data_dir, "attachments");
         let records: Vec<AttachRecord> = file.load()?;
+        let (ublk_records, nbd_records) = records.into_iter().partition(|r| r.transport == "ublk");
+        let links = Arc::new(links);
+        let lost = pool.recovery_report().truncated.clone();
         let pool = Arc::clone(pool);
-        let live = tokio::task::spawn_blocking(move || recover(&pool, records, &ublk)).await?;
-        let this = Self { file, nbd_socket, live: Mutex::new(live) };
+        let mut live = tokio::task::spawn_blocking(move || recover(&pool, ublk_records, &ublk)).await?;
+        for r in nbd_records {
+            live.extend(reconnect(&links, r, lost.as_deref()).await);
+        }
+        let this = Self { file, links, live: Mutex::new(live) };
         this.save(&this.live.lock().await).map_err(|e| anyhow::anyhow!("saving the attachment list: {e}"))?;
         Ok(this)
     }
@@ -147,30 +153,27 @@ impl Attachments {
                 allow: vec!["local".into()],
             };
             let created = exports.ensure_local(&export).await?;
-            let (sock, name) = (self.nbd_socket.clone(), export.name.clone());
-            let a = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::attach(&sock, &name))
-                .await
-                .map_err(|e| Status::internal(format!("attach task failed: {e}")))?
-                .map_err(|e| Status::failed_precondition(format!("kernel NBD attach: {e}")));
-            let a = match a {
+            let mut rec = AttachRecord {
+                volume: volume.to_owned(),
+                transport: transport.into(),
+                device: String::new(),
+                index: 0,
+                read_only: false,
+                export: created.then(|| export.name.clone()),
+                remote: None,
+            };
+            let (a, session, kernel_end) = match self.links.attach(&rec).await {
                 Ok(a) => a,
                 Err(e) => {
                     if created {
                         exports.discard(&export.name).await;
                     }
-                    return Err(e);
+                    return Err(Status::failed_precondition(format!("kernel NBD attach: {e}")));
                 }
             };
-            let rec = AttachRecord {
-                volume: volume.to_owned(),
-                transport: transport.into(),
-                device: a.device.display().to_string(),
-                index: a.index,
-                read_only: a.read_only,
-                export: created.then_some(export.name),
-                remote: None,
-            };
-            (rec, Handle::Nbd)
+            (rec.device, rec.index, rec.read_only) = (a.device.display().to_string(), a.index, a.read_only);
+            let keeper = self.links.keep(rec.clone(), session, Some(kernel_end));
+            (rec, Handle::Nbd(keeper))
         };
         Ok(self.add(&mut live, rec, handle))
     }
@@ -186,30 +189,26 @@ impl Attachments {
 
     /// Attaches `export` of the NBD listener at `address` (another node's daemon, which serves
     /// `volume`) as a kernel NBD device, over TLS with this daemon's certificate.
-    pub async fn attach_remote(
-        &self,
-        tls: Option<&TlsFiles>,
-        volume: &str,
-        address: &str,
-        export: &str,
-    ) -> Result<AttachRecord, Status> {
-        let (cfg, name) = relay_tls(tls, address)?;
+    pub async fn attach_remote(&self, volume: &str, address: &str, export: &str) -> Result<AttachRecord, Status> {
+        kernel_nbd::relay_tls(self.links.tls.as_ref(), address)?;
         let mut live = self.live.lock().await;
         if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == volume) {
             return Err(Status::already_exists(format!("{volume} is already attached as {}", old.device)));
         }
-        let failed = |e: std::io::Error| Status::unavailable(format!("attaching {volume} from {address}: {e}"));
-        let (a, relay) = ferrite_nbd::relay::attach(cfg, name, address, export).await.map_err(failed)?;
-        let rec = AttachRecord {
+        let mut rec = AttachRecord {
             volume: volume.to_owned(),
             transport: "nbd".into(),
-            device: a.device.display().to_string(),
-            index: a.index,
-            read_only: a.read_only,
+            device: String::new(),
+            index: 0,
+            read_only: false,
             export: Some(export.to_owned()),
             remote: Some(address.to_owned()),
         };
-        Ok(self.add(&mut live, rec, Handle::Relay(relay)))
+        let failed = |e: std::io::Error| Status::unavailable(format!("attaching {volume} from {address}: {e}"));
+        let (a, relay, kernel_end) = self.links.attach(&rec).await.map_err(failed)?;
+        (rec.device, rec.index, rec.read_only) = (a.device.display().to_string(), a.index, a.read_only);
+        let keeper = self.links.keep(rec.clone(), relay, Some(kernel_end));
+        Ok(self.add(&mut live, rec, Handle::Nbd(keeper)))
     }
 
     /// Detaches by device path or volume name; stops the export the attach made, if any.
@@ -222,15 +221,17 @@ impl Attachments {
         let index = rec.index;
         let done = match handle {
             Handle::Ublk(d) => tokio::task::block_in_place(|| d.detach()),
-            Handle::Nbd | Handle::Relay(_) => tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
-                .await
-                .map_err(|e| Status::internal(format!("detach task failed: {e}")))?,
+            Handle::Nbd(keeper) => {
+                keeper.stopping(true);
+                let done = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
+                    .await
+                    .map_err(|e| Status::internal(format!("detach task failed: {e}")))?;
+                keeper.stopping(done.is_err());
+                done
+            }
         };
         done.map_err(|e| Status::internal(format!("detaching {}: {e}", rec.device)))?;
-        let (rec, handle) = live.remove(i);
-        if let Handle::Relay(relay) = handle {
-            relay.abort();
-        }
+        let (rec, _) = live.remove(i);
         if let Some(export) = rec.export.as_ref().filter(|_| rec.remote.is_none()) {
             exports.discard(export).await;
         }
@@ -256,9 +257,10 @@ impl Attachments {
                     ),
                     Err(e) => format!("{}: resize failed: {e}", r.device),
                 },
-                Handle::Nbd | Handle::Relay(_) => {
-                    let index = r.index;
-                    match tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size)).await {
+                Handle::Nbd(_) => {
+                    let (index, backend) = (r.index, kernel_nbd::backend(&r.volume));
+                    match tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size, &backend)).await
+                    {
                         Ok(Ok(())) => format!("{} resized online", r.device),
                         Ok(Err(e)) => {
                             format!("{}: resize failed ({e}); it keeps its old size until re-attached", r.device)
@@ -275,7 +277,7 @@ impl Attachments {
 
     /// Gives a remote volume's device (`device` or the volume's name) the volume's current size,
     /// after its primary grew it.
-    pub async fn resize_remote(&self, tls: Option<&TlsFiles>, device: &str) -> Result<AttachRecord, Status> {
+    pub async fn resize_remote(&self, device: &str) -> Result<AttachRecord, Status> {
         let rec = self.list().await.into_iter().find(|r| r.device == device || r.volume == device);
         let Some(rec) = rec else {
             return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
@@ -289,7 +291,7 @@ impl Attachments {
         let export = rec.export.as_deref().unwrap_or_default();
         let failed =
             |e: std::io::Error| Status::unavailable(format!("asking {address} for {}'s size: {e}", rec.volume));
-        let (cfg, name) = relay_tls(tls, address)?;
+        let (cfg, name) = kernel_nbd::relay_tls(self.links.tls.as_ref(), address)?;
         let size = ferrite_nbd::relay::export_size(cfg, name, address, export).await.map_err(failed)?;
         let index = rec.index;
         let now = ferrite_nbd::kernel::size(index).map_err(|e| Status::internal(format!("{}: {e}", rec.device)))?;
@@ -300,7 +302,8 @@ impl Attachments {
             )));
         }
         if size > now {
-            tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size))
+            let backend = kernel_nbd::backend(&rec.volume);
+            tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size, &backend))
                 .await
                 .map_err(|e| Status::internal(format!("resize task failed: {e}")))?
                 .map_err(|e| Status::internal(format!("resizing {}: {e}", rec.device)))?;
@@ -310,16 +313,19 @@ impl Attachments {
     }
 
     /// Before the pool closes: ublk devices stop taking requests (the kernel keeps them for the
-    /// next daemon) and the ones already running finish. The returned guard keeps the list
-    /// locked, so nothing attaches until the caller drops it.
+    /// next daemon) and the ones already running finish; kernel NBD devices lose their
+    /// connection, unrepaired (the kernel holds their I/O for the next daemon). The returned
+    /// guard keeps the list locked, so nothing attaches until the caller drops it.
     pub async fn freeze(&self) -> MutexGuard<'_, Vec<(AttachRecord, Handle)>> {
         let live = self.live.lock().await;
         tokio::task::block_in_place(|| {
             for (r, h) in live.iter() {
-                if let Handle::Ublk(d) = h
-                    && !d.freeze(FREEZE_LIMIT)
-                {
-                    tracing::error!(device = %r.device, "ublk requests still running after {FREEZE_LIMIT:?}");
+                match h {
+                    Handle::Ublk(d) if !d.freeze(FREEZE_LIMIT) => {
+                        tracing::error!(device = %r.device, "ublk requests still running after {FREEZE_LIMIT:?}");
+                    }
+                    Handle::Ublk(_) => {}
+                    Handle::Nbd(keeper) => keeper.cut(),
                 }
             }
         });
@@ -327,21 +333,25 @@ impl Attachments {
     }
 }
 
-/// The client TLS of a relay to `address`: this daemon's certificate, and the name the remote
-/// daemon's must carry.
-fn relay_tls(
-    tls: Option<&TlsFiles>,
-    address: &str,
-) -> Result<(Arc<ferrite_tls::rustls::ClientConfig>, ferrite_tls::ServerName<'static>), Status> {
-    let Some(TlsFiles { cert, key, client_ca: Some(ca), peer_name }) = tls else {
-        return Err(Status::failed_precondition(
-            "reaching another node's volume needs tls-cert, tls-key and tls-client-ca",
-        ));
-    };
-    let bad = |e: std::io::Error| Status::failed_precondition(format!("TLS for {address}: {e}"));
-    let cfg = ferrite_tls::client_config(ca, Some((cert, key)), &[]).map_err(bad)?;
-    let name = ferrite_tls::server_name(peer_name.as_deref().unwrap_or(address)).map_err(bad)?;
-    Ok((cfg, name))
+/// Takes back a kernel NBD device a previous daemon left: a new connection, unless the device
+/// is gone, or recovery dropped part of the log (then it is detached, which fails its I/O, for
+/// the reason [`recover`] gives for ublk).
+async fn reconnect(links: &Arc<Links>, r: AttachRecord, lost: Option<&str>) -> Option<(AttachRecord, Handle)> {
+    if !Links::still_attached(&r) {
+        tracing::warn!(device = %r.device, volume = %r.volume, "the kernel NBD device is gone; not reconnecting it");
+        return None;
+    }
+    if let (Some(why), None) = (lost, &r.remote) {
+        let index = r.index;
+        let failed = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index)).await;
+        tracing::error!(device = %r.device, volume = %r.volume, reason = %why, result = ?failed,
+            "not reconnecting the kernel NBD device: recovery dropped part of the log, so acknowledged \
+             writes may be missing; it is detached instead (attach the volume again after checking it)");
+        return None;
+    }
+    // The kernel noticed the old connection's end (or will): the keeper hands it a new one.
+    let keeper = links.keep(r.clone(), tokio::spawn(async {}), None);
+    Some((r, Handle::Nbd(keeper)))
 }
 
 /// The records a previous daemon left whose devices can be taken back. A device is never
@@ -351,11 +361,6 @@ fn recover(pool: &Pool, records: Vec<AttachRecord>, opts: &ferrite_ublk::Options
     let mut live = Vec::new();
     let lost = pool.recovery_report().truncated.clone();
     for r in records {
-        if r.transport != "ublk" {
-            tracing::warn!(device = %r.device, volume = %r.volume,
-                "the kernel NBD connection ended with the previous daemon; attach the volume again");
-            continue;
-        }
         if !Path::new(&format!("/sys/class/ublk-char/ublkc{}", r.index)).exists() {
             tracing::warn!(device = %r.device, volume = %r.volume, "ublk device is gone; not recovering it");
             continue;

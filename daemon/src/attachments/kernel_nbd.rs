@@ -1,0 +1,227 @@
+//! Kernel NBD devices that outlive their connection. Each device's connection is served by this
+//! daemon: a socket pair whose other end this daemon's NBD server serves (a local volume), or a
+//! relay over TLS to the node serving it (another node's volume). A keeper task per device
+//! waits for its connection to end, and unless the device is being detached, opens a new one and
+//! hands it to the kernel (`NBD_CMD_RECONFIGURE`), retrying for the hold time; meanwhile the
+//! kernel holds the device's I/O (its dead-connection timeout is the same hold). A restarted
+//! daemon does the same for every device its records name, so a daemon restart is a pause.
+//!
+//! A new connection is opened only after the old one's session has ended, and a session ends
+//! only once every request it read has replied: a request the kernel re-sends on the new
+//! connection never races its first copy inside this daemon.
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use ferrite_nbd::kernel::{self, Attached, Hold};
+use tokio::task::JoinHandle;
+use tonic::Status;
+
+use super::AttachRecord;
+use crate::config::TlsFiles;
+
+/// What every kernel NBD device of this daemon shares.
+#[derive(Debug)]
+pub struct Links {
+    pub nbd: Arc<ferrite_nbd::Server>,
+    pub tls: Option<TlsFiles>,
+    /// How long a device waits for a new connection (`device-hold-s`).
+    pub hold: Duration,
+    /// A request unanswered this long is re-sent on the next connection (`nbd-device-timeout-s`).
+    pub request_timeout: Duration,
+}
+
+/// A negotiated connection: the kernel's end, the export's size and flags, and the task that
+/// serves (or relays) the other end until it closes.
+type Opened = (UnixStream, u64, u16, JoinHandle<()>);
+
+/// The backend identifier of `volume`'s device: the kernel checks it on every reconnect.
+pub fn backend(volume: &str) -> String {
+    format!("ferrite:{volume}")
+}
+
+impl Links {
+    fn hold_for(&self, volume: &str) -> Hold {
+        Hold { request_timeout: self.request_timeout, dead_connection: self.hold, backend: backend(volume) }
+    }
+
+    /// A new connection to this daemon's export `export`.
+    async fn open_local(&self, export: &str) -> io::Result<Opened> {
+        let (kernel_end, ours) = UnixStream::pair()?;
+        ours.set_nonblocking(true)?;
+        let session = tokio::spawn(Arc::clone(&self.nbd).connection(tokio::net::UnixStream::from_std(ours)?, None));
+        let export = export.to_owned();
+        let negotiated = tokio::task::spawn_blocking(move || {
+            let mut k = kernel_end;
+            kernel::negotiate_blocking(&mut k, &export).map(|(size, flags)| (k, size, flags))
+        })
+        .await
+        .map_err(io::Error::other)?;
+        match negotiated {
+            Ok((k, size, flags)) => Ok((k, size, flags, session)),
+            Err(e) => {
+                session.abort();
+                Err(e)
+            }
+        }
+    }
+
+    /// A new connection for `rec`'s device.
+    async fn open(&self, rec: &AttachRecord) -> io::Result<Opened> {
+        match &rec.remote {
+            None => self.open_local(&rec.volume).await,
+            Some(address) => {
+                let (cfg, name) =
+                    relay_tls(self.tls.as_ref(), address).map_err(|s| io::Error::other(s.message().to_owned()))?;
+                ferrite_nbd::relay::open(cfg, name, address, rec.export.as_deref().unwrap_or_default()).await
+            }
+        }
+    }
+
+    /// Attaches `rec.volume` (`rec.export` of `rec.remote` for another node's volume) as the
+    /// next free /dev/nbdN; returns it with the task that serves its connection.
+    pub async fn attach(&self, rec: &AttachRecord) -> io::Result<(Attached, JoinHandle<()>, UnixStream)> {
+        let (kernel_end, size, flags, session) = self.open(rec).await?;
+        let hold = self.hold_for(&rec.volume);
+        let attached = tokio::task::spawn_blocking(move || {
+            kernel::connect(&kernel_end, size, flags, &hold).map(|a| (a, kernel_end))
+        })
+        .await;
+        match attached {
+            Ok(Ok((a, k))) => Ok((a, session, k)),
+            Ok(Err(e)) => {
+                session.abort();
+                Err(e)
+            }
+            Err(e) => {
+                session.abort();
+                Err(io::Error::other(e))
+            }
+        }
+    }
+
+    /// Hands `rec`'s live device a new connection; returns its session and the kernel's end.
+    async fn reconnect(&self, rec: &AttachRecord) -> io::Result<(JoinHandle<()>, UnixStream)> {
+        let (kernel_end, _, _, session) = self.open(rec).await?;
+        let (index, backend) = (rec.index, backend(&rec.volume));
+        let kernel_end =
+            tokio::task::spawn_blocking(move || kernel::reconnect(index, &kernel_end, &backend).map(|()| kernel_end))
+                .await;
+        match kernel_end {
+            Ok(Ok(k)) => Ok((session, k)),
+            Ok(Err(e)) => {
+                session.abort();
+                Err(e)
+            }
+            Err(e) => {
+                session.abort();
+                Err(io::Error::other(e))
+            }
+        }
+    }
+
+    /// Whether /dev/nbd<index> is still the device `rec` made (after a restart of this daemon).
+    pub fn still_attached(rec: &AttachRecord) -> bool {
+        kernel::backend(rec.index).as_deref() == Some(backend(&rec.volume).as_str())
+    }
+
+    /// Keeps `rec`'s device connected from now on; `session` serves its current connection (an
+    /// ended one: reconnect at once), whose kernel end is `kernel_end`.
+    pub fn keep(
+        self: &Arc<Self>,
+        rec: AttachRecord,
+        session: JoinHandle<()>,
+        kernel_end: Option<UnixStream>,
+    ) -> Keeper {
+        let stop = Arc::new(AtomicBool::new(false));
+        let current = Arc::new(std::sync::Mutex::new(kernel_end));
+        let (links, stopped, conn) = (Arc::clone(self), Arc::clone(&stop), Arc::clone(&current));
+        let task = tokio::spawn(async move {
+            let mut session = session;
+            loop {
+                let _ = (&mut session).await;
+                if stopped.load(Ordering::Acquire) {
+                    return;
+                }
+                let lost = Instant::now();
+                tracing::warn!(device = %rec.device, volume = %rec.volume, "the device's connection ended; reconnecting");
+                session = loop {
+                    match links.reconnect(&rec).await {
+                        Ok((s, k)) => {
+                            *conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(k);
+                            break s;
+                        }
+                        Err(e) if lost.elapsed() < links.hold => {
+                            tracing::warn!(device = %rec.device, error = %e, "reconnect failed; retrying");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                        Err(e) => {
+                            tracing::error!(device = %rec.device, volume = %rec.volume, error = %e, hold = ?links.hold,
+                                "no new connection within the hold time: the kernel fails the device's I/O");
+                            return;
+                        }
+                    }
+                    if stopped.load(Ordering::Acquire) {
+                        return;
+                    }
+                };
+                tracing::info!(device = %rec.device, volume = %rec.volume, paused_ms = lost.elapsed().as_millis(),
+                    "kernel NBD device reconnected");
+            }
+        });
+        Keeper { stop, task, current }
+    }
+}
+
+/// A device's keeper task.
+#[derive(Debug)]
+pub struct Keeper {
+    stop: Arc<AtomicBool>,
+    task: JoinHandle<()>,
+    /// The kernel's end of the current connection (a second descriptor of it), to cut it.
+    current: Arc<std::sync::Mutex<Option<UnixStream>>>,
+}
+
+impl Keeper {
+    /// Before a detach: the connection's end is not to be repaired (`false` again if the detach
+    /// failed).
+    pub fn stopping(&self, yes: bool) {
+        self.stop.store(yes, Ordering::Release);
+    }
+
+    /// Before this daemon exits: ends the connection, unrepaired, so the kernel holds the
+    /// device's I/O for the next daemon. Requests it had sent are re-sent after the request
+    /// timeout; none gets an error.
+    pub fn cut(&self) {
+        self.stopping(true);
+        if let Some(k) = self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref() {
+            let _ = k.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The client TLS of a relay to `address`: this daemon's certificate, and the name the remote
+/// daemon's must carry.
+pub fn relay_tls(
+    tls: Option<&TlsFiles>,
+    address: &str,
+) -> Result<(Arc<ferrite_tls::rustls::ClientConfig>, ferrite_tls::ServerName<'static>), Status> {
+    let Some(TlsFiles { cert, key, client_ca: Some(ca), peer_name }) = tls else {
+        return Err(Status::failed_precondition(
+            "reaching another node's volume needs tls-cert, tls-key and tls-client-ca",
+        ));
+    };
+    let bad = |e: std::io::Error| Status::failed_precondition(format!("TLS for {address}: {e}"));
+    let cfg = ferrite_tls::client_config(ca, Some((cert, key)), &[]).map_err(bad)?;
+    let name = ferrite_tls::server_name(peer_name.as_deref().unwrap_or(address)).map_err(bad)?;
+    Ok((cfg, name))
+}
