@@ -30,7 +30,7 @@ if [ "${FERRITE_VM:-1}" != 0 ]; then
   echo "$CARGO_TARGET_DIR/debug/ferrite" > .vm-ferrite
   cargo test --workspace --locked --no-run --test csi_node --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*\/csi_node-[^"]*\)".*/\1/p' > .vm-csi-node
-  trap 'rm -f .vm-ferrite .vm-csi-node "$FERRITE_SKIPS"' EXIT
+  trap 'rm -f .vm-ferrite .vm-ferrite-next .vm-csi-node "$FERRITE_SKIPS"' EXIT
   # 6.12 is what most users run (ublk without QUIESCE or UPDATE_SIZE); 6.17 has them.
   for kernel in 6.12 6.17; do
     vmlog=$(mktemp)

@@ -5,6 +5,7 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 echo "guest kernel $(uname -r)"
+rm -f .vm-ferrite-next  # made again from this build when a test first replaces a daemon
 bash "$HERE/ublk_lifecycle.sh"
 bash "$HERE/csi_node.sh"
 modprobe -r ublk_drv

@@ -115,6 +115,7 @@ while chunk := f.read(1 << 20):
 # verify failure, fsck clean; prints the longest I/O, which is the pause a restart cost.
 restarts_under_io() {
   local dev=$1 restart=$2
+  next_binary >/dev/null  # copied now: the copy is not part of a pause
   mkfs.ext4 -q -F "$dev"; mkdir -p /mnt/io; mount "$dev" /mnt/io
   timeout 900 fio --name=io --directory=/mnt/io --size=24M --nrfiles=3 --rw=randwrite --bs=4k --ioengine=libaio \
     --direct=1 --iodepth=8 --verify=crc32c --verify_backlog=128 --verify_fatal=1 --verify_state_save=0 \
@@ -138,9 +139,15 @@ PY
   fsck.ext4 -n -f "$dev" >/dev/null
 }
 
+# next_binary: a copy of the daemon's binary, to replace it with (in the read-write host
+# directory: the guest's tmpfs holds the pools).
+next_binary() {
+  [ -x "$PWD/.vm-ferrite-next" ] || cp -f "$FERRITE" "$PWD/.vm-ferrite-next"
+  echo "$PWD/.vm-ferrite-next"
+}
+
 # restart_local TERM|KILL: the daemon on $D stops that way; a copy of its binary starts.
 restart_local() {
   kill -"$1" $DAEMON; wait $DAEMON 2>/dev/null || true
-  cp -f "$FERRITE" $D/ferrite-next
-  DAEMON_BIN=$D/ferrite-next start_daemon
+  DAEMON_BIN=$(next_binary) start_daemon
 }

@@ -64,8 +64,7 @@ resize2fs "$DEV" >/dev/null 2>&1
 step "node-a's daemon replaced three times under fio on the relayed device: a pause, no error"
 restart_a() {
   kill -"$1" $A; wait $A 2>/dev/null || true
-  cp -f "$FERRITE" $D/ferrite-next
-  DAEMON_BIN=$D/ferrite-next start_a
+  DAEMON_BIN=$(next_binary) start_a
   for _ in $(seq 300); do fa pool status >/dev/null 2>&1 && return 0; sleep 0.2; done
   echo "node-a did not start"; tail -30 $D/a.log; exit 1
 }
