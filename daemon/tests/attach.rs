@@ -51,7 +51,7 @@ fn restart_drops_records_of_devices_that_are_gone() {
     assert_eq!(d.ok(&["-o", "json", "attachments"]).trim(), "[]");
     let log = d.log();
     assert!(log.contains("ublk device is gone") || log.contains("cannot recover"), "{log}");
-    assert!(log.contains("attach the volume again"), "{log}");
+    assert!(log.contains("the kernel NBD device is gone"), "{log}");
     let saved = std::fs::read_to_string(dir.path().join("attachments.json")).unwrap();
     assert_eq!(saved.trim(), "[]");
 }

@@ -46,6 +46,7 @@ const CONTROLLER: &[&str] = &[
     "ListGroupSnapshots",
     "DeleteGroupSnapshot",
     "PoolStatus",
+    "Version",
     "ReclaimPool",
     "FenceNetworks",
     "UnfenceNetworks",
