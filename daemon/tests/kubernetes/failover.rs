@@ -141,6 +141,20 @@ fn workload_back(c: &mut Cluster, vol: &str, pv: &str, on: &str, fault: Instant,
     c.cp.ok(&["delete", "volumeattachment", va, "--wait=true", "--timeout=60s"]);
 }
 
+/// Waits until `node`'s copy of `vol` is an in-sync member as the primary sees it.
+fn in_sync(c: &mut Cluster, vol: &str, node: &str) {
+    let (p, _, _) = primary_of(c, vol);
+    let ip = c.nodes[NODES.iter().position(|n| *n == node).unwrap()].ip.clone();
+    let primary = &c.daemons[p];
+    c.cp.wait(&format!("{node}'s copy of {vol} in sync"), LONG, |_| {
+        let s = primary.json(&["replica", "status", vol]);
+        s["members"].as_array().is_some_and(|ms| {
+            ms.iter()
+                .any(|m| m["endpoint"].as_str().is_some_and(|e| e.contains(ip.as_str())) && m["state"] == "in-sync")
+        })
+    });
+}
+
 /// Waits for the returned node `i` to be an in-sync member everywhere, then for its fence,
 /// annotation and taints to be lifted; checks the Rejoined event on `pv`.
 fn rejoined(c: &mut Cluster, vol: &str, pv: &str, i: usize) {
@@ -188,8 +202,10 @@ pub fn node_lost(c: &mut Cluster, vol: &str, pv: &str) {
         let why = format!("node {lost} was lost (not Ready for");
         assert!(said.iter().any(|n| n.contains(&why) && n.contains(&to)), "{object}: {said:?}");
     }
-    // The other survivor: publishing there makes its in-sync copy the primary (locality).
+    // The other survivor: publishing there makes its in-sync copy the primary (locality), once
+    // it is in sync with the new primary (it may still be catching up after the promotion).
     let other = NODES.iter().find(|n| **n != lost && **n != to).unwrap();
+    in_sync(c, vol, other);
     workload_back(c, vol, pv, other, fault, "failover-a");
     assert!(super::common::nbd::read_image(c.daemon(other), vol, content.len() as u64) == content, "lost writes");
 
