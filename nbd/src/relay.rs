@@ -109,20 +109,26 @@ pub async fn open(
         }
     });
     let export = export.to_owned();
-    let negotiated = tokio::task::spawn_blocking(move || {
+    let (s, size, flags) = blocking_or_end(&relay, move || {
         let mut s = kernel_end;
         s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
         let (size, flags) = kernel::go(&mut s, &export)?;
         s.set_read_timeout(None)?;
-        Ok::<_, io::Error>((s, size, flags))
+        Ok((s, size, flags))
     })
-    .await
-    .map_err(io::Error::other)?;
-    match negotiated {
-        Ok((s, size, flags)) => Ok((s, size, flags, relay)),
-        Err(e) => {
-            relay.abort();
-            Err(e)
-        }
+    .await?;
+    Ok((s, size, flags, relay))
+}
+
+/// Runs `f` (a step on a connection: negotiating, handing it to the kernel) on a blocking
+/// thread; if it fails, `session`, the task serving the connection's other end, ends too.
+pub async fn blocking_or_end<T: Send + 'static>(
+    session: &JoinHandle<()>,
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    let done = tokio::task::spawn_blocking(f).await.map_err(io::Error::other).and_then(|r| r);
+    if done.is_err() {
+        session.abort();
     }
+    done
 }

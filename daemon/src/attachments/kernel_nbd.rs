@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use ferrite_nbd::kernel::{self, Attached, Hold};
+use ferrite_nbd::kernel::{self, Hold};
+use ferrite_nbd::relay::blocking_or_end;
 use tokio::task::JoinHandle;
 use tonic::Status;
 
@@ -33,6 +34,9 @@ pub struct Links {
     /// A request unanswered this long is re-sent on the next connection (`nbd-device-timeout-s`).
     pub request_timeout: Duration,
 }
+
+/// A device just attached, the task serving its connection, and the kernel's end of it.
+pub type Attached = (kernel::Attached, JoinHandle<()>, UnixStream);
 
 /// A negotiated connection: the kernel's end, the export's size and flags, and the task that
 /// serves (or relays) the other end until it closes.
@@ -54,19 +58,12 @@ impl Links {
         ours.set_nonblocking(true)?;
         let session = tokio::spawn(Arc::clone(&self.nbd).connection(tokio::net::UnixStream::from_std(ours)?, None));
         let export = export.to_owned();
-        let negotiated = tokio::task::spawn_blocking(move || {
+        let (k, size, flags) = blocking_or_end(&session, move || {
             let mut k = kernel_end;
             kernel::negotiate_blocking(&mut k, &export).map(|(size, flags)| (k, size, flags))
         })
-        .await
-        .map_err(io::Error::other)?;
-        match negotiated {
-            Ok((k, size, flags)) => Ok((k, size, flags, session)),
-            Err(e) => {
-                session.abort();
-                Err(e)
-            }
-        }
+        .await?;
+        Ok((k, size, flags, session))
     }
 
     /// A new connection for `rec`'s device.
@@ -83,44 +80,23 @@ impl Links {
 
     /// Attaches `rec.volume` (`rec.export` of `rec.remote` for another node's volume) as the
     /// next free /dev/nbdN; returns it with the task that serves its connection.
-    pub async fn attach(&self, rec: &AttachRecord) -> io::Result<(Attached, JoinHandle<()>, UnixStream)> {
+    pub async fn attach(&self, rec: &AttachRecord) -> io::Result<Attached> {
         let (kernel_end, size, flags, session) = self.open(rec).await?;
         let hold = self.hold_for(&rec.volume);
-        let attached = tokio::task::spawn_blocking(move || {
+        let (a, k) = blocking_or_end(&session, move || {
             kernel::connect(&kernel_end, size, flags, &hold).map(|a| (a, kernel_end))
         })
-        .await;
-        match attached {
-            Ok(Ok((a, k))) => Ok((a, session, k)),
-            Ok(Err(e)) => {
-                session.abort();
-                Err(e)
-            }
-            Err(e) => {
-                session.abort();
-                Err(io::Error::other(e))
-            }
-        }
+        .await?;
+        Ok((a, session, k))
     }
 
     /// Hands `rec`'s live device a new connection; returns its session and the kernel's end.
     async fn reconnect(&self, rec: &AttachRecord) -> io::Result<(JoinHandle<()>, UnixStream)> {
         let (kernel_end, _, _, session) = self.open(rec).await?;
         let (index, backend) = (rec.index, backend(&rec.volume));
-        let kernel_end =
-            tokio::task::spawn_blocking(move || kernel::reconnect(index, &kernel_end, &backend).map(|()| kernel_end))
-                .await;
-        match kernel_end {
-            Ok(Ok(k)) => Ok((session, k)),
-            Ok(Err(e)) => {
-                session.abort();
-                Err(e)
-            }
-            Err(e) => {
-                session.abort();
-                Err(io::Error::other(e))
-            }
-        }
+        let k = blocking_or_end(&session, move || kernel::reconnect(index, &kernel_end, &backend).map(|()| kernel_end))
+            .await?;
+        Ok((session, k))
     }
 
     /// Whether /dev/nbd<index> is still the device `rec` made (after a restart of this daemon).

@@ -153,7 +153,7 @@ impl Attachments {
                 allow: vec!["local".into()],
             };
             let created = exports.ensure_local(&export).await?;
-            let mut rec = AttachRecord {
+            let rec = AttachRecord {
                 volume: volume.to_owned(),
                 transport: transport.into(),
                 device: String::new(),
@@ -162,18 +162,15 @@ impl Attachments {
                 export: created.then(|| export.name.clone()),
                 remote: None,
             };
-            let (a, session, kernel_end) = match self.links.attach(&rec).await {
-                Ok(a) => a,
+            match self.links.attach(&rec).await {
+                Ok(attached) => self.keep(rec, attached),
                 Err(e) => {
                     if created {
                         exports.discard(&export.name).await;
                     }
                     return Err(Status::failed_precondition(format!("kernel NBD attach: {e}")));
                 }
-            };
-            (rec.device, rec.index, rec.read_only) = (a.device.display().to_string(), a.index, a.read_only);
-            let keeper = self.links.keep(rec.clone(), session, Some(kernel_end));
-            (rec, Handle::Nbd(keeper))
+            }
         };
         Ok(self.add(&mut live, rec, handle))
     }
@@ -195,7 +192,7 @@ impl Attachments {
         if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == volume) {
             return Err(Status::already_exists(format!("{volume} is already attached as {}", old.device)));
         }
-        let mut rec = AttachRecord {
+        let rec = AttachRecord {
             volume: volume.to_owned(),
             transport: "nbd".into(),
             device: String::new(),
@@ -205,10 +202,17 @@ impl Attachments {
             remote: Some(address.to_owned()),
         };
         let failed = |e: std::io::Error| Status::unavailable(format!("attaching {volume} from {address}: {e}"));
-        let (a, relay, kernel_end) = self.links.attach(&rec).await.map_err(failed)?;
+        let attached = self.links.attach(&rec).await.map_err(failed)?;
+        let (rec, handle) = self.keep(rec, attached);
+        Ok(self.add(&mut live, rec, handle))
+    }
+
+    /// `rec` completed with the kernel NBD device `attached` made, kept connected from now on.
+    fn keep(&self, mut rec: AttachRecord, attached: kernel_nbd::Attached) -> (AttachRecord, Handle) {
+        let (a, session, kernel_end) = attached;
         (rec.device, rec.index, rec.read_only) = (a.device.display().to_string(), a.index, a.read_only);
-        let keeper = self.links.keep(rec.clone(), relay, Some(kernel_end));
-        Ok(self.add(&mut live, rec, Handle::Nbd(keeper)))
+        let keeper = self.links.keep(rec.clone(), session, Some(kernel_end));
+        (rec, Handle::Nbd(keeper))
     }
 
     /// Detaches by device path or volume name; stops the export the attach made, if any.
