@@ -157,6 +157,10 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
             "--webhook-listen serves the drain guard, which needs controller mode, --node-service and failover"
         );
     }
+    if node.is_some() {
+        // The daemon may be away (restarting, or for good): its ublk devices' hold ends here.
+        ferrite_ublk::hold::spawn(ferrite_ublk::hold::path(&opts.admin_socket))?;
+    }
     let identity = identity::Identity { controller };
     let router = tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::new(identity))

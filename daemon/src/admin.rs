@@ -913,7 +913,7 @@ impl Admin for AdminService {
             if !matches!(r.transport.as_str(), "" | "auto" | "nbd") {
                 return Err(Status::invalid_argument("another node's volume is attached with the kernel NBD client"));
             }
-            let rec = self.attachments.attach_remote(&r.volume, &r.remote, &r.export).await?;
+            let rec = self.attachments.attach_remote(&r.volume, &r.remote, &r.export, r.copies).await?;
             let detail = format!("kernel NBD client, relayed over TLS to {}", r.remote);
             return Ok(Response::new(self.attachment_msg(&rec, detail)));
         }

@@ -53,8 +53,9 @@
 //! sync-mark-interval-ms = 60000     # how often a synchronous primary that took writes takes a
 //!                                   # mark with its members (where a returning member's rebuild
 //!                                   # starts); default 60000
-//! device-hold-s = 120               # how long a kernel NBD device holds its I/O while its
-//!                                   # daemon (or a relayed volume's primary) is away; then EIO
+//! device-hold-s = 120               # how long a device holds its I/O while its daemon (or a
+//!                                   # relayed volume's primary) is away; then EIO (a ublk
+//!                                   # device's through the node plugin or `ferrite watchdog`)
 //! nbd-device-timeout-s = 10         # a kernel NBD request unanswered this long is re-sent on
 //!                                   # a new connection (what a daemon killed mid-request costs)
 //! insecure-nbd-listen = false       # true allows nbd-listen on a non-loopback address without

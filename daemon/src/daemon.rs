@@ -223,7 +223,10 @@ pub async fn run(cfg: Config) -> Result<()> {
         hold: cfg.device_hold,
         request_timeout: cfg.nbd_device_timeout,
     };
-    let attachments = Arc::new(Attachments::restore(&pool, &cfg.data_dir, links, cfg.ublk).await?);
+    let attachments = Arc::new(
+        Attachments::restore(&pool, &cfg.data_dir, ferrite_ublk::hold::path(&cfg.admin_socket), links, cfg.ublk)
+            .await?,
+    );
     let mut tasks = tokio::task::JoinSet::new();
     {
         let nbd = Arc::clone(&nbd);

@@ -185,6 +185,10 @@ enum Cmd {
         /// The export the remote daemon granted to this node.
         #[arg(long, requires = "remote")]
         export: Option<String>,
+        /// The NBD listener of another copy of the volume (host:port), where its primary may move
+        /// in a failover: the device follows it there. Repeatable.
+        #[arg(long = "copy", requires = "remote")]
+        copies: Vec<String>,
     },
     /// Detach a device made by `ferrite attach` (by device path or volume name).
     Detach { device: String },
@@ -201,6 +205,10 @@ enum Cmd {
     /// This CLI's version and the daemon's, with the pool formats it reads; fails where the two
     /// may not work together (the skew rule: docs/operations.md, "Upgrades").
     Version,
+    /// Fails the ublk devices no daemon served within their hold (`device-hold-s`), so their I/O
+    /// ends with EIO instead of waiting for ever; runs until killed. The CSI node plugin does this
+    /// itself; run it beside a standalone daemon (it must outlive the daemon, e.g. its own unit).
+    Watchdog,
     /// Pool information.
     #[command(subcommand)]
     Pool(PoolCmd),
@@ -579,6 +587,11 @@ fn main() {
             init_logging("warn");
             return exit(node_pool::prepare(node, config, out));
         }
+        Cmd::Watchdog => {
+            init_logging("info");
+            let socket = cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock"));
+            ferrite_ublk::hold::run(&ferrite_ublk::hold::path(&socket));
+        }
         Cmd::Heartbeat { node, namespace, every, lease_duration, restart_grace } => {
             init_logging("info");
             let socket = cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock"));
@@ -727,6 +740,7 @@ async fn client(cli: Cli) -> Result<()> {
         Cmd::Daemon { .. }
         | Cmd::Csi { .. }
         | Cmd::Heartbeat { .. }
+        | Cmd::Watchdog
         | Cmd::Certs { .. }
         | Cmd::Pool(PoolCmd::Format { .. } | PoolCmd::Node { .. }) => {
             unreachable!("handled in main")
@@ -884,9 +898,9 @@ async fn client(cli: Cli) -> Result<()> {
                 cli::print_groups(out, std::slice::from_ref(r.get_ref()));
             }
         },
-        Cmd::Attach { volume, transport, queues, depth, remote, export } => {
+        Cmd::Attach { volume, transport, queues, depth, remote, export, copies } => {
             let (remote, export) = (remote.unwrap_or_default(), export.unwrap_or_default());
-            let req = pb::AttachVolumeRequest { volume, transport, queues, depth, remote, export };
+            let req = pb::AttachVolumeRequest { volume, transport, queues, depth, remote, export, copies };
             let a = c.attach_volume(req).await.map_err(rpc_error)?;
             cli::print_attachment(out, a.get_ref());
         }

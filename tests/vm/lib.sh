@@ -109,19 +109,21 @@ while chunk := f.read(1 << 20):
   f volume delete enc >/dev/null
 }
 
-# restarts_under_io DEVICE RESTART: ext4 on DEVICE, fio writing files and verifying them as it
-# goes, while RESTART (a function given TERM or KILL) replaces the daemon behind the device three
-# times (SIGTERM, kill -9, SIGTERM, each followed by a start of another binary): no I/O error, no
-# verify failure, fsck clean; prints the longest I/O, which is the pause a restart cost.
+# restarts_under_io DEVICE RESTART [HOW...]: ext4 on DEVICE, fio writing files and verifying them
+# as it goes, while RESTART (a function given TERM or KILL) replaces the daemon behind the device
+# three times (SIGTERM, kill -9, SIGTERM, each followed by a start of another binary; or once per
+# HOW given): no I/O error, no verify failure, fsck clean; prints the longest I/O, which is the
+# pause a restart cost.
 restarts_under_io() {
-  local dev=$1 restart=$2
+  local dev=$1 restart=$2; shift 2
+  local hows=${*:-TERM KILL TERM}
   next_binary >/dev/null  # copied now: the copy is not part of a pause
   mkfs.ext4 -q -F "$dev"; mkdir -p /mnt/io; mount "$dev" /mnt/io
   timeout 900 fio --name=io --directory=/mnt/io --size=24M --nrfiles=3 --rw=randwrite --bs=4k --ioengine=libaio \
     --direct=1 --iodepth=8 --verify=crc32c --verify_backlog=128 --verify_fatal=1 --verify_state_save=0 \
     --runtime=50 --time_based --eta=never --output-format=json --output=$D/io.json &
   local fio=$! how
-  for how in TERM KILL TERM; do
+  for how in $hows; do
     sleep 6
     echo "daemon replaced ($how)"
     "$restart" $how

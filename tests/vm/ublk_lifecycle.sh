@@ -5,7 +5,8 @@
 # right after writes no flush covered (raw device and ext4 files): every one reads back, and
 # fsck finds the filesystem clean; a clean
 # daemon restart keeps the device too; growing a volume (online where the kernel has UPDATE_SIZE,
-# else the fallback); the daemon replaced three times under fio on ext4: a pause, no I/O error.
+# else the fallback); the daemon replaced three times under fio on ext4: a pause, no I/O error;
+# a daemon that never comes back: the watchdog fails the held I/O with EIO after the hold (timed).
 set -euo pipefail
 D=/tmp/ferrite-ublk; mkdir -p $D
 DEV_PREFIX=/dev/ublkb
@@ -160,6 +161,33 @@ f volume create io 256M >/dev/null
 attach io 2>/dev/null; IODEV=$DEV
 restarts_under_io "$IODEV" restart_local
 detach "$IODEV"
+
+step "a daemon that never comes back: the watchdog fails its device's I/O (EIO) after device-hold-s"
+echo 'device-hold-s = 6' >> $D/ferrite.toml
+kill -TERM $DAEMON; wait $DAEMON; start_daemon
+f volume create held 64M >/dev/null
+attach held 2>/dev/null; HDEV=$DEV; HID=${HDEV#/dev/ublkb}
+mkfs.ext4 -q -F "$HDEV"; mkdir -p /mnt/held; mount "$HDEV" /mnt/held
+grep -q "\"id\": $HID" $D/ublk-hold.json
+"$FERRITE" watchdog >> $D/watchdog.log 2>&1 &
+DOG=$!
+kill -9 $DAEMON; wait $DAEMON 2>/dev/null || true
+t0=$(date +%s%N)
+if timeout 60 dd if=/dev/urandom of=/mnt/held/f bs=64k count=1 oflag=direct 2> $D/held.err; then
+  echo "a write succeeded with no daemon"; exit 1
+fi
+held_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+cat $D/held.err
+grep -q "Input/output error" $D/held.err
+echo "held I/O failed with EIO after $held_ms ms (device-hold-s = 6)"
+[ "$held_ms" -ge 5000 ] && [ "$held_ms" -le 15000 ]
+grep "ublk device failed" $D/watchdog.log
+timeout 30 umount /mnt/held 2>/dev/null || umount -l /mnt/held
+for _ in $(seq 50); do [ -e /sys/class/ublk-char/ublkc$HID ] || break; sleep 0.2; done
+[ ! -e /sys/class/ublk-char/ublkc$HID ] || { echo "the failed device was not deleted"; exit 1; }
+start_daemon
+grep -q "ublk device is gone; not recovering it" $D/daemon.log
+kill $DOG; wait $DOG 2>/dev/null || true
 
 step "scrub, clean shutdown"
 f pool scrub 2>/dev/null

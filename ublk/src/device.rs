@@ -92,9 +92,11 @@ impl Device {
     pub fn fail(id: u32) -> io::Result<()> {
         let ctrl = UblkCtrl::new_simple(i32::try_from(id).unwrap_or(i32::MAX))
             .map_err(|e| ublk_error("opening the device to fail it", e))?;
-        // Stopping a device no daemon serves fails what it held; deleting it removes it.
+        // Stopping a device no daemon serves fails what it held; deleting it removes it. The
+        // deletion does not wait for the last user (a mounted filesystem holds the disk until
+        // it is unmounted): DEL_DEV_ASYNC, Linux 6.8+.
         ctrl.kill_dev().map_err(|e| ublk_error("stopping the device", e))?;
-        ctrl.del_dev().map(drop).map_err(|e| ublk_error("deleting the device", e))
+        ctrl.del_dev_async().map(drop).map_err(|e| ublk_error("deleting the device", e))
     }
 
     fn start(volume: Volume, opts: &Options, recover: Option<u32>) -> io::Result<Self> {

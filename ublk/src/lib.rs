@@ -5,10 +5,12 @@
 //! - [`queue`]: a queue thread and its worker pool.
 //! - [`device`]: attach, recover (USER_RECOVERY), resize, detach.
 //! - [`features`]: what the running driver can do, probed once.
+//! - [`hold`]: the bound on how long a device waits for its daemon (the watchdog).
 
 pub mod device;
 pub mod features;
 pub mod handler;
+pub mod hold;
 mod queue;
 
 pub use device::{Device, Options, block_path};

@@ -28,7 +28,10 @@ use rustix::event::{EventfdFlags, eventfd};
 
 use crate::handler::Request;
 
-/// Shared by a device's queues: lets the daemon stop taking requests before it exits.
+/// Shared by a device's queues: lets the daemon stop taking requests before it exits. A request
+/// counts from the moment the queue takes it until its completion is committed to the kernel, so
+/// once frozen and drained, every request the kernel gave out was either answered or never
+/// started: the next daemon gets each unanswered one once (REISSUE), none twice.
 #[derive(Debug, Default)]
 pub(crate) struct Gate {
     frozen: AtomicBool,
@@ -50,8 +53,8 @@ impl Gate {
         self.inflight.fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// Stops handing requests to the engine and waits (up to `limit`) for those already there;
-    /// false if some are still running. Requests that arrive later stay with the kernel, which
+    /// Stops handing requests to the engine and waits (up to `limit`) for those already there to
+    /// be answered; false if some are still running. Requests that arrive later stay with the kernel, which
     /// re-issues them to the next daemon (USER_RECOVERY_REISSUE).
     pub(crate) fn freeze(&self, limit: Duration) -> bool {
         self.frozen.store(true, Ordering::SeqCst);
@@ -93,7 +96,6 @@ struct Jobs {
 
 struct Shared {
     volume: Volume,
-    gate: Arc<Gate>,
     jobs: Mutex<Jobs>,
     ready: Condvar,
     done: Mutex<Vec<(u16, i32)>>,
@@ -108,10 +110,9 @@ struct Offload {
 }
 
 impl Offload {
-    fn new(volume: Volume, gate: Arc<Gate>, max_workers: usize) -> std::io::Result<Self> {
+    fn new(volume: Volume, max_workers: usize) -> std::io::Result<Self> {
         let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
-        let shared =
-            Shared { volume, gate, jobs: Mutex::default(), ready: Condvar::new(), done: Mutex::default(), wake };
+        let shared = Shared { volume, jobs: Mutex::default(), ready: Condvar::new(), done: Mutex::default(), wake };
         Ok(Self { shared: Arc::new(shared), max_workers, threads: Vec::new() })
     }
 
@@ -185,7 +186,6 @@ impl Shared {
     fn post(&self, tag: u16, res: i32) {
         let mut done = self.done.lock();
         done.push((tag, res));
-        self.gate.leave();
         // Only the first completion of a batch needs to wake the queue thread: it takes them all.
         if done.len() == 1 {
             // An eventfd write only fails on counter overflow, which one per batch cannot reach.
@@ -206,7 +206,7 @@ fn arm_wake(q: &UblkQueue, fd: i32) {
 /// Serves queue `qid` until the device stops (run on the queue's own thread by libublk).
 pub(crate) fn serve(qid: u16, dev: &UblkDev, volume: Volume, gate: Arc<Gate>) {
     let bufs = dev.alloc_queue_io_bufs();
-    let mut offload = match Offload::new(volume, Arc::clone(&gate), usize::from(dev.dev_info.queue_depth)) {
+    let mut offload = match Offload::new(volume, usize::from(dev.dev_info.queue_depth)) {
         Ok(o) => o,
         Err(e) => {
             tracing::error!(queue = qid, error = %e, "ublk: cannot create the completion eventfd");
@@ -234,6 +234,7 @@ pub(crate) fn serve(qid: u16, dev: &UblkDev, volume: Volume, gate: Arc<Gate>) {
         if ctx.is_tgt_io() {
             for (tag, res) in offload.take_done() {
                 complete(q, tag, res);
+                gate.leave();
             }
             arm_wake(q, wake_fd);
             return;
@@ -255,8 +256,8 @@ pub(crate) fn serve(qid: u16, dev: &UblkDev, volume: Volume, gate: Arc<Gate>) {
                 // touches it until the completion below.
                 let buf = unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr(), b.len()) };
                 let res = req.execute(&offload.shared.volume, buf);
-                gate.leave();
                 complete(q, tag, res);
+                gate.leave();
             }
             Ok(req) => {
                 let b = &bufs[usize::from(tag)];
@@ -264,8 +265,8 @@ pub(crate) fn serve(qid: u16, dev: &UblkDev, volume: Volume, gate: Arc<Gate>) {
             }
             Err(res) => {
                 tracing::debug!(queue = qid, tag, op_flags = iod.op_flags, res, "ublk request refused");
-                gate.leave();
                 complete(q, tag, res);
+                gate.leave();
             }
         }
     });

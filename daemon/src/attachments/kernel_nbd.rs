@@ -66,16 +66,22 @@ impl Links {
         Ok((k, size, flags, session))
     }
 
-    /// A new connection for `rec`'s device.
+    /// A new connection for `rec`'s device. A writable device's remote export must be served
+    /// writable: a copy that is not the volume's primary serves it read-only.
     async fn open(&self, rec: &AttachRecord) -> io::Result<Opened> {
-        match &rec.remote {
-            None => self.open_local(&rec.volume).await,
-            Some(address) => {
-                let (cfg, name) =
-                    relay_tls(self.tls.as_ref(), address).map_err(|s| io::Error::other(s.message().to_owned()))?;
-                ferrite_nbd::relay::open(cfg, name, address, rec.export.as_deref().unwrap_or_default()).await
-            }
+        let Some(address) = &rec.remote else { return self.open_local(&rec.volume).await };
+        let (cfg, name) =
+            relay_tls(self.tls.as_ref(), address).map_err(|s| io::Error::other(s.message().to_owned()))?;
+        let export = rec.export.as_deref().unwrap_or_default();
+        let opened = ferrite_nbd::relay::open(cfg, name, address, export).await?;
+        if opened.2 & ferrite_nbd::proto::TF_READ_ONLY != 0 && !rec.read_only {
+            opened.3.abort();
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{address} serves {export} read-only: it is not the volume's primary"),
+            ));
         }
+        Ok(opened)
     }
 
     /// Attaches `rec.volume` (`rec.export` of `rec.remote` for another node's volume) as the
@@ -88,6 +94,29 @@ impl Links {
         })
         .await?;
         Ok((a, session, k))
+    }
+
+    /// Hands `rec`'s live device a new connection from its remote, else from the first of its
+    /// copies that serves it (a failover moved its primary there: `rec.remote` follows).
+    async fn reconnect_any(&self, rec: &mut AttachRecord) -> io::Result<(JoinHandle<()>, UnixStream)> {
+        let Some(current) = rec.remote.clone() else { return self.reconnect(rec).await };
+        let mut errors = Vec::new();
+        for address in std::iter::once(&current).chain(rec.copies.iter().filter(|c| **c != current)) {
+            let mut at = rec.clone();
+            at.remote = Some(address.clone());
+            match self.reconnect(&at).await {
+                Ok(done) => {
+                    if *address != current {
+                        tracing::warn!(device = %rec.device, volume = %rec.volume, from = %current, to = %address,
+                            "the volume's primary moved: the device follows it");
+                        rec.remote = Some(address.clone());
+                    }
+                    return Ok(done);
+                }
+                Err(e) => errors.push(format!("{address}: {e}")),
+            }
+        }
+        Err(io::Error::other(errors.join("; ")))
     }
 
     /// Hands `rec`'s live device a new connection; returns its session and the kernel's end.
@@ -114,7 +143,10 @@ impl Links {
     ) -> Keeper {
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(std::sync::Mutex::new(kernel_end));
-        let (links, stopped, conn) = (Arc::clone(self), Arc::clone(&stop), Arc::clone(&current));
+        let remote = Arc::new(std::sync::Mutex::new(rec.remote.clone()));
+        let (links, stopped, conn, serving) =
+            (Arc::clone(self), Arc::clone(&stop), Arc::clone(&current), Arc::clone(&remote));
+        let mut rec = rec;
         let task = tokio::spawn(async move {
             let mut session = session;
             loop {
@@ -125,9 +157,10 @@ impl Links {
                 let lost = Instant::now();
                 tracing::warn!(device = %rec.device, volume = %rec.volume, "the device's connection ended; reconnecting");
                 session = loop {
-                    match links.reconnect(&rec).await {
+                    match links.reconnect_any(&mut rec).await {
                         Ok((s, k)) => {
                             *conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(k);
+                            *serving.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = rec.remote.clone();
                             break s;
                         }
                         Err(e) if lost.elapsed() < links.hold => {
@@ -148,7 +181,7 @@ impl Links {
                     "kernel NBD device reconnected");
             }
         });
-        Keeper { stop, task, current }
+        Keeper { stop, task, current, remote }
     }
 }
 
@@ -159,9 +192,16 @@ pub struct Keeper {
     task: JoinHandle<()>,
     /// The kernel's end of the current connection (a second descriptor of it), to cut it.
     current: Arc<std::sync::Mutex<Option<UnixStream>>>,
+    /// The NBD listener a remote device is connected to now (it follows its primary).
+    remote: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl Keeper {
+    /// The NBD listener the device is connected to now, for another node's volume.
+    pub fn remote(&self) -> Option<String> {
+        self.remote.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
     /// Before a detach: the connection's end is not to be repaired (`false` again if the detach
     /// failed).
     pub fn stopping(&self, yes: bool) {

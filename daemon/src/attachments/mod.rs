@@ -5,7 +5,7 @@
 
 pub mod kernel_nbd;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +40,9 @@ pub struct AttachRecord {
     /// For a volume another node serves: its NBD listener (host:port), reached through a relay.
     #[serde(default)]
     pub remote: Option<String>,
+    /// The NBD listeners of its other copies, where its primary may move (a relay follows).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub copies: Vec<String>,
 }
 
 /// The live half of an attachment.
@@ -54,6 +57,8 @@ pub enum Handle {
 #[derive(Debug)]
 pub struct Attachments {
     file: RecordFile,
+    /// The ublk devices and their hold, for the watchdog ([`ferrite_ublk::hold`]).
+    hold_list: PathBuf,
     links: Arc<Links>,
     live: Mutex<Vec<(AttachRecord, Handle)>>,
 }
@@ -79,6 +84,7 @@ impl Attachments {
     pub async fn restore(
         pool: &Arc<Pool>,
         data_dir: &Path,
+        hold_list: PathBuf,
         links: Links,
         ublk: ferrite_ublk::Options,
     ) -> anyhow::Result<Self> {
@@ -92,14 +98,24 @@ impl Attachments {
         for r in nbd_records {
             live.extend(reconnect(&links, r, lost.as_deref()).await);
         }
-        let this = Self { file, links, live: Mutex::new(live) };
+        let this = Self { file, hold_list, links, live: Mutex::new(live) };
         this.save(&this.live.lock().await).map_err(|e| anyhow::anyhow!("saving the attachment list: {e}"))?;
         Ok(this)
     }
 
     fn save(&self, live: &[(AttachRecord, Handle)]) -> std::io::Result<()> {
-        let records: Vec<&AttachRecord> = live.iter().map(|(r, _)| r).collect();
-        self.file.save(&records)
+        let records: Vec<AttachRecord> = live.iter().map(current).collect();
+        self.file.save(&records)?;
+        let held: Vec<ferrite_ublk::hold::Held> = records
+            .iter()
+            .filter(|r| r.transport == "ublk")
+            .map(|r| ferrite_ublk::hold::Held {
+                id: r.index,
+                volume: r.volume.clone(),
+                hold_s: self.links.hold.as_secs(),
+            })
+            .collect();
+        ferrite_ublk::hold::save(&self.hold_list, &held)
     }
 
     /// The attachments, locked: held across a deletion so that nothing attaches what is being
@@ -109,7 +125,7 @@ impl Attachments {
     }
 
     pub async fn list(&self) -> Vec<AttachRecord> {
-        self.live.lock().await.iter().map(|(r, _)| r.clone()).collect()
+        self.live.lock().await.iter().map(current).collect()
     }
 
     /// Attaches `volume` (or `volume@snapshot`) over `transport` ("ublk" or "nbd", as
@@ -142,6 +158,7 @@ impl Attachments {
                 read_only: dev.is_read_only(),
                 export: None,
                 remote: None,
+                copies: Vec::new(),
             };
             (rec, Handle::Ublk(dev))
         } else {
@@ -161,6 +178,7 @@ impl Attachments {
                 read_only: false,
                 export: created.then(|| export.name.clone()),
                 remote: None,
+                copies: Vec::new(),
             };
             match self.links.attach(&rec).await {
                 Ok(attached) => self.keep(rec, attached),
@@ -185,9 +203,18 @@ impl Attachments {
     }
 
     /// Attaches `export` of the NBD listener at `address` (another node's daemon, which serves
-    /// `volume`) as a kernel NBD device, over TLS with this daemon's certificate.
-    pub async fn attach_remote(&self, volume: &str, address: &str, export: &str) -> Result<AttachRecord, Status> {
-        kernel_nbd::relay_tls(self.links.tls.as_ref(), address)?;
+    /// `volume`) as a kernel NBD device, over TLS with this daemon's certificate; it follows the
+    /// volume's primary to any of `copies` (NBD listeners too) in a failover.
+    pub async fn attach_remote(
+        &self,
+        volume: &str,
+        address: &str,
+        export: &str,
+        copies: Vec<String>,
+    ) -> Result<AttachRecord, Status> {
+        for a in std::iter::once(address).chain(copies.iter().map(String::as_str)) {
+            kernel_nbd::relay_tls(self.links.tls.as_ref(), a)?;
+        }
         let mut live = self.live.lock().await;
         if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == volume) {
             return Err(Status::already_exists(format!("{volume} is already attached as {}", old.device)));
@@ -200,6 +227,7 @@ impl Attachments {
             read_only: false,
             export: Some(export.to_owned()),
             remote: Some(address.to_owned()),
+            copies,
         };
         let failed = |e: std::io::Error| Status::unavailable(format!("attaching {volume} from {address}: {e}"));
         let attached = self.links.attach(&rec).await.map_err(failed)?;
@@ -335,6 +363,16 @@ impl Attachments {
         });
         live
     }
+}
+
+/// An attachment's record as it stands: a relayed device's remote is where its keeper follows
+/// the volume's primary to.
+fn current((r, h): &(AttachRecord, Handle)) -> AttachRecord {
+    let mut r = r.clone();
+    if let (Handle::Nbd(k), Some(_)) = (h, &r.remote) {
+        r.remote = k.remote().or(r.remote);
+    }
+    r
 }
 
 /// Takes back a kernel NBD device a previous daemon left: a new connection, unless the device
