@@ -488,13 +488,22 @@ async fn remove_copies(dir: &dyn NodeDirectory, node: &str, view: &pb::SyncVolum
             tracing::warn!(volume, member = %m.endpoint, "a copy whose node is gone left the membership with it");
             continue;
         };
-        match admin(dir, &other).await?.delete_volume(pb::DeleteVolumeRequest { name: volume.clone() }).await {
-            Ok(_) => {}
-            Err(s) if s.code() == Code::NotFound => {}
-            Err(s) => return Err(Status::new(s.code(), format!("deleting the copy on {other}: {}", s.message()))),
-        }
+        delete_copy(&mut admin(dir, &other).await?, volume)
+            .await
+            .map_err(|s| Status::new(s.code(), format!("deleting the copy on {other}: {}", s.message())))?;
     }
     Ok(())
+}
+
+/// Deletes a copy that is no member any more, ending the standby publication it may hold first
+/// (`publish.rs`: a node that relays is published on every copy); a copy already gone is fine.
+pub async fn delete_copy(c: &mut AdminClient<Channel>, volume: &str) -> Result<(), Status> {
+    c.unpublish_volume(pb::UnpublishVolumeRequest { volume: volume.to_owned() }).await?;
+    match c.delete_volume(pb::DeleteVolumeRequest { name: volume.to_owned() }).await {
+        Ok(_) => Ok(()),
+        Err(s) if s.code() == Code::NotFound => Ok(()),
+        Err(s) => Err(s),
+    }
 }
 
 #[cfg(test)]

@@ -42,6 +42,8 @@ struct Remote {
     address: String,
     /// The export granted to this node.
     export: String,
+    /// The NBD listeners of the volume's other copies, where its relay follows a failover.
+    copies: Vec<String>,
 }
 
 /// A filesystem volume's type and mount flags.
@@ -106,7 +108,9 @@ impl Node {
         match context.get("primary") {
             Some(primary) if *primary != self.node_id => match (context.get("nbd"), context.get("export")) {
                 (Some(address), Some(export)) => {
-                    Ok((name, Some(Remote { address: address.clone(), export: export.clone() })))
+                    let copies = context.get("copies").map(|c| c.split(',').map(str::to_owned).collect());
+                    let (address, export) = (address.clone(), export.clone());
+                    Ok((name, Some(Remote { address, export, copies: copies.unwrap_or_default() })))
                 }
                 _ => Err(Status::failed_precondition(format!(
                     "volume {volume_id} is served by node {primary}, and its publish context gives no NBD \
@@ -239,11 +243,12 @@ impl csi::node_server::Node for Node {
                         transport: self.transport.clone(),
                         ..Default::default()
                     },
-                    Some(Remote { address, export }) => pb::AttachVolumeRequest {
+                    Some(Remote { address, export, copies }) => pb::AttachVolumeRequest {
                         volume: name.into(),
                         transport: "nbd".into(),
                         remote: address,
                         export,
+                        copies,
                         ..Default::default()
                     },
                 };

@@ -8,6 +8,11 @@
 //! time. Publishing to a node that holds an in-sync copy of a replicated volume makes that copy
 //! the primary first (data locality), when the volume is published nowhere; a node whose copy
 //! is still rebuilding, or that holds none, reaches the primary through its relay.
+//!
+//! A node that relays is published on the volume's other copies too (standby publications,
+//! read-only there while the copy is not the primary), and the publish context lists their NBD
+//! listeners (`copies`): when a failover promotes one, the node is already allowed there and its
+//! relay follows the primary by itself, holding its device's I/O meanwhile.
 
 use std::collections::HashMap;
 
@@ -70,7 +75,8 @@ impl Controller {
                     r.volume_id, r.node_id, p.read_only, r.readonly
                 )));
             }
-            return Ok(self.context(&primary, p));
+            let copies = self.standbys(&primary, view.as_ref(), name, &r.node_id, r.readonly).await;
+            return Ok(self.context(&primary, p, &copies));
         }
         self.check_attach_limit(&r.node_id).await?;
         // Data locality: the node's in-sync copy becomes the primary. A copy still rebuilding
@@ -99,17 +105,57 @@ impl Controller {
             read_only: r.readonly,
         };
         let p = c.publish_volume(req).await?.into_inner();
-        tracing::info!(volume_id = %r.volume_id, node = %r.node_id, primary = %primary, "CSI volume published");
-        Ok(self.context(&primary, &p))
+        let copies = self.standbys(&primary, view.as_ref(), name, &r.node_id, r.readonly).await;
+        tracing::info!(volume_id = %r.volume_id, node = %r.node_id, primary = %primary, ?copies, "CSI volume published");
+        Ok(self.context(&primary, &p, &copies))
+    }
+
+    /// Publishes `volume` to `node` on each copy but the primary's and the node's own, for a node
+    /// that relays; returns their NBD listeners. A copy that does not answer or refuses is left
+    /// out (logged): the node's relay cannot follow the primary there.
+    async fn standbys(
+        &self,
+        primary: &str,
+        view: Option<&pb::SyncVolume>,
+        volume: &str,
+        node: &str,
+        read_only: bool,
+    ) -> Vec<String> {
+        let Some(v) = view.filter(|_| primary != node) else { return Vec::new() };
+        let others: Vec<String> =
+            copies::nodes_of(&*self.nodes, v).into_iter().filter(|n| n != primary && n != node).collect();
+        let req =
+            pb::PublishVolumeRequest { volume: volume.to_owned(), node: node.to_owned(), local: false, read_only };
+        let scan = crate::nodes::scan(&*self.nodes, others, |on, mut c| {
+            let req = req.clone();
+            async move {
+                match c.publish_volume(req).await {
+                    Ok(p) => {
+                        Ok(Some(reachable(&p.into_inner().tcp_address, self.nodes.admin_endpoint(&on).as_deref())))
+                    }
+                    Err(e) => {
+                        tracing::warn!(volume, node, on, error = %e.message(), "no standby publication on this copy");
+                        Ok(None)
+                    }
+                }
+            }
+        })
+        .await;
+        scan.map(|s| s.answers.into_iter().filter_map(|(_, a)| a).filter(|a| !a.is_empty()).collect())
+            .unwrap_or_default()
     }
 
     /// What NodeStage learns: where the volume is served, and how another node reaches it (the
-    /// NBD listener's address, with the primary's own address where it listens on all).
-    fn context(&self, primary: &str, p: &pb::Publication) -> HashMap<String, String> {
+    /// NBD listener's address, with the primary's own address where it listens on all; the
+    /// standby copies' listeners, comma-separated).
+    fn context(&self, primary: &str, p: &pb::Publication, copies: &[String]) -> HashMap<String, String> {
         let mut c =
             HashMap::from([("primary".to_owned(), primary.to_owned()), ("export".to_owned(), p.export.clone())]);
         if !p.tcp_address.is_empty() {
             c.insert("nbd".to_owned(), reachable(&p.tcp_address, self.nodes.admin_endpoint(primary).as_deref()));
+        }
+        if !copies.is_empty() {
+            c.insert("copies".to_owned(), copies.join(","));
         }
         c
     }
@@ -121,11 +167,12 @@ impl Controller {
     async fn check_attach_limit(&self, node: &str) -> Result<(), Status> {
         let held = crate::nodes::scan(&*self.nodes, self.nodes.nodes(), |d, mut c| async move {
             let held = publications(&mut c).await?;
-            Ok(held.iter().filter(|p| granted_to(p, &d) == node).count())
+            Ok(held.into_iter().filter(|p| granted_to(p, &d) == node).map(|p| p.volume).collect::<Vec<_>>())
         })
         .await?;
-        let n =
-            held.answers.iter().fold(0i64, |n, (_, here)| n.saturating_add(i64::try_from(*here).unwrap_or(i64::MAX)));
+        // A volume counts once, though its copies hold standby publications to the node too.
+        let volumes: std::collections::BTreeSet<&String> = held.answers.iter().flat_map(|(_, v)| v).collect();
+        let n = i64::try_from(volumes.len()).unwrap_or(i64::MAX);
         if n >= self.max_volumes {
             return Err(Status::resource_exhausted(format!(
                 "node {node} has {n} volumes published, the most it takes ({})",

@@ -226,12 +226,27 @@ async fn replicated_volumes_through_the_controller() {
     let ctx = ctl.controller_publish_volume(publish(no_copy)).await.unwrap().into_inner().publish_context;
     assert_eq!(ctx["primary"], "node-a", "{ctx:?}");
     assert!(!ctx["nbd"].is_empty() && !ctx["export"].is_empty(), "a remote publication: {ctx:?}");
+    // The other copy holds a standby publication to the node, and the context names its NBD
+    // listener: a failover finds the node allowed there, and its relay follows.
+    let (copy_node, _) = nodes.iter().find(|(n, _)| *n != "node-a" && *n != no_copy).unwrap();
+    let copy = d[usize::from(copy_node.as_bytes()[5] - b'a')];
+    let standby = |d: &Daemon| {
+        let exports = d.json(&["export", "list"]);
+        exports.as_array().unwrap().iter().find(|e| e["volume"] == "r3").cloned()
+    };
+    let e = standby(copy).unwrap_or_else(|| panic!("no standby publication on {copy_node}"));
+    assert_eq!((e["allow"][0].as_str(), e["name"].as_str()), (Some(no_copy), Some(ctx["export"].as_str())), "{e}");
+    assert_eq!(ctx["copies"], e["tcp_address"].as_str().unwrap(), "{ctx:?}");
+    assert_ne!(ctx["copies"], ctx["nbd"]);
+    let again = ctl.controller_publish_volume(publish(no_copy)).await.unwrap().into_inner().publish_context;
+    assert_eq!(again, ctx, "publishing again is the same publication");
     let unpublish = |node: &str| csi::ControllerUnpublishVolumeRequest {
         volume_id: r3.volume_id.clone(),
         node_id: node.into(),
         ..Default::default()
     };
     ctl.controller_unpublish_volume(unpublish(no_copy)).await.unwrap();
+    assert!(standby(copy).is_none() && standby(&a).is_none(), "unpublishing ends the standby publication too");
     let mut bad = replicated("r4", 16 * MIB, "node-a", "2");
     bad.parameters.insert("remoteAccess".into(), "yes".into());
     let e = ctl.create_volume(bad).await.unwrap_err();

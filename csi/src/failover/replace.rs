@@ -194,7 +194,7 @@ impl Failover {
     async fn forget(&self, primary: &str, node: &str, endpoint: &str, volume: &str) -> anyhow::Result<()> {
         let r = pb::RemoveSyncReplicaRequest { volume: volume.to_owned(), peer: endpoint.to_owned() };
         admin(&*self.dir, primary).await?.remove_sync_replica(r).await?;
-        admin(&*self.dir, node).await?.delete_volume(pb::DeleteVolumeRequest { name: volume.to_owned() }).await?;
+        crate::copies::delete_copy(&mut admin(&*self.dir, node).await?, volume).await?;
         let note = format!("the copy on {node} had been replaced while its node was away: deleted");
         tracing::warn!(volume, "{note}");
         self.event(volume, None, EventType::Normal, "CopyReplaced", "Replace", note).await;
