@@ -66,22 +66,12 @@ impl Links {
         Ok((k, size, flags, session))
     }
 
-    /// A new connection for `rec`'s device. A writable device's remote export must be served
-    /// writable: a copy that is not the volume's primary serves it read-only.
+    /// A new connection for `rec`'s device.
     async fn open(&self, rec: &AttachRecord) -> io::Result<Opened> {
         let Some(address) = &rec.remote else { return self.open_local(&rec.volume).await };
         let (cfg, name) =
             relay_tls(self.tls.as_ref(), address).map_err(|s| io::Error::other(s.message().to_owned()))?;
-        let export = rec.export.as_deref().unwrap_or_default();
-        let opened = ferrite_nbd::relay::open(cfg, name, address, export).await?;
-        if opened.2 & ferrite_nbd::proto::TF_READ_ONLY != 0 && !rec.read_only {
-            opened.3.abort();
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!("{address} serves {export} read-only: it is not the volume's primary"),
-            ));
-        }
-        Ok(opened)
+        ferrite_nbd::relay::open(cfg, name, address, rec.export.as_deref().unwrap_or_default()).await
     }
 
     /// Attaches `rec.volume` (`rec.export` of `rec.remote` for another node's volume) as the
@@ -119,9 +109,19 @@ impl Links {
         Err(io::Error::other(errors.join("; ")))
     }
 
-    /// Hands `rec`'s live device a new connection; returns its session and the kernel's end.
+    /// Hands `rec`'s live device a new connection; returns its session and the kernel's end. A
+    /// writable relayed device's export must still be served writable: a copy that is not the
+    /// volume's primary serves it read-only.
     async fn reconnect(&self, rec: &AttachRecord) -> io::Result<(JoinHandle<()>, UnixStream)> {
-        let (kernel_end, _, _, session) = self.open(rec).await?;
+        let (kernel_end, _, flags, session) = self.open(rec).await?;
+        if rec.remote.is_some() && flags & ferrite_nbd::proto::TF_READ_ONLY != 0 && !rec.read_only {
+            session.abort();
+            let (at, export) = (rec.remote.as_deref().unwrap_or_default(), rec.export.as_deref().unwrap_or_default());
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{at} serves {export} read-only: it is not the volume's primary"),
+            ));
+        }
         let (index, backend) = (rec.index, backend(&rec.volume));
         let k = blocking_or_end(&session, move || kernel::reconnect(index, &kernel_end, &backend).map(|()| kernel_end))
             .await?;
