@@ -56,6 +56,13 @@ struct Cli {
     cmd: Cmd,
 }
 
+impl Cli {
+    /// The daemon's admin socket: --admin-socket, else `<default data dir>/admin.sock`.
+    fn admin_socket(&self) -> PathBuf {
+        self.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock"))
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the daemon in the foreground.
@@ -589,12 +596,12 @@ fn main() {
         }
         Cmd::Watchdog => {
             init_logging("info");
-            let socket = cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock"));
+            let socket = cli.admin_socket();
             ferrite_ublk::hold::run(&ferrite_ublk::hold::path(&socket));
         }
         Cmd::Heartbeat { node, namespace, every, lease_duration, restart_grace } => {
             init_logging("info");
-            let socket = cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock"));
+            let socket = cli.admin_socket();
             let secs = std::time::Duration::from_secs;
             let t = ferrite_csi::heartbeat::Timing {
                 every: secs(*every),
@@ -649,7 +656,7 @@ fn main() {
                 endpoint: endpoint.clone(),
                 addons_endpoint: addons_endpoint.clone(),
                 node_id,
-                admin_socket: cli.admin_socket.clone().unwrap_or_else(|| config::default_data_dir().join("admin.sock")),
+                admin_socket: cli.admin_socket(),
                 node_directory: node_directory.clone(),
                 node_service: node_service.clone(),
                 admin_server_name: admin_server_name.clone(),
@@ -727,12 +734,7 @@ fn client_tls(cli: &Cli) -> Result<Option<std::sync::Arc<ferrite_proto::ClientTl
 async fn client(cli: Cli) -> Result<()> {
     let endpoint = match &cli.admin_tcp {
         Some(addr) => format!("tcp://{addr}"),
-        None => cli
-            .admin_socket
-            .clone()
-            .unwrap_or_else(|| config::default_data_dir().join("admin.sock"))
-            .display()
-            .to_string(),
+        None => cli.admin_socket().display().to_string(),
     };
     let mut c = connect(&endpoint, client_tls(&cli)?).await?;
     let out = cli.output;

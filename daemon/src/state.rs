@@ -33,7 +33,7 @@ impl RecordFile {
 
     /// Replaces the list durably.
     pub fn save<T: Serialize>(&self, items: &[T]) -> std::io::Result<()> {
-        save_list(&self.path, items)
+        save_json(&self.path, items)
     }
 }
 
@@ -46,11 +46,11 @@ fn load_list<T: DeserializeOwned>(p: &Path) -> anyhow::Result<Vec<T>> {
     }
 }
 
-/// Replaces such a list durably.
-fn save_list<T: Serialize>(p: &Path, items: &[T]) -> std::io::Result<()> {
+/// Replaces a JSON state file (such a list, or any other) durably.
+pub fn save_json<T: Serialize + ?Sized>(p: &Path, value: &T) -> std::io::Result<()> {
     let tmp = p.with_extension("json.tmp");
     let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
-    f.write_all(&serde_json::to_vec_pretty(items).expect("serialisable"))?;
+    f.write_all(&serde_json::to_vec_pretty(value).expect("serialisable"))?;
     f.sync_all()?;
     drop(f);
     std::fs::rename(&tmp, p)?;
@@ -78,5 +78,15 @@ mod tests {
         assert!(!p.with_extension("json.tmp").exists());
         std::fs::write(&p, b"{not json").unwrap();
         assert!(f.load::<String>().unwrap_err().to_string().contains("things.json"));
+    }
+
+    #[test]
+    fn any_state_file_is_private() {
+        // The ublk hold list (`ferrite_ublk::hold::List`) is written this way too.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ublk-hold.json");
+        save_json(&p, &serde_json::json!({"boot_id": "b", "devices": []})).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        assert!(!p.with_extension("json.tmp").exists());
     }
 }

@@ -3,7 +3,7 @@
 //! With USER_RECOVERY the kernel holds a device's I/O while no daemon serves it (the device is
 //! QUIESCED), with no time limit: a daemon that never comes back leaves every process using the
 //! device hanging in D state. So the daemon lists its devices and their hold in a file next to
-//! its admin socket ([`save`]), and a watchdog outside the daemon (the CSI node plugin, or
+//! its admin socket ([`List`], written durably and privately by the daemon), and a watchdog outside the daemon (the CSI node plugin, or
 //! `ferrite watchdog`) fails a device that has waited longer than its hold ([`Watchdog`]): its
 //! held and later requests end with EIO and the device goes away, as a dead disk's would.
 //!
@@ -11,9 +11,7 @@
 //! servers' devices, so a list from another boot is empty until the daemon rewrites it.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -29,10 +27,18 @@ pub struct Held {
     pub hold_s: u64,
 }
 
-#[derive(Serialize, Deserialize)]
-struct List {
+/// The file's contents: the devices, and the boot they were listed in.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct List {
     boot_id: String,
     devices: Vec<Held>,
+}
+
+impl List {
+    /// `devices`, listed in this boot.
+    pub fn now(devices: Vec<Held>) -> io::Result<Self> {
+        Ok(Self { boot_id: boot_id()?, devices })
+    }
 }
 
 /// The list's place: `ublk-hold.json` in the directory of the daemon's admin socket, which the
@@ -43,18 +49,6 @@ pub fn path(admin_socket: &Path) -> PathBuf {
 
 fn boot_id() -> io::Result<String> {
     Ok(std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?.trim().to_owned())
-}
-
-/// Replaces the list durably (temporary file, fsync, rename; private to root).
-pub fn save(path: &Path, devices: &[Held]) -> io::Result<()> {
-    let list = List { boot_id: boot_id()?, devices: devices.to_vec() };
-    let tmp = path.with_extension("json.tmp");
-    let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
-    f.write_all(&serde_json::to_vec_pretty(&list).map_err(io::Error::other)?)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    File::open(path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")))?.sync_all()
 }
 
 /// The devices the last daemon listed in this boot; none if there is no list or it is from an
@@ -257,15 +251,14 @@ mod tests {
     }
 
     #[test]
-    fn the_list_round_trips_privately_and_an_earlier_boots_list_is_empty() {
-        use std::os::unix::fs::PermissionsExt;
+    fn the_list_round_trips_and_an_earlier_boots_list_is_empty() {
         let dir = tempfile::tempdir().unwrap();
         let p = path(&dir.path().join("admin.sock"));
         assert_eq!(p, dir.path().join("ublk-hold.json"));
         assert!(load(&p).unwrap().is_empty(), "no list: nothing held");
-        save(&p, &[held(0, 120), held(4, 30)]).unwrap();
+        let list = List::now(vec![held(0, 120), held(4, 30)]).unwrap();
+        std::fs::write(&p, serde_json::to_vec(&list).unwrap()).unwrap();
         assert_eq!(load(&p).unwrap(), [held(0, 120), held(4, 30)]);
-        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
         let other = serde_json::json!({"boot_id": "another-boot", "devices": [held(0, 1)]});
         std::fs::write(&p, other.to_string()).unwrap();
         assert!(load(&p).unwrap().is_empty());

@@ -115,7 +115,7 @@ impl Attachments {
                 hold_s: self.links.hold.as_secs(),
             })
             .collect();
-        ferrite_ublk::hold::save(&self.hold_list, &held)
+        crate::state::save_json(&self.hold_list, &ferrite_ublk::hold::List::now(held)?)
     }
 
     /// The attachments, locked: held across a deletion so that nothing attaches what is being
