@@ -10,9 +10,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={dir}");
     }
     // A mirrored write's data is sent to every member: `Bytes` shares one copy among them.
-    tonic_prost_build::configure()
-        .bytes(".ferrite.v1.MirrorWrite.data")
-        .compile_protos(&["ferrite/v1/admin.proto", "ferrite/v1/replica.proto", "ferrite/v1/mirror.proto"], &["."])?;
+    tonic_prost_build::configure().bytes(".ferrite.v1.MirrorWrite.data").compile_protos(
+        &["ferrite/v1/admin.proto", "ferrite/v1/replica.proto", "ferrite/v1/mirror.proto", "ferrite/v1/backup.proto"],
+        &["."],
+    )?;
     // CSI, CSI-Addons and the snapshot-metadata sidecar's API: servers for `ferrite csi`,
     // clients for its tests. The well-known types
     // (descriptor, timestamp, wrappers) come with the vendored protoc.

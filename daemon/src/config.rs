@@ -139,6 +139,8 @@ pub struct ConfigFile {
     pub region: Option<String>,
     pub insecure_nbd_listen: Option<bool>,
     pub roles: Option<BTreeMap<String, RoleList>>,
+    /// Backup targets by name (`[backup-targets.NAME]`, see `ferrite_backup::TargetConfig`).
+    pub backup_targets: Option<BTreeMap<String, ferrite_backup::TargetConfig>>,
 }
 
 /// Configuration with every default filled in and every value checked.
@@ -188,6 +190,23 @@ pub struct Config {
     pub region: String,
     /// Client certificate identities and their roles (`[roles]`).
     pub roles: Vec<(String, Vec<Role>)>,
+    /// Backup targets by name, opened on first use.
+    pub backup_targets: BTreeMap<String, ferrite_backup::TargetConfig>,
+}
+
+/// Backup targets' names are path and metric label safe; each says what it is.
+fn check_targets(
+    targets: BTreeMap<String, ferrite_backup::TargetConfig>,
+) -> Result<BTreeMap<String, ferrite_backup::TargetConfig>> {
+    for (name, t) in &targets {
+        if !ferrite_backup::valid_component(name) {
+            bail!("backup-targets.{name}: a target's name is letters, digits, '-', '_' or '.'");
+        }
+        if t.kind.is_none() {
+            bail!("backup-targets.{name}: kind is missing (s3 or dir)");
+        }
+    }
+    Ok(targets)
 }
 
 /// The PEM files of a daemon's TLS.
@@ -423,6 +442,7 @@ impl Config {
                 Some(n) => n,
             },
             roles: parse_roles(f.roles.unwrap_or_default())?,
+            backup_targets: check_targets(f.backup_targets.unwrap_or_default())?,
             zone: check_domain("zone", f.zone)?,
             region: check_domain("region", f.region)?,
             data_dir,

@@ -283,6 +283,11 @@ pub async fn run(cfg: Config) -> Result<()> {
         rotations,
         policy: Arc::clone(&policy),
     });
+    let backups = ferrite_proto::ferrite::v1::backups_server::BackupsServer::new(crate::backups::BackupService::new(
+        Arc::clone(&pool),
+        cfg.backup_targets.clone(),
+        crate::encryption::KeyDir::new(&cfg.key_dir),
+    ));
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);
     let mirror = MirrorServer::new(crate::sync::serve::MirrorService(Arc::clone(&sync)))
@@ -317,7 +322,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             }
         });
         let incoming = tokio_stream::wrappers::ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
-        let (svc, replica, mirror) = (svc.clone(), replica.clone(), mirror.clone());
+        let (svc, replica, mirror, backups) = (svc.clone(), replica.clone(), mirror.clone(), backups.clone());
         let source = if tls.admin.is_some() { Source::Certificate } else { Source::Local };
         let authorize = Authorize::new(Arc::clone(&policy), source);
         tasks.spawn(async move {
@@ -326,6 +331,7 @@ pub async fn run(cfg: Config) -> Result<()> {
                 .add_service(svc)
                 .add_service(replica)
                 .add_service(mirror)
+                .add_service(backups)
                 .serve_with_incoming(incoming)
                 .await
                 .context("admin API TCP server")
@@ -338,6 +344,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             .add_service(svc)
             .add_service(replica)
             .add_service(mirror)
+            .add_service(backups)
             .serve_with_incoming(UnixListenerStream::new(admin_listener))
             .await
             .context("admin API server")

@@ -3,6 +3,7 @@
 mod admin;
 mod attachments;
 mod authz;
+mod backups;
 mod cli;
 mod config;
 mod daemon;

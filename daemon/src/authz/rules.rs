@@ -66,6 +66,16 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/UnfenceNetworks", &[Controller]),
     ("/ferrite.v1.Admin/ListFences", &[Controller]),
     ("/ferrite.v1.Admin/ListClients", &[Controller]),
+    // Backups leave the cluster with a target's credentials: an operator's (a scheduled
+    // `ferrite backup create` runs on the node with the admin socket).
+    ("/ferrite.v1.Backups/CreateBackup", &[]),
+    ("/ferrite.v1.Backups/ListBackups", &[]),
+    ("/ferrite.v1.Backups/GetBackup", &[]),
+    ("/ferrite.v1.Backups/DeleteBackup", &[]),
+    ("/ferrite.v1.Backups/VerifyBackups", &[]),
+    ("/ferrite.v1.Backups/PruneBackups", &[]),
+    ("/ferrite.v1.Backups/RestoreBackup", &[]),
+    ("/ferrite.v1.Backups/ListBackupTargets", &[]),
     ("/ferrite.v1.Replica/Position", &[ReplicationPeer]),
     ("/ferrite.v1.Replica/Push", &[ReplicationPeer]),
     ("/ferrite.v1.Replica/Sync", &[ReplicationPeer]),
@@ -99,6 +109,7 @@ mod tests {
         let mut all = rpcs("Admin", include_str!("../../../proto/ferrite/v1/admin.proto"));
         all.extend(rpcs("Replica", include_str!("../../../proto/ferrite/v1/replica.proto")));
         all.extend(rpcs("Mirror", include_str!("../../../proto/ferrite/v1/mirror.proto")));
+        all.extend(rpcs("Backups", include_str!("../../../proto/ferrite/v1/backup.proto")));
         assert!(all.len() > 40, "the proto files were not read: {all:?}");
         for rpc in &all {
             assert!(allowed(rpc).is_some(), "{rpc} has no row in the role table");

@@ -1,0 +1,270 @@
+//! Taking a backup of a snapshot.
+//!
+//! Plan (no media I/O): against the previous backup's snapshot, the chunks the changed ranges
+//! touch are read, every other chunk's reference is copied from the previous manifest; with no
+//! usable previous backup (none, its snapshot gone, another chunk size, or every `full-every`th
+//! backup) every allocated chunk is read. Then, `concurrency` at a time: read the chunk, skip it
+//! if it is all zeros, name it, skip the upload if the target already holds that name (the
+//! previous manifest lists it, or a HEAD finds it: this is also how an interrupted backup
+//! resumes: what it uploaded is found and not sent again), else compress, seal and PUT, paced.
+//! Last the manifest, then the volume's index.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferrite_engine::{Image, Pool};
+use futures_util::StreamExt;
+
+use crate::codec::Kind;
+use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, chunk_path};
+use crate::target::FORMAT;
+use crate::{Error, Pace, Result, Target, prune};
+
+/// What to back up.
+#[derive(Debug, Clone)]
+pub struct CreateOptions {
+    pub volume: String,
+    /// A snapshot of `volume` on this pool.
+    pub snapshot: String,
+    /// The backup's id (unique per volume on the target; [`new_id`] makes one from the time).
+    pub id: String,
+    /// Read every chunk even when an incremental is possible.
+    pub full: bool,
+}
+
+/// How far a backup (or a restore, or a verify) has got.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub chunks_total: u64,
+    pub chunks_done: u64,
+    pub bytes_total: u64,
+    pub bytes_done: u64,
+    /// Bytes sent to (or fetched from) the store.
+    pub bytes_transferred: u64,
+}
+
+/// A backup id from the time: `20261128T101500Z`.
+pub fn new_id(unix: u64) -> String {
+    let (days, secs) = (unix / 86_400, unix % 86_400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!("{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z", secs / 3600, secs / 60 % 60, secs % 60)
+}
+
+pub fn now_unix() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Backs up `opts.snapshot` to `target` and records it in the volume's index.
+pub async fn create(
+    target: &Target,
+    pool: &Pool,
+    opts: &CreateOptions,
+    progress: &(dyn Fn(&Progress) + Sync),
+) -> Result<Manifest> {
+    let started = Instant::now();
+    let this = BackupRef { volume: opts.volume.clone(), id: opts.id.clone() };
+    // Read before anything else: chunks a prune condemned since are uploaded again (prune.rs).
+    let condemned = prune::load_condemned(target).await?;
+    let index = Index::load(target, &opts.volume).await?;
+    if index.backups.iter().any(|b| b.id == opts.id) {
+        return Err(Error::Conflict(format!("backup {this} already exists on target {}", target.name)));
+    }
+    let info = pool.snapshot_info(&opts.snapshot)?;
+    if info.volume.as_deref() != Some(opts.volume.as_str()) {
+        return Err(Error::Invalid(format!(
+            "snapshot {:?} is not a snapshot of volume {:?}",
+            opts.snapshot, opts.volume
+        )));
+    }
+    let snap = pool.open_snapshot(&opts.snapshot)?;
+    let encrypted = snap.is_encrypted()?;
+    if encrypted && !target.is_sealed() {
+        return Err(Error::Invalid(format!(
+            "volume {:?} is encrypted and target {} has no key-file: its backup would hold plaintext",
+            opts.volume, target.name
+        )));
+    }
+    let chunk = target.chunk_size();
+    let count = info.size.div_ceil(chunk);
+
+    // The previous backup, if an incremental can build on it.
+    let full_every = u64::from(target.config.full_every.unwrap_or(30).max(1));
+    let since_full = index.backups.iter().rev().take_while(|b| !b.full).count() as u64;
+    let mut previous = None;
+    if let Some(last) = index.backups.last() {
+        let m = Manifest::load(target, &BackupRef { volume: opts.volume.clone(), id: last.id.clone() }).await?;
+        let base_here =
+            pool.snapshot_info(&m.snapshot).is_ok_and(|s| s.volume.as_deref() == Some(opts.volume.as_str()));
+        if !opts.full && since_full + 1 < full_every && base_here && m.chunk_size == chunk && m.size <= info.size {
+            previous = Some(m);
+        }
+    }
+    let (to_read, mut refs) = plan(pool, &opts.snapshot, previous.as_ref(), chunk, count)?;
+    // Names the previous manifest lists are on the target (a prune keeps what a manifest lists).
+    let known: HashSet<String> = previous.iter().flat_map(|m| m.chunks.iter().map(|c| c.id.clone())).collect();
+
+    let total = Progress {
+        chunks_total: to_read.len() as u64,
+        bytes_total: to_read.iter().map(|&i| chunk.min(info.size - i * chunk)).sum(),
+        ..Progress::default()
+    };
+    let mut done = total;
+    progress(&done);
+    let pace = Arc::new(Pace::new(target.config.bandwidth));
+    let sent = Arc::new(parking_lot::Mutex::new(HashSet::new()));
+    let shared = Arc::new((known, condemned));
+    let mut results = futures_util::stream::iter(to_read)
+        .map(|i| {
+            let (target, snap, pace, sent, shared) =
+                (target.clone(), snap.clone(), pace.clone(), sent.clone(), shared.clone());
+            let len = chunk.min(info.size - i * chunk);
+            async move {
+                back_up_chunk(&target, snap, i * chunk, len, &pace, &sent, &shared.0, &shared.1)
+                    .await
+                    .map(|r| (i, len, r))
+            }
+        })
+        .buffer_unordered(target.concurrency());
+    let (mut uploaded, mut new_chunks) = (0, 0);
+    while let Some(r) = results.next().await {
+        let (i, len, stored) = r?;
+        if let Some((id, bytes)) = stored {
+            uploaded += bytes;
+            new_chunks += u64::from(bytes > 0);
+            refs.push(ChunkRef { i, id, len: u32::try_from(len).expect("chunks are at most 4 MiB") });
+        }
+        done.chunks_done += 1;
+        done.bytes_done += len;
+        done.bytes_transferred = uploaded;
+        progress(&done);
+    }
+    drop(results);
+    refs.sort_by_key(|c| c.i);
+
+    let grace = target.grace();
+    if !grace.is_zero() && started.elapsed() > grace.mul_f64(0.9) {
+        return Err(Error::Conflict(format!(
+            "backup {this} ran for {:?}, longer than 0.9 x the target's grace-s: a prune may have deleted chunks it relies on; run it again (what it uploaded is reused)",
+            started.elapsed()
+        )));
+    }
+    let manifest = Manifest {
+        format: FORMAT,
+        volume: opts.volume.clone(),
+        id: opts.id.clone(),
+        snapshot: opts.snapshot.clone(),
+        created: now_unix(),
+        size: info.size,
+        chunk_size: chunk,
+        previous: previous.as_ref().map(|m| m.id.clone()),
+        full: previous.is_none(),
+        encrypted_volume: encrypted,
+        chunks: refs,
+        read_bytes: total.bytes_total,
+        uploaded_bytes: uploaded,
+        new_chunks,
+    };
+    manifest.store(target).await?;
+    // Re-read the index: a delete may have changed it while this backup ran.
+    let mut index = Index::load(target, &opts.volume).await?;
+    index.backups.push(manifest.entry());
+    index.backups.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
+    index.store(target).await?;
+    Ok(manifest)
+}
+
+/// The chunks to read, and the references copied from `previous` for the others.
+fn plan(
+    pool: &Pool,
+    snapshot: &str,
+    previous: Option<&Manifest>,
+    chunk: u64,
+    count: u64,
+) -> Result<(Vec<u64>, Vec<ChunkRef>)> {
+    let ranges = pool.changed_ranges(Image::Snapshot(snapshot), previous.map(|m| m.snapshot.as_str()))?;
+    let mut touched = Vec::new();
+    for (offset, len) in ranges {
+        let (first, last) = (offset / chunk, (offset + len - 1) / chunk);
+        if touched.last() == Some(&first) {
+            touched.extend(first + 1..=last);
+        } else {
+            touched.extend(first..=last);
+        }
+    }
+    touched.retain(|&i| i < count);
+    let Some(prev) = previous else { return Ok((touched, Vec::new())) };
+    // Chunks past the previous size are new (a grown volume): read them all.
+    let old_count = prev.size.div_ceil(chunk);
+    let mut read: HashSet<u64> = touched.into_iter().collect();
+    // The last old chunk may have been short: it grew.
+    if !prev.size.is_multiple_of(chunk) {
+        read.insert(old_count - 1);
+    }
+    read.extend(old_count..count);
+    let refs = prev.chunks.iter().filter(|c| !read.contains(&c.i)).cloned().collect();
+    let mut read: Vec<u64> = read.into_iter().filter(|&i| i < count).collect();
+    read.sort_unstable();
+    Ok((read, refs))
+}
+
+/// Reads one chunk and stores it unless the target has it. Returns its name and the bytes
+/// uploaded (0 when it was there), or None when it reads as zeros.
+#[allow(clippy::too_many_arguments)]
+async fn back_up_chunk(
+    target: &Target,
+    snap: ferrite_engine::Volume,
+    offset: u64,
+    len: u64,
+    pace: &Pace,
+    sent: &parking_lot::Mutex<HashSet<String>>,
+    known: &HashSet<String>,
+    condemned: &HashSet<String>,
+) -> Result<Option<(String, u64)>> {
+    let codec = target.codec.clone();
+    let read = tokio::task::spawn_blocking(move || -> Result<Option<(String, Vec<u8>)>> {
+        let mut buf = vec![0u8; usize::try_from(len).expect("chunks are at most 4 MiB")];
+        snap.read(offset, &mut buf)?;
+        if buf.iter().all(|&b| b == 0) {
+            return Ok(None);
+        }
+        Ok(Some((codec.chunk_id(&buf), buf)))
+    });
+    let Some((id, buf)) = read.await.expect("reading a chunk does not panic")? else { return Ok(None) };
+    let path = chunk_path(&id);
+    let fresh = !condemned.contains(&id);
+    if (fresh && known.contains(&id)) || !sent.lock().insert(id.clone()) {
+        return Ok(Some((id, 0)));
+    }
+    if fresh && target.head(&path).await?.is_some() {
+        return Ok(Some((id, 0)));
+    }
+    let codec = target.codec.clone();
+    let name = path.clone();
+    let sealed = tokio::task::spawn_blocking(move || codec.seal(Kind::Chunk, &name, &buf))
+        .await
+        .expect("sealing does not panic");
+    let bytes = sealed.len() as u64;
+    pace.admit(bytes).await;
+    target.put(&path, sealed.into()).await?;
+    Ok(Some((id, bytes)))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ids_are_utc_times() {
+        assert_eq!(super::new_id(0), "19700101T000000Z");
+        assert_eq!(super::new_id(1_795_861_815), "20261128T103015Z");
+        assert_eq!(super::new_id(951_782_400), "20000229T000000Z");
+    }
+}

@@ -1,0 +1,39 @@
+//! Backups that leave the cluster: a volume's snapshot cut into fixed-size chunks, each named
+//! by a keyed hash of its contents (identical chunks are stored once per target), compressed
+//! with zstd and sealed with AES-256-GCM when the target has a key, in an object store (S3 or
+//! a directory). One manifest per backup lists the chunks by offset; one index per volume lists
+//! its backups. Incremental backups read only the chunks the changed ranges since the previous
+//! backup's snapshot touch.
+//!
+//! The target's layout (all under its prefix):
+//! - `ferrite-backup.json`: the target's marker (format, chunk size, key check), plain JSON;
+//! - `chunks/<2 hex>/<64 hex>`: chunks, named by HMAC-SHA256 of their plaintext;
+//! - `volumes/<volume>/index`: the volume's backups, oldest first;
+//! - `volumes/<volume>/backups/<id>`: one manifest per backup;
+//! - `gc/condemned`: chunks the last prune found unreferenced (see `prune.rs`).
+//!
+//! Every object but the marker is an envelope (`codec.rs`): a header with the format version,
+//! then zstd, then AES-256-GCM bound to the object's name.
+
+mod codec;
+mod create;
+mod error;
+mod manifest;
+mod pace;
+mod prune;
+mod restore;
+mod target;
+
+pub use create::{CreateOptions, Progress, create, new_id, now_unix};
+pub use error::{Error, Result};
+pub use manifest::{BackupRef, ChunkRef, Index, IndexEntry, Manifest, list_volumes, valid_component};
+pub use pace::Pace;
+pub use prune::{PruneReport, Retention, delete, prune};
+pub use restore::{VerifyReport, restore_into, verify};
+pub use target::{Counters, Target, TargetConfig, TargetKind};
+
+/// Chunk sizes a target may use: 1-4 MiB, a whole number of 4 KiB blocks.
+pub const MIN_CHUNK: u64 = 1 << 20;
+pub const MAX_CHUNK: u64 = 4 << 20;
+/// The default: 4 MiB (see ARCHITECTURE "Backups" for the measurement behind it).
+pub const DEFAULT_CHUNK: u64 = 4 << 20;

@@ -1,0 +1,170 @@
+//! Reading backups back: restoring one into a volume, and verifying chunks.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+
+use crate::codec::Kind;
+use crate::manifest::{BackupRef, ChunkRef, Manifest, chunk_path};
+use crate::{Error, Pace, Progress, Result, Target};
+
+const BLOCK: usize = 4096;
+
+/// Fetches and checks one chunk: its seal opens, it decompresses to `len` bytes, and its
+/// plaintext hashes to its name.
+pub(crate) async fn fetch_chunk(target: &Target, c: &ChunkRef, pace: &Pace) -> Result<Vec<u8>> {
+    let path = chunk_path(&c.id);
+    let (data, _) = target.get(&path).await.map_err(|e| {
+        if e.is_not_found() {
+            Error::corrupt(&target.name, format!("chunk {}", c.id), "it is missing from the target")
+        } else {
+            e
+        }
+    })?;
+    pace.admit(data.len() as u64).await;
+    let codec = target.codec.clone();
+    let (id, len) = (c.id.clone(), c.len as usize);
+    let target_name = target.name.clone();
+    tokio::task::spawn_blocking(move || {
+        let plain = codec.open(Kind::Chunk, &path, data.to_vec(), len)?;
+        if plain.len() != len || codec.chunk_id(&plain) != id {
+            return Err(Error::corrupt(&target_name, format!("chunk {id}"), "its contents do not match its name"));
+        }
+        Ok(plain)
+    })
+    .await
+    .expect("checking a chunk does not panic")
+}
+
+/// Writes backup `manifest` into `volume` (new, reading as zeros, at least as large), `concurrency`
+/// chunks at a time; only non-zero 4 KiB blocks are written. Flushes at the end.
+pub async fn restore_into(
+    target: &Target,
+    manifest: &Manifest,
+    volume: &ferrite_engine::Volume,
+    progress: &(dyn Fn(&Progress) + Sync),
+) -> Result<()> {
+    if volume.size()? < manifest.size {
+        return Err(Error::Invalid(format!(
+            "volume {:?} is smaller than backup {} ({} bytes)",
+            volume.name(),
+            manifest.backup_ref(),
+            manifest.size
+        )));
+    }
+    let pace = Arc::new(Pace::new(target.config.bandwidth));
+    let mut done = Progress {
+        chunks_total: manifest.chunks.len() as u64,
+        bytes_total: manifest.chunks.iter().map(|c| u64::from(c.len)).sum(),
+        ..Progress::default()
+    };
+    progress(&done);
+    let mut results = futures_util::stream::iter(manifest.chunks.iter().cloned())
+        .map(|c| {
+            let (target, pace, volume) = (target.clone(), pace.clone(), volume.clone());
+            let offset = c.i * manifest.chunk_size;
+            async move {
+                let plain = fetch_chunk(&target, &c, &pace).await?;
+                let len = plain.len() as u64;
+                tokio::task::spawn_blocking(move || write_nonzero(&volume, offset, &plain))
+                    .await
+                    .expect("writing a chunk does not panic")?;
+                Ok::<_, Error>(len)
+            }
+        })
+        .buffer_unordered(target.concurrency());
+    while let Some(r) = results.next().await {
+        let len = r?;
+        done.chunks_done += 1;
+        done.bytes_done += len;
+        done.bytes_transferred = done.bytes_done;
+        progress(&done);
+    }
+    let volume = volume.clone();
+    tokio::task::spawn_blocking(move || volume.flush()).await.expect("flush does not panic")?;
+    Ok(())
+}
+
+/// Writes the runs of non-zero 4 KiB blocks of `data` at `offset`.
+pub(crate) fn write_nonzero(volume: &ferrite_engine::Volume, offset: u64, data: &[u8]) -> ferrite_engine::Result<()> {
+    let zero = |b: &[u8]| b.iter().all(|&x| x == 0);
+    let mut start = None;
+    for (n, block) in data.chunks(BLOCK).enumerate() {
+        match (start, zero(block)) {
+            (None, false) => start = Some(n),
+            (Some(s), true) => {
+                volume.write(offset + (s * BLOCK) as u64, &data[s * BLOCK..n * BLOCK])?;
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(s) = start {
+        volume.write(offset + (s * BLOCK) as u64, &data[s * BLOCK..])?;
+    }
+    Ok(())
+}
+
+/// What `verify` found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct VerifyReport {
+    pub backups: u64,
+    pub chunks_checked: u64,
+    pub bytes_checked: u64,
+    /// Chunk name, what is wrong, the backups that list it.
+    pub bad: Vec<(String, String, Vec<String>)>,
+}
+
+/// Reads back the chunks of `backups` and checks each against its name; with `sample` (0-1),
+/// a random share of them. One GET per chunk, each chunk once however many backups list it.
+pub async fn verify(
+    target: &Target,
+    backups: &[BackupRef],
+    sample: Option<f64>,
+    progress: &(dyn Fn(&Progress) + Sync),
+) -> Result<VerifyReport> {
+    let mut users: BTreeMap<String, (ChunkRef, Vec<String>)> = BTreeMap::new();
+    for b in backups {
+        let m = Manifest::load(target, b).await?;
+        for c in m.chunks {
+            users.entry(c.id.clone()).or_insert_with(|| (c, Vec::new())).1.push(b.to_string());
+        }
+    }
+    // Names are uniform: a window of their first byte is a uniform sample, moved at random.
+    if let Some(share) = sample {
+        let width = (0..=256u16).find(|&w| f64::from(w) >= share.clamp(0.0, 1.0) * 256.0).unwrap_or(256);
+        let shift = u16::from(crate::codec::random::<1>()[0]);
+        users.retain(|id, _| {
+            let first = u16::from(crate::codec::unhex(&id[..2]).map_or(0, |b| b[0]));
+            (first + 256 - shift) % 256 < width
+        });
+    }
+    let mut report = VerifyReport { backups: backups.len() as u64, ..VerifyReport::default() };
+    let mut done = Progress {
+        chunks_total: users.len() as u64,
+        bytes_total: users.values().map(|(c, _)| u64::from(c.len)).sum(),
+        ..Progress::default()
+    };
+    let pace = Arc::new(Pace::new(target.config.bandwidth));
+    let mut results = futures_util::stream::iter(users.into_values())
+        .map(|(c, users)| {
+            let (target, pace) = (target.clone(), pace.clone());
+            async move { (fetch_chunk(&target, &c, &pace).await, c, users) }
+        })
+        .buffer_unordered(target.concurrency());
+    while let Some((r, c, users)) = results.next().await {
+        match r {
+            Ok(_) => {}
+            Err(Error::Corrupt { why, .. }) => report.bad.push((c.id, why, users)),
+            Err(e) => return Err(e),
+        }
+        report.chunks_checked += 1;
+        report.bytes_checked += u64::from(c.len);
+        done.chunks_done += 1;
+        done.bytes_done += u64::from(c.len);
+        progress(&done);
+    }
+    report.bad.sort();
+    Ok(report)
+}

@@ -1,0 +1,367 @@
+//! A backup target: where backups go (an S3 bucket and prefix, or a directory), with which
+//! credentials and key, and the counted requests every other part makes through it.
+
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::TryStreamExt;
+use object_store::path::Path;
+use object_store::{ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::codec::{Codec, Kind};
+use crate::{Error, Result};
+
+/// Where a target keeps its objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TargetKind {
+    /// An S3-compatible object store (path-style requests unless `virtual-hosted`).
+    S3,
+    /// A directory, such as an NFS mount.
+    Dir,
+}
+
+/// A target as the daemon's config names it (`[backup-targets.NAME]`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct TargetConfig {
+    pub kind: Option<TargetKind>,
+    /// S3: the endpoint URL (`https://s3.example:9000`); default AWS's for the region.
+    pub endpoint: Option<String>,
+    /// S3: default `us-east-1`.
+    pub region: Option<String>,
+    pub bucket: Option<String>,
+    /// S3: `bucket.endpoint` host names instead of `endpoint/bucket` paths.
+    pub virtual_hosted: bool,
+    /// Objects go under this prefix (several clusters can share a bucket).
+    pub prefix: Option<String>,
+    /// Dir: the directory (created 0700 if missing).
+    pub path: Option<PathBuf>,
+    /// S3: a directory holding `access-key-id` and `secret-access-key` files (a mounted
+    /// Kubernetes Secret); default `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`, else unsigned.
+    pub credentials: Option<PathBuf>,
+    /// S3 over https: trust this CA (PEM) besides the system's.
+    pub ca_file: Option<PathBuf>,
+    /// 32 bytes (raw, or 64 hex digits): chunks, manifests and indexes are sealed with
+    /// AES-256-GCM under keys derived from it. Keep a copy outside the cluster.
+    pub key_file: Option<PathBuf>,
+    /// Chunk size (1-4 MiB, whole 4 KiB blocks: "1M", or bytes); default 4M.
+    #[serde(deserialize_with = "size")]
+    pub chunk_size: Option<u64>,
+    /// Requests in flight; default 8.
+    pub concurrency: Option<usize>,
+    /// Bytes per second uploaded (and downloaded by restores): "100M", or bytes; default no
+    /// limit.
+    #[serde(deserialize_with = "size")]
+    pub bandwidth: Option<u64>,
+    /// Every Nth backup of a volume is full (reads everything); default 30.
+    pub full_every: Option<u32>,
+    /// How long a chunk stays unreferenced before a prune deletes it, and how long a backup may
+    /// run (see `prune.rs`); default 86400.
+    pub grace_s: Option<u64>,
+    /// Retries of a failed request (with backoff, within 30 s); default 10.
+    pub retries: Option<usize>,
+}
+
+/// Requests made through a target, by kind (for the bench, the metrics and the tests' O(1)
+/// LIST checks).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub puts: AtomicU64,
+    pub put_bytes: AtomicU64,
+    pub gets: AtomicU64,
+    pub get_bytes: AtomicU64,
+    pub heads: AtomicU64,
+    pub lists: AtomicU64,
+    pub deletes: AtomicU64,
+}
+
+impl Counters {
+    pub fn snapshot(&self) -> [u64; 7] {
+        [&self.puts, &self.put_bytes, &self.gets, &self.get_bytes, &self.heads, &self.lists, &self.deletes]
+            .map(|c| c.load(Relaxed))
+    }
+}
+
+/// The marker at the target's root: format and key check.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+struct Marker {
+    format: u32,
+    /// HMAC of a fixed string under the chunk-naming key: present iff the target has a key.
+    key_check: Option<String>,
+}
+
+const MARKER: &str = "ferrite-backup.json";
+/// The format of the marker, manifests and indexes this build writes and reads.
+pub const FORMAT: u32 = 1;
+
+/// An opened target.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub name: String,
+    pub config: TargetConfig,
+    store: Arc<dyn ObjectStore>,
+    pub(crate) codec: Arc<Codec>,
+    pub counters: Arc<Counters>,
+}
+
+impl Target {
+    /// Opens target `name`: builds the client, reads the marker (writing it on a new target),
+    /// and checks the key against it.
+    pub async fn open(name: &str, config: TargetConfig) -> Result<Target> {
+        let invalid = |msg: String| Error::Invalid(format!("backup target {name}: {msg}"));
+        let chunk = config.chunk_size.unwrap_or(crate::DEFAULT_CHUNK);
+        if !(crate::MIN_CHUNK..=crate::MAX_CHUNK).contains(&chunk) || !chunk.is_multiple_of(4096) {
+            return Err(invalid(format!("chunk-size {chunk} is not 1-4 MiB in whole 4 KiB blocks")));
+        }
+        let store = build_store(&config).map_err(invalid)?;
+        let key = match &config.key_file {
+            Some(path) => Some(read_key(path).map_err(invalid)?),
+            None => None,
+        };
+        let codec = Codec::new(name, key.as_ref());
+        let target = Target { name: name.to_owned(), config, store, codec: Arc::new(codec), counters: Arc::default() };
+        target.check_marker().await?;
+        Ok(target)
+    }
+
+    async fn check_marker(&self) -> Result<()> {
+        let ours = self.codec.is_sealed().then(|| self.codec.key_check());
+        let marker: Marker = match self.get(MARKER).await {
+            Ok((data, _)) => {
+                serde_json::from_slice(&data).map_err(|e| Error::corrupt(&self.name, MARKER, e.to_string()))?
+            }
+            Err(e) if e.is_not_found() => {
+                let marker = Marker { format: FORMAT, key_check: ours };
+                return self.put(MARKER, serde_json::to_vec_pretty(&marker).expect("serialises").into()).await;
+            }
+            Err(e) => return Err(e),
+        };
+        if marker.format > FORMAT {
+            return Err(Error::Newer {
+                target: self.name.clone(),
+                what: MARKER.into(),
+                found: marker.format,
+                supported: FORMAT,
+            });
+        }
+        let msg = match (&marker.key_check, &ours) {
+            (Some(a), Some(b)) if a != b => "its key-file is not the key this target was created with",
+            (Some(_), None) => "this target is encrypted: configure its key-file",
+            (None, Some(_)) => {
+                "this target was created without a key: its backups are not encrypted (use another prefix for an encrypted target)"
+            }
+            _ => return Ok(()),
+        };
+        Err(Error::Key { target: self.name.clone(), msg: msg.into() })
+    }
+
+    pub fn chunk_size(&self) -> u64 {
+        self.config.chunk_size.unwrap_or(crate::DEFAULT_CHUNK)
+    }
+
+    pub fn concurrency(&self) -> usize {
+        self.config.concurrency.unwrap_or(8).clamp(1, 256)
+    }
+
+    pub fn grace(&self) -> Duration {
+        Duration::from_secs(self.config.grace_s.unwrap_or(86_400))
+    }
+
+    pub fn is_sealed(&self) -> bool {
+        self.codec.is_sealed()
+    }
+
+    pub(crate) async fn put(&self, path: &str, data: Bytes) -> Result<()> {
+        let p = Path::from(path);
+        self.counters.puts.fetch_add(1, Relaxed);
+        self.counters.put_bytes.fetch_add(data.len() as u64, Relaxed);
+        self.store.put(&p, PutPayload::from_bytes(data)).await.map_err(|e| Error::store(&self.name, "PUT", &p, e))?;
+        Ok(())
+    }
+
+    pub(crate) async fn get(&self, path: &str) -> Result<(Bytes, ObjectMeta)> {
+        let p = Path::from(path);
+        self.counters.gets.fetch_add(1, Relaxed);
+        let got = self.store.get(&p).await.map_err(|e| Error::store(&self.name, "GET", &p, e))?;
+        let meta = got.meta.clone();
+        let data = got.bytes().await.map_err(|e| Error::store(&self.name, "GET", &p, e))?;
+        self.counters.get_bytes.fetch_add(data.len() as u64, Relaxed);
+        Ok((data, meta))
+    }
+
+    /// The object's metadata, or None when it is absent.
+    pub(crate) async fn head(&self, path: &str) -> Result<Option<ObjectMeta>> {
+        let p = Path::from(path);
+        self.counters.heads.fetch_add(1, Relaxed);
+        match self.store.head(&p).await {
+            Ok(meta) => Ok(Some(meta)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(Error::store(&self.name, "HEAD", &p, e)),
+        }
+    }
+
+    pub(crate) async fn delete(&self, path: &str) -> Result<()> {
+        let p = Path::from(path);
+        self.counters.deletes.fetch_add(1, Relaxed);
+        match self.store.delete(&p).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(Error::store(&self.name, "DELETE", &p, e)),
+        }
+    }
+
+    /// Every object under `prefix` (one LIST request per 1000 objects).
+    pub(crate) async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+        let p = Path::from(prefix);
+        let counters = self.counters.clone();
+        counters.lists.fetch_add(1, Relaxed);
+        let all: Vec<ObjectMeta> =
+            self.store.list(Some(&p)).try_collect().await.map_err(|e| Error::store(&self.name, "LIST", &p, e))?;
+        // The store pages by 1000: count the pages after the first.
+        counters.lists.fetch_add((all.len() as u64).saturating_sub(1) / 1000, Relaxed);
+        Ok(all)
+    }
+
+    /// The names directly under `prefix` (one LIST request per 1000).
+    pub(crate) async fn list_dirs(&self, prefix: &str) -> Result<Vec<String>> {
+        let p = Path::from(prefix);
+        self.counters.lists.fetch_add(1, Relaxed);
+        let listed =
+            self.store.list_with_delimiter(Some(&p)).await.map_err(|e| Error::store(&self.name, "LIST", &p, e))?;
+        Ok(listed.common_prefixes.iter().filter_map(|d| d.filename().map(str::to_owned)).collect())
+    }
+
+    /// Reads and opens an enveloped object (at most `max` bytes of plaintext).
+    pub(crate) async fn get_object(&self, kind: Kind, path: &str, max: usize) -> Result<(Vec<u8>, ObjectMeta)> {
+        let (data, meta) = self.get(path).await?;
+        let codec = self.codec.clone();
+        let name = path.to_owned();
+        let plain = tokio::task::spawn_blocking(move || codec.open(kind, &name, data.to_vec(), max))
+            .await
+            .expect("opening an object does not panic")?;
+        Ok((plain, meta))
+    }
+
+    /// Seals and writes an enveloped object.
+    pub(crate) async fn put_object(&self, kind: Kind, path: &str, plain: Vec<u8>) -> Result<()> {
+        let codec = self.codec.clone();
+        let name = path.to_owned();
+        let sealed =
+            tokio::task::spawn_blocking(move || codec.seal(kind, &name, &plain)).await.expect("sealing does not panic");
+        self.put(path, sealed.into()).await
+    }
+}
+
+/// A size as bytes or a string with a binary suffix ("4M", "1G").
+fn size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    let text = match Size::deserialize(d)? {
+        Size::Bytes(n) => return Ok(Some(n)),
+        Size::Text(t) => t,
+    };
+    let t = text.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, c @ ('K' | 'M' | 'G' | 'T'))) => (&t[..i], 10 * (1 + "KMGT".find(c).expect("listed"))),
+        _ => (t, 0),
+    };
+    digits.parse::<u64>().ok().and_then(|n| n.checked_mul(1 << shift)).map(Some).ok_or_else(|| {
+        serde::de::Error::custom(format!("{text:?} is not a size (bytes, or a number with K, M, G or T)"))
+    })
+}
+
+fn build_store(config: &TargetConfig) -> std::result::Result<Arc<dyn ObjectStore>, String> {
+    let prefix = config.prefix.as_deref().unwrap_or("").trim_matches('/');
+    let store: Arc<dyn ObjectStore> = match config.kind {
+        Some(TargetKind::Dir) => {
+            let dir = config.path.as_ref().ok_or("a dir target needs path")?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            Arc::new(
+                object_store::local::LocalFileSystem::new_with_prefix(dir)
+                    .map_err(|e| format!("{}: {e}", dir.display()))?
+                    .with_automatic_cleanup(true),
+            )
+        }
+        Some(TargetKind::S3) => {
+            let bucket = config.bucket.as_ref().ok_or("an s3 target needs bucket")?;
+            let mut options = ClientOptions::new()
+                .with_timeout(Duration::from_secs(120))
+                .with_connect_timeout(Duration::from_secs(5));
+            if let Some(ca) = &config.ca_file {
+                let pem = std::fs::read(ca).map_err(|e| format!("ca-file {}: {e}", ca.display()))?;
+                for cert in object_store::Certificate::from_pem_bundle(&pem)
+                    .map_err(|e| format!("ca-file {}: {e}", ca.display()))?
+                {
+                    options = options.with_root_certificate(cert);
+                }
+            }
+            let endpoint = config.endpoint.as_deref();
+            if endpoint.is_some_and(|e| e.starts_with("http://")) {
+                options = options.with_allow_http(true);
+            }
+            let retry = RetryConfig {
+                max_retries: config.retries.unwrap_or(10),
+                retry_timeout: Duration::from_secs(30),
+                ..RetryConfig::default()
+            };
+            let mut b = object_store::aws::AmazonS3Builder::new()
+                .with_bucket_name(bucket)
+                .with_region(config.region.as_deref().unwrap_or("us-east-1"))
+                .with_virtual_hosted_style_request(config.virtual_hosted)
+                .with_client_options(options)
+                .with_retry(retry);
+            if let Some(e) = endpoint {
+                b = b.with_endpoint(e);
+            }
+            b = match credentials(config.credentials.as_deref())? {
+                Some((id, secret)) => b.with_access_key_id(id).with_secret_access_key(secret),
+                None => b.with_skip_signature(true),
+            };
+            Arc::new(b.build().map_err(|e| e.to_string())?)
+        }
+        None => return Err("kind is missing (s3 or dir)".into()),
+    };
+    Ok(if prefix.is_empty() { store } else { Arc::new(object_store::prefix::PrefixStore::new(store, prefix)) })
+}
+
+/// The access key pair from a Secret's directory, else the environment, else none (unsigned).
+fn credentials(dir: Option<&FsPath>) -> std::result::Result<Option<(String, String)>, String> {
+    if let Some(dir) = dir {
+        let read = |f: &str| {
+            std::fs::read_to_string(dir.join(f))
+                .map(|s| s.trim().to_owned())
+                .map_err(|e| format!("credentials {}/{f}: {e}", dir.display()))
+        };
+        return Ok(Some((read("access-key-id")?, read("secret-access-key")?)));
+    }
+    match (std::env::var("AWS_ACCESS_KEY_ID"), std::env::var("AWS_SECRET_ACCESS_KEY")) {
+        (Ok(id), Ok(secret)) => Ok(Some((id, secret))),
+        _ => Ok(None),
+    }
+}
+
+/// A key file: 32 raw bytes, or 64 hex digits.
+fn read_key(path: &FsPath) -> std::result::Result<[u8; 32], String> {
+    let data = std::fs::read(path).map_err(|e| format!("key-file {}: {e}", path.display()))?;
+    let bytes = if data.len() == 32 {
+        data
+    } else {
+        std::str::from_utf8(&data).ok().and_then(|s| crate::codec::unhex(s.trim())).unwrap_or_default()
+    };
+    bytes.try_into().map_err(|_| format!("key-file {}: not 32 bytes (raw) or 64 hex digits", path.display()))
+}
+
+use std::os::unix::fs::DirBuilderExt;

