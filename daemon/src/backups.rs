@@ -182,10 +182,17 @@ async fn choose_snapshot(
         tracing::info!(volume, backup = %id, "resuming an interrupted backup");
         return Ok((format!("{prefix}{id}"), id, true));
     }
-    let name = format!("{prefix}{now}");
+    // Two backups within a second: the second is ID-2.
+    let taken =
+        |id: &str| index.backups.iter().any(|b| b.id == id) || snaps.iter().any(|s| s.name == format!("{prefix}{id}"));
+    let id = (1..)
+        .map(|n| if n == 1 { now.clone() } else { format!("{now}-{n}") })
+        .find(|id| !taken(id))
+        .expect("unbounded");
+    let name = format!("{prefix}{id}");
     let (pool2, v, n) = (Arc::clone(pool), volume.to_owned(), name.clone());
     blocking(move || pool2.create_snapshot(&v, &n)).await?;
-    Ok((name, now, true))
+    Ok((name, id, true))
 }
 
 #[tonic::async_trait]

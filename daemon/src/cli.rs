@@ -82,7 +82,7 @@ pub fn rpc_error(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{}", s.message())
 }
 
-fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+pub fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for r in &rows {
         for (w, c) in widths.iter_mut().zip(r) {

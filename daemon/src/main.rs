@@ -3,6 +3,7 @@
 mod admin;
 mod attachments;
 mod authz;
+mod backup_cli;
 mod backups;
 mod cli;
 mod config;
@@ -172,6 +173,9 @@ enum Cmd {
     /// Manage NBD exports.
     #[command(subcommand)]
     Export(ExportCmd),
+    /// Backups to the object stores (targets) the daemon's config names, and restores.
+    #[command(subcommand)]
+    Backup(backup_cli::BackupCmd),
     /// Attach a volume (or `volume@snapshot`, read-only) as a block device on this machine:
     /// ublk (/dev/ublkbN) where the kernel has it, else the kernel NBD client (/dev/nbdN) over the
     /// daemon's Unix socket. The daemon owns the device; needs root. Prints the device.
@@ -737,14 +741,22 @@ async fn client(cli: Cli) -> Result<()> {
         Some(addr) => format!("tcp://{addr}"),
         None => cli.admin_socket().display().to_string(),
     };
-    let mut c = connect(&endpoint, client_tls(&cli)?).await?;
     let out = cli.output;
+    let tls = client_tls(&cli)?;
+    if let Cmd::Backup(b) = cli.cmd {
+        let channel = ferrite_proto::connect(&endpoint, tls)
+            .await
+            .with_context(|| format!("cannot reach the ferrite daemon at {endpoint} (is it running?)"))?;
+        return backup_cli::run(ferrite_proto::ferrite::v1::backups_client::BackupsClient::new(channel), b, out).await;
+    }
+    let mut c = connect(&endpoint, tls).await?;
     match cli.cmd {
         Cmd::Daemon { .. }
         | Cmd::Csi { .. }
         | Cmd::Heartbeat { .. }
         | Cmd::Watchdog
         | Cmd::Certs { .. }
+        | Cmd::Backup(_)
         | Cmd::Pool(PoolCmd::Format { .. } | PoolCmd::Node { .. }) => {
             unreachable!("handled in main")
         }

@@ -1,0 +1,245 @@
+//! `ferrite backup ...`: the CLI of the Backups service.
+
+use anyhow::Result;
+use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::backups_client::BackupsClient;
+use serde_json::json;
+use tonic::transport::Channel;
+
+use crate::cli::{Output, follow, rpc_error};
+use crate::size::format_size;
+
+#[derive(clap::Subcommand)]
+pub enum BackupCmd {
+    /// Back up VOLUME (or VOLUME@SNAPSHOT) to a target: incremental to its last backup there.
+    Create {
+        /// VOLUME, or VOLUME@SNAPSHOT to back up that snapshot (else one is taken and kept as
+        /// the next backup's base).
+        source: String,
+        #[arg(long, short)]
+        target: String,
+        /// Read every chunk, not only those changed since the last backup.
+        #[arg(long)]
+        full: bool,
+    },
+    /// A target's backups (of one volume, or of all).
+    List {
+        #[arg(long, short)]
+        target: String,
+        volume: Option<String>,
+    },
+    /// One backup: VOLUME/ID.
+    Show {
+        name: String,
+        #[arg(long, short)]
+        target: String,
+    },
+    /// Delete a backup; chunks only it listed go with a later prune.
+    Delete {
+        name: String,
+        #[arg(long, short)]
+        target: String,
+    },
+    /// Read back chunks and check each (exit code 1 if any is bad).
+    Verify {
+        /// Backups (VOLUME/ID); none: every backup of --volume, or of the target.
+        names: Vec<String>,
+        #[arg(long, short)]
+        target: String,
+        #[arg(long)]
+        volume: Option<String>,
+        /// Check a random share of the chunks (0-1), e.g. 0.05.
+        #[arg(long)]
+        sample: Option<f64>,
+    },
+    /// Apply retention, then delete chunks no backup lists (after the target's grace).
+    Prune {
+        #[arg(long, short)]
+        target: String,
+        #[arg(long, default_value_t = 0)]
+        keep_last: u32,
+        #[arg(long, default_value_t = 0)]
+        keep_daily: u32,
+        #[arg(long, default_value_t = 0)]
+        keep_weekly: u32,
+        /// Override the target's grace-s (0 deletes unreferenced chunks at once: only when no
+        /// backup to this target runs anywhere).
+        #[arg(long)]
+        grace_s: Option<u64>,
+    },
+    /// Restore VOLUME/ID into a new volume on this daemon.
+    Restore {
+        name: String,
+        volume: String,
+        #[arg(long, short)]
+        target: String,
+        /// An encrypted volume's backup restores encrypted under this key (default "default").
+        #[arg(long, default_value = "")]
+        key: String,
+    },
+    /// The targets the daemon's config names.
+    Targets,
+}
+
+pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> Result<()> {
+    let bytes = |p: &pb::BackupProgress| (p.bytes_done, p.bytes_total, p.done);
+    match cmd {
+        BackupCmd::Create { source, target, full } => {
+            let (volume, snapshot) = source.split_once('@').unwrap_or((&source, ""));
+            let req = pb::CreateBackupRequest { target, volume: volume.into(), snapshot: snapshot.into(), full };
+            let stream = c.create_backup(req).await.map_err(rpc_error)?.into_inner();
+            let r = follow(stream, "backup", out, bytes).await?;
+            let b = r.backup.unwrap_or_default();
+            match out {
+                Output::Json => println!("{}", backup_json(&b)),
+                Output::Table => println!(
+                    "backup {} made on {}: {} {} read, {} uploaded",
+                    b.name,
+                    b.target,
+                    if b.full { "full," } else { "incremental," },
+                    format_size(r.bytes_done),
+                    format_size(b.uploaded_bytes)
+                ),
+            }
+        }
+        BackupCmd::List { target, volume } => {
+            let req = pb::ListBackupsRequest { target, volume: volume.unwrap_or_default() };
+            let r = c.list_backups(req).await.map_err(rpc_error)?.into_inner();
+            match out {
+                Output::Json => println!("{}", serde_json::Value::Array(r.backups.iter().map(backup_json).collect())),
+                Output::Table => {
+                    let rows = r
+                        .backups
+                        .iter()
+                        .map(|b| {
+                            vec![
+                                b.name.clone(),
+                                if b.full { "full" } else { "incremental" }.into(),
+                                format_size(b.size),
+                                format_size(b.bytes),
+                                format_size(b.uploaded_bytes),
+                            ]
+                        })
+                        .collect();
+                    print!("{}", crate::cli::table(&["BACKUP", "KIND", "SIZE", "DATA", "UPLOADED"], rows));
+                }
+            }
+        }
+        BackupCmd::Show { name, target } => {
+            let b = c.get_backup(pb::GetBackupRequest { target, name }).await.map_err(rpc_error)?.into_inner();
+            match out {
+                Output::Json => println!("{}", backup_json(&b)),
+                Output::Table => {
+                    println!("backup {} on {}", b.name, b.target);
+                    println!(
+                        "  snapshot {} ({}), size {}",
+                        b.snapshot,
+                        if b.full { "full" } else { "incremental" },
+                        format_size(b.size)
+                    );
+                    if !b.previous.is_empty() {
+                        println!("  incremental to {}/{}", b.volume, b.previous);
+                    }
+                    println!(
+                        "  {} chunks of {}: {} of data, {} uploaded by this backup{}",
+                        b.chunks,
+                        format_size(b.chunk_size),
+                        format_size(b.bytes),
+                        format_size(b.uploaded_bytes),
+                        if b.encrypted_volume { "; the volume is encrypted" } else { "" }
+                    );
+                }
+            }
+        }
+        BackupCmd::Delete { name, target } => {
+            c.delete_backup(pb::DeleteBackupRequest { target, name: name.clone() }).await.map_err(rpc_error)?;
+            crate::cli::print_done(out, "deleted backup", &name);
+        }
+        BackupCmd::Verify { names, target, volume, sample } => {
+            let req = pb::VerifyBackupsRequest {
+                target,
+                names,
+                volume: volume.unwrap_or_default(),
+                sample: sample.unwrap_or(0.0),
+            };
+            let stream = c.verify_backups(req).await.map_err(rpc_error)?.into_inner();
+            let r = follow(stream, "verify", out, bytes).await?;
+            match out {
+                Output::Json => println!(
+                    "{}",
+                    json!({"chunks_checked": r.chunks_done, "bytes_checked": r.bytes_done,
+                        "bad": r.bad.iter().map(|b| json!({"chunk": b.chunk, "why": b.why, "backups": b.backups})).collect::<Vec<_>>()})
+                ),
+                Output::Table => {
+                    println!("verified {} chunks ({}): {} bad", r.chunks_done, format_size(r.bytes_done), r.bad.len());
+                    for b in &r.bad {
+                        println!("  chunk {}: {} (in {})", b.chunk, b.why, b.backups.join(", "));
+                    }
+                }
+            }
+            anyhow::ensure!(r.bad.is_empty(), "{} chunks failed their check", r.bad.len());
+        }
+        BackupCmd::Prune { target, keep_last, keep_daily, keep_weekly, grace_s } => {
+            let req = pb::PruneBackupsRequest { target, keep_last, keep_daily, keep_weekly, grace_s };
+            let r = c.prune_backups(req).await.map_err(rpc_error)?.into_inner();
+            match out {
+                Output::Json => println!(
+                    "{}",
+                    json!({"backups_deleted": r.backups_deleted, "manifests": r.manifests,
+                        "chunks_referenced": r.chunks_referenced, "chunks_deleted": r.chunks_deleted,
+                        "bytes_deleted": r.bytes_deleted, "chunks_condemned": r.chunks_condemned})
+                ),
+                Output::Table => {
+                    for b in &r.backups_deleted {
+                        println!("deleted backup {b}");
+                    }
+                    println!(
+                        "{} backups list {} chunks; deleted {} chunks ({}); {} unreferenced chunks wait for the grace",
+                        r.manifests,
+                        r.chunks_referenced,
+                        r.chunks_deleted,
+                        format_size(r.bytes_deleted),
+                        r.chunks_condemned
+                    );
+                }
+            }
+        }
+        BackupCmd::Restore { name, volume, target, key } => {
+            let encryption = Some(pb::KeyRef { key_id: key, key: Vec::new() });
+            let req = pb::RestoreBackupRequest { target, name: name.clone(), volume: volume.clone(), encryption };
+            let stream = c.restore_backup(req).await.map_err(rpc_error)?.into_inner();
+            let r = follow(stream, "restore", out, bytes).await?;
+            match out {
+                Output::Json => println!("{}", json!({"volume": volume, "backup": name, "bytes": r.bytes_done})),
+                Output::Table => println!("restored backup {name} into volume {volume}"),
+            }
+        }
+        BackupCmd::Targets => {
+            let r = c.list_backup_targets(pb::ListBackupTargetsRequest {}).await.map_err(rpc_error)?.into_inner();
+            match out {
+                Output::Json => println!(
+                    "{}",
+                    serde_json::Value::Array(
+                        r.targets
+                            .iter()
+                            .map(|t| json!({"name": t.name, "kind": t.kind, "location": t.location, "encrypted": t.encrypted}))
+                            .collect()
+                    )
+                ),
+                Output::Table => {
+                    let rows =
+                        r.targets.iter().map(|t| vec![t.name.clone(), t.kind.clone(), t.location.clone(), t.encrypted.to_string()]).collect();
+                    print!("{}", crate::cli::table(&["TARGET", "KIND", "LOCATION", "ENCRYPTED"], rows));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn backup_json(b: &pb::Backup) -> serde_json::Value {
+    json!({"target": b.target, "name": b.name, "volume": b.volume, "id": b.id, "snapshot": b.snapshot,
+        "created_unix": b.created_unix, "size": b.size, "full": b.full, "previous": b.previous,
+        "chunks": b.chunks, "bytes": b.bytes, "uploaded_bytes": b.uploaded_bytes,
+        "chunk_size": b.chunk_size, "encrypted_volume": b.encrypted_volume})
+}
