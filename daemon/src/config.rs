@@ -58,6 +58,15 @@
 //!                                   # device's through the node plugin or `ferrite watchdog`)
 //! nbd-device-timeout-s = 10         # a kernel NBD request unanswered this long is re-sent on
 //!                                   # a new connection (what a daemon killed mid-request costs)
+//!
+//! [backup-targets.offsite]          # where `ferrite backup` sends backups (see ferrite_backup::TargetConfig)
+//! kind = "s3"                       # or "dir" with path = "/mnt/nfs/backups"
+//! endpoint = "https://s3.example"   # default AWS's; bucket, prefix, region (us-east-1),
+//! bucket = "backups"                # virtual-hosted = false (path-style requests)
+//! credentials = "/etc/ferrite/s3"   # access-key-id and secret-access-key files; else AWS_* env
+//! key-file = "/etc/ferrite/bk.key"  # 32 bytes: everything sealed; chunk-size = "4M",
+//!                                   # concurrency = 8, bandwidth = "100M", full-every = 30,
+//!                                   # grace-s = 86400, retries = 10, ca-file
 //! insecure-nbd-listen = false       # true allows nbd-listen on a non-loopback address without
 //!                                   # TLS (nbd-tls off): volume data in the clear on the network
 //!

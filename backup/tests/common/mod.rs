@@ -47,13 +47,24 @@ fn skip(why: &str) {
     }
 }
 
-/// A free port p with p + 10000 free too (weed's gRPC ports).
-fn free_port() -> u16 {
+/// Four consecutive free ports p..p+3 with p+10000.. free too (weed's gRPC ports), p in
+/// 10000-15999: disjoint from the gRPC ports of another test's store started at once, and all
+/// below the kernel's ephemeral range (32768 up), where a client connection could take one
+/// while a store restarts.
+fn free_ports() -> [u16; 4] {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let seed = u64::from(std::process::id()) << 32 ^ u64::from(nanos);
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     loop {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p < 55_000 && TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
-            return p;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let base = 10_000 + (x % 1_500) as u16 * 4;
+        let ports = [base, base + 1, base + 2, base + 3];
+        if ports.iter().all(|&p| {
+            TcpListener::bind(("127.0.0.1", p)).is_ok() && TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok()
+        }) {
+            return ports;
         }
     }
 }
@@ -65,8 +76,7 @@ impl Weed {
             skip("SeaweedFS (weed) is not installed: backup tests against S3");
             return None;
         };
-        let mut w =
-            Weed { bin, dir: tempfile::tempdir().unwrap(), child: None, ports: [0; 4].map(|_| free_port()), auth };
+        let mut w = Weed { bin, dir: tempfile::tempdir().unwrap(), child: None, ports: free_ports(), auth };
         w.resume();
         Some(w)
     }
@@ -88,6 +98,8 @@ impl Weed {
         cmd.arg("server")
             .arg(format!("-dir={}", data.display()))
             .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.volumeSizeLimitMB=512", "-volume.max=100"])
+            // Fixed default ports: two stores at once would fight over them.
+            .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
             .arg(format!("-master.port={master}"))
             .arg(format!("-volume.port={volume}"))
             .arg(format!("-filer.port={filer}"))
@@ -122,8 +134,12 @@ impl Weed {
             std::thread::sleep(Duration::from_millis(250));
         }
         // The S3 gateway lists the bucket (403 with auth) once it and the filer behind it are up.
-        while !matches!(status(s3, "/ferrite-test?max-keys=1").as_deref(), Some("200" | "403")) {
-            assert!(start.elapsed() < Duration::from_secs(60), "SeaweedFS's S3 gateway did not come up");
+        loop {
+            let said = status(s3, "/ferrite-test?max-keys=1");
+            if matches!(said.as_deref(), Some("200" | "403")) {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "SeaweedFS's S3 gateway did not come up: {said:?}");
             std::thread::sleep(Duration::from_millis(100));
         }
     }
