@@ -156,6 +156,32 @@ impl BackupService {
     }
 }
 
+/// A volume name as a request gives it: it becomes part of object names.
+fn check_volume(volume: &str) -> Result<(), Status> {
+    require("volume", volume)?;
+    if !ferrite_backup::valid_component(volume) {
+        return Err(Status::invalid_argument(format!("invalid volume name {volume:?}")));
+    }
+    Ok(())
+}
+
+/// The index of `volume`, or (empty) of every volume with backups on the target.
+async fn indexes(target: &Target, volume: &str) -> Result<Vec<Index>, Status> {
+    if !volume.is_empty() {
+        check_volume(volume)?;
+    }
+    let volumes = if volume.is_empty() {
+        ferrite_backup::list_volumes(target).await.map_err(backup_status)?
+    } else {
+        vec![volume.to_owned()]
+    };
+    let mut out = Vec::with_capacity(volumes.len());
+    for v in volumes {
+        out.push(Index::load(target, &v).await.map_err(backup_status)?);
+    }
+    Ok(out)
+}
+
 /// The snapshot and id of a backup of `volume`: the one named; an interrupted backup's (an
 /// automatic snapshot newer than the last backup); else a new snapshot.
 async fn choose_snapshot(
@@ -201,7 +227,7 @@ impl pb::backups_server::Backups for BackupService {
 
     async fn create_backup(&self, req: Request<pb::CreateBackupRequest>) -> Result<Response<ProgressStream>, Status> {
         let r = req.into_inner();
-        require("volume", &r.volume)?;
+        check_volume(&r.volume)?;
         let target = self.target(&r.target).await?;
         let busy = self.claim(&r.volume, "this backup")?;
         let index = Index::load(&target, &r.volume).await.map_err(backup_status)?;
@@ -248,16 +274,11 @@ impl pb::backups_server::Backups for BackupService {
     ) -> Result<Response<pb::ListBackupsResponse>, Status> {
         let r = req.into_inner();
         let target = self.target(&r.target).await?;
-        let volumes = if r.volume.is_empty() {
-            ferrite_backup::list_volumes(&target).await.map_err(backup_status)?
-        } else {
-            vec![r.volume]
-        };
-        let mut backups = Vec::new();
-        for v in volumes {
-            let index = Index::load(&target, &v).await.map_err(backup_status)?;
-            backups.extend(index.backups.iter().map(|e| entry_msg(&target.name, &v, e)));
-        }
+        let backups = indexes(&target, &r.volume)
+            .await?
+            .iter()
+            .flat_map(|i| i.backups.iter().map(|e| entry_msg(&target.name, &i.volume, e)))
+            .collect();
         Ok(Response::new(pb::ListBackupsResponse { backups }))
     }
 
@@ -292,14 +313,8 @@ impl pb::backups_server::Backups for BackupService {
         let mut names: Vec<BackupRef> =
             r.names.iter().map(|n| n.parse()).collect::<Result<_, _>>().map_err(backup_status)?;
         if names.is_empty() {
-            let volumes = if r.volume.is_empty() {
-                ferrite_backup::list_volumes(&target).await.map_err(backup_status)?
-            } else {
-                vec![r.volume.clone()]
-            };
-            for v in volumes {
-                let index = Index::load(&target, &v).await.map_err(backup_status)?;
-                names.extend(index.backups.iter().map(|e| BackupRef { volume: v.clone(), id: e.id.clone() }));
+            for i in indexes(&target, &r.volume).await? {
+                names.extend(i.backups.iter().map(|e| BackupRef { volume: i.volume.clone(), id: e.id.clone() }));
             }
         }
         let sample = (r.sample > 0.0).then_some(r.sample);

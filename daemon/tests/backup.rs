@@ -95,6 +95,7 @@ fn back_up_on_one_daemon_restore_on_another() {
         (vec!["backup", "show", "db/nope", "--target", "offsite"], "not on target"),
         (vec!["backup", "create", "missing", "--target", "offsite"], "not found"),
         (vec!["backup", "show", "not-a-name", "--target", "offsite"], "VOLUME/ID"),
+        (vec!["backup", "list", "../x", "--target", "offsite"], "invalid volume name"),
     ] {
         let out = b.cli(&args);
         let msg = String::from_utf8_lossy(&out.stderr);
