@@ -22,7 +22,7 @@
 
 pub mod addons;
 mod args;
-mod busy;
+pub mod busy;
 pub mod controller;
 pub mod copies;
 pub mod encryption;

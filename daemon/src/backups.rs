@@ -6,7 +6,7 @@
 //! volume's last backup on the target is an interrupted backup: the next `CreateBackup` of that
 //! volume resumes it (same snapshot, same id; what was uploaded is found and not sent again).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ferrite_backup::{BackupRef, Error as BackupError, Index, Manifest, Progress, Target};
@@ -41,35 +41,14 @@ pub struct BackupService {
     /// Targets opened so far (a failed open is retried on the next call).
     opened: tokio::sync::Mutex<BTreeMap<String, Target>>,
     /// Volumes with a backup or restore running (one at a time each).
-    busy: Arc<std::sync::Mutex<HashSet<String>>>,
-}
-
-/// Marks a volume busy until dropped.
-struct Busy(Arc<std::sync::Mutex<HashSet<String>>>, String);
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.0.lock().expect("not poisoned").remove(&self.1);
-    }
+    busy: ferrite_csi::busy::Busy,
 }
 
 fn backup_msg(target: &str, m: &Manifest) -> pb::Backup {
-    let e = m.entry();
     pb::Backup {
-        target: target.to_owned(),
-        name: m.backup_ref().to_string(),
-        volume: m.volume.clone(),
-        id: m.id.clone(),
-        snapshot: m.snapshot.clone(),
-        created_unix: m.created,
-        size: m.size,
-        full: m.full,
-        previous: m.previous.clone().unwrap_or_default(),
-        chunks: e.chunks,
-        bytes: e.bytes,
-        uploaded_bytes: m.uploaded_bytes,
         chunk_size: m.chunk_size,
         encrypted_volume: m.encrypted_volume,
+        ..entry_msg(target, &m.volume, &m.entry())
     }
 }
 
@@ -148,11 +127,10 @@ impl BackupService {
         Ok(t)
     }
 
-    fn claim(&self, volume: &str, what: &str) -> Result<Busy, Status> {
-        if !self.busy.lock().expect("not poisoned").insert(volume.to_owned()) {
-            return Err(Status::aborted(format!("a backup or restore of {volume:?} is running; {what} waits for it")));
-        }
-        Ok(Busy(self.busy.clone(), volume.to_owned()))
+    fn claim(&self, volume: &str, what: &str) -> Result<ferrite_csi::busy::Guard, Status> {
+        self.busy
+            .begin(volume)
+            .map_err(|_| Status::aborted(format!("a backup or restore of {volume:?} is running; {what} waits for it")))
     }
 }
 
