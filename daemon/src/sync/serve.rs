@@ -450,7 +450,11 @@ impl mirror_server::Mirror for MirrorService {
         };
         let member = held.members.iter().any(|m| hub.identity(&m.endpoint).is_some_and(|id| caller.is_peer(&id)));
         if !member && !caller.is_operator() {
-            return Err(hub.policy.refuse(&caller, CALL, "it is no member of that volume"));
+            // A peer outside the membership learns nothing of it: it is answered as if none
+            // were held. Such a caller is usually a removed member that came back and asks its
+            // old peers until its primary tells it; a refusal would log an attack each second.
+            tracing::debug!(volume = %held.volume, %caller, call = CALL, "a non-member asked: answered with none");
+            return Ok(Response::new(PbMembership::default()));
         }
         let mut p = held.to_proto();
         p.marks = hub.marks(&held.volume).await;
