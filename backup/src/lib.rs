@@ -18,6 +18,7 @@
 mod codec;
 mod create;
 mod error;
+mod instant;
 mod manifest;
 mod pace;
 mod prune;
@@ -26,6 +27,7 @@ mod target;
 
 pub use create::{CreateOptions, Progress, create, new_id, now_unix};
 pub use error::{Error, Result};
+pub use instant::{Filling, Save};
 pub use manifest::{BackupRef, ChunkRef, Index, IndexEntry, Manifest, list_volumes, valid_component};
 pub use pace::Pace;
 pub use prune::{PruneReport, Retention, delete, prune};

@@ -316,6 +316,42 @@ async fn corruption_and_newer_formats_are_named() {
     let sample = ferrite_backup::verify(&target, std::slice::from_ref(&b), Some(0.25), &|_| {}).await.unwrap();
     assert!(sample.chunks_checked < 8, "a sample checks fewer: {}", sample.chunks_checked);
 
+    // An instant restore serves the good chunks (fetched on demand before the copy gets there;
+    // a write lands on top), fails I/O to the damaged one naming it, and its copy stops there.
+    pool.create_volume("fast", m.size).unwrap();
+    let saved = Arc::new(std::sync::Mutex::new(String::new()));
+    let save: ferrite_backup::Save = {
+        let saved = Arc::clone(&saved);
+        Box::new(move |done| Ok(*saved.lock().unwrap() = done.to_owned()))
+    };
+    let writer = pool.open_volume("fast").unwrap().past_read_only();
+    let rt = tokio::runtime::Handle::current();
+    let f = ferrite_backup::Filling::new(target.clone(), m.clone(), writer, None, save, rt).unwrap();
+    pool.set_fill("fast", Some(f.clone())).unwrap();
+    assert_eq!(*saved.lock().unwrap(), "00", "recorded before it serves, nothing done");
+    let v = pool.open_volume("fast").unwrap();
+    let (read, damaged) = tokio::task::spawn_blocking(move || {
+        let mut buf = vec![0u8; 8192];
+        v.read(5 * MIB + 4096, &mut buf).unwrap();
+        v.write(6 * MIB, &[9u8; 4096]).unwrap();
+        (buf, v.read(3 * MIB, &mut [0u8; 4096]).unwrap_err())
+    })
+    .await
+    .unwrap();
+    assert_eq!(read, noise(5, 8 * MIB as usize)[(5 * MIB + 4096) as usize..][..8192]);
+    assert!(damaged.to_string().contains(victim.as_str()), "{damaged}");
+    assert_eq!(f.counts(), (2, 8, 2), "chunks 5 and 6 fetched on demand");
+    assert_eq!(*saved.lock().unwrap(), "60", "chunks 5 and 6 recorded done");
+    let e = f.run(&|_| {}).await.unwrap_err();
+    assert!(e.to_string().contains(victim.as_str()), "{e}");
+    assert_eq!(f.counts().0, 7, "every chunk but the damaged one");
+    let mut want = noise(5, 8 * MIB as usize);
+    want[6 * MIB as usize..][..4096].fill(9);
+    pool.set_fill("fast", None).unwrap();
+    let mut got = volume_image(&pool, "fast");
+    got[3 * MIB as usize..4 * MIB as usize].copy_from_slice(&want[3 * MIB as usize..4 * MIB as usize]);
+    assert!(got == want, "the restored chunks and the write differ");
+
     // A manifest written by a newer Ferrite (plain target: the envelope holds JSON).
     let json = serde_json::json!({"format": 2, "volume": "v", "id": "n"}).to_string();
     let newer = [b"FRBK".as_slice(), &[1, 2, 0], json.as_bytes()].concat();

@@ -67,7 +67,8 @@ pub enum BackupCmd {
         #[arg(long)]
         grace_s: Option<u64>,
     },
-    /// Restore VOLUME/ID into a new volume on this daemon.
+    /// Restore VOLUME/ID into a new volume on this daemon. The volume serves at once (reads of
+    /// what is not copied yet fetch it first); this follows the background copy to its end.
     Restore {
         name: String,
         volume: String,
@@ -76,6 +77,10 @@ pub enum BackupCmd {
         /// An encrypted volume's backup restores encrypted under this key (default "default").
         #[arg(long, default_value = "")]
         key: String,
+        /// Return as soon as the volume serves; the copy goes on in the daemon (run the same
+        /// command again to follow it).
+        #[arg(long)]
+        detach: bool,
     },
     /// The targets the daemon's config names.
     Targets,
@@ -204,14 +209,28 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                 }
             }
         }
-        BackupCmd::Restore { name, volume, target, key } => {
+        BackupCmd::Restore { name, volume, target, key, detach } => {
             let encryption = Some(pb::KeyRef { key_id: key, key: Vec::new() });
-            let req = pb::RestoreBackupRequest { target, name: name.clone(), volume: volume.clone(), encryption };
+            let req =
+                pb::RestoreBackupRequest { target, name: name.clone(), volume: volume.clone(), encryption, detach };
             let stream = c.restore_backup(req).await.map_err(rpc_error)?.into_inner();
-            let r = follow(stream, "restore", out, bytes).await?;
+            let r = follow(stream, "restore", out, |m: &pb::BackupProgress| {
+                (m.bytes_done, m.bytes_total, m.done || detach)
+            })
+            .await?;
+            let (copied, total, on_demand) = (r.chunks_done, r.chunks_total, r.chunks_on_demand);
             match out {
-                Output::Json => println!("{}", json!({"volume": volume, "backup": name, "bytes": r.bytes_done})),
-                Output::Table => println!("restored backup {name} into volume {volume}"),
+                Output::Json => println!(
+                    "{}",
+                    json!({"volume": volume, "backup": name, "done": r.done, "bytes": r.bytes_done,
+                        "chunks-done": copied, "chunks": total, "chunks-on-demand": on_demand})
+                ),
+                Output::Table if r.done => println!(
+                    "restored backup {name} into volume {volume} ({on_demand} of its {total} chunks fetched on demand)"
+                ),
+                Output::Table => println!(
+                    "volume {volume} serves; restoring backup {name} goes on in the daemon ({copied} of {total} chunks copied)"
+                ),
             }
         }
         BackupCmd::Targets => {

@@ -42,6 +42,7 @@ pub struct BackupService {
     opened: tokio::sync::Mutex<BTreeMap<String, Target>>,
     /// Volumes with a backup or restore running (one at a time each).
     busy: ferrite_csi::busy::Busy,
+    restores: Arc<crate::restores::Restores>,
 }
 
 fn backup_msg(target: &str, m: &Manifest) -> pb::Backup {
@@ -95,6 +96,37 @@ where
     ReceiverStream::new(rx)
 }
 
+/// A restore's progress as a stream: every change, then its end (the backup restored, or the
+/// error); with `detach`, the first message only.
+fn restore_stream(
+    mut state: tokio::sync::watch::Receiver<crate::restores::State>,
+    detach: bool,
+    backup: Option<pb::Backup>,
+) -> ProgressStream {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        loop {
+            let s = state.borrow_and_update().clone();
+            let mut msg = pb::BackupProgress { chunks_on_demand: s.on_demand, ..progress_msg(&s.progress) };
+            match s.ended {
+                Some(Err(e)) => return drop(tx.send(Err(Status::aborted(e))).await),
+                Some(Ok(())) => {
+                    msg.done = true;
+                    msg.backup = backup;
+                    return drop(tx.send(Ok(msg)).await);
+                }
+                None if detach => return drop(tx.send(Ok(msg)).await),
+                None if tx.send(Ok(msg)).await.is_err() => return,
+                None => {}
+            }
+            if state.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
 /// The prefix of the snapshots backups take of `volume`.
 fn auto_prefix(volume: &str) -> String {
     format!("{volume}.backup.")
@@ -105,8 +137,9 @@ impl BackupService {
         pool: Arc<Pool>,
         targets: BTreeMap<String, ferrite_backup::TargetConfig>,
         keys: crate::encryption::KeyDir,
+        restores: Arc<crate::restores::Restores>,
     ) -> Self {
-        Self { pool, targets, keys, opened: Default::default(), busy: Default::default() }
+        Self { pool, targets, keys, opened: Default::default(), busy: Default::default(), restores }
     }
 
     async fn target(&self, name: &str) -> Result<Target, Status> {
@@ -341,6 +374,9 @@ impl pb::backups_server::Backups for BackupService {
         require("volume", &r.volume)?;
         let target = self.target(&r.target).await?;
         let b: BackupRef = r.name.parse().map_err(backup_status)?;
+        if let Some(state) = self.restores.watch_when_resumed(&r.volume, &b.to_string()).await {
+            return Ok(Response::new(restore_stream(state, r.detach, None)));
+        }
         let m = Manifest::load(&target, &b).await.map_err(backup_status)?;
         let kek = match (m.encrypted_volume, r.encryption) {
             (false, _) => None,
@@ -349,36 +385,25 @@ impl pb::backups_server::Backups for BackupService {
                 Some(self.keys.kek(&pb::KeyRef { key_id: crate::encryption::DEFAULT_KEY.into(), key: vec![] }, true)?)
             }
         };
-        let busy = self.claim(&r.volume, "this restore")?;
+        let _busy = self.claim(&r.volume, "this restore")?;
         let (pool, name, size) = (Arc::clone(&self.pool), r.volume.clone(), m.size);
         blocking(move || match &kek {
             Some(kek) => pool.create_encrypted_volume(&name, size, kek),
             None => pool.create_volume(&name, size),
         })
         .await?;
-        let pool = Arc::clone(&self.pool);
-        Ok(Response::new(stream(move |progress| async move {
-            let _busy = busy;
-            let name = r.volume;
-            let (p, n) = (Arc::clone(&pool), name.clone());
-            let volume = blocking(move || p.open_volume(&n)).await?;
-            if let Err(e) = ferrite_backup::restore_into(&target, &m, &volume, &*progress).await {
-                // A failed restore leaves no half volume behind.
-                let (p, n) = (Arc::clone(&pool), name.clone());
-                if let Err(d) = blocking(move || p.delete_volume(&n)).await {
-                    tracing::warn!(volume = %name, error = %d.message(), "could not delete a failed restore's volume");
-                }
-                return Err(backup_status(e));
+        let backup = backup_msg(&target.name, &m);
+        if let Err(e) = self.restores.start(target, m, &r.volume, None) {
+            // A restore that cannot start leaves no volume behind.
+            let (p, n) = (Arc::clone(&self.pool), r.volume.clone());
+            if let Err(d) = blocking(move || p.delete_volume(&n)).await {
+                tracing::warn!(volume = %r.volume, error = %d.message(), "could not delete a failed restore's volume");
             }
-            tracing::info!(target = %target.name, backup = %b, volume = %name, "backup restored");
-            Ok(pb::BackupProgress {
-                done: true,
-                backup: Some(backup_msg(&target.name, &m)),
-                chunks_done: m.chunks.len() as u64,
-                chunks_total: m.chunks.len() as u64,
-                ..Default::default()
-            })
-        })))
+            return Err(backup_status(e));
+        }
+        tracing::info!(backup = %b, volume = %r.volume, "restore started: the volume serves");
+        let state = self.restores.watch(&r.volume, &b.to_string()).expect("just started");
+        Ok(Response::new(restore_stream(state, r.detach, Some(backup))))
     }
 
     async fn list_backup_targets(

@@ -196,6 +196,9 @@ pub async fn run(cfg: Config) -> Result<()> {
     // or device can take a write.
     let sync = crate::sync::SyncHub::new(Arc::clone(&pool), Arc::clone(&policy), &cfg)?;
     sync.resume();
+    // Restores still filling their volumes: each volume's fill is set before it can serve.
+    let (restores, resuming) = crate::restores::Restores::load(Arc::clone(&pool), &cfg.data_dir)?;
+    restores.resume(resuming, cfg.backup_targets.clone());
     let exports = Arc::new(Exports::default());
     let export_table = Arc::new(ExportTable::restore(Arc::clone(&pool), Arc::clone(&exports), &cfg.data_dir)?);
     {
@@ -263,6 +266,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             listeners: listeners.clone(),
             replication: Arc::clone(&replication),
             sync: Arc::clone(&sync),
+            restores: Arc::clone(&restores),
         };
         let limits = cfg.limits.clone();
         tasks.spawn(async move {
@@ -287,6 +291,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         Arc::clone(&pool),
         cfg.backup_targets.clone(),
         crate::encryption::KeyDir::new(&cfg.key_dir),
+        restores,
     ));
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);

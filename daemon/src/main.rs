@@ -17,6 +17,7 @@ mod node_pool;
 mod pool_format;
 mod publications;
 mod replica;
+mod restores;
 mod rotations;
 mod rpc;
 mod size;

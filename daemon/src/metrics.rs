@@ -42,6 +42,7 @@ pub struct Sources {
     pub listeners: Listeners,
     pub replication: Arc<Replication>,
     pub sync: Arc<crate::sync::SyncHub>,
+    pub restores: Arc<crate::restores::Restores>,
 }
 
 fn load(a: &AtomicU64) -> u64 {
@@ -234,6 +235,7 @@ impl Collector for Sources {
             }
         }
         self.encode_replication(&mut enc)?;
+        self.encode_restores(&mut enc)?;
         self.encode_sync(&mut enc)
     }
 }
@@ -286,6 +288,30 @@ impl Sources {
 }
 
 impl Sources {
+    /// Per volume being restored (instant restore: it serves while its chunks are copied).
+    fn encode_restores(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
+        let rows = self.restores.counts();
+        type Value = fn(&(u64, u64, u64)) -> u64;
+        for (name, help, value) in [
+            (
+                "ferrite_backup_restore_chunks_left",
+                "Chunks of the backup a volume is restored from that are not copied yet.",
+                (|&(done, total, _)| total - done) as Value,
+            ),
+            (
+                "ferrite_backup_restore_chunks_on_demand",
+                "Chunks fetched because a client read or wrote them before the copy got there.",
+                |&(_, _, on_demand)| on_demand,
+            ),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (volume, counts) in &rows {
+                m.encode_family(&[("volume", volume.as_str())])?.encode_gauge(&value(counts))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Per volume with synchronous replicas (labels: volume, and this daemon's role in it).
     fn encode_sync(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
         let rows = self.sync.list(None);

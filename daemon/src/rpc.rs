@@ -14,7 +14,7 @@ pub fn status(e: ferrite_engine::Error) -> Status {
         ErrorKind::InvalidArgument => Status::invalid_argument(msg),
         ErrorKind::OutOfRange => Status::out_of_range(msg),
         ErrorKind::NoSpace => Status::resource_exhausted(msg),
-        ErrorKind::Closed => Status::unavailable(msg),
+        ErrorKind::Closed | ErrorKind::Busy => Status::unavailable(msg),
         ErrorKind::Corrupt => Status::data_loss(msg),
         ErrorKind::Unsupported => Status::unimplemented(msg),
         ErrorKind::ReadOnly | ErrorKind::Locked => Status::failed_precondition(msg),

@@ -10,6 +10,11 @@ use common::{Daemon, have};
 use std::process::Command;
 
 fn config(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path) {
+    config_with(dir, weed, key, "");
+}
+
+/// The config, with `extra` lines in the target's table.
+fn config_with(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path, extra: &str) {
     std::fs::create_dir_all(dir).unwrap();
     let creds = dir.join("s3-credentials");
     std::fs::create_dir_all(&creds).unwrap();
@@ -18,7 +23,7 @@ fn config(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path) {
     let toml = format!(
         "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\n\
          [backup-targets.offsite]\nkind = \"s3\"\nendpoint = \"{}\"\nbucket = \"ferrite-test\"\nprefix = \"prod\"\n\
-         credentials = \"{}\"\nkey-file = \"{}\"\nchunk-size = \"1M\"\nconcurrency = 4\n",
+         credentials = \"{}\"\nkey-file = \"{}\"\nchunk-size = \"1M\"\nconcurrency = 4\n{extra}",
         weed.endpoint(),
         creds.display(),
         key.display()
@@ -101,4 +106,77 @@ fn back_up_on_one_daemon_restore_on_another() {
         let msg = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && msg.contains(says) && msg.trim().lines().count() == 1, "{args:?}: {msg}");
     }
+}
+
+/// Instant restore: the volume serves as soon as the restore is asked for (a read of what is not
+/// copied yet fetches it first, a write lands on top of it), no snapshot of it is taken until
+/// it is whole, and a daemon killed in the middle resumes the copy on start without losing the
+/// write it acknowledged.
+#[test]
+fn an_instant_restore_serves_at_once_and_survives_a_crash() {
+    let Some(weed) = weed::Weed::start(true) else { return };
+    if !have("qemu-io") || !have("qemu-img") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("offsite.key");
+    std::fs::write(&key, "42".repeat(32)).unwrap();
+    config(&dir.path().join("a"), &weed, &key);
+    // The copy is paced to 4 MiB/s: 24 chunks of noise take ~6 s, time for the requests below.
+    config_with(&dir.path().join("b"), &weed, &key, "bandwidth = \"4M\"\n");
+    let a = Daemon::start(&dir.path().join("a"));
+    let mut b = Daemon::start(&dir.path().join("b"));
+    a.ok(&["volume", "create", "src", "24MiB"]);
+    a.ok(&["export", "nbd", "src"]);
+    // Incompressible, so that the pace holds the copy back.
+    let noise = dir.path().join("noise");
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let bytes: Vec<u8> = (0..24 << 17)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect();
+    std::fs::write(&noise, &bytes).unwrap();
+    qemu_io(&a, "src", &format!("write -s {} 0 24M", noise.display()));
+    let backup = a.json(&["backup", "create", "src", "--target", "offsite"]);
+    let name = backup["name"].as_str().unwrap();
+
+    let start = std::time::Instant::now();
+    let r = b.json(&["backup", "restore", name, "db", "--target", "offsite", "--detach"]);
+    assert_eq!(r["done"], false, "{r}");
+    b.ok(&["export", "nbd", "db"]);
+    let out =
+        Command::new("qemu-io").args(["-f", "raw", "-c", "read -v 20M 16"]).arg(b.qemu_uri("db")).output().unwrap();
+    println!("first byte read {:?} after the restore was asked for", start.elapsed());
+    let dump = String::from_utf8_lossy(&out.stdout);
+    let want: Vec<String> = bytes[20 << 20..][..16].iter().map(|b| format!("{b:02x}")).collect();
+    assert!(dump.contains(&want.join(" ")), "the chunk read on demand is not the backup's: {dump}");
+    qemu_io(&b, "db", "write -P 0x77 21M 4k");
+    qemu_io(&a, "src", "write -P 0x77 21M 4k");
+    let out = b.cli(&["snapshot", "create", "db", "early"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("being restored"), "{out:?}");
+    let record = dir.path().join("b/restores.json");
+    assert!(std::fs::read_to_string(&record).unwrap().contains(name), "the restore is recorded");
+
+    b.crash();
+    let b = Daemon::start(&dir.path().join("b"));
+    // Asked again, the command follows the resumed restore to its end.
+    let out = b.cli(&["-o", "json", "backup", "restore", name, "db", "--target", "offsite"]);
+    assert!(out.status.success(), "{out:?}\n{}", b.log());
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((r["done"].as_bool(), r["chunks"].as_u64()), (Some(true), Some(24)), "{r}");
+    assert!(!std::fs::read_to_string(&record).unwrap().contains(name), "the finished restore's record stays");
+    b.ok(&["export", "nbd", "db"]);
+    let cmp = Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(a.qemu_uri("src"))
+        .arg(b.qemu_uri("db"))
+        .output()
+        .unwrap();
+    assert!(cmp.status.success(), "the restored volume differs from its source plus the write: {cmp:?}");
+    b.ok(&["snapshot", "create", "db", "whole"]);
+    assert!(b.log().contains("an unfinished restore resumed"), "{}", b.log());
 }

@@ -15,6 +15,7 @@ const MODULES: &[&str] = &[
     "rpc",
     "config",
     "rotations",
+    "restores",
     "encryption",
     "fence",
     "listen",

@@ -33,6 +33,8 @@ pub enum ErrorKind {
     ReadOnly,
     /// I/O on an encrypted volume whose data key is not open (no key, or the wrong one).
     Locked,
+    /// The volume is busy with work that must end first (a restore still filling it).
+    Busy,
 }
 
 /// The engine's error: a kind, a message with context, and the underlying cause if any.
@@ -82,6 +84,7 @@ impl Error {
             ErrorKind::Closed => libc::ESHUTDOWN,
             ErrorKind::ReadOnly => libc::EROFS,
             ErrorKind::Locked => libc::ENOKEY,
+            ErrorKind::Busy => libc::EBUSY,
         }
     }
 }

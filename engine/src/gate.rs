@@ -4,13 +4,15 @@
 //! what a demoted replication primary relies on for its final delta.
 //!
 //! The gate also holds the volume's [`Mirror`], if it has synchronous replicas: every handle
-//! that writes through the gate sees a mirror set or cleared at once.
+//! that writes through the gate sees a mirror set or cleared at once, and its [`Fill`] while a
+//! restore fills it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 
 use parking_lot::RwLock;
 
+use crate::fill::Fill;
 use crate::mirror::{Mirror, RangeLocks};
 
 #[derive(Debug, Default)]
@@ -18,6 +20,7 @@ pub(crate) struct WriteGate {
     closed: AtomicBool,
     inside: AtomicU64,
     mirror: RwLock<Option<Arc<dyn Mirror>>>,
+    fill: RwLock<Option<Arc<dyn Fill>>>,
     /// Overlapping writes of a mirrored volume (or one whose data key is being replaced), one
     /// at a time.
     pub ranges: RangeLocks,
@@ -65,6 +68,14 @@ impl WriteGate {
 
     pub fn set_mirror(&self, mirror: Option<Arc<dyn Mirror>>) {
         *self.mirror.write() = mirror;
+    }
+
+    pub fn fill(&self) -> Option<Arc<dyn Fill>> {
+        self.fill.read().clone()
+    }
+
+    pub fn set_fill(&self, fill: Option<Arc<dyn Fill>>) {
+        *self.fill.write() = fill;
     }
 
     /// Lets a write in; None while the gate is closed.

@@ -17,6 +17,7 @@
 //!  state     the in-memory state and the one place a batch is applied (write path and recovery)
 //!  gate      a volume's write gate: read-only volumes, and waiting out the writes in flight
 //!  mirror    the hook for synchronous replicas: where a volume's client writes also go
+//!  fill      the hook for a volume filled while it serves (an instant restore)
 //!  qos       a volume's limits (IOPS, bandwidth; token buckets): requests over them wait
 //!  keys      data keys of encrypted layers: wrapped in the catalog, open once a volume is unlocked
 //!  meta      RocksDB: catalog, map chunks, crc tables, checkpoint record, segment chain
@@ -48,6 +49,7 @@
 
 mod ctx;
 mod error;
+mod fill;
 pub mod format;
 mod gate;
 pub mod io;
@@ -70,6 +72,7 @@ mod write;
 pub use ctx::FaultPoint;
 pub use ctx::{Discard, PoolOptions};
 pub use error::{Error, ErrorKind, Result};
+pub use fill::Fill;
 pub use maint::cleaner::CleanReport;
 pub use maint::defrag::{DefragProgress, DefragReport};
 pub use mirror::{Mirror, MirrorOp, Pending, RangeGuard, RangeLocks, WriteDone};

@@ -148,6 +148,15 @@ impl Volume {
         }
     }
 
+    /// Brings [offset, offset+len) to its content first if a restore is filling the volume
+    /// ([`crate::Fill`]).
+    fn filled(&self, offset: u64, len: u64) -> Result<()> {
+        match self.gate.as_ref().and_then(|g| g.fill()) {
+            Some(f) => f.fill(offset, len),
+            None => Ok(()),
+        }
+    }
+
     /// Admits one client write (held until it is acknowledged), or refuses it.
     fn enter(&self) -> Result<Option<Inside>> {
         self.writable()?;
@@ -241,6 +250,9 @@ impl Volume {
     /// volume or the pool is gone, or its mirror refuses reads ([`crate::mirror::Mirror::admit_read`]);
     /// each range's own errors come from [`Reads::finish`].
     pub fn start_reads(&self, parts: &[(u64, usize)]) -> Result<Reads<'_>> {
+        for &(offset, len) in parts {
+            self.filled(offset, len as u64)?;
+        }
         if let Some(mirror) = self.gate.as_ref().and_then(|g| g.mirror()) {
             mirror.admit_read()?;
         }
@@ -279,6 +291,7 @@ impl Volume {
     }
 
     fn write_client(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.filled(offset, data.len() as u64)?;
         self.pace(IoKind::Write, data.len() as u64);
         let _in = self.enter()?;
         let inner = &*self.pool()?;
@@ -296,7 +309,9 @@ impl Volume {
     /// rebuilt, the volume is encrypted or paced): the caller then calls [`Volume::write`]
     /// where it may block.
     pub fn start_write(&self, offset: u64, data: &[u8], done: WriteDone) -> std::result::Result<(), WriteDone> {
-        let Some(gate) = self.gate.as_ref().filter(|g| !g.is_rekeying()) else { return Err(done) };
+        let Some(gate) = self.gate.as_ref().filter(|g| !g.is_rekeying() && g.fill().is_none()) else {
+            return Err(done);
+        };
         let Some(mirror) = gate.mirror().filter(|m| !m.whole_blocks()) else { return Err(done) };
         let Ok(inner) = self.pool() else { return Err(done) };
         let limited = !self.caller_paces && self.qos.as_ref().is_some_and(|q| q.is_limited());
@@ -524,6 +539,7 @@ impl Volume {
     /// Discards whole blocks inside [offset, offset+len): they read as zeros afterwards and their
     /// space becomes reclaimable. Partial blocks at the edges are left as they are.
     pub fn trim(&self, offset: u64, len: u64) -> Result<()> {
+        self.filled(offset, len)?;
         self.pace(IoKind::Write, 0);
         let inner = &*self.pool()?;
         let _in = self.enter()?;
@@ -541,6 +557,7 @@ impl Volume {
     /// Zeroes [offset, offset+len): whole blocks are unmapped (no space used), partial edge
     /// blocks are rewritten with zeros.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.filled(offset, len)?;
         self.pace(IoKind::Write, 0);
         let inner = &*self.pool()?;
         let _in = self.enter()?;
@@ -607,6 +624,7 @@ impl Volume {
     /// 2 its parent's, and so on (what `qemu:allocation-depth` reports for a backing chain).
     /// No media I/O.
     pub fn allocation_depth(&self, offset: u64, len: u64) -> Result<Vec<(u64, u32)>> {
+        self.filled(offset, len)?;
         let inner = self.pool()?;
         self.check_range(&inner, offset, len)?;
         if len == 0 {
@@ -650,6 +668,7 @@ impl Volume {
     /// [offset, offset+len) as runs of (bytes, flagged): flagged where it changed since snapshot
     /// `since`, or with no `since` where it is allocated, the runs between them unflagged.
     fn runs_since(&self, since: Option<&str>, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
+        self.filled(offset, len)?;
         let inner = self.pool()?;
         self.check_range(&inner, offset, len)?;
         let flagged = {

@@ -525,3 +525,58 @@ fn a_writers_buffer_is_its_own_again_once_write_returns() {
         assert!(back == model, "writer {t}'s range");
     }
 }
+
+/// A filler that writes 64 KiB pieces of a pattern the first time a request touches them, and
+/// counts what it was asked.
+#[derive(Debug)]
+struct PatternFill {
+    writer: ferrite_engine::Volume,
+    done: std::sync::Mutex<std::collections::BTreeSet<u64>>,
+    asked: std::sync::atomic::AtomicU64,
+}
+
+impl ferrite_engine::Fill for PatternFill {
+    fn fill(&self, offset: u64, len: u64) -> ferrite_engine::Result<()> {
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        const PIECE: u64 = 64 << 10;
+        for piece in offset / PIECE..(offset + len).div_ceil(PIECE) {
+            if self.done.lock().unwrap().insert(piece) {
+                self.writer.write(piece * PIECE, &pattern(piece, PIECE as usize))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_fill_brings_each_range_to_its_content_before_clients_touch_it() {
+    let (_f, pool) = Fixture::new(8);
+    pool.create_volume("v", MIB).unwrap();
+    let writer = pool.open_volume("v").unwrap().past_read_only();
+    let fill = std::sync::Arc::new(PatternFill { writer, done: Default::default(), asked: Default::default() });
+    pool.set_fill("v", Some(fill.clone())).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    // A read sees the filler's data; a write over a piece not yet filled keeps the rest of it.
+    let mut buf = vec![0u8; 4096];
+    v.read(3 * 65536 + 4096, &mut buf).unwrap();
+    assert_eq!(buf, pattern(3, 65536)[4096..8192]);
+    v.write(5 * 65536, &[7u8; 512]).unwrap();
+    let mut piece = vec![0u8; 65536];
+    v.read(5 * 65536, &mut piece).unwrap();
+    assert!(piece[..512].iter().all(|&b| b == 7));
+    assert_eq!(piece[512..], pattern(5, 65536)[512..]);
+    // An allocation query and a trim are filled first too.
+    assert!(v.allocation(9 * 65536, 65536).unwrap().iter().all(|&(_, mapped)| mapped));
+    v.trim(10 * 65536, 65536).unwrap();
+    assert_eq!(fill.done.lock().unwrap().iter().copied().collect::<Vec<_>>(), [3, 5, 9, 10]);
+    // No snapshot or clone of a volume whose content is not all there.
+    let e = pool.create_snapshot("v", "s").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Busy, "{e}");
+    assert_eq!(e.errno(), libc::EBUSY);
+    pool.set_fill("v", None).unwrap();
+    let asked = fill.asked.load(std::sync::atomic::Ordering::Relaxed);
+    v.read(0, &mut buf).unwrap();
+    assert_eq!(fill.asked.load(std::sync::atomic::Ordering::Relaxed), asked, "asked after it was removed");
+    assert!(buf.iter().all(|&b| b == 0));
+    pool.create_snapshot("v", "s").unwrap();
+}

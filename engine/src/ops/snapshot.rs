@@ -123,6 +123,15 @@ pub(crate) fn plan_snapshots(inner: &Inner, items: &[(u64, String)]) -> Result<(
                 return Err(Error::new(ErrorKind::AlreadyExists, format!("snapshot {name:?} already exists")));
             }
         }
+        if let Some((id, _)) = items.iter().find(|(id, _)| st.volumes[id].gate.fill().is_some()) {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "volume {:?} is being restored; it can be snapshotted once the restore is done",
+                    st.volumes[id].rec.name
+                ),
+            ));
+        }
         items
             .iter()
             .map(|(id, _)| {

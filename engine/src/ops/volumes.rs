@@ -146,6 +146,17 @@ impl Pool {
         Ok(())
     }
 
+    /// Has `fill` bring each range of volume `name` to its content before any client request
+    /// touches it, on every handle, open or not (an instant restore); None once it is full.
+    /// While one is set the volume cannot be snapshotted or cloned (its content is not all
+    /// there): [`ErrorKind::Busy`]. Not stored: the daemon sets it again after a restart,
+    /// before it serves the volume.
+    pub fn set_fill(&self, name: &str, fill: Option<Arc<dyn crate::fill::Fill>>) -> Result<()> {
+        let st = self.inner.state.read();
+        st.volumes[&lookup(&st, name)?].gate.set_fill(fill);
+        Ok(())
+    }
+
     /// Makes a volume read-only for clients (their writes fail with [`ErrorKind::ReadOnly`],
     /// EROFS, on every handle, open or not) or writable again. Made read-only, it returns only
     /// once every write already admitted is acknowledged: a snapshot taken after holds every
