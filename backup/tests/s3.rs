@@ -322,7 +322,10 @@ async fn corruption_and_newer_formats_are_named() {
     let saved = Arc::new(std::sync::Mutex::new(String::new()));
     let save: ferrite_backup::Save = {
         let saved = Arc::clone(&saved);
-        Box::new(move |done| Ok(*saved.lock().unwrap() = done.to_owned()))
+        Box::new(move |done| {
+            done.clone_into(&mut saved.lock().unwrap());
+            Ok(())
+        })
     };
     let writer = pool.open_volume("fast").unwrap().past_read_only();
     let rt = tokio::runtime::Handle::current();

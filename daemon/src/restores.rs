@@ -166,7 +166,7 @@ impl Restores {
             let progress = |p: &Progress| {
                 let on_demand = f.counts().2;
                 tx.send_modify(|s| {
-                    s.progress = p.clone();
+                    s.progress = *p;
                     s.on_demand = on_demand;
                 });
             };
