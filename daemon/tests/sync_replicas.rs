@@ -11,6 +11,8 @@
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
 mod common;
+#[path = "../../backup/tests/common/mod.rs"]
+mod weed;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -675,5 +677,55 @@ fn a_returning_replica_gets_only_what_changed_while_writes_go_on() {
     let image = read_image(&d[0], "v", 64 * MIB);
     for r in &d[1..] {
         assert!(read_image(r, "v", 64 * MIB) == image, "a copy differs after a rebuild under writes");
+    }
+}
+
+/// A volume restored from a backup is restored once, on the daemon that will be its primary,
+/// and its replicas are made from it: adding one is refused while the restore runs (the
+/// daemons that hold them have no backup target at all), then they join and hold its bytes.
+#[test]
+fn a_restored_volume_is_restored_once_then_replicated() {
+    let root = tempfile::tempdir().unwrap();
+    if !common::have("qemu-io") || !common::have("qemu-img") {
+        return;
+    }
+    let Some(sw) = Switch::new(3) else { return };
+    let Some(store) = weed::Weed::start_at(&sw.gateway, false) else { return };
+    // Paced, so that the restore is still running when a replica is asked for.
+    let with_target = format!(
+        "{TIMEOUT}\n[backup-targets.offsite]\nkind = \"s3\"\nendpoint = \"{}\"\nbucket = \"ferrite-test\"\n\
+         chunk-size = \"1M\"\nbandwidth = \"4M\"\n",
+        store.endpoint()
+    );
+    let d: Vec<Daemon> =
+        (0..3).map(|i| sw.daemon(i, root.path(), if i == 0 { &with_target } else { TIMEOUT })).collect();
+    let (e1, e2) = (sw.endpoint(1), sw.endpoint(2));
+    d[0].ok(&["volume", "create", "src", "24M"]);
+    let noise = root.path().join("noise");
+    let bytes: Vec<u8> = (0..24u64).flat_map(|n| pattern(n + 1, MIB as usize)).collect();
+    std::fs::write(&noise, bytes).unwrap();
+    qemu_io(&d[0], "src", &[&format!("write -s {} 0 24M", noise.display())]);
+    let b = d[0].json(&["backup", "create", "src", "--target", "offsite"]);
+    let name = b["name"].as_str().unwrap();
+
+    d[0].ok(&["backup", "restore", name, "v", "--target", "offsite", "--detach"]);
+    let o = d[0].cli(&["replica", "add", "v", &e1, "--sync"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("being restored"), "{o:?}");
+    d[0].ok(&["backup", "restore", name, "v", "--target", "offsite"]);
+    d[0].ok(&["replica", "add", "v", &e1, "--sync"]);
+    d[0].ok(&["replica", "add", "v", &e2, "--sync"]);
+    for e in [&e1, &e2] {
+        until("the replica is in sync", 60, || state_of(&d[0], "v", e) == "in-sync");
+    }
+    d[0].ok(&["export", "nbd", "src"]);
+    for r in &d[1..] {
+        r.ok(&["export", "nbd", "v"]);
+        let cmp = Command::new("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "raw"])
+            .arg(d[0].qemu_uri("src"))
+            .arg(r.qemu_uri("v"))
+            .output()
+            .unwrap();
+        assert!(cmp.status.success(), "a replica of the restored volume differs from the source: {cmp:?}");
     }
 }

@@ -20,6 +20,8 @@ pub struct Weed {
     /// master, volume, filer, s3 (each also uses its port + 10000 for gRPC).
     ports: [u16; 4],
     auth: bool,
+    /// The address it listens on.
+    host: String,
 }
 
 /// Where `weed` is: $FERRITE_WEED, setup.sh's venv, or PATH.
@@ -72,17 +74,23 @@ fn free_ports() -> [u16; 4] {
 impl Weed {
     /// Starts a store with bucket `ferrite-test`; None (a recorded skip) without `weed`.
     pub fn start(auth: bool) -> Option<Weed> {
+        Self::start_at("127.0.0.1", auth)
+    }
+
+    /// The same on `host`, an address of this host (a network namespace's gateway).
+    pub fn start_at(host: &str, auth: bool) -> Option<Weed> {
         let Some(bin) = weed_bin() else {
             skip("SeaweedFS (weed) is not installed: backup tests against S3");
             return None;
         };
-        let mut w = Weed { bin, dir: tempfile::tempdir().unwrap(), child: None, ports: free_ports(), auth };
+        let (dir, ports, host) = (tempfile::tempdir().unwrap(), free_ports(), host.to_owned());
+        let mut w = Weed { bin, dir, child: None, ports, auth, host };
         w.resume();
         Some(w)
     }
 
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.ports[3])
+        format!("http://{}:{}", self.host, self.ports[3])
     }
 
     /// (Re)starts the server on the same directory and ports, and waits until the bucket
@@ -97,7 +105,9 @@ impl Weed {
         let mut cmd = Command::new(&self.bin);
         cmd.arg("server")
             .arg(format!("-dir={}", data.display()))
-            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.volumeSizeLimitMB=512", "-volume.max=100"])
+            .arg(format!("-ip={}", self.host))
+            .arg(format!("-ip.bind={}", self.host))
+            .args(["-master.volumeSizeLimitMB=512", "-volume.max=100"])
             // Fixed default ports: two stores at once would fight over them.
             .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
             .arg(format!("-master.port={master}"))
@@ -115,7 +125,7 @@ impl Weed {
         let start = Instant::now();
         loop {
             let out = Command::new(&self.bin)
-                .args(["shell", &format!("-master=127.0.0.1:{master}"), &format!("-filer=127.0.0.1:{filer}")])
+                .args(["shell", &format!("-master={}:{master}", self.host), &format!("-filer={}:{filer}", self.host)])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -135,7 +145,7 @@ impl Weed {
         }
         // The S3 gateway lists the bucket (403 with auth) once it and the filer behind it are up.
         loop {
-            let said = status(s3, "/ferrite-test?max-keys=1");
+            let said = status(&self.host, s3, "/ferrite-test?max-keys=1");
             if matches!(said.as_deref(), Some("200" | "403")) {
                 break;
             }
@@ -153,10 +163,10 @@ impl Weed {
     }
 }
 
-/// The HTTP status of a GET on loopback `port`, if anything answered.
-fn status(port: u16, path: &str) -> Option<String> {
+/// The HTTP status of a GET on `host`:`port`, if anything answered.
+fn status(host: &str, port: u16, path: &str) -> Option<String> {
     use std::io::{Read as _, Write as _};
-    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    let mut c = std::net::TcpStream::connect((host, port)).ok()?;
     c.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     write!(c, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
     let mut head = [0u8; 12];

@@ -29,10 +29,16 @@ impl SyncHub {
         }
         let op = self.op_lock(volume);
         let _op = op.lock().await;
-        let info = {
+        let (info, filling) = {
             let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
-            blocking(move || pool.volume_info(&name)).await?
+            blocking(move || Ok((pool.volume_info(&name)?, pool.is_filling(&name)?))).await?
         };
+        if filling {
+            // Its copies are made from it once it is whole: the backup is fetched once.
+            return Err(Status::unavailable(format!(
+                "volume {volume:?} is being restored; add its replicas once the restore is done"
+            )));
+        }
         let primary = match (self.records.get(volume), self.primary(volume)) {
             (Some(_), Some(p)) => p,
             (Some(h), None) => {

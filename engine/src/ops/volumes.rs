@@ -157,6 +157,12 @@ impl Pool {
         Ok(())
     }
 
+    /// Whether a [`crate::Fill`] is filling volume `name` (a restore still running).
+    pub fn is_filling(&self, name: &str) -> Result<bool> {
+        let st = self.inner.state.read();
+        Ok(st.volumes[&lookup(&st, name)?].gate.fill().is_some())
+    }
+
     /// Makes a volume read-only for clients (their writes fail with [`ErrorKind::ReadOnly`],
     /// EROFS, on every handle, open or not) or writable again. Made read-only, it returns only
     /// once every write already admitted is acknowledged: a snapshot taken after holds every
