@@ -43,6 +43,7 @@ pub struct BackupService {
     /// Volumes with a backup or restore running (one at a time each).
     busy: ferrite_csi::busy::Busy,
     restores: Arc<crate::restores::Restores>,
+    outcomes: Arc<crate::metrics::BackupOutcomes>,
 }
 
 fn backup_msg(target: &str, m: &Manifest) -> pb::Backup {
@@ -138,8 +139,9 @@ impl BackupService {
         targets: BTreeMap<String, ferrite_backup::TargetConfig>,
         keys: crate::encryption::KeyDir,
         restores: Arc<crate::restores::Restores>,
+        outcomes: Arc<crate::metrics::BackupOutcomes>,
     ) -> Self {
-        Self { pool, targets, keys, opened: Default::default(), busy: Default::default(), restores }
+        Self { pool, targets, keys, opened: Default::default(), busy: Default::default(), restores, outcomes }
     }
 
     async fn target(&self, name: &str) -> Result<Target, Status> {
@@ -239,16 +241,26 @@ impl pb::backups_server::Backups for BackupService {
     async fn create_backup(&self, req: Request<pb::CreateBackupRequest>) -> Result<Response<ProgressStream>, Status> {
         let r = req.into_inner();
         check_volume(&r.volume)?;
-        let target = self.target(&r.target).await?;
-        let busy = self.claim(&r.volume, "this backup")?;
-        let index = Index::load(&target, &r.volume).await.map_err(backup_status)?;
-        let (snapshot, id, auto) = choose_snapshot(&self.pool, &index, &r.volume, &r.snapshot).await?;
-        let pool = Arc::clone(&self.pool);
+        let prepared = async {
+            let target = self.target(&r.target).await?;
+            let busy = self.claim(&r.volume, "this backup")?;
+            let index = Index::load(&target, &r.volume).await.map_err(backup_status)?;
+            let chosen = choose_snapshot(&self.pool, &index, &r.volume, &r.snapshot).await?;
+            Ok::<_, Status>((target, busy, chosen))
+        };
+        let (target, busy, (snapshot, id, auto)) = prepared.await.inspect_err(|_| {
+            if self.targets.contains_key(&r.target) {
+                self.outcomes.record(&r.target, &r.volume, false);
+            }
+        })?;
+        let (pool, outcomes) = (Arc::clone(&self.pool), Arc::clone(&self.outcomes));
         let opts =
             ferrite_backup::CreateOptions { volume: r.volume.clone(), snapshot: snapshot.clone(), id, full: r.full };
         Ok(Response::new(stream(move |progress| async move {
             let _busy = busy;
-            let m = ferrite_backup::create(&target, &pool, &opts, &*progress).await.map_err(backup_status)?;
+            let made = ferrite_backup::create(&target, &pool, &opts, &*progress).await;
+            outcomes.record(&target.name, &opts.volume, made.is_ok());
+            let m = made.map_err(backup_status)?;
             tracing::info!(target = %target.name, backup = %m.backup_ref(), chunks = m.chunks.len(),
                 read = m.read_bytes, uploaded = m.uploaded_bytes, "backup made");
             if auto {

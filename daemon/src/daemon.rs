@@ -247,6 +247,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         Arc::clone(&policy),
     )?;
     let listeners = crate::metrics::Listeners::default();
+    let backup_outcomes = Arc::new(crate::metrics::BackupOutcomes::default());
     if let Some(l) = metrics {
         let stats = Arc::clone(&listeners.metrics);
         let gate =
@@ -267,6 +268,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             replication: Arc::clone(&replication),
             sync: Arc::clone(&sync),
             restores: Arc::clone(&restores),
+            backups: Arc::clone(&backup_outcomes),
         };
         let limits = cfg.limits.clone();
         tasks.spawn(async move {
@@ -292,6 +294,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         cfg.backup_targets.clone(),
         crate::encryption::KeyDir::new(&cfg.key_dir),
         restores,
+        backup_outcomes,
     ));
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);

@@ -34,6 +34,30 @@ pub struct Listeners {
     pub metrics: Arc<ListenerStats>,
 }
 
+/// How the backups of each (target, volume) went, as the Backups service records them.
+#[derive(Debug, Default)]
+pub struct BackupOutcomes(std::sync::Mutex<std::collections::BTreeMap<(String, String), BackupOutcome>>);
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct BackupOutcome {
+    pub last_success_unix: u64,
+    pub failures: u64,
+    pub last_failed: bool,
+}
+
+impl BackupOutcomes {
+    pub fn record(&self, target: &str, volume: &str, ok: bool) {
+        let mut all = self.0.lock().expect("not poisoned");
+        let o = all.entry((target.to_owned(), volume.to_owned())).or_default();
+        o.last_failed = !ok;
+        if ok {
+            o.last_success_unix = ferrite_backup::now_unix();
+        } else {
+            o.failures += 1;
+        }
+    }
+}
+
 /// Where the values come from.
 #[derive(Debug)]
 pub struct Sources {
@@ -43,6 +67,7 @@ pub struct Sources {
     pub replication: Arc<Replication>,
     pub sync: Arc<crate::sync::SyncHub>,
     pub restores: Arc<crate::restores::Restores>,
+    pub backups: Arc<BackupOutcomes>,
 }
 
 fn load(a: &AtomicU64) -> u64 {
@@ -235,7 +260,7 @@ impl Collector for Sources {
             }
         }
         self.encode_replication(&mut enc)?;
-        self.encode_restores(&mut enc)?;
+        self.encode_backups(&mut enc)?;
         self.encode_sync(&mut enc)
     }
 }
@@ -289,6 +314,33 @@ impl Sources {
 
 impl Sources {
     /// Per volume being restored (instant restore: it serves while its chunks are copied).
+    fn encode_backups(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
+        let rows: Vec<_> = self.backups.0.lock().expect("not poisoned").clone().into_iter().collect();
+        let labels: Vec<_> = rows.iter().map(|((t, v), _)| [("target", t.as_str()), ("volume", v.as_str())]).collect();
+        type Value = fn(&BackupOutcome) -> u64;
+        for (name, help, value) in [
+            (
+                "ferrite_backup_last_success_timestamp_seconds",
+                "When the volume's last successful backup to the target ended (Unix seconds; since the daemon started).",
+                (|o| o.last_success_unix) as Value,
+            ),
+            ("ferrite_backup_last_failed", "1 if the volume's last backup to the target failed.", |o| {
+                u64::from(o.last_failed)
+            }),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for ((_, o), l) in rows.iter().zip(&labels) {
+                m.encode_family(l)?.encode_gauge(&value(o))?;
+            }
+        }
+        let mut m =
+            enc.encode_descriptor("ferrite_backup_failures", "Backups that failed.", None, MetricType::Counter)?;
+        for ((_, o), l) in rows.iter().zip(&labels) {
+            m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&o.failures, None)?;
+        }
+        self.encode_restores(enc)
+    }
+
     fn encode_restores(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
         let rows = self.restores.counts();
         type Value = fn(&(u64, u64, u64)) -> u64;

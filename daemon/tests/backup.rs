@@ -13,15 +13,16 @@ fn config(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path) {
     config_with(dir, weed, key, "");
 }
 
-/// The config, with `extra` lines in the target's table.
-fn config_with(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path, extra: &str) {
+/// The config, with `extra` lines in the target's table; the port of its metrics listener.
+fn config_with(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path, extra: &str) -> u16 {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     std::fs::create_dir_all(dir).unwrap();
     let creds = dir.join("s3-credentials");
     std::fs::create_dir_all(&creds).unwrap();
     std::fs::write(creds.join("access-key-id"), "ferrite").unwrap();
     std::fs::write(creds.join("secret-access-key"), "ferrite-secret").unwrap();
     let toml = format!(
-        "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\n\
+        "pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\nmetrics-listen = \"127.0.0.1:{port}\"\n\
          [backup-targets.offsite]\nkind = \"s3\"\nendpoint = \"{}\"\nbucket = \"ferrite-test\"\nprefix = \"prod\"\n\
          credentials = \"{}\"\nkey-file = \"{}\"\nchunk-size = \"1M\"\nconcurrency = 4\n{extra}",
         weed.endpoint(),
@@ -29,6 +30,17 @@ fn config_with(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path, 
         key.display()
     );
     std::fs::write(dir.join("ferrite.toml"), toml).unwrap();
+    port
+}
+
+/// The value of the sample `line` starts with (name and labels) on the metrics at `port`.
+fn metric(port: u16, line: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: ferrite\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines().find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
 }
 
 fn qemu_io(d: &Daemon, export: &str, cmd: &str) {
@@ -121,9 +133,9 @@ fn an_instant_restore_serves_at_once_and_survives_a_crash() {
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("offsite.key");
     std::fs::write(&key, "42".repeat(32)).unwrap();
-    config(&dir.path().join("a"), &weed, &key);
+    let a_metrics = config_with(&dir.path().join("a"), &weed, &key, "");
     // The copy is paced to 4 MiB/s: 24 chunks of noise take ~6 s, time for the requests below.
-    config_with(&dir.path().join("b"), &weed, &key, "bandwidth = \"4M\"\n");
+    let b_metrics = config_with(&dir.path().join("b"), &weed, &key, "bandwidth = \"4M\"\n");
     let a = Daemon::start(&dir.path().join("a"));
     let mut b = Daemon::start(&dir.path().join("b"));
     a.ok(&["volume", "create", "src", "24MiB"]);
@@ -143,6 +155,12 @@ fn an_instant_restore_serves_at_once_and_survives_a_crash() {
     qemu_io(&a, "src", &format!("write -s {} 0 24M", noise.display()));
     let backup = a.json(&["backup", "create", "src", "--target", "offsite"]);
     let name = backup["name"].as_str().unwrap();
+    let at = |m: &str| metric(a_metrics, &format!("{m}{{target=\"offsite\",volume=\"src\"}}"));
+    assert!(at("ferrite_backup_last_success_timestamp_seconds").is_some_and(|t| t > 1e9));
+    assert_eq!(at("ferrite_backup_last_failed"), Some(0.0));
+    assert!(!a.cli(&["backup", "create", "src@nope", "--target", "offsite"]).status.success());
+    assert_eq!(at("ferrite_backup_last_failed"), Some(1.0));
+    assert_eq!(at("ferrite_backup_failures_total"), Some(1.0));
 
     let start = std::time::Instant::now();
     let r = b.json(&["backup", "restore", name, "db", "--target", "offsite", "--detach"]);
@@ -158,6 +176,9 @@ fn an_instant_restore_serves_at_once_and_survives_a_crash() {
     qemu_io(&a, "src", "write -P 0x77 21M 4k");
     let out = b.cli(&["snapshot", "create", "db", "early"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("being restored"), "{out:?}");
+    let left = metric(b_metrics, "ferrite_backup_restore_chunks_left{volume=\"db\"}").unwrap();
+    assert!(left > 0.0 && left < 24.0, "{left}");
+    assert!(metric(b_metrics, "ferrite_backup_restore_chunks_on_demand{volume=\"db\"}").unwrap() >= 2.0);
     let record = dir.path().join("b/restores.json");
     assert!(std::fs::read_to_string(&record).unwrap().contains(name), "the restore is recorded");
 
