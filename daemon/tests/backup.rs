@@ -9,8 +9,44 @@ mod weed;
 use common::{Daemon, have};
 use std::process::Command;
 
-fn config(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path) {
-    config_with(dir, weed, key, "");
+/// A store, and two daemons (a and b) sharing an encrypted target on it, `b_extra` in b's
+/// target table.
+struct Pair {
+    _weed: weed::Weed,
+    dir: tempfile::TempDir,
+    a: Daemon,
+    b: Daemon,
+    a_metrics: u16,
+    b_metrics: u16,
+}
+
+fn pair(b_extra: &str) -> Option<Pair> {
+    let weed = weed::Weed::start(true)?;
+    if !have("qemu-io") || !have("qemu-img") {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("offsite.key");
+    std::fs::write(&key, "42".repeat(32)).unwrap();
+    let a_metrics = config_with(&dir.path().join("a"), &weed, &key, "");
+    let b_metrics = config_with(&dir.path().join("b"), &weed, &key, b_extra);
+    let a = Daemon::start(&dir.path().join("a"));
+    let b = Daemon::start(&dir.path().join("b"));
+    Some(Pair { _weed: weed, dir, a, b, a_metrics, b_metrics })
+}
+
+/// Whether export `ea` of `a` and `eb` of `b` hold the same bytes (qemu-img compare).
+fn same(a: &Daemon, ea: &str, b: &Daemon, eb: &str) -> bool {
+    let cmp = Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(a.qemu_uri(ea))
+        .arg(b.qemu_uri(eb))
+        .output()
+        .unwrap();
+    if !cmp.status.success() {
+        eprintln!("qemu-img compare: {cmp:?}");
+    }
+    cmp.status.success()
 }
 
 /// The config, with `extra` lines in the target's table; the port of its metrics listener.
@@ -50,17 +86,8 @@ fn qemu_io(d: &Daemon, export: &str, cmd: &str) {
 
 #[test]
 fn back_up_on_one_daemon_restore_on_another() {
-    let Some(weed) = weed::Weed::start(true) else { return };
-    if !have("qemu-io") || !have("qemu-img") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("offsite.key");
-    std::fs::write(&key, "42".repeat(32)).unwrap();
-    config(&dir.path().join("a"), &weed, &key);
-    config(&dir.path().join("b"), &weed, &key);
-    let a = Daemon::start(&dir.path().join("a"));
-    let b = Daemon::start(&dir.path().join("b"));
+    // Bound, not `..`: what a pattern leaves out is dropped at once (the store, the directory).
+    let Some(Pair { _weed: _store, dir: _dir, a, b, .. }) = pair("") else { return };
 
     a.ok(&["volume", "create", "db", "16MiB"]);
     a.ok(&["export", "nbd", "db"]);
@@ -91,13 +118,7 @@ fn back_up_on_one_daemon_restore_on_another() {
     b.ok(&["backup", "restore", name, "db", "--target", "offsite"]);
     a.ok(&["export", "nbd", &format!("db@{base}"), "--name", "base"]);
     b.ok(&["export", "nbd", "db"]);
-    let cmp = Command::new("qemu-img")
-        .args(["compare", "-f", "raw", "-F", "raw"])
-        .arg(a.qemu_uri("base"))
-        .arg(b.qemu_uri("db"))
-        .output()
-        .unwrap();
-    assert!(cmp.status.success(), "restored volume differs: {cmp:?}");
+    assert!(same(&a, "base", &b, "db"), "restored volume differs");
 
     let v = b.json(&["backup", "verify", "--target", "offsite"]);
     assert_eq!((v["chunks_checked"].as_u64(), v["bad"].as_array().map(Vec::len)), (Some(7), Some(0)), "{v}");
@@ -126,18 +147,10 @@ fn back_up_on_one_daemon_restore_on_another() {
 /// write it acknowledged.
 #[test]
 fn an_instant_restore_serves_at_once_and_survives_a_crash() {
-    let Some(weed) = weed::Weed::start(true) else { return };
-    if !have("qemu-io") || !have("qemu-img") {
+    // b's copy is paced to 4 MiB/s: 24 chunks of noise take ~6 s, time for the requests below.
+    let Some(Pair { _weed: _store, dir, a, mut b, a_metrics, b_metrics }) = pair("bandwidth = \"4M\"\n") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("offsite.key");
-    std::fs::write(&key, "42".repeat(32)).unwrap();
-    let a_metrics = config_with(&dir.path().join("a"), &weed, &key, "");
-    // The copy is paced to 4 MiB/s: 24 chunks of noise take ~6 s, time for the requests below.
-    let b_metrics = config_with(&dir.path().join("b"), &weed, &key, "bandwidth = \"4M\"\n");
-    let a = Daemon::start(&dir.path().join("a"));
-    let mut b = Daemon::start(&dir.path().join("b"));
+    };
     a.ok(&["volume", "create", "src", "24MiB"]);
     a.ok(&["export", "nbd", "src"]);
     // Incompressible, so that the pace holds the copy back.
@@ -191,13 +204,7 @@ fn an_instant_restore_serves_at_once_and_survives_a_crash() {
     assert_eq!((r["done"].as_bool(), r["chunks"].as_u64()), (Some(true), Some(24)), "{r}");
     assert!(!std::fs::read_to_string(&record).unwrap().contains(name), "the finished restore's record stays");
     b.ok(&["export", "nbd", "db"]);
-    let cmp = Command::new("qemu-img")
-        .args(["compare", "-f", "raw", "-F", "raw"])
-        .arg(a.qemu_uri("src"))
-        .arg(b.qemu_uri("db"))
-        .output()
-        .unwrap();
-    assert!(cmp.status.success(), "the restored volume differs from its source plus the write: {cmp:?}");
+    assert!(same(&a, "src", &b, "db"), "the restored volume differs from its source plus the write");
     b.ok(&["snapshot", "create", "db", "whole"]);
     assert!(b.log().contains("an unfinished restore resumed"), "{}", b.log());
 }
