@@ -276,7 +276,20 @@ async fn interrupted_backup_resumes() {
     assert!((10 * MIB..30 * MIB).contains(&uploaded_before), "{uploaded_before}");
 
     weed.resume();
-    let target = Target::open("offsite", TargetConfig { bandwidth: None, retries: None, ..config }).await.unwrap();
+    // Its S3 gateway answers before its volume server is registered again (GETs of what it
+    // held fail with 500 meanwhile): the store is back once the target's marker reads.
+    let config = TargetConfig { bandwidth: None, retries: None, ..config };
+    let back = std::time::Instant::now();
+    let target = loop {
+        match Target::open("offsite", config.clone()).await {
+            Ok(t) => break t,
+            Err(e) if back.elapsed() < Duration::from_secs(60) => {
+                eprintln!("the store is not back yet: {e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("the store did not come back: {e}"),
+        }
+    };
     let m = backup(&target, &pool, "vol", "s", "r1").await.unwrap();
     let again = target.counters.put_bytes.load(Relaxed);
     assert!(again + uploaded_before <= 33 * MIB, "the rerun sent {again} more after {uploaded_before}: nothing twice");
