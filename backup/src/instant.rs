@@ -251,16 +251,17 @@ impl Filling {
                 }
                 Err((e, _)) => return Err(e),
             }
-            let (done, total, _) = self.counts();
-            let share = |n: u64| {
-                u64::try_from(u128::from(total_bytes) * u128::from(n) / u128::from(total.max(1))).unwrap_or(u64::MAX)
-            };
+            let (mut chunks_done, mut bytes_done) = (0, 0);
+            for (c, _) in self.manifest.chunks.iter().zip(self.slots.lock().iter()).filter(|(_, s)| **s == Slot::Done) {
+                chunks_done += 1;
+                bytes_done += u64::from(c.len);
+            }
             progress(&Progress {
-                chunks_total: total,
-                chunks_done: done,
+                chunks_total: self.manifest.chunks.len() as u64,
+                chunks_done,
                 bytes_total: total_bytes,
-                bytes_done: share(done),
-                bytes_transferred: share(done),
+                bytes_done,
+                bytes_transferred: bytes_done,
             });
         }
     }

@@ -31,7 +31,7 @@ pub use instant::{Filling, Save};
 pub use manifest::{BackupRef, ChunkRef, Index, IndexEntry, Manifest, list_volumes, valid_component};
 pub use pace::Pace;
 pub use prune::{PruneReport, Retention, delete, prune};
-pub use restore::{VerifyReport, restore_into, verify};
+pub use restore::{VerifyReport, verify};
 pub use target::{Counters, Target, TargetConfig, TargetKind};
 
 /// Chunk sizes a target may use: 1-4 MiB, a whole number of 4 KiB blocks.

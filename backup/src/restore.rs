@@ -1,4 +1,5 @@
-//! Reading backups back: restoring one into a volume, and verifying chunks.
+//! Reading backups back: fetching and checking a chunk, writing it into a volume (for
+//! `instant.rs`), and verifying chunks.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -35,55 +36,6 @@ pub(crate) async fn fetch_chunk(target: &Target, c: &ChunkRef, pace: &Pace) -> R
     })
     .await
     .expect("checking a chunk does not panic")
-}
-
-/// Writes backup `manifest` into `volume` (new, reading as zeros, at least as large), `concurrency`
-/// chunks at a time; only non-zero 4 KiB blocks are written. Flushes at the end.
-pub async fn restore_into(
-    target: &Target,
-    manifest: &Manifest,
-    volume: &ferrite_engine::Volume,
-    progress: &(dyn Fn(&Progress) + Sync),
-) -> Result<()> {
-    if volume.size()? < manifest.size {
-        return Err(Error::Invalid(format!(
-            "volume {:?} is smaller than backup {} ({} bytes)",
-            volume.name(),
-            manifest.backup_ref(),
-            manifest.size
-        )));
-    }
-    let pace = Arc::new(Pace::new(target.config.bandwidth));
-    let mut done = Progress {
-        chunks_total: manifest.chunks.len() as u64,
-        bytes_total: manifest.chunks.iter().map(|c| u64::from(c.len)).sum(),
-        ..Progress::default()
-    };
-    progress(&done);
-    let mut results = futures_util::stream::iter(manifest.chunks.iter().cloned())
-        .map(|c| {
-            let (target, pace, volume) = (target.clone(), pace.clone(), volume.clone());
-            let offset = c.i * manifest.chunk_size;
-            async move {
-                let plain = fetch_chunk(&target, &c, &pace).await?;
-                let len = plain.len() as u64;
-                tokio::task::spawn_blocking(move || write_nonzero(&volume, offset, &plain))
-                    .await
-                    .expect("writing a chunk does not panic")?;
-                Ok::<_, Error>(len)
-            }
-        })
-        .buffer_unordered(target.concurrency());
-    while let Some(r) = results.next().await {
-        let len = r?;
-        done.chunks_done += 1;
-        done.bytes_done += len;
-        done.bytes_transferred = done.bytes_done;
-        progress(&done);
-    }
-    let volume = volume.clone();
-    tokio::task::spawn_blocking(move || volume.flush()).await.expect("flush does not panic")?;
-    Ok(())
 }
 
 /// Writes the runs of non-zero 4 KiB blocks of `data` at `offset`.

@@ -99,10 +99,18 @@ async fn backup(target: &Target, pool: &Pool, volume: &str, snapshot: &str, id: 
     Ok(m)
 }
 
+/// Restores backup `b` into a new volume `name` as the daemon does (an instant restore, its
+/// record kept nowhere), to the end of its copy.
 async fn restore(target: &Target, pool: &Pool, b: &BackupRef, name: &str) -> Result<(), Error> {
     let m = Manifest::load(target, b).await?;
     pool.create_volume(name, m.size).unwrap();
-    ferrite_backup::restore_into(target, &m, &pool.open_volume(name).unwrap(), &|_| {}).await
+    let writer = pool.open_volume(name).unwrap().past_read_only();
+    let rt = tokio::runtime::Handle::current();
+    let f = ferrite_backup::Filling::new(target.clone(), m, writer, None, Box::new(|_| Ok(())), rt)?;
+    pool.set_fill(name, Some(f.clone())).unwrap();
+    let copied = f.run(&|_| {}).await;
+    pool.set_fill(name, None).unwrap();
+    copied
 }
 
 /// Plain S3 target: a full backup, an incremental that uploads only the touched chunks, a
