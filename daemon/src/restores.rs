@@ -60,10 +60,11 @@ impl Restores {
     pub fn load(pool: Arc<Pool>, data_dir: &std::path::Path) -> anyhow::Result<(Arc<Self>, Vec<Arc<Deferred>>)> {
         let file = RecordFile::new(data_dir, "restores");
         let mut records = BTreeMap::new();
-        let mut waiting = Vec::new();
+        let (mut waiting, mut dropped) = (Vec::new(), false);
         for r in file.load::<Record>()? {
             if pool.volume_info(&r.volume).is_err() {
                 tracing::info!(volume = %r.volume, "the volume of an unfinished restore is gone; its record is dropped");
+                dropped = true;
                 continue;
             }
             let d = Arc::new(Deferred { volume: r.volume.clone(), ready: Mutex::default(), set: Condvar::new() });
@@ -72,7 +73,9 @@ impl Restores {
             records.insert(r.volume.clone(), r);
         }
         let me = Arc::new(Self { pool, file, records: Mutex::new(records), running: Mutex::default() });
-        me.save_all()?;
+        if dropped {
+            me.save_all()?;
+        }
         Ok((me, waiting))
     }
 
