@@ -221,6 +221,28 @@ impl csi::controller_server::Controller for Controller {
             return Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }));
         }
         let source = r.volume_content_source.clone();
+        let from_backup = match source.as_ref().and_then(|s| s.r#type.as_ref()) {
+            Some(csi::volume_content_source::Type::Snapshot(s)) if ids::parse_backup(&s.snapshot_id).is_some() => {
+                Some(s.snapshot_id.clone())
+            }
+            _ => None,
+        };
+        if let Some(backup) = from_backup {
+            // Restored where the topology asks (any node with the target), serving at once; a
+            // replicated class's copies are added once the copy is done (retried until then).
+            let node = self.place(r.accessibility_requirements.as_ref(), free)?;
+            let mut v = crate::backups::restore(&*self.nodes, &backup, &node, &name, encryption).await?;
+            let mut c = admin(&*self.nodes, &node).await?;
+            if v.size < size {
+                v = c.grow_volume(pb::GrowVolumeRequest { name: name.clone(), new_size: size }).await?.into_inner();
+            }
+            if limits != pb::VolumeLimits::default() {
+                let r = pb::SetVolumeLimitsRequest { name: name.clone(), limits: Some(limits) };
+                v = c.set_volume_limits(r).await?.into_inner();
+            }
+            let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &r.parameters).await?;
+            return Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }));
+        }
         let clone_of = match source.as_ref().and_then(|s| s.r#type.as_ref()) {
             None => None,
             Some(csi::volume_content_source::Type::Snapshot(s)) => {

@@ -25,6 +25,28 @@ pub fn make(node: &str, name: &str) -> String {
     format!("{node}/{name}")
 }
 
+/// What a backup snapshot's id starts with (a VolumeSnapshotClass with `backup: <target>`):
+/// `backup:<target>/<volume>/<backup id>`. No node name holds a ':'.
+const BACKUP: &str = "backup:";
+
+/// A backup of `volume` on `target`, as a snapshot id.
+pub fn make_backup(target: &str, volume: &str, id: &str) -> String {
+    format!("{BACKUP}{target}/{volume}/{id}")
+}
+
+/// `(target, volume, backup id)` of a backup snapshot's id; None for any other id.
+pub fn parse_backup(id: &str) -> Option<(&str, &str, &str)> {
+    let mut parts = id.strip_prefix(BACKUP)?.splitn(3, '/');
+    let (t, v, b) = (parts.next()?, parts.next()?, parts.next()?);
+    [t, v, b].iter().all(|p| valid_name(p)).then_some((t, v, b))
+}
+
+/// The id of the backup a CSI snapshot named `csi_name` makes: readable (`csi.<name>`) where
+/// it can be, never a time (the daemons resume only those unasked).
+pub fn backup_id(csi_name: &str) -> String {
+    engine_name(&format!("csi.{csi_name}"))
+}
+
 /// What the engine accepts as a volume or snapshot name.
 pub fn valid_name(n: &str) -> bool {
     let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
@@ -62,6 +84,19 @@ mod tests {
         for bad in ["", "pvc-1", "/pvc", "node-a/", "Node/x", "node-a/x/y", "node-a/.x", "__/x", "_/"] {
             assert_eq!(parse(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn backup_ids_round_trip_and_are_no_volume_ids() {
+        let id = make_backup("offsite", "pvc-1", &backup_id("snapshot-1"));
+        assert_eq!(id, "backup:offsite/pvc-1/csi.snapshot-1");
+        assert_eq!(parse_backup(&id), Some(("offsite", "pvc-1", "csi.snapshot-1")));
+        assert_eq!(parse(&id), None, "not a node's snapshot");
+        for bad in ["backup:", "backup:t/v", "backup:t//b", "backup:t/v/b/c", "node-a/x", "backup:t/.v/b"] {
+            assert_eq!(parse_backup(bad), None, "{bad}");
+        }
+        let long = backup_id(&"x".repeat(200));
+        assert!(valid_name(&long) && !long.starts_with(|c: char| c.is_ascii_digit()), "{long}");
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! - [`identity`]: plugin info, capabilities, Probe.
 //! - [`controller`]: volumes (create from nothing, a snapshot or a volume; delete; list with
 //!   pagination; get; capacity; validate; expand), placed by topology `topology.ferrite.dev/node`.
-//! - `snapshots`: create (idempotent by name), delete, list (filters, pagination), get.
+//! - `snapshots`: create (idempotent by name), delete, list (filters, pagination), get;
+//!   `backups`: snapshots of a class with `backup: <target>` are backups off the cluster.
 //! - [`nodes`]: the node directory (a static file, or the Kubernetes API's EndpointSlices).
 //! - [`qos`]: per-volume limits as mutable parameters (ModifyVolume, VolumeAttributesClass).
 //! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
@@ -22,6 +23,7 @@
 
 pub mod addons;
 mod args;
+mod backups;
 pub mod busy;
 pub mod controller;
 pub mod copies;

@@ -1,4 +1,5 @@
-//! CSI snapshots: the engine's O(1) snapshots, ids `<node>/<snapshot>` like volumes. A
+//! CSI snapshots: the engine's O(1) snapshots, ids `<node>/<snapshot>` like volumes (or
+//! backups off the cluster, with a class's `backup` parameter: `backups.rs`). A
 //! replicated volume's snapshot is taken on every copy at one point of its writes (the
 //! daemons do it), so its id names no node either (`_/<snapshot>`): it is found on any node that
 //! holds it, and outlives the node it was taken on.
@@ -90,11 +91,17 @@ impl Controller {
     pub(crate) async fn create_snapshot_impl(&self, r: csi::CreateSnapshotRequest) -> Result<csi::Snapshot, Status> {
         require("name", &r.name)?;
         require("source_volume_id", &r.source_volume_id)?;
-        no_parameters(&r.parameters)?;
+        let mut rest = r.parameters.clone();
+        rest.remove(crate::backups::BACKUP);
+        no_parameters(&rest)?;
+        let backup = crate::backups::target(&r.parameters)?;
         let name = ids::engine_name(&r.name);
         let _busy = self.busy.begin(&format!("snapshot name {}", r.name))?;
-        // A replicated volume's snapshot is taken where its primary is now.
+        // A replicated volume's snapshot is taken where its primary is now (its backup too).
         let (node, mut c, v) = crate::nodes::volume(&*self.nodes, &r.source_volume_id).await?;
+        if let Some(target) = backup {
+            return crate::backups::create(&*self.nodes, &node, &v, target, &r.name, r.source_volume_id).await;
+        }
         let (node, volume) = (node.as_str(), v.name.as_str());
         for known in ids::engine_names(&r.name) {
             match c.get_snapshot(pb::GetSnapshotRequest { name: known }).await {
@@ -118,6 +125,9 @@ impl Controller {
     pub(crate) async fn delete_snapshot_impl(&self, id: &str) -> Result<(), Status> {
         require("snapshot_id", id)?;
         let _busy = self.busy.begin(id)?;
+        if ids::parse_backup(id).is_some() {
+            return crate::backups::delete(&*self.nodes, id).await;
+        }
         let (at, silent) = match holders(&*self.nodes, id).await {
             Err(s) if s.code() == Code::NotFound => return Ok(()),
             other => other?,
@@ -146,6 +156,15 @@ impl Controller {
         &self,
         r: csi::ListSnapshotsRequest,
     ) -> Result<csi::ListSnapshotsResponse, Status> {
+        // A backup is listed when asked for by id (backups are the target's, not a node's).
+        if ids::parse_backup(&r.snapshot_id).is_some() {
+            let entries = match crate::backups::snapshot(&*self.nodes, &r.snapshot_id).await {
+                Ok(s) => vec![csi::list_snapshots_response::Entry { snapshot: Some(s) }],
+                Err(s) if s.code() == Code::NotFound => Vec::new(),
+                Err(s) => return Err(s),
+            };
+            return Ok(csi::ListSnapshotsResponse { entries, next_token: String::new() });
+        }
         // Filters name one node (or nothing at all: an id we never made matches no snapshot).
         let wanted = |id: &str| ids::parse(id).map(|(n, x)| (n.to_owned(), x.to_owned()));
         let (snap, source) = (wanted(&r.snapshot_id), wanted(&r.source_volume_id));
@@ -187,6 +206,9 @@ impl Controller {
 
     pub(crate) async fn get_snapshot_impl(&self, id: &str) -> Result<csi::Snapshot, Status> {
         require("snapshot_id", id)?;
+        if ids::parse_backup(id).is_some() {
+            return crate::backups::snapshot(&*self.nodes, id).await;
+        }
         let (node, s) = holder(&*self.nodes, id).await?;
         let at = if id.starts_with(&ids::make(ids::ANY, "")) { ids::ANY } else { node.as_str() };
         Ok(snapshot_msg(at, &s))

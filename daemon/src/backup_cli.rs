@@ -91,7 +91,13 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
     match cmd {
         BackupCmd::Create { source, target, full } => {
             let (volume, snapshot) = source.split_once('@').unwrap_or((&source, ""));
-            let req = pb::CreateBackupRequest { target, volume: volume.into(), snapshot: snapshot.into(), full };
+            let req = pb::CreateBackupRequest {
+                target,
+                volume: volume.into(),
+                snapshot: snapshot.into(),
+                full,
+                id: String::new(),
+            };
             let stream = c.create_backup(req).await.map_err(rpc_error)?.into_inner();
             let r = follow(stream, "backup", out, bytes).await?;
             let b = r.backup.unwrap_or_default();

@@ -195,15 +195,23 @@ async fn indexes(target: &Target, volume: &str) -> Result<Vec<Index>, Status> {
     Ok(out)
 }
 
-/// The snapshot and id of a backup of `volume`: the one named; an interrupted backup's (an
-/// automatic snapshot newer than the last backup); else a new snapshot.
+/// Whether `id` is one a backup is given by default (the time): only those are resumed
+/// unasked; a chosen id (a CSI snapshot's) resumes when asked for again.
+fn time_id(id: &str) -> bool {
+    id.starts_with(|c: char| c.is_ascii_digit())
+}
+
+/// The snapshot and id of a backup of `volume`: the one named; with a chosen `id`, its
+/// snapshot if an interrupted backup took it, else a new one; with neither, an interrupted
+/// backup's (an automatic snapshot newer than the last backup), else a new snapshot.
 async fn choose_snapshot(
     pool: &Arc<Pool>,
     index: &Index,
     volume: &str,
     named: &str,
+    id: &str,
 ) -> Result<(String, String, bool), Status> {
-    let now = ferrite_backup::new_id(ferrite_backup::now_unix());
+    let now = if id.is_empty() { ferrite_backup::new_id(ferrite_backup::now_unix()) } else { id.to_owned() };
     if !named.is_empty() {
         return Ok((named.to_owned(), now, false));
     }
@@ -211,12 +219,15 @@ async fn choose_snapshot(
     let (pool2, v) = (Arc::clone(pool), volume.to_owned());
     let snaps = blocking(move || pool2.snapshots(Some(&v))).await?;
     let last = index.backups.last().map(|b| b.id.clone()).unwrap_or_default();
-    let pending = snaps
-        .iter()
-        .filter_map(|s| s.name.strip_prefix(&prefix))
-        .filter(|id| *id > last.as_str() && !index.backups.iter().any(|b| b.id == *id))
-        .max()
-        .map(str::to_owned);
+    let pending = match id {
+        "" => snaps
+            .iter()
+            .filter_map(|s| s.name.strip_prefix(&prefix))
+            .filter(|id| time_id(id) && *id > last.as_str() && !index.backups.iter().any(|b| b.id == *id))
+            .max()
+            .map(str::to_owned),
+        id => snaps.iter().any(|s| s.name == format!("{prefix}{id}")).then(|| id.to_owned()),
+    };
     if let Some(id) = pending {
         tracing::info!(volume, backup = %id, "resuming an interrupted backup");
         return Ok((format!("{prefix}{id}"), id, true));
@@ -234,6 +245,39 @@ async fn choose_snapshot(
     Ok((name, id, true))
 }
 
+/// After a backup from automatic snapshot `kept`, the others go: it is the next incremental's
+/// base. An interrupted backup's with a chosen id stays, for the call that resumes it.
+async fn drop_older_bases(pool: &Arc<Pool>, target: &Target, volume: &str, kept: &str) -> Result<(), Status> {
+    let index = Index::load(target, volume).await.map_err(backup_status)?;
+    let prefix = auto_prefix(volume);
+    let (p, v, kept) = (Arc::clone(pool), volume.to_owned(), kept.to_owned());
+    blocking(move || {
+        for s in p.snapshots(Some(&v))? {
+            let Some(id) = s.name.strip_prefix(&prefix) else { continue };
+            if s.name != kept && (time_id(id) || index.backups.iter().any(|b| b.id == id)) {
+                p.delete_snapshot(&s.name)?;
+            }
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// The last message of a backup stream: backup `m`, done.
+fn done_msg(target: &str, m: &Manifest) -> pb::BackupProgress {
+    pb::BackupProgress {
+        done: true,
+        backup: Some(backup_msg(target, m)),
+        ..progress_msg(&Progress {
+            chunks_total: m.chunks.len() as u64,
+            chunks_done: m.chunks.len() as u64,
+            bytes_total: m.read_bytes,
+            bytes_done: m.read_bytes,
+            bytes_transferred: m.uploaded_bytes,
+        })
+    }
+}
+
 #[tonic::async_trait]
 impl pb::backups_server::Backups for BackupService {
     type CreateBackupStream = ProgressStream;
@@ -241,18 +285,34 @@ impl pb::backups_server::Backups for BackupService {
     async fn create_backup(&self, req: Request<pb::CreateBackupRequest>) -> Result<Response<ProgressStream>, Status> {
         let r = req.into_inner();
         check_volume(&r.volume)?;
+        if !r.id.is_empty() && !ferrite_backup::valid_component(&r.id) {
+            return Err(Status::invalid_argument(format!("invalid backup id {:?}", r.id)));
+        }
         let prepared = async {
             let target = self.target(&r.target).await?;
             let busy = self.claim(&r.volume, "this backup")?;
             let index = Index::load(&target, &r.volume).await.map_err(backup_status)?;
-            let chosen = choose_snapshot(&self.pool, &index, &r.volume, &r.snapshot).await?;
-            Ok::<_, Status>((target, busy, chosen))
+            if index.backups.iter().any(|b| b.id == r.id) {
+                let b = BackupRef { volume: r.volume.clone(), id: r.id.clone() };
+                let made = Manifest::load(&target, &b).await.map_err(backup_status)?;
+                return Ok((target, busy, Err(made)));
+            }
+            let chosen = choose_snapshot(&self.pool, &index, &r.volume, &r.snapshot, &r.id).await?;
+            Ok::<_, Status>((target, busy, Ok(chosen)))
         };
-        let (target, busy, (snapshot, id, auto)) = prepared.await.inspect_err(|_| {
+        let (target, busy, chosen) = prepared.await.inspect_err(|_| {
             if self.targets.contains_key(&r.target) {
                 self.outcomes.record(&r.target, &r.volume, false);
             }
         })?;
+        let (snapshot, id, auto) = match chosen {
+            Ok(chosen) => chosen,
+            // Made before: asked again (a CSI snapshot's retry), it is what was made.
+            Err(m) => {
+                let last = done_msg(&target.name, &m);
+                return Ok(Response::new(stream(move |_| async move { Ok(last) })));
+            }
+        };
         let (pool, outcomes) = (Arc::clone(&self.pool), Arc::clone(&self.outcomes));
         let opts =
             ferrite_backup::CreateOptions { volume: r.volume.clone(), snapshot: snapshot.clone(), id, full: r.full };
@@ -264,30 +324,9 @@ impl pb::backups_server::Backups for BackupService {
             tracing::info!(target = %target.name, backup = %m.backup_ref(), chunks = m.chunks.len(),
                 read = m.read_bytes, uploaded = m.uploaded_bytes, "backup made");
             if auto {
-                // The new snapshot is the next incremental's base: the older automatic ones go.
-                let prefix = auto_prefix(&opts.volume);
-                let (p, v) = (Arc::clone(&pool), opts.volume.clone());
-                blocking(move || {
-                    for s in p.snapshots(Some(&v))? {
-                        if s.name.starts_with(&prefix) && s.name != snapshot {
-                            p.delete_snapshot(&s.name)?;
-                        }
-                    }
-                    Ok(())
-                })
-                .await?;
+                drop_older_bases(&pool, &target, &opts.volume, &snapshot).await?;
             }
-            Ok(pb::BackupProgress {
-                done: true,
-                backup: Some(backup_msg(&target.name, &m)),
-                ..progress_msg(&Progress {
-                    chunks_total: m.chunks.len() as u64,
-                    chunks_done: m.chunks.len() as u64,
-                    bytes_total: m.read_bytes,
-                    bytes_done: m.read_bytes,
-                    bytes_transferred: m.uploaded_bytes,
-                })
-            })
+            Ok(done_msg(&target.name, &m))
         })))
     }
 

@@ -67,6 +67,9 @@
 //! key-file = "/etc/ferrite/bk.key"  # 32 bytes: everything sealed; chunk-size = "4M",
 //!                                   # concurrency = 8, bandwidth = "100M", full-every = 30,
 //!                                   # grace-s = 86400, retries = 10, ca-file
+//! (top level) backup-targets-file = "/etc/ferrite/backup/targets.toml"
+//!                                   # more targets as [NAME] tables (a mounted Secret: paths
+//!                                   # in it relative to it); absent, none
 //! insecure-nbd-listen = false       # true allows nbd-listen on a non-loopback address without
 //!                                   # TLS (nbd-tls off): volume data in the clear on the network
 //!
@@ -150,6 +153,9 @@ pub struct ConfigFile {
     pub roles: Option<BTreeMap<String, RoleList>>,
     /// Backup targets by name (`[backup-targets.NAME]`, see `ferrite_backup::TargetConfig`).
     pub backup_targets: Option<BTreeMap<String, ferrite_backup::TargetConfig>>,
+    /// More targets, in a file of their own (`[NAME]` tables; a mounted Secret's): relative
+    /// paths in it are from its directory; a file that is not there names none.
+    pub backup_targets_file: Option<PathBuf>,
 }
 
 /// Configuration with every default filled in and every value checked.
@@ -203,16 +209,43 @@ pub struct Config {
     pub backup_targets: BTreeMap<String, ferrite_backup::TargetConfig>,
 }
 
-/// Backup targets' names are path and metric label safe; each says what it is.
+/// The targets of `[backup-targets]` and of the targets file; their names are path and metric
+/// label safe, each says what it is.
 fn check_targets(
-    targets: BTreeMap<String, ferrite_backup::TargetConfig>,
+    mut targets: BTreeMap<String, ferrite_backup::TargetConfig>,
+    file: Option<&Path>,
 ) -> Result<BTreeMap<String, ferrite_backup::TargetConfig>> {
+    if let Some(file) = file {
+        for (name, t) in targets_file(file)? {
+            if targets.insert(name.clone(), t).is_some() {
+                bail!("backup target {name:?} is named both in the config and in {}", file.display());
+            }
+        }
+    }
     for (name, t) in &targets {
         if !ferrite_backup::valid_component(name) {
             bail!("backup-targets.{name}: a target's name is letters, digits, '-', '_' or '.'");
         }
         if t.kind.is_none() {
             bail!("backup-targets.{name}: kind is missing (s3 or dir)");
+        }
+    }
+    Ok(targets)
+}
+
+/// The targets `file` names, its relative paths made absolute; none if it is not there (an
+/// optional Secret not created).
+fn targets_file(file: &Path) -> Result<BTreeMap<String, ferrite_backup::TargetConfig>> {
+    let text = match std::fs::read_to_string(file) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        other => other.with_context(|| format!("reading backup targets from {}", file.display()))?,
+    };
+    let mut targets: BTreeMap<String, ferrite_backup::TargetConfig> =
+        toml::from_str(&text).with_context(|| format!("parsing backup targets in {}", file.display()))?;
+    let dir = file.parent().unwrap_or(Path::new("/"));
+    for t in targets.values_mut() {
+        for p in [&mut t.path, &mut t.credentials, &mut t.ca_file, &mut t.key_file].into_iter().flatten() {
+            *p = dir.join(&*p);
         }
     }
     Ok(targets)
@@ -451,7 +484,7 @@ impl Config {
                 Some(n) => n,
             },
             roles: parse_roles(f.roles.unwrap_or_default())?,
-            backup_targets: check_targets(f.backup_targets.unwrap_or_default())?,
+            backup_targets: check_targets(f.backup_targets.unwrap_or_default(), f.backup_targets_file.as_deref())?,
             zone: check_domain("zone", f.zone)?,
             region: check_domain("region", f.region)?,
             data_dir,
@@ -600,5 +633,30 @@ mod tests {
         let f: ConfigFile = toml::from_str("nbd-memory = \"256M\"\nmax-connections = 5").unwrap();
         let l = Config::resolve(f, None).unwrap().limits;
         assert_eq!((l.nbd_memory, l.max_connections, l.nbd_connection_requests), (256 << 20, 5, 256));
+    }
+
+    #[test]
+    fn backup_targets_come_from_the_config_and_a_file_beside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("targets.toml");
+        let config = |extra: &str| {
+            let text = format!(
+                "backup-targets-file = \"{}\"\n[backup-targets.local]\nkind = \"dir\"\npath = \"/b\"\n{extra}",
+                file.display()
+            );
+            Config::resolve(toml::from_str(&text).unwrap(), None)
+        };
+        // No file (an optional Secret not created): the config's targets only.
+        assert_eq!(config("").unwrap().backup_targets.keys().collect::<Vec<_>>(), ["local"]);
+        std::fs::write(&file, "[offsite]\nkind = \"s3\"\nbucket = \"b\"\ncredentials = \".\"\nkey-file = \"k\"\n")
+            .unwrap();
+        let t = config("").unwrap().backup_targets;
+        assert_eq!(t["offsite"].credentials.as_deref(), Some(dir.path().join(".").as_path()));
+        assert_eq!(t["offsite"].key_file.as_deref(), Some(dir.path().join("k").as_path()));
+        assert_eq!(t["local"].path.as_deref(), Some(Path::new("/b")), "the config's paths are as written");
+        std::fs::write(&file, "[local]\nkind = \"dir\"\npath = \"/c\"\n").unwrap();
+        assert!(config("").unwrap_err().to_string().contains("named both"));
+        std::fs::write(&file, "[x]\nkind = \"ftp\"\n").unwrap();
+        assert!(format!("{:#}", config("").unwrap_err()).contains("targets.toml"));
     }
 }

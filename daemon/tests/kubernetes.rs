@@ -6,15 +6,20 @@
 //! container chose the node's pool) and the CSI node plugin with node-driver-registrar and the
 //! liveness probe; the controller pod's ferrite and the kubernetes-csi and CSI-Addons sidecars;
 //! the snapshot-controller and the CSI-Addons manager under their upstream RBAC; a backup tool
-//! calls the snapshot-metadata sidecar with an audience-scoped token. The test plays
+//! calls the snapshot-metadata sidecar with an audience-scoped token; backups go off the cluster
+//! to SeaweedFS through VolumeSnapshots (`kubernetes/backup.rs`). The test plays
 //! scheduler, DaemonSet controller and kubelet (`common::kubelet`): it binds pods to nodes,
 //! makes their volumes with the modes and fsGroup the manifests give, runs each container as the
 //! user and groups its securityContext names, probes readiness as the manifests say, and picks
 //! the node of a WaitForFirstConsumer claim.
 
+#[path = "kubernetes/backup.rs"]
+mod backup;
 mod common;
 #[path = "kubernetes/failover.rs"]
 mod failover;
+#[path = "../../backup/tests/common/mod.rs"]
+mod weed;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -79,6 +84,8 @@ struct Cluster {
     sidecars: Vec<PathBuf>,
     pki: PathBuf,
     loops: Vec<Loop>,
+    /// The object store backups go to (on the switch's gateway).
+    store: Option<weed::Weed>,
 }
 
 impl Cluster {
@@ -176,6 +183,7 @@ impl Cluster {
             cp.ok(&["apply", "-n", "backup-app-namespace", "-f", &f.display().to_string()]);
         }
 
+        let store = backup::store(&cp, &sw.gateway, dir);
         let mut c = Self {
             cp,
             sw,
@@ -187,6 +195,7 @@ impl Cluster {
             sidecars: Vec::new(),
             pki,
             loops: Vec::new(),
+            store,
         };
         for n in NODES {
             c.add_node(dir, n);
@@ -734,6 +743,7 @@ fn ferrite_on_kubernetes() {
         let got = common::nbd::read_image(c.daemon(node), vol, 1 << 20);
         assert!(got == content, "claim {name} does not hold the source's data");
     }
+    backup::offsite(&mut c, &data_vol, dir.path());
 
     println!("== a rotated node certificate is served without a restart");
     let pki = c.pki.clone();

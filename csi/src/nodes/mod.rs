@@ -20,6 +20,7 @@ use anyhow::Context;
 use ferrite_proto::ClientTls;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_client::AdminClient;
+use ferrite_proto::ferrite::v1::backups_client::BackupsClient;
 use ferrite_tls::Reloading;
 use serde::Deserialize;
 use tonic::Status;
@@ -137,6 +138,15 @@ const MOST_KEPT: usize = 1024;
 /// when its daemon does not answer. Where the directory keeps connections, one is reused
 /// across calls (no TCP and TLS handshake per call: a scan of fifty nodes would make fifty).
 pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Channel>, Status> {
+    Ok(AdminClient::new(channel(dir, node).await?))
+}
+
+/// `node`'s daemon's Backups service (same connection as its admin API).
+pub async fn backups(dir: &dyn NodeDirectory, node: &str) -> Result<BackupsClient<Channel>, Status> {
+    Ok(BackupsClient::new(channel(dir, node).await?))
+}
+
+async fn channel(dir: &dyn NodeDirectory, node: &str) -> Result<Channel, Status> {
     let at = dir.admin_endpoint(node).ok_or_else(|| Status::not_found(format!("unknown node {node:?}")))?;
     let (tls, server_name) = (dir.tls(), dir.server_name());
     let ptr = |t: &Option<Arc<ClientTls>>| t.as_ref().map(Arc::as_ptr);
@@ -144,7 +154,7 @@ pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Ch
     if let Some(kept) = kept {
         let kept = kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(k) = kept.get(&at).filter(|k| k.server_name == server_name && ptr(&k.tls) == ptr(&tls)) {
-            return Ok(AdminClient::new(k.channel.clone()));
+            return Ok(k.channel.clone());
         }
     }
     let channel = ferrite_proto::connect_as(&at, tls.clone(), server_name.as_deref())
@@ -157,7 +167,7 @@ pub async fn admin(dir: &dyn NodeDirectory, node: &str) -> Result<AdminClient<Ch
         }
         kept.insert(at, Kept { tls, server_name, channel: channel.clone() });
     }
-    Ok(AdminClient::new(channel))
+    Ok(channel)
 }
 
 /// What is wrong with `node`'s daemon, if anything: it does not answer within `within` (or

@@ -66,15 +66,16 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Admin/UnfenceNetworks", &[Controller]),
     ("/ferrite.v1.Admin/ListFences", &[Controller]),
     ("/ferrite.v1.Admin/ListClients", &[Controller]),
-    // Backups leave the cluster with a target's credentials: an operator's (a scheduled
-    // `ferrite backup create` runs on the node with the admin socket).
-    ("/ferrite.v1.Backups/CreateBackup", &[]),
+    // Backups leave the cluster with a target's credentials. The controller makes, finds,
+    // deletes and restores one backup at a time (a VolumeSnapshot of a `backup` class); listing
+    // a target, verifying and pruning it are an operator's.
+    ("/ferrite.v1.Backups/CreateBackup", &[Controller]),
     ("/ferrite.v1.Backups/ListBackups", &[]),
-    ("/ferrite.v1.Backups/GetBackup", &[]),
-    ("/ferrite.v1.Backups/DeleteBackup", &[]),
+    ("/ferrite.v1.Backups/GetBackup", &[Controller]),
+    ("/ferrite.v1.Backups/DeleteBackup", &[Controller]),
     ("/ferrite.v1.Backups/VerifyBackups", &[]),
     ("/ferrite.v1.Backups/PruneBackups", &[]),
-    ("/ferrite.v1.Backups/RestoreBackup", &[]),
+    ("/ferrite.v1.Backups/RestoreBackup", &[Controller]),
     ("/ferrite.v1.Backups/ListBackupTargets", &[]),
     ("/ferrite.v1.Replica/Position", &[ReplicationPeer]),
     ("/ferrite.v1.Replica/Push", &[ReplicationPeer]),

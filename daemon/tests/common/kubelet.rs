@@ -140,7 +140,12 @@ impl Pod {
                     chown(&path, None, Some(g));
                 }
             } else if let Some(s) = v.get("secret") {
-                let secret = cp.get(&["secret", s["secretName"].as_str().unwrap(), "-n", &ns]);
+                let name = s["secretName"].as_str().unwrap();
+                // An optional Secret that does not exist is an empty directory.
+                if s["optional"] == true && !cp.kubectl(&["get", "secret", name, "-n", &ns]).status.success() {
+                    continue;
+                }
+                let secret = cp.get(&["secret", name, "-n", &ns]);
                 let files = secret["data"].as_object().cloned().unwrap_or_default().into_iter();
                 let files = files.map(|(k, b64)| (k, base64(b64.as_str().unwrap()))).collect();
                 self.write_files(&path, files, mode(s));
