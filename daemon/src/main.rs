@@ -679,7 +679,22 @@ fn main() {
         _ => "warn",
     };
     init_logging(filter);
+    quiet_on_closed_pipe();
     exit(runtime().block_on(client(cli)));
+}
+
+/// A client command whose reader went away (`ferrite pool status | head -1`) ends quietly, as
+/// Unix tools do, instead of with a panic: Rust ignores SIGPIPE (which the daemon and the driver
+/// need ignored), so a print to a closed pipe panics with EPIPE.
+fn quiet_on_closed_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info.payload().downcast_ref::<String>().map_or("", String::as_str);
+        if msg.starts_with("failed printing to std") && msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default(info);
+    }));
 }
 
 /// Resolves on SIGTERM or SIGINT.

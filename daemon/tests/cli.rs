@@ -349,3 +349,21 @@ fn groups_and_group_snapshots_through_the_cli() {
     d.ok(&["group", "delete", "app"]);
     d.ok(&["group", "create", "other", "db"]);
 }
+
+#[test]
+fn a_closed_pipe_ends_a_command_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path());
+    // `ferrite pool status | true`: its stdout a pipe whose reader is gone before it prints.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = Command::new(common::BIN)
+        .arg("--admin-socket")
+        .arg(d.admin())
+        .args(["pool", "status"])
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.is_empty(), "{:?}: {err}", o.status);
+}
