@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::admin_client::AdminClient;
+use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::args::{
@@ -177,6 +179,26 @@ impl Controller {
     }
 }
 
+/// A volume made from a source (a clone, a restore) brought to the request: grown to `size` if
+/// its source was smaller, and given the class's `limits`.
+async fn fit(
+    c: &mut AdminClient<Channel>,
+    mut v: pb::Volume,
+    size: u64,
+    limits: pb::VolumeLimits,
+) -> Result<pb::Volume, Status> {
+    if v.size < size {
+        v = c.grow_volume(pb::GrowVolumeRequest { name: v.name.clone(), new_size: size }).await?.into_inner();
+    }
+    if limits != pb::VolumeLimits::default() {
+        v = c
+            .set_volume_limits(pb::SetVolumeLimitsRequest { name: v.name.clone(), limits: Some(limits) })
+            .await?
+            .into_inner();
+    }
+    Ok(v)
+}
+
 #[tonic::async_trait]
 impl csi::controller_server::Controller for Controller {
     async fn create_volume(
@@ -231,15 +253,8 @@ impl csi::controller_server::Controller for Controller {
             // Restored where the topology asks (any node with the target), serving at once; a
             // replicated class's copies are added once the copy is done (retried until then).
             let node = self.place(r.accessibility_requirements.as_ref(), free)?;
-            let mut v = crate::backups::restore(&*self.nodes, &backup, &node, &name, encryption).await?;
-            let mut c = admin(&*self.nodes, &node).await?;
-            if v.size < size {
-                v = c.grow_volume(pb::GrowVolumeRequest { name: name.clone(), new_size: size }).await?.into_inner();
-            }
-            if limits != pb::VolumeLimits::default() {
-                let r = pb::SetVolumeLimitsRequest { name: name.clone(), limits: Some(limits) };
-                v = c.set_volume_limits(r).await?.into_inner();
-            }
+            let v = crate::backups::restore(&*self.nodes, &backup, &node, &name, encryption).await?;
+            let v = fit(&mut admin(&*self.nodes, &node).await?, v, size, limits).await?;
             let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &r.parameters).await?;
             return Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }));
         }
@@ -272,18 +287,8 @@ impl csi::controller_server::Controller for Controller {
             // A clone lives where its source does, whatever the topology asked for.
             Some((node, src)) => {
                 let mut c = admin(&*self.nodes, &node).await?;
-                let mut v = c
-                    .clone_volume(pb::CloneVolumeRequest { name: name.clone(), source: Some(src) })
-                    .await?
-                    .into_inner();
-                if v.size < size {
-                    v = c.grow_volume(pb::GrowVolumeRequest { name: name.clone(), new_size: size }).await?.into_inner();
-                }
-                if limits != pb::VolumeLimits::default() {
-                    let r = pb::SetVolumeLimitsRequest { name, limits: Some(limits) };
-                    v = c.set_volume_limits(r).await?.into_inner();
-                }
-                (node, v)
+                let v = c.clone_volume(pb::CloneVolumeRequest { name, source: Some(src) }).await?.into_inner();
+                (node, fit(&mut c, v, size, limits).await?)
             }
             None => {
                 let node = self.place(r.accessibility_requirements.as_ref(), free)?;

@@ -246,9 +246,9 @@ async fn choose_snapshot(
 }
 
 /// After a backup from automatic snapshot `kept`, the others go: it is the next incremental's
-/// base. An interrupted backup's with a chosen id stays, for the call that resumes it.
-async fn drop_older_bases(pool: &Arc<Pool>, target: &Target, volume: &str, kept: &str) -> Result<(), Status> {
-    let index = Index::load(target, volume).await.map_err(backup_status)?;
+/// base. An interrupted backup's with a chosen id (not in `index`, the volume's backups before
+/// this one) stays, for the call that resumes it.
+async fn drop_older_bases(pool: &Arc<Pool>, index: Index, volume: &str, kept: &str) -> Result<(), Status> {
     let prefix = auto_prefix(volume);
     let (p, v, kept) = (Arc::clone(pool), volume.to_owned(), kept.to_owned());
     blocking(move || {
@@ -298,14 +298,14 @@ impl pb::backups_server::Backups for BackupService {
                 return Ok((target, busy, Err(made)));
             }
             let chosen = choose_snapshot(&self.pool, &index, &r.volume, &r.snapshot, &r.id).await?;
-            Ok::<_, Status>((target, busy, Ok(chosen)))
+            Ok::<_, Status>((target, busy, Ok((chosen, index))))
         };
         let (target, busy, chosen) = prepared.await.inspect_err(|_| {
             if self.targets.contains_key(&r.target) {
                 self.outcomes.record(&r.target, &r.volume, false);
             }
         })?;
-        let (snapshot, id, auto) = match chosen {
+        let ((snapshot, id, auto), index) = match chosen {
             Ok(chosen) => chosen,
             // Made before: asked again (a CSI snapshot's retry), it is what was made.
             Err(m) => {
@@ -324,7 +324,7 @@ impl pb::backups_server::Backups for BackupService {
             tracing::info!(target = %target.name, backup = %m.backup_ref(), chunks = m.chunks.len(),
                 read = m.read_bytes, uploaded = m.uploaded_bytes, "backup made");
             if auto {
-                drop_older_bases(&pool, &target, &opts.volume, &snapshot).await?;
+                drop_older_bases(&pool, index, &opts.volume, &snapshot).await?;
             }
             Ok(done_msg(&target.name, &m))
         })))
