@@ -25,6 +25,7 @@ pub mod addons;
 mod args;
 mod backups;
 pub mod busy;
+pub mod certs;
 pub mod controller;
 pub mod copies;
 pub mod encryption;
@@ -99,6 +100,8 @@ pub struct Options {
     /// Where the drain guard's admission webhook listens, and its TLS (controller mode with
     /// failover).
     pub webhook: Option<(std::net::SocketAddr, Arc<ferrite_tls::ServerTls>)>,
+    /// Controller mode: sign the nodes' certificate requests.
+    pub signer: Option<certs::signer::Signer>,
 }
 
 impl Options {
@@ -159,6 +162,11 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
             "--webhook-listen serves the drain guard, which needs controller mode, --node-service and failover"
         );
     }
+    let signer = match (&opts.signer, controller) {
+        (None, _) => None,
+        (Some(s), true) => Some(certs::signer::start(s.clone()).await?),
+        (Some(_), false) => anyhow::bail!("--signer-ca needs controller mode"),
+    };
     if node.is_some() {
         // The daemon may be away (restarting, or for good): its ublk devices' hold ends here.
         ferrite_ublk::hold::spawn(ferrite_ublk::hold::path(&opts.admin_socket))?;
@@ -231,6 +239,9 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         Some(a) => tokio::try_join!(main, a, signal).map(drop),
         None => tokio::try_join!(main, signal).map(drop),
     };
+    if let Some(s) = signer {
+        s.abort();
+    }
     let _ = std::fs::remove_file(&opts.endpoint);
     if let Some(p) = &opts.addons_endpoint {
         let _ = std::fs::remove_file(p);

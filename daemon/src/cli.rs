@@ -98,7 +98,7 @@ pub fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
 }
 
 /// Seconds since the epoch as `YYYY-MM-DD hh:mm:ss` (UTC).
-fn format_time(unix: u64) -> String {
+pub fn format_time(unix: u64) -> String {
     let Ok(t) =
         i64::try_from(unix).map_err(drop).and_then(|s| time::OffsetDateTime::from_unix_timestamp(s).map_err(drop))
     else {

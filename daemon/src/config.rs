@@ -3,7 +3,10 @@
 //! ```toml
 //! data-dir = "/var/lib/ferrite"     # default: $FERRITE_DATA_DIR or ./ferrite-data
 //! pool-path = "/dev/nvme0n1"        # default: <data-dir>/pool.img (a sparse file)
-//! pool-size = "64G"                 # size of a new pool file; default 16G
+//! pool-size = "64G"                 # size of a new pool file; default 16G; "auto": the free
+//!                                   # space of the filesystem under it, less pool-reserve
+//! pool-reserve = "10%"              # with pool-size auto: what stays free on that filesystem
+//!                                   # (a size, or a percentage of its size); default 10%
 //! segment-size = "32M"              # for a new pool; default 32M
 //! pool-discard = "auto"             # give freed segments back: auto (holes in a sparse pool file
 //!                                   # only), on (also BLKDISCARD on a device, for SSDs), off
@@ -108,6 +111,7 @@ pub struct ConfigFile {
     pub pool_path: Option<PathBuf>,
     pub meta_dir: Option<PathBuf>,
     pub pool_size: Option<String>,
+    pub pool_reserve: Option<String>,
     pub segment_size: Option<String>,
     pub pool_discard: Option<String>,
     pub overcommit_ratio: Option<f64>,
@@ -158,13 +162,79 @@ pub struct ConfigFile {
     pub backup_targets_file: Option<PathBuf>,
 }
 
+/// The size of a new pool file.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PoolSize {
+    Fixed(u64),
+    /// The free space of the filesystem under the file, less the reserve.
+    Auto {
+        reserve: Reserve,
+    },
+}
+
+/// What a pool sized `auto` leaves free on its filesystem.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Reserve {
+    Bytes(u64),
+    /// A percentage of the filesystem's size.
+    Percent(f64),
+}
+
+impl Reserve {
+    fn parse(v: &str) -> Result<Self> {
+        let r = match v.strip_suffix('%') {
+            Some(p) => match p.trim().parse::<f64>() {
+                Ok(p) if (0.0..100.0).contains(&p) => Self::Percent(p),
+                _ => bail!("pool-reserve: {v:?} is no percentage from 0 to below 100"),
+            },
+            None => Self::Bytes(parse_size(v).map_err(|e| anyhow::anyhow!("pool-reserve: {e}"))?),
+        };
+        Ok(r)
+    }
+}
+
+impl PoolSize {
+    /// The size for a new pool file on a filesystem of `total` bytes with `free` available,
+    /// in whole segments.
+    pub fn resolve(self, total: u64, free: u64, segment: u64) -> Result<u64> {
+        let reserve = match self {
+            Self::Fixed(n) => return Ok(n),
+            Self::Auto { reserve: Reserve::Bytes(b) } => b,
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+            Self::Auto { reserve: Reserve::Percent(p) } => (total as f64 * p / 100.0) as u64,
+        };
+        let size = free.saturating_sub(reserve) / segment.max(1) * segment.max(1);
+        // The engine's smallest useful pool: a few segments beyond its own.
+        if size < 8 * segment {
+            bail!(
+                "pool-size auto: the filesystem has {} free and keeps {} in reserve, which leaves no room for a pool; set pool-size or free space",
+                crate::size::format_size(free),
+                crate::size::format_size(reserve)
+            );
+        }
+        Ok(size)
+    }
+
+    /// The size for a new pool file at `path`: its filesystem's free space less the reserve.
+    pub fn for_file(self, path: &Path, segment: u64) -> Result<u64> {
+        if let Self::Fixed(n) = self {
+            return Ok(n);
+        }
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let s = rustix::fs::statvfs(dir).with_context(|| format!("statvfs {}", dir.display()))?;
+        let (total, free) = (s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize);
+        self.resolve(total, free, segment).with_context(|| format!("sizing a pool file in {}", dir.display()))
+    }
+}
+
 /// Configuration with every default filled in and every value checked.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub data_dir: PathBuf,
     pub pool_path: PathBuf,
     pub meta_dir: PathBuf,
-    pub pool_size: u64,
+    pub pool_size: PoolSize,
     pub segment_size: u64,
     pub pool_discard: ferrite_engine::Discard,
     pub overcommit_ratio: Option<f64>,
@@ -344,7 +414,11 @@ impl Config {
         let mut cfg = Self {
             pool_path: f.pool_path.unwrap_or_else(|| data_dir.join("pool.img")),
             meta_dir: f.meta_dir.unwrap_or_else(|| data_dir.join("meta")),
-            pool_size: size(f.pool_size, "16G", "pool-size")?,
+            pool_size: match f.pool_size.as_deref() {
+                Some("auto") => PoolSize::Auto { reserve: Reserve::parse(f.pool_reserve.as_deref().unwrap_or("10%"))? },
+                _ if f.pool_reserve.is_some() => bail!("pool-reserve is for pool-size = \"auto\""),
+                _ => PoolSize::Fixed(size(f.pool_size, "16G", "pool-size")?),
+            },
             segment_size: size(f.segment_size, "32M", "segment-size")?,
             pool_discard: match f.pool_discard.as_deref() {
                 None | Some("auto") => ferrite_engine::Discard::Auto,
@@ -547,7 +621,7 @@ mod tests {
         let c = Config::resolve(ConfigFile::default(), Some("/d".into())).unwrap();
         assert_eq!(c.pool_path, PathBuf::from("/d/pool.img"));
         assert_eq!(c.admin_socket, PathBuf::from("/d/admin.sock"));
-        assert_eq!(c.pool_size, 16 << 30);
+        assert_eq!(c.pool_size, PoolSize::Fixed(16 << 30));
         assert_eq!(c.write_delay, std::time::Duration::from_millis(1));
         assert_eq!(c.readahead, 2 << 20);
         assert_eq!(c.idle_cleaning, Some(Duration::from_secs(2)));
@@ -558,9 +632,36 @@ mod tests {
         let f: ConfigFile =
             toml::from_str("pool-size = \"2G\"\nnbd-listen = \"127.0.0.1:10809\"\ndata-dir = \"/x\"").unwrap();
         let c = Config::resolve(f, None).unwrap();
-        assert_eq!(c.pool_size, 2 << 30);
+        assert_eq!(c.pool_size, PoolSize::Fixed(2 << 30));
         assert_eq!(c.meta_dir, PathBuf::from("/x/meta"));
         assert!(c.nbd_listen.is_some());
+    }
+
+    #[test]
+    fn an_auto_pool_takes_the_free_space_less_the_reserve() {
+        let auto =
+            |r: &str| Config::load_str(&format!("pool-size = \"auto\"\npool-reserve = \"{r}\"")).unwrap().pool_size;
+        let g = 1u64 << 30;
+        let seg = 32 << 20;
+        // 100 GiB filesystem, 40 GiB free: 10% keeps 10 GiB, 5G keeps 5 GiB; whole segments.
+        assert_eq!(auto("10%").resolve(100 * g, 40 * g, seg).unwrap(), 30 * g);
+        assert_eq!(auto("5G").resolve(100 * g, 40 * g + 1000, seg).unwrap(), 35 * g);
+        let default = Config::load_str("pool-size = \"auto\"").unwrap().pool_size;
+        assert_eq!(default, auto("10%"), "10% by default");
+        let full = auto("10%").resolve(100 * g, 10 * g, seg).unwrap_err().to_string();
+        assert!(full.contains("no room for a pool") && full.contains("10.0 GiB"), "{full}");
+        assert_eq!(PoolSize::Fixed(2 * g).resolve(100 * g, 0, seg).unwrap(), 2 * g, "a size given is the size");
+        for bad in ["100%", "-1%", "x%", "12Q"] {
+            assert!(Config::load_str(&format!("pool-size = \"auto\"\npool-reserve = \"{bad}\"")).is_err(), "{bad}");
+        }
+        assert!(Config::load_str("pool-reserve = \"1G\"").unwrap_err().to_string().contains("auto"));
+        // On a real filesystem: at most its free space.
+        let dir = tempfile::tempdir().unwrap();
+        let free = rustix::fs::statvfs(dir.path()).map(|s| s.f_bavail * s.f_frsize).unwrap();
+        match auto("0%").for_file(&dir.path().join("pool.img"), seg) {
+            Ok(n) => assert!(n <= free && n > 0),
+            Err(e) => assert!(e.to_string().contains("no room"), "{e:#}"),
+        }
     }
 
     #[test]

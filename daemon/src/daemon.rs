@@ -61,10 +61,11 @@ fn open_pool(cfg: &Config) -> Result<Pool> {
         );
         Ok(pool)
     } else {
-        let pool = Pool::create(&cfg.pool_path, &cfg.meta_dir, cfg.pool_size, opts)
+        let size = cfg.pool_size.for_file(&cfg.pool_path, cfg.segment_size)?;
+        let pool = Pool::create(&cfg.pool_path, &cfg.meta_dir, size, opts)
             .with_context(|| format!("creating pool {}", cfg.pool_path.display()))?;
         tracing::info!(uuid = %pool.stats().uuid, path = %cfg.pool_path.display(),
-            size = %format_size(cfg.pool_size), "pool created");
+            size = %format_size(size), "pool created");
         Ok(pool)
     }
 }

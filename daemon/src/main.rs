@@ -129,6 +129,45 @@ enum Cmd {
         /// VolumeAttachments of this driver instead (the pods using them are deleted either way).
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         out_of_service_taint: bool,
+        /// Controller mode with --node-service: sign the nodes' certificate requests (signer
+        /// `ferrite.dev/node`) with the CA in this directory (ca.crt, ca.key: the Secret
+        /// ferrite-ca). Only a daemon pod's own token gets a certificate, for its own node's names.
+        #[arg(long)]
+        signer_ca: Option<PathBuf>,
+        /// The ServiceAccount of the daemon pods (in the node Service's namespace) the signer issues to.
+        #[arg(long, default_value = "ferrite-daemon")]
+        signer_account: String,
+        /// The longest lifetime the signer gives a node certificate, in days.
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=365))]
+        signer_max_days: u64,
+    },
+    /// Have this node's certificate issued by the cluster (the CertificateSigningRequest API,
+    /// signer `ferrite.dev/node`: the controller with --signer-ca) unless the one in --dir names
+    /// the node's current addresses and is not due for renewal; with --renew, keep renewing it.
+    /// The daemon pod's init container and its node-cert container.
+    NodeCert {
+        /// This node's name.
+        #[arg(long, env = "NODE_NAME")]
+        node: String,
+        /// Where tls.key (made here once, 0600), tls.crt and ca.crt are.
+        #[arg(long, default_value = "/etc/ferrite/tls")]
+        dir: PathBuf,
+        /// The node Service's DNS name, which every node's certificate carries.
+        #[arg(long, default_value = "ferrite-node.ferrite.svc")]
+        service: String,
+        /// The lifetime to ask for, in days (renewed two thirds into it).
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=365))]
+        days: u64,
+        /// Seconds to wait for the signer's answer.
+        #[arg(long, default_value_t = 300)]
+        wait: u64,
+        /// Keep running: renew whenever due.
+        #[arg(long)]
+        renew: bool,
+        /// With --renew: seconds between looks at the files (a missing or outdated certificate
+        /// is replaced at the next look).
+        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+        check_every: u64,
     },
     /// Renew this node's storage Lease (`ferrite-node-<node>`) for as long as the daemon at
     /// --admin-socket answers with a healthy pool: the daemon pod's heartbeat container, which
@@ -617,6 +656,32 @@ fn main() {
             let run = ferrite_csi::heartbeat::run(node, namespace, &socket, t, shutdown_signal());
             return exit(runtime().block_on(run));
         }
+        Cmd::NodeCert { node, dir, service, days, wait, renew, check_every } => {
+            init_logging("info");
+            let secs = std::time::Duration::from_secs;
+            let o = ferrite_csi::certs::request::Options {
+                node: node.clone(),
+                dir: dir.clone(),
+                service: service.clone(),
+                lifetime: secs(days * 86_400),
+                wait: secs(*wait),
+                check_every: secs(*check_every),
+            };
+            return exit(runtime().block_on(async {
+                if *renew {
+                    ferrite_csi::certs::request::renew(&o, shutdown_signal()).await;
+                    return Ok(());
+                }
+                let h = ferrite_csi::certs::request::ensure(&o).await?;
+                let what = if h.issued { "issued" } else { "already held" };
+                println!(
+                    "node {node}: certificate {what}, valid until {} (renewed from {})",
+                    cli::format_time(h.not_after.unsigned_abs()),
+                    cli::format_time(h.renew_at.unsigned_abs())
+                );
+                Ok(())
+            }));
+        }
         Cmd::Csi {
             mode,
             endpoint,
@@ -631,6 +696,9 @@ fn main() {
             node_lease_namespace,
             webhook_listen,
             out_of_service_taint,
+            signer_ca,
+            signer_account,
+            signer_max_days,
         } => {
             init_logging("info");
             // The driver runs for months: its certificate follows its files.
@@ -651,6 +719,21 @@ fn main() {
                     Ok(tls) => Some((*at, std::sync::Arc::new(tls))),
                     Err(e) => return exit(Err(anyhow::anyhow!("the webhook's certificate: {e}"))),
                 },
+            };
+            let signer = match (signer_ca, node_service.as_deref().and_then(|s| s.split_once('/')), admin_server_name) {
+                (None, _, _) => None,
+                (Some(ca), Some((ns, _)), Some(service)) => Some(ferrite_csi::certs::signer::Signer {
+                    ca_dir: ca.clone(),
+                    namespace: ns.to_owned(),
+                    account: signer_account.clone(),
+                    service: service.clone(),
+                    max_lifetime: std::time::Duration::from_secs(signer_max_days * 86_400),
+                }),
+                (Some(_), _, _) => {
+                    return exit(Err(anyhow::anyhow!(
+                        "--signer-ca needs --node-service (the daemons' namespace) and --admin-server-name (the name their certificates carry)"
+                    )));
+                }
             };
             let node_id = if node_id.is_empty() { hostname() } else { node_id.clone() };
             let opts = ferrite_csi::Options {
@@ -673,6 +756,7 @@ fn main() {
                 node_lease_namespace: node_lease_namespace.clone(),
                 out_of_service_taint: *out_of_service_taint,
                 webhook,
+                signer,
             };
             return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));
         }
@@ -770,6 +854,7 @@ async fn client(cli: Cli) -> Result<()> {
         Cmd::Daemon { .. }
         | Cmd::Csi { .. }
         | Cmd::Heartbeat { .. }
+        | Cmd::NodeCert { .. }
         | Cmd::Watchdog
         | Cmd::Certs { .. }
         | Cmd::Backup(_)

@@ -66,7 +66,10 @@ pub fn format(cfg: &Config, req: &FormatRequest) -> Result<()> {
             }
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let size = req.size.unwrap_or(cfg.pool_size);
+            let size = match req.size {
+                Some(s) => s,
+                None => cfg.pool_size.for_file(&path, cfg.segment_size)?,
+            };
             Pool::create_file(&path, size)?;
         }
         Err(e) => return Err(e).with_context(|| format!("looking at {}", path.display())),

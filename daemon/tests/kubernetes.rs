@@ -164,6 +164,18 @@ impl Cluster {
             &format!("--cert={}", p("snapshot-metadata.pem")),
             &format!("--key={}", p("snapshot-metadata-key.pem")),
         ]);
+        // The CA the controller signs the nodes' certificates with, as docs/kubernetes.md has
+        // the operator create it: no node's certificate is made or copied by hand.
+        cp.ok(&[
+            "create",
+            "secret",
+            "generic",
+            "ferrite-ca",
+            "-n",
+            NS,
+            &format!("--from-file=ca.crt={}", p("ca.pem")),
+            &format!("--from-file=ca.key={}", p("ca-key.pem")),
+        ]);
         let ca = sh(&format!("base64 -w0 {}", p("ca.pem")));
         let patch = json!({"spec": {"caCert": ca.trim()}}).to_string();
         cp.merge_patch("snapshotmetadataservice", "csi.ferrite.dev", &patch);
@@ -198,9 +210,17 @@ impl Cluster {
             store,
         };
         for n in NODES {
-            c.add_node(dir, n);
+            c.join(dir, n);
         }
-        c.listed();
+        // A missing certificate is replaced within seconds here (the renewal test below).
+        let mut ds = c.cp.get(&["daemonset", "ferrite-daemon", "-n", NS]);
+        let containers = ds["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
+        let renew = containers.iter_mut().find(|c| c["name"] == "cert-renew").unwrap();
+        let args = renew["args"].as_array_mut().unwrap();
+        let at = args.iter().position(|a| a == "--check-every=300").expect("the renewal looks every 5 minutes");
+        args[at] = json!("--check-every=2");
+        ds["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
+        c.cp.apply(&ds.to_string());
         // Failover waits a minute by default; the tier's nodes are lost on purpose.
         let mut dep = c.cp.get(&["deployment", "ferrite-controller", "-n", NS]);
         let containers = dep["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
@@ -210,15 +230,26 @@ impl Cluster {
         args[at] = json!(format!("--failover-after={}", FAILOVER_AFTER.as_secs()));
         dep["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
         c.cp.apply(&dep.to_string());
+        // The controller first: it signs the certificates the daemons' init containers ask for.
         c.start_controller();
+        for i in 0..NODES.len() {
+            c.start_node_pods(i);
+        }
+        c.listed();
         c
     }
 
-    /// Node `name` joins: its Node object (what the kubelet publishes, and what the administrator
-    /// adds: node-c's pool is a device its annotation names, formatted on opt-in), its
-    /// certificate in /etc/ferrite/tls as docs/kubernetes.md says, its daemon and node plugin pods.
-    /// The switch has a host for it.
+    /// Node `name` joins: its Node object, its daemon and node plugin pods (whose init container
+    /// has the node's certificate issued by the cluster).
     fn add_node(&mut self, dir: &Path, name: &str) {
+        self.join(dir, name);
+        self.start_node_pods(self.nodes.len() - 1);
+    }
+
+    /// Node `name`'s Node object (what the kubelet publishes, and what the administrator adds:
+    /// node-c's pool is a device its annotation names, formatted on opt-in). The switch has a
+    /// host for it.
+    fn join(&mut self, dir: &Path, name: &str) {
         let i = self.nodes.len();
         let node = Node {
             name: name.to_owned(),
@@ -229,10 +260,11 @@ impl Cluster {
         if i == DEVICE_NODE {
             self.loops.push(Loop::new(&dir.join("node-c-pool.img"), "2G"));
         }
-        common::csi::certs(&self.pki, name, &[&node.ip, "ferrite-node.ferrite.svc"]);
-        install_node_cert(&self.pki, &node);
         self.nodes.push(node);
         self.register(i);
+    }
+
+    fn start_node_pods(&mut self, i: usize) {
         let d = self.start_daemon_pod(i);
         self.daemon_pods.push(d);
         self.daemons.push(Daemon { dir: self.nodes[i].host("/run/ferrite"), child: None });
@@ -255,6 +287,8 @@ impl Cluster {
                     "topology.kubernetes.io/zone": zone, "topology.kubernetes.io/region": "lab"}}})
             .to_string(),
         );
+        let addresses = json!({"status": {"addresses": [{"type": "InternalIP", "address": self.nodes[i].ip}]}});
+        self.cp.ok(&["patch", "node", name, "--subresource=status", "--type=merge", "-p", &addresses.to_string()]);
     }
 
     /// Waits for the node Service's EndpointSlices (the controller's directory) to list every node.
@@ -280,8 +314,9 @@ impl Cluster {
         let tpl = &ds["spec"]["template"];
         let name = format!("ferrite-daemon-{}-{}", node.name, self.cp.names().len());
         let pod = Pod::run(&self.cp, NS, &name, tpl, node, Some(owner(&ds)), &node.ip);
-        // The ServiceAccount token a pod would have, as a kubeconfig.
-        let kc = self.cp.token_kubeconfig(NS, "ferrite-daemon", &format!("ferrite-daemon-{}.kubeconfig", node.name));
+        // The ServiceAccount token the kubelet projects into the pod (bound to it), as a kubeconfig.
+        let kc =
+            self.cp.pod_token_kubeconfig(NS, "ferrite-daemon", pod.name(), pod.uid(), &format!("{name}.kubeconfig"));
         let env = [("KUBECONFIG".to_owned(), kc.display().to_string())];
         for init in tpl["spec"]["initContainers"].as_array().unwrap() {
             let name = init["name"].as_str().unwrap();
@@ -298,6 +333,10 @@ impl Cluster {
         for c in tpl["spec"]["containers"].as_array().unwrap() {
             match c["name"].as_str().unwrap() {
                 "daemon" => pod.start(&mut self.cp, "daemon", Path::new(BIN), &[], &[], true),
+                "cert-renew" => {
+                    pod.start(&mut self.cp, "cert-renew", Path::new(BIN), &[], &env, false);
+                    self.sidecars.push(pod.log_path("cert-renew"));
+                }
                 // The storage heartbeat reaches the API server from the node, as a pod does.
                 "heartbeat" => {
                     let cmd = pod.command("heartbeat", Path::new(BIN), &[], &[], false);
@@ -490,19 +529,32 @@ fn owner(object: &Value) -> Value {
         "uid": object["metadata"]["uid"], "controller": true})
 }
 
-/// Writes node's certificate, key and the CA where the daemon's hostPath volume reads them.
-fn install_node_cert(pki: &Path, node: &Node) {
-    let tls = node.host("/etc/ferrite/tls");
-    std::fs::create_dir_all(&tls).unwrap();
-    for (from, to) in [
-        ("ca.pem", "ca.crt"),
-        (&format!("{}.pem", node.name), "tls.crt"),
-        (&format!("{}-key.pem", node.name), "tls.key"),
-    ] {
-        // Written beside and renamed, as a rotation would be.
-        let tmp = tls.join(format!("{to}.new"));
-        std::fs::copy(pki.join(from), &tmp).unwrap();
-        std::fs::rename(&tmp, tls.join(to)).unwrap();
+/// Node-d joined after the install: its certificate came through the CertificateSigningRequest
+/// API with nobody copying a file (it already serves: the copy replaced onto it used it), for its
+/// own names. Its daemon pod's token is refused a certificate for another node's names, and a
+/// token bound to no pod is refused any.
+fn certificates_by_the_cluster(c: &mut Cluster, dir: &Path) {
+    println!("== a node that joined late got its certificate from the cluster, for its own names only");
+    let d = c.nodes.iter().position(|n| n.name == "node-d").unwrap();
+    let tls = c.nodes[d].host("/etc/ferrite/tls");
+    let cert = ferrite_tls::load_certs(&tls.join("tls.crt")).unwrap();
+    assert_eq!(ferrite_tls::identities(&cert[0]), ["node-d", c.nodes[d].ip.as_str(), "ferrite-node.ferrite.svc"]);
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(tls.join("tls.key")).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "the node's key is private");
+    let pod = &c.daemon_pods[d];
+    let forged = c.cp.pod_token_kubeconfig(NS, "ferrite-daemon", pod.name(), pod.uid(), "node-d-forged.kubeconfig");
+    let unbound = c.cp.token_kubeconfig(NS, "ferrite-daemon", "unbound-daemon.kubeconfig");
+    for (kc, node, why) in [(&forged, "node-a", "not CN=node-d"), (&unbound, "node-d", "not bound to a pod")] {
+        let out = dir.join(format!("forged-{node}"));
+        let o = Command::new(BIN)
+            .args(["node-cert", &format!("--node={node}"), &format!("--dir={}", out.display()), "--wait=60"])
+            .env("KUBECONFIG", kc)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        println!("   {node} asked with {}: {}", kc.display(), err.trim());
+        assert!(!o.status.success() && err.contains("was denied") && err.contains(why), "{err}");
+        assert!(!out.join("tls.crt").exists(), "no certificate was written");
     }
 }
 
@@ -745,21 +797,27 @@ fn ferrite_on_kubernetes() {
     }
     backup::offsite(&mut c, &data_vol, dir.path());
 
-    println!("== a rotated node certificate is served without a restart");
+    println!("== a node certificate lost on the node is issued again through the API, served without a restart");
     let pki = c.pki.clone();
     let (ca, id) = (pki.join("ca.pem"), (pki.join("ferrite-controller.pem"), pki.join("ferrite-controller-key.pem")));
     let addr = format!("{}:7070", c.nodes[0].ip);
-    let leaf = |f: &str| ferrite_tls::load_certs(&pki.join(f)).unwrap()[0].to_vec();
-    assert!(presented(&addr, &ca, (&id.0, &id.1)) == leaf("node-a.pem"));
+    let tls = c.nodes[0].host("/etc/ferrite/tls");
+    let leaf = || ferrite_tls::load_certs(&tls.join("tls.crt")).ok().map(|c| c[0].to_vec());
+    let old = leaf().unwrap();
+    assert!(presented(&addr, &ca, (&id.0, &id.1)) == old);
     let pid = c.cp.pid(&c.daemon_pods[0].process("daemon"));
-    std::fs::remove_file(pki.join("node-a.pem")).unwrap();
-    std::fs::remove_file(pki.join("node-a-key.pem")).unwrap();
-    common::csi::certs(&pki, "node-a", &[&c.nodes[0].ip, "ferrite-node.ferrite.svc"]);
-    install_node_cert(&pki, &c.nodes[0]);
-    c.cp.wait("node-a's daemon to present its new certificate", LONG, |_| {
-        presented(&addr, &ca, (&id.0, &id.1)) == leaf("node-a.pem")
+    std::fs::remove_file(tls.join("tls.crt")).unwrap();
+    c.cp.wait("node-a's daemon to present a newly issued certificate", LONG, |_| {
+        leaf().is_some_and(|l| l != old && presented(&addr, &ca, (&id.0, &id.1)) == l)
     });
     assert_eq!(c.cp.pid(&c.daemon_pods[0].process("daemon")), pid, "no restart");
+    let csrs = c.cp.get(&["csr", "-l", "ferrite.dev/node=node-a"]);
+    let csrs = csrs["items"].as_array().unwrap();
+    assert!(csrs.len() >= 2, "node-a asked twice: {csrs:?}");
+    for r in csrs {
+        assert_eq!(r["spec"]["signerName"], "ferrite.dev/node");
+        assert_eq!(r["status"]["conditions"][0]["type"], "Approved", "{}", r["status"]);
+    }
 
     println!("== a new node plugin image rolls its DaemonSet; the data path is not touched");
     let fio_vol = "fio";
@@ -889,6 +947,7 @@ fn ferrite_on_kubernetes() {
     let deleted = failover::node_deleted(&mut c, triple_vol, &triple_pv);
     c.add_node(dir.path(), "node-d");
     c.listed();
+    certificates_by_the_cluster(&mut c, dir.path());
     failover::copy_replaced(&mut c, triple_vol, &triple_pv, deleted, "node-d");
     failover::deleted_node_returns(&mut c, triple_vol, &triple_pv, deleted);
 
@@ -929,7 +988,8 @@ fn ferrite_on_kubernetes() {
     let refused: Vec<&str> = logs.lines().filter(|l| l.contains("call refused")).collect();
     assert!(refused.is_empty(), "a component was refused a call:\n{}", refused.join("\n"));
     // A node's certificate (a replication peer) may not make an operator's call.
-    let (cert, key) = (pki.join("node-b.pem"), pki.join("node-b-key.pem"));
+    let node_b = c.nodes[1].host("/etc/ferrite/tls");
+    let (cert, key) = (node_b.join("tls.crt"), node_b.join("tls.key"));
     let tls = ferrite_proto::admin_tls(&pki.join("ca.pem"), Some((&cert, &key))).unwrap();
     let endpoint = format!("tcp://{}:7070", c.nodes[0].ip);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

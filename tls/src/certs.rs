@@ -8,7 +8,8 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
+    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DnType, DnValue, ExtendedKeyUsagePurpose,
+    IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 
 /// A certificate and its private key, in PEM.
@@ -24,6 +25,11 @@ const DAY: u64 = 86_400;
 const MAX_DAYS: u32 = 36_500;
 
 fn validity(params: &mut CertificateParams, days: u32) {
+    lifetime(params, Duration::from_secs(u64::from(days.min(MAX_DAYS)) * DAY));
+}
+
+fn lifetime(params: &mut CertificateParams, valid: Duration) {
+    let valid = valid.min(Duration::from_secs(u64::from(MAX_DAYS) * DAY));
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let at = |d: Duration| {
         time::OffsetDateTime::from_unix_timestamp(i64::try_from(d.as_secs()).expect("seconds since 1970 fit"))
@@ -31,7 +37,7 @@ fn validity(params: &mut CertificateParams, days: u32) {
     };
     // An hour of slack for clocks a little apart.
     params.not_before = at(now.saturating_sub(Duration::from_secs(3600)));
-    params.not_after = at(now + Duration::from_secs(u64::from(days.min(MAX_DAYS)) * DAY));
+    params.not_after = at(now + valid);
 }
 
 fn ca_params() -> CertificateParams {
@@ -58,15 +64,78 @@ pub fn issue(ca_key_pem: &str, name: &str, sans: &[String], days: u32) -> Result
     let issuer = Issuer::new(ca_params(), KeyPair::from_pem(ca_key_pem)?);
     let mut p = CertificateParams::new(sans.to_vec())?;
     p.distinguished_name.push(DnType::CommonName, name);
+    leaf(&mut p);
+    validity(&mut p, days);
+    let key = KeyPair::generate()?;
+    let cert = p.signed_by(&key, &issuer)?;
+    Ok(Issued { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+}
+
+/// What every certificate Ferrite issues may do: serve and be a client, nothing else.
+fn leaf(p: &mut CertificateParams) {
     p.is_ca = IsCa::ExplicitNoCa;
     // GnuTLS clients (qemu's tls-creds-x509) insist on keyEncipherment too, even for ECDSA.
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
     p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
     p.use_authority_key_identifier_extension = true;
-    validity(&mut p, days);
-    let key = KeyPair::generate()?;
-    let cert = p.signed_by(&key, &issuer)?;
-    Ok(Issued { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+}
+
+/// A new ECDSA P-256 private key, in PEM (PKCS#8).
+pub fn new_key() -> Result<String, rcgen::Error> {
+    Ok(KeyPair::generate()?.serialize_pem())
+}
+
+/// A certificate signing request (PKCS#10, PEM) for `name` naming `sans`, by the key `key_pem`.
+pub fn request(key_pem: &str, name: &str, sans: &[String]) -> Result<String, rcgen::Error> {
+    let mut p = CertificateParams::new(sans.to_vec())?;
+    p.distinguished_name.push(DnType::CommonName, name);
+    p.serialize_request(&KeyPair::from_pem(key_pem)?)?.pem()
+}
+
+/// A signing request read, its signature checked (proof that the requester holds the key).
+#[derive(Debug)]
+pub struct Request(CertificateSigningRequestParams);
+
+impl Request {
+    pub fn parse(pem: &str) -> Result<Self, rcgen::Error> {
+        CertificateSigningRequestParams::from_pem(pem).map(Self)
+    }
+
+    /// The subject's common name, if it has exactly one and nothing else.
+    pub fn common_name(&self) -> Option<String> {
+        let dn = &self.0.params.distinguished_name;
+        if dn.iter().count() != 1 {
+            return None;
+        }
+        match dn.get(&DnType::CommonName)? {
+            DnValue::Utf8String(s) => Some(s.clone()),
+            DnValue::PrintableString(s) => Some(s.as_str().to_owned()),
+            _ => None,
+        }
+    }
+
+    /// The DNS names and IP addresses it asks for; an error names any other kind of name.
+    pub fn names(&self) -> Result<Vec<String>, String> {
+        self.0
+            .params
+            .subject_alt_names
+            .iter()
+            .map(|n| match n {
+                SanType::DnsName(d) => Ok(d.as_str().to_owned()),
+                SanType::IpAddress(ip) => Ok(ip.to_string()),
+                other => Err(format!("a subjectAltName that is no DNS name or IP address: {other:?}")),
+            })
+            .collect()
+    }
+
+    /// Signs it with the CA `ca_cert_pem`/`ca_key_pem` for `valid`: its subject and names as
+    /// asked, the usages of every certificate Ferrite issues (whatever the request asked).
+    pub fn sign(mut self, ca_cert_pem: &str, ca_key_pem: &str, valid: Duration) -> Result<String, rcgen::Error> {
+        let issuer = Issuer::from_ca_cert_pem(ca_cert_pem, KeyPair::from_pem(ca_key_pem)?)?;
+        leaf(&mut self.0.params);
+        lifetime(&mut self.0.params, valid);
+        Ok(self.0.signed_by(&issuer)?.pem())
+    }
 }
 
 #[cfg(test)]
@@ -99,6 +168,37 @@ mod tests {
             c.process_new_packets()?;
         }
         Ok(s)
+    }
+
+    #[test]
+    fn a_signed_request_carries_its_names_and_only_leaf_usages() {
+        let ca = new_ca(30).unwrap();
+        let key = new_key().unwrap();
+        let pem =
+            request(&key, "node-a", &["node-a".into(), "10.0.0.5".into(), "ferrite-node.ferrite.svc".into()]).unwrap();
+        let r = Request::parse(&pem).unwrap();
+        assert_eq!(r.common_name().as_deref(), Some("node-a"));
+        assert_eq!(r.names().unwrap(), ["node-a", "10.0.0.5", "ferrite-node.ferrite.svc"]);
+        let cert = r.sign(&ca.cert_pem, &ca.key_pem, Duration::from_secs(3 * DAY)).unwrap();
+        let der = der(&cert);
+        assert_eq!(crate::identities(&der), ["node-a", "10.0.0.5", "ferrite-node.ferrite.svc"]);
+        let (from, to) = crate::validity(&der).unwrap();
+        assert_eq!(to - from, 3 * 86_400 + 3600, "the lifetime asked, plus the hour of clock slack");
+        let (_, c) = x509_parser::parse_x509_certificate(der.as_ref()).unwrap();
+        assert!(!c.is_ca(), "a signed request never makes a CA, whatever it asked");
+        // A request whose signature does not match its key (tampered with) is refused.
+        use rustls::pki_types::CertificateSigningRequestDer as Der;
+        use rustls::pki_types::pem::PemObject;
+        let mut bytes = Der::from_pem_slice(pem.as_bytes()).unwrap().as_ref().to_vec();
+        let at = bytes.windows(6).position(|w| w == b"node-a").unwrap();
+        bytes[at + 5] = b'b';
+        let forged = CertificateSigningRequestParams::from_der(&Der::from(bytes));
+        assert!(forged.is_err(), "a request whose signature does not verify is refused");
+        // A request for a CA, or for an e-mail name, is read but its names say so.
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.subject_alt_names.push(SanType::Rfc822Name("a@b.c".try_into().unwrap()));
+        let odd = p.serialize_request(&KeyPair::from_pem(&key).unwrap()).unwrap().pem().unwrap();
+        assert!(Request::parse(&odd).unwrap().names().is_err());
     }
 
     #[test]

@@ -163,6 +163,13 @@ pub fn identities(cert: &CertificateDer<'_>) -> Vec<String> {
     out
 }
 
+/// A certificate's validity, as seconds since 1970: (not before, not after). None if it does
+/// not parse.
+pub fn validity(cert: &CertificateDer<'_>) -> Option<(i64, i64)> {
+    let (_, c) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    Some((c.validity().not_before.timestamp(), c.validity().not_after.timestamp()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -309,7 +309,19 @@ impl ControlPlane {
 
     /// A kubeconfig with a fresh token of ServiceAccount `ns/sa`, for one process.
     pub fn token_kubeconfig(&self, ns: &str, sa: &str, file: &str) -> PathBuf {
-        let token = self.ok(&["create", "token", sa, "-n", ns, "--duration=2h"]);
+        self.kubeconfig_for(&["create", "token", sa, "-n", ns, "--duration=2h"], file)
+    }
+
+    /// The same, with the token bound to pod `name` (uid `uid`) as the kubelet projects a pod's
+    /// token: the API server then records the pod and its node with every request it makes.
+    pub fn pod_token_kubeconfig(&self, ns: &str, sa: &str, name: &str, uid: &str, file: &str) -> PathBuf {
+        let (name, uid) = (format!("--bound-object-name={name}"), format!("--bound-object-uid={uid}"));
+        let args = ["create", "token", sa, "-n", ns, "--duration=2h", "--bound-object-kind=Pod", &name, &uid];
+        self.kubeconfig_for(&args, file)
+    }
+
+    fn kubeconfig_for(&self, create_token: &[&str], file: &str) -> PathBuf {
+        let token = self.ok(create_token);
         let ca = self.dir.join("kpki/ca.crt");
         kubeconfig(&self.dir.join(file), &self.server, &ca, &format!("    token: {}", token.trim()))
     }

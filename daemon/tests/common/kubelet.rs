@@ -107,6 +107,10 @@ impl Pod {
         self.value["metadata"]["name"].as_str().unwrap()
     }
 
+    pub fn uid(&self) -> &str {
+        self.value["metadata"]["uid"].as_str().unwrap()
+    }
+
     fn fs_group(&self) -> Option<u32> {
         self.spec()["securityContext"]["fsGroup"].as_u64().map(|g| u32::try_from(g).unwrap())
     }
