@@ -601,6 +601,10 @@ enum PoolCmd {
         /// Where the daemon reads its configuration.
         #[arg(long)]
         out: PathBuf,
+        /// The node's address: the configuration's TCP listeners on every address (0.0.0.0)
+        /// listen on it alone.
+        #[arg(long)]
+        listen_ip: Option<std::net::IpAddr>,
     },
     /// Space, log, traffic and cleaner figures.
     Status,
@@ -635,9 +639,9 @@ fn main() {
                     .and_then(|cfg| pool_format::format(&cfg, &req)),
             );
         }
-        Cmd::Pool(PoolCmd::Node { node, config, out }) => {
+        Cmd::Pool(PoolCmd::Node { node, config, out, listen_ip }) => {
             init_logging("warn");
-            return exit(node_pool::prepare(node, config, out));
+            return exit(node_pool::prepare(node, config, out, *listen_ip));
         }
         Cmd::Watchdog => {
             init_logging("info");

@@ -53,8 +53,10 @@ pub fn plan(annotations: &BTreeMap<String, String>) -> Result<Plan> {
     Ok(Plan::Device { path, format })
 }
 
-/// Reads `node`'s annotations, prepares its pool and writes the daemon's configuration to `out`.
-pub fn prepare(node: &str, config: &Path, out: &Path) -> Result<()> {
+/// Reads `node`'s annotations, prepares its pool and writes the daemon's configuration to `out`,
+/// its TCP listeners on `listen_ip` (the node's address) where the shared configuration says
+/// any address.
+pub fn prepare(node: &str, config: &Path, out: &Path, listen_ip: Option<std::net::IpAddr>) -> Result<()> {
     rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
     let text = std::fs::read_to_string(config).with_context(|| format!("reading config {}", config.display()))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -80,9 +82,29 @@ pub fn prepare(node: &str, config: &Path, out: &Path) -> Result<()> {
             text
         }
     };
-    let text = domains(&labels) + &text;
+    let mut text = domains(&labels) + &text;
+    if let Some(ip) = listen_ip {
+        text = bind_to(&text, ip)?;
+    }
     Config::load_str(&text).with_context(|| format!("node {node}'s topology labels"))?;
     write_private(out, &text)
+}
+
+/// The TCP listeners of a configuration that listen on every address (`0.0.0.0`, `[::]`) moved
+/// to `ip` alone: a host-network daemon then serves on the node's address, not on every
+/// interface of the host.
+fn bind_to(text: &str, ip: std::net::IpAddr) -> Result<String> {
+    let mut t: toml::Table = toml::from_str(text).context("parsing the configuration")?;
+    let mut moved = false;
+    for key in ["nbd-listen", "admin-listen", "metrics-listen"] {
+        let Some(toml::Value::String(v)) = t.get_mut(key) else { continue };
+        let at: std::net::SocketAddr = v.parse().with_context(|| format!("{key} = {v:?}"))?;
+        if at.ip().is_unspecified() {
+            *v = std::net::SocketAddr::new(ip, at.port()).to_string();
+            moved = true;
+        }
+    }
+    Ok(if moved { toml::to_string(&t)? } else { text.to_owned() })
 }
 
 /// The configuration lines of a node's zone and region labels (none for a label it lacks).
@@ -133,6 +155,19 @@ fn write_private(out: &Path, text: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn listeners_on_every_address_move_to_the_node_address() {
+        let text = "insecure-admin-listen = true\ninsecure-nbd-listen = true\nadmin-listen = \"0.0.0.0:7070\"\nnbd-listen = \"[::]:10809\"\nmetrics-listen = \"127.0.0.1:9200\"\n[roles]\n\"a\" = \"operator\"\n";
+        let out = super::bind_to(text, "10.0.0.5".parse().unwrap()).unwrap();
+        let cfg = crate::config::Config::load_str(&out).unwrap();
+        assert_eq!(cfg.admin_listen.unwrap().to_string(), "10.0.0.5:7070");
+        assert_eq!(cfg.nbd_listen.unwrap().to_string(), "10.0.0.5:10809");
+        assert_eq!(cfg.metrics_listen.unwrap().to_string(), "127.0.0.1:9200", "a chosen address stays");
+        assert!(out.contains("[roles]"), "{out}");
+        let none = "data-dir = \"/x\"\n";
+        assert_eq!(super::bind_to(none, "10.0.0.5".parse().unwrap()).unwrap(), none);
+    }
+
     use super::*;
 
     fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {

@@ -119,10 +119,11 @@ impl Cluster {
         let enabled = text
             .replace("  # - components/csi-addons ", "  - components/csi-addons ")
             .replace("  # - components/group-snapshots ", "  - components/group-snapshots ")
-            .replace("  # - components/snapshot-metadata ", "  - components/snapshot-metadata ");
+            .replace("  # - components/snapshot-metadata ", "  - components/snapshot-metadata ")
+            .replace("  # - components/tolerations ", "  - components/tolerations ");
         assert_eq!(
             enabled.matches("  - components/").count(),
-            4,
+            5,
             "kustomization.yaml lists the optional components, commented out"
         );
         std::fs::write(&k, enabled).unwrap();
@@ -131,6 +132,7 @@ impl Cluster {
         cp.ok(&["apply", "-f", &copy.join("base/namespace.yaml").display().to_string()]);
         cp.ok(&["apply", "--dry-run=server", "-k", &dk]);
         cp.ok(&["apply", "-k", &dk]);
+        workloads_as_shipped(&cp, &up);
         cp.ok(&["apply", "--dry-run=server", "-f", &deploy().join("examples").display().to_string()]);
         // Claims below name this class from the start.
         cp.ok(&["apply", "-f", &deploy().join("examples/volumeattributesclass.yaml").display().to_string()]);
@@ -212,6 +214,13 @@ impl Cluster {
         for n in NODES {
             c.join(dir, n);
         }
+        // The pool files keep 2G free rather than 10% of a disk other tests share.
+        let mut cm = c.cp.get(&["configmap", "ferrite-daemon", "-n", NS]);
+        let text = cm["data"]["ferrite.toml"].as_str().unwrap().to_owned();
+        assert!(text.contains("pool-size = \"auto\"\npool-reserve = \"10%\""), "{text}");
+        cm["data"]["ferrite.toml"] = json!(text.replace("pool-reserve = \"10%\"", "pool-reserve = \"2G\""));
+        cm["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
+        c.cp.apply(&cm.to_string());
         // A missing certificate is replaced within seconds here (the renewal test below).
         let mut ds = c.cp.get(&["daemonset", "ferrite-daemon", "-n", NS]);
         let containers = ds["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
@@ -529,6 +538,60 @@ fn owner(object: &Value) -> Value {
         "uid": object["metadata"]["uid"], "controller": true})
 }
 
+/// What an operator relies on in every workload of the manifests, as applied: each container
+/// asks for its CPU and memory (the scheduler places it, nothing starves it), each sidecar image
+/// is the version the tier runs (the kit's build script names them), and the snapshot-metadata
+/// sidecar's Secret is optional so that it does not hold the controller pod.
+fn workloads_as_shipped(cp: &ControlPlane, up: &Path) {
+    let script = std::fs::read_to_string(up.join("build.sh")).unwrap();
+    let tested = |var: &str| {
+        let line = script.lines().find(|l| l.starts_with(&format!("{var}="))).unwrap_or_else(|| panic!("{var}"));
+        let v = line.split_once('=').unwrap().1.split_whitespace().next().unwrap();
+        v.split('-').next().unwrap().to_owned()
+    };
+    let images = [
+        ("csi-provisioner", "V_PROV"),
+        ("csi-attacher", "V_ATT"),
+        ("csi-resizer", "V_RES"),
+        ("csi-snapshotter", "V_SNAP"),
+        ("csi-snapshot-metadata", "V_SMD"),
+        ("csi-node-driver-registrar", "V_REG"),
+        ("livenessprobe", "V_LIVE"),
+        ("k8s-sidecar", "V_ADDONS"),
+    ];
+    for (kind, name) in
+        [("deployment", "ferrite-controller"), ("daemonset", "ferrite-daemon"), ("daemonset", "ferrite-node-plugin")]
+    {
+        let w = cp.get(&[kind, name, "-n", NS]);
+        let spec = &w["spec"]["template"]["spec"];
+        let all = spec["initContainers"].as_array().into_iter().chain(spec["containers"].as_array()).flatten();
+        for c in all {
+            let what = format!("{name}/{}", c["name"].as_str().unwrap());
+            let req = &c["resources"]["requests"];
+            assert!(req["cpu"].is_string() && req["memory"].is_string(), "{what} asks for no CPU or memory: {c}");
+            let image = c["image"].as_str().unwrap();
+            let (repo, tag) = image.rsplit_once(':').unwrap();
+            let base = repo.rsplit('/').next().unwrap();
+            if let Some((_, var)) = images.iter().find(|(b, _)| *b == base) {
+                assert_eq!(tag, tested(var), "{what}: {image} is not the version the tier tests");
+            } else {
+                assert!(base.starts_with("ferrite"), "{what}: {image} is no image the tier knows");
+            }
+        }
+        if kind == "daemonset" {
+            let t = spec["tolerations"].as_array().unwrap();
+            let cp =
+                json!({"key": "node-role.kubernetes.io/control-plane", "operator": "Exists", "effect": "NoSchedule"});
+            assert!(t.contains(&cp), "{name}: the tolerations component admits control-plane nodes: {t:?}");
+        }
+        for v in spec["volumes"].as_array().unwrap() {
+            if v["secret"]["secretName"] == "ferrite-snapshot-metadata-tls" {
+                assert_eq!(v["secret"]["optional"], true, "the snapshot-metadata Secret holds the controller pod");
+            }
+        }
+    }
+}
+
 /// Node-d joined after the install: its certificate came through the CertificateSigningRequest
 /// API with nobody copying a file (it already serves: the copy replaced onto it used it), for its
 /// own names. Its daemon pod's token is refused a certificate for another node's names, and a
@@ -643,8 +706,24 @@ fn ferrite_on_kubernetes() {
     let dev = c.loops[0].0.clone();
     assert_eq!(c.daemon("node-c").json(&["pool", "status"])["path"], dev.as_str());
     for n in ["node-a", "node-b"] {
-        let path = c.daemon(n).json(&["pool", "status"])["path"].as_str().unwrap().to_owned();
+        let status = c.daemon(n).json(&["pool", "status"]);
+        let path = status["path"].as_str().unwrap().to_owned();
         assert!(path.ends_with("var/lib/ferrite/pool.img"), "{n}: {path}");
+        // pool-size "auto": the filesystem's free space less the reserve (2G here), never more
+        // (give or take what the tests beside this one wrote since).
+        let fs = sh(&format!("df -B1 --output=avail {} | tail -1", Path::new(&path).parent().unwrap().display()));
+        let avail: u64 = fs.trim().parse().unwrap();
+        let file = std::fs::metadata(&path).unwrap().len();
+        assert!(file > 0 && file <= avail + (4 << 30) - (2 << 30), "{n}: a {file}-byte pool with {avail} free");
+    }
+    println!("== the daemons listen on their node's address, not on every interface");
+    for node in &c.nodes {
+        let listening = sh(&format!("ip netns exec {} ss -ltnH", node.netns));
+        for port in [":7070", ":10809", ":9200"] {
+            let on: Vec<&str> =
+                listening.lines().filter_map(|l| l.split_whitespace().nth(3)).filter(|a| a.ends_with(port)).collect();
+            assert_eq!(on, [format!("{}{port}", node.ip)], "{}: {listening}", node.name);
+        }
     }
     pool_refusals(&mut c, dir.path());
 
