@@ -3,7 +3,7 @@
 # missing) and checks the Rust toolchain. Safe to run again; non-interactive.
 set -euo pipefail
 
-PKGS=(libclang-dev clang build-essential pkg-config fio qemu-utils libnbd-bin nbdkit python3-libnbd openssl iputils-ping python3-venv)
+PKGS=(libclang-dev clang build-essential pkg-config fio qemu-utils libnbd-bin nbdkit python3-libnbd openssl iputils-ping python3-venv prometheus)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

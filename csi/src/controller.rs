@@ -543,7 +543,9 @@ impl csi::controller_server::Controller for Controller {
     ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
         let id = req.into_inner().volume_id;
         require("volume_id", &id)?;
-        let (node, v) = self.get(&id).await?;
+        let not_found = || Status::not_found(format!("volume {id:?} does not exist"));
+        let (hint, name) = crate::ids::parse(&id).ok_or_else(not_found)?;
+        let (node, _, v, sync) = crate::copies::primary(&*self.nodes, hint, name).await?;
         let mut volume = volume_msg(&node, &v, None);
         volume.volume_id = id;
         // The limits in force, as the mutable parameters that set them.
@@ -552,7 +554,7 @@ impl csi::controller_server::Controller for Controller {
             volume: Some(volume),
             status: Some(csi::controller_get_volume_response::VolumeStatus {
                 published_node_ids: Vec::new(),
-                volume_condition: Some(csi::VolumeCondition { abnormal: false, message: "ok".into() }),
+                volume_condition: Some(crate::copies::condition(sync.as_ref())),
             }),
         }))
     }

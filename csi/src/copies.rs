@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
@@ -67,8 +68,30 @@ pub fn replace_after(params: &HashMap<String, String>) -> Result<Option<Duration
     }
 }
 
+/// The CSI VolumeCondition of a volume as its primary sees it: abnormal while it refuses writes
+/// (no majority of its members in sync) or a copy is ejected (failed); a copy rebuilding is
+/// said, not abnormal.
+pub fn condition(sync: Option<&pb::SyncVolume>) -> csi::VolumeCondition {
+    let Some(s) = sync else { return csi::VolumeCondition { abnormal: false, message: "ok".into() } };
+    let mut problems = Vec::new();
+    if !s.refused.is_empty() {
+        problems.push(format!("refuses writes: {}", s.refused));
+    }
+    for m in s.members.iter().filter(|m| m.state == "ejected") {
+        problems.push(format!("the copy at {} failed: {}", m.endpoint, m.reason));
+    }
+    let rebuilding: Vec<&str> =
+        s.members.iter().filter(|m| m.state == "rebuilding").map(|m| m.endpoint.as_str()).collect();
+    let abnormal = !problems.is_empty();
+    if !rebuilding.is_empty() {
+        problems.push(format!("rebuilding the copy at {}", rebuilding.join(", ")));
+    }
+    let message = if problems.is_empty() { "ok: every copy in sync".to_owned() } else { problems.join("; ") };
+    csi::VolumeCondition { abnormal, message }
+}
+
 /// `node`'s view of `volume`'s synchronous membership (None: a local volume there).
-async fn view(c: &mut AdminClient<Channel>, volume: &str) -> Result<Option<pb::SyncVolume>, Status> {
+pub(crate) async fn view(c: &mut AdminClient<Channel>, volume: &str) -> Result<Option<pb::SyncVolume>, Status> {
     let r = c.list_sync_replicas(pb::ListReplicationsRequest { volume: volume.to_owned() }).await?;
     Ok(r.into_inner().volumes.into_iter().find(|v| v.volume == volume))
 }
@@ -508,6 +531,35 @@ pub async fn delete_copy(c: &mut AdminClient<Channel>, volume: &str) -> Result<(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_volume_is_abnormal_without_a_majority_or_with_a_failed_copy() {
+        let member = |endpoint: &str, state: &str, reason: &str| pb::SyncMember {
+            endpoint: endpoint.into(),
+            state: state.into(),
+            reason: reason.into(),
+            ..Default::default()
+        };
+        assert!(!condition(None).abnormal, "a local volume");
+        let mut s = pb::SyncVolume {
+            members: vec![member("tcp://a:7070", "primary", ""), member("tcp://b:7070", "in-sync", "")],
+            ..Default::default()
+        };
+        assert_eq!(
+            condition(Some(&s)),
+            csi::VolumeCondition { abnormal: false, message: "ok: every copy in sync".into() }
+        );
+        s.members.push(member("tcp://c:7070", "rebuilding", "40%"));
+        let c = condition(Some(&s));
+        assert!(!c.abnormal && c.message.contains("rebuilding the copy at tcp://c:7070"), "{c:?}");
+        s.members[1].state = "ejected".into();
+        s.members[1].reason = "no answer for 10 s".into();
+        let c = condition(Some(&s));
+        assert!(c.abnormal && c.message.contains("the copy at tcp://b:7070 failed: no answer for 10 s"), "{c:?}");
+        s.refused = "1 of 3 members in sync".into();
+        let c = condition(Some(&s));
+        assert!(c.abnormal && c.message.starts_with("refuses writes: 1 of 3 members in sync"), "{c:?}");
+    }
     use super::*;
 
     #[test]

@@ -432,8 +432,12 @@ impl csi::node_server::Node for Node {
             std::io::ErrorKind::NotFound => Status::not_found(format!("{} does not exist", path.display())),
             _ => Status::internal(format!("{}: {e}", path.display())),
         })?;
+        // A copy held here: its membership says whether the volume takes writes.
+        let mut copies = None;
         if attachment.as_ref().is_none_or(|a| a.remote.is_empty()) {
-            self.admin().await?.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
+            let mut c = self.admin().await?;
+            c.get_volume(pb::GetVolumeRequest { name: name.into() }).await?;
+            copies = Some(crate::copies::condition(crate::copies::view(&mut c, name).await?.as_ref()));
         }
         let mounted = mounted_at(path)?;
         let problem = match (&attachment, &mounted) {
@@ -468,9 +472,13 @@ impl csi::node_server::Node for Node {
             let total = attachment.as_ref().and_then(|a| host::device_size(Path::new(&a.device)).ok()).unwrap_or(0);
             vec![csi::VolumeUsage { available: 0, total: as_i64(total), used: 0, unit: Unit::Bytes as i32 }]
         };
+        let problem = problem.or_else(|| copies.as_ref().filter(|c| c.abnormal).map(|c| c.message.clone()));
         let volume_condition = Some(csi::VolumeCondition {
             abnormal: problem.is_some(),
-            message: problem.unwrap_or_else(|| "attached and mounted".into()),
+            message: problem.unwrap_or_else(|| match copies.filter(|c| c.message != "ok") {
+                Some(c) => format!("attached and mounted; {}", c.message),
+                None => "attached and mounted".into(),
+            }),
         });
         Ok(Response::new(csi::NodeGetVolumeStatsResponse { usage, volume_condition }))
     }

@@ -270,6 +270,8 @@ pub async fn run(cfg: Config) -> Result<()> {
             sync: Arc::clone(&sync),
             restores: Arc::clone(&restores),
             backups: Arc::clone(&backup_outcomes),
+            fences: Arc::clone(&fences),
+            tls_cert: cfg.tls.as_ref().map(|t| t.cert.clone()),
         };
         let limits = cfg.limits.clone();
         tasks.spawn(async move {

@@ -68,6 +68,15 @@ pub struct Sources {
     pub sync: Arc<crate::sync::SyncHub>,
     pub restores: Arc<crate::restores::Restores>,
     pub backups: Arc<BackupOutcomes>,
+    pub fences: Arc<crate::fence::Fences>,
+    /// The certificate the listeners serve (its expiry is a gauge).
+    pub tls_cert: Option<std::path::PathBuf>,
+}
+
+/// The expiry of the first certificate in `path` (the file the listeners reload from).
+fn certificate_expiry(path: &std::path::Path) -> Option<i64> {
+    let cert = ferrite_tls::load_certs(path).ok()?.into_iter().next()?;
+    ferrite_tls::validity(&cert).map(|(_, to)| to)
 }
 
 fn load(a: &AtomicU64) -> u64 {
@@ -87,6 +96,15 @@ impl Collector for Sources {
         )?
         .encode_family(&[("version", ferrite_proto::version::VERSION), ("format", format.as_str())])?
         .encode_gauge(&1u64)?;
+        if let Some(expiry) = self.tls_cert.as_deref().and_then(certificate_expiry) {
+            enc.encode_descriptor(
+                "ferrite_tls_certificate_expiry_timestamp_seconds",
+                "When the certificate the TCP listeners serve expires (seconds since 1970).",
+                None,
+                MetricType::Gauge,
+            )?
+            .encode_gauge(&expiry)?;
+        }
         for (name, help, v) in [
             ("ferrite_pool_size_bytes", "Data area of the pool.", s.size),
             ("ferrite_pool_used_bytes", "Bytes of log in segments that are not free.", s.used),
@@ -96,6 +114,16 @@ impl Collector for Sources {
             ("ferrite_pool_segments_free", "Free segments.", s.segments_free),
             ("ferrite_pool_volumes", "Volumes in the pool.", s.volumes as u64),
             ("ferrite_cleaner_active", "1 while the cleaner runs.", u64::from(s.cleaner_active)),
+            (
+                "ferrite_pool_failed",
+                "1 once the pool stopped after a media failure (it refuses writes).",
+                u64::from(s.failed),
+            ),
+            (
+                "ferrite_fences",
+                "Address blocks fenced (refused on the TCP listeners).",
+                self.fences.list().len() as u64,
+            ),
             ("ferrite_nbd_connections_open", "Open NBD connections.", load(&nbd.stats.connections_open)),
             ("ferrite_nbd_memory_in_flight_bytes", "Request data NBD connections hold now.", nbd.limits.memory.used()),
             (
@@ -117,6 +145,11 @@ impl Collector for Sources {
             ("ferrite_pool_media_written_bytes", "Bytes the log wrote to media.", s.media_bytes_written),
             ("ferrite_cleaner_segments_cleaned", "Segments the cleaner emptied.", s.cleaner_segments_cleaned),
             ("ferrite_cleaner_moved_bytes", "Live bytes the cleaner moved.", s.cleaner_bytes_moved),
+            (
+                "ferrite_pool_checksum_errors",
+                "Blocks read whose checksum did not match (the read failed).",
+                s.checksum_errors,
+            ),
             ("ferrite_readahead_read_bytes", "Bytes read ahead for sequential readers.", s.readahead_bytes),
             ("ferrite_readahead_hit_bytes", "Bytes reads took from what was read ahead.", s.readahead_hit_bytes),
             ("ferrite_nbd_connections", "NBD connections accepted.", load(&nbd.stats.connections_total)),

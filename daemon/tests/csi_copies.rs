@@ -341,6 +341,9 @@ async fn a_replicated_volume_outlives_the_node_it_was_made_on() {
     assert_eq!(write_on(&mut connect(&b.nbd(), "r1"), 0, &data), 0);
     b.ok(&["export", "stop", "r1"]);
     in_sync(&b, "r1", 3);
+    let got = ctl.controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: v.volume_id.clone() }).await;
+    let condition = got.unwrap().into_inner().status.unwrap().volume_condition.unwrap();
+    assert!(!condition.abnormal && condition.message.contains("every copy in sync"), "{condition:?}");
     // Taken on node-b, the primary, and at the same point on every copy.
     let s0 = snapshot(&mut ctl, &v.volume_id, "s0").await;
     assert_eq!(s0.snapshot_id, "_/s0", "a replicated volume's snapshot names no node");
@@ -368,6 +371,11 @@ async fn a_replicated_volume_outlives_the_node_it_was_made_on() {
         let got = ctl.controller_get_volume(get(id)).await.unwrap().into_inner().volume.unwrap();
         assert_eq!((got.volume_id.as_str(), got.capacity_bytes), (id.as_str(), 16 * MIB));
     }
+    // node-b's copy is gone: the volume is abnormal (CSI VolumeCondition), and says which copy.
+    let status = ctl.controller_get_volume(get(&v.volume_id)).await.unwrap().into_inner().status.unwrap();
+    let condition = status.volume_condition.unwrap();
+    println!("   {condition:?}; {}", a.json(&["replica", "status", "r1"]));
+    assert!(condition.abnormal && condition.message.contains(&b_admin.to_string()), "{condition:?}");
     let range = csi::CapacityRange { required_bytes: 24 * MIB, limit_bytes: 0 };
     ctl.controller_expand_volume(csi::ControllerExpandVolumeRequest {
         volume_id: old_id.clone(),

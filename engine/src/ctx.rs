@@ -203,6 +203,8 @@ pub(crate) struct Ctx {
     pub media_bytes: AtomicU64,
     /// Client requests so far (reads, writes, trims): the pool is idle while it stands still.
     pub client_ops: AtomicU64,
+    /// Blocks read whose checksum did not match (reads and the cleaner; each failed with Corrupt).
+    pub checksum_errors: AtomicU64,
     /// Most data blocks in one batch.
     pub max_batch_blocks: u64,
     /// Freed segments are discarded (see [`Discard`]).
@@ -242,6 +244,7 @@ impl Ctx {
             client_bytes: AtomicU64::new(0),
             media_bytes: AtomicU64::new(0),
             client_ops: AtomicU64::new(0),
+            checksum_errors: AtomicU64::new(0),
             max_batch_blocks,
             wake: Wakes::default(),
             opts,

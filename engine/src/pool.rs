@@ -59,6 +59,8 @@ pub struct PoolStats {
     pub cleaner_bytes_moved: u64,
     /// The pool stopped after a media failure: it refuses writes until it is reopened.
     pub failed: bool,
+    /// Blocks read (by clients or the cleaner) whose checksum did not match, since open.
+    pub checksum_errors: u64,
     /// Bytes read ahead for sequential readers, and bytes reads took from what was read ahead.
     pub readahead_bytes: u64,
     pub readahead_hit_bytes: u64,
@@ -397,6 +399,7 @@ impl Pool {
             cleaner_segments_cleaned: inner.cleaner.stats.segments_cleaned.load(Ordering::Relaxed),
             cleaner_bytes_moved: inner.cleaner.stats.blocks_moved.load(Ordering::Relaxed) * BLOCK as u64,
             failed: inner.ctx.failed.load(Ordering::Acquire),
+            checksum_errors: inner.ctx.checksum_errors.load(Ordering::Relaxed),
             readahead_bytes: inner.readahead.read_bytes.load(Ordering::Relaxed),
             readahead_hit_bytes: inner.readahead.hit_bytes.load(Ordering::Relaxed),
             head_segment: st.applied.seg as u64,

@@ -158,14 +158,18 @@ fn a_damaged_block_is_never_moved_and_other_segments_still_clean() {
     pool.checkpoint().unwrap();
     // Damage the one live block left in segment 0 (after the batch header).
     f.backend.corrupt(ferrite_engine::format::DATA_START + 4096 + 1, &[0xEE]);
+    assert_eq!(pool.stats().checksum_errors, 0);
     let r = pool.reclaim().unwrap();
     assert!(r.segments_cleaned > 0, "the other segments still clean: {r:?}");
+    let seen = pool.stats().checksum_errors;
+    assert!(seen >= 1, "the cleaner counted the block it could not move");
     // The damage is still reported as damage, at the same offset: it was not laundered.
     let s = pool.scrub(&mut |_| {}).unwrap();
     assert_eq!(s.damaged.len(), 1, "{s:?}");
     assert_eq!(s.damaged[0].offset, 0);
     let mut b = vec![0u8; 4096];
     assert_eq!(v.read(0, &mut b).unwrap_err().kind(), ErrorKind::Corrupt);
+    assert_eq!(pool.stats().checksum_errors, seen + 1, "the failed read counted");
     // Rewriting the block makes the segment dead, and it is freed like any other.
     v.write(0, &[1; 4096]).unwrap();
     pool.reclaim().unwrap();

@@ -161,6 +161,7 @@ pub(crate) fn read_step(ctx: &Ctx, log: &Log, cands: &[LiveRun]) -> Result<Vec<(
         let data = media[at..at + len].to_vec();
         for (i, (block, crc)) in data.chunks(BLOCK).zip(crcs).enumerate() {
             if crc != Some(block_crc(block)) {
+                ctx.checksum_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 return Err(Error::new(
                     ErrorKind::Corrupt,
                     format!("cleaner: checksum mismatch at pool block {}; segment left in place", c.2 + i as u64),

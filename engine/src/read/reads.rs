@@ -254,7 +254,11 @@ impl<'v> Reads<'v> {
                     Err(_) => None,
                 };
                 let mut alloc = Vec::new();
-                fill(self.name, offset, buf, &blocks, media.map(|m| (m, at)), &mut alloc)?;
+                fill(self.name, offset, buf, &blocks, media.map(|m| (m, at)), &mut alloc).inspect_err(|e| {
+                    if e.kind() == crate::ErrorKind::Corrupt {
+                        self.ctx.checksum_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                })?;
                 Ok(alloc)
             })
             .collect()
