@@ -72,6 +72,7 @@ pub struct TargetConfig {
 #[derive(Debug, Default)]
 pub struct Counters {
     pub puts: AtomicU64,
+    /// Bytes of the PUTs the store accepted (a PUT cut off by a failure is not counted).
     pub put_bytes: AtomicU64,
     pub gets: AtomicU64,
     pub get_bytes: AtomicU64,
@@ -180,8 +181,9 @@ impl Target {
     pub(crate) async fn put(&self, path: &str, data: Bytes) -> Result<()> {
         let p = Path::from(path);
         self.counters.puts.fetch_add(1, Relaxed);
-        self.counters.put_bytes.fetch_add(data.len() as u64, Relaxed);
+        let len = data.len() as u64;
         self.store.put(&p, PutPayload::from_bytes(data)).await.map_err(|e| Error::store(&self.name, "PUT", &p, e))?;
+        self.counters.put_bytes.fetch_add(len, Relaxed);
         Ok(())
     }
 
