@@ -9,8 +9,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for dir in ["ferrite", "csi", "csi-addons", "snapshot-metadata"] {
         println!("cargo:rerun-if-changed={dir}");
     }
-    // A mirrored write's data is sent to every member: `Bytes` shares one copy among them.
-    tonic_prost_build::configure().bytes(".ferrite.v1.MirrorWrite.data").compile_protos(
+    // A mirrored write's data is sent to every member: `Bytes` shares one copy among them. A
+    // node plugin serving only its node's attachments (no daemon there) implements a few admin
+    // RPCs: the others answer UNIMPLEMENTED (default stubs).
+    tonic_prost_build::configure().bytes(".ferrite.v1.MirrorWrite.data").generate_default_stubs(true).compile_protos(
         &["ferrite/v1/admin.proto", "ferrite/v1/replica.proto", "ferrite/v1/mirror.proto", "ferrite/v1/backup.proto"],
         &["."],
     )?;

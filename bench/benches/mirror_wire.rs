@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::mirror_server::{Mirror, MirrorServer};
-use ferrite_proto::ferrite::v1::{
-    Membership, MembershipRequest, MirrorAck, MirrorMessage, MirrorWrite, RebuildMessage, RebuildReply, RecordReply,
-};
+use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorWrite};
 use ferrite_tls::{TlsAcceptor, TlsConnector};
 use prost::Message;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter, ReadBuf};
@@ -104,9 +102,7 @@ struct Echo;
 
 #[tonic::async_trait]
 impl Mirror for Echo {
-    type StreamStream = tokio_stream::wrappers::ReceiverStream<Result<MirrorAck, Status>>;
-
-    async fn stream(&self, req: Request<Streaming<MirrorMessage>>) -> Result<Response<Self::StreamStream>, Status> {
+    async fn stream(&self, req: Request<Streaming<MirrorMessage>>) -> Result<Response<AckStream>, Status> {
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
@@ -116,18 +112,11 @@ impl Mirror for Echo {
                 }
             }
         });
-        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
-    }
-    async fn record(&self, _: Request<Membership>) -> Result<Response<RecordReply>, Status> {
-        Err(Status::unimplemented("bench"))
-    }
-    async fn get(&self, _: Request<MembershipRequest>) -> Result<Response<Membership>, Status> {
-        Err(Status::unimplemented("bench"))
-    }
-    async fn rebuild(&self, _: Request<Streaming<RebuildMessage>>) -> Result<Response<RebuildReply>, Status> {
-        Err(Status::unimplemented("bench"))
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 }
+
+type AckStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<MirrorAck, Status>> + Send>>;
 
 async fn grpc_member(pki: &Pki) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");

@@ -90,8 +90,14 @@ fn capacity(pools: &[(String, Room)], at: Option<&str>, copies: usize) -> (u64, 
 impl Controller {
     /// The node for a new volume: the first preferred, else the first requisite topology naming a
     /// known node, else of the nodes that answered (`free`, each one's free space) the one with
-    /// the most.
-    fn place(&self, req: Option<&csi::TopologyRequirement>, free: Vec<(String, u64)>) -> Result<String, Status> {
+    /// the most. A volume accessible from every node (`remote`) asked for on nodes that hold no
+    /// storage goes where the most free space is: those nodes reach it remotely.
+    fn place(
+        &self,
+        req: Option<&csi::TopologyRequirement>,
+        free: Vec<(String, u64)>,
+        remote: bool,
+    ) -> Result<String, Status> {
         if let Some(r) = req {
             let named: Vec<&str> = r
                 .preferred
@@ -99,7 +105,9 @@ impl Controller {
                 .chain(&r.requisite)
                 .filter_map(|t| t.segments.get(TOPOLOGY_KEY).map(String::as_str))
                 .collect();
-            if !named.is_empty() {
+            let storage_less = |n: &&str| self.nodes.is_node(n) && self.nodes.admin_endpoint(n).is_none();
+            let anywhere = remote && named.iter().all(storage_less);
+            if !named.is_empty() && !anywhere {
                 let known = self.nodes.nodes();
                 return named.iter().find(|n| known.iter().any(|k| k == *n)).map(|n| (*n).to_owned()).ok_or_else(
                     || Status::resource_exhausted(format!("no known node among the required topologies {named:?}")),
@@ -210,6 +218,7 @@ impl csi::controller_server::Controller for Controller {
         check_capabilities(&r.volume_capabilities).map_err(Status::invalid_argument)?;
         no_parameters(&r.parameters)?;
         let replicas = copies::replicas(&r.parameters)?;
+        let remote = copies::remote_access(&r.parameters)?;
         let encryption = match crate::encryption::requested(&r.parameters)? {
             true => Some(crate::encryption::required(&r.secrets, "CreateVolume")?),
             false => None,
@@ -252,7 +261,7 @@ impl csi::controller_server::Controller for Controller {
         if let Some(backup) = from_backup {
             // Restored where the topology asks (any node with the target), serving at once; a
             // replicated class's copies are added once the copy is done (retried until then).
-            let node = self.place(r.accessibility_requirements.as_ref(), free)?;
+            let node = self.place(r.accessibility_requirements.as_ref(), free, remote)?;
             let v = crate::backups::restore(&*self.nodes, &backup, &node, &name, encryption).await?;
             let v = fit(&mut admin(&*self.nodes, &node).await?, v, size, limits).await?;
             let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &r.parameters).await?;
@@ -291,7 +300,7 @@ impl csi::controller_server::Controller for Controller {
                 (node, fit(&mut c, v, size, limits).await?)
             }
             None => {
-                let node = self.place(r.accessibility_requirements.as_ref(), free)?;
+                let node = self.place(r.accessibility_requirements.as_ref(), free, remote)?;
                 let mut c = admin(&*self.nodes, &node).await?;
                 let req = pb::CreateVolumeRequest { name, size, limits: Some(limits), encryption };
                 let v = c.create_volume(req).await?.into_inner();

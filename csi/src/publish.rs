@@ -47,7 +47,7 @@ impl Controller {
         let cap = r.volume_capability.ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
         check_capabilities(std::slice::from_ref(&cap)).map_err(Status::invalid_argument)?;
         let _busy = self.busy.begin(&r.volume_id)?;
-        if self.nodes.admin_endpoint(&r.node_id).is_none() {
+        if !self.nodes.is_node(&r.node_id) {
             return Err(Status::not_found(format!("node {:?} is not known", r.node_id)));
         }
         let (node, name) = ids::parse(&r.volume_id)

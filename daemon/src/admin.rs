@@ -156,15 +156,7 @@ impl AdminService {
             Some(_) => ferrite_nbd::kernel::size(r.index).unwrap_or(0),
             None => open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0),
         };
-        pb::Attachment {
-            volume: r.volume.clone(),
-            device: r.device.clone(),
-            transport: r.transport.clone(),
-            read_only: r.read_only,
-            size,
-            detail,
-            remote: r.remote.clone().unwrap_or_default(),
-        }
+        r.message(detail, size)
     }
 
     /// Refuses a peer endpoint (for `call`) whose certificate's identity holds no
@@ -275,9 +267,10 @@ impl AdminService {
 
 #[tonic::async_trait]
 impl Admin for AdminService {
-    type ScrubPoolStream = JobStream<pb::ScrubPoolProgress>;
-
-    async fn scrub_pool(&self, _: Request<pb::ScrubPoolRequest>) -> Result<Response<Self::ScrubPoolStream>, Status> {
+    async fn scrub_pool(
+        &self,
+        _: Request<pb::ScrubPoolRequest>,
+    ) -> Result<Response<JobStream<pb::ScrubPoolProgress>>, Status> {
         let pool = Arc::clone(&self.pool);
         Ok(Response::new(stream_job(move |send| {
             let msg = |p: ferrite_engine::ScrubProgress| pb::ScrubPoolProgress {
@@ -302,12 +295,10 @@ impl Admin for AdminService {
         })))
     }
 
-    type DefragVolumeStream = JobStream<pb::DefragVolumeProgress>;
-
     async fn defrag_volume(
         &self,
         req: Request<pb::DefragVolumeRequest>,
-    ) -> Result<Response<Self::DefragVolumeStream>, Status> {
+    ) -> Result<Response<JobStream<pb::DefragVolumeProgress>>, Status> {
         let name = req.into_inner().name;
         require("name", &name)?;
         let pool = Arc::clone(&self.pool);
@@ -937,7 +928,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DetachVolumeResponse>, Status> {
         let device = req.into_inner().device;
         require("device", &device)?;
-        self.attachments.detach(&self.exports, &device).await?;
+        self.attachments.detach(Some(&self.exports), &device).await?;
         Ok(Response::new(pb::DetachVolumeResponse {}))
     }
 
@@ -1022,7 +1013,7 @@ impl Admin for AdminService {
 }
 
 /// The stream of a long job's messages (see [`stream_job`]).
-type JobStream<M> = tokio_stream::wrappers::ReceiverStream<Result<M, Status>>;
+type JobStream<M> = crate::rpc::Stream<M>;
 
 /// Runs a long blocking job and streams it: `job` gets a callback for progress messages (best
 /// effort: a full channel, i.e. a slow client, skips one) and returns the final message (or the
@@ -1036,7 +1027,7 @@ fn stream_job<M: Send + 'static>(
         let last = job(&mut |m| drop(progress.try_send(Ok(m))));
         let _ = tx.blocking_send(last);
     });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
 /// Free bytes of the filesystem under a pool that is a regular file (None for a device, or

@@ -31,7 +31,7 @@ fn backup_status(e: BackupError) -> Status {
     }
 }
 
-type ProgressStream = ReceiverStream<Result<pb::BackupProgress, Status>>;
+type ProgressStream = crate::rpc::Stream<pb::BackupProgress>;
 
 #[derive(Debug)]
 pub struct BackupService {
@@ -94,7 +94,7 @@ where
     tokio::spawn(async move {
         let _ = tx.send(fut.await).await;
     });
-    ReceiverStream::new(rx)
+    Box::pin(ReceiverStream::new(rx))
 }
 
 /// A restore's progress as a stream: every change, then its end (the backup restored, or the
@@ -125,7 +125,7 @@ fn restore_stream(
             }
         }
     });
-    ReceiverStream::new(rx)
+    Box::pin(ReceiverStream::new(rx))
 }
 
 /// The prefix of the snapshots backups take of `volume`.
@@ -280,8 +280,6 @@ fn done_msg(target: &str, m: &Manifest) -> pb::BackupProgress {
 
 #[tonic::async_trait]
 impl pb::backups_server::Backups for BackupService {
-    type CreateBackupStream = ProgressStream;
-
     async fn create_backup(&self, req: Request<pb::CreateBackupRequest>) -> Result<Response<ProgressStream>, Status> {
         let r = req.into_inner();
         check_volume(&r.volume)?;
@@ -364,8 +362,6 @@ impl pb::backups_server::Backups for BackupService {
         Ok(Response::new(pb::DeleteBackupResponse {}))
     }
 
-    type VerifyBackupsStream = ProgressStream;
-
     async fn verify_backups(&self, req: Request<pb::VerifyBackupsRequest>) -> Result<Response<ProgressStream>, Status> {
         let r = req.into_inner();
         let target = self.target(&r.target).await?;
@@ -417,8 +413,6 @@ impl pb::backups_server::Backups for BackupService {
             chunks_condemned: p.chunks_condemned,
         }))
     }
-
-    type RestoreBackupStream = ProgressStream;
 
     async fn restore_backup(&self, req: Request<pb::RestoreBackupRequest>) -> Result<Response<ProgressStream>, Status> {
         let r = req.into_inner();

@@ -99,6 +99,10 @@ use crate::size::parse_size;
 use ferrite_nbd::tls::TlsMode;
 
 /// Longest `write-delay-us`: acknowledged writes wait at most this long to reach the store.
+/// How long a kernel NBD device waits for a new connection (`device-hold-s`).
+pub const DEFAULT_DEVICE_HOLD: Duration = Duration::from_secs(120);
+/// When a kernel NBD device re-sends an unanswered request (`nbd-device-timeout-s`).
+pub const DEFAULT_NBD_DEVICE_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_WRITE_DELAY_US: u64 = 100_000;
 /// Largest `readahead` window (the cache holds a few windows' worth per pool).
 const MAX_READAHEAD: u64 = 64 << 20;
@@ -540,12 +544,12 @@ impl Config {
                 Some(ms) => Duration::from_millis(ms),
             },
             device_hold: match f.device_hold_s {
-                None => Duration::from_secs(120),
+                None => DEFAULT_DEVICE_HOLD,
                 Some(s) if !(5..=86_400).contains(&s) => bail!("device-hold-s must be between 5 and 86400, not {s}"),
                 Some(s) => Duration::from_secs(s),
             },
             nbd_device_timeout: match f.nbd_device_timeout_s {
-                None => Duration::from_secs(10),
+                None => DEFAULT_NBD_DEVICE_TIMEOUT,
                 Some(s) if !(1..=3600).contains(&s) => {
                     bail!("nbd-device-timeout-s must be between 1 and 3600, not {s}")
                 }

@@ -70,7 +70,7 @@ fn open_pool(cfg: &Config) -> Result<Pool> {
     }
 }
 
-fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener> {
+pub(crate) fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -84,6 +84,13 @@ fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener> {
     let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     Ok(l)
+}
+
+/// Makes `dir` (and its parents) if missing; `dir` itself private (0700).
+pub(crate) fn private_dir(dir: &std::path::Path) -> Result<()> {
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("restricting {}", dir.display()))
 }
 
 /// Binds an optional TCP listener.
@@ -162,7 +169,7 @@ fn nbd_role(policy: &Arc<crate::authz::Policy>) -> ferrite_nbd::tls::RoleCheck {
 
 /// The admin API's gRPC server, with per-connection limits: streams in flight, and keepalive
 /// pings that drop a peer that stopped answering.
-fn admin_server() -> tonic::transport::Server {
+pub(crate) fn admin_server() -> tonic::transport::Server {
     tonic::transport::Server::builder()
         .max_concurrent_streams(Some(64))
         .concurrency_limit_per_connection(64)
@@ -222,13 +229,13 @@ pub async fn run(cfg: Config) -> Result<()> {
     nbd.tls = ferrite_nbd::tls::Tls { mode: cfg.nbd_tls, acceptor: tls.nbd.clone(), role: Some(nbd_role(&policy)) };
     let nbd = Arc::new(nbd);
     let links = crate::attachments::kernel_nbd::Links {
-        nbd: Arc::clone(&nbd),
+        nbd: Some(Arc::clone(&nbd)),
         tls: cfg.tls.clone(),
         hold: cfg.device_hold,
         request_timeout: cfg.nbd_device_timeout,
     };
     let attachments = Arc::new(
-        Attachments::restore(&pool, &cfg.data_dir, ferrite_ublk::hold::path(&cfg.admin_socket), links, cfg.ublk)
+        Attachments::restore(Some(&pool), &cfg.data_dir, ferrite_ublk::hold::path(&cfg.admin_socket), links, cfg.ublk)
             .await?,
     );
     let mut tasks = tokio::task::JoinSet::new();

@@ -1,6 +1,7 @@
 //! `ferrite`: the block storage daemon (`ferrite daemon`) and its command-line client.
 
 mod admin;
+mod attach_only;
 mod attachments;
 mod authz;
 mod backup_cli;
@@ -131,12 +132,31 @@ enum Cmd {
         out_of_service_taint: bool,
         /// Controller mode with --node-service: sign the nodes' certificate requests (signer
         /// `ferrite.dev/node`) with the CA in this directory (ca.crt, ca.key: the Secret
-        /// ferrite-ca). Only a daemon pod's own token gets a certificate, for its own node's names.
+        /// ferrite-ca). Only the token of a pod of --signer-account gets a certificate, for its own node's names.
         #[arg(long)]
         signer_ca: Option<PathBuf>,
-        /// The ServiceAccount of the daemon pods (in the node Service's namespace) the signer issues to.
-        #[arg(long, default_value = "ferrite-daemon")]
-        signer_account: String,
+        /// The ServiceAccounts (in the node Service's namespace) whose pods the signer issues
+        /// their node's certificate to: the daemons', and the node plugins' (nodes without storage
+        /// reach volumes with it).
+        #[arg(long, default_value = "ferrite-daemon,ferrite-node", value_delimiter = ',')]
+        signer_account: Vec<String>,
+        /// Node mode in Kubernetes: the Node label that marks a storage node (its value
+        /// "true"). Without it no daemon runs on the node, and the plugin attaches the volumes
+        /// its pods use from other nodes itself (on the admin socket's path).
+        #[arg(long)]
+        storage_label: Option<String>,
+        /// Node mode: this node holds no storage (no daemon runs here), as --storage-label
+        /// finds out in Kubernetes.
+        #[arg(long, conflicts_with = "storage_label")]
+        no_storage: bool,
+        /// On a node without storage: the node's certificate (tls.crt, tls.key, ca.crt), its
+        /// identity to the nodes whose volumes it reaches.
+        #[arg(long, default_value = "/etc/ferrite/tls")]
+        node_tls_dir: PathBuf,
+        /// On a node without storage: where its attachments are recorded (a tmpfs: they live as
+        /// long as the kernel's devices).
+        #[arg(long, default_value = "/run/ferrite/plugin")]
+        attach_state_dir: PathBuf,
         /// The longest lifetime the signer gives a node certificate, in days.
         #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=365))]
         signer_max_days: u64,
@@ -703,6 +723,10 @@ fn main() {
             signer_ca,
             signer_account,
             signer_max_days,
+            storage_label,
+            no_storage,
+            node_tls_dir,
+            attach_state_dir,
         } => {
             init_logging("info");
             // The driver runs for months: its certificate follows its files.
@@ -729,7 +753,7 @@ fn main() {
                 (Some(ca), Some((ns, _)), Some(service)) => Some(ferrite_csi::certs::signer::Signer {
                     ca_dir: ca.clone(),
                     namespace: ns.to_owned(),
-                    account: signer_account.clone(),
+                    accounts: signer_account.clone(),
                     service: service.clone(),
                     max_lifetime: std::time::Duration::from_secs(signer_max_days * 86_400),
                 }),
@@ -762,13 +786,47 @@ fn main() {
                 webhook,
                 signer,
             };
-            return exit(runtime().block_on(ferrite_csi::serve(opts, shutdown_signal())));
+            let attach_only = matches!(mode, CsiMode::Node).then(|| attach_only::Options {
+                socket: cli.admin_socket(),
+                state_dir: attach_state_dir.clone(),
+                tls: config::TlsFiles {
+                    cert: node_tls_dir.join("tls.crt"),
+                    key: node_tls_dir.join("tls.key"),
+                    client_ca: Some(node_tls_dir.join("ca.crt")),
+                    peer_name: admin_server_name.clone(),
+                },
+                hold: config::DEFAULT_DEVICE_HOLD,
+                request_timeout: config::DEFAULT_NBD_DEVICE_TIMEOUT,
+            });
+            let (node, no_storage) = (opts.node_id.clone(), *no_storage);
+            return exit(runtime().block_on(async move {
+                let storage = match storage_label {
+                    _ if no_storage => false,
+                    Some(label) => holds_storage(&node, label).await?,
+                    None => true,
+                };
+                let serving = match attach_only {
+                    Some(o) if !storage => Some(attach_only::start(o).await?),
+                    _ => None,
+                };
+                let served = ferrite_csi::serve(opts, shutdown_signal()).await;
+                if let Some(s) = serving {
+                    s.stop().await;
+                }
+                served
+            }));
         }
         _ => "warn",
     };
     init_logging(filter);
     quiet_on_closed_pipe();
     exit(runtime().block_on(client(cli)));
+}
+
+/// Whether Node `node` is a storage node: its `label` is "true" (a daemon runs there).
+async fn holds_storage(node: &str, label: &str) -> anyhow::Result<bool> {
+    let (_, labels) = ferrite_csi::nodes::kubernetes::node_annotations(node).await?;
+    Ok(labels.get(label).is_some_and(|v| v == "true"))
 }
 
 /// A client command whose reader went away (`ferrite pool status | head -1`) ends quietly, as

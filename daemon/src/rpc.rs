@@ -5,6 +5,9 @@
 use ferrite_engine::ErrorKind;
 use tonic::Status;
 
+/// A streamed answer (the generated servers' boxed stream).
+pub type Stream<M> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<M, Status>> + Send + 'static>>;
+
 /// Maps an engine error to a gRPC status (the one place this happens).
 pub fn status(e: ferrite_engine::Error) -> Status {
     let msg = e.to_string();

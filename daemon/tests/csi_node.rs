@@ -600,16 +600,61 @@ async fn node_lifecycle_on_block_devices() {
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "needs root and the kernel NBD client: the VM tier runs it (tests/vm/remote_nbd.sh)"]
 async fn a_node_without_the_volume_stages_it_from_its_primary() {
-    use common::csi::{create, start_csi_with, tcp_node};
+    stage_from_primary(false).await;
+}
+
+/// The same on a node that holds no storage (no daemon: `--no-storage`, as a Kubernetes node
+/// without the storage label): the node plugin attaches the volume itself, with the node's
+/// certificate; killed (-9) while the volume is mounted and started again, it takes the device
+/// back and the filesystem goes on.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs root and the kernel NBD client: the VM tier runs it (tests/vm/remote_nbd.sh)"]
+async fn a_node_without_storage_stages_it_from_its_primary() {
+    stage_from_primary(true).await;
+}
+
+async fn stage_from_primary(no_storage: bool) {
+    use common::csi::{certs, create, start_csi_with, tcp_node};
     let dir = tempfile::tempdir().unwrap();
     let (_a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
-    let (b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
     let (na, nb) = ("node-127-0-0-2", "node-127-0-0-3");
-    let nodes = [(na, format!("tcp://{a_admin}")), (nb, format!("tcp://{b_admin}"))];
-    let _ctl = start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
     let node_dir = dir.path().join("node-b");
     std::fs::create_dir_all(&node_dir).unwrap();
-    let _node = start_csi(&node_dir, &[(nb, &b)], &["--mode", "node", "--node-id", nb]);
+    // node-b: its daemon, or none and the node plugin's own attachments on the same socket path.
+    let (b, b_daemon, plugin_args) = if no_storage {
+        let pki = dir.path().join("pki");
+        certs(&pki, nb, &["127.0.0.3"]);
+        let tls = node_dir.join("tls");
+        std::fs::create_dir_all(&tls).unwrap();
+        for (from, to) in
+            [(format!("{nb}.pem"), "tls.crt"), (format!("{nb}-key.pem"), "tls.key"), ("ca.pem".into(), "ca.crt")]
+        {
+            std::fs::copy(pki.join(from), tls.join(to)).unwrap();
+        }
+        let b = Daemon { dir: node_dir.join("run"), child: None };
+        let args: Vec<String> = [
+            "--no-storage",
+            "--admin-socket",
+            &b.admin().display().to_string(),
+            "--node-tls-dir",
+            &tls.display().to_string(),
+            "--attach-state-dir",
+            &node_dir.join("state").display().to_string(),
+        ]
+        .map(str::to_owned)
+        .into();
+        (b, None, args)
+    } else {
+        let (b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
+        (Daemon { dir: b.dir.clone(), child: None }, Some((b, b_admin)), Vec::new())
+    };
+    let b_endpoint = b_daemon.as_ref().map_or_else(String::new, |(_, a)| format!("tcp://{a}"));
+    let nodes = [(na, format!("tcp://{a_admin}")), (nb, b_endpoint)];
+    let _ctl = start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
+    let mut args = vec!["--mode", "node", "--node-id", nb];
+    args.extend(plugin_args.iter().map(String::as_str));
+    let start_plugin = || start_csi_with(&node_dir, &[(nb, b.admin().display().to_string())], &args);
+    let mut plugin = start_plugin();
     let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
     let mut node = csi::node_client::NodeClient::new(channel(&node_dir.join("csi.sock")).await);
     let cap = mount_cap(Mode::SingleNodeWriter);
@@ -637,8 +682,23 @@ async fn a_node_without_the_volume_stages_it_from_its_primary() {
     let mut p = publish(&id, &staging, &target, cap.clone());
     p.publish_context = ctx.clone();
     node.node_publish_volume(p).await.unwrap();
-    let files = write_tree(&target);
+    let mut files = write_tree(&target);
     check_tree(&target, &files);
+    if no_storage {
+        // The plugin dies with the volume mounted; a new one takes the device back.
+        drop(plugin);
+        plugin = start_plugin();
+        node = csi::node_client::NodeClient::new(channel(&node_dir.join("csi.sock")).await);
+        assert_eq!(b.json(&["attachments"])[0]["remote"], ctx["nbd"].as_str());
+        files.push(("after".into(), bytes(7, 3 << 20)));
+        std::fs::write(target.join("after"), &files.last().unwrap().1).unwrap();
+        assert!(std::process::Command::new("sync").status().unwrap().success());
+        std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+        check_tree(&target, &files);
+        // A local volume cannot be attached where no storage is.
+        let e = node.node_stage_volume(stage(&id, &dir.path().join("s2"), cap.clone())).await.unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    }
     let stats = csi::NodeGetVolumeStatsRequest {
         volume_id: id.clone(),
         volume_path: target.display().to_string(),
@@ -680,5 +740,6 @@ async fn a_node_without_the_volume_stages_it_from_its_primary() {
     let e = node.node_stage_volume(s).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     assert!(b.json(&["attachments"]).as_array().unwrap().is_empty());
+    drop(plugin);
     println!("CSI_REMOTE_STAGE_OK");
 }

@@ -8,7 +8,8 @@
 //! the snapshot-controller and the CSI-Addons manager under their upstream RBAC; a backup tool
 //! calls the snapshot-metadata sidecar with an audience-scoped token; backups go off the cluster
 //! to SeaweedFS through VolumeSnapshots (`kubernetes/backup.rs`). The test plays
-//! scheduler, DaemonSet controller and kubelet (`common::kubelet`): it binds pods to nodes,
+//! scheduler, DaemonSet controller and kubelet (`common::kubelet`): it binds pods to nodes (a
+//! DaemonSet's where its nodeSelector and tolerations admit them: `kubernetes/storage_nodes.rs`),
 //! makes their volumes with the modes and fsGroup the manifests give, runs each container as the
 //! user and groups its securityContext names, probes readiness as the manifests say, and picks
 //! the node of a WaitForFirstConsumer claim.
@@ -18,6 +19,8 @@ mod backup;
 mod common;
 #[path = "kubernetes/failover.rs"]
 mod failover;
+#[path = "kubernetes/storage_nodes.rs"]
+mod storage_nodes;
 #[path = "../../backup/tests/common/mod.rs"]
 mod weed;
 
@@ -222,23 +225,10 @@ impl Cluster {
         cm["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
         c.cp.apply(&cm.to_string());
         // A missing certificate is replaced within seconds here (the renewal test below).
-        let mut ds = c.cp.get(&["daemonset", "ferrite-daemon", "-n", NS]);
-        let containers = ds["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
-        let renew = containers.iter_mut().find(|c| c["name"] == "cert-renew").unwrap();
-        let args = renew["args"].as_array_mut().unwrap();
-        let at = args.iter().position(|a| a == "--check-every=300").expect("the renewal looks every 5 minutes");
-        args[at] = json!("--check-every=2");
-        ds["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
-        c.cp.apply(&ds.to_string());
-        // Failover waits a minute by default; the tier's nodes are lost on purpose.
-        let mut dep = c.cp.get(&["deployment", "ferrite-controller", "-n", NS]);
-        let containers = dep["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
-        let ferrite = containers.iter_mut().find(|c| c["name"] == "ferrite").unwrap();
-        let args = ferrite["args"].as_array_mut().unwrap();
-        let at = args.iter().position(|a| a == "--failover-after=20").expect("the controller fails over after 20 s");
-        args[at] = json!(format!("--failover-after={}", FAILOVER_AFTER.as_secs()));
-        dep["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
-        c.cp.apply(&dep.to_string());
+        c.set_arg("daemonset/ferrite-daemon", "cert-renew", "--check-every=300", "--check-every=2");
+        // Failover waits 20 s as shipped; the tier's nodes are lost on purpose.
+        let failover_after = format!("--failover-after={}", FAILOVER_AFTER.as_secs());
+        c.set_arg("deployment/ferrite-controller", "ferrite", "--failover-after=20", &failover_after);
         // The controller first: it signs the certificates the daemons' init containers ask for.
         c.start_controller();
         for i in 0..NODES.len() {
@@ -246,6 +236,19 @@ impl Cluster {
         }
         c.listed();
         c
+    }
+
+    /// Replaces argument `from` of `container` in the pod template of `workload` (`kind/name`)
+    /// by `to`, as an operator's patch would.
+    fn set_arg(&mut self, workload: &str, container: &str, from: &str, to: &str) {
+        let mut w = self.cp.get(&[workload, "-n", NS]);
+        let containers = w["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
+        let c = containers.iter_mut().find(|c| c["name"] == container).unwrap();
+        let args = c["args"].as_array_mut().unwrap();
+        let at = args.iter().position(|a| a == from).unwrap_or_else(|| panic!("{workload} {container} has {from}"));
+        args[at] = json!(to);
+        w["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
+        self.cp.apply(&w.to_string());
     }
 
     /// Node `name` joins: its Node object, its daemon and node plugin pods (whose init container
@@ -273,27 +276,44 @@ impl Cluster {
         self.register(i);
     }
 
+    /// Node `i`'s pods of each DaemonSet that runs there (the DaemonSet controller's choice).
     fn start_node_pods(&mut self, i: usize) {
-        let d = self.start_daemon_pod(i);
-        self.daemon_pods.push(d);
-        self.daemons.push(Daemon { dir: self.nodes[i].host("/run/ferrite"), child: None });
+        let node = self.cp.get(&["node", &self.nodes[i].name]);
+        if runs_on(&self.cp.get(&["daemonset", "ferrite-daemon", "-n", NS]), &node) {
+            let d = self.start_daemon_pod(i);
+            self.daemon_pods.push(d);
+            self.daemons.push(Daemon { dir: self.nodes[i].host("/run/ferrite"), child: None });
+        }
+        assert!(
+            runs_on(&self.cp.get(&["daemonset", "ferrite-node-plugin", "-n", NS]), &node),
+            "the node plugin runs everywhere"
+        );
         let p = self.start_plugin_pod(i);
         self.plugin_pods.push(p);
     }
 
     /// Node `i`'s Node object, as its kubelet registers it: one zone per node of NODES, and
-    /// node-d (a machine that joins late) in node-c's.
+    /// node-d (a machine that joins late) in node-c's; the storage label on every node but
+    /// node-e (which holds no storage); node-d is a control-plane node (its taint).
     fn register(&mut self, i: usize) {
         let name = &self.nodes[i].name;
         let annotations = match i {
             DEVICE_NODE => json!({"pool.ferrite.dev/device": self.loops[0].0, "pool.ferrite.dev/format": "true"}),
             _ => json!({}),
         };
-        let zone = format!("zone-{}", if name == "node-d" { "c" } else { &name[5..] });
+        let zone = format!("zone-{}", if name == "node-d" || name == "node-e" { "c" } else { &name[5..] });
+        let mut labels = json!({"kubernetes.io/hostname": name, "topology.ferrite.dev/node": name,
+            "topology.kubernetes.io/zone": zone, "topology.kubernetes.io/region": "lab"});
+        if name != "node-e" {
+            labels[STORAGE_LABEL] = json!("true");
+        }
+        let taints = match name.as_str() {
+            "node-d" => json!([{"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}]),
+            _ => json!([]),
+        };
         self.cp.apply(
             &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "annotations": annotations,
-                "labels": {"kubernetes.io/hostname": name, "topology.ferrite.dev/node": name,
-                    "topology.kubernetes.io/zone": zone, "topology.kubernetes.io/region": "lab"}}})
+                "labels": labels}, "spec": {"taints": taints}})
             .to_string(),
         );
         let addresses = json!({"status": {"addresses": [{"type": "InternalIP", "address": self.nodes[i].ip}]}});
@@ -323,22 +343,8 @@ impl Cluster {
         let tpl = &ds["spec"]["template"];
         let name = format!("ferrite-daemon-{}-{}", node.name, self.cp.names().len());
         let pod = Pod::run(&self.cp, NS, &name, tpl, node, Some(owner(&ds)), &node.ip);
-        // The ServiceAccount token the kubelet projects into the pod (bound to it), as a kubeconfig.
-        let kc =
-            self.cp.pod_token_kubeconfig(NS, "ferrite-daemon", pod.name(), pod.uid(), &format!("{name}.kubeconfig"));
-        let env = [("KUBECONFIG".to_owned(), kc.display().to_string())];
-        for init in tpl["spec"]["initContainers"].as_array().unwrap() {
-            let name = init["name"].as_str().unwrap();
-            // Outside the node's namespace: the API server listens on this one's loopback only.
-            let o = pod.run_to_end(name, Path::new(BIN), &env, false);
-            println!("   {} init {name}: {}", node.name, String::from_utf8_lossy(&o.stdout).trim());
-            assert!(
-                o.status.success(),
-                "init container {name} on {}: {}",
-                node.name,
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
+        let (env, _) = self.init_containers(&pod, "ferrite-daemon");
+        let node = &self.nodes[i];
         for c in tpl["spec"]["containers"].as_array().unwrap() {
             match c["name"].as_str().unwrap() {
                 "daemon" => pod.start(&mut self.cp, "daemon", Path::new(BIN), &[], &[], true),
@@ -361,6 +367,39 @@ impl Cluster {
         pod
     }
 
+    /// Restarts container `name` of node `i`'s node plugin pod, as its kubelet does when it exits.
+    fn restart_sidecar(&mut self, i: usize, name: &str) {
+        let process = self.plugin_pods[i].process(name);
+        self.cp.kill(&process);
+        match name {
+            "csi-addons" => start_addons_sidecar(&mut self.cp, &self.sw.gateway, &self.plugin_pods[i]),
+            other => panic!("no restart for {other}"),
+        }
+    }
+
+    /// Runs `pod`'s init containers to their end, as ServiceAccount `sa` (the token the kubelet
+    /// projects into the pod, bound to it). Returns the environment that gives a container that
+    /// token: outside the node's namespace (the API server on this host's loopback), and inside
+    /// it (the API server on the switch's gateway).
+    fn init_containers(&mut self, pod: &Pod, sa: &str) -> (Env, Env) {
+        let file = format!("{}.kubeconfig", pod.name());
+        let kc = self.cp.pod_token_kubeconfig(NS, sa, pod.name(), pod.uid(), &file);
+        let port = self.cp.server.rsplit(':').next().unwrap();
+        let text = std::fs::read_to_string(&kc).unwrap();
+        let in_node = kc.with_extension("in-node");
+        std::fs::write(&in_node, text.replace(&self.cp.server, &format!("https://{}:{port}", self.sw.gateway)))
+            .unwrap();
+        let env = |kc: &Path| vec![("KUBECONFIG".to_owned(), kc.display().to_string())];
+        let node = &pod.node.name;
+        for init in pod.template["spec"]["initContainers"].as_array().into_iter().flatten() {
+            let name = init["name"].as_str().unwrap();
+            let o = pod.run_to_end(name, Path::new(BIN), &env(&kc), false);
+            println!("   {node} init {name}: {}", String::from_utf8_lossy(&o.stdout).trim());
+            assert!(o.status.success(), "init container {name} on {node}: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        (env(&kc), env(&in_node))
+    }
+
     /// The node plugin DaemonSet's pod on node `i` (its own network: the node's namespace stands
     /// for it), its registration socket and liveness endpoint up, and the CSINode the kubelet
     /// then writes.
@@ -370,17 +409,24 @@ impl Cluster {
         let tpl = &ds["spec"]["template"];
         let name = format!("ferrite-node-plugin-{}-{}", node.name, self.cp.names().len());
         let pod = Pod::run(&self.cp, NS, &name, tpl, &node, Some(owner(&ds)), &node.ip);
+        let (env, in_node) = self.init_containers(&pod, "ferrite-node");
         for c in tpl["spec"]["containers"].as_array().unwrap() {
             let cname = c["name"].as_str().unwrap();
             let program = match cname {
-                "ferrite-csi" => PathBuf::from(BIN),
+                // It reads its Node (a storage node?) from the node's network namespace.
+                "ferrite-csi" => {
+                    pod.start(&mut self.cp, cname, Path::new(BIN), &[], &in_node, true);
+                    continue;
+                }
+                "cert-renew" => {
+                    pod.start(&mut self.cp, cname, Path::new(BIN), &[], &env, false);
+                    self.sidecars.push(pod.log_path(cname));
+                    continue;
+                }
                 "node-driver-registrar" => self.cp.bin.join("csi-node-driver-registrar"),
                 "liveness-probe" => self.cp.bin.join("livenessprobe"),
                 "csi-addons" => {
-                    // It reads the in-cluster configuration: a pod's token, the API server by address.
-                    let cmd = pod.command(cname, &self.cp.bin.join("csi-addons-sidecar"), &[], &[], false);
-                    let at = Some((node.netns.as_str(), self.sw.gateway.as_str()));
-                    self.cp.spawn_in_pod(&pod.process(cname), &cmd, NS, "ferrite-node", at);
+                    start_addons_sidecar(&mut self.cp, &self.sw.gateway, &pod);
                     self.sidecars.push(pod.log_path(cname));
                     continue;
                 }
@@ -518,6 +564,49 @@ impl Cluster {
         }
         rolled
     }
+}
+
+/// A node plugin pod's CSI-Addons sidecar: it reads the in-cluster configuration (a pod's token,
+/// the API server by address: the switch's `gateway`).
+fn start_addons_sidecar(cp: &mut ControlPlane, gateway: &str, pod: &Pod) {
+    let cmd = pod.command("csi-addons", &cp.bin.join("csi-addons-sidecar"), &[], &[], false);
+    cp.spawn_in_pod(&pod.process("csi-addons"), &cmd, NS, "ferrite-node", Some((&pod.node.netns, gateway)));
+}
+
+/// Environment variables of a container.
+type Env = Vec<(String, String)>;
+
+/// The label that makes a node a storage node (the daemon DaemonSet's nodeSelector).
+const STORAGE_LABEL: &str = "storage.ferrite.dev/node";
+
+/// The tolerations the DaemonSet controller gives every pod it makes.
+const DAEMONSET_TOLERATES: [&str; 7] = [
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+    "node.kubernetes.io/disk-pressure",
+    "node.kubernetes.io/memory-pressure",
+    "node.kubernetes.io/pid-pressure",
+    "node.kubernetes.io/unschedulable",
+    "node.kubernetes.io/network-unavailable",
+];
+
+/// Whether the DaemonSet controller places a pod of `ds` on `node`: the pod template's
+/// nodeSelector matches the Node's labels, and it tolerates each NoSchedule and NoExecute taint.
+fn runs_on(ds: &Value, node: &Value) -> bool {
+    let spec = &ds["spec"]["template"]["spec"];
+    let labels = &node["metadata"]["labels"];
+    let selected = spec["nodeSelector"].as_object().is_none_or(|s| s.iter().all(|(k, v)| labels[k] == *v));
+    let tolerations = spec["tolerations"].as_array().cloned().unwrap_or_default();
+    let tolerated = |t: &Value| {
+        DAEMONSET_TOLERATES.iter().any(|k| t["key"] == *k)
+            || tolerations.iter().any(|x| {
+                let key = x["key"].is_null() || x["key"] == t["key"];
+                let value = x["operator"] == "Exists" || x["value"] == t["value"];
+                key && value && (x["effect"].is_null() || x["effect"] == t["effect"])
+            })
+    };
+    let taints = node["spec"]["taints"].as_array().cloned().unwrap_or_default();
+    selected && taints.iter().filter(|t| t["effect"] != "PreferNoSchedule").all(tolerated)
 }
 
 /// The kubelet's HTTP liveness probe: GET /healthz at `addr` answers 200.
@@ -694,8 +783,8 @@ fn pattern(len: usize) -> Vec<u8> {
 #[test]
 fn ferrite_on_kubernetes() {
     let Some(bin) = binaries() else { return };
-    // A spare host for the node that joins late (failover (i)).
-    let Some(sw) = Switch::new(NODES.len() + 1) else { return };
+    // Spare hosts for the nodes that join late: node-d (failover (i)), node-e (no storage).
+    let Some(sw) = Switch::new(NODES.len() + 2) else { return };
     if !common::have("fio") {
         return;
     }
@@ -1027,8 +1116,10 @@ fn ferrite_on_kubernetes() {
     c.add_node(dir.path(), "node-d");
     c.listed();
     certificates_by_the_cluster(&mut c, dir.path());
+    storage_nodes::tainted_node(&c);
     failover::copy_replaced(&mut c, triple_vol, &triple_pv, deleted, "node-d");
     failover::deleted_node_returns(&mut c, triple_vol, &triple_pv, deleted);
+    storage_nodes::label_less_node(&mut c, dir.path());
 
     println!("== deletes clean up");
     for (kind, name) in [

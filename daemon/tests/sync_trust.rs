@@ -182,13 +182,6 @@ struct Liar {
 
 #[tonic::async_trait]
 impl ferrite_proto::ferrite::v1::mirror_server::Mirror for Liar {
-    type StreamStream = tokio_stream::Empty<Result<ferrite_proto::ferrite::v1::MirrorAck, tonic::Status>>;
-    async fn stream(
-        &self,
-        _: tonic::Request<tonic::Streaming<ferrite_proto::ferrite::v1::MirrorMessage>>,
-    ) -> Result<tonic::Response<Self::StreamStream>, tonic::Status> {
-        Err(tonic::Status::unavailable("a liar takes no stream"))
-    }
     async fn record(
         &self,
         req: tonic::Request<ferrite_proto::ferrite::v1::Membership>,

@@ -31,9 +31,10 @@ pub struct Signer {
     /// The CA: `ca.crt` and `ca.key` (the Secret ferrite-ca), read at every signing so that a
     /// rotated CA is used at once.
     pub ca_dir: PathBuf,
-    /// The daemons' namespace and ServiceAccount: only their tokens are issued certificates.
+    /// The namespace and the ServiceAccounts of the pods that are issued their node's
+    /// certificate (the daemons', and the node plugins' on nodes that hold no storage).
     pub namespace: String,
-    pub account: String,
+    pub accounts: Vec<String>,
     /// The node Service's DNS name, which every node's certificate carries.
     pub service: String,
     /// The longest lifetime given (a request asking for less gets what it asked).
@@ -55,30 +56,39 @@ fn one<'a>(spec: &'a CertificateSigningRequestSpec, key: &str) -> Option<&'a str
 }
 
 impl Signer {
-    fn user(&self) -> String {
-        format!("system:serviceaccount:{}:{}", self.namespace, self.account)
+    fn users(&self) -> impl Iterator<Item = (String, &str)> {
+        self.accounts.iter().map(|a| (format!("system:serviceaccount:{}:{a}", self.namespace), a.as_str()))
     }
 
-    /// Who asked: the daemon pod whose bound token made the request (its name and uid).
-    fn requester<'a>(&self, spec: &'a CertificateSigningRequestSpec) -> Result<(&'a str, &'a str), String> {
+    /// Who asked: the ServiceAccount, and the pod whose bound token made the request (its name
+    /// and uid).
+    fn requester<'a>(&self, spec: &'a CertificateSigningRequestSpec) -> Result<(&str, &'a str, &'a str), String> {
         let user = spec.username.as_deref().unwrap_or("");
-        if user != self.user() {
-            return Err(format!("requested by {user:?}; only {} may ask for a node certificate", self.user()));
-        }
+        let Some((_, account)) = self.users().find(|(u, _)| u == user) else {
+            let may: Vec<String> = self.users().map(|(u, _)| u).collect();
+            return Err(format!("requested by {user:?}; only {} may ask for a node certificate", may.join(" or ")));
+        };
         match (one(spec, POD_NAME), one(spec, POD_UID)) {
-            (Some(pod), Some(uid)) => Ok((pod, uid)),
+            (Some(pod), Some(uid)) => Ok((account, pod, uid)),
             _ => Err("the requester's token is not bound to a pod (a pod's projected ServiceAccount token is)".into()),
         }
     }
 
-    /// Whether the request asks for what `node` is, by the pod `pod` running there.
-    fn check(&self, spec: &CertificateSigningRequestSpec, pod: &Pod, uid: &str, node: &Node) -> Result<(), String> {
+    /// Whether the request asks for what `node` is, by the pod `pod` running there as `account`.
+    fn check(
+        &self,
+        spec: &CertificateSigningRequestSpec,
+        account: &str,
+        pod: &Pod,
+        uid: &str,
+        node: &Node,
+    ) -> Result<(), String> {
         let pod_name = pod.metadata.name.as_deref().unwrap_or("");
         if pod.metadata.uid.as_deref() != Some(uid) {
             return Err(format!("pod {pod_name} is not the one whose token asked (it was replaced)"));
         }
-        if pod.spec.as_ref().and_then(|s| s.service_account_name.as_deref()) != Some(self.account.as_str()) {
-            return Err(format!("pod {pod_name} does not run as {}", self.account));
+        if pod.spec.as_ref().and_then(|s| s.service_account_name.as_deref()) != Some(account) {
+            return Err(format!("pod {pod_name} does not run as {account}, whose token asked"));
         }
         let node_name = node.metadata.name.as_deref().unwrap_or("");
         if let Some(n) = one(spec, NODE_NAME).filter(|n| *n != node_name) {
@@ -109,7 +119,7 @@ impl Signer {
 
     async fn decide(&self, client: &kube::Client, csr: &CertificateSigningRequest) -> Result<Verdict> {
         let spec = &csr.spec;
-        let (pod_name, uid) = match self.requester(spec) {
+        let (account, pod_name, uid) = match self.requester(spec) {
             Ok(p) => p,
             Err(why) => return Ok(Verdict::Refuse(why)),
         };
@@ -123,7 +133,7 @@ impl Signer {
         let Some(node) = Api::<Node>::all(client.clone()).get_opt(&node_name).await.context("reading the Node")? else {
             return Ok(Verdict::Refuse(format!("node {node_name} does not exist")));
         };
-        if let Err(why) = self.check(spec, &pod, uid, &node) {
+        if let Err(why) = self.check(spec, account, &pod, uid, &node) {
             return Ok(Verdict::Refuse(why));
         }
         let asked =
@@ -236,7 +246,7 @@ mod tests {
         Signer {
             ca_dir: PathBuf::new(),
             namespace: "ferrite".into(),
-            account: "ferrite-daemon".into(),
+            accounts: vec!["ferrite-daemon".into(), "ferrite-node".into()],
             service: "ferrite-node.ferrite.svc".into(),
             max_lifetime: Duration::from_secs(30 * 86_400),
         }
@@ -283,10 +293,12 @@ mod tests {
         let a = node("node-a", &[("InternalIP", "10.0.0.5")]);
         let bound = [(POD_NAME, "ferrite-daemon-x"), (POD_UID, "u1"), (NODE_NAME, "node-a")];
         let good = spec(SA, "node-a", &["node-a", "10.0.0.5", SVC], &bound);
-        assert_eq!(s.requester(&good), Ok(("ferrite-daemon-x", "u1")));
-        assert_eq!(s.check(&good, &pod("node-a"), "u1", &a), Ok(()));
+        assert_eq!(s.requester(&good), Ok(("ferrite-daemon", "ferrite-daemon-x", "u1")));
+        assert_eq!(s.check(&good, "ferrite-daemon", &pod("node-a"), "u1", &a), Ok(()));
 
-        let refused = |sp: &CertificateSigningRequestSpec, p: &Pod, n: &Node| s.check(sp, p, "u1", n).unwrap_err();
+        let refused = |sp: &CertificateSigningRequestSpec, p: &Pod, n: &Node| {
+            s.check(sp, "ferrite-daemon", p, "u1", n).unwrap_err()
+        };
         // Another node's address, or another node's name.
         let other_ip = spec(SA, "node-a", &["node-a", "10.0.0.6", SVC], &bound);
         assert!(refused(&other_ip, &pod("node-a"), &a).contains("\"10.0.0.6\" is not a name of node node-a"));
@@ -295,7 +307,12 @@ mod tests {
         let no_node_name = spec(SA, "node-a", &["10.0.0.5", SVC], &bound);
         assert!(refused(&no_node_name, &pod("node-a"), &a).contains("does not name its node"));
         // The pod replaced since its token asked, a token issued on another node.
-        assert!(s.check(&good, &pod("node-a"), "u2", &a).unwrap_err().contains("replaced"));
+        assert!(s.check(&good, "ferrite-daemon", &pod("node-a"), "u2", &a).unwrap_err().contains("replaced"));
+        // The node plugin's token asking for a pod that runs as the daemon: refused.
+        let plugin = spec("system:serviceaccount:ferrite:ferrite-node", "node-a", &["node-a", SVC], &bound);
+        let (account, _, _) = s.requester(&plugin).unwrap();
+        let e = s.check(&plugin, account, &pod("node-a"), "u1", &a).unwrap_err();
+        assert!(e.contains("does not run as ferrite-node"), "{e}");
         let elsewhere =
             spec(SA, "node-a", &["node-a", SVC], &[(POD_NAME, "p"), (POD_UID, "u1"), (NODE_NAME, "node-b")]);
         assert!(refused(&elsewhere, &pod("node-a"), &a).contains("issued on node node-b"));

@@ -14,7 +14,9 @@ use anyhow::Context;
 use ferrite_proto::ClientTls;
 use ferrite_tls::Reloading;
 use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
@@ -25,9 +27,11 @@ pub const ADMIN_PORT_NAME: &str = "admin";
 /// How long startup waits for the first list of slices.
 const FIRST_LIST: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Node daemons found through the EndpointSlices of one Service.
+/// Node daemons found through the EndpointSlices of one Service; the cluster's Nodes (those
+/// without a daemon hold no storage).
 pub struct KubeNodes {
     store: Store<EndpointSlice>,
+    all: Store<PartialObjectMeta<Node>>,
     tls: Option<Arc<Reloading<ClientTls>>>,
     server_name: Option<String>,
     watch: tokio::task::JoinHandle<()>,
@@ -59,24 +63,39 @@ impl KubeNodes {
             .filter(|(ns, name)| !ns.is_empty() && !name.is_empty())
             .with_context(|| format!("node service {service:?}: expected NAMESPACE/NAME"))?;
         let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
-        let api = kube::Api::<EndpointSlice>::namespaced(client, ns);
+        let api = kube::Api::<EndpointSlice>::namespaced(client.clone(), ns);
         let config = watcher::Config::default().labels(&format!("kubernetes.io/service-name={name}"));
         let (store, writer) = reflector::store();
-        let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
+        let slices = reflector::reflector(writer, watcher(api, config)).default_backoff();
+        let (all, writer) = reflector::store();
+        let nodes = kube::Api::<PartialObjectMeta<Node>>::all(client);
+        let nodes = reflector::reflector(writer, watcher(nodes, watcher::Config::default())).default_backoff();
         let service = service.to_owned();
         let watch = tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            while let Some(ev) = stream.next().await {
+            let mut slices = std::pin::pin!(slices);
+            let mut nodes = std::pin::pin!(nodes);
+            loop {
+                let (what, ev) = tokio::select! {
+                    Some(ev) = slices.next() => ("the node service's EndpointSlices", ev.map(drop)),
+                    Some(ev) = nodes.next() => ("the Nodes", ev.map(drop)),
+                    else => return,
+                };
                 if let Err(e) = ev {
-                    tracing::warn!(%service, "watching the node service's EndpointSlices: {e}");
+                    tracing::warn!(%service, "watching {what}: {e}");
                 }
             }
         });
-        tokio::time::timeout(FIRST_LIST, store.wait_until_ready())
+        let ready = async {
+            store.wait_until_ready().await?;
+            all.wait_until_ready().await
+        };
+        tokio::time::timeout(FIRST_LIST, ready)
             .await
-            .map_err(|_| anyhow::anyhow!("no EndpointSlice list from the Kubernetes API within {FIRST_LIST:?}"))?
-            .context("the EndpointSlice watch ended")?;
-        Ok(Self { store, tls, server_name, watch, connections: super::Connections::default() })
+            .map_err(|_| {
+                anyhow::anyhow!("no EndpointSlice or Node list from the Kubernetes API within {FIRST_LIST:?}")
+            })?
+            .context("the EndpointSlice or Node watch ended")?;
+        Ok(Self { store, all, tls, server_name, watch, connections: super::Connections::default() })
     }
 
     fn map(&self) -> BTreeMap<String, String> {
@@ -91,6 +110,10 @@ impl NodeDirectory for KubeNodes {
 
     fn admin_endpoint(&self, node: &str) -> Option<String> {
         self.map().remove(node)
+    }
+
+    fn is_node(&self, node: &str) -> bool {
+        self.all.get(&reflector::ObjectRef::new(node)).is_some() || self.admin_endpoint(node).is_some()
     }
 
     fn tls(&self) -> Option<Arc<ClientTls>> {

@@ -3,6 +3,7 @@
 //! in Kubernetes, the node Service's EndpointSlices ([`kubernetes`]).
 //!
 //! ```toml
+//! without-storage = ["node-c"]        # nodes without a daemon, which volumes may be published to
 //! [nodes]
 //! node-a = "/run/ferrite/admin.sock"   # a Unix socket (a daemon on this machine)
 //! node-b = "tcp://10.0.0.12:7070"      # a daemon's `admin-listen` address
@@ -32,6 +33,11 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     fn nodes(&self) -> Vec<String>;
     /// The admin endpoint of `node` (a Unix socket path or `tcp://host:port`), if the node is known.
     fn admin_endpoint(&self, node: &str) -> Option<String>;
+    /// Whether `node` exists: a node with a daemon, or one that holds no storage (its node
+    /// plugin reaches the volumes published to it from the nodes serving them).
+    fn is_node(&self, node: &str) -> bool {
+        self.admin_endpoint(node).is_some()
+    }
     /// How to reach `tcp://` endpoints: None connects in plaintext (a daemon with
     /// `insecure-admin-listen`).
     fn tls(&self) -> Option<Arc<ClientTls>>;
@@ -46,8 +52,10 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct File {
+    #[serde(default)]
+    without_storage: Vec<String>,
     nodes: BTreeMap<String, String>,
 }
 
@@ -55,6 +63,7 @@ struct File {
 #[derive(Debug, Clone, Default)]
 pub struct StaticNodes {
     nodes: BTreeMap<String, String>,
+    without_storage: Vec<String>,
     tls: Option<Arc<Reloading<ClientTls>>>,
     server_name: Option<String>,
     connections: Connections,
@@ -65,10 +74,10 @@ impl StaticNodes {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading node directory {}", path.display()))?;
         let f: File = toml::from_str(&text).with_context(|| format!("parsing node directory {}", path.display()))?;
-        if let Some(bad) = f.nodes.keys().find(|n| !valid_node(n)) {
+        if let Some(bad) = f.nodes.keys().chain(&f.without_storage).find(|n| !valid_node(n)) {
             anyhow::bail!("node directory {}: invalid node name {bad:?}", path.display());
         }
-        Ok(Self { nodes: f.nodes, ..Self::default() })
+        Ok(Self { nodes: f.nodes, without_storage: f.without_storage, ..Self::default() })
     }
 
     /// One node (node mode, or `--mode all` without a directory).
@@ -91,6 +100,10 @@ impl NodeDirectory for StaticNodes {
 
     fn admin_endpoint(&self, node: &str) -> Option<String> {
         self.nodes.get(node).cloned()
+    }
+
+    fn is_node(&self, node: &str) -> bool {
+        self.nodes.contains_key(node) || self.without_storage.iter().any(|n| n == node)
     }
 
     fn tls(&self) -> Option<Arc<ClientTls>> {
@@ -266,6 +279,13 @@ mod tests {
         assert_eq!(n.admin_endpoint("node-b").as_deref(), Some("/b.sock"));
         assert_eq!(n.admin_endpoint("node-a").as_deref(), Some("tcp://127.0.0.2:7070"));
         assert_eq!(n.admin_endpoint("node-c"), None);
+        assert!(n.is_node("node-a") && !n.is_node("node-c"));
+        // A node without storage exists (volumes are published to it) but is never asked.
+        std::fs::write(&p, "without-storage = [\"node-c\"]\n[nodes]\nnode-a = \"/a.sock\"\n").unwrap();
+        let n = StaticNodes::load(&p).unwrap();
+        assert!(n.is_node("node-c") && n.admin_endpoint("node-c").is_none() && n.nodes() == ["node-a"]);
+        std::fs::write(&p, "without-storage = [\"Bad/Node\"]\n[nodes]\n").unwrap();
+        assert!(StaticNodes::load(&p).unwrap_err().to_string().contains("invalid node name"));
         std::fs::write(&p, "[nodes]\n\"Bad/Node\" = \"/x\"\n").unwrap();
         assert!(StaticNodes::load(&p).unwrap_err().to_string().contains("invalid node name"));
         std::fs::write(&p, "[nodez]\n").unwrap();

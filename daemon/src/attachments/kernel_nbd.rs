@@ -27,7 +27,8 @@ use crate::config::TlsFiles;
 /// What every kernel NBD device of this daemon shares.
 #[derive(Debug)]
 pub struct Links {
-    pub nbd: Arc<ferrite_nbd::Server>,
+    /// This daemon's NBD server (None: a node plugin attaching other nodes' volumes only).
+    pub nbd: Option<Arc<ferrite_nbd::Server>>,
     pub tls: Option<TlsFiles>,
     /// How long a device waits for a new connection (`device-hold-s`).
     pub hold: Duration,
@@ -54,9 +55,12 @@ impl Links {
 
     /// A new connection to this daemon's export `export`.
     async fn open_local(&self, export: &str) -> io::Result<Opened> {
+        let Some(nbd) = &self.nbd else {
+            return Err(io::Error::other(format!("{export} is a local volume, and this node holds no storage")));
+        };
         let (kernel_end, ours) = UnixStream::pair()?;
         ours.set_nonblocking(true)?;
-        let session = tokio::spawn(Arc::clone(&self.nbd).connection(tokio::net::UnixStream::from_std(ours)?, None));
+        let session = tokio::spawn(Arc::clone(nbd).connection(tokio::net::UnixStream::from_std(ours)?, None));
         let export = export.to_owned();
         let (k, size, flags) = blocking_or_end(&session, move || {
             let mut k = kernel_end;

@@ -45,6 +45,21 @@ pub struct AttachRecord {
     pub copies: Vec<String>,
 }
 
+impl AttachRecord {
+    /// The attachment as the admin API gives it, with its device's `size`.
+    pub fn message(&self, detail: String, size: u64) -> ferrite_proto::ferrite::v1::Attachment {
+        ferrite_proto::ferrite::v1::Attachment {
+            volume: self.volume.clone(),
+            device: self.device.clone(),
+            transport: self.transport.clone(),
+            read_only: self.read_only,
+            size,
+            detail,
+            remote: self.remote.clone().unwrap_or_default(),
+        }
+    }
+}
+
 /// The live half of an attachment.
 #[derive(Debug)]
 pub enum Handle {
@@ -81,8 +96,10 @@ pub fn choose_transport(wanted: &str) -> Result<(&'static str, String), Status> 
 impl Attachments {
     /// Takes back the devices a previous daemon left (kill -9, or a clean exit): ublk devices
     /// through user recovery, kernel NBD devices with a new connection each; saves what remains.
+    /// Without a pool (a node plugin with no daemon on its node: [`crate::attach_only`]) only
+    /// other nodes' volumes are attached, and only those are taken back.
     pub async fn restore(
-        pool: &Arc<Pool>,
+        pool: Option<&Arc<Pool>>,
         data_dir: &Path,
         hold_list: PathBuf,
         links: Links,
@@ -92,9 +109,14 @@ impl Attachments {
         let records: Vec<AttachRecord> = file.load()?;
         let (ublk_records, nbd_records) = records.into_iter().partition(|r| r.transport == "ublk");
         let links = Arc::new(links);
-        let lost = pool.recovery_report().truncated.clone();
-        let pool = Arc::clone(pool);
-        let mut live = tokio::task::spawn_blocking(move || recover(&pool, ublk_records, &ublk)).await?;
+        let lost = pool.and_then(|p| p.recovery_report().truncated.clone());
+        let mut live = match pool {
+            Some(pool) => {
+                let pool = Arc::clone(pool);
+                tokio::task::spawn_blocking(move || recover(&pool, ublk_records, &ublk)).await?
+            }
+            None => Vec::new(),
+        };
         for r in nbd_records {
             live.extend(reconnect(&links, r, lost.as_deref()).await);
         }
@@ -244,7 +266,7 @@ impl Attachments {
     }
 
     /// Detaches by device path or volume name; stops the export the attach made, if any.
-    pub async fn detach(&self, exports: &ExportTable, device: &str) -> Result<(), Status> {
+    pub async fn detach(&self, exports: Option<&ExportTable>, device: &str) -> Result<(), Status> {
         let mut live = self.live.lock().await;
         let Some(i) = live.iter().position(|(r, _)| r.device == device || r.volume == device) else {
             return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
@@ -264,7 +286,7 @@ impl Attachments {
         };
         done.map_err(|e| Status::internal(format!("detaching {}: {e}", rec.device)))?;
         let (rec, _) = live.remove(i);
-        if let Some(export) = rec.export.as_ref().filter(|_| rec.remote.is_none()) {
+        if let (Some(export), Some(exports)) = (rec.export.as_ref().filter(|_| rec.remote.is_none()), exports) {
             exports.discard(export).await;
         }
         if let Err(e) = self.save(&live) {

@@ -361,16 +361,17 @@ pub async fn serve_framed(svc: MirrorService, conn: Guarded) {
 
 #[tonic::async_trait]
 impl mirror_server::Mirror for MirrorService {
-    type StreamStream = ReceiverStream<Result<MirrorAck, Status>>;
-
     /// The same stream over gRPC (primaries use the framed connection; see [`wire`]).
-    async fn stream(&self, req: Request<Streaming<MirrorMessage>>) -> Result<Response<Self::StreamStream>, Status> {
+    async fn stream(
+        &self,
+        req: Request<Streaming<MirrorMessage>>,
+    ) -> Result<Response<crate::rpc::Stream<MirrorAck>>, Status> {
         let caller = caller_of(&req)?;
         let mut inbound = req.into_inner();
         let s = self.accept(&caller, &mut inbound).await?;
         let (tx, rx) = mpsc::channel(2 * IN_FLIGHT as usize);
         tokio::spawn(self.clone().apply_all(s, inbound, tx));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn record(&self, req: Request<PbMembership>) -> Result<Response<RecordReply>, Status> {

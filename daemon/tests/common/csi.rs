@@ -28,11 +28,13 @@ pub fn start_csi(dir: &Path, nodes: &[(&str, &Daemon)], args: &[&str]) -> Csi {
     start_csi_with(dir, &nodes, args)
 }
 
-/// The same with a node directory of admin endpoints (socket paths or `tcp://host:port`).
+/// The same with a node directory of admin endpoints (socket paths or `tcp://host:port`; an
+/// empty one: a node without storage).
 pub fn start_csi_with(dir: &Path, nodes: &[(&str, String)], args: &[&str]) -> Csi {
     let directory = dir.join("nodes.toml");
-    let mut text = String::from("[nodes]\n");
-    for (name, endpoint) in nodes {
+    let without: Vec<&str> = nodes.iter().filter(|(_, e)| e.is_empty()).map(|(n, _)| *n).collect();
+    let mut text = format!("without-storage = {without:?}\n[nodes]\n");
+    for (name, endpoint) in nodes.iter().filter(|(_, e)| !e.is_empty()) {
         text.push_str(&format!("{name} = {endpoint:?}\n"));
     }
     std::fs::write(&directory, text).unwrap();

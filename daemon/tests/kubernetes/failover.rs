@@ -360,6 +360,9 @@ pub fn partitioned(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
     println!("== failover (b): the partition heals; {lost} steps down, is rebuilt, then unfenced");
     c.sw.link(i, true);
     set_ready(c, lost, true);
+    // The CSI-Addons sidecar there exits three minutes after it lost the API server (by
+    // design: its kubelet restarts it); the kubelet here restarts it now.
+    c.restart_sidecar(i, "csi-addons");
     c.daemons[i].ok(&["export", "stop", vol]);
     rejoined(c, vol, pv, i);
     lost

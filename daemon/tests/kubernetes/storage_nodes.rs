@@ -1,0 +1,99 @@
+//! Storage nodes by choice: the daemon DaemonSet runs only on nodes with the storage label, and
+//! on tainted ones only where its tolerations admit them (control-plane nodes, with the
+//! tolerations component); a node without the label runs the node plugin alone, which has the
+//! node's certificate issued and reaches remote-access volumes with it.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use super::common::Daemon;
+use super::{Cluster, LONG, NS, STORAGE_LABEL, claim, deploy, runs_on};
+
+/// The names of the pods in `ferrite` on `node`.
+fn pods_on(c: &Cluster, node: &str) -> Vec<String> {
+    let pods = c.cp.get(&["pods", "-n", NS, "--field-selector", &format!("spec.nodeName={node}")]);
+    pods["items"].as_array().unwrap().iter().map(|p| p["metadata"]["name"].as_str().unwrap().to_owned()).collect()
+}
+
+/// Node-d is a control-plane node (tainted NoSchedule) with the storage label: the tolerations
+/// component lets the daemon run there, which the manifests without it would not.
+pub fn tainted_node(c: &Cluster) {
+    println!("== a control-plane node runs a daemon with the tolerations component, none without it");
+    let node = c.cp.get(&["node", "node-d"]);
+    assert!(node["spec"]["taints"].to_string().contains("node-role.kubernetes.io/control-plane"), "{node}");
+    assert!(pods_on(c, "node-d").iter().any(|p| p.starts_with("ferrite-daemon-node-d")), "{:?}", pods_on(c, "node-d"));
+    // The base alone, as a user who did not enable the component applies it.
+    let base = deploy().join("base").display().to_string();
+    let rendered = c.cp.ok(&["create", "--dry-run=client", "-o", "json", "-k", &base]);
+    // One JSON document per object.
+    let mut objects = serde_json::Deserializer::from_str(&rendered).into_iter::<Value>().map(Result::unwrap);
+    let ds = objects.find(|o| o["kind"] == "DaemonSet" && o["metadata"]["name"] == "ferrite-daemon").unwrap();
+    let ds = &ds;
+    assert!(!runs_on(ds, &node), "without the tolerations component no daemon runs on a control-plane node");
+    assert_eq!(ds["spec"]["template"]["spec"]["nodeSelector"][STORAGE_LABEL], "true");
+}
+
+/// Node-e joins without the storage label: no daemon runs there, the node plugin alone; its
+/// certificate is issued to the node plugin's ServiceAccount; it serves the node's attachments
+/// on the admin socket itself; a remote-access claim whose pod runs on node-e is made on a
+/// storage node, and attaching it to node-e grants node-e's certificate the volume's export.
+/// (Staging it as a kernel NBD device needs the nbd module: the VM tier's
+/// `a_node_without_storage_stages_it_from_its_primary` does that.)
+pub fn label_less_node(c: &mut Cluster, dir: &Path) {
+    println!("== a node without the storage label runs the node plugin only, and reaches remote-access volumes");
+    let daemons = c.daemon_pods.len();
+    c.add_node(dir, "node-e");
+    let e = c.nodes.len() - 1;
+    assert_eq!(c.daemon_pods.len(), daemons, "no daemon pod on node-e");
+    let pods = pods_on(c, "node-e");
+    assert!(pods.len() == 1 && pods[0].starts_with("ferrite-node-plugin-node-e"), "{pods:?}");
+    let plugin = c.plugin_pods.last().unwrap();
+    assert!(plugin.log("ferrite-csi").contains("this node holds no storage"), "{}", plugin.log("ferrite-csi"));
+
+    let tls = c.nodes[e].host("/etc/ferrite/tls");
+    let cert = ferrite_tls::load_certs(&tls.join("tls.crt")).unwrap();
+    assert_eq!(ferrite_tls::identities(&cert[0]), ["node-e", c.nodes[e].ip.as_str(), "ferrite-node.ferrite.svc"]);
+    let csrs = c.cp.get(&["csr", "-l", "ferrite.dev/node=node-e"]);
+    let csr = &csrs["items"][0];
+    assert_eq!(csr["spec"]["username"], "system:serviceaccount:ferrite:ferrite-node", "{csr}");
+    assert_eq!(csr["status"]["conditions"][0]["type"], "Approved", "{}", csr["status"]);
+
+    let here = Daemon { dir: c.nodes[e].host("/run/ferrite"), child: None };
+    assert_eq!(here.json(&["attachments"]), json!([]));
+    assert!(!here.cli(&["pool", "status"]).status.success(), "node-e has no pool");
+
+    c.cp.apply(
+        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": "ferrite-anywhere"},
+            "provisioner": "csi.ferrite.dev", "volumeBindingMode": "WaitForFirstConsumer",
+            "parameters": {"csi.storage.k8s.io/fstype": "ext4", "remoteAccess": "true"}})
+        .to_string(),
+    );
+    claim(&c.cp, "far", "node-e", "32Mi", None, json!({}), json!({"storageClassName": "ferrite-anywhere"}));
+    let handle = c.bound("far");
+    let (node, _) = handle.split_once('/').unwrap();
+    assert!(c.nodes[..e].iter().any(|n| n.name == node), "made on a storage node: {handle}");
+    let pv = c.cp.get(&["pvc", "far", "-n", "default"])["spec"]["volumeName"].as_str().unwrap().to_owned();
+    assert!(c.cp.get(&["pv", &pv])["spec"]["nodeAffinity"].is_null(), "accessible from every node");
+    c.cp.apply(
+        &json!({"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttachment", "metadata": {"name": "far-e"},
+            "spec": {"attacher": "csi.ferrite.dev", "nodeName": "node-e", "source": {"persistentVolumeName": pv}}})
+        .to_string(),
+    );
+    let mut va = Value::Null;
+    c.cp.wait("node-e's attach", LONG, |cp| {
+        va = cp.get(&["volumeattachment", "far-e"]);
+        va["status"]["attached"] == true
+    });
+    let meta = &va["status"]["attachmentMetadata"];
+    assert_eq!(meta["primary"], node, "{meta}");
+    // What node-e's plugin opens when it stages the volume, with the certificate it was issued.
+    let cfg = ferrite_tls::client_config(&tls.join("ca.crt"), Some((&tls.join("tls.crt"), &tls.join("tls.key"))), &[])
+        .unwrap();
+    let name = ferrite_tls::server_name("ferrite-node.ferrite.svc").unwrap();
+    let (nbd, export) = (meta["nbd"].as_str().unwrap(), meta["export"].as_str().unwrap());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let size = rt.block_on(ferrite_nbd::relay::export_size(cfg, name, nbd, export)).unwrap();
+    assert_eq!(size, 32 << 20);
+    c.cp.ok(&["delete", "volumeattachment", "far-e", "--wait=true", "--timeout=60s"]);
+}
