@@ -1,5 +1,6 @@
 //! CSI Node: this node's volumes as block devices (ublk where the kernel has it, else the kernel
-//! NBD client; the local daemon attaches them), formatted if blank and mounted at the staging
+//! NBD client; the local daemon attaches them, or on a node without storage the node plugin's
+//! own attachment service on the same socket), formatted if blank and mounted at the staging
 //! path, then bind-mounted at each publish target (or, for raw block, the device node bound onto
 //! a file). Stateless like the controller: the daemon's attachment list says which device a volume
 //! has, and the mount table says what is staged or published where.

@@ -30,6 +30,7 @@ const MODULES: &[&str] = &[
     "cli",
     "backup_cli",
     "daemon",
+    "attach_only",
     "pool_format",
     "node_pool",
     "main",
