@@ -129,8 +129,16 @@ impl Cluster {
             5,
             "kustomization.yaml lists the optional components, commented out"
         );
-        std::fs::write(&k, enabled).unwrap();
         let dk = copy.display().to_string();
+        // The monitoring component renders (its CRDs, the Prometheus Operator's, are not here to
+        // apply it): the ServiceMonitor, the PrometheusRule, the dashboard's ConfigMap.
+        let monitored = enabled.replace("  # - components/monitoring ", "  - components/monitoring ");
+        std::fs::write(&k, &monitored).unwrap();
+        let rendered = cp.ok(&["kustomize", &dk]);
+        for kind in ["kind: ServiceMonitor", "kind: PrometheusRule", "name: ferrite-dashboard"] {
+            assert!(rendered.contains(kind), "the monitoring component renders no {kind}");
+        }
+        std::fs::write(&k, enabled).unwrap();
         // A dry run does not create the namespace the other objects go to.
         cp.ok(&["apply", "-f", &copy.join("base/namespace.yaml").display().to_string()]);
         cp.ok(&["apply", "--dry-run=server", "-k", &dk]);
