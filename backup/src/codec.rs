@@ -26,6 +26,13 @@ pub enum Kind {
     Manifest = 2,
     Index = 3,
     Condemned = 4,
+    Quarantined = 5,
+}
+
+/// Most bytes the envelope of `plain` bytes of plaintext may have (it is compressed only when
+/// that makes it smaller).
+pub fn max_envelope(plain: usize) -> u64 {
+    (plain + HEADER + aead::NONCE_LEN + aead::MAX_TAG_LEN) as u64
 }
 
 /// Names chunks and seals objects with one target's keys.

@@ -13,13 +13,13 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferrite_engine::{Image, Pool};
+use ferrite_engine::{Image, Pool, SnapshotInfo};
 use futures_util::StreamExt;
 
 use crate::codec::Kind;
-use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, chunk_path};
+use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, SnapshotIdentity, chunk_path};
 use crate::target::FORMAT;
-use crate::{Error, Pace, Result, Target, prune};
+use crate::{Error, Pace, Result, Target, prune, quarantine};
 
 /// What to back up.
 #[derive(Debug, Clone)]
@@ -47,7 +47,13 @@ pub struct Progress {
 /// A backup id from the time: `20261128T101500Z`.
 pub fn new_id(unix: u64) -> String {
     let (days, secs) = (unix / 86_400, unix % 86_400);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let (year, month, day) = civil(days);
+    format!("{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z", secs / 3600, secs / 60 % 60, secs % 60)
+}
+
+/// The civil date (year, month 1-12, day 1-31) of `days` since 1970-01-01 (H. Hinnant's
+/// algorithm).
+pub(crate) fn civil(days: u64) -> (u64, u64, u64) {
     let z = days + 719_468;
     let era = z / 146_097;
     let doe = z % 146_097;
@@ -57,7 +63,7 @@ pub fn new_id(unix: u64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + u64::from(month <= 2);
-    format!("{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z", secs / 3600, secs / 60 % 60, secs % 60)
+    (year, month, day)
 }
 
 pub fn now_unix() -> u64 {
@@ -75,6 +81,8 @@ pub async fn create(
     let this = BackupRef { volume: opts.volume.clone(), id: opts.id.clone() };
     // Read before anything else: chunks a prune condemned since are uploaded again (prune.rs).
     let condemned = prune::load_condemned(target).await?;
+    // Chunks a verify found bad: read again even where the previous backup lists them.
+    let quarantined = quarantine::load(target).await?;
     let index = Index::load(target, &opts.volume).await?;
     if index.backups.iter().any(|b| b.id == opts.id) {
         return Err(Error::Conflict(format!("backup {this} already exists on target {}", target.name)));
@@ -97,19 +105,47 @@ pub async fn create(
     let chunk = target.chunk_size();
     let count = info.size.div_ceil(chunk);
 
-    // The previous backup, if an incremental can build on it.
+    let source = SnapshotIdentity { pool: pool.uuid().to_string(), id: info.id, created: info.created_unix };
+
+    // The previous backup, if an incremental can build on it: its snapshot must be this one or
+    // an earlier one of the same volume, on this pool, by identity (not by name).
     let full_every = u64::from(target.config.full_every.unwrap_or(30).max(1));
     let since_full = index.backups.iter().rev().take_while(|b| !b.full).count() as u64;
     let mut previous = None;
+    let mut full_reason = None;
     if let Some(last) = index.backups.last() {
-        let m = Manifest::load(target, &BackupRef { volume: opts.volume.clone(), id: last.id.clone() }).await?;
-        let base_here =
-            pool.snapshot_info(&m.snapshot).is_ok_and(|s| s.volume.as_deref() == Some(opts.volume.as_str()));
-        if !opts.full && since_full + 1 < full_every && base_here && m.chunk_size == chunk && m.size <= info.size {
-            previous = Some(m);
+        let b = BackupRef { volume: opts.volume.clone(), id: last.id.clone() };
+        let m = match Manifest::load_listed(target, &b, Some(last)).await {
+            Err(e) if e.is_not_found() => None,
+            m => Some(m?),
+        };
+        let base = if opts.full {
+            Err("a full backup was asked for".to_owned())
+        } else if since_full + 1 >= full_every {
+            Err(format!("every {full_every}th backup is full (the target's full-every)"))
+        } else if let Some(m) = m {
+            base_snapshot(pool, &info, &source, &m, chunk).map(|name| (m, name))
+        } else {
+            Err(format!("the previous backup ({b}) was deleted meanwhile"))
+        };
+        match base {
+            Ok(base) => previous = Some(base),
+            Err(why) => full_reason = Some(why),
         }
     }
-    let (to_read, mut refs) = plan(pool, &opts.snapshot, previous.as_ref(), chunk, count)?;
+    let base = previous.as_ref().map(|(m, base)| (m, base.as_str()));
+    let (to_read, mut refs) = match plan(pool, &opts.snapshot, base, &quarantined, chunk, count) {
+        Err(e) if e.kind() == ferrite_engine::ErrorKind::InvalidArgument && previous.is_some() => {
+            full_reason = Some(format!("the previous backup's snapshot is no ancestor of this one: {e}"));
+            previous = None;
+            plan(pool, &opts.snapshot, None, &quarantined, chunk, count)?
+        }
+        planned => planned?,
+    };
+    let previous = previous.map(|(m, _)| m);
+    if let Some(why) = &full_reason {
+        tracing::info!(target = %target.name, backup = %this, why, "this backup reads the whole volume");
+    }
     // Names the previous manifest lists are on the target (a prune keeps what a manifest lists).
     let known: HashSet<String> = previous.iter().flat_map(|m| m.chunks.iter().map(|c| c.id.clone())).collect();
 
@@ -122,6 +158,9 @@ pub async fn create(
     progress(&done);
     let pace = Arc::new(Pace::new(target.config.bandwidth));
     let sent = Arc::new(parking_lot::Mutex::new(HashSet::new()));
+    // A condemned chunk is uploaded again whatever the target says (its new Last-Modified saves
+    // it); a quarantined one when the target does not have it.
+    let known: HashSet<String> = known.into_iter().filter(|id| !quarantined.contains(id)).collect();
     let shared = Arc::new((known, condemned));
     let mut results = futures_util::stream::iter(to_read)
         .map(|i| {
@@ -163,11 +202,13 @@ pub async fn create(
         volume: opts.volume.clone(),
         id: opts.id.clone(),
         snapshot: opts.snapshot.clone(),
-        created: now_unix(),
+        source: Some(source),
+        created: info.created_unix,
         size: info.size,
         chunk_size: chunk,
         previous: previous.as_ref().map(|m| m.id.clone()),
         full: previous.is_none(),
+        full_reason,
         encrypted_volume: encrypted,
         chunks: refs,
         read_bytes: total.bytes_total,
@@ -175,23 +216,57 @@ pub async fn create(
         new_chunks,
     };
     manifest.store(target).await?;
-    // Re-read the index: a delete may have changed it while this backup ran.
-    let mut index = Index::load(target, &opts.volume).await?;
-    index.backups.push(manifest.entry());
-    index.backups.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
-    index.store(target).await?;
+    Index::update(target, &opts.volume, |index| {
+        if index.backups.iter().any(|b| b.id == manifest.id) {
+            return Err(Error::Conflict(format!("backup {this} was made by another call at the same time")));
+        }
+        index.backups.push(manifest.entry());
+        index.backups.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
+        Ok(true)
+    })
+    .await?;
     Ok(manifest)
 }
 
-/// The chunks to read, and the references copied from `previous` for the others.
+/// The name the snapshot backup `m` read has on `pool` now, if a backup of snapshot `info`
+/// (`source`) can build on it; else why not.
+fn base_snapshot(
+    pool: &Pool,
+    info: &SnapshotInfo,
+    source: &SnapshotIdentity,
+    m: &Manifest,
+    chunk: u64,
+) -> std::result::Result<String, String> {
+    let Some(was) = &m.source else {
+        return Err(format!("the previous backup ({}) does not record which snapshot it read", m.id));
+    };
+    if was.pool != source.pool {
+        return Err(format!("the previous backup ({}) was taken on another pool ({})", m.id, was.pool));
+    }
+    if was.id > source.id {
+        return Err(format!("the previous backup ({}) read a later snapshot than this one", m.id));
+    }
+    if m.chunk_size != chunk || m.size > info.size {
+        return Err(format!("the previous backup ({}) has another chunk size or a larger volume", m.id));
+    }
+    let snapshots = pool.snapshots(None).map_err(|e| e.to_string())?;
+    let base = snapshots.into_iter().find(|s| s.id == was.id && s.volume_id == info.volume_id);
+    base.map(|s| s.name).ok_or_else(|| format!("the snapshot the previous backup ({}) read is gone", m.id))
+}
+
+/// The chunks to read, and the references copied from `previous` (a manifest and the current
+/// name of the snapshot it read) for the others: those it lists under a `quarantined` name are
+/// read too.
 fn plan(
     pool: &Pool,
     snapshot: &str,
-    previous: Option<&Manifest>,
+    previous: Option<(&Manifest, &str)>,
+    quarantined: &HashSet<String>,
     chunk: u64,
     count: u64,
-) -> Result<(Vec<u64>, Vec<ChunkRef>)> {
-    let ranges = pool.changed_ranges(Image::Snapshot(snapshot), previous.map(|m| m.snapshot.as_str()))?;
+) -> ferrite_engine::Result<(Vec<u64>, Vec<ChunkRef>)> {
+    let ranges = pool.changed_ranges(Image::Snapshot(snapshot), previous.map(|(_, base)| base))?;
+    let previous = previous.map(|(m, _)| m);
     let mut touched = Vec::new();
     for (offset, len) in ranges {
         let (first, last) = (offset / chunk, (offset + len - 1) / chunk);
@@ -211,6 +286,7 @@ fn plan(
         read.insert(old_count - 1);
     }
     read.extend(old_count..count);
+    read.extend(prev.chunks.iter().filter(|c| quarantined.contains(&c.id)).map(|c| c.i));
     let refs = prev.chunks.iter().filter(|c| !read.contains(&c.i)).cloned().collect();
     let mut read: Vec<u64> = read.into_iter().filter(|&i| i < count).collect();
     read.sort_unstable();

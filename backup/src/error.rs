@@ -12,6 +12,9 @@ pub enum Error {
         #[source]
         source: Box<object_store::Error>,
     },
+    /// The store's answer broke a bound: larger than the object can be, cut short, too slow.
+    #[error("backup target {target}: {op} {path}: {why}")]
+    Answer { target: String, op: &'static str, path: String, why: String },
     /// An object is not what its name says (a damaged or substituted chunk, manifest or index).
     #[error("backup target {target}: {what} is corrupt: {why}")]
     Corrupt { target: String, what: String, why: String },
@@ -44,8 +47,17 @@ impl Error {
         Error::Store { target: target.to_owned(), op, path: path.to_string(), source: Box::new(source) }
     }
 
+    pub(crate) fn answer(target: &str, op: &'static str, path: &object_store::path::Path, why: String) -> Self {
+        Error::Answer { target: target.to_owned(), op, path: path.to_string(), why }
+    }
+
     pub(crate) fn corrupt(target: &str, what: impl Into<String>, why: impl Into<String>) -> Self {
         Error::Corrupt { target: target.to_owned(), what: what.into(), why: why.into() }
+    }
+
+    /// True when the store failed or answered out of bounds: a fault that may pass.
+    pub fn is_store_fault(&self) -> bool {
+        matches!(self, Error::Store { .. } | Error::Answer { .. })
     }
 
     /// True when the store answered "not found" (an absent object, not a failure).

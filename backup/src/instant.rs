@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use ferrite_engine::{ErrorKind, Volume};
+use ferrite_engine::{Access, ErrorKind, Volume};
 use futures_util::StreamExt;
 use parking_lot::{Condvar, Mutex};
 
@@ -29,9 +29,20 @@ enum Slot {
     Done,
 }
 
-/// Records which of the manifest's chunks are done, durably, before it returns: a hex bitmap
-/// over the manifest's chunk list ([`done_bitmap`]).
-pub type Save = Box<dyn Fn(&str) -> std::io::Result<()> + Send + Sync>;
+/// What a restore's record is told, to keep durably before it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Saved<'a> {
+    /// Every chunk done so far: a hex bitmap over the manifest's chunk list (`done_bitmap`).
+    All(&'a str),
+    /// These positions of the manifest's chunk list are done too (to append: O(1) a chunk).
+    Done(&'a [usize]),
+}
+
+/// Keeps a restore's record ([`Saved`]); `All` replaces what was kept, `Done` adds to it.
+pub type Save = Box<dyn Fn(Saved<'_>) -> std::io::Result<()> + Send + Sync>;
+
+/// Most chunks one client request fetches at once (a large one goes in turns).
+const ON_DEMAND: usize = 8;
 
 /// A volume being restored while it serves.
 pub struct Filling {
@@ -42,10 +53,11 @@ pub struct Filling {
     rt: tokio::runtime::Handle,
     pace: Arc<Pace>,
     save: Save,
-    slots: Mutex<Vec<Slot>>,
+    slots: Mutex<Slots>,
     changed: Condvar,
-    /// Held while the record is written: one writer at a time, each including the others' done.
-    saving: Mutex<()>,
+    /// Held while the record is written, one writer at a time: how many positions were added
+    /// to it since it was last written whole.
+    saving: Mutex<usize>,
     /// Chunks fetched because a client request needed them.
     on_demand: AtomicU64,
 }
@@ -57,6 +69,13 @@ impl std::fmt::Debug for Filling {
             .field("backup", &self.manifest.backup_ref())
             .finish()
     }
+}
+
+/// The chunks' states, and the count and bytes of the done ones.
+struct Slots {
+    state: Vec<Slot>,
+    done: u64,
+    done_bytes: u64,
 }
 
 /// The record of `done` (one flag per chunk of the manifest) as hex.
@@ -77,27 +96,37 @@ impl Filling {
     /// Restores `manifest` from `target` into the volume `writer` writes (new or resumed: `done`
     /// is the record a previous run saved, None for a new restore). `writer` must write past
     /// the volume's fill (`Volume::past_read_only`); the runtime `rt` runs the fetches.
+    /// `also_done` are positions the record added after its bitmap `done`.
     pub fn new(
         target: Target,
         manifest: Manifest,
         writer: Volume,
-        done: Option<&str>,
+        done: Option<(&str, &[usize])>,
         save: Save,
         rt: tokio::runtime::Handle,
     ) -> Result<Arc<Self>> {
         let n = manifest.chunks.len();
-        let slots = match done {
-            None => vec![Slot::Pending; n],
-            Some(hex) => {
-                let bits = crate::codec::unhex(hex).filter(|b| b.len() == n.div_ceil(8)).ok_or_else(|| {
-                    Error::Invalid(format!("the restore record of {:?} does not fit its backup", writer.name()))
-                })?;
-                (0..n).map(|i| if bits[i / 8] & (1 << (i % 8)) != 0 { Slot::Done } else { Slot::Pending }).collect()
+        let unfit = || Error::Invalid(format!("the restore record of {:?} does not fit its backup", writer.name()));
+        let mut state = vec![Slot::Pending; n];
+        match done {
+            None => save(Saved::All(&done_bitmap(std::iter::repeat_n(false, n))))
+                .map_err(|e| Error::Invalid(format!("saving the restore record: {e}")))?,
+            Some((hex, also)) => {
+                let bits = crate::codec::unhex(hex).filter(|b| b.len() == n.div_ceil(8)).ok_or_else(unfit)?;
+                for (i, s) in state.iter_mut().enumerate() {
+                    if bits[i / 8] & (1 << (i % 8)) != 0 {
+                        *s = Slot::Done;
+                    }
+                }
+                for &p in also {
+                    *state.get_mut(p).ok_or_else(unfit)? = Slot::Done;
+                }
             }
-        };
-        if done.is_none() {
-            save(&done_bitmap(std::iter::repeat_n(false, n)))
-                .map_err(|e| Error::Invalid(format!("saving the restore record: {e}")))?;
+        }
+        let mut slots = Slots { state, done: 0, done_bytes: 0 };
+        for (c, _) in manifest.chunks.iter().zip(&slots.state).filter(|(_, s)| **s == Slot::Done) {
+            slots.done += 1;
+            slots.done_bytes += u64::from(c.len);
         }
         let pace = Arc::new(Pace::new(target.config.bandwidth));
         Ok(Arc::new(Self {
@@ -109,7 +138,7 @@ impl Filling {
             save,
             slots: Mutex::new(slots),
             changed: Condvar::new(),
-            saving: Mutex::new(()),
+            saving: Mutex::new(0),
             on_demand: AtomicU64::new(0),
         }))
     }
@@ -121,8 +150,7 @@ impl Filling {
     /// Chunks done and in all, and how many of the done were fetched for a client request.
     pub fn counts(&self) -> (u64, u64, u64) {
         let slots = self.slots.lock();
-        let done = slots.iter().filter(|s| **s == Slot::Done).count() as u64;
-        (done, slots.len() as u64, self.on_demand.load(Ordering::Relaxed))
+        (slots.done, slots.state.len() as u64, self.on_demand.load(Ordering::Relaxed))
     }
 
     /// The positions in the manifest's chunk list of the chunks [offset, offset+len) touches.
@@ -135,17 +163,21 @@ impl Filling {
 
     /// Claims the pending chunks among `positions` (marks them busy); whether any other of them
     /// is busy.
+    /// `positions` are scanned only until `most` are claimed.
     fn claim(&self, positions: impl Iterator<Item = usize>, most: usize) -> (Vec<usize>, bool) {
         let mut slots = self.slots.lock();
         let (mut mine, mut busy) = (Vec::new(), false);
         for p in positions {
-            match slots[p] {
+            match slots.state[p] {
                 Slot::Pending if mine.len() < most => {
-                    slots[p] = Slot::Busy;
+                    slots.state[p] = Slot::Busy;
                     mine.push(p);
                 }
                 Slot::Pending | Slot::Busy => busy = true,
                 Slot::Done => {}
+            }
+            if mine.len() == most {
+                return (mine, true);
             }
         }
         (mine, busy)
@@ -155,7 +187,7 @@ impl Filling {
     fn release(&self, positions: &[usize]) {
         let mut slots = self.slots.lock();
         for &p in positions {
-            slots[p] = Slot::Pending;
+            slots.state[p] = Slot::Pending;
         }
         self.changed.notify_all();
     }
@@ -193,24 +225,56 @@ impl Filling {
         first.map_or(Ok(()), |e| Err((e, failed)))
     }
 
-    /// Flushes what was written, saves the record with `positions` done, then marks them done.
+    /// Flushes what was written, adds `positions` to the record, then marks them done. The
+    /// record is written whole only once some 1/32 of the chunks were added since it last was:
+    /// O(1) a chunk in all.
     fn commit(&self, positions: &[usize]) -> Result<()> {
         if positions.is_empty() {
             return Ok(());
         }
         self.writer.flush()?;
-        let _saving = self.saving.lock();
-        let record = {
-            let slots = self.slots.lock();
-            done_bitmap(slots.iter().enumerate().map(|(p, s)| *s == Slot::Done || positions.contains(&p)))
+        let mut added = self.saving.lock();
+        let n = self.manifest.chunks.len();
+        let saved = if *added + positions.len() > n / 32 + 64 {
+            let record = {
+                let slots = self.slots.lock();
+                let mut done: Vec<bool> = slots.state.iter().map(|s| *s == Slot::Done).collect();
+                positions.iter().for_each(|&p| done[p] = true);
+                done_bitmap(done.into_iter())
+            };
+            *added = 0;
+            (self.save)(Saved::All(&record))
+        } else {
+            *added += positions.len();
+            (self.save)(Saved::Done(positions))
         };
-        (self.save)(&record).map_err(|e| Error::Invalid(format!("saving the restore record: {e}")))?;
+        saved.map_err(|e| Error::Invalid(format!("saving the restore record: {e}")))?;
         let mut slots = self.slots.lock();
         for &p in positions {
-            slots[p] = Slot::Done;
+            slots.state[p] = Slot::Done;
+            slots.done += 1;
+            slots.done_bytes += u64::from(self.manifest.chunks[p].len);
         }
         self.changed.notify_all();
         Ok(())
+    }
+
+    /// Marks the pending chunks wholly inside [offset, offset+len) done without fetching them:
+    /// a trim is about to discard them (their content is not needed; they read as zeros).
+    fn trimmed(&self, offset: u64, len: u64) -> Result<()> {
+        let cs = self.manifest.chunk_size;
+        let (first, end) = (offset.div_ceil(cs), (offset + len) / cs);
+        if first >= end {
+            return Ok(());
+        }
+        let positions = self.positions(first * cs, (end - first) * cs);
+        let whole = |p: &usize| {
+            let c = &self.manifest.chunks[*p];
+            offset <= c.i * cs && c.i * cs + u64::from(c.len) <= offset + len
+        };
+        // Those being fetched are left to their fetch (the trim then discards them).
+        let (mine, _) = self.claim(positions.filter(whole), usize::MAX);
+        self.commit(&mine).inspect_err(|_| self.release(&mine))
     }
 
     /// Copies every chunk not done yet, `concurrency` at a time, then returns. A store that
@@ -219,13 +283,24 @@ impl Filling {
     /// volume deleted) ends it at once.
     pub async fn run(self: &Arc<Self>, progress: &(dyn Fn(&Progress) + Sync)) -> Result<()> {
         let group = self.target.concurrency();
+        let n = self.manifest.chunks.len();
         let mut backoff = Duration::from_secs(1);
         let total_bytes: u64 = self.manifest.chunks.iter().map(|c| u64::from(c.len)).sum();
-        let mut corrupt: Vec<usize> = Vec::new();
+        let mut corrupt = std::collections::HashSet::new();
         let mut first_corrupt = None;
+        // Claims go on from where the last one stopped: one pass over the chunks, then passes
+        // over what was released (failed) or left busy meanwhile.
+        let mut next = 0;
         loop {
-            let (mine, busy) = self.claim((0..self.manifest.chunks.len()).filter(|p| !corrupt.contains(p)), group);
+            let (mine, busy) = self.claim((next..n).filter(|p| !corrupt.contains(p)), group);
+            if let Some(&last) = mine.last() {
+                next = last + 1;
+            }
             if mine.is_empty() {
+                if next > 0 {
+                    next = 0;
+                    continue;
+                }
                 if !busy {
                     return first_corrupt.map_or(Ok(()), Err);
                 }
@@ -244,20 +319,19 @@ impl Filling {
                     corrupt.extend(failed);
                     first_corrupt.get_or_insert(e);
                 }
-                Err((e @ Error::Store { .. }, _)) => {
+                Err((e, _)) if e.is_store_fault() => {
                     tracing::warn!(volume = %self.writer.name(), error = %e, retry_in = ?backoff, "restore: the target failed; retrying");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(30));
                 }
                 Err((e, _)) => return Err(e),
             }
-            let (mut chunks_done, mut bytes_done) = (0, 0);
-            for (c, _) in self.manifest.chunks.iter().zip(self.slots.lock().iter()).filter(|(_, s)| **s == Slot::Done) {
-                chunks_done += 1;
-                bytes_done += u64::from(c.len);
-            }
+            let (chunks_done, bytes_done) = {
+                let slots = self.slots.lock();
+                (slots.done, slots.done_bytes)
+            };
             progress(&Progress {
-                chunks_total: self.manifest.chunks.len() as u64,
+                chunks_total: n as u64,
                 chunks_done,
                 bytes_total: total_bytes,
                 bytes_done,
@@ -268,33 +342,48 @@ impl Filling {
 }
 
 impl ferrite_engine::Fill for Filling {
-    fn fill(&self, offset: u64, len: u64) -> ferrite_engine::Result<()> {
+    fn fill(&self, offset: u64, len: u64, access: Access) -> ferrite_engine::Result<()> {
+        let failed = |e: Error| {
+            ferrite_engine::Error::new(
+                ErrorKind::Io,
+                format!("volume {:?} is being restored from {}: {e}", self.writer.name(), self.manifest.backup_ref()),
+            )
+        };
+        if access == Access::Trim {
+            self.trimmed(offset, len).map_err(failed)?;
+        }
         let positions = self.positions(offset, len);
         loop {
-            let (mine, busy) = self.claim(positions.clone(), usize::MAX);
+            let (mine, busy) = self.claim(positions.clone(), ON_DEMAND);
             if mine.is_empty() {
                 if !busy {
                     return Ok(());
                 }
                 // Another request or the background copy is fetching one: wait for it.
                 let mut slots = self.slots.lock();
-                if slots[positions.clone()].contains(&Slot::Busy) {
+                if slots.state[positions.clone()].contains(&Slot::Busy) {
                     self.changed.wait_for(&mut slots, Duration::from_millis(100));
                 }
                 continue;
             }
-            self.restore_blocking(&mine, false).map_err(|(e, _)| {
-                ferrite_engine::Error::new(
-                    ErrorKind::Io,
-                    format!(
-                        "volume {:?} is being restored from {}: {e}",
-                        self.writer.name(),
-                        self.manifest.backup_ref()
-                    ),
-                )
-            })?;
+            self.restore_blocking(&mine, false).map_err(|(e, _)| failed(e))?;
             self.on_demand.fetch_add(mine.len() as u64, Ordering::Relaxed);
         }
+    }
+
+    fn pending(&self, offset: u64, len: u64) -> ferrite_engine::Result<Vec<(u64, u64)>> {
+        let cs = self.manifest.chunk_size;
+        let end = offset.saturating_add(len);
+        let slots = self.slots.lock();
+        let chunks = &self.manifest.chunks;
+        Ok(self
+            .positions(offset, len)
+            .filter(|&p| slots.state[p] != Slot::Done)
+            .map(|p| {
+                let from = (chunks[p].i * cs).max(offset);
+                (from, (chunks[p].i * cs + u64::from(chunks[p].len)).min(end) - from)
+            })
+            .collect())
     }
 }
 

@@ -10,29 +10,47 @@
 //! - `chunks/<2 hex>/<64 hex>`: chunks, named by HMAC-SHA256 of their plaintext;
 //! - `volumes/<volume>/index`: the volume's backups, oldest first;
 //! - `volumes/<volume>/backups/<id>`: one manifest per backup;
-//! - `gc/condemned`: chunks the last prune found unreferenced (see `prune.rs`).
+//! - `gc/condemned`: chunks the last prune found unreferenced (see `prune.rs`);
+//! - `gc/quarantined` and `quarantine/<64 hex>`: chunks a verify found bad (`quarantine.rs`).
 //!
 //! Every object but the marker is an envelope (`codec.rs`): a header with the format version,
 //! then zstd, then AES-256-GCM bound to the object's name.
 
+mod bounded;
 mod codec;
+mod copy;
 mod create;
 mod error;
 mod instant;
 mod manifest;
 mod pace;
 mod prune;
+mod quarantine;
 mod restore;
 mod target;
 
+pub use copy::copy;
 pub use create::{CreateOptions, Progress, create, new_id, now_unix};
 pub use error::{Error, Result};
-pub use instant::{Filling, Save};
-pub use manifest::{BackupRef, ChunkRef, Index, IndexEntry, Manifest, list_volumes, valid_component};
+pub use instant::{Filling, Save, Saved};
+pub use manifest::{BackupRef, ChunkRef, Index, IndexEntry, Manifest, SnapshotIdentity, list_volumes, valid_component};
 pub use pace::Pace;
 pub use prune::{PruneReport, Retention, delete, prune};
-pub use restore::{VerifyReport, verify};
-pub use target::{Counters, Target, TargetConfig, TargetKind};
+pub use restore::{VerifyReport, export, verify};
+pub use target::{Counters, Target, TargetConfig, TargetKind, key_fingerprint};
+
+/// Whether `id` is one the CSI driver gives the backup of a snapshot (`csi.<snapshot name>`, or
+/// `csi-<digest>` for a name the engine does not take): the only backups the controller may
+/// delete.
+pub fn is_csi_id(id: &str) -> bool {
+    id.starts_with("csi.") || id.starts_with("csi-")
+}
+
+/// The snapshot a backup of `volume` to `target` takes by itself (and keeps as the base of the
+/// next incremental to that target).
+pub fn auto_snapshot(volume: &str, target: &str, id: &str) -> String {
+    format!("{volume}.backup.{target}.{id}")
+}
 
 /// Chunk sizes a target may use: 1-4 MiB, a whole number of 4 KiB blocks.
 pub const MIN_CHUNK: u64 = 1 << 20;

@@ -6,9 +6,29 @@ use crate::codec::Kind;
 use crate::target::FORMAT;
 use crate::{Error, Result, Target};
 
-/// Most a manifest or an index may decompress to (a 64 TiB volume at 1 MiB chunks lists 64 Mi
-/// chunks at ~90 bytes each: bigger than this; such volumes want 4 MiB chunks).
-const MAX_META: usize = 1 << 30;
+/// Most an index may decompress to: some 40 000 backups of one volume.
+const MAX_INDEX: usize = 16 << 20;
+/// Most a manifest may decompress to when its index does not say how many chunks it lists (a
+/// backup being committed): 1 GiB, a 40 TiB volume at 4 MiB chunks.
+pub(crate) const MAX_MANIFEST: usize = 1 << 30;
+
+/// Most a manifest listing `chunks` chunks may decompress to: each is
+/// `{"i":N,"id":"<64 hex>","len":N}` (~100 bytes), beside a few hundred bytes of the rest.
+fn manifest_cap(chunks: u64) -> usize {
+    usize::try_from(chunks.saturating_mul(160).saturating_add(64 << 10)).unwrap_or(usize::MAX).min(MAX_MANIFEST)
+}
+
+/// The snapshot a backup read, by what identifies it for good: its pool, its id there (ids are
+/// never reused) and its time. A name is not enough: a snapshot deleted and made again under
+/// the same name holds other data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotIdentity {
+    /// The pool's uuid.
+    pub pool: String,
+    pub id: u64,
+    /// Unix seconds.
+    pub created: u64,
+}
 
 /// One chunk of a backup: its index (offset / chunk size), name and plaintext length.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,9 +46,12 @@ pub struct Manifest {
     pub format: u32,
     pub volume: String,
     pub id: String,
-    /// The snapshot it was taken from (on the daemon that took it).
+    /// The snapshot it was taken from (its name on the daemon that took it).
     pub snapshot: String,
-    /// Unix seconds.
+    /// That snapshot for good; absent in backups made by earlier builds (never a base).
+    #[serde(default)]
+    pub source: Option<SnapshotIdentity>,
+    /// The point in time it holds: its snapshot's time (unix seconds).
     pub created: u64,
     pub size: u64,
     pub chunk_size: u64,
@@ -36,6 +59,9 @@ pub struct Manifest {
     pub previous: Option<String>,
     /// Whether every chunk was read (not only the changed ones).
     pub full: bool,
+    /// Why it read every chunk although an earlier backup exists.
+    #[serde(default)]
+    pub full_reason: Option<String>,
     /// Whether the volume was encrypted (restores make an encrypted volume).
     pub encrypted_volume: bool,
     /// Non-zero chunks in offset order; absent ones read as zeros.
@@ -51,6 +77,8 @@ pub struct Manifest {
 pub struct IndexEntry {
     pub id: String,
     pub snapshot: String,
+    #[serde(default)]
+    pub source: Option<SnapshotIdentity>,
     pub created: u64,
     pub size: u64,
     pub full: bool,
@@ -123,29 +151,55 @@ pub async fn list_volumes(target: &Target) -> Result<Vec<String>> {
 impl Index {
     /// The volume's index; an empty one when it has no backups on this target.
     pub async fn load(target: &Target, volume: &str) -> Result<Index> {
-        let path = index_path(volume);
-        match target.get_object(Kind::Index, &path, MAX_META).await {
-            Ok((data, _)) => {
-                let index: Index = decode(target, &path, &data)?;
-                if index.volume != volume {
-                    return Err(Error::corrupt(&target.name, path, format!("it is the index of {:?}", index.volume)));
-                }
-                Ok(index)
-            }
+        match target.get_object(Kind::Index, &index_path(volume), MAX_INDEX).await {
+            Ok((data, _)) => Self::decode(target, volume, &data),
             Err(e) if e.is_not_found() => Ok(Index { format: FORMAT, volume: volume.to_owned(), backups: Vec::new() }),
             Err(e) => Err(e),
         }
     }
 
-    pub async fn store(&self, target: &Target) -> Result<()> {
-        target.put_object(Kind::Index, &index_path(&self.volume), serde_json::to_vec(self).expect("serialises")).await
+    /// Changes the volume's index with `change` (which says whether it changed anything) and
+    /// stores it conditionally ([`Target::update_object`]): two daemons updating one index at
+    /// once lose neither update.
+    pub async fn update(
+        target: &Target,
+        volume: &str,
+        mut change: impl FnMut(&mut Index) -> Result<bool>,
+    ) -> Result<()> {
+        let path = index_path(volume);
+        target
+            .update_object(Kind::Index, &path, MAX_INDEX, |plain| {
+                let mut index = match plain {
+                    Some(data) => Self::decode(target, volume, &data)?,
+                    None => Index { format: FORMAT, volume: volume.to_owned(), backups: Vec::new() },
+                };
+                Ok(change(&mut index)?.then(|| serde_json::to_vec(&index).expect("serialises")))
+            })
+            .await
+    }
+
+    fn decode(target: &Target, volume: &str, data: &[u8]) -> Result<Index> {
+        let path = index_path(volume);
+        let index: Index = decode(target, &path, data)?;
+        if index.volume != volume {
+            return Err(Error::corrupt(&target.name, path, format!("it is the index of {:?}", index.volume)));
+        }
+        Ok(index)
     }
 }
 
 impl Manifest {
+    /// Backup `b`, at most as large as its volume's index says it is.
     pub async fn load(target: &Target, b: &BackupRef) -> Result<Manifest> {
+        let index = Index::load(target, &b.volume).await?;
+        Self::load_listed(target, b, index.backups.iter().find(|e| e.id == b.id)).await
+    }
+
+    /// Backup `b`, at most as large as its index entry `listed` says (when it has one).
+    pub async fn load_listed(target: &Target, b: &BackupRef, listed: Option<&IndexEntry>) -> Result<Manifest> {
         let path = manifest_path(b);
-        let (data, _) = target.get_object(Kind::Manifest, &path, MAX_META).await.map_err(|e| {
+        let max = listed.map_or(MAX_MANIFEST, |e| manifest_cap(e.chunks));
+        let (data, _) = target.get_object(Kind::Manifest, &path, max).await.map_err(|e| {
             if e.is_not_found() { Error::NotFound(format!("backup {b} is not on target {}", target.name)) } else { e }
         })?;
         let m: Manifest = decode(target, &path, &data)?;
@@ -173,6 +227,7 @@ impl Manifest {
         IndexEntry {
             id: self.id.clone(),
             snapshot: self.snapshot.clone(),
+            source: self.source.clone(),
             created: self.created,
             size: self.size,
             full: self.full,

@@ -16,9 +16,10 @@
 //! manifest is there to be marked. With `grace` zero (`prune --grace-s 0`: nothing else uses
 //! the target), unreferenced chunks go at once.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
+use futures_util::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::codec::Kind;
@@ -27,6 +28,12 @@ use crate::target::FORMAT;
 use crate::{Error, Result, Target};
 
 const CONDEMNED: &str = "gc/condemned";
+/// Most chunks one prune condemns (the rest wait for the next prune): the list stays below
+/// [`MAX_CONDEMNED`], which every backup reads.
+const CONDEMN_AT_MOST: usize = 200_000;
+const MAX_CONDEMNED: usize = 32 << 20;
+/// Most manifests a target may hold (a prune lists them all).
+const MAX_MANIFESTS: usize = 10_000_000;
 const CLOCK: &str = "gc/clock";
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -38,7 +45,7 @@ struct Condemned {
 }
 
 async fn load(target: &Target) -> Result<BTreeMap<String, i64>> {
-    match target.get_object(Kind::Condemned, CONDEMNED, 1 << 30).await {
+    match target.get_object(Kind::Condemned, CONDEMNED, MAX_CONDEMNED).await {
         Ok((data, meta)) => {
             let list: Condemned =
                 serde_json::from_slice(&data).map_err(|e| Error::corrupt(&target.name, CONDEMNED, e.to_string()))?;
@@ -71,6 +78,10 @@ pub struct Retention {
     pub keep_daily: u32,
     /// The newest backup of each of the last N weeks (Monday to Sunday, UTC) that have one.
     pub keep_weekly: u32,
+    /// The newest backup of each of the last N calendar months (UTC) that have one.
+    pub keep_monthly: u32,
+    /// The newest backup of each of the last N calendar years (UTC) that have one.
+    pub keep_yearly: u32,
 }
 
 impl Retention {
@@ -80,14 +91,24 @@ impl Retention {
         newest.sort_by(|a, b| (b.created, &b.id).cmp(&(a.created, &a.id)));
         let mut keep: HashSet<String> =
             newest.iter().take(self.keep_last.max(1) as usize).map(|b| b.id.clone()).collect();
-        // Days since the epoch; the epoch was a Thursday, so weeks start on Mondays at +3.
-        for (n, bucket) in [(self.keep_daily, 1), (self.keep_weekly, 7)] {
+        // Periods by days since the epoch; the epoch was a Thursday, so weeks start on Mondays at +3.
+        let month = |d: u64| {
+            let (y, m, _) = crate::create::civil(d);
+            y * 12 + m
+        };
+        let periods: [(u32, &dyn Fn(u64) -> u64); 4] = [
+            (self.keep_daily, &|d| d),
+            (self.keep_weekly, &|d| (d + 3) / 7),
+            (self.keep_monthly, &month),
+            (self.keep_yearly, &|d| crate::create::civil(d).0),
+        ];
+        for (n, period) in periods {
             let mut seen = HashSet::new();
             for b in &newest {
                 if seen.len() == n as usize {
                     break;
                 }
-                if seen.insert((b.created / 86_400 + 3) / bucket) {
+                if seen.insert(period(b.created / 86_400)) {
                     keep.insert(b.id.clone());
                 }
             }
@@ -110,14 +131,18 @@ pub struct PruneReport {
 
 /// Deletes one backup (its manifest and its index entry). Its chunks go with a later prune.
 pub async fn delete(target: &Target, b: &BackupRef) -> Result<()> {
-    let mut index = Index::load(target, &b.volume).await?;
-    let before = index.backups.len();
-    index.backups.retain(|e| e.id != b.id);
-    if index.backups.len() == before && target.head(&manifest_path(b)).await?.is_none() {
+    // The index first: a manifest left by a crash here is only kept (marked), never listed.
+    let mut listed = false;
+    Index::update(target, &b.volume, |index| {
+        let before = index.backups.len();
+        index.backups.retain(|e| e.id != b.id);
+        listed = index.backups.len() != before;
+        Ok(listed)
+    })
+    .await?;
+    if !listed && target.head(&manifest_path(b)).await?.is_none() {
         return Err(Error::NotFound(format!("backup {b} is not on target {}", target.name)));
     }
-    // The index first: a manifest left by a crash here is only kept (marked), never listed.
-    index.store(target).await?;
     target.delete(&manifest_path(b)).await
 }
 
@@ -146,33 +171,47 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
 
     // Mark: every manifest under volumes/, in an index or not (one being committed is not yet).
     let mut referenced = HashSet::new();
-    for object in target.list("volumes").await? {
+    let mut indexes: HashMap<String, Index> = HashMap::new();
+    for object in target.list("volumes", MAX_MANIFESTS).await? {
         let parts: Vec<&str> = object.location.as_ref().split('/').collect();
         if let ["volumes", volume, "backups", id] = parts[..] {
-            let m = Manifest::load(target, &BackupRef { volume: volume.to_owned(), id: id.to_owned() }).await?;
+            if !indexes.contains_key(volume) {
+                indexes.insert(volume.to_owned(), Index::load(target, volume).await?);
+            }
+            let listed = indexes[volume].backups.iter().find(|e| e.id == id);
+            let b = BackupRef { volume: volume.to_owned(), id: id.to_owned() };
+            let m = Manifest::load_listed(target, &b, listed).await?;
             report.manifests += 1;
             referenced.extend(m.chunks.into_iter().map(|c| c.id));
         }
     }
     report.chunks_referenced = referenced.len() as u64;
+    crate::quarantine::retain(target, |id| referenced.contains(id)).await?;
 
-    // Sweep.
+    // Sweep, as the chunks are listed.
     let previous = load(target).await?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
     let mut next = Condemned { format: FORMAT, chunks: BTreeMap::new() };
-    for object in target.list("chunks").await? {
+    let mut chunks = target.list_stream("chunks");
+    while let Some(object) = chunks.try_next().await? {
         let Some(id) = object.location.filename().map(str::to_owned) else { continue };
         if referenced.contains(&id) {
             continue;
         }
         let written = object.last_modified.timestamp();
         let since = previous.get(&id).copied().filter(|&since| written < since);
-        let due = grace.is_zero() || since.is_some_and(|since| since.saturating_add(grace_s) <= now);
+        let mut due = grace.is_zero() || since.is_some_and(|since| since.saturating_add(grace_s) <= now);
+        if due && let Some(since) = since.filter(|_| !grace.is_zero()) {
+            // Looked at again just before the delete: a backup that found it condemned may have
+            // uploaded it anew since the listing, and its manifest will list it.
+            let now = target.head(object.location.as_ref()).await?;
+            due = now.is_some_and(|m| m.last_modified.timestamp() < since);
+        }
         if due {
             target.delete(object.location.as_ref()).await?;
             report.chunks_deleted += 1;
             report.bytes_deleted += object.size;
-        } else {
+        } else if since.is_some() || next.chunks.len() < CONDEMN_AT_MOST {
             next.chunks.insert(id, since);
         }
     }
@@ -189,6 +228,7 @@ mod tests {
         IndexEntry {
             id: id.into(),
             snapshot: String::new(),
+            source: None,
             created,
             size: 0,
             full: false,
@@ -217,5 +257,37 @@ mod tests {
         assert_eq!(ids(&Retention { keep_daily: 3, ..Retention::default() }), ["b35", "b37", "b39"]);
         // Days 0-6, 7-13, 14-19: the newest of each week.
         assert_eq!(ids(&Retention { keep_weekly: 5, ..Retention::default() }), ["b13", "b27", "b39"]);
+    }
+
+    #[test]
+    fn monthly_and_yearly_keep_the_newest_of_each_calendar_period() {
+        const DAY: u64 = 86_400;
+        // One backup on the 1st and one on the 20th of every month from 2024-01 to 2026-12.
+        let mut all = Vec::new();
+        for year in 2024..=2026u64 {
+            for month in 1..=12u64 {
+                for day in [1, 20] {
+                    let days = (0..40_000).find(|&d| crate::create::civil(d) == (year, month, day)).unwrap();
+                    all.push(entry(&format!("{year}-{month:02}-{day:02}"), days * DAY + 3600));
+                }
+            }
+        }
+        let ids = |r: &Retention| {
+            let mut v: Vec<String> = r.keep(&all).into_iter().collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            ids(&Retention { keep_monthly: 3, ..Retention::default() }),
+            ["2026-10-20", "2026-11-20", "2026-12-20"]
+        );
+        assert_eq!(
+            ids(&Retention { keep_yearly: 5, ..Retention::default() }),
+            ["2024-12-20", "2025-12-20", "2026-12-20"],
+            "the newest of each year there is"
+        );
+        // Leap day and year ends map to their calendar month.
+        assert_eq!(crate::create::civil(19_782), (2024, 2, 29));
+        assert_eq!(crate::create::civil(20_818), (2026, 12, 31));
     }
 }

@@ -15,8 +15,13 @@ const BLOCK: usize = 4096;
 /// Fetches and checks one chunk: its seal opens, it decompresses to `len` bytes, and its
 /// plaintext hashes to its name.
 pub(crate) async fn fetch_chunk(target: &Target, c: &ChunkRef, pace: &Pace) -> Result<Vec<u8>> {
+    Ok(fetch_sealed(target, c, pace).await?.1)
+}
+
+/// The same, with the chunk's envelope as stored.
+pub(crate) async fn fetch_sealed(target: &Target, c: &ChunkRef, pace: &Pace) -> Result<(bytes::Bytes, Vec<u8>)> {
     let path = chunk_path(&c.id);
-    let (data, _) = target.get(&path).await.map_err(|e| {
+    let (data, _) = target.get(&path, crate::codec::max_envelope(c.len as usize)).await.map_err(|e| {
         if e.is_not_found() {
             Error::corrupt(&target.name, format!("chunk {}", c.id), "it is missing from the target")
         } else {
@@ -32,7 +37,7 @@ pub(crate) async fn fetch_chunk(target: &Target, c: &ChunkRef, pace: &Pace) -> R
         if plain.len() != len || codec.chunk_id(&plain) != id {
             return Err(Error::corrupt(&target_name, format!("chunk {id}"), "its contents do not match its name"));
         }
-        Ok(plain)
+        Ok((data, plain))
     })
     .await
     .expect("checking a chunk does not panic")
@@ -56,6 +61,44 @@ pub(crate) fn write_nonzero(volume: &ferrite_engine::Volume, offset: u64, data: 
         volume.write(offset + (s * BLOCK) as u64, &data[s * BLOCK..])?;
     }
     Ok(())
+}
+
+/// Writes the raw image of backup `b` to `out`, in order (chunks the backup does not list as
+/// zeros), fetching `concurrency` chunks ahead and checking each: no pool is needed, only the
+/// target. `progress` sees the bytes written.
+pub async fn export(
+    target: &Target,
+    b: &BackupRef,
+    out: &mut (dyn std::io::Write + Send),
+    progress: &(dyn Fn(&Progress) + Sync),
+) -> Result<Manifest> {
+    let m = Manifest::load(target, b).await?;
+    let (cs, size) = (m.chunk_size, m.size);
+    let listed: BTreeMap<u64, ChunkRef> = m.chunks.iter().map(|c| (c.i, c.clone())).collect();
+    let mut done = Progress { chunks_total: m.chunks.len() as u64, bytes_total: m.size, ..Progress::default() };
+    let pace = Arc::new(Pace::new(target.config.bandwidth));
+    let mut pieces = futures_util::stream::iter(0..size.div_ceil(cs))
+        .map(|i| {
+            let len = usize::try_from(cs.min(size - i * cs)).expect("chunks are at most 4 MiB");
+            let (c, target, pace) = (listed.get(&i).cloned(), target.clone(), Arc::clone(&pace));
+            async move {
+                match c {
+                    Some(c) => fetch_chunk(&target, &c, &pace).await.map(|data| (data, true)),
+                    None => Ok((vec![0; len], false)),
+                }
+            }
+        })
+        .buffered(target.concurrency());
+    while let Some(piece) = pieces.next().await {
+        let (data, fetched) = piece?;
+        out.write_all(&data).map_err(|e| Error::Invalid(format!("writing the image of {b}: {e}")))?;
+        done.chunks_done += u64::from(fetched);
+        done.bytes_done += data.len() as u64;
+        done.bytes_transferred += if fetched { data.len() as u64 } else { 0 };
+        progress(&done);
+    }
+    out.flush().map_err(|e| Error::Invalid(format!("writing the image of {b}: {e}")))?;
+    Ok(m)
 }
 
 /// What `verify` found.
@@ -93,6 +136,7 @@ pub async fn verify(
         });
     }
     let mut report = VerifyReport { backups: backups.len() as u64, ..VerifyReport::default() };
+    let mut good = std::collections::HashSet::new();
     let mut done = Progress {
         chunks_total: users.len() as u64,
         bytes_total: users.values().map(|(c, _)| u64::from(c.len)).sum(),
@@ -107,8 +151,10 @@ pub async fn verify(
         .buffer_unordered(target.concurrency());
     while let Some((r, c, users)) = results.next().await {
         match r {
-            Ok(_) => {}
-            Err(Error::Corrupt { why, .. }) => report.bad.push((c.id, why, users)),
+            Ok(_) => {
+                good.insert(c.id.clone());
+            }
+            Err(Error::Corrupt { why, .. }) => report.bad.push((c.id.clone(), why, users)),
             Err(e) => return Err(e),
         }
         report.chunks_checked += 1;
@@ -118,5 +164,13 @@ pub async fn verify(
         progress(&done);
     }
     report.bad.sort();
+    // The bad go to quarantine (the next backup that holds their data uploads them again); the
+    // good that were there leave it.
+    let bad: Vec<String> = report.bad.iter().map(|(id, _, _)| id.clone()).collect();
+    crate::quarantine::add(target, &bad).await?;
+    let quarantined = crate::quarantine::load(target).await?;
+    if quarantined.iter().any(|id| good.contains(id)) {
+        crate::quarantine::retain(target, |id| !good.contains(id)).await?;
+    }
     Ok(report)
 }

@@ -7,9 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::TryStreamExt;
+use futures_util::stream::BoxStream;
+use futures_util::{StreamExt, TryStreamExt};
 use object_store::path::Path;
-use object_store::{ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
+use object_store::{
+    ClientOptions, GetResultPayload, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutPayload, RetryConfig,
+    UpdateVersion,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{Codec, Kind};
@@ -65,6 +69,9 @@ pub struct TargetConfig {
     pub grace_s: Option<u64>,
     /// Retries of a failed request (with backoff, within 30 s); default 10.
     pub retries: Option<usize>,
+    /// Seconds one request may take, its answer's body included (S3); default 120. A whole
+    /// operation, its retries included, ends after twice this plus 30 s.
+    pub timeout_s: Option<u64>,
 }
 
 /// Requests made through a target, by kind (for the bench, the metrics and the tests' O(1)
@@ -98,6 +105,8 @@ struct Marker {
 }
 
 const MARKER: &str = "ferrite-backup.json";
+/// Most bytes the marker may have (it has a few dozen).
+const MAX_MARKER: u64 = 64 << 10;
 /// The format of the marker, manifests and indexes this build writes and reads.
 pub const FORMAT: u32 = 1;
 
@@ -133,7 +142,7 @@ impl Target {
 
     async fn check_marker(&self) -> Result<()> {
         let ours = self.codec.is_sealed().then(|| self.codec.key_check());
-        let marker: Marker = match self.get(MARKER).await {
+        let marker: Marker = match self.get(MARKER, MAX_MARKER).await {
             Ok((data, _)) => {
                 serde_json::from_slice(&data).map_err(|e| Error::corrupt(&self.name, MARKER, e.to_string()))?
             }
@@ -178,21 +187,123 @@ impl Target {
         self.codec.is_sealed()
     }
 
+    /// How long one operation may take, its retries included.
+    fn deadline(&self) -> Duration {
+        self.request_timeout() * 2 + Duration::from_secs(30)
+    }
+
+    fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.config.timeout_s.unwrap_or(120).max(1))
+    }
+
+    /// `op` on `path`, failed with an [`Error::Answer`] once it has run for [`Self::deadline`].
+    async fn timed<T>(&self, op: &'static str, path: &Path, f: impl Future<Output = Result<T>>) -> Result<T> {
+        let limit = self.deadline();
+        tokio::time::timeout(limit, f)
+            .await
+            .unwrap_or_else(|_| Err(Error::answer(&self.name, op, path, format!("no answer within {limit:?}"))))
+    }
+
     pub(crate) async fn put(&self, path: &str, data: Bytes) -> Result<()> {
         let p = Path::from(path);
         self.counters.puts.fetch_add(1, Relaxed);
         let len = data.len() as u64;
-        self.store.put(&p, PutPayload::from_bytes(data)).await.map_err(|e| Error::store(&self.name, "PUT", &p, e))?;
+        self.timed("PUT", &p, async {
+            self.store.put(&p, PutPayload::from_bytes(data)).await.map_err(|e| Error::store(&self.name, "PUT", &p, e))
+        })
+        .await?;
         self.counters.put_bytes.fetch_add(len, Relaxed);
         Ok(())
     }
 
-    pub(crate) async fn get(&self, path: &str) -> Result<(Bytes, ObjectMeta)> {
+    /// Writes `data` at `path` only if the object there is still `seen` (None: absent); false
+    /// when another writer changed it first. S3: a conditional PUT (If-Match / If-None-Match);
+    /// a directory: the check and the write under the target's lock.
+    pub(crate) async fn put_if(&self, path: &str, data: Bytes, seen: Option<&ObjectMeta>) -> Result<bool> {
+        let p = Path::from(path);
+        self.counters.puts.fetch_add(1, Relaxed);
+        let len = data.len() as u64;
+        let fail = |e| Error::store(&self.name, "PUT", &p, e);
+        let stored = self
+            .timed("PUT", &p, async {
+                if self.config.kind == Some(TargetKind::Dir) {
+                    let _lock = self.lock().await?;
+                    let now = self.store.head(&p).await.map(Some).or_else(|e| match e {
+                        object_store::Error::NotFound { .. } => Ok(None),
+                        e => Err(fail(e)),
+                    })?;
+                    if now.as_ref().map(|m| &m.e_tag) != seen.map(|m| &m.e_tag) {
+                        return Ok(false);
+                    }
+                    self.store.put(&p, PutPayload::from_bytes(data)).await.map_err(fail)?;
+                    return Ok(true);
+                }
+                let mode = match seen {
+                    Some(m) => PutMode::Update(UpdateVersion { e_tag: m.e_tag.clone(), version: m.version.clone() }),
+                    None => PutMode::Create,
+                };
+                match self.store.put_opts(&p, PutPayload::from_bytes(data), mode.into()).await {
+                    Ok(_) => Ok(true),
+                    Err(object_store::Error::Precondition { .. } | object_store::Error::AlreadyExists { .. }) => {
+                        Ok(false)
+                    }
+                    Err(e) => Err(fail(e)),
+                }
+            })
+            .await?;
+        if stored {
+            self.counters.put_bytes.fetch_add(len, Relaxed);
+        }
+        Ok(stored)
+    }
+
+    /// A directory target's lock (an flock on `.ferrite-lock` in it, which daemons sharing the
+    /// directory over NFS see too), held until the file is dropped.
+    async fn lock(&self) -> Result<std::fs::File> {
+        let path = self.config.path.as_ref().expect("a dir target has a path").join(".ferrite-lock");
+        let shown = path.display().to_string();
+        tokio::task::spawn_blocking(move || {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).mode(0o600).open(&path)?;
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)?;
+            Ok(file)
+        })
+        .await
+        .expect("locking does not panic")
+        .map_err(|e: std::io::Error| Error::Invalid(format!("backup target {}: locking {shown}: {e}", self.name)))
+    }
+
+    /// The object at `path`, refused (before it is read, or as its bytes arrive) if it has more
+    /// than `max` bytes, or fewer than the store announced.
+    pub(crate) async fn get(&self, path: &str, max: u64) -> Result<(Bytes, ObjectMeta)> {
         let p = Path::from(path);
         self.counters.gets.fetch_add(1, Relaxed);
-        let got = self.store.get(&p).await.map_err(|e| Error::store(&self.name, "GET", &p, e))?;
-        let meta = got.meta.clone();
-        let data = got.bytes().await.map_err(|e| Error::store(&self.name, "GET", &p, e))?;
+        let fail = |e| Error::store(&self.name, "GET", &p, e);
+        let bad = |why: String| Error::answer(&self.name, "GET", &p, why);
+        let (data, meta) = self
+            .timed("GET", &p, async {
+                let got = self.store.get(&p).await.map_err(fail)?;
+                let meta = got.meta.clone();
+                if meta.size > max {
+                    return Err(bad(format!("the object has {} bytes; at most {max} are expected here", meta.size)));
+                }
+                if matches!(got.payload, GetResultPayload::File(..)) {
+                    return Ok((got.bytes().await.map_err(fail)?, meta));
+                }
+                let mut data = Vec::with_capacity(usize::try_from(meta.size).expect("at most max"));
+                let mut body = got.into_stream();
+                while let Some(piece) = body.try_next().await.map_err(fail)? {
+                    if (data.len() + piece.len()) as u64 > meta.size {
+                        return Err(bad(format!("the store sent more than the {} bytes it announced", meta.size)));
+                    }
+                    data.extend_from_slice(&piece);
+                }
+                if data.len() as u64 != meta.size {
+                    return Err(bad(format!("the store sent {} of the {} bytes it announced", data.len(), meta.size)));
+                }
+                Ok((Bytes::from(data), meta))
+            })
+            .await?;
         self.counters.get_bytes.fetch_add(data.len() as u64, Relaxed);
         Ok((data, meta))
     }
@@ -201,31 +312,74 @@ impl Target {
     pub(crate) async fn head(&self, path: &str) -> Result<Option<ObjectMeta>> {
         let p = Path::from(path);
         self.counters.heads.fetch_add(1, Relaxed);
-        match self.store.head(&p).await {
-            Ok(meta) => Ok(Some(meta)),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(Error::store(&self.name, "HEAD", &p, e)),
-        }
+        self.timed("HEAD", &p, async {
+            match self.store.head(&p).await {
+                Ok(meta) => Ok(Some(meta)),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(Error::store(&self.name, "HEAD", &p, e)),
+            }
+        })
+        .await
     }
 
     pub(crate) async fn delete(&self, path: &str) -> Result<()> {
         let p = Path::from(path);
         self.counters.deletes.fetch_add(1, Relaxed);
-        match self.store.delete(&p).await {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(Error::store(&self.name, "DELETE", &p, e)),
-        }
+        self.timed("DELETE", &p, async {
+            match self.store.delete(&p).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                Err(e) => Err(Error::store(&self.name, "DELETE", &p, e)),
+            }
+        })
+        .await
     }
 
-    /// Every object under `prefix` (one LIST request per 1000 objects).
-    pub(crate) async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+    /// Moves the object at `from` to `to`: a copy, then a delete.
+    pub(crate) async fn rename(&self, from: &str, to: &str) -> Result<()> {
+        let (f, t) = (Path::from(from), Path::from(to));
+        self.counters.puts.fetch_add(1, Relaxed);
+        self.timed("COPY", &f, async {
+            self.store.copy(&f, &t).await.map_err(|e| Error::store(&self.name, "COPY", &f, e))
+        })
+        .await?;
+        self.delete(from).await
+    }
+
+    /// The objects under `prefix` as they are listed (one LIST request per 1000 objects), each
+    /// page within the deadline of one operation.
+    pub(crate) fn list_stream(&self, prefix: &str) -> BoxStream<'_, Result<ObjectMeta>> {
         let p = Path::from(prefix);
-        let counters = self.counters.clone();
-        counters.lists.fetch_add(1, Relaxed);
-        let all: Vec<ObjectMeta> =
-            self.store.list(Some(&p)).try_collect().await.map_err(|e| Error::store(&self.name, "LIST", &p, e))?;
-        // The store pages by 1000: count the pages after the first.
-        counters.lists.fetch_add((all.len() as u64).saturating_sub(1) / 1000, Relaxed);
+        self.counters.lists.fetch_add(1, Relaxed);
+        let listed = self.store.list(Some(&p)).enumerate();
+        let limit = self.deadline();
+        futures_util::stream::unfold((listed, p), move |(mut listed, p)| async move {
+            let next = match tokio::time::timeout(limit, listed.next()).await {
+                Err(_) => Err(Error::answer(&self.name, "LIST", &p, format!("no page within {limit:?}"))),
+                Ok(None) => return None,
+                Ok(Some((n, r))) => {
+                    // The store pages by 1000: count the pages after the first.
+                    if n > 0 && n % 1000 == 0 {
+                        self.counters.lists.fetch_add(1, Relaxed);
+                    }
+                    r.map_err(|e| Error::store(&self.name, "LIST", &p, e))
+                }
+            };
+            Some((next, (listed, p)))
+        })
+        .boxed()
+    }
+
+    /// Every object under `prefix`, refused past `max` of them.
+    pub(crate) async fn list(&self, prefix: &str, max: usize) -> Result<Vec<ObjectMeta>> {
+        let mut listed = self.list_stream(prefix);
+        let mut all = Vec::new();
+        while let Some(meta) = listed.try_next().await? {
+            if all.len() == max {
+                let p = Path::from(prefix);
+                return Err(Error::answer(&self.name, "LIST", &p, format!("more than {max} objects are listed")));
+            }
+            all.push(meta);
+        }
         Ok(all)
     }
 
@@ -233,14 +387,17 @@ impl Target {
     pub(crate) async fn list_dirs(&self, prefix: &str) -> Result<Vec<String>> {
         let p = Path::from(prefix);
         self.counters.lists.fetch_add(1, Relaxed);
-        let listed =
-            self.store.list_with_delimiter(Some(&p)).await.map_err(|e| Error::store(&self.name, "LIST", &p, e))?;
+        let listed = self
+            .timed("LIST", &p, async {
+                self.store.list_with_delimiter(Some(&p)).await.map_err(|e| Error::store(&self.name, "LIST", &p, e))
+            })
+            .await?;
         Ok(listed.common_prefixes.iter().filter_map(|d| d.filename().map(str::to_owned)).collect())
     }
 
     /// Reads and opens an enveloped object (at most `max` bytes of plaintext).
     pub(crate) async fn get_object(&self, kind: Kind, path: &str, max: usize) -> Result<(Vec<u8>, ObjectMeta)> {
-        let (data, meta) = self.get(path).await?;
+        let (data, meta) = self.get(path, crate::codec::max_envelope(max)).await?;
         let codec = self.codec.clone();
         let name = path.to_owned();
         let plain = tokio::task::spawn_blocking(move || codec.open(kind, &name, data.to_vec(), max))
@@ -251,11 +408,54 @@ impl Target {
 
     /// Seals and writes an enveloped object.
     pub(crate) async fn put_object(&self, kind: Kind, path: &str, plain: Vec<u8>) -> Result<()> {
-        let codec = self.codec.clone();
-        let name = path.to_owned();
-        let sealed =
-            tokio::task::spawn_blocking(move || codec.seal(kind, &name, &plain)).await.expect("sealing does not panic");
-        self.put(path, sealed.into()).await
+        let sealed = self.seal(kind, path, plain).await;
+        self.put(path, sealed).await
+    }
+
+    /// Seals and writes an enveloped object if it is still `seen` (see [`Self::put_if`]).
+    pub(crate) async fn put_object_if(
+        &self,
+        kind: Kind,
+        path: &str,
+        plain: Vec<u8>,
+        seen: Option<&ObjectMeta>,
+    ) -> Result<bool> {
+        let sealed = self.seal(kind, path, plain).await;
+        self.put_if(path, sealed, seen).await
+    }
+
+    /// Changes the enveloped object at `path` (at most `max` bytes of plaintext) with `change`,
+    /// which gets its plaintext (None: absent) and returns the new one (None: nothing to
+    /// change), and stores it only if nobody stored another version in between; else reads it
+    /// again and changes that, so that two writers at once lose neither change.
+    pub(crate) async fn update_object(
+        &self,
+        kind: Kind,
+        path: &str,
+        max: usize,
+        mut change: impl FnMut(Option<Vec<u8>>) -> Result<Option<Vec<u8>>>,
+    ) -> Result<()> {
+        for attempt in 0..32u64 {
+            let (plain, seen) = match self.get_object(kind, path, max).await {
+                Ok((plain, meta)) => (Some(plain), Some(meta)),
+                Err(e) if e.is_not_found() => (None, None),
+                Err(e) => return Err(e),
+            };
+            let Some(plain) = change(plain)? else { return Ok(()) };
+            if self.put_object_if(kind, path, plain, seen.as_ref()).await? {
+                return Ok(());
+            }
+            // Another writer won: a pause that grows and differs between writers, then again.
+            let jitter = u64::from(crate::codec::random::<1>()[0]);
+            tokio::time::sleep(Duration::from_millis(10 * attempt.min(10) + jitter)).await;
+        }
+        Err(Error::Conflict(format!("{path} on target {} kept changing under this update; try again", self.name)))
+    }
+
+    async fn seal(&self, kind: Kind, path: &str, plain: Vec<u8>) -> Bytes {
+        let (codec, name) = (self.codec.clone(), path.to_owned());
+        let sealed = tokio::task::spawn_blocking(move || codec.seal(kind, &name, &plain));
+        sealed.await.expect("sealing does not panic").into()
     }
 }
 
@@ -300,7 +500,7 @@ fn build_store(config: &TargetConfig) -> std::result::Result<Arc<dyn ObjectStore
         Some(TargetKind::S3) => {
             let bucket = config.bucket.as_ref().ok_or("an s3 target needs bucket")?;
             let mut options = ClientOptions::new()
-                .with_timeout(Duration::from_secs(120))
+                .with_timeout(Duration::from_secs(config.timeout_s.unwrap_or(120).max(1)))
                 .with_connect_timeout(Duration::from_secs(5));
             if let Some(ca) = &config.ca_file {
                 let pem = std::fs::read(ca).map_err(|e| format!("ca-file {}: {e}", ca.display()))?;
@@ -324,6 +524,7 @@ fn build_store(config: &TargetConfig) -> std::result::Result<Arc<dyn ObjectStore
                 .with_region(config.region.as_deref().unwrap_or("us-east-1"))
                 .with_virtual_hosted_style_request(config.virtual_hosted)
                 .with_client_options(options)
+                .with_http_connector(crate::bounded::BoundedConnector)
                 .with_retry(retry);
             if let Some(e) = endpoint {
                 b = b.with_endpoint(e);
@@ -353,6 +554,14 @@ fn credentials(dir: Option<&FsPath>) -> std::result::Result<Option<(String, Stri
         (Ok(id), Ok(secret)) => Ok(Some((id, secret))),
         _ => Ok(None),
     }
+}
+
+/// The fingerprint of the key in `path`: the first 16 hex digits of the key check a target made
+/// with it stores in its marker (an HMAC under a key derived from it: it reveals nothing of the
+/// key). Two copies of a key have the same fingerprint; an escrowed copy is checked with it.
+pub fn key_fingerprint(path: &FsPath) -> std::result::Result<String, String> {
+    let key = read_key(path)?;
+    Ok(Codec::new("", Some(&key)).key_check()[..16].to_owned())
 }
 
 /// A key file: 32 raw bytes, or 64 hex digits.

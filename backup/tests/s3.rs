@@ -5,6 +5,8 @@
 #![allow(clippy::cast_possible_truncation)]
 
 mod common;
+#[path = "common/pool.rs"]
+mod pool;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -12,48 +14,9 @@ use std::time::Duration;
 
 use common::Weed;
 use ferrite_backup::{BackupRef, CreateOptions, Error, Manifest, Retention, Target, TargetConfig, TargetKind};
-use ferrite_engine::io::MemoryBackend;
-use ferrite_engine::{Image, Pool, PoolOptions};
+use ferrite_engine::Image;
 use object_store::{ObjectStore, ObjectStoreExt};
-
-const MIB: u64 = 1 << 20;
-const SIZE: u64 = 48 * MIB;
-
-fn new_pool() -> (tempfile::TempDir, Pool) {
-    let opts =
-        PoolOptions { segment_size: MIB, reserve_segments: 2, background_cleaner: false, ..PoolOptions::default() };
-    let dir = tempfile::tempdir().unwrap();
-    let backend = Arc::new(MemoryBackend::new(ferrite_engine::format::DATA_START + 256 * MIB));
-    let pool = Pool::create_on(backend, &dir.path().join("meta"), opts).unwrap();
-    (dir, pool)
-}
-
-/// Incompressible bytes; a different odd seed gives different bytes.
-fn noise(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed * 2 + 1;
-    (0..len / 8)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x.to_le_bytes()
-        })
-        .collect()
-}
-
-fn image(pool: &Pool, snapshot: &str) -> Vec<u8> {
-    let v = pool.open_snapshot(snapshot).unwrap();
-    let mut buf = vec![0u8; v.size().unwrap() as usize];
-    v.read(0, &mut buf).unwrap();
-    buf
-}
-
-fn volume_image(pool: &Pool, volume: &str) -> Vec<u8> {
-    let v = pool.open_volume(volume).unwrap();
-    let mut buf = vec![0u8; v.size().unwrap() as usize];
-    v.read(0, &mut buf).unwrap();
-    buf
-}
+use pool::*;
 
 fn s3(weed: &Weed, creds: Option<(&str, &str)>, dir: &std::path::Path) -> TargetConfig {
     let credentials = creds.map(|(id, secret)| {
@@ -88,29 +51,6 @@ fn raw(weed: &Weed, creds: Option<(&str, &str)>) -> object_store::prefix::Prefix
         None => b.with_skip_signature(true),
     };
     object_store::prefix::PrefixStore::new(b.build().unwrap(), "cluster-a")
-}
-
-async fn backup(target: &Target, pool: &Pool, volume: &str, snapshot: &str, id: &str) -> Result<Manifest, Error> {
-    let opts = CreateOptions { volume: volume.into(), snapshot: snapshot.into(), id: id.into(), full: false };
-    let last = std::sync::Mutex::new(None);
-    let m = ferrite_backup::create(target, pool, &opts, &|p| *last.lock().unwrap() = Some(*p)).await?;
-    let p = last.lock().unwrap().unwrap();
-    assert_eq!((p.chunks_done, p.bytes_done), (p.chunks_total, p.bytes_total), "progress reaches its total");
-    Ok(m)
-}
-
-/// Restores backup `b` into a new volume `name` as the daemon does (an instant restore, its
-/// record kept nowhere), to the end of its copy.
-async fn restore(target: &Target, pool: &Pool, b: &BackupRef, name: &str) -> Result<(), Error> {
-    let m = Manifest::load(target, b).await?;
-    pool.create_volume(name, m.size).unwrap();
-    let writer = pool.open_volume(name).unwrap().past_read_only();
-    let rt = tokio::runtime::Handle::current();
-    let f = ferrite_backup::Filling::new(target.clone(), m, writer, None, Box::new(|_| Ok(())), rt)?;
-    pool.set_fill(name, Some(f.clone())).unwrap();
-    let copied = f.run(&|_| {}).await;
-    pool.set_fill(name, None).unwrap();
-    copied
 }
 
 /// Plain S3 target: a full backup, an incremental that uploads only the touched chunks, a
@@ -340,11 +280,22 @@ async fn corruption_and_newer_formats_are_named() {
     // An instant restore serves the good chunks (fetched on demand before the copy gets there;
     // a write lands on top), fails I/O to the damaged one naming it, and its copy stops there.
     pool.create_volume("fast", m.size).unwrap();
+    // The record as the daemon keeps it: the bitmap (hex) written whole, positions added since.
     let saved = Arc::new(std::sync::Mutex::new(String::new()));
     let save: ferrite_backup::Save = {
         let saved = Arc::clone(&saved);
         Box::new(move |done| {
-            done.clone_into(&mut saved.lock().unwrap());
+            let mut record = saved.lock().unwrap();
+            match done {
+                ferrite_backup::Saved::All(hex) => hex.clone_into(&mut record),
+                ferrite_backup::Saved::Done(positions) => {
+                    let mut bits: Vec<u8> = (0..record.len() / 2)
+                        .map(|i| u8::from_str_radix(&record[2 * i..2 * i + 2], 16).unwrap())
+                        .collect();
+                    positions.iter().for_each(|&p| bits[p / 8] |= 1 << (p % 8));
+                    *record = bits.iter().map(|b| format!("{b:02x}")).collect();
+                }
+            }
             Ok(())
         })
     };

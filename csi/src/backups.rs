@@ -47,9 +47,10 @@ fn snapshot_msg(target: &str, b: &pb::Backup, source_volume_id: String) -> csi::
     }
 }
 
-/// The snapshot a backup's own takes first (the daemons' `VOLUME.backup.ID`).
-fn base_snapshot(volume: &str, id: &str) -> String {
-    format!("{volume}.backup.{id}")
+/// The snapshot a backup to `target` takes first (the daemons' `VOLUME.backup.TARGET.ID`,
+/// `ferrite_backup::auto_snapshot`); before Ferrite 0.3 it was `VOLUME.backup.ID`.
+fn base_snapshots(volume: &str, target: &str, id: &str) -> [String; 2] {
+    [format!("{volume}.backup.{target}.{id}"), format!("{volume}.backup.{id}")]
 }
 
 /// Backs up volume `volume` (served on `node`, its id `source_volume_id`) to `target` as the
@@ -112,7 +113,7 @@ async fn pending(
     id: &str,
     source_volume_id: String,
 ) -> Result<csi::Snapshot, Status> {
-    let name = base_snapshot(&volume.name, id);
+    let [name, _] = base_snapshots(&volume.name, target, id);
     let s = match admin(dir, node).await?.get_snapshot(pb::GetSnapshotRequest { name }).await {
         Ok(s) => s.into_inner(),
         // Another backup of the volume runs and this one has not begun: asked again later.
@@ -182,13 +183,14 @@ pub(crate) async fn delete(dir: &dyn NodeDirectory, id: &str) -> Result<(), Stat
         Err(s) if s.code() == Code::NotFound => {}
         Err(s) => return Err(s),
     }
-    let base = ids::make(ids::ANY, &base_snapshot(volume, backup));
-    let (at, _) = crate::snapshots::holders(dir, &base).await?;
-    for (node, s) in at {
-        match admin(dir, &node).await?.delete_snapshot(pb::DeleteSnapshotRequest { name: s.name }).await {
-            Ok(_) => {}
-            Err(s) if s.code() == Code::NotFound => {}
-            Err(s) => return Err(s),
+    for base in base_snapshots(volume, target, backup) {
+        let (at, _) = crate::snapshots::holders(dir, &ids::make(ids::ANY, &base)).await?;
+        for (node, s) in at {
+            match admin(dir, &node).await?.delete_snapshot(pb::DeleteSnapshotRequest { name: s.name }).await {
+                Ok(_) => {}
+                Err(s) if s.code() == Code::NotFound => {}
+                Err(s) => return Err(s),
+            }
         }
     }
     tracing::info!(snapshot_id = %id, "CSI backup snapshot deleted");

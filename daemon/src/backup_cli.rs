@@ -52,6 +52,32 @@ pub enum BackupCmd {
         #[arg(long)]
         sample: Option<f64>,
     },
+    /// Write the raw image of VOLUME/ID to a file (sparse) or stdout, straight from the target
+    /// as the config file names it: no daemon and no pool needed (qemu-img, dd or a VM read it).
+    Export {
+        name: String,
+        #[arg(long, short)]
+        target: String,
+        /// The config naming the target (default: the daemon's, /etc/ferrite/ferrite.toml).
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+        /// The file to write (made 0600), or - for stdout.
+        #[arg(long, short = 'f')]
+        file: std::path::PathBuf,
+    },
+    /// Copy VOLUME/ID from one target to another (only the chunks the other lacks travel; the
+    /// same key: sealed chunks go as they are), with the targets the config file names: run
+    /// here, no daemon needed.
+    Copy {
+        name: String,
+        #[arg(long)]
+        from: String,
+        #[arg(long)]
+        to: String,
+        /// The config naming the targets (default: the daemon's, /etc/ferrite/ferrite.toml).
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+    },
     /// Apply retention, then delete chunks no backup lists (after the target's grace).
     Prune {
         #[arg(long, short)]
@@ -62,6 +88,10 @@ pub enum BackupCmd {
         keep_daily: u32,
         #[arg(long, default_value_t = 0)]
         keep_weekly: u32,
+        #[arg(long, default_value_t = 0)]
+        keep_monthly: u32,
+        #[arg(long, default_value_t = 0)]
+        keep_yearly: u32,
         /// Override the target's grace-s (0 deletes unreferenced chunks at once: only when no
         /// backup to this target runs anywhere).
         #[arg(long)]
@@ -103,14 +133,19 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
             let b = r.backup.unwrap_or_default();
             match out {
                 Output::Json => println!("{}", backup_json(&b)),
-                Output::Table => println!(
-                    "backup {} made on {}: {} {} read, {} uploaded",
-                    b.name,
-                    b.target,
-                    if b.full { "full," } else { "incremental," },
-                    format_size(r.bytes_done),
-                    format_size(b.uploaded_bytes)
-                ),
+                Output::Table => {
+                    println!(
+                        "backup {} made on {}: {} {} read, {} uploaded",
+                        b.name,
+                        b.target,
+                        if b.full { "full," } else { "incremental," },
+                        format_size(r.bytes_done),
+                        format_size(b.uploaded_bytes)
+                    );
+                    if !b.full_reason.is_empty() {
+                        println!("  read the whole volume: {}", b.full_reason);
+                    }
+                }
             }
         }
         BackupCmd::List { target, volume } => {
@@ -151,6 +186,9 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                     if !b.previous.is_empty() {
                         println!("  incremental to {}/{}", b.volume, b.previous);
                     }
+                    if !b.full_reason.is_empty() {
+                        println!("  read the whole volume: {}", b.full_reason);
+                    }
                     println!(
                         "  {} chunks of {}: {} of data, {} uploaded by this backup{}",
                         b.chunks,
@@ -190,8 +228,16 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
             }
             anyhow::ensure!(r.bad.is_empty(), "{} chunks failed their check", r.bad.len());
         }
-        BackupCmd::Prune { target, keep_last, keep_daily, keep_weekly, grace_s } => {
-            let req = pb::PruneBackupsRequest { target, keep_last, keep_daily, keep_weekly, grace_s };
+        BackupCmd::Prune { target, keep_last, keep_daily, keep_weekly, keep_monthly, keep_yearly, grace_s } => {
+            let req = pb::PruneBackupsRequest {
+                target,
+                keep_last,
+                keep_daily,
+                keep_weekly,
+                keep_monthly,
+                keep_yearly,
+                grace_s,
+            };
             let r = c.prune_backups(req).await.map_err(rpc_error)?.into_inner();
             match out {
                 Output::Json => println!(
@@ -239,6 +285,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                 ),
             }
         }
+        BackupCmd::Export { .. } | BackupCmd::Copy { .. } => anyhow::bail!("this runs here, not in the daemon"),
         BackupCmd::Targets => {
             let r = c.list_backup_targets(pb::ListBackupTargetsRequest {}).await.map_err(rpc_error)?.into_inner();
             match out {
@@ -247,14 +294,18 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                     serde_json::Value::Array(
                         r.targets
                             .iter()
-                            .map(|t| json!({"name": t.name, "kind": t.kind, "location": t.location, "encrypted": t.encrypted}))
+                            .map(|t| json!({"name": t.name, "kind": t.kind, "location": t.location,
+                                "encrypted": t.encrypted, "key_fingerprint": t.key_fingerprint}))
                             .collect()
                     )
                 ),
                 Output::Table => {
-                    let rows =
-                        r.targets.iter().map(|t| vec![t.name.clone(), t.kind.clone(), t.location.clone(), t.encrypted.to_string()]).collect();
-                    print!("{}", crate::cli::table(&["TARGET", "KIND", "LOCATION", "ENCRYPTED"], rows));
+                    let rows = r
+                        .targets
+                        .iter()
+                        .map(|t| vec![t.name.clone(), t.kind.clone(), t.location.clone(), t.key_fingerprint.clone()])
+                        .collect();
+                    print!("{}", crate::cli::table(&["TARGET", "KIND", "LOCATION", "KEY"], rows));
                 }
             }
         }
@@ -266,5 +317,104 @@ fn backup_json(b: &pb::Backup) -> serde_json::Value {
     json!({"target": b.target, "name": b.name, "volume": b.volume, "id": b.id, "snapshot": b.snapshot,
         "created_unix": b.created_unix, "size": b.size, "full": b.full, "previous": b.previous,
         "chunks": b.chunks, "bytes": b.bytes, "uploaded_bytes": b.uploaded_bytes,
-        "chunk_size": b.chunk_size, "encrypted_volume": b.encrypted_volume})
+        "chunk_size": b.chunk_size, "encrypted_volume": b.encrypted_volume, "full_reason": b.full_reason,
+        "pool": b.pool, "snapshot_id": b.snapshot_id})
+}
+
+/// The commands that run here, with the targets a config file names: `export` and `copy`.
+pub async fn local(cmd: &BackupCmd, out: Output) -> Option<Result<()>> {
+    Some(match cmd {
+        BackupCmd::Export { name, target, config, file } => export(name, target, config.as_deref(), file).await,
+        BackupCmd::Copy { name, from, to, config } => copy(name, from, to, config.as_deref(), out).await,
+        _ => return None,
+    })
+}
+
+/// Opens the targets `names` of the config file `config` (the daemon's by default).
+async fn open_targets<const N: usize>(
+    config: Option<&std::path::Path>,
+    names: [&str; N],
+) -> Result<[ferrite_backup::Target; N]> {
+    let cfg = crate::config::Config::load(config, None)?;
+    let mut out = Vec::with_capacity(N);
+    for name in names {
+        let t = cfg.backup_targets.get(name).ok_or_else(|| {
+            let known: Vec<&str> = cfg.backup_targets.keys().map(String::as_str).collect();
+            anyhow::anyhow!("no backup target {name:?} in the config (it has: {})", known.join(", "))
+        })?;
+        out.push(ferrite_backup::Target::open(name, t.clone()).await?);
+    }
+    Ok(out.try_into().expect("N targets"))
+}
+
+async fn copy(name: &str, from: &str, to: &str, config: Option<&std::path::Path>, out: Output) -> Result<()> {
+    let [from, to] = open_targets(config, [from, to]).await?;
+    let b: ferrite_backup::BackupRef = name.parse()?;
+    let bar = std::sync::Mutex::new(crate::cli::Progress::new("copy"));
+    let progress = |p: &ferrite_backup::Progress| bar.lock().expect("not poisoned").update(p.bytes_done, p.bytes_total);
+    let m = ferrite_backup::copy(&from, &to, &b, &progress).await?;
+    bar.into_inner().expect("not poisoned").finish();
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"name": name, "from": from.name, "to": to.name, "chunks": m.chunks.len(),
+                "new_chunks": m.new_chunks, "uploaded_bytes": m.uploaded_bytes})
+        ),
+        Output::Table => {
+            println!(
+                "backup {name} copied from {} to {}: {} uploaded",
+                from.name,
+                to.name,
+                format_size(m.uploaded_bytes)
+            )
+        }
+    }
+    Ok(())
+}
+
+/// `backup export`: the raw image of a backup, to a sparse file or stdout.
+async fn export(name: &str, target: &str, config: Option<&std::path::Path>, file: &std::path::Path) -> Result<()> {
+    let [t] = open_targets(config, [target]).await?;
+    let b: ferrite_backup::BackupRef = name.parse()?;
+    let bar = std::sync::Mutex::new(crate::cli::Progress::new("export"));
+    let progress = |p: &ferrite_backup::Progress| bar.lock().expect("not poisoned").update(p.bytes_done, p.bytes_total);
+    if file.as_os_str() == "-" {
+        let mut out = std::io::BufWriter::with_capacity(4 << 20, std::io::stdout());
+        ferrite_backup::export(&t, &b, &mut out, &progress).await?;
+    } else {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(file)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+        let mut out = Sparse { file: f };
+        let m = ferrite_backup::export(&t, &b, &mut out, &progress).await?;
+        out.file.set_len(m.size)?;
+        out.file.sync_all()?;
+    }
+    bar.into_inner().expect("not poisoned").finish();
+    Ok(())
+}
+
+/// A file written in order whose runs of zeros are skipped (holes).
+struct Sparse {
+    file: std::fs::File,
+}
+
+impl std::io::Write for Sparse {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        use std::io::Seek as _;
+        if buf.iter().all(|&b| b == 0) {
+            self.file.seek(std::io::SeekFrom::Current(i64::try_from(buf.len()).expect("a buffer's length")))?;
+        } else {
+            self.file.write_all(buf)?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
 }

@@ -1,10 +1,15 @@
 //! The Backups gRPC service: backups of this pool's volumes to the targets the config names
 //! (`ferrite_backup`), and restores from them into new volumes.
 //!
-//! A backup with no snapshot named takes one, `VOLUME.backup.ID`, and keeps it as the base of
-//! the volume's next incremental (deleting the one before). Such a snapshot newer than the
-//! volume's last backup on the target is an interrupted backup: the next `CreateBackup` of that
-//! volume resumes it (same snapshot, same id; what was uploaded is found and not sent again).
+//! A backup with no snapshot named takes one, `VOLUME.backup.TARGET.ID`, and keeps it as the
+//! base of the volume's next incremental on that target (deleting the one before). Such a
+//! snapshot newer than the volume's last backup on its target is an interrupted backup: a
+//! `CreateBackup` of that volume to that target resumes it (same snapshot, same id, same point in
+//! time; what was uploaded is found and not sent again) when it asks for that id, or, for a
+//! time-named one, when the snapshot is younger than the target's grace. Older ones are not
+//! resumed (a backup labelled with its snapshot's time would be days old) and go with the next
+//! backup. Snapshots of other targets are never touched: each target's incrementals build on its
+//! own base (and `ferrite_backup::create` checks the base by identity, not by name).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -21,7 +26,7 @@ use crate::rpc::{blocking, require};
 fn backup_status(e: BackupError) -> Status {
     let msg = e.to_string();
     match e {
-        BackupError::Store { .. } => Status::unavailable(msg),
+        BackupError::Store { .. } | BackupError::Answer { .. } => Status::unavailable(msg),
         BackupError::Corrupt { .. } => Status::data_loss(msg),
         BackupError::Newer { .. } | BackupError::Key { .. } => Status::failed_precondition(msg),
         BackupError::NotFound(_) => Status::not_found(msg),
@@ -44,12 +49,14 @@ pub struct BackupService {
     busy: ferrite_csi::busy::Busy,
     restores: Arc<crate::restores::Restores>,
     outcomes: Arc<crate::metrics::BackupOutcomes>,
+    policy: Arc<crate::authz::Policy>,
 }
 
 fn backup_msg(target: &str, m: &Manifest) -> pb::Backup {
     pb::Backup {
         chunk_size: m.chunk_size,
         encrypted_volume: m.encrypted_volume,
+        full_reason: m.full_reason.clone().unwrap_or_default(),
         ..entry_msg(target, &m.volume, &m.entry())
     }
 }
@@ -68,6 +75,8 @@ fn entry_msg(target: &str, volume: &str, e: &ferrite_backup::IndexEntry) -> pb::
         chunks: e.chunks,
         bytes: e.bytes,
         uploaded_bytes: e.uploaded_bytes,
+        pool: e.source.as_ref().map(|s| s.pool.clone()).unwrap_or_default(),
+        snapshot_id: e.source.as_ref().map_or(0, |s| s.id),
         ..Default::default()
     }
 }
@@ -128,9 +137,9 @@ fn restore_stream(
     Box::pin(ReceiverStream::new(rx))
 }
 
-/// The prefix of the snapshots backups take of `volume`.
-fn auto_prefix(volume: &str) -> String {
-    format!("{volume}.backup.")
+/// The prefix of the snapshots backups to `target` take of `volume`.
+fn auto_prefix(volume: &str, target: &str) -> String {
+    ferrite_backup::auto_snapshot(volume, target, "")
 }
 
 impl BackupService {
@@ -140,8 +149,9 @@ impl BackupService {
         keys: crate::encryption::KeyDir,
         restores: Arc<crate::restores::Restores>,
         outcomes: Arc<crate::metrics::BackupOutcomes>,
+        policy: Arc<crate::authz::Policy>,
     ) -> Self {
-        Self { pool, targets, keys, opened: Default::default(), busy: Default::default(), restores, outcomes }
+        Self { pool, targets, keys, opened: Default::default(), busy: Default::default(), restores, outcomes, policy }
     }
 
     async fn target(&self, name: &str) -> Result<Target, Status> {
@@ -195,33 +205,39 @@ async fn indexes(target: &Target, volume: &str) -> Result<Vec<Index>, Status> {
     Ok(out)
 }
 
-/// Whether `id` is one a backup is given by default (the time): only those are resumed
-/// unasked; a chosen id (a CSI snapshot's) resumes when asked for again.
+/// Whether `id` is one a backup is given by default (the time, `20261128T101500Z` or
+/// `20261128T101500Z-2`): only those are resumed unasked; a chosen id (a CSI snapshot's)
+/// resumes when asked for again.
 fn time_id(id: &str) -> bool {
-    id.starts_with(|c: char| c.is_ascii_digit())
+    id.starts_with(|c: char| c.is_ascii_digit()) && !id.contains('.')
 }
 
-/// The snapshot and id of a backup of `volume`: the one named; with a chosen `id`, its
-/// snapshot if an interrupted backup took it, else a new one; with neither, an interrupted
-/// backup's (an automatic snapshot newer than the last backup), else a new snapshot.
+/// The snapshot and id of a backup of `volume` to `target`: the one named; with a chosen `id`,
+/// its snapshot if an interrupted backup to this target took it, else a new one; with neither,
+/// an interrupted time-named backup's to this target (its snapshot newer than the last backup
+/// and younger than `grace`), else a new snapshot.
 async fn choose_snapshot(
     pool: &Arc<Pool>,
     index: &Index,
     volume: &str,
+    target: &str,
+    grace: std::time::Duration,
     named: &str,
     id: &str,
 ) -> Result<(String, String, bool), Status> {
-    let now = if id.is_empty() { ferrite_backup::new_id(ferrite_backup::now_unix()) } else { id.to_owned() };
+    let now_s = ferrite_backup::now_unix();
+    let now = if id.is_empty() { ferrite_backup::new_id(now_s) } else { id.to_owned() };
     if !named.is_empty() {
         return Ok((named.to_owned(), now, false));
     }
-    let prefix = auto_prefix(volume);
+    let prefix = auto_prefix(volume, target);
     let (pool2, v) = (Arc::clone(pool), volume.to_owned());
     let snaps = blocking(move || pool2.snapshots(Some(&v))).await?;
     let last = index.backups.last().map(|b| b.id.clone()).unwrap_or_default();
     let pending = match id {
         "" => snaps
             .iter()
+            .filter(|s| s.created_unix.saturating_add(grace.as_secs()) > now_s)
             .filter_map(|s| s.name.strip_prefix(&prefix))
             .filter(|id| time_id(id) && *id > last.as_str() && !index.backups.iter().any(|b| b.id == *id))
             .max()
@@ -229,7 +245,7 @@ async fn choose_snapshot(
         id => snaps.iter().any(|s| s.name == format!("{prefix}{id}")).then(|| id.to_owned()),
     };
     if let Some(id) = pending {
-        tracing::info!(volume, backup = %id, "resuming an interrupted backup");
+        tracing::info!(volume, target, backup = %id, "resuming an interrupted backup");
         return Ok((format!("{prefix}{id}"), id, true));
     }
     // Two backups within a second: the second is ID-2.
@@ -245,16 +261,26 @@ async fn choose_snapshot(
     Ok((name, id, true))
 }
 
-/// After a backup from automatic snapshot `kept`, the others go: it is the next incremental's
-/// base. An interrupted backup's with a chosen id (not in `index`, the volume's backups before
-/// this one) stays, for the call that resumes it.
-async fn drop_older_bases(pool: &Arc<Pool>, index: Index, volume: &str, kept: &str) -> Result<(), Status> {
-    let prefix = auto_prefix(volume);
+/// After a backup to `target` from automatic snapshot `kept`, that target's others go: `kept` is
+/// its next incremental's base. An interrupted backup's with a chosen id (not in `index`, the
+/// volume's backups before this one) stays, for the call that resumes it. Time-named base
+/// snapshots of earlier builds (`VOLUME.backup.ID`, no target) go too: no backup builds on
+/// them any more.
+async fn drop_older_bases(
+    pool: &Arc<Pool>,
+    index: Index,
+    volume: &str,
+    target: &str,
+    kept: &str,
+) -> Result<(), Status> {
+    let (prefix, legacy) = (auto_prefix(volume, target), format!("{volume}.backup."));
     let (p, v, kept) = (Arc::clone(pool), volume.to_owned(), kept.to_owned());
     blocking(move || {
         for s in p.snapshots(Some(&v))? {
-            let Some(id) = s.name.strip_prefix(&prefix) else { continue };
-            if s.name != kept && (time_id(id) || index.backups.iter().any(|b| b.id == id)) {
+            let ours =
+                s.name.strip_prefix(&prefix).is_some_and(|id| time_id(id) || index.backups.iter().any(|b| b.id == id));
+            let old = s.name.strip_prefix(&legacy).is_some_and(time_id);
+            if s.name != kept && (ours || old) {
                 p.delete_snapshot(&s.name)?;
             }
         }
@@ -295,7 +321,9 @@ impl pb::backups_server::Backups for BackupService {
                 let made = Manifest::load(&target, &b).await.map_err(backup_status)?;
                 return Ok((target, busy, Err(made)));
             }
-            let chosen = choose_snapshot(&self.pool, &index, &r.volume, &r.snapshot, &r.id).await?;
+            let chosen =
+                choose_snapshot(&self.pool, &index, &r.volume, &target.name, target.grace(), &r.snapshot, &r.id)
+                    .await?;
             Ok::<_, Status>((target, busy, Ok((chosen, index))))
         };
         let (target, busy, chosen) = prepared.await.inspect_err(|_| {
@@ -322,7 +350,7 @@ impl pb::backups_server::Backups for BackupService {
             tracing::info!(target = %target.name, backup = %m.backup_ref(), chunks = m.chunks.len(),
                 read = m.read_bytes, uploaded = m.uploaded_bytes, "backup made");
             if auto {
-                drop_older_bases(&pool, index, &opts.volume, &snapshot).await?;
+                drop_older_bases(&pool, index, &opts.volume, &target.name, &snapshot).await?;
             }
             Ok(done_msg(&target.name, &m))
         })))
@@ -354,9 +382,16 @@ impl pb::backups_server::Backups for BackupService {
         &self,
         req: Request<pb::DeleteBackupRequest>,
     ) -> Result<Response<pb::DeleteBackupResponse>, Status> {
+        let caller = crate::authz::caller_of(&req)?;
         let r = req.into_inner();
-        let target = self.target(&r.target).await?;
         let b: BackupRef = r.name.parse().map_err(backup_status)?;
+        // The controller deletes the backups it made (a CSI snapshot's, `csi.` ids), never an
+        // operator's: a stolen controller certificate cannot wipe the copies off the cluster.
+        if !caller.is_operator() && !ferrite_backup::is_csi_id(&b.id) {
+            let why = format!("backup {b} was not made for a CSI snapshot; only an operator deletes it");
+            return Err(self.policy.refuse(&caller, "/ferrite.v1.Backups/DeleteBackup", &why));
+        }
+        let target = self.target(&r.target).await?;
         ferrite_backup::delete(&target, &b).await.map_err(backup_status)?;
         tracing::info!(target = %target.name, backup = %b, "backup deleted");
         Ok(Response::new(pb::DeleteBackupResponse {}))
@@ -397,8 +432,13 @@ impl pb::backups_server::Backups for BackupService {
     ) -> Result<Response<pb::PruneBackupsResponse>, Status> {
         let r = req.into_inner();
         let target = self.target(&r.target).await?;
-        let retention =
-            ferrite_backup::Retention { keep_last: r.keep_last, keep_daily: r.keep_daily, keep_weekly: r.keep_weekly };
+        let retention = ferrite_backup::Retention {
+            keep_last: r.keep_last,
+            keep_daily: r.keep_daily,
+            keep_weekly: r.keep_weekly,
+            keep_monthly: r.keep_monthly,
+            keep_yearly: r.keep_yearly,
+        };
         let policy = (retention != ferrite_backup::Retention::default()).then_some(&retention);
         let grace = r.grace_s.map_or(target.grace(), std::time::Duration::from_secs);
         let p = ferrite_backup::prune(&target, policy, grace).await.map_err(backup_status)?;
@@ -465,7 +505,17 @@ impl pb::backups_server::Backups for BackupService {
                     }
                     _ => ("s3", format!("{}/{}", t.bucket.as_deref().unwrap_or(""), t.prefix.as_deref().unwrap_or(""))),
                 };
-                pb::BackupTarget { name: name.clone(), kind: kind.into(), location, encrypted: t.key_file.is_some() }
+                let key_fingerprint = match &t.key_file {
+                    Some(path) => ferrite_backup::key_fingerprint(path).unwrap_or_else(|e| e),
+                    None => String::new(),
+                };
+                pb::BackupTarget {
+                    name: name.clone(),
+                    kind: kind.into(),
+                    location,
+                    encrypted: t.key_file.is_some(),
+                    key_fingerprint,
+                }
             })
             .collect();
         Ok(Response::new(pb::ListBackupTargetsResponse { targets }))

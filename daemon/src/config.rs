@@ -69,7 +69,8 @@
 //! credentials = "/etc/ferrite/s3"   # access-key-id and secret-access-key files; else AWS_* env
 //! key-file = "/etc/ferrite/bk.key"  # 32 bytes: everything sealed; chunk-size = "4M",
 //!                                   # concurrency = 8, bandwidth = "100M", full-every = 30,
-//!                                   # grace-s = 86400, retries = 10, ca-file
+//!                                   # grace-s = 86400, retries = 10, timeout-s = 120
+//!                                   # (one request, its answer included), ca-file
 //! (top level) backup-targets-file = "/etc/ferrite/backup/targets.toml"
 //!                                   # more targets as [NAME] tables (a mounted Secret: paths
 //!                                   # in it relative to it); absent, none

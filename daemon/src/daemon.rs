@@ -305,6 +305,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         crate::encryption::KeyDir::new(&cfg.key_dir),
         restores,
         backup_outcomes,
+        Arc::clone(&policy),
     ));
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);

@@ -905,6 +905,11 @@ async fn client(cli: Cli) -> Result<()> {
     };
     let out = cli.output;
     let tls = client_tls(&cli)?;
+    if let Cmd::Backup(b) = &cli.cmd
+        && let Some(done) = backup_cli::local(b, out).await
+    {
+        return done;
+    }
     if let Cmd::Backup(b) = cli.cmd {
         let channel = ferrite_proto::connect(&endpoint, tls)
             .await

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use ferrite_backup::{BackupRef, Filling, Manifest, Progress, Target, TargetConfig};
-use ferrite_engine::{ErrorKind, Fill, Pool};
+use ferrite_backup::{BackupRef, Filling, Manifest, Progress, Saved, Target, TargetConfig};
+use ferrite_engine::{Access, ErrorKind, Fill, Pool};
 use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -49,6 +49,7 @@ struct Running {
 pub struct Restores {
     pool: Arc<Pool>,
     file: RecordFile,
+    journals: Journals,
     records: Mutex<BTreeMap<String, Record>>,
     running: Mutex<BTreeMap<String, Running>>,
 }
@@ -61,9 +62,11 @@ impl Restores {
         let file = RecordFile::new(data_dir, "restores");
         let mut records = BTreeMap::new();
         let (mut waiting, mut dropped) = (Vec::new(), false);
+        let journals = Journals(data_dir.join("restores"));
         for r in file.load::<Record>()? {
             if pool.volume_info(&r.volume).is_err() {
                 tracing::info!(volume = %r.volume, "the volume of an unfinished restore is gone; its record is dropped");
+                journals.clear(&r.volume)?;
                 dropped = true;
                 continue;
             }
@@ -72,7 +75,7 @@ impl Restores {
             waiting.push(d);
             records.insert(r.volume.clone(), r);
         }
-        let me = Arc::new(Self { pool, file, records: Mutex::new(records), running: Mutex::default() });
+        let me = Arc::new(Self { pool, file, journals, records: Mutex::new(records), running: Mutex::default() });
         if dropped {
             me.save_all()?;
         }
@@ -100,7 +103,12 @@ impl Restores {
                     }
                 };
                 let (target, m) = manifest;
-                match me.start(target, m, &r.volume, Some(&r.done)) {
+                let started = me
+                    .journals
+                    .read(&r.volume)
+                    .map_err(|e| ferrite_backup::Error::Invalid(format!("reading the restore's journal: {e}")))
+                    .and_then(|also| me.start(target, m, &r.volume, Some((&r.done, &also))));
+                match started {
                     Ok(f) => {
                         tracing::info!(volume = %r.volume, backup = %r.backup, "an unfinished restore resumed");
                         d.set(Ok(f));
@@ -121,7 +129,7 @@ impl Restores {
             .get(&r.target)
             .ok_or_else(|| (format!("its backup target {:?} is no longer in this daemon's config", r.target), false))?;
         let passing = |e: ferrite_backup::Error| {
-            let passes = matches!(e, ferrite_backup::Error::Store { .. });
+            let passes = e.is_store_fault();
             (e.to_string(), passes)
         };
         let target = Target::open(&r.target, config.clone()).await.map_err(passing)?;
@@ -142,7 +150,7 @@ impl Restores {
         target: Target,
         manifest: Manifest,
         volume: &str,
-        done: Option<&str>,
+        done: Option<(&str, &[usize])>,
     ) -> Result<Arc<Filling>, ferrite_backup::Error> {
         let writer = self.pool.open_volume(volume)?.past_read_only();
         let (me, record) = (
@@ -155,10 +163,17 @@ impl Restores {
             },
         );
         let backup = record.backup.clone();
-        let save: ferrite_backup::Save = Box::new(move |done| {
+        let save: ferrite_backup::Save = Box::new(move |saved| {
             let me: Arc<Self> = Weak::upgrade(&me).ok_or_else(|| std::io::Error::other("the daemon is stopping"))?;
-            me.records.lock().insert(record.volume.clone(), Record { done: done.to_owned(), ..record.clone() });
-            me.save_all()
+            match saved {
+                // The whole record first, then the journal it now holds goes.
+                Saved::All(done) => {
+                    me.records.lock().insert(record.volume.clone(), Record { done: done.to_owned(), ..record.clone() });
+                    me.save_all()?;
+                    me.journals.clear(&record.volume)
+                }
+                Saved::Done(positions) => me.journals.append(&record.volume, positions),
+            }
         });
         let filling = Filling::new(target, manifest, writer, done, save, tokio::runtime::Handle::current())?;
         self.pool.set_fill(volume, Some(Arc::clone(&filling) as Arc<dyn Fill>))?;
@@ -189,7 +204,7 @@ impl Restores {
         if mine && (r.is_ok() || gone) {
             self.running.lock().remove(volume);
             self.records.lock().remove(volume);
-            if let Err(e) = self.save_all() {
+            if let Err(e) = self.save_all().and_then(|()| self.journals.clear(volume)) {
                 tracing::warn!(volume, error = %e, "could not drop a finished restore's record");
             }
             if r.is_ok() {
@@ -228,6 +243,50 @@ impl Restores {
     }
 }
 
+/// What each restore's record added since it was last written whole (`Saved::Done`): one file
+/// a volume, `restores/<volume>.done` in the data directory, the chunks' positions as 4-byte
+/// little-endian numbers, appended and synced (O(1) a chunk; `restores.json` is rewritten only
+/// now and then). A torn last number (a crash while appending) is ignored: its chunk was not
+/// recorded, so it is fetched again.
+#[derive(Debug)]
+struct Journals(std::path::PathBuf);
+
+impl Journals {
+    fn path(&self, volume: &str) -> std::path::PathBuf {
+        self.0.join(format!("{volume}.done"))
+    }
+
+    fn read(&self, volume: &str) -> std::io::Result<Vec<usize>> {
+        match std::fs::read(self.path(volume)) {
+            Ok(data) => {
+                Ok(data.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).collect())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn append(&self, volume: &str, positions: &[usize]) -> std::io::Result<()> {
+        use std::io::Write as _;
+        use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&self.0)?;
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(self.path(volume))?;
+        let bytes: Vec<u8> = positions
+            .iter()
+            .flat_map(|&p| u32::try_from(p).expect("a manifest lists fewer than 2^32 chunks").to_le_bytes())
+            .collect();
+        f.write_all(&bytes)?;
+        f.sync_data()
+    }
+
+    fn clear(&self, volume: &str) -> std::io::Result<()> {
+        match std::fs::remove_file(self.path(volume)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// The fill of a volume whose restore resumes after a restart, until it is ready: requests
 /// wait for it (up to a minute), then go through it.
 #[derive(Debug)]
@@ -242,10 +301,9 @@ impl Deferred {
         *self.ready.lock() = Some(r);
         self.set.notify_all();
     }
-}
 
-impl Fill for Deferred {
-    fn fill(&self, offset: u64, len: u64) -> ferrite_engine::Result<()> {
+    /// The restore once it is ready (waiting up to a minute for it).
+    fn ready(&self) -> ferrite_engine::Result<Arc<Filling>> {
         let io = |why: String| {
             ferrite_engine::Error::new(ErrorKind::Io, format!("volume {:?} is being restored: {why}", self.volume))
         };
@@ -256,12 +314,16 @@ impl Fill for Deferred {
                 return Err(io("its backup is not reachable yet".into()));
             }
         }
-        match ready.clone().expect("set") {
-            Ok(f) => {
-                drop(ready);
-                f.fill(offset, len)
-            }
-            Err(e) => Err(io(e)),
-        }
+        ready.clone().expect("set").map_err(io)
+    }
+}
+
+impl Fill for Deferred {
+    fn fill(&self, offset: u64, len: u64, access: Access) -> ferrite_engine::Result<()> {
+        self.ready()?.fill(offset, len, access)
+    }
+
+    fn pending(&self, offset: u64, len: u64) -> ferrite_engine::Result<Vec<(u64, u64)>> {
+        self.ready()?.pending(offset, len)
     }
 }

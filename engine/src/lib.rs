@@ -72,7 +72,7 @@ mod write;
 pub use ctx::FaultPoint;
 pub use ctx::{Discard, PoolOptions};
 pub use error::{Error, ErrorKind, Result};
-pub use fill::Fill;
+pub use fill::{Access, Fill};
 pub use maint::cleaner::CleanReport;
 pub use maint::defrag::{DefragProgress, DefragReport};
 pub use mirror::{Mirror, MirrorOp, Pending, RangeGuard, RangeLocks, WriteDone};

@@ -365,6 +365,11 @@ impl Pool {
         self.inner.faults_armed.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// The pool's uuid, chosen when it was created.
+    pub fn uuid(&self) -> uuid::Uuid {
+        uuid::Uuid::from_bytes(self.inner.sb.uuid)
+    }
+
     /// Space, log and traffic figures.
     pub fn stats(&self) -> PoolStats {
         let inner = &self.inner;

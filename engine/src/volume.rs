@@ -13,6 +13,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::fill::Access;
 use crate::gate::{Inside, WriteGate};
 use crate::io::BLOCK;
 use crate::map::segments::Pinned;
@@ -151,9 +152,22 @@ impl Volume {
     /// Brings [offset, offset+len) to its content first if a restore is filling the volume
     /// ([`crate::Fill`]).
     fn filled(&self, offset: u64, len: u64) -> Result<()> {
+        self.filled_for(offset, len, Access::Read)
+    }
+
+    fn filled_for(&self, offset: u64, len: u64, access: Access) -> Result<()> {
         match self.gate.as_ref().and_then(|g| g.fill()) {
-            Some(f) => f.fill(offset, len),
+            Some(f) => f.fill(offset, len, access),
             None => Ok(()),
+        }
+    }
+
+    /// The parts of [offset, offset+len) a restore has not filled yet (none without one): an
+    /// allocation query reports them as data without fetching them.
+    fn unfilled(&self, offset: u64, len: u64) -> Result<Vec<(u64, u64)>> {
+        match self.gate.as_ref().and_then(|g| g.fill()) {
+            Some(f) => f.pending(offset, len),
+            None => Ok(Vec::new()),
         }
     }
 
@@ -539,7 +553,7 @@ impl Volume {
     /// Discards whole blocks inside [offset, offset+len): they read as zeros afterwards and their
     /// space becomes reclaimable. Partial blocks at the edges are left as they are.
     pub fn trim(&self, offset: u64, len: u64) -> Result<()> {
-        self.filled(offset, len)?;
+        self.filled_for(offset, len, Access::Trim)?;
         self.pace(IoKind::Write, 0);
         let inner = &*self.pool()?;
         let _in = self.enter()?;
@@ -624,7 +638,7 @@ impl Volume {
     /// 2 its parent's, and so on (what `qemu:allocation-depth` reports for a backing chain).
     /// No media I/O.
     pub fn allocation_depth(&self, offset: u64, len: u64) -> Result<Vec<(u64, u32)>> {
-        self.filled(offset, len)?;
+        let unfilled = self.unfilled(offset, len)?;
         let inner = self.pool()?;
         self.check_range(&inner, offset, len)?;
         if len == 0 {
@@ -653,7 +667,7 @@ impl Volume {
                 _ => runs.push((to - from, d)),
             }
         }
-        Ok(runs)
+        Ok(crate::fill::overlay(runs, offset, &unfilled, 1))
     }
 
     /// What changed in [offset, offset+len) since snapshot `since` (an earlier snapshot beneath
@@ -668,7 +682,11 @@ impl Volume {
     /// [offset, offset+len) as runs of (bytes, flagged): flagged where it changed since snapshot
     /// `since`, or with no `since` where it is allocated, the runs between them unflagged.
     fn runs_since(&self, since: Option<&str>, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
-        self.filled(offset, len)?;
+        // An allocation query reports what is not restored yet as data, without fetching it.
+        let unfilled = match since {
+            None => self.unfilled(offset, len)?,
+            Some(_) => self.filled(offset, len).map(|()| Vec::new())?,
+        };
         let inner = self.pool()?;
         self.check_range(&inner, offset, len)?;
         let flagged = {
@@ -688,7 +706,7 @@ impl Volume {
         if at < offset + len {
             runs.push((offset + len - at, false));
         }
-        Ok(runs)
+        Ok(crate::fill::overlay(runs, offset, &unfilled, true))
     }
 
     /// Makes every write acknowledged so far (on any volume of the pool) durable, and on a

@@ -535,16 +535,24 @@ struct PatternFill {
     asked: std::sync::atomic::AtomicU64,
 }
 
+const PIECE: u64 = 64 << 10;
+
 impl ferrite_engine::Fill for PatternFill {
-    fn fill(&self, offset: u64, len: u64) -> ferrite_engine::Result<()> {
+    fn fill(&self, offset: u64, len: u64, access: ferrite_engine::Access) -> ferrite_engine::Result<()> {
         self.asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        const PIECE: u64 = 64 << 10;
         for piece in offset / PIECE..(offset + len).div_ceil(PIECE) {
-            if self.done.lock().unwrap().insert(piece) {
+            let whole = offset <= piece * PIECE && (piece + 1) * PIECE <= offset + len;
+            if self.done.lock().unwrap().insert(piece) && !(whole && access == ferrite_engine::Access::Trim) {
                 self.writer.write(piece * PIECE, &pattern(piece, PIECE as usize))?;
             }
         }
         Ok(())
+    }
+
+    fn pending(&self, offset: u64, len: u64) -> ferrite_engine::Result<Vec<(u64, u64)>> {
+        let done = self.done.lock().unwrap();
+        let pieces = offset / PIECE..(offset + len).div_ceil(PIECE);
+        Ok(pieces.filter(|p| !done.contains(p)).map(|p| (p * PIECE, PIECE)).collect())
     }
 }
 
@@ -565,10 +573,18 @@ fn a_fill_brings_each_range_to_its_content_before_clients_touch_it() {
     v.read(5 * 65536, &mut piece).unwrap();
     assert!(piece[..512].iter().all(|&b| b == 7));
     assert_eq!(piece[512..], pattern(5, 65536)[512..]);
-    // An allocation query and a trim are filled first too.
-    assert!(v.allocation(9 * 65536, 65536).unwrap().iter().all(|&(_, mapped)| mapped));
+    // An allocation query reports what is not filled yet as data, without filling it; a trim of
+    // a whole piece needs none of its content, one of part of a piece does.
+    assert_eq!(v.allocation(9 * 65536, 65536).unwrap(), [(65536, true)]);
+    assert_eq!(v.allocation_depth(9 * 65536, 65536).unwrap(), [(65536, 1)]);
     v.trim(10 * 65536, 65536).unwrap();
-    assert_eq!(fill.done.lock().unwrap().iter().copied().collect::<Vec<_>>(), [3, 5, 9, 10]);
+    v.trim(11 * 65536 + 4096, 8192).unwrap();
+    assert_eq!(fill.done.lock().unwrap().iter().copied().collect::<Vec<_>>(), [3, 5, 10, 11]);
+    let mut piece = vec![0u8; 65536];
+    v.read(10 * 65536, &mut piece).unwrap();
+    assert!(piece.iter().all(|&b| b == 0), "the trimmed piece reads as zeros");
+    v.read(11 * 65536, &mut piece).unwrap();
+    assert_eq!((&piece[..4096], &piece[12_288..]), (&pattern(11, 65536)[..4096], &pattern(11, 65536)[12_288..]));
     // No snapshot or clone of a volume whose content is not all there.
     let e = pool.create_snapshot("v", "s").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Busy, "{e}");

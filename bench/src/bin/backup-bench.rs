@@ -188,10 +188,17 @@ async fn main() {
     pool.create_volume("restored", size).expect("volume");
     let writer = pool.open_volume("restored").expect("open").past_read_only();
     let record = dir.join("restore-record");
-    let save: ferrite_backup::Save = Box::new(move |done| {
-        let mut f = std::fs::File::create(&record)?;
-        std::io::Write::write_all(&mut f, done.as_bytes())?;
-        f.sync_all()
+    // As the daemon keeps it: the whole bitmap now and then, a journal of positions between.
+    let save: ferrite_backup::Save = Box::new(move |saved| {
+        let (mut f, bytes) = match saved {
+            ferrite_backup::Saved::All(done) => (std::fs::File::create(&record)?, done.as_bytes().to_vec()),
+            ferrite_backup::Saved::Done(positions) => (
+                std::fs::OpenOptions::new().create(true).append(true).open(record.with_extension("done"))?,
+                positions.iter().flat_map(|&p| (p as u32).to_le_bytes()).collect(),
+            ),
+        };
+        std::io::Write::write_all(&mut f, &bytes)?;
+        f.sync_data()
     });
     let rt = tokio::runtime::Handle::current();
     let f = ferrite_backup::Filling::new(t.clone(), m, writer, None, save, rt).expect("restore");

@@ -1,0 +1,135 @@
+//! Copying a backup from one target to another (a second site, another provider): only the
+//! chunks the destination lacks travel, each checked on the way. Under the same key (or both
+//! without one) a chunk keeps its name and its sealed bytes go as they are; under another key
+//! it is opened, named and sealed anew. At the destination a copy is a backup like any other:
+//! it reads the condemned list first and commits within 0.9 x grace (see `prune.rs`).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::StreamExt;
+
+use crate::codec::Kind;
+use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, chunk_path};
+use crate::restore::{fetch_chunk, fetch_sealed};
+use crate::{Error, Pace, Progress, Result, Target, prune};
+
+/// Copies backup `b` from `from` to `to` (same volume and id there); the copy's manifest.
+pub async fn copy(
+    from: &Target,
+    to: &Target,
+    b: &BackupRef,
+    progress: &(dyn Fn(&Progress) + Sync),
+) -> Result<Manifest> {
+    let started = Instant::now();
+    let m = Manifest::load(from, b).await?;
+    if m.chunk_size != to.chunk_size() {
+        return Err(Error::Invalid(format!(
+            "backup {b} has {} byte chunks and target {} uses {}: a copy keeps its chunks",
+            m.chunk_size,
+            to.name,
+            to.chunk_size()
+        )));
+    }
+    if m.encrypted_volume && !to.is_sealed() {
+        return Err(Error::Invalid(format!(
+            "backup {b} is of an encrypted volume and target {} has no key-file: its copy would hold plaintext",
+            to.name
+        )));
+    }
+    let condemned = prune::load_condemned(to).await?;
+    if Index::load(to, &b.volume).await?.backups.iter().any(|e| e.id == b.id) {
+        return Err(Error::Conflict(format!("backup {b} already exists on target {}", to.name)));
+    }
+    let same_key = from.codec.key_check() == to.codec.key_check();
+    let mut done = Progress {
+        chunks_total: m.chunks.len() as u64,
+        bytes_total: m.chunks.iter().map(|c| u64::from(c.len)).sum(),
+        ..Progress::default()
+    };
+    progress(&done);
+    let pace = Arc::new(Pace::new(to.config.bandwidth));
+    let shared = Arc::new(condemned);
+    let mut copied = futures_util::stream::iter(m.chunks.clone())
+        .map(|c| {
+            let (from, to, pace, condemned) = (from.clone(), to.clone(), Arc::clone(&pace), Arc::clone(&shared));
+            async move { copy_chunk(&from, &to, c, same_key, &pace, &condemned).await }
+        })
+        .buffered(to.concurrency());
+    let (mut chunks, mut uploaded, mut new_chunks) = (Vec::with_capacity(m.chunks.len()), 0, 0);
+    let mut sent = HashSet::new();
+    while let Some(r) = copied.next().await {
+        let (c, bytes) = r?;
+        if bytes > 0 && sent.insert(c.id.clone()) {
+            uploaded += bytes;
+            new_chunks += 1;
+        }
+        done.chunks_done += 1;
+        done.bytes_done += u64::from(c.len);
+        done.bytes_transferred = uploaded;
+        progress(&done);
+        chunks.push(c);
+    }
+    drop(copied);
+    let grace = to.grace();
+    if !grace.is_zero() && started.elapsed() > grace.mul_f64(0.9) {
+        return Err(Error::Conflict(format!(
+            "the copy of {b} ran for {:?}, longer than 0.9 x target {}'s grace-s: run it again (what it copied is reused)",
+            started.elapsed(),
+            to.name
+        )));
+    }
+    let copy = Manifest { chunks, uploaded_bytes: uploaded, new_chunks, ..m };
+    copy.store(to).await?;
+    Index::update(to, &b.volume, |index| {
+        if index.backups.iter().any(|e| e.id == copy.id) {
+            return Err(Error::Conflict(format!("backup {b} was copied to target {} at the same time", to.name)));
+        }
+        index.backups.push(copy.entry());
+        index.backups.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
+        Ok(true)
+    })
+    .await?;
+    Ok(copy)
+}
+
+/// Copies one chunk unless `to` has it (and it is not condemned there): its reference at the
+/// destination, and the bytes uploaded (0 when it was there).
+async fn copy_chunk(
+    from: &Target,
+    to: &Target,
+    c: ChunkRef,
+    same_key: bool,
+    pace: &Pace,
+    condemned: &HashSet<String>,
+) -> Result<(ChunkRef, u64)> {
+    let unpaced = Pace::new(None);
+    let (c, sealed) = if same_key {
+        if !condemned.contains(&c.id) && to.head(&chunk_path(&c.id)).await?.is_some() {
+            return Ok((c, 0));
+        }
+        // Checked as a restore would, then sent as it is (the same key opens it there).
+        let (sealed, _) = fetch_sealed(from, &c, &unpaced).await?;
+        (c, sealed)
+    } else {
+        let plain = fetch_chunk(from, &c, &unpaced).await?;
+        let codec = to.codec.clone();
+        let (id, sealed) = tokio::task::spawn_blocking(move || {
+            let id = codec.chunk_id(&plain);
+            let sealed = codec.seal(Kind::Chunk, &chunk_path(&id), &plain);
+            (id, sealed)
+        })
+        .await
+        .expect("sealing does not panic");
+        let c = ChunkRef { id, ..c };
+        if !condemned.contains(&c.id) && to.head(&chunk_path(&c.id)).await?.is_some() {
+            return Ok((c, 0));
+        }
+        (c, sealed.into())
+    };
+    let bytes = sealed.len() as u64;
+    pace.admit(bytes).await;
+    to.put(&chunk_path(&c.id), sealed).await?;
+    Ok((c, bytes))
+}
