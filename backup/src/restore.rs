@@ -109,6 +109,8 @@ pub struct VerifyReport {
     pub bytes_checked: u64,
     /// Chunk name, what is wrong, the backups that list it.
     pub bad: Vec<(String, String, Vec<String>)>,
+    /// Chunks in quarantine after it: found bad (by it or before) and not found good since.
+    pub quarantined: u64,
 }
 
 /// Reads back the chunks of `backups` and checks each against its name; with `sample` (0-1),
@@ -169,8 +171,10 @@ pub async fn verify(
     let bad: Vec<String> = report.bad.iter().map(|(id, _, _)| id.clone()).collect();
     crate::quarantine::add(target, &bad).await?;
     let quarantined = crate::quarantine::load(target).await?;
+    report.quarantined = quarantined.len() as u64;
     if quarantined.iter().any(|id| good.contains(id)) {
         crate::quarantine::retain(target, |id| !good.contains(id)).await?;
+        report.quarantined = quarantined.iter().filter(|id| !good.contains(*id)).count() as u64;
     }
     Ok(report)
 }

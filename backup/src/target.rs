@@ -72,6 +72,10 @@ pub struct TargetConfig {
     /// Seconds one request may take, its answer's body included (S3); default 120. A whole
     /// operation, its retries included, ends after twice this plus 30 s.
     pub timeout_s: Option<u64>,
+    /// Seconds between verifies of the backups of the daemon's volumes on this target (none by
+    /// default); each checks `verify-sample` of their chunks (a share, default 0.1; 1: all).
+    pub verify_every_s: Option<u64>,
+    pub verify_sample: Option<f64>,
 }
 
 /// Requests made through a target, by kind (for the bench, the metrics and the tests' O(1)

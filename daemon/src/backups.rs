@@ -289,6 +289,64 @@ async fn drop_older_bases(
     .await
 }
 
+/// What a verify found, logged, as the metrics keep it.
+fn verify_outcome(target: &Target, report: &ferrite_backup::VerifyReport) -> crate::metrics::VerifyOutcome {
+    if report.bad.is_empty() {
+        tracing::info!(target = %target.name, chunks = report.chunks_checked, quarantined = report.quarantined, "verify finished");
+    } else {
+        tracing::error!(target = %target.name, chunks = report.chunks_checked, bad = report.bad.len(),
+            "verify found damaged chunks; they are quarantined and the next backups upload them again");
+    }
+    crate::metrics::VerifyOutcome {
+        target: target.name.clone(),
+        finished_unix: ferrite_backup::now_unix(),
+        backups: report.backups,
+        chunks_checked: report.chunks_checked,
+        bad: report.bad.iter().map(|(chunk, why, _)| (chunk.clone(), why.clone())).collect(),
+        quarantined: report.quarantined,
+    }
+}
+
+/// Verifies, every `verify-every-s` of each target that sets it, a `verify-sample` share of the
+/// chunks of the backups of this pool's volumes there (each daemon checks its own volumes':
+/// the work is shared out), and keeps what it found (metrics, `backup-verify.json`).
+pub fn schedule_verifies(
+    pool: Arc<Pool>,
+    targets: &BTreeMap<String, ferrite_backup::TargetConfig>,
+    outcomes: Arc<crate::metrics::BackupOutcomes>,
+) {
+    for (name, config) in targets {
+        let Some(every) = config.verify_every_s.filter(|&s| s > 0).map(std::time::Duration::from_secs) else {
+            continue;
+        };
+        // A share of the chunks; 1 (or more): all of them.
+        let sample = config.verify_sample.map_or(Some(0.1), |s| (s < 1.0).then_some(s.max(0.01)));
+        let (pool, outcomes, name, config) = (Arc::clone(&pool), Arc::clone(&outcomes), name.clone(), config.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let verified = async {
+                    let target = Target::open(&name, config.clone()).await?;
+                    let (volumes, ours) = (ferrite_backup::list_volumes(&target).await?, pool.volumes());
+                    let mut names = Vec::new();
+                    for v in volumes.iter().filter(|v| ours.iter().any(|o| &o.name == *v)) {
+                        let index = Index::load(&target, v).await?;
+                        names.extend(index.backups.iter().map(|e| BackupRef { volume: v.clone(), id: e.id.clone() }));
+                    }
+                    let report = ferrite_backup::verify(&target, &names, sample, &|_| {}).await?;
+                    Ok::<_, BackupError>(verify_outcome(&target, &report))
+                };
+                match verified.await {
+                    Ok(outcome) => outcomes.verified(outcome),
+                    Err(e) => {
+                        tracing::warn!(target = %name, error = %e, "the scheduled verify failed; tried again next time")
+                    }
+                }
+            }
+        });
+    }
+}
+
 /// The last message of a backup stream: backup `m`, done.
 fn done_msg(target: &str, m: &Manifest) -> pb::BackupProgress {
     pb::BackupProgress {
@@ -411,9 +469,10 @@ impl pb::backups_server::Backups for BackupService {
             }
         }
         let sample = (r.sample > 0.0).then_some(r.sample);
+        let outcomes = Arc::clone(&self.outcomes);
         Ok(Response::new(stream(move |progress| async move {
             let report = ferrite_backup::verify(&target, &names, sample, &*progress).await.map_err(backup_status)?;
-            tracing::info!(target = %target.name, chunks = report.chunks_checked, bad = report.bad.len(), "verify finished");
+            outcomes.verified(verify_outcome(&target, &report));
             Ok(pb::BackupProgress {
                 done: true,
                 chunks_done: report.chunks_checked,

@@ -255,7 +255,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         Arc::clone(&policy),
     )?;
     let listeners = crate::metrics::Listeners::default();
-    let backup_outcomes = Arc::new(crate::metrics::BackupOutcomes::default());
+    let backup_outcomes = Arc::new(crate::metrics::BackupOutcomes::load(&cfg.data_dir)?);
     if let Some(l) = metrics {
         let stats = Arc::clone(&listeners.metrics);
         let gate =
@@ -299,6 +299,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         rotations,
         policy: Arc::clone(&policy),
     });
+    crate::backups::schedule_verifies(Arc::clone(&pool), &cfg.backup_targets, Arc::clone(&backup_outcomes));
     let backups = ferrite_proto::ferrite::v1::backups_server::BackupsServer::new(crate::backups::BackupService::new(
         Arc::clone(&pool),
         cfg.backup_targets.clone(),

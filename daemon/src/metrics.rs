@@ -34,9 +34,28 @@ pub struct Listeners {
     pub metrics: Arc<ListenerStats>,
 }
 
-/// How the backups of each (target, volume) went, as the Backups service records them.
+/// How the backups of each (target, volume) went, as the Backups service records them, and
+/// what the last verify of each target found (kept in `backup-verify.json` in the data
+/// directory, so that a restart does not forget damage found).
 #[derive(Debug, Default)]
-pub struct BackupOutcomes(std::sync::Mutex<std::collections::BTreeMap<(String, String), BackupOutcome>>);
+pub struct BackupOutcomes {
+    backups: std::sync::Mutex<std::collections::BTreeMap<(String, String), BackupOutcome>>,
+    verifies: std::sync::Mutex<std::collections::BTreeMap<String, VerifyOutcome>>,
+    file: Option<std::path::PathBuf>,
+}
+
+/// What a verify of a target found.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct VerifyOutcome {
+    pub target: String,
+    pub finished_unix: u64,
+    pub backups: u64,
+    pub chunks_checked: u64,
+    /// The chunks it found bad (quarantined), with why.
+    pub bad: Vec<(String, String)>,
+    /// Chunks in quarantine after it: found bad and not found good since.
+    pub quarantined: u64,
+}
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct BackupOutcome {
@@ -46,8 +65,25 @@ pub struct BackupOutcome {
 }
 
 impl BackupOutcomes {
+    /// With the verify outcomes kept in `data_dir` (none if it has none).
+    pub fn load(data_dir: &std::path::Path) -> anyhow::Result<Self> {
+        let file = crate::state::RecordFile::new(data_dir, "backup-verify");
+        let verifies = file.load::<VerifyOutcome>()?.into_iter().map(|v| (v.target.clone(), v)).collect();
+        Ok(Self { verifies: std::sync::Mutex::new(verifies), file: Some(file.path().to_owned()), ..Self::default() })
+    }
+
+    /// Records a verify's outcome, and keeps it.
+    pub fn verified(&self, outcome: VerifyOutcome) {
+        let mut all = self.verifies.lock().expect("not poisoned");
+        all.insert(outcome.target.clone(), outcome);
+        let list: Vec<&VerifyOutcome> = all.values().collect();
+        if let Some(Err(e)) = self.file.as_deref().map(|f| crate::state::save_json(f, &list)) {
+            tracing::warn!(error = %e, "could not keep the outcome of a backup verify");
+        }
+    }
+
     pub fn record(&self, target: &str, volume: &str, ok: bool) {
-        let mut all = self.0.lock().expect("not poisoned");
+        let mut all = self.backups.lock().expect("not poisoned");
         let o = all.entry((target.to_owned(), volume.to_owned())).or_default();
         o.last_failed = !ok;
         if ok {
@@ -348,7 +384,7 @@ impl Sources {
 impl Sources {
     /// Per volume being restored (instant restore: it serves while its chunks are copied).
     fn encode_backups(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
-        let rows: Vec<_> = self.backups.0.lock().expect("not poisoned").clone().into_iter().collect();
+        let rows: Vec<_> = self.backups.backups.lock().expect("not poisoned").clone().into_iter().collect();
         let labels: Vec<_> = rows.iter().map(|((t, v), _)| [("target", t.as_str()), ("volume", v.as_str())]).collect();
         type Value = fn(&BackupOutcome) -> u64;
         for (name, help, value) in [
@@ -370,6 +406,26 @@ impl Sources {
             enc.encode_descriptor("ferrite_backup_failures", "Backups that failed.", None, MetricType::Counter)?;
         for ((_, o), l) in rows.iter().zip(&labels) {
             m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&o.failures, None)?;
+        }
+        let verifies: Vec<VerifyOutcome> =
+            self.backups.verifies.lock().expect("not poisoned").values().cloned().collect();
+        type Verified = fn(&VerifyOutcome) -> u64;
+        for (name, help, value) in [
+            (
+                "ferrite_backup_verify_last_timestamp_seconds",
+                "When the last verify of the target's backups ended (Unix seconds).",
+                (|v| v.finished_unix) as Verified,
+            ),
+            (
+                "ferrite_backup_verify_bad_chunks",
+                "Chunks of the target found bad by a verify and not found good since (quarantined).",
+                |v| v.quarantined,
+            ),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for v in &verifies {
+                m.encode_family(&[("target", v.target.as_str())])?.encode_gauge(&value(v))?;
+            }
         }
         self.encode_restores(enc)
     }

@@ -6,7 +6,7 @@ mod common;
 #[path = "../../backup/tests/common/mod.rs"]
 mod weed;
 
-use common::{Daemon, have};
+use common::{Daemon, have, metric};
 use std::process::Command;
 
 /// A store, and two daemons (a and b) sharing an encrypted target on it, `b_extra` in b's
@@ -67,16 +67,6 @@ fn config_with(dir: &std::path::Path, weed: &weed::Weed, key: &std::path::Path, 
     );
     std::fs::write(dir.join("ferrite.toml"), toml).unwrap();
     port
-}
-
-/// The value of the sample `line` starts with (name and labels) on the metrics at `port`.
-fn metric(port: u16, line: &str) -> Option<f64> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: ferrite\r\nConnection: close\r\n\r\n").unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    text.lines().find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
 }
 
 fn qemu_io(d: &Daemon, export: &str, cmd: &str) {

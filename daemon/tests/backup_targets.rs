@@ -1,21 +1,24 @@
 //! Backups to several targets keep to their own point in time: each target's incrementals build
 //! on that target's own base snapshot, a backup interrupted longer ago than the target's grace is
-//! not resumed (it would carry a stale time), and a backup's time is its snapshot's.
+//! not resumed (it would carry a stale time), and a backup's time is its snapshot's. A backup
+//! exports without a daemon; a scheduled verify finds damage, keeps it, and sees it healed.
 
 mod common;
 
-use common::{Daemon, have};
+use common::{Daemon, have, metric};
 use std::process::Command;
 
-/// A daemon with two directory targets, `a` and `b`, whose grace is `grace_s`.
-fn daemon(dir: &std::path::Path, grace_s: u64) -> Daemon {
+/// A daemon with two directory targets, `a` and `b`, whose grace is `grace_s`; `top` and
+/// `a_extra` are more lines for the config and for `a`'s table.
+fn daemon(dir: &std::path::Path, grace_s: u64, top: &str, a_extra: &str) -> Daemon {
     std::fs::create_dir_all(dir).unwrap();
-    let mut toml = String::from("pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\n");
+    let mut toml = format!("pool-size = \"1G\"\nsegment-size = \"4M\"\nlog-level = \"info\"\n{top}");
     for t in ["a", "b"] {
         let path = dir.join(format!("target-{t}"));
         toml += &format!(
-            "[backup-targets.{t}]\nkind = \"dir\"\npath = \"{}\"\nchunk-size = \"1M\"\ngrace-s = {grace_s}\n",
-            path.display()
+            "[backup-targets.{t}]\nkind = \"dir\"\npath = \"{}\"\nchunk-size = \"1M\"\ngrace-s = {grace_s}\n{}",
+            path.display(),
+            if t == "a" { a_extra } else { "" }
         );
     }
     std::fs::write(dir.join("ferrite.toml"), toml).unwrap();
@@ -47,7 +50,7 @@ fn each_target_builds_on_its_own_snapshot() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut d = daemon(dir.path(), 86_400);
+    let mut d = daemon(dir.path(), 86_400, "", "");
     d.ok(&["volume", "create", "db", "8MiB"]);
     d.ok(&["export", "nbd", "db"]);
     assert!(qemu_io(&d, "db", "write -P 51 0 1M"));
@@ -110,7 +113,7 @@ fn a_stale_interrupted_backup_is_not_resumed() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), 3);
+    let d = daemon(dir.path(), 3, "", "");
     d.ok(&["volume", "create", "db", "8MiB"]);
     d.ok(&["export", "nbd", "db"]);
     assert!(qemu_io(&d, "db", "write -P 17 0 1M"));
@@ -133,4 +136,49 @@ fn a_stale_interrupted_backup_is_not_resumed() {
     let resumed = d.json(&["backup", "create", "db", "--target", "a"]);
     assert_eq!(resumed["id"], "29990102T000000Z", "{resumed}");
     assert!(restores(&d, "a", resumed["name"].as_str().unwrap(), "resumed", 34), "the interrupted point in time");
+}
+
+/// A target verified on a schedule: a chunk damaged in the store is found (the metric, the kept
+/// record naming it), quarantined, uploaded again by the next backup, and the verify after
+/// that clears the metric.
+#[test]
+fn a_scheduled_verify_finds_damage_and_sees_it_healed() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let top = format!("metrics-listen = \"127.0.0.1:{port}\"\n");
+    let d = daemon(dir.path(), 86_400, &top, "verify-every-s = 1\nverify-sample = 1\n");
+    d.ok(&["volume", "create", "db", "8MiB"]);
+    d.ok(&["export", "nbd", "db"]);
+    assert!(qemu_io(&d, "db", "write -P 51 0 2M"));
+    let made = d.json(&["backup", "create", "db", "--target", "a"]);
+    let bad = |n: f64| move || metric(port, "ferrite_backup_verify_bad_chunks{target=\"a\"}") == Some(n);
+    common::until("a clean verify", 20, bad(0.0));
+
+    // The store damages a chunk of the backup.
+    let chunks = dir.path().join("target-a/chunks");
+    let victim = std::fs::read_dir(&chunks)
+        .unwrap()
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).unwrap().flatten())
+        .next()
+        .unwrap();
+    let mut data = std::fs::read(victim.path()).unwrap();
+    data[40] ^= 1;
+    std::fs::write(victim.path(), data).unwrap();
+    common::until("the verify to find the damage", 20, bad(1.0));
+    let kept = dir.path().join("backup-verify.json");
+    let name = victim.file_name().into_string().unwrap();
+    assert!(std::fs::read_to_string(&kept).unwrap().contains(&name), "the record names the chunk");
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(std::fs::metadata(&kept).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(d.log().contains("verify found damaged chunks"), "{}", d.log());
+
+    // The next backup (nothing changed) uploads it again; the backup restores whole.
+    let again = d.json(&["backup", "create", "db", "--target", "a"]);
+    assert!(again["uploaded_bytes"].as_u64().unwrap() > 0, "{again}");
+    common::until("the verify to see it healed", 20, bad(0.0));
+    assert!(restores(&d, "a", made["name"].as_str().unwrap(), "healed", 51), "the damaged backup restores again");
 }

@@ -211,3 +211,14 @@ pub fn until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
+
+/// The value of the sample `line` starts with (name and labels) on the plain-HTTP metrics
+/// listener at `port`.
+pub fn metric(port: u16, line: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: ferrite\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines().find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+}
