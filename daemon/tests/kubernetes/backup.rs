@@ -118,8 +118,18 @@ pub fn offsite(c: &mut Cluster, data_vol: &str, dir: &Path) {
     let why = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() || why.contains("exists"), "{why}");
 
+    // The example's class retains its backups: they outlive the VolumeSnapshot and its content
+    // (a deleted namespace, a stolen token), until an operator deletes them.
     c.cp.ok(&["delete", "volumesnapshot", &snap, "--wait=true", "--timeout=120s"]);
-    assert!(listed(c, "node-b").is_empty(), "deleting the snapshot deletes its backup");
-    let left = c.daemon("node-a").ok(&["snapshot", "list"]);
-    assert!(!left.contains(".backup."), "the backup's base snapshot went with it: {left}");
+    let backup = format!("{data_vol}/{id}");
+    assert!(listed(c, "node-b").iter().any(|b| b["name"] == backup.as_str()), "the class retains its backups");
+    let content = v["status"]["boundVolumeSnapshotContentName"].as_str().unwrap();
+    c.cp.ok(&["delete", "volumesnapshotcontent", content, "--wait=true", "--timeout=120s"]);
+    assert!(listed(c, "node-b").iter().any(|b| b["name"] == backup.as_str()), "its content's deletion too");
+    c.daemon("node-b").ok(&["backup", "delete", &backup, "--target", "offsite"]);
+    assert!(listed(c, "node-b").is_empty(), "an operator deletes it");
+    let a = c.daemon("node-a");
+    a.ok(&["snapshot", "delete", &format!("{data_vol}.backup.offsite.{id}")]);
+    let left = a.ok(&["snapshot", "list"]);
+    assert!(!left.contains(".backup."), "and the snapshot it was taken from: {left}");
 }
