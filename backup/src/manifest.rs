@@ -239,8 +239,9 @@ impl Manifest {
     }
 }
 
-/// Decodes a manifest or index, refusing a newer format by name before anything else.
-fn decode<T: serde::de::DeserializeOwned>(target: &Target, path: &str, data: &[u8]) -> Result<T> {
+/// Decodes a manifest, an index or a list of the target's, refusing a newer format by name
+/// before anything else.
+pub(crate) fn decode<T: serde::de::DeserializeOwned>(target: &Target, path: &str, data: &[u8]) -> Result<T> {
     #[derive(Deserialize)]
     struct Versioned {
         format: u32,

@@ -47,16 +47,7 @@ struct Condemned {
 async fn load(target: &Target) -> Result<BTreeMap<String, i64>> {
     match target.get_object(Kind::Condemned, CONDEMNED, MAX_CONDEMNED).await {
         Ok((data, meta)) => {
-            let list: Condemned =
-                serde_json::from_slice(&data).map_err(|e| Error::corrupt(&target.name, CONDEMNED, e.to_string()))?;
-            if list.format > FORMAT {
-                return Err(Error::Newer {
-                    target: target.name.clone(),
-                    what: CONDEMNED.into(),
-                    found: list.format,
-                    supported: FORMAT,
-                });
-            }
+            let list: Condemned = crate::manifest::decode(target, CONDEMNED, &data)?;
             let written = meta.last_modified.timestamp();
             Ok(list.chunks.into_iter().map(|(id, since)| (id, since.unwrap_or(written))).collect())
         }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::codec::Kind;
 use crate::manifest::chunk_path;
 use crate::target::FORMAT;
-use crate::{Error, Result, Target};
+use crate::{Result, Target};
 
 const LIST: &str = "gc/quarantined";
 /// Most the list may decompress to (some 100 000 chunks).
@@ -26,18 +26,10 @@ struct Quarantined {
 }
 
 fn decode(target: &Target, plain: Option<Vec<u8>>) -> Result<Quarantined> {
-    let Some(data) = plain else { return Ok(Quarantined { format: FORMAT, ..Quarantined::default() }) };
-    let list: Quarantined =
-        serde_json::from_slice(&data).map_err(|e| Error::corrupt(&target.name, LIST, e.to_string()))?;
-    if list.format > FORMAT {
-        return Err(Error::Newer {
-            target: target.name.clone(),
-            what: LIST.into(),
-            found: list.format,
-            supported: FORMAT,
-        });
+    match plain {
+        Some(data) => crate::manifest::decode(target, LIST, &data),
+        None => Ok(Quarantined { format: FORMAT, ..Quarantined::default() }),
     }
-    Ok(list)
 }
 
 /// The chunks in quarantine.

@@ -76,6 +76,10 @@ pub struct TargetConfig {
     /// default); each checks `verify-sample` of their chunks (a share, default 0.1; 1: all).
     pub verify_every_s: Option<u64>,
     pub verify_sample: Option<f64>,
+    /// S3: update indexes with conditional PUTs (If-Match / If-None-Match, which AWS S3, MinIO and
+    /// SeaweedFS honour); false for a store that refuses them, where two daemons updating one
+    /// index at once may lose an update. Default true.
+    pub conditional_writes: Option<bool>,
 }
 
 /// Requests made through a target, by kind (for the bench, the metrics and the tests' O(1)
@@ -243,6 +247,7 @@ impl Target {
                     return Ok(true);
                 }
                 let mode = match seen {
+                    _ if self.config.conditional_writes == Some(false) => PutMode::Overwrite,
                     Some(m) => PutMode::Update(UpdateVersion { e_tag: m.e_tag.clone(), version: m.version.clone() }),
                     None => PutMode::Create,
                 };

@@ -71,7 +71,8 @@
 //!                                   # concurrency = 8, bandwidth = "100M", full-every = 30,
 //!                                   # grace-s = 86400, retries = 10, timeout-s = 120
 //!                                   # (one request, its answer included), ca-file,
-//!                                   # verify-every-s (none), verify-sample = 0.1
+//!                                   # verify-every-s (none), verify-sample = 0.1,
+//!                                   # conditional-writes = true
 //! (top level) backup-targets-file = "/etc/ferrite/backup/targets.toml"
 //!                                   # more targets as [NAME] tables (a mounted Secret: paths
 //!                                   # in it relative to it); absent, none
