@@ -113,7 +113,7 @@ fn a_stale_interrupted_backup_is_not_resumed() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let d = daemon(dir.path(), 3, "", "");
+    let d = daemon(dir.path(), 10, "", "");
     d.ok(&["volume", "create", "db", "8MiB"]);
     d.ok(&["export", "nbd", "db"]);
     assert!(qemu_io(&d, "db", "write -P 17 0 1M"));
@@ -121,7 +121,7 @@ fn a_stale_interrupted_backup_is_not_resumed() {
     // backup on the target).
     d.ok(&["snapshot", "create", "db", "db.backup.a.29990101T000000Z"]);
     assert!(qemu_io(&d, "db", "write -P 34 0 1M"));
-    std::thread::sleep(std::time::Duration::from_secs(4));
+    std::thread::sleep(std::time::Duration::from_secs(11));
     let made = d.json(&["backup", "create", "db", "--target", "a"]);
     assert_ne!(made["id"], "29990101T000000Z", "{made}");
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
