@@ -255,7 +255,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         Arc::clone(&policy),
     )?;
     let listeners = crate::metrics::Listeners::default();
-    let backup_outcomes = Arc::new(crate::metrics::BackupOutcomes::load(&cfg.data_dir)?);
+    let backup_outcomes = Arc::new(crate::metrics::BackupOutcomes::load(&cfg.data_dir));
     if let Some(l) = metrics {
         let stats = Arc::clone(&listeners.metrics);
         let gate =

@@ -65,11 +65,16 @@ pub struct BackupOutcome {
 }
 
 impl BackupOutcomes {
-    /// With the verify outcomes kept in `data_dir` (none if it has none).
-    pub fn load(data_dir: &std::path::Path) -> anyhow::Result<Self> {
+    /// With the verify outcomes kept in `data_dir` (none if it has none, or if they cannot be
+    /// read: they are a report, not state the daemon needs).
+    pub fn load(data_dir: &std::path::Path) -> Self {
         let file = crate::state::RecordFile::new(data_dir, "backup-verify");
-        let verifies = file.load::<VerifyOutcome>()?.into_iter().map(|v| (v.target.clone(), v)).collect();
-        Ok(Self { verifies: std::sync::Mutex::new(verifies), file: Some(file.path().to_owned()), ..Self::default() })
+        let kept = file.load::<VerifyOutcome>().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the outcomes of earlier backup verifies are unreadable; starting without them");
+            Vec::new()
+        });
+        let verifies = kept.into_iter().map(|v| (v.target.clone(), v)).collect();
+        Self { verifies: std::sync::Mutex::new(verifies), file: Some(file.path().to_owned()), ..Self::default() }
     }
 
     /// Records a verify's outcome, and keeps it.
