@@ -72,25 +72,8 @@ pub async fn copy(
         chunks.push(c);
     }
     drop(copied);
-    let grace = to.grace();
-    if !grace.is_zero() && started.elapsed() > grace.mul_f64(0.9) {
-        return Err(Error::Conflict(format!(
-            "the copy of {b} ran for {:?}, longer than 0.9 x target {}'s grace-s: run it again (what it copied is reused)",
-            started.elapsed(),
-            to.name
-        )));
-    }
     let copy = Manifest { chunks, uploaded_bytes: uploaded, new_chunks, ..m };
-    copy.store(to).await?;
-    Index::update(to, &b.volume, |index| {
-        if index.backups.iter().any(|e| e.id == copy.id) {
-            return Err(Error::Conflict(format!("backup {b} was copied to target {} at the same time", to.name)));
-        }
-        index.backups.push(copy.entry());
-        index.backups.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
-        Ok(true)
-    })
-    .await?;
+    copy.commit(to, started).await?;
     Ok(copy)
 }
 

@@ -190,13 +190,6 @@ pub async fn create(
     drop(results);
     refs.sort_by_key(|c| c.i);
 
-    let grace = target.grace();
-    if !grace.is_zero() && started.elapsed() > grace.mul_f64(0.9) {
-        return Err(Error::Conflict(format!(
-            "backup {this} ran for {:?}, longer than 0.9 x the target's grace-s: a prune may have deleted chunks it relies on; run it again (what it uploaded is reused)",
-            started.elapsed()
-        )));
-    }
     let manifest = Manifest {
         format: FORMAT,
         volume: opts.volume.clone(),
@@ -215,16 +208,7 @@ pub async fn create(
         uploaded_bytes: uploaded,
         new_chunks,
     };
-    manifest.store(target).await?;
-    Index::update(target, &opts.volume, |index| {
-        if index.backups.iter().any(|b| b.id == manifest.id) {
-            return Err(Error::Conflict(format!("backup {this} was made by another call at the same time")));
-        }
-        index.backups.push(manifest.entry());
-        index.backups.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
-        Ok(true)
-    })
-    .await?;
+    manifest.commit(target, started).await?;
     Ok(manifest)
 }
 

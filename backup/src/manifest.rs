@@ -219,6 +219,33 @@ impl Manifest {
             .await
     }
 
+    /// Commits a backup (made or copied) that began at `started`: refused once it has run for
+    /// 0.9 x the target's grace (a prune may have deleted chunks it relies on, see `prune.rs`),
+    /// else the manifest, then its entry in the volume's index.
+    pub(crate) async fn commit(&self, target: &Target, started: std::time::Instant) -> Result<()> {
+        let (b, grace) = (self.backup_ref(), target.grace());
+        if !grace.is_zero() && started.elapsed() > grace.mul_f64(0.9) {
+            return Err(Error::Conflict(format!(
+                "backup {b} ran for {:?}, longer than 0.9 x target {}'s grace-s: a prune may have deleted chunks it relies on; run it again (what it sent is reused)",
+                started.elapsed(),
+                target.name
+            )));
+        }
+        self.store(target).await?;
+        Index::update(target, &self.volume, |index| {
+            if index.backups.iter().any(|e| e.id == self.id) {
+                return Err(Error::Conflict(format!(
+                    "backup {b} was made on target {} by another call at the same time",
+                    target.name
+                )));
+            }
+            index.backups.push(self.entry());
+            index.backups.sort_by(|x, y| (x.created, &x.id).cmp(&(y.created, &y.id)));
+            Ok(true)
+        })
+        .await
+    }
+
     pub fn backup_ref(&self) -> BackupRef {
         BackupRef { volume: self.volume.clone(), id: self.id.clone() }
     }
