@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use ferrite_engine::{Image, Pool, SnapshotInfo};
 use futures_util::StreamExt;
@@ -123,6 +123,8 @@ pub async fn create(
             Err("a full backup was asked for".to_owned())
         } else if since_full + 1 >= full_every {
             Err(format!("every {full_every}th backup is full (the target's full-every)"))
+        } else if let Some(why) = lock_wants_full(target, &index) {
+            Err(why)
         } else if let Some(m) = m {
             base_snapshot(pool, &info, &source, &m, chunk).map(|name| (m, name))
         } else {
@@ -210,6 +212,22 @@ pub async fn create(
     };
     manifest.commit(target, started).await?;
     Ok(manifest)
+}
+
+/// Under an object lock, why this backup must read everything (and so HEAD, and refresh, every
+/// chunk it references): the last full backup is older than the lock's refresh (`object_lock.rs`).
+fn lock_wants_full(target: &Target, index: &Index) -> Option<String> {
+    let lock = target.object_lock()?;
+    let last_full = index.backups.iter().rev().find(|b| b.full).map_or(0, |b| b.created);
+    let age = now_unix().saturating_sub(last_full);
+    (age > lock.refresh().as_secs()).then(|| {
+        format!(
+            "the target's object lock ({} days) needs a full backup every {} hours (the last is {} hours old)",
+            lock.days,
+            lock.refresh().as_secs() / 3600,
+            age / 3600
+        )
+    })
 }
 
 /// The name the snapshot backup `m` read has on `pool` now, if a backup of snapshot `info`
@@ -305,8 +323,12 @@ async fn back_up_chunk(
     if (fresh && known.contains(&id)) || !sent.lock().insert(id.clone()) {
         return Ok(Some((id, 0)));
     }
-    if fresh && target.head(&path).await?.is_some() {
-        return Ok(Some((id, 0)));
+    if fresh && let Some(stored) = target.head(&path).await? {
+        // Under an object lock, an old version is locked for too short a time: upload anew.
+        let stale = target.object_lock().is_some_and(|l| l.is_stale(stored.last_modified.into(), SystemTime::now()));
+        if !stale {
+            return Ok(Some((id, 0)));
+        }
     }
     let codec = target.codec.clone();
     let name = path.clone();

@@ -207,6 +207,15 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
         }
     }
     report.chunks_condemned = next.chunks.len() as u64;
+    if let Some(lock) = target.object_lock().filter(|_| report.chunks_deleted > 0) {
+        tracing::info!(
+            target = %target.name,
+            chunks = report.chunks_deleted,
+            "deleted chunks are hidden behind delete markers; the bucket's object lock keeps their versions \
+             up to {} days (a lifecycle rule on noncurrent versions frees them after)",
+            lock.days
+        );
+    }
     target.put_object(Kind::Condemned, CONDEMNED, serde_json::to_vec(&next).expect("serialises")).await?;
     Ok(report)
 }

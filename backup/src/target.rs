@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::stream::BoxStream;
 use futures_util::{StreamExt, TryStreamExt};
+use object_store::aws::{AwsCredential, Checksum};
 use object_store::path::Path;
 use object_store::{
     ClientOptions, GetResultPayload, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutPayload, RetryConfig,
@@ -17,6 +18,7 @@ use object_store::{
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{Codec, Kind};
+use crate::object_lock::{Lock, LockMode};
 use crate::{Error, Result};
 
 /// Where a target keeps its objects.
@@ -80,6 +82,12 @@ pub struct TargetConfig {
     /// SeaweedFS honour); false for a store that refuses them, where two daemons updating one
     /// index at once may lose an update. Default true.
     pub conditional_writes: Option<bool>,
+    /// S3 Object Lock: days the bucket keeps each object version from deletion and overwrite
+    /// (its default retention, which the bucket must have: see `object_lock.rs`). Uploads then
+    /// carry SHA-256 checksums, and a backup is protected for at least half of these days.
+    pub object_lock_days: Option<u64>,
+    /// The bucket's lock mode: governance (default) or compliance.
+    pub object_lock_mode: Option<LockMode>,
 }
 
 /// Requests made through a target, by kind (for the bench, the metrics and the tests' O(1)
@@ -138,6 +146,15 @@ impl Target {
             return Err(invalid(format!("chunk-size {chunk} is not 1-4 MiB in whole 4 KiB blocks")));
         }
         let store = build_store(&config).map_err(invalid)?;
+        if let Some(lock) = Lock::of(&config) {
+            if config.kind != Some(TargetKind::S3) || lock.days == 0 {
+                return Err(invalid("object-lock-days (at least 1) is for s3 targets".into()));
+            }
+            let key = credentials(config.credentials.as_deref()).map_err(invalid)?;
+            let key = key.map(|(key_id, secret_key)| AwsCredential { key_id, secret_key, token: None });
+            let options = s3_options(&config).map_err(invalid)?;
+            crate::object_lock::check(&config, &options, key.as_ref(), lock).await.map_err(invalid)?;
+        }
         let key = match &config.key_file {
             Some(path) => Some(read_key(path).map_err(invalid)?),
             None => None,
@@ -189,6 +206,11 @@ impl Target {
 
     pub fn grace(&self) -> Duration {
         Duration::from_secs(self.config.grace_s.unwrap_or(86_400))
+    }
+
+    /// The bucket's object lock, if the target has one.
+    pub(crate) fn object_lock(&self) -> Option<Lock> {
+        Lock::of(&self.config)
     }
 
     pub fn is_sealed(&self) -> bool {
@@ -508,21 +530,6 @@ fn build_store(config: &TargetConfig) -> std::result::Result<Arc<dyn ObjectStore
         }
         Some(TargetKind::S3) => {
             let bucket = config.bucket.as_ref().ok_or("an s3 target needs bucket")?;
-            let mut options = ClientOptions::new()
-                .with_timeout(Duration::from_secs(config.timeout_s.unwrap_or(120).max(1)))
-                .with_connect_timeout(Duration::from_secs(5));
-            if let Some(ca) = &config.ca_file {
-                let pem = std::fs::read(ca).map_err(|e| format!("ca-file {}: {e}", ca.display()))?;
-                for cert in object_store::Certificate::from_pem_bundle(&pem)
-                    .map_err(|e| format!("ca-file {}: {e}", ca.display()))?
-                {
-                    options = options.with_root_certificate(cert);
-                }
-            }
-            let endpoint = config.endpoint.as_deref();
-            if endpoint.is_some_and(|e| e.starts_with("http://")) {
-                options = options.with_allow_http(true);
-            }
             let retry = RetryConfig {
                 max_retries: config.retries.unwrap_or(10),
                 retry_timeout: Duration::from_secs(30),
@@ -532,11 +539,15 @@ fn build_store(config: &TargetConfig) -> std::result::Result<Arc<dyn ObjectStore
                 .with_bucket_name(bucket)
                 .with_region(config.region.as_deref().unwrap_or("us-east-1"))
                 .with_virtual_hosted_style_request(config.virtual_hosted)
-                .with_client_options(options)
+                .with_client_options(s3_options(config)?)
                 .with_http_connector(crate::bounded::BoundedConnector)
                 .with_retry(retry);
-            if let Some(e) = endpoint {
+            if let Some(e) = &config.endpoint {
                 b = b.with_endpoint(e);
+            }
+            if config.object_lock_days.is_some() {
+                // AWS refuses a PUT into a bucket with a default retention without one.
+                b = b.with_checksum_algorithm(Checksum::SHA256);
             }
             b = match credentials(config.credentials.as_deref())? {
                 Some((id, secret)) => b.with_access_key_id(id).with_secret_access_key(secret),
@@ -547,6 +558,25 @@ fn build_store(config: &TargetConfig) -> std::result::Result<Arc<dyn ObjectStore
         None => return Err("kind is missing (s3 or dir)".into()),
     };
     Ok(if prefix.is_empty() { store } else { Arc::new(object_store::prefix::PrefixStore::new(store, prefix)) })
+}
+
+/// The HTTP client's options of an S3 target.
+fn s3_options(config: &TargetConfig) -> std::result::Result<ClientOptions, String> {
+    let mut options = ClientOptions::new()
+        .with_timeout(Duration::from_secs(config.timeout_s.unwrap_or(120).max(1)))
+        .with_connect_timeout(Duration::from_secs(5));
+    if let Some(ca) = &config.ca_file {
+        let pem = std::fs::read(ca).map_err(|e| format!("ca-file {}: {e}", ca.display()))?;
+        for cert in
+            object_store::Certificate::from_pem_bundle(&pem).map_err(|e| format!("ca-file {}: {e}", ca.display()))?
+        {
+            options = options.with_root_certificate(cert);
+        }
+    }
+    if config.endpoint.as_deref().is_some_and(|e| e.starts_with("http://")) {
+        options = options.with_allow_http(true);
+    }
+    Ok(options)
 }
 
 /// The access key pair from a Secret's directory, else the environment, else none (unsigned).

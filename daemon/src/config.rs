@@ -72,7 +72,8 @@
 //!                                   # grace-s = 86400, retries = 10, timeout-s = 120
 //!                                   # (one request, its answer included), ca-file,
 //!                                   # verify-every-s (none), verify-sample = 0.1,
-//!                                   # conditional-writes = true
+//!                                   # conditional-writes = true, object-lock-days (none;
+//!                                   # S3 Object Lock), object-lock-mode = "governance"
 //! (top level) backup-targets-file = "/etc/ferrite/backup/targets.toml"
 //!                                   # more targets as [NAME] tables (a mounted Secret: paths
 //!                                   # in it relative to it); absent, none

@@ -124,19 +124,7 @@ impl Weed {
         self.child = Some(cmd.spawn().expect("weed starts"));
         let start = Instant::now();
         loop {
-            let out = Command::new(&self.bin)
-                .args(["shell", &format!("-master={}:{master}", self.host), &format!("-filer={}:{filer}", self.host)])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .and_then(|mut c| {
-                    use std::io::Write as _;
-                    c.stdin.take().unwrap().write_all(b"s3.bucket.create -name ferrite-test\n")?;
-                    c.wait_with_output()
-                })
-                .unwrap();
-            let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            let said = self.shell("s3.bucket.create -name ferrite-test");
             if said.contains("created bucket") || said.contains("already exist") {
                 break;
             }
@@ -165,13 +153,58 @@ impl Weed {
 
 /// The HTTP status of a GET on `host`:`port`, if anything answered.
 fn status(host: &str, port: u16, path: &str) -> Option<String> {
+    request(host, port, "GET", path, &[], "").map(|(code, _)| code.to_string())
+}
+
+/// One plain HTTP/1.1 request (the tests' own, unsigned): its status and body.
+fn request(
+    host: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<(u16, String)> {
     use std::io::{Read as _, Write as _};
     let mut c = std::net::TcpStream::connect((host, port)).ok()?;
     c.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(c, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
-    let mut head = [0u8; 12];
-    c.read_exact(&mut head).ok()?;
-    Some(String::from_utf8_lossy(&head[9..12]).into_owned())
+    let mut head =
+        format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        head += &format!("{k}: {v}\r\n");
+    }
+    write!(c, "{head}\r\n{body}").ok()?;
+    let mut answer = Vec::new();
+    let _ = c.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let code = answer.get(9..12)?.parse().ok()?;
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    Some((code, body))
+}
+
+impl Weed {
+    /// An unsigned request to the S3 gateway (a store started without auth): status and body.
+    pub fn s3_request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+        request(&self.host, self.ports[3], method, path, headers, body).expect("the S3 gateway answers")
+    }
+
+    /// Runs one `weed shell` command; what it printed.
+    pub fn shell(&self, command: &str) -> String {
+        let [master, _, filer, _] = self.ports;
+        let out = Command::new(&self.bin)
+            .args(["shell", &format!("-master={}:{master}", self.host), &format!("-filer={}:{filer}", self.host)])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write as _;
+                c.stdin.take().unwrap().write_all(format!("{command}\n").as_bytes())?;
+                c.wait_with_output()
+            })
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+    }
 }
 
 impl Drop for Weed {
