@@ -117,3 +117,22 @@ async fn a_locked_target_keeps_what_is_deleted() {
     let (code, _) = weed.s3_request("GET", &format!("/{BUCKET}/{chunk}?versionId={}", ids[0]), &[], "");
     assert_eq!(code, 200, "the locked version is still readable");
 }
+
+/// The bucket's lock is asked for with a signed request: a store with authentication answers
+/// the right key (here: no lock on that bucket) and refuses a wrong one, which the error names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lock_is_read_with_the_targets_credentials() {
+    let Some(weed) = Weed::start(true) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let with_key = |secret: &str| {
+        let creds = dir.path().join(secret);
+        std::fs::create_dir_all(&creds).unwrap();
+        std::fs::write(creds.join("access-key-id"), "ferrite").unwrap();
+        std::fs::write(creds.join("secret-access-key"), secret).unwrap();
+        TargetConfig { credentials: Some(creds), ..locked(&weed, "ferrite-test", 1, None) }
+    };
+    let err = Target::open("t", with_key("ferrite-secret")).await.unwrap_err().to_string();
+    assert!(err.contains("has no object lock"), "signed and accepted: {err}");
+    let err = Target::open("t", with_key("wrong-secret")).await.unwrap_err().to_string();
+    assert!(err.contains("403") && err.contains("s3:GetBucketObjectLockConfiguration"), "{err}");
+}
