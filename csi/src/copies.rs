@@ -25,8 +25,11 @@ pub const REPLACE_AFTER: &str = "replace-after";
 /// without a copy reaches the primary through its relay), so pods are not bound to the copies'
 /// nodes; `"false"` (the default) keeps them there, next to their data.
 pub const REMOTE_ACCESS: &str = "remoteAccess";
-/// Without the parameter: longer than a reboot or a daemon upgrade takes.
-pub const DEFAULT_REPLACE_AFTER: Duration = Duration::from_secs(5 * 60);
+/// Without the parameter: ten minutes, Longhorn's default (600 s) for the same decision. A
+/// reboot, a kernel update or a daemon upgrade is back well within it, so its data is rebuilt
+/// from what changed instead of copied whole; a node in maintenance waits longer still
+/// (`failover/maintenance.rs`).
+pub const DEFAULT_REPLACE_AFTER: Duration = Duration::from_secs(10 * 60);
 
 /// The copies `params` ask for.
 pub fn replicas(params: &HashMap<String, String>) -> Result<usize, Status> {
@@ -52,20 +55,23 @@ pub fn replace_after(params: &HashMap<String, String>) -> Result<Option<Duration
             "parameter {REPLACE_AFTER} must be a duration such as \"300\", \"90s\", \"5m\" or \"1h\" (\"0\": never), not {v:?}"
         ))
     };
+    let d = parse_duration(v).ok_or_else(bad)?;
+    Ok(Some(d).filter(|d| !d.is_zero()))
+}
+
+/// A duration as "300", "90s", "5m" or "1h"; None if it is none.
+pub fn parse_duration(v: &str) -> Option<Duration> {
     let (digits, unit) = match v.strip_suffix(['s', 'm', 'h']) {
         Some(d) => (d, &v[d.len()..]),
-        None => (v.as_str(), "s"),
+        None => (v, "s"),
     };
-    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let n: u64 = digits.parse().ok()?;
     let secs = n.checked_mul(match unit {
         "h" => 3600,
         "m" => 60,
         _ => 1,
-    });
-    match secs.ok_or_else(bad)? {
-        0 => Ok(None),
-        s => Ok(Some(Duration::from_secs(s))),
-    }
+    })?;
+    Some(Duration::from_secs(secs))
 }
 
 /// The CSI VolumeCondition of a volume as its primary sees it: abnormal while it refuses writes

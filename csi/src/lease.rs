@@ -19,6 +19,8 @@ pub struct Leadership {
     /// This replica (its pod's name).
     me: String,
     duration: Duration,
+    /// When this replica last renewed (or took) the Lease; None while another holds it.
+    renewed: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 /// Whether a write lost a race (another replica changed or made the Lease first).
@@ -28,12 +30,29 @@ fn lost_race(e: &kube::Error) -> bool {
 
 impl Leadership {
     pub fn new(api: Api<Lease>, name: &str, me: &str, duration: Duration) -> Self {
-        Self { api, name: name.to_owned(), me: me.to_owned(), duration }
+        Self { api, name: name.to_owned(), me: me.to_owned(), duration, renewed: std::sync::Mutex::default() }
+    }
+
+    /// Whether this replica renewed the Lease less than `fresh` ago (it then holds it for at
+    /// least its duration minus `fresh`, whatever the other replicas do).
+    pub fn renewed_within(&self, fresh: Duration) -> bool {
+        let renewed = *self.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        renewed.is_some_and(|at| at.elapsed() < fresh)
+    }
+
+    /// Whether this replica holds the Lease now (see [`Self::try_hold`]), remembering when.
+    pub async fn hold(&self) -> anyhow::Result<bool> {
+        // Taken before the request: the Lease runs from no later than its renewTime.
+        let asked = std::time::Instant::now();
+        let held = self.try_hold().await;
+        let mut renewed = self.renewed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *renewed = matches!(held, Ok(true)).then_some(asked);
+        held
     }
 
     /// Whether this replica holds the Lease now: it takes a missing or expired one, renews its
     /// own, and leaves a live one of another replica alone.
-    pub async fn hold(&self) -> anyhow::Result<bool> {
+    async fn try_hold(&self) -> anyhow::Result<bool> {
         let now = Timestamp::now();
         let secs = i32::try_from(self.duration.as_secs()).unwrap_or(i32::MAX);
         let Some(held) = self.api.get_opt(&self.name).await? else {

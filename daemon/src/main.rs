@@ -112,7 +112,7 @@ enum Cmd {
         max_volumes: i64,
         /// Controller mode with --node-service: seconds a Node may be not Ready, its daemon
         /// unreachable, before its replicated volumes fail over to another copy (the node is
-        /// fenced first, then tainted out-of-service so that its pods move); 0: never. Not Ready
+        /// fenced first, then the pods using its volumes move); 0: never. Not Ready
         /// already means no heartbeat for the node-monitor grace period (40-50 s).
         #[arg(long, default_value_t = 20)]
         failover_after: u64,
@@ -125,10 +125,12 @@ enum Cmd {
         /// on this address (HTTPS with --tls-cert, which must name the controller Service).
         #[arg(long)]
         webhook_listen: Option<std::net::SocketAddr>,
-        /// Failover taints a fenced node `node.kubernetes.io/out-of-service` so that Kubernetes
-        /// detaches its volumes at once; `false` leaves that taint off and deletes the node's
-        /// VolumeAttachments of this driver instead (the pods using them are deleted either way).
-        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        /// Failover also taints a fenced node that is not Ready `node.kubernetes.io/out-of-service`
+        /// (NoExecute): Kubernetes then deletes all its pods and detaches every driver's volumes
+        /// (non-graceful node shutdown). Kubernetes documents that taint as one to set once the
+        /// node is known to be off: turn it on only where a lost node is (IPMI fencing). Off (the
+        /// default), failover deletes only the pods using our volumes and our VolumeAttachments.
+        #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
         out_of_service_taint: bool,
         /// Controller mode with --node-service: sign the nodes' certificate requests (signer
         /// `ferrite.dev/node`) with the CA in this directory (ca.crt, ca.key: the Secret

@@ -233,10 +233,12 @@ impl Cluster {
         cm["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
         c.cp.apply(&cm.to_string());
         // A missing certificate is replaced within seconds here (the renewal test below).
-        c.set_arg("daemonset/ferrite-daemon", "cert-renew", "--check-every=300", "--check-every=2");
-        // Failover waits 20 s as shipped; the tier's nodes are lost on purpose.
+        c.set_arg("daemonset/ferrite-daemon", "cert-renew", "--check-every=300", &["--check-every=2"]);
+        // Failover waits 20 s as shipped; the tier's nodes are lost on purpose. The out-of-service
+        // taint is off as shipped: (a) turns it on, as an operator with power fencing would.
         let failover_after = format!("--failover-after={}", FAILOVER_AFTER.as_secs());
-        c.set_arg("deployment/ferrite-controller", "ferrite", "--failover-after=20", &failover_after);
+        let args = [failover_after.as_str(), "--out-of-service-taint=true"];
+        c.set_arg("deployment/ferrite-controller", "ferrite", "--failover-after=20", &args);
         // The controller first: it signs the certificates the daemons' init containers ask for.
         c.start_controller();
         for i in 0..NODES.len() {
@@ -248,13 +250,13 @@ impl Cluster {
 
     /// Replaces argument `from` of `container` in the pod template of `workload` (`kind/name`)
     /// by `to`, as an operator's patch would.
-    fn set_arg(&mut self, workload: &str, container: &str, from: &str, to: &str) {
+    fn set_arg(&mut self, workload: &str, container: &str, from: &str, to: &[&str]) {
         let mut w = self.cp.get(&[workload, "-n", NS]);
         let containers = w["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap();
         let c = containers.iter_mut().find(|c| c["name"] == container).unwrap();
         let args = c["args"].as_array_mut().unwrap();
         let at = args.iter().position(|a| a == from).unwrap_or_else(|| panic!("{workload} {container} has {from}"));
-        args[at] = json!(to);
+        args.splice(at..=at, to.iter().map(|a| json!(a)));
         w["metadata"].as_object_mut().unwrap().retain(|k, _| k == "name" || k == "namespace");
         self.cp.apply(&w.to_string());
     }
@@ -640,6 +642,21 @@ fn owner(object: &Value) -> Value {
 /// is the version the tier runs (the kit's build script names them), and the snapshot-metadata
 /// sidecar's Secret is optional so that it does not hold the controller pod.
 fn workloads_as_shipped(cp: &ControlPlane, up: &Path) {
+    // Only the controller may write the failover Lease (the node plugins' CSI-Addons sidecars
+    // elect no leader: their account has no Lease rights in the driver's namespace).
+    for (account, may) in [("ferrite-controller", "yes"), ("ferrite-node", "no")] {
+        let out = cp.kubectl(&[
+            "auth",
+            "can-i",
+            "update",
+            "leases/ferrite-failover",
+            "-n",
+            NS,
+            "--as",
+            &format!("system:serviceaccount:{NS}:{account}"),
+        ]);
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), may, "{account} may update the failover Lease");
+    }
     let script = std::fs::read_to_string(up.join("build.sh")).unwrap();
     let tested = |var: &str| {
         let line = script.lines().find(|l| l.starts_with(&format!("{var}="))).unwrap_or_else(|| panic!("{var}"));
@@ -844,7 +861,7 @@ fn ferrite_on_kubernetes() {
     // The shipped class, its lost copies replaced after 20 s rather than minutes (failover (i)),
     // one copy per zone.
     let mut class = c.cp.get(&["storageclass", "ferrite-replicated"]);
-    assert_eq!(class["parameters"]["replace-after"], "5m", "{class}");
+    assert_eq!(class["parameters"]["replace-after"], "10m", "{class}");
     class["parameters"]["replace-after"] = json!("20s");
     class["parameters"]["zoneSpread"] = json!("required");
     for n in NODES {

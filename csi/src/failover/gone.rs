@@ -53,7 +53,8 @@ impl Failover {
                 "the primary of {} volumes is on no known node and silent: fencing it",
                 volumes.len()
             );
-            let fenced = self.fence("", std::slice::from_ref(&fence), true).await;
+            let (_, refused) = self.fence(&BTreeSet::new(), std::slice::from_ref(&fence), true).await;
+            let fenced: Result<(), String> = if refused.is_empty() { Ok(()) } else { Err(refused.join("; ")) };
             if let Err(e) = &fenced {
                 tracing::warn!(primary, "the fence does not hold everywhere yet: {e}");
             }
@@ -109,7 +110,7 @@ impl Failover {
             let blocks: Vec<String> = addresses(n).filter_map(|a| block(&a)).filter(|b| by_us.contains(b)).collect();
             if !blocks.is_empty() {
                 tracing::warn!(node = %n.name_any(), ?blocks, "a node came back at addresses failover fenced: adopting the fence");
-                self.annotate(&n.name_any(), Some(blocks.join(","))).await?;
+                self.annotate(&n.name_any(), &[(FENCED, Some(blocks.join(",")))]).await?;
             }
         }
         Ok(())

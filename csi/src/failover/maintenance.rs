@@ -8,6 +8,7 @@
 //! to the new primary.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use ferrite_proto::ferrite::v1 as pb;
 use k8s_openapi::api::core::v1::Node;
@@ -21,6 +22,23 @@ use crate::nodes::admin;
 pub(super) fn usable(n: &Node) -> bool {
     let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
     ready(n) && !cordoned && !n.annotations().contains_key(FENCED)
+}
+
+/// The annotation that puts a node in maintenance without cordoning it; its value may say for
+/// how long at most ("90m", "2h"; else [`MAINTENANCE_BOUND`]).
+pub const MAINTENANCE: &str = "failover.ferrite.dev/maintenance";
+/// How long a node in maintenance (cordoned, drained or annotated) may be away before its copies
+/// are replaced: a kernel update or a firmware flash, not a dead board. LINSTOR waits 60 min
+/// for a node it was told about; past this its copies are replaced as any lost node's.
+pub const MAINTENANCE_BOUND: Duration = Duration::from_secs(60 * 60);
+
+/// How long node `n`'s copies may be away while it is in maintenance; None when it is not.
+pub(super) fn in_maintenance(n: &Node) -> Option<Duration> {
+    let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+    match n.annotations().get(MAINTENANCE) {
+        Some(v) => Some(crate::copies::parse_duration(v).filter(|d| !d.is_zero()).unwrap_or(MAINTENANCE_BOUND)),
+        None => cordoned.then_some(MAINTENANCE_BOUND),
+    }
 }
 
 /// Whether node `n` is cordoned (and not fenced: a fenced node's volumes failed over already).
@@ -58,6 +76,7 @@ impl super::Failover {
                 tracing::warn!(node = %name, volume = %v.volume, "cordoned, but no in-sync copy is on a usable node");
                 continue;
             };
+            self.leading().await?;
             let promote = async {
                 let mut c = admin(&*self.dir, to).await?;
                 let req = pb::PromoteReplicationRequest { volume: v.volume.clone(), force: false };
@@ -78,5 +97,29 @@ impl super::Failover {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::NodeSpec;
+
+    #[test]
+    fn a_cordoned_or_annotated_node_is_in_maintenance_for_a_bound() {
+        let node = |cordoned: bool, note: Option<&str>| {
+            let mut n = Node {
+                spec: Some(NodeSpec { unschedulable: Some(cordoned), ..Default::default() }),
+                ..Default::default()
+            };
+            if let Some(v) = note {
+                n.annotations_mut().insert(MAINTENANCE.into(), v.into());
+            }
+            n
+        };
+        assert_eq!(in_maintenance(&node(false, None)), None);
+        assert_eq!(in_maintenance(&node(true, None)), Some(MAINTENANCE_BOUND));
+        assert_eq!(in_maintenance(&node(false, Some("2h"))), Some(Duration::from_secs(7200)));
+        assert_eq!(in_maintenance(&node(true, Some("soon"))), Some(MAINTENANCE_BOUND), "unreadable: the bound");
     }
 }

@@ -30,7 +30,7 @@
 //! `ferrite-failover` Lease runs the loop (`lease.rs`). A node that never reported a Ready
 //! condition is left alone.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,13 +44,14 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
-use tonic::Code;
 
 use crate::nodes::{NodeDirectory, admin, trouble};
 
 mod gone;
 mod guard;
+mod lost;
 mod maintenance;
+mod pv_move;
 mod replace;
 mod workload;
 
@@ -76,6 +77,9 @@ const EVERY: Duration = Duration::from_secs(3);
 const MEMBERSHIPS_EVERY: u32 = 5;
 /// How long a daemon has to answer before it counts as unreachable.
 const ANSWER: Duration = Duration::from_secs(5);
+/// How many daemons (or volumes) failover talks to at once: a zone of lost nodes costs a few
+/// [`ANSWER`]s, not one per node.
+const FAN_OUT: usize = 32;
 
 struct Failover {
     dir: Arc<dyn NodeDirectory>,
@@ -91,11 +95,14 @@ struct Failover {
     /// The CSI driver name, to find its PersistentVolumes.
     driver: String,
     after: Duration,
-    /// Taint a fenced node out-of-service (Kubernetes then detaches its volumes); without it,
-    /// the controller deletes their VolumeAttachments itself.
+    /// Taint a fenced node that is not Ready out-of-service (Kubernetes then deletes all its pods
+    /// and detaches every driver's volumes); off by default: the controller deletes the pods
+    /// using our volumes and our VolumeAttachments itself.
     out_of_service: bool,
-    /// Only the holder of the failover Lease runs a pass.
+    /// Only the holder of the failover Lease runs a pass, and every change checks it holds it
+    /// still (`leading`); one renewal at a time.
     leader: crate::lease::Leadership,
+    renewing: tokio::sync::Mutex<()>,
     /// Passes run so far (deleted nodes and lost copies are looked for every
     /// [`MEMBERSHIPS_EVERY`]).
     passes: std::sync::atomic::AtomicU32,
@@ -133,6 +140,44 @@ fn expired_for(lease: &Lease, now: Timestamp) -> Option<SignedDuration> {
     let renewed = spec.renew_time.as_ref()?.0;
     let since = now.duration_since(renewed);
     (since > SignedDuration::from_secs(i64::from(spec.lease_duration_seconds?))).then_some(since)
+}
+
+/// The taints failover puts on fenced node `n`: fenced (NoSchedule) and, when asked for
+/// (`--out-of-service-taint`), out-of-service (NoExecute). Only on a node that is not Ready: a
+/// Ready node (a dead daemon under a live kubelet) runs other applications' pods, which a
+/// NoExecute taint would evict and a NoSchedule one keep from coming back; there failover
+/// touches only the pods using our volumes and our VolumeAttachments.
+fn ours(n: &Node, out_of_service: bool) -> Vec<(&'static str, &'static str)> {
+    if ready(n) {
+        return Vec::new();
+    }
+    let mut ours = vec![(FENCED, "NoSchedule")];
+    if out_of_service {
+        ours.push((OUT_OF_SERVICE, "NoExecute"));
+    }
+    ours
+}
+
+/// A node's taints with ours (`wanted`, as key and effect) and no other of ours: the taints of
+/// others are kept as they are, and one with the key and effect of ours stands in for it
+/// (Kubernetes refuses two; we never remove or replace what we did not add).
+fn taints(held: &[Taint], wanted: &[(&str, &str)]) -> Vec<Taint> {
+    let is_ours =
+        |t: &Taint| t.value.as_deref() == Some(TAINT_VALUE) && [FENCED, OUT_OF_SERVICE].contains(&t.key.as_str());
+    let mut taints: Vec<Taint> = held.iter().filter(|t| !is_ours(t)).cloned().collect();
+    for (key, effect) in wanted {
+        let ours = held.iter().find(|t| t.key == *key && t.effect == *effect && is_ours(t));
+        if taints.iter().any(|t| t.key == *key && t.effect == *effect) {
+            continue;
+        }
+        taints.push(ours.cloned().unwrap_or_else(|| Taint {
+            key: (*key).to_owned(),
+            value: Some(TAINT_VALUE.to_owned()),
+            effect: (*effect).to_owned(),
+            time_added: None,
+        }));
+    }
+    taints
 }
 
 fn ready(n: &Node) -> bool {
@@ -178,6 +223,7 @@ pub async fn start(
     let nodes = Api::all(client.clone());
     let this = Arc::new(Failover {
         leader,
+        renewing: tokio::sync::Mutex::new(()),
         dir,
         node_store: watched(Api::clone(&nodes)),
         volume_store: watched(Api::all(client.clone())),
@@ -206,13 +252,11 @@ pub async fn start(
         loop {
             match this.leader.hold().await {
                 Ok(true) => {
-                    if let Err(e) = this.pass().await {
-                        tracing::warn!("failover pass: {e:#}");
-                    }
+                    this.pass().await;
                     let n = this.passes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if n.is_multiple_of(MEMBERSHIPS_EVERY) {
                         // Both read every daemon's memberships: one read serves the two.
-                        let views = this.views("").await;
+                        let views = this.views(&BTreeSet::new()).await;
                         if let Err(e) = this.gone(&views).await {
                             tracing::warn!("failover of deleted nodes: {e:#}");
                         }
@@ -230,234 +274,210 @@ pub async fn start(
     Ok(guard)
 }
 
+/// What one pass makes of a Node.
+enum Look {
+    /// Lost, as the string says: failed over.
+    Lost(String),
+    /// Fenced by us, Ready, its daemon answers: rebuilt, then unfenced.
+    Back,
+    /// Its fence lifted but on some daemons: lifted there too.
+    Unfence,
+    /// Cordoned (maintenance): its primaries handed over.
+    Cordoned,
+    Fine,
+}
+
 impl Failover {
-    async fn pass(&self) -> anyhow::Result<()> {
+    /// Looks at every node at once ([`FAN_OUT`] at a time), fails the lost ones over together,
+    /// then lets the returned ones rejoin and the cordoned ones hand over; a node's error is
+    /// its own.
+    async fn pass(&self) {
         let now = Timestamp::now();
-        for n in self.node_store.state() {
-            let name = n.name_any();
-            let not_ready = not_ready_since(&n)
-                .map(|t| now.duration_since(t))
-                .filter(|d| d.as_secs_f64() >= self.after.as_secs_f64());
-            let silent = self
-                .heartbeats
-                .get(&ObjectRef::new(&crate::heartbeat::lease_name(&name)).within(&self.lease_namespace))
-                .and_then(|l| expired_for(&l, now));
-            let sign = match (not_ready, silent) {
-                (Some(d), _) => Some(format!("not Ready for {}s", d.as_secs())),
-                (None, Some(d)) => Some(format!("its storage heartbeat silent for {}s", d.as_secs())),
-                (None, None) => None,
-            };
-            if let Some(sign) = sign {
-                if let Some(why) = trouble(&*self.dir, &name, ANSWER).await {
-                    self.fail_over(&n, &format!("{sign}, {why}")).await?;
+        let looks: Vec<(Arc<Node>, Look)> = futures_util::stream::iter(self.node_store.state())
+            .map(|n| async move {
+                let look = self.look(&n, now).await;
+                (n, look)
+            })
+            .buffer_unordered(FAN_OUT)
+            .collect()
+            .await;
+        let lost: Vec<(Arc<Node>, String)> = looks
+            .iter()
+            .filter_map(|(n, l)| match l {
+                Look::Lost(why) => Some((Arc::clone(n), why.clone())),
+                _ => None,
+            })
+            .collect();
+        if !lost.is_empty() {
+            self.fail_over(lost).await;
+        }
+        futures_util::stream::iter(looks)
+            .for_each_concurrent(FAN_OUT, |(n, look)| async move {
+                let done = match look {
+                    Look::Back => self.rejoin(&n).await,
+                    Look::Unfence => self.unfence_rest(&n).await,
+                    Look::Cordoned => self.hand_over(&n).await,
+                    Look::Lost(_) | Look::Fine => Ok(()),
+                };
+                if let Err(e) = done {
+                    self.failed(&n, &e).await;
                 }
-            } else if n.annotations().contains_key(FENCED)
-                && ready(&n)
-                && trouble(&*self.dir, &name, ANSWER).await.is_none()
-            {
-                self.rejoin(&n).await?;
-            } else if maintenance::cordoned(&n)
-                && ready(&n)
-                && let Err(e) = self.hand_over(&n).await
-            {
-                tracing::warn!(node = %name, "planned handover: {e:#}");
-            }
-        }
-        Ok(())
+            })
+            .await;
     }
 
-    /// The other nodes' daemons that answer, with their view of every synchronous volume.
-    async fn views(&self, except: &str) -> Vec<(String, Vec<pb::SyncVolume>)> {
-        let mut out = Vec::new();
-        for node in self.dir.nodes().into_iter().filter(|n| n != except) {
-            let ask = async {
-                let mut c = admin(&*self.dir, &node).await?;
-                c.list_sync_replicas(pb::ListReplicationsRequest::default()).await
+    /// What node `n` needs: a node is lost when it is not Ready for `--failover-after` or its
+    /// storage heartbeat expired, and its daemon does not answer (or its pool failed).
+    async fn look(&self, n: &Node, now: Timestamp) -> Look {
+        let name = n.name_any();
+        let not_ready =
+            not_ready_since(n).map(|t| now.duration_since(t)).filter(|d| d.as_secs_f64() >= self.after.as_secs_f64());
+        let silent = self
+            .heartbeats
+            .get(&ObjectRef::new(&crate::heartbeat::lease_name(&name)).within(&self.lease_namespace))
+            .and_then(|l| expired_for(&l, now));
+        let sign = match (not_ready, silent) {
+            (Some(d), _) => Some(format!("not Ready for {}s", d.as_secs())),
+            (None, Some(d)) => Some(format!("its storage heartbeat silent for {}s", d.as_secs())),
+            (None, None) => None,
+        };
+        let fenced = n.annotations().contains_key(FENCED);
+        if let Some(sign) = sign {
+            return match trouble(&*self.dir, &name, ANSWER).await {
+                Some(why) => Look::Lost(format!("{sign}, {why}")),
+                None => Look::Fine,
             };
-            match tokio::time::timeout(ANSWER, ask).await {
-                Ok(Ok(r)) => out.push((node, r.into_inner().volumes)),
-                Ok(Err(e)) => tracing::warn!(node, error = %e.message(), "failover: daemon did not answer"),
-                Err(_) => tracing::warn!(node, "failover: daemon did not answer within {ANSWER:?}"),
-            }
         }
-        out
+        if !ready(n) {
+            return Look::Fine;
+        }
+        if fenced {
+            return if trouble(&*self.dir, &name, ANSWER).await.is_none() { Look::Back } else { Look::Fine };
+        }
+        if n.annotations().contains_key(lost::UNFENCE) {
+            Look::Unfence
+        } else if maintenance::cordoned(n) {
+            Look::Cordoned
+        } else {
+            Look::Fine
+        }
     }
 
-    /// Fences `blocks` (`fence`) or lifts them on every daemon but `except`'s.
-    async fn fence(&self, except: &str, blocks: &[String], fence: bool) -> Result<(), String> {
-        let mut failed = Vec::new();
-        for node in self.dir.nodes().into_iter().filter(|n| n != except) {
-            let req = pb::FenceRequest { cidrs: blocks.to_vec(), owner: FENCE_OWNER.into() };
-            let done = async {
-                let mut c = admin(&*self.dir, &node).await?;
-                if fence { c.fence_networks(req).await } else { c.unfence_networks(req).await }
-            };
-            match tokio::time::timeout(ANSWER, done).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => failed.push(format!("{node}: {}", e.message())),
-                Err(_) => failed.push(format!("{node}: no answer")),
-            }
+    /// A node's failover step failed: a log line and a Warning Event on the Node; the pass goes on.
+    async fn failed(&self, n: &Node, e: &anyhow::Error) {
+        let name = n.name_any();
+        tracing::warn!(node = %name, "failover: {e:#}");
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: "FailoverError".into(),
+            note: Some(format!("{e:#}")),
+            action: "Failover".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.events.publish(&ev, &n.object_ref(&())).await {
+            tracing::warn!(node = %name, "publishing an event: {e}");
         }
-        if failed.is_empty() { Ok(()) } else { Err(failed.join("; ")) }
     }
 
-    async fn annotate(&self, node: &str, value: Option<String>) -> anyhow::Result<()> {
-        let patch = serde_json::json!({"metadata": {"annotations": {FENCED: value}}});
+    /// Before every change: this replica still holds the failover Lease with time to spare. It
+    /// renewed it within a third of its duration, else renews it now; a replica that lost it (a
+    /// pause, cut off from the API server) changes nothing more, so that two never act at once.
+    async fn leading(&self) -> anyhow::Result<()> {
+        let _one = self.renewing.lock().await;
+        if self.leader.renewed_within(LEASE_FOR / 3) || self.leader.hold().await? {
+            Ok(())
+        } else {
+            anyhow::bail!("this replica no longer holds the {LEASE} Lease: it changes nothing")
+        }
+    }
+
+    /// The daemons outside `except` that answer, with their view of every synchronous volume
+    /// ([`FAN_OUT`] asked at a time, each within [`ANSWER`]).
+    async fn views(&self, except: &BTreeSet<String>) -> Vec<(String, Vec<pb::SyncVolume>)> {
+        let nodes = self.dir.nodes().into_iter().filter(|n| !except.contains(n));
+        futures_util::stream::iter(nodes)
+            .map(|node| async move {
+                let ask = async {
+                    let mut c = admin(&*self.dir, &node).await?;
+                    c.list_sync_replicas(pb::ListReplicationsRequest::default()).await
+                };
+                match tokio::time::timeout(ANSWER, ask).await {
+                    Ok(Ok(r)) => Some((node, r.into_inner().volumes)),
+                    Ok(Err(e)) => {
+                        tracing::warn!(node, error = %e.message(), "failover: daemon did not answer");
+                        None
+                    }
+                    Err(_) => {
+                        tracing::warn!(node, "failover: daemon did not answer within {ANSWER:?}");
+                        None
+                    }
+                }
+            })
+            .buffer_unordered(FAN_OUT)
+            .filter_map(|v| async { v })
+            .collect()
+            .await
+    }
+
+    /// Fences `blocks` (`fence`) or lifts them on every daemon outside `except`: how many did,
+    /// and which did not (with why).
+    async fn fence(&self, except: &BTreeSet<String>, blocks: &[String], fence: bool) -> (usize, Vec<String>) {
+        if let Err(e) = self.leading().await {
+            return (0, vec![e.to_string()]);
+        }
+        let nodes = self.dir.nodes().into_iter().filter(|n| !except.contains(n));
+        let results: Vec<Result<(), String>> = futures_util::stream::iter(nodes)
+            .map(|node| async move {
+                let req = pb::FenceRequest { cidrs: blocks.to_vec(), owner: FENCE_OWNER.into() };
+                let done = async {
+                    let mut c = admin(&*self.dir, &node).await?;
+                    if fence { c.fence_networks(req).await } else { c.unfence_networks(req).await }
+                };
+                match tokio::time::timeout(ANSWER, done).await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(e)) => Err(format!("{node}: {}", e.message())),
+                    Err(_) => Err(format!("{node}: no answer")),
+                }
+            })
+            .buffer_unordered(FAN_OUT)
+            .collect()
+            .await;
+        let refused: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+        let done = self.dir.nodes().len().saturating_sub(except.len()).saturating_sub(refused.len());
+        (done, refused)
+    }
+
+    /// Sets (Some) or removes (None) annotations of Node `node`.
+    async fn annotate(&self, node: &str, values: &[(&str, Option<String>)]) -> anyhow::Result<()> {
+        self.leading().await?;
+        let annotations: serde_json::Map<String, serde_json::Value> =
+            values.iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect();
+        let patch = serde_json::json!({"metadata": {"annotations": annotations}});
         self.nodes.patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
         Ok(())
     }
 
-    /// Adds (`on`) or removes our taints of node `name`: out-of-service (NoExecute, unless
-    /// turned off) and fenced (NoSchedule). A compare-and-swap on the Node's resourceVersion (the node lifecycle
-    /// controller changes taints too): a concurrent change makes it fail, and the next pass
-    /// tries again.
-    async fn taint(&self, name: &str, on: bool) -> anyhow::Result<()> {
+    /// Adds (`on`) or removes our taints of node `n` (`taints`). A compare-and-swap on the
+    /// Node's resourceVersion (the node lifecycle controller changes taints too): a concurrent
+    /// change makes it fail, and the next pass tries again. Returns whether the out-of-service
+    /// taint is on the node (ours or someone else's).
+    async fn taint(&self, name: &str, on: bool) -> anyhow::Result<bool> {
         let n = self.nodes.get(name).await?;
-        let ours = [(OUT_OF_SERVICE, "NoExecute"), (FENCED, "NoSchedule")];
         let held = n.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
-        let is_ours = |t: &Taint| ours.iter().any(|(k, _)| t.key == *k) && t.value.as_deref() == Some(TAINT_VALUE);
-        let mut taints: Vec<Taint> = held.iter().filter(|t| !is_ours(t)).cloned().collect();
-        if on {
-            let added = ours.iter().filter(|(key, _)| *key != OUT_OF_SERVICE || self.out_of_service);
-            taints.extend(added.map(|(key, effect)| Taint {
-                key: (*key).to_owned(),
-                value: Some(TAINT_VALUE.to_owned()),
-                effect: (*effect).to_owned(),
-                time_added: None,
-            }));
-        }
+        let wanted = if on { ours(&n, self.out_of_service) } else { Vec::new() };
+        let taints = taints(&held, &wanted);
+        let out_of_service = taints.iter().any(|t| t.key == OUT_OF_SERVICE);
         if taints.len() == held.len() && held.iter().all(|t| taints.contains(t)) {
-            return Ok(());
+            return Ok(out_of_service);
         }
+        self.leading().await?;
         let patch = serde_json::json!({
             "metadata": {"resourceVersion": n.resource_version()},
             "spec": {"taints": taints},
         });
         self.nodes.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-        tracing::warn!(node = name, tainted = on, out_of_service = self.out_of_service, "node taints (ours)");
-        Ok(())
-    }
-
-    /// Fences a lost node (lost as `why` says) and promotes a copy of every volume whose primary
-    /// it held.
-    async fn fail_over(&self, n: &Node, why: &str) -> anyhow::Result<()> {
-        let name = n.name_any();
-        let mut addrs: BTreeSet<String> = addresses(n).collect();
-        if let Some(at) = self.dir.admin_endpoint(&name) {
-            addrs.insert(host(&at).to_owned());
-        }
-        let blocks: Vec<String> = addrs.iter().filter_map(|a| block(a)).collect();
-        if blocks.is_empty() {
-            anyhow::bail!("node {name} is lost but has no address to fence: its volumes are not failed over");
-        }
-        if !n.annotations().contains_key(FENCED) {
-            tracing::warn!(node = %name, fence = ?blocks, "node lost ({why}): fencing it");
-            // The annotation first: a fence whose author is not written down would never be lifted.
-            self.annotate(&name, Some(blocks.join(","))).await?;
-        }
-        let fenced = self.fence(&name, &blocks, true).await;
-        if let Err(e) = &fenced {
-            tracing::warn!(node = %name, "the fence does not hold everywhere yet: {e}");
-        }
-        // Volumes whose primary was on the lost node, with the copies that answer, newest first.
-        let mut lost: BTreeMap<String, Vec<(u64, String, bool)>> = BTreeMap::new();
-        for (node, views) in self.views(&name).await {
-            let me = self.dir.admin_endpoint(&node).map(|e| host(&e).to_owned()).unwrap_or_default();
-            for v in views.into_iter().filter(|v| addrs.contains(host(&v.primary)) && v.role == "replica") {
-                let in_sync = v.members.iter().any(|m| host(&m.endpoint) == me && m.state == "in-sync");
-                lost.entry(v.volume).or_default().push((v.generation, node.clone(), in_sync));
-            }
-        }
-        for (volume, mut copies) in lost {
-            copies.sort_by(|a, b| b.cmp(a));
-            match self.promote(&volume, &copies, fenced.is_ok()).await {
-                Ok((to, generation)) => {
-                    let note = format!(
-                        "node {name} was lost ({why}): fenced it and promoted the copy on {to} \
-                         (generation {generation})"
-                    );
-                    tracing::warn!(volume, "{note}");
-                    self.event(&volume, Some(n), EventType::Warning, "FailedOver", "Failover", note).await;
-                }
-                Err(e) => {
-                    let note = format!("node {name} was lost, and no copy could be promoted yet: {e}");
-                    tracing::error!(volume, "{note}");
-                    self.event(&volume, Some(n), EventType::Warning, "FailoverPending", "Failover", note).await;
-                }
-            }
-        }
-        if fenced.is_ok() {
-            // The node can no longer write anywhere: its pods may run elsewhere, now.
-            self.taint(&name, true).await?;
-            self.delete_pods(&name).await?;
-            if !self.out_of_service {
-                self.detach(&name).await?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Promotes the first copy the daemons accept; returns its node and generation. Without a
-    /// majority (two copies), an in-sync copy is promoted by force, once the fence holds.
-    async fn promote(
-        &self,
-        volume: &str,
-        copies: &[(u64, String, bool)],
-        fenced: bool,
-    ) -> Result<(String, u64), String> {
-        let mut refused = Vec::new();
-        for (_, node, in_sync) in copies {
-            let mut c = admin(&*self.dir, node).await.map_err(|e| e.message().to_owned())?;
-            let req = |force| pb::PromoteReplicationRequest { volume: volume.to_owned(), force };
-            let done = match c.promote_sync_replica(req(false)).await {
-                Err(e) if e.code() == Code::Unavailable && *in_sync && fenced => {
-                    tracing::warn!(
-                        volume,
-                        node,
-                        "no majority of the copies answers: the fenced old primary \
-                        cannot take writes, promoting the in-sync copy by force"
-                    );
-                    c.promote_sync_replica(req(true)).await
-                }
-                other => other,
-            };
-            match done {
-                Ok(v) => return Ok((node.clone(), v.into_inner().generation)),
-                Err(e) => refused.push(format!("{node}: {}", e.message())),
-            }
-        }
-        Err(refused.join("; "))
-    }
-
-    /// Lifts the fence of a node that came back once every membership it is in has it in sync.
-    async fn rejoin(&self, n: &Node) -> anyhow::Result<()> {
-        let name = n.name_any();
-        let blocks: Vec<String> =
-            n.annotations().get(FENCED).map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default();
-        let hosts: BTreeSet<&str> = blocks.iter().map(|b| b.split_once('/').map_or(b.as_str(), |(h, _)| h)).collect();
-        let mut member_of = Vec::new();
-        for (_, views) in self.views(&name).await {
-            for v in views.iter().filter(|v| v.role == "primary") {
-                let Some(m) = v.members.iter().find(|m| hosts.contains(host(&m.endpoint))) else { continue };
-                if m.state != "in-sync" {
-                    tracing::info!(node = %name, volume = %v.volume, state = %m.state, reason = %m.reason,
-                        "returning node not in sync yet; fence kept");
-                    return Ok(());
-                }
-                member_of.push(v.volume.clone());
-            }
-        }
-        self.fence(&name, &blocks, false).await.map_err(|e| anyhow::anyhow!("lifting the fence of {name}: {e}"))?;
-        self.taint(&name, false).await?;
-        self.annotate(&name, None).await?;
-        tracing::info!(node = %name, volumes = ?member_of, "returned node in sync everywhere: fence lifted");
-        for volume in member_of {
-            let note = format!(
-                "node {name} came back, was rebuilt from what changed and is in sync again; its fence is lifted"
-            );
-            self.event(&volume, Some(n), EventType::Normal, "Rejoined", "Rebuild", note).await;
-        }
-        Ok(())
+        tracing::warn!(node = name, tainted = ?wanted, "node taints (ours)");
+        Ok(out_of_service)
     }
 
     /// An Event on the PersistentVolume of engine volume `volume`, and on its claim, related to
@@ -521,6 +541,33 @@ mod tests {
         assert_eq!(host("tcp://10.0.0.5:7070"), "10.0.0.5");
         assert_eq!(host("tcp://[fd00::5]:7070"), "fd00::5");
         assert_eq!(host("10.0.0.5:7070"), "10.0.0.5");
+    }
+
+    fn taint(key: &str, value: &str, effect: &str) -> Taint {
+        Taint { key: key.into(), value: Some(value.into()), effect: effect.into(), time_added: None }
+    }
+
+    #[test]
+    fn failover_taints_only_a_node_that_is_not_ready_and_only_if_asked() {
+        assert!(ours(&node(Some("True")), true).is_empty(), "a Ready node is never tainted");
+        assert_eq!(ours(&node(Some("Unknown")), false), vec![(FENCED, "NoSchedule")]);
+        assert_eq!(ours(&node(Some("False")), true), vec![(FENCED, "NoSchedule"), (OUT_OF_SERVICE, "NoExecute")]);
+    }
+
+    #[test]
+    fn never_removes_or_duplicates_a_taint_it_did_not_add() {
+        let theirs = taint(OUT_OF_SERVICE, "nodeshutdown", "NoExecute");
+        let other = taint("dedicated", "db", "NoSchedule");
+        let held = vec![theirs.clone(), other.clone()];
+        // Adding ours: the operator's out-of-service taint stands for ours (no 422 duplicate).
+        let on = taints(&held, &[(FENCED, "NoSchedule"), (OUT_OF_SERVICE, "NoExecute")]);
+        assert_eq!(on, vec![theirs.clone(), other.clone(), taint(FENCED, TAINT_VALUE, "NoSchedule")]);
+        // Removing ours leaves theirs.
+        assert_eq!(taints(&on, &[]), held);
+        // Ours already there: unchanged (same time_added), and removed when no longer wanted.
+        let mine = vec![other.clone(), taint(OUT_OF_SERVICE, TAINT_VALUE, "NoExecute")];
+        assert_eq!(taints(&mine, &[(OUT_OF_SERVICE, "NoExecute")]), mine);
+        assert_eq!(taints(&mine, &[(FENCED, "NoSchedule")]), vec![other, taint(FENCED, TAINT_VALUE, "NoSchedule")]);
     }
 
     #[test]

@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::{
     NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolume, VolumeNodeAffinity,
 };
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::EventType;
 
 use super::Failover;
@@ -130,6 +130,7 @@ fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, Class)> {
 impl Failover {
     /// One look at every replicated PV, with every daemon's memberships (`views`).
     pub(super) async fn replace(&self, views: &[(String, Vec<pb::SyncVolume>)]) -> anyhow::Result<()> {
+        self.resume_moves().await?;
         let answered: BTreeSet<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
         // Each volume's primary that takes writes, the newest generation's.
         let mut primaries: BTreeMap<&str, (&str, &pb::SyncVolume)> = BTreeMap::new();
@@ -143,6 +144,13 @@ impl Failover {
         }
         let now = Instant::now();
         let mut seen = BTreeSet::new();
+        // Nodes in maintenance (cordoned, drained, or annotated): their copies wait longer.
+        let maintenance: BTreeMap<String, Duration> = self
+            .node_store
+            .state()
+            .iter()
+            .filter_map(|n| Some((n.name_any(), super::maintenance::in_maintenance(n)?)))
+            .collect();
         for pv in self.volume_store.state() {
             let Some((name, class)) = replicated(&pv, &self.driver) else { continue };
             let Some((node, view)) = primaries.get(name.as_str()).copied() else { continue };
@@ -155,7 +163,8 @@ impl Failover {
                 let key = (name.clone(), m.endpoint.clone());
                 let since = *self.lost_since.lock().expect("not poisoned").entry(key.clone()).or_insert(now);
                 seen.insert(key);
-                if class.after.is_some_and(|a| now.duration_since(since) >= a) {
+                let bound = node_of(&*self.dir, &m.endpoint).and_then(|n| maintenance.get(&n).copied());
+                if class.after.is_some_and(|a| now.duration_since(since) >= a.max(bound.unwrap_or_default())) {
                     lost.insert(m.endpoint.clone());
                 }
             }
@@ -192,6 +201,7 @@ impl Failover {
     /// Deletes the copy of `volume` on `node` (at `endpoint`) that is no member any more: its
     /// primary tells it first, so that it forgets the membership it still holds.
     async fn forget(&self, primary: &str, node: &str, endpoint: &str, volume: &str) -> anyhow::Result<()> {
+        self.leading().await?;
         let r = pb::RemoveSyncReplicaRequest { volume: volume.to_owned(), peer: endpoint.to_owned() };
         admin(&*self.dir, primary).await?.remove_sync_replica(r).await?;
         crate::copies::delete_copy(&mut admin(&*self.dir, node).await?, volume).await?;
@@ -210,6 +220,7 @@ impl Failover {
         view: &pb::SyncVolume,
         (step, lost, spread): (Step, &BTreeSet<String>, copies::Spread),
     ) -> anyhow::Result<()> {
+        self.leading().await?;
         let mut c = admin(&*self.dir, node).await?;
         let note = match step {
             Step::AddCopy | Step::AddWitness => {
@@ -268,6 +279,7 @@ impl Failover {
         }
         let api: Api<PersistentVolume> = Api::all(self.client.clone());
         let name = pv.name_any();
+        self.leading().await?;
         let patch = serde_json::json!({"spec": {"nodeAffinity": affinity(&want)}});
         match api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
             Ok(_) => {}
@@ -305,28 +317,8 @@ impl Failover {
             "metadata": {"annotations": {RECLAIM: policy}},
             "spec": {"persistentVolumeReclaimPolicy": "Retain"},
         });
+        self.leading().await?;
         api.patch(&name, &PatchParams::default(), &Patch::Merge(&keep)).await?;
-        // What to restore by hand should this process die before the create below.
-        tracing::warn!(pv = %name, object = %serde_json::to_string(pv).unwrap_or_default(), "re-creating a PersistentVolume");
-        let uid = pv.uid();
-        match api.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => return Err(e.into()),
-        }
-        // Only the finalizers of the object we deleted (a precondition on its uid).
-        let clear = serde_json::json!({"metadata": {"finalizers": null, "uid": uid}});
-        match api.patch(&name, &PatchParams::default(), &Patch::Merge(&clear)).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409) => {}
-            Err(e) => return Err(e.into()),
-        }
-        for _ in 0..50 {
-            match api.get_opt(&name).await? {
-                Some(p) if p.uid() == uid => tokio::time::sleep(Duration::from_millis(100)).await,
-                _ => break,
-            }
-        }
         let mut again = PersistentVolume::default();
         again.metadata.name = Some(name.clone());
         again.metadata.labels = pv.metadata.labels.clone();
@@ -341,18 +333,9 @@ impl Failover {
             c.resource_version = None;
         }
         again.spec = Some(spec);
-        // The claim is Lost until the PV is back: a failed create is tried again at once.
-        let mut tries = 0;
-        while let Err(e) = api.create(&PostParams::default(), &again).await {
-            tries += 1;
-            if tries == 10 {
-                return Err(e.into());
-            }
-            tracing::warn!(pv = %name, "creating the PersistentVolume again: {e}");
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-        tracing::warn!(pv = %name, "PersistentVolume re-created with the copies' affinity");
-        Ok(())
+        // Recorded on the claim before the delete: a crash from here on is finished by the next
+        // leader (pv_move.rs).
+        self.move_pv(pv, again).await
     }
 }
 

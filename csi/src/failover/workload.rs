@@ -52,6 +52,7 @@ impl super::Failover {
                 continue;
             }
             let (ns, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
+            self.leading().await?;
             let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
             match Api::<Pod>::namespaced(self.client.clone(), &ns).delete(&name, &now).await {
                 Ok(_) => {}
@@ -90,6 +91,7 @@ impl super::Failover {
             {
                 continue;
             }
+            self.leading().await?;
             match api.delete(&va.name_any(), &DeleteParams::default()).await {
                 Ok(_) => tracing::warn!(node, attachment = %va.name_any(), "fenced node's VolumeAttachment deleted"),
                 Err(kube::Error::Api(s)) if s.code == 404 => {}

@@ -1,0 +1,248 @@
+//! Lost nodes, all at once. A rack, a switch or a zone takes many nodes at the same moment: one
+//! pass fences every lost node on the daemons that answer, reads their memberships once, and
+//! promotes a copy of every volume whose primary was on any of them, [`FAN_OUT`] calls at a
+//! time. A node's or a volume's error is its own (a log line and an Event) and the pass goes on.
+//! A fence holds when every daemon outside the lost set has it (a lost daemon cannot ack its
+//! old primary's writes anyway: it is down, or partitioned and fenced itself, and a volume's
+//! generation rule needs a majority). A returning node's fence is lifted once a majority of the
+//! daemons lifted it; those that did not answer are retried every pass until they do
+//! ([`UNFENCE`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use ferrite_proto::ferrite::v1 as pb;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
+use tonic::Code;
+
+use super::{FAN_OUT, FENCED, Failover, addresses, block, host};
+use crate::nodes::admin;
+
+/// The annotation on a Node whose fence a majority of daemons lifted, while the rest (down or
+/// unreachable then) still hold it: the blocks, lifted on them as they answer again.
+pub const UNFENCE: &str = "failover.ferrite.dev/unfence";
+
+/// Copies of one volume that answer, newest first: (generation, node, in sync).
+type Copies = Vec<(u64, String, bool)>;
+
+/// A lost node as this pass fences it.
+struct Lost {
+    node: Arc<Node>,
+    why: String,
+    /// Its addresses (the Node's and its daemon's), and their fence blocks.
+    addrs: BTreeSet<String>,
+    blocks: Vec<String>,
+}
+
+/// Whether `ok` of `ok + failed` daemons is a majority.
+pub(super) fn majority(ok: usize, failed: usize) -> bool {
+    ok * 2 > ok + failed
+}
+
+impl Failover {
+    /// Fences every node of `lost` (each with why it is lost) and promotes a copy of every
+    /// volume whose primary was on one of them.
+    pub(super) async fn fail_over(&self, lost: Vec<(Arc<Node>, String)>) {
+        let names: BTreeSet<String> = lost.iter().map(|(n, _)| n.name_any()).collect();
+        let mut nodes = Vec::new();
+        for (node, why) in lost {
+            let name = node.name_any();
+            let mut addrs: BTreeSet<String> = addresses(&node).collect();
+            if let Some(at) = self.dir.admin_endpoint(&name) {
+                addrs.insert(host(&at).to_owned());
+            }
+            let blocks: Vec<String> = addrs.iter().filter_map(|a| block(a)).collect();
+            if blocks.is_empty() {
+                let e = anyhow::anyhow!("node {name} is lost but has no address to fence: its volumes stay");
+                self.failed(&node, &e).await;
+                continue;
+            }
+            nodes.push(Lost { node, why, addrs, blocks });
+        }
+        // The annotations first: a fence whose author is not written down would never be lifted.
+        let annotated = futures_util::stream::iter(nodes)
+            .map(|l| async move {
+                let name = l.node.name_any();
+                if l.node.annotations().get(FENCED) == Some(&l.blocks.join(",")) {
+                    return Some(l);
+                }
+                tracing::warn!(node = %name, fence = ?l.blocks, "node lost ({}): fencing it", l.why);
+                let fenced = Some(l.blocks.join(","));
+                match self.annotate(&name, &[(FENCED, fenced), (UNFENCE, None)]).await {
+                    Ok(()) => Some(l),
+                    Err(e) => {
+                        self.failed(&l.node, &e).await;
+                        None
+                    }
+                }
+            })
+            .buffer_unordered(FAN_OUT);
+        let nodes: Vec<Lost> = annotated.filter_map(|l| async { l }).collect().await;
+        if nodes.is_empty() {
+            return;
+        }
+        let blocks: Vec<String> = nodes.iter().flat_map(|l| l.blocks.iter().cloned()).collect();
+        let (_, refused) = self.fence(&names, &blocks, true).await;
+        let fenced = refused.is_empty();
+        if !fenced {
+            tracing::warn!(nodes = ?names, "the fence does not hold everywhere yet: {}", refused.join("; "));
+        }
+        // Volumes whose primary was on a lost node, with the copies that answer.
+        let mut volumes: BTreeMap<String, (usize, Copies)> = BTreeMap::new();
+        for (node, views) in self.views(&names).await {
+            let me = self.dir.admin_endpoint(&node).map(|e| host(&e).to_owned()).unwrap_or_default();
+            for v in views.into_iter().filter(|v| v.role == "replica") {
+                let Some(at) = nodes.iter().position(|l| l.addrs.contains(host(&v.primary))) else { continue };
+                let in_sync = v.members.iter().any(|m| host(&m.endpoint) == me && m.state == "in-sync");
+                volumes.entry(v.volume).or_insert_with(|| (at, Vec::new())).1.push((
+                    v.generation,
+                    node.clone(),
+                    in_sync,
+                ));
+            }
+        }
+        let nodes = &nodes;
+        futures_util::stream::iter(volumes)
+            .for_each_concurrent(FAN_OUT, |(volume, (at, mut copies))| async move {
+                copies.sort_by(|a, b| b.cmp(a));
+                let Lost { node, why, .. } = &nodes[at];
+                let name = node.name_any();
+                let (kind, reason, note) = match self.promote(&volume, &copies, fenced).await {
+                    Ok((to, generation)) => (
+                        EventType::Warning,
+                        "FailedOver",
+                        format!(
+                            "node {name} was lost ({why}): fenced it and promoted the copy on {to} \
+                             (generation {generation})"
+                        ),
+                    ),
+                    Err(e) => (
+                        EventType::Warning,
+                        "FailoverPending",
+                        format!("node {name} was lost, and no copy could be promoted yet: {e}"),
+                    ),
+                };
+                tracing::warn!(volume, "{note}");
+                self.event(&volume, Some(node), kind, reason, "Failover", note).await;
+            })
+            .await;
+        if !fenced {
+            return;
+        }
+        // The nodes can no longer write anywhere: the pods using our volumes may run elsewhere.
+        futures_util::stream::iter(nodes)
+            .for_each_concurrent(FAN_OUT, |l| async move {
+                if let Err(e) = self.release(&l.node.name_any()).await {
+                    self.failed(&l.node, &e).await;
+                }
+            })
+            .await;
+    }
+
+    /// Taints fenced node `name` (if not Ready), deletes its pods that use our volumes, and our
+    /// VolumeAttachments to it unless the out-of-service taint has Kubernetes detach them.
+    async fn release(&self, name: &str) -> anyhow::Result<()> {
+        let out_of_service = self.taint(name, true).await?;
+        self.delete_pods(name).await?;
+        if !out_of_service {
+            self.detach(name).await?;
+        }
+        Ok(())
+    }
+
+    /// Promotes the first copy the daemons accept; returns its node and generation. Without a
+    /// majority (two copies), an in-sync copy is promoted by force, once the fence holds.
+    pub(super) async fn promote(
+        &self,
+        volume: &str,
+        copies: &[(u64, String, bool)],
+        fenced: bool,
+    ) -> Result<(String, u64), String> {
+        let mut refused = Vec::new();
+        for (_, node, in_sync) in copies {
+            self.leading().await.map_err(|e| e.to_string())?;
+            let mut c = admin(&*self.dir, node).await.map_err(|e| e.message().to_owned())?;
+            let req = |force| pb::PromoteReplicationRequest { volume: volume.to_owned(), force };
+            let done = match c.promote_sync_replica(req(false)).await {
+                Err(e) if e.code() == Code::Unavailable && *in_sync && fenced => {
+                    tracing::warn!(
+                        volume,
+                        node,
+                        "no majority of the copies answers: the fenced old primary \
+                        cannot take writes, promoting the in-sync copy by force"
+                    );
+                    c.promote_sync_replica(req(true)).await
+                }
+                other => other,
+            };
+            match done {
+                Ok(v) => return Ok((node.clone(), v.into_inner().generation)),
+                Err(e) => refused.push(format!("{node}: {}", e.message())),
+            }
+        }
+        Err(refused.join("; "))
+    }
+
+    /// Lifts the fence of a node that came back once every membership it is in has it in sync:
+    /// on every daemon that answers, done when a majority did (the rest: [`UNFENCE`]).
+    pub(super) async fn rejoin(&self, n: &Node) -> anyhow::Result<()> {
+        let name = n.name_any();
+        let blocks: Vec<String> =
+            n.annotations().get(FENCED).map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default();
+        let hosts: BTreeSet<&str> = blocks.iter().map(|b| b.split_once('/').map_or(b.as_str(), |(h, _)| h)).collect();
+        let me = BTreeSet::from([name.clone()]);
+        let mut member_of = Vec::new();
+        for (_, views) in self.views(&me).await {
+            for v in views.iter().filter(|v| v.role == "primary") {
+                let Some(m) = v.members.iter().find(|m| hosts.contains(host(&m.endpoint))) else { continue };
+                if m.state != "in-sync" {
+                    tracing::info!(node = %name, volume = %v.volume, state = %m.state, reason = %m.reason,
+                        "returning node not in sync yet; fence kept");
+                    return Ok(());
+                }
+                member_of.push(v.volume.clone());
+            }
+        }
+        let (lifted, refused) = self.fence(&me, &blocks, false).await;
+        if !majority(lifted, refused.len()) {
+            anyhow::bail!("lifting the fence of {name}: a majority of the daemons did not: {}", refused.join("; "));
+        }
+        self.taint(&name, false).await?;
+        let pending = (!refused.is_empty()).then(|| blocks.join(","));
+        self.annotate(&name, &[(FENCED, None), (UNFENCE, pending)]).await?;
+        tracing::info!(node = %name, volumes = ?member_of, still_fenced_on = ?refused, "returned node in sync everywhere: fence lifted");
+        for volume in member_of {
+            let note = format!(
+                "node {name} came back, was rebuilt from what changed and is in sync again; its fence is lifted"
+            );
+            self.event(&volume, Some(n), EventType::Normal, "Rejoined", "Rebuild", note).await;
+        }
+        Ok(())
+    }
+
+    /// Lifts a returned node's fence on the daemons that missed it ([`UNFENCE`]).
+    pub(super) async fn unfence_rest(&self, n: &Node) -> anyhow::Result<()> {
+        let name = n.name_any();
+        let blocks: Vec<String> =
+            n.annotations().get(UNFENCE).map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default();
+        let (_, refused) = self.fence(&BTreeSet::from([name.clone()]), &blocks, false).await;
+        if refused.is_empty() {
+            self.annotate(&name, &[(UNFENCE, None)]).await?;
+            tracing::info!(node = %name, "the fence is lifted on every daemon");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_majority_is_more_than_half() {
+        use super::majority;
+        assert!(majority(1, 0) && majority(2, 1) && majority(5, 4));
+        assert!(!majority(0, 0) && !majority(1, 1) && !majority(4, 5));
+    }
+}
