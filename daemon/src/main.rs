@@ -208,8 +208,10 @@ enum Cmd {
         #[arg(long, default_value_t = 10)]
         lease_duration: u64,
         /// Seconds the Lease holds after the heartbeat is stopped on purpose (the pod deleted for
-        /// an upgrade): a planned restart is not a lost node.
-        #[arg(long, default_value_t = 120)]
+        /// an upgrade): a planned restart is not a lost node. Longer than the daemon pod's
+        /// terminationGracePeriodSeconds (150) plus a start, so that a slow stop never turns an
+        /// upgrade into a failover.
+        #[arg(long, default_value_t = 240)]
         restart_grace: u64,
     },
     /// Manage volumes.

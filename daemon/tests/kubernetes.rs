@@ -1143,7 +1143,9 @@ fn ferrite_on_kubernetes() {
     certificates_by_the_cluster(&mut c, dir.path());
     storage_nodes::tainted_node(&c);
     failover::copy_replaced(&mut c, triple_vol, &triple_pv, deleted, "node-d");
+    failover::pv_move_resumed(&mut c, &triple_pv);
     failover::deleted_node_returns(&mut c, triple_vol, &triple_pv, deleted);
+    failover::maintenance_waits(&mut c, triple_vol, &triple_pv, "node-d");
     storage_nodes::label_less_node(&mut c, dir.path());
 
     println!("== deletes clean up");

@@ -12,12 +12,14 @@
 //!   generation a majority holds). A volume of two copies has no majority left; the fence is
 //!   what makes promoting its in-sync survivor safe, so that promotion is forced. Events on the
 //!   PV and its claim say what happened.
-//! - Once the fence holds, the lost Node is tainted `node.kubernetes.io/out-of-service`
-//!   (NoExecute): Kubernetes then detaches its volumes at once, and the pods there that use our
-//!   volumes are deleted (`workload.rs`), so the workload is rescheduled next to the new primary
-//!   instead of waiting for the eviction timeout and the attach-detach controller's six-minute
-//!   force-detach. It is also tainted `failover.ferrite.dev/fenced` (NoSchedule) for as long as
-//!   it is fenced.
+//! - Once the fence holds, the pods on the lost node that use our volumes are deleted and our
+//!   VolumeAttachments there too (`workload.rs`), so the workload is rescheduled next to the new
+//!   primary instead of waiting for the eviction timeout and the attach-detach controller's
+//!   six-minute force-detach. A lost Node that is not Ready is also tainted
+//!   `failover.ferrite.dev/fenced` (NoSchedule) for as long as it is fenced, and, only when the
+//!   operator asks for it (`--out-of-service-taint`), `node.kubernetes.io/out-of-service`; a
+//!   Ready one is not tainted (it runs other applications' pods).
+//! - Lost nodes are handled together, each node's errors its own (`lost.rs`).
 //! - A fenced node whose Node is Ready, whose Lease is renewed and whose daemon answers again
 //!   is rebuilt by the new primaries (from the last mark both hold: what changed); once it is in
 //!   sync in every membership it belongs to, the fence is lifted, the annotation and our taints
@@ -80,6 +82,9 @@ const ANSWER: Duration = Duration::from_secs(5);
 /// How many daemons (or volumes) failover talks to at once: a zone of lost nodes costs a few
 /// [`ANSWER`]s, not one per node.
 const FAN_OUT: usize = 32;
+/// How many Nodes a pass looks at at once: a look is one small call that a silent daemon makes
+/// wait [`ANSWER`], so a zone of silent nodes is looked at in one [`ANSWER`], not one per 32.
+const LOOK_FAN_OUT: usize = 256;
 
 struct Failover {
     dir: Arc<dyn NodeDirectory>,
@@ -298,7 +303,7 @@ impl Failover {
                 let look = self.look(&n, now).await;
                 (n, look)
             })
-            .buffer_unordered(FAN_OUT)
+            .buffer_unordered(LOOK_FAN_OUT)
             .collect()
             .await;
         let lost: Vec<(Arc<Node>, String)> = looks

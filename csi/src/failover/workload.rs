@@ -1,14 +1,12 @@
-//! The workload follows the volume. Once a lost node is fenced and tainted out-of-service, its
-//! pods that use one of this driver's volumes are deleted at once (no grace period): the fence,
-//! not the kubelet, is what guarantees the old pod can no longer write, so there is nothing to
-//! wait for. Kubernetes alone would wait: its pod garbage collector force-deletes a tainted
-//! node's pods only once the Node is not Ready (40-50 s after a power loss), and on a Ready
-//! node (a dead daemon under a live kubelet) the taint's eviction is graceful, so the pod waits
-//! for the kubelet to unmount a device whose daemon is gone. With the out-of-service taint in place the
-//! attach-detach controller then detaches their volumes at once, and their controllers
-//! (StatefulSet, Deployment) recreate them where the volumes are published next. Where the
-//! taint is not wanted (`--out-of-service-taint=false`), the controller deletes the node's
-//! VolumeAttachments of this driver itself, which is what the taint has Kubernetes do.
+//! The workload follows the volume. Once a lost node is fenced, its pods that use one of this
+//! driver's volumes are deleted at once (no grace period): the fence, not the kubelet, is what
+//! guarantees the old pod can no longer write, so there is nothing to wait for. Kubernetes alone
+//! would wait: its pod garbage collector force-deletes a node's pods only once the Node is not
+//! Ready (40-50 s after a power loss), and on a Ready node (a dead daemon under a live kubelet)
+//! the pod waits for the kubelet to unmount a device whose daemon is gone. The node's
+//! VolumeAttachments of this driver are deleted too (unless the out-of-service taint has
+//! Kubernetes detach them), and their controllers (StatefulSet, Deployment) recreate the pods
+//! where the volumes are published next. Nothing else on the node is touched.
 
 use std::collections::BTreeSet;
 

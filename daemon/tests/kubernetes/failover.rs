@@ -77,8 +77,7 @@ fn check_fenced(c: &mut Cluster, i: usize, taints: Option<bool>) {
     let node = c.cp.get(&["node", lost]);
     assert_eq!(node["metadata"]["annotations"]["failover.ferrite.dev/fenced"], block.as_str(), "{}", node["metadata"]);
     let Some(out_of_service) = taints else {
-        let all = c.cp.get(&["node", lost])["spec"]["taints"].clone();
-        assert!(all.as_array().is_none_or(Vec::is_empty), "a Ready node is not tainted: {all}");
+        assert_eq!(ours(&c.cp, lost), Vec::<String>::new(), "failover taints no Ready node");
         return;
     };
     let want = if out_of_service { 2 } else { 1 };
@@ -297,6 +296,7 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     c.cp.wait("the controller to delete the lost node's VolumeAttachment", LONG, |cp| {
         !cp.kubectl(&["get", "volumeattachment", "app-c"]).status.success()
     });
+    assert_eq!(ours(&c.cp, lost), Vec::<String>::new(), "failover taints no Ready node");
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
     let said = events(&c.cp, pv, "FailedOver");
     assert!(said.iter().any(|n| n.contains("storage heartbeat silent") && n.contains(&to)), "{said:?}");
@@ -397,7 +397,8 @@ pub fn rollout_begins(c: &mut Cluster) -> Pod {
             *a = json!("--webhook-listen=127.0.0.1:0");
         }
     }
-    // The rollout also turns the out-of-service taint off (the failover of (b) is this one's).
+    // The rollout also turns the out-of-service taint off again (the failover of (b) is this one's).
+    args.retain(|a| !a.as_str().is_some_and(|a| a.starts_with("--out-of-service-taint")));
     args.push(json!("--out-of-service-taint=false"));
     let rs = json!({"apiVersion": "apps/v1", "kind": "ReplicaSet",
         "metadata": {"name": "ferrite-controller-2", "namespace": NS, "labels": tpl["metadata"]["labels"],
@@ -629,4 +630,82 @@ pub fn deleted_node_returns(c: &mut Cluster, vol: &str, pv: &str, lost: &str) {
     println!("   {:?} after it registered", start.elapsed());
     let said = events(&c.cp, pv, "CopyReplaced");
     assert!(said.iter().any(|n| n.contains(&format!("copy on {lost} had been replaced"))), "{said:?}");
+}
+
+/// (k) The controller killed in the middle of a PV move (`pv_move.rs`), at each step: the move
+/// recorded on the claim with the old PV still there, then with the old PV deleted (the claim
+/// Lost). The leader finishes both from the claim's record: a PV of the same name, a new uid,
+/// its own reclaim policy, the claim Bound, the record removed.
+pub fn pv_move_resumed(c: &mut Cluster, pv: &str) {
+    println!("== (k) a PV move interrupted after each step is finished by the leader");
+    for deleted in [false, true] {
+        let old = c.cp.get(&["pv", pv]);
+        let old_uid = old["metadata"]["uid"].as_str().unwrap().to_owned();
+        let claim = old["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
+        // The PV to create, as the controller records it.
+        let mut again = json!({"apiVersion": "v1", "kind": "PersistentVolume",
+            "metadata": {"name": pv, "labels": old["metadata"]["labels"], "annotations": old["metadata"]["annotations"],
+                "finalizers": old["metadata"]["finalizers"]},
+            "spec": old["spec"]});
+        again["spec"]["claimRef"].as_object_mut().unwrap().remove("resourceVersion");
+        c.cp.merge_patch("pv", pv, r#"{"spec":{"persistentVolumeReclaimPolicy":"Retain"}}"#);
+        let record = json!({"old_uid": old_uid, "pv": again}).to_string();
+        let patch = json!({"metadata": {"labels": {"failover.ferrite.dev/moving-pv": "true"},
+            "annotations": {"failover.ferrite.dev/moving-pv": record}}});
+        let start = Instant::now();
+        c.cp.merge_patch("pvc", &claim, &patch.to_string());
+        if deleted {
+            c.cp.ok(&["delete", "pv", pv, "--wait=false"]);
+            c.cp.merge_patch("pv", pv, r#"{"metadata":{"finalizers":null}}"#);
+        }
+        c.cp.wait("the leader to finish the move", LONG, |cp| {
+            let now = cp.kubectl(&["get", "pv", pv, "-o", "jsonpath={.metadata.uid}"]);
+            let uid = String::from_utf8_lossy(&now.stdout).into_owned();
+            let pvc = cp.get(&["pvc", &claim]);
+            !uid.is_empty()
+                && uid != old_uid
+                && pvc["status"]["phase"] == "Bound"
+                && pvc["metadata"]["labels"]["failover.ferrite.dev/moving-pv"].is_null()
+        });
+        let p = c.cp.get(&["pv", pv]);
+        assert_eq!(p["spec"]["persistentVolumeReclaimPolicy"], "Delete", "its own policy again: {p}");
+        let step = if deleted { "after the delete (claim Lost meanwhile)" } else { "after the record" };
+        println!("   killed {step}: finished {:?} later", start.elapsed());
+        c.cp.wait("the PV to be bound again", LONG, |cp| cp.get(&["pv", pv])["status"]["phase"] == "Bound");
+    }
+}
+
+/// (l) Maintenance: node `node` (holding a copy of `vol`) is cordoned and its daemon stopped for
+/// longer than the class's `replace-after` (20 s here): failover fences it as any lost node, but
+/// its copy is not replaced while the node is in maintenance. Back and uncordoned, it is rebuilt
+/// from what changed and unfenced.
+pub fn maintenance_waits(c: &mut Cluster, vol: &str, pv: &str, node: &str) {
+    println!("== (l) {node} in maintenance past replace-after: its copy is kept");
+    let i = c.nodes.iter().position(|n| n.name == node).unwrap();
+    let ip = format!("tcp://{}:", c.nodes[i].ip);
+    c.cp.ok(&["cordon", node]);
+    let start = Instant::now();
+    c.cp.kill(&c.daemon_pods[i].process("daemon"));
+    let replaced_before = events(&c.cp, pv, "CopyReplaced").len();
+    c.cp.wait(&format!("{node} fenced"), LONG, |cp| {
+        cp.get(&["node", node])["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_string()
+    });
+    // Well past replace-after (20 s) and several looks at the copies (every 15 s).
+    std::thread::sleep(std::time::Duration::from_secs(50));
+    let (p, _, _) = primary_of(c, vol);
+    let members = c.daemons[p].json(&["replica", "status", vol])["members"].clone();
+    let kept = members.as_array().unwrap().iter().any(|m| m["endpoint"].as_str().unwrap().starts_with(&ip));
+    assert!(kept, "{node}'s copy was replaced while it was in maintenance: {members}");
+    assert_eq!(events(&c.cp, pv, "CopyReplaced").len(), replaced_before, "a copy was replaced");
+    println!(
+        "   {:?} down and cordoned: its copy kept ({} members)",
+        start.elapsed(),
+        members.as_array().unwrap().len()
+    );
+    c.daemon_pods[i].start(&mut c.cp, "daemon", std::path::Path::new(super::common::BIN), &[], &[], true);
+    c.cp.ok(&["uncordon", node]);
+    c.cp.wait(&format!("{node} rebuilt and unfenced"), LONG, |cp| {
+        !cp.get(&["node", node])["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_string()
+    });
+    println!("   back, rebuilt and unfenced {:?} after it went down", start.elapsed());
 }

@@ -1,0 +1,301 @@
+//! Failover of a fleet, simulated: the real controller (`ferrite_csi::failover`: its watches of
+//! a real API server, its passes, its gRPC calls) against N daemons reduced to what failover
+//! calls, in this process, each on a loopback address of its own. Every volume has three copies
+//! in three zones. A zone (a third of the nodes) goes silent at once: its daemons stop answering
+//! (calls hang, as to a powered-off host behind a live switch) and their storage heartbeats
+//! expire. The test checks that every volume whose primary was there gets a new primary on a
+//! surviving copy, and only those, and prints how long that took (a table row per size; targets
+//! live in the table, not in an assert: the bound below only keeps a hung run from
+//! waiting forever). FERRITE_SIM_NODES (default "51,501") lists the sizes.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::kube::ControlPlane;
+use ferrite_csi::nodes::{Connections, NodeDirectory};
+use ferrite_proto::ClientTls;
+use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::ferrite::v1::admin_server::{Admin, AdminServer};
+use tonic::{Request, Response, Status};
+
+const PORT: u16 = 7070;
+
+struct Vol {
+    name: String,
+    /// Member node indexes, one per zone.
+    members: [usize; 3],
+    primary: usize,
+    generation: u64,
+}
+
+/// What the daemons hold together: which node is silent, each volume's membership.
+struct World {
+    ips: Vec<String>,
+    silent: Vec<bool>,
+    volumes: Vec<Vol>,
+    /// When each volume was promoted, and where.
+    promoted: BTreeMap<usize, (Instant, usize)>,
+    fence_calls: u64,
+}
+
+impl World {
+    fn endpoint(&self, node: usize) -> String {
+        format!("tcp://{}:{PORT}", self.ips[node])
+    }
+}
+
+/// One node's daemon: the admin RPCs failover makes.
+struct Daemon {
+    me: usize,
+    world: Arc<Mutex<World>>,
+}
+
+impl Daemon {
+    /// A silent node's calls never end (the caller's timeout does).
+    async fn answer(&self) {
+        if self.world.lock().unwrap().silent[self.me] {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    fn view(&self, w: &World, v: &Vol) -> pb::SyncVolume {
+        let members = v
+            .members
+            .iter()
+            .map(|&m| pb::SyncMember {
+                endpoint: w.endpoint(m),
+                state: if m == v.primary { "primary" } else { "in-sync" }.into(),
+                ..Default::default()
+            })
+            .collect();
+        pb::SyncVolume {
+            volume: v.name.clone(),
+            role: if v.primary == self.me { "primary" } else { "replica" }.into(),
+            generation: v.generation,
+            primary: w.endpoint(v.primary),
+            members,
+            ..Default::default()
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for Daemon {
+    async fn pool_status(&self, _: Request<pb::PoolStatusRequest>) -> Result<Response<pb::PoolStatusResponse>, Status> {
+        self.answer().await;
+        Ok(Response::new(pb::PoolStatusResponse::default()))
+    }
+
+    async fn list_sync_replicas(
+        &self,
+        _: Request<pb::ListReplicationsRequest>,
+    ) -> Result<Response<pb::ListSyncReplicasResponse>, Status> {
+        self.answer().await;
+        let w = self.world.lock().unwrap();
+        let volumes = w.volumes.iter().filter(|v| v.members.contains(&self.me)).map(|v| self.view(&w, v)).collect();
+        Ok(Response::new(pb::ListSyncReplicasResponse { volumes }))
+    }
+
+    async fn fence_networks(&self, _: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
+        self.answer().await;
+        self.world.lock().unwrap().fence_calls += 1;
+        Ok(Response::new(pb::FenceResponse::default()))
+    }
+
+    async fn unfence_networks(&self, _: Request<pb::FenceRequest>) -> Result<Response<pb::FenceResponse>, Status> {
+        self.answer().await;
+        Ok(Response::new(pb::FenceResponse::default()))
+    }
+
+    /// The daemons' rule: a copy takes over only with a majority of its members answering.
+    async fn promote_sync_replica(
+        &self,
+        req: Request<pb::PromoteReplicationRequest>,
+    ) -> Result<Response<pb::SyncVolume>, Status> {
+        self.answer().await;
+        let mut w = self.world.lock().unwrap();
+        let at = w
+            .volumes
+            .iter()
+            .position(|v| v.name == req.get_ref().volume)
+            .ok_or_else(|| Status::not_found("no such volume"))?;
+        let answering = w.volumes[at].members.iter().filter(|&&m| !w.silent[m]).count();
+        if !w.volumes[at].members.contains(&self.me) || answering < 2 {
+            return Err(Status::unavailable("no majority of the members answers"));
+        }
+        let v = &mut w.volumes[at];
+        v.primary = self.me;
+        v.generation += 1;
+        w.promoted.insert(at, (Instant::now(), self.me));
+        let view = self.view(&w, &w.volumes[at]);
+        Ok(Response::new(view))
+    }
+}
+
+#[derive(Debug)]
+struct Directory {
+    names: Vec<String>,
+    ips: Vec<String>,
+    kept: Connections,
+}
+
+impl NodeDirectory for Directory {
+    fn nodes(&self) -> Vec<String> {
+        self.names.clone()
+    }
+    fn admin_endpoint(&self, node: &str) -> Option<String> {
+        let i = self.names.iter().position(|n| n == node)?;
+        Some(format!("tcp://{}:{PORT}", self.ips[i]))
+    }
+    fn tls(&self) -> Option<Arc<ClientTls>> {
+        None
+    }
+    fn connections(&self) -> Option<&Connections> {
+        Some(&self.kept)
+    }
+}
+
+fn name(i: usize) -> String {
+    format!("sim-{i:03}")
+}
+
+fn lease(i: usize, renewed: &str, secs: u32) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": format!("ferrite-node-{}", name(i)), "namespace": "ferrite-node-lease"},
+        "spec": {"holderIdentity": name(i), "leaseDurationSeconds": secs, "renewTime": renewed}})
+}
+
+fn list(items: Vec<serde_json::Value>) -> String {
+    serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string()
+}
+
+/// A Lease's MicroTime (RFC 3339, UTC) of `t`.
+fn micro(t: std::time::SystemTime) -> String {
+    let t = time::OffsetDateTime::from(t);
+    let (y, mo, d) = (t.year(), u8::from(t.month()), t.day());
+    format!("{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}.000000Z", t.hour(), t.minute(), t.second())
+}
+
+/// One run at `n` nodes: what the table prints.
+async fn run(cp: &ControlPlane, n: usize, world: Arc<Mutex<World>>) -> String {
+    let lost: Vec<usize> = (0..n / 3).collect();
+    let affected: Vec<usize> = {
+        let w = world.lock().unwrap();
+        (0..w.volumes.len()).filter(|&v| lost.contains(&w.volumes[v].primary)).collect()
+    };
+    let fault = Instant::now();
+    {
+        let mut w = world.lock().unwrap();
+        for &i in &lost {
+            w.silent[i] = true;
+        }
+    }
+    // Their heartbeats expired an hour ago, all at once.
+    let old = micro(std::time::SystemTime::now() - Duration::from_secs(3600));
+    cp.with_stdin(&["replace", "-f", "-"], &list(lost.iter().map(|&i| lease(i, &old, 10)).collect()));
+    let limit = Duration::from_secs(std::env::var("FERRITE_SIM_LIMIT_S").map_or(300, |s| s.parse().unwrap()));
+    loop {
+        let done = {
+            let w = world.lock().unwrap();
+            affected.iter().filter(|v| w.promoted.contains_key(v)).count()
+        };
+        if done == affected.len() {
+            break;
+        }
+        assert!(fault.elapsed() < limit, "{n} nodes: {done} of {} volumes promoted after {limit:?}", affected.len());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let w = world.lock().unwrap();
+    let times: Vec<f64> = affected.iter().map(|v| w.promoted[v].0.duration_since(fault).as_secs_f64()).collect();
+    for (v, (_, to)) in &w.promoted {
+        assert!(affected.contains(v), "volume {v} was promoted although its primary was not lost");
+        assert!(!lost.contains(to), "volume {v} was promoted on a lost node");
+        assert!(w.volumes[*v].members.contains(to));
+    }
+    let first = times.iter().copied().fold(f64::INFINITY, f64::min);
+    let last = times.iter().copied().fold(0.0, f64::max);
+    format!("| {n} | {} | {} | {first:.1} s | {last:.1} s | {} |", lost.len(), affected.len(), w.fence_calls)
+}
+
+#[test]
+fn a_zone_lost_at_once_fails_over_together() {
+    let Some(bin) = common::kube::binaries() else { return };
+    let sizes: Vec<usize> = std::env::var("FERRITE_SIM_NODES")
+        .unwrap_or_else(|_| "51,501".into())
+        .split(',')
+        .map(|s| s.trim().parse().unwrap())
+        .collect();
+    let mut rows = Vec::new();
+    for n in sizes {
+        let dir = tempfile::tempdir().unwrap();
+        let cp = ControlPlane::start(dir.path(), &bin, None);
+        // The controller's account: a token (rustls takes no v1 client certificate, which the
+        // test CA's admin one is).
+        cp.ok(&["create", "serviceaccount", "ferrite-controller"]);
+        cp.ok(&[
+            "create",
+            "clusterrolebinding",
+            "sim",
+            "--clusterrole=cluster-admin",
+            "--serviceaccount=default:ferrite-controller",
+        ]);
+        let kubeconfig = cp.token_kubeconfig("default", "ferrite-controller", "controller.kubeconfig");
+        // SAFETY: set before this size's runtime (and so the controller's client) exists; no
+        // other thread of this process reads the environment.
+        unsafe { std::env::set_var("KUBECONFIG", &kubeconfig) };
+        // A runtime per size: dropping it ends that controller and its daemons.
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rows.push(rt.block_on(fleet(&cp, n)));
+    }
+    println!(
+        "| nodes | lost (a zone) | volumes whose primary was lost | first promoted | all promoted | fence calls |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for r in rows {
+        println!("{r}");
+    }
+}
+
+/// `n` nodes in three zones, their daemons and the controller; then a zone lost.
+async fn fleet(cp: &ControlPlane, n: usize) -> String {
+    cp.ok(&["create", "namespace", "ferrite-node-lease"]);
+    let nodes = (0..n).map(|i| serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name(i)}}));
+    cp.with_stdin(&["create", "-f", "-"], &list(nodes.collect()));
+    let now = micro(std::time::SystemTime::now());
+    cp.with_stdin(&["create", "-f", "-"], &list((0..n).map(|i| lease(i, &now, 3600)).collect()));
+
+    // Two volumes per node as primary, their copies at the same place in the two other zones.
+    let ips: Vec<String> = (0..n).map(|i| format!("127.0.{}.{}", 1 + i / 200, 1 + i % 200)).collect();
+    let zone = n / 3;
+    let volumes = (0..2 * n)
+        .map(|k| {
+            let p = k % (3 * zone);
+            let (z, at) = (p / zone, p % zone);
+            let member = |dz: usize| ((z + dz) % 3) * zone + at;
+            Vol { name: format!("vol-{k:04}"), members: [p, member(1), member(2)], primary: p, generation: 1 }
+        })
+        .collect();
+    let world = Arc::new(Mutex::new(World {
+        ips: ips.clone(),
+        silent: vec![false; n],
+        volumes,
+        promoted: BTreeMap::new(),
+        fence_calls: 0,
+    }));
+    for (i, ip) in ips.iter().enumerate() {
+        let svc = AdminServer::new(Daemon { me: i, world: Arc::clone(&world) });
+        let listener = tokio::net::TcpListener::bind((ip.as_str(), PORT)).await.unwrap();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming));
+    }
+    let directory = Arc::new(Directory { names: (0..n).map(name).collect(), ips, kept: Connections::default() });
+    let after = Duration::from_secs(20);
+    ferrite_csi::failover::start(directory, "csi.ferrite.dev", after, "ferrite-node-lease", false).await.unwrap();
+    // The watches fill their stores; the first passes see every node healthy.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert!(world.lock().unwrap().promoted.is_empty(), "nothing moves while every node is healthy");
+    run(cp, n, world).await
+}
