@@ -6,7 +6,8 @@
 //! expire. The test checks that every volume whose primary was there gets a new primary on a
 //! surviving copy, and only those, and prints how long that took (a table row per size; targets
 //! live in the table, not in an assert: the bound below only keeps a hung run from
-//! waiting forever). FERRITE_SIM_NODES (default "51,501") lists the sizes.
+//! waiting forever). FERRITE_SIM (default "51:1,51:17,501:1,501:167") lists the runs: nodes and
+//! how many of them are lost (from the first zone).
 
 mod common;
 
@@ -180,8 +181,8 @@ fn micro(t: std::time::SystemTime) -> String {
 }
 
 /// One run at `n` nodes: what the table prints.
-async fn run(cp: &ControlPlane, n: usize, world: Arc<Mutex<World>>) -> String {
-    let lost: Vec<usize> = (0..n / 3).collect();
+async fn run(cp: &ControlPlane, n: usize, lose: usize, world: Arc<Mutex<World>>) -> String {
+    let lost: Vec<usize> = (0..lose).collect();
     let affected: Vec<usize> = {
         let w = world.lock().unwrap();
         (0..w.volumes.len()).filter(|&v| lost.contains(&w.volumes[v].primary)).collect()
@@ -223,13 +224,17 @@ async fn run(cp: &ControlPlane, n: usize, world: Arc<Mutex<World>>) -> String {
 #[test]
 fn a_zone_lost_at_once_fails_over_together() {
     let Some(bin) = common::kube::binaries() else { return };
-    let sizes: Vec<usize> = std::env::var("FERRITE_SIM_NODES")
-        .unwrap_or_else(|_| "51,501".into())
+    let runs: Vec<(usize, usize)> = std::env::var("FERRITE_SIM")
+        .unwrap_or_else(|_| "51:1,51:17,501:1,501:167".into())
         .split(',')
-        .map(|s| s.trim().parse().unwrap())
+        .map(|r| {
+            let (n, lost) = r.trim().split_once(':').unwrap();
+            (n.parse().unwrap(), lost.parse().unwrap())
+        })
         .collect();
     let mut rows = Vec::new();
-    for n in sizes {
+    for (n, lose) in runs {
+        assert!(lose <= n / 3, "the lost nodes are in one zone");
         let dir = tempfile::tempdir().unwrap();
         let cp = ControlPlane::start(dir.path(), &bin, None);
         // The controller's account: a token (rustls takes no v1 client certificate, which the
@@ -248,19 +253,17 @@ fn a_zone_lost_at_once_fails_over_together() {
         unsafe { std::env::set_var("KUBECONFIG", &kubeconfig) };
         // A runtime per size: dropping it ends that controller and its daemons.
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        rows.push(rt.block_on(fleet(&cp, n)));
+        rows.push(rt.block_on(fleet(&cp, n, lose)));
     }
-    println!(
-        "| nodes | lost (a zone) | volumes whose primary was lost | first promoted | all promoted | fence calls |"
-    );
+    println!("| nodes | lost at once | volumes whose primary was lost | first promoted | all promoted | fence calls |");
     println!("|---|---|---|---|---|---|");
     for r in rows {
         println!("{r}");
     }
 }
 
-/// `n` nodes in three zones, their daemons and the controller; then a zone lost.
-async fn fleet(cp: &ControlPlane, n: usize) -> String {
+/// `n` nodes in three zones, their daemons and the controller; then `lose` of them lost.
+async fn fleet(cp: &ControlPlane, n: usize, lose: usize) -> String {
     cp.ok(&["create", "namespace", "ferrite-node-lease"]);
     let nodes = (0..n).map(|i| serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name(i)}}));
     cp.with_stdin(&["create", "-f", "-"], &list(nodes.collect()));
@@ -297,5 +300,5 @@ async fn fleet(cp: &ControlPlane, n: usize) -> String {
     // The watches fill their stores; the first passes see every node healthy.
     tokio::time::sleep(Duration::from_secs(8)).await;
     assert!(world.lock().unwrap().promoted.is_empty(), "nothing moves while every node is healthy");
-    run(cp, n, world).await
+    run(cp, n, lose, world).await
 }

@@ -657,6 +657,15 @@ fn workloads_as_shipped(cp: &ControlPlane, up: &Path) {
         ]);
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), may, "{account} may update the failover Lease");
     }
+    // A daemon's planned restart never outlasts its heartbeat's restart grace: a slow stop
+    // (SIGKILL at terminationGracePeriodSeconds) plus a minute to start is not a lost node.
+    let ds = cp.get(&["daemonset", "ferrite-daemon", "-n", NS]);
+    let stop = ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"].as_u64().unwrap();
+    let help = Command::new(common::BIN).args(["heartbeat", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    let grace = help.split("--restart-grace").nth(1).and_then(|h| h.split("[default: ").nth(1)).unwrap();
+    let grace: u64 = grace.split(']').next().unwrap().parse().unwrap();
+    assert!(stop + 60 <= grace, "terminationGracePeriodSeconds {stop} + 60 s outlasts the restart grace {grace} s");
     let script = std::fs::read_to_string(up.join("build.sh")).unwrap();
     let tested = |var: &str| {
         let line = script.lines().find(|l| l.starts_with(&format!("{var}="))).unwrap_or_else(|| panic!("{var}"));
@@ -1145,7 +1154,7 @@ fn ferrite_on_kubernetes() {
     failover::copy_replaced(&mut c, triple_vol, &triple_pv, deleted, "node-d");
     failover::pv_move_resumed(&mut c, &triple_pv);
     failover::deleted_node_returns(&mut c, triple_vol, &triple_pv, deleted);
-    failover::maintenance_waits(&mut c, triple_vol, &triple_pv, "node-d");
+    failover::maintenance_waits(&mut c, triple_vol, &triple_pv, "node-b", ["node-a", "node-d"]);
     storage_nodes::label_less_node(&mut c, dir.path());
 
     println!("== deletes clean up");

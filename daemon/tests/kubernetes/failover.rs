@@ -675,13 +675,14 @@ pub fn pv_move_resumed(c: &mut Cluster, pv: &str) {
     }
 }
 
-/// (l) Maintenance: node `node` (holding a copy of `vol`) is cordoned and its daemon stopped for
+/// (l) Maintenance: node `node` (holding a copy of `vol`, as `others` do) is cordoned and its daemon stopped for
 /// longer than the class's `replace-after` (20 s here): failover fences it as any lost node, but
 /// its copy is not replaced while the node is in maintenance. Back and uncordoned, it is rebuilt
 /// from what changed and unfenced.
-pub fn maintenance_waits(c: &mut Cluster, vol: &str, pv: &str, node: &str) {
+pub fn maintenance_waits(c: &mut Cluster, vol: &str, pv: &str, node: &str, others: [&str; 2]) {
     println!("== (l) {node} in maintenance past replace-after: its copy is kept");
     let i = c.nodes.iter().position(|n| n.name == node).unwrap();
+    set_ready(c, node, true);
     let ip = format!("tcp://{}:", c.nodes[i].ip);
     c.cp.ok(&["cordon", node]);
     let start = Instant::now();
@@ -692,8 +693,8 @@ pub fn maintenance_waits(c: &mut Cluster, vol: &str, pv: &str, node: &str) {
     });
     // Well past replace-after (20 s) and several looks at the copies (every 15 s).
     std::thread::sleep(std::time::Duration::from_secs(50));
-    let (p, _, _) = primary_of(c, vol);
-    let members = c.daemons[p].json(&["replica", "status", vol])["members"].clone();
+    let primary = others.iter().map(|n| c.daemon(n).json(&["replica", "status", vol])).find(|s| s["role"] == "primary");
+    let members = primary.expect("a copy is the primary")["members"].clone();
     let kept = members.as_array().unwrap().iter().any(|m| m["endpoint"].as_str().unwrap().starts_with(&ip));
     assert!(kept, "{node}'s copy was replaced while it was in maintenance: {members}");
     assert_eq!(events(&c.cp, pv, "CopyReplaced").len(), replaced_before, "a copy was replaced");
