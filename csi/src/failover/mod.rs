@@ -293,7 +293,7 @@ enum Look {
 }
 
 impl Failover {
-    /// Looks at every node at once ([`FAN_OUT`] at a time), fails the lost ones over together,
+    /// Looks at every node at once ([`LOOK_FAN_OUT`] at a time), fails the lost ones over together,
     /// then lets the returned ones rejoin and the cordoned ones hand over; a node's error is
     /// its own.
     async fn pass(&self) {
