@@ -1155,6 +1155,7 @@ fn ferrite_on_kubernetes() {
     failover::pv_move_resumed(&mut c, &triple_pv);
     failover::deleted_node_returns(&mut c, triple_vol, &triple_pv, deleted);
     failover::maintenance_waits(&mut c, triple_vol, &triple_pv, "node-b", ["node-a", "node-d"]);
+    failover::rolling_upgrade(&mut c, triple_vol, &triple_pv, ["node-a", "node-b", "node-d"]);
     storage_nodes::label_less_node(&mut c, dir.path());
 
     println!("== deletes clean up");

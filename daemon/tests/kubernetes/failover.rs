@@ -710,3 +710,72 @@ pub fn maintenance_waits(c: &mut Cluster, vol: &str, pv: &str, node: &str, other
     });
     println!("   back, rebuilt and unfenced {:?} after it went down", start.elapsed());
 }
+
+/// The node of `holders` whose daemon serves `vol` as its primary, if one answers.
+fn serving(c: &Cluster, vol: &str, holders: &[&str]) -> Option<String> {
+    holders
+        .iter()
+        .find(|n| {
+            let out = c.daemon(n).cli(&["-o", "json", "replica", "status", vol]);
+            out.status.success()
+                && serde_json::from_slice::<serde_json::Value>(&out.stdout).is_ok_and(|s| s["role"] == "primary")
+        })
+        .map(|n| (*n).to_owned())
+}
+
+/// (m) A rolling upgrade of the daemons: the DaemonSet's template changes and each node's daemon
+/// pod is replaced in turn, the slowest way a planned stop goes: its heartbeat gets SIGTERM (as
+/// the kubelet sends it; it renews the node's Lease for the restart grace on its way out), the
+/// daemon is killed (SIGKILL at the end of the grace period), a new pod starts. While a node that does not hold the primary is
+/// down, `vol` takes writes at once; when it holds it, the write waits for the new daemon, well
+/// within the heartbeat's restart grace. No node is taken for lost: no fence, no promotion.
+pub fn rolling_upgrade(c: &mut Cluster, vol: &str, pv: &str, holders: [&str; 3]) {
+    println!("== (m) a rolling upgrade of the daemons keeps {vol} writable");
+    let failed_over = events(&c.cp, pv, "FailedOver").len();
+    c.cp.ok(&["set", "env", "daemonset/ferrite-daemon", "-n", NS, "-c", "daemon", "FERRITE_UPGRADE_TEST=2"]);
+    for (i, node) in NODES.iter().enumerate() {
+        let primary = serving(c, vol, &holders).expect("a primary before the restart");
+        let fault = Instant::now();
+        let old = c.daemon_pods[i].name().to_owned();
+        let heartbeat = c.cp.pid(&c.daemon_pods[i].process("heartbeat")).to_string();
+        assert!(std::process::Command::new("kill").args(["-TERM", &heartbeat]).status().unwrap().success());
+        let gone = || {
+            !std::path::Path::new(&format!("/proc/{heartbeat}/status")).exists()
+                || std::fs::read_to_string(format!("/proc/{heartbeat}/status")).is_ok_and(|s| s.contains("State:\tZ"))
+        };
+        for _ in 0..100 {
+            if gone() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        c.daemon_pods[i].kill(&mut c.cp);
+        // Gone at once (no kubelet here to finish a graceful delete): its name may come again.
+        c.cp.ok(&["delete", "pod", &old, "-n", NS, "--grace-period=0", "--force"]);
+        if primary != *node && holders.contains(node) {
+            acknowledged(c.daemon(&primary), vol, &pattern(4096));
+            println!("   {node} down: a write acknowledged on {primary} {:?} after the kill", fault.elapsed());
+        }
+        c.daemon_pods[i] = c.start_daemon_pod(i);
+        let back = fault.elapsed();
+        let mut now_primary = None;
+        for _ in 0..600 {
+            now_primary = serving(c, vol, &holders);
+            if now_primary.is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let now_primary = now_primary.expect("a primary after the restart");
+        acknowledged(c.daemon(&now_primary), vol, &pattern(4096));
+        println!(
+            "   {node} restarted (new daemon ready {back:?}); first write on {now_primary} {:?} after the kill",
+            fault.elapsed()
+        );
+    }
+    assert_eq!(events(&c.cp, pv, "FailedOver").len(), failed_over, "an upgrade failed a volume over");
+    for node in NODES {
+        let n = c.cp.get(&["node", node]);
+        assert!(n["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_null(), "{node} was fenced");
+    }
+}
