@@ -186,16 +186,17 @@ impl Failover {
         Err(refused.join("; "))
     }
 
-    /// Lifts the fence of a node that came back once every membership it is in has it in sync:
-    /// on every daemon that answers, done when a majority did (the rest: [`UNFENCE`]).
-    pub(super) async fn rejoin(&self, n: &Node) -> anyhow::Result<()> {
+    /// Lifts the fence of a node that came back once every membership it is in has it in sync
+    /// (as the daemons' `views` of this pass say): on every daemon that answers, done when a
+    /// majority did (the rest: [`UNFENCE`]).
+    pub(super) async fn rejoin(&self, n: &Node, views: &[(String, Vec<pb::SyncVolume>)]) -> anyhow::Result<()> {
         let name = n.name_any();
         let blocks: Vec<String> =
             n.annotations().get(FENCED).map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default();
         let hosts: BTreeSet<&str> = blocks.iter().map(|b| b.split_once('/').map_or(b.as_str(), |(h, _)| h)).collect();
         let me = BTreeSet::from([name.clone()]);
         let mut member_of = Vec::new();
-        for (_, views) in self.views(&me).await {
+        for (_, views) in views.iter().filter(|(node, _)| *node != name) {
             for v in views.iter().filter(|v| v.role == "primary") {
                 let Some(m) = v.members.iter().find(|m| hosts.contains(host(&m.endpoint))) else { continue };
                 if m.state != "in-sync" {

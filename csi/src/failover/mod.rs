@@ -316,10 +316,15 @@ impl Failover {
         if !lost.is_empty() {
             self.fail_over(lost).await;
         }
+        // Returning nodes wait for their copies to be in sync: one read of the memberships
+        // serves them all.
+        let back = looks.iter().any(|(_, l)| matches!(l, Look::Back));
+        let views = if back { self.views(&BTreeSet::new()).await } else { Vec::new() };
+        let views = &views;
         futures_util::stream::iter(looks)
             .for_each_concurrent(FAN_OUT, |(n, look)| async move {
                 let done = match look {
-                    Look::Back => self.rejoin(&n).await,
+                    Look::Back => self.rejoin(&n, views).await,
                     Look::Unfence => self.unfence_rest(&n).await,
                     Look::Cordoned => self.hand_over(&n).await,
                     Look::Lost(_) | Look::Fine => Ok(()),

@@ -591,8 +591,11 @@ pub fn copy_replaced(c: &mut Cluster, vol: &str, pv: &str, lost: &str, new: &str
     assert!(super::volumes(c.daemon(new)).contains(&vol.to_owned()), "{new} holds no copy of {vol}");
     let terms =
         |c: &mut Cluster| c.cp.get(&["pv", pv])["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"].to_string();
+    // Where the affinity is immutable the PV is re-created: absent for a moment in between.
     c.cp.wait("the PV's affinity to name the copies", LONG, |cp| {
-        let t = cp.get(&["pv", pv])["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"].to_string();
+        let out = cp.kubectl(&["get", "pv", pv, "-o", "json"]);
+        let Ok(p) = serde_json::from_slice::<serde_json::Value>(&out.stdout) else { return false };
+        let t = p["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"].to_string();
         survivors.iter().all(|n| t.contains(&format!("\"{n}\""))) && !t.contains(&format!("\"{lost}\""))
     });
     println!("   the PV's affinity: {}", terms(c));
