@@ -452,9 +452,8 @@ impl Failover {
             .buffer_unordered(FAN_OUT)
             .collect()
             .await;
-        let refused: Vec<String> = results.into_iter().filter_map(Result::err).collect();
-        let done = self.dir.nodes().len().saturating_sub(except.len()).saturating_sub(refused.len());
-        (done, refused)
+        let done = results.iter().filter(|r| r.is_ok()).count();
+        (done, results.into_iter().filter_map(Result::err).collect())
     }
 
     /// Sets (Some) or removes (None) annotations of Node `node`.
