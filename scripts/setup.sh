@@ -3,7 +3,10 @@
 # missing) and checks the Rust toolchain. Safe to run again; non-interactive.
 set -euo pipefail
 
-PKGS=(libclang-dev clang build-essential pkg-config fio qemu-utils libnbd-bin nbdkit python3-libnbd openssl iputils-ping python3-venv prometheus)
+# e2fsprogs, xfsprogs: what the node image carries (deploy/images.py); umoci, skopeo, docker-registry:
+# the image test unpacks, pushes and pulls them.
+PKGS=(libclang-dev clang build-essential pkg-config fio qemu-utils libnbd-bin nbdkit python3-libnbd openssl iputils-ping python3-venv prometheus
+  e2fsprogs xfsprogs umoci skopeo docker-registry)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -14,6 +17,11 @@ if ((${#missing[@]})); then
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Debian starts the packaged registry as a service on :5000 (every address, no auth); the
+  # tests start their own on loopback with TLS, so the service is stopped and disabled.
+  if [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null; then
+    $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
+  fi
 fi
 
 if ! command -v cargo >/dev/null; then

@@ -399,9 +399,17 @@ impl csi::controller_server::Controller for Controller {
         }
         no_parameters(&r.parameters)?;
         let copies = copies::replicas(&r.parameters)?;
-        let at = r.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_KEY));
+        let mut at = r.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_KEY));
+        let mut one_pool = false;
         if at.is_some_and(|n| self.nodes.admin_endpoint(n).is_none()) {
-            return Ok(Response::new(csi::GetCapacityResponse::default()));
+            // A node without storage: nothing for a class whose volumes are local, but a
+            // remote-access volume asked for there goes where `place` puts it (the most free
+            // space; the node reaches it over the network), so the scheduler may pick the node.
+            if !(copies::remote_access(&r.parameters)? && self.nodes.is_node(at.expect("checked"))) {
+                return Ok(Response::new(csi::GetCapacityResponse::default()));
+            }
+            at = None;
+            one_pool = copies == 1;
         }
         // A replicated class's copies go to other nodes too: every node is asked.
         let nodes = match at {
@@ -412,7 +420,12 @@ impl csi::controller_server::Controller for Controller {
             Ok(c.pool_status(pb::PoolStatusRequest {}).await?.into_inner())
         })
         .await?;
-        let pools: Vec<(String, Room)> = pools.answers.into_iter().map(|(n, s)| (n, Room::of(&s))).collect();
+        let mut pools: Vec<(String, Room)> = pools.answers.into_iter().map(|(n, s)| (n, Room::of(&s))).collect();
+        if one_pool {
+            // One copy, in the one pool with the most room: not the sum of every pool.
+            pools.sort_by_key(|(_, r)| std::cmp::Reverse(r.free));
+            pools.truncate(1);
+        }
         let (available, most) = capacity(&pools, at.map(String::as_str), copies);
         Ok(Response::new(csi::GetCapacityResponse {
             available_capacity: i64::try_from(available).unwrap_or(i64::MAX),

@@ -151,11 +151,20 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     if let (true, Some(_), Some(after)) = (controller, &opts.node_service, opts.failover_after) {
         let lease_namespace = &opts.node_lease_namespace;
         let taint = opts.out_of_service_taint;
-        let guard = failover::start(Arc::clone(&dir), identity::DRIVER_NAME, after, lease_namespace, taint).await?;
+        let metrics = Arc::new(failover::Metrics::default());
+        let guard = failover::start(
+            Arc::clone(&dir),
+            identity::DRIVER_NAME,
+            after,
+            lease_namespace,
+            taint,
+            Arc::clone(&metrics),
+        )
+        .await?;
         if let Some((at, tls)) = &opts.webhook {
             let listener = tokio::net::TcpListener::bind(at).await.with_context(|| format!("binding {at}"))?;
             tracing::info!(%at, "the drain guard's admission webhook is on");
-            tokio::spawn(webhook::serve(listener, Arc::clone(tls), guard));
+            tokio::spawn(webhook::serve(listener, Arc::clone(tls), guard, metrics));
         }
     } else if opts.webhook.is_some() {
         anyhow::bail!(

@@ -3,7 +3,8 @@
 //! ValidatingWebhookConfiguration, deploy/kubernetes/base/webhook.yaml). What it answers is the
 //! drain guard's (`failover/guard.rs`); this module is the listener: TLS with the controller's
 //! certificate (which names the controller Service; reloaded when it changes), and bounded like
-//! every listener: connections, request size, time.
+//! every listener: connections, request size, time. `GET /metrics` serves the failover
+//! controller's metrics (`failover/metrics.rs`) on the same port.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -52,7 +53,12 @@ pub trait Review: Send + Sync + 'static {
 }
 
 /// Serves reviews on `listener` until the process ends.
-pub async fn serve(listener: TcpListener, tls: Arc<Reloading<ServerConfig>>, judge: Arc<dyn Review>) {
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<Reloading<ServerConfig>>,
+    judge: Arc<dyn Review>,
+    metrics: Arc<crate::failover::Metrics>,
+) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (tcp, peer) = match listener.accept().await {
@@ -70,6 +76,7 @@ pub async fn serve(listener: TcpListener, tls: Arc<Reloading<ServerConfig>>, jud
         };
         let acceptor = ferrite_tls::TlsAcceptor::from(tls.current());
         let judge = Arc::clone(&judge);
+        let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
             let _slot = slot;
             let exchange = async {
@@ -80,8 +87,8 @@ pub async fn serve(listener: TcpListener, tls: Arc<Reloading<ServerConfig>>, jud
                 let mut http = http1::Builder::new();
                 http.keep_alive(false).timer(TokioTimer::new()).header_read_timeout(HANDSHAKE);
                 let service = hyper::service::service_fn(move |req| {
-                    let judge = Arc::clone(&judge);
-                    async move { Ok::<_, Infallible>(respond(req, &*judge).await) }
+                    let (judge, metrics) = (Arc::clone(&judge), Arc::clone(&metrics));
+                    async move { Ok::<_, Infallible>(respond(req, &*judge, &metrics).await) }
                 });
                 http.serve_connection(TokioIo::new(stream), service).await.map_err(|e| e.to_string())
             };
@@ -103,7 +110,13 @@ fn reply(status: StatusCode, body: String) -> Response<String> {
     r
 }
 
-async fn respond(req: Request<Incoming>, judge: &dyn Review) -> Response<String> {
+async fn respond(req: Request<Incoming>, judge: &dyn Review, metrics: &crate::failover::Metrics) -> Response<String> {
+    if req.uri().path() == "/metrics" && req.method() == Method::GET {
+        let mut r = Response::new(metrics.render());
+        let kind = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, kind.parse().expect("static header"));
+        return r;
+    }
     if req.uri().path() != PATH {
         return reply(StatusCode::NOT_FOUND, format!("not found; the drain guard is at {PATH}\n"));
     }

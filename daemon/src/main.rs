@@ -142,6 +142,12 @@ enum Cmd {
         /// reach volumes with it).
         #[arg(long, default_value = "ferrite-daemon,ferrite-node", value_delimiter = ',')]
         signer_account: Vec<String>,
+        /// Controller mode in Kubernetes: make the cluster CA (Secret ferrite-ca) and this
+        /// controller's certificate (Secret ferrite-controller-tls) where they are absent, renew
+        /// the certificate, write both to --signer-ca and the --tls-* files before reading them,
+        /// and set the drain guard's caBundle to the CA. An operator's own CA in ferrite-ca is used.
+        #[arg(long, requires_all = ["signer_ca", "node_service"])]
+        cluster_certs: bool,
         /// Node mode in Kubernetes: the Node label that marks a storage node (its value
         /// "true"). Without it no daemon runs on the node, and the plugin attaches the volumes
         /// its pods use from other nodes itself (on the admin socket's path).
@@ -726,6 +732,7 @@ fn main() {
             out_of_service_taint,
             signer_ca,
             signer_account,
+            cluster_certs,
             signer_max_days,
             storage_label,
             no_storage,
@@ -733,6 +740,15 @@ fn main() {
             attach_state_dir,
         } => {
             init_logging("info");
+            let rt = runtime();
+            let cluster = match cluster_certs_options(&cli, *cluster_certs, signer_ca, node_service.as_deref()) {
+                Ok(Some(o)) => match rt.block_on(ferrite_csi::certs::cluster::make(&o)) {
+                    Ok(()) => Some(o),
+                    Err(e) => return exit(Err(e.context("the cluster's certificates"))),
+                },
+                Ok(None) => None,
+                Err(e) => return exit(Err(e)),
+            };
             // The driver runs for months: its certificate follows its files.
             let admin_tls = match check_tls_args(&cli).and_then(|()| {
                 let Some(ca) = &cli.tls_ca else { return Ok(None) };
@@ -803,7 +819,10 @@ fn main() {
                 request_timeout: config::DEFAULT_NBD_DEVICE_TIMEOUT,
             });
             let (node, no_storage) = (opts.node_id.clone(), *no_storage);
-            return exit(runtime().block_on(async move {
+            return exit(rt.block_on(async move {
+                if let Some(o) = cluster {
+                    ferrite_csi::certs::cluster::keep(o);
+                }
                 let storage = match storage_label {
                     _ if no_storage => false,
                     Some(label) => holds_storage(&node, label).await?,
@@ -825,6 +844,34 @@ fn main() {
     init_logging(filter);
     quiet_on_closed_pipe();
     exit(runtime().block_on(client(cli)));
+}
+
+/// Where `--cluster-certs` writes: the signer's directory and the --tls-* files, which it
+/// needs; the controller Service in the node Service's namespace.
+fn cluster_certs_options(
+    cli: &Cli,
+    on: bool,
+    signer_ca: &Option<PathBuf>,
+    node_service: Option<&str>,
+) -> anyhow::Result<Option<ferrite_csi::certs::cluster::Options>> {
+    if !on {
+        return Ok(None);
+    }
+    let (Some(ca_dir), Some(tls_ca), Some(tls_cert), Some(tls_key)) =
+        (signer_ca, &cli.tls_ca, &cli.tls_cert, &cli.tls_key)
+    else {
+        anyhow::bail!("--cluster-certs writes --signer-ca, --tls-ca, --tls-cert and --tls-key: give all four");
+    };
+    let namespace = node_service.and_then(|s| s.split_once('/')).map(|(ns, _)| ns.to_owned());
+    let namespace = namespace.ok_or_else(|| anyhow::anyhow!("--cluster-certs needs --node-service NAMESPACE/NAME"))?;
+    Ok(Some(ferrite_csi::certs::cluster::Options {
+        service: format!("ferrite-controller.{namespace}.svc"),
+        namespace,
+        ca_dir: ca_dir.clone(),
+        tls_ca: tls_ca.clone(),
+        tls_cert: tls_cert.clone(),
+        tls_key: tls_key.clone(),
+    }))
 }
 
 /// Whether Node `node` is a storage node: its `label` is "true" (a daemon runs there).

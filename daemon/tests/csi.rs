@@ -17,7 +17,9 @@ async fn controller_conformance_across_two_nodes() {
     // Two nodes on two loopback addresses, reached over their TCP admin listeners.
     let (mut a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
     let (mut b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
-    let nodes = [("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}"))];
+    // node-c holds no storage: remote-access volumes are scheduled there and reached remotely.
+    let nodes =
+        [("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}")), ("node-c", String::new())];
     let _csi = start_csi_with(dir.path(), &nodes, &["--mode", "controller"]);
     let ch = channel(&dir.path().join("csi.sock")).await;
     let mut id = csi::identity_client::IdentityClient::new(ch.clone());
@@ -154,6 +156,24 @@ async fn controller_conformance_across_two_nodes() {
     let all = ctl.get_capacity(cap(None)).await.unwrap().into_inner().available_capacity;
     assert!(ca > 0 && cb > 0 && all == ca + cb, "{ca} {cb} {all}");
     assert_eq!(ctl.get_capacity(cap(Some("node-z"))).await.unwrap().into_inner().available_capacity, 0);
+    // A node without storage: nothing for local volumes; for a remote-access class what the pool
+    // with the most room (where CreateVolume puts the volume) has, so that capacity tracking
+    // lets the scheduler pick the node (WaitForFirstConsumer). Never for an unknown node.
+    assert_eq!(ctl.get_capacity(cap(Some("node-c"))).await.unwrap().into_inner().available_capacity, 0);
+    let remote = |node: &str| {
+        let mut r = cap(Some(node));
+        r.parameters.insert("remoteAccess".into(), "true".into());
+        r
+    };
+    let rc = ctl.get_capacity(remote("node-c")).await.unwrap().into_inner();
+    assert_eq!(rc.available_capacity, ca.max(cb), "{rc:?}");
+    assert_eq!(ctl.get_capacity(remote("node-z")).await.unwrap().into_inner().available_capacity, 0);
+    let mut r = create("remote-1", 1 << 20, Some("node-c"));
+    r.parameters.insert("remoteAccess".into(), "true".into());
+    let v = ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap();
+    let most = if ca >= cb { "node-a/" } else { "node-b/" };
+    assert!(v.volume_id.starts_with(most), "a remote volume asked for on node-c goes where the room is: {v:?}");
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: v.volume_id, ..Default::default() }).await.unwrap();
 
     // Snapshots: validation, idempotency, filters, pagination, clone from a snapshot, delete.
     let snap = |name: &str, source: &str| csi::CreateSnapshotRequest {
@@ -422,7 +442,9 @@ async fn publish_and_unpublish_follow_the_spec() {
     let dir = tempfile::tempdir().unwrap();
     let (a, a_admin, _) = tcp_node(&dir.path().join("a"), "127.0.0.2");
     let (b, b_admin, _) = tcp_node(&dir.path().join("b"), "127.0.0.3");
-    let nodes = [("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}"))];
+    // node-c holds no storage: remote-access volumes are scheduled there and reached remotely.
+    let nodes =
+        [("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}")), ("node-c", String::new())];
     let _csi = start_csi_with(dir.path(), &nodes, &["--mode", "controller", "--max-volumes", "2"]);
     let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
     let caps = ctl.controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {}).await.unwrap().into_inner();

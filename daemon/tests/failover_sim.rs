@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::kube::ControlPlane;
+use ferrite_csi::failover::Metrics;
 use ferrite_csi::nodes::{Connections, NodeDirectory};
 use ferrite_proto::ClientTls;
 use ferrite_proto::ferrite::v1 as pb;
@@ -181,7 +182,7 @@ fn micro(t: std::time::SystemTime) -> String {
 }
 
 /// One run at `n` nodes: what the table prints.
-async fn run(cp: &ControlPlane, n: usize, lose: usize, world: Arc<Mutex<World>>) -> String {
+async fn run(cp: &ControlPlane, n: usize, lose: usize, world: Arc<Mutex<World>>, metrics: &Metrics) -> String {
     let lost: Vec<usize> = (0..lose).collect();
     let affected: Vec<usize> = {
         let w = world.lock().unwrap();
@@ -194,9 +195,9 @@ async fn run(cp: &ControlPlane, n: usize, lose: usize, world: Arc<Mutex<World>>)
             w.silent[i] = true;
         }
     }
-    // Their heartbeats expired an hour ago, all at once.
-    let old = micro(std::time::SystemTime::now() - Duration::from_secs(3600));
-    cp.with_stdin(&["replace", "-f", "-"], &list(lost.iter().map(|&i| lease(i, &old, 10)).collect()));
+    // Their heartbeats were renewed for the last time now, for a second, all at once.
+    let last = micro(std::time::SystemTime::now());
+    cp.with_stdin(&["replace", "-f", "-"], &list(lost.iter().map(|&i| lease(i, &last, 1)).collect()));
     let limit = Duration::from_secs(std::env::var("FERRITE_SIM_LIMIT_S").map_or(300, |s| s.parse().unwrap()));
     loop {
         let done = {
@@ -218,6 +219,20 @@ async fn run(cp: &ControlPlane, n: usize, lose: usize, world: Arc<Mutex<World>>)
     }
     let first = times.iter().copied().fold(f64::INFINITY, f64::min);
     let last = times.iter().copied().fold(0.0, f64::max);
+    // The controller's metrics say the same.
+    let text = metrics.render();
+    let value = |line: &str| -> f64 {
+        let found = text.lines().find_map(|l| l.strip_prefix(line)?.strip_prefix(' '));
+        found.unwrap_or_else(|| panic!("{line} not in:\n{text}")).parse().unwrap()
+    };
+    assert_eq!(value("ferrite_failover_leader"), 1.0);
+    assert_eq!(value("ferrite_failover_nodes_lost_total"), lose as f64);
+    assert_eq!(value("ferrite_failover_promotions_total{outcome=\"promoted\"}"), affected.len() as f64);
+    assert_eq!(value("ferrite_failover_recovery_seconds_count"), affected.len() as f64);
+    let mean = value("ferrite_failover_recovery_seconds_sum") / affected.len() as f64;
+    // From the last renewal (a clock read a little before `fault`) to each promotion.
+    assert!(mean > first - 0.5 && mean < last + 1.0, "mean recovery {mean:.1} s, promotions {first:.1}-{last:.1} s");
+    assert_eq!(value("ferrite_failover_errors_total"), 0.0);
     format!("| {n} | {} | {} | {first:.1} s | {last:.1} s | {} |", lost.len(), affected.len(), w.fence_calls)
 }
 
@@ -296,9 +311,23 @@ async fn fleet(cp: &ControlPlane, n: usize, lose: usize) -> String {
     }
     let directory = Arc::new(Directory { names: (0..n).map(name).collect(), ips, kept: Connections::default() });
     let after = Duration::from_secs(20);
-    ferrite_csi::failover::start(directory, "csi.ferrite.dev", after, "ferrite-node-lease", false).await.unwrap();
+    let metrics = Arc::new(Metrics::default());
+    ferrite_csi::failover::start(
+        directory,
+        "csi.ferrite.dev",
+        after,
+        "ferrite-node-lease",
+        false,
+        Arc::clone(&metrics),
+    )
+    .await
+    .unwrap();
     // The watches fill their stores; the first passes see every node healthy.
     tokio::time::sleep(Duration::from_secs(8)).await;
     assert!(world.lock().unwrap().promoted.is_empty(), "nothing moves while every node is healthy");
-    run(cp, n, lose, world).await
+    assert_eq!(
+        metrics.render().lines().find(|l| l.starts_with("ferrite_failover_lost_nodes ")),
+        Some("ferrite_failover_lost_nodes 0")
+    );
+    run(cp, n, lose, world, &metrics).await
 }

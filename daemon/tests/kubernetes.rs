@@ -29,7 +29,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::kube::{ControlPlane, binaries};
-use common::kubelet::{Node, Pod};
+use common::kubelet::{Node, Pod, base64};
 use common::netns::Switch;
 use common::{BIN, Daemon};
 use serde_json::{Value, json};
@@ -148,25 +148,16 @@ impl Cluster {
         // Claims below name this class from the start.
         cp.ok(&["apply", "-f", &deploy().join("examples/volumeattributesclass.yaml").display().to_string()]);
 
+        // No CA and no controller certificate are made by hand: the controller makes them on
+        // its first start (`--cluster-certs`, checked in `start_controller`).
         let pki = dir.join("pki");
-        // Its identity to the daemons, and the name of its Service (the drain guard's webhook).
-        common::csi::certs(&pki, "ferrite-controller", &["ferrite-controller.ferrite.svc"]);
-        let p = |f: &str| pki.join(f).display().to_string();
-        cp.ok(&[
-            "create",
-            "secret",
-            "generic",
-            "ferrite-controller-tls",
-            "-n",
-            NS,
-            &format!("--from-file=ca.crt={}", p("ca.pem")),
-            &format!("--from-file=tls.crt={}", p("ferrite-controller.pem")),
-            &format!("--from-file=tls.key={}", p("ferrite-controller-key.pem")),
-        ]);
         // The snapshot-metadata sidecar's server certificate (the pod's address here: the host's),
-        // its CA in the SnapshotMetadataService, and a backup tool's ServiceAccount under the
-        // sidecar's upstream client RBAC.
-        common::csi::certs(&pki, "snapshot-metadata", &["127.0.0.1"]);
+        // under a CA of its own (the SnapshotMetadataService carries it, as the component's
+        // steps have the operator do), and a backup tool's ServiceAccount under the sidecar's
+        // upstream client RBAC.
+        let smd = dir.join("pki-snapshot-metadata");
+        common::csi::certs(&smd, "snapshot-metadata", &["127.0.0.1"]);
+        let p = |f: &str| smd.join(f).display().to_string();
         cp.ok(&[
             "create",
             "secret",
@@ -177,31 +168,9 @@ impl Cluster {
             &format!("--cert={}", p("snapshot-metadata.pem")),
             &format!("--key={}", p("snapshot-metadata-key.pem")),
         ]);
-        // The CA the controller signs the nodes' certificates with, as docs/kubernetes.md has
-        // the operator create it: no node's certificate is made or copied by hand.
-        cp.ok(&[
-            "create",
-            "secret",
-            "generic",
-            "ferrite-ca",
-            "-n",
-            NS,
-            &format!("--from-file=ca.crt={}", p("ca.pem")),
-            &format!("--from-file=ca.key={}", p("ca-key.pem")),
-        ]);
         let ca = sh(&format!("base64 -w0 {}", p("ca.pem")));
         let patch = json!({"spec": {"caCert": ca.trim()}}).to_string();
         cp.merge_patch("snapshotmetadataservice", "csi.ferrite.dev", &patch);
-        // The drain guard's CA, as docs/kubernetes.md has the operator patch it in.
-        let patch = json!([{"op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": ca.trim()}]);
-        cp.ok(&[
-            "patch",
-            "validatingwebhookconfiguration",
-            "ferrite-drain-guard",
-            "--type=json",
-            "-p",
-            &patch.to_string(),
-        ]);
         cp.ok(&["create", "namespace", "backup-app-namespace"]);
         for r in ["service-account", "cluster-role", "cluster-role-binding"] {
             let f = up.join(format!("rbac/csi-snapshot-metadata-client-{r}.yaml"));
@@ -246,6 +215,38 @@ impl Cluster {
         }
         c.listed();
         c
+    }
+
+    /// The install was one apply: the controller made the cluster CA and its own certificate in
+    /// Secrets, wrote them to its in-memory volumes (the key 0600, its user's), and set the drain
+    /// guard's caBundle. The test takes the CA from its Secret (as an admin could) to issue the
+    /// certificates its own clients use (a controller identity, operators').
+    fn cluster_certs(&mut self, pod: &Pod) {
+        let key = PathBuf::from(pod.rewrite(pod.container("ferrite"), "/etc/ferrite/tls/tls.key"));
+        self.cp.wait("the controller to make its certificate", LONG, |_| key.exists());
+        let cp = &self.cp;
+        let meta = std::fs::metadata(&key).unwrap();
+        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777, 0o600, "tls.key");
+        assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), 65532, "the key is the controller's user's");
+        let field = |secret: &str, key: &str| {
+            let s = cp.get(&["secret", secret, "-n", NS]);
+            base64(s["data"][key].as_str().unwrap_or_else(|| panic!("{secret} has no {key}")))
+        };
+        let ca = field("ferrite-ca", "ca.crt");
+        assert_eq!(field("ferrite-controller-tls", "ca.crt"), ca);
+        let cert = ferrite_tls::certs_from_pem(&String::from_utf8(field("ferrite-controller-tls", "tls.crt")).unwrap())
+            .unwrap();
+        let names = ferrite_tls::identities(&cert[0]);
+        assert_eq!(names, ["ferrite-controller", "ferrite-controller.ferrite.svc"]);
+        let hook = cp.get(&["validatingwebhookconfiguration", "ferrite-drain-guard"]);
+        assert_eq!(base64(hook["webhooks"][0]["clientConfig"]["caBundle"].as_str().unwrap()), ca, "the caBundle");
+        std::fs::create_dir_all(&self.pki).unwrap();
+        std::fs::set_permissions(&self.pki, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        std::fs::write(self.pki.join("ca.pem"), &ca).unwrap();
+        let key = self.pki.join("ca-key.pem");
+        std::fs::write(&key, field("ferrite-ca", "ca.key")).unwrap();
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        common::csi::certs(&self.pki, "ferrite-controller", &["ferrite-controller.ferrite.svc"]);
     }
 
     /// Replaces argument `from` of `container` in the pod template of `workload` (`kind/name`)
@@ -478,9 +479,7 @@ impl Cluster {
         let pod = Pod::run(cp, NS, "ferrite-controller-1-x", tpl, &self.nodes[0], Some(owner), &self.sw.gateway);
         let (uid, _, groups) = pod.user(pod.container("ferrite")).expect("the controller pod names its user");
         assert!(uid != 0 && groups.contains(&65532), "the controller runs as its image's user, with the fsGroup");
-        let key = pod.rewrite(pod.container("ferrite"), "/etc/ferrite/tls/tls.key");
-        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&key).unwrap().permissions());
-        assert_eq!(mode & 0o777, 0o440, "the key is readable by the fsGroup only");
+        let first = !self.pki.join("ca.pem").exists();
         for c in tpl["spec"]["containers"].as_array().unwrap() {
             let name = c["name"].as_str().unwrap();
             let program = match name {
@@ -517,6 +516,9 @@ impl Cluster {
             } else {
                 cp.spawn_cmd(&pod.process(name), &mut cmd);
             }
+        }
+        if first {
+            self.cluster_certs(&pod);
         }
         self.controller = Some(pod);
         // The cluster-wide controllers, each under its upstream ServiceAccount and RBAC.

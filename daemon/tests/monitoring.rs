@@ -1,7 +1,8 @@
 //! The monitoring component (`deploy/kubernetes/components/monitoring`): its alert rules pass
 //! `promtool check rules`, each alert has a `promtool test rules` case and a runbook entry in
 //! docs/operations.md, and every series the rules and the Grafana dashboard name is one a real
-//! daemon serves on /metrics (over mutual TLS), whose text passes `promtool check metrics`.
+//! daemon serves on /metrics (over mutual TLS) or the failover controller serves on its own
+//! (`ferrite_failover_*`), whose texts pass `promtool check metrics`.
 
 mod common;
 
@@ -109,19 +110,25 @@ fn a_daemon_serves_every_series_the_rules_and_the_dashboard_name() {
     // promtool 2.42 looks for a counter's HELP under its sample name (`x_total`); the
     // OpenMetrics text prometheus-client writes gives it under the family (`x`). That finding
     // alone is accepted, for counters whose family has its HELP.
-    let (_, out) = promtool(&["check", "metrics"], Some(body));
-    let findings: Vec<&str> = out
-        .lines()
-        .filter(|l| {
-            let family = l.strip_suffix("_total no help text");
-            !family.is_some_and(|f| body.contains(&format!("# HELP {f} ")))
-        })
-        .filter(|l| !l.trim().is_empty())
-        .collect();
-    assert!(findings.is_empty(), "promtool check metrics:\n{}", findings.join("\n"));
+    let controller = ferrite_csi::failover::Metrics::default().render();
+    for text in [body, &controller] {
+        let (_, out) = promtool(&["check", "metrics"], Some(text));
+        let findings: Vec<&str> = out
+            .lines()
+            .filter(|l| {
+                let family = l.strip_suffix("_total no help text");
+                !family.is_some_and(|f| text.contains(&format!("# HELP {f} ")))
+            })
+            .filter(|l| !l.trim().is_empty())
+            .collect();
+        assert!(findings.is_empty(), "promtool check metrics:\n{}", findings.join("\n"));
+    }
 
-    let families: BTreeSet<&str> =
-        body.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split_whitespace().next()).collect();
+    let families: BTreeSet<&str> = body
+        .lines()
+        .chain(controller.lines())
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.split_whitespace().next())
+        .collect();
     let rules = std::fs::read_to_string(rule_file(dir.path())).unwrap();
     let dashboard = std::fs::read_to_string(component().join("dashboard.json")).unwrap();
     let named = series(&rules).into_iter().chain(series(&dashboard));
@@ -129,7 +136,7 @@ fn a_daemon_serves_every_series_the_rules_and_the_dashboard_name() {
         let family = ["_total", "_bucket", "_count", "_sum"].iter().find_map(|x| s.strip_suffix(x)).unwrap_or(&s);
         assert!(
             families.contains(family),
-            "{s} is named by the rules or the dashboard but the daemon does not serve it"
+            "{s} is named by the rules or the dashboard but neither the daemon nor the controller serves it"
         );
     }
     // The certificate's expiry is the server certificate's.

@@ -210,9 +210,27 @@ fn a_pool_on_a_block_device_is_served_kept_and_discarded() {
         assert!(Command::new("mkfs.ext4").args(["-q", "-F", &lo.dev]).status().unwrap().success());
         let mnt = tmp.path().join("mnt");
         std::fs::create_dir_all(&mnt).unwrap();
-        assert!(Command::new("mount").arg(&lo.dev).arg(&mnt).status().unwrap().success());
-        let o = format(&dir, &["--force"]);
-        assert!(Command::new("umount").arg(&mnt).status().unwrap().success());
+        // Mounted in a mount namespace of its own that ends with the format: a namespace another
+        // test creates meanwhile (`ip netns exec`, `unshare`) would copy a mount made here and keep
+        // the device busy after our umount, for as long as that namespace lives.
+        let cfg = config(&dir, None);
+        let o = Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                r#"mount "$1" "$2" && exec "$3" pool format --config "$4" --data-dir "$5" --force"#,
+                "sh",
+            ])
+            .arg(&lo.dev)
+            .arg(&mnt)
+            .arg(BIN)
+            .arg(&cfg)
+            .arg(&dir)
+            .output()
+            .unwrap();
         refused(&o, "is in use");
         refused(&format(&dir, &[]), "ext2/3/4 filesystem");
         refused(&format(&dir, &["--size", "1G", "--force"]), "a device pool takes the whole device");

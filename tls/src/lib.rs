@@ -50,6 +50,24 @@ pub fn load_certs(path: &Path) -> io::Result<Vec<CertificateDer<'static>>> {
     Ok(certs)
 }
 
+/// The certificates of PEM text.
+pub fn certs_from_pem(text: &str) -> io::Result<Vec<CertificateDer<'static>>> {
+    let read = |e: rustls::pki_types::pem::Error| invalid(format!("reading certificates: {e}"));
+    CertificateDer::pem_slice_iter(text.as_bytes()).collect::<Result<Vec<_>, _>>().map_err(read)
+}
+
+/// Whether `cert` is valid now and signed by the first certificate of `ca_pem` (as a TLS
+/// server's certificate).
+pub fn issued_by(cert: &CertificateDer<'_>, ca_pem: &str) -> bool {
+    let Some(ca) = certs_from_pem(ca_pem).ok().and_then(|c| c.into_iter().next()) else { return false };
+    let (Ok(anchor), Ok(leaf)) = (webpki::anchor_from_trusted_cert(&ca), webpki::EndEntityCert::try_from(cert)) else {
+        return false;
+    };
+    let now = rustls::pki_types::UnixTime::now();
+    let algs = provider().signature_verification_algorithms.all;
+    leaf.verify_for_usage(algs, &[anchor], &[], now, webpki::KeyUsage::server_auth(), None, None).is_ok()
+}
+
 /// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
 pub fn load_key(path: &Path) -> io::Result<PrivateKeyDer<'static>> {
     PrivateKeyDer::from_pem_file(path)

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use ferrite_proto::ferrite::v1 as pb;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::events::EventType;
 use tonic::Code;
@@ -32,6 +33,8 @@ type Copies = Vec<(u64, String, bool)>;
 struct Lost {
     node: Arc<Node>,
     why: String,
+    /// Since when (not Ready, or its heartbeat's last renewal).
+    since: Timestamp,
     /// Its addresses (the Node's and its daemon's), and their fence blocks.
     addrs: BTreeSet<String>,
     blocks: Vec<String>,
@@ -45,10 +48,10 @@ pub(super) fn majority(ok: usize, failed: usize) -> bool {
 impl Failover {
     /// Fences every node of `lost` (each with why it is lost) and promotes a copy of every
     /// volume whose primary was on one of them.
-    pub(super) async fn fail_over(&self, lost: Vec<(Arc<Node>, String)>) {
-        let names: BTreeSet<String> = lost.iter().map(|(n, _)| n.name_any()).collect();
+    pub(super) async fn fail_over(&self, lost: Vec<(Arc<Node>, String, Timestamp)>) {
+        let names: BTreeSet<String> = lost.iter().map(|(n, ..)| n.name_any()).collect();
         let mut nodes = Vec::new();
-        for (node, why) in lost {
+        for (node, why, since) in lost {
             let name = node.name_any();
             let mut addrs: BTreeSet<String> = addresses(&node).collect();
             if let Some(at) = self.dir.admin_endpoint(&name) {
@@ -60,7 +63,7 @@ impl Failover {
                 self.failed(&node, &e).await;
                 continue;
             }
-            nodes.push(Lost { node, why, addrs, blocks });
+            nodes.push(Lost { node, why, since, addrs, blocks });
         }
         // The annotations first: a fence whose author is not written down would never be lifted.
         let annotated = futures_util::stream::iter(nodes)
@@ -72,7 +75,10 @@ impl Failover {
                 tracing::warn!(node = %name, fence = ?l.blocks, "node lost ({}): fencing it", l.why);
                 let fenced = Some(l.blocks.join(","));
                 match self.annotate(&name, &[(FENCED, fenced), (UNFENCE, None)]).await {
-                    Ok(()) => Some(l),
+                    Ok(()) => {
+                        self.metrics.nodes_lost.inc();
+                        Some(l)
+                    }
                     Err(e) => {
                         self.failed(&l.node, &e).await;
                         None
@@ -108,9 +114,14 @@ impl Failover {
         futures_util::stream::iter(volumes)
             .for_each_concurrent(FAN_OUT, |(volume, (at, mut copies))| async move {
                 copies.sort_by(|a, b| b.cmp(a));
-                let Lost { node, why, .. } = &nodes[at];
+                let Lost { node, why, since, .. } = &nodes[at];
                 let name = node.name_any();
-                let (kind, reason, note) = match self.promote(&volume, &copies, fenced).await {
+                let promoted = self.promote(&volume, &copies, fenced).await;
+                self.metrics.promoted(promoted.is_ok());
+                if promoted.is_ok() {
+                    self.metrics.recovery.observe(Timestamp::now().duration_since(*since).as_secs_f64().max(0.0));
+                }
+                let (kind, reason, note) = match promoted {
                     Ok((to, generation)) => (
                         EventType::Warning,
                         "FailedOver",

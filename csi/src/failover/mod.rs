@@ -53,11 +53,13 @@ mod gone;
 mod guard;
 mod lost;
 mod maintenance;
+pub mod metrics;
 mod pv_move;
 mod replace;
 mod workload;
 
 pub use guard::OVERRIDE;
+pub use metrics::Metrics;
 
 /// The annotation on a Node the controller fenced: the blocks it fenced, comma-separated.
 pub const FENCED: &str = "failover.ferrite.dev/fenced";
@@ -112,6 +114,7 @@ struct Failover {
     /// [`MEMBERSHIPS_EVERY`]).
     passes: std::sync::atomic::AtomicU32,
     lost_since: replace::LostSince,
+    metrics: Arc<Metrics>,
 }
 
 /// The host of `tcp://host:port` (or `host:port`), without brackets.
@@ -219,6 +222,7 @@ pub async fn start(
     after: Duration,
     lease_namespace: &str,
     out_of_service: bool,
+    metrics: Arc<Metrics>,
 ) -> anyhow::Result<Arc<dyn crate::webhook::Review>> {
     let client = kube::Client::try_default().await?;
     let me = std::env::var("POD_NAME").unwrap_or_else(|_| format!("ferrite-controller-{}", std::process::id()));
@@ -242,6 +246,7 @@ pub async fn start(
         out_of_service,
         passes: std::sync::atomic::AtomicU32::new(0),
         lost_since: replace::LostSince::default(),
+        metrics,
     });
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
     let guard = Arc::clone(&this);
@@ -255,9 +260,12 @@ pub async fn start(
             return tracing::error!("failover is off: the Node and PersistentVolume watches ended: {e}");
         }
         loop {
-            match this.leader.hold().await {
+            let held = this.leader.hold().await;
+            this.metrics.leader.set(i64::from(matches!(held, Ok(true))));
+            match held {
                 Ok(true) => {
                     this.pass().await;
+                    this.metrics.passes.inc();
                     let n = this.passes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if n.is_multiple_of(MEMBERSHIPS_EVERY) {
                         // Both read every daemon's memberships: one read serves the two.
@@ -281,8 +289,8 @@ pub async fn start(
 
 /// What one pass makes of a Node.
 enum Look {
-    /// Lost, as the string says: failed over.
-    Lost(String),
+    /// Lost since then, as the string says: failed over.
+    Lost(String, Timestamp),
     /// Fenced by us, Ready, its daemon answers: rebuilt, then unfenced.
     Back,
     /// Its fence lifted but on some daemons: lifted there too.
@@ -306,13 +314,14 @@ impl Failover {
             .buffer_unordered(LOOK_FAN_OUT)
             .collect()
             .await;
-        let lost: Vec<(Arc<Node>, String)> = looks
+        let lost: Vec<(Arc<Node>, String, Timestamp)> = looks
             .iter()
             .filter_map(|(n, l)| match l {
-                Look::Lost(why) => Some((Arc::clone(n), why.clone())),
+                Look::Lost(why, since) => Some((Arc::clone(n), why.clone(), *since)),
                 _ => None,
             })
             .collect();
+        self.metrics.lost_nodes.set(i64::try_from(lost.len()).unwrap_or(i64::MAX));
         if !lost.is_empty() {
             self.fail_over(lost).await;
         }
@@ -327,7 +336,7 @@ impl Failover {
                     Look::Back => self.rejoin(&n, views).await,
                     Look::Unfence => self.unfence_rest(&n).await,
                     Look::Cordoned => self.hand_over(&n).await,
-                    Look::Lost(_) | Look::Fine => Ok(()),
+                    Look::Lost(..) | Look::Fine => Ok(()),
                 };
                 if let Err(e) = done {
                     self.failed(&n, &e).await;
@@ -347,14 +356,14 @@ impl Failover {
             .get(&ObjectRef::new(&crate::heartbeat::lease_name(&name)).within(&self.lease_namespace))
             .and_then(|l| expired_for(&l, now));
         let sign = match (not_ready, silent) {
-            (Some(d), _) => Some(format!("not Ready for {}s", d.as_secs())),
-            (None, Some(d)) => Some(format!("its storage heartbeat silent for {}s", d.as_secs())),
+            (Some(d), _) => Some((format!("not Ready for {}s", d.as_secs()), d)),
+            (None, Some(d)) => Some((format!("its storage heartbeat silent for {}s", d.as_secs()), d)),
             (None, None) => None,
         };
         let fenced = n.annotations().contains_key(FENCED);
-        if let Some(sign) = sign {
+        if let Some((sign, since)) = sign {
             return match trouble(&*self.dir, &name, ANSWER).await {
-                Some(why) => Look::Lost(format!("{sign}, {why}")),
+                Some(why) => Look::Lost(format!("{sign}, {why}"), now - since),
                 None => Look::Fine,
             };
         }
@@ -376,6 +385,7 @@ impl Failover {
     /// A node's failover step failed: a log line and a Warning Event on the Node; the pass goes on.
     async fn failed(&self, n: &Node, e: &anyhow::Error) {
         let name = n.name_any();
+        self.metrics.errors.inc();
         tracing::warn!(node = %name, "failover: {e:#}");
         let ev = Event {
             type_: EventType::Warning,
@@ -452,6 +462,7 @@ impl Failover {
             .buffer_unordered(FAN_OUT)
             .collect()
             .await;
+        self.metrics.fence_round(fence);
         let done = results.iter().filter(|r| r.is_ok()).count();
         (done, results.into_iter().filter_map(Result::err).collect())
     }

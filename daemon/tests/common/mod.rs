@@ -142,9 +142,14 @@ impl Drop for Daemon {
 /// GET /metrics at `addr` (host:port) over TLS with the CA `ca`, presenting `identity`
 /// (certificate, key) if given: the whole HTTP response.
 pub fn scrape_tls(addr: &str, ca: &Path, identity: Option<(&Path, &Path)>) -> std::io::Result<String> {
+    scrape_tls_as(addr, addr, ca, identity)
+}
+
+/// [`scrape_tls`] of a server whose certificate names `name` rather than its address.
+pub fn scrape_tls_as(addr: &str, name: &str, ca: &Path, identity: Option<(&Path, &Path)>) -> std::io::Result<String> {
     use std::io::{Read, Write};
     let cfg = ferrite_tls::client_config(ca, identity, &[b"http/1.1"])?;
-    let conn = ferrite_tls::rustls::ClientConnection::new(cfg, ferrite_tls::server_name(addr)?)
+    let conn = ferrite_tls::rustls::ClientConnection::new(cfg, ferrite_tls::server_name(name)?)
         .map_err(std::io::Error::other)?;
     let mut tls = ferrite_tls::rustls::StreamOwned::new(conn, std::net::TcpStream::connect(addr)?);
     tls.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")?;

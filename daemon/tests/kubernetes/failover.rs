@@ -197,6 +197,7 @@ pub fn node_lost(c: &mut Cluster, vol: &str, pv: &str) {
     set_ready(c, lost, false);
     let to = promoted(c, vol, lost, generation);
     println!("   promoted on {to} {:?} after the fault (--failover-after={FAILOVER_AFTER:?})", fault.elapsed());
+    controller_metrics(c, fault.elapsed().as_secs_f64());
     check_fenced(c, i, Some(true));
     check_pods_moved(c, "app-a");
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
@@ -219,6 +220,24 @@ pub fn node_lost(c: &mut Cluster, vol: &str, pv: &str) {
     c.daemon_pods[i] = c.start_daemon_pod(i);
     set_ready(c, lost, true);
     rejoined(c, vol, pv, i);
+}
+
+/// The controller's /metrics on its webhook port (HTTPS, its certificate names its Service):
+/// it leads, it promoted, and the time from the loss to that promotion is within `since_fault`
+/// plus the time the node was silent before (its Ready condition's flip).
+fn controller_metrics(c: &Cluster, since_fault: f64) {
+    let ca = c.pki.join("ca.pem");
+    let reply = super::common::scrape_tls_as("127.0.0.1:9443", "ferrite-controller.ferrite.svc", &ca, None).unwrap();
+    let body = reply.split_once("\r\n\r\n").map_or(reply.as_str(), |(_, b)| b);
+    let value = |series: &str| -> f64 {
+        let v = body.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' '));
+        v.unwrap_or_else(|| panic!("{series} not in the controller's metrics:\n{body}")).parse().unwrap()
+    };
+    assert_eq!(value("ferrite_failover_leader"), 1.0);
+    assert!(value("ferrite_failover_promotions_total{outcome=\"promoted\"}") >= 1.0, "{body}");
+    let (n, sum) = (value("ferrite_failover_recovery_seconds_count"), value("ferrite_failover_recovery_seconds_sum"));
+    println!("   controller metrics: {n} promotion(s), {:.1} s from the loss on average", sum / n);
+    assert!(n >= 1.0 && sum / n <= since_fault + 5.0, "{body}");
 }
 
 /// (d) While node `lost`'s daemon is down, the controller's calls that ask every node answer

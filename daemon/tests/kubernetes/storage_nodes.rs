@@ -69,6 +69,21 @@ pub fn label_less_node(c: &mut Cluster, dir: &Path) {
             "parameters": {"csi.storage.k8s.io/fstype": "ext4", "remoteAccess": "true"}})
         .to_string(),
     );
+    // The scheduler's capacity rule (volumebinding, WaitForFirstConsumer): a node fits a claim
+    // when a CSIStorageCapacity of the claim's class whose nodeTopology selects the node has the
+    // room (maximumVolumeSize if given, else capacity). The provisioner publishes them per node
+    // topology from GetCapacity: node-e fits the remote-access class and not a local one.
+    let fits = |cp: &super::ControlPlane, class: &str, bytes: u64| {
+        let caps = cp.get(&["csistoragecapacities", "-n", NS]);
+        caps["items"].as_array().unwrap().iter().any(|i| {
+            let room = i["maximumVolumeSize"].as_str().or(i["capacity"].as_str()).map_or(0, quantity);
+            i["storageClassName"] == class
+                && i["nodeTopology"]["matchLabels"]["topology.ferrite.dev/node"] == "node-e"
+                && room >= bytes
+        })
+    };
+    c.cp.wait("capacity for the remote-access class on node-e", LONG, |cp| fits(cp, "ferrite-anywhere", 32 << 20));
+    assert!(!fits(&c.cp, "ferrite-ext4", 1), "a local class has no room on a node without storage");
     claim(&c.cp, "far", "node-e", "32Mi", None, json!({}), json!({"storageClassName": "ferrite-anywhere"}));
     let handle = c.bound("far");
     let (node, _) = handle.split_once('/').unwrap();
@@ -96,4 +111,23 @@ pub fn label_less_node(c: &mut Cluster, dir: &Path) {
     let size = rt.block_on(ferrite_nbd::relay::export_size(cfg, name, nbd, export)).unwrap();
     assert_eq!(size, 32 << 20);
     c.cp.ok(&["delete", "volumeattachment", "far-e", "--wait=true", "--timeout=60s"]);
+}
+
+/// A resource quantity's bytes ("1234", "64Mi", "2Gi", "1G"); 0 for what it cannot read.
+fn quantity(q: &str) -> u64 {
+    let at = q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len());
+    let (n, unit) = q.split_at(at);
+    let scale: u64 = match unit {
+        "" => 1,
+        "k" => 1_000,
+        "Ki" => 1 << 10,
+        "M" => 1_000_000,
+        "Mi" => 1 << 20,
+        "G" => 1_000_000_000,
+        "Gi" => 1 << 30,
+        "T" => 1_000_000_000_000,
+        "Ti" => 1 << 40,
+        _ => return 0,
+    };
+    n.parse::<u64>().map_or(0, |n| n.saturating_mul(scale))
 }

@@ -1,0 +1,241 @@
+//! The cluster's certificates made by the controller itself (`ferrite csi --cluster-certs`), so
+//! that `kubectl apply -k` is the whole install: on start, before anything reads them,
+//!
+//! - the CA: the Secret `ferrite-ca` (`ca.crt`, `ca.key`), made when absent (an operator's own
+//!   CA, created beforehand, is used as it is);
+//! - the controller's certificate: the Secret `ferrite-controller-tls` (`ca.crt`, `tls.crt`,
+//!   `tls.key`), naming `ferrite-controller` (its role in the daemons' `[roles]`) and the
+//!   controller Service (the drain guard's server name), issued when absent, not from the CA, or
+//!   two thirds into its lifetime;
+//! - the drain guard's `caBundle`, set to the CA.
+//!
+//! Both Secrets are written to the files the controller reads (`--signer-ca`, `--tls-*`: an
+//! in-memory emptyDir in the manifests, so no key touches a node's disk), and looked at again
+//! every [`EVERY`]: a renewed certificate or a rotated CA reaches the files, which the listeners
+//! reload. Two replicas starting together race only through the API server: a create that finds
+//! the Secret made (409) or an update that lost (409) re-reads it.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+
+/// The Secrets and the webhook configuration, as deploy/kubernetes names them.
+pub const CA_SECRET: &str = "ferrite-ca";
+pub const TLS_SECRET: &str = "ferrite-controller-tls";
+pub const WEBHOOK: &str = "ferrite-drain-guard";
+/// The controller's name in its certificate: the identity the daemons' `[roles]` give the
+/// controller role.
+pub const IDENTITY: &str = "ferrite-controller";
+/// A new CA's and a controller certificate's lifetimes.
+const CA_DAYS: u32 = 3650;
+const CERT_DAYS: u32 = 365;
+/// How often the Secrets are looked at again.
+const EVERY: Duration = Duration::from_secs(600);
+
+/// Where the material goes and under which names.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub namespace: String,
+    /// The controller Service's DNS name (`ferrite-controller.NAMESPACE.svc`).
+    pub service: String,
+    /// The signer's directory (`ca.crt`, `ca.key`), and the controller's TLS files.
+    pub ca_dir: PathBuf,
+    pub tls_ca: PathBuf,
+    pub tls_cert: PathBuf,
+    pub tls_key: PathBuf,
+}
+
+fn now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+fn field<'a>(s: &'a Secret, key: &str) -> Option<&'a str> {
+    std::str::from_utf8(&s.data.as_ref()?.get(key)?.0).ok()
+}
+
+fn secret(name: &str, namespace: &str, data: &[(&str, &str)]) -> Secret {
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(BTreeMap::from([("app.kubernetes.io/part-of".to_owned(), "ferrite".to_owned())])),
+            ..Default::default()
+        },
+        data: Some(data.iter().map(|(k, v)| ((*k).to_owned(), ByteString(v.as_bytes().to_vec()))).collect()),
+        ..Default::default()
+    }
+}
+
+/// Whether `cert_pem` names `names`, was issued by the CA `ca_pem`, and is less than two thirds
+/// into its lifetime.
+pub fn current(cert_pem: &str, ca_pem: &str, names: &[String]) -> bool {
+    let Ok(certs) = ferrite_tls::certs_from_pem(cert_pem) else { return false };
+    let Some(cert) = certs.first() else { return false };
+    let has = ferrite_tls::identities(cert);
+    let Some((from, to)) = ferrite_tls::validity(cert) else { return false };
+    let fresh = now() < from + (to - from) * 2 / 3;
+    fresh && names.iter().all(|n| has.contains(n)) && ferrite_tls::issued_by(cert, ca_pem)
+}
+
+/// The CA Secret: the one there, or a new one.
+async fn ca(api: &Api<Secret>, namespace: &str) -> Result<(String, String)> {
+    loop {
+        if let Some(s) = api.get_opt(CA_SECRET).await.with_context(|| format!("reading Secret {CA_SECRET}"))? {
+            match (field(&s, "ca.crt"), field(&s, "ca.key")) {
+                (Some(c), Some(k)) => return Ok((c.to_owned(), k.to_owned())),
+                _ => bail!("Secret {CA_SECRET} lacks ca.crt or ca.key (an operator's CA must carry both)"),
+            }
+        }
+        let ca = ferrite_tls::certs::new_ca(CA_DAYS).context("making the cluster CA")?;
+        let new = secret(CA_SECRET, namespace, &[("ca.crt", &ca.cert_pem), ("ca.key", &ca.key_pem)]);
+        match api.create(&PostParams::default(), &new).await {
+            Ok(_) => {
+                tracing::info!("made the cluster CA (Secret {CA_SECRET}), valid {CA_DAYS} days");
+                return Ok((ca.cert_pem, ca.key_pem));
+            }
+            // Another replica made it first: use that one.
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(e).with_context(|| format!("creating Secret {CA_SECRET}")),
+        }
+    }
+}
+
+/// The controller's certificate Secret, issued again when it is not current.
+async fn controller(api: &Api<Secret>, o: &Options, ca: &(String, String)) -> Result<(String, String)> {
+    let names = vec![IDENTITY.to_owned(), o.service.clone()];
+    loop {
+        let old = api.get_opt(TLS_SECRET).await.with_context(|| format!("reading Secret {TLS_SECRET}"))?;
+        if let Some(s) = &old
+            && let (Some(c), Some(k), Some(a)) = (field(s, "tls.crt"), field(s, "tls.key"), field(s, "ca.crt"))
+            && a == ca.0
+            && current(c, &ca.0, &names)
+        {
+            return Ok((c.to_owned(), k.to_owned()));
+        }
+        let issued = ferrite_tls::certs::issue(&ca.1, IDENTITY, &names, CERT_DAYS)
+            .context("issuing the controller's certificate")?;
+        let mut new = secret(
+            TLS_SECRET,
+            &o.namespace,
+            &[("ca.crt", &ca.0), ("tls.crt", &issued.cert_pem), ("tls.key", &issued.key_pem)],
+        );
+        let done = match old {
+            // The resourceVersion makes the replace a compare-and-swap.
+            Some(s) => {
+                new.metadata.resource_version = s.metadata.resource_version;
+                api.replace(TLS_SECRET, &PostParams::default(), &new).await
+            }
+            None => api.create(&PostParams::default(), &new).await,
+        };
+        match done {
+            Ok(_) => {
+                tracing::info!(names = ?names, "issued the controller's certificate (Secret {TLS_SECRET}), valid {CERT_DAYS} days");
+                return Ok((issued.cert_pem, issued.key_pem));
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(e).with_context(|| format!("writing Secret {TLS_SECRET}")),
+        }
+    }
+}
+
+/// Writes `text` to `path` (mode `mode`) unless it holds it already, through a new file renamed
+/// over it: a reader never sees half a key.
+fn put(path: &Path, text: &str, mode: u32) -> Result<()> {
+    if std::fs::read_to_string(path).is_ok_and(|t| t == text) {
+        return Ok(());
+    }
+    let dir = path.parent().context("a file path has a directory")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = dir.join(format!(".{}.new", path.file_name().and_then(|n| n.to_str()).unwrap_or("file")));
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}
+
+/// The drain guard's caBundle, set to `ca` unless it is (a merge patch of its webhooks with
+/// the resourceVersion read: a concurrent change makes it fail, and the next round tries again).
+async fn ca_bundle(client: &kube::Client, ca: &str) -> Result<()> {
+    let api = Api::<ValidatingWebhookConfiguration>::all(client.clone());
+    let read =
+        api.get_opt(WEBHOOK).await.with_context(|| format!("reading ValidatingWebhookConfiguration {WEBHOOK}"))?;
+    let Some(w) = read else {
+        tracing::warn!("no ValidatingWebhookConfiguration {WEBHOOK}: the drain guard is not installed");
+        return Ok(());
+    };
+    let mut hooks = w.webhooks.unwrap_or_default();
+    if hooks.iter().all(|h| h.client_config.ca_bundle.as_ref().is_some_and(|b| b.0 == ca.as_bytes())) {
+        return Ok(());
+    }
+    for h in &mut hooks {
+        h.client_config.ca_bundle = Some(ByteString(ca.as_bytes().to_vec()));
+    }
+    let patch = serde_json::json!({"metadata": {"resourceVersion": w.metadata.resource_version}, "webhooks": hooks});
+    api.patch(WEBHOOK, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .with_context(|| format!("setting the caBundle of {WEBHOOK}"))?;
+    tracing::info!("the drain guard's caBundle is the cluster CA");
+    Ok(())
+}
+
+/// One round: the Secrets made or renewed as needed, the files and the caBundle brought in line.
+async fn round(client: &kube::Client, o: &Options) -> Result<()> {
+    let api = Api::<Secret>::namespaced(client.clone(), &o.namespace);
+    let ca = ca(&api, &o.namespace).await?;
+    let (cert, key) = controller(&api, o, &ca).await?;
+    put(&o.ca_dir.join("ca.key"), &ca.1, 0o600)?;
+    put(&o.ca_dir.join("ca.crt"), &ca.0, 0o644)?;
+    put(&o.tls_key, &key, 0o600)?;
+    put(&o.tls_ca, &ca.0, 0o644)?;
+    put(&o.tls_cert, &cert, 0o644)?;
+    ca_bundle(client, &ca.0).await
+}
+
+/// Makes what is missing and writes the files, before the controller reads them.
+pub async fn make(o: &Options) -> Result<()> {
+    let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
+    round(&client, o).await
+}
+
+/// Keeps them current, every [`EVERY`], for as long as the runtime runs.
+pub fn keep(o: Options) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(EVERY).await;
+            let done = async { round(&kube::Client::try_default().await?, &o).await };
+            if let Err(e) = done.await {
+                tracing::warn!("keeping the cluster certificates: {e:#}");
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_certificate_is_current_when_named_issued_by_the_ca_and_young() {
+        use ferrite_tls::certs::{issue, new_ca};
+        let (a, b) = (new_ca(10).unwrap(), new_ca(10).unwrap());
+        let names = vec![super::IDENTITY.to_owned(), "ferrite-controller.ferrite.svc".to_owned()];
+        let cert = issue(&a.key_pem, super::IDENTITY, &names, 30).unwrap().cert_pem;
+        assert!(super::current(&cert, &a.cert_pem, &names));
+        assert!(!super::current(&cert, &b.cert_pem, &names), "another CA's");
+        let more = [names.clone(), vec!["ferrite-controller.other.svc".to_owned()]].concat();
+        assert!(!super::current(&cert, &a.cert_pem, &more), "a name missing");
+        assert!(!super::current("not pem", &a.cert_pem, &names));
+    }
+}

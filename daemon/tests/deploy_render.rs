@@ -1,0 +1,104 @@
+//! deploy/kubernetes rendered as a user installs it, every optional component on and a real
+//! registry set in components/registry: every image of every container and init container names
+//! that registry (none keeps the placeholder), Ferrite's images carry the release's version, and
+//! each sidecar's tag is the version the Kubernetes tier builds and tests (../shared/k8s).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const PLACEHOLDER: &str = "ferrite-registry.invalid";
+const REGISTRY: &str = "registry.example.test:5000";
+
+fn deploy() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes")
+}
+
+/// The images of the rendered manifests, in order.
+fn images(rendered: &str) -> Vec<String> {
+    rendered
+        .lines()
+        .filter_map(|l| l.trim_start().trim_start_matches("- ").strip_prefix("image: "))
+        .map(|i| i.trim().trim_matches('"').to_owned())
+        .collect()
+}
+
+/// The sidecar versions the tier's kit builds (`V_*=` in its build.sh), by image name.
+fn kit_versions(build_sh: &str) -> Vec<(&'static str, String)> {
+    let version = |var: &str| {
+        let line = build_sh.lines().find(|l| l.starts_with(&format!("{var}="))).unwrap_or_else(|| panic!("{var}"));
+        let v = line.split_once('=').unwrap().1.split_whitespace().next().unwrap();
+        v.split('-').next().unwrap().to_owned()
+    };
+    [
+        ("csi-provisioner", "V_PROV"),
+        ("csi-attacher", "V_ATT"),
+        ("csi-resizer", "V_RES"),
+        ("csi-snapshotter", "V_SNAP"),
+        ("csi-snapshot-metadata", "V_SMD"),
+        ("csi-node-driver-registrar", "V_REG"),
+        ("livenessprobe", "V_LIVE"),
+        ("k8s-sidecar", "V_ADDONS"),
+    ]
+    .into_iter()
+    .map(|(image, var)| (image, version(var)))
+    .collect()
+}
+
+#[test]
+fn every_image_follows_the_registry_and_the_tested_versions() {
+    if Command::new("kubectl").args(["version", "--client"]).output().is_err() {
+        return common::skip("deploy render: no kubectl (its kustomize renders the manifests)", false);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("kubernetes");
+    assert!(Command::new("cp").arg("-r").arg(deploy()).arg(&copy).status().unwrap().success());
+    let k = copy.join("kustomization.yaml");
+    let text = std::fs::read_to_string(&k).unwrap();
+    let all = text.replace("  # - components/", "  - components/");
+    assert_eq!(all.matches("  - components/").count(), 6, "kustomization.yaml lists every optional component");
+    std::fs::write(&k, all).unwrap();
+    let reg = copy.join("components/registry/kustomization.yaml");
+    let text = std::fs::read_to_string(&reg).unwrap();
+    assert!(text.contains(&format!("registry={PLACEHOLDER}")));
+    std::fs::write(&reg, text.replace(&format!("registry={PLACEHOLDER}"), &format!("registry={REGISTRY}"))).unwrap();
+
+    let o = Command::new("kubectl").arg("kustomize").arg(&copy).output().unwrap();
+    assert!(o.status.success(), "kubectl kustomize: {}", String::from_utf8_lossy(&o.stderr));
+    let rendered = String::from_utf8(o.stdout).unwrap();
+    assert!(!rendered.contains(PLACEHOLDER), "the placeholder registry is left in:\n{}", {
+        rendered.lines().filter(|l| l.contains(PLACEHOLDER)).collect::<Vec<_>>().join("\n")
+    });
+    let images = images(&rendered);
+    let containers = rendered.lines().filter(|l| l.trim_start().starts_with("- name: ")).count();
+    assert!(images.len() >= 15, "{images:?} ({containers} named list items)");
+    let version = env!("CARGO_PKG_VERSION");
+    for image in &images {
+        let rest =
+            image.strip_prefix(&format!("{REGISTRY}/")).unwrap_or_else(|| panic!("{image} is not from {REGISTRY}"));
+        let (repo, tag) = rest.rsplit_once(':').unwrap();
+        if repo == "ferrite" || repo == "ferrite-controller" {
+            assert_eq!(tag, version, "{image}: Ferrite's images carry the release's version");
+        }
+    }
+
+    // The sidecar tags are the versions the tier runs, where its kit is at hand.
+    let kit = ["FERRITE_K8S", "../../shared/k8s", "/work/shared/k8s"]
+        .iter()
+        .filter_map(|k| if k.starts_with("FERRITE") { std::env::var(k).ok() } else { Some((*k).to_owned()) })
+        .map(PathBuf::from)
+        .find(|k| k.join("build.sh").exists());
+    let Some(kit) = kit else {
+        return common::skip("deploy render: the sidecar tags (no ../shared/k8s here)", false);
+    };
+    let build_sh = std::fs::read_to_string(kit.join("build.sh")).unwrap();
+    for (name, tested) in kit_versions(&build_sh) {
+        let found: Vec<&String> =
+            images.iter().filter(|i| i.rsplit_once(':').unwrap().0.ends_with(&format!("/{name}"))).collect();
+        assert!(!found.is_empty(), "no {name} image rendered");
+        for image in found {
+            assert!(image.ends_with(&format!(":{tested}")), "{image}: the tier tests {name} {tested}");
+        }
+    }
+}
