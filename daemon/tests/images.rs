@@ -11,32 +11,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::have;
+use common::images::{Registry, build, run, stripped};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ferrite");
 const IMAGES: [&str; 2] = ["ferrite", "ferrite-controller"];
-
-fn run(cmd: &mut Command) -> String {
-    let o = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    assert!(o.status.success(), "{cmd:?} failed:\n{out}\n{err}");
-    out.into_owned()
-}
-
-/// Writes the images of `binary` to `out`; returns (name, digest) per image as the script
-/// prints them.
-fn build(binary: &Path, out: &Path) -> Vec<(String, String)> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/images.py");
-    let text = run(Command::new("python3")
-        .arg(script)
-        .arg("--binary")
-        .arg(binary)
-        .args(["--tag", "test"])
-        .arg("--out")
-        .arg(out)
-        // A fixed time: the two builds must not depend on when they ran.
-        .env("SOURCE_DATE_EPOCH", "1767225600"));
-    text.lines().map(|l| l.split_once(' ').map(|(n, d)| (n.to_owned(), d.to_owned())).unwrap()).collect()
-}
 
 /// `args` run in `rootfs` as `user`, as a container runtime would start them: /proc and /dev
 /// mounted, in a mount namespace of their own that ends with them.
@@ -121,55 +99,6 @@ fn tools_work(rootfs: &Path) {
     }
 }
 
-/// Debian's docker-registry on a loopback port with TLS (the test CA's certificate).
-struct Registry {
-    child: std::process::Child,
-    at: String,
-    certs: PathBuf,
-}
-
-impl Registry {
-    fn start(dir: &Path) -> Self {
-        let pki = dir.join("pki");
-        common::csi::certs(&pki, "registry", &["127.0.0.1"]);
-        let port = common::csi::free_port("127.0.0.1");
-        let at = format!("127.0.0.1:{port}");
-        let config = dir.join("registry.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "version: 0.1\nlog: {{level: warn}}\nstorage:\n  filesystem: {{rootdirectory: {}}}\n\
-                 http:\n  addr: {at}\n  secret: ferrite-test-{port}\n  tls: {{certificate: {}, key: {}}}\n",
-                dir.join("store").display(),
-                pki.join("registry.pem").display(),
-                pki.join("registry-key.pem").display()
-            ),
-        )
-        .unwrap();
-        let log = std::fs::File::create(dir.join("registry.log")).unwrap();
-        let child = Command::new("docker-registry")
-            .arg("serve")
-            .arg(&config)
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        // skopeo's --*-cert-dir takes the CA as ca.crt (its "*.crt" files are CAs).
-        let certs = dir.join("certs.d");
-        std::fs::create_dir_all(&certs).unwrap();
-        std::fs::copy(pki.join("ca.pem"), certs.join("ca.crt")).unwrap();
-        common::until("the registry to listen", 30, || std::net::TcpStream::connect(&at).is_ok());
-        Self { child, at, certs }
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn images_are_reproducible_run_from_their_rootfs_and_go_through_a_registry() {
     let root = run(Command::new("id").arg("-u")).trim() == "0";
@@ -188,13 +117,10 @@ fn images_are_reproducible_run_from_their_rootfs_and_go_through_a_registry() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
-    // The test build's binary without its debug information (a tenth of the size), as a
-    // release build is.
-    let binary = tmp.path().join("ferrite");
-    run(Command::new("strip").arg("--strip-debug").arg("-o").arg(&binary).arg(BIN));
-    let first = build(&binary, &a);
+    let binary = stripped(tmp.path());
+    let first = build(&binary, &a, "test");
     assert_eq!(first.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), IMAGES);
-    assert_eq!(build(&binary, &b), first, "two builds of the same inputs differ");
+    assert_eq!(build(&binary, &b, "test"), first, "two builds of the same inputs differ");
     println!("images: {first:?}");
 
     let version = run(Command::new(BIN).arg("--version"));
@@ -215,20 +141,13 @@ fn images_are_reproducible_run_from_their_rootfs_and_go_through_a_registry() {
             tools_work(&rootfs);
         }
 
-        let pushed = format!("docker://{}/ferrite/{name}:test", registry.at);
-        let certs = registry.certs.display().to_string();
-        run(Command::new("skopeo")
-            .args(["copy", "--dest-cert-dir", &certs])
-            .arg(format!("oci:{}:test", layout.display()))
-            .arg(&pushed));
-        let said =
-            run(Command::new("skopeo").args(["inspect", "--cert-dir", &certs, "--format", "{{.Digest}}", &pushed]));
-        assert_eq!(said.trim(), digest, "the registry holds {name} under another digest");
+        let repo = format!("ferrite/{name}");
+        registry.push(&layout, "test", &repo);
+        let held = registry.digest(&format!("{}/{repo}:test", registry.at));
+        assert_eq!(&held, digest, "the registry holds {name} under another digest");
         let back = tmp.path().join(format!("pulled-{name}"));
-        let by_digest = format!("docker://{}/ferrite/{name}@{digest}", registry.at);
-        run(Command::new("skopeo")
-            .args(["copy", "--src-cert-dir", &certs, &by_digest])
-            .arg(format!("oci:{}:test", back.display())));
+        let pulled = registry.pull(&format!("{}/{repo}@{digest}", registry.at), &back);
+        assert!(pulled.join("usr/bin/ferrite").exists());
         let index: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(back.join("index.json")).unwrap()).unwrap();
         assert_eq!(index["manifests"][0]["digest"], digest.as_str(), "pulled back by digest, {name} changed");

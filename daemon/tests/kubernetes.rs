@@ -89,6 +89,11 @@ struct Cluster {
     loops: Vec<Loop>,
     /// The object store backups go to (on the switch's gateway).
     store: Option<weed::Weed>,
+    /// The registry the images are pulled from, and the `ferrite` of each image as pulled by
+    /// digest (`ferrite` for the daemon and node plugin pods, `ferrite-controller`).
+    _registry: Option<common::images::Registry>,
+    node_bin: PathBuf,
+    controller_bin: PathBuf,
 }
 
 impl Cluster {
@@ -130,6 +135,7 @@ impl Cluster {
             "kustomization.yaml lists the optional components, commented out"
         );
         let dk = copy.display().to_string();
+        let registry = images(dir, &copy);
         // The monitoring component renders (its CRDs, the Prometheus Operator's, are not here to
         // apply it): the ServiceMonitor, the PrometheusRule, the dashboard's ConfigMap.
         let monitored = enabled.replace("  # - components/monitoring ", "  - components/monitoring ");
@@ -144,6 +150,12 @@ impl Cluster {
         cp.ok(&["apply", "--dry-run=server", "-k", &dk]);
         cp.ok(&["apply", "-k", &dk]);
         workloads_as_shipped(&cp, &up);
+        let (node_bin, controller_bin) = match &registry {
+            Some(r) => {
+                (pulled(&cp, r, dir, "daemonset/ferrite-daemon"), pulled(&cp, r, dir, "deployment/ferrite-controller"))
+            }
+            None => (PathBuf::from(BIN), PathBuf::from(BIN)),
+        };
         cp.ok(&["apply", "--dry-run=server", "-f", &deploy().join("examples").display().to_string()]);
         // Claims below name this class from the start.
         cp.ok(&["apply", "-f", &deploy().join("examples/volumeattributesclass.yaml").display().to_string()]);
@@ -190,6 +202,9 @@ impl Cluster {
             pki,
             loops: Vec::new(),
             store,
+            _registry: registry,
+            node_bin,
+            controller_bin,
         };
         for n in NODES {
             c.join(dir, n);
@@ -358,14 +373,14 @@ impl Cluster {
         let node = &self.nodes[i];
         for c in tpl["spec"]["containers"].as_array().unwrap() {
             match c["name"].as_str().unwrap() {
-                "daemon" => pod.start(&mut self.cp, "daemon", Path::new(BIN), &[], &[], true),
+                "daemon" => pod.start(&mut self.cp, "daemon", &self.node_bin, &[], &[], true),
                 "cert-renew" => {
-                    pod.start(&mut self.cp, "cert-renew", Path::new(BIN), &[], &env, false);
+                    pod.start(&mut self.cp, "cert-renew", &self.node_bin, &[], &env, false);
                     self.sidecars.push(pod.log_path("cert-renew"));
                 }
                 // The storage heartbeat reaches the API server from the node, as a pod does.
                 "heartbeat" => {
-                    let cmd = pod.command("heartbeat", Path::new(BIN), &[], &[], false);
+                    let cmd = pod.command("heartbeat", &self.node_bin, &[], &[], false);
                     let at = Some((node.netns.as_str(), self.sw.gateway.as_str()));
                     self.cp.spawn_in_pod(&pod.process("heartbeat"), &cmd, NS, "ferrite-daemon", at);
                     self.sidecars.push(pod.log_path("heartbeat"));
@@ -374,7 +389,8 @@ impl Cluster {
             }
         }
         let what = format!("the daemon on {} to pass its readiness probe", self.nodes[i].name);
-        self.cp.wait(&what, LONG, |_| pod.ready("daemon", Path::new(BIN), true));
+        let bin = self.node_bin.clone();
+        self.cp.wait(&what, LONG, |_| pod.ready("daemon", &bin, true));
         pod
     }
 
@@ -404,7 +420,7 @@ impl Cluster {
         let node = &pod.node.name;
         for init in pod.template["spec"]["initContainers"].as_array().into_iter().flatten() {
             let name = init["name"].as_str().unwrap();
-            let o = pod.run_to_end(name, Path::new(BIN), &env(&kc), false);
+            let o = pod.run_to_end(name, &self.node_bin, &env(&kc), false);
             println!("   {node} init {name}: {}", String::from_utf8_lossy(&o.stdout).trim());
             assert!(o.status.success(), "init container {name} on {node}: {}", String::from_utf8_lossy(&o.stderr));
         }
@@ -426,11 +442,11 @@ impl Cluster {
             let program = match cname {
                 // It reads its Node (a storage node?) from the node's network namespace.
                 "ferrite-csi" => {
-                    pod.start(&mut self.cp, cname, Path::new(BIN), &[], &in_node, true);
+                    pod.start(&mut self.cp, cname, &self.node_bin, &[], &in_node, true);
                     continue;
                 }
                 "cert-renew" => {
-                    pod.start(&mut self.cp, cname, Path::new(BIN), &[], &env, false);
+                    pod.start(&mut self.cp, cname, &self.node_bin, &[], &env, false);
                     self.sidecars.push(pod.log_path(cname));
                     continue;
                 }
@@ -483,7 +499,7 @@ impl Cluster {
         for c in tpl["spec"]["containers"].as_array().unwrap() {
             let name = c["name"].as_str().unwrap();
             let program = match name {
-                "ferrite" => PathBuf::from(BIN),
+                "ferrite" => self.controller_bin.clone(),
                 "csi-provisioner" | "csi-resizer" | "csi-snapshotter" | "csi-attacher" | "csi-snapshot-metadata" => {
                     cp.bin.join(name)
                 }
@@ -715,6 +731,43 @@ fn workloads_as_shipped(cp: &ControlPlane, up: &Path) {
             }
         }
     }
+}
+
+/// Ferrite's images, written by deploy/images.py from this build, pushed to a registry the test
+/// starts, which the copy of the manifests (`copy`) is set to. None (the test build's binary is
+/// run instead) where the image tools are missing outside CI.
+fn images(dir: &Path, copy: &Path) -> Option<common::images::Registry> {
+    use common::images::{Registry, build, stripped};
+    if !["python3", "strip", "umoci", "skopeo", "docker-registry"].iter().all(|t| common::have(t)) {
+        return None;
+    }
+    println!("== Ferrite's images, built by deploy/images.py and pushed to a registry");
+    let out = dir.join("images");
+    let version = env!("CARGO_PKG_VERSION");
+    let built = build(&stripped(dir), &out, version);
+    let registry = Registry::start(dir);
+    for (name, _) in &built {
+        registry.push(&out.join(name), version, name);
+    }
+    let k = copy.join("components/registry/kustomization.yaml");
+    let text = std::fs::read_to_string(&k).unwrap();
+    std::fs::write(&k, text.replace("registry=ferrite-registry.invalid", &format!("registry={}", registry.at)))
+        .unwrap();
+    Some(registry)
+}
+
+/// The `ferrite` of the image `workload`'s (`kind/name`) first container names, as a kubelet
+/// gets it: the tag resolved to a digest, pulled by digest, unpacked.
+fn pulled(cp: &ControlPlane, registry: &common::images::Registry, dir: &Path, workload: &str) -> PathBuf {
+    let w = cp.get(&[workload, "-n", NS]);
+    let image = w["spec"]["template"]["spec"]["containers"][0]["image"].as_str().unwrap().to_owned();
+    assert!(image.starts_with(&format!("{}/", registry.at)), "{workload} names {image}, not from the registry");
+    let digest = registry.digest(&image);
+    let repo = image.rsplit_once(':').unwrap().0;
+    let out = dir.join(format!("pulled-{}", workload.replace('/', "-")));
+    let rootfs = registry.pull(&format!("{repo}@{digest}"), &out);
+    println!("   {workload}: {image} is {digest}");
+    rootfs.join("usr/bin/ferrite")
 }
 
 /// Node-d joined after the install: its certificate came through the CertificateSigningRequest
@@ -1256,7 +1309,8 @@ fn backup_tool(c: &mut Cluster, data_vol: &str) {
     let backup = token("backup-app-namespace", "backup-app-service-account", "ferrite-snapshot-metadata");
     let elsewhere = token("backup-app-namespace", "backup-app-service-account", "another-service");
     let stranger = token("default", "default", "ferrite-snapshot-metadata");
-    let ca = c.pki.join("ca.pem");
+    // The sidecar's certificate is of the CA its SnapshotMetadataService names (`Cluster::start`).
+    let ca = c.pki.with_file_name("pki-snapshot-metadata").join("ca.pem");
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let tls = ferrite_tls::client_config(&ca, None, &[b"h2"]).unwrap();

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod csi;
+pub mod images;
 pub mod kube;
 pub mod kubelet;
 pub mod mirror;

@@ -322,7 +322,7 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     workload_back(c, vol, pv, &to, fault, "failover-c");
 
     println!("== failover (c): the kubelet restarts the daemon; {lost} is rebuilt, then unfenced");
-    c.daemon_pods[i].start(&mut c.cp, "daemon", std::path::Path::new(super::common::BIN), &[], &[], true);
+    c.daemon_pods[i].start(&mut c.cp, "daemon", &c.node_bin.clone(), &[], &[], true);
     rejoined(c, vol, pv, i);
 
     println!("== failover (g): after this second failover the volume publishes to a third node");
@@ -433,7 +433,7 @@ pub fn rollout_begins(c: &mut Cluster) -> Pod {
     std::os::unix::fs::chown(&kc, Some(0), Some(65532)).unwrap();
     std::fs::set_permissions(&kc, std::os::unix::fs::PermissionsExt::from_mode(0o640)).unwrap();
     let env = [("KUBECONFIG".to_owned(), kc.display().to_string())];
-    pod.start(&mut c.cp, "ferrite", std::path::Path::new(super::common::BIN), &[], &env, false);
+    pod.start(&mut c.cp, "ferrite", &c.controller_bin.clone(), &[], &env, false);
     c.cp.wait("the second controller's failover loop", LONG, |_| pod.log("ferrite").contains("automatic failover"));
     assert_eq!(leader(&c.cp), c.controller.as_ref().unwrap().name(), "the first controller keeps the Lease");
     pod
@@ -725,7 +725,7 @@ pub fn maintenance_waits(c: &mut Cluster, vol: &str, pv: &str, node: &str, other
         start.elapsed(),
         members.as_array().unwrap().len()
     );
-    c.daemon_pods[i].start(&mut c.cp, "daemon", std::path::Path::new(super::common::BIN), &[], &[], true);
+    c.daemon_pods[i].start(&mut c.cp, "daemon", &c.node_bin.clone(), &[], &[], true);
     c.cp.ok(&["uncordon", node]);
     c.cp.wait(&format!("{node} rebuilt and unfenced"), LONG, |cp| {
         !cp.get(&["node", node])["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_string()
