@@ -24,28 +24,6 @@ fn images(rendered: &str) -> Vec<String> {
         .collect()
 }
 
-/// The sidecar versions the tier's kit builds (`V_*=` in its build.sh), by image name.
-fn kit_versions(build_sh: &str) -> Vec<(&'static str, String)> {
-    let version = |var: &str| {
-        let line = build_sh.lines().find(|l| l.starts_with(&format!("{var}="))).unwrap_or_else(|| panic!("{var}"));
-        let v = line.split_once('=').unwrap().1.split_whitespace().next().unwrap();
-        v.split('-').next().unwrap().to_owned()
-    };
-    [
-        ("csi-provisioner", "V_PROV"),
-        ("csi-attacher", "V_ATT"),
-        ("csi-resizer", "V_RES"),
-        ("csi-snapshotter", "V_SNAP"),
-        ("csi-snapshot-metadata", "V_SMD"),
-        ("csi-node-driver-registrar", "V_REG"),
-        ("livenessprobe", "V_LIVE"),
-        ("k8s-sidecar", "V_ADDONS"),
-    ]
-    .into_iter()
-    .map(|(image, var)| (image, version(var)))
-    .collect()
-}
-
 #[test]
 fn every_image_follows_the_registry_and_the_tested_versions() {
     if Command::new("kubectl").args(["version", "--client"]).output().is_err() {
@@ -93,7 +71,7 @@ fn every_image_follows_the_registry_and_the_tested_versions() {
         return common::skip("deploy render: the sidecar tags (no ../shared/k8s here)", false);
     };
     let build_sh = std::fs::read_to_string(kit.join("build.sh")).unwrap();
-    for (name, tested) in kit_versions(&build_sh) {
+    for (name, tested) in common::kube::sidecar_versions(&build_sh) {
         let found: Vec<&String> =
             images.iter().filter(|i| i.rsplit_once(':').unwrap().0.ends_with(&format!("/{name}"))).collect();
         assert!(!found.is_empty(), "no {name} image rendered");

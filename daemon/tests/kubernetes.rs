@@ -152,7 +152,8 @@ impl Cluster {
         workloads_as_shipped(&cp, &up);
         let (node_bin, controller_bin) = match &registry {
             Some(r) => {
-                (pulled(&cp, r, dir, "daemonset/ferrite-daemon"), pulled(&cp, r, dir, "deployment/ferrite-controller"))
+                let node = pulled(&cp, r, dir, "daemonset/ferrite-daemon", "daemon");
+                (node, pulled(&cp, r, dir, "deployment/ferrite-controller", "ferrite"))
             }
             None => (PathBuf::from(BIN), PathBuf::from(BIN)),
         };
@@ -684,22 +685,7 @@ fn workloads_as_shipped(cp: &ControlPlane, up: &Path) {
     let grace = help.split("--restart-grace").nth(1).and_then(|h| h.split("[default: ").nth(1)).unwrap();
     let grace: u64 = grace.split(']').next().unwrap().parse().unwrap();
     assert!(stop + 60 <= grace, "terminationGracePeriodSeconds {stop} + 60 s outlasts the restart grace {grace} s");
-    let script = std::fs::read_to_string(up.join("build.sh")).unwrap();
-    let tested = |var: &str| {
-        let line = script.lines().find(|l| l.starts_with(&format!("{var}="))).unwrap_or_else(|| panic!("{var}"));
-        let v = line.split_once('=').unwrap().1.split_whitespace().next().unwrap();
-        v.split('-').next().unwrap().to_owned()
-    };
-    let images = [
-        ("csi-provisioner", "V_PROV"),
-        ("csi-attacher", "V_ATT"),
-        ("csi-resizer", "V_RES"),
-        ("csi-snapshotter", "V_SNAP"),
-        ("csi-snapshot-metadata", "V_SMD"),
-        ("csi-node-driver-registrar", "V_REG"),
-        ("livenessprobe", "V_LIVE"),
-        ("k8s-sidecar", "V_ADDONS"),
-    ];
+    let images = common::kube::sidecar_versions(&std::fs::read_to_string(up.join("build.sh")).unwrap());
     for (kind, name) in
         [("deployment", "ferrite-controller"), ("daemonset", "ferrite-daemon"), ("daemonset", "ferrite-node-plugin")]
     {
@@ -713,8 +699,8 @@ fn workloads_as_shipped(cp: &ControlPlane, up: &Path) {
             let image = c["image"].as_str().unwrap();
             let (repo, tag) = image.rsplit_once(':').unwrap();
             let base = repo.rsplit('/').next().unwrap();
-            if let Some((_, var)) = images.iter().find(|(b, _)| *b == base) {
-                assert_eq!(tag, tested(var), "{what}: {image} is not the version the tier tests");
+            if let Some((_, tested)) = images.iter().find(|(b, _)| *b == base) {
+                assert_eq!(tag, tested, "{what}: {image} is not the version the tier tests");
             } else {
                 assert!(base.starts_with("ferrite"), "{what}: {image} is no image the tier knows");
             }
@@ -756,11 +742,20 @@ fn images(dir: &Path, copy: &Path) -> Option<common::images::Registry> {
     Some(registry)
 }
 
-/// The `ferrite` of the image `workload`'s (`kind/name`) first container names, as a kubelet
-/// gets it: the tag resolved to a digest, pulled by digest, unpacked.
-fn pulled(cp: &ControlPlane, registry: &common::images::Registry, dir: &Path, workload: &str) -> PathBuf {
+/// The `ferrite` of the image `workload`'s (`kind/name`) `container` names, as a kubelet gets
+/// it: the tag resolved to a digest, pulled by digest, unpacked.
+fn pulled(
+    cp: &ControlPlane,
+    registry: &common::images::Registry,
+    dir: &Path,
+    workload: &str,
+    container: &str,
+) -> PathBuf {
     let w = cp.get(&[workload, "-n", NS]);
-    let image = w["spec"]["template"]["spec"]["containers"][0]["image"].as_str().unwrap().to_owned();
+    let containers = w["spec"]["template"]["spec"]["containers"].as_array().unwrap();
+    let c =
+        containers.iter().find(|c| c["name"] == container).unwrap_or_else(|| panic!("{workload} has no {container}"));
+    let image = c["image"].as_str().unwrap().to_owned();
     assert!(image.starts_with(&format!("{}/", registry.at)), "{workload} names {image}, not from the registry");
     let digest = registry.digest(&image);
     let repo = image.rsplit_once(':').unwrap().0;

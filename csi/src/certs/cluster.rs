@@ -16,8 +16,6 @@
 //! the Secret made (409) or an update that lost (409) re-reads it.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -154,17 +152,8 @@ fn put(path: &Path, text: &str, mode: u32) -> Result<()> {
     }
     let dir = path.parent().context("a file path has a directory")?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tmp = dir.join(format!(".{}.new", path.file_name().and_then(|n| n.to_str()).unwrap_or("file")));
-    let _ = std::fs::remove_file(&tmp);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(&tmp)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    f.write_all(text.as_bytes())?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    let name = path.file_name().and_then(|n| n.to_str()).context("a file path has a name")?;
+    super::request::replace(dir, name, text, mode)
 }
 
 /// The drain guard's caBundle, set to `ca` unless it is (a merge patch of its webhooks with

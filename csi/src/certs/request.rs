@@ -70,7 +70,7 @@ fn current(dir: &Path, names: &[String]) -> Option<Held> {
 
 /// Writes `text` to `dir/name` through a file beside it and a rename, so that a reader (the
 /// daemon's reload) sees the old file or the new one, never half of one.
-fn replace(dir: &Path, name: &str, text: &str, mode: u32) -> Result<()> {
+pub(super) fn replace(dir: &Path, name: &str, text: &str, mode: u32) -> Result<()> {
     let tmp = dir.join(format!(".{name}.new"));
     let _ = std::fs::remove_file(&tmp);
     let mut f = std::fs::OpenOptions::new()

@@ -353,3 +353,26 @@ impl Drop for ControlPlane {
         }
     }
 }
+
+/// The version of each sidecar image the kit builds (`V_*=` in its build.sh), by image name:
+/// the tags the manifests must name.
+pub fn sidecar_versions(build_sh: &str) -> Vec<(&'static str, String)> {
+    let version = |var: &str| {
+        let line = build_sh.lines().find(|l| l.starts_with(&format!("{var}="))).unwrap_or_else(|| panic!("{var}"));
+        let v = line.split_once('=').unwrap().1.split_whitespace().next().unwrap();
+        v.split('-').next().unwrap().to_owned()
+    };
+    [
+        ("csi-provisioner", "V_PROV"),
+        ("csi-attacher", "V_ATT"),
+        ("csi-resizer", "V_RES"),
+        ("csi-snapshotter", "V_SNAP"),
+        ("csi-snapshot-metadata", "V_SMD"),
+        ("csi-node-driver-registrar", "V_REG"),
+        ("livenessprobe", "V_LIVE"),
+        ("k8s-sidecar", "V_ADDONS"),
+    ]
+    .into_iter()
+    .map(|(image, var)| (image, version(var)))
+    .collect()
+}
