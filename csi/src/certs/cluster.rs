@@ -118,13 +118,8 @@ async fn controller(api: &Api<Secret>, o: &Options, ca: &(String, String)) -> Re
         {
             return Ok((c.to_owned(), k.to_owned()));
         }
-        let issued = ferrite_tls::certs::issue(&ca.1, IDENTITY, &names, CERT_DAYS)
-            .context("issuing the controller's certificate")?;
-        let mut new = secret(
-            TLS_SECRET,
-            &o.namespace,
-            &[("ca.crt", &ca.0), ("tls.crt", &issued.cert_pem), ("tls.key", &issued.key_pem)],
-        );
+        let (cert, key) = issue(ca, &names)?;
+        let mut new = secret(TLS_SECRET, &o.namespace, &[("ca.crt", &ca.0), ("tls.crt", &cert), ("tls.key", &key)]);
         let done = match old {
             // The resourceVersion makes the replace a compare-and-swap.
             Some(s) => {
@@ -136,12 +131,26 @@ async fn controller(api: &Api<Secret>, o: &Options, ca: &(String, String)) -> Re
         match done {
             Ok(_) => {
                 tracing::info!(names = ?names, "issued the controller's certificate (Secret {TLS_SECRET}), valid {CERT_DAYS} days");
-                return Ok((issued.cert_pem, issued.key_pem));
+                return Ok((cert, key));
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {}
             Err(e) => return Err(e).with_context(|| format!("writing Secret {TLS_SECRET}")),
         }
     }
+}
+
+/// A certificate and key for `names` signed by `ca` (certificate, key): through a request, so
+/// that the issuer is the CA certificate's own name (an operator's CA need not be one
+/// `ferrite certs` made).
+fn issue(ca: &(String, String), names: &[String]) -> Result<(String, String)> {
+    use ferrite_tls::certs::{Request, new_key, request};
+    let key = new_key().context("making the controller's key")?;
+    let csr = request(&key, IDENTITY, names).context("a request for the controller's certificate")?;
+    let valid = Duration::from_secs(u64::from(CERT_DAYS) * 86_400);
+    let cert = Request::parse(&csr)
+        .and_then(|r| r.sign(&ca.0, &ca.1, valid))
+        .context("signing the controller's certificate")?;
+    Ok((cert, key))
 }
 
 /// Writes `text` to `path` (mode `mode`) unless it holds it already, through a new file renamed
@@ -226,5 +235,8 @@ mod tests {
         let more = [names.clone(), vec!["ferrite-controller.other.svc".to_owned()]].concat();
         assert!(!super::current(&cert, &a.cert_pem, &more), "a name missing");
         assert!(!super::current("not pem", &a.cert_pem, &names));
+        // What the controller issues chains to the CA it was given.
+        let (cert, _) = super::issue(&(b.cert_pem.clone(), b.key_pem.clone()), &names).unwrap();
+        assert!(super::current(&cert, &b.cert_pem, &names) && !super::current(&cert, &a.cert_pem, &names));
     }
 }
