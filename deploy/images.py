@@ -164,7 +164,6 @@ def write(layout, name, tree, cmd_user, tag, epoch, sources, version):
     labels = {
         "org.opencontainers.image.title": name,
         "org.opencontainers.image.version": version,
-        "org.opencontainers.image.source": "https://github.com/ferrite-storage/ferrite",
         "dev.ferrite.packages": " ".join(sources),
     }
     config = {
