@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use k8s_openapi::ByteString;
@@ -51,10 +51,6 @@ pub struct Options {
     pub tls_key: PathBuf,
 }
 
-fn now() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-}
-
 fn field<'a>(s: &'a Secret, key: &str) -> Option<&'a str> {
     std::str::from_utf8(&s.data.as_ref()?.get(key)?.0).ok()
 }
@@ -79,7 +75,7 @@ pub fn current(cert_pem: &str, ca_pem: &str, names: &[String]) -> bool {
     let Some(cert) = certs.first() else { return false };
     let has = ferrite_tls::identities(cert);
     let Some((from, to)) = ferrite_tls::validity(cert) else { return false };
-    let fresh = now() < from + (to - from) * 2 / 3;
+    let fresh = super::request::now() < from + (to - from) * 2 / 3;
     fresh && names.iter().all(|n| has.contains(n)) && ferrite_tls::issued_by(cert, ca_pem)
 }
 
