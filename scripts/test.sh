@@ -30,7 +30,9 @@ if [ "${FERRITE_VM:-1}" != 0 ]; then
   echo "$CARGO_TARGET_DIR/debug/ferrite" > .vm-ferrite
   cargo test --workspace --locked --no-run --test csi_node --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*\/csi_node-[^"]*\)".*/\1/p' > .vm-csi-node
-  trap 'rm -f .vm-ferrite .vm-ferrite-next .vm-csi-node "$FERRITE_SKIPS"' EXIT
+  cargo test --workspace --locked --no-run --test power_cut --message-format=json 2>/dev/null |
+    sed -n 's/.*"executable":"\([^"]*\/power_cut-[^"]*\)".*/\1/p' > .vm-power-cut
+  trap 'rm -f .vm-ferrite .vm-ferrite-next .vm-csi-node .vm-power-cut "$FERRITE_SKIPS"' EXIT
   # 6.12 is what most users run (ublk without QUIESCE or UPDATE_SIZE); 6.17 has them.
   for kernel in 6.12 6.17; do
     vmlog=$(mktemp)

@@ -28,6 +28,9 @@ use crate::nodes::{StaticNodes, trouble};
 /// right to renew Leases reaches none of the controller's.
 pub const NAMESPACE: &str = "ferrite-node-lease";
 
+/// The annotation of a node's Lease while its daemon pod stops on purpose (its value: since when).
+pub const STOPPING: &str = "heartbeat.ferrite.dev/stopping";
+
 /// The Lease of a node's storage heartbeat.
 pub fn lease_name(node: &str) -> String {
     format!("ferrite-node-{node}")
@@ -60,7 +63,7 @@ pub async fn run(
     );
     let client = kube::Client::try_default().await.context("the Kubernetes API")?;
     let api: Api<Lease> = Api::namespaced(client, namespace);
-    let lease = Leadership::new(api.clone(), &lease_name(node), node, duration);
+    let lease = Leadership::new(api.clone(), &lease_name(node), node, duration).with_note(STOPPING, None);
     let daemon = StaticNodes::single(node, socket);
     tracing::info!(node, lease = %lease_name(node), ?every, ?duration, ?grace, "storage heartbeat");
     let mut silent = false;
@@ -87,7 +90,8 @@ pub async fn run(
         }
     }
     if !silent {
-        Leadership::new(api, &lease_name(node), node, grace).hold().await?;
+        let since = k8s_openapi::jiff::Timestamp::now().to_string();
+        Leadership::new(api, &lease_name(node), node, grace).with_note(STOPPING, Some(since)).hold().await?;
         tracing::info!(node, ?grace, "stopping: the node's lease holds for the restart grace");
     }
     Ok(())

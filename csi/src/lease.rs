@@ -21,6 +21,8 @@ pub struct Leadership {
     duration: Duration,
     /// When this replica last renewed (or took) the Lease; None while another holds it.
     renewed: std::sync::Mutex<Option<std::time::Instant>>,
+    /// An annotation every renewal sets (Some) or removes (None): what the holder tells readers.
+    note: Option<(&'static str, Option<String>)>,
 }
 
 /// Whether a write lost a race (another replica changed or made the Lease first).
@@ -30,7 +32,21 @@ fn lost_race(e: &kube::Error) -> bool {
 
 impl Leadership {
     pub fn new(api: Api<Lease>, name: &str, me: &str, duration: Duration) -> Self {
-        Self { api, name: name.to_owned(), me: me.to_owned(), duration, renewed: std::sync::Mutex::default() }
+        Self {
+            api,
+            name: name.to_owned(),
+            me: me.to_owned(),
+            duration,
+            renewed: std::sync::Mutex::default(),
+            note: None,
+        }
+    }
+
+    /// Every renewal sets annotation `key` to `value`, or removes it when None.
+    #[must_use]
+    pub fn with_note(mut self, key: &'static str, value: Option<String>) -> Self {
+        self.note = Some((key, value));
+        self
     }
 
     /// Whether this replica renewed the Lease less than `fresh` ago (it then holds it for at
@@ -56,8 +72,12 @@ impl Leadership {
         let now = Timestamp::now();
         let secs = i32::try_from(self.duration.as_secs()).unwrap_or(i32::MAX);
         let Some(held) = self.api.get_opt(&self.name).await? else {
+            let mut metadata = ObjectMeta { name: Some(self.name.clone()), ..Default::default() };
+            if let Some((key, Some(value))) = &self.note {
+                metadata.annotations = Some([((*key).to_owned(), value.clone())].into());
+            }
             let lease = Lease {
-                metadata: ObjectMeta { name: Some(self.name.clone()), ..Default::default() },
+                metadata,
                 spec: Some(LeaseSpec {
                     holder_identity: Some(self.me.clone()),
                     lease_duration_seconds: Some(secs),
@@ -81,6 +101,13 @@ impl Leadership {
             return Ok(false);
         }
         let mut next = held;
+        if let Some((key, value)) = &self.note {
+            let annotations = next.metadata.annotations.get_or_insert_with(Default::default);
+            match value {
+                Some(v) => annotations.insert((*key).to_owned(), v.clone()),
+                None => annotations.remove(*key),
+            };
+        }
         let spec = next.spec.get_or_insert_with(Default::default);
         if !mine {
             tracing::warn!(lease = %self.name, from = ?spec.holder_identity, "taking over the lease: failover runs here now");

@@ -12,6 +12,7 @@ mod daemon;
 mod encryption;
 mod exports;
 mod fence;
+mod hand_over;
 mod listen;
 mod metrics;
 mod node_pool;
@@ -215,9 +216,9 @@ enum Cmd {
         lease_duration: u64,
         /// Seconds the Lease holds after the heartbeat is stopped on purpose (the pod deleted for
         /// an upgrade): a planned restart is not a lost node. Longer than the daemon pod's
-        /// terminationGracePeriodSeconds (150) plus a start, so that a slow stop never turns an
+        /// terminationGracePeriodSeconds (180) plus a start, so that a slow stop never turns an
         /// upgrade into a failover.
-        #[arg(long, default_value_t = 240)]
+        #[arg(long, default_value_t = 300)]
         restart_grace: u64,
     },
     /// Manage volumes.
@@ -461,6 +462,16 @@ enum ReplicaCmd {
         #[arg(long, conflicts_with = "sync")]
         witness: bool,
     },
+    /// Wait until the failover loop has handed this daemon's unpublished primaries over to
+    /// in-sync copies elsewhere (the daemon pod's preStop hook, while the pod stops on purpose).
+    HandOver {
+        /// Seconds to wait at most.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+        /// Stop waiting when no primary moved for this many seconds.
+        #[arg(long, default_value_t = 10)]
+        idle: u64,
+    },
     /// Remove a synchronous replica or witness of a volume whose primary is here: writes stop
     /// waiting for it, and its copy stays there, read-only, until deleted.
     Remove {
@@ -500,6 +511,10 @@ async fn replica_cmd(c: &mut cli::Admin, out: Output, cmd: ReplicaCmd) -> Result
             return Ok(());
         }
         ReplicaCmd::Resync { volume } => c.resync_replication(one(volume)).await,
+        ReplicaCmd::HandOver { timeout, idle } => {
+            let secs = std::time::Duration::from_secs;
+            return hand_over::wait(c, secs(timeout), secs(idle)).await;
+        }
         ReplicaCmd::Status { volume } => {
             let req = pb::ListReplicationsRequest { volume: volume.unwrap_or_default() };
             let named = !req.volume.is_empty();

@@ -23,6 +23,8 @@ mod failover;
 mod storage_nodes;
 #[path = "../../backup/tests/common/mod.rs"]
 mod weed;
+#[path = "kubernetes/zone_loss.rs"]
+mod zone_loss;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -320,7 +322,7 @@ impl Cluster {
     }
 
     /// Node `i`'s Node object, as its kubelet registers it: one zone per node of NODES, and
-    /// node-d (a machine that joins late) in node-c's; the storage label on every node but
+    /// the nodes that join later in those three ([`zone_of`]); the storage label on every node but
     /// node-e (which holds no storage); node-d is a control-plane node (its taint).
     fn register(&mut self, i: usize) {
         let name = &self.nodes[i].name;
@@ -328,7 +330,7 @@ impl Cluster {
             DEVICE_NODE => json!({"pool.ferrite.dev/device": self.loops[0].0, "pool.ferrite.dev/format": "true"}),
             _ => json!({}),
         };
-        let zone = format!("zone-{}", if name == "node-d" || name == "node-e" { "c" } else { &name[5..] });
+        let zone = format!("zone-{}", zone_of(name));
         let mut labels = json!({"kubernetes.io/hostname": name, "topology.ferrite.dev/node": name,
             "topology.kubernetes.io/zone": zone, "topology.kubernetes.io/region": "lab"});
         if name != "node-e" {
@@ -595,6 +597,16 @@ impl Cluster {
     }
 }
 
+/// The zone of node `name`: one per node of NODES; node-d and node-e (which join late) in
+/// node-c's; the zone-loss scenario's four in a's and b's (three nodes a zone).
+fn zone_of(name: &str) -> &'static str {
+    match name {
+        "node-a" | "node-f" | "node-g" => "a",
+        "node-b" | "node-h" | "node-i" => "b",
+        _ => "c",
+    }
+}
+
 /// A node plugin pod's CSI-Addons sidecar: it reads the in-cluster configuration (a pod's token,
 /// the API server by address: the switch's `gateway`).
 fn start_addons_sidecar(cp: &mut ControlPlane, gateway: &str, pod: &Pod) {
@@ -685,6 +697,18 @@ fn workloads_as_shipped(cp: &ControlPlane, up: &Path) {
     let grace = help.split("--restart-grace").nth(1).and_then(|h| h.split("[default: ").nth(1)).unwrap();
     let grace: u64 = grace.split(']').next().unwrap().parse().unwrap();
     assert!(stop + 60 <= grace, "terminationGracePeriodSeconds {stop} + 60 s outlasts the restart grace {grace} s");
+    // Its preStop hook (the hand-over of its primaries) leaves the daemon its 150 s to stop.
+    let containers = ds["spec"]["template"]["spec"]["containers"].as_array().unwrap();
+    let daemon = containers.iter().find(|c| c["name"] == "daemon").unwrap();
+    let hook: Vec<&str> = daemon["lifecycle"]["preStop"]["exec"]["command"]
+        .as_array()
+        .expect("the daemon container has a preStop hook")
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(hook[..3], ["ferrite", "replica", "hand-over"], "{hook:?}");
+    let wait: u64 = hook.iter().find_map(|a| a.strip_prefix("--timeout=")).unwrap().parse().unwrap();
+    assert!(wait + 150 <= stop, "the preStop hook's {wait} s leave the daemon less than 150 s of {stop} s to stop");
     let images = common::kube::sidecar_versions(&std::fs::read_to_string(up.join("build.sh")).unwrap());
     for (kind, name) in
         [("deployment", "ferrite-controller"), ("daemonset", "ferrite-daemon"), ("daemonset", "ferrite-node-plugin")]
@@ -835,7 +859,13 @@ impl Cluster {
     }
 
     fn daemon(&self, node: &str) -> &Daemon {
-        &self.daemons[self.nodes.iter().position(|n| n.name == node).unwrap()]
+        &self.daemons[self.daemon_index(node)]
+    }
+
+    /// Where node `node`'s daemon (and its pod) is in `daemons` (and `daemon_pods`): nodes
+    /// without storage have none.
+    fn daemon_index(&self, node: &str) -> usize {
+        self.daemon_pods.iter().position(|p| p.node.name == node).unwrap_or_else(|| panic!("{node} runs no daemon"))
     }
 
     fn wait_field(&mut self, what: &str, args: &[&str], ok: impl Fn(&Value) -> bool) -> Value {
@@ -868,7 +898,8 @@ fn pattern(len: usize) -> Vec<u8> {
 fn ferrite_on_kubernetes() {
     let Some(bin) = binaries() else { return };
     // Spare hosts for the nodes that join late: node-d (failover (i)), node-e (no storage).
-    let Some(sw) = Switch::new(NODES.len() + 2) else { return };
+    // NODES, node-d and node-e joining later, the zone-loss scenario's four.
+    let Some(sw) = Switch::new(NODES.len() + 6) else { return };
     if !common::have("fio") {
         return;
     }
@@ -1234,6 +1265,8 @@ fn ferrite_on_kubernetes() {
         assert!(volumes(c.daemon(n)).iter().all(|v| v != triple_vol), "{n} keeps a copy of {triple_vol}");
     }
 
+    zone_loss::zone_lost(&mut c, dir.path());
+
     println!("== no component was refused by RBAC");
     for log in &c.sidecars {
         let text = std::fs::read_to_string(log).unwrap();
@@ -1357,7 +1390,7 @@ fn backup_tool(c: &mut Cluster, data_vol: &str) {
 }
 
 fn set_ready(c: &Cluster, node: &str, ready: bool) {
-    let ip = &c.nodes[NODES.iter().position(|n| *n == node).unwrap()].ip;
+    let ip = &c.nodes.iter().find(|n| n.name == node).unwrap().ip;
     let now = sh("date -u +%Y-%m-%dT%H:%M:%SZ");
     let (status, reason) = if ready { ("True", "KubeletReady") } else { ("Unknown", "NodeStatusUnknown") };
     let patch = json!({"status": {"addresses": [{"type": "InternalIP", "address": ip}],

@@ -25,7 +25,8 @@ skip() { echo "SKIPPED: VM harness unavailable: $*"; exit 0; }
 command -v apt-get >/dev/null || skip "no apt-get"
 [ "$(uname -m)" = x86_64 ] || skip "x86_64 only"
 mkdir -p "$VMDIR"; cd "$VMDIR"
-if [ -f ready ] && [ -d kernel/boot ] && [ -f initrd.img ] && command -v qemu-system-x86_64 >/dev/null; then
+if [ -f ready ] && [ -d kernel/boot ] && [ -f initrd.img ] && command -v qemu-system-x86_64 >/dev/null \
+  && command -v dmsetup >/dev/null; then
   # A changed initramfs recipe is rebuilt; nothing else needs redoing.
   [ initrd.img -nt "$HERE/mkinitrd.sh" ] || bash "$HERE/mkinitrd.sh" "$VMDIR/kernel" "$VMDIR/initrd.img"
   echo "vm: ready in $VMDIR"; exit 0
@@ -44,7 +45,7 @@ timeout 600 apt-get update -q >/dev/null || skip "apt-get update failed (offline
 timeout 900 apt-get install -y -q --no-install-recommends -t bookworm-backports qemu-system-x86 >/dev/null \
   || skip "cannot install qemu-system-x86 from bookworm-backports"
 timeout 900 apt-get install -y -q --no-install-recommends kmod busybox-static xz-utils cpio nbd-client \
-  e2fsprogs xfsprogs util-linux fio >/dev/null || skip "cannot install the guest tools"
+  e2fsprogs xfsprogs util-linux fio dmsetup >/dev/null || skip "cannot install the guest tools"
 if [ ! -d kernel/boot ] && [ "$KERNEL" = 6.12 ]; then
   echo "vm: downloading the bookworm-backports kernel (extracted here, not installed)..." >&2
   pkg=$(apt-cache show linux-image-amd64 | awk '/^Version:/{v=$2} /^Depends:/ && v ~ /bpo12/ {print $2; exit}')

@@ -47,8 +47,9 @@ pub(super) fn cordoned(n: &Node) -> bool {
 }
 
 impl super::Failover {
-    /// Hands the unpublished primaries on cordoned node `n` over to in-sync copies elsewhere.
-    pub(super) async fn hand_over(&self, n: &Node) -> anyhow::Result<()> {
+    /// Hands the unpublished primaries on node `n`, which `why` ("is cordoned"), over to in-sync
+    /// copies elsewhere.
+    pub(super) async fn hand_over(&self, n: &Node, why: &str) -> anyhow::Result<()> {
         let name = n.name_any();
         let ask = async {
             let mut c = admin(&*self.dir, &name).await?;
@@ -58,8 +59,8 @@ impl super::Failover {
         };
         let (held, published) = tokio::time::timeout(ANSWER, ask)
             .await
-            .map_err(|_| anyhow::anyhow!("the daemon of cordoned node {name} did not answer"))?
-            .map_err(|e| anyhow::anyhow!("cordoned node {name}: {}", e.message()))?;
+            .map_err(|_| anyhow::anyhow!("handing over: the daemon of node {name} did not answer"))?
+            .map_err(|e| anyhow::anyhow!("handing over from node {name}: {}", e.message()))?;
         let published: BTreeSet<String> = published.into_iter().map(|p| p.volume).collect();
         // Where each usable node's daemon is (by host), to find the copies' nodes.
         let usable: Vec<(String, String)> = self
@@ -73,7 +74,7 @@ impl super::Failover {
             let copies = v.members.iter().filter(|m| m.state == "in-sync" && m.endpoint != v.primary);
             let to = copies.filter_map(|m| usable.iter().find(|(h, _)| h == host(&m.endpoint))).map(|(_, n)| n).next();
             let Some(to) = to else {
-                tracing::warn!(node = %name, volume = %v.volume, "cordoned, but no in-sync copy is on a usable node");
+                tracing::warn!(node = %name, volume = %v.volume, "{why}, but no in-sync copy is on a usable node");
                 continue;
             };
             self.leading().await?;
@@ -85,7 +86,7 @@ impl super::Failover {
             match tokio::time::timeout(ANSWER, promote).await {
                 Ok(Ok(r)) => {
                     let note = format!(
-                        "node {name} is cordoned: handed the primary over to the in-sync copy on {to} \
+                        "node {name} {why}: handed the primary over to the in-sync copy on {to} \
                          (generation {}), without a fence",
                         r.get_ref().generation
                     );

@@ -295,8 +295,9 @@ enum Look {
     Back,
     /// Its fence lifted but on some daemons: lifted there too.
     Unfence,
-    /// Cordoned (maintenance): its primaries handed over.
-    Cordoned,
+    /// Cordoned (maintenance) or its daemon pod stopping on purpose (as the string says): its
+    /// unpublished primaries handed over.
+    HandOver(&'static str),
     Fine,
 }
 
@@ -335,7 +336,7 @@ impl Failover {
                 let done = match look {
                     Look::Back => self.rejoin(&n, views).await,
                     Look::Unfence => self.unfence_rest(&n).await,
-                    Look::Cordoned => self.hand_over(&n).await,
+                    Look::HandOver(why) => self.hand_over(&n, why).await,
                     Look::Lost(..) | Look::Fine => Ok(()),
                 };
                 if let Err(e) = done {
@@ -351,10 +352,9 @@ impl Failover {
         let name = n.name_any();
         let not_ready =
             not_ready_since(n).map(|t| now.duration_since(t)).filter(|d| d.as_secs_f64() >= self.after.as_secs_f64());
-        let silent = self
-            .heartbeats
-            .get(&ObjectRef::new(&crate::heartbeat::lease_name(&name)).within(&self.lease_namespace))
-            .and_then(|l| expired_for(&l, now));
+        let heartbeat =
+            self.heartbeats.get(&ObjectRef::new(&crate::heartbeat::lease_name(&name)).within(&self.lease_namespace));
+        let silent = heartbeat.as_ref().and_then(|l| expired_for(l, now));
         let sign = match (not_ready, silent) {
             (Some(d), _) => Some((format!("not Ready for {}s", d.as_secs()), d)),
             (None, Some(d)) => Some((format!("its storage heartbeat silent for {}s", d.as_secs()), d)),
@@ -376,7 +376,9 @@ impl Failover {
         if n.annotations().contains_key(lost::UNFENCE) {
             Look::Unfence
         } else if maintenance::cordoned(n) {
-            Look::Cordoned
+            Look::HandOver("is cordoned")
+        } else if heartbeat.is_some_and(|l| l.annotations().contains_key(crate::heartbeat::STOPPING)) {
+            Look::HandOver("is restarting its daemon")
         } else {
             Look::Fine
         }

@@ -341,17 +341,27 @@ impl Pod {
         std::fs::read_to_string(self.log_path(container)).unwrap_or_default()
     }
 
-    /// Runs the container's exec readiness probe once: whether it passed.
-    pub fn ready(&self, name: &str, program: &Path, netns: bool) -> bool {
+    /// Container `name`'s exec handler at `at` (its readiness probe, its preStop hook), as the
+    /// container runs it; the handler's program is the image's, here `program`.
+    fn handler(&self, name: &str, at: &[&str], program: &Path, netns: bool) -> Command {
         let c = self.container(name);
-        let probe: Vec<String> = c["readinessProbe"]["exec"]["command"]
+        let argv: Vec<String> = at.iter().fold(c, |v, k| &v[*k])["exec"]["command"]
             .as_array()
-            .unwrap_or_else(|| panic!("{name} has no exec readiness probe"))
+            .unwrap_or_else(|| panic!("{name} has no exec {at:?}"))
             .iter()
             .map(|a| self.rewrite(c, a.as_str().unwrap()))
             .collect();
-        // The probe's program is the image's; here, the same binary.
-        self.exec(c, program, &probe[1..], &[], netns).output().is_ok_and(|o| o.status.success())
+        self.exec(c, program, &argv[1..], &[], netns)
+    }
+
+    /// Runs the container's exec readiness probe once: whether it passed.
+    pub fn ready(&self, name: &str, program: &Path, netns: bool) -> bool {
+        self.handler(name, &["readinessProbe"], program, netns).output().is_ok_and(|o| o.status.success())
+    }
+
+    /// Runs the container's preStop hook to its end, as the kubelet does before its SIGTERM.
+    pub fn pre_stop(&self, name: &str, program: &Path, netns: bool) -> Output {
+        self.handler(name, &["lifecycle", "preStop"], program, netns).output().unwrap()
     }
 
     /// Stops every container (SIGKILL), as a deleted pod's are once its grace period ends.

@@ -5,6 +5,7 @@ pub mod csi;
 pub mod images;
 pub mod kube;
 pub mod kubelet;
+pub mod log_writes;
 pub mod mirror;
 pub mod nbd;
 pub mod netns;

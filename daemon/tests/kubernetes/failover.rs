@@ -31,7 +31,7 @@ fn primary_of(c: &Cluster, vol: &str) -> (usize, &'static str, u64) {
 
 /// Writes `content` at the start of `vol` on its primary (`d`): acknowledged once a majority
 /// of the copies hold it.
-fn acknowledged(d: &Daemon, vol: &str, content: &[u8]) {
+pub fn acknowledged(d: &Daemon, vol: &str, content: &[u8]) {
     let mut s = super::common::nbd::open(d, vol);
     assert_eq!(super::common::nbd::write_on(&mut s, 0, content), 0);
     drop(s);
@@ -146,10 +146,11 @@ fn workload_back(c: &mut Cluster, vol: &str, pv: &str, on: &str, fault: Instant,
 }
 
 /// Waits until `node`'s copy of `vol` is an in-sync member as the primary sees it.
-fn in_sync(c: &mut Cluster, vol: &str, node: &str) {
-    let (p, _, _) = primary_of(c, vol);
-    let ip = c.nodes[NODES.iter().position(|n| *n == node).unwrap()].ip.clone();
-    let primary = &c.daemons[p];
+pub fn in_sync(c: &mut Cluster, vol: &str, node: &str) {
+    let ip = c.nodes[c.nodes.iter().position(|n| n.name == node).unwrap()].ip.clone();
+    let names: Vec<&str> = c.daemon_pods.iter().map(|p| p.node.name.as_str()).collect();
+    let at = serving(c, vol, &names).expect("a primary");
+    let primary = &c.daemons[c.daemon_index(&at)];
     c.cp.wait(&format!("{node}'s copy of {vol} in sync"), LONG, |_| {
         let s = primary.json(&["replica", "status", vol]);
         s["members"].as_array().is_some_and(|ms| {
@@ -734,7 +735,7 @@ pub fn maintenance_waits(c: &mut Cluster, vol: &str, pv: &str, node: &str, other
 }
 
 /// The node of `holders` whose daemon serves `vol` as its primary, if one answers.
-fn serving(c: &Cluster, vol: &str, holders: &[&str]) -> Option<String> {
+pub fn serving(c: &Cluster, vol: &str, holders: &[&str]) -> Option<String> {
     holders
         .iter()
         .find(|n| {
@@ -746,21 +747,42 @@ fn serving(c: &Cluster, vol: &str, holders: &[&str]) -> Option<String> {
 }
 
 /// (m) A rolling upgrade of the daemons: the DaemonSet's template changes and each node's daemon
-/// pod is replaced in turn, the slowest way a planned stop goes: its heartbeat gets SIGTERM (as
-/// the kubelet sends it; it renews the node's Lease for the restart grace on its way out), the
-/// daemon is killed (SIGKILL at the end of the grace period), a new pod starts. While a node that does not hold the primary is
-/// down, `vol` takes writes at once; when it holds it, the write waits for the new daemon, well
-/// within the heartbeat's restart grace. No node is taken for lost: no fence, no promotion.
+/// pod is replaced in turn (once the volume's other copies are in sync, as the runbook says), the
+/// slowest way a planned stop goes: its heartbeat gets SIGTERM (as the kubelet sends it; it
+/// renews the node's Lease for the restart grace and marks it stopping), the daemon container's
+/// preStop hook runs (`ferrite replica hand-over`: the controller hands the unpublished primary
+/// over to an in-sync copy elsewhere meanwhile), the daemon is killed (SIGKILL at the end of the
+/// grace period), a new pod starts. `vol` takes writes while each node is down, the primary's
+/// too: it moved before the stop. No node is taken for lost: no fence, no failover.
 pub fn rolling_upgrade(c: &mut Cluster, vol: &str, pv: &str, holders: [&str; 3]) {
-    println!("== (m) a rolling upgrade of the daemons keeps {vol} writable");
+    println!("== (m) a rolling upgrade of the daemons keeps {vol} writable; its primary is handed over first");
     let failed_over = events(&c.cp, pv, "FailedOver").len();
     c.cp.ok(&["set", "env", "daemonset/ferrite-daemon", "-n", NS, "-c", "daemon", "FERRITE_UPGRADE_TEST=2"]);
-    for (i, node) in NODES.iter().enumerate() {
+    let mut handed_over = 0;
+    for i in 0..c.daemon_pods.len() {
+        let node = c.daemon_pods[i].node.name.clone();
         let primary = serving(c, vol, &holders).expect("a primary before the restart");
+        for h in holders.iter().filter(|h| **h != primary) {
+            in_sync(c, vol, h);
+        }
         let fault = Instant::now();
         let old = c.daemon_pods[i].name().to_owned();
         let heartbeat = c.cp.pid(&c.daemon_pods[i].process("heartbeat")).to_string();
         assert!(std::process::Command::new("kill").args(["-TERM", &heartbeat]).status().unwrap().success());
+        // The kubelet runs the daemon container's preStop hook, then sends its SIGTERM.
+        let hook = c.daemon_pods[i].pre_stop("daemon", &c.node_bin, true);
+        let said = String::from_utf8_lossy(&hook.stderr).trim().to_owned();
+        assert!(hook.status.success(), "the preStop hook on {node}: {said}");
+        println!("   {node} stopping: preStop hook done {:?} after the SIGTERM: {said:?}", fault.elapsed());
+        if primary == node {
+            let now = serving(c, vol, &holders).expect("a primary after the hand-over");
+            assert_ne!(now, node, "{node} still holds the primary after its preStop hook: {said}");
+            let notes = events(&c.cp, pv, "HandedOver");
+            let why =
+                format!("node {node} is restarting its daemon: handed the primary over to the in-sync copy on {now}");
+            assert!(notes.iter().any(|n| n.contains(&why)), "{notes:?}");
+            handed_over += 1;
+        }
         let gone = || {
             !std::path::Path::new(&format!("/proc/{heartbeat}/status")).exists()
                 || std::fs::read_to_string(format!("/proc/{heartbeat}/status")).is_ok_and(|s| s.contains("State:\tZ"))
@@ -774,9 +796,14 @@ pub fn rolling_upgrade(c: &mut Cluster, vol: &str, pv: &str, holders: [&str; 3])
         c.daemon_pods[i].kill(&mut c.cp);
         // Gone at once (no kubelet here to finish a graceful delete): its name may come again.
         c.cp.ok(&["delete", "pod", &old, "-n", NS, "--grace-period=0", "--force"]);
-        if primary != *node && holders.contains(node) {
-            acknowledged(c.daemon(&primary), vol, &pattern(4096));
-            println!("   {node} down: a write acknowledged on {primary} {:?} after the kill", fault.elapsed());
+        if let Some(p) = serving(c, vol, &holders).filter(|p| *p != node) {
+            acknowledged(c.daemon(&p), vol, &pattern(4096));
+            println!("   {node} down: a write acknowledged on {p} {:?} after the SIGTERM", fault.elapsed());
+        } else {
+            assert!(
+                !holders.contains(&node.as_str()),
+                "{node} holds a copy, and {vol} took no write while it was down"
+            );
         }
         c.daemon_pods[i] = c.start_daemon_pod(i);
         let back = fault.elapsed();
@@ -791,13 +818,18 @@ pub fn rolling_upgrade(c: &mut Cluster, vol: &str, pv: &str, holders: [&str; 3])
         let now_primary = now_primary.expect("a primary after the restart");
         acknowledged(c.daemon(&now_primary), vol, &pattern(4096));
         println!(
-            "   {node} restarted (new daemon ready {back:?}); first write on {now_primary} {:?} after the kill",
+            "   {node} restarted (new daemon ready {back:?}); a write on {now_primary} {:?} after the SIGTERM",
             fault.elapsed()
         );
     }
+    assert!(handed_over > 0, "no restart of (m) was the primary's: the hand-over went untested");
     assert_eq!(events(&c.cp, pv, "FailedOver").len(), failed_over, "an upgrade failed a volume over");
-    for node in NODES {
-        let n = c.cp.get(&["node", node]);
-        assert!(n["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_null(), "{node} was fenced");
+    for n in &c.nodes {
+        let n = c.cp.get(&["node", &n.name]);
+        assert!(
+            n["metadata"]["annotations"]["failover.ferrite.dev/fenced"].is_null(),
+            "{} was fenced",
+            n["metadata"]["name"]
+        );
     }
 }

@@ -1,0 +1,8 @@
+# In the guest: the power-cut replay test (daemon/tests/power_cut.rs, `#[ignore]`d on hosts
+# without dm-log-writes): the pool and its catalog on dm-log-writes, a workload through the
+# daemon, then the device rebuilt at flush points (every one with FERRITE_LONG=1), each opened
+# by a fresh daemon and checked.
+set -euo pipefail
+BIN=$(cat .vm-power-cut)
+cd /tmp
+timeout "${POWER_CUT_TIMEOUT:-900}" "$BIN" --ignored --exact power_cut_replayed_at_flush_points --nocapture --test-threads 1
