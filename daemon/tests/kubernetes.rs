@@ -349,9 +349,10 @@ impl Cluster {
         self.cp.ok(&["patch", "node", name, "--subresource=status", "--type=merge", "-p", &addresses.to_string()]);
     }
 
-    /// Waits for the node Service's EndpointSlices (the controller's directory) to list every node.
+    /// Waits for the node Service's EndpointSlices (the controller's directory) to list every
+    /// node that runs a daemon.
     fn listed(&mut self) {
-        let names: Vec<String> = self.nodes.iter().map(|n| n.name.clone()).collect();
+        let names: Vec<String> = self.daemon_pods.iter().map(|p| p.node.name.clone()).collect();
         self.cp.wait("the node Service's EndpointSlices to list every node", LONG, |cp| {
             let s = cp.get(&["endpointslices", "-n", NS, "-l", "kubernetes.io/service-name=ferrite-node"]);
             let listed = s["items"]

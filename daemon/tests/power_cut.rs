@@ -283,6 +283,7 @@ impl Drop for Rig {
         let _ = Command::new("bash")
             .args(["-c", &format!("umount -l {d}/meta {d}/check 2>/dev/null; dmsetup remove_all; losetup -D")])
             .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -488,6 +489,9 @@ fn replay_layout(layout: Layout, long: bool) {
     log.replay(0, log.entries.len(), &whole).unwrap();
     drop(whole);
     sh(&format!("cmp {} {}", scratch.display(), rig.dir.join("data.img").display()));
+    // The guest's files live in its memory: only the log and two images stay.
+    std::fs::remove_file(rig.dir.join("data.img")).unwrap();
+    std::fs::remove_file(&scratch).unwrap();
     File::create(&replay).unwrap().set_len(POOL + META).unwrap();
     let target = std::fs::OpenOptions::new().write(true).open(&replay).unwrap();
     let (mut applied, mut rng) = (0, 0x9e37_79b9_u64);
@@ -525,6 +529,9 @@ fn replay_layout(layout: Layout, long: bool) {
         copy(&replay, &scratch);
         blocks += check(&rig, &w, &log, end, &scratch, &format!("{layout:?} up to entry {end}")).blocks;
         replays += 1;
+        if replays % 20 == 0 {
+            println!("{layout:?}: {replays} replays checked, up to entry {end} of {}", log.entries.len());
+        }
     }
     println!(
         "{layout:?}: {replays} replays checked ({blocks} blocks), {:.1?} per replay",
@@ -537,9 +544,13 @@ fn replay_layout(layout: Layout, long: bool) {
 fn power_cut_replayed_at_flush_points() {
     let long = std::env::var("FERRITE_LONG").is_ok_and(|v| v == "1");
     sh("modprobe loop && modprobe dm-log-writes");
+    // Its own room in the guest's memory (the log and two images of the device at most), apart
+    // from what the guest's other tests left in /tmp.
+    sh(&format!("mkdir -p {ROOT} && mount -t tmpfs -o size=1400M,mode=0700 power-cut {ROOT}"));
     for layout in [Layout::RawPool, Layout::FileOnExt4] {
         replay_layout(layout, long);
     }
+    sh(&format!("umount {ROOT}"));
     println!("POWER_CUT_OK");
 }
 

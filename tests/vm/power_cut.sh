@@ -4,5 +4,7 @@
 # by a fresh daemon and checked.
 set -euo pipefail
 BIN=$(cat .vm-power-cut)
+limit=900
+if [ -f .vm-long ]; then export FERRITE_LONG=1; limit=9000; fi
 cd /tmp
-timeout "${POWER_CUT_TIMEOUT:-900}" "$BIN" --ignored --exact power_cut_replayed_at_flush_points --nocapture --test-threads 1
+timeout "$limit" "$BIN" --ignored --exact power_cut_replayed_at_flush_points --nocapture --test-threads 1

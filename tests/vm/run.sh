@@ -3,7 +3,7 @@
 # (cwd = $PWD, which is mounted read-write at the same path), prints the guest's console and
 # exits with the script's exit code (124: timeout, 255: the guest died before finishing).
 # If the harness is not set up and cannot be, prints "SKIPPED: ..." and exits 0.
-# Env: VM_TIMEOUT (600 s), VM_MEM (2G), VM_CPUS (2), FERRITE_VM_KERNEL (6.12 or 6.17).
+# Env: VM_TIMEOUT (600 s), VM_MEM (3G: the power-cut test keeps device images in memory), VM_CPUS (2), FERRITE_VM_KERNEL (6.12 or 6.17).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 # The kernel (FERRITE_VM_KERNEL) and its directory: as setup.sh picks them.
@@ -19,7 +19,7 @@ KROOT=$VMDIR/kernel; V=$(ls "$KROOT/lib/modules")
 LOG=$(mktemp); trap 'rm -f "$LOG"' EXIT
 echo "vm: booting (TCG) to run $(basename "$SCRIPT")..." >&2
 timeout --foreground -k 5 "${VM_TIMEOUT:-600}" qemu-system-x86_64 \
-  -machine pc -accel tcg,thread=multi -cpu max -smp "${VM_CPUS:-2}" -m "${VM_MEM:-2G}" \
+  -machine pc -accel tcg,thread=multi -cpu max -smp "${VM_CPUS:-2}" -m "${VM_MEM:-3G}" \
   -nodefaults -no-user-config -display none -no-reboot -serial stdio \
   -kernel "$KROOT/boot/vmlinuz-$V" -initrd "$VMDIR/initrd.img" \
   -append "console=ttyS0 quiet loglevel=1 panic=-1 vmtest.script=$SCRIPT vmtest.cwd=$PWD vmtest.rw=$PWD vmtest.mods=$KROOT/lib/modules/$V" \

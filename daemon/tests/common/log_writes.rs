@@ -17,7 +17,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-pub const MAGIC: u64 = 0x6a73_6677_7368_72;
+pub const MAGIC: u64 = 0x006a_7366_7773_6872;
 pub const FLUSH: u64 = 1 << 0;
 pub const FUA: u64 = 1 << 1;
 pub const DISCARD: u64 = 1 << 2;
