@@ -28,6 +28,7 @@ const MODULES: &[&str] = &[
     "admin",
     "backups",
     "cli",
+    "hand_over",
     "backup_cli",
     "daemon",
     "attach_only",
