@@ -13,23 +13,15 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::hand_over;
 
 use crate::cli::{Admin, rpc_error};
 
-/// The synchronous volumes this daemon is the primary of, not published here, with an in-sync
-/// copy elsewhere: those the failover loop may hand over.
+/// The primaries the failover loop may hand over from here ([`hand_over::movable`]).
 async fn movable(c: &mut Admin) -> anyhow::Result<BTreeSet<String>> {
-    let held = c.list_sync_replicas(pb::ListReplicationsRequest::default()).await.map_err(rpc_error)?;
-    let published = c.list_publications(pb::ListPublicationsRequest {}).await.map_err(rpc_error)?;
-    let published: BTreeSet<String> = published.into_inner().publications.into_iter().map(|p| p.volume).collect();
-    Ok(held
-        .into_inner()
-        .volumes
-        .into_iter()
-        .filter(|v| v.role == "primary" && !published.contains(&v.volume))
-        .filter(|v| v.members.iter().any(|m| m.state == "in-sync" && m.endpoint != v.primary))
-        .map(|v| v.volume)
-        .collect())
+    let held = c.list_sync_replicas(pb::ListReplicationsRequest::default()).await.map_err(rpc_error)?.into_inner();
+    let published = c.list_publications(pb::ListPublicationsRequest {}).await.map_err(rpc_error)?.into_inner();
+    Ok(hand_over::movable(&held.volumes, &published.publications).into_iter().map(|(v, _)| v.volume.clone()).collect())
 }
 
 /// Waits until the primaries [`movable`] lists are handed over, or none moved for `idle`, or

@@ -49,6 +49,7 @@ pub mod snapshot_metadata {
     tonic::include_proto!("snapshotmetadata");
 }
 
+pub mod hand_over;
 pub mod version;
 
 /// A gRPC channel to a server on a Unix socket (the daemon's admin API, a CSI endpoint).

@@ -7,7 +7,6 @@
 //! no writer loses its connection in the middle of a request; its next publication then goes
 //! to the new primary.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use ferrite_proto::ferrite::v1 as pb;
@@ -61,7 +60,6 @@ impl super::Failover {
             .await
             .map_err(|_| anyhow::anyhow!("handing over: the daemon of node {name} did not answer"))?
             .map_err(|e| anyhow::anyhow!("handing over from node {name}: {}", e.message()))?;
-        let published: BTreeSet<String> = published.into_iter().map(|p| p.volume).collect();
         // Where each usable node's daemon is (by host), to find the copies' nodes.
         let usable: Vec<(String, String)> = self
             .node_store
@@ -70,9 +68,12 @@ impl super::Failover {
             .filter(|n| usable(n))
             .filter_map(|n| Some((host(&self.dir.admin_endpoint(&n.name_any())?).to_owned(), n.name_any())))
             .collect();
-        for v in held.iter().filter(|v| v.role == "primary" && !published.contains(&v.volume)) {
-            let copies = v.members.iter().filter(|m| m.state == "in-sync" && m.endpoint != v.primary);
-            let to = copies.filter_map(|m| usable.iter().find(|(h, _)| h == host(&m.endpoint))).map(|(_, n)| n).next();
+        for (v, copies) in ferrite_proto::hand_over::movable(&held, &published) {
+            let to = copies
+                .iter()
+                .filter_map(|m| usable.iter().find(|(h, _)| h == host(&m.endpoint)))
+                .map(|(_, n)| n)
+                .next();
             let Some(to) = to else {
                 tracing::warn!(node = %name, volume = %v.volume, "{why}, but no in-sync copy is on a usable node");
                 continue;

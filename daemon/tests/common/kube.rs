@@ -61,6 +61,12 @@ impl ControlPlane {
     /// `also`: another address of this machine (a network's gateway) on which processes in
     /// other network namespaces reach the API server.
     pub fn start(dir: &Path, bin: &Path, also: Option<&str>) -> Self {
+        Self::start_with(dir, bin, also, false)
+    }
+
+    /// The same, with the DaemonSet controller on where `daemon_sets` (for a test that binds and
+    /// readies the pods it makes itself).
+    pub fn start_with(dir: &Path, bin: &Path, also: Option<&str>, daemon_sets: bool) -> Self {
         let pki = dir.join("kpki");
         std::fs::create_dir_all(&pki).unwrap();
         let p = |f: &str| pki.join(f).display().to_string();
@@ -162,15 +168,28 @@ impl ControlPlane {
         });
         let kcm_cfg = kcm_cfg.display().to_string();
         // No kubelet and no scheduler: the controllers that would act on their absence (node
-        // lifecycle evictions) or run pods (daemon sets, deployments, replica sets) are off; the
-        // test stands in for the scheduler and kubelet where the driver needs them.
-        cp.spawn("controller-manager", "kube-controller-manager", &[
-            &format!("--kubeconfig={kcm_cfg}"), &format!("--authentication-kubeconfig={kcm_cfg}"),
-            &format!("--authorization-kubeconfig={kcm_cfg}"), "--leader-elect=false",
-            &format!("--service-account-private-key-file={}", p("sa.key")), &format!("--root-ca-file={}", p("ca.crt")),
-            "--use-service-account-credentials=true", "--bind-address=127.0.0.1", &format!("--secure-port={kcm}"),
-            "--controllers=*,-node-lifecycle-controller,-daemonset-controller,-deployment-controller,-replicaset-controller",
-        ], &[]);
+        // lifecycle evictions) or run pods (daemon sets unless asked, deployments, replica sets)
+        // are off; the test stands in for the scheduler and kubelet where the driver needs them.
+        cp.spawn(
+            "controller-manager",
+            "kube-controller-manager",
+            &[
+                &format!("--kubeconfig={kcm_cfg}"),
+                &format!("--authentication-kubeconfig={kcm_cfg}"),
+                &format!("--authorization-kubeconfig={kcm_cfg}"),
+                "--leader-elect=false",
+                &format!("--service-account-private-key-file={}", p("sa.key")),
+                &format!("--root-ca-file={}", p("ca.crt")),
+                "--use-service-account-credentials=true",
+                "--bind-address=127.0.0.1",
+                &format!("--secure-port={kcm}"),
+                &format!(
+                    "--controllers=*,-node-lifecycle-controller,{}-deployment-controller,-replicaset-controller",
+                    if daemon_sets { "" } else { "-daemonset-controller," }
+                ),
+            ],
+            &[],
+        );
         cp
     }
 
