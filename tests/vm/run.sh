@@ -17,6 +17,7 @@ case $out in SKIPPED:*) echo "$out"; exit 0;; esac
 [ -f "$VMDIR/ready" ] || { echo "SKIPPED: VM harness setup did not finish: $out"; exit 0; }
 KROOT=$VMDIR/kernel; V=$(ls "$KROOT/lib/modules")
 LOG=$(mktemp); trap 'rm -f "$LOG"' EXIT
+# Line by line all the way (sed -u, grep --line-buffered): a long guest test's progress shows as it goes.
 echo "vm: booting (TCG) to run $(basename "$SCRIPT")..." >&2
 timeout --foreground -k 5 "${VM_TIMEOUT:-600}" qemu-system-x86_64 \
   -machine pc -accel tcg,thread=multi -cpu max -smp "${VM_CPUS:-2}" -m "${VM_MEM:-3G}" \
@@ -27,7 +28,7 @@ timeout --foreground -k 5 "${VM_TIMEOUT:-600}" qemu-system-x86_64 \
   -device virtio-9p-pci,fsdev=hr,mount_tag=hostroot \
   -fsdev local,id=hw,path="$PWD",security_model=none,multidevs=remap \
   -device virtio-9p-pci,fsdev=hw,mount_tag=hostrw </dev/null \
-  | tr -d '\r' | grep --line-buffered -vE '\] (sysrq: Power Off|reboot: Power down)$' | tee "$LOG"
+  | sed -u 's/\r//g' | grep --line-buffered -vE '\] (sysrq: Power Off|reboot: Power down)$' | tee "$LOG"
 qrc=${PIPESTATUS[0]}
 rc=$(sed -n 's/.*@@VMTEST_EXIT=\([0-9]*\)@@.*/\1/p' "$LOG" | tail -1)
 [ "$qrc" = 124 ] && [ -z "$rc" ] && { echo "vm: timed out after ${VM_TIMEOUT:-600} s" >&2; exit 124; }
