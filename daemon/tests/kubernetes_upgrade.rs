@@ -151,11 +151,10 @@ fn an_upgrade_from_0_2_0_as_documented_keeps_every_daemon() {
     let commands = documented_commands();
     // Every class whose parameters changed since 0.2.0 must be re-created by them, or the apply
     // fails (Kubernetes forbids the change).
-    let new = String::from_utf8(
-        Command::new("kubectl").arg("kustomize").arg(repo().join("deploy/kubernetes")).output().unwrap().stdout,
-    )
-    .unwrap();
-    let (old_docs, new_docs) = (documents(old), documents(&new));
+    let o = Command::new("kubectl").arg("kustomize").arg(repo().join("deploy/kubernetes")).output().unwrap();
+    assert!(o.status.success(), "kubectl kustomize: {}", String::from_utf8_lossy(&o.stderr));
+    let (old_docs, new_docs) = (documents(old), documents(&String::from_utf8(o.stdout).unwrap()));
+    assert!(new_docs.keys().filter(|k| k.starts_with("StorageClass/")).count() >= 4, "{:?}", new_docs.keys());
     for (key, doc) in new_docs.iter().filter(|(k, _)| k.starts_with("StorageClass/")) {
         let changed = old_docs.get(key).is_some_and(|o| section(o, "parameters:") != section(doc, "parameters:"));
         let name = key.trim_start_matches("StorageClass/");
