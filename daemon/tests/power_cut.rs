@@ -466,14 +466,20 @@ fn replay_layout(layout: Layout, long: bool) {
     let first = log.mark("m0").expect("the first mark is in the log");
     let points: Vec<usize> =
         (first..log.entries.len()).filter(|i| log.entries[*i].is_flush_point()).map(|i| i + 1).collect();
+    // A new seed each run (printed; FERRITE_POWER_CUT_SEED repeats one): where the short sample
+    // starts and which unflushed writes are kept, so runs cover different points over time.
+    let seed: u64 = std::env::var("FERRITE_POWER_CUT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos().into()
+    });
     let sample: Vec<usize> = if long {
         points.clone()
     } else {
         let step = (points.len() / 8).max(1);
-        points.iter().copied().step_by(step).chain([log.entries.len()]).collect()
+        let from = usize::try_from(seed).unwrap() % step;
+        points.iter().copied().skip(from).step_by(step).chain([log.entries.len()]).collect()
     };
     println!(
-        "{layout:?}: workload {:.1?}: {} writes, {} marks; the log holds {} entries, {} flush points; replaying {}",
+        "{layout:?}: workload {:.1?}: {} writes, {} marks; the log holds {} entries, {} flush points; replaying {} (seed {seed})",
         started.elapsed(),
         w.writes,
         w.marks.len(),
@@ -494,7 +500,8 @@ fn replay_layout(layout: Layout, long: bool) {
     std::fs::remove_file(&scratch).unwrap();
     File::create(&replay).unwrap().set_len(POOL + META).unwrap();
     let target = std::fs::OpenOptions::new().write(true).open(&replay).unwrap();
-    let (mut applied, mut rng) = (0, 0x9e37_79b9_u64);
+    // xorshift needs a state other than 0.
+    let (mut applied, mut rng) = (0, seed | 1);
     let (mut replays, mut blocks) = (0u64, 0u64);
     let timer = Instant::now();
     for end in sample {
