@@ -51,20 +51,37 @@ fn section<'a>(doc: &'a str, key: &str) -> Vec<&'a str> {
     doc.lines().skip_while(|l| *l != key).skip(1).take_while(|l| l.starts_with(' ')).collect()
 }
 
-/// The pods of `selector`, by node: (uid, the DaemonSet revision they run, ready, deleting).
-fn pods(cp: &ControlPlane, selector: &str) -> BTreeMap<String, Vec<(String, String, bool, bool)>> {
+/// A pod as the test sees it.
+#[derive(Debug, Clone, PartialEq)]
+struct Seen {
+    uid: String,
+    /// The DaemonSet revision it runs.
+    revision: String,
+    ready: bool,
+    deleting: bool,
+}
+
+impl Seen {
+    /// Ready, and not on its way out.
+    fn serving(&self) -> bool {
+        self.ready && !self.deleting
+    }
+}
+
+/// The pods of `selector`, by node ("" for those not bound yet).
+fn pods(cp: &ControlPlane, selector: &str) -> BTreeMap<String, Vec<Seen>> {
     let mut by_node: BTreeMap<String, Vec<_>> = BTreeMap::new();
     for p in cp.get(&["pods", "-n", "ferrite", "-l", selector])["items"].as_array().unwrap() {
         let node = p["spec"]["nodeName"].as_str().unwrap_or("").to_owned();
         let ready = p["status"]["conditions"]
             .as_array()
             .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"));
-        by_node.entry(node).or_default().push((
-            p["metadata"]["uid"].as_str().unwrap().to_owned(),
-            p["metadata"]["labels"]["controller-revision-hash"].as_str().unwrap_or("").to_owned(),
+        by_node.entry(node).or_default().push(Seen {
+            uid: p["metadata"]["uid"].as_str().unwrap().to_owned(),
+            revision: p["metadata"]["labels"]["controller-revision-hash"].as_str().unwrap_or("").to_owned(),
             ready,
-            !p["metadata"]["deletionTimestamp"].is_null(),
-        ));
+            deleting: !p["metadata"]["deletionTimestamp"].is_null(),
+        });
     }
     by_node
 }
@@ -87,9 +104,8 @@ fn stand_in(cp: &ControlPlane) {
             std::fs::write(&file, binding.to_string()).unwrap();
             let _ = cp.kubectl(&["create", "-f", &file.display().to_string()]);
         } else if !p["status"]["conditions"].as_array().is_some_and(|c| c.iter().any(|c| c["type"] == "Ready")) {
-            let now = "2026-01-01T00:00:00Z";
             let status = json!({"status": {"phase": "Running", "conditions": [
-                {"type": "Ready", "status": "True", "lastTransitionTime": now}]}});
+                {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
             let _ = cp.kubectl(&[
                 "patch",
                 "pod",
@@ -121,7 +137,7 @@ fn settle(cp: &mut ControlPlane, daemons: &[&str], plugins: &[&str], what: &str)
         stand_in(cp);
         [(DAEMON, daemons), (PLUGIN, plugins)].iter().all(|(s, on)| {
             let p = pods(cp, s);
-            p.len() == on.len() && on.iter().all(|n| p.get(*n).is_some_and(|v| v.len() == 1 && v[0].2 && !v[0].3))
+            p.len() == on.len() && on.iter().all(|n| p.get(*n).is_some_and(|v| v.len() == 1 && v[0].serving()))
         })
     });
 }
@@ -192,11 +208,13 @@ fn an_upgrade_from_0_2_0_as_documented_keeps_every_daemon() {
             assert_eq!(daemons.get(n), before.get(n), "the daemon pod of {n} was touched by the apply");
         }
         let plugins = pods(&cp, PLUGIN);
-        let ready = all.iter().filter(|n| plugins.get(**n).is_some_and(|v| v.iter().any(|p| p.2 && !p.3))).count();
+        let ready = all.iter().filter(|n| plugins.get(**n).is_some_and(|v| v.iter().any(Seen::serving))).count();
         fewest = fewest.min(ready);
-        let rolled = all
-            .iter()
-            .all(|n| plugins.get(*n).is_some_and(|v| v.len() == 1 && v[0].2 && v[0].1 != plugin_before[*n][0].1));
+        let rolled = all.iter().all(|n| {
+            plugins
+                .get(*n)
+                .is_some_and(|v| v.len() == 1 && v[0].ready && v[0].revision != plugin_before[*n][0].revision)
+        });
         if !daemons.contains_key(LATE) && rolled {
             break;
         }
@@ -207,7 +225,7 @@ fn an_upgrade_from_0_2_0_as_documented_keeps_every_daemon() {
     println!("== node plugins rolled in {:.1?}, never more than one node without one", start.elapsed());
 
     // The next documented step: one node's daemon pod deleted brings this release's daemon there.
-    let (uid, revision, ..) = before["node-a"][0].clone();
+    let old_a = &before["node-a"][0];
     let name = cp.get(&["pods", "-n", "ferrite", "-l", DAEMON, "--field-selector=spec.nodeName=node-a"])["items"][0]
         ["metadata"]["name"]
         .as_str()
@@ -216,7 +234,8 @@ fn an_upgrade_from_0_2_0_as_documented_keeps_every_daemon() {
     cp.ok(&["delete", "pod", &name, "-n", "ferrite", "--wait=false"]);
     settle(&mut cp, &NODES, &all, "the daemon back on node-a");
     let after = pods(&cp, DAEMON);
-    assert!(after["node-a"][0].0 != uid && after["node-a"][0].1 != revision, "node-a runs this release's daemon");
+    let new_a = &after["node-a"][0];
+    assert!(new_a.uid != old_a.uid && new_a.revision != old_a.revision, "node-a runs this release's daemon");
     for n in &NODES[1..] {
         assert_eq!(after.get(*n), before.get(*n), "the daemon pod of {n} was touched");
     }
