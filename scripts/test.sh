@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
 
-step() { printf '\n== %s\n' "$*" >&2; }
+step() { printf '\n== %s (at %d s)\n' "$*" "$SECONDS" >&2; }
 # Every test that skips lists itself here; the suite prints them in one line at the end. Under
 # CI=true a skip for want of something this suite installs fails instead (see the tests' skip()).
 export FERRITE_SKIPS; FERRITE_SKIPS=$(mktemp)

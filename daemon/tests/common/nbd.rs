@@ -93,7 +93,13 @@ pub fn try_read_image(d: &super::Daemon, image: &str, len: u64) -> Option<Vec<u8
     if !d.cli(&["export", "nbd", image]).status.success() {
         return None;
     }
-    let mut s = connect(&d.nbd(), image);
+    let buf = read_all(&mut connect(&d.nbd(), image), image, len);
+    d.ok(&["export", "stop", image]);
+    Some(buf)
+}
+
+/// `len` bytes from the start of the export `image` is connected to by `s`.
+pub fn read_all(s: &mut UnixStream, image: &str, len: u64) -> Vec<u8> {
     let mut buf = vec![0u8; usize::try_from(len).unwrap()];
     for (i, chunk) in buf.chunks_mut(8 << 20).enumerate() {
         let at = i as u64 * (8 << 20);
@@ -103,7 +109,5 @@ pub fn try_read_image(d: &super::Daemon, image: &str, len: u64) -> Option<Vec<u8
         assert_eq!(&h[4..8], &[0; 4], "read of {image} at {at} failed");
         s.read_exact(chunk).unwrap();
     }
-    drop(s);
-    d.ok(&["export", "stop", image]);
-    Some(buf)
+    buf
 }
