@@ -4,7 +4,7 @@
 FERRITE=${FERRITE:-$(cat .vm-ferrite 2>/dev/null || echo /root/.cache/ferrite/target/debug/ferrite)}
 export FERRITE_ADMIN_SOCKET=$D/admin.sock
 f() { timeout 120 "$FERRITE" "$@"; }
-step() { echo "== $*"; }
+step() { echo "== $* (at $SECONDS s)"; }
 live() { f -o json pool status | sed -n 's/.*"live":\([0-9]*\).*/\1/p'; }
 sums() { (cd "$1" && find . -type f -print0 | sort -z | xargs -0 sha256sum); }
 

@@ -10,6 +10,10 @@
 set -euo pipefail
 D=/tmp/ferrite-remote; rm -rf $D; mkdir -p $D/a $D/b
 DEV_PREFIX=/dev/nbd
+# node-b's hold: past the longest replacement of node-a's daemon under TCG (a SIGTERM drains and
+# checkpoints, then a new daemon opens the pool): a pause of 20.7 s was seen, and a hold of 20 s
+# failed relayed writes once.
+HOLD=40
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 trap 'echo "--- node-b log"; tail -20 $D/b.log; echo "--- node-a log"; tail -20 $D/a.log' ERR
 fa() { FERRITE_ADMIN_SOCKET=$D/a/admin.sock f "$@"; }
@@ -27,7 +31,7 @@ f certs $D/pki node-a 10.77.0.2 >/dev/null 2>&1
 f certs $D/pki node-b 10.77.0.1 >/dev/null 2>&1
 tls() { printf 'tls-cert = "%s"\ntls-key = "%s"\ntls-client-ca = "%s"\n' "$D/pki/$1.pem" "$D/pki/$1-key.pem" "$D/pki/ca.pem"; }
 { printf 'pool-size = "1G"\nsegment-size = "4M"\nlog-level = "warn"\nnbd-listen = "10.77.0.2:10809"\n'; tls node-a; } > $D/a.toml
-{ printf 'pool-size = "256M"\nsegment-size = "4M"\nlog-level = "info"\nnbd-device-timeout-s = 5\ndevice-hold-s = 20\n'; tls node-b; } > $D/b.toml
+{ printf 'pool-size = "256M"\nsegment-size = "4M"\nlog-level = "info"\nnbd-device-timeout-s = 5\ndevice-hold-s = %s\n' $HOLD; tls node-b; } > $D/b.toml
 start_a() {
   ip netns exec node-a "${DAEMON_BIN:-$FERRITE}" daemon --config $D/a.toml --data-dir $D/a >> $D/a.log 2>&1 &
   A=$!
@@ -84,13 +88,15 @@ echo "refused: $err"
 case $err in *for-c*) ;; *) echo "the error does not name the export"; exit 1;; esac
 fb attachments | grep -q v-c && { echo "a refused attach left an attachment"; exit 1; }
 
-step "stopping the export holds the device's I/O for device-hold-s (20 s), then fails it"
+step "stopping the export holds the device's I/O for device-hold-s ($HOLD s), then fails it"
 fa export stop v >/dev/null
 t0=$(date +%s)
 rc=0; timeout 120 dd if="$DEV" of=/dev/null bs=4k count=1 skip=12345 iflag=direct 2>/dev/null || rc=$?
-echo "read ended with $rc after $(( $(date +%s) - t0 )) s"
+held=$(( $(date +%s) - t0 ))
+echo "read ended with $rc after $held s"
 [ "$rc" != 0 ] || { echo "a read went through after the export stopped"; exit 1; }
 [ "$rc" != 124 ] || { echo "the read hung past the hold time"; exit 1; }
+[ "$held" -ge $((HOLD - 2)) ] || { echo "the read failed before the hold time"; exit 1; }
 umount -l /mnt/remote
 fb detach "$DEV" >/dev/null
 fb attachments | grep -q "10.77.0.2" && { echo "attachment left behind"; exit 1; }
