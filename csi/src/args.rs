@@ -7,6 +7,7 @@ use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::Status;
 
+use crate::class::Class;
 use crate::ids;
 
 /// Topology key naming the node a volume lives on.
@@ -22,39 +23,10 @@ pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
     Ok(())
 }
 
-/// A boolean parameter `key` of `params`: `"true"` or `"false"`, false when unset.
-pub(crate) fn flag(params: &HashMap<String, String>, key: &str) -> Result<bool, Status> {
-    match params.get(key).map(String::as_str) {
-        None | Some("false") => Ok(false),
-        Some("true") => Ok(true),
-        Some(v) => Err(Status::invalid_argument(format!("parameter {key:?} is \"true\" or \"false\", not {v:?}"))),
-    }
-}
-
-/// For calls that take no parameters of ours: any given one is refused rather than ignored,
-/// except the metadata Kubernetes adds: `csi.storage.k8s.io/*` (the PVC or VolumeSnapshot name
-/// with `--extra-create-metadata`) and `storage.kubernetes.io/*` (the provisioner's identity in
-/// a PV's attributes, which CSI-Addons passes on as parameters).
-/// A StorageClass's own parameters (`replicas`, `replace-after`, `remoteAccess`, `zoneSpread`) are taken (and checked) wherever the class's
-/// parameters come (CreateVolume, GetCapacity, ValidateVolumeCapabilities).
+/// For calls that take no parameters of ours: the class's own ones, which Kubernetes and
+/// CSI-Addons pass on from a PV, are checked ([`Class::parse`]), any other is refused.
 pub(crate) fn no_parameters(params: &HashMap<String, String>) -> Result<(), Status> {
-    crate::copies::replicas(params)?;
-    crate::copies::replace_after(params)?;
-    crate::copies::remote_access(params)?;
-    crate::copies::zone_spread(params)?;
-    let ours = |k: &&String| {
-        !k.starts_with("csi.storage.k8s.io/")
-            && !k.starts_with("storage.kubernetes.io/")
-            && *k != crate::copies::REPLICAS
-            && *k != crate::copies::REPLACE_AFTER
-            && *k != crate::copies::REMOTE_ACCESS
-            && *k != crate::copies::ZONE_SPREAD
-            && *k != crate::encryption::ENCRYPTED
-    };
-    match params.keys().find(ours) {
-        Some(k) => Err(Status::invalid_argument(format!("unknown parameter {k:?}"))),
-        None => Ok(()),
-    }
+    Class::parse(params).map(drop)
 }
 
 /// One page of `all` (in a stable order): the token is the index to start at; a token we did not

@@ -184,7 +184,7 @@ pub(crate) async fn delete(dir: &dyn NodeDirectory, id: &str) -> Result<(), Stat
         Err(s) => return Err(s),
     }
     for base in base_snapshots(volume, target, backup) {
-        let (at, _) = crate::snapshots::holders(dir, &ids::make(ids::ANY, &base)).await?;
+        let (at, _) = crate::copies::holders(dir, &ids::make(ids::ANY, &base)).await?;
         for (node, s) in at {
             match admin(dir, &node).await?.delete_snapshot(pb::DeleteSnapshotRequest { name: s.name }).await {
                 Ok(_) => {}

@@ -2,7 +2,6 @@
 //! the node directory says where each node's daemon answers. Required fields are checked first
 //! (InvalidArgument); daemon statuses keep their codes.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferrite_proto::csi::v1 as csi;
@@ -14,6 +13,7 @@ use tonic::{Code, Request, Response, Status};
 use crate::args::{
     TOPOLOGY_KEY, check_capabilities, no_parameters, paginate, require, topology, unread_header, volume_msg,
 };
+use crate::class::Class;
 use crate::nodes::{NodeDirectory, admin, scan};
 use crate::{copies, ids};
 
@@ -156,33 +156,24 @@ impl Controller {
         node: &str,
         mut volume: csi::Volume,
         name: &str,
-        params: &HashMap<String, String>,
+        class: &Class,
     ) -> Result<csi::Volume, Status> {
-        let n = copies::replicas(params)?;
-        let remote = copies::remote_access(params)?;
-        if n > 1 {
-            let after = copies::replace_after(params)?.map_or(0, |d| d.as_secs());
-            let spread = copies::zone_spread(params)?;
-            let at = copies::ensure(&*self.nodes, node, name, n, spread).await?;
+        if class.replicas > 1 {
+            let at = copies::ensure(&*self.nodes, node, name, class.replicas, class.zone_spread).await?;
             volume.volume_id = ids::make(ids::ANY, name);
             volume.accessible_topology = at.iter().map(|n| topology(n)).collect();
-            let context = [
-                ("copies", at.join(",")),
-                (copies::REPLICAS, n.to_string()),
-                (copies::REPLACE_AFTER, after.to_string()),
-                (copies::ZONE_SPREAD, params.get(copies::ZONE_SPREAD).cloned().unwrap_or_default()),
-            ];
+            let context = std::iter::once(("copies", at.join(","))).chain(class.context());
             volume.volume_context.extend(context.map(|(k, v)| (k.to_owned(), v)));
         }
         // Accessible from every node: no topology, so the PV has no node affinity.
-        if remote {
+        if class.remote_access {
             volume.accessible_topology.clear();
         }
         Ok(volume)
     }
 
     async fn get(&self, volume_id: &str) -> Result<(String, pb::Volume), Status> {
-        let (node, _, v) = crate::nodes::volume(&*self.nodes, volume_id).await?;
+        let (node, _, v) = crate::copies::volume(&*self.nodes, volume_id).await?;
         Ok((node, v))
     }
 }
@@ -216,10 +207,9 @@ impl csi::controller_server::Controller for Controller {
         let r = req.into_inner();
         require("name", &r.name)?;
         check_capabilities(&r.volume_capabilities).map_err(Status::invalid_argument)?;
-        no_parameters(&r.parameters)?;
-        let replicas = copies::replicas(&r.parameters)?;
-        let remote = copies::remote_access(&r.parameters)?;
-        let encryption = match crate::encryption::requested(&r.parameters)? {
+        let class = Class::parse(&r.parameters)?;
+        let (replicas, remote) = (class.replicas, class.remote_access);
+        let encryption = match class.encrypted {
             true => Some(crate::encryption::required(&r.secrets, "CreateVolume")?),
             false => None,
         };
@@ -247,8 +237,7 @@ impl csi::controller_server::Controller for Controller {
                 let req = pb::SetVolumeLimitsRequest { name: v.name.clone(), limits: Some(limits) };
                 v = admin(&*self.nodes, &node).await?.set_volume_limits(req).await?.into_inner();
             }
-            let volume =
-                self.copies(&node, volume_msg(&node, &v, r.volume_content_source), &v.name, &r.parameters).await?;
+            let volume = self.copies(&node, volume_msg(&node, &v, r.volume_content_source), &v.name, &class).await?;
             return Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }));
         }
         let source = r.volume_content_source.clone();
@@ -264,7 +253,7 @@ impl csi::controller_server::Controller for Controller {
             let node = self.place(r.accessibility_requirements.as_ref(), free, remote)?;
             let v = crate::backups::restore(&*self.nodes, &backup, &node, &name, encryption).await?;
             let v = fit(&mut admin(&*self.nodes, &node).await?, v, size, limits).await?;
-            let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &r.parameters).await?;
+            let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &class).await?;
             return Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }));
         }
         let clone_of = match source.as_ref().and_then(|s| s.r#type.as_ref()) {
@@ -278,7 +267,7 @@ impl csi::controller_server::Controller for Controller {
                     .flat_map(|t| t.preferred.iter().chain(&t.requisite))
                     .filter_map(|t| t.segments.get(TOPOLOGY_KEY))
                     .collect();
-                let (mut at, _) = crate::snapshots::holders(&*self.nodes, &s.snapshot_id).await?;
+                let (mut at, _) = crate::copies::holders(&*self.nodes, &s.snapshot_id).await?;
                 at.sort_by_key(|(n, _)| named.iter().position(|x| *x == n).unwrap_or(usize::MAX));
                 let (node, snap) = at
                     .into_iter()
@@ -288,7 +277,7 @@ impl csi::controller_server::Controller for Controller {
             }
             Some(csi::volume_content_source::Type::Volume(v)) => {
                 // Where the source is served now (a replicated volume's primary).
-                let (node, _, vol) = crate::nodes::volume(&*self.nodes, &v.volume_id).await?;
+                let (node, _, vol) = crate::copies::volume(&*self.nodes, &v.volume_id).await?;
                 Some((node, pb::clone_volume_request::Source::Volume(vol.name)))
             }
         };
@@ -308,7 +297,7 @@ impl csi::controller_server::Controller for Controller {
             }
         };
         tracing::info!(name = %r.name, volume_id = %ids::make(&node, &v.name), size = v.size, "CSI volume created");
-        let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &r.parameters).await?;
+        let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &class).await?;
         Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }))
     }
 
@@ -397,15 +386,15 @@ impl csi::controller_server::Controller for Controller {
         if !r.volume_capabilities.is_empty() && check_capabilities(&r.volume_capabilities).is_err() {
             return Ok(Response::new(csi::GetCapacityResponse::default()));
         }
-        no_parameters(&r.parameters)?;
-        let copies = copies::replicas(&r.parameters)?;
+        let class = Class::parse(&r.parameters)?;
+        let copies = class.replicas;
         let mut at = r.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_KEY));
         let mut one_pool = false;
         if at.is_some_and(|n| self.nodes.admin_endpoint(n).is_none()) {
             // A node without storage: nothing for a class whose volumes are local, but a
             // remote-access volume asked for there goes where `place` puts it (the most free
             // space; the node reaches it over the network), so the scheduler may pick the node.
-            if !(copies::remote_access(&r.parameters)? && self.nodes.is_node(at.expect("checked"))) {
+            if !(class.remote_access && self.nodes.is_node(at.expect("checked"))) {
                 return Ok(Response::new(csi::GetCapacityResponse::default()));
             }
             at = None;

@@ -3,8 +3,7 @@
 //! no state: a replicated volume's id names no node, and where it is served now is asked of the
 //! daemons ([`locate`]: the copy that calls itself primary, newest generation first).
 
-use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
+use std::collections::BTreeMap;
 
 use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
@@ -12,66 +11,47 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
+use crate::class::Spread;
+use crate::ids;
 use crate::nodes::{NodeDirectory, SCAN, admin, scan};
 
-/// The StorageClass parameter: how many copies (1, the default, is a local volume).
-pub const REPLICAS: &str = "replicas";
-/// Most copies a class may ask for.
-const MOST: usize = 3;
-/// The StorageClass parameter: how long a copy may be unreachable (or its node gone) before
-/// another node gets a copy in its place: seconds, or with an `s`, `m` or `h` suffix; `0` never.
-pub const REPLACE_AFTER: &str = "replace-after";
-/// The StorageClass parameter: `"true"` makes a volume accessible from every node (a node
-/// without a copy reaches the primary through its relay), so pods are not bound to the copies'
-/// nodes; `"false"` (the default) keeps them there, next to their data.
-pub const REMOTE_ACCESS: &str = "remoteAccess";
-/// Without the parameter: ten minutes, Longhorn's default (600 s) for the same decision. A
-/// reboot, a kernel update or a daemon upgrade is back well within it, so its data is rebuilt
-/// from what changed instead of copied whole; a node in maintenance waits longer still
-/// (`failover/maintenance.rs`).
-pub const DEFAULT_REPLACE_AFTER: Duration = Duration::from_secs(10 * 60);
-
-/// The copies `params` ask for.
-pub fn replicas(params: &HashMap<String, String>) -> Result<usize, Status> {
-    match params.get(REPLICAS).map(String::as_str) {
-        None => Ok(1),
-        Some(v) => match v.parse::<usize>() {
-            Ok(n @ 1..=MOST) => Ok(n),
-            _ => Err(Status::invalid_argument(format!("parameter {REPLICAS} must be 1 to {MOST}, not {v:?}"))),
-        },
-    }
+/// The node serving the volume a CSI volume id names (for a replicated volume, the node of its
+/// primary now), an admin client for it, and the volume; NotFound when it does not exist.
+pub async fn volume(
+    dir: &dyn NodeDirectory,
+    volume_id: &str,
+) -> Result<(String, AdminClient<Channel>, pb::Volume), Status> {
+    let not_found = || Status::not_found(format!("volume {volume_id:?} does not exist"));
+    let (node, name) = ids::parse(volume_id).ok_or_else(not_found)?;
+    let (node, c, v, _) = primary(dir, node, name).await?;
+    Ok((node, c, v))
 }
 
-/// Whether `params` ask for access from every node.
-pub fn remote_access(params: &HashMap<String, String>) -> Result<bool, Status> {
-    crate::args::flag(params, REMOTE_ACCESS)
-}
-
-/// The replacement delay `params` ask for (None: never). Checked wherever `replicas` is.
-pub fn replace_after(params: &HashMap<String, String>) -> Result<Option<Duration>, Status> {
-    let Some(v) = params.get(REPLACE_AFTER) else { return Ok(Some(DEFAULT_REPLACE_AFTER)) };
-    let bad = || {
-        Status::invalid_argument(format!(
-            "parameter {REPLACE_AFTER} must be a duration such as \"300\", \"90s\", \"5m\" or \"1h\" (\"0\": never), not {v:?}"
-        ))
+/// The nodes that hold snapshot `id` with what each says of it (for an id naming a node, only
+/// that one, if the directory knows it), and the nodes that did not answer; NotFound for an id
+/// we never made.
+pub(crate) async fn holders(
+    dir: &dyn NodeDirectory,
+    id: &str,
+) -> Result<(Vec<(String, pb::Snapshot)>, Vec<String>), Status> {
+    let (node, name) = ids::parse(id).ok_or_else(|| Status::not_found(format!("snapshot {id:?} does not exist")))?;
+    let nodes = match node {
+        ids::ANY => dir.nodes(),
+        n if dir.admin_endpoint(n).is_some() => vec![n.to_owned()],
+        _ => Vec::new(),
     };
-    let d = parse_duration(v).ok_or_else(bad)?;
-    Ok(Some(d).filter(|d| !d.is_zero()))
-}
-
-/// A duration as "300", "90s", "5m" or "1h"; None if it is none.
-pub fn parse_duration(v: &str) -> Option<Duration> {
-    let (digits, unit) = match v.strip_suffix(['s', 'm', 'h']) {
-        Some(d) => (d, &v[d.len()..]),
-        None => (v, "s"),
-    };
-    let n: u64 = digits.parse().ok()?;
-    let secs = n.checked_mul(match unit {
-        "h" => 3600,
-        "m" => 60,
-        _ => 1,
-    })?;
-    Some(Duration::from_secs(secs))
+    let found = scan(dir, nodes, |_, mut c| async move {
+        match c.get_snapshot(pb::GetSnapshotRequest { name: name.to_owned() }).await {
+            Ok(s) => Ok(Some(s.into_inner())),
+            Err(s) if s.code() == Code::NotFound => Ok(None),
+            Err(s) => Err(s),
+        }
+    })
+    .await?;
+    let silent = found.silent.iter().map(|(n, _)| n.clone()).collect();
+    let mut at: Vec<(String, pb::Snapshot)> = found.answers.into_iter().filter_map(|(n, s)| Some((n, s?))).collect();
+    at.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((at, silent))
 }
 
 /// The CSI VolumeCondition of a volume as its primary sees it: abnormal while it refuses writes
@@ -311,33 +291,6 @@ pub async fn ensure(
     Ok(have)
 }
 
-/// How a class spreads its copies across zones (the `zoneSpread` parameter).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Spread {
-    /// By free space alone.
-    Any,
-    /// Each copy in a zone no other copy uses, where there is one.
-    Preferred,
-    /// Each copy in a zone of its own, or the volume is refused.
-    Required,
-}
-
-/// The StorageClass parameter: `required` or `preferred` (unset: copies by free space alone).
-/// A node without a zone label counts as one zone, "".
-pub const ZONE_SPREAD: &str = "zoneSpread";
-
-/// The spread `params` ask for.
-pub fn zone_spread(params: &HashMap<String, String>) -> Result<Spread, Status> {
-    match params.get(ZONE_SPREAD).map(String::as_str) {
-        None => Ok(Spread::Any),
-        Some("preferred") => Ok(Spread::Preferred),
-        Some("required") => Ok(Spread::Required),
-        Some(v) => Err(Status::invalid_argument(format!(
-            "parameter {ZONE_SPREAD} must be \"required\" or \"preferred\", not {v:?}"
-        ))),
-    }
-}
-
 /// A node that could take a copy, and its zone.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Candidate {
@@ -537,6 +490,7 @@ pub async fn delete_copy(c: &mut AdminClient<Channel>, volume: &str) -> Result<(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn a_volume_is_abnormal_without_a_majority_or_with_a_failed_copy() {
@@ -566,17 +520,6 @@ mod tests {
         let c = condition(Some(&s));
         assert!(c.abnormal && c.message.starts_with("refuses writes: 1 of 3 members in sync"), "{c:?}");
     }
-    use super::*;
-
-    #[test]
-    fn replicas_parameter() {
-        let p = |v: &str| HashMap::from([(REPLICAS.to_owned(), v.to_owned())]);
-        assert_eq!(replicas(&HashMap::new()).unwrap(), 1);
-        assert_eq!(replicas(&p("3")).unwrap(), 3);
-        for bad in ["0", "4", "two", "-1", ""] {
-            assert_eq!(replicas(&p(bad)).unwrap_err().code(), Code::InvalidArgument, "{bad}");
-        }
-    }
 
     fn cands(list: &[(&str, &str)]) -> Vec<Candidate> {
         list.iter().map(|(n, z)| Candidate { node: (*n).into(), zone: (*z).into() }).collect()
@@ -598,35 +541,5 @@ mod tests {
         // A witness: the least free space of an unused zone.
         let (mut c, mut z) = (all, vec!["z1".to_owned(), "z2".to_owned()]);
         assert_eq!(pick(&mut c, &mut z, Spread::Preferred, true).unwrap(), "n4");
-        assert_eq!(
-            zone_spread(&HashMap::from([(ZONE_SPREAD.to_owned(), "sometimes".to_owned())])).unwrap_err().code(),
-            Code::InvalidArgument
-        );
-    }
-
-    #[test]
-    fn remote_access_parameter() {
-        let p = |v: &str| remote_access(&HashMap::from([(REMOTE_ACCESS.to_owned(), v.to_owned())]));
-        assert!(!remote_access(&HashMap::new()).unwrap());
-        assert!(p("true").unwrap());
-        assert!(!p("false").unwrap());
-        for bad in ["", "yes", "True", "1"] {
-            assert_eq!(p(bad).unwrap_err().code(), Code::InvalidArgument, "{bad}");
-        }
-    }
-
-    #[test]
-    fn replace_after_parameter() {
-        let p = |v: &str| replace_after(&HashMap::from([(REPLACE_AFTER.to_owned(), v.to_owned())]));
-        assert_eq!(replace_after(&HashMap::new()).unwrap(), Some(DEFAULT_REPLACE_AFTER));
-        assert_eq!(p("0").unwrap(), None);
-        assert_eq!(p("0m").unwrap(), None);
-        assert_eq!(p("90").unwrap(), Some(Duration::from_secs(90)));
-        assert_eq!(p("90s").unwrap(), Some(Duration::from_secs(90)));
-        assert_eq!(p("5m").unwrap(), Some(Duration::from_secs(300)));
-        assert_eq!(p("2h").unwrap(), Some(Duration::from_secs(7200)));
-        for bad in ["", "m", "-5m", "5d", "1.5m", "five", " 5m", "99999999999999999999h"] {
-            assert_eq!(p(bad).unwrap_err().code(), Code::InvalidArgument, "{bad}");
-        }
     }
 }

@@ -17,16 +17,9 @@ use tonic::{Request, Response, Status};
 use crate::args::require;
 use crate::nodes::{self, NodeDirectory};
 
-/// The StorageClass parameter that asks for an encrypted volume.
-pub const ENCRYPTED: &str = "encrypted";
 const KEY: &str = "encryptionKey";
 const KEY_ID: &str = "encryptionKeyID";
 const DEFAULT_ID: &str = "csi";
-
-/// Whether the parameters ask for encryption (`encrypted: "true"`).
-pub fn requested(params: &HashMap<String, String>) -> Result<bool, Status> {
-    crate::args::flag(params, ENCRYPTED)
-}
 
 /// The key `value` (64 hex digits) under `id`, for the daemon.
 fn key_ref(id: &str, value: &str, what: &str) -> Result<pb::KeyRef, Status> {
@@ -114,7 +107,7 @@ impl ekr::encryption_key_rotation_controller_server::EncryptionKeyRotationContro
         let _busy = self.busy.begin(&r.volume_id)?;
         let old = required(&r.secrets, "key rotation")?;
         if r.encryption_key.is_empty() {
-            let (node, mut c, v) = nodes::volume(&*self.nodes, &r.volume_id).await?;
+            let (node, mut c, v) = crate::copies::volume(&*self.nodes, &r.volume_id).await?;
             if v.encryption.is_none() {
                 return Err(Status::failed_precondition(format!("volume {:?} is not encrypted", r.volume_id)));
             }
@@ -131,7 +124,7 @@ impl ekr::encryption_key_rotation_controller_server::EncryptionKeyRotationContro
             format!("{DEFAULT_ID}-{}", now.as_secs())
         });
         let new = key_ref(&new_id, &r.encryption_key, "encryption_key")?;
-        let (node, mut c, v) = nodes::volume(&*self.nodes, &r.volume_id).await?;
+        let (node, mut c, v) = crate::copies::volume(&*self.nodes, &r.volume_id).await?;
         if v.encryption.is_none() {
             return Err(Status::failed_precondition(format!("volume {:?} is not encrypted", r.volume_id)));
         }

@@ -97,7 +97,7 @@ impl csi::group_controller_server::GroupController for GroupController {
         let mut volumes = BTreeSet::new();
         for id in &r.source_volume_ids {
             // Where each is served now (a replicated volume's primary).
-            let (n, _, v) = crate::nodes::volume(&*self.nodes, id).await?;
+            let (n, _, v) = crate::copies::volume(&*self.nodes, id).await?;
             if node.as_ref().is_some_and(|x| *x != n) {
                 return Err(Status::failed_precondition("volumes on different nodes cannot be snapshotted together"));
             }

@@ -26,6 +26,7 @@ mod args;
 mod backups;
 pub mod busy;
 pub mod certs;
+pub mod class;
 pub mod controller;
 pub mod copies;
 pub mod encryption;

@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::args::{no_parameters, require};
 use crate::host;
 use crate::node::{Node, mounted_at, other_users, shows};
-use crate::nodes::{self, NodeDirectory};
+use crate::nodes::NodeDirectory;
 
 const BLOCK: usize = 4096;
 /// How much of a raw block volume is read at a time while looking for zeroed blocks.
@@ -44,7 +44,7 @@ impl rs::reclaim_space_controller_server::ReclaimSpaceController for ReclaimCont
         let r = req.into_inner();
         require("volume_id", &r.volume_id)?;
         no_parameters(&r.parameters)?;
-        let (node, mut c, _) = nodes::volume(&*self.nodes, &r.volume_id).await?;
+        let (node, mut c, _) = crate::copies::volume(&*self.nodes, &r.volume_id).await?;
         let done = c.reclaim_pool(pb::ReclaimPoolRequest {}).await?.into_inner();
         tracing::info!(volume_id = %r.volume_id, node, used_before = done.used_before, used_after = done.used_after,
             segments_freed = done.segments_freed, "cleaner ran");

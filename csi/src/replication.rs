@@ -20,7 +20,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::busy::Busy;
-use crate::nodes::{self, NodeDirectory};
+use crate::nodes::NodeDirectory;
 
 /// `30s`, `5m`, `2h`, `1d` or plain seconds, as seconds.
 pub fn parse_interval(s: &str) -> Result<u64, String> {
@@ -67,7 +67,7 @@ impl Replication {
             Some(_) => return Err(Status::invalid_argument("replication_source needs a volume_id or volume_group_id")),
             None => return Err(Status::invalid_argument("replication_source is required")),
         };
-        let (node, admin, v) = nodes::volume(&*self.nodes, &id).await?;
+        let (node, admin, v) = crate::copies::volume(&*self.nodes, &id).await?;
         Ok(Target { node, admin, volume: v.name, group: false })
     }
 

@@ -13,7 +13,7 @@ use tonic::{Code, Status};
 use crate::args::{no_parameters, paginate, require};
 use crate::controller::Controller;
 use crate::ids;
-use crate::nodes::{NodeDirectory, admin, scan};
+use crate::nodes::{NodeDirectory, admin};
 
 /// The node the ids of `volume`'s snapshots name: none (`_`) for a replicated volume, whose
 /// snapshots are on every copy; else `node`, where it is.
@@ -47,36 +47,9 @@ fn is_mark(s: &pb::Snapshot) -> bool {
         .is_some_and(|ms| !ms.is_empty() && ms.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// The nodes that hold snapshot `id` with what each says of it (for an id naming a node, only
-/// that one, if the directory knows it), and the nodes that did not answer; NotFound for an id
-/// we never made.
-pub(crate) async fn holders(
-    dir: &dyn NodeDirectory,
-    id: &str,
-) -> Result<(Vec<(String, pb::Snapshot)>, Vec<String>), Status> {
-    let (node, name) = ids::parse(id).ok_or_else(|| Status::not_found(format!("snapshot {id:?} does not exist")))?;
-    let nodes = match node {
-        ids::ANY => dir.nodes(),
-        n if dir.admin_endpoint(n).is_some() => vec![n.to_owned()],
-        _ => Vec::new(),
-    };
-    let found = scan(dir, nodes, |_, mut c| async move {
-        match c.get_snapshot(pb::GetSnapshotRequest { name: name.to_owned() }).await {
-            Ok(s) => Ok(Some(s.into_inner())),
-            Err(s) if s.code() == Code::NotFound => Ok(None),
-            Err(s) => Err(s),
-        }
-    })
-    .await?;
-    let silent = found.silent.iter().map(|(n, _)| n.clone()).collect();
-    let mut at: Vec<(String, pb::Snapshot)> = found.answers.into_iter().filter_map(|(n, s)| Some((n, s?))).collect();
-    at.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok((at, silent))
-}
-
 /// A node that holds snapshot `id`, and the snapshot.
 pub(crate) async fn holder(dir: &dyn NodeDirectory, id: &str) -> Result<(String, pb::Snapshot), Status> {
-    let (at, silent) = holders(dir, id).await?;
+    let (at, silent) = crate::copies::holders(dir, id).await?;
     match (at.into_iter().next(), silent.is_empty()) {
         (Some(held), _) => Ok(held),
         (None, true) => Err(Status::not_found(format!("snapshot {id:?} does not exist"))),
@@ -98,7 +71,7 @@ impl Controller {
         let name = ids::engine_name(&r.name);
         let _busy = self.busy.begin(&format!("snapshot name {}", r.name))?;
         // A replicated volume's snapshot is taken where its primary is now (its backup too).
-        let (node, mut c, v) = crate::nodes::volume(&*self.nodes, &r.source_volume_id).await?;
+        let (node, mut c, v) = crate::copies::volume(&*self.nodes, &r.source_volume_id).await?;
         if let Some(target) = backup {
             return crate::backups::create(&*self.nodes, &node, &v, target, &r.name, r.source_volume_id).await;
         }
@@ -128,7 +101,7 @@ impl Controller {
         if ids::parse_backup(id).is_some() {
             return crate::backups::delete(&*self.nodes, id).await;
         }
-        let (at, silent) = match holders(&*self.nodes, id).await {
+        let (at, silent) = match crate::copies::holders(&*self.nodes, id).await {
             Err(s) if s.code() == Code::NotFound => return Ok(()),
             other => other?,
         };

@@ -52,12 +52,17 @@ pub trait Review: Send + Sync + 'static {
     fn review<'a>(&'a self, request: &'a Value) -> Pin<Box<dyn Future<Output = Answer> + Send + 'a>>;
 }
 
+/// What `GET /metrics` answers (the failover controller's metrics, OpenMetrics text).
+pub trait Exposition: Send + Sync + 'static {
+    fn render(&self) -> String;
+}
+
 /// Serves reviews on `listener` until the process ends.
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<Reloading<ServerConfig>>,
     judge: Arc<dyn Review>,
-    metrics: Arc<crate::failover::Metrics>,
+    metrics: Arc<dyn Exposition>,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
@@ -88,7 +93,7 @@ pub async fn serve(
                 http.keep_alive(false).timer(TokioTimer::new()).header_read_timeout(HANDSHAKE);
                 let service = hyper::service::service_fn(move |req| {
                     let (judge, metrics) = (Arc::clone(&judge), Arc::clone(&metrics));
-                    async move { Ok::<_, Infallible>(respond(req, &*judge, &metrics).await) }
+                    async move { Ok::<_, Infallible>(respond(req, &*judge, &*metrics).await) }
                 });
                 http.serve_connection(TokioIo::new(stream), service).await.map_err(|e| e.to_string())
             };
@@ -110,7 +115,7 @@ fn reply(status: StatusCode, body: String) -> Response<String> {
     r
 }
 
-async fn respond(req: Request<Incoming>, judge: &dyn Review, metrics: &crate::failover::Metrics) -> Response<String> {
+async fn respond(req: Request<Incoming>, judge: &dyn Review, metrics: &dyn Exposition) -> Response<String> {
     if req.uri().path() == "/metrics" && req.method() == Method::GET {
         let mut r = Response::new(metrics.render());
         let kind = "application/openmetrics-text; version=1.0.0; charset=utf-8";

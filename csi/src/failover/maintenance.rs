@@ -35,7 +35,7 @@ pub const MAINTENANCE_BOUND: Duration = Duration::from_secs(60 * 60);
 pub(super) fn in_maintenance(n: &Node) -> Option<Duration> {
     let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
     match n.annotations().get(MAINTENANCE) {
-        Some(v) => Some(crate::copies::parse_duration(v).filter(|d| !d.is_zero()).unwrap_or(MAINTENANCE_BOUND)),
+        Some(v) => Some(crate::class::parse_duration(v).filter(|d| !d.is_zero()).unwrap_or(MAINTENANCE_BOUND)),
         None => cordoned.then_some(MAINTENANCE_BOUND),
     }
 }

@@ -80,6 +80,12 @@ impl Default for Metrics {
     }
 }
 
+impl crate::webhook::Exposition for Metrics {
+    fn render(&self) -> String {
+        Metrics::render(self)
+    }
+}
+
 impl Metrics {
     /// The text exposition (OpenMetrics).
     pub fn render(&self) -> String {

@@ -34,7 +34,8 @@ use kube::runtime::events::EventType;
 
 use super::Failover;
 use crate::args::TOPOLOGY_KEY;
-use crate::copies::{self, REPLACE_AFTER, REPLICAS, node_of};
+use crate::class::{Class, REPLACE_AFTER, Spread};
+use crate::copies::{self, node_of};
 use crate::nodes::admin;
 
 /// The annotation that keeps a PV's own reclaim policy while it is re-created.
@@ -100,31 +101,14 @@ fn affinity(nodes: &BTreeSet<String>) -> VolumeNodeAffinity {
     VolumeNodeAffinity { required: Some(NodeSelector { node_selector_terms: nodes.iter().map(term).collect() }) }
 }
 
-/// What the controller keeps of a replicated volume's class (in its PV's attributes).
-struct Class {
-    copies: usize,
-    /// None: never replaced.
-    after: Option<Duration>,
-    spread: copies::Spread,
-}
-
 /// A replicated PV of ours: its volume and its class.
 fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, Class)> {
     let csi = pv.spec.as_ref()?.csi.as_ref().filter(|c| c.driver == driver)?;
     let (_, name) = crate::ids::parse(&csi.volume_handle)?;
     let attrs: std::collections::HashMap<String, String> =
         csi.volume_attributes.clone().unwrap_or_default().into_iter().collect();
-    // PVs made before the class's parameters were kept in the context: the copies they got.
-    let copies = match attrs.get(REPLICAS) {
-        Some(n) => n.parse().ok()?,
-        None => attrs.get("copies")?.split(',').count(),
-    };
-    let after = match attrs.get(REPLACE_AFTER) {
-        Some(s) => s.parse::<u64>().ok().filter(|s| *s > 0).map(Duration::from_secs),
-        None => Some(copies::DEFAULT_REPLACE_AFTER),
-    };
-    let spread = copies::zone_spread(&attrs).unwrap_or(copies::Spread::Any);
-    (copies > 1).then(|| (name.to_owned(), Class { copies, after, spread }))
+    let class = Class::from_context(&attrs)?;
+    (class.replicas > 1).then(|| (name.to_owned(), class))
 }
 
 impl Failover {
@@ -164,14 +148,14 @@ impl Failover {
                 let since = *self.lost_since.lock().expect("not poisoned").entry(key.clone()).or_insert(now);
                 seen.insert(key);
                 let bound = node_of(&*self.dir, &m.endpoint).and_then(|n| maintenance.get(&n).copied());
-                if class.after.is_some_and(|a| now.duration_since(since) >= a.max(bound.unwrap_or_default())) {
+                if class.replace_after.is_some_and(|a| now.duration_since(since) >= a.max(bound.unwrap_or_default())) {
                     lost.insert(m.endpoint.clone());
                 }
             }
-            let done = match plan(view, &lost, class.copies) {
+            let done = match plan(view, &lost, class.replicas) {
                 None => self.follow(&pv, view).await,
                 Some(Step::Wait) => Ok(()),
-                Some(step) => self.step(&name, node, view, (step, &lost, class.spread)).await,
+                Some(step) => self.step(&name, node, view, (step, &lost, class.zone_spread)).await,
             };
             if let Err(e) = done {
                 tracing::warn!(volume = %name, "replacing a lost copy: {e:#}");
@@ -218,7 +202,7 @@ impl Failover {
         volume: &str,
         node: &str,
         view: &pb::SyncVolume,
-        (step, lost, spread): (Step, &BTreeSet<String>, copies::Spread),
+        (step, lost, spread): (Step, &BTreeSet<String>, Spread),
     ) -> anyhow::Result<()> {
         self.leading().await?;
         let mut c = admin(&*self.dir, node).await?;

@@ -252,18 +252,6 @@ where
     Ok(out)
 }
 
-/// The node serving the volume a CSI volume id names (for a replicated volume, the node of its
-/// primary now), an admin client for it, and the volume; NotFound when it does not exist.
-pub async fn volume(
-    dir: &dyn NodeDirectory,
-    volume_id: &str,
-) -> Result<(String, AdminClient<Channel>, pb::Volume), Status> {
-    let not_found = || Status::not_found(format!("volume {volume_id:?} does not exist"));
-    let (node, name) = crate::ids::parse(volume_id).ok_or_else(not_found)?;
-    let (node, c, v, _) = crate::copies::primary(dir, node, name).await?;
-    Ok((node, c, v))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,6 @@
-//! Reading a crate's source for its layout tests (the engine's and the daemon's `layout.rs`
-//! include this file): the source files, the band each belongs to, and the `crate::` paths each
-//! names.
+//! Reading a crate's source for its layout tests (the engine's, the daemon's and the CSI
+//! driver's `layout.rs` include this file): the source files, the band each belongs to, and the
+//! `crate::` paths each names.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
