@@ -25,7 +25,7 @@ const BLOCK: u64 = 4096;
 pub struct Controller {
     pub nodes: Arc<dyn NodeDirectory>,
     /// Operations in flight, by volume id or CSI name (shared with the node service).
-    pub busy: crate::busy::Busy,
+    pub busy: ferrite_proto::busy::Busy,
     /// Most volumes published to one node (what NodeGetInfo reports).
     pub max_volumes: i64,
 }

@@ -93,7 +93,7 @@ pub async fn unlock_copies(
 #[derive(Debug)]
 pub struct KeyRotation {
     pub nodes: Arc<dyn NodeDirectory>,
-    pub busy: crate::busy::Busy,
+    pub busy: ferrite_proto::busy::Busy,
 }
 
 #[tonic::async_trait]

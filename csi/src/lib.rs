@@ -15,7 +15,7 @@
 //! - [`metadata`]: SnapshotMetadata (allocated and changed ranges of snapshots, for backups).
 //! - [`node`]: stage (attach, mkfs if blank, mount), publish (bind), expand, stats; `host` runs
 //!   the mount table and the host tools.
-//! - `busy`: one operation per volume at a time (Aborted for the second).
+//! - `ferrite_proto::busy`: one operation per volume at a time (Aborted for the second).
 //! - CSI-Addons on its own endpoint ([`addons`]): [`reclaim`] (fstrim / zeroed-block discard on
 //!   the node, the cleaner on the controller), [`fence`] (NetworkFence enforced by the daemons),
 //!   [`volume_group`] (VolumeGroup on engine groups), [`replication`] (Replication over the
@@ -24,7 +24,6 @@
 pub mod addons;
 mod args;
 mod backups;
-pub mod busy;
 pub mod certs;
 pub mod class;
 pub mod controller;
@@ -141,7 +140,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     let addons_listener = opts.addons_endpoint.as_deref().map(bind).transpose()?;
     let controller = opts.mode != Mode::Node;
     // One operation per volume at a time, across the controller and node services.
-    let busy = busy::Busy::default();
+    let busy = ferrite_proto::busy::Busy::default();
     let node = (opts.mode != Mode::Controller).then(|| node::Node {
         node_id: opts.node_id.clone(),
         nodes: Arc::clone(&dir),

@@ -16,10 +16,10 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::args::{REGION_KEY, TOPOLOGY_KEY, ZONE_KEY, check_capabilities, require};
-use crate::busy::Busy;
 use crate::host;
 use crate::ids;
 use crate::nodes::{self, NodeDirectory};
+use ferrite_proto::busy::Busy;
 
 use csi::volume_capability::access_mode::Mode;
 

@@ -19,8 +19,8 @@ use rp::replication_source::Type as Source;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
-use crate::busy::Busy;
 use crate::nodes::NodeDirectory;
+use ferrite_proto::busy::Busy;
 
 /// `30s`, `5m`, `2h`, `1d` or plain seconds, as seconds.
 pub fn parse_interval(s: &str) -> Result<u64, String> {

@@ -11,7 +11,6 @@ use std::path::Path;
 /// Lowest first. Each may use those before it.
 const MODULES: &[&str] = &[
     // What every service shares.
-    "busy",
     "qos",
     "class",
     "host",

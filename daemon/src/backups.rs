@@ -46,7 +46,7 @@ pub struct BackupService {
     /// Targets opened so far (a failed open is retried on the next call).
     opened: tokio::sync::Mutex<BTreeMap<String, Target>>,
     /// Volumes with a backup or restore running (one at a time each).
-    busy: ferrite_csi::busy::Busy,
+    busy: ferrite_proto::busy::Busy,
     restores: Arc<crate::restores::Restores>,
     outcomes: Arc<crate::metrics::BackupOutcomes>,
     policy: Arc<crate::authz::Policy>,
@@ -172,7 +172,7 @@ impl BackupService {
         Ok(t)
     }
 
-    fn claim(&self, volume: &str, what: &str) -> Result<ferrite_csi::busy::Guard, Status> {
+    fn claim(&self, volume: &str, what: &str) -> Result<ferrite_proto::busy::Guard, Status> {
         self.busy
             .begin(volume)
             .map_err(|_| Status::aborted(format!("a backup or restore of {volume:?} is running; {what} waits for it")))

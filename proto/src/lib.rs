@@ -49,6 +49,7 @@ pub mod snapshot_metadata {
     tonic::include_proto!("snapshotmetadata");
 }
 
+pub mod busy;
 pub mod hand_over;
 pub mod version;
 
