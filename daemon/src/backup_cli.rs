@@ -7,7 +7,7 @@ use serde_json::json;
 use tonic::transport::Channel;
 
 use crate::cli::{Output, follow, rpc_error};
-use crate::size::format_size;
+use ferrite_daemon::base::size::format_size;
 
 #[derive(clap::Subcommand)]
 pub enum BackupCmd {
@@ -335,7 +335,7 @@ async fn open_targets<const N: usize>(
     config: Option<&std::path::Path>,
     names: [&str; N],
 ) -> Result<[ferrite_backup::Target; N]> {
-    let cfg = crate::config::Config::load(config, None)?;
+    let cfg = ferrite_daemon::base::config::Config::load(config, None)?;
     let mut out = Vec::with_capacity(N);
     for name in names {
         let t = cfg.backup_targets.get(name).ok_or_else(|| {

@@ -11,7 +11,7 @@ use ferrite_proto::ferrite::v1::admin_client::AdminClient;
 use serde_json::json;
 use tonic::transport::Channel;
 
-use crate::size::format_size;
+use ferrite_daemon::base::size::format_size;
 
 /// How results are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -36,7 +36,7 @@ pub async fn connect(endpoint: &str, tls: Option<Arc<ferrite_proto::ClientTls>>)
 pub fn make_certs(dir: &Path, name: &str, sans: &[String], roles: &[String], days: u32) -> Result<()> {
     use ferrite_tls::certs;
     for r in roles {
-        r.parse::<crate::authz::Role>().map_err(|e| anyhow::anyhow!("--role: {e}"))?;
+        r.parse::<ferrite_daemon::authz::Role>().map_err(|e| anyhow::anyhow!("--role: {e}"))?;
     }
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -160,11 +160,11 @@ pub struct LimitArgs {
     #[arg(long)]
     pub write_iops: Option<u64>,
     /// Bytes per second, reads and writes together (200M, 1G; 0: no limit).
-    #[arg(long, value_parser = crate::size::parse_size)]
+    #[arg(long, value_parser = ferrite_daemon::base::size::parse_size)]
     pub bw: Option<u64>,
-    #[arg(long, value_parser = crate::size::parse_size)]
+    #[arg(long, value_parser = ferrite_daemon::base::size::parse_size)]
     pub read_bw: Option<u64>,
-    #[arg(long, value_parser = crate::size::parse_size)]
+    #[arg(long, value_parser = ferrite_daemon::base::size::parse_size)]
     pub write_bw: Option<u64>,
     /// How much idle time is banked for a burst (500ms, 2s; default 1s).
     #[arg(long, value_parser = parse_burst)]

@@ -1,36 +1,18 @@
 //! `ferrite`: the block storage daemon (`ferrite daemon`) and its command-line client.
 
-mod admin;
-mod attach_only;
-mod attachments;
-mod authz;
 mod backup_cli;
-mod backups;
 mod cli;
-mod config;
-mod daemon;
-mod encryption;
-mod exports;
-mod fence;
 mod hand_over;
-mod listen;
-mod metrics;
 mod node_pool;
 mod pool_format;
-mod publications;
-mod replica;
-mod restores;
-mod rotations;
-mod rpc;
-mod size;
-mod state;
-mod sync;
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use cli::{Output, connect, rpc_error};
+use ferrite_daemon::base::{config, size};
+use ferrite_daemon::serve::{attach_only, daemon};
 use ferrite_proto::ferrite::v1 as pb;
 use size::parse_size;
 

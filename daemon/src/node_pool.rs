@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::config::Config;
 use crate::pool_format::{self, FormatRequest};
+use ferrite_daemon::base::config::Config;
 
 pub const DEVICE: &str = "pool.ferrite.dev/device";
 pub const FORMAT: &str = "pool.ferrite.dev/format";
@@ -159,7 +159,7 @@ mod tests {
     fn listeners_on_every_address_move_to_the_node_address() {
         let text = "insecure-admin-listen = true\ninsecure-nbd-listen = true\nadmin-listen = \"0.0.0.0:7070\"\nnbd-listen = \"[::]:10809\"\nmetrics-listen = \"127.0.0.1:9200\"\n[roles]\n\"a\" = \"operator\"\n";
         let out = super::bind_to(text, "10.0.0.5".parse().unwrap()).unwrap();
-        let cfg = crate::config::Config::load_str(&out).unwrap();
+        let cfg = ferrite_daemon::base::config::Config::load_str(&out).unwrap();
         assert_eq!(cfg.admin_listen.unwrap().to_string(), "10.0.0.5:7070");
         assert_eq!(cfg.nbd_listen.unwrap().to_string(), "10.0.0.5:10809");
         assert_eq!(cfg.metrics_listen.unwrap().to_string(), "127.0.0.1:9200", "a chosen address stays");

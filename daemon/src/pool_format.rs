@@ -17,8 +17,8 @@ use anyhow::{Context, Result, bail};
 use ferrite_engine::Pool;
 
 use crate::cli::Progress;
-use crate::config::Config;
-use crate::size::format_size;
+use ferrite_daemon::base::config::Config;
+use ferrite_daemon::base::size::format_size;
 
 /// What `ferrite pool format` was asked.
 #[derive(Debug)]
@@ -77,7 +77,7 @@ pub fn format(cfg: &Config, req: &FormatRequest) -> Result<()> {
     if req.preallocate {
         preallocate(&path)?;
     }
-    let opts = crate::daemon::pool_options(cfg);
+    let opts = ferrite_daemon::serve::daemon::pool_options(cfg);
     let pool = Pool::format(&path, &cfg.meta_dir, opts).with_context(|| format!("formatting {}", path.display()))?;
     let s = pool.stats();
     pool.close().context("closing the new pool")?;

@@ -1,46 +1,153 @@
-//! The daemon's modules use one another in one direction only, lowest first: no import cycle.
-//! What every service shares (`rpc`, `authz`) sits below the services; the services below what
-//! wires them together. A new module must be placed in [`MODULES`].
+//! The daemon's layout stays true. The library's rooms (`src/lib.rs`) use one another in one
+//! direction only, lowest first, and the binary's modules sit above them all: no import cycle,
+//! no import that runs back up. Inside a room its files keep their order too, the services
+//! (`api/`) never import one another, and the library names neither clap nor the CSI driver.
+//! A new room or file must be placed in [`BANDS`] or [`ROOMS`].
 
 #[path = "../../engine/tests/support/bands.rs"]
 mod bands;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-/// Lowest first. Each may use those before it.
-const MODULES: &[&str] = &[
-    "size",
-    "state",
+/// Lowest first: the library's rooms, then the binary's modules. Each may use those before it.
+const BANDS: &[&str] = &[
     "authz",
-    "rpc",
-    "config",
-    "rotations",
-    "restores",
-    "encryption",
-    "fence",
-    "listen",
-    "exports",
-    "publications",
-    "attachments",
+    "base",
+    "records",
+    "net",
     "replica",
     "sync",
-    "metrics",
-    "admin",
-    "backups",
+    "api",
+    "serve",
+    "lib",
+    // The `ferrite` binary: the front door over the library.
     "cli",
     "hand_over",
     "backup_cli",
-    "daemon",
-    "attach_only",
     "pool_format",
     "node_pool",
     "main",
 ];
 
+/// The library's rooms whose files are ordered among themselves, lowest first. `api` is not
+/// ordered: no service may use another ([`services_do_not_use_one_another`]).
+const ROOMS: &[(&str, &[&str])] = &[
+    ("base", &["size", "state", "rpc", "config"]),
+    (
+        "records",
+        &["rotations", "restores", "keys", "fence", "exports", "publications", "attachments", "backup_outcomes"],
+    ),
+    ("net", &["listen", "unix", "grpc"]),
+];
+
+/// The binary's files: everything under `src/` that the library does not declare.
+const BINARY: &[&str] = &["main", "cli", "hand_over", "backup_cli", "pool_format", "node_pool"];
+
+fn src() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+fn files_of(dir: &Path) -> Vec<PathBuf> {
+    let mut all = Vec::new();
+    bands::files(dir, &mut all);
+    all
+}
+
+/// The file or folder name of `file` just under `room` (`records/attachments/mod.rs`: `attachments`).
+fn name_in(room: &Path, file: &Path) -> String {
+    bands::band_of(room, file)
+}
+
 #[test]
-fn modules_only_use_lower_modules() {
-    let wrong = bands::wrong_uses(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), MODULES);
-    assert!(wrong.is_empty(), "the daemon's modules must only use lower ones:\n{}", wrong.join("\n"));
+fn rooms_only_use_lower_rooms() {
+    let wrong = bands::wrong_uses(&src(), BANDS);
+    assert!(wrong.is_empty(), "the daemon's rooms must only use lower ones:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn files_of_a_room_only_use_lower_files() {
+    let mut wrong = Vec::new();
+    for (room, order) in ROOMS {
+        let dir = src().join(room);
+        let rank = |name: &str| order.iter().position(|n| *n == name);
+        for f in files_of(&dir) {
+            let mine = name_in(&dir, &f);
+            if mine == "mod" {
+                continue;
+            }
+            let Some(me) = rank(&mine) else {
+                wrong.push(format!("{}: {room}/{mine} is not in ROOMS", f.display()));
+                continue;
+            };
+            let text = std::fs::read_to_string(&f).unwrap();
+            for (line, used) in paths_into(&text, room) {
+                match rank(&used) {
+                    Some(theirs) if theirs <= me => {}
+                    _ => wrong.push(format!("{}:{line}: {room}/{mine} uses {room}::{used}", f.display())),
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "a room's files must only use lower ones:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn services_do_not_use_one_another() {
+    let dir = src().join("api");
+    let mut wrong = Vec::new();
+    for f in files_of(&dir) {
+        let mine = name_in(&dir, &f);
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (line, used) in paths_into(&text, "api") {
+            if used != mine {
+                wrong.push(format!("{}:{line}: api/{mine} uses api::{used}", f.display()));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "a service must not use another:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn the_library_names_neither_clap_nor_the_csi_driver() {
+    let mut wrong = Vec::new();
+    for f in files_of(&src()) {
+        if BINARY.contains(&bands::band_of(&src(), &f).as_str()) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if code.contains("clap::") || code.contains("ferrite_csi") || code.contains("#[arg(") {
+                wrong.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "the library must not use clap or ferrite-csi:\n{}", wrong.join("\n"));
+}
+
+/// The names `crate::<room>::<name>` paths in `text` reach (each top-level name of a
+/// `crate::<room>::{a, b::c}` group too), with their line numbers.
+fn paths_into(text: &str, room: &str) -> Vec<(usize, String)> {
+    let code: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+    let prefix = format!("crate::{room}::");
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices(&prefix) {
+        let line = code[..at].matches('\n').count() + 1;
+        let rest = &code[at + prefix.len()..];
+        if rest.starts_with('{') {
+            // The group up to its closing brace, read as a `crate::{...}` group.
+            let mut depth = 0;
+            let end = rest.char_indices().find(|&(_, c)| {
+                depth += i32::from(c == '{') - i32::from(c == '}');
+                depth == 0
+            });
+            let group = &rest[..end.map_or(rest.len(), |(i, _)| i + 1)];
+            out.extend(bands::references(&format!("crate::{group}")).into_iter().map(|(l, n)| (line + l - 1, n)));
+        } else {
+            out.push((line, rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect()));
+        }
+    }
+    out
 }
 
 /// Every source file ARCHITECTURE.md names (`x.rs`, `dir/x.rs`) exists, and every item it points

@@ -24,7 +24,7 @@ use tonic::Status;
 use super::records::{Relation, Role};
 use super::send::{at_peer, connect, group_points, position, prune, push, push_group};
 use super::{Replication, load, now_ms};
-use crate::rpc::blocking;
+use crate::base::rpc::blocking;
 
 /// How often a demoted volume retries its final delta when it has no interval of its own.
 const HANDOVER_RETRY: Duration = Duration::from_secs(10);

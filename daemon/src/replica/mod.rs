@@ -22,10 +22,10 @@ use ferrite_engine::Pool;
 use tokio::sync::Notify;
 use tonic::Status;
 
-use crate::attachments::Attachments;
 use crate::authz::Policy;
-use crate::config::{Config, TlsFiles};
-use crate::exports::ExportTable;
+use crate::base::config::{Config, TlsFiles};
+use crate::records::attachments::Attachments;
+use crate::records::exports::ExportTable;
 use records::{PendingRecord, Records, Relation};
 
 /// The longest interval between mirror snapshots (a week); 0 means on request only.
@@ -144,6 +144,7 @@ pub struct Replication {
 
 /// An incoming transfer in flight (promoting or disabling the replica cancels it through
 /// `cancelled`); dropping it clears the mark.
+#[derive(Debug)]
 pub struct Incoming<'a> {
     hub: &'a Replication,
     replica: String,

@@ -21,8 +21,8 @@ use super::Replication;
 use super::admit::{check_epoch_bound, check_name, check_not_stale};
 use super::records::{PendingRecord, Relation, Role};
 use crate::authz::{Caller, caller_of};
-use crate::encryption::MAX_WRAPPED_KEY;
-use crate::rpc::{blocking, status};
+use crate::base::rpc::{blocking, status};
+use crate::records::keys::MAX_WRAPPED_KEY;
 
 /// Older data keys a push may name: one per data-key rotation its snapshots span.
 const MAX_OLDER_KEYS: usize = 64;

@@ -22,9 +22,9 @@ use tonic::transport::Channel;
 
 use super::records::{Relation, Role};
 use super::{Progress, Replication, now_ms};
-use crate::config::TlsFiles;
-use crate::exports::snapshot_of;
-use crate::rpc::{blocking, status};
+use crate::base::config::TlsFiles;
+use crate::base::rpc::{blocking, status};
+use crate::records::exports::snapshot_of;
 
 /// Data bytes per push piece.
 pub const PIECE: usize = 1 << 20;

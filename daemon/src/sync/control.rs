@@ -11,7 +11,7 @@ use tonic::Status;
 use super::link::Link;
 use super::records::{Member, Membership, State, check_endpoint};
 use super::{Primary, SyncHub};
-use crate::rpc::blocking;
+use crate::base::rpc::blocking;
 
 impl SyncHub {
     /// Adds the daemon at `peer` as a member of `volume` (primary here): a witness holds the
@@ -538,8 +538,8 @@ impl SyncHub {
                     reason: match progress.as_ref().filter(|(who, ..)| *who == m.endpoint) {
                         Some((_, done, total)) if m.state == State::Rebuilding => format!(
                             "{} of {} copied",
-                            crate::size::format_size(done.load(std::sync::atomic::Ordering::Relaxed)),
-                            crate::size::format_size(*total)
+                            crate::base::size::format_size(done.load(std::sync::atomic::Ordering::Relaxed)),
+                            crate::base::size::format_size(*total)
                         ),
                         _ => m.reason.clone(),
                     },

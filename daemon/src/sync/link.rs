@@ -20,7 +20,7 @@ use tonic::Status;
 
 use super::outbound::{Batch, Outbound, Push};
 use super::wire::{self, Frames};
-use crate::config::TlsFiles;
+use crate::base::config::TlsFiles;
 
 /// The members that failed a request or did not answer it in time, each with why.
 pub type Failed = Vec<(String, String)>;

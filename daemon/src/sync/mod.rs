@@ -29,7 +29,7 @@ use tonic::Status;
 use tonic::transport::Channel;
 
 use crate::authz::Policy;
-use crate::config::{Config, TlsFiles};
+use crate::base::config::{Config, TlsFiles};
 use crate::replica::records::Records;
 use crate::replica::send::{at_peer, channel};
 use crate::replica::{Limiter, PerKey};

@@ -251,7 +251,7 @@ impl Primary {
         if let Some(why) = self.refused() {
             return Err(Status::unavailable(why));
         }
-        let s = pool.create_snapshot(&self.volume, name).map_err(crate::rpc::status)?;
+        let s = pool.create_snapshot(&self.volume, name).map_err(crate::base::rpc::status)?;
         let (links, acks) = self.send_all(Op::Mark(MirrorMark { snapshot: name.to_owned(), kept: true }));
         let bad = acks.wait_until(Instant::now() + self.timeout);
         for (member, why) in &bad {
@@ -297,9 +297,11 @@ impl Primary {
 }
 
 /// New requests wait while this lives.
+#[derive(Debug)]
 pub struct PauseGuard<'a>(&'a Primary);
 
 /// New requests wait while this lives ([`Primary::hold`]).
+#[derive(Debug)]
 pub struct Hold(Option<tokio::sync::oneshot::Sender<()>>);
 
 impl Drop for Hold {

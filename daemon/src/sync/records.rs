@@ -7,7 +7,7 @@
 use ferrite_proto::ferrite::v1 as pb;
 use serde::{Deserialize, Serialize};
 
-use crate::encryption::MAX_WRAPPED_KEY;
+use crate::records::keys::MAX_WRAPPED_KEY;
 use crate::replica::records::Keyed;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

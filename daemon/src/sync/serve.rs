@@ -29,8 +29,8 @@ use super::catch_up::CatchUp;
 use super::records::{Membership, State};
 use super::wire::{self, Frames};
 use crate::authz::{Caller, caller_of};
-use crate::listen::Guarded;
-use crate::rpc::{blocking, status};
+use crate::base::rpc::{blocking, status};
+use crate::net::listen::Guarded;
 
 /// Requests a stream applies at once; the stream reads no further while they are all busy.
 const IN_FLIGHT: u32 = 64;
@@ -365,7 +365,7 @@ impl mirror_server::Mirror for MirrorService {
     async fn stream(
         &self,
         req: Request<Streaming<MirrorMessage>>,
-    ) -> Result<Response<crate::rpc::Stream<MirrorAck>>, Status> {
+    ) -> Result<Response<crate::base::rpc::Stream<MirrorAck>>, Status> {
         let caller = caller_of(&req)?;
         let mut inbound = req.into_inner();
         let s = self.accept(&caller, &mut inbound).await?;

@@ -23,7 +23,7 @@ use super::MAX_MESSAGE;
 
 /// What a frame's length reserves before its bytes arrive.
 const FIRST_CHUNK: usize = 64 << 10;
-use crate::config::TlsFiles;
+use crate::base::config::TlsFiles;
 
 /// The ALPN protocol of the framed mirror stream.
 pub const ALPN: &[u8] = b"ferrite-mirror/1";
@@ -57,6 +57,7 @@ pub async fn connect(tls: Option<&TlsFiles>, endpoint: &str) -> std::io::Result<
 }
 
 /// The frames coming in on one side of a connection.
+#[derive(Debug)]
 pub struct Frames<R, M> {
     r: BufReader<R>,
     idle: Option<Duration>,

@@ -11,20 +11,22 @@ use ferrite_proto::ferrite::v1::admin_server::AdminServer;
 use ferrite_proto::ferrite::v1::mirror_server::MirrorServer;
 use ferrite_proto::ferrite::v1::replica_server::ReplicaServer;
 use ferrite_tls::ServerTls;
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
-use crate::admin::AdminService;
-use crate::attachments::Attachments;
+use crate::api::admin::AdminService;
 use crate::authz::Role;
 use crate::authz::layer::{Authorize, Source};
-use crate::config::Config;
-use crate::exports::ExportTable;
-use crate::fence::NbdAdmission;
-use crate::listen;
-use crate::size::format_size;
+use crate::base::config::Config;
+use crate::base::size::format_size;
+use crate::net::grpc::admin_server;
+use crate::net::listen;
+use crate::net::unix::bind_unix;
+use crate::records::attachments::Attachments;
+use crate::records::exports::ExportTable;
+use crate::records::fence::NbdAdmission;
 
 /// The engine's options as the configuration sets them.
 pub fn pool_options(cfg: &Config) -> PoolOptions {
@@ -68,29 +70,6 @@ fn open_pool(cfg: &Config) -> Result<Pool> {
             size = %format_size(size), "pool created");
         Ok(pool)
     }
-}
-
-pub(crate) fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    if path.exists() {
-        // A socket left by a daemon that did not shut down cleanly. Refuse if one still answers.
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            anyhow::bail!("{} is in use by a running process (another ferrite daemon?)", path.display());
-        }
-        std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
-    }
-    let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
-    Ok(l)
-}
-
-/// Makes `dir` (and its parents) if missing; `dir` itself private (0700).
-pub(crate) fn private_dir(dir: &std::path::Path) -> Result<()> {
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .with_context(|| format!("restricting {}", dir.display()))
 }
 
 /// Binds an optional TCP listener.
@@ -167,18 +146,6 @@ fn nbd_role(policy: &Arc<crate::authz::Policy>) -> ferrite_nbd::tls::RoleCheck {
     Arc::new(move |cert| policy.caller(&ferrite_tls::identities(cert)).acts_as(crate::authz::Role::NbdClient))
 }
 
-/// The admin API's gRPC server, with per-connection limits: streams in flight, and keepalive
-/// pings that drop a peer that stopped answering.
-pub(crate) fn admin_server() -> tonic::transport::Server {
-    tonic::transport::Server::builder()
-        .max_concurrent_streams(Some(64))
-        .concurrency_limit_per_connection(64)
-        // A peer whose link died is noticed within 15 s: an incoming replication stream then
-        // records its resume point and lets the next push in.
-        .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
-        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)))
-}
-
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(cfg: Config) -> Result<()> {
     make_private(&cfg)?;
@@ -186,26 +153,26 @@ pub async fn run(cfg: Config) -> Result<()> {
     let nbd_listener = bind_unix(&cfg.nbd_socket, 0o660)?;
     let tcp = bind_tcp(cfg.nbd_listen, "NBD listener").await?;
     let admin_tcp = bind_tcp(cfg.admin_listen, "admin listener").await?;
-    let fences = crate::fence::Fences::load(&cfg.data_dir)?;
+    let fences = crate::records::fence::Fences::load(&cfg.data_dir)?;
     let metrics = bind_tcp(cfg.metrics_listen, "metrics listener").await?;
     let pool = {
         let cfg = cfg.clone();
         Arc::new(tokio::task::spawn_blocking(move || open_pool(&cfg)).await??)
     };
     // Before exports and devices come back: those of volumes whose key is here can serve.
-    let keys = crate::encryption::KeyDir::new(&cfg.key_dir);
+    let keys = crate::records::keys::KeyDir::new(&cfg.key_dir);
     {
         let (keys, pool) = (keys.clone(), Arc::clone(&pool));
         tokio::task::spawn_blocking(move || keys.unlock_all(&pool)).await?;
     }
-    let rotations = crate::rotations::Rotations::restore(Arc::clone(&pool), &cfg.data_dir)?;
+    let rotations = crate::records::rotations::Rotations::restore(Arc::clone(&pool), &cfg.data_dir)?;
     let policy = Arc::new(crate::authz::Policy::new(cfg.roles.clone()));
     // Primaries refuse writes until their membership is re-established: set before any export
     // or device can take a write.
     let sync = crate::sync::SyncHub::new(Arc::clone(&pool), Arc::clone(&policy), &cfg)?;
     sync.resume();
     // Restores still filling their volumes: each volume's fill is set before it can serve.
-    let (restores, resuming) = crate::restores::Restores::load(Arc::clone(&pool), &cfg.data_dir)?;
+    let (restores, resuming) = crate::records::restores::Restores::load(Arc::clone(&pool), &cfg.data_dir)?;
     restores.resume(resuming, cfg.backup_targets.clone());
     let exports = Arc::new(Exports::default());
     let export_table = Arc::new(ExportTable::restore(Arc::clone(&pool), Arc::clone(&exports), &cfg.data_dir)?);
@@ -216,7 +183,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         let (mut rx, exports) = (sync.steps_down(), Arc::clone(&export_table));
         tokio::spawn(async move {
             while let Some(volume) = rx.recv().await {
-                if let Err(e) = crate::publications::unpublish(&exports, &volume).await {
+                if let Err(e) = crate::records::publications::unpublish(&exports, &volume).await {
                     tracing::warn!(volume, error = %e.message(), "the stepped-down volume's publication stays");
                 }
             }
@@ -228,7 +195,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     nbd.limits = cfg.limits.nbd();
     nbd.tls = ferrite_nbd::tls::Tls { mode: cfg.nbd_tls, acceptor: tls.nbd.clone(), role: Some(nbd_role(&policy)) };
     let nbd = Arc::new(nbd);
-    let links = crate::attachments::kernel_nbd::Links {
+    let links = crate::records::attachments::kernel_nbd::Links {
         nbd: Some(Arc::clone(&nbd)),
         tls: cfg.tls.clone(),
         hold: cfg.device_hold,
@@ -254,8 +221,8 @@ pub async fn run(cfg: Config) -> Result<()> {
         &cfg,
         Arc::clone(&policy),
     )?;
-    let listeners = crate::metrics::Listeners::default();
-    let backup_outcomes = Arc::new(crate::metrics::BackupOutcomes::load(&cfg.data_dir));
+    let listeners = crate::api::metrics::Listeners::default();
+    let backup_outcomes = Arc::new(crate::records::backup_outcomes::BackupOutcomes::load(&cfg.data_dir));
     if let Some(l) = metrics {
         let stats = Arc::clone(&listeners.metrics);
         let gate =
@@ -269,7 +236,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             Some(Arc::new(gate)),
             stats,
         );
-        let sources = crate::metrics::Sources {
+        let sources = crate::api::metrics::Sources {
             pool: Arc::clone(&pool),
             nbd: Arc::clone(&nbd),
             listeners: listeners.clone(),
@@ -282,7 +249,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         };
         let limits = cfg.limits.clone();
         tasks.spawn(async move {
-            crate::metrics::serve(clients, sources, limits).await;
+            crate::api::metrics::serve(clients, sources, limits).await;
             Err(anyhow::anyhow!("metrics listener stopped"))
         });
     }
@@ -299,15 +266,16 @@ pub async fn run(cfg: Config) -> Result<()> {
         rotations,
         policy: Arc::clone(&policy),
     });
-    crate::backups::schedule_verifies(Arc::clone(&pool), &cfg.backup_targets, Arc::clone(&backup_outcomes));
-    let backups = ferrite_proto::ferrite::v1::backups_server::BackupsServer::new(crate::backups::BackupService::new(
-        Arc::clone(&pool),
-        cfg.backup_targets.clone(),
-        crate::encryption::KeyDir::new(&cfg.key_dir),
-        restores,
-        backup_outcomes,
-        Arc::clone(&policy),
-    ));
+    crate::api::backups::schedule_verifies(Arc::clone(&pool), &cfg.backup_targets, Arc::clone(&backup_outcomes));
+    let backups =
+        ferrite_proto::ferrite::v1::backups_server::BackupsServer::new(crate::api::backups::BackupService::new(
+            Arc::clone(&pool),
+            cfg.backup_targets.clone(),
+            crate::records::keys::KeyDir::new(&cfg.key_dir),
+            restores,
+            backup_outcomes,
+            Arc::clone(&policy),
+        ));
     let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
         .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);
     let mirror = MirrorServer::new(crate::sync::serve::MirrorService(Arc::clone(&sync)))

@@ -21,7 +21,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use ipnet::IpNet;
 use tokio::net::TcpStream;
 
-use crate::state::RecordFile;
+use crate::base::state::RecordFile;
 
 /// An IPv4 or IPv6 block (`ipnet`); host bits are cleared, so `10.1.2.3/8` is `10.0.0.0/8`, and
 /// a bare address is its own /32 or /128.

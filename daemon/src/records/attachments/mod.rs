@@ -14,9 +14,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 use tonic::Status;
 
-use crate::exports::{ExportRecord, ExportTable, open_image};
-use crate::rpc::status;
-use crate::state::RecordFile;
+use crate::base::rpc::status;
+use crate::base::state::RecordFile;
+use crate::records::exports::{ExportRecord, ExportTable, open_image};
 use kernel_nbd::{Keeper, Links};
 
 /// How long a daemon exit waits for ublk requests already in the engine.
@@ -96,7 +96,7 @@ pub fn choose_transport(wanted: &str) -> Result<(&'static str, String), Status> 
 impl Attachments {
     /// Takes back the devices a previous daemon left (kill -9, or a clean exit): ublk devices
     /// through user recovery, kernel NBD devices with a new connection each; saves what remains.
-    /// Without a pool (a node plugin with no daemon on its node: [`crate::attach_only`]) only
+    /// Without a pool (a node plugin with no daemon on its node: [`crate::serve::attach_only`]) only
     /// other nodes' volumes are attached, and only those are taken back.
     pub async fn restore(
         pool: Option<&Arc<Pool>>,
@@ -137,7 +137,7 @@ impl Attachments {
                 hold_s: self.links.hold.as_secs(),
             })
             .collect();
-        crate::state::save_json(&self.hold_list, &ferrite_ublk::hold::List::now(held)?)
+        crate::base::state::save_json(&self.hold_list, &ferrite_ublk::hold::List::now(held)?)
     }
 
     /// The attachments, locked: held across a deletion so that nothing attaches what is being

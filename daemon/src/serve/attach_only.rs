@@ -17,10 +17,10 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
-use crate::attachments::Attachments;
-use crate::attachments::kernel_nbd::Links;
-use crate::config::TlsFiles;
-use crate::rpc::require;
+use crate::base::config::TlsFiles;
+use crate::base::rpc::require;
+use crate::records::attachments::Attachments;
+use crate::records::attachments::kernel_nbd::Links;
 
 /// Where and how the node's attachments are served.
 #[derive(Debug, Clone)]
@@ -47,7 +47,7 @@ pub struct AttachOnly {
 
 /// Takes back the devices a previous node plugin left and serves the admin socket.
 pub async fn start(o: Options) -> Result<AttachOnly> {
-    crate::daemon::private_dir(&o.state_dir)?;
+    crate::net::unix::private_dir(&o.state_dir)?;
     // The certificate is checked now: a node plugin that cannot relay says so at once.
     let ca = o.tls.client_ca.as_deref().context("the node's CA certificate is required")?;
     ferrite_tls::client_config(ca, Some((&o.tls.cert, &o.tls.key)), &[])
@@ -56,10 +56,10 @@ pub async fn start(o: Options) -> Result<AttachOnly> {
     let hold_list = o.state_dir.join("ublk-hold.json");
     let attachments =
         Arc::new(Attachments::restore(None, &o.state_dir, hold_list, links, ferrite_ublk::Options::default()).await?);
-    let listener = crate::daemon::bind_unix(&o.socket, 0o600)?;
+    let listener = crate::net::unix::bind_unix(&o.socket, 0o600)?;
     let svc = AdminServer::new(Service(Arc::clone(&attachments)));
     let server = tokio::spawn(async move {
-        crate::daemon::admin_server()
+        crate::net::grpc::admin_server()
             .add_service(svc)
             .serve_with_incoming(UnixListenerStream::new(listener))
             .await
@@ -81,7 +81,7 @@ impl AttachOnly {
 
 struct Service(Arc<Attachments>);
 
-fn message(r: &crate::attachments::AttachRecord, detail: String) -> pb::Attachment {
+fn message(r: &crate::records::attachments::AttachRecord, detail: String) -> pb::Attachment {
     r.message(detail, ferrite_nbd::kernel::size(r.index).unwrap_or(0))
 }
 

@@ -11,8 +11,8 @@ use ferrite_engine::{Pool, RotationProgress};
 use std::sync::Mutex;
 use tonic::Status;
 
-use crate::rpc::{blocking, status};
-use crate::state::RecordFile;
+use crate::base::rpc::{blocking, status};
+use crate::base::state::RecordFile;
 
 /// A rotation's state, as status shows it.
 #[derive(Debug, Clone, Default)]

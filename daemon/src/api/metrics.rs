@@ -22,8 +22,9 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
-use crate::config::Limits;
-use crate::listen::{Guarded, ListenerStats};
+use crate::base::config::Limits;
+use crate::net::listen::{Guarded, ListenerStats};
+use crate::records::backup_outcomes::{BackupOutcome, BackupOutcomes, VerifyOutcome};
 use crate::replica::Replication;
 use ferrite_proto::ferrite::v1 as pb;
 
@@ -34,71 +35,6 @@ pub struct Listeners {
     pub metrics: Arc<ListenerStats>,
 }
 
-/// How the backups of each (target, volume) went, as the Backups service records them, and
-/// what the last verify of each target found (kept in `backup-verify.json` in the data
-/// directory, so that a restart does not forget damage found).
-#[derive(Debug, Default)]
-pub struct BackupOutcomes {
-    backups: std::sync::Mutex<std::collections::BTreeMap<(String, String), BackupOutcome>>,
-    verifies: std::sync::Mutex<std::collections::BTreeMap<String, VerifyOutcome>>,
-    file: Option<std::path::PathBuf>,
-}
-
-/// What a verify of a target found.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct VerifyOutcome {
-    pub target: String,
-    pub finished_unix: u64,
-    pub backups: u64,
-    pub chunks_checked: u64,
-    /// The chunks it found bad (quarantined), with why.
-    pub bad: Vec<(String, String)>,
-    /// Chunks in quarantine after it: found bad and not found good since.
-    pub quarantined: u64,
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-pub struct BackupOutcome {
-    pub last_success_unix: u64,
-    pub failures: u64,
-    pub last_failed: bool,
-}
-
-impl BackupOutcomes {
-    /// With the verify outcomes kept in `data_dir` (none if it has none, or if they cannot be
-    /// read: they are a report, not state the daemon needs).
-    pub fn load(data_dir: &std::path::Path) -> Self {
-        let file = crate::state::RecordFile::new(data_dir, "backup-verify");
-        let kept = file.load::<VerifyOutcome>().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "the outcomes of earlier backup verifies are unreadable; starting without them");
-            Vec::new()
-        });
-        let verifies = kept.into_iter().map(|v| (v.target.clone(), v)).collect();
-        Self { verifies: std::sync::Mutex::new(verifies), file: Some(file.path().to_owned()), ..Self::default() }
-    }
-
-    /// Records a verify's outcome, and keeps it.
-    pub fn verified(&self, outcome: VerifyOutcome) {
-        let mut all = self.verifies.lock().expect("not poisoned");
-        all.insert(outcome.target.clone(), outcome);
-        let list: Vec<&VerifyOutcome> = all.values().collect();
-        if let Some(Err(e)) = self.file.as_deref().map(|f| crate::state::save_json(f, &list)) {
-            tracing::warn!(error = %e, "could not keep the outcome of a backup verify");
-        }
-    }
-
-    pub fn record(&self, target: &str, volume: &str, ok: bool) {
-        let mut all = self.backups.lock().expect("not poisoned");
-        let o = all.entry((target.to_owned(), volume.to_owned())).or_default();
-        o.last_failed = !ok;
-        if ok {
-            o.last_success_unix = ferrite_backup::now_unix();
-        } else {
-            o.failures += 1;
-        }
-    }
-}
-
 /// Where the values come from.
 #[derive(Debug)]
 pub struct Sources {
@@ -107,9 +43,9 @@ pub struct Sources {
     pub listeners: Listeners,
     pub replication: Arc<Replication>,
     pub sync: Arc<crate::sync::SyncHub>,
-    pub restores: Arc<crate::restores::Restores>,
+    pub restores: Arc<crate::records::restores::Restores>,
     pub backups: Arc<BackupOutcomes>,
-    pub fences: Arc<crate::fence::Fences>,
+    pub fences: Arc<crate::records::fence::Fences>,
     /// The certificate the listeners serve (its expiry is a gauge).
     pub tls_cert: Option<std::path::PathBuf>,
 }
@@ -389,7 +325,7 @@ impl Sources {
 impl Sources {
     /// Per volume being restored (instant restore: it serves while its chunks are copied).
     fn encode_backups(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
-        let rows: Vec<_> = self.backups.backups.lock().expect("not poisoned").clone().into_iter().collect();
+        let rows: Vec<_> = self.backups.backups();
         let labels: Vec<_> = rows.iter().map(|((t, v), _)| [("target", t.as_str()), ("volume", v.as_str())]).collect();
         type Value = fn(&BackupOutcome) -> u64;
         for (name, help, value) in [
@@ -412,8 +348,7 @@ impl Sources {
         for ((_, o), l) in rows.iter().zip(&labels) {
             m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&o.failures, None)?;
         }
-        let verifies: Vec<VerifyOutcome> =
-            self.backups.verifies.lock().expect("not poisoned").values().cloned().collect();
+        let verifies = self.backups.verifies();
         type Verified = fn(&VerifyOutcome) -> u64;
         for (name, help, value) in [
             (

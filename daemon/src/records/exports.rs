@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 use tonic::Status;
 
-use crate::rpc::status;
-use crate::state::RecordFile;
+use crate::base::rpc::status;
+use crate::base::state::RecordFile;
 
 /// The names of the exports that are publications (`publications.rs`): an identity on their
 /// allow list needs the `nbd-client` role too.
@@ -180,7 +180,7 @@ fn publish(pool: &Pool, live: &Exports, r: &ExportRecord) -> Result<(), Status> 
         .map(|a| a.parse::<Allow>())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| Status::invalid_argument(format!("allow: {e}")))?;
-    crate::encryption::refuse_if_locked(pool, &r.volume)?;
+    crate::records::keys::refuse_if_locked(pool, &r.volume)?;
     let handle = open_image(pool, &r.volume).map_err(status)?;
     let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
     live.add(

@@ -114,7 +114,7 @@ pub fn refuse_if_locked(pool: &Pool, image: &str) -> Result<(), Status> {
 
 pub fn encryption_msg(
     e: Option<ferrite_engine::Encryption>,
-    job: Option<crate::rotations::Job>,
+    job: Option<crate::records::rotations::Job>,
     keys: &KeyDir,
 ) -> Option<pb::VolumeEncryption> {
     let rotation = job.map(|j| {

@@ -11,13 +11,13 @@ use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_server::Admin;
 use tonic::{Request, Response, Status};
 
-use crate::attachments::{AttachRecord, Attachments, choose_transport, refuse_if_attached};
 use crate::authz::{Caller, Role, caller_of};
-use crate::config::Config;
-use crate::exports::{ExportRecord, ExportTable, open_image, refuse_if_exported, snapshot_of};
-use crate::fence::{Change, Cidr, FenceError, Fences};
+use crate::base::config::Config;
+use crate::base::rpc::{blocking, require, status};
+use crate::records::attachments::{AttachRecord, Attachments, choose_transport, refuse_if_attached};
+use crate::records::exports::{ExportRecord, ExportTable, open_image, refuse_if_exported, snapshot_of};
+use crate::records::fence::{Change, Cidr, FenceError, Fences};
 use crate::replica::Replication;
-use crate::rpc::{blocking, require, status};
 
 /// The admin service: the pool, and what this daemon serves from it.
 #[derive(Debug)]
@@ -32,8 +32,8 @@ pub struct AdminService {
     pub fences: Arc<Fences>,
     pub replication: Arc<Replication>,
     pub sync: Arc<crate::sync::SyncHub>,
-    pub keys: crate::encryption::KeyDir,
-    pub rotations: Arc<crate::rotations::Rotations>,
+    pub keys: crate::records::keys::KeyDir,
+    pub rotations: Arc<crate::records::rotations::Rotations>,
     pub policy: Arc<crate::authz::Policy>,
 }
 
@@ -50,7 +50,7 @@ fn key_carried(caller: &Caller, key: Option<&pb::KeyRef>, field: &str) -> Result
 }
 
 /// The fence list as the API answers it.
-fn fence_response(list: &crate::fence::FenceList, connections_cut: u64) -> pb::FenceResponse {
+fn fence_response(list: &crate::records::fence::FenceList, connections_cut: u64) -> pb::FenceResponse {
     pb::FenceResponse {
         cidrs: list.keys().map(ToString::to_string).collect(),
         connections_cut,
@@ -188,7 +188,7 @@ impl AdminService {
     fn change_fences(&self, caller: &Caller, req: &pb::FenceRequest, fence: bool) -> Result<pb::FenceResponse, Status> {
         let parsed =
             req.cidrs.iter().map(|c| c.parse()).collect::<Result<Vec<Cidr>, _>>().map_err(Status::invalid_argument)?;
-        let maker = crate::fence::maker(caller.is_operator(), &req.owner).map_err(Status::invalid_argument)?;
+        let maker = crate::records::fence::maker(caller.is_operator(), &req.owner).map_err(Status::invalid_argument)?;
         let change =
             if fence { Change::Fence(&parsed) } else { Change::Lift { cidrs: &parsed, all: caller.is_operator() } };
         let (list, cut) = self.fences.update(change, &maker).map_err(|e| match e {
@@ -219,7 +219,7 @@ impl AdminService {
             chain_depth: info.chain_depth as u64,
             notes: Vec::new(),
             read_only: info.read_only,
-            encryption: crate::encryption::encryption_msg(info.encryption, job, &self.keys),
+            encryption: crate::records::keys::encryption_msg(info.encryption, job, &self.keys),
         }
     }
 
@@ -338,7 +338,7 @@ impl Admin for AdminService {
         let kek = match r.encryption {
             Some(mut k) => {
                 if k.key_id.is_empty() && k.key.is_empty() {
-                    k.key_id = crate::encryption::DEFAULT_KEY.into();
+                    k.key_id = crate::records::keys::DEFAULT_KEY.into();
                 }
                 Some(self.keys.kek(&k, true)?)
             }
@@ -908,7 +908,7 @@ impl Admin for AdminService {
             let detail = format!("kernel NBD client, relayed over TLS to {}", r.remote);
             return Ok(Response::new(self.attachment_msg(&rec, detail)));
         }
-        crate::encryption::refuse_if_locked(&self.pool, &r.volume)?;
+        crate::records::keys::refuse_if_locked(&self.pool, &r.volume)?;
         let (transport, detail) = choose_transport(&r.transport)?;
         let mut opts = self.cfg.ublk;
         if r.queues != 0 {
@@ -969,18 +969,18 @@ impl Admin for AdminService {
         req: Request<pb::PublishVolumeRequest>,
     ) -> Result<Response<pb::Publication>, Status> {
         let r = req.into_inner();
-        let allow = crate::publications::allow_of(&r)?;
+        let allow = crate::records::publications::allow_of(&r)?;
         // A volume that does not exist is NotFound, not an export that fails later.
         let name = r.volume.clone();
         self.engine(move |p| p.volume_info(&name)).await?;
-        crate::publications::publish(&self.exports, &r, allow, &self.nbd_tcp()).await.map(Response::new)
+        crate::records::publications::publish(&self.exports, &r, allow, &self.nbd_tcp()).await.map(Response::new)
     }
 
     async fn unpublish_volume(
         &self,
         req: Request<pb::UnpublishVolumeRequest>,
     ) -> Result<Response<pb::UnpublishVolumeResponse>, Status> {
-        crate::publications::unpublish(&self.exports, &req.into_inner().volume).await?;
+        crate::records::publications::unpublish(&self.exports, &req.into_inner().volume).await?;
         Ok(Response::new(pb::UnpublishVolumeResponse {}))
     }
 
@@ -989,7 +989,7 @@ impl Admin for AdminService {
         _: Request<pb::ListPublicationsRequest>,
     ) -> Result<Response<pb::ListPublicationsResponse>, Status> {
         let tcp = self.nbd_tcp();
-        let publications = crate::publications::list(&self.exports, &tcp).await;
+        let publications = crate::records::publications::list(&self.exports, &tcp).await;
         Ok(Response::new(pb::ListPublicationsResponse { publications }))
     }
 
@@ -1013,7 +1013,7 @@ impl Admin for AdminService {
 }
 
 /// The stream of a long job's messages (see [`stream_job`]).
-type JobStream<M> = crate::rpc::Stream<M>;
+type JobStream<M> = crate::base::rpc::Stream<M>;
 
 /// Runs a long blocking job and streams it: `job` gets a callback for progress messages (best
 /// effort: a full channel, i.e. a slow client, skips one) and returns the final message (or the

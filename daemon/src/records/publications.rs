@@ -10,7 +10,7 @@
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::Status;
 
-use crate::exports::{ExportRecord, ExportTable, PUBLICATION_PREFIX as PREFIX};
+use crate::records::exports::{ExportRecord, ExportTable, PUBLICATION_PREFIX as PREFIX};
 
 fn export_name(volume: &str) -> String {
     format!("{PREFIX}{volume}")
@@ -33,7 +33,7 @@ pub fn of(r: &ExportRecord, tcp_address: &str) -> Option<pb::Publication> {
 /// What a publication request asks to allow: the node's identity, or `local`; refused when it
 /// is anything wider (a network, no one named) or names a snapshot.
 pub fn allow_of(r: &pb::PublishVolumeRequest) -> Result<String, Status> {
-    crate::rpc::require("volume", &r.volume)?;
+    crate::base::rpc::require("volume", &r.volume)?;
     if r.volume.contains('@') {
         return Err(Status::invalid_argument("a publication is of a volume, not a snapshot"));
     }
@@ -86,7 +86,7 @@ pub async fn publish(
 
 /// Ends the publication of `volume`, if any (its node's connections with it).
 pub async fn unpublish(exports: &ExportTable, volume: &str) -> Result<(), Status> {
-    crate::rpc::require("volume", volume)?;
+    crate::base::rpc::require("volume", volume)?;
     match exports.stop(&export_name(volume)).await {
         Ok(cut) => {
             tracing::info!(volume, connections_cut = cut, "volume unpublished");

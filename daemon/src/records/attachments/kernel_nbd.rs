@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 use tonic::Status;
 
 use super::AttachRecord;
-use crate::config::TlsFiles;
+use crate::base::config::TlsFiles;
 
 /// What every kernel NBD device of this daemon shares.
 #[derive(Debug)]

@@ -99,7 +99,7 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 use crate::authz::{Role, RoleList, parse_roles};
-use crate::size::parse_size;
+use crate::base::size::parse_size;
 use ferrite_nbd::tls::TlsMode;
 
 /// Longest `write-delay-us`: acknowledged writes wait at most this long to reach the store.
@@ -216,8 +216,8 @@ impl PoolSize {
         if size < 8 * segment {
             bail!(
                 "pool-size auto: the filesystem has {} free and keeps {} in reserve, which leaves no room for a pool; set pool-size or free space",
-                crate::size::format_size(free),
-                crate::size::format_size(reserve)
+                crate::base::size::format_size(free),
+                crate::base::size::format_size(reserve)
             );
         }
         Ok(size)

@@ -20,7 +20,7 @@ use ferrite_proto::ferrite::v1 as pb;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::rpc::{blocking, require};
+use crate::base::rpc::{blocking, require};
 
 /// What a backup call maps to a status.
 fn backup_status(e: BackupError) -> Status {
@@ -32,23 +32,23 @@ fn backup_status(e: BackupError) -> Status {
         BackupError::NotFound(_) => Status::not_found(msg),
         BackupError::Invalid(_) => Status::invalid_argument(msg),
         BackupError::Conflict(_) => Status::aborted(msg),
-        BackupError::Engine(e) => crate::rpc::status(e),
+        BackupError::Engine(e) => crate::base::rpc::status(e),
     }
 }
 
-type ProgressStream = crate::rpc::Stream<pb::BackupProgress>;
+type ProgressStream = crate::base::rpc::Stream<pb::BackupProgress>;
 
 #[derive(Debug)]
 pub struct BackupService {
     pub pool: Arc<Pool>,
     pub targets: BTreeMap<String, ferrite_backup::TargetConfig>,
-    pub keys: crate::encryption::KeyDir,
+    pub keys: crate::records::keys::KeyDir,
     /// Targets opened so far (a failed open is retried on the next call).
     opened: tokio::sync::Mutex<BTreeMap<String, Target>>,
     /// Volumes with a backup or restore running (one at a time each).
     busy: ferrite_proto::busy::Busy,
-    restores: Arc<crate::restores::Restores>,
-    outcomes: Arc<crate::metrics::BackupOutcomes>,
+    restores: Arc<crate::records::restores::Restores>,
+    outcomes: Arc<crate::records::backup_outcomes::BackupOutcomes>,
     policy: Arc<crate::authz::Policy>,
 }
 
@@ -109,7 +109,7 @@ where
 /// A restore's progress as a stream: every change, then its end (the backup restored, or the
 /// error); with `detach`, the first message only.
 fn restore_stream(
-    mut state: tokio::sync::watch::Receiver<crate::restores::State>,
+    mut state: tokio::sync::watch::Receiver<crate::records::restores::State>,
     detach: bool,
     backup: Option<pb::Backup>,
 ) -> ProgressStream {
@@ -146,9 +146,9 @@ impl BackupService {
     pub fn new(
         pool: Arc<Pool>,
         targets: BTreeMap<String, ferrite_backup::TargetConfig>,
-        keys: crate::encryption::KeyDir,
-        restores: Arc<crate::restores::Restores>,
-        outcomes: Arc<crate::metrics::BackupOutcomes>,
+        keys: crate::records::keys::KeyDir,
+        restores: Arc<crate::records::restores::Restores>,
+        outcomes: Arc<crate::records::backup_outcomes::BackupOutcomes>,
         policy: Arc<crate::authz::Policy>,
     ) -> Self {
         Self { pool, targets, keys, opened: Default::default(), busy: Default::default(), restores, outcomes, policy }
@@ -290,14 +290,17 @@ async fn drop_older_bases(
 }
 
 /// What a verify found, logged, as the metrics keep it.
-fn verify_outcome(target: &Target, report: &ferrite_backup::VerifyReport) -> crate::metrics::VerifyOutcome {
+fn verify_outcome(
+    target: &Target,
+    report: &ferrite_backup::VerifyReport,
+) -> crate::records::backup_outcomes::VerifyOutcome {
     if report.bad.is_empty() {
         tracing::info!(target = %target.name, chunks = report.chunks_checked, quarantined = report.quarantined, "verify finished");
     } else {
         tracing::error!(target = %target.name, chunks = report.chunks_checked, bad = report.bad.len(),
             "verify found damaged chunks; they are quarantined and the next backups upload them again");
     }
-    crate::metrics::VerifyOutcome {
+    crate::records::backup_outcomes::VerifyOutcome {
         target: target.name.clone(),
         finished_unix: ferrite_backup::now_unix(),
         backups: report.backups,
@@ -313,7 +316,7 @@ fn verify_outcome(target: &Target, report: &ferrite_backup::VerifyReport) -> cra
 pub fn schedule_verifies(
     pool: Arc<Pool>,
     targets: &BTreeMap<String, ferrite_backup::TargetConfig>,
-    outcomes: Arc<crate::metrics::BackupOutcomes>,
+    outcomes: Arc<crate::records::backup_outcomes::BackupOutcomes>,
 ) {
     for (name, config) in targets {
         let Some(every) = config.verify_every_s.filter(|&s| s > 0).map(std::time::Duration::from_secs) else {
@@ -525,9 +528,9 @@ impl pb::backups_server::Backups for BackupService {
         let kek = match (m.encrypted_volume, r.encryption) {
             (false, _) => None,
             (true, Some(k)) if !(k.key_id.is_empty() && k.key.is_empty()) => Some(self.keys.kek(&k, true)?),
-            (true, _) => {
-                Some(self.keys.kek(&pb::KeyRef { key_id: crate::encryption::DEFAULT_KEY.into(), key: vec![] }, true)?)
-            }
+            (true, _) => Some(
+                self.keys.kek(&pb::KeyRef { key_id: crate::records::keys::DEFAULT_KEY.into(), key: vec![] }, true)?,
+            ),
         };
         let _busy = self.claim(&r.volume, "this restore")?;
         let (pool, name, size) = (Arc::clone(&self.pool), r.volume.clone(), m.size);

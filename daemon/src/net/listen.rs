@@ -23,8 +23,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::authz::{PeerInfo, Role};
-use crate::config::Limits;
-use crate::fence::{Admission, Fences};
+use crate::base::config::Limits;
+use crate::records::fence::{Admission, Fences};
 
 /// Counters of one listener.
 #[derive(Debug, Default)]

@@ -1,0 +1,6 @@
+//! What every room shares, lowest first.
+
+pub mod config;
+pub mod rpc;
+pub mod size;
+pub mod state;

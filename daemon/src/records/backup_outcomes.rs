@@ -1,0 +1,78 @@
+//! How backups and verifies went: what the Backups service records and the metrics endpoint reports.
+
+/// How the backups of each (target, volume) went, as the Backups service records them, and
+/// what the last verify of each target found (kept in `backup-verify.json` in the data
+/// directory, so that a restart does not forget damage found).
+#[derive(Debug, Default)]
+pub struct BackupOutcomes {
+    backups: std::sync::Mutex<std::collections::BTreeMap<(String, String), BackupOutcome>>,
+    verifies: std::sync::Mutex<std::collections::BTreeMap<String, VerifyOutcome>>,
+    file: Option<std::path::PathBuf>,
+}
+
+/// What a verify of a target found.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct VerifyOutcome {
+    pub target: String,
+    pub finished_unix: u64,
+    pub backups: u64,
+    pub chunks_checked: u64,
+    /// The chunks it found bad (quarantined), with why.
+    pub bad: Vec<(String, String)>,
+    /// Chunks in quarantine after it: found bad and not found good since.
+    pub quarantined: u64,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct BackupOutcome {
+    pub last_success_unix: u64,
+    pub failures: u64,
+    pub last_failed: bool,
+}
+
+impl BackupOutcomes {
+    /// With the verify outcomes kept in `data_dir` (none if it has none, or if they cannot be
+    /// read: they are a report, not state the daemon needs).
+    pub fn load(data_dir: &std::path::Path) -> Self {
+        let file = crate::base::state::RecordFile::new(data_dir, "backup-verify");
+        let kept = file.load::<VerifyOutcome>().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the outcomes of earlier backup verifies are unreadable; starting without them");
+            Vec::new()
+        });
+        let verifies = kept.into_iter().map(|v| (v.target.clone(), v)).collect();
+        Self { verifies: std::sync::Mutex::new(verifies), file: Some(file.path().to_owned()), ..Self::default() }
+    }
+
+    /// Records a verify's outcome, and keeps it.
+    pub fn verified(&self, outcome: VerifyOutcome) {
+        let mut all = self.verifies.lock().expect("not poisoned");
+        all.insert(outcome.target.clone(), outcome);
+        let list: Vec<&VerifyOutcome> = all.values().collect();
+        if let Some(Err(e)) = self.file.as_deref().map(|f| crate::base::state::save_json(f, &list)) {
+            tracing::warn!(error = %e, "could not keep the outcome of a backup verify");
+        }
+    }
+
+    pub fn record(&self, target: &str, volume: &str, ok: bool) {
+        let mut all = self.backups.lock().expect("not poisoned");
+        let o = all.entry((target.to_owned(), volume.to_owned())).or_default();
+        o.last_failed = !ok;
+        if ok {
+            o.last_success_unix = ferrite_backup::now_unix();
+        } else {
+            o.failures += 1;
+        }
+    }
+}
+
+impl BackupOutcomes {
+    /// The last outcome of each (target, volume).
+    pub fn backups(&self) -> Vec<((String, String), BackupOutcome)> {
+        self.backups.lock().expect("not poisoned").clone().into_iter().collect()
+    }
+
+    /// The last verify of each target.
+    pub fn verifies(&self) -> Vec<VerifyOutcome> {
+        self.verifies.lock().expect("not poisoned").values().cloned().collect()
+    }
+}
