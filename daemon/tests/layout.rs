@@ -11,22 +11,10 @@ use std::path::{Path, PathBuf};
 
 /// Lowest first: the library's rooms, then the binary's modules. Each may use those before it.
 const BANDS: &[&str] = &[
-    "authz",
-    "base",
-    "records",
-    "net",
-    "replica",
-    "sync",
-    "api",
-    "serve",
-    "lib",
-    // The `ferrite` binary: the front door over the library.
-    "cli",
-    "hand_over",
-    "backup_cli",
-    "pool_format",
-    "node_pool",
-    "main",
+    "authz", "base", "records", "net", "replica", "sync", "api", "serve", "lib",
+    // The `ferrite` binary, the front door over the library: printing, the global arguments,
+    // the programs it runs, the client's command groups, and the dispatch.
+    "out", "args", "program", "cli", "main",
 ];
 
 /// The library's rooms whose files are ordered among themselves, lowest first. `api` is not
@@ -41,7 +29,7 @@ const ROOMS: &[(&str, &[&str])] = &[
 ];
 
 /// The binary's files: everything under `src/` that the library does not declare.
-const BINARY: &[&str] = &["main", "cli", "hand_over", "backup_cli", "pool_format", "node_pool"];
+const BINARY: &[&str] = &["out", "args", "program", "cli", "main"];
 
 fn src() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")

@@ -16,9 +16,37 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use ferrite_engine::Pool;
 
-use crate::cli::Progress;
+use crate::out::Progress;
 use ferrite_daemon::base::config::Config;
-use ferrite_daemon::base::size::format_size;
+use ferrite_daemon::base::size::{format_size, parse_size};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The device or file (default: the configuration's pool-path).
+    pub path: Option<PathBuf>,
+    /// Size of a new pool file (default: pool-size); an existing file is grown to it.
+    #[arg(long, value_parser = parse_size)]
+    pub size: Option<u64>,
+    /// Write the whole file once, so first writes do not pay the filesystem's allocation
+    /// (a file pool only; freed segments then keep their blocks).
+    #[arg(long)]
+    pub preallocate: bool,
+    /// Format even if a filesystem, partition table or pool is found (its data is lost).
+    #[arg(long)]
+    pub force: bool,
+    /// The daemon's TOML configuration (meta-dir, segment-size, pool-path, pool-size).
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Data directory (overrides the config file).
+    #[arg(long, env = "FERRITE_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+}
+
+pub fn run(a: &Args) -> Result<()> {
+    super::init_logging("warn");
+    let req = FormatRequest { path: a.path.clone(), size: a.size, preallocate: a.preallocate, force: a.force };
+    Config::load(a.config.as_deref(), a.data_dir.clone()).and_then(|cfg| format(&cfg, &req))
+}
 
 /// What `ferrite pool format` was asked.
 #[derive(Debug)]

@@ -19,8 +19,30 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::pool_format::{self, FormatRequest};
+use super::pool_format::{self, FormatRequest};
 use ferrite_daemon::base::config::Config;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// This node's name.
+    #[arg(long, env = "NODE_NAME")]
+    pub node: String,
+    /// The configuration every node shares.
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Where the daemon reads its configuration.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The node's address: the configuration's TCP listeners on every address (0.0.0.0)
+    /// listen on it alone.
+    #[arg(long)]
+    pub listen_ip: Option<std::net::IpAddr>,
+}
+
+pub fn run(a: &Args) -> Result<()> {
+    super::init_logging("warn");
+    prepare(&a.node, &a.config, &a.out, a.listen_ip)
+}
 
 pub const DEVICE: &str = "pool.ferrite.dev/device";
 pub const FORMAT: &str = "pool.ferrite.dev/format";

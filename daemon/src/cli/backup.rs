@@ -6,7 +6,7 @@ use ferrite_proto::ferrite::v1::backups_client::BackupsClient;
 use serde_json::json;
 use tonic::transport::Channel;
 
-use crate::cli::{Output, follow, rpc_error};
+use crate::out::{Output, follow, rpc_error};
 use ferrite_daemon::base::size::format_size;
 
 #[derive(clap::Subcommand)]
@@ -167,7 +167,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                             ]
                         })
                         .collect();
-                    print!("{}", crate::cli::table(&["BACKUP", "KIND", "SIZE", "DATA", "UPLOADED"], rows));
+                    print!("{}", crate::out::table(&["BACKUP", "KIND", "SIZE", "DATA", "UPLOADED"], rows));
                 }
             }
         }
@@ -202,7 +202,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
         }
         BackupCmd::Delete { name, target } => {
             c.delete_backup(pb::DeleteBackupRequest { target, name: name.clone() }).await.map_err(rpc_error)?;
-            crate::cli::print_done(out, "deleted backup", &name);
+            crate::out::print_done(out, "deleted backup", &name);
         }
         BackupCmd::Verify { names, target, volume, sample } => {
             let req = pb::VerifyBackupsRequest {
@@ -305,7 +305,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                         .iter()
                         .map(|t| vec![t.name.clone(), t.kind.clone(), t.location.clone(), t.key_fingerprint.clone()])
                         .collect();
-                    print!("{}", crate::cli::table(&["TARGET", "KIND", "LOCATION", "KEY"], rows));
+                    print!("{}", crate::out::table(&["TARGET", "KIND", "LOCATION", "KEY"], rows));
                 }
             }
         }
@@ -350,7 +350,7 @@ async fn open_targets<const N: usize>(
 async fn copy(name: &str, from: &str, to: &str, config: Option<&std::path::Path>, out: Output) -> Result<()> {
     let [from, to] = open_targets(config, [from, to]).await?;
     let b: ferrite_backup::BackupRef = name.parse()?;
-    let bar = std::sync::Mutex::new(crate::cli::Progress::new("copy"));
+    let bar = std::sync::Mutex::new(crate::out::Progress::new("copy"));
     let progress = |p: &ferrite_backup::Progress| bar.lock().expect("not poisoned").update(p.bytes_done, p.bytes_total);
     let m = ferrite_backup::copy(&from, &to, &b, &progress).await?;
     bar.into_inner().expect("not poisoned").finish();
@@ -376,7 +376,7 @@ async fn copy(name: &str, from: &str, to: &str, config: Option<&std::path::Path>
 async fn export(name: &str, target: &str, config: Option<&std::path::Path>, file: &std::path::Path) -> Result<()> {
     let [t] = open_targets(config, [target]).await?;
     let b: ferrite_backup::BackupRef = name.parse()?;
-    let bar = std::sync::Mutex::new(crate::cli::Progress::new("export"));
+    let bar = std::sync::Mutex::new(crate::out::Progress::new("export"));
     let progress = |p: &ferrite_backup::Progress| bar.lock().expect("not poisoned").update(p.bytes_done, p.bytes_total);
     if file.as_os_str() == "-" {
         let mut out = std::io::BufWriter::with_capacity(4 << 20, std::io::stdout());
