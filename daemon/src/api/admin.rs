@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 use crate::authz::{Caller, Role, caller_of};
 use crate::base::config::Config;
 use crate::base::rpc::{blocking, require, status};
-use crate::records::attachments::{AttachRecord, Attachments, choose_transport, refuse_if_attached};
+use crate::records::attachments::{AttachRecord, Attachments, calls, choose_transport, refuse_if_attached};
 use crate::records::exports::{ExportRecord, ExportTable, open_image, refuse_if_exported, snapshot_of};
 use crate::records::fence::{Change, Cidr, FenceError, Fences};
 use crate::replica::Replication;
@@ -152,11 +152,10 @@ impl AdminService {
     }
 
     fn attachment_msg(&self, r: &AttachRecord, detail: String) -> pb::Attachment {
-        let size = match &r.remote {
-            Some(_) => ferrite_nbd::kernel::size(r.index).unwrap_or(0),
-            None => open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0),
-        };
-        r.message(detail, size)
+        if r.remote.is_some() {
+            return calls::remote_message(r, detail);
+        }
+        r.message(detail, open_image(&self.pool, &r.volume).and_then(|v| v.size()).unwrap_or(0))
     }
 
     /// Refuses a peer endpoint (for `call`) whose certificate's identity holds no
@@ -900,13 +899,7 @@ impl Admin for AdminService {
         let r = req.into_inner();
         require("volume", &r.volume)?;
         if !r.remote.is_empty() {
-            require("export", &r.export)?;
-            if !matches!(r.transport.as_str(), "" | "auto" | "nbd") {
-                return Err(Status::invalid_argument("another node's volume is attached with the kernel NBD client"));
-            }
-            let rec = self.attachments.attach_remote(&r.volume, &r.remote, &r.export, r.copies).await?;
-            let detail = format!("kernel NBD client, relayed over TLS to {}", r.remote);
-            return Ok(Response::new(self.attachment_msg(&rec, detail)));
+            return Ok(Response::new(calls::attach_remote(&self.attachments, r).await?));
         }
         crate::records::keys::refuse_if_locked(&self.pool, &r.volume)?;
         let (transport, detail) = choose_transport(&r.transport)?;
@@ -926,21 +919,14 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::DetachVolumeRequest>,
     ) -> Result<Response<pb::DetachVolumeResponse>, Status> {
-        let device = req.into_inner().device;
-        require("device", &device)?;
-        self.attachments.detach(Some(&self.exports), &device).await?;
-        Ok(Response::new(pb::DetachVolumeResponse {}))
+        Ok(Response::new(calls::detach(&self.attachments, Some(&self.exports), req.into_inner()).await?))
     }
 
     async fn resize_attachment(
         &self,
         req: Request<pb::ResizeAttachmentRequest>,
     ) -> Result<Response<pb::Attachment>, Status> {
-        let r = req.into_inner();
-        require("device", &r.device)?;
-        let rec = self.attachments.resize_remote(&r.device).await?;
-        let detail = format!("the device has the size of {} on {}", rec.volume, rec.remote.as_deref().unwrap_or(""));
-        Ok(Response::new(self.attachment_msg(&rec, detail)))
+        Ok(Response::new(calls::resize(&self.attachments, req.into_inner()).await?))
     }
 
     async fn list_attachments(

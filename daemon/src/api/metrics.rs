@@ -17,7 +17,9 @@ use hyper::server::conn::http1;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeLabelSet, NoLabelSet,
+};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
@@ -194,15 +196,20 @@ impl Collector for Sources {
         }
 
         let volumes = self.pool.volumes();
-        for (name, help, value) in [
-            ("ferrite_volume_size_bytes", "Provisioned size.", (|v| v.size) as fn(&ferrite_engine::VolumeInfo) -> u64),
-            ("ferrite_volume_allocated_bytes", "Mapped bytes.", |v| v.allocated),
-        ] {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for v in &volumes {
-                m.encode_family(&[("volume", v.name.as_str())])?.encode_gauge(&value(v))?;
-            }
-        }
+        let labels: Vec<_> = volumes.iter().map(|v| [("volume", v.name.as_str())]).collect();
+        gauges(
+            &mut enc,
+            &volumes,
+            &labels,
+            &[
+                (
+                    "ferrite_volume_size_bytes",
+                    "Provisioned size.",
+                    (|v| v.size) as fn(&ferrite_engine::VolumeInfo) -> u64,
+                ),
+                ("ferrite_volume_allocated_bytes", "Mapped bytes.", |v| v.allocated),
+            ],
+        )?;
 
         // QoS: what each volume's limits delayed (counters since the daemon started).
         let stats: Vec<_> = volumes.iter().map(|v| self.pool.qos_stats(&v.name).unwrap_or_default()).collect();
@@ -230,28 +237,30 @@ impl Collector for Sources {
         let exports = nbd.exports.list();
         let labels: Vec<_> =
             exports.iter().map(|e| [("export", e.name.as_str()), ("volume", e.volume.name())]).collect();
-        type Counter = fn(&ferrite_nbd::metrics::ExportMetrics) -> &AtomicU64;
-        for (name, help, counter) in [
-            ("ferrite_nbd_read_bytes", "Bytes read through NBD.", (|m| &m.read_bytes) as Counter),
-            ("ferrite_nbd_write_bytes", "Bytes written through NBD.", |m| &m.write_bytes),
-            ("ferrite_nbd_other_ops", "Flush, trim, write-zeroes, cache and block-status requests.", |m| &m.other_ops),
-            ("ferrite_nbd_errors", "Requests answered with an error.", |m| &m.errors),
-            (
-                "ferrite_nbd_helper_threads_started",
-                "Worker threads started for requests in flight, beyond each connection's first.",
-                |m| &m.helpers_started,
-            ),
-            (
-                "ferrite_nbd_sender_threads_started",
-                "Threads started to write replies that did not fit a connection's socket (one per connection at most).",
-                |m| &m.senders_started,
-            ),
-        ] {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for (e, l) in exports.iter().zip(&labels) {
-                m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&load(counter(&e.metrics)), None)?;
-            }
-        }
+        type Counter = fn(&Arc<ferrite_nbd::Export>) -> u64;
+        counters(
+            &mut enc,
+            &exports,
+            &labels,
+            &[
+                ("ferrite_nbd_read_bytes", "Bytes read through NBD.", (|e| load(&e.metrics.read_bytes)) as Counter),
+                ("ferrite_nbd_write_bytes", "Bytes written through NBD.", |e| load(&e.metrics.write_bytes)),
+                ("ferrite_nbd_other_ops", "Flush, trim, write-zeroes, cache and block-status requests.", |e| {
+                    load(&e.metrics.other_ops)
+                }),
+                ("ferrite_nbd_errors", "Requests answered with an error.", |e| load(&e.metrics.errors)),
+                (
+                    "ferrite_nbd_helper_threads_started",
+                    "Worker threads started for requests in flight, beyond each connection's first.",
+                    |e| load(&e.metrics.helpers_started),
+                ),
+                (
+                    "ferrite_nbd_sender_threads_started",
+                    "Threads started to write replies that did not fit a connection's socket (one per connection at most).",
+                    |e| load(&e.metrics.senders_started),
+                ),
+            ],
+        )?;
         type Latency = fn(&ferrite_nbd::metrics::ExportMetrics) -> &ferrite_nbd::metrics::Histogram;
         for (name, help, histogram) in [
             (
@@ -282,42 +291,44 @@ impl Sources {
         let live: Vec<_> = rows.iter().map(|r| self.replication.live(&r.volume, |l| l.clone())).collect();
         let labels: Vec<_> = rows.iter().map(|r| [("volume", r.volume.as_str()), ("role", r.role.as_str())]).collect();
         type Gauge = fn(&pb::Replication) -> f64;
-        for (name, help, value) in [
-            (
-                "ferrite_replication_lag_seconds",
-                "Age of the newest mirror snapshot both sides hold (the recovery point).",
-                (|r| r.lag_seconds) as Gauge,
-            ),
-            ("ferrite_replication_syncing", "1 while a transfer runs.", |r| f64::from(u8::from(r.state == "syncing"))),
-            ("ferrite_replication_error", "1 while the last transfer failed.", |r| {
-                f64::from(u8::from(r.state == "error"))
-            }),
-            ("ferrite_replication_bytes_left", "Data bytes the running transfer still has to send.", |r| {
-                r.bytes_left as f64
-            }),
-            ("ferrite_replication_last_sync_seconds", "Duration of the last completed transfer.", |r| {
-                r.last_sync_seconds
-            }),
-            ("ferrite_replication_last_sync_bytes", "Data bytes of the last completed transfer.", |r| {
-                r.last_sync_bytes as f64
-            }),
-        ] {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for (r, l) in rows.iter().zip(&labels) {
-                m.encode_family(l)?.encode_gauge(&value(r))?;
-            }
-        }
+        gauges(
+            enc,
+            &rows,
+            &labels,
+            &[
+                (
+                    "ferrite_replication_lag_seconds",
+                    "Age of the newest mirror snapshot both sides hold (the recovery point).",
+                    (|r| r.lag_seconds) as Gauge,
+                ),
+                ("ferrite_replication_syncing", "1 while a transfer runs.", |r| {
+                    f64::from(u8::from(r.state == "syncing"))
+                }),
+                ("ferrite_replication_error", "1 while the last transfer failed.", |r| {
+                    f64::from(u8::from(r.state == "error"))
+                }),
+                ("ferrite_replication_bytes_left", "Data bytes the running transfer still has to send.", |r| {
+                    r.bytes_left as f64
+                }),
+                ("ferrite_replication_last_sync_seconds", "Duration of the last completed transfer.", |r| {
+                    r.last_sync_seconds
+                }),
+                ("ferrite_replication_last_sync_bytes", "Data bytes of the last completed transfer.", |r| {
+                    r.last_sync_bytes as f64
+                }),
+            ],
+        )?;
         type Counter = fn(&crate::replica::Live) -> u64;
-        for (name, help, value) in [
-            ("ferrite_replication_sent_bytes", "Data bytes pushed to the peer.", (|l| l.sent_bytes) as Counter),
-            ("ferrite_replication_syncs", "Transfers completed.", |l| l.syncs),
-            ("ferrite_replication_sync_failures", "Transfers that failed.", |l| l.failures),
-        ] {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for (l, labels) in live.iter().zip(&labels) {
-                m.encode_family(labels)?.encode_counter::<NoLabelSet, _, u64>(&value(l), None)?;
-            }
-        }
+        counters(
+            enc,
+            &live,
+            &labels,
+            &[
+                ("ferrite_replication_sent_bytes", "Data bytes pushed to the peer.", (|l| l.sent_bytes) as Counter),
+                ("ferrite_replication_syncs", "Transfers completed.", |l| l.syncs),
+                ("ferrite_replication_sync_failures", "Transfers that failed.", |l| l.failures),
+            ],
+        )?;
         Ok(())
     }
 }
@@ -327,70 +338,72 @@ impl Sources {
     fn encode_backups(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
         let rows: Vec<_> = self.backups.backups();
         let labels: Vec<_> = rows.iter().map(|((t, v), _)| [("target", t.as_str()), ("volume", v.as_str())]).collect();
-        type Value = fn(&BackupOutcome) -> u64;
-        for (name, help, value) in [
-            (
-                "ferrite_backup_last_success_timestamp_seconds",
-                "When the volume's last successful backup to the target ended (Unix seconds; since the daemon started).",
-                (|o| o.last_success_unix) as Value,
-            ),
-            ("ferrite_backup_last_failed", "1 if the volume's last backup to the target failed.", |o| {
-                u64::from(o.last_failed)
-            }),
-        ] {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for ((_, o), l) in rows.iter().zip(&labels) {
-                m.encode_family(l)?.encode_gauge(&value(o))?;
-            }
-        }
-        let mut m =
-            enc.encode_descriptor("ferrite_backup_failures", "Backups that failed.", None, MetricType::Counter)?;
-        for ((_, o), l) in rows.iter().zip(&labels) {
-            m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&o.failures, None)?;
-        }
+        type Value = fn(&((String, String), BackupOutcome)) -> u64;
+        gauges(
+            enc,
+            &rows,
+            &labels,
+            &[
+                (
+                    "ferrite_backup_last_success_timestamp_seconds",
+                    "When the volume's last successful backup to the target ended (Unix seconds; since the daemon started).",
+                    (|(_, o)| o.last_success_unix) as Value,
+                ),
+                ("ferrite_backup_last_failed", "1 if the volume's last backup to the target failed.", |(_, o)| {
+                    u64::from(o.last_failed)
+                }),
+            ],
+        )?;
+        counters(
+            enc,
+            &rows,
+            &labels,
+            &[("ferrite_backup_failures", "Backups that failed.", (|(_, o)| o.failures) as Value)],
+        )?;
         let verifies = self.backups.verifies();
+        let labels: Vec<_> = verifies.iter().map(|v| [("target", v.target.as_str())]).collect();
         type Verified = fn(&VerifyOutcome) -> u64;
-        for (name, help, value) in [
-            (
-                "ferrite_backup_verify_last_timestamp_seconds",
-                "When the last verify of the target's backups ended (Unix seconds).",
-                (|v| v.finished_unix) as Verified,
-            ),
-            (
-                "ferrite_backup_verify_bad_chunks",
-                "Chunks of the target found bad by a verify and not found good since (quarantined).",
-                |v| v.quarantined,
-            ),
-        ] {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for v in &verifies {
-                m.encode_family(&[("target", v.target.as_str())])?.encode_gauge(&value(v))?;
-            }
-        }
+        gauges(
+            enc,
+            &verifies,
+            &labels,
+            &[
+                (
+                    "ferrite_backup_verify_last_timestamp_seconds",
+                    "When the last verify of the target's backups ended (Unix seconds).",
+                    (|v| v.finished_unix) as Verified,
+                ),
+                (
+                    "ferrite_backup_verify_bad_chunks",
+                    "Chunks of the target found bad by a verify and not found good since (quarantined).",
+                    |v| v.quarantined,
+                ),
+            ],
+        )?;
         self.encode_restores(enc)
     }
 
     fn encode_restores(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
-        let rows = self.restores.counts();
-        type Value = fn(&(u64, u64, u64)) -> u64;
-        for (name, help, value) in [
-            (
-                "ferrite_backup_restore_chunks_left",
-                "Chunks of the backup a volume is restored from that are not copied yet.",
-                (|&(done, total, _)| total - done) as Value,
-            ),
-            (
-                "ferrite_backup_restore_chunks_on_demand",
-                "Chunks fetched because a client read or wrote them before the copy got there.",
-                |&(_, _, on_demand)| on_demand,
-            ),
-        ] {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for (volume, counts) in &rows {
-                m.encode_family(&[("volume", volume.as_str())])?.encode_gauge(&value(counts))?;
-            }
-        }
-        Ok(())
+        let rows: Vec<_> = self.restores.counts().into_iter().collect();
+        let labels: Vec<_> = rows.iter().map(|(volume, _)| [("volume", volume.as_str())]).collect();
+        type Value = fn(&(String, (u64, u64, u64))) -> u64;
+        gauges(
+            enc,
+            &rows,
+            &labels,
+            &[
+                (
+                    "ferrite_backup_restore_chunks_left",
+                    "Chunks of the backup a volume is restored from that are not copied yet.",
+                    (|(_, (done, total, _))| total - done) as Value,
+                ),
+                (
+                    "ferrite_backup_restore_chunks_on_demand",
+                    "Chunks fetched because a client read or wrote them before the copy got there.",
+                    |(_, (_, _, on_demand))| *on_demand,
+                ),
+            ],
+        )
     }
 
     /// Per volume with synchronous replicas (labels: volume, and this daemon's role in it).
@@ -445,16 +458,20 @@ impl Sources {
                 .map_or(0, |(_, done, total)| total.saturating_sub(done.load(Ordering::Relaxed)));
             m.encode_family(l)?.encode_gauge(&left)?;
         }
-        type Counter = fn(&crate::sync::primary::Primary) -> &AtomicU64;
-        for (name, help, counter) in [
-            ("ferrite_sync_ejections", "Members ejected for failing or not answering.", (|p| &p.ejections) as Counter),
-            ("ferrite_sync_rebuild_sent_bytes", "Data bytes rebuilds sent to members.", |p| &p.rebuilt_bytes),
-        ] {
-            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for (p, l) in primaries.iter().zip(&labels) {
-                m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&load(counter(p)), None)?;
-            }
-        }
+        type Counter = fn(&Arc<crate::sync::primary::Primary>) -> u64;
+        counters(
+            enc,
+            &primaries,
+            &labels,
+            &[
+                (
+                    "ferrite_sync_ejections",
+                    "Members ejected for failing or not answering.",
+                    (|p| load(&p.ejections)) as Counter,
+                ),
+                ("ferrite_sync_rebuild_sent_bytes", "Data bytes rebuilds sent to members.", |p| load(&p.rebuilt_bytes)),
+            ],
+        )?;
         let mut m = enc.encode_descriptor(
             "ferrite_sync_added_seconds",
             "Time a mirrored request waited for its members after the local write (the _count is the mirrored requests).",
@@ -467,6 +484,42 @@ impl Sources {
         }
         Ok(())
     }
+}
+
+/// A family of samples: its name, its help, and each row's value.
+type Family<'a, T, V> = (&'a str, &'a str, fn(&T) -> V);
+
+/// One gauge family per `(name, help, value)`: a sample per row, labelled by `labels` (in the
+/// rows' order).
+fn gauges<T, L: EncodeLabelSet, V: EncodeGaugeValue>(
+    enc: &mut DescriptorEncoder,
+    rows: &[T],
+    labels: &[L],
+    families: &[Family<T, V>],
+) -> fmt::Result {
+    for (name, help, value) in families {
+        let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for (r, l) in rows.iter().zip(labels) {
+            m.encode_family(l)?.encode_gauge(&value(r))?;
+        }
+    }
+    Ok(())
+}
+
+/// The same for counters (the encoder adds `_total` to each name).
+fn counters<T, L: EncodeLabelSet, V: EncodeCounterValue>(
+    enc: &mut DescriptorEncoder,
+    rows: &[T],
+    labels: &[L],
+    families: &[Family<T, V>],
+) -> fmt::Result {
+    for (name, help, value) in families {
+        let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (r, l) in rows.iter().zip(labels) {
+            m.encode_family(l)?.encode_counter::<NoLabelSet, _, u64>(&value(r), None)?;
+        }
+    }
+    Ok(())
 }
 
 /// The registry every scrape encodes.

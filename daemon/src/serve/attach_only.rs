@@ -19,8 +19,8 @@ use tonic::{Request, Response, Status};
 
 use crate::base::config::TlsFiles;
 use crate::base::rpc::require;
-use crate::records::attachments::Attachments;
 use crate::records::attachments::kernel_nbd::Links;
+use crate::records::attachments::{Attachments, calls};
 
 /// Where and how the node's attachments are served.
 #[derive(Debug, Clone)]
@@ -81,10 +81,6 @@ impl AttachOnly {
 
 struct Service(Arc<Attachments>);
 
-fn message(r: &crate::records::attachments::AttachRecord, detail: String) -> pb::Attachment {
-    r.message(detail, ferrite_nbd::kernel::size(r.index).unwrap_or(0))
-}
-
 #[tonic::async_trait]
 impl Admin for Service {
     async fn attach_volume(&self, req: Request<pb::AttachVolumeRequest>) -> Result<Response<pb::Attachment>, Status> {
@@ -96,40 +92,28 @@ impl Admin for Service {
                 r.volume
             )));
         }
-        require("export", &r.export)?;
-        if !matches!(r.transport.as_str(), "" | "auto" | "nbd") {
-            return Err(Status::invalid_argument("another node's volume is attached with the kernel NBD client"));
-        }
-        let rec = self.0.attach_remote(&r.volume, &r.remote, &r.export, r.copies).await?;
-        Ok(Response::new(message(&rec, format!("kernel NBD client, relayed over TLS to {}", r.remote))))
+        Ok(Response::new(calls::attach_remote(&self.0, r).await?))
     }
 
     async fn detach_volume(
         &self,
         req: Request<pb::DetachVolumeRequest>,
     ) -> Result<Response<pb::DetachVolumeResponse>, Status> {
-        let device = req.into_inner().device;
-        require("device", &device)?;
-        self.0.detach(None, &device).await?;
-        Ok(Response::new(pb::DetachVolumeResponse {}))
+        Ok(Response::new(calls::detach(&self.0, None, req.into_inner()).await?))
     }
 
     async fn resize_attachment(
         &self,
         req: Request<pb::ResizeAttachmentRequest>,
     ) -> Result<Response<pb::Attachment>, Status> {
-        let r = req.into_inner();
-        require("device", &r.device)?;
-        let rec = self.0.resize_remote(&r.device).await?;
-        let detail = format!("the device has the size of {} on {}", rec.volume, rec.remote.as_deref().unwrap_or(""));
-        Ok(Response::new(message(&rec, detail)))
+        Ok(Response::new(calls::resize(&self.0, req.into_inner()).await?))
     }
 
     async fn list_attachments(
         &self,
         _: Request<pb::ListAttachmentsRequest>,
     ) -> Result<Response<pb::ListAttachmentsResponse>, Status> {
-        let attachments = self.0.list().await.iter().map(|r| message(r, String::new())).collect();
+        let attachments = self.0.list().await.iter().map(|r| calls::remote_message(r, String::new())).collect();
         Ok(Response::new(pb::ListAttachmentsResponse { attachments }))
     }
 

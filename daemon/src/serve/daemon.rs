@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use ferrite_engine::{Pool, PoolOptions};
 use ferrite_nbd::{Exports, Server};
 use ferrite_proto::ferrite::v1::admin_server::AdminServer;
+use ferrite_proto::ferrite::v1::backups_server::BackupsServer;
 use ferrite_proto::ferrite::v1::mirror_server::MirrorServer;
 use ferrite_proto::ferrite::v1::replica_server::ReplicaServer;
 use ferrite_tls::ServerTls;
@@ -15,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::server::Connected;
 
 use crate::api::admin::AdminService;
 use crate::authz::Role;
@@ -146,6 +148,35 @@ fn nbd_role(policy: &Arc<crate::authz::Policy>) -> ferrite_nbd::tls::RoleCheck {
     Arc::new(move |cert| policy.caller(&ferrite_tls::identities(cert)).acts_as(crate::authz::Role::NbdClient))
 }
 
+/// The services of the admin listeners, served alike on the Unix socket and on TCP.
+#[derive(Clone)]
+struct AdminServices {
+    admin: AdminServer<AdminService>,
+    backups: BackupsServer<crate::api::backups::BackupService>,
+    replica: ReplicaServer<crate::replica::receive::ReplicaService>,
+    mirror: MirrorServer<crate::sync::serve::MirrorService>,
+}
+
+impl AdminServices {
+    /// Serves every service to the connections of `incoming`, each call through `authorize`.
+    async fn serve<I, IO, IE>(self, authorize: Authorize, incoming: I, what: &'static str) -> Result<()>
+    where
+        I: tokio_stream::Stream<Item = Result<IO, IE>>,
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Connected + Unpin + Send + 'static,
+        IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        admin_server()
+            .layer(authorize)
+            .add_service(self.admin)
+            .add_service(self.replica)
+            .add_service(self.mirror)
+            .add_service(self.backups)
+            .serve_with_incoming(incoming)
+            .await
+            .context(what)
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(cfg: Config) -> Result<()> {
     make_private(&cfg)?;
@@ -253,33 +284,34 @@ pub async fn run(cfg: Config) -> Result<()> {
             Err(anyhow::anyhow!("metrics listener stopped"))
         });
     }
-    let svc = AdminServer::new(AdminService {
-        pool: Arc::clone(&pool),
-        nbd: Arc::clone(&nbd),
-        cfg: cfg.clone(),
-        exports: export_table,
-        attachments: Arc::clone(&attachments),
-        fences: Arc::clone(&fences),
-        replication: Arc::clone(&replication),
-        sync: Arc::clone(&sync),
-        keys,
-        rotations,
-        policy: Arc::clone(&policy),
-    });
     crate::api::backups::schedule_verifies(Arc::clone(&pool), &cfg.backup_targets, Arc::clone(&backup_outcomes));
-    let backups =
-        ferrite_proto::ferrite::v1::backups_server::BackupsServer::new(crate::api::backups::BackupService::new(
+    let services = AdminServices {
+        admin: AdminServer::new(AdminService {
+            pool: Arc::clone(&pool),
+            nbd: Arc::clone(&nbd),
+            cfg: cfg.clone(),
+            exports: export_table,
+            attachments: Arc::clone(&attachments),
+            fences: Arc::clone(&fences),
+            replication: Arc::clone(&replication),
+            sync: Arc::clone(&sync),
+            keys,
+            rotations,
+            policy: Arc::clone(&policy),
+        }),
+        backups: BackupsServer::new(crate::api::backups::BackupService::new(
             Arc::clone(&pool),
             cfg.backup_targets.clone(),
             crate::records::keys::KeyDir::new(&cfg.key_dir),
             restores,
             backup_outcomes,
             Arc::clone(&policy),
-        ));
-    let replica = ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
-        .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE);
-    let mirror = MirrorServer::new(crate::sync::serve::MirrorService(Arc::clone(&sync)))
-        .max_decoding_message_size(crate::sync::MAX_MESSAGE);
+        )),
+        replica: ReplicaServer::new(crate::replica::receive::ReplicaService(Arc::clone(&replication)))
+            .max_decoding_message_size(crate::replica::MAX_PUSH_MESSAGE),
+        mirror: MirrorServer::new(crate::sync::serve::MirrorService(Arc::clone(&sync)))
+            .max_decoding_message_size(crate::sync::MAX_MESSAGE),
+    };
     tokio::spawn(Arc::clone(&replication).schedule());
     if let Some(l) = admin_tcp {
         if tls.admin.is_none() {
@@ -310,33 +342,12 @@ pub async fn run(cfg: Config) -> Result<()> {
             }
         });
         let incoming = tokio_stream::wrappers::ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
-        let (svc, replica, mirror, backups) = (svc.clone(), replica.clone(), mirror.clone(), backups.clone());
         let source = if tls.admin.is_some() { Source::Certificate } else { Source::Local };
         let authorize = Authorize::new(Arc::clone(&policy), source);
-        tasks.spawn(async move {
-            admin_server()
-                .layer(authorize)
-                .add_service(svc)
-                .add_service(replica)
-                .add_service(mirror)
-                .add_service(backups)
-                .serve_with_incoming(incoming)
-                .await
-                .context("admin API TCP server")
-        });
+        tasks.spawn(services.clone().serve(authorize, incoming, "admin API TCP server"));
     }
     let authorize = Authorize::new(policy, Source::Local);
-    tasks.spawn(async move {
-        admin_server()
-            .layer(authorize)
-            .add_service(svc)
-            .add_service(replica)
-            .add_service(mirror)
-            .add_service(backups)
-            .serve_with_incoming(UnixListenerStream::new(admin_listener))
-            .await
-            .context("admin API server")
-    });
+    tasks.spawn(services.serve(authorize, UnixListenerStream::new(admin_listener), "admin API server"));
     tracing::info!(
         admin = %cfg.admin_socket.display(),
         nbd = %cfg.nbd_socket.display(),

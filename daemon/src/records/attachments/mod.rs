@@ -3,6 +3,7 @@
 //! `<data-dir>/attachments.json`, so a restarted daemon takes its devices back (ublk: user
 //! recovery; kernel NBD: a new connection) instead of leaving them hung.
 
+pub mod calls;
 pub mod kernel_nbd;
 
 use std::path::{Path, PathBuf};
