@@ -170,7 +170,7 @@ async fn client(g: &Globals, cmd: Cmd) -> Result<()> {
         | Cmd::Heartbeat(_)
         | Cmd::NodeCert(_)
         | Cmd::Watchdog
-        | Cmd::Certs(_)
-        | Cmd::Backup(_) => unreachable!("run by main"),
+        | Cmd::Certs(_) => unreachable!("programs: run by main"),
+        Cmd::Backup(_) => unreachable!("answered above"),
     }
 }
