@@ -1,13 +1,16 @@
 //! What every command takes: how to reach the daemon (its admin socket, or TCP with mutual TLS)
 //! and how to print.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Result;
 use ferrite_daemon::base::config;
 
 use crate::out::Output;
+
+/// A client certificate and its key.
+pub type Identity<'a> = (&'a Path, &'a Path);
 
 #[derive(clap::Args)]
 pub struct Globals {
@@ -47,20 +50,24 @@ impl Globals {
         }
     }
 
-    /// The --tls-* options make sense together.
-    pub fn check_tls(&self) -> Result<()> {
+    /// This client's certificate and key (--tls-cert, --tls-key), if given.
+    pub fn identity(&self) -> Option<Identity<'_>> {
+        self.tls_cert.as_deref().zip(self.tls_key.as_deref())
+    }
+
+    /// The CA and the identity the --tls-* options name: none without --tls-ca, and an error for
+    /// a certificate without a CA to check the daemon's against.
+    pub fn tls_files(&self) -> Result<Option<(&Path, Option<Identity<'_>>)>> {
         anyhow::ensure!(
             self.tls_ca.is_some() || self.tls_cert.is_none(),
             "--tls-cert needs --tls-ca (the CA the daemon's certificate is checked against)"
         );
-        Ok(())
+        Ok(self.tls_ca.as_deref().map(|ca| (ca, self.identity())))
     }
 
     /// The TLS client config the --tls-* options describe.
     pub fn client_tls(&self) -> Result<Option<Arc<ferrite_proto::ClientTls>>> {
-        self.check_tls()?;
-        let Some(ca) = &self.tls_ca else { return Ok(None) };
-        let identity = self.tls_cert.as_deref().zip(self.tls_key.as_deref());
+        let Some((ca, identity)) = self.tls_files()? else { return Ok(None) };
         Ok(Some(ferrite_proto::admin_tls(ca, identity)?))
     }
 }

@@ -7,7 +7,7 @@ mod cli;
 mod out;
 mod program;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 use args::Globals;
@@ -144,9 +144,7 @@ async fn client(g: &Globals, cmd: Cmd) -> Result<()> {
         return done;
     }
     if let Cmd::Backup(b) = cmd {
-        let channel = ferrite_proto::connect(&endpoint, tls)
-            .await
-            .with_context(|| format!("cannot reach the ferrite daemon at {endpoint} (is it running?)"))?;
+        let channel = cli::channel(&endpoint, tls).await?;
         return cli::backup::run(ferrite_proto::ferrite::v1::backups_client::BackupsClient::new(channel), b, out).await;
     }
     let c = &mut cli::connect(&endpoint, tls).await?;
@@ -165,12 +163,9 @@ async fn client(g: &Globals, cmd: Cmd) -> Result<()> {
         Cmd::Clients => cli::fence::clients(c, out).await,
         Cmd::Version => cli::version::run(c, out).await,
         Cmd::Pool(p) => cli::pool::run(c, out, p).await,
-        Cmd::Daemon(_)
-        | Cmd::Csi(_)
-        | Cmd::Heartbeat(_)
-        | Cmd::NodeCert(_)
-        | Cmd::Watchdog
-        | Cmd::Certs(_) => unreachable!("programs: run by main"),
+        Cmd::Daemon(_) | Cmd::Csi(_) | Cmd::Heartbeat(_) | Cmd::NodeCert(_) | Cmd::Watchdog | Cmd::Certs(_) => {
+            unreachable!("programs: run by main")
+        }
         Cmd::Backup(_) => unreachable!("answered above"),
     }
 }

@@ -21,16 +21,19 @@ use tonic::transport::Channel;
 
 use crate::out::Progress;
 
-/// Connects to the daemon's admin API: a Unix socket path, or `tcp://host:port` (over TLS with
-/// `tls`).
 /// A client of a daemon's admin API.
 pub type Admin = AdminClient<Channel>;
 
-pub async fn connect(endpoint: &str, tls: Option<Arc<ferrite_proto::ClientTls>>) -> Result<Admin> {
-    let channel = ferrite_proto::connect(endpoint, tls)
+/// Connects to the daemon: a Unix socket path, or `tcp://host:port` (over TLS with `tls`).
+pub async fn channel(endpoint: &str, tls: Option<Arc<ferrite_proto::ClientTls>>) -> Result<Channel> {
+    ferrite_proto::connect(endpoint, tls)
         .await
-        .with_context(|| format!("cannot reach the ferrite daemon at {endpoint} (is it running?)"))?;
-    Ok(AdminClient::new(channel))
+        .with_context(|| format!("cannot reach the ferrite daemon at {endpoint} (is it running?)"))
+}
+
+/// Connects to the daemon's admin API.
+pub async fn connect(endpoint: &str, tls: Option<Arc<ferrite_proto::ClientTls>>) -> Result<Admin> {
+    Ok(AdminClient::new(channel(endpoint, tls).await?))
 }
 
 /// Runs `call` while showing the progress of `volume`'s running transfer.

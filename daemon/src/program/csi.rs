@@ -197,15 +197,13 @@ fn options(a: &Args, g: &Globals) -> Result<ferrite_csi::Options> {
 
 /// The admin API's client TLS. The driver runs for months: its certificate follows its files.
 fn admin_tls(g: &Globals) -> Result<Option<Arc<ferrite_tls::Reloading<ferrite_tls::rustls::ClientConfig>>>> {
-    g.check_tls()?;
-    let Some(ca) = &g.tls_ca else { return Ok(None) };
-    let identity = g.tls_cert.as_deref().zip(g.tls_key.as_deref());
+    let Some((ca, identity)) = g.tls_files()? else { return Ok(None) };
     Ok(Some(Arc::new(ferrite_proto::admin_tls_reloading(ca, identity)?)))
 }
 
 /// The drain guard's address and TLS (the --tls-* certificate).
 fn webhook(a: &Args, g: &Globals) -> Result<Option<(std::net::SocketAddr, Arc<ferrite_tls::ServerTls>)>> {
-    Ok(match (&a.webhook_listen, g.tls_cert.as_deref().zip(g.tls_key.as_deref())) {
+    Ok(match (&a.webhook_listen, g.identity()) {
         (None, _) => None,
         (Some(_), None) => {
             anyhow::bail!("--webhook-listen needs --tls-cert and --tls-key");
