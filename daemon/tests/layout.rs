@@ -178,3 +178,41 @@ fn every_pointer_of_the_architecture_is_true() {
     }
     assert!(wrong.is_empty(), "ARCHITECTURE.md points at what is not there:\n{}", wrong.join("\n"));
 }
+
+/// Every log filter the tests, docs and manifests give (`ferrite_daemon::records::attachments=info`)
+/// names a module that exists: a target is a module path, so a move would silently mute it.
+#[test]
+fn every_log_filter_names_a_module() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new("git").arg("-C").arg(&root).args(["ls-files"]).output().unwrap();
+    let mut wrong = Vec::new();
+    for file in String::from_utf8(out.stdout).unwrap().lines() {
+        if !file.ends_with(".sh") && !file.ends_with(".md") && !file.ends_with(".yaml") && !file.ends_with(".toml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(root.join(file)).unwrap_or_default();
+        for (at, _) in text.match_indices("ferrite") {
+            let target: String =
+                text[at..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':').collect();
+            let level = text[at + target.len()..].strip_prefix('=').unwrap_or("");
+            if !["off", "error", "warn", "info", "debug", "trace"].iter().any(|l| level.starts_with(l)) {
+                continue;
+            }
+            let mut parts = target.split("::");
+            // The crate (the binary `ferrite`, or `ferrite_<dir>`), then its modules.
+            let dir = match parts.next().unwrap() {
+                "ferrite" | "ferrite_daemon" => "daemon",
+                krate => krate.trim_start_matches("ferrite_"),
+            };
+            let mut path = root.join(dir).join("src");
+            for m in parts {
+                path.push(m);
+            }
+            let exists = path.with_extension("rs").is_file() || path.join("mod.rs").is_file() || path.ends_with("src");
+            if !exists {
+                wrong.push(format!("{file}: {target}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "log filters naming no module:\n{}", wrong.join("\n"));
+}

@@ -10,7 +10,7 @@ set -euo pipefail
 D=/tmp/ferrite; mkdir -p $D
 DEV_PREFIX=/dev/nbd
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-start_daemon 'pool-size = "2G"\nsegment-size = "4M"\nlog-level = "warn,ferrite::attachments=info"\nnbd-device-timeout-s = 5\n'
+start_daemon 'pool-size = "2G"\nsegment-size = "4M"\nlog-level = "warn,ferrite_daemon::records::attachments=info"\nnbd-device-timeout-s = 5\n'
 modprobe nbd nbds_max=4
 
 step "fio verify on the raw device (nbd-client)"
