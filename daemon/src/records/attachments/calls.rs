@@ -1,5 +1,5 @@
 //! The attachment calls as both of their servers answer them: the daemon's admin service
-//! (`api/admin.rs`) and, on a node without storage, the node plugin's attachment-only service
+//! (`api/admin/devices.rs`) and, on a node without storage, the node plugin's attachment-only service
 //! (`serve/attach_only.rs`). What another node's volume needs is checked and answered here once.
 
 use ferrite_proto::ferrite::v1 as pb;
