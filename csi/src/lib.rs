@@ -45,6 +45,7 @@ pub mod qos;
 pub mod reclaim;
 pub mod replication;
 mod snapshots;
+pub mod start;
 pub mod volume_group;
 mod webhook;
 
@@ -57,8 +58,8 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::nodes::{NodeDirectory, StaticNodes};
 
-/// Which CSI services this process serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which CSI services this process serves (`--mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
     Controller,
     Node,

@@ -39,6 +39,7 @@ const MODULES: &[&str] = &[
     // The control loops, and what starts everything.
     "heartbeat",
     "failover",
+    "start",
     "lib",
 ];
 

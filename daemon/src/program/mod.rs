@@ -22,11 +22,6 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// This machine's name, lower case.
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_lowercase()).unwrap_or_default()
-}
-
 /// A multi-threaded tokio runtime.
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime")
