@@ -1,9 +1,10 @@
 //! The wire of synchronous replicas, measured: a primary's 4 KiB writes to a member and the
 //! member's acks, over mutual TLS on loopback, (a) as one gRPC bidi stream (tonic, HTTP/2: what
-//! `Mirror/Stream` is) and (b) as length-prefixed protobuf frames on a TLS stream of our own, the
-//! member reading and answering on one task and writing its acks in a batch when no more input is
-//! waiting. The same messages (`MirrorMessage`, `MirrorAck`), the same certificates, a runtime of
-//! two workers on each side as in two daemons. No storage: only what the wire costs.
+//! `Mirror/Stream` is) and (b) as the daemon's framed wire (`ferrite_daemon::sync::wire`:
+//! length-prefixed protobuf frames on a TLS stream of our own, its connect, its frame reader, its
+//! ack writer that sends every ready ack in one write). The same messages (`MirrorMessage`,
+//! `MirrorAck`), the same certificates, a runtime of two workers on each side as in two daemons.
+//! No storage: only what the wire costs.
 //!
 //! "qd1": the round trip of one write at a time. "qd32": 32 writes in flight, time per write.
 
@@ -17,9 +18,10 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::mirror_server::{Mirror, MirrorServer};
 use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorWrite};
-use ferrite_tls::{TlsAcceptor, TlsConnector};
-use prost::Message;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter, ReadBuf};
+use ferrite_tls::TlsAcceptor;
+use ferrite_daemon::base::config::TlsFiles;
+use ferrite_daemon::sync::wire::{self, Frames};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
 use tokio::sync::mpsc;
@@ -36,7 +38,8 @@ struct Pki {
     _dir: tempfile::TempDir,
     server: Arc<rustls::ServerConfig>,
     grpc_client: Arc<rustls::ClientConfig>,
-    framed_client: Arc<rustls::ClientConfig>,
+    /// The primary's files, as a daemon's configuration names them (the framed wire's connect).
+    primary: TlsFiles,
 }
 
 fn pki() -> Pki {
@@ -54,9 +57,10 @@ fn pki() -> Pki {
         files.push((write(&format!("{name}.pem"), &c.cert_pem), write(&format!("{name}-key.pem"), &c.key_pem)));
     }
     let (m, p) = (&files[0], &files[1]);
-    let server = ferrite_tls::server_config(&m.0, &m.1, Some(&ca_pem), &[b"h2", b"ferrite-mirror"]).expect("config");
-    let client = |alpn: &[u8]| ferrite_tls::client_config(&ca_pem, Some((&p.0, &p.1)), &[alpn]).expect("config");
-    Pki { server, grpc_client: client(b"h2"), framed_client: client(b"ferrite-mirror"), _dir: dir }
+    let server = ferrite_tls::server_config(&m.0, &m.1, Some(&ca_pem), &[b"h2", wire::ALPN]).expect("config");
+    let grpc_client = ferrite_tls::client_config(&ca_pem, Some((&p.0, &p.1)), &[b"h2"]).expect("config");
+    let primary = TlsFiles { cert: p.0.clone(), key: p.1.clone(), client_ca: Some(ca_pem), peer_name: None };
+    Pki { server, grpc_client, primary, _dir: dir }
 }
 
 fn write_message(seq: u64) -> MirrorMessage {
@@ -177,20 +181,7 @@ impl GrpcLink {
     }
 }
 
-// --- (b) framed TLS --------------------------------------------------------------------------
-
-async fn read_frame<R: AsyncRead + Unpin, M: Message + Default>(r: &mut R) -> Option<M> {
-    let len = r.read_u32().await.ok()?;
-    let mut buf = vec![0u8; len as usize];
-    r.read_exact(&mut buf).await.ok()?;
-    M::decode(buf.as_slice()).ok()
-}
-
-async fn write_frame<W: AsyncWrite + Unpin, M: Message>(w: &mut W, m: &M) {
-    let body = m.encode_to_vec();
-    w.write_u32(u32::try_from(body.len()).expect("small")).await.expect("written");
-    w.write_all(&body).await.expect("written");
-}
+// --- (b) the daemon's framed wire -----------------------------------------------------------
 
 async fn framed_member(pki: &Pki) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");
@@ -203,12 +194,13 @@ async fn framed_member(pki: &Pki) -> SocketAddr {
             tokio::spawn(async move {
                 let tls = acceptor.accept(tcp).await.expect("handshake");
                 let (r, w) = tokio::io::split(tls);
-                let (mut r, mut w) = (BufReader::with_capacity(256 << 10, r), BufWriter::new(w));
-                while let Some(m) = read_frame::<_, MirrorMessage>(&mut r).await {
-                    write_frame(&mut w, &ack_of(&m)).await;
-                    // Acks go out together once no further request is waiting here.
-                    if r.buffer().is_empty() {
-                        w.flush().await.expect("flushed");
+                // As a member serves it: frames in on this task, acks out on the writer's.
+                let (tx, rx) = mpsc::channel(2 * QD as usize);
+                tokio::spawn(wire::send_acks(w, rx));
+                let mut frames = Frames::<_, MirrorMessage>::new(r, None);
+                while let Ok(Some(m)) = frames.next().await {
+                    if tx.send(Ok(ack_of(&m))).await.is_err() {
+                        break;
                     }
                 }
             });
@@ -217,35 +209,41 @@ async fn framed_member(pki: &Pki) -> SocketAddr {
     addr
 }
 
+/// The primary's end of a framed connection.
 struct FramedLink {
-    r: BufReader<tokio::io::ReadHalf<tokio_rustls::client::TlsStream<TcpStream>>>,
-    w: BufWriter<tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStream>>>,
+    acks: Frames<ReadHalf<wire::Connection>, MirrorAck>,
+    w: WriteHalf<wire::Connection>,
+    buf: Vec<u8>,
 }
 
 impl FramedLink {
     async fn open(pki: &Pki, addr: SocketAddr) -> Self {
-        let tcp = TcpStream::connect(addr).await.expect("connected");
-        tcp.set_nodelay(true).expect("nodelay");
-        let name = ferrite_tls::server_name("127.0.0.1").expect("a name");
-        let tls = TlsConnector::from(Arc::clone(&pki.framed_client)).connect(name, tcp).await.expect("handshake");
-        let (r, w) = tokio::io::split(tls);
-        Self { r: BufReader::new(r), w: BufWriter::new(w) }
+        let conn = wire::connect(Some(&pki.primary), &format!("tcp://{addr}")).await.expect("connected");
+        let (r, w) = tokio::io::split(conn);
+        Self { acks: Frames::new(r, None), w, buf: Vec::new() }
+    }
+
+    /// Sends what was put since the last send, in one write (as the primary's sender does).
+    async fn send(&mut self) {
+        self.w.write_all(&self.buf).await.expect("written");
+        self.w.flush().await.expect("flushed");
+        self.buf.clear();
     }
 
     async fn run(&mut self, writes: u64, qd: u64) -> Duration {
         let t = Instant::now();
         let mut sent = 0;
         for _ in 0..qd.min(writes) {
-            write_frame(&mut self.w, &write_message(sent)).await;
+            wire::put(&mut self.buf, &write_message(sent));
             sent += 1;
         }
-        self.w.flush().await.expect("flushed");
+        self.send().await;
         for _ in 0..writes {
-            let ack: MirrorAck = read_frame(&mut self.r).await.expect("an ack");
+            let ack = self.acks.next().await.expect("an ack").expect("open");
             assert!(ack.error.is_empty());
             if sent < writes {
-                write_frame(&mut self.w, &write_message(sent)).await;
-                self.w.flush().await.expect("flushed");
+                wire::put(&mut self.buf, &write_message(sent));
+                self.send().await;
                 sent += 1;
             }
         }

@@ -99,7 +99,7 @@ impl<R: AsyncRead + Unpin, M: Message + Default> Frames<R, M> {
 }
 
 /// Appends `m` as a frame.
-pub(super) fn put(buf: &mut Vec<u8>, m: &impl Message) {
+pub fn put(buf: &mut Vec<u8>, m: &impl Message) {
     let len = u32::try_from(m.encoded_len()).expect("a frame is below 4 GiB");
     buf.extend_from_slice(&len.to_be_bytes());
     m.encode(buf).expect("a Vec grows");
