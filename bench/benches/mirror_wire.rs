@@ -15,12 +15,12 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use ferrite_daemon::base::config::TlsFiles;
+use ferrite_daemon::sync::wire::{self, Frames};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::mirror_server::{Mirror, MirrorServer};
 use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorWrite};
 use ferrite_tls::TlsAcceptor;
-use ferrite_daemon::base::config::TlsFiles;
-use ferrite_daemon::sync::wire::{self, Frames};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;

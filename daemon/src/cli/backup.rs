@@ -130,75 +130,16 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
             };
             let stream = c.create_backup(req).await.map_err(rpc_error)?.into_inner();
             let r = follow(stream, "backup", out, bytes).await?;
-            let b = r.backup.unwrap_or_default();
-            match out {
-                Output::Json => println!("{}", backup_json(&b)),
-                Output::Table => {
-                    println!(
-                        "backup {} made on {}: {} {} read, {} uploaded",
-                        b.name,
-                        b.target,
-                        if b.full { "full," } else { "incremental," },
-                        format_size(r.bytes_done),
-                        format_size(b.uploaded_bytes)
-                    );
-                    if !b.full_reason.is_empty() {
-                        println!("  read the whole volume: {}", b.full_reason);
-                    }
-                }
-            }
+            print_made(out, &r);
         }
         BackupCmd::List { target, volume } => {
             let req = pb::ListBackupsRequest { target, volume: volume.unwrap_or_default() };
             let r = c.list_backups(req).await.map_err(rpc_error)?.into_inner();
-            match out {
-                Output::Json => println!("{}", serde_json::Value::Array(r.backups.iter().map(backup_json).collect())),
-                Output::Table => {
-                    let rows = r
-                        .backups
-                        .iter()
-                        .map(|b| {
-                            vec![
-                                b.name.clone(),
-                                if b.full { "full" } else { "incremental" }.into(),
-                                format_size(b.size),
-                                format_size(b.bytes),
-                                format_size(b.uploaded_bytes),
-                            ]
-                        })
-                        .collect();
-                    print!("{}", crate::out::table(&["BACKUP", "KIND", "SIZE", "DATA", "UPLOADED"], rows));
-                }
-            }
+            print_list(out, &r);
         }
         BackupCmd::Show { name, target } => {
             let b = c.get_backup(pb::GetBackupRequest { target, name }).await.map_err(rpc_error)?.into_inner();
-            match out {
-                Output::Json => println!("{}", backup_json(&b)),
-                Output::Table => {
-                    println!("backup {} on {}", b.name, b.target);
-                    println!(
-                        "  snapshot {} ({}), size {}",
-                        b.snapshot,
-                        if b.full { "full" } else { "incremental" },
-                        format_size(b.size)
-                    );
-                    if !b.previous.is_empty() {
-                        println!("  incremental to {}/{}", b.volume, b.previous);
-                    }
-                    if !b.full_reason.is_empty() {
-                        println!("  read the whole volume: {}", b.full_reason);
-                    }
-                    println!(
-                        "  {} chunks of {}: {} of data, {} uploaded by this backup{}",
-                        b.chunks,
-                        format_size(b.chunk_size),
-                        format_size(b.bytes),
-                        format_size(b.uploaded_bytes),
-                        if b.encrypted_volume { "; the volume is encrypted" } else { "" }
-                    );
-                }
-            }
+            print_backup(out, &b);
         }
         BackupCmd::Delete { name, target } => {
             c.delete_backup(pb::DeleteBackupRequest { target, name: name.clone() }).await.map_err(rpc_error)?;
@@ -213,19 +154,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
             };
             let stream = c.verify_backups(req).await.map_err(rpc_error)?.into_inner();
             let r = follow(stream, "verify", out, bytes).await?;
-            match out {
-                Output::Json => println!(
-                    "{}",
-                    json!({"chunks_checked": r.chunks_done, "bytes_checked": r.bytes_done,
-                        "bad": r.bad.iter().map(|b| json!({"chunk": b.chunk, "why": b.why, "backups": b.backups})).collect::<Vec<_>>()})
-                ),
-                Output::Table => {
-                    println!("verified {} chunks ({}): {} bad", r.chunks_done, format_size(r.bytes_done), r.bad.len());
-                    for b in &r.bad {
-                        println!("  chunk {}: {} (in {})", b.chunk, b.why, b.backups.join(", "));
-                    }
-                }
-            }
+            print_verified(out, &r);
             anyhow::ensure!(r.bad.is_empty(), "{} chunks failed their check", r.bad.len());
         }
         BackupCmd::Prune { target, keep_last, keep_daily, keep_weekly, keep_monthly, keep_yearly, grace_s } => {
@@ -239,27 +168,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                 grace_s,
             };
             let r = c.prune_backups(req).await.map_err(rpc_error)?.into_inner();
-            match out {
-                Output::Json => println!(
-                    "{}",
-                    json!({"backups_deleted": r.backups_deleted, "manifests": r.manifests,
-                        "chunks_referenced": r.chunks_referenced, "chunks_deleted": r.chunks_deleted,
-                        "bytes_deleted": r.bytes_deleted, "chunks_condemned": r.chunks_condemned})
-                ),
-                Output::Table => {
-                    for b in &r.backups_deleted {
-                        println!("deleted backup {b}");
-                    }
-                    println!(
-                        "{} backups list {} chunks; deleted {} chunks ({}); {} unreferenced chunks wait for the grace",
-                        r.manifests,
-                        r.chunks_referenced,
-                        r.chunks_deleted,
-                        format_size(r.bytes_deleted),
-                        r.chunks_condemned
-                    );
-                }
-            }
+            print_pruned(out, &r);
         }
         BackupCmd::Restore { name, volume, target, key, detach } => {
             let encryption = Some(pb::KeyRef { key_id: key, key: Vec::new() });
@@ -270,47 +179,173 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                 (m.bytes_done, m.bytes_total, m.done || detach)
             })
             .await?;
-            let (copied, total, on_demand) = (r.chunks_done, r.chunks_total, r.chunks_on_demand);
-            match out {
-                Output::Json => println!(
-                    "{}",
-                    json!({"volume": volume, "backup": name, "done": r.done, "bytes": r.bytes_done,
-                        "chunks-done": copied, "chunks": total, "chunks-on-demand": on_demand})
-                ),
-                Output::Table if r.done => println!(
-                    "restored backup {name} into volume {volume} ({on_demand} of its {total} chunks fetched on demand)"
-                ),
-                Output::Table => println!(
-                    "volume {volume} serves; restoring backup {name} goes on in the daemon ({copied} of {total} chunks copied)"
-                ),
-            }
+            print_restored(out, &r, &name, &volume);
         }
         BackupCmd::Export { .. } | BackupCmd::Copy { .. } => anyhow::bail!("this runs here, not in the daemon"),
         BackupCmd::Targets => {
             let r = c.list_backup_targets(pb::ListBackupTargetsRequest {}).await.map_err(rpc_error)?.into_inner();
-            match out {
-                Output::Json => println!(
-                    "{}",
-                    serde_json::Value::Array(
-                        r.targets
-                            .iter()
-                            .map(|t| json!({"name": t.name, "kind": t.kind, "location": t.location,
-                                "encrypted": t.encrypted, "key_fingerprint": t.key_fingerprint}))
-                            .collect()
-                    )
-                ),
-                Output::Table => {
-                    let rows = r
-                        .targets
-                        .iter()
-                        .map(|t| vec![t.name.clone(), t.kind.clone(), t.location.clone(), t.key_fingerprint.clone()])
-                        .collect();
-                    print!("{}", crate::out::table(&["TARGET", "KIND", "LOCATION", "KEY"], rows));
-                }
-            }
+            print_targets(out, &r);
         }
     }
     Ok(())
+}
+
+/// A made backup.
+fn print_made(out: Output, r: &pb::BackupProgress) {
+    let b = r.backup.clone().unwrap_or_default();
+    match out {
+        Output::Json => println!("{}", backup_json(&b)),
+        Output::Table => {
+            println!(
+                "backup {} made on {}: {} {} read, {} uploaded",
+                b.name,
+                b.target,
+                if b.full { "full," } else { "incremental," },
+                format_size(r.bytes_done),
+                format_size(b.uploaded_bytes)
+            );
+            if !b.full_reason.is_empty() {
+                println!("  read the whole volume: {}", b.full_reason);
+            }
+        }
+    }
+}
+
+/// The backups of a target.
+fn print_list(out: Output, r: &pb::ListBackupsResponse) {
+    match out {
+        Output::Json => println!("{}", serde_json::Value::Array(r.backups.iter().map(backup_json).collect())),
+        Output::Table => {
+            let rows = r
+                .backups
+                .iter()
+                .map(|b| {
+                    vec![
+                        b.name.clone(),
+                        if b.full { "full" } else { "incremental" }.into(),
+                        format_size(b.size),
+                        format_size(b.bytes),
+                        format_size(b.uploaded_bytes),
+                    ]
+                })
+                .collect();
+            print!("{}", crate::out::table(&["BACKUP", "KIND", "SIZE", "DATA", "UPLOADED"], rows));
+        }
+    }
+}
+
+/// One backup.
+fn print_backup(out: Output, b: &pb::Backup) {
+    match out {
+        Output::Json => println!("{}", backup_json(&b)),
+        Output::Table => {
+            println!("backup {} on {}", b.name, b.target);
+            println!(
+                "  snapshot {} ({}), size {}",
+                b.snapshot,
+                if b.full { "full" } else { "incremental" },
+                format_size(b.size)
+            );
+            if !b.previous.is_empty() {
+                println!("  incremental to {}/{}", b.volume, b.previous);
+            }
+            if !b.full_reason.is_empty() {
+                println!("  read the whole volume: {}", b.full_reason);
+            }
+            println!(
+                "  {} chunks of {}: {} of data, {} uploaded by this backup{}",
+                b.chunks,
+                format_size(b.chunk_size),
+                format_size(b.bytes),
+                format_size(b.uploaded_bytes),
+                if b.encrypted_volume { "; the volume is encrypted" } else { "" }
+            );
+        }
+    }
+}
+
+/// What a verify found.
+fn print_verified(out: Output, r: &pb::BackupProgress) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"chunks_checked": r.chunks_done, "bytes_checked": r.bytes_done,
+                "bad": r.bad.iter().map(|b| json!({"chunk": b.chunk, "why": b.why, "backups": b.backups})).collect::<Vec<_>>()})
+        ),
+        Output::Table => {
+            println!("verified {} chunks ({}): {} bad", r.chunks_done, format_size(r.bytes_done), r.bad.len());
+            for b in &r.bad {
+                println!("  chunk {}: {} (in {})", b.chunk, b.why, b.backups.join(", "));
+            }
+        }
+    }
+}
+
+/// What a prune deleted.
+fn print_pruned(out: Output, r: &pb::PruneBackupsResponse) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"backups_deleted": r.backups_deleted, "manifests": r.manifests,
+                "chunks_referenced": r.chunks_referenced, "chunks_deleted": r.chunks_deleted,
+                "bytes_deleted": r.bytes_deleted, "chunks_condemned": r.chunks_condemned})
+        ),
+        Output::Table => {
+            for b in &r.backups_deleted {
+                println!("deleted backup {b}");
+            }
+            println!(
+                "{} backups list {} chunks; deleted {} chunks ({}); {} unreferenced chunks wait for the grace",
+                r.manifests,
+                r.chunks_referenced,
+                r.chunks_deleted,
+                format_size(r.bytes_deleted),
+                r.chunks_condemned
+            );
+        }
+    }
+}
+
+/// The daemon's backup targets.
+fn print_targets(out: Output, r: &pb::ListBackupTargetsResponse) {
+    match out {
+        Output::Json => println!(
+            "{}",
+            serde_json::Value::Array(
+                r.targets
+                    .iter()
+                    .map(|t| json!({"name": t.name, "kind": t.kind, "location": t.location,
+                        "encrypted": t.encrypted, "key_fingerprint": t.key_fingerprint}))
+                    .collect()
+            )
+        ),
+        Output::Table => {
+            let rows = r
+                .targets
+                .iter()
+                .map(|t| vec![t.name.clone(), t.kind.clone(), t.location.clone(), t.key_fingerprint.clone()])
+                .collect();
+            print!("{}", crate::out::table(&["TARGET", "KIND", "LOCATION", "KEY"], rows));
+        }
+    }
+}
+
+/// A restore: done, or going on in the daemon.
+fn print_restored(out: Output, r: &pb::BackupProgress, name: &str, volume: &str) {
+    let (copied, total, on_demand) = (r.chunks_done, r.chunks_total, r.chunks_on_demand);
+    match out {
+        Output::Json => println!(
+            "{}",
+            json!({"volume": volume, "backup": name, "done": r.done, "bytes": r.bytes_done,
+                "chunks-done": copied, "chunks": total, "chunks-on-demand": on_demand})
+        ),
+        Output::Table if r.done => println!(
+            "restored backup {name} into volume {volume} ({on_demand} of its {total} chunks fetched on demand)"
+        ),
+        Output::Table => println!(
+            "volume {volume} serves; restoring backup {name} goes on in the daemon ({copied} of {total} chunks copied)"
+        ),
+    }
 }
 
 fn backup_json(b: &pb::Backup) -> serde_json::Value {

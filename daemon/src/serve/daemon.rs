@@ -314,13 +314,8 @@ pub async fn run(cfg: Config) -> Result<()> {
     };
     tokio::spawn(Arc::clone(&replication).schedule());
     if let Some(l) = admin_tcp {
-        if tls.admin.is_none() {
-            tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),
-                "insecure-admin-listen: the admin API listens on TCP WITHOUT TLS OR AUTHENTICATION; \
-                 anyone who reaches this address controls the daemon");
-        }
         let gate = Arc::new(listen::Gate::new(Arc::clone(&policy), None, cfg.limits.max_connections));
-        let mut clients = listen::accept(
+        let clients = listen::accept(
             l,
             "admin",
             Arc::clone(&fences),
@@ -329,22 +324,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             Some(gate),
             listeners.admin,
         );
-        // Synchronous replicas' streams (their own ALPN) go to the mirror; the rest is gRPC.
-        let (grpc, incoming) = tokio::sync::mpsc::channel(16);
-        let streams = crate::sync::serve::MirrorService(Arc::clone(&sync));
-        tokio::spawn(async move {
-            while let Some(c) = clients.recv().await {
-                if c.alpn() == Some(crate::sync::wire::ALPN) {
-                    tokio::spawn(crate::sync::serve::serve_framed(streams.clone(), c));
-                } else if grpc.send(c).await.is_err() {
-                    break;
-                }
-            }
-        });
-        let incoming = tokio_stream::wrappers::ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
-        let source = if tls.admin.is_some() { Source::Certificate } else { Source::Local };
-        let authorize = Authorize::new(Arc::clone(&policy), source);
-        tasks.spawn(services.clone().serve(authorize, incoming, "admin API TCP server"));
+        tasks.spawn(serve_admin_tcp(clients, &cfg, tls.admin.is_some(), &policy, &sync, services.clone()));
     }
     let authorize = Authorize::new(policy, Source::Local);
     tasks.spawn(services.serve(authorize, UnixListenerStream::new(admin_listener), "admin API server"));
@@ -365,6 +345,51 @@ pub async fn run(cfg: Config) -> Result<()> {
             .unwrap_or_else(|| anyhow::anyhow!("a listener stopped"))),
     };
     tasks.abort_all();
+    shut_down(&cfg, &attachments, &exports, pool, outcome).await
+}
+
+/// The admin API on TCP (`admin-listen`), to the `clients` its listener accepted: synchronous
+/// replicas' streams (their own ALPN) go to the mirror, the rest is gRPC.
+fn serve_admin_tcp(
+    mut clients: tokio::sync::mpsc::Receiver<listen::Guarded>,
+    cfg: &Config,
+    secure: bool,
+    policy: &Arc<crate::authz::Policy>,
+    sync: &Arc<crate::sync::SyncHub>,
+    services: AdminServices,
+) -> impl Future<Output = Result<()>> + use<> {
+    if !secure {
+        tracing::warn!(address = %cfg.admin_listen.map(|a| a.to_string()).unwrap_or_default(),
+            "insecure-admin-listen: the admin API listens on TCP WITHOUT TLS OR AUTHENTICATION; \
+             anyone who reaches this address controls the daemon");
+    }
+    // Synchronous replicas' streams (their own ALPN) go to the mirror; the rest is gRPC.
+    let (grpc, incoming) = tokio::sync::mpsc::channel(16);
+    let streams = crate::sync::serve::MirrorService(Arc::clone(sync));
+    tokio::spawn(async move {
+        while let Some(c) = clients.recv().await {
+            if c.alpn() == Some(crate::sync::wire::ALPN) {
+                tokio::spawn(crate::sync::serve::serve_framed(streams.clone(), c));
+            } else if grpc.send(c).await.is_err() {
+                break;
+            }
+        }
+    });
+    let incoming = tokio_stream::wrappers::ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
+    let source = if secure { Source::Certificate } else { Source::Local };
+    let authorize = Authorize::new(Arc::clone(policy), source);
+    services.serve(authorize, incoming, "admin API TCP server")
+}
+
+/// After the signal (or a listener's end, `outcome`): the sockets go, devices stay for the
+/// next daemon, NBD connections end, the pool closes.
+async fn shut_down(
+    cfg: &Config,
+    attachments: &Attachments,
+    exports: &Exports,
+    pool: Arc<Pool>,
+    outcome: Result<&'static str>,
+) -> Result<()> {
     let _ = std::fs::remove_file(&cfg.admin_socket);
     let _ = std::fs::remove_file(&cfg.nbd_socket);
     // Devices stay for the next daemon: ublk ones frozen (user recovery), kernel NBD ones cut

@@ -26,7 +26,7 @@ use crate::keys::KeyEntry;
 use crate::meta::CatalogOp;
 use crate::ops::encryption::key_error;
 use crate::ops::snapshot::collect;
-use crate::ops::volumes::lookup;
+use crate::ops::volumes::{lookup, record_of};
 use crate::pool::Pool;
 
 const B: u64 = BLOCK as u64;
@@ -81,14 +81,10 @@ impl Pool {
         let key = Arc::new(key);
         self.inner.barrier(move |inner| {
             let _m = inner.meta_lock.lock();
-            let mut rec = {
-                let st = inner.state.read();
-                let rec = st.volumes[&lookup(&st, &name)?].rec.clone();
-                if rec.layer != head {
-                    return Err(Error::new(ErrorKind::Unsupported, format!("volume {name:?} changed; try again")));
-                }
-                rec
-            };
+            let mut rec = record_of(inner, &name)?;
+            if rec.layer != head {
+                return Err(Error::new(ErrorKind::Unsupported, format!("volume {name:?} changed; try again")));
+            }
             let (key_id, layer) = (inner.meta.next_id()?, inner.meta.next_id()?);
             rec.layer = layer;
             inner.meta.apply(&[

@@ -179,10 +179,7 @@ impl Pool {
             gate.close();
         }
         let _m = inner.meta_lock.lock();
-        let mut rec = {
-            let st = inner.state.read();
-            st.volumes[&lookup(&st, name)?].rec.clone()
-        };
+        let mut rec = record_of(inner, name)?;
         let was = rec.read_only;
         rec.read_only = read_only;
         if let Err(e) = inner.meta.put_volume(&rec) {
@@ -211,19 +208,11 @@ impl Pool {
         let inner = &self.inner;
         inner.check_open()?;
         let _m = inner.meta_lock.lock();
-        let mut rec = {
-            let st = inner.state.read();
-            st.volumes[&lookup(&st, name)?].rec.clone()
-        };
+        let mut rec = record_of(inner, name)?;
         rec.qos = limits;
-        inner.meta.put_volume(&rec)?;
-        let mut st = inner.state.write();
-        if let Some(e) = st.volumes.get_mut(&rec.id) {
-            e.rec.qos = limits;
-            e.qos.set(limits);
-        }
+        let info = put_record(inner, rec, |e| e.qos.set(limits))?;
         tracing::info!(volume = %name, ?limits, "volume limits set");
-        Ok(info_of(&st, &rec))
+        Ok(info)
     }
 
     /// What a volume's limiter has seen: requests delayed, time waited, current rate.
@@ -238,10 +227,7 @@ impl Pool {
         let inner = &self.inner;
         inner.check_open()?;
         let _m = inner.meta_lock.lock();
-        let mut rec = {
-            let st = inner.state.read();
-            st.volumes[&lookup(&st, name)?].rec.clone()
-        };
+        let mut rec = record_of(inner, name)?;
         check_overcommit(inner, &inner.state.read(), new_size.saturating_sub(rec.size))?;
         if new_size < rec.size {
             return Err(invalid(format!(
@@ -250,13 +236,7 @@ impl Pool {
             )));
         }
         rec.size = new_size;
-        inner.meta.put_volume(&rec)?;
-        let mut st = inner.state.write();
-        let info = info_of(&st, &rec);
-        if let Some(e) = st.volumes.get_mut(&rec.id) {
-            e.rec = rec;
-        }
-        Ok(info)
+        put_record(inner, rec, |_| {})
     }
 }
 
@@ -275,6 +255,25 @@ pub(crate) fn check_overcommit(inner: &Inner, st: &State, extra: u64) -> Result<
         ));
     }
     Ok(())
+}
+
+/// A copy of volume `name`'s record, to change and [`put_record`] back (under the catalog lock).
+pub(crate) fn record_of(inner: &Inner, name: &str) -> Result<VolumeRecord> {
+    let st = inner.state.read();
+    Ok(st.volumes[&lookup(&st, name)?].rec.clone())
+}
+
+/// Makes a changed volume record durable, then the volume's in memory (`also` sets what else
+/// its entry keeps of it); the volume as it is now.
+fn put_record(inner: &Inner, rec: VolumeRecord, also: impl FnOnce(&mut VolumeEntry)) -> Result<VolumeInfo> {
+    inner.meta.put_volume(&rec)?;
+    let mut st = inner.state.write();
+    let info = info_of(&st, &rec);
+    if let Some(e) = st.volumes.get_mut(&rec.id) {
+        also(e);
+        e.rec = rec;
+    }
+    Ok(info)
 }
 
 pub(crate) fn lookup(st: &State, name: &str) -> Result<u64> {
