@@ -195,7 +195,7 @@ async fn framed_member(pki: &Pki) -> SocketAddr {
                 let tls = acceptor.accept(tcp).await.expect("handshake");
                 let (r, w) = tokio::io::split(tls);
                 // As a member serves it: frames in on this task, acks out on the writer's.
-                let (tx, rx) = mpsc::channel(2 * QD as usize);
+                let (tx, rx) = mpsc::channel(64);
                 tokio::spawn(wire::send_acks(w, rx));
                 let mut frames = Frames::<_, MirrorMessage>::new(r, None);
                 while let Ok(Some(m)) = frames.next().await {

@@ -237,7 +237,7 @@ fn print_list(out: Output, r: &pb::ListBackupsResponse) {
 /// One backup.
 fn print_backup(out: Output, b: &pb::Backup) {
     match out {
-        Output::Json => println!("{}", backup_json(&b)),
+        Output::Json => println!("{}", backup_json(b)),
         Output::Table => {
             println!("backup {} on {}", b.name, b.target);
             println!(
