@@ -28,11 +28,10 @@ bash tests/readme.sh
 if [ "${FERRITE_VM:-1}" != 0 ]; then
   step "VM tier: Ferrite volumes as ublk and kernel NBD devices in a QEMU guest (TCG), on 6.12 and 6.17, a power cut replayed (~20 min and ~10 min)"
   echo "$CARGO_TARGET_DIR/debug/ferrite" > .vm-ferrite
-  cargo test --workspace --locked --no-run --test csi_node --message-format=json 2>/dev/null |
-    sed -n 's/.*"executable":"\([^"]*\/csi_node-[^"]*\)".*/\1/p' > .vm-csi-node
-  cargo test --workspace --locked --no-run --test power_cut --message-format=json 2>/dev/null |
-    sed -n 's/.*"executable":"\([^"]*\/power_cut-[^"]*\)".*/\1/p' > .vm-power-cut
-  trap 'rm -f .vm-ferrite .vm-ferrite-next .vm-csi-node .vm-power-cut .vm-long "$FERRITE_SKIPS"' EXIT
+  # The daemon's integration tests (one binary): the guest runs the ones that need its kernel.
+  cargo test --workspace --locked --no-run --test daemon_tests --message-format=json 2>/dev/null |
+    sed -n 's/.*"executable":"\([^"]*\/daemon_tests-[^"]*\)".*/\1/p' > .vm-daemon-tests
+  trap 'rm -f .vm-ferrite .vm-ferrite-next .vm-daemon-tests .vm-long "$FERRITE_SKIPS"' EXIT
   # The guest sees no environment of ours: the long mode reaches it as a file (power_cut.sh).
   vm_timeout=1800  # a guard against a hung guest: 6.12 takes ~20 min here, 6.17 ~10
   if [ "${FERRITE_LONG:-}" = 1 ]; then touch .vm-long; vm_timeout=10800; fi

@@ -4,9 +4,8 @@
 
 #![allow(clippy::cast_possible_truncation)]
 
-mod common;
-#[path = "common/pool.rs"]
-mod pool;
+use crate::common;
+use crate::pool;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -3,9 +3,7 @@
 
 #![allow(clippy::cast_possible_truncation)]
 
-mod common;
-#[path = "common/pool.rs"]
-mod pool;
+use crate::pool;
 
 use ferrite_backup::{BackupRef, Error, Target, TargetConfig, TargetKind};
 use pool::{MIB, backup, image, new_pool, noise, restore, volume_image};

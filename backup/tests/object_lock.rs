@@ -5,9 +5,8 @@
 
 #![allow(clippy::cast_possible_truncation)]
 
-mod common;
-#[path = "common/pool.rs"]
-mod pool;
+use crate::common;
+use crate::pool;
 
 use common::Weed;
 use ferrite_backup::{LockMode, Target, TargetConfig, TargetKind};

@@ -4,9 +4,7 @@
 
 #![allow(clippy::cast_possible_truncation)]
 
-mod common;
-#[path = "common/pool.rs"]
-mod pool;
+use crate::pool;
 
 use ferrite_backup::{Target, TargetConfig, TargetKind};
 use pool::{MIB, backup, image, new_pool, restore, volume_image};

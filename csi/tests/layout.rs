@@ -3,8 +3,7 @@
 //! locating copies) sits below the CSI and CSI-Addons services, and the control loops (heartbeat,
 //! failover) above them. A new module must be placed in [`MODULES`].
 
-#[path = "../../engine/tests/support/bands.rs"]
-mod bands;
+use ferrite_testkit::bands;
 
 use std::path::Path;
 

@@ -2,7 +2,7 @@
 //! every failure is one clear error, nothing is left behind, and a daemon restart drops records of
 //! devices that are gone. The real devices are tested in the QEMU guest (tests/vm/).
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 

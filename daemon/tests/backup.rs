@@ -2,9 +2,8 @@
 //! loopback); one backs a volume up (full, then incremental, its base snapshot rotated), the
 //! other restores it, byte for byte; list, show, verify, prune, and the errors a user meets.
 
-mod common;
-#[path = "../../backup/tests/common/mod.rs"]
-mod weed;
+use crate::common;
+use crate::weed;
 
 use common::{Daemon, have, metric};
 use std::process::Command;

@@ -3,7 +3,7 @@
 //! not resumed (it would carry a stale time), and a backup's time is its snapshot's. A backup
 //! exports without a daemon; a scheduled verify finds damage, keeps it, and sees it healed.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, have, metric};
 use std::process::Command;

@@ -5,7 +5,7 @@
 //! not beneath the export gets no context. `ferrite:allocation-depth` says which layer of the
 //! chain holds each extent.
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::process::Command;

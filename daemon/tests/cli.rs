@@ -1,7 +1,7 @@
 //! The daemon and its CLI, end to end: volumes, exports, pool status, errors, clean shutdown,
 //! and restart with exports restored.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, have};
 use std::process::Command;

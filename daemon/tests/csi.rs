@@ -2,7 +2,7 @@
 //! daemons on two loopback addresses (127.0.0.2, 127.0.0.3) standing for two nodes (node-a,
 //! node-b) in its node directory.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

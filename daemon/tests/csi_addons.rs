@@ -4,7 +4,7 @@
 //! address, and clients connect from other loopback addresses (127.0.0.9, .10, .11) so fencing
 //! has someone to refuse.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -7,9 +7,8 @@
 //! before its copies are made; DeleteSnapshot deletes the backup and its base snapshot; what the
 //! controller may not do with backups is refused.
 
-mod common;
-#[path = "../../backup/tests/common/mod.rs"]
-mod weed;
+use crate::common;
+use crate::weed;
 
 use std::time::{Duration, Instant};
 

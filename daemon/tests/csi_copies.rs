@@ -5,7 +5,7 @@
 //! that follows its primary after a promotion, and deletion of every copy. An encrypted one keeps
 //! its copies locked until a publish hands them the key, and is served where it is published.
 
-mod common;
+use crate::common;
 
 use common::csi::{channel, create, start_csi_with, tcp_node, tcp_node_with};
 use common::nbd::{connect, read_image, write_on};

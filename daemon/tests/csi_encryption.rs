@@ -3,7 +3,7 @@
 //! opening the volume with the secrets' key, and the CSI-Addons EncryptionKeyRotation service
 //! (a new key-encryption key, and the data key replaced as an EncryptionKeyRotationJob asks).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

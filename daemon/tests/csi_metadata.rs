@@ -5,7 +5,7 @@
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap, clippy::cast_sign_loss)] // small test sizes
 
-mod common;
+use crate::common;
 
 use common::csi::{channel, start_csi};
 use std::io::Write;

@@ -3,7 +3,7 @@
 //! cause. The full lifecycle on real devices is `node_lifecycle_on_block_devices`, which the VM
 //! tier runs in a guest (tests/vm/csi_node.sh).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -2,7 +2,7 @@
 //! controller`: two real daemons on 127.0.0.2 and 127.0.0.3 (their admin APIs on TCP with mutual
 //! TLS, which is also the replication link), every RPC, the state transitions and the error codes.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

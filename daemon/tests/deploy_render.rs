@@ -3,7 +3,7 @@
 //! that registry (none keeps the placeholder), Ferrite's images carry the release's version, and
 //! each sidecar's tag is the version the Kubernetes tier builds and tests (../shared/k8s).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

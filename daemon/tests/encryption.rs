@@ -3,7 +3,7 @@
 //! a restart without their key (no export, clear errors, other volumes unaffected), unlocked and
 //! rekeyed online (`sync_encryption.rs` and `replica.rs` show its replicas hold only ciphertext).
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;

@@ -9,7 +9,7 @@
 //! waiting forever). FERRITE_SIM (default "51:1,51:17,501:1,501:167") lists the runs: nodes and
 //! how many of them are lost (from the first zone).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

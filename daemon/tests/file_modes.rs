@@ -3,7 +3,7 @@
 //! sockets as documented (admin 0600, NBD 0660). Looser modes left by an older daemon are
 //! tightened at start.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

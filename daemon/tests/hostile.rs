@@ -3,7 +3,7 @@
 //! huge zeroing request runs in bounded memory, and `export stop` cuts the export's clients.
 //! Figures (peak RSS, connections held, admin latency) are printed for the report.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! stays bounded, and each call fails in bounded time with an error that names the target and
 //! the object.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};

@@ -4,7 +4,7 @@
 //! format and identify file systems; each goes through a real registry (Debian's
 //! docker-registry, on loopback with TLS) with skopeo and comes back by digest, unchanged.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -2,7 +2,7 @@
 //! nbdsh script checking multi-conn (a flush on one connection covers writes acknowledged on
 //! another) and protocol errors. Each test skips where its client is missing.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

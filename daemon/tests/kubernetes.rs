@@ -16,13 +16,12 @@
 
 #[path = "kubernetes/backup.rs"]
 mod backup;
-mod common;
+use crate::common;
 #[path = "kubernetes/failover.rs"]
 mod failover;
 #[path = "kubernetes/storage_nodes.rs"]
 mod storage_nodes;
-#[path = "../../backup/tests/common/mod.rs"]
-mod weed;
+use crate::weed;
 #[path = "kubernetes/zone_loss.rs"]
 mod zone_loss;
 

@@ -7,7 +7,7 @@
 //! come first), the node plugins roll over one node at a time, and deleting one node's daemon pod,
 //! the next documented step, brings this release's daemon up there alone.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -4,8 +4,7 @@
 //! (`api/`) never import one another, and the library names neither clap nor the CSI driver.
 //! A new room or file must be placed in [`BANDS`] or [`ROOMS`].
 
-#[path = "../../engine/tests/support/bands.rs"]
-mod bands;
+use ferrite_testkit::bands;
 
 use std::path::{Path, PathBuf};
 

@@ -4,7 +4,7 @@
 //! daemon serves on /metrics (over mutual TLS) or the failover controller serves on its own
 //! (`ferrite_failover_*`), whose texts pass `promtool check metrics`.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

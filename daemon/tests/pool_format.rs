@@ -5,7 +5,7 @@
 
 #![allow(clippy::cast_possible_truncation)]
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};

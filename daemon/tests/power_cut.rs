@@ -20,7 +20,7 @@
 //! Needs root, dm-log-writes and dmsetup: the VM tier runs it in the QEMU guest
 //! (tests/vm/power_cut.sh); on hosts without them it is `#[ignore]`d.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::fs::File;

@@ -6,7 +6,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
-mod common;
+use crate::common;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

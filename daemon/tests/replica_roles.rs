@@ -5,7 +5,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
-mod common;
+use crate::common;
 
 use common::nbd::{open, read_image, write_on};
 use common::{Daemon, settled};

@@ -9,7 +9,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@
 //! protos gain without a row here fails the test. Calls carry empty requests, so an allowed call
 //! fails on its arguments (or does something harmless), never on its caller.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use common::csi::{certs, closed_for, free_port, tls_channel, tls_connection};

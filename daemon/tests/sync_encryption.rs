@@ -4,7 +4,7 @@
 //! ciphertext, and a promoted member opens with the primary's current key and serves the same
 //! bytes. A data-key rotation of a mirrored volume, and a rekey on a member, are refused.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;

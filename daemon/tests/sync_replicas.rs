@@ -10,9 +10,8 @@
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
-mod common;
-#[path = "../../backup/tests/common/mod.rs"]
-mod weed;
+use crate::common;
+use crate::weed;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

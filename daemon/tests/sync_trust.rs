@@ -6,7 +6,7 @@
 //! to its client never reads back after two of them; and a primary without a majority for
 //! longer than the ejection timeout serves no reads.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! list are refused, and so is plaintext where TLS is required. The admin API and the metrics endpoint over TCP take only
 //! mutual TLS.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

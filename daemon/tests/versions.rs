@@ -1,7 +1,7 @@
 //! Versions: the CLI and the daemon report theirs, the daemon's metrics carry them, and a client
 //! whose version the skew rule does not allow is refused on every call with both versions named.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use ferrite_proto::ferrite::v1 as pb;

@@ -10,7 +10,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
-mod common;
+use crate::common;
 
 use common::{Fixture, pattern};
 use ferrite_engine::{Image, Volume};

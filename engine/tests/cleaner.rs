@@ -2,7 +2,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

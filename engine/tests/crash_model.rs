@@ -19,7 +19,7 @@
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)] // test arithmetic on small values
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

@@ -9,7 +9,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // the shared pattern generator truncates on purpose
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

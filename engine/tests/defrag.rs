@@ -4,7 +4,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -5,7 +5,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // the shared test patterns
 
-mod common;
+use crate::common;
 
 use common::{Fixture, pattern, small_opts};
 use ferrite_crypt::{Error as KeyError, Kek};

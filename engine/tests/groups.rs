@@ -2,7 +2,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // the shared pattern helper narrows on purpose
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -3,8 +3,7 @@
 //! that runs back up. Every `crate::<band>` path in a file of one band must name the same band
 //! or one listed before it in [`BANDS`]. A new module must be placed in the list.
 
-#[path = "support/bands.rs"]
-mod bands;
+use ferrite_testkit::bands;
 
 use std::path::Path;
 

@@ -5,7 +5,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test arithmetic on small values
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

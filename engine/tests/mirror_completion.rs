@@ -6,7 +6,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test arithmetic on small values
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -3,7 +3,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test sizes are small
 
-mod common;
+use crate::common;
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;

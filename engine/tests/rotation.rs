@@ -4,7 +4,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // the shared test patterns
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -2,7 +2,7 @@
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)] // test arithmetic on small values
 
-mod common;
+use crate::common;
 
 use common::{Fixture, SEG, pattern};
 use ferrite_engine::{ErrorKind, Pool, PoolOptions};

@@ -4,7 +4,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test arithmetic on small values
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};

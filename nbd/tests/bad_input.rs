@@ -3,9 +3,9 @@
 
 #![allow(clippy::cast_possible_truncation)] // test arithmetic on small values
 
+use crate::common;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-mod common;
 
 use std::sync::Arc;
 use std::time::Duration;

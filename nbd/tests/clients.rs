@@ -3,7 +3,7 @@
 
 #![allow(clippy::cast_possible_truncation)] // test arithmetic on small values
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

@@ -2,6 +2,6 @@
 # without kernel block devices) on whichever transport `auto` picks now: stage, publish, files,
 # snapshot, clone, expand, unpublish/unstage, for ext4, xfs and raw block volumes.
 set -euo pipefail
-BIN=$(cat .vm-csi-node)
+BIN=$(cat .vm-daemon-tests)
 cd /tmp
-timeout 900 "$BIN" --ignored --exact node_lifecycle_on_block_devices --nocapture --test-threads 1
+timeout 900 "$BIN" --ignored --exact csi_node::node_lifecycle_on_block_devices --nocapture --test-threads 1

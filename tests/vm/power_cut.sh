@@ -3,9 +3,9 @@
 # daemon, then the device rebuilt at flush points (every one with FERRITE_LONG=1), each opened
 # by a fresh daemon and checked. $1: the layouts (raw, file, or raw,file: the default).
 set -euo pipefail
-BIN=$(cat .vm-power-cut)
+BIN=$(cat .vm-daemon-tests)
 limit=900
 if [ -f .vm-long ]; then export FERRITE_LONG=1; limit=9000; fi
 export FERRITE_POWER_CUT_LAYOUTS=${1:-raw,file}
 cd /tmp
-timeout "$limit" "$BIN" --ignored --exact power_cut_replayed_at_flush_points --nocapture --test-threads 1
+timeout "$limit" "$BIN" --ignored --exact power_cut::power_cut_replayed_at_flush_points --nocapture --test-threads 1

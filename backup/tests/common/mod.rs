@@ -37,18 +37,6 @@ fn weed_bin() -> Option<PathBuf> {
     })
 }
 
-/// Records a skip (see the daemon tests' `skip`): under CI the store must be there.
-fn skip(why: &str) {
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    assert!(!ci, "{why}: scripts/setup.sh installs it, so under CI it must be there");
-    eprintln!("SKIPPED: {why}");
-    if let Some(f) = std::env::var_os("FERRITE_SKIPS") {
-        use std::io::Write as _;
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(f);
-        let _ = file.and_then(|mut f| writeln!(f, "{why}"));
-    }
-}
-
 /// Four consecutive free ports p..p+3 with p+10000.. free too (weed's gRPC ports), p in
 /// 10000-15999: disjoint from the gRPC ports of another test's store started at once, and all
 /// below the kernel's ephemeral range (32768 up), where a client connection could take one
@@ -80,7 +68,7 @@ impl Weed {
     /// The same on `host`, an address of this host (a network namespace's gateway).
     pub fn start_at(host: &str, auth: bool) -> Option<Weed> {
         let Some(bin) = weed_bin() else {
-            skip("SeaweedFS (weed) is not installed: backup tests against S3");
+            ferrite_testkit::skip("SeaweedFS (weed) is not installed: backup tests against S3", true);
             return None;
         };
         let (dir, ports, host) = (tempfile::tempdir().unwrap(), free_ports(), host.to_owned());

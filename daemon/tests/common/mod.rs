@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub use ferrite_testkit::{have, pattern, skip};
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_ferrite");
 
 pub struct Daemon {
@@ -160,18 +162,6 @@ pub fn scrape_tls_as(addr: &str, name: &str, ca: &Path, identity: Option<(&Path,
     Ok(text)
 }
 
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x.to_le_bytes()[0]
-        })
-        .collect()
-}
-
 /// The pushing side's replica status once it has recorded the point the receiving side holds
 /// (the receiver commits before the sender hears back).
 pub fn settled(receiver: &Daemon, sender: &Daemon, name: &str) -> serde_json::Value {
@@ -184,30 +174,6 @@ pub fn settled(receiver: &Daemon, sender: &Daemon, name: &str) -> serde_json::Va
         assert!(start.elapsed() < Duration::from_secs(30), "the sender did not record the point: {s}");
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// Records a skipped test: says why, and lists it in `$FERRITE_SKIPS` (the suite prints them in
-/// one line). Under CI a skip for want of something the suite installs itself (`installable`)
-/// fails instead: only what cannot exist on the machine (a kernel feature) may be skipped there.
-pub fn skip(why: &str, installable: bool) {
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    assert!(!(installable && ci), "{why}: scripts/setup.sh installs it, so under CI it must be there");
-    eprintln!("SKIPPED: {why}");
-    if let Some(f) = std::env::var_os("FERRITE_SKIPS") {
-        use std::io::Write as _;
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(f);
-        let _ = file.and_then(|mut f| writeln!(f, "{why}"));
-    }
-}
-
-/// Whether `tool` is on PATH (every tool the tests use is one setup.sh installs).
-pub fn have(tool: &str) -> bool {
-    let found =
-        Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success());
-    if !found {
-        skip(&format!("{tool} is not installed (scripts/setup.sh installs it)"), true);
-    }
-    found
 }
 
 /// Waits until `f` holds, failing the test after `secs` seconds with what did not happen.

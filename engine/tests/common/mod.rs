@@ -10,6 +10,8 @@ use ferrite_engine::format::DATA_START;
 use ferrite_engine::io::CrashBackend;
 use ferrite_engine::{Pool, PoolOptions};
 
+pub use ferrite_testkit::pattern;
+
 /// Small geometry so tests cross segment boundaries and fill pools quickly.
 pub const SEG: u64 = 256 << 10;
 
@@ -61,16 +63,4 @@ impl Fixture {
     pub fn reopen(&self) -> Pool {
         Pool::open_on(self.backend.clone(), &self.meta(), self.opts.clone()).unwrap()
     }
-}
-
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }

@@ -1,7 +1,6 @@
 //! Reading a crate's source for its layout tests (the engine's, the daemon's and the CSI
-//! driver's `layout.rs` include this file): the source files, the band each belongs to, and the
-//! `crate::` paths each names.
-#![allow(dead_code)]
+//! driver's `layout.rs`): the source files, the band each belongs to, and the `crate::` paths
+//! each names.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
