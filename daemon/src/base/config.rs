@@ -339,6 +339,23 @@ pub struct TlsFiles {
     pub peer_name: Option<String>,
 }
 
+impl TlsFiles {
+    /// The listeners' TLS files as configured: none, or a certificate with its key.
+    fn of(
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+        client_ca: Option<PathBuf>,
+        peer_name: Option<String>,
+    ) -> Result<Option<Self>> {
+        match (cert, key) {
+            (Some(cert), Some(key)) => Ok(Some(Self { cert, key, client_ca, peer_name })),
+            (None, None) if client_ca.is_some() => bail!("tls-client-ca needs tls-cert and tls-key"),
+            (None, None) => Ok(None),
+            _ => bail!("tls-cert and tls-key go together"),
+        }
+    }
+}
+
 /// What every listener may be asked for, and the NBD server's memory limits.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -351,6 +368,51 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// The listeners' and the NBD server's limits as configured, each checked.
+    fn of(
+        max_connections: Option<usize>,
+        handshake_timeout_s: Option<u64>,
+        send_timeout_s: Option<u64>,
+        nbd_memory: Option<String>,
+        nbd_connection_memory: Option<String>,
+        nbd_connection_requests: Option<usize>,
+    ) -> Result<Self> {
+        let d = ferrite_nbd::Limits::default();
+        let secs = |v: Option<u64>, default: Duration, what: &str| match v {
+            Some(0) => bail!("{what} must be at least 1 second"),
+            Some(s) if s > 86_400 => bail!("{what} must be at most 86400 (a day), not {s}"),
+            Some(s) => Ok(Duration::from_secs(s)),
+            None => Ok(default),
+        };
+        let positive = |v: Option<usize>, default: usize, what: &str| match v {
+            Some(0) => bail!("{what} must be at least 1"),
+            v => Ok(v.unwrap_or(default)),
+        };
+        let nbd_memory = match nbd_memory {
+            None => d.memory.cap(),
+            Some(m) => parse_size(&m).map_err(|e| anyhow::anyhow!("nbd-memory: {e}"))?,
+        };
+        let nbd_connection_memory = match nbd_connection_memory {
+            None => d.connection_bytes,
+            Some(m) => parse_size(&m).map_err(|e| anyhow::anyhow!("nbd-connection-memory: {e}"))?,
+        };
+        if nbd_memory < 64 << 20 || nbd_connection_memory < 1 << 20 {
+            bail!("nbd-memory must be at least 64M and nbd-connection-memory at least 1M");
+        }
+        Ok(Self {
+            max_connections: positive(max_connections, d.max_connections, "max-connections")?,
+            handshake_timeout: secs(handshake_timeout_s, d.handshake_timeout, "handshake-timeout-s")?,
+            send_timeout: secs(send_timeout_s, d.send_timeout, "send-timeout-s")?,
+            nbd_memory,
+            nbd_connection_memory,
+            nbd_connection_requests: positive(
+                nbd_connection_requests,
+                d.connection_requests,
+                "nbd-connection-requests",
+            )?,
+        })
+    }
+
     /// The NBD server's limits.
     pub fn nbd(&self) -> ferrite_nbd::Limits {
         ferrite_nbd::Limits {
@@ -475,50 +537,15 @@ impl Config {
                     n => n,
                 },
             },
-            limits: {
-                let d = ferrite_nbd::Limits::default();
-                let secs = |v: Option<u64>, default: Duration, what: &str| match v {
-                    Some(0) => bail!("{what} must be at least 1 second"),
-                    Some(s) if s > 86_400 => bail!("{what} must be at most 86400 (a day), not {s}"),
-                    Some(s) => Ok(Duration::from_secs(s)),
-                    None => Ok(default),
-                };
-                let positive = |v: Option<usize>, default: usize, what: &str| match v {
-                    Some(0) => bail!("{what} must be at least 1"),
-                    v => Ok(v.unwrap_or(default)),
-                };
-                let nbd_memory = match f.nbd_memory {
-                    None => d.memory.cap(),
-                    m => size(m, "", "nbd-memory")?,
-                };
-                let nbd_connection_memory = match f.nbd_connection_memory {
-                    None => d.connection_bytes,
-                    m => size(m, "", "nbd-connection-memory")?,
-                };
-                if nbd_memory < 64 << 20 || nbd_connection_memory < 1 << 20 {
-                    bail!("nbd-memory must be at least 64M and nbd-connection-memory at least 1M");
-                }
-                Limits {
-                    max_connections: positive(f.max_connections, d.max_connections, "max-connections")?,
-                    handshake_timeout: secs(f.handshake_timeout_s, d.handshake_timeout, "handshake-timeout-s")?,
-                    send_timeout: secs(f.send_timeout_s, d.send_timeout, "send-timeout-s")?,
-                    nbd_memory,
-                    nbd_connection_memory,
-                    nbd_connection_requests: positive(
-                        f.nbd_connection_requests,
-                        d.connection_requests,
-                        "nbd-connection-requests",
-                    )?,
-                }
-            },
-            tls: match (f.tls_cert, f.tls_key) {
-                (Some(cert), Some(key)) => {
-                    Some(TlsFiles { cert, key, client_ca: f.tls_client_ca, peer_name: f.peer_server_name })
-                }
-                (None, None) if f.tls_client_ca.is_some() => bail!("tls-client-ca needs tls-cert and tls-key"),
-                (None, None) => None,
-                _ => bail!("tls-cert and tls-key go together"),
-            },
+            limits: Limits::of(
+                f.max_connections,
+                f.handshake_timeout_s,
+                f.send_timeout_s,
+                f.nbd_memory,
+                f.nbd_connection_memory,
+                f.nbd_connection_requests,
+            )?,
+            tls: TlsFiles::of(f.tls_cert, f.tls_key, f.tls_client_ca, f.peer_server_name)?,
             nbd_tls: TlsMode::Off,
             insecure_admin_listen: f.insecure_admin_listen.unwrap_or(false),
             replication_endpoint: String::new(),
@@ -526,59 +553,40 @@ impl Config {
                 None => 0,
                 b => size(b, "", "replication-bandwidth")?,
             },
-            replication_idle_timeout: match f.replication_idle_timeout_s {
-                None => Duration::from_secs(60),
-                Some(s) if !(1..=3600).contains(&s) => {
-                    bail!("replication-idle-timeout-s must be between 1 and 3600, not {s}")
-                }
-                Some(s) => Duration::from_secs(s),
-            },
-            sync_timeout: match f.sync_timeout_ms {
-                None => Duration::from_secs(3),
-                Some(ms) if !(100..=600_000).contains(&ms) => {
-                    bail!("sync-timeout-ms must be between 100 and 600000, not {ms}")
-                }
-                Some(ms) => Duration::from_millis(ms),
-            },
-            sync_mark_interval: match f.sync_mark_interval_ms {
-                None => Duration::from_secs(60),
-                Some(ms) if !(100..=86_400_000).contains(&ms) => {
-                    bail!("sync-mark-interval-ms must be between 100 and 86400000, not {ms}")
-                }
-                Some(ms) => Duration::from_millis(ms),
-            },
-            device_hold: match f.device_hold_s {
-                None => DEFAULT_DEVICE_HOLD,
-                Some(s) if !(5..=86_400).contains(&s) => bail!("device-hold-s must be between 5 and 86400, not {s}"),
-                Some(s) => Duration::from_secs(s),
-            },
-            nbd_device_timeout: match f.nbd_device_timeout_s {
-                None => DEFAULT_NBD_DEVICE_TIMEOUT,
-                Some(s) if !(1..=3600).contains(&s) => {
-                    bail!("nbd-device-timeout-s must be between 1 and 3600, not {s}")
-                }
-                Some(s) => Duration::from_secs(s),
-            },
+            replication_idle_timeout: Duration::from_secs(between(
+                f.replication_idle_timeout_s,
+                60,
+                1..=3600,
+                "replication-idle-timeout-s",
+            )?),
+            sync_timeout: Duration::from_millis(between(f.sync_timeout_ms, 3000, 100..=600_000, "sync-timeout-ms")?),
+            sync_mark_interval: Duration::from_millis(between(
+                f.sync_mark_interval_ms,
+                60_000,
+                100..=86_400_000,
+                "sync-mark-interval-ms",
+            )?),
+            device_hold: Duration::from_secs(between(
+                f.device_hold_s,
+                DEFAULT_DEVICE_HOLD.as_secs(),
+                5..=86_400,
+                "device-hold-s",
+            )?),
+            nbd_device_timeout: Duration::from_secs(between(
+                f.nbd_device_timeout_s,
+                DEFAULT_NBD_DEVICE_TIMEOUT.as_secs(),
+                1..=3600,
+                "nbd-device-timeout-s",
+            )?),
             // 50 nodes, each primary of a few dozen volumes with a copy here: far below this.
-            peer_quota: match f.peer_quota {
-                None => 2000,
-                Some(n) if !(1..=1_000_000).contains(&n) => bail!("peer-quota must be between 1 and 1000000, not {n}"),
-                Some(n) => n,
-            },
+            peer_quota: between(f.peer_quota, 2000, 1..=1_000_000, "peer-quota")?,
             roles: parse_roles(f.roles.unwrap_or_default())?,
             backup_targets: check_targets(f.backup_targets.unwrap_or_default(), f.backup_targets_file.as_deref())?,
             zone: check_domain("zone", f.zone)?,
             region: check_domain("region", f.region)?,
             data_dir,
         };
-        // The environment wins: in a DaemonSet the node's address is known only to the pod.
-        let endpoint = std::env::var("FERRITE_REPLICATION_ENDPOINT").ok().or(f.replication_endpoint);
-        cfg.replication_endpoint = match (endpoint, cfg.admin_listen) {
-            (Some(e), _) if e.is_empty() => bail!("replication-endpoint must not be empty"),
-            (Some(e), _) => e,
-            (None, Some(a)) => format!("tcp://{a}"),
-            (None, None) => cfg.admin_socket.display().to_string(),
-        };
+        cfg.replication_endpoint = cfg.replication_endpoint(f.replication_endpoint)?;
         cfg.nbd_tls = match f
             .nbd_tls
             .as_deref()
@@ -592,19 +600,38 @@ impl Config {
             None if cfg.tls.is_some() => TlsMode::Require,
             None => TlsMode::Off,
         };
-        if cfg.admin_listen.is_some()
-            && !cfg.insecure_admin_listen
-            && cfg.tls.as_ref().is_none_or(|t| t.client_ca.is_none())
+        cfg.check_listeners(f.insecure_nbd_listen.unwrap_or(false))?;
+        Ok(cfg)
+    }
+
+    /// Where peers reach this daemon for replication. The environment wins: in a DaemonSet the
+    /// node's address is known only to the pod.
+    fn replication_endpoint(&self, configured: Option<String>) -> Result<String> {
+        let endpoint = std::env::var("FERRITE_REPLICATION_ENDPOINT").ok().or(configured);
+        Ok(match (endpoint, self.admin_listen) {
+            (Some(e), _) if e.is_empty() => bail!("replication-endpoint must not be empty"),
+            (Some(e), _) => e,
+            (None, Some(a)) => format!("tcp://{a}"),
+            (None, None) => self.admin_socket.display().to_string(),
+        })
+    }
+
+    /// What the listeners together must not do: serve the admin API or volume data over TCP in
+    /// the clear unless told to, or share a socket.
+    fn check_listeners(&self, insecure_nbd_listen: bool) -> Result<()> {
+        if self.admin_listen.is_some()
+            && !self.insecure_admin_listen
+            && self.tls.as_ref().is_none_or(|t| t.client_ca.is_none())
         {
             bail!(
                 "admin-listen serves the admin API over TCP with mutual TLS: set tls-cert, tls-key and tls-client-ca \
                  (`ferrite certs` makes them), or insecure-admin-listen = true to serve it to anyone who can connect"
             );
         }
-        if let Some(a) = cfg.nbd_listen
+        if let Some(a) = self.nbd_listen
             && !a.ip().is_loopback()
-            && cfg.nbd_tls != TlsMode::Require
-            && !f.insecure_nbd_listen.unwrap_or(false)
+            && self.nbd_tls != TlsMode::Require
+            && !insecure_nbd_listen
         {
             bail!(
                 "nbd-listen {a} is not a loopback address and nbd-tls is not \"require\": volume data would cross \
@@ -612,11 +639,27 @@ impl Config {
                  insecure-nbd-listen = true to serve it in the clear anyway"
             );
         }
-        cfg.ublk.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
-        if cfg.admin_socket == cfg.nbd_socket {
+        self.ublk.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        if self.admin_socket == self.nbd_socket {
             bail!("admin-socket and nbd-socket must differ");
         }
-        Ok(cfg)
+        Ok(())
+    }
+}
+
+/// `value` (or `default` when unset), refused outside `range` with a message naming `what`.
+fn between<T: PartialOrd + Copy + std::fmt::Display>(
+    value: Option<T>,
+    default: T,
+    range: std::ops::RangeInclusive<T>,
+    what: &str,
+) -> Result<T> {
+    match value {
+        None => Ok(default),
+        Some(v) if !range.contains(&v) => {
+            bail!("{what} must be between {} and {}, not {v}", range.start(), range.end())
+        }
+        Some(v) => Ok(v),
     }
 }
 
