@@ -7,8 +7,8 @@ use crate::common;
 
 use std::path::Path;
 
-use common::Daemon;
 use common::csi::{block_cap, channel, code, mount_cap, start_csi};
+use common::{Daemon, pattern};
 use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::csi_addons::reclaimspace as rs;
 use tonic::Code;
@@ -201,29 +201,16 @@ async fn node_service_checks_and_errors_without_kernel_devices() {
     assert_eq!(code(node.node_stage_volume(stage("node-a/v1", &staging, w())).await), Code::Unavailable);
 }
 
-/// Deterministic pseudo-random bytes (xorshift), so two trees can be compared byte for byte.
-fn bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x.to_le_bytes()[0]
-        })
-        .collect()
-}
-
 fn write_tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut files = Vec::new();
     for i in 0..24u64 {
         let rel = format!("d{}/f{i}", i % 4);
-        let data = bytes(i, usize::try_from(i * 29 * 1024 + 100).unwrap());
+        let data = pattern(i, usize::try_from(i * 29 * 1024 + 100).unwrap());
         std::fs::create_dir_all(dir.join(format!("d{}", i % 4))).unwrap();
         std::fs::write(dir.join(&rel), &data).unwrap();
         files.push((rel, data));
     }
-    files.push(("big".into(), bytes(99, 12 << 20)));
+    files.push(("big".into(), pattern(99, 12 << 20)));
     std::fs::write(dir.join("big"), &files.last().unwrap().1).unwrap();
     assert!(std::process::Command::new("sync").status().unwrap().success());
     files
@@ -468,7 +455,7 @@ async fn block_lifecycle(l: &mut Lifecycle) {
     l.stage(&id, "s3", &cap).await;
     l.publish(&id, "s3", "t4", &cap, false).await;
     l.publish(&id, "s3", "t4", &cap, false).await;
-    let data = bytes(7, 4 << 20);
+    let data = pattern(7, 4 << 20);
     let mut f = std::fs::OpenOptions::new().write(true).open(l.path("t4")).unwrap();
     f.seek(SeekFrom::Start(1 << 20)).unwrap();
     f.write_all(&data).unwrap();
@@ -690,7 +677,7 @@ async fn stage_from_primary(no_storage: bool) {
         plugin = start_plugin();
         node = csi::node_client::NodeClient::new(channel(&node_dir.join("csi.sock")).await);
         assert_eq!(b.json(&["attachments"])[0]["remote"], ctx["nbd"].as_str());
-        files.push(("after".into(), bytes(7, 3 << 20)));
+        files.push(("after".into(), pattern(7, 3 << 20)));
         std::fs::write(target.join("after"), &files.last().unwrap().1).unwrap();
         assert!(std::process::Command::new("sync").status().unwrap().success());
         std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();

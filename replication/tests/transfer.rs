@@ -15,6 +15,7 @@ use ferrite_engine::{ErrorKind, Image, Pool, PoolOptions};
 use ferrite_replication::apply::Transfer;
 use ferrite_replication::delta::Delta;
 use ferrite_replication::{BLOCK, Piece};
+use ferrite_testkit::pattern;
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 64 * MIB;
@@ -32,18 +33,6 @@ fn pool() -> (tempfile::TempDir, Pool) {
     let backend = Arc::new(MemoryBackend::new(DATA_START + 128 * MIB));
     let pool = Pool::create_on(backend, &dir.path().join("meta"), opts).unwrap();
     (dir, pool)
-}
-
-fn fill(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x.to_le_bytes()[0]
-        })
-        .collect()
 }
 
 fn content(pool: &Pool, snapshot: &str) -> Vec<u8> {
@@ -88,7 +77,7 @@ fn primary() -> (tempfile::TempDir, Pool) {
     p.create_volume("v", SIZE).unwrap();
     let v = p.open_volume("v").unwrap();
     for (i, at) in [0, 20 * MIB, 63 * MIB].into_iter().enumerate() {
-        v.write(at, &fill(i as u64 + 1, MIB as usize)).unwrap();
+        v.write(at, &pattern(i as u64 + 1, MIB as usize)).unwrap();
     }
     v.trim(20 * MIB, 64 << 10).unwrap();
     p.create_snapshot("v", "m1").unwrap();
@@ -110,7 +99,7 @@ fn first_sync_ships_allocated_blocks_and_increments_ship_changed_blocks() {
     for i in 0..200 {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let block = (x >> 33) % (SIZE / BLOCK as u64);
-        v.write(block * BLOCK as u64, &fill(1000 + i, BLOCK)).unwrap();
+        v.write(block * BLOCK as u64, &pattern(1000 + i, BLOCK)).unwrap();
         changed.insert(block);
     }
     v.trim(0, 8 * BLOCK as u64).unwrap();
@@ -159,12 +148,12 @@ fn an_interrupted_transfer_resumes_from_its_durable_point_or_restarts_exactly() 
 
     // An increment abandoned halfway and started over (no resume point): the replica's head is
     // returned to the base first, so the result is exact.
-    src.open_volume("v").unwrap().write(5 * MIB, &fill(9, 2 * MIB as usize)).unwrap();
+    src.open_volume("v").unwrap().write(5 * MIB, &pattern(9, 2 * MIB as usize)).unwrap();
     src.create_snapshot("v", "m2").unwrap();
     let delta = Delta::plan(&src, "m2", Some("m1")).unwrap();
     // (A sender that lied about the delta's end: the stray piece lands outside the real delta.)
     let mut t = Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, SIZE, None, None).unwrap();
-    let stray = fill(77, PIECE);
+    let stray = pattern(77, PIECE);
     let crcs = ferrite_replication::block_crcs(&stray);
     t.apply(&Piece::Data { offset: 40 * MIB, data: stray, crcs }).unwrap();
     t.durable().unwrap();
@@ -178,7 +167,7 @@ fn bad_pieces_and_streams_are_refused_and_change_nothing() {
     let (_a, src) = primary();
     let (_b, dst) = pool();
     ship(&src, &dst, "m1", None, None);
-    src.open_volume("v").unwrap().write(MIB, &fill(5, MIB as usize)).unwrap();
+    src.open_volume("v").unwrap().write(MIB, &pattern(5, MIB as usize)).unwrap();
     src.create_snapshot("v", "m2").unwrap();
     let delta = Delta::plan(&src, "m2", Some("m1")).unwrap();
     let begin = || Transfer::begin(&dst, "r", Some("m1"), "m2", delta.size, delta.end(), None, None).unwrap();
@@ -239,13 +228,13 @@ fn a_writable_volume_takes_no_delta() {
     let (_a, src) = primary();
     let (_b, dst) = pool();
     ship(&src, &dst, "m1", None, None);
-    src.open_volume("v").unwrap().write(0, &fill(8, MIB as usize)).unwrap();
+    src.open_volume("v").unwrap().write(0, &pattern(8, MIB as usize)).unwrap();
     src.create_snapshot("v", "m2").unwrap();
     let delta = Delta::plan(&src, "m2", Some("m1")).unwrap();
     // The replica made writable (promoted, or disabled), then written: no delta may roll it
     // back, grow it or write into it, whatever the caller's records say.
     dst.set_read_only("r", false).unwrap();
-    dst.open_volume("r").unwrap().write(MIB, &fill(9, MIB as usize)).unwrap();
+    dst.open_volume("r").unwrap().write(MIB, &pattern(9, MIB as usize)).unwrap();
     let head = |p: &Pool| {
         let mut buf = vec![0u8; usize::try_from(SIZE).unwrap()];
         p.open_volume("r").unwrap().read(0, &mut buf).unwrap();
@@ -277,15 +266,15 @@ fn an_encrypted_source_s_rotation_and_rekey_reach_its_replica_as_ciphertext() {
     let k2 = Kek::new("k2", [2; 32]).unwrap();
     src.create_encrypted_volume("v", SIZE, &k1).unwrap();
     let v = src.open_volume("v").unwrap();
-    v.write(0, &fill(1, 4 * MIB as usize)).unwrap();
+    v.write(0, &pattern(1, 4 * MIB as usize)).unwrap();
     src.create_snapshot("v", "m1").unwrap();
     ship_keyed(&src, &dst, "m1", None, None, Some(&keys_of(&src, "m1")));
 
     // A rotation under way when m2 is taken: the delta holds blocks under the old key (written
     // before it) and the new; the replica gets one key's ciphertext, and its head that key.
-    v.write(8 * MIB, &fill(2, MIB as usize)).unwrap();
+    v.write(8 * MIB, &pattern(2, MIB as usize)).unwrap();
     src.start_data_key_rotation("v", |id| k1.with_id(id)).unwrap();
-    v.write(MIB, &fill(3, 64 << 10)).unwrap();
+    v.write(MIB, &pattern(3, 64 << 10)).unwrap();
     src.create_snapshot("v", "m2").unwrap();
     let keys = keys_of(&src, "m2");
     assert_eq!(keys.len(), 2, "m2 reads with the new key and the old one");
@@ -300,7 +289,7 @@ fn an_encrypted_source_s_rotation_and_rekey_reach_its_replica_as_ciphertext() {
     // and the replica then opens with the new KEK alone (its older snapshot included).
     src.run_data_key_rotation("v", |_| {}).unwrap();
     src.rewrap_volume("v", |id| k1.with_id(id), &k2).unwrap();
-    v.write(20 * MIB, &fill(4, MIB as usize)).unwrap();
+    v.write(20 * MIB, &pattern(4, MIB as usize)).unwrap();
     src.create_snapshot("v", "m3").unwrap();
     ship_keyed(&src, &dst, "m3", Some("m2"), None, Some(&keys_of(&src, "m3")));
     assert!(content(&dst, "m3") == content(&src, "m3"));

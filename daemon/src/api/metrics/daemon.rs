@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use ferrite_engine::PoolStats;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 
@@ -10,8 +11,15 @@ use super::{Sources, certificate_expiry, load};
 
 impl Sources {
     pub(super) fn encode_daemon(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
-        let s = self.pool.stats();
-        let (nbd, listeners) = (&self.nbd, &self.listeners);
+        let stats = self.pool.stats();
+        self.encode_build(enc)?;
+        self.encode_daemon_gauges(&stats, enc)?;
+        self.encode_daemon_counters(&stats, enc)?;
+        self.encode_denials(enc)
+    }
+
+    /// The version and pool format, and when the listeners' certificate expires.
+    fn encode_build(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
         let format = ferrite_engine::format::FORMAT_VERSION.to_string();
         enc.encode_descriptor(
             "ferrite_build_info",
@@ -30,6 +38,11 @@ impl Sources {
             )?
             .encode_gauge(&expiry)?;
         }
+        Ok(())
+    }
+
+    fn encode_daemon_gauges(&self, s: &PoolStats, enc: &mut DescriptorEncoder) -> fmt::Result {
+        let nbd = &self.nbd;
         for (name, help, v) in [
             ("ferrite_pool_size_bytes", "Data area of the pool.", s.size),
             ("ferrite_pool_used_bytes", "Bytes of log in segments that are not free.", s.used),
@@ -64,7 +77,12 @@ impl Sources {
         ] {
             enc.encode_descriptor(name, help, None, MetricType::Gauge)?.encode_gauge(&v)?;
         }
-        // Counters: the encoder appends `_total` to each name.
+        Ok(())
+    }
+
+    /// Counters: the encoder appends `_total` to each name.
+    fn encode_daemon_counters(&self, s: &PoolStats, enc: &mut DescriptorEncoder) -> fmt::Result {
+        let (nbd, listeners) = (&self.nbd, &self.listeners);
         for (name, help, v) in [
             ("ferrite_pool_client_written_bytes", "Bytes clients wrote.", s.client_bytes_written),
             ("ferrite_pool_media_written_bytes", "Bytes the log wrote to media.", s.media_bytes_written),
@@ -127,7 +145,10 @@ impl Sources {
             enc.encode_descriptor(name, help, None, MetricType::Counter)?
                 .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
         }
+        Ok(())
+    }
 
+    fn encode_denials(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
         // Refusals by identity (a configured one, "unconfigured" or "local") and call (a known
         // RPC, or "unknown"): both bounded, whatever clients send.
         let mut m = enc.encode_descriptor(
