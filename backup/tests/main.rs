@@ -1,6 +1,6 @@
-//! The backup crate's integration tests, one scenario per module (the files beside this one), built as one test binary
-//! (`backup_tests`): one compile of the shared helpers and one link instead of one per file. A test is
-//! named `<module>::<test>`, e.g. `cargo nextest run --workspace -E 'test(/^copy::/)'`.
+//! The backup crate's integration tests, one scenario per module (the files beside this one), built
+//! as one test binary (`backup_tests`): one compile of the shared helpers and one link instead of
+//! one per file. A test is named `<module>::<test>`: `-E 'test(/^copy::/)'` picks a file's.
 
 mod common;
 #[path = "common/pool.rs"]
