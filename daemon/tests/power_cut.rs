@@ -605,6 +605,7 @@ fn replay_layout(layout: Layout, long: bool) {
     let mut t = Totals::default();
     let timer = Instant::now();
     let mut lap = Instant::now();
+    let mut shown = 0;
     for end in sample {
         // What the device holds for sure: every entry up to the last flush point before this
         // one; the writes logged after it, a random subset of them kept (a device may keep any).
@@ -641,7 +642,9 @@ fn replay_layout(layout: Layout, long: bool) {
         t.add(check(&rig, &w, &log, end, &format!("{layout:?} up to entry {end}")));
         drop(view);
         lap = Instant::now();
-        if t.replays % 20 == 0 {
+        // Progress every 20 replays (a point may add two: a torn one and its own).
+        if t.replays / 20 > shown {
+            shown = t.replays / 20;
             println!("{layout:?}: {} replays checked, up to entry {end} of {}", t.replays, log.entries.len());
         }
     }
