@@ -58,11 +58,31 @@ pub fn new_ca(days: u32) -> Result<Issued, rcgen::Error> {
     Ok(Issued { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
 }
 
+/// Whether `name` is a URI identity (`spiffe://…`): one a role is bound to, which no DNS name
+/// or IP address (a node's name, its addresses) can ever be.
+pub fn is_uri(name: &str) -> bool {
+    name.contains("://")
+}
+
+/// Params naming `sans`: URIs (see [`is_uri`]) as URI names, IP addresses as such, the rest as
+/// DNS names.
+fn params(sans: &[String]) -> Result<CertificateParams, rcgen::Error> {
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    for n in sans {
+        p.subject_alt_names.push(match n.parse::<std::net::IpAddr>() {
+            Ok(ip) => SanType::IpAddress(ip),
+            Err(_) if is_uri(n) => SanType::URI(n.as_str().try_into()?),
+            Err(_) => SanType::DnsName(n.as_str().try_into()?),
+        });
+    }
+    Ok(p)
+}
+
 /// A certificate for `name`, valid for `days`, signed by the CA whose key is `ca_key_pem` (one
-/// [`new_ca`] made). `sans` are its identities: DNS names and IP addresses (IPs as such).
+/// [`new_ca`] made). `sans` are its identities: DNS names, IP addresses (IPs as such) and URIs.
 pub fn issue(ca_key_pem: &str, name: &str, sans: &[String], days: u32) -> Result<Issued, rcgen::Error> {
     let issuer = Issuer::new(ca_params(), KeyPair::from_pem(ca_key_pem)?);
-    let mut p = CertificateParams::new(sans.to_vec())?;
+    let mut p = params(sans)?;
     p.distinguished_name.push(DnType::CommonName, name);
     leaf(&mut p);
     validity(&mut p, days);
@@ -87,7 +107,7 @@ pub fn new_key() -> Result<String, rcgen::Error> {
 
 /// A certificate signing request (PKCS#10, PEM) for `name` naming `sans`, by the key `key_pem`.
 pub fn request(key_pem: &str, name: &str, sans: &[String]) -> Result<String, rcgen::Error> {
-    let mut p = CertificateParams::new(sans.to_vec())?;
+    let mut p = params(sans)?;
     p.distinguished_name.push(DnType::CommonName, name);
     p.serialize_request(&KeyPair::from_pem(key_pem)?)?.pem()
 }
@@ -114,7 +134,8 @@ impl Request {
         }
     }
 
-    /// The DNS names and IP addresses it asks for; an error names any other kind of name.
+    /// The DNS names and IP addresses it asks for; an error names any other kind of name (a URI
+    /// among them: what roles are bound to is never asked for).
     pub fn names(&self) -> Result<Vec<String>, String> {
         self.0
             .params
@@ -212,6 +233,21 @@ mod tests {
         assert_eq!(identities(&cn_only), ["csi"]);
         let wild = der(&issue(&ca.key_pem, "w", &["*.cluster.test".into()], 30).unwrap().cert_pem);
         assert!(!names(&wild, "node-a.cluster.test") && !names(&wild, "*.cluster.test"));
+    }
+
+    #[test]
+    fn a_uri_identity_is_issued_but_never_asked_for() {
+        use crate::identities;
+        let ca = new_ca(30).unwrap();
+        let sans = ["spiffe://ferrite.dev/controller".to_owned(), "ferrite-controller.ferrite.svc".to_owned()];
+        let cert = der(&issue(&ca.key_pem, "ferrite-controller", &sans, 30).unwrap().cert_pem);
+        assert_eq!(identities(&cert), sans);
+        assert!(names(&cert, "spiffe://ferrite.dev/controller") && !names(&cert, "ferrite-controller"));
+        // A node's request naming it is read, and refused by its names.
+        let key = new_key().unwrap();
+        let asked = request(&key, "node-a", &["node-a".into(), sans[0].clone()]).unwrap();
+        let e = Request::parse(&asked).unwrap().names().unwrap_err();
+        assert!(e.contains("no DNS name or IP address"), "{e}");
     }
 
     #[test]

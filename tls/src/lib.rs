@@ -154,7 +154,7 @@ pub fn same_name(a: &str, b: &str) -> bool {
 }
 
 /// The identity function of every listener (roles, relations, publications, NBD allow lists):
-/// the DNS names and IP addresses of a (verified) certificate's subjectAltName; its subject's
+/// the DNS names, IP addresses and URIs of a (verified) certificate's subjectAltName; its subject's
 /// common names only when it has no such name at all (RFC 6125: a certificate with SANs is
 /// identified by them alone). A wildcard name is kept as written, so it equals no configured
 /// name. Empty for a certificate that does not parse.
@@ -165,7 +165,7 @@ pub fn identities(cert: &CertificateDer<'_>) -> Vec<String> {
     if let Ok(Some(san)) = c.subject_alternative_name() {
         for n in &san.value.general_names {
             match n {
-                GeneralName::DNSName(d) => out.push((*d).to_owned()),
+                GeneralName::DNSName(d) | GeneralName::URI(d) => out.push((*d).to_owned()),
                 GeneralName::IPAddress(b) => match b.len() {
                     4 => out.push(std::net::IpAddr::from(<[u8; 4]>::try_from(*b).expect("4 bytes")).to_string()),
                     16 => out.push(std::net::IpAddr::from(<[u8; 16]>::try_from(*b).expect("16 bytes")).to_string()),

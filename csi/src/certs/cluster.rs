@@ -1,11 +1,15 @@
 //! The cluster's certificates made by the controller itself (`ferrite csi --cluster-certs`), so
 //! that `kubectl apply -k` is the whole install: on start, before anything reads them,
 //!
-//! - the CA: the Secret `ferrite-ca` (`ca.crt`, `ca.key`), made when absent (an operator's own
-//!   CA, created beforehand, is used as it is);
+//! - the CA: the Secret `ferrite-ca` (`ca.crt`, `ca.key`), made on a first install (an
+//!   operator's own CA, created beforehand, is used as it is). Never made anew while a CA is in
+//!   use (the controller holds one, or the drain guard's caBundle names one): the nodes'
+//!   certificates chain to the old one, and a new CA would cut the controller off every daemon.
+//!   A Secret deleted then is said (log, Event, `ferrite_cluster_ca_missing`, an alert) and
+//!   waited for, the controller signing with the CA it holds meanwhile;
 //! - the controller's certificate: the Secret `ferrite-controller-tls` (`ca.crt`, `tls.crt`,
-//!   `tls.key`), naming `ferrite-controller` (its role in the daemons' `[roles]`) and the
-//!   controller Service (the drain guard's server name), issued when absent, not from the CA, or
+//!   `tls.key`), naming [`IDENTITY`] (its role in the daemons' `[roles]`) and the controller
+//!   Service (the drain guard's server name), issued when absent, not from the CA, or
 //!   two thirds into its lifetime;
 //! - the drain guard's `caBundle`, set to the CA.
 //!
@@ -22,16 +26,24 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{ObjectReference, Secret};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use prometheus_client::metrics::gauge::Gauge;
 
 /// The Secrets and the webhook configuration, as deploy/kubernetes names them.
 pub const CA_SECRET: &str = "ferrite-ca";
 pub const TLS_SECRET: &str = "ferrite-controller-tls";
 pub const WEBHOOK: &str = "ferrite-drain-guard";
-/// The controller's name in its certificate: the identity the daemons' `[roles]` give the
-/// controller role.
-pub const IDENTITY: &str = "ferrite-controller";
+/// The controller's identity in its certificate, which the daemons' `[roles]` give the
+/// controller role: a URI, which the node signer never issues (a node's names are its Node's
+/// name, which cannot hold a `:`, and IP addresses).
+pub const IDENTITY: &str = "spiffe://ferrite.dev/controller";
+/// The plain name releases before 0.3 bound the controller role to, which a node could be
+/// issued. The controller's certificate still carries it (as its CN too), so that daemons not
+/// yet restarted on the new `[roles]` keep answering it during an upgrade; the signer refuses it
+/// to any node.
+pub const LEGACY_IDENTITY: &str = "ferrite-controller";
 /// A new CA's and a controller certificate's lifetimes.
 const CA_DAYS: u32 = 3650;
 const CERT_DAYS: u32 = 365;
@@ -79,14 +91,65 @@ pub fn current(cert_pem: &str, ca_pem: &str, names: &[String]) -> bool {
     fresh && names.iter().all(|n| has.contains(n)) && ferrite_tls::issued_by(cert, ca_pem)
 }
 
-/// The CA Secret: the one there, or a new one.
-async fn ca(api: &Api<Secret>, namespace: &str) -> Result<(String, String)> {
+/// 1 while the CA Secret is missing but a CA is in use (the nodes' certificates chain to it):
+/// the controller waits for the operator ([`ca`]). Served with the failover metrics.
+pub static CA_MISSING: std::sync::LazyLock<Gauge> = std::sync::LazyLock::new(Gauge::default);
+
+/// Why a CA is in use although its Secret is gone (None: none ever was, a first install): this
+/// controller holds one in its files, or the drain guard's caBundle names one.
+async fn in_use(client: &kube::Client, o: &Options) -> Result<Option<&'static str>> {
+    if o.ca_dir.join("ca.crt").exists() {
+        return Ok(Some("this controller has been signing with it"));
+    }
+    let hooks = Api::<ValidatingWebhookConfiguration>::all(client.clone());
+    let hook =
+        hooks.get_opt(WEBHOOK).await.with_context(|| format!("reading ValidatingWebhookConfiguration {WEBHOOK}"))?;
+    let bundles =
+        hook.iter().flat_map(|w| w.webhooks.iter().flatten()).filter_map(|h| h.client_config.ca_bundle.as_ref());
+    Ok(bundles.into_iter().any(|b| !b.0.is_empty()).then_some("the drain guard's caBundle names it"))
+}
+
+/// Says that the CA Secret is missing while a CA is in use (`why`): a log line, the metric, and
+/// an Event about the Secret.
+async fn ca_missing(client: &kube::Client, o: &Options, why: &str) -> anyhow::Error {
+    CA_MISSING.set(1);
+    let note = format!(
+        "Secret {CA_SECRET} is missing, but the cluster's CA is in use ({why}): every node's certificate chains          to it, so no new CA is made. Restore the Secret (ca.crt, ca.key) from a backup; to start over with a new          CA instead, remove the caBundle of {WEBHOOK} and have every node's certificate issued again          (docs/security.md, \"The cluster CA\")"
+    );
+    let reporter = Reporter { controller: "ferrite-certs".into(), instance: std::env::var("POD_NAME").ok() };
+    let secret = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Secret".into()),
+        name: Some(CA_SECRET.into()),
+        namespace: Some(o.namespace.clone()),
+        ..Default::default()
+    };
+    let ev = Event {
+        type_: EventType::Warning,
+        reason: "CAMissing".into(),
+        note: Some(note.clone()),
+        action: "Sign".into(),
+        secondary: None,
+    };
+    if let Err(e) = Recorder::new(client.clone(), reporter).publish(&ev, &secret).await {
+        tracing::warn!("publishing an event: {e}");
+    }
+    anyhow::anyhow!(note)
+}
+
+/// The CA Secret: the one there, or a new one when no CA was in use yet.
+async fn ca(client: &kube::Client, api: &Api<Secret>, o: &Options) -> Result<(String, String)> {
+    let namespace = &o.namespace;
     loop {
         if let Some(s) = api.get_opt(CA_SECRET).await.with_context(|| format!("reading Secret {CA_SECRET}"))? {
+            CA_MISSING.set(0);
             match (field(&s, "ca.crt"), field(&s, "ca.key")) {
                 (Some(c), Some(k)) => return Ok((c.to_owned(), k.to_owned())),
                 _ => bail!("Secret {CA_SECRET} lacks ca.crt or ca.key (an operator's CA must carry both)"),
             }
+        }
+        if let Some(why) = in_use(client, o).await? {
+            return Err(ca_missing(client, o, why).await);
         }
         let ca = ferrite_tls::certs::new_ca(CA_DAYS).context("making the cluster CA")?;
         let new = secret(CA_SECRET, namespace, &[("ca.crt", &ca.cert_pem), ("ca.key", &ca.key_pem)]);
@@ -104,7 +167,7 @@ async fn ca(api: &Api<Secret>, namespace: &str) -> Result<(String, String)> {
 
 /// The controller's certificate Secret, issued again when it is not current.
 async fn controller(api: &Api<Secret>, o: &Options, ca: &(String, String)) -> Result<(String, String)> {
-    let names = vec![IDENTITY.to_owned(), o.service.clone()];
+    let names = vec![IDENTITY.to_owned(), LEGACY_IDENTITY.to_owned(), o.service.clone()];
     loop {
         let old = api.get_opt(TLS_SECRET).await.with_context(|| format!("reading Secret {TLS_SECRET}"))?;
         if let Some(s) = &old
@@ -141,7 +204,7 @@ async fn controller(api: &Api<Secret>, o: &Options, ca: &(String, String)) -> Re
 fn issue(ca: &(String, String), names: &[String]) -> Result<(String, String)> {
     use ferrite_tls::certs::{Request, new_key, request};
     let key = new_key().context("making the controller's key")?;
-    let csr = request(&key, IDENTITY, names).context("a request for the controller's certificate")?;
+    let csr = request(&key, LEGACY_IDENTITY, names).context("a request for the controller's certificate")?;
     let valid = Duration::from_secs(u64::from(CERT_DAYS) * 86_400);
     let cert = Request::parse(&csr)
         .and_then(|r| r.sign(&ca.0, &ca.1, valid))
@@ -189,7 +252,7 @@ async fn ca_bundle(client: &kube::Client, ca: &str) -> Result<()> {
 /// One round: the Secrets made or renewed as needed, the files and the caBundle brought in line.
 async fn round(client: &kube::Client, o: &Options) -> Result<()> {
     let api = Api::<Secret>::namespaced(client.clone(), &o.namespace);
-    let ca = ca(&api, &o.namespace).await?;
+    let ca = ca(client, &api, o).await?;
     let (cert, key) = controller(&api, o, &ca).await?;
     put(&o.ca_dir.join("ca.key"), &ca.1, 0o600)?;
     put(&o.ca_dir.join("ca.crt"), &ca.0, 0o644)?;
@@ -225,7 +288,7 @@ mod tests {
         use ferrite_tls::certs::{issue, new_ca};
         let (a, b) = (new_ca(10).unwrap(), new_ca(10).unwrap());
         let names = vec![super::IDENTITY.to_owned(), "ferrite-controller.ferrite.svc".to_owned()];
-        let cert = issue(&a.key_pem, super::IDENTITY, &names, 30).unwrap().cert_pem;
+        let cert = issue(&a.key_pem, super::LEGACY_IDENTITY, &names, 30).unwrap().cert_pem;
         assert!(super::current(&cert, &a.cert_pem, &names));
         assert!(!super::current(&cert, &b.cert_pem, &names), "another CA's");
         let more = [names.clone(), vec!["ferrite-controller.other.svc".to_owned()]].concat();

@@ -32,18 +32,51 @@ pub const SIGNER: &str = "ferrite.dev/node";
 pub const USAGES: [&str; 4] = ["digital signature", "key encipherment", "server auth", "client auth"];
 
 /// The names a node's certificate carries: the node's name (who it is to the NBD exports
-/// published to it), its addresses (who it is to its replication peers), the node Service (what
-/// the controller checks, and what binds the node's role in `[roles]`).
+/// published to it), its addresses that are IP addresses (who it is to its replication peers),
+/// the node Service (what the controller checks, and what binds the node's role in `[roles]`).
+/// A kubelet writes its Node's addresses as it likes: one that is no IP address is left out,
+/// so that no string there becomes a DNS name of the certificate.
 pub fn node_names(node: &Node, service: &str) -> Vec<String> {
     let mut names = vec![node.metadata.name.clone().unwrap_or_default()];
-    let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
-    for a in addresses.into_iter().flatten() {
-        if matches!(a.type_.as_str(), "InternalIP" | "ExternalIP") && !names.contains(&a.address) {
-            names.push(a.address.clone());
+    for ip in ip_addresses(node) {
+        if !names.contains(&ip) {
+            names.push(ip);
         }
     }
     names.push(service.to_owned());
     names
+}
+
+/// A Node's InternalIP and ExternalIP addresses that parse as IP addresses, written the one way.
+pub fn ip_addresses(node: &Node) -> impl Iterator<Item = String> + '_ {
+    let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+    addresses
+        .into_iter()
+        .flatten()
+        .filter(|a| matches!(a.type_.as_str(), "InternalIP" | "ExternalIP"))
+        .filter_map(|a| a.address.parse::<std::net::IpAddr>().ok())
+        .map(|ip| ip.to_string())
+}
+
+/// Why `name` may not be the node name a certificate carries: it is, or could be read as, an
+/// identity a role is bound to (the controller's, any URI, an address: a replication peer's
+/// identity) or the name of a Service (`*.svc`, `*.svc.<cluster domain>`), as a Node registered
+/// by a compromised node could be named. None: a node's name.
+pub fn refused_node_name(name: &str, service: &str) -> Option<String> {
+    let why = if name.is_empty() {
+        "is empty"
+    } else if name.parse::<std::net::IpAddr>().is_ok() {
+        "is an IP address (a replication peer's identity)"
+    } else if ferrite_tls::certs::is_uri(name) || name.contains(':') || name.contains('/') {
+        "could be read as a URI identity"
+    } else if ferrite_tls::same_name(name, cluster::LEGACY_IDENTITY) || ferrite_tls::same_name(name, service) {
+        "is a role's identity"
+    } else if name.split('.').any(|l| l.eq_ignore_ascii_case("svc")) {
+        "could be read as a Service's name"
+    } else {
+        return None;
+    };
+    Some(format!("the node name {name:?} {why}: no certificate names it"))
 }
 
 #[cfg(test)]
@@ -62,6 +95,27 @@ mod tests {
     }
 
     #[test]
+    fn names_a_node_may_not_carry() {
+        let svc = "ferrite-node.ferrite.svc";
+        for ok in ["node-a", "ip-10-0-0-5.ec2.internal", "worker-7.lab", "svc-node", "node.svcs"] {
+            assert_eq!(refused_node_name(ok, svc), None, "{ok}");
+        }
+        for bad in [
+            "",
+            "10.0.0.6",
+            "fd00::6",
+            "ferrite-controller",
+            "FERRITE-CONTROLLER",
+            "ferrite-node.ferrite.svc",
+            "ferrite-controller.ferrite.svc",
+            "kubernetes.default.svc.cluster.local",
+            "spiffe://ferrite.dev/controller",
+        ] {
+            assert!(refused_node_name(bad, svc).is_some(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn a_node_is_named_by_its_name_its_ip_addresses_and_the_service() {
         let n = node(
             "node-a",
@@ -70,6 +124,10 @@ mod tests {
                 ("InternalIP", "10.0.0.5"),
                 ("InternalIP", "fd00::5"),
                 ("ExternalIP", "10.0.0.5"),
+                // What a kubelet may write there: never a name of the certificate.
+                ("InternalIP", "ferrite-controller"),
+                ("ExternalIP", "spiffe://ferrite.dev/controller"),
+                ("InternalIP", "FD00:0::5"),
             ],
         );
         assert_eq!(

@@ -4,6 +4,7 @@
 //! the condition's message) otherwise. A request someone else approved is checked all the same:
 //! one that fails is marked Failed, never signed.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -74,14 +75,14 @@ impl Signer {
         }
     }
 
-    /// Whether the request asks for what `node` is, by the pod `pod` running there as `account`.
+    /// Whether the request asks for what `node` is, by the pod `pod` running there as `account`;
+    /// `others`: the addresses other Nodes list (never issued to this one).
     fn check(
         &self,
         spec: &CertificateSigningRequestSpec,
-        account: &str,
-        pod: &Pod,
-        uid: &str,
+        (account, pod, uid): (&str, &Pod, &str),
         node: &Node,
+        others: &BTreeMap<String, String>,
     ) -> Result<(), String> {
         let pod_name = pod.metadata.name.as_deref().unwrap_or("");
         if pod.metadata.uid.as_deref() != Some(uid) {
@@ -93,6 +94,9 @@ impl Signer {
         let node_name = node.metadata.name.as_deref().unwrap_or("");
         if let Some(n) = one(spec, NODE_NAME).filter(|n| *n != node_name) {
             return Err(format!("the token was issued on node {n}, pod {pod_name} runs on {node_name}"));
+        }
+        if let Some(why) = super::refused_node_name(node_name, &self.service) {
+            return Err(why);
         }
         let usages = spec.usages.iter().flatten();
         if let Some(u) = usages.clone().find(|u| !USAGES.contains(&u.as_str())) {
@@ -106,8 +110,15 @@ impl Signer {
                 "the request's subject is CN={cn:?}, not CN={node_name} alone (the node pod {pod_name} runs on)"
             ));
         }
-        let allowed = node_names(node, &self.service);
         let names = req.names()?;
+        // An address another Node lists too is the other node's identity to its peers: a
+        // kubelet that wrote it into its own status gets nothing for it.
+        if let Some((n, owner)) =
+            names.iter().find_map(|n| Some((n, others.iter().find(|(a, _)| ferrite_tls::same_name(a, n))?.1)))
+        {
+            return Err(format!("{n:?} is also an address of node {owner}: not issued to {node_name}"));
+        }
+        let allowed = node_names(node, &self.service);
         if let Some(n) = names.iter().find(|n| !allowed.iter().any(|a| ferrite_tls::same_name(a, n))) {
             return Err(format!("{n:?} is not a name of node {node_name} (it may have {})", allowed.join(", ")));
         }
@@ -130,10 +141,16 @@ impl Signer {
         let Some(node_name) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
             return Ok(Verdict::Refuse(format!("pod {pod_name} runs on no node")));
         };
-        let Some(node) = Api::<Node>::all(client.clone()).get_opt(&node_name).await.context("reading the Node")? else {
+        let all = Api::<Node>::all(client.clone()).list(&Default::default()).await.context("listing the Nodes")?;
+        let Some(node) = all.items.iter().find(|n| n.metadata.name.as_deref() == Some(&node_name)) else {
             return Ok(Verdict::Refuse(format!("node {node_name} does not exist")));
         };
-        if let Err(why) = self.check(spec, account, &pod, uid, &node) {
+        let others = all
+            .iter()
+            .filter(|n| n.metadata.name.as_deref() != Some(&node_name))
+            .flat_map(|n| super::ip_addresses(n).map(|a| (a, n.metadata.name.clone().unwrap_or_default())))
+            .collect();
+        if let Err(why) = self.check(spec, (account, &pod, uid), node, &others) {
             return Ok(Verdict::Refuse(why));
         }
         let asked =
@@ -234,8 +251,6 @@ pub async fn start(signer: Signer) -> Result<tokio::task::JoinHandle<()>> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
     use k8s_openapi::api::core::v1::PodSpec;
     use kube::api::ObjectMeta;
 
@@ -290,14 +305,15 @@ mod tests {
     #[test]
     fn only_a_daemon_pods_own_node_names_are_signed() {
         let s = signer();
+        let none = BTreeMap::new();
         let a = node("node-a", &[("InternalIP", "10.0.0.5")]);
         let bound = [(POD_NAME, "ferrite-daemon-x"), (POD_UID, "u1"), (NODE_NAME, "node-a")];
         let good = spec(SA, "node-a", &["node-a", "10.0.0.5", SVC], &bound);
         assert_eq!(s.requester(&good), Ok(("ferrite-daemon", "ferrite-daemon-x", "u1")));
-        assert_eq!(s.check(&good, "ferrite-daemon", &pod("node-a"), "u1", &a), Ok(()));
+        assert_eq!(s.check(&good, ("ferrite-daemon", &pod("node-a"), "u1"), &a, &none), Ok(()));
 
         let refused = |sp: &CertificateSigningRequestSpec, p: &Pod, n: &Node| {
-            s.check(sp, "ferrite-daemon", p, "u1", n).unwrap_err()
+            s.check(sp, ("ferrite-daemon", p, "u1"), n, &none).unwrap_err()
         };
         // Another node's address, or another node's name.
         let other_ip = spec(SA, "node-a", &["node-a", "10.0.0.6", SVC], &bound);
@@ -307,11 +323,11 @@ mod tests {
         let no_node_name = spec(SA, "node-a", &["10.0.0.5", SVC], &bound);
         assert!(refused(&no_node_name, &pod("node-a"), &a).contains("does not name its node"));
         // The pod replaced since its token asked, a token issued on another node.
-        assert!(s.check(&good, "ferrite-daemon", &pod("node-a"), "u2", &a).unwrap_err().contains("replaced"));
+        assert!(s.check(&good, ("ferrite-daemon", &pod("node-a"), "u2"), &a, &none).unwrap_err().contains("replaced"));
         // The node plugin's token asking for a pod that runs as the daemon: refused.
         let plugin = spec("system:serviceaccount:ferrite:ferrite-node", "node-a", &["node-a", SVC], &bound);
         let (account, _, _) = s.requester(&plugin).unwrap();
-        let e = s.check(&plugin, account, &pod("node-a"), "u1", &a).unwrap_err();
+        let e = s.check(&plugin, (account, &pod("node-a"), "u1"), &a, &none).unwrap_err();
         assert!(e.contains("does not run as ferrite-node"), "{e}");
         let elsewhere =
             spec(SA, "node-a", &["node-a", SVC], &[(POD_NAME, "p"), (POD_UID, "u1"), (NODE_NAME, "node-b")]);
@@ -330,5 +346,36 @@ mod tests {
         let at = forged.request.0.len() / 2;
         forged.request.0[at] ^= 1;
         assert!(refused(&forged, &pod("node-a"), &a).contains("request"));
+    }
+
+    #[test]
+    fn a_kubelet_writing_its_status_is_issued_no_role_and_no_other_node() {
+        let s = signer();
+        let bound = [(POD_NAME, "ferrite-daemon-x"), (POD_UID, "u1"), (NODE_NAME, "node-a")];
+        let who = ("ferrite-daemon", &pod("node-a"), "u1");
+        // Names a kubelet wrote among its addresses: left out of the node's names, refused when asked.
+        let a = node(
+            "node-a",
+            &[("InternalIP", "10.0.0.5"), ("InternalIP", "ferrite-controller"), ("ExternalIP", "10.0.0.6")],
+        );
+        let none = BTreeMap::new();
+        for name in ["ferrite-controller", "ferrite-controller.ferrite.svc", "spiffe://ferrite.dev/controller"] {
+            let asked = spec(SA, "node-a", &["node-a", "10.0.0.5", name, SVC], &bound);
+            assert!(s.check(&asked, who, &a, &none).is_err(), "{name}");
+        }
+        // Another node's address, written into this node's status.
+        let b = BTreeMap::from([("10.0.0.6".to_owned(), "node-b".to_owned())]);
+        let theirs = spec(SA, "node-a", &["node-a", "10.0.0.5", "10.0.0.6", SVC], &bound);
+        assert!(s.check(&theirs, who, &a, &none).is_ok(), "an address no other node lists");
+        let e = s.check(&theirs, who, &a, &b).unwrap_err();
+        assert!(e.contains("also an address of node node-b"), "{e}");
+        // A Node named like a role's identity or a Service gets nothing.
+        for name in ["ferrite-controller", "ferrite-node.ferrite.svc", "10.0.0.9"] {
+            let n = node(name, &[("InternalIP", "10.0.0.5")]);
+            let asked =
+                spec(SA, name, &[name, "10.0.0.5", SVC], &[(POD_NAME, "p"), (POD_UID, "u1"), (NODE_NAME, name)]);
+            let e = s.check(&asked, ("ferrite-daemon", &pod(name), "u1"), &n, &none).unwrap_err();
+            assert!(e.contains("no certificate names it"), "{name}: {e}");
+        }
     }
 }

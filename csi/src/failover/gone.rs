@@ -4,8 +4,9 @@
 //! names a primary at an address that no Node and no daemon in the directory has. Once that
 //! primary does not answer either, it is handled as a lost node's: its address is fenced on
 //! every daemon and a copy promoted, by the same rules. A Node that later shows up with an
-//! address we fenced and without our annotation (the machine re-registered) gets the
-//! annotation, so that the usual rejoin lifts the fence once its copies are rebuilt. The daemons
+//! address we fenced and without our record (the machine re-registered, or fenced by a release
+//! that kept the record on the Node alone) gets one, so that the usual rejoin lifts the fence
+//! once its copies are rebuilt. The daemons
 //! run on the host network (deploy/), so a daemon's address is its Node's: a restarted daemon
 //! keeps it, and is never taken for a gone one.
 
@@ -92,8 +93,8 @@ impl Failover {
         tokio::time::timeout(ANSWER, ask).await.ok().flatten().is_some()
     }
 
-    /// Annotates the Nodes that have an address failover fenced but not our annotation. The
-    /// fences are read from the first daemon that answers (every one holds the same).
+    /// Records (and annotates) the Nodes that have an address failover fenced but no record of
+    /// ours. The fences are read from the first daemon that answers (every one holds the same).
     async fn adopt(&self, nodes: &[std::sync::Arc<Node>]) -> anyhow::Result<()> {
         let mut fences = None;
         for node in self.dir.nodes() {
@@ -106,8 +107,22 @@ impl Failover {
         let ours = format!("/{FENCE_OWNER}");
         let by_us: BTreeSet<String> =
             fences.into_iter().flatten().filter(|f| f.by.iter().any(|b| b.ends_with(&ours))).map(|f| f.cidr).collect();
-        for n in nodes.iter().filter(|n| !n.annotations().contains_key(FENCED)) {
-            let blocks: Vec<String> = addresses(n).filter_map(|a| block(&a)).filter(|b| by_us.contains(b)).collect();
+        // A block recorded for another Node that exists, or an address another Node lists, is
+        // not this one's to adopt: its kubelet may have written it into its status.
+        let names: BTreeSet<String> = nodes.iter().map(|n| n.name_any()).collect();
+        let recorded = self.recorded_blocks();
+        for n in nodes.iter().filter(|n| self.recorded(&n.name_any(), FENCED).is_none()) {
+            let name = n.name_any();
+            let mine: BTreeSet<String> = addresses(n).collect();
+            let shared = super::lost::shared(&name, &mine, nodes);
+            let theirs =
+                |b: &String| recorded.iter().any(|(r, owner)| r == b && *owner != name && names.contains(owner));
+            let blocks: Vec<String> = mine
+                .iter()
+                .filter(|a| !shared.contains(*a))
+                .filter_map(|a| block(a))
+                .filter(|b| by_us.contains(b) && !theirs(b))
+                .collect();
             if !blocks.is_empty() {
                 tracing::warn!(node = %n.name_any(), ?blocks, "a node came back at addresses failover fenced: adopting the fence");
                 self.annotate(&n.name_any(), &[(FENCED, Some(blocks.join(",")))]).await?;

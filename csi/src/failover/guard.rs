@@ -123,9 +123,10 @@ impl super::Failover {
         let mut at = Placement::new();
         for n in self.node_store.state() {
             let Some(endpoint) = self.dir.admin_endpoint(&n.name_any()) else { continue };
-            let why = if usable(&n) {
+            let fenced = self.recorded(&n.name_any(), FENCED).is_some();
+            let why = if usable(&n, fenced) {
                 None
-            } else if n.annotations().contains_key(FENCED) {
+            } else if fenced {
                 Some("fenced")
             } else if !ready(&n) {
                 Some("not Ready")

@@ -19,6 +19,7 @@ use kube::ResourceExt;
 use kube::runtime::events::EventType;
 use tonic::Code;
 
+use super::workload::Release;
 use super::{FAN_OUT, FENCED, Failover, addresses, block, host};
 use crate::nodes::admin;
 
@@ -40,6 +41,12 @@ struct Lost {
     blocks: Vec<String>,
 }
 
+/// The addresses of `addrs` (node `name`'s) that another of the Nodes `all` lists too.
+pub(super) fn shared(name: &str, addrs: &BTreeSet<String>, all: &[Arc<Node>]) -> BTreeSet<String> {
+    let others: BTreeSet<String> = all.iter().filter(|n| n.name_any() != name).flat_map(|n| addresses(n)).collect();
+    addrs.iter().filter(|a| others.iter().any(|o| ferrite_tls::same_name(o, a))).cloned().collect()
+}
+
 /// Whether `ok` of `ok + failed` daemons is a majority.
 pub(super) fn majority(ok: usize, failed: usize) -> bool {
     ok * 2 > ok + failed
@@ -50,12 +57,21 @@ impl Failover {
     /// volume whose primary was on one of them.
     pub(super) async fn fail_over(&self, lost: Vec<(Arc<Node>, String, Timestamp)>) {
         let names: BTreeSet<String> = lost.iter().map(|(n, ..)| n.name_any()).collect();
+        let all = self.node_store.state();
         let mut nodes = Vec::new();
         for (node, why, since) in lost {
             let name = node.name_any();
             let mut addrs: BTreeSet<String> = addresses(&node).collect();
             if let Some(at) = self.dir.admin_endpoint(&name) {
                 addrs.insert(host(&at).to_owned());
+            }
+            // A kubelet writes its Node's addresses: one another Node lists too is that node's,
+            // and fencing it would cut off a node that is not lost.
+            let theirs = shared(&name, &addrs, &all);
+            if !theirs.is_empty() {
+                let e = anyhow::anyhow!("addresses {theirs:?} of lost node {name} are other nodes' too: not fenced");
+                self.failed(&node, &e).await;
+                addrs.retain(|a| !theirs.contains(a));
             }
             let blocks: Vec<String> = addrs.iter().filter_map(|a| block(a)).collect();
             if blocks.is_empty() {
@@ -69,7 +85,7 @@ impl Failover {
         let annotated = futures_util::stream::iter(nodes)
             .map(|l| async move {
                 let name = l.node.name_any();
-                if l.node.annotations().get(FENCED) == Some(&l.blocks.join(",")) {
+                if self.recorded(&name, FENCED).is_some_and(|b| b == l.blocks) {
                     return Some(l);
                 }
                 tracing::warn!(node = %name, fence = ?l.blocks, "node lost ({}): fencing it", l.why);
@@ -96,9 +112,16 @@ impl Failover {
         if !fenced {
             tracing::warn!(nodes = ?names, "the fence does not hold everywhere yet: {}", refused.join("; "));
         }
-        // Volumes whose primary was on a lost node, with the copies that answer.
+        // Volumes whose primary was on a lost node, with the copies that answer; and the volumes
+        // served elsewhere already (promoted by an earlier pass).
         let mut volumes: BTreeMap<String, (usize, Copies)> = BTreeMap::new();
-        for (node, views) in self.views(&names).await {
+        let views = self.views(&names).await;
+        let mut elsewhere: BTreeSet<String> = views
+            .iter()
+            .flat_map(|(_, vs)| vs.iter().filter(|v| v.role == "primary"))
+            .map(|v| v.volume.clone())
+            .collect();
+        for (node, views) in views {
             let me = self.dir.admin_endpoint(&node).map(|e| host(&e).to_owned()).unwrap_or_default();
             for v in views.into_iter().filter(|v| v.role == "replica") {
                 let Some(at) = nodes.iter().position(|l| l.addrs.contains(host(&v.primary))) else { continue };
@@ -111,13 +134,14 @@ impl Failover {
             }
         }
         let nodes = &nodes;
-        futures_util::stream::iter(volumes)
-            .for_each_concurrent(FAN_OUT, |(volume, (at, mut copies))| async move {
+        let promoted: Vec<Option<String>> = futures_util::stream::iter(volumes)
+            .map(|(volume, (at, mut copies))| async move {
                 copies.sort_by(|a, b| b.cmp(a));
                 let Lost { node, why, since, .. } = &nodes[at];
                 let name = node.name_any();
                 let promoted = self.promote(&volume, &copies, fenced).await;
-                self.metrics.promoted(promoted.is_ok());
+                let moved = promoted.is_ok();
+                self.metrics.promoted(moved);
                 if promoted.is_ok() {
                     self.metrics.recovery.observe(Timestamp::now().duration_since(*since).as_secs_f64().max(0.0));
                 }
@@ -138,28 +162,36 @@ impl Failover {
                 };
                 tracing::warn!(volume, "{note}");
                 self.event(&volume, Some(node), kind, reason, "Failover", note).await;
+                moved.then_some(volume)
             })
+            .buffer_unordered(FAN_OUT)
+            .collect()
             .await;
         if !fenced {
             return;
         }
+        elsewhere.extend(promoted.into_iter().flatten());
         // The nodes can no longer write anywhere: the pods using our volumes may run elsewhere.
+        let elsewhere = &elsewhere;
         futures_util::stream::iter(nodes)
             .for_each_concurrent(FAN_OUT, |l| async move {
-                if let Err(e) = self.release(&l.node.name_any()).await {
+                if let Err(e) = self.release(&l.node, elsewhere).await {
                     self.failed(&l.node, &e).await;
                 }
             })
             .await;
     }
 
-    /// Taints fenced node `name` (if not Ready), deletes its pods that use our volumes, and our
-    /// VolumeAttachments to it unless the out-of-service taint has Kubernetes detach them.
-    async fn release(&self, name: &str) -> anyhow::Result<()> {
-        let out_of_service = self.taint(name, true).await?;
-        self.delete_pods(name).await?;
+    /// Taints fenced node `node` (if not Ready), deletes its pods that use our volumes, and our
+    /// VolumeAttachments to it unless the out-of-service taint has Kubernetes detach them. On a
+    /// Ready node only those of the volumes served `elsewhere` now (`workload.rs`).
+    async fn release(&self, node: &Node, elsewhere: &BTreeSet<String>) -> anyhow::Result<()> {
+        let name = node.name_any();
+        let which = if super::ready(node) { Release::Moved(elsewhere) } else { Release::All };
+        let out_of_service = self.taint(&name, true).await?;
+        self.delete_pods(&name, which).await?;
         if !out_of_service {
-            self.detach(name).await?;
+            self.detach(&name, which).await?;
         }
         Ok(())
     }
@@ -202,8 +234,7 @@ impl Failover {
     /// majority did (the rest: [`UNFENCE`]).
     pub(super) async fn rejoin(&self, n: &Node, views: &[(String, Vec<pb::SyncVolume>)]) -> anyhow::Result<()> {
         let name = n.name_any();
-        let blocks: Vec<String> =
-            n.annotations().get(FENCED).map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default();
+        let blocks = self.recorded(&name, FENCED).unwrap_or_default();
         let hosts: BTreeSet<&str> = blocks.iter().map(|b| b.split_once('/').map_or(b.as_str(), |(h, _)| h)).collect();
         let me = BTreeSet::from([name.clone()]);
         let mut member_of = Vec::new();
@@ -238,8 +269,7 @@ impl Failover {
     /// Lifts a returned node's fence on the daemons that missed it ([`UNFENCE`]).
     pub(super) async fn unfence_rest(&self, n: &Node) -> anyhow::Result<()> {
         let name = n.name_any();
-        let blocks: Vec<String> =
-            n.annotations().get(UNFENCE).map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default();
+        let blocks = self.recorded(&name, UNFENCE).unwrap_or_default();
         let (_, refused) = self.fence(&BTreeSet::from([name.clone()]), &blocks, false).await;
         if refused.is_empty() {
             self.annotate(&name, &[(UNFENCE, None)]).await?;
@@ -251,6 +281,24 @@ impl Failover {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_address_another_node_lists_is_not_this_nodes_to_fence() {
+        use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeStatus};
+        use std::sync::Arc;
+        let node = |name: &str, ips: &[&str]| {
+            let addresses = ips.iter().map(|a| NodeAddress { type_: "InternalIP".into(), address: (*a).into() });
+            Arc::new(Node {
+                metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
+                status: Some(NodeStatus { addresses: Some(addresses.collect()), ..Default::default() }),
+                ..Default::default()
+            })
+        };
+        let all = [node("a", &["10.0.0.5", "10.0.0.6"]), node("b", &["10.0.0.6"])];
+        let addrs: std::collections::BTreeSet<String> = ["10.0.0.5".to_owned(), "10.0.0.6".to_owned()].into();
+        assert_eq!(super::shared("a", &addrs, &all), ["10.0.0.6".to_owned()].into());
+        assert!(super::shared("b", &["10.0.0.6".to_owned()].into(), &all[1..]).is_empty());
+    }
+
     #[test]
     fn a_majority_is_more_than_half() {
         use super::majority;

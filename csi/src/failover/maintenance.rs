@@ -17,10 +17,10 @@ use kube::runtime::events::EventType;
 use super::{ANSWER, FENCED, host, ready};
 use crate::nodes::admin;
 
-/// Whether a node may take primaries: Ready, schedulable, not fenced.
-pub(super) fn usable(n: &Node) -> bool {
+/// Whether a node may take primaries: Ready, schedulable, not `fenced` (by our records).
+pub(super) fn usable(n: &Node, fenced: bool) -> bool {
     let cordoned = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
-    ready(n) && !cordoned && !n.annotations().contains_key(FENCED)
+    ready(n) && !cordoned && !fenced
 }
 
 /// The annotation that puts a node in maintenance without cordoning it; its value may say for
@@ -40,9 +40,9 @@ pub(super) fn in_maintenance(n: &Node) -> Option<Duration> {
     }
 }
 
-/// Whether node `n` is cordoned (and not fenced: a fenced node's volumes failed over already).
-pub(super) fn cordoned(n: &Node) -> bool {
-    n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false) && !n.annotations().contains_key(FENCED)
+/// Whether node `n` is cordoned (and not `fenced`: a fenced node's volumes failed over already).
+pub(super) fn cordoned(n: &Node, fenced: bool) -> bool {
+    n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false) && !fenced
 }
 
 impl super::Failover {
@@ -65,7 +65,7 @@ impl super::Failover {
             .node_store
             .state()
             .iter()
-            .filter(|n| usable(n))
+            .filter(|n| usable(n, self.recorded(&n.name_any(), FENCED).is_some()))
             .filter_map(|n| Some((host(&self.dir.admin_endpoint(&n.name_any())?).to_owned(), n.name_any())))
             .collect();
         for (v, copies) in ferrite_proto::hand_over::movable(&held, &published) {

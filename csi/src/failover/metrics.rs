@@ -1,4 +1,4 @@
-//! What the failover controller did, for Prometheus: served as `GET /metrics` on the webhook
+//! What the failover controller did (and whether the cluster CA's Secret is missing), for Prometheus: served as `GET /metrics` on the webhook
 //! listener (`webhook.rs`) by every replica; only the leader's move. The alerts on them are in
 //! deploy/kubernetes/components/monitoring.
 
@@ -72,6 +72,11 @@ impl Default for Metrics {
         );
         r.register("ferrite_failover_errors", "Failover steps that failed (each also an Event).", m.errors.clone());
         r.register(
+            "ferrite_cluster_ca_missing",
+            "1 while the Secret ferrite-ca is missing but the cluster's CA is in use (no new CA is made).",
+            crate::certs::cluster::CA_MISSING.clone(),
+        );
+        r.register(
             "ferrite_failover_recovery_seconds",
             "From a node's loss (not Ready, or its heartbeat's last renewal) to a promoted primary elsewhere.",
             m.recovery.clone(),
@@ -121,6 +126,7 @@ mod tests {
             "ferrite_failover_fence_rounds",
             "ferrite_failover_errors",
             "ferrite_failover_recovery_seconds",
+            "ferrite_cluster_ca_missing",
         ] {
             assert!(text.contains(&format!("# TYPE {family} ")), "{family} missing:\n{text}");
         }

@@ -6,8 +6,8 @@
 //!   (`heartbeat.rs`) has expired: a crash-looping or hung daemon, or a dead pool device, on a
 //!   node the kubelet keeps Ready. Its addresses are fenced on every other daemon (they refuse
 //!   and cut its connections: a primary cut off from its members cannot record a generation,
-//!   and it refuses writes without a majority), the Node is annotated so that the fence is
-//!   known to be ours, and each volume whose primary was there is promoted on the most current
+//!   and it refuses writes without a majority), the fence is recorded (and the Node annotated)
+//!   so that it is known to be ours, and each volume whose primary was there is promoted on the most current
 //!   in-sync copy: the daemons' generation rule decides (only an in-sync member of the newest
 //!   generation a majority holds). A volume of two copies has no majority left; the fence is
 //!   what makes promoting its in-sync survivor safe, so that promotion is forced. Events on the
@@ -28,7 +28,8 @@
 //!   volume by volume once it is not published (`maintenance.rs`).
 //!
 //! Stateless like the rest of the controller: the fences live in the daemons, the memberships
-//! too, the annotation on the Node. Of several controller replicas only the holder of the
+//! too, and which node each fence is for in a record in the controller's namespace
+//! (`records.rs`; mirrored on the Node's annotation, which its kubelet could forge). Of several controller replicas only the holder of the
 //! `ferrite-failover` Lease runs the loop (`lease.rs`). A node that never reported a Ready
 //! condition is left alone.
 
@@ -39,7 +40,7 @@ use std::time::Duration;
 use ferrite_proto::ferrite::v1 as pb;
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, ObjectReference, PersistentVolume, Taint};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, PersistentVolume, Taint};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -55,6 +56,7 @@ mod lost;
 mod maintenance;
 pub mod metrics;
 mod pv_move;
+mod records;
 mod replace;
 mod workload;
 
@@ -98,6 +100,10 @@ struct Failover {
     /// The nodes' storage heartbeats, and their namespace.
     heartbeats: Store<Lease>,
     lease_namespace: String,
+    /// The controller's own namespace, where only its account writes (the records of PV moves
+    /// and of fences), and the fence records as a watch keeps them (`records.rs`).
+    namespace: String,
+    fence_records: Store<ConfigMap>,
     events: Recorder,
     /// The CSI driver name, to find its PersistentVolumes.
     driver: String,
@@ -196,13 +202,13 @@ fn ready(n: &Node) -> bool {
 }
 
 /// A store of every `K`, kept by a watch (with backoff) for as long as the process runs.
-fn watched<K>(api: Api<K>) -> Store<K>
+fn watched<K>(api: Api<K>, config: watcher::Config) -> Store<K>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
 {
     let (store, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
+    let stream = reflector::reflector(writer, watcher(api, config)).default_backoff();
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         while let Some(ev) = stream.next().await {
@@ -234,10 +240,15 @@ pub async fn start(
         leader,
         renewing: tokio::sync::Mutex::new(()),
         dir,
-        node_store: watched(Api::clone(&nodes)),
-        volume_store: watched(Api::all(client.clone())),
-        heartbeats: watched(Api::namespaced(client.clone(), lease_namespace)),
+        node_store: watched(Api::clone(&nodes), watcher::Config::default()),
+        volume_store: watched(Api::all(client.clone()), watcher::Config::default()),
+        heartbeats: watched(Api::namespaced(client.clone(), lease_namespace), watcher::Config::default()),
         lease_namespace: lease_namespace.to_owned(),
+        fence_records: watched(
+            Api::namespaced(client.clone(), &namespace),
+            watcher::Config::default().labels(records::LABEL),
+        ),
+        namespace: namespace.clone(),
         nodes,
         events: Recorder::new(client.clone(), reporter),
         client,
@@ -254,6 +265,7 @@ pub async fn start(
         let synced = async {
             this.node_store.wait_until_ready().await?;
             this.heartbeats.wait_until_ready().await?;
+            this.fence_records.wait_until_ready().await?;
             this.volume_store.wait_until_ready().await
         };
         if let Err(e) = synced.await {
@@ -360,7 +372,8 @@ impl Failover {
             (None, Some(d)) => Some((format!("its storage heartbeat silent for {}s", d.as_secs()), d)),
             (None, None) => None,
         };
-        let fenced = n.annotations().contains_key(FENCED);
+        // Our records, not the Node's annotations (which its kubelet may write).
+        let fenced = self.recorded(&name, FENCED).is_some();
         if let Some((sign, since)) = sign {
             return match trouble(&*self.dir, &name, ANSWER).await {
                 Some(why) => Look::Lost(format!("{sign}, {why}"), now - since),
@@ -373,9 +386,9 @@ impl Failover {
         if fenced {
             return if trouble(&*self.dir, &name, ANSWER).await.is_none() { Look::Back } else { Look::Fine };
         }
-        if n.annotations().contains_key(lost::UNFENCE) {
+        if self.recorded(&name, lost::UNFENCE).is_some() {
             Look::Unfence
-        } else if maintenance::cordoned(n) {
+        } else if maintenance::cordoned(n, fenced) {
             Look::HandOver("is cordoned")
         } else if heartbeat.is_some_and(|l| l.annotations().contains_key(crate::heartbeat::STOPPING)) {
             Look::HandOver("is restarting its daemon")
@@ -467,16 +480,6 @@ impl Failover {
         self.metrics.fence_round(fence);
         let done = results.iter().filter(|r| r.is_ok()).count();
         (done, results.into_iter().filter_map(Result::err).collect())
-    }
-
-    /// Sets (Some) or removes (None) annotations of Node `node`.
-    async fn annotate(&self, node: &str, values: &[(&str, Option<String>)]) -> anyhow::Result<()> {
-        self.leading().await?;
-        let annotations: serde_json::Map<String, serde_json::Value> =
-            values.iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect();
-        let patch = serde_json::json!({"metadata": {"annotations": annotations}});
-        self.nodes.patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-        Ok(())
     }
 
     /// Adds (`on`) or removes our taints of node `n` (`taints`). A compare-and-swap on the

@@ -114,7 +114,7 @@ fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, Class)> {
 impl Failover {
     /// One look at every replicated PV, with every daemon's memberships (`views`).
     pub(super) async fn replace(&self, views: &[(String, Vec<pb::SyncVolume>)]) -> anyhow::Result<()> {
-        self.resume_moves().await?;
+        self.resume_moves().await;
         let answered: BTreeSet<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
         // Each volume's primary that takes writes, the newest generation's.
         let mut primaries: BTreeMap<&str, (&str, &pb::SyncVolume)> = BTreeMap::new();
@@ -317,8 +317,8 @@ impl Failover {
             c.resource_version = None;
         }
         again.spec = Some(spec);
-        // Recorded on the claim before the delete: a crash from here on is finished by the next
-        // leader (pv_move.rs).
+        // Recorded in the controller's namespace before the delete: a crash from here on is
+        // finished by the next leader (pv_move.rs).
         self.move_pv(pv, again).await
     }
 }

@@ -1,12 +1,18 @@
 //! The workload follows the volume. Once a lost node is fenced, its pods that use one of this
-//! driver's volumes are deleted at once (no grace period): the fence, not the kubelet, is what
-//! guarantees the old pod can no longer write, so there is nothing to wait for. Kubernetes alone
-//! would wait: its pod garbage collector force-deletes a node's pods only once the Node is not
-//! Ready (40-50 s after a power loss), and on a Ready node (a dead daemon under a live kubelet)
-//! the pod waits for the kubelet to unmount a device whose daemon is gone. The node's
-//! VolumeAttachments of this driver are deleted too (unless the out-of-service taint has
-//! Kubernetes detach them), and their controllers (StatefulSet, Deployment) recreate the pods
-//! where the volumes are published next. Nothing else on the node is touched.
+//! driver's volumes are deleted, and the node's VolumeAttachments of this driver too (unless the
+//! out-of-service taint has Kubernetes detach them); their controllers (StatefulSet,
+//! Deployment) recreate the pods where the volumes are published next. How much is released
+//! depends on the kubelet:
+//!
+//! - A node that is not Ready (its kubelet silent too): every such pod, at once (no grace
+//!   period). The fence, not the kubelet, is what guarantees the old pod can no longer write, so
+//!   there is nothing to wait for; Kubernetes alone would force-delete them only 40-50 s later.
+//! - A Ready node (a stalled or dead daemon under a live kubelet): only the pods using a volume
+//!   that is served elsewhere now (promoted), with their own grace period, and only those
+//!   volumes' attachments. The kubelet is alive: it stops the pod as it would any other, and a
+//!   pod whose volume stayed (a single copy) keeps running and resumes when its daemon does.
+//!
+//! Nothing else on the node is touched.
 
 use std::collections::BTreeSet;
 
@@ -31,35 +37,68 @@ fn claims(pod: &Pod) -> Vec<(String, String)> {
         .collect()
 }
 
+/// What failover releases on a fenced node.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Release<'a> {
+    /// Not Ready: every pod and attachment of our volumes, pods with no grace.
+    All,
+    /// Ready: those of the volumes (engine names) served elsewhere now, pods with their grace.
+    Moved(&'a BTreeSet<String>),
+}
+
+impl Release<'_> {
+    fn covers(self, volume: &str) -> bool {
+        match self {
+            Release::All => true,
+            Release::Moved(moved) => moved.contains(volume),
+        }
+    }
+}
+
 impl super::Failover {
-    /// Deletes the pods on fenced node `node` that use a volume of this driver, each with an
-    /// Event saying why.
-    pub(super) async fn delete_pods(&self, node: &str) -> anyhow::Result<()> {
-        let ours: BTreeSet<(String, String)> = self
-            .volume_store
-            .state()
-            .iter()
-            .filter(|pv| pv.spec.as_ref().and_then(|s| s.csi.as_ref()).is_some_and(|c| c.driver == self.driver))
-            .filter_map(|pv| pv.spec.as_ref()?.claim_ref.clone())
-            .map(|c| (c.namespace.unwrap_or_default(), c.name.unwrap_or_default()))
-            .collect();
+    /// The engine volume of each PersistentVolume of this driver, by PV name and by claim.
+    fn our_volumes(&self) -> Vec<(String, (String, String), String)> {
+        let pvs = self.volume_store.state();
+        pvs.iter()
+            .filter_map(|pv| {
+                let spec = pv.spec.as_ref()?;
+                let csi = spec.csi.as_ref().filter(|c| c.driver == self.driver)?;
+                let (_, volume) = crate::ids::parse(&csi.volume_handle)?;
+                let c = spec.claim_ref.clone().unwrap_or_default();
+                let claim = (c.namespace.unwrap_or_default(), c.name.unwrap_or_default());
+                Some((pv.name_any(), claim, volume.to_owned()))
+            })
+            .collect()
+    }
+
+    /// Deletes the pods on fenced node `node` that use a volume of this driver `which` covers,
+    /// each with an Event saying why.
+    pub(super) async fn delete_pods(&self, node: &str, which: Release<'_>) -> anyhow::Result<()> {
+        let ours: BTreeSet<(String, String)> =
+            self.our_volumes().into_iter().filter(|(_, _, v)| which.covers(v)).map(|(_, c, _)| c).collect();
         let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));
         for pod in Api::<Pod>::all(self.client.clone()).list(&on_node).await? {
             let uses: Vec<String> = claims(&pod).into_iter().filter(|c| ours.contains(c)).map(|(_, c)| c).collect();
-            if uses.is_empty() {
+            if uses.is_empty() || pod.metadata.deletion_timestamp.is_some() {
                 continue;
             }
             let (ns, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
             self.leading().await?;
-            let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
-            match Api::<Pod>::namespaced(self.client.clone(), &ns).delete(&name, &now).await {
+            let grace = match which {
+                Release::All => DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() },
+                Release::Moved(_) => DeleteParams::default(),
+            };
+            match Api::<Pod>::namespaced(self.client.clone(), &ns).delete(&name, &grace).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 404 => continue,
                 Err(e) => return Err(e.into()),
             }
+            let how = match which {
+                Release::All => format!("node {node} was lost and is fenced"),
+                Release::Moved(_) => format!("the daemon on node {node} was lost and is fenced (the node is Ready)"),
+            };
             let note = format!(
-                "node {node} was lost and is fenced; deleted so that the pod restarts where its \
-                 volumes ({}) are served now",
+                "{how}; deleted so that the pod restarts where its volumes ({}) are served now",
                 uses.join(", ")
             );
             tracing::warn!(pod = %name, namespace = %ns, "{note}");
@@ -76,16 +115,20 @@ impl super::Failover {
         }
         Ok(())
     }
-}
 
-impl super::Failover {
-    /// Deletes the VolumeAttachments of this driver's volumes to fenced node `node`: the
-    /// attacher then unpublishes them (the fenced node can no longer use them) and the volumes
-    /// attach where their pods go next.
-    pub(super) async fn detach(&self, node: &str) -> anyhow::Result<()> {
+    /// Deletes the VolumeAttachments to fenced node `node` of this driver's volumes `which`
+    /// covers: the attacher then unpublishes them (the fenced node can no longer use them) and
+    /// the volumes attach where their pods go next.
+    pub(super) async fn detach(&self, node: &str, which: Release<'_>) -> anyhow::Result<()> {
+        let covered: BTreeSet<String> =
+            self.our_volumes().into_iter().filter(|(_, _, v)| which.covers(v)).map(|(pv, _, _)| pv).collect();
         let api = Api::<VolumeAttachment>::all(self.client.clone());
         for va in api.list(&ListParams::default()).await? {
-            if va.spec.attacher != self.driver || va.spec.node_name != node || va.metadata.deletion_timestamp.is_some()
+            let pv = va.spec.source.persistent_volume_name.as_deref().unwrap_or_default();
+            if va.spec.attacher != self.driver
+                || va.spec.node_name != node
+                || va.metadata.deletion_timestamp.is_some()
+                || !covered.contains(pv)
             {
                 continue;
             }
@@ -105,6 +148,13 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{EphemeralVolumeSource, PersistentVolumeClaimVolumeSource, PodSpec, Volume};
     use kube::api::ObjectMeta;
+
+    #[test]
+    fn a_ready_node_releases_only_what_moved() {
+        let moved: BTreeSet<String> = ["v1".to_owned()].into();
+        assert!(Release::All.covers("v1") && Release::All.covers("v2"));
+        assert!(Release::Moved(&moved).covers("v1") && !Release::Moved(&moved).covers("v2"));
+    }
 
     #[test]
     fn finds_named_and_ephemeral_claims() {

@@ -155,6 +155,9 @@ impl ControlPlane {
                 "--service-account-issuer=https://kubernetes.default.svc",
                 "--allow-privileged=true",
                 "--authorization-mode=Node,RBAC",
+                // What every production cluster runs: a kubelet's credentials reach its own Node
+                // and the pods bound to it, no other (the tier attacks as a node).
+                "--enable-admission-plugins=NodeRestriction",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--enable-priority-and-fairness=false",
                 // Webhooks reached through their Service's endpoints: there is no kube-proxy here.
@@ -213,9 +216,28 @@ impl ControlPlane {
     /// `netns`: the network namespace it runs in, and the address there it reaches the API
     /// server at (see [`ControlPlane::start`]).
     pub fn spawn_in_pod(&mut self, name: &str, cmd: &Command, ns: &str, sa: &str, netns: Option<(&str, &str)>) {
+        self.spawn_with_token(name, cmd, ns, &["create", "token", sa, "-n", ns, "--duration=2h"], netns);
+    }
+
+    /// The same with the token the kubelet projects into pod `pod` (name, uid): bound to it, so
+    /// that the API server knows the pod and its node from it.
+    pub fn spawn_in_bound_pod(
+        &mut self,
+        name: &str,
+        cmd: &Command,
+        (ns, sa): (&str, &str),
+        (pod, uid): (&str, &str),
+        netns: Option<(&str, &str)>,
+    ) {
+        let (pod, uid) = (format!("--bound-object-name={pod}"), format!("--bound-object-uid={uid}"));
+        let args = ["create", "token", sa, "-n", ns, "--duration=2h", "--bound-object-kind=Pod", &pod, &uid];
+        self.spawn_with_token(name, cmd, ns, &args, netns);
+    }
+
+    fn spawn_with_token(&mut self, name: &str, cmd: &Command, ns: &str, create: &[&str], netns: Option<(&str, &str)>) {
         let account = self.dir.join(format!("{name}.serviceaccount"));
         std::fs::create_dir_all(&account).unwrap();
-        let token = self.ok(&["create", "token", sa, "-n", ns, "--duration=2h"]);
+        let token = self.ok(create);
         std::fs::write(account.join("token"), token.trim()).unwrap();
         std::fs::write(account.join("namespace"), ns).unwrap();
         std::fs::copy(self.dir.join("kpki/ca.crt"), account.join("ca.crt")).unwrap();
@@ -324,6 +346,40 @@ impl ControlPlane {
         let o = c.wait_with_output().unwrap();
         assert!(o.status.success(), "kubectl {args:?}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8(o.stdout).unwrap()
+    }
+
+    /// kubectl with the credentials of kubeconfig `kc` (another user than the admin).
+    pub fn kubectl_as(&self, kc: &Path, args: &[&str]) -> Output {
+        Command::new("kubectl").arg("--kubeconfig").arg(kc).args(args).output().unwrap()
+    }
+
+    /// A kubeconfig with what node `node`'s kubelet holds: a client certificate of the cluster's
+    /// CA for `system:node:<node>` in group `system:nodes` (what the Node authorizer and
+    /// NodeRestriction admit to its own Node and pods).
+    pub fn node_kubeconfig(&self, node: &str) -> PathBuf {
+        let pki = self.dir.join("kpki");
+        let p = |f: &str| pki.join(f).display().to_string();
+        let (key, csr, crt) =
+            (p(&format!("kubelet-{node}.key")), p(&format!("kubelet-{node}.csr")), p(&format!("kubelet-{node}.crt")));
+        let subject = format!("/O=system:nodes/CN=system:node:{node}");
+        openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-keyout", &key, "-subj", &subject, "-out", &csr]);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &p("ca.crt"),
+            "-CAkey",
+            &p("ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            &crt,
+        ]);
+        let user = format!("    client-certificate: {crt}\n    client-key: {key}");
+        kubeconfig(&self.dir.join(format!("kubelet-{node}.kubeconfig")), &self.server, &pki.join("ca.crt"), &user)
     }
 
     /// A kubeconfig with a fresh token of ServiceAccount `ns/sa`, for one process.

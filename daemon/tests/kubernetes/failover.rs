@@ -1,6 +1,6 @@
 //! The tier's node-loss and maintenance scenarios for a three-copy volume: (a) the primary's
-//! node lost (its daemon killed, its Node not Ready); (c) its daemon dead while the Node stays
-//! Ready (only the storage heartbeat's Lease tells), with (d) the controller's calls timed
+//! node lost (its daemon killed, its Node not Ready); (c) its daemon stalled while the Node stays
+//! Ready (only the storage heartbeat's Lease tells; a single-copy pod there stays), with (d) the controller's calls timed
 //! meanwhile and (g) a publication to a third node after this second failover; (b) its node
 //! cut off the network with its daemon alive; (f) the primary's node cordoned, and a drain that
 //! would take a second copy refused; (e) with a second controller of a rollout beside the first,
@@ -10,7 +10,7 @@
 //! that the node comes back rebuilt before its fence and taints are lifted.
 
 use std::io::Write as _;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -130,6 +130,28 @@ fn check_pods_moved(c: &mut Cluster, app: &str) {
         "a pod without our volumes stays"
     );
     c.cp.ok(&["delete", "pod", "bystander", "-n", "default", "--grace-period=0", "--force"]);
+}
+
+/// A pod on node `node` (named `name`) using the claim of a single-copy volume served there.
+fn single_copy_pod(c: &Cluster, node: &str, name: &str) -> String {
+    let pvs = c.cp.get(&["pv"]);
+    let claim = pvs["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|pv| {
+            pv["spec"]["csi"]["volumeHandle"].as_str().is_some_and(|h| h.starts_with(&format!("{node}/")))
+                && pv["spec"]["claimRef"]["namespace"] == "default"
+        })
+        .map(|pv| pv["spec"]["claimRef"]["name"].as_str().unwrap().to_owned())
+        .unwrap_or_else(|| panic!("no single-copy claim on {node}"));
+    c.cp.apply(
+        &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeName": node, "containers": [{"name": "app", "image": "app.invalid/app:1"}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}]}})
+        .to_string(),
+    );
+    name.to_owned()
 }
 
 /// The workload comes back on `on` (a copy node, the new primary): the volume attaches there and
@@ -289,11 +311,13 @@ fn controller_answers(c: &mut Cluster, lost: &str) {
     assert_eq!(c.cp.pid(&process), pid, "the controller was not restarted");
 }
 
-/// (c) The primary's daemon dies while its Node stays Ready (the kubelet is fine): its heartbeat
-/// stops renewing the node's Lease, which expires; failover then handles the node as lost. The
-/// kubelet restarts the daemon container; the node is rebuilt and rejoins.
+/// (c) The primary's daemon stalls (SIGSTOP) while its Node stays Ready (the kubelet is fine):
+/// its heartbeat stops renewing the node's Lease, which expires; failover then handles the node
+/// as lost, but a Ready node's kubelet is alive: only the pod whose volume moved is deleted (with
+/// its grace), and a pod of a single-copy volume there stays. The daemon resumes 20 s or more
+/// later; the node is rebuilt and rejoins.
 pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
-    println!("== failover (c): the primary's daemon dies, its Node stays Ready");
+    println!("== failover (c): the primary's daemon stalls (SIGSTOP), its Node stays Ready");
     let (i, lost, generation) = primary_of(c, vol);
     let lease = c.cp.get(&["lease", &format!("ferrite-node-{lost}"), "-n", "ferrite-node-lease"]);
     assert_eq!(lease["spec"]["holderIdentity"], lost, "the heartbeat renews the node's Lease: {lease}");
@@ -301,18 +325,22 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     acknowledged(&c.daemons[i], vol, &content);
     place_pods(c, pv, lost, "app-c");
     attach(c, pv, lost, "app-c");
+    let single = single_copy_pod(c, lost, "single-c");
     let fault = Instant::now();
-    c.cp.kill(&c.daemon_pods[i].process("daemon"));
+    let pid = c.cp.pid(&c.daemon_pods[i].process("daemon"));
+    super::sh(&format!("kill -STOP {pid}"));
     let to = promoted(c, vol, lost, generation);
     println!("   promoted on {to} {:?} after the fault (heartbeat lease 10 s)", fault.elapsed());
     let node = c.cp.get(&["node", lost]);
     let ready = node["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
     assert_eq!(ready["status"], "True", "the Node stayed Ready: only the Lease said the daemon was gone");
-    // A Ready node runs other applications: no taint; only the pods using our volumes move, and
-    // the controller deletes our VolumeAttachment there itself.
+    // A Ready node runs other applications: no taint; only the pods using our volumes that
+    // moved go, and the controller deletes our VolumeAttachment there itself.
     check_fenced(c, i, None);
     controller_answers(c, lost);
     check_pods_moved(c, "app-c");
+    let said = events(&c.cp, "app-c", "FailedOver");
+    assert!(said.iter().any(|n| n.contains("(the node is Ready)")), "{said:?}");
     c.cp.wait("the controller to delete the lost node's VolumeAttachment", LONG, |cp| {
         !cp.kubectl(&["get", "volumeattachment", "app-c"]).status.success()
     });
@@ -321,10 +349,18 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     let said = events(&c.cp, pv, "FailedOver");
     assert!(said.iter().any(|n| n.contains("storage heartbeat silent") && n.contains(&to)), "{said:?}");
     workload_back(c, vol, pv, &to, fault, "failover-c");
+    // The single copy's pod is untouched: its volume did not move, its kubelet is alive.
+    let p = c.cp.get(&["pod", &single, "-n", "default"]);
+    assert!(p["metadata"]["deletionTimestamp"].is_null(), "the single-copy pod was deleted: {p}");
+    assert!(events(&c.cp, &single, "FailedOver").is_empty());
+    std::thread::sleep(Duration::from_secs(20).saturating_sub(fault.elapsed()));
 
-    println!("== failover (c): the kubelet restarts the daemon; {lost} is rebuilt, then unfenced");
-    c.daemon_pods[i].start(&mut c.cp, "daemon", &c.node_bin.clone(), &[], &[], true);
+    println!("== failover (c): the daemon resumes after {:?}; {lost} is rebuilt, then unfenced", fault.elapsed());
+    super::sh(&format!("kill -CONT {pid}"));
     rejoined(c, vol, pv, i);
+    let p = c.cp.get(&["pod", &single, "-n", "default"]);
+    assert!(p["metadata"]["deletionTimestamp"].is_null(), "the single-copy pod was deleted: {p}");
+    c.cp.ok(&["delete", "pod", &single, "-n", "default", "--grace-period=0", "--force"]);
 
     println!("== failover (g): after this second failover the volume publishes to a third node");
     let publication = format!("csi-publish-{vol}");
@@ -656,9 +692,9 @@ pub fn deleted_node_returns(c: &mut Cluster, vol: &str, pv: &str, lost: &str) {
 }
 
 /// (k) The controller killed in the middle of a PV move (`pv_move.rs`), at each step: the move
-/// recorded on the claim with the old PV still there, then with the old PV deleted (the claim
-/// Lost). The leader finishes both from the claim's record: a PV of the same name, a new uid,
-/// its own reclaim policy, the claim Bound, the record removed.
+/// recorded (a ConfigMap in the controller's namespace) with the old PV still there, then with
+/// the old PV deleted (the claim Lost). The leader finishes both from the record: a PV of the
+/// same name, a new uid, its own reclaim policy, the claim Bound, the record removed.
 pub fn pv_move_resumed(c: &mut Cluster, pv: &str) {
     println!("== (k) a PV move interrupted after each step is finished by the leader");
     for deleted in [false, true] {
@@ -672,11 +708,15 @@ pub fn pv_move_resumed(c: &mut Cluster, pv: &str) {
             "spec": old["spec"]});
         again["spec"]["claimRef"].as_object_mut().unwrap().remove("resourceVersion");
         c.cp.merge_patch("pv", pv, r#"{"spec":{"persistentVolumeReclaimPolicy":"Retain"}}"#);
-        let record = json!({"old_uid": old_uid, "pv": again}).to_string();
-        let patch = json!({"metadata": {"labels": {"failover.ferrite.dev/moving-pv": "true"},
-            "annotations": {"failover.ferrite.dev/moving-pv": record}}});
+        let record = format!("ferrite-pv-move-{pv}");
+        let data = json!({"old_uid": old_uid, "pv": again}).to_string();
         let start = Instant::now();
-        c.cp.merge_patch("pvc", &claim, &patch.to_string());
+        c.cp.apply(
+            &json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": record, "namespace": NS, "labels": {"failover.ferrite.dev/pv-move": "true"}},
+                "data": {"move.json": data}})
+            .to_string(),
+        );
         if deleted {
             c.cp.ok(&["delete", "pv", pv, "--wait=false"]);
             c.cp.merge_patch("pv", pv, r#"{"metadata":{"finalizers":null}}"#);
@@ -688,7 +728,7 @@ pub fn pv_move_resumed(c: &mut Cluster, pv: &str) {
             !uid.is_empty()
                 && uid != old_uid
                 && pvc["status"]["phase"] == "Bound"
-                && pvc["metadata"]["labels"]["failover.ferrite.dev/moving-pv"].is_null()
+                && !cp.kubectl(&["get", "configmap", &record, "-n", NS]).status.success()
         });
         let p = c.cp.get(&["pv", pv]);
         assert_eq!(p["spec"]["persistentVolumeReclaimPolicy"], "Delete", "its own policy again: {p}");

@@ -1,0 +1,271 @@
+//! The Kubernetes side's trust boundaries, attacked with real credentials (docs/security.md):
+//!
+//! - a tenant, a ServiceAccount with the built-in `edit` role in its own namespace, writes the
+//!   claims that once made the controller create any PersistentVolume (a hostPath `/` one bound
+//!   to the tenant's claim), and malformed ones; the controller's own account is refused a PV of
+//!   another kind by the admission policy; a record the controller itself finds that does not
+//!   match its claim creates nothing either, and replacement goes on meanwhile;
+//! - a node's kubelet (its `system:node:` certificate, under NodeRestriction) writes its own
+//!   Node's addresses to be issued the controller's identity or another node's address, and its
+//!   daemon pod's token asks for them outright: never issued, and a certificate naming the
+//!   controller's old plain name is refused by the daemons; that token writes only its own
+//!   node's heartbeat Lease.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use super::{Cluster, LONG, NS, events};
+
+const TENANT: &str = "tenant";
+
+/// The tenant's kubectl.
+fn tenant(c: &Cluster, args: &[&str]) -> std::process::Output {
+    c.cp.kubectl_as(&c.cp.dir.join("tenant.kubeconfig"), args)
+}
+
+fn claim(name: &str, volume: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": TENANT},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": volume,
+            "resources": {"requests": {"storage": "1Gi"}}}})
+}
+
+/// A PV as a move record names it: `name`, bound to the tenant's claim `claim` (uid `uid`).
+fn pv(name: &str, claim: &str, uid: &str, source: Value) -> Value {
+    let mut spec = json!({"accessModes": ["ReadWriteOnce"], "capacity": {"storage": "1Gi"},
+        "claimRef": {"namespace": TENANT, "name": claim, "uid": uid}});
+    spec.as_object_mut().unwrap().extend(source.as_object().unwrap().clone());
+    json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name}, "spec": spec})
+}
+
+/// Before a replacement runs: the tenant writes its claims, and a record in the controller's
+/// namespace names a PV its claim is not bound to.
+pub fn tenant_attacks(c: &mut Cluster) {
+    println!("== a tenant with edit in its namespace: claims that would make the controller create any PV");
+    c.cp.ok(&["create", "namespace", TENANT]);
+    c.cp.ok(&["create", "serviceaccount", "app", "-n", TENANT]);
+    c.cp.ok(&["create", "rolebinding", "app-edit", "--clusterrole=edit", "--serviceaccount=tenant:app", "-n", TENANT]);
+    let kc = c.cp.token_kubeconfig(TENANT, "app", "tenant.kubeconfig");
+    assert_eq!(kc, c.cp.dir.join("tenant.kubeconfig"));
+    let as_tenant = |args: &[&str], input: &Value| {
+        let path = c.cp.dir.join("tenant-object.json");
+        std::fs::write(&path, input.to_string()).unwrap();
+        let mut all = args.to_vec();
+        let p = path.display().to_string();
+        all.extend(["-f", &p]);
+        let o = tenant(c, &all);
+        assert!(o.status.success(), "the tenant may {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    };
+    // The claim of the attack as it was tried: bound (by name) to a hostPath PV its record names.
+    as_tenant(&["create"], &claim("grab", "grab"));
+    let uid =
+        String::from_utf8(tenant(c, &["get", "pvc", "grab", "-n", TENANT, "-o", "jsonpath={.metadata.uid}"]).stdout)
+            .unwrap();
+    let hostpath = pv("grab", "grab", &uid, json!({"hostPath": {"path": "/"}}));
+    let ours = pv("grab", "grab", &uid, json!({"csi": {"driver": "csi.ferrite.dev", "volumeHandle": "_/pvc-victim"}}));
+    // Then malformed ones: a record that is no JSON, a PV the API server refuses (no capacity).
+    as_tenant(&["create"], &claim("junk", "junk"));
+    as_tenant(&["create"], &claim("no-capacity", "no-capacity"));
+    let mut refused = pv("no-capacity", "no-capacity", "x", json!({"hostPath": {"path": "/"}}));
+    refused["spec"].as_object_mut().unwrap().remove("capacity");
+    for (name, record) in [
+        ("grab", json!({"old_uid": "none", "pv": hostpath}).to_string()),
+        ("junk", "{not a move".to_owned()),
+        ("no-capacity", json!({"old_uid": "none", "pv": refused}).to_string()),
+    ] {
+        let mut c1 = tenant(c, &["get", "pvc", name, "-n", TENANT, "-o", "json"]);
+        assert!(c1.status.success());
+        let mut obj: Value = serde_json::from_slice(&std::mem::take(&mut c1.stdout)).unwrap();
+        for key in ["failover.ferrite.dev/moving-pv", "failover.ferrite.dev/pv-move"] {
+            obj["metadata"]["labels"][key] = json!("true");
+            obj["metadata"]["annotations"][key] = json!(record);
+        }
+        as_tenant(&["replace"], &obj);
+    }
+    // Where the controller keeps its records, the tenant may write nothing.
+    for verb in ["create", "update", "delete"] {
+        let o = tenant(c, &["auth", "can-i", verb, "configmaps", "-n", NS]);
+        assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "no", "the tenant may {verb} configmaps in {NS}");
+    }
+    // The controller's own account is refused any PV but this driver's, whatever it was made to
+    // believe (the admission policy; RBAC lets it create PVs).
+    let path = c.cp.dir.join("controller-hostpath.json");
+    std::fs::write(&path, hostpath_for_controller().to_string()).unwrap();
+    let o = c.cp.kubectl(&[
+        "create",
+        "--as=system:serviceaccount:ferrite:ferrite-controller",
+        "-f",
+        &path.display().to_string(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("only PersistentVolumes of csi.ferrite.dev"), "{err}");
+    // A record in the controller's namespace (written by nobody but it: here by the admin)
+    // whose PV is of this driver but not the one its claim is bound to: not created either.
+    let record = json!({"old_uid": "none", "pv": ours}).to_string();
+    c.cp.apply(
+        &json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "ferrite-pv-move-grab", "namespace": NS, "labels": {"failover.ferrite.dev/pv-move": "true"}},
+            "data": {"move.json": record}})
+        .to_string(),
+    );
+}
+
+fn hostpath_for_controller() -> Value {
+    json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "by-the-controller"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "capacity": {"storage": "1Gi"}, "hostPath": {"path": "/"}}})
+}
+
+/// After a replacement ran (and re-created a PV of ours): nothing came of the tenant's claims,
+/// which the controller never touched, and the mismatched record says why in an Event.
+pub fn tenant_gained_nothing(c: &mut Cluster) {
+    c.cp.wait("the controller to refuse the mismatched record (a MoveFailed Event)", LONG, |cp| {
+        !events(cp, "ferrite-pv-move-grab", "MoveFailed").is_empty()
+    });
+    let why = events(&c.cp, "ferrite-pv-move-grab", "MoveFailed");
+    assert!(why.iter().any(|n| n.contains("not created")), "{why:?}");
+    println!("   the record was refused: {}", why[0]);
+    for pv in ["grab", "junk", "no-capacity", "by-the-controller"] {
+        assert!(!c.cp.kubectl(&["get", "pv", pv]).status.success(), "PersistentVolume {pv} was created");
+    }
+    for name in ["grab", "junk", "no-capacity"] {
+        let claim = c.cp.get(&["pvc", name, "-n", TENANT]);
+        assert_eq!(claim["status"]["phase"], "Pending", "{claim}");
+        assert_eq!(claim["metadata"]["labels"]["failover.ferrite.dev/moving-pv"], "true", "untouched: {claim}");
+    }
+    c.cp.ok(&["delete", "configmap", "ferrite-pv-move-grab", "-n", NS]);
+    c.cp.ok(&["delete", "namespace", TENANT, "--wait=false"]);
+}
+
+/// Submits a CertificateSigningRequest for `names` (CN `cn`) with the credentials of `kc`, and
+/// returns the condition the signer answered with (type, message).
+fn ask(c: &mut Cluster, kc: &Path, name: &str, cn: &str, names: &[&str]) -> (String, String) {
+    let key = ferrite_tls::certs::new_key().unwrap();
+    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+    let pem = ferrite_tls::certs::request(&key, cn, &names).unwrap();
+    let pem_file = c.cp.dir.join(format!("{name}.pem"));
+    std::fs::write(&pem_file, pem).unwrap();
+    let request = super::sh(&format!("base64 -w0 {}", pem_file.display()));
+    let csr = json!({"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
+        "metadata": {"name": name},
+        "spec": {"request": request, "signerName": "ferrite.dev/node",
+            "usages": ["digital signature", "key encipherment", "server auth", "client auth"]}});
+    let path = c.cp.dir.join(format!("{name}.json"));
+    std::fs::write(&path, csr.to_string()).unwrap();
+    let o = c.cp.kubectl_as(kc, &["create", "-f", &path.display().to_string()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut answer = (String::new(), String::new());
+    c.cp.wait(&format!("the signer to answer {name}"), LONG, |cp| {
+        let r = cp.get(&["csr", name]);
+        let Some(cond) = r["status"]["conditions"].as_array().and_then(|a| a.last().cloned()) else { return false };
+        answer = (cond["type"].as_str().unwrap_or("").to_owned(), cond["message"].as_str().unwrap_or("").to_owned());
+        true
+    });
+    answer
+}
+
+/// Root on node `node` (its kubelet's credentials, its daemon pod's token) gains no identity
+/// beyond the node's, and no other node's heartbeat.
+pub fn node_climbs(c: &mut Cluster, node: &str) {
+    println!("== root on {node}: its kubelet writes its Node's addresses; it is issued no other identity");
+    let d = c.nodes.iter().position(|n| n.name == node).unwrap();
+    let (ip, other_ip) = (c.nodes[d].ip.clone(), c.nodes[0].ip.clone());
+    let kubelet = c.cp.node_kubeconfig(node);
+    let status = |addresses: Value| json!({"status": {"addresses": addresses}}).to_string();
+    // NodeRestriction: its own Node's status, no other's.
+    let other = c.cp.kubectl_as(
+        &kubelet,
+        &["patch", "node", "node-a", "--subresource=status", "--type=merge", "-p", &status(json!([]))],
+    );
+    assert!(!other.status.success(), "a kubelet wrote another Node's status");
+    let forged = json!([{"type": "InternalIP", "address": ip}, {"type": "InternalIP", "address": "ferrite-controller"},
+        {"type": "ExternalIP", "address": other_ip}, {"type": "Hostname", "address": "ferrite-controller.ferrite.svc"}]);
+    let o = c
+        .cp
+        .kubectl_as(&kubelet, &["patch", "node", node, "--subresource=status", "--type=merge", "-p", &status(forged)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The node's renewal (its cert-renew container looks every 2 s) asks for its new names: the
+    // other node's address among them, refused.
+    let tls = c.nodes[d].host("/etc/ferrite/tls");
+    let before = ferrite_tls::identities(&ferrite_tls::load_certs(&tls.join("tls.crt")).unwrap()[0]);
+    assert_eq!(before, [node, ip.as_str(), "ferrite-node.ferrite.svc"]);
+    let label = format!("ferrite.dev/node={node}");
+    let mut denied = String::new();
+    c.cp.wait(&format!("{node}'s renewal with another node's address to be denied"), LONG, |cp| {
+        let csrs = cp.get(&["csr", "-l", &label]);
+        let found = csrs["items"].as_array().unwrap().iter().find_map(|r| {
+            let c = r["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == "Denied")?.clone();
+            Some(c["message"].as_str()?.to_owned())
+        });
+        found.map(|m| denied = m).is_some()
+    });
+    assert!(denied.contains("also an address of node node-a"), "{denied}");
+    println!("   denied: {denied}");
+    // Its daemon pod's token asking outright: the controller's identities, refused.
+    let pod = &c.daemon_pods[d];
+    let token = c.cp.pod_token_kubeconfig(NS, "ferrite-daemon", pod.name(), pod.uid(), "node-d-climb.kubeconfig");
+    let svc = "ferrite-node.ferrite.svc";
+    for (i, name) in
+        ["ferrite-controller", "ferrite-controller.ferrite.svc", "spiffe://ferrite.dev/controller"].iter().enumerate()
+    {
+        let (kind, why) = ask(c, &token, &format!("climb-{node}-{i}"), node, &[node, &ip, name, svc]);
+        assert_eq!(kind, "Denied", "{name}: {why}");
+        println!("   {name}: {why}");
+    }
+    let after = ferrite_tls::identities(&ferrite_tls::load_certs(&tls.join("tls.crt")).unwrap()[0]);
+    assert_eq!(after, before, "the node's certificate names what it did");
+    // The name it could once be issued binds no role on any daemon now.
+    super::common::csi::certs(&c.pki, "legacy-controller", &["ferrite-controller"]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (cert, key) = (c.pki.join("legacy-controller.pem"), c.pki.join("legacy-controller-key.pem"));
+    let tls_files = ferrite_proto::admin_tls(&c.pki.join("ca.pem"), Some((&cert, &key))).unwrap();
+    let endpoint = format!("tcp://{}:7070", c.nodes[0].ip);
+    let refused = rt.block_on(async {
+        let ch = ferrite_proto::connect_as(&endpoint, Some(tls_files), Some(svc)).await.unwrap();
+        let mut admin = ferrite_proto::ferrite::v1::admin_client::AdminClient::new(ch);
+        admin.list_volumes(ferrite_proto::ferrite::v1::ListVolumesRequest::default()).await.map(drop).unwrap_err()
+    });
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    let o = c.cp.kubectl_as(
+        &kubelet,
+        &[
+            "patch",
+            "node",
+            node,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &status(json!([{"type": "InternalIP", "address": ip}])),
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    println!("== root on {node}: its daemon's token renews its own heartbeat Lease, no other's");
+    let unbound = c.cp.token_kubeconfig(NS, "ferrite-daemon", "unbound-heartbeat.kubeconfig");
+    let theirs = touch_lease(c, &token, "node-a");
+    assert!(theirs.contains("only its own node's heartbeat Lease"), "{theirs}");
+    assert_eq!(touch_lease(c, &token, node), "", "its own Lease");
+    let err = touch_lease(c, &unbound, node);
+    assert!(err.contains("only its own node's heartbeat Lease"), "a token bound to no pod names no node: {err}");
+}
+
+/// Writes (updates, as the heartbeat does) node `n`'s heartbeat Lease with the credentials of
+/// `kc`, its holder unchanged: "" when it was written, else why not.
+fn touch_lease(c: &Cluster, kc: &Path, n: &str) -> String {
+    let args = ["-n", "ferrite-node-lease"];
+    for _ in 0..20 {
+        let got =
+            c.cp.kubectl_as(kc, &[&["get", "lease", &format!("ferrite-node-{n}"), "-o", "json"][..], &args].concat());
+        assert!(got.status.success(), "{}", String::from_utf8_lossy(&got.stderr));
+        let path = c.cp.dir.join(format!("lease-{n}.json"));
+        std::fs::write(&path, &got.stdout).unwrap();
+        let o = c.cp.kubectl_as(kc, &[&["replace", "-f", &path.display().to_string()][..], &args].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        match o.status.success() {
+            true => return String::new(),
+            // The heartbeat renewed it meanwhile: read it again.
+            false if err.contains("Conflict") || err.contains("the object has been modified") => continue,
+            false => return err,
+        }
+    }
+    panic!("the Lease of {n} kept changing under the update");
+}
