@@ -933,6 +933,7 @@ fn ferrite_on_kubernetes() {
         }
     }
     pool_refusals(&mut c, dir.path());
+    trust::ca_kept(&mut c);
 
     println!("== capacity per node, published by the provisioner");
     c.cp.wait("CSIStorageCapacity for both nodes", LONG, |cp| {

@@ -79,7 +79,10 @@ impl super::Failover {
         let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));
         for pod in Api::<Pod>::all(self.client.clone()).list(&on_node).await? {
             let uses: Vec<String> = claims(&pod).into_iter().filter(|c| ours.contains(c)).map(|(_, c)| c).collect();
-            if uses.is_empty() || pod.metadata.deletion_timestamp.is_some() {
+            // A pod already stopping with its grace is left to its kubelet, unless the node is
+            // not Ready: then no kubelet will end it.
+            let stopping = pod.metadata.deletion_timestamp.is_some();
+            if uses.is_empty() || (stopping && matches!(which, Release::Moved(_))) {
                 continue;
             }
             let (ns, name) = (pod.namespace().unwrap_or_default(), pod.name_any());

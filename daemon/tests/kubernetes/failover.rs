@@ -118,8 +118,17 @@ fn place_pods(c: &Cluster, pv: &str, node: &str, app: &str) {
 }
 
 /// The lost node's pod that used the volume is deleted (with an Event saying why), so that it
-/// can restart where the volume is; the one that used none stays.
-fn check_pods_moved(c: &mut Cluster, app: &str) {
+/// can restart where the volume is; the one that used none stays. On a node that is not Ready at
+/// once; on a Ready one (`graceful`) with its grace period, which its kubelet (here the test)
+/// then ends.
+fn check_pods_moved(c: &mut Cluster, app: &str, graceful: bool) {
+    if graceful {
+        let p = c.wait_field(&format!("pod {app} deleted with its grace"), &["pod", app, "-n", "default"], |p| {
+            p["metadata"]["deletionTimestamp"].is_string()
+        });
+        assert!(p["metadata"]["deletionGracePeriodSeconds"].as_u64().is_some_and(|g| g > 0), "{}", p["metadata"]);
+        c.cp.ok(&["delete", "pod", app, "-n", "default", "--grace-period=0", "--force"]);
+    }
     c.cp.wait(&format!("pod {app} deleted from the lost node"), LONG, |cp| {
         !cp.kubectl(&["get", "pod", app, "-n", "default"]).status.success()
     });
@@ -222,7 +231,7 @@ pub fn node_lost(c: &mut Cluster, vol: &str, pv: &str) {
     println!("   promoted on {to} {:?} after the fault (--failover-after={FAILOVER_AFTER:?})", fault.elapsed());
     controller_metrics(c, fault.elapsed().as_secs_f64());
     check_fenced(c, i, Some(true));
-    check_pods_moved(c, "app-a");
+    check_pods_moved(c, "app-a", false);
     assert!(super::common::nbd::read_image(c.daemon(&to), vol, content.len() as u64) == content, "lost writes");
     let claim = c.cp.get(&["pv", pv])["spec"]["claimRef"]["name"].as_str().unwrap().to_owned();
     for object in [pv, &claim] {
@@ -314,8 +323,8 @@ fn controller_answers(c: &mut Cluster, lost: &str) {
 /// (c) The primary's daemon stalls (SIGSTOP) while its Node stays Ready (the kubelet is fine):
 /// its heartbeat stops renewing the node's Lease, which expires; failover then handles the node
 /// as lost, but a Ready node's kubelet is alive: only the pod whose volume moved is deleted (with
-/// its grace), and a pod of a single-copy volume there stays. The daemon resumes 20 s or more
-/// later; the node is rebuilt and rejoins.
+/// its grace), and a pod of a single-copy volume there stays. After 20 s the kubelet's liveness
+/// probe kills the hung daemon and restarts it; the node is rebuilt and rejoins.
 pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     println!("== failover (c): the primary's daemon stalls (SIGSTOP), its Node stays Ready");
     let (i, lost, generation) = primary_of(c, vol);
@@ -327,20 +336,30 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     attach(c, pv, lost, "app-c");
     let single = single_copy_pod(c, lost, "single-c");
     let fault = Instant::now();
-    let pid = c.cp.pid(&c.daemon_pods[i].process("daemon"));
-    super::sh(&format!("kill -STOP {pid}"));
+    let process = c.daemon_pods[i].process("daemon");
+    super::sh(&format!("kill -STOP {}", c.cp.pid(&process)));
     let to = promoted(c, vol, lost, generation);
     println!("   promoted on {to} {:?} after the fault (heartbeat lease 10 s)", fault.elapsed());
     let node = c.cp.get(&["node", lost]);
     let ready = node["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
     assert_eq!(ready["status"], "True", "the Node stayed Ready: only the Lease said the daemon was gone");
-    // A Ready node runs other applications: no taint; only the pods using our volumes that
-    // moved go, and the controller deletes our VolumeAttachment there itself.
+    // A Ready node runs other applications: no taint; only the pods whose volumes moved go
+    // (with their grace: the kubelet is alive), and our VolumeAttachment of that volume there.
     check_fenced(c, i, None);
-    controller_answers(c, lost);
-    check_pods_moved(c, "app-c");
+    check_pods_moved(c, "app-c", true);
     let said = events(&c.cp, "app-c", "FailedOver");
     assert!(said.iter().any(|n| n.contains("(the node is Ready)")), "{said:?}");
+    let untouched = |c: &Cluster| {
+        let p = c.cp.get(&["pod", &single, "-n", "default"]);
+        assert!(p["metadata"]["deletionTimestamp"].is_null(), "the single-copy pod was deleted: {p}");
+        assert!(events(&c.cp, &single, "FailedOver").is_empty(), "the single-copy pod was failed over");
+    };
+    untouched(c);
+    std::thread::sleep(Duration::from_secs(20).saturating_sub(fault.elapsed()));
+    untouched(c);
+    println!("   stalled {:?}: the liveness probe kills the daemon", fault.elapsed());
+    c.cp.kill(&process);
+    controller_answers(c, lost);
     c.cp.wait("the controller to delete the lost node's VolumeAttachment", LONG, |cp| {
         !cp.kubectl(&["get", "volumeattachment", "app-c"]).status.success()
     });
@@ -349,17 +368,11 @@ pub fn daemon_silent(c: &mut Cluster, vol: &str, pv: &str) {
     let said = events(&c.cp, pv, "FailedOver");
     assert!(said.iter().any(|n| n.contains("storage heartbeat silent") && n.contains(&to)), "{said:?}");
     workload_back(c, vol, pv, &to, fault, "failover-c");
-    // The single copy's pod is untouched: its volume did not move, its kubelet is alive.
-    let p = c.cp.get(&["pod", &single, "-n", "default"]);
-    assert!(p["metadata"]["deletionTimestamp"].is_null(), "the single-copy pod was deleted: {p}");
-    assert!(events(&c.cp, &single, "FailedOver").is_empty());
-    std::thread::sleep(Duration::from_secs(20).saturating_sub(fault.elapsed()));
 
-    println!("== failover (c): the daemon resumes after {:?}; {lost} is rebuilt, then unfenced", fault.elapsed());
-    super::sh(&format!("kill -CONT {pid}"));
+    println!("== failover (c): the kubelet restarts the daemon; {lost} is rebuilt, then unfenced");
+    c.daemon_pods[i].start(&mut c.cp, "daemon", &c.node_bin.clone(), &[], &[], true);
     rejoined(c, vol, pv, i);
-    let p = c.cp.get(&["pod", &single, "-n", "default"]);
-    assert!(p["metadata"]["deletionTimestamp"].is_null(), "the single-copy pod was deleted: {p}");
+    untouched(c);
     c.cp.ok(&["delete", "pod", &single, "-n", "default", "--grace-period=0", "--force"]);
 
     println!("== failover (g): after this second failover the volume publishes to a third node");
@@ -412,7 +425,7 @@ pub fn partitioned(c: &mut Cluster, vol: &str, pv: &str) -> &'static str {
     // The controller that failed it over runs with --out-of-service-taint=false: it deletes the
     // node's VolumeAttachment itself (the attacher unpublishes; the isolated copy is skipped).
     check_fenced(c, i, Some(false));
-    check_pods_moved(c, "app-b");
+    check_pods_moved(c, "app-b", false);
     c.cp.wait("the controller to delete the lost node's VolumeAttachment", LONG, |cp| {
         !cp.kubectl(&["get", "volumeattachment", "app-b"]).status.success()
     });

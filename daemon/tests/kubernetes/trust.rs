@@ -9,12 +9,15 @@
 //!   Node's addresses to be issued the controller's identity or another node's address, and its
 //!   daemon pod's token asks for them outright: never issued, and a certificate naming the
 //!   controller's old plain name is refused by the daemons; that token writes only its own
-//!   node's heartbeat Lease.
+//!   node's heartbeat Lease;
+//! - the CA Secret deleted while the nodes' certificates chain to it: a controller starting then
+//!   makes no new CA, and says why.
 
 use std::path::Path;
 
 use serde_json::{Value, json};
 
+use super::common::kubelet::Pod;
 use super::{Cluster, LONG, NS, events};
 
 const TENANT: &str = "tenant";
@@ -268,4 +271,30 @@ fn touch_lease(c: &Cluster, kc: &Path, n: &str) -> String {
         }
     }
     panic!("the Lease of {n} kept changing under the update");
+}
+
+/// The Secret `ferrite-ca` deleted (by mistake) in a running cluster: a controller that starts
+/// then (a restart, a rollout) makes no new CA, which would cut it off from every daemon; it
+/// stops with why, an Event about the Secret says so, and the Secret restored is used again.
+pub fn ca_kept(c: &mut Cluster) {
+    println!("== the CA Secret deleted: a controller starting then makes no new CA");
+    let mut secret = c.cp.get(&["secret", "ferrite-ca", "-n", NS]);
+    secret["metadata"].as_object_mut().unwrap().retain(|k, _| ["name", "namespace", "labels"].contains(&k.as_str()));
+    c.cp.ok(&["delete", "secret", "ferrite-ca", "-n", NS]);
+    let dep = c.cp.get(&["deployment", "ferrite-controller", "-n", NS]);
+    let tpl = dep["spec"]["template"].clone();
+    let pod = Pod::run(&c.cp, NS, "ferrite-controller-ca-check", &tpl, &c.nodes[1], None, &c.sw.gateway);
+    let kc = c.cp.token_kubeconfig(NS, "ferrite-controller", "ferrite-ca-check.kubeconfig");
+    std::os::unix::fs::chown(&kc, Some(0), Some(65532)).unwrap();
+    std::fs::set_permissions(&kc, std::os::unix::fs::PermissionsExt::from_mode(0o640)).unwrap();
+    let env = [("KUBECONFIG".to_owned(), kc.display().to_string())];
+    let o = pod.run_to_end("ferrite", &c.controller_bin.clone(), &env, false);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("no new CA is made"), "{err}");
+    assert!(!c.cp.kubectl(&["get", "secret", "ferrite-ca", "-n", NS]).status.success(), "a new CA was made");
+    let said = events(&c.cp, "ferrite-ca", "CAMissing");
+    assert!(said.iter().any(|n| n.contains("Restore the Secret")), "{said:?}");
+    println!("   {}", err.lines().last().unwrap_or_default());
+    c.cp.apply(&secret.to_string());
+    c.cp.ok(&["delete", "pod", pod.name(), "-n", NS, "--grace-period=0", "--force"]);
 }
