@@ -114,7 +114,10 @@ async fn in_use(client: &kube::Client, o: &Options) -> Result<Option<&'static st
 async fn ca_missing(client: &kube::Client, o: &Options, why: &str) -> anyhow::Error {
     CA_MISSING.set(1);
     let note = format!(
-        "Secret {CA_SECRET} is missing, but the cluster's CA is in use ({why}): every node's certificate chains          to it, so no new CA is made. Restore the Secret (ca.crt, ca.key) from a backup; to start over with a new          CA instead, remove the caBundle of {WEBHOOK} and have every node's certificate issued again          (docs/security.md, \"The cluster CA\")"
+        "Secret {CA_SECRET} is missing, but the cluster's CA is in use ({why}): every node's certificate \
+         chains to it, so no new CA is made. Restore the Secret (ca.crt, ca.key) from a backup; to start over \
+         with a new CA instead, remove the caBundle of {WEBHOOK} and have every node's certificate issued \
+         again (docs/security.md, \"The cluster CA\")"
     );
     let reporter = Reporter { controller: "ferrite-certs".into(), instance: std::env::var("POD_NAME").ok() };
     let secret = ObjectReference {

@@ -173,18 +173,25 @@ pub fn node_climbs(c: &mut Cluster, node: &str) {
     let d = c.nodes.iter().position(|n| n.name == node).unwrap();
     let (ip, other_ip) = (c.nodes[d].ip.clone(), c.nodes[0].ip.clone());
     let kubelet = c.cp.node_kubeconfig(node);
-    let status = |addresses: Value| json!({"status": {"addresses": addresses}}).to_string();
+    // As the kubelet writes its status: an update of the Node's status subresource.
+    let write_status = |c: &Cluster, n: &str, addresses: Value| loop {
+        let mut obj = c.cp.get(&["node", n]);
+        obj["status"]["addresses"] = addresses.clone();
+        let path = c.cp.dir.join(format!("{n}-status.json"));
+        std::fs::write(&path, obj.to_string()).unwrap();
+        let raw = format!("/api/v1/nodes/{n}/status");
+        let o = c.cp.kubectl_as(&kubelet, &["replace", "--raw", &raw, "-f", &path.display().to_string()]);
+        // The controller changed the Node meanwhile (its resourceVersion): read it again.
+        if !String::from_utf8_lossy(&o.stderr).contains("the object has been modified") {
+            break o;
+        }
+    };
     // NodeRestriction: its own Node's status, no other's.
-    let other = c.cp.kubectl_as(
-        &kubelet,
-        &["patch", "node", "node-a", "--subresource=status", "--type=merge", "-p", &status(json!([]))],
-    );
+    let other = write_status(c, "node-a", json!([]));
     assert!(!other.status.success(), "a kubelet wrote another Node's status");
     let forged = json!([{"type": "InternalIP", "address": ip}, {"type": "InternalIP", "address": "ferrite-controller"},
         {"type": "ExternalIP", "address": other_ip}, {"type": "Hostname", "address": "ferrite-controller.ferrite.svc"}]);
-    let o = c
-        .cp
-        .kubectl_as(&kubelet, &["patch", "node", node, "--subresource=status", "--type=merge", "-p", &status(forged)]);
+    let o = write_status(c, node, forged);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     // The node's renewal (its cert-renew container looks every 2 s) asks for its new names: the
     // other node's address among them, refused.
@@ -228,18 +235,7 @@ pub fn node_climbs(c: &mut Cluster, node: &str) {
         admin.list_volumes(ferrite_proto::ferrite::v1::ListVolumesRequest::default()).await.map(drop).unwrap_err()
     });
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
-    let o = c.cp.kubectl_as(
-        &kubelet,
-        &[
-            "patch",
-            "node",
-            node,
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            &status(json!([{"type": "InternalIP", "address": ip}])),
-        ],
-    );
+    let o = write_status(c, node, json!([{"type": "InternalIP", "address": ip}]));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 
     println!("== root on {node}: its daemon's token renews its own heartbeat Lease, no other's");
