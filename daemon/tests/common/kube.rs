@@ -45,6 +45,37 @@ fn openssl(args: &[&str]) {
     assert!(o.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// Issues `<pki>/<name>.crt` (and its key) from the CA in `pki` for subject `subj`, with the
+/// subjectAltNames `sans` (openssl's syntax).
+fn issue(pki: &Path, name: &str, subj: &str, sans: Option<&str>) {
+    let p = |f: &str| pki.join(f).display().to_string();
+    openssl(
+        &["req", "-newkey", "rsa:2048", "-nodes", "-keyout", &p(&format!("{name}.key"))]
+            .into_iter()
+            .chain(["-subj", subj, "-out", &p(&format!("{name}.csr"))])
+            .collect::<Vec<_>>(),
+    );
+    let ext = pki.join(format!("{name}.ext"));
+    std::fs::write(&ext, sans.map(|s| format!("subjectAltName={s}\n")).unwrap_or_default()).unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        &p(&format!("{name}.csr")),
+        "-CA",
+        &p("ca.crt"),
+        "-CAkey",
+        &p("ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        &ext.display().to_string(),
+        "-out",
+        &p(&format!("{name}.crt")),
+    ]);
+}
+
 /// A kubeconfig for `server`: a client certificate, or a bearer token.
 pub fn kubeconfig(path: &Path, server: &str, ca: &Path, user: &str) -> PathBuf {
     let text = format!(
@@ -76,33 +107,7 @@ impl ControlPlane {
                 .chain(["-subj", "/CN=ferrite-test-ca", "-days", "2"])
                 .collect::<Vec<_>>(),
         );
-        let issue = |name: &str, subj: &str, sans: Option<&str>| {
-            openssl(
-                &["req", "-newkey", "rsa:2048", "-nodes", "-keyout", &p(&format!("{name}.key"))]
-                    .into_iter()
-                    .chain(["-subj", subj, "-out", &p(&format!("{name}.csr"))])
-                    .collect::<Vec<_>>(),
-            );
-            let ext = pki.join(format!("{name}.ext"));
-            std::fs::write(&ext, sans.map(|s| format!("subjectAltName={s}\n")).unwrap_or_default()).unwrap();
-            openssl(&[
-                "x509",
-                "-req",
-                "-in",
-                &p(&format!("{name}.csr")),
-                "-CA",
-                &p("ca.crt"),
-                "-CAkey",
-                &p("ca.key"),
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-extfile",
-                &ext.display().to_string(),
-                "-out",
-                &p(&format!("{name}.crt")),
-            ]);
-        };
+        let issue = |name: &str, subj: &str, sans: Option<&str>| issue(&pki, name, subj, sans);
         issue(
             "apiserver",
             "/CN=kube-apiserver",
@@ -358,26 +363,10 @@ impl ControlPlane {
     /// NodeRestriction admit to its own Node and pods).
     pub fn node_kubeconfig(&self, node: &str) -> PathBuf {
         let pki = self.dir.join("kpki");
+        let name = format!("kubelet-{node}");
+        issue(&pki, &name, &format!("/O=system:nodes/CN=system:node:{node}"), None);
         let p = |f: &str| pki.join(f).display().to_string();
-        let (key, csr, crt) =
-            (p(&format!("kubelet-{node}.key")), p(&format!("kubelet-{node}.csr")), p(&format!("kubelet-{node}.crt")));
-        let subject = format!("/O=system:nodes/CN=system:node:{node}");
-        openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-keyout", &key, "-subj", &subject, "-out", &csr]);
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &p("ca.crt"),
-            "-CAkey",
-            &p("ca.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-out",
-            &crt,
-        ]);
+        let (crt, key) = (p(&format!("{name}.crt")), p(&format!("{name}.key")));
         let user = format!("    client-certificate: {crt}\n    client-key: {key}");
         kubeconfig(&self.dir.join(format!("kubelet-{node}.kubeconfig")), &self.server, &pki.join("ca.crt"), &user)
     }
