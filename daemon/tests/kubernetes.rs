@@ -1282,9 +1282,7 @@ fn ferrite_on_kubernetes() {
     }
     println!("== each identity did only what its role allows");
     let logs = c.daemon_logs();
-    // (The controller's old plain name, which `trust::node_climbs` presented on purpose, aside.)
-    let refused: Vec<&str> =
-        logs.lines().filter(|l| l.contains("call refused") && !l.contains("legacy-controller")).collect();
+    let refused: Vec<&str> = logs.lines().filter(|l| l.contains("call refused")).collect();
     assert!(refused.is_empty(), "a component was refused a call:\n{}", refused.join("\n"));
     // A node's certificate (a replication peer) may not make an operator's call.
     let node_b = c.nodes[1].host("/etc/ferrite/tls");

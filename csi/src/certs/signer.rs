@@ -118,7 +118,8 @@ impl Signer {
         {
             return Err(format!("{n:?} is also an address of node {owner}: not issued to {node_name}"));
         }
-        let allowed = node_names(node, &self.service);
+        let mut allowed = node_names(node, &self.service);
+        allowed.retain(|a| !others.keys().any(|o| ferrite_tls::same_name(o, a)));
         if let Some(n) = names.iter().find(|n| !allowed.iter().any(|a| ferrite_tls::same_name(a, n))) {
             return Err(format!("{n:?} is not a name of node {node_name} (it may have {})", allowed.join(", ")));
         }

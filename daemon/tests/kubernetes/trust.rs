@@ -227,18 +227,23 @@ pub fn node_climbs(c: &mut Cluster, node: &str) {
     }
     let after = ferrite_tls::identities(&ferrite_tls::load_certs(&tls.join("tls.crt")).unwrap()[0]);
     assert_eq!(after, before, "the node's certificate names what it did");
-    // The name it could once be issued binds no role on any daemon now.
+    // The name it could once be issued binds no role on any daemon now: a certificate of the
+    // cluster CA naming it is closed after its handshake, one naming the URI is served.
     super::common::csi::certs(&c.pki, "legacy-controller", &["ferrite-controller"]);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let (cert, key) = (c.pki.join("legacy-controller.pem"), c.pki.join("legacy-controller-key.pem"));
-    let tls_files = ferrite_proto::admin_tls(&c.pki.join("ca.pem"), Some((&cert, &key))).unwrap();
-    let endpoint = format!("tcp://{}:7070", c.nodes[0].ip);
-    let refused = rt.block_on(async {
-        let ch = ferrite_proto::connect_as(&endpoint, Some(tls_files), Some(svc)).await.unwrap();
-        let mut admin = ferrite_proto::ferrite::v1::admin_client::AdminClient::new(ch);
-        admin.list_volumes(ferrite_proto::ferrite::v1::ListVolumesRequest::default()).await.map(drop).unwrap_err()
-    });
-    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    let list = |who: &str| {
+        let (cert, key) = (c.pki.join(format!("{who}.pem")), c.pki.join(format!("{who}-key.pem")));
+        let tls = ferrite_proto::admin_tls(&c.pki.join("ca.pem"), Some((&cert, &key))).unwrap();
+        let endpoint = format!("tcp://{}:7070", c.nodes[0].ip);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let ch = ferrite_proto::connect_as(&endpoint, Some(tls), Some(svc)).await.unwrap();
+            let mut admin = ferrite_proto::ferrite::v1::admin_client::AdminClient::new(ch);
+            admin.list_volumes(ferrite_proto::ferrite::v1::ListVolumesRequest::default()).await.map(drop)
+        })
+    };
+    let refused = list("legacy-controller").unwrap_err();
+    assert!(refused.message().contains("transport error"), "{refused}");
+    list("ferrite-controller").expect("the controller's identity (its URI) is served");
     let o = write_status(c, node, json!([{"type": "InternalIP", "address": ip}]));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 
