@@ -42,7 +42,7 @@ fn pv(name: &str, claim: &str, uid: &str, source: Value) -> Value {
 }
 
 /// Before a replacement runs: the tenant writes its claims, and a record in the controller's
-/// namespace names a PV its claim is not bound to.
+/// namespace names a volume no daemon holds.
 pub fn tenant_attacks(c: &mut Cluster) {
     println!("== a tenant with edit in its namespace: claims that would make the controller create any PV");
     c.cp.ok(&["create", "namespace", TENANT]);
@@ -76,9 +76,8 @@ pub fn tenant_attacks(c: &mut Cluster) {
         ("junk", "{not a move".to_owned()),
         ("no-capacity", json!({"old_uid": "none", "pv": refused}).to_string()),
     ] {
-        let mut c1 = tenant(c, &["get", "pvc", name, "-n", TENANT, "-o", "json"]);
-        assert!(c1.status.success());
-        let mut obj: Value = serde_json::from_slice(&std::mem::take(&mut c1.stdout)).unwrap();
+        let got = tenant(c, &["get", "pvc", name, "-n", TENANT, "-o", "json"]);
+        let mut obj: Value = serde_json::from_slice(&got.stdout).unwrap();
         for key in ["failover.ferrite.dev/moving-pv", "failover.ferrite.dev/pv-move"] {
             obj["metadata"]["labels"][key] = json!("true");
             obj["metadata"]["annotations"][key] = json!(record);
@@ -93,7 +92,8 @@ pub fn tenant_attacks(c: &mut Cluster) {
     // The controller's own account is refused any PV but this driver's, whatever it was made to
     // believe (the admission policy; RBAC lets it create PVs).
     let path = c.cp.dir.join("controller-hostpath.json");
-    std::fs::write(&path, hostpath_for_controller().to_string()).unwrap();
+    let by_the_controller = pv("by-the-controller", "grab", &uid, json!({"hostPath": {"path": "/"}}));
+    std::fs::write(&path, by_the_controller.to_string()).unwrap();
     let o = c.cp.kubectl(&[
         "create",
         "--as=system:serviceaccount:ferrite:ferrite-controller",
@@ -102,8 +102,8 @@ pub fn tenant_attacks(c: &mut Cluster) {
     ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("only PersistentVolumes of csi.ferrite.dev"), "{err}");
-    // A record in the controller's namespace (written by nobody but it: here by the admin)
-    // whose PV is of this driver but not the one its claim is bound to: not created either.
+    // A record in the controller's namespace (written by nobody but it: here by the admin) for
+    // the claim's PV, of this driver, but of a volume no daemon holds: not created either.
     let record = json!({"old_uid": "none", "pv": ours}).to_string();
     c.cp.apply(
         &json!({"apiVersion": "v1", "kind": "ConfigMap",
@@ -111,11 +111,6 @@ pub fn tenant_attacks(c: &mut Cluster) {
             "data": {"move.json": record}})
         .to_string(),
     );
-}
-
-fn hostpath_for_controller() -> Value {
-    json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "by-the-controller"},
-        "spec": {"accessModes": ["ReadWriteOnce"], "capacity": {"storage": "1Gi"}, "hostPath": {"path": "/"}}})
 }
 
 /// After a replacement ran (and re-created a PV of ours): nothing came of the tenant's claims,
