@@ -67,7 +67,7 @@ pub fn refused_node_name(name: &str, service: &str) -> Option<String> {
         "is empty"
     } else if name.parse::<std::net::IpAddr>().is_ok() {
         "is an IP address (a replication peer's identity)"
-    } else if ferrite_tls::certs::is_uri(name) || name.contains(':') || name.contains('/') {
+    } else if name.contains([':', '/']) {
         "could be read as a URI identity"
     } else if ferrite_tls::same_name(name, cluster::LEGACY_IDENTITY) || ferrite_tls::same_name(name, service) {
         "is a role's identity"

@@ -1,5 +1,6 @@
-//! What the failover controller did (and whether the cluster CA's Secret is missing), for Prometheus: served as `GET /metrics` on the webhook
-//! listener (`webhook.rs`) by every replica; only the leader's move. The alerts on them are in
+//! What the failover controller did (and whether the cluster CA's Secret is missing), for
+//! Prometheus: served as `GET /metrics` on the webhook listener (`webhook.rs`) by every replica;
+//! only the leader's move. The alerts on them are in
 //! deploy/kubernetes/components/monitoring.
 
 use prometheus_client::encoding::EncodeLabelSet;

@@ -7,8 +7,8 @@
 //!   node the kubelet keeps Ready. Its addresses are fenced on every other daemon (they refuse
 //!   and cut its connections: a primary cut off from its members cannot record a generation,
 //!   and it refuses writes without a majority), the fence is recorded (and the Node annotated)
-//!   so that it is known to be ours, and each volume whose primary was there is promoted on the most current
-//!   in-sync copy: the daemons' generation rule decides (only an in-sync member of the newest
+//!   so that it is known to be ours, and each volume whose primary was there is promoted on the
+//!   most current in-sync copy: the daemons' generation rule decides (only an in-sync member of the newest
 //!   generation a majority holds). A volume of two copies has no majority left; the fence is
 //!   what makes promoting its in-sync survivor safe, so that promotion is forced. Events on the
 //!   PV and its claim say what happened.
@@ -29,8 +29,8 @@
 //!
 //! Stateless like the rest of the controller: the fences live in the daemons, the memberships
 //! too, and which node each fence is for in a record in the controller's namespace
-//! (`records.rs`; mirrored on the Node's annotation, which its kubelet could forge). Of several controller replicas only the holder of the
-//! `ferrite-failover` Lease runs the loop (`lease.rs`). A node that never reported a Ready
+//! (`records.rs`; mirrored on the Node's annotation, which its kubelet could forge). Of several
+//! controller replicas only the holder of the `ferrite-failover` Lease runs the loop (`lease.rs`). A node that never reported a Ready
 //! condition is left alone.
 
 use std::collections::BTreeSet;

@@ -66,11 +66,9 @@ fn claim_of(pv: &PersistentVolume) -> Option<(String, String, String)> {
 /// volume's existence is checked apart (it takes the daemons).
 fn checked(m: &Move, driver: &str, claim: &PersistentVolumeClaim) -> Result<(), String> {
     let name = m.pv.name_any();
-    let csi = m.pv.spec.as_ref().and_then(|s| s.csi.as_ref());
-    if csi.is_none_or(|c| c.driver != driver) {
+    let Some(spec) = m.pv.spec.as_ref().filter(|s| s.csi.as_ref().is_some_and(|c| c.driver == driver)) else {
         return Err(format!("PersistentVolume {name} would not be a volume of {driver}"));
-    }
-    let spec = m.pv.spec.as_ref().expect("checked above");
+    };
     if spec.host_path.is_some() || spec.local.is_some() || spec.nfs.is_some() {
         return Err(format!("PersistentVolume {name} would name a source besides its CSI volume"));
     }
@@ -78,9 +76,8 @@ fn checked(m: &Move, driver: &str, claim: &PersistentVolumeClaim) -> Result<(), 
     if bound_to != Some(name.as_str()) {
         return Err(format!("the claim is bound to {bound_to:?}, not to PersistentVolume {name}"));
     }
-    let want = (claim.namespace(), Some(claim.name_any()), claim.uid());
-    let (ns, n, uid) = claim_of(&m.pv).map(|(a, b, c)| (Some(a), Some(b), Some(c))).unwrap_or_default();
-    if (ns, n, uid) != want {
+    let names = |(ns, n, uid)| (Some(ns), Some(n), Some(uid));
+    if claim_of(&m.pv).map(names) != Some((claim.namespace(), Some(claim.name_any()), claim.uid())) {
         return Err(format!("PersistentVolume {name} would name another claim than the one it moves for"));
     }
     Ok(())
