@@ -72,13 +72,14 @@ pub async fn copy(
         chunks.push(c);
     }
     drop(copied);
-    let copy = Manifest { chunks, uploaded_bytes: uploaded, new_chunks, ..m };
+    let copy = Manifest { chunks, uploaded_bytes: uploaded, new_chunks, copied_from: Some(from.name.clone()), ..m };
     copy.commit(to, started).await?;
     Ok(copy)
 }
 
-/// Copies one chunk unless `to` has it (and it is not condemned there): its reference at the
-/// destination, and the bytes uploaded (0 when it was there).
+/// Copies one chunk unless `to` has it (not condemned there, and under an object lock in a
+/// version fresh enough, as a backup would): its reference at the destination, and the bytes
+/// uploaded (0 when it was there).
 async fn copy_chunk(
     from: &Target,
     to: &Target,
@@ -89,7 +90,7 @@ async fn copy_chunk(
 ) -> Result<(ChunkRef, u64)> {
     let unpaced = Pace::new(None);
     let (c, sealed) = if same_key {
-        if !condemned.contains(&c.id) && to.head(&chunk_path(&c.id)).await?.is_some() {
+        if !condemned.contains(&c.id) && to.holds_fresh(&chunk_path(&c.id)).await? {
             return Ok((c, 0));
         }
         // Checked as a restore would, then sent as it is (the same key opens it there).
@@ -106,7 +107,7 @@ async fn copy_chunk(
         .await
         .expect("sealing does not panic");
         let c = ChunkRef { id, ..c };
-        if !condemned.contains(&c.id) && to.head(&chunk_path(&c.id)).await?.is_some() {
+        if !condemned.contains(&c.id) && to.holds_fresh(&chunk_path(&c.id)).await? {
             return Ok((c, 0));
         }
         (c, sealed.into())

@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use ferrite_engine::{Image, Pool, SnapshotInfo};
 use futures_util::StreamExt;
@@ -105,7 +105,8 @@ pub async fn create(
     let chunk = target.chunk_size();
     let count = info.size.div_ceil(chunk);
 
-    let source = SnapshotIdentity { pool: pool.uuid().to_string(), id: info.id, created: info.created_unix };
+    let source =
+        SnapshotIdentity { pool: pool.uuid().to_string(), id: info.id, created: info.created_unix, nonce: info.nonce };
 
     // The previous backup, if an incremental can build on it: its snapshot must be this one or
     // an earlier one of the same volume, on this pool, by identity (not by name).
@@ -115,7 +116,7 @@ pub async fn create(
     let mut full_reason = None;
     if let Some(last) = index.backups.last() {
         let b = BackupRef { volume: opts.volume.clone(), id: last.id.clone() };
-        let m = match Manifest::load_listed(target, &b, Some(last)).await {
+        let m = match Manifest::load_listed(target, &b, last).await {
             Err(e) if e.is_not_found() => None,
             m => Some(m?),
         };
@@ -209,6 +210,7 @@ pub async fn create(
         read_bytes: total.bytes_total,
         uploaded_bytes: uploaded,
         new_chunks,
+        copied_from: None,
     };
     manifest.commit(target, started).await?;
     Ok(manifest)
@@ -251,9 +253,20 @@ fn base_snapshot(
     if m.chunk_size != chunk || m.size > info.size {
         return Err(format!("the previous backup ({}) has another chunk size or a larger volume", m.id));
     }
+    if was.nonce == 0 {
+        return Err(format!("the previous backup ({}) does not record its snapshot's nonce (an earlier build)", m.id));
+    }
     let snapshots = pool.snapshots(None).map_err(|e| e.to_string())?;
     let base = snapshots.into_iter().find(|s| s.id == was.id && s.volume_id == info.volume_id);
-    base.map(|s| s.name).ok_or_else(|| format!("the snapshot the previous backup ({}) read is gone", m.id))
+    let base = base.ok_or_else(|| format!("the snapshot the previous backup ({}) read is gone", m.id))?;
+    if (base.created_unix, base.nonce) != (was.created, was.nonce) {
+        return Err(format!(
+            "the previous backup ({}) read another snapshot {} of this pool's uuid (a pool copied from the same \
+             image, or restored from a copy): its data is not this pool's",
+            m.id, was.id
+        ));
+    }
+    Ok(base.name)
 }
 
 /// The chunks to read, and the references copied from `previous` (a manifest and the current
@@ -323,12 +336,8 @@ async fn back_up_chunk(
     if (fresh && known.contains(&id)) || !sent.lock().insert(id.clone()) {
         return Ok(Some((id, 0)));
     }
-    if fresh && let Some(stored) = target.head(&path).await? {
-        // Under an object lock, an old version is locked for too short a time: upload anew.
-        let stale = target.object_lock().is_some_and(|l| l.is_stale(stored.last_modified.into(), SystemTime::now()));
-        if !stale {
-            return Ok(Some((id, 0)));
-        }
+    if fresh && target.holds_fresh(&path).await? {
+        return Ok(Some((id, 0)));
     }
     let codec = target.codec.clone();
     let name = path.clone();

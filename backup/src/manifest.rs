@@ -6,11 +6,14 @@ use crate::codec::Kind;
 use crate::target::FORMAT;
 use crate::{Error, Result, Target};
 
-/// Most an index may decompress to: some 40 000 backups of one volume.
+/// Most an index may decompress to: some 40 000 backups of one volume (an update that would
+/// pass it is refused: prune the volume's backups).
 const MAX_INDEX: usize = 16 << 20;
-/// Most a manifest may decompress to when its index does not say how many chunks it lists (a
-/// backup being committed): 1 GiB, a 40 TiB volume at 4 MiB chunks.
+/// Most a manifest may decompress to: 1 GiB, a 40 TiB volume at 4 MiB chunks (a backup whose
+/// manifest would pass it is refused: a larger chunk size holds a larger volume).
 pub(crate) const MAX_MANIFEST: usize = 1 << 30;
+/// Most volumes a target lists (`backup list`, a prune's retention).
+const MAX_VOLUMES: u64 = 100_000;
 
 /// Most a manifest listing `chunks` chunks may decompress to: each is
 /// `{"i":N,"id":"<64 hex>","len":N}` (~100 bytes), beside a few hundred bytes of the rest.
@@ -19,8 +22,9 @@ fn manifest_cap(chunks: u64) -> usize {
 }
 
 /// The snapshot a backup read, by what identifies it for good: its pool, its id there (ids are
-/// never reused) and its time. A name is not enough: a snapshot deleted and made again under
-/// the same name holds other data.
+/// never reused), its time and its nonce. A name is not enough: a snapshot deleted and made
+/// again under the same name holds other data; nor are the pool and id: two pools copied from
+/// one image (two nodes of one machine image) have the same uuid and hand out the same ids.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotIdentity {
     /// The pool's uuid.
@@ -28,6 +32,10 @@ pub struct SnapshotIdentity {
     pub id: u64,
     /// Unix seconds.
     pub created: u64,
+    /// Drawn at random when the snapshot was taken; 0 in backups of earlier builds (then the
+    /// snapshot cannot be told for sure and is never a base).
+    #[serde(default)]
+    pub nonce: u64,
 }
 
 /// One chunk of a backup: its index (offset / chunk size), name and plaintext length.
@@ -70,6 +78,9 @@ pub struct Manifest {
     pub read_bytes: u64,
     pub uploaded_bytes: u64,
     pub new_chunks: u64,
+    /// The target it was copied from (`backup copy`): a copy is the operator's, whatever its id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copied_from: Option<String>,
 }
 
 /// A backup as its volume's index lists it.
@@ -87,6 +98,17 @@ pub struct IndexEntry {
     pub chunks: u64,
     pub bytes: u64,
     pub uploaded_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copied_from: Option<String>,
+}
+
+impl IndexEntry {
+    /// Whether a CSI snapshot owns it: made for one (its id says so) on this target, not copied
+    /// here. Only these may the controller delete, and only these does a retention prune keep
+    /// unasked.
+    pub fn csi_owned(&self) -> bool {
+        crate::is_csi_id(&self.id) && self.copied_from.is_none()
+    }
 }
 
 /// A volume's backups, oldest first.
@@ -143,9 +165,9 @@ pub fn chunk_path(id: &str) -> String {
     format!("chunks/{}/{id}", &id[..2])
 }
 
-/// The volumes with backups on `target` (one LIST per 1000).
+/// The volumes with backups on `target` (one LIST per 1000), at most [`MAX_VOLUMES`].
 pub async fn list_volumes(target: &Target) -> Result<Vec<String>> {
-    target.list_dirs("volumes").await
+    target.list_dirs("volumes", MAX_VOLUMES).await
 }
 
 impl Index {
@@ -173,7 +195,19 @@ impl Index {
                     Some(data) => Self::decode(target, volume, &data)?,
                     None => Index { format: FORMAT, volume: volume.to_owned(), backups: Vec::new() },
                 };
-                Ok(change(&mut index)?.then(|| serde_json::to_vec(&index).expect("serialises")))
+                if !change(&mut index)? {
+                    return Ok(None);
+                }
+                let data = serde_json::to_vec(&index).expect("serialises");
+                if data.len() > MAX_INDEX {
+                    return Err(Error::Invalid(format!(
+                        "the index of volume {volume} on target {} would pass {} MiB ({} backups): prune them first",
+                        target.name,
+                        MAX_INDEX >> 20,
+                        index.backups.len()
+                    )));
+                }
+                Ok(Some(data))
             })
             .await
     }
@@ -189,16 +223,23 @@ impl Index {
 }
 
 impl Manifest {
-    /// Backup `b`, at most as large as its volume's index says it is.
+    /// Backup `b` as its volume's index lists it (a manifest the index does not list is no
+    /// backup yet, or no more).
     pub async fn load(target: &Target, b: &BackupRef) -> Result<Manifest> {
         let index = Index::load(target, &b.volume).await?;
-        Self::load_listed(target, b, index.backups.iter().find(|e| e.id == b.id)).await
+        let listed = index.backups.iter().find(|e| e.id == b.id);
+        let listed = listed.ok_or_else(|| Error::NotFound(format!("backup {b} is not on target {}", target.name)))?;
+        Self::load_listed(target, b, listed).await
     }
 
-    /// Backup `b`, at most as large as its index entry `listed` says (when it has one).
-    pub async fn load_listed(target: &Target, b: &BackupRef, listed: Option<&IndexEntry>) -> Result<Manifest> {
+    /// Backup `b`, at most as large as its index entry `listed` says.
+    pub async fn load_listed(target: &Target, b: &BackupRef, listed: &IndexEntry) -> Result<Manifest> {
+        Self::load_unlisted(target, b, manifest_cap(listed.chunks)).await
+    }
+
+    /// Backup `b`'s manifest, refused past `max` bytes of plaintext.
+    pub(crate) async fn load_unlisted(target: &Target, b: &BackupRef, max: usize) -> Result<Manifest> {
         let path = manifest_path(b);
-        let max = listed.map_or(MAX_MANIFEST, |e| manifest_cap(e.chunks));
         let (data, _) = target.get_object(Kind::Manifest, &path, max).await.map_err(|e| {
             if e.is_not_found() { Error::NotFound(format!("backup {b} is not on target {}", target.name)) } else { e }
         })?;
@@ -209,29 +250,40 @@ impl Manifest {
         Ok(m)
     }
 
-    pub async fn store(&self, target: &Target) -> Result<()> {
-        target
-            .put_object(
-                Kind::Manifest,
-                &manifest_path(&self.backup_ref()),
-                serde_json::to_vec(self).expect("serialises"),
-            )
-            .await
+    /// Writes the manifest within `limit`, refused past what a reader accepts
+    /// ([`MAX_MANIFEST`]).
+    async fn store(&self, target: &Target, limit: std::time::Duration) -> Result<()> {
+        let data = serde_json::to_vec(self).expect("serialises");
+        if data.len() > MAX_MANIFEST.min(manifest_cap(self.chunks.len() as u64)) {
+            return Err(Error::Invalid(format!(
+                "backup {} lists {} chunks, more than one manifest holds: use a larger chunk-size",
+                self.backup_ref(),
+                self.chunks.len()
+            )));
+        }
+        target.put_object_within(limit, Kind::Manifest, &manifest_path(&self.backup_ref()), data).await
     }
 
-    /// Commits a backup (made or copied) that began at `started`: refused once it has run for
-    /// 0.9 x the target's grace (a prune may have deleted chunks it relies on, see `prune.rs`),
-    /// else the manifest, then its entry in the volume's index.
+    /// Commits a backup (made or copied) that began at `started`: its manifest must be on the
+    /// target before `started` + the target's grace (after that a prune may have deleted chunks
+    /// it relies on, see `prune.rs`): refused once it has run for 0.9 x grace, and its manifest's
+    /// PUT fails rather than land later. Then its entry in the volume's index.
     pub(crate) async fn commit(&self, target: &Target, started: std::time::Instant) -> Result<()> {
-        let (b, grace) = (self.backup_ref(), target.grace());
-        if !grace.is_zero() && started.elapsed() > grace.mul_f64(0.9) {
+        let (b, grace, ran) = (self.backup_ref(), target.grace(), started.elapsed());
+        if !grace.is_zero() && ran > grace.mul_f64(0.9) {
             return Err(Error::Conflict(format!(
-                "backup {b} ran for {:?}, longer than 0.9 x target {}'s grace-s: a prune may have deleted chunks it relies on; run it again (what it sent is reused)",
-                started.elapsed(),
+                "backup {b} ran for {ran:?}, longer than 0.9 x target {}'s grace-s: a prune may have deleted chunks it relies on; run it again (what it sent is reused)",
                 target.name
             )));
         }
-        self.store(target).await?;
+        let left = if grace.is_zero() { std::time::Duration::MAX } else { grace - ran };
+        self.store(target, left).await.map_err(|e| match e {
+            Error::Answer { why, .. } if left < target.deadline() => Error::Conflict(format!(
+                "backup {b}: its manifest was not stored before target {}'s grace-s ran out ({why}); run it again (what it sent is reused)",
+                target.name
+            )),
+            e => e,
+        })?;
         Index::update(target, &self.volume, |index| {
             if index.backups.iter().any(|e| e.id == self.id) {
                 return Err(Error::Conflict(format!(
@@ -262,6 +314,7 @@ impl Manifest {
             chunks: self.chunks.len() as u64,
             bytes: self.chunks.iter().map(|c| u64::from(c.len)).sum(),
             uploaded_bytes: self.uploaded_bytes,
+            copied_from: self.copied_from.clone(),
         }
     }
 }

@@ -16,7 +16,7 @@
 //! manifest is there to be marked. With `grace` zero (`prune --grace-s 0`: nothing else uses
 //! the target), unreferenced chunks go at once.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use futures_util::TryStreamExt;
@@ -28,12 +28,19 @@ use crate::target::FORMAT;
 use crate::{Error, Result, Target};
 
 const CONDEMNED: &str = "gc/condemned";
-/// Most chunks one prune condemns (the rest wait for the next prune): the list stays below
-/// [`MAX_CONDEMNED`], which every backup reads.
+/// Most chunks the condemned list holds, those carried from the last prune included (the rest
+/// wait for the next prune): ~80 bytes each, it stays well below [`MAX_CONDEMNED`], which every
+/// backup reads (and which lists of earlier builds, uncapped, may reach).
 const CONDEMN_AT_MOST: usize = 200_000;
 const MAX_CONDEMNED: usize = 32 << 20;
-/// Most manifests a target may hold (a prune lists them all).
-const MAX_MANIFESTS: usize = 10_000_000;
+/// Most objects under `volumes/` (manifests and indexes) a prune lists.
+const MAX_VOLUME_OBJECTS: u64 = 10_000_000;
+/// Most chunks a prune lists: 200 TiB of distinct data at 4 MiB chunks.
+const MAX_CHUNKS: u64 = 50_000_000;
+/// Most a manifest its index does not list may decompress to when a prune reads it (a backup
+/// being committed: its chunks are kept): a volume of ~2.5 TiB of data at 4 MiB chunks. A
+/// larger one stops the sweep until its backup has committed.
+const MAX_UNLISTED: usize = 64 << 20;
 const CLOCK: &str = "gc/clock";
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -73,15 +80,25 @@ pub struct Retention {
     pub keep_monthly: u32,
     /// The newest backup of each of the last N calendar years (UTC) that have one.
     pub keep_yearly: u32,
+    /// Apply the policy to the backups the CSI driver made for VolumeSnapshots too (by default
+    /// they are kept: their VolumeSnapshotContent deletes them).
+    pub include_csi: bool,
 }
 
 impl Retention {
-    /// The ids to keep of `backups` (any order).
+    /// Whether the policy says anything (else a prune deletes no backup).
+    pub fn is_set(&self) -> bool {
+        *self != Retention { include_csi: self.include_csi, ..Retention::default() }
+    }
+
+    /// The ids to keep of `backups` (any order): the policy's choice among those it applies to,
+    /// and every backup a CSI snapshot owns unless `include_csi`.
     pub fn keep(&self, backups: &[IndexEntry]) -> HashSet<String> {
-        let mut newest: Vec<&IndexEntry> = backups.iter().collect();
+        let (owned, mut newest): (Vec<&IndexEntry>, Vec<&IndexEntry>) =
+            backups.iter().partition(|b| !self.include_csi && b.csi_owned());
         newest.sort_by(|a, b| (b.created, &b.id).cmp(&(a.created, &a.id)));
-        let mut keep: HashSet<String> =
-            newest.iter().take(self.keep_last.max(1) as usize).map(|b| b.id.clone()).collect();
+        let mut keep: HashSet<String> = owned.iter().map(|b| b.id.clone()).collect();
+        keep.extend(newest.iter().take(self.keep_last.max(1) as usize).map(|b| b.id.clone()));
         // Periods by days since the epoch; the epoch was a Thursday, so weeks start on Mondays at +3.
         let month = |d: u64| {
             let (y, m, _) = crate::create::civil(d);
@@ -142,7 +159,7 @@ pub async fn delete(target: &Target, b: &BackupRef) -> Result<()> {
 pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Duration) -> Result<PruneReport> {
     let mut report = PruneReport::default();
     if let Some(policy) = retention {
-        for volume in target.list_dirs("volumes").await? {
+        for volume in crate::manifest::list_volumes(target).await? {
             let index = Index::load(target, &volume).await?;
             let keep = policy.keep(&index.backups);
             for e in index.backups.iter().filter(|e| !keep.contains(&e.id)) {
@@ -159,34 +176,20 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
         .await?
         .map(|m| m.last_modified.timestamp())
         .ok_or_else(|| Error::corrupt(&target.name, CLOCK, "vanished"))?;
-
-    // Mark: every manifest under volumes/, in an index or not (one being committed is not yet).
-    let mut referenced = HashSet::new();
-    let mut indexes: HashMap<String, Index> = HashMap::new();
-    for object in target.list("volumes", MAX_MANIFESTS).await? {
-        let parts: Vec<&str> = object.location.as_ref().split('/').collect();
-        if let ["volumes", volume, "backups", id] = parts[..] {
-            if !indexes.contains_key(volume) {
-                indexes.insert(volume.to_owned(), Index::load(target, volume).await?);
-            }
-            let listed = indexes[volume].backups.iter().find(|e| e.id == id);
-            let b = BackupRef { volume: volume.to_owned(), id: id.to_owned() };
-            let m = Manifest::load_listed(target, &b, listed).await?;
-            report.manifests += 1;
-            referenced.extend(m.chunks.into_iter().map(|c| c.id));
-        }
-    }
+    let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
+    let referenced = mark(target, now, grace_s, &mut report).await?;
     report.chunks_referenced = referenced.len() as u64;
-    crate::quarantine::retain(target, |id| referenced.contains(id)).await?;
+    crate::quarantine::retain(target, |id| referenced.contains(&key(id))).await?;
 
     // Sweep, as the chunks are listed.
     let previous = load(target).await?;
-    let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
-    let mut next = Condemned { format: FORMAT, chunks: BTreeMap::new() };
-    let mut chunks = target.list_stream("chunks");
+    // Room for chunks condemned now beside those carried over: the list never outgrows its cap.
+    let room = CONDEMN_AT_MOST.saturating_sub(previous.len());
+    let (mut next, mut fresh) = (Condemned { format: FORMAT, chunks: BTreeMap::new() }, 0);
+    let mut chunks = target.list_stream("chunks", MAX_CHUNKS);
     while let Some(object) = chunks.try_next().await? {
         let Some(id) = object.location.filename().map(str::to_owned) else { continue };
-        if referenced.contains(&id) {
+        if referenced.contains(&key(&id)) {
             continue;
         }
         let written = object.last_modified.timestamp();
@@ -202,8 +205,11 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
             target.delete(object.location.as_ref()).await?;
             report.chunks_deleted += 1;
             report.bytes_deleted += object.size;
-        } else if since.is_some() || next.chunks.len() < CONDEMN_AT_MOST {
+        } else if since.is_some() && next.chunks.len() < CONDEMN_AT_MOST {
             next.chunks.insert(id, since);
+        } else if since.is_none() && fresh < room {
+            fresh += 1;
+            next.chunks.insert(id, None);
         }
     }
     report.chunks_condemned = next.chunks.len() as u64;
@@ -218,6 +224,53 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
     }
     target.put_object(Kind::Condemned, CONDEMNED, serde_json::to_vec(&next).expect("serialises")).await?;
     Ok(report)
+}
+
+/// A chunk's name as the mark keeps it: 32 bytes (a name that is not 64 hex digits, which no
+/// manifest lists, maps to zeros).
+fn key(id: &str) -> [u8; 32] {
+    crate::codec::unhex(id).and_then(|b| b.try_into().ok()).unwrap_or([0; 32])
+}
+
+/// Mark: the chunks every manifest under `volumes/` lists, in its index or not (one being
+/// committed is not yet), as the objects are listed, with one index in memory at a time. A
+/// manifest no index lists and older than the grace is no backup being committed: a crash's
+/// leftover, it is deleted.
+async fn mark(target: &Target, now: i64, grace_s: i64, report: &mut PruneReport) -> Result<HashSet<[u8; 32]>> {
+    let mut referenced = HashSet::new();
+    let mut index: Option<Index> = None;
+    let mut objects = target.list_stream("volumes", MAX_VOLUME_OBJECTS);
+    while let Some(object) = objects.try_next().await? {
+        let parts: Vec<&str> = object.location.as_ref().split('/').collect();
+        let ["volumes", volume, "backups", id] = parts[..] else { continue };
+        if index.as_ref().is_none_or(|i| i.volume != volume) {
+            index = Some(Index::load(target, volume).await?);
+        }
+        let listed = index.as_ref().and_then(|i| i.backups.iter().find(|e| e.id == id));
+        let b = BackupRef { volume: volume.to_owned(), id: id.to_owned() };
+        let m = match listed {
+            Some(e) => Manifest::load_listed(target, &b, e).await?,
+            None if object.last_modified.timestamp().saturating_add(grace_s) <= now => {
+                tracing::info!(target = %target.name, backup = %b, "deleting a manifest no index lists (left by an interrupted backup or delete)");
+                target.delete(&manifest_path(&b)).await?;
+                continue;
+            }
+            None => Manifest::load_unlisted(target, &b, MAX_UNLISTED).await.map_err(|e| {
+                if matches!(e, Error::Answer { .. }) {
+                    Error::Conflict(format!(
+                        "backup {b} is being committed on target {} and its manifest is larger than a prune reads \
+                         while it is ({e}): prune again once it has committed",
+                        target.name
+                    ))
+                } else {
+                    e
+                }
+            })?,
+        };
+        report.manifests += 1;
+        referenced.extend(m.chunks.iter().map(|c| key(&c.id)));
+    }
+    Ok(referenced)
 }
 
 #[cfg(test)]
@@ -236,6 +289,7 @@ mod tests {
             chunks: 0,
             bytes: 0,
             uploaded_bytes: 0,
+            copied_from: None,
         }
     }
 

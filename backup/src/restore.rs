@@ -11,6 +11,8 @@ use crate::manifest::{BackupRef, ChunkRef, Manifest, chunk_path};
 use crate::{Error, Pace, Progress, Result, Target};
 
 const BLOCK: usize = 4096;
+/// The pause before a chunk found bad is read again.
+const MISREAD_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Fetches and checks one chunk: its seal opens, it decompresses to `len` bytes, and its
 /// plaintext hashes to its name.
@@ -41,6 +43,21 @@ pub(crate) async fn fetch_sealed(target: &Target, c: &ChunkRef, pace: &Pace) -> 
     })
     .await
     .expect("checking a chunk does not panic")
+}
+
+/// Checks chunk `c`; found bad, again after a pause: a chunk is bad only if both reads say so.
+async fn check_twice(target: &Target, c: &ChunkRef, pace: &Pace) -> Result<()> {
+    match fetch_chunk(target, c, pace).await {
+        Err(Error::Corrupt { why, .. }) => {
+            tokio::time::sleep(MISREAD_PAUSE).await;
+            let again = fetch_chunk(target, c, pace).await.map(drop);
+            if again.is_ok() {
+                tracing::warn!(target = %target.name, chunk = %c.id, first = %why, "a chunk read bad once and good again: kept");
+            }
+            again
+        }
+        read => read.map(drop),
+    }
 }
 
 /// Writes the runs of non-zero 4 KiB blocks of `data` at `offset`.
@@ -114,49 +131,56 @@ pub struct VerifyReport {
 }
 
 /// Reads back the chunks of `backups` and checks each against its name; with `sample` (0-1),
-/// a random share of them. One GET per chunk, each chunk once however many backups list it.
+/// a random share of them. One GET per chunk, each chunk once however many backups list it; a
+/// chunk found bad is read again after a pause and only counts as bad if that read fails too.
+/// Memory: the sampled chunks only (with the backups that list each), and one manifest at a time.
 pub async fn verify(
     target: &Target,
     backups: &[BackupRef],
     sample: Option<f64>,
     progress: &(dyn Fn(&Progress) + Sync),
 ) -> Result<VerifyReport> {
-    let mut users: BTreeMap<String, (ChunkRef, Vec<String>)> = BTreeMap::new();
-    for b in backups {
-        let m = Manifest::load(target, b).await?;
-        for c in m.chunks {
-            users.entry(c.id.clone()).or_insert_with(|| (c, Vec::new())).1.push(b.to_string());
-        }
-    }
     // Names are uniform: a window of their first byte is a uniform sample, moved at random.
-    if let Some(share) = sample {
-        let width = (0..=256u16).find(|&w| f64::from(w) >= share.clamp(0.0, 1.0) * 256.0).unwrap_or(256);
-        let shift = u16::from(crate::codec::random::<1>()[0]);
-        users.retain(|id, _| {
-            let first = u16::from(crate::codec::unhex(&id[..2]).map_or(0, |b| b[0]));
-            (first + 256 - shift) % 256 < width
-        });
+    let width = sample.map_or(256, |share| {
+        (0..=256u16).find(|&w| f64::from(w) >= share.clamp(0.0, 1.0) * 256.0).unwrap_or(256)
+    });
+    let shift = u16::from(crate::codec::random::<1>()[0]);
+    let sampled = |id: &str| {
+        let first = u16::from(crate::codec::unhex(id.get(..2).unwrap_or("")).map_or(0, |b| b[0]));
+        (first + 256 - shift) % 256 < width
+    };
+    // Chunk name -> its length and the backups (by their place in `backups`) that list it.
+    let mut users: BTreeMap<String, (u32, Vec<u32>)> = BTreeMap::new();
+    for (n, b) in backups.iter().enumerate() {
+        let m = Manifest::load(target, b).await?;
+        for c in m.chunks.into_iter().filter(|c| sampled(&c.id)) {
+            users.entry(c.id).or_insert_with(|| (c.len, Vec::new())).1.push(n as u32);
+        }
     }
     let mut report = VerifyReport { backups: backups.len() as u64, ..VerifyReport::default() };
     let mut good = std::collections::HashSet::new();
     let mut done = Progress {
         chunks_total: users.len() as u64,
-        bytes_total: users.values().map(|(c, _)| u64::from(c.len)).sum(),
+        bytes_total: users.values().map(|(len, _)| u64::from(*len)).sum(),
         ..Progress::default()
     };
     let pace = Arc::new(Pace::new(target.config.bandwidth));
-    let mut results = futures_util::stream::iter(users.into_values())
-        .map(|(c, users)| {
+    let mut results = futures_util::stream::iter(users)
+        .map(|(id, (len, users))| {
             let (target, pace) = (target.clone(), pace.clone());
-            async move { (fetch_chunk(&target, &c, &pace).await, c, users) }
+            let c = ChunkRef { i: 0, id, len };
+            async move { (check_twice(&target, &c, &pace).await, c, users) }
         })
         .buffer_unordered(target.concurrency());
     while let Some((r, c, users)) = results.next().await {
         match r {
-            Ok(_) => {
+            Ok(()) => {
                 good.insert(c.id.clone());
             }
-            Err(Error::Corrupt { why, .. }) => report.bad.push((c.id.clone(), why, users)),
+            Err(Error::Corrupt { why, .. }) => {
+                let users = users.iter().map(|&n| backups[n as usize].to_string()).collect();
+                report.bad.push((c.id.clone(), why, users));
+            }
             Err(e) => return Err(e),
         }
         report.chunks_checked += 1;

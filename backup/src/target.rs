@@ -9,10 +9,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::stream::BoxStream;
 use futures_util::{StreamExt, TryStreamExt};
-use object_store::aws::{AwsCredential, Checksum};
+use object_store::aws::{AmazonS3, AwsCredential, Checksum};
+use object_store::list::{PaginatedListOptions, PaginatedListStore};
 use object_store::path::Path;
 use object_store::{
-    ClientOptions, GetResultPayload, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutPayload, RetryConfig,
+    ClientOptions, GetResultPayload, ListResult, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutPayload, RetryConfig,
     UpdateVersion,
 };
 use serde::{Deserialize, Serialize};
@@ -134,6 +135,21 @@ pub struct Target {
     store: Arc<dyn ObjectStore>,
     pub(crate) codec: Arc<Codec>,
     pub counters: Arc<Counters>,
+    /// An S3 target's store without the prefix: its listings are paged here, with a budget.
+    s3: Option<Arc<AmazonS3>>,
+}
+
+/// Every page of a listing costs at least this many of its entry budget.
+pub(crate) const PAGE_COST: u64 = 100;
+
+/// Where a paged listing is.
+struct Paging {
+    prefix: String,
+    token: Option<String>,
+    done: bool,
+    entries: u64,
+    cost: u64,
+    max: u64,
 }
 
 impl Target {
@@ -145,7 +161,7 @@ impl Target {
         if !(crate::MIN_CHUNK..=crate::MAX_CHUNK).contains(&chunk) || !chunk.is_multiple_of(4096) {
             return Err(invalid(format!("chunk-size {chunk} is not 1-4 MiB in whole 4 KiB blocks")));
         }
-        let store = build_store(&config).map_err(invalid)?;
+        let (store, s3) = build_store(&config).map_err(invalid)?;
         if let Some(lock) = Lock::of(&config) {
             if config.kind != Some(TargetKind::S3) || lock.days == 0 {
                 return Err(invalid("object-lock-days (at least 1) is for s3 targets".into()));
@@ -160,7 +176,14 @@ impl Target {
             None => None,
         };
         let codec = Codec::new(name, key.as_ref());
-        let target = Target { name: name.to_owned(), config, store, codec: Arc::new(codec), counters: Arc::default() };
+        let target = Target {
+            name: name.to_owned(),
+            config,
+            store,
+            codec: Arc::new(codec),
+            counters: Arc::default(),
+            s3,
+        };
         target.check_marker().await?;
         Ok(target)
     }
@@ -218,7 +241,7 @@ impl Target {
     }
 
     /// How long one operation may take, its retries included.
-    fn deadline(&self) -> Duration {
+    pub(crate) fn deadline(&self) -> Duration {
         self.request_timeout() * 2 + Duration::from_secs(30)
     }
 
@@ -228,17 +251,32 @@ impl Target {
 
     /// `op` on `path`, failed with an [`Error::Answer`] once it has run for [`Self::deadline`].
     async fn timed<T>(&self, op: &'static str, path: &Path, f: impl Future<Output = Result<T>>) -> Result<T> {
-        let limit = self.deadline();
+        self.timed_within(self.deadline(), op, path, f).await
+    }
+
+    /// The same within `limit`.
+    async fn timed_within<T>(
+        &self,
+        limit: Duration,
+        op: &'static str,
+        path: &Path,
+        f: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
         tokio::time::timeout(limit, f)
             .await
             .unwrap_or_else(|_| Err(Error::answer(&self.name, op, path, format!("no answer within {limit:?}"))))
     }
 
     pub(crate) async fn put(&self, path: &str, data: Bytes) -> Result<()> {
+        self.put_within(self.deadline(), path, data).await
+    }
+
+    /// A PUT that fails unless it is done within `limit` (and [`Self::deadline`]).
+    pub(crate) async fn put_within(&self, limit: Duration, path: &str, data: Bytes) -> Result<()> {
         let p = Path::from(path);
         self.counters.puts.fetch_add(1, Relaxed);
         let len = data.len() as u64;
-        self.timed("PUT", &p, async {
+        self.timed_within(limit.min(self.deadline()), "PUT", &p, async {
             self.store.put(&p, PutPayload::from_bytes(data)).await.map_err(|e| Error::store(&self.name, "PUT", &p, e))
         })
         .await?;
@@ -353,6 +391,14 @@ impl Target {
         .await
     }
 
+    /// Whether the target holds the object at `path` in a version a new backup may rely on:
+    /// present, and under an object lock not older than the lock's refresh (`object_lock.rs`).
+    pub(crate) async fn holds_fresh(&self, path: &str) -> Result<bool> {
+        let Some(stored) = self.head(path).await? else { return Ok(false) };
+        let now = std::time::SystemTime::now();
+        Ok(!self.object_lock().is_some_and(|l| l.is_stale(stored.last_modified.into(), now)))
+    }
+
     pub(crate) async fn delete(&self, path: &str) -> Result<()> {
         let p = Path::from(path);
         self.counters.deletes.fetch_add(1, Relaxed);
@@ -376,54 +422,136 @@ impl Target {
         self.delete(from).await
     }
 
-    /// The objects under `prefix` as they are listed (one LIST request per 1000 objects), each
-    /// page within the deadline of one operation.
-    pub(crate) fn list_stream(&self, prefix: &str) -> BoxStream<'_, Result<ObjectMeta>> {
+    /// The objects under `prefix` as they are listed, refused past `max` of them: one LIST per
+    /// page, each page within the deadline of one operation, each costing at least
+    /// [`PAGE_COST`] of `max` (a store that pages forever, empty pages or not, is stopped).
+    pub(crate) fn list_stream(&self, prefix: &str, max: u64) -> BoxStream<'_, Result<ObjectMeta>> {
         let p = Path::from(prefix);
-        self.counters.lists.fetch_add(1, Relaxed);
-        let listed = self.store.list(Some(&p)).enumerate();
-        let limit = self.deadline();
-        futures_util::stream::unfold((listed, p), move |(mut listed, p)| async move {
-            let next = match tokio::time::timeout(limit, listed.next()).await {
-                Err(_) => Err(Error::answer(&self.name, "LIST", &p, format!("no page within {limit:?}"))),
-                Ok(None) => return None,
-                Ok(Some((n, r))) => {
-                    // The store pages by 1000: count the pages after the first.
-                    if n > 0 && n % 1000 == 0 {
-                        self.counters.lists.fetch_add(1, Relaxed);
-                    }
+        let Some(s3) = self.s3.clone() else {
+            // A directory: object_store walks it as it is read; only the count needs a bound.
+            self.counters.lists.fetch_add(1, Relaxed);
+            let listed = self.store.list(Some(&p)).enumerate();
+            return futures_util::stream::unfold((listed, p), move |(mut listed, p)| async move {
+                let (n, r) = listed.next().await?;
+                let next = if n as u64 >= max {
+                    Err(Error::answer(&self.name, "LIST", &p, format!("more than {max} objects are listed")))
+                } else {
                     r.map_err(|e| Error::store(&self.name, "LIST", &p, e))
+                };
+                Some((next, (listed, p)))
+            })
+            .boxed();
+        };
+        let start = Paging { prefix: prefix.to_owned(), token: None, done: false, entries: 0, cost: 0, max };
+        futures_util::stream::try_unfold(start, move |mut paging| {
+            let s3 = s3.clone();
+            async move {
+                if paging.done {
+                    return Ok::<_, Error>(None);
                 }
-            };
-            Some((next, (listed, p)))
+                let page = self.page(&s3, &mut paging, false).await?;
+                let objects = page.objects.into_iter().map(Ok::<_, Error>);
+                Ok(Some((futures_util::stream::iter(objects), paging)))
+            }
         })
+        .try_flatten()
         .boxed()
     }
 
-    /// Every object under `prefix`, refused past `max` of them.
-    pub(crate) async fn list(&self, prefix: &str, max: usize) -> Result<Vec<ObjectMeta>> {
-        let mut listed = self.list_stream(prefix);
-        let mut all = Vec::new();
-        while let Some(meta) = listed.try_next().await? {
-            if all.len() == max {
-                let p = Path::from(prefix);
-                return Err(Error::answer(&self.name, "LIST", &p, format!("more than {max} objects are listed")));
+    /// The names directly under `prefix` (one LIST per page), refused past `max` of them.
+    pub(crate) async fn list_dirs(&self, prefix: &str, max: u64) -> Result<Vec<String>> {
+        let p = Path::from(prefix);
+        let Some(s3) = self.s3.clone() else { return self.read_dir(prefix, max).await };
+        let mut paging = Paging { prefix: prefix.to_owned(), token: None, done: false, entries: 0, cost: 0, max };
+        let mut names = Vec::new();
+        while !paging.done {
+            let page = self.page(&s3, &mut paging, true).await?;
+            for dir in page.common_prefixes {
+                match dir.filename() {
+                    Some(name) => names.push(name.to_owned()),
+                    None => return Err(Error::answer(&self.name, "LIST", &p, format!("it listed {dir:?}"))),
+                }
             }
-            all.push(meta);
         }
-        Ok(all)
+        names.sort();
+        names.dedup();
+        Ok(names)
     }
 
-    /// The names directly under `prefix` (one LIST request per 1000).
-    pub(crate) async fn list_dirs(&self, prefix: &str) -> Result<Vec<String>> {
-        let p = Path::from(prefix);
+    /// One page of an S3 listing, its keys relative to the target's prefix; counts it against
+    /// the listing's budget and fails once that is spent with more to come.
+    async fn page(&self, s3: &AmazonS3, paging: &mut Paging, delimiter: bool) -> Result<ListResult> {
+        let p = Path::from(paging.prefix.as_str());
         self.counters.lists.fetch_add(1, Relaxed);
-        let listed = self
+        let root = self.config.prefix.as_deref().unwrap_or("").trim_matches('/');
+        let root = if root.is_empty() { String::new() } else { format!("{root}/") };
+        let options = PaginatedListOptions {
+            delimiter: delimiter.then_some("/".into()),
+            page_token: paging.token.take(),
+            ..PaginatedListOptions::default()
+        };
+        let asked = format!("{root}{}/", paging.prefix);
+        let page = self
             .timed("LIST", &p, async {
-                self.store.list_with_delimiter(Some(&p)).await.map_err(|e| Error::store(&self.name, "LIST", &p, e))
+                s3.list_paginated(Some(&asked), options).await.map_err(|e| Error::store(&self.name, "LIST", &p, e))
             })
             .await?;
-        Ok(listed.common_prefixes.iter().filter_map(|d| d.filename().map(str::to_owned)).collect())
+        let n = (page.result.objects.len() + page.result.common_prefixes.len()) as u64;
+        paging.entries += n;
+        paging.cost += n.max(PAGE_COST);
+        paging.done = page.page_token.is_none();
+        paging.token = page.page_token;
+        let max = paging.max;
+        if paging.entries > max || (!paging.done && paging.cost >= max) {
+            let why = format!("the listing goes on past {max} entries (or pages of {PAGE_COST}): refused");
+            return Err(Error::answer(&self.name, "LIST", &p, why));
+        }
+        let outside = |key: &str| Error::answer(&self.name, "LIST", &p, format!("it listed {key:?}, not under {asked}"));
+        let relative = |path: &Path| {
+            let key = path.as_ref();
+            key.strip_prefix(&asked).map(|_| Path::from(&key[root.len()..])).ok_or_else(|| outside(key))
+        };
+        let mut result = ListResult { common_prefixes: Vec::new(), objects: Vec::new() };
+        for dir in &page.result.common_prefixes {
+            result.common_prefixes.push(relative(dir)?);
+        }
+        for mut object in page.result.objects {
+            object.location = relative(&object.location)?;
+            result.objects.push(object);
+        }
+        Ok(result)
+    }
+
+    /// A directory target's subdirectories under `prefix`, refused past `max` of them.
+    async fn read_dir(&self, prefix: &str, max: u64) -> Result<Vec<String>> {
+        let p = Path::from(prefix);
+        self.counters.lists.fetch_add(1, Relaxed);
+        let root = self.config.prefix.as_deref().unwrap_or("").trim_matches('/');
+        let dir = self.config.path.as_ref().expect("a dir target has a path").join(root).join(prefix);
+        let read = tokio::task::spawn_blocking(move || -> std::io::Result<Option<Vec<String>>> {
+            let entries = match std::fs::read_dir(&dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Some(Vec::new())),
+                entries => entries?,
+            };
+            let mut names = Vec::new();
+            for entry in entries {
+                let entry = entry?;
+                if !entry.file_type()?.is_dir() {
+                    continue;
+                }
+                if names.len() as u64 == max {
+                    return Ok(None);
+                }
+                names.extend(entry.file_name().into_string().ok());
+            }
+            names.sort();
+            Ok(Some(names))
+        });
+        match read.await.expect("reading a directory does not panic") {
+            Ok(Some(names)) => Ok(names),
+            Ok(None) => Err(Error::answer(&self.name, "LIST", &p, format!("more than {max} entries are listed"))),
+            Err(e) => Err(Error::answer(&self.name, "LIST", &p, e.to_string())),
+        }
     }
 
     /// Reads and opens an enveloped object (at most `max` bytes of plaintext).
@@ -439,8 +567,13 @@ impl Target {
 
     /// Seals and writes an enveloped object.
     pub(crate) async fn put_object(&self, kind: Kind, path: &str, plain: Vec<u8>) -> Result<()> {
+        self.put_object_within(self.deadline(), kind, path, plain).await
+    }
+
+    /// The same, done within `limit` or failed.
+    pub(crate) async fn put_object_within(&self, limit: Duration, kind: Kind, path: &str, plain: Vec<u8>) -> Result<()> {
         let sealed = self.seal(kind, path, plain).await;
-        self.put(path, sealed).await
+        self.put_within(limit, path, sealed).await
     }
 
     /// Seals and writes an enveloped object if it is still `seen` (see [`Self::put_if`]).
@@ -512,8 +645,12 @@ fn size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<u6
     })
 }
 
-fn build_store(config: &TargetConfig) -> std::result::Result<Arc<dyn ObjectStore>, String> {
+/// The target's store (under its prefix) and, for S3, the bucket's store for paged listings.
+type Stores = (Arc<dyn ObjectStore>, Option<Arc<AmazonS3>>);
+
+fn build_store(config: &TargetConfig) -> std::result::Result<Stores, String> {
     let prefix = config.prefix.as_deref().unwrap_or("").trim_matches('/');
+    let mut s3 = None;
     let store: Arc<dyn ObjectStore> = match config.kind {
         Some(TargetKind::Dir) => {
             let dir = config.path.as_ref().ok_or("a dir target needs path")?;
@@ -553,11 +690,14 @@ fn build_store(config: &TargetConfig) -> std::result::Result<Arc<dyn ObjectStore
                 Some((id, secret)) => b.with_access_key_id(id).with_secret_access_key(secret),
                 None => b.with_skip_signature(true),
             };
-            Arc::new(b.build().map_err(|e| e.to_string())?)
+            let bucket = Arc::new(b.build().map_err(|e| e.to_string())?);
+            s3 = Some(Arc::clone(&bucket));
+            bucket
         }
         None => return Err("kind is missing (s3 or dir)".into()),
     };
-    Ok(if prefix.is_empty() { store } else { Arc::new(object_store::prefix::PrefixStore::new(store, prefix)) })
+    let store = if prefix.is_empty() { store } else { Arc::new(object_store::prefix::PrefixStore::new(store, prefix)) };
+    Ok((store, s3))
 }
 
 /// The HTTP client's options of an S3 target.

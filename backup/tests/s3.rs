@@ -326,11 +326,16 @@ async fn corruption_and_newer_formats_are_named() {
     got[3 * MIB as usize..4 * MIB as usize].copy_from_slice(&want[3 * MIB as usize..4 * MIB as usize]);
     assert!(got == want, "the restored chunks and the write differ");
 
-    // A manifest written by a newer Ferrite (plain target: the envelope holds JSON).
-    let json = serde_json::json!({"format": 2, "volume": "v", "id": "n"}).to_string();
-    let newer = [b"FRBK".as_slice(), &[1, 2, 0], json.as_bytes()].concat();
-    store.put(&object_store::path::Path::from("volumes/v/backups/n"), newer.into()).await.unwrap();
+    // An index written by a newer Ferrite (plain target: the envelope holds JSON), and a
+    // manifest it does not list (no backup: not found).
+    let json = serde_json::json!({"format": 2, "volume": "w", "backups": []}).to_string();
+    let newer = [b"FRBK".as_slice(), &[1, 3, 0], json.as_bytes()].concat();
+    store.put(&object_store::path::Path::from("volumes/w/index"), newer.into()).await.unwrap();
+    let unlisted = [b"FRBK".as_slice(), &[1, 2, 0], br#"{"format":1}"#].concat();
+    store.put(&object_store::path::Path::from("volumes/v/backups/n"), unlisted.into()).await.unwrap();
     let e = Manifest::load(&target, &"v/n".parse().unwrap()).await.unwrap_err();
+    assert!(e.is_not_found(), "{e}");
+    let e = Manifest::load(&target, &"w/n".parse().unwrap()).await.unwrap_err();
     assert!(matches!(e, Error::Newer { found: 2, .. }) && e.to_string().contains("upgrade"), "{e}");
 }
 

@@ -62,6 +62,10 @@ pub(crate) struct SnapshotRecord {
     /// The volume's size when the snapshot was taken.
     pub size: u64,
     pub created_unix: u64,
+    /// Random, drawn when the snapshot is taken: with the pool's uuid and the id it tells this
+    /// snapshot apart from one of a pool copied from the same image (0: taken by an earlier
+    /// build, unknown).
+    pub nonce: u64,
     pub name: String,
 }
 
@@ -206,9 +210,10 @@ impl VolumeRecord {
 }
 
 impl SnapshotRecord {
+    /// Version 2 adds the nonce after the time; version 1 has none.
     fn encode(&self) -> Vec<u8> {
-        let mut v = vec![1u8];
-        for x in [self.id, self.volume, self.layer, self.size, self.created_unix] {
+        let mut v = vec![2u8];
+        for x in [self.id, self.volume, self.layer, self.size, self.created_unix, self.nonce] {
             v.extend_from_slice(&x.to_le_bytes());
         }
         v.extend_from_slice(self.name.as_bytes());
@@ -216,16 +221,19 @@ impl SnapshotRecord {
     }
 
     fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() < 41 || b[0] != 1 {
-            return None;
-        }
+        let (nonce, name_at) = match b.first()? {
+            1 if b.len() >= 41 => (0, 41),
+            2 if b.len() >= 49 => (le64(b, 41), 49),
+            _ => return None,
+        };
         Some(Self {
             id: le64(b, 1),
             volume: le64(b, 9),
             layer: le64(b, 17),
             size: le64(b, 25),
             created_unix: le64(b, 33),
-            name: String::from_utf8(b[41..].to_vec()).ok()?,
+            nonce,
+            name: String::from_utf8(b[name_at..].to_vec()).ok()?,
         })
     }
 }
@@ -596,8 +604,15 @@ mod tests {
         let mut lying = e.clone();
         lying[0] = 2;
         assert_eq!(VolumeRecord::decode(&lying), None, "flags and version disagree");
-        let n = SnapshotRecord { id: 5, volume: 3, layer: 4, size: 8192, created_unix: 1, name: "s1".into() };
-        assert_eq!(SnapshotRecord::decode(&n.encode()), Some(n));
+        let n = SnapshotRecord { id: 5, volume: 3, layer: 4, size: 8192, created_unix: 1, nonce: 9, name: "s1".into() };
+        assert_eq!(SnapshotRecord::decode(&n.encode()), Some(n.clone()));
+        // A record of an earlier build (version 1, no nonce) reads with nonce 0.
+        let mut v1 = vec![1u8];
+        for x in [5u64, 3, 4, 8192, 1] {
+            v1.extend_from_slice(&x.to_le_bytes());
+        }
+        v1.extend_from_slice(b"s1");
+        assert_eq!(SnapshotRecord::decode(&v1), Some(SnapshotRecord { nonce: 0, ..n }));
         let g = GroupRecord { id: 7, group: 0, created_unix: 2, members: vec![3, 9], name: "g1".into() };
         assert_eq!(GroupRecord::decode(&g.encode()), Some(g.clone()));
         assert_eq!(GroupRecord::decode(&g.encode()[..40]), None);

@@ -77,6 +77,7 @@ fn entry_msg(target: &str, volume: &str, e: &ferrite_backup::IndexEntry) -> pb::
         uploaded_bytes: e.uploaded_bytes,
         pool: e.source.as_ref().map(|s| s.pool.clone()).unwrap_or_default(),
         snapshot_id: e.source.as_ref().map_or(0, |s| s.id),
+        copied_from: e.copied_from.clone().unwrap_or_default(),
         ..Default::default()
     }
 }
@@ -446,13 +447,23 @@ impl pb::backups_server::Backups for BackupService {
         let caller = crate::authz::caller_of(&req)?;
         let r = req.into_inner();
         let b: BackupRef = r.name.parse().map_err(backup_status)?;
-        // The controller deletes the backups it made (a CSI snapshot's, `csi.` ids), never an
-        // operator's: a stolen controller certificate cannot wipe the copies off the cluster.
+        // The controller deletes the backups it made (a CSI snapshot's, `csi.` ids, not copied
+        // here), never an operator's: a stolen controller certificate cannot wipe the copies
+        // off the cluster, nor a second site's copy of a CSI snapshot's backup.
+        let refuse = |why: String| self.policy.refuse(&caller, "/ferrite.v1.Backups/DeleteBackup", &why);
         if !caller.is_operator() && !ferrite_backup::is_csi_id(&b.id) {
-            let why = format!("backup {b} was not made for a CSI snapshot; only an operator deletes it");
-            return Err(self.policy.refuse(&caller, "/ferrite.v1.Backups/DeleteBackup", &why));
+            return Err(refuse(format!("backup {b} was not made for a CSI snapshot; only an operator deletes it")));
         }
         let target = self.target(&r.target).await?;
+        if !caller.is_operator() {
+            let index = Index::load(&target, &b.volume).await.map_err(backup_status)?;
+            if let Some(copied) = index.backups.iter().find(|e| e.id == b.id).and_then(|e| e.copied_from.as_ref()) {
+                return Err(refuse(format!(
+                    "backup {b} on target {} is an operator's copy (from target {copied}); only an operator deletes it",
+                    target.name
+                )));
+            }
+        }
         ferrite_backup::delete(&target, &b).await.map_err(backup_status)?;
         tracing::info!(target = %target.name, backup = %b, "backup deleted");
         Ok(Response::new(pb::DeleteBackupResponse {}))
@@ -500,8 +511,9 @@ impl pb::backups_server::Backups for BackupService {
             keep_weekly: r.keep_weekly,
             keep_monthly: r.keep_monthly,
             keep_yearly: r.keep_yearly,
+            include_csi: r.include_csi,
         };
-        let policy = (retention != ferrite_backup::Retention::default()).then_some(&retention);
+        let policy = retention.is_set().then_some(&retention);
         let grace = r.grace_s.map_or(target.grace(), std::time::Duration::from_secs);
         let p = ferrite_backup::prune(&target, policy, grace).await.map_err(backup_status)?;
         tracing::info!(target = %target.name, deleted = p.backups_deleted.len(), chunks_deleted = p.chunks_deleted,

@@ -92,6 +92,10 @@ pub enum BackupCmd {
         keep_monthly: u32,
         #[arg(long, default_value_t = 0)]
         keep_yearly: u32,
+        /// Apply the retention to backups CSI snapshots own too (by default they are kept:
+        /// deleting their VolumeSnapshot deletes them).
+        #[arg(long)]
+        include_csi: bool,
         /// Override the target's grace-s (0 deletes unreferenced chunks at once: only when no
         /// backup to this target runs anywhere).
         #[arg(long)]
@@ -157,7 +161,16 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
             print_verified(out, &r);
             anyhow::ensure!(r.bad.is_empty(), "{} chunks failed their check", r.bad.len());
         }
-        BackupCmd::Prune { target, keep_last, keep_daily, keep_weekly, keep_monthly, keep_yearly, grace_s } => {
+        BackupCmd::Prune {
+            target,
+            keep_last,
+            keep_daily,
+            keep_weekly,
+            keep_monthly,
+            keep_yearly,
+            include_csi,
+            grace_s,
+        } => {
             let req = pb::PruneBackupsRequest {
                 target,
                 keep_last,
@@ -166,6 +179,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                 keep_monthly,
                 keep_yearly,
                 grace_s,
+                include_csi,
             };
             let r = c.prune_backups(req).await.map_err(rpc_error)?.into_inner();
             print_pruned(out, &r);
@@ -251,6 +265,9 @@ fn print_backup(out: Output, b: &pb::Backup) {
             }
             if !b.full_reason.is_empty() {
                 println!("  read the whole volume: {}", b.full_reason);
+            }
+            if !b.copied_from.is_empty() {
+                println!("  copied from target {} (an operator's copy)", b.copied_from);
             }
             println!(
                 "  {} chunks of {}: {} of data, {} uploaded by this backup{}",
@@ -353,7 +370,7 @@ fn backup_json(b: &pb::Backup) -> serde_json::Value {
         "created_unix": b.created_unix, "size": b.size, "full": b.full, "previous": b.previous,
         "chunks": b.chunks, "bytes": b.bytes, "uploaded_bytes": b.uploaded_bytes,
         "chunk_size": b.chunk_size, "encrypted_volume": b.encrypted_volume, "full_reason": b.full_reason,
-        "pool": b.pool, "snapshot_id": b.snapshot_id})
+        "pool": b.pool, "snapshot_id": b.snapshot_id, "copied_from": b.copied_from})
 }
 
 /// The commands that run here, with the targets a config file names: `export` and `copy`.

@@ -37,6 +37,9 @@ pub struct SnapshotInfo {
     /// The volume's size when the snapshot was taken.
     pub size: u64,
     pub created_unix: u64,
+    /// Drawn at random when it was taken (0: by an earlier build): tells it apart from a
+    /// snapshot of a pool copied from the same image, which has the same uuid and ids.
+    pub nonce: u64,
     /// Bytes written to the volume between the previous snapshot and this one.
     pub layer_bytes: u64,
     /// Bytes that deleting this snapshot (alone) would free.
@@ -151,6 +154,8 @@ pub(crate) fn plan_snapshots(inner: &Inner, items: &[(u64, String)]) -> Result<(
             layer: rec.layer,
             size: rec.size,
             created_unix: now_unix(),
+            // Never 0, which means "unknown".
+            nonce: uuid::Uuid::new_v4().as_u64_pair().0 | 1,
             name: name.clone(),
         };
         rec.layer = head;
@@ -208,6 +213,7 @@ fn snapshot_info(st: &State, s: &SnapshotRecord) -> SnapshotInfo {
         volume_id: s.volume,
         size: s.size,
         created_unix: s.created_unix,
+        nonce: s.nonce,
         layer_bytes: layer_blocks * B,
         reclaimable_on_delete: reclaimable * B,
     }
