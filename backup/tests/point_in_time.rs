@@ -79,3 +79,45 @@ async fn same_names_on_another_pool_are_not_a_base() {
     restore(&target, &a, &"db/from-b".parse().unwrap(), "r").await.unwrap();
     assert!(volume_image(&a, "r") == image(&b, "s"), "from-b holds b's data");
 }
+
+/// Two nodes started from one copied data directory (a machine image: same pool uuid, same
+/// snapshot ids to come) each write their own bytes to `db` and back it up to one target: the
+/// second's backup does not build on the first's (whose snapshot has its id on this pool too),
+/// reads everything and restores its own bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_copied_from_one_image_is_not_a_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = || ferrite_engine::PoolOptions {
+        segment_size: MIB,
+        reserve_segments: 2,
+        background_cleaner: false,
+        ..ferrite_engine::PoolOptions::default()
+    };
+    let image_dir = dir.path().join("image");
+    std::fs::create_dir(&image_dir).unwrap();
+    let made = ferrite_engine::Pool::create(&image_dir.join("pool"), &image_dir.join("meta"), 64 * MIB, opts()).unwrap();
+    made.create_volume("db", 8 * MIB).unwrap();
+    drop(made);
+    let node = |name: &str| {
+        let to = dir.path().join(name);
+        let copied = std::process::Command::new("cp").arg("-a").arg(&image_dir).arg(&to).status().unwrap();
+        assert!(copied.success());
+        ferrite_engine::Pool::open(&to.join("pool"), &to.join("meta"), opts()).unwrap()
+    };
+    let (a, b) = (node("a"), node("b"));
+    assert_eq!(a.uuid(), b.uuid(), "one image, one uuid");
+    let target = dir_target(dir.path()).await;
+    fill(&a, "db", 102);
+    a.create_snapshot("db", "s").unwrap();
+    fill(&b, "db", 119);
+    b.create_snapshot("db", "s").unwrap();
+    assert_eq!(a.snapshot_info("s").unwrap().id, b.snapshot_info("s").unwrap().id, "the same ids");
+
+    backup(&target, &a, "db", "s", "from-a").await.unwrap();
+    let from_b = backup(&target, &b, "db", "s", "from-b").await.unwrap();
+    assert!(from_b.full && from_b.previous.is_none(), "{from_b:?}");
+    assert!(from_b.full_reason.as_deref().is_some_and(|r| r.contains("copied from the same image")), "{from_b:?}");
+    assert_eq!(from_b.read_bytes, 4 * MIB, "it read what b wrote");
+    restore(&target, &a, &"db/from-b".parse().unwrap(), "r").await.unwrap();
+    assert!(volume_image(&a, "r") == image(&b, "s"), "from-b holds b's bytes");
+}
