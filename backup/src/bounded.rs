@@ -17,8 +17,8 @@ use object_store::client::{
     ReqwestConnector,
 };
 
-/// Most bytes of an answer object_store reads whole: a LIST page holds at most 1000 keys of at
-/// most 1 KiB each (S3's limits), an error or a PUT's answer a few hundred bytes.
+/// Most bytes of an answer read whole: a LIST page holds at most 1000 keys of at most 1 KiB
+/// each (S3's limits), an error, a PUT's answer or a bucket's object lock a few hundred bytes.
 pub const MAX_BUFFERED: u64 = 4 << 20;
 /// Most bytes a body's size hint may announce (what a reader preallocates).
 const MAX_HINT: u64 = 1 << 20;
@@ -47,8 +47,8 @@ impl HttpService for Bounded {
         if req.method() == http::Method::HEAD {
             return self.0.execute(req).await;
         }
-        let listing = req.uri().query().is_some_and(|q| q.contains("list-type"));
-        let object = req.method() == http::Method::GET && !listing;
+        // An object's GET has no query; a listing, `?object-lock` and the like are answers.
+        let object = req.method() == http::Method::GET && req.uri().query().is_none();
         let res = self.0.execute(req).await?;
         let cap = if object && res.status().is_success() { u64::MAX } else { MAX_BUFFERED };
         let claimed =
