@@ -314,6 +314,25 @@ mod tests {
     }
 
     #[test]
+    fn backups_of_csi_snapshots_are_kept_unless_included() {
+        let mut all: Vec<IndexEntry> = (0..4).map(|n| entry(&format!("b{n}"), 1000 + n)).collect();
+        all.push(entry("csi.snap-1", 1));
+        let mut copy = entry("csi.snap-2", 2);
+        copy.copied_from = Some("primary".into());
+        all.push(copy);
+        let ids = |r: &Retention| {
+            let mut v: Vec<String> = r.keep(&all).into_iter().collect();
+            v.sort();
+            v
+        };
+        let last = Retention { keep_last: 1, ..Retention::default() };
+        assert_eq!(ids(&last), ["b3", "csi.snap-1"], "a CSI snapshot's is kept; a copy of one is the operator's");
+        assert_eq!(ids(&Retention { include_csi: true, ..last.clone() }), ["b3"]);
+        assert!(!Retention { include_csi: true, ..Retention::default() }.is_set(), "include-csi alone keeps all");
+        assert!(last.is_set());
+    }
+
+    #[test]
     fn monthly_and_yearly_keep_the_newest_of_each_calendar_period() {
         const DAY: u64 = 86_400;
         // One backup on the 1st and one on the 20th of every month from 2024-01 to 2026-12.

@@ -141,9 +141,8 @@ pub async fn verify(
     progress: &(dyn Fn(&Progress) + Sync),
 ) -> Result<VerifyReport> {
     // Names are uniform: a window of their first byte is a uniform sample, moved at random.
-    let width = sample.map_or(256, |share| {
-        (0..=256u16).find(|&w| f64::from(w) >= share.clamp(0.0, 1.0) * 256.0).unwrap_or(256)
-    });
+    let width = sample
+        .map_or(256, |share| (0..=256u16).find(|&w| f64::from(w) >= share.clamp(0.0, 1.0) * 256.0).unwrap_or(256));
     let shift = u16::from(crate::codec::random::<1>()[0]);
     let sampled = |id: &str| {
         let first = u16::from(crate::codec::unhex(id.get(..2).unwrap_or("")).map_or(0, |b| b[0]));

@@ -13,8 +13,8 @@ use object_store::aws::{AmazonS3, AwsCredential, Checksum};
 use object_store::list::{PaginatedListOptions, PaginatedListStore};
 use object_store::path::Path;
 use object_store::{
-    ClientOptions, GetResultPayload, ListResult, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutPayload, RetryConfig,
-    UpdateVersion,
+    ClientOptions, GetResultPayload, ListResult, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutPayload,
+    RetryConfig, UpdateVersion,
 };
 use serde::{Deserialize, Serialize};
 
@@ -176,14 +176,8 @@ impl Target {
             None => None,
         };
         let codec = Codec::new(name, key.as_ref());
-        let target = Target {
-            name: name.to_owned(),
-            config,
-            store,
-            codec: Arc::new(codec),
-            counters: Arc::default(),
-            s3,
-        };
+        let target =
+            Target { name: name.to_owned(), config, store, codec: Arc::new(codec), counters: Arc::default(), s3 };
         target.check_marker().await?;
         Ok(target)
     }
@@ -506,7 +500,8 @@ impl Target {
             let why = format!("the listing goes on past {max} entries (or pages of {PAGE_COST}): refused");
             return Err(Error::answer(&self.name, "LIST", &p, why));
         }
-        let outside = |key: &str| Error::answer(&self.name, "LIST", &p, format!("it listed {key:?}, not under {asked}"));
+        let outside =
+            |key: &str| Error::answer(&self.name, "LIST", &p, format!("it listed {key:?}, not under {asked}"));
         let relative = |path: &Path| {
             let key = path.as_ref();
             key.strip_prefix(&asked).map(|_| Path::from(&key[root.len()..])).ok_or_else(|| outside(key))
@@ -571,7 +566,13 @@ impl Target {
     }
 
     /// The same, done within `limit` or failed.
-    pub(crate) async fn put_object_within(&self, limit: Duration, kind: Kind, path: &str, plain: Vec<u8>) -> Result<()> {
+    pub(crate) async fn put_object_within(
+        &self,
+        limit: Duration,
+        kind: Kind,
+        path: &str,
+        plain: Vec<u8>,
+    ) -> Result<()> {
         let sealed = self.seal(kind, path, plain).await;
         self.put_within(limit, path, sealed).await
     }

@@ -66,3 +66,52 @@ async fn a_bad_chunk_is_quarantined_and_uploaded_again() {
     let b3 = backup(&target, &pool, "v", "s3", "b3").await.unwrap();
     assert_eq!((b3.read_bytes, b3.new_chunks), (0, 0), "{b3:?}");
 }
+
+/// A chunk that reads bad once (a store's passing fault) and good a moment later is not moved:
+/// it stays in chunks/, out of quarantine, and the next backup reads nothing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_misread_moves_nothing() {
+    let (dir, pool) = new_pool();
+    let root = dir.path().join("target");
+    let config = TargetConfig {
+        kind: Some(TargetKind::Dir),
+        path: Some(root.clone()),
+        chunk_size: Some(MIB),
+        ..TargetConfig::default()
+    };
+    let target = Target::open("t", config).await.unwrap();
+    pool.create_volume("v", MIB).unwrap();
+    pool.open_volume("v").unwrap().write(0, &noise(9, MIB as usize)).unwrap();
+    pool.create_snapshot("v", "s1").unwrap();
+    let b1 = backup(&target, &pool, "v", "s1", "b1").await.unwrap();
+    let id = b1.chunks[0].id.clone();
+    let chunk = root.join("chunks").join(&id[..2]).join(&id);
+    let good = std::fs::read(&chunk).unwrap();
+    let mut damaged = good.clone();
+    damaged[100] ^= 1;
+    std::fs::write(&chunk, &damaged).unwrap();
+
+    // The verify reads the index, the manifest, then the chunk (bad); while it pauses before
+    // reading it again, the store answers truly again.
+    let gets = || target.counters.gets.load(std::sync::atomic::Ordering::Relaxed);
+    let before = gets();
+    let verifying = {
+        let target = target.clone();
+        tokio::spawn(async move {
+            let b1 = BackupRef { volume: "v".into(), id: "b1".into() };
+            ferrite_backup::verify(&target, &[b1], None, &|_| {}).await
+        })
+    };
+    while gets() < before + 3 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    std::fs::write(&chunk, &good).unwrap();
+    let report = verifying.await.unwrap().unwrap();
+    assert!(report.bad.is_empty() && report.quarantined == 0, "{report:?}");
+    // The index, the manifest, the chunk twice, the quarantine list.
+    assert_eq!(gets(), before + 5, "the chunk was read twice");
+    assert!(chunk.exists() && !root.join("quarantine").exists(), "{:?}", files(&root));
+    pool.create_snapshot("v", "s2").unwrap();
+    let b2 = backup(&target, &pool, "v", "s2", "b2").await.unwrap();
+    assert_eq!((b2.read_bytes, b2.new_chunks), (0, 0), "{b2:?}");
+}

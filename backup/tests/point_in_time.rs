@@ -95,7 +95,8 @@ async fn a_pool_copied_from_one_image_is_not_a_base() {
     };
     let image_dir = dir.path().join("image");
     std::fs::create_dir(&image_dir).unwrap();
-    let made = ferrite_engine::Pool::create(&image_dir.join("pool"), &image_dir.join("meta"), 64 * MIB, opts()).unwrap();
+    let made =
+        ferrite_engine::Pool::create(&image_dir.join("pool"), &image_dir.join("meta"), 64 * MIB, opts()).unwrap();
     made.create_volume("db", 8 * MIB).unwrap();
     drop(made);
     let node = |name: &str| {

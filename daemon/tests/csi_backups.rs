@@ -70,8 +70,10 @@ async fn backup_snapshots_through_the_controller() {
     std::fs::create_dir_all(&secret).unwrap();
     let targets = format!(
         "[offsite]\nkind = \"s3\"\nendpoint = \"{}\"\nbucket = \"ferrite-test\"\nprefix = \"csi\"\n\
-         credentials = \".\"\nchunk-size = \"1M\"\nbandwidth = \"2M\"\n",
-        store.endpoint()
+         credentials = \".\"\nchunk-size = \"1M\"\nbandwidth = \"2M\"\n\
+         [second-site]\nkind = \"dir\"\npath = {:?}\nchunk-size = \"1M\"\n",
+        store.endpoint(),
+        dir.path().join("second-site").display().to_string()
     );
     std::fs::write(secret.join("targets.toml"), targets).unwrap();
     std::fs::write(secret.join("access-key-id"), "ferrite").unwrap();
@@ -185,6 +187,19 @@ async fn backup_snapshots_through_the_controller() {
     let e = e.await.unwrap_err();
     assert!(e.code() == Code::PermissionDenied && e.message().contains("only an operator"), "{e:?}");
     assert_eq!(b.json(&["backup", "show", &name, "--target", "offsite"])["name"], name.as_str());
+    // An operator's copy of the CSI snapshot's backup to a second site is the operator's: the
+    // controller may not delete it there; and an operator's prune keeps the CSI snapshot's.
+    let config = dir.path().join("a").join("ferrite.toml").display().to_string();
+    let copied =
+        a.json(&["backup", "copy", "v1/csi.nightly", "--from", "offsite", "--to", "second-site", "--config", &config]);
+    assert_eq!(copied["to"], "second-site", "{copied}");
+    let shown = a.json(&["backup", "show", "v1/csi.nightly", "--target", "second-site"]);
+    assert_eq!(shown["copied_from"], "offsite", "{shown}");
+    let req = pb::DeleteBackupRequest { target: "second-site".into(), name: "v1/csi.nightly".into() };
+    let e = as_controller.delete_backup(req).await.unwrap_err();
+    assert!(e.code() == Code::PermissionDenied && e.message().contains("operator's copy"), "{e:?}");
+    let pruned = a.json(&["backup", "prune", "--target", "offsite", "--keep-last", "1"]);
+    assert_eq!(pruned["backups_deleted"], serde_json::json!([]), "{pruned}");
 
     println!("== deleting the snapshot deletes the backup and the snapshot it was taken from");
     let delete = csi::DeleteSnapshotRequest { snapshot_id: done.snapshot_id.clone(), ..Default::default() };

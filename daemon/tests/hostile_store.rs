@@ -201,7 +201,9 @@ fn lie(out: &mut TcpStream, mode: Mode, head_only: bool, started: Instant) -> st
             answer(out, "Content-Length: 1000", &garbage[..10])?;
             out.shutdown(std::net::Shutdown::Both)
         }
-        Mode::Garbage | Mode::EndlessPages => answer(out, "Content-Length: 4096", if head_only { &[] } else { &garbage[..4096] }),
+        Mode::Garbage | Mode::EndlessPages => {
+            answer(out, "Content-Length: 4096", if head_only { &[] } else { &garbage[..4096] })
+        }
     }
 }
 
