@@ -226,17 +226,18 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
     Ok(report)
 }
 
-/// A chunk's name as the mark keeps it: 32 bytes (a name that is not 64 hex digits, which no
-/// manifest lists, maps to zeros).
-fn key(id: &str) -> [u8; 32] {
-    crate::codec::unhex(id).and_then(|b| b.try_into().ok()).unwrap_or([0; 32])
+/// A chunk's name as the mark keeps it: its first 64 bits (names are uniform). Two names that
+/// share them only keep an unreferenced chunk one prune longer (~5e-14 per chunk at a million
+/// referenced): the mark costs ~20 bytes per referenced chunk, not ~100.
+fn key(id: &str) -> u64 {
+    id.get(..16).and_then(|h| u64::from_str_radix(h, 16).ok()).unwrap_or(0)
 }
 
 /// Mark: the chunks every manifest under `volumes/` lists, in its index or not (one being
 /// committed is not yet), as the objects are listed, with one index in memory at a time. A
 /// manifest no index lists and older than the grace is no backup being committed: a crash's
 /// leftover, it is deleted.
-async fn mark(target: &Target, now: i64, grace_s: i64, report: &mut PruneReport) -> Result<HashSet<[u8; 32]>> {
+async fn mark(target: &Target, now: i64, grace_s: i64, report: &mut PruneReport) -> Result<HashSet<u64>> {
     let mut referenced = HashSet::new();
     let mut index: Option<Index> = None;
     let mut objects = target.list_stream("volumes", MAX_VOLUME_OBJECTS);

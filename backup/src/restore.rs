@@ -153,7 +153,11 @@ pub async fn verify(
     for (n, b) in backups.iter().enumerate() {
         let m = Manifest::load(target, b).await?;
         for c in m.chunks.into_iter().filter(|c| sampled(&c.id)) {
-            users.entry(c.id).or_insert_with(|| (c.len, Vec::new())).1.push(n as u32);
+            users
+                .entry(c.id)
+                .or_insert_with(|| (c.len, Vec::new()))
+                .1
+                .push(u32::try_from(n).expect("under 4 G backups"));
         }
     }
     let mut report = VerifyReport { backups: backups.len() as u64, ..VerifyReport::default() };

@@ -234,6 +234,11 @@ impl Target {
         self.codec.is_sealed()
     }
 
+    /// The name a chunk holding `plain` has on this target.
+    pub fn chunk_name(&self, plain: &[u8]) -> String {
+        self.codec.chunk_id(plain)
+    }
+
     /// How long one operation may take, its retries included.
     pub(crate) fn deadline(&self) -> Duration {
         self.request_timeout() * 2 + Duration::from_secs(30)

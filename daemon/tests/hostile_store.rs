@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::Daemon;
+use common::nbd::{reset_peak, rss_kib};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -207,22 +208,6 @@ fn lie(out: &mut TcpStream, mode: Mode, head_only: bool, started: Instant) -> st
     }
 }
 
-/// The daemon's resident memory (`VmRSS`), or its peak since [`reset_peak`] (`VmHWM`), in bytes.
-fn rss(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kib * 1024
-}
-
-/// Sets the daemon's peak resident memory to its present one (`clear_refs` 5).
-fn reset_peak(pid: u32) {
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
-}
-
 #[test]
 fn a_lying_store_neither_aborts_the_daemon_nor_fills_its_memory() {
     let store = Store::start();
@@ -242,7 +227,7 @@ fn a_lying_store_neither_aborts_the_daemon_nor_fills_its_memory() {
     // The target opens (its marker is true) and a first call has run: the baseline.
     store.set(Mode::Garbage, false);
     assert!(!d.cli(&["backup", "list", "db", "--target", "evil"]).status.success());
-    let baseline = rss(pid, "VmRSS");
+    let baseline = rss_kib(pid).1 << 10;
     reset_peak(pid);
 
     // The names an error may give, one of them (`|`): a prune without retention begins with a
@@ -281,7 +266,7 @@ fn a_lying_store_neither_aborts_the_daemon_nor_fills_its_memory() {
             assert!(msg.contains(&target) && named, "{mode:?} {args:?}: {msg}");
             assert!(took < Duration::from_secs(45), "{mode:?} {args:?} took {took:?}");
             assert!(d.child.as_mut().unwrap().try_wait().unwrap().is_none(), "the daemon ended: {}", d.log());
-            let grown = rss(pid, "VmHWM").saturating_sub(baseline);
+            let grown = (rss_kib(pid).0 << 10).saturating_sub(baseline);
             println!("  peak +{} MiB over the baseline", grown >> 20);
             assert!(grown < 64 << 20, "{mode:?} {args:?}: the daemon's peak grew by {} MiB", grown >> 20);
         }

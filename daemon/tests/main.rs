@@ -9,6 +9,7 @@ mod weed;
 
 mod attach;
 mod backup;
+mod backup_scale;
 mod backup_targets;
 mod changed_blocks;
 mod cli;

@@ -70,6 +70,11 @@ pub fn rss_kib(pid: u32) -> (u64, u64) {
     (field("VmHWM:").unwrap(), field("VmRSS:").unwrap())
 }
 
+/// Sets a process's peak resident set to its present one (`clear_refs` 5).
+pub fn reset_peak(pid: u32) {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+}
+
 /// Writes `data` at `offset` on an open connection; the NBD error (0: done).
 pub fn write_on(s: &mut UnixStream, offset: u64, data: &[u8]) -> u32 {
     s.write_all(&request(CMD_WRITE, 0, 7, offset, u32::try_from(data.len()).unwrap(), data)).unwrap();
