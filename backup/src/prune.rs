@@ -249,8 +249,8 @@ async fn mark(target: &Target, now: i64, grace_s: i64, report: &mut PruneReport)
         }
         let listed = index.as_ref().and_then(|i| i.backups.iter().find(|e| e.id == id));
         let b = BackupRef { volume: volume.to_owned(), id: id.to_owned() };
-        let m = match listed {
-            Some(e) => Manifest::load_listed(target, &b, e).await?,
+        let loaded = match listed {
+            Some(e) => Manifest::load_listed(target, &b, e).await,
             None if object.last_modified.timestamp().saturating_add(grace_s) <= now => {
                 tracing::info!(target = %target.name, backup = %b, "deleting a manifest no index lists (left by an interrupted backup or delete)");
                 target.delete(&manifest_path(&b)).await?;
@@ -266,7 +266,12 @@ async fn mark(target: &Target, now: i64, grace_s: i64, report: &mut PruneReport)
                 } else {
                     e
                 }
-            })?,
+            }),
+        };
+        let m = match loaded {
+            // Deleted since it was listed (`delete` takes the index entry first): nothing to keep.
+            Err(e) if e.is_not_found() => continue,
+            m => m?,
         };
         report.manifests += 1;
         referenced.extend(m.chunks.iter().map(|c| key(&c.id)));

@@ -1,10 +1,10 @@
 //! Chunks a verify found bad (read twice, a pause apart, and bad both times: one misread, a
-//! store's passing fault, moves nothing). Such a chunk is listed in `gc/quarantined`, then moved out of
-//! `chunks/` to `quarantine/<id>` (kept for a look, never read again). The next backup of a
-//! volume that still holds its data reads that chunk again even where the previous backup lists
-//! it, finds it missing and uploads it anew (`--full` or not): then every backup that lists it
-//! restores again. A later verify that finds it good drops it from the list, and so does a prune
-//! once no manifest lists it.
+//! store's passing fault, moves nothing). Such a chunk is listed in `gc/quarantined`, then
+//! moved out of `chunks/` to `quarantine/<id>` (kept for a look, never read again). The next
+//! backup of a volume that still holds its data reads that chunk again even where the previous
+//! backup lists it, finds it missing and uploads it anew (`--full` or not): then every backup
+//! that lists it restores again. A later verify that finds it good drops it from the list, and so
+//! does a prune once no manifest lists it.
 
 use std::collections::{BTreeMap, HashSet};
 

@@ -145,7 +145,7 @@ pub async fn verify(
         .map_or(256, |share| (0..=256u16).find(|&w| f64::from(w) >= share.clamp(0.0, 1.0) * 256.0).unwrap_or(256));
     let shift = u16::from(crate::codec::random::<1>()[0]);
     let sampled = |id: &str| {
-        let first = u16::from(crate::codec::unhex(id.get(..2).unwrap_or("")).map_or(0, |b| b[0]));
+        let first = id.get(..2).and_then(|h| u16::from_str_radix(h, 16).ok()).unwrap_or(0);
         (first + 256 - shift) % 256 < width
     };
     // Chunk name -> its length and the backups (by their place in `backups`) that list it.

@@ -427,15 +427,19 @@ impl Target {
     pub(crate) fn list_stream(&self, prefix: &str, max: u64) -> BoxStream<'_, Result<ObjectMeta>> {
         let p = Path::from(prefix);
         let Some(s3) = self.s3.clone() else {
-            // A directory: object_store walks it as it is read; only the count needs a bound.
+            // A directory (NFS may hang): object_store walks it as it is read; each entry within
+            // the deadline of one operation, and a bound on their count.
             self.counters.lists.fetch_add(1, Relaxed);
             let listed = self.store.list(Some(&p)).enumerate();
+            let limit = self.deadline();
             return futures_util::stream::unfold((listed, p), move |(mut listed, p)| async move {
-                let (n, r) = listed.next().await?;
-                let next = if n as u64 >= max {
-                    Err(Error::answer(&self.name, "LIST", &p, format!("more than {max} objects are listed")))
-                } else {
-                    r.map_err(|e| Error::store(&self.name, "LIST", &p, e))
+                let next = match tokio::time::timeout(limit, listed.next()).await {
+                    Err(_) => Err(Error::answer(&self.name, "LIST", &p, format!("no answer within {limit:?}"))),
+                    Ok(None) => return None,
+                    Ok(Some((n, _))) if n as u64 >= max => {
+                        Err(Error::answer(&self.name, "LIST", &p, format!("more than {max} objects are listed")))
+                    }
+                    Ok(Some((_, r))) => r.map_err(|e| Error::store(&self.name, "LIST", &p, e)),
                 };
                 Some((next, (listed, p)))
             })

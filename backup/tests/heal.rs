@@ -22,17 +22,22 @@ fn files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     out
 }
 
+/// A directory target at `root`, with 1 MiB chunks.
+async fn dir_target(root: &std::path::Path) -> Target {
+    let config = TargetConfig {
+        kind: Some(TargetKind::Dir),
+        path: Some(root.to_owned()),
+        chunk_size: Some(MIB),
+        ..TargetConfig::default()
+    };
+    Target::open("t", config).await.unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_chunk_is_quarantined_and_uploaded_again() {
     let (dir, pool) = new_pool();
     let root = dir.path().join("target");
-    let config = TargetConfig {
-        kind: Some(TargetKind::Dir),
-        path: Some(root.clone()),
-        chunk_size: Some(MIB),
-        ..TargetConfig::default()
-    };
-    let target = Target::open("t", config).await.unwrap();
+    let target = dir_target(&root).await;
     pool.create_volume("v", 4 * MIB).unwrap();
     pool.open_volume("v").unwrap().write(0, &noise(7, 4 * MIB as usize)).unwrap();
     pool.create_snapshot("v", "s1").unwrap();
@@ -73,13 +78,7 @@ async fn a_bad_chunk_is_quarantined_and_uploaded_again() {
 async fn a_single_misread_moves_nothing() {
     let (dir, pool) = new_pool();
     let root = dir.path().join("target");
-    let config = TargetConfig {
-        kind: Some(TargetKind::Dir),
-        path: Some(root.clone()),
-        chunk_size: Some(MIB),
-        ..TargetConfig::default()
-    };
-    let target = Target::open("t", config).await.unwrap();
+    let target = dir_target(&root).await;
     pool.create_volume("v", MIB).unwrap();
     pool.open_volume("v").unwrap().write(0, &noise(9, MIB as usize)).unwrap();
     pool.create_snapshot("v", "s1").unwrap();

@@ -6,6 +6,7 @@ mod common;
 #[path = "common/pool.rs"]
 mod pool;
 
+mod caps;
 mod concurrency;
 mod copy;
 mod heal;
