@@ -1,6 +1,8 @@
 //! What the daemon keeps in a target can always be read back: every list it writes is capped on
 //! write at what its readers accept, however much the target holds.
 
+#![allow(clippy::cast_possible_truncation)]
+
 use std::time::Duration;
 
 use crate::pool;
