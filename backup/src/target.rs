@@ -152,6 +152,17 @@ struct Paging {
     max: u64,
 }
 
+impl Paging {
+    fn new(prefix: &str, max: u64) -> Paging {
+        Paging { prefix: prefix.to_owned(), token: None, done: false, entries: 0, cost: 0, max }
+    }
+}
+
+/// The target's prefix in its store, without slashes at either end ("" for none).
+fn root_of(config: &TargetConfig) -> &str {
+    config.prefix.as_deref().unwrap_or("").trim_matches('/')
+}
+
 impl Target {
     /// Opens target `name`: builds the client, reads the marker (writing it on a new target),
     /// and checks the key against it.
@@ -445,7 +456,7 @@ impl Target {
             })
             .boxed();
         };
-        let start = Paging { prefix: prefix.to_owned(), token: None, done: false, entries: 0, cost: 0, max };
+        let start = Paging::new(prefix, max);
         futures_util::stream::try_unfold(start, move |mut paging| {
             let s3 = s3.clone();
             async move {
@@ -465,7 +476,7 @@ impl Target {
     pub(crate) async fn list_dirs(&self, prefix: &str, max: u64) -> Result<Vec<String>> {
         let p = Path::from(prefix);
         let Some(s3) = self.s3.clone() else { return self.read_dir(prefix, max).await };
-        let mut paging = Paging { prefix: prefix.to_owned(), token: None, done: false, entries: 0, cost: 0, max };
+        let mut paging = Paging::new(prefix, max);
         let mut names = Vec::new();
         while !paging.done {
             let page = self.page(&s3, &mut paging, true).await?;
@@ -486,7 +497,7 @@ impl Target {
     async fn page(&self, s3: &AmazonS3, paging: &mut Paging, delimiter: bool) -> Result<ListResult> {
         let p = Path::from(paging.prefix.as_str());
         self.counters.lists.fetch_add(1, Relaxed);
-        let root = self.config.prefix.as_deref().unwrap_or("").trim_matches('/');
+        let root = root_of(&self.config);
         let root = if root.is_empty() { String::new() } else { format!("{root}/") };
         let options = PaginatedListOptions {
             delimiter: delimiter.then_some("/".into()),
@@ -530,7 +541,7 @@ impl Target {
     async fn read_dir(&self, prefix: &str, max: u64) -> Result<Vec<String>> {
         let p = Path::from(prefix);
         self.counters.lists.fetch_add(1, Relaxed);
-        let root = self.config.prefix.as_deref().unwrap_or("").trim_matches('/');
+        let root = root_of(&self.config);
         let dir = self.config.path.as_ref().expect("a dir target has a path").join(root).join(prefix);
         let read = tokio::task::spawn_blocking(move || -> std::io::Result<Option<Vec<String>>> {
             let entries = match std::fs::read_dir(&dir) {
@@ -659,7 +670,7 @@ fn size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<u6
 type Stores = (Arc<dyn ObjectStore>, Option<Arc<AmazonS3>>);
 
 fn build_store(config: &TargetConfig) -> std::result::Result<Stores, String> {
-    let prefix = config.prefix.as_deref().unwrap_or("").trim_matches('/');
+    let prefix = root_of(config);
     let mut s3 = None;
     let store: Arc<dyn ObjectStore> = match config.kind {
         Some(TargetKind::Dir) => {
