@@ -42,7 +42,8 @@ fn too_large(what: String) -> HttpError {
 
 #[async_trait::async_trait]
 impl HttpService for Bounded {
-    async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
+    async fn call(&self, mut req: HttpRequest) -> Result<HttpResponse, HttpError> {
+        crate::object_lock::stamp(&mut req);
         // A HEAD's Content-Length is the object's, and it has no body.
         if req.method() == http::Method::HEAD {
             return self.0.execute(req).await;

@@ -12,6 +12,7 @@ use futures_util::StreamExt;
 
 use crate::codec::Kind;
 use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, chunk_path};
+use crate::prune::Swept;
 use crate::restore::{fetch_chunk, fetch_sealed};
 use crate::{Error, Pace, Progress, Result, Target, prune};
 
@@ -38,7 +39,7 @@ pub async fn copy(
             to.name
         )));
     }
-    let condemned = prune::load_condemned(to).await?;
+    let swept = prune::load_swept(to).await?;
     if Index::load(to, &b.volume).await?.backups.iter().any(|e| e.id == b.id) {
         return Err(Error::Conflict(format!("backup {b} already exists on target {}", to.name)));
     }
@@ -50,11 +51,11 @@ pub async fn copy(
     };
     progress(&done);
     let pace = Arc::new(Pace::new(to.config.bandwidth));
-    let shared = Arc::new(condemned);
+    let shared = Arc::new(swept);
     let mut copied = futures_util::stream::iter(m.chunks.clone())
         .map(|c| {
-            let (from, to, pace, condemned) = (from.clone(), to.clone(), Arc::clone(&pace), Arc::clone(&shared));
-            async move { copy_chunk(&from, &to, c, same_key, &pace, &condemned).await }
+            let (from, to, pace, swept) = (from.clone(), to.clone(), Arc::clone(&pace), Arc::clone(&shared));
+            async move { copy_chunk(&from, &to, c, same_key, &pace, &swept).await }
         })
         .buffered(to.concurrency());
     let (mut chunks, mut uploaded, mut new_chunks) = (Vec::with_capacity(m.chunks.len()), 0, 0);
@@ -86,11 +87,11 @@ async fn copy_chunk(
     c: ChunkRef,
     same_key: bool,
     pace: &Pace,
-    condemned: &HashSet<String>,
+    swept: &Swept,
 ) -> Result<(ChunkRef, u64)> {
     let unpaced = Pace::new(None);
     let (c, sealed) = if same_key {
-        if !condemned.contains(&c.id) && to.holds_fresh(&chunk_path(&c.id)).await? {
+        if !swept.condemned.contains(&c.id) && to.holds_fresh(&chunk_path(&c.id), swept.locked_at).await? {
             return Ok((c, 0));
         }
         // Checked as a restore would, then sent as it is (the same key opens it there).
@@ -107,7 +108,7 @@ async fn copy_chunk(
         .await
         .expect("sealing does not panic");
         let c = ChunkRef { id, ..c };
-        if !condemned.contains(&c.id) && to.holds_fresh(&chunk_path(&c.id)).await? {
+        if !swept.condemned.contains(&c.id) && to.holds_fresh(&chunk_path(&c.id), swept.locked_at).await? {
             return Ok((c, 0));
         }
         (c, sealed.into())

@@ -18,6 +18,7 @@ use futures_util::StreamExt;
 
 use crate::codec::Kind;
 use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, SnapshotIdentity, chunk_path};
+use crate::prune::Swept;
 use crate::target::FORMAT;
 use crate::{Error, Pace, Result, Target, prune, quarantine};
 
@@ -80,7 +81,7 @@ pub async fn create(
     let started = Instant::now();
     let this = BackupRef { volume: opts.volume.clone(), id: opts.id.clone() };
     // Read before anything else: chunks a prune condemned since are uploaded again (prune.rs).
-    let condemned = prune::load_condemned(target).await?;
+    let swept = prune::load_swept(target).await?;
     // Chunks a verify found bad: read again even where the previous backup lists them.
     let quarantined = quarantine::load(target).await?;
     let index = Index::load(target, &opts.volume).await?;
@@ -124,7 +125,7 @@ pub async fn create(
             Err("a full backup was asked for".to_owned())
         } else if since_full + 1 >= full_every {
             Err(format!("every {full_every}th backup is full (the target's full-every)"))
-        } else if let Some(why) = lock_wants_full(target, &index) {
+        } else if let Some(why) = lock_wants_full(target, &index, swept.locked_at) {
             Err(why)
         } else if let Some(m) = m {
             base_snapshot(pool, &info, &source, &m, chunk).map(|name| (m, name))
@@ -164,7 +165,7 @@ pub async fn create(
     // A condemned chunk is uploaded again whatever the target says (its new Last-Modified saves
     // it); a quarantined one when the target does not have it.
     let known: HashSet<String> = known.into_iter().filter(|id| !quarantined.contains(id)).collect();
-    let shared = Arc::new((known, condemned));
+    let shared = Arc::new((known, swept));
     let mut results = futures_util::stream::iter(to_read)
         .map(|i| {
             let (target, snap, pace, sent, shared) =
@@ -216,17 +217,21 @@ pub async fn create(
     Ok(manifest)
 }
 
-/// Under an object lock, why this backup must read everything (and so HEAD, and refresh, every
-/// chunk it references): the last full backup is older than the lock's refresh (`object_lock.rs`).
-fn lock_wants_full(target: &Target, index: &Index) -> Option<String> {
+/// Under an object lock, why this backup must read everything (and so HEAD, and extend, every
+/// chunk it references): no prune has extended the chunks' lock for the lock's refresh
+/// (`locked_at`), and the last full backup is older than that too (`object_lock.rs`).
+fn lock_wants_full(target: &Target, index: &Index, locked_at: Option<i64>) -> Option<String> {
     let lock = target.object_lock()?;
+    let refresh = lock.refresh().as_secs();
+    let extended = locked_at.and_then(|at| u64::try_from(at).ok()).unwrap_or(0);
     let last_full = index.backups.iter().rev().find(|b| b.full).map_or(0, |b| b.created);
-    let age = now_unix().saturating_sub(last_full);
-    (age > lock.refresh().as_secs()).then(|| {
+    let age = now_unix().saturating_sub(last_full.max(extended));
+    (age > refresh).then(|| {
         format!(
-            "the target's object lock ({} days) needs a full backup every {} hours (the last is {} hours old)",
+            "the target's object lock ({} days) needs its chunks' lock extended every {} hours, by a prune or a \
+             full backup (the last was {} hours ago)",
             lock.days,
-            lock.refresh().as_secs() / 3600,
+            refresh / 3600,
             age / 3600
         )
     })
@@ -319,7 +324,7 @@ async fn back_up_chunk(
     pace: &Pace,
     sent: &parking_lot::Mutex<HashSet<String>>,
     known: &HashSet<String>,
-    condemned: &HashSet<String>,
+    swept: &Swept,
 ) -> Result<Option<(String, u64)>> {
     let codec = target.codec.clone();
     let read = tokio::task::spawn_blocking(move || -> Result<Option<(String, Vec<u8>)>> {
@@ -332,11 +337,11 @@ async fn back_up_chunk(
     });
     let Some((id, buf)) = read.await.expect("reading a chunk does not panic")? else { return Ok(None) };
     let path = chunk_path(&id);
-    let fresh = !condemned.contains(&id);
+    let fresh = !swept.condemned.contains(&id);
     if (fresh && known.contains(&id)) || !sent.lock().insert(id.clone()) {
         return Ok(Some((id, 0)));
     }
-    if fresh && target.holds_fresh(&path).await? {
+    if fresh && target.holds_fresh(&path, swept.locked_at).await? {
         return Ok(Some((id, 0)));
     }
     let codec = target.codec.clone();

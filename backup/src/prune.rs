@@ -49,23 +49,38 @@ struct Condemned {
     /// Chunk name -> condemned since (unix seconds, the store's clock); None: since this list
     /// was written (its Last-Modified).
     chunks: BTreeMap<String, Option<i64>>,
+    /// Under an object lock: when a prune last extended the lock of every object it kept
+    /// (unix seconds, the store's clock), to that time plus the lock's days.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    locked_at: Option<i64>,
 }
 
-async fn load(target: &Target) -> Result<BTreeMap<String, i64>> {
+/// What the last prune left: condemned chunks with the time each was condemned, and
+/// [`Condemned::locked_at`].
+async fn load(target: &Target) -> Result<(BTreeMap<String, i64>, Option<i64>)> {
     match target.get_object(Kind::Condemned, CONDEMNED, MAX_CONDEMNED).await {
         Ok((data, meta)) => {
             let list: Condemned = crate::manifest::decode(target, CONDEMNED, &data)?;
             let written = meta.last_modified.timestamp();
-            Ok(list.chunks.into_iter().map(|(id, since)| (id, since.unwrap_or(written))).collect())
+            let chunks = list.chunks.into_iter().map(|(id, since)| (id, since.unwrap_or(written))).collect();
+            Ok((chunks, list.locked_at))
         }
-        Err(e) if e.is_not_found() => Ok(BTreeMap::new()),
+        Err(e) if e.is_not_found() => Ok((BTreeMap::new(), None)),
         Err(e) => Err(e),
     }
 }
 
-/// The chunks the last prune condemned (a backup uploads these again).
-pub(crate) async fn load_condemned(target: &Target) -> Result<HashSet<String>> {
-    Ok(load(target).await?.into_keys().collect())
+/// What a backup (or a copy) needs of the last prune.
+pub(crate) struct Swept {
+    /// The chunks it condemned: a backup uploads these again.
+    pub condemned: HashSet<String>,
+    /// Under an object lock, when it extended the lock of every chunk it kept.
+    pub locked_at: Option<i64>,
+}
+
+pub(crate) async fn load_swept(target: &Target) -> Result<Swept> {
+    let (chunks, locked_at) = load(target).await?;
+    Ok(Swept { condemned: chunks.into_keys().collect(), locked_at })
 }
 
 /// Which backups of a volume a retention policy keeps (besides the newest, always kept).
@@ -135,6 +150,8 @@ pub struct PruneReport {
     pub bytes_deleted: u64,
     /// Unreferenced chunks left for a later prune (younger than the grace).
     pub chunks_condemned: u64,
+    /// Objects whose object lock this prune extended (chunks, manifests, indexes).
+    pub locks_extended: u64,
 }
 
 /// Deletes one backup (its manifest and its index entry). Its chunks go with a later prune.
@@ -182,10 +199,10 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
     crate::quarantine::retain(target, |id| referenced.contains(&key(id))).await?;
 
     // Sweep, as the chunks are listed.
-    let previous = load(target).await?;
+    let (previous, locked_at) = load(target).await?;
     // Room for chunks condemned now beside those carried over: the list never outgrows its cap.
     let room = CONDEMN_AT_MOST.saturating_sub(previous.len());
-    let (mut next, mut fresh) = (Condemned { format: FORMAT, chunks: BTreeMap::new() }, 0);
+    let (mut next, mut fresh) = (Condemned { format: FORMAT, chunks: BTreeMap::new(), locked_at }, 0);
     let mut chunks = target.list_stream("chunks", MAX_CHUNKS);
     while let Some(object) = chunks.try_next().await? {
         let Some(id) = object.location.filename().map(str::to_owned) else { continue };
@@ -213,6 +230,15 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
         }
     }
     report.chunks_condemned = next.chunks.len() as u64;
+    if let Some(lock) = target.object_lock() {
+        // Every kept object is locked until `now` + days at least, once a quarter of the lock.
+        let refresh = i64::try_from(lock.refresh().as_secs()).unwrap_or(i64::MAX);
+        if locked_at.is_none_or(|at| now.saturating_sub(at) > refresh) {
+            let until = u64::try_from(now).unwrap_or(0) + lock.days * 86_400;
+            report.locks_extended = extend_locks(target, &next, until).await?;
+            next.locked_at = Some(now);
+        }
+    }
     if let Some(lock) = target.object_lock().filter(|_| report.chunks_deleted > 0) {
         tracing::info!(
             target = %target.name,
@@ -224,6 +250,34 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
     }
     target.put_object(Kind::Condemned, CONDEMNED, serde_json::to_vec(&next).expect("serialises")).await?;
     Ok(report)
+}
+
+/// Extends the lock of every object the target keeps (chunks not in `next`'s condemned list,
+/// manifests, indexes, the marker) until `until`; how many. A chunk written since the prune
+/// began is listed too: extending it is harmless.
+async fn extend_locks(target: &Target, next: &Condemned, until: u64) -> Result<u64> {
+    let extended = std::sync::atomic::AtomicU64::new(0);
+    let extend = |path: String| {
+        let extended = &extended;
+        async move {
+            target.extend_lock(&path, until).await?;
+            extended.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok::<_, Error>(())
+        }
+    };
+    extend(crate::target::MARKER.to_owned()).await?;
+    let kept = |object: object_store::ObjectMeta| {
+        let condemned = object.location.filename().is_some_and(|id| next.chunks.contains_key(id));
+        (!condemned).then(|| object.location.to_string())
+    };
+    for (prefix, max) in [("volumes", MAX_VOLUME_OBJECTS), ("chunks", MAX_CHUNKS)] {
+        target
+            .list_stream(prefix, max)
+            .try_filter_map(|object| std::future::ready(Ok(kept(object))))
+            .try_for_each_concurrent(target.concurrency(), extend)
+            .await?;
+    }
+    Ok(extended.into_inner())
 }
 
 /// A chunk's name as the mark keeps it: its first 64 bits (names are uniform). Two names that

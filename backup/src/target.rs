@@ -13,13 +13,13 @@ use object_store::aws::{AmazonS3, AwsCredential, Checksum};
 use object_store::list::{PaginatedListOptions, PaginatedListStore};
 use object_store::path::Path;
 use object_store::{
-    ClientOptions, GetResultPayload, ListResult, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutPayload,
-    RetryConfig, UpdateVersion,
+    ClientOptions, GetResultPayload, ListResult, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
+    PutPayload, RetryConfig, UpdateVersion,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{Codec, Kind};
-use crate::object_lock::{Lock, LockMode};
+use crate::object_lock::{Lock, LockMode, Locker};
 use crate::{Error, Result};
 
 /// Where a target keeps its objects.
@@ -83,9 +83,9 @@ pub struct TargetConfig {
     /// SeaweedFS honour); false for a store that refuses them, where two daemons updating one
     /// index at once may lose an update. Default true.
     pub conditional_writes: Option<bool>,
-    /// S3 Object Lock: days the bucket keeps each object version from deletion and overwrite
-    /// (its default retention, which the bucket must have: see `object_lock.rs`). Uploads then
-    /// carry SHA-256 checksums, and a backup is protected for at least half of these days.
+    /// S3 Object Lock: days each object version is kept from deletion and overwrite, set on
+    /// every upload and extended by prunes while a backup needs it (`object_lock.rs`; the bucket
+    /// needs object lock enabled). Uploads then carry SHA-256 checksums.
     pub object_lock_days: Option<u64>,
     /// The bucket's lock mode: governance (default) or compliance.
     pub object_lock_mode: Option<LockMode>,
@@ -121,7 +121,7 @@ struct Marker {
     key_check: Option<String>,
 }
 
-const MARKER: &str = "ferrite-backup.json";
+pub(crate) const MARKER: &str = "ferrite-backup.json";
 /// Most bytes the marker may have (it has a few dozen).
 const MAX_MARKER: u64 = 64 << 10;
 /// The format of the marker, manifests and indexes this build writes and reads.
@@ -137,6 +137,8 @@ pub struct Target {
     pub counters: Arc<Counters>,
     /// An S3 target's store without the prefix: its listings are paged here, with a budget.
     s3: Option<Arc<AmazonS3>>,
+    /// An S3 target's object lock.
+    locker: Option<Arc<Locker>>,
 }
 
 /// Every page of a listing costs at least this many of its entry budget.
@@ -173,6 +175,7 @@ impl Target {
             return Err(invalid(format!("chunk-size {chunk} is not 1-4 MiB in whole 4 KiB blocks")));
         }
         let (store, s3) = build_store(&config).map_err(invalid)?;
+        let mut locker = None;
         if let Some(lock) = Lock::of(&config) {
             if config.kind != Some(TargetKind::S3) || lock.days == 0 {
                 return Err(invalid("object-lock-days (at least 1) is for s3 targets".into()));
@@ -180,15 +183,23 @@ impl Target {
             let key = credentials(config.credentials.as_deref()).map_err(invalid)?;
             let key = key.map(|(key_id, secret_key)| AwsCredential { key_id, secret_key, token: None });
             let options = s3_options(&config).map_err(invalid)?;
-            crate::object_lock::check(&config, &options, key.as_ref(), lock).await.map_err(invalid)?;
+            let opened = Locker::open(&config, &options, key, lock, root_of(&config)).await.map_err(invalid)?;
+            locker = Some(Arc::new(opened));
         }
         let key = match &config.key_file {
             Some(path) => Some(read_key(path).map_err(invalid)?),
             None => None,
         };
         let codec = Codec::new(name, key.as_ref());
-        let target =
-            Target { name: name.to_owned(), config, store, codec: Arc::new(codec), counters: Arc::default(), s3 };
+        let target = Target {
+            name: name.to_owned(),
+            config,
+            store,
+            codec: Arc::new(codec),
+            counters: Arc::default(),
+            s3,
+            locker,
+        };
         target.check_marker().await?;
         Ok(target)
     }
@@ -238,7 +249,28 @@ impl Target {
 
     /// The bucket's object lock, if the target has one.
     pub(crate) fn object_lock(&self) -> Option<Lock> {
-        Lock::of(&self.config)
+        self.locker.as_ref().map(|l| l.lock)
+    }
+
+    /// A PUT's options: its mode, and under an object lock the new version's retention.
+    fn put_options(&self, mode: PutMode) -> PutOptions {
+        let mut opts = PutOptions::from(mode);
+        if let Some(locker) = &self.locker {
+            opts.extensions.insert(locker.retain());
+        }
+        opts
+    }
+
+    /// Under an object lock, locks the current version of `path` until `until` (unix seconds,
+    /// or later if it is already).
+    pub(crate) async fn extend_lock(&self, path: &str, until: u64) -> Result<()> {
+        let Some(locker) = &self.locker else { return Ok(()) };
+        let p = Path::from(path);
+        self.counters.puts.fetch_add(1, Relaxed);
+        self.timed("PUT ?retention", &p, async {
+            locker.extend(path, until).await.map_err(|why| Error::answer(&self.name, "PUT ?retention", &p, why))
+        })
+        .await
     }
 
     pub fn is_sealed(&self) -> bool {
@@ -287,7 +319,9 @@ impl Target {
         self.counters.puts.fetch_add(1, Relaxed);
         let len = data.len() as u64;
         self.timed_within(limit.min(self.deadline()), "PUT", &p, async {
-            self.store.put(&p, PutPayload::from_bytes(data)).await.map_err(|e| Error::store(&self.name, "PUT", &p, e))
+            let opts = self.put_options(PutMode::Overwrite);
+            let put = self.store.put_opts(&p, PutPayload::from_bytes(data), opts).await;
+            put.map_err(|e| Error::store(&self.name, "PUT", &p, e))
         })
         .await?;
         self.counters.put_bytes.fetch_add(len, Relaxed);
@@ -321,7 +355,7 @@ impl Target {
                     Some(m) => PutMode::Update(UpdateVersion { e_tag: m.e_tag.clone(), version: m.version.clone() }),
                     None => PutMode::Create,
                 };
-                match self.store.put_opts(&p, PutPayload::from_bytes(data), mode.into()).await {
+                match self.store.put_opts(&p, PutPayload::from_bytes(data), self.put_options(mode)).await {
                     Ok(_) => Ok(true),
                     Err(object_store::Error::Precondition { .. } | object_store::Error::AlreadyExists { .. }) => {
                         Ok(false)
@@ -402,11 +436,17 @@ impl Target {
     }
 
     /// Whether the target holds the object at `path` in a version a new backup may rely on:
-    /// present, and under an object lock not older than the lock's refresh (`object_lock.rs`).
-    pub(crate) async fn holds_fresh(&self, path: &str) -> Result<bool> {
+    /// present, and under an object lock locked long enough (`object_lock.rs`): stored or last
+    /// extended (`extended`, unix seconds) at most the lock's refresh ago, else extended now.
+    pub(crate) async fn holds_fresh(&self, path: &str, extended: Option<i64>) -> Result<bool> {
         let Some(stored) = self.head(path).await? else { return Ok(false) };
-        let now = std::time::SystemTime::now();
-        Ok(!self.object_lock().is_some_and(|l| l.is_stale(stored.last_modified.into(), now)))
+        let Some(lock) = self.object_lock() else { return Ok(true) };
+        let since = stored.last_modified.timestamp().max(extended.unwrap_or(i64::MIN));
+        let since = std::time::UNIX_EPOCH + Duration::from_secs(u64::try_from(since).unwrap_or(0));
+        if lock.is_stale(since, std::time::SystemTime::now()) {
+            self.extend_lock(path, crate::now_unix() + lock.days * 86_400).await?;
+        }
+        Ok(true)
     }
 
     pub(crate) async fn delete(&self, path: &str) -> Result<()> {

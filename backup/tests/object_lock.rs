@@ -1,7 +1,8 @@
-//! S3 Object Lock against SeaweedFS (which implements it): a target refuses a bucket that does
-//! not lock what it is asked to; on one that does, backups upload with checksums, every object
-//! they write is locked, and what a prune (or a thief with the node's credential) deletes is
-//! only hidden: the locked versions stay, and deleting one is refused.
+//! S3 Object Lock against SeaweedFS (which implements it): a target refuses a bucket without
+//! object lock; on one with it (no default retention needed), every object a backup writes is
+//! locked by its own PUT, a prune extends the lock of what it keeps (PutObjectRetention), and
+//! what a prune (or a thief with the node's credential) deletes is only hidden: the locked
+//! versions stay, and deleting one is refused.
 
 #![allow(clippy::cast_possible_truncation)]
 
@@ -28,10 +29,33 @@ fn locked(weed: &Weed, bucket: &str, days: u64, mode: Option<LockMode>) -> Targe
     }
 }
 
-fn retention(mode: &str, days: u64) -> String {
-    format!(
-        r#"<ObjectLockConfiguration xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><ObjectLockEnabled>Enabled</ObjectLockEnabled><Rule><DefaultRetention><Mode>{mode}</Mode><Days>{days}</Days></DefaultRetention></Rule></ObjectLockConfiguration>"#
-    )
+/// The retention of `key`'s current version: its mode and its date (to the second); None when
+/// it has none.
+fn retention(weed: &Weed, key: &str) -> Option<(String, String)> {
+    let (code, xml) = weed.s3_request("GET", &format!("/{BUCKET}/{key}?retention"), &[], "");
+    let field = |name: &str| {
+        let (_, rest) = xml.split_once(&format!("<{name}>"))?;
+        Some(rest.split_once(&format!("</{name}>"))?.0.to_owned())
+    };
+    if code != 200 {
+        assert!(
+            xml.contains("NoSuchObjectLockConfiguration") || xml.contains("ObjectLockConfigurationNotFound"),
+            "{xml}"
+        );
+        return None;
+    }
+    Some((field("Mode")?, field("RetainUntilDate")?.get(..19)?.to_owned()))
+}
+
+/// The ISO date (to the second) `secs` from now, as S3 writes it.
+fn from_now(secs: u64) -> String {
+    let id = ferrite_backup::new_id(ferrite_backup::now_unix() + secs);
+    format!("{}-{}-{}T{}:{}:{}", &id[..4], &id[4..6], &id[6..8], &id[9..11], &id[11..13], &id[13..15])
+}
+
+/// Whether `date` is within a minute of `secs` from now.
+fn about(date: &str, secs: u64) -> bool {
+    (from_now(secs - 60)..=from_now(secs + 60)).contains(&date.to_owned())
 }
 
 /// The version ids of `key` in the bucket (newest first), and whether a delete marker hides it.
@@ -52,20 +76,11 @@ async fn a_locked_target_keeps_what_is_deleted() {
     let Some(weed) = Weed::start(false) else { return };
     let (dir, pool) = new_pool();
 
-    // A bucket without object lock, one with it but no default retention, one whose retention
-    // is shorter or in another mode: each refused with what to set.
+    // A bucket without object lock is refused, with how to get one; so is a directory.
     let err = Target::open("t", locked(&weed, "ferrite-test", 2, None)).await.unwrap_err().to_string();
-    assert!(err.contains("has no object lock"), "{err}");
+    assert!(err.contains("has no object lock") && err.contains("--object-lock-enabled-for-bucket"), "{err}");
     let said = weed.shell(&format!("s3.bucket.create -name {BUCKET} -withLock"));
     assert!(said.contains("created bucket"), "{said}");
-    let err = Target::open("t", locked(&weed, BUCKET, 2, None)).await.unwrap_err().to_string();
-    assert!(err.contains("no default retention") && err.contains("put-object-lock-configuration"), "{err}");
-    let (code, said) = weed.s3_request("PUT", &format!("/{BUCKET}?object-lock"), &[], &retention("GOVERNANCE", 2));
-    assert_eq!(code, 200, "{said}");
-    let err = Target::open("t", locked(&weed, BUCKET, 3, None)).await.unwrap_err().to_string();
-    assert!(err.contains("fewer than object-lock-days (3)"), "{err}");
-    let err = Target::open("t", locked(&weed, BUCKET, 2, Some(LockMode::Compliance))).await.unwrap_err().to_string();
-    assert!(err.contains("GOVERNANCE mode, not COMPLIANCE"), "{err}");
     let on_dir = TargetConfig {
         kind: Some(TargetKind::Dir),
         path: Some(dir.path().join("t")),
@@ -74,7 +89,7 @@ async fn a_locked_target_keeps_what_is_deleted() {
     let err = Target::open("t", on_dir).await.unwrap_err().to_string();
     assert!(err.contains("for s3 targets"), "{err}");
 
-    // The bucket locks new versions for 2 days in governance mode: backups work (with checksums).
+    // The bucket has object lock and no default retention: each PUT locks its own version.
     let target = Target::open("t", locked(&weed, BUCKET, 2, None)).await.unwrap();
     pool.create_volume("db", SIZE).unwrap();
     let v = pool.open_volume("db").unwrap();
@@ -89,18 +104,24 @@ async fn a_locked_target_keeps_what_is_deleted() {
     restore(&target, &pool, &"db/b2".parse().unwrap(), "back").await.unwrap();
     assert_eq!(volume_image(&pool, "back"), image(&pool, "s2"));
 
-    // Every chunk is locked until about two days from now.
     let chunk = format!("cluster-a/chunks/{}/{}", &m.chunks[3].id[..2], m.chunks[3].id);
-    let (code, said) = weed.s3_request("GET", &format!("/{BUCKET}/{chunk}?retention"), &[], "");
-    assert_eq!(code, 200, "{said}");
-    assert!(said.contains("<Mode>GOVERNANCE</Mode>"), "{said}");
-    let until = said.split_once("<RetainUntilDate>").unwrap().1.split_once('T').unwrap().0.to_owned();
-    let day = |unix: u64| {
-        let id = ferrite_backup::new_id(unix);
-        format!("{}-{}-{}", &id[..4], &id[4..6], &id[6..8])
-    };
-    let now = ferrite_backup::now_unix();
-    assert!([day(now + 2 * 86_400 - 60), day(now + 2 * 86_400 + 60)].contains(&until), "{until}");
+    let manifest = "cluster-a/volumes/db/backups/b1";
+    for key in [chunk.as_str(), manifest, "cluster-a/volumes/db/index", "cluster-a/ferrite-backup.json"] {
+        let (mode, until) = retention(&weed, key).unwrap_or_else(|| panic!("{key} is not locked"));
+        assert_eq!(mode, "GOVERNANCE", "{key}");
+        assert!(about(&until, 2 * 86_400), "{key} is locked until {until}");
+    }
+
+    // The first prune extends the lock of everything it keeps: the marker, the index, both
+    // manifests and the 5 chunks; the next one, a quarter of the lock later at the earliest.
+    let (_, uploaded) = retention(&weed, &chunk).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let r = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+    assert_eq!((r.locks_extended, r.chunks_deleted), (1 + 1 + 2 + 5, 0), "{r:?}");
+    let (_, extended) = retention(&weed, &chunk).unwrap();
+    assert!(extended > uploaded, "extended from {uploaded} to {extended}");
+    let r = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+    assert_eq!(r.locks_extended, 0, "{r:?}");
 
     // Both backups deleted and pruned at once: the chunks vanish from the target's view...
     ferrite_backup::delete(&target, &"db/b1".parse().unwrap()).await.unwrap();
@@ -115,6 +136,39 @@ async fn a_locked_target_keeps_what_is_deleted() {
     assert_eq!(code, 403, "a locked version cannot be deleted: {said}");
     let (code, _) = weed.s3_request("GET", &format!("/{BUCKET}/{chunk}?versionId={}", ids[0]), &[], "");
     assert_eq!(code, 200, "the locked version is still readable");
+}
+
+/// Backups written before the target had `object-lock-days` have no retention of their own: the
+/// first prune with it locks them (in the mode asked for), and a later backup's compliance-mode
+/// uploads say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_locked_later_is_locked_by_its_first_prune() {
+    let Some(weed) = Weed::start(false) else { return };
+    let (_dir, pool) = new_pool();
+    let said = weed.shell(&format!("s3.bucket.create -name {BUCKET} -withLock"));
+    assert!(said.contains("created bucket"), "{said}");
+    let unlocked = TargetConfig { object_lock_days: None, ..locked(&weed, BUCKET, 1, None) };
+    let target = Target::open("t", unlocked).await.unwrap();
+    pool.create_volume("db", SIZE).unwrap();
+    pool.open_volume("db").unwrap().write(0, &noise(3, 2 * MIB as usize)).unwrap();
+    pool.create_snapshot("db", "s1").unwrap();
+    let m = backup(&target, &pool, "db", "s1", "b1").await.unwrap();
+    let chunk = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
+    assert_eq!(retention(&weed, &chunk), None, "an unlocked target's PUT sets no retention");
+
+    let target = Target::open("t", locked(&weed, BUCKET, 1, Some(LockMode::Compliance))).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+    assert_eq!(r.locks_extended, 1 + 1 + 1 + 2, "marker, index, manifest, 2 chunks: {r:?}");
+    let (mode, until) = retention(&weed, &chunk).unwrap();
+    assert!(mode == "COMPLIANCE" && about(&until, 86_400), "{mode} {until}");
+
+    pool.open_volume("db").unwrap().write(0, &noise(4, MIB as usize)).unwrap();
+    pool.create_snapshot("db", "s2").unwrap();
+    let m = backup(&target, &pool, "db", "s2", "b2").await.unwrap();
+    assert_eq!(m.new_chunks, 1, "{m:?}");
+    let fresh = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
+    let (mode, until) = retention(&weed, &fresh).unwrap();
+    assert!(mode == "COMPLIANCE" && about(&until, 86_400), "{mode} {until}");
 }
 
 /// The bucket's lock is asked for with a signed request: a store with authentication answers
@@ -134,4 +188,18 @@ async fn the_lock_is_read_with_the_targets_credentials() {
     assert!(err.contains("has no object lock"), "signed and accepted: {err}");
     let err = Target::open("t", with_key("wrong-secret")).await.unwrap_err().to_string();
     assert!(err.contains("403") && err.contains("s3:GetBucketObjectLockConfiguration"), "{err}");
+
+    // On a locked bucket, the retention headers a PUT carries and the PutObjectRetention of a
+    // prune are signed as the store checks them (a header the signature misses is refused).
+    let said = weed.shell(&format!("s3.bucket.create -name {BUCKET} -withLock"));
+    assert!(said.contains("created bucket"), "{said}");
+    let target =
+        Target::open("t", TargetConfig { bucket: Some(BUCKET.into()), ..with_key("ferrite-secret") }).await.unwrap();
+    let (_pool_dir, pool) = new_pool();
+    pool.create_volume("db", SIZE).unwrap();
+    pool.open_volume("db").unwrap().write(0, &noise(5, MIB as usize)).unwrap();
+    pool.create_snapshot("db", "s1").unwrap();
+    backup(&target, &pool, "db", "s1", "b1").await.unwrap();
+    let r = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+    assert_eq!(r.locks_extended, 1 + 1 + 1 + 1, "marker, index, manifest, chunk: {r:?}");
 }

@@ -517,7 +517,7 @@ impl pb::backups_server::Backups for BackupService {
         let grace = r.grace_s.map_or(target.grace(), std::time::Duration::from_secs);
         let p = ferrite_backup::prune(&target, policy, grace).await.map_err(backup_status)?;
         tracing::info!(target = %target.name, deleted = p.backups_deleted.len(), chunks_deleted = p.chunks_deleted,
-            condemned = p.chunks_condemned, "prune finished");
+            condemned = p.chunks_condemned, locks_extended = p.locks_extended, "prune finished");
         Ok(Response::new(pb::PruneBackupsResponse {
             backups_deleted: p.backups_deleted,
             manifests: p.manifests,
@@ -525,6 +525,7 @@ impl pb::backups_server::Backups for BackupService {
             chunks_deleted: p.chunks_deleted,
             bytes_deleted: p.bytes_deleted,
             chunks_condemned: p.chunks_condemned,
+            locks_extended: p.locks_extended,
         }))
     }
 

@@ -305,7 +305,8 @@ fn print_pruned(out: Output, r: &pb::PruneBackupsResponse) {
             "{}",
             json!({"backups_deleted": r.backups_deleted, "manifests": r.manifests,
                 "chunks_referenced": r.chunks_referenced, "chunks_deleted": r.chunks_deleted,
-                "bytes_deleted": r.bytes_deleted, "chunks_condemned": r.chunks_condemned})
+                "bytes_deleted": r.bytes_deleted, "chunks_condemned": r.chunks_condemned,
+                "locks_extended": r.locks_extended})
         ),
         Output::Table => {
             for b in &r.backups_deleted {
@@ -319,6 +320,9 @@ fn print_pruned(out: Output, r: &pb::PruneBackupsResponse) {
                 format_size(r.bytes_deleted),
                 r.chunks_condemned
             );
+            if r.locks_extended > 0 {
+                println!("extended the object lock of {} objects", r.locks_extended);
+            }
         }
     }
 }
