@@ -260,22 +260,8 @@ fn a_zone_lost_at_once_fails_over_together() {
         assert!(lose <= n / 3, "the lost nodes are in one zone");
         let dir = tempfile::tempdir().unwrap();
         let cp = ControlPlane::start(dir.path(), &bin, None);
-        // The controller's account: a token (rustls takes no v1 client certificate, which the
-        // test CA's admin one is).
-        cp.ok(&["create", "serviceaccount", "ferrite-controller"]);
-        cp.ok(&[
-            "create",
-            "clusterrolebinding",
-            "sim",
-            "--clusterrole=cluster-admin",
-            "--serviceaccount=default:ferrite-controller",
-        ]);
-        let kubeconfig = cp.token_kubeconfig("default", "ferrite-controller", "controller.kubeconfig");
-        // SAFETY: set before this size's runtime (and so the controller's client) exists; no
-        // other thread of this process reads the environment.
-        unsafe { std::env::set_var("KUBECONFIG", &kubeconfig) };
         // A runtime per size: dropping it ends that controller and its daemons.
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let rt = controller_runtime(&cp);
         rows.push(rt.block_on(fleet(&cp, n, lose)));
     }
     println!("| nodes | lost at once | volumes whose primary was lost | first promoted | all promoted | fence calls |");
@@ -283,6 +269,141 @@ fn a_zone_lost_at_once_fails_over_together() {
     for r in rows {
         println!("{r}");
     }
+}
+
+/// The controller's account on `cp` (a token: rustls takes no v1 client certificate, which the
+/// test CA's admin one is) in KUBECONFIG, and a runtime for the controller and its daemons.
+fn controller_runtime(cp: &ControlPlane) -> tokio::runtime::Runtime {
+    cp.ok(&["create", "serviceaccount", "ferrite-controller"]);
+    cp.ok(&[
+        "create",
+        "clusterrolebinding",
+        "sim",
+        "--clusterrole=cluster-admin",
+        "--serviceaccount=default:ferrite-controller",
+    ]);
+    let kubeconfig = cp.token_kubeconfig("default", "ferrite-controller", "controller.kubeconfig");
+    // SAFETY: set before the runtime (and so the controller's client) exists; no other thread
+    // of this process reads the environment.
+    unsafe { std::env::set_var("KUBECONFIG", &kubeconfig) };
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// Starts the daemons of `world` (one per node, on its address) and the controller over them.
+async fn daemons_and_controller(world: &Arc<Mutex<World>>, n: usize) -> Arc<Metrics> {
+    let ips = world.lock().unwrap().ips.clone();
+    for (i, ip) in ips.iter().enumerate() {
+        let svc = AdminServer::new(Daemon { me: i, world: Arc::clone(world) });
+        let listener = tokio::net::TcpListener::bind((ip.as_str(), PORT)).await.unwrap();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming));
+    }
+    let directory = Arc::new(Directory { names: (0..n).map(name).collect(), ips, kept: Connections::default() });
+    let metrics = Arc::new(Metrics::default());
+    let after = Duration::from_secs(20);
+    ferrite_csi::failover::start(directory, DRIVER, after, "ferrite-node-lease", false, Arc::clone(&metrics))
+        .await
+        .unwrap();
+    metrics
+}
+
+const DRIVER: &str = "csi.ferrite.dev";
+
+/// Five nodes. Node 0 is lost; node 3's daemon is silent all along while its heartbeat stays
+/// fresh (a daemon the controller cannot reach, or one in a planned restart). Volume `a` lives
+/// on nodes 0, 1 and 2; volume `b` on 0, 3 and 4. Each has a pod on node 0. Node 3 holds
+/// nothing of `a`: the fence holds on every daemon holding `a`, so `a` is promoted and its pod
+/// released at once. Node 3 holds `b`: the lost node might still write `b` through it, so `b`'s
+/// pod stays, counted and named in an Event, until the fence holds there.
+#[test]
+fn a_silent_bystander_holds_up_no_release() {
+    let Some(bin) = common::kube::binaries() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cp = ControlPlane::start(dir.path(), &bin, None);
+    let rt = controller_runtime(&cp);
+    rt.block_on(async {
+        let n = 5;
+        cp.ok(&["create", "namespace", "ferrite-node-lease"]);
+        let nodes =
+            (0..n).map(|i| serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name(i)}}));
+        cp.with_stdin(&["create", "-f", "-"], &list(nodes.collect()));
+        let now = micro(std::time::SystemTime::now());
+        cp.with_stdin(&["create", "-f", "-"], &list((0..n).map(|i| lease(i, &now, 3600)).collect()));
+        let mut objects = Vec::new();
+        for v in ["a", "b"] {
+            objects.push(serde_json::json!({"apiVersion": "v1", "kind": "PersistentVolume",
+                "metadata": {"name": format!("pv-{v}")},
+                "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                    "claimRef": {"namespace": "default", "name": format!("data-{v}")},
+                    "csi": {"driver": DRIVER, "volumeHandle": format!("_/vol-{v}")}}}));
+            objects.push(serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": format!("pod-{v}"), "namespace": "default"},
+                "spec": {"nodeName": name(0), "automountServiceAccountToken": false,
+                    "containers": [{"name": "app", "image": "app"}],
+                    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": format!("data-{v}")}}]}}));
+        }
+        // The ServiceAccount admission wants the namespace's default account, which the
+        // controller manager makes a moment after it starts.
+        let text = list(objects);
+        let start = Instant::now();
+        loop {
+            let out = cp.kubectl(&["get", "serviceaccount", "default", "-o", "name"]);
+            if out.status.success() {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "no default ServiceAccount");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        cp.with_stdin(&["create", "-f", "-"], &text);
+
+        let ips: Vec<String> = (0..n).map(|i| format!("127.0.9.{}", 1 + i)).collect();
+        let vol = |k: &str, members: [usize; 3]| Vol { name: format!("vol-{k}"), members, primary: 0, generation: 1 };
+        let world = Arc::new(Mutex::new(World {
+            ips,
+            silent: vec![false, false, false, true, false],
+            volumes: vec![vol("a", [0, 1, 2]), vol("b", [0, 3, 4])],
+            promoted: BTreeMap::new(),
+            fence_calls: 0,
+        }));
+        let metrics = daemons_and_controller(&world, n).await;
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        assert!(world.lock().unwrap().promoted.is_empty(), "nothing moves before a node is lost");
+
+        // Node 0 is lost: its daemon goes silent and its heartbeat expires.
+        world.lock().unwrap().silent[0] = true;
+        let last = micro(std::time::SystemTime::now());
+        cp.with_stdin(&["replace", "-f", "-"], &list(vec![lease(0, &last, 1)]));
+        let pods = || {
+            let out = cp.ok(&["get", "pods", "-o", "name"]);
+            out.lines().map(str::to_owned).collect::<Vec<_>>()
+        };
+        let fault = Instant::now();
+        while pods().contains(&"pod/pod-a".to_owned()) {
+            assert!(fault.elapsed() < Duration::from_secs(60), "pod-a is still on the lost node: {:?}", pods());
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let released = fault.elapsed();
+        let a_to = world.lock().unwrap().promoted.get(&0).map(|p| p.1);
+        assert!(matches!(a_to, Some(1 | 2)), "a is promoted on one of its copies: {a_to:?}");
+        // b's pod stays while node 3 lacks the fence, pass after pass, and says why.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(pods(), vec!["pod/pod-b".to_owned()]);
+        let withheld =
+            metrics.render().lines().find(|l| l.starts_with("ferrite_failover_release_withheld ")).map(str::to_owned);
+        assert_eq!(withheld.as_deref(), Some("ferrite_failover_release_withheld 1"));
+        let events = cp.ok(&["get", "events", "-A", "--field-selector", "reason=FenceIncomplete", "-o", "json"]);
+        assert!(events.contains(&name(3)) && events.contains("vol-b"), "{events}");
+        assert!(!world.lock().unwrap().promoted.contains_key(&1), "b has no majority: not promoted");
+
+        // Node 3 answers again and takes the fence: b's pod goes too.
+        world.lock().unwrap().silent[3] = false;
+        let back = Instant::now();
+        while !pods().is_empty() {
+            assert!(back.elapsed() < Duration::from_secs(30), "pod-b stays after the fence holds: {:?}", pods());
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        println!("a silent bystander: pod-a released {released:.1?} after the loss; pod-b once node 3 took the fence");
+    });
 }
 
 /// `n` nodes in three zones, their daemons and the controller; then `lose` of them lost.
@@ -311,25 +432,7 @@ async fn fleet(cp: &ControlPlane, n: usize, lose: usize) -> String {
         promoted: BTreeMap::new(),
         fence_calls: 0,
     }));
-    for (i, ip) in ips.iter().enumerate() {
-        let svc = AdminServer::new(Daemon { me: i, world: Arc::clone(&world) });
-        let listener = tokio::net::TcpListener::bind((ip.as_str(), PORT)).await.unwrap();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming));
-    }
-    let directory = Arc::new(Directory { names: (0..n).map(name).collect(), ips, kept: Connections::default() });
-    let after = Duration::from_secs(20);
-    let metrics = Arc::new(Metrics::default());
-    ferrite_csi::failover::start(
-        directory,
-        "csi.ferrite.dev",
-        after,
-        "ferrite-node-lease",
-        false,
-        Arc::clone(&metrics),
-    )
-    .await
-    .unwrap();
+    let metrics = daemons_and_controller(&world, n).await;
     // The watches fill their stores; the first passes see every node healthy.
     tokio::time::sleep(Duration::from_secs(8)).await;
     assert!(world.lock().unwrap().promoted.is_empty(), "nothing moves while every node is healthy");

@@ -33,6 +33,7 @@ impl Failover {
         let endpoints =
             self.dir.nodes().into_iter().filter(|n| names.contains(n)).filter_map(|n| self.dir.admin_endpoint(&n));
         known.extend(endpoints.map(|e| host(&e).to_owned()));
+        let by_host = self.by_host(&nodes);
         // Primary endpoint → volume → its copies.
         let mut orphans: BTreeMap<String, BTreeMap<String, Copies>> = BTreeMap::new();
         for (node, views) in views {
@@ -43,6 +44,7 @@ impl Failover {
                 copies.push((v.generation, node.clone(), in_sync));
             }
         }
+        let holders = super::protect::holders(views, [], |h| by_host.get(h).cloned());
         for (primary, volumes) in orphans {
             if self.answers(&primary).await {
                 continue; // a daemon the directory does not list yet
@@ -54,14 +56,16 @@ impl Failover {
                 "the primary of {} volumes is on no known node and silent: fencing it",
                 volumes.len()
             );
-            let (_, refused) = self.fence(&BTreeSet::new(), std::slice::from_ref(&fence), true).await;
-            let fenced: Result<(), String> = if refused.is_empty() { Ok(()) } else { Err(refused.join("; ")) };
-            if let Err(e) = &fenced {
-                tracing::warn!(primary, "the fence does not hold everywhere yet: {e}");
+            let round = self.fence(&BTreeSet::new(), std::slice::from_ref(&fence), true).await;
+            if !round.missing.is_empty() {
+                tracing::warn!(primary, "the fence does not hold everywhere yet: {}", round.refused().join("; "));
             }
+            // What the fence protects: a volume whose every holder has it (protect.rs).
+            let withheld = super::protect::withheld(&holders, &BTreeSet::new(), &round, self.dir.nodes().len());
             for (volume, mut copies) in volumes {
                 copies.sort_by(|a, b| b.cmp(a));
-                let (kind, reason, note) = match self.promote(&volume, &copies, fenced.is_ok()).await {
+                let fenced = !withheld.contains_key(&volume);
+                let (kind, reason, note) = match self.promote(&volume, &copies, fenced).await {
                     Ok((to, generation)) => (
                         EventType::Warning,
                         "FailedOver",

@@ -2,9 +2,10 @@
 //! pass fences every lost node on the daemons that answer, reads their memberships once, and
 //! promotes a copy of every volume whose primary was on any of them, [`FAN_OUT`] calls at a
 //! time. A node's or a volume's error is its own (a log line and an Event) and the pass goes on.
-//! A fence holds when every daemon outside the lost set has it (a lost daemon cannot ack its
-//! old primary's writes anyway: it is down, or partitioned and fenced itself, and a volume's
-//! generation rule needs a majority). A returning node's fence is lifted once a majority of the
+//! A volume's release waits only for the fence on the daemons that hold it (`protect.rs`): a
+//! silent bystander holds up nothing; a silent holder keeps that volume's pods where they are,
+//! counted (`ferrite_failover_release_withheld`) and named in a `FenceIncomplete` Event, and the
+//! fence is sent again every pass. A returning node's fence is lifted once a majority of the
 //! daemons lifted it; those that did not answer are retried every pass until they do
 //! ([`UNFENCE`]).
 
@@ -20,7 +21,7 @@ use kube::runtime::events::EventType;
 use tonic::Code;
 
 use super::workload::Release;
-use super::{FAN_OUT, FENCED, Failover, addresses, block, host};
+use super::{FAN_OUT, FENCED, Failover, addresses, block, host, protect};
 use crate::nodes::admin;
 
 /// The annotation on a Node whose fence a majority of daemons lifted, while the rest (down or
@@ -107,15 +108,19 @@ impl Failover {
             return;
         }
         let blocks: Vec<String> = nodes.iter().flat_map(|l| l.blocks.iter().cloned()).collect();
-        let (_, refused) = self.fence(&names, &blocks, true).await;
-        let fenced = refused.is_empty();
-        if !fenced {
-            tracing::warn!(nodes = ?names, "the fence does not hold everywhere yet: {}", refused.join("; "));
+        let round = self.fence(&names, &blocks, true).await;
+        if !round.missing.is_empty() {
+            tracing::warn!(nodes = ?names, "the fence does not hold everywhere yet: {}", round.refused().join("; "));
         }
         // Volumes whose primary was on a lost node, with the copies that answer; and the volumes
         // served elsewhere already (promoted by an earlier pass).
         let mut volumes: BTreeMap<String, (usize, Copies)> = BTreeMap::new();
         let views = self.views(&names).await;
+        // What the fence protects: each volume whose every holder outside the lost set has it.
+        let by_host = self.by_host(&all);
+        let holders = protect::holders(&views, self.homes(), |h| by_host.get(h).cloned());
+        let withheld = protect::withheld(&holders, &names, &round, self.dir.nodes().len());
+        let withheld = &withheld;
         let mut elsewhere: BTreeSet<String> = views
             .iter()
             .flat_map(|(_, vs)| vs.iter().filter(|v| v.role == "primary"))
@@ -139,7 +144,7 @@ impl Failover {
                 copies.sort_by(|a, b| b.cmp(a));
                 let Lost { node, why, since, .. } = &nodes[at];
                 let name = node.name_any();
-                let promoted = self.promote(&volume, &copies, fenced).await;
+                let promoted = self.promote(&volume, &copies, !withheld.contains_key(&volume)).await;
                 let moved = promoted.is_ok();
                 self.metrics.promoted(moved);
                 if promoted.is_ok() {
@@ -167,33 +172,50 @@ impl Failover {
             .buffer_unordered(FAN_OUT)
             .collect()
             .await;
-        if !fenced {
-            return;
-        }
         elsewhere.extend(promoted.into_iter().flatten());
-        // The nodes can no longer write anywhere: the pods using our volumes may run elsewhere.
+        // The nodes can no longer write the volumes the fence protects: the pods using only those
+        // may run elsewhere. The rest wait for the fence, retried every pass.
         let elsewhere = &elsewhere;
+        let kept = &std::sync::atomic::AtomicUsize::new(0);
         futures_util::stream::iter(nodes)
             .for_each_concurrent(FAN_OUT, |l| async move {
-                if let Err(e) = self.release(&l.node, elsewhere).await {
-                    self.failed(&l.node, &e).await;
+                match self.release(&l.node, elsewhere, withheld).await {
+                    Ok(n) => _ = kept.fetch_add(n, std::sync::atomic::Ordering::Relaxed),
+                    Err(e) => self.failed(&l.node, &e).await,
                 }
             })
             .await;
+        let kept = kept.load(std::sync::atomic::Ordering::Relaxed);
+        self.metrics.release_withheld.set(i64::try_from(kept).unwrap_or(i64::MAX));
     }
 
     /// Taints fenced node `node` (if not Ready), deletes its pods that use our volumes, and our
     /// VolumeAttachments to it unless the out-of-service taint has Kubernetes detach them. On a
-    /// Ready node only those of the volumes served `elsewhere` now (`workload.rs`).
-    async fn release(&self, node: &Node, elsewhere: &BTreeSet<String>) -> anyhow::Result<()> {
+    /// Ready node only those of the volumes served `elsewhere` now (`workload.rs`). Nothing of a
+    /// volume whose fence does not hold yet (`withheld`): how many pods and attachments wait,
+    /// with a Warning Event on the Node naming the daemons the fence waits for.
+    async fn release(
+        &self,
+        node: &Node,
+        elsewhere: &BTreeSet<String>,
+        withheld: &BTreeMap<String, Vec<String>>,
+    ) -> anyhow::Result<usize> {
         let name = node.name_any();
-        let which = if super::ready(node) { Release::Moved(elsewhere) } else { Release::All };
+        let which = Release { ready: super::ready(node), moved: elsewhere, withheld };
         let out_of_service = self.taint(&name, true).await?;
-        self.delete_pods(&name, which).await?;
+        let mut kept = self.delete_pods(&name, which).await?;
         if !out_of_service {
-            self.detach(&name, which).await?;
+            kept.extend(self.detach(&name, which).await?);
         }
-        Ok(())
+        if !kept.is_empty() {
+            let waits: BTreeSet<&String> = kept.iter().filter_map(|v| withheld.get(v)).flatten().collect();
+            let e = anyhow::anyhow!(
+                "node {name} is lost; its fence does not hold yet on {waits:?}, which hold its volumes {kept:?}: \
+                 their pods and attachments stay until it does (retried every pass)"
+            );
+            self.fence_incomplete(node, &e).await;
+        }
+        Ok(kept.len())
     }
 
     /// Promotes the first copy the daemons accept; returns its node and generation. Without a
@@ -249,8 +271,9 @@ impl Failover {
                 member_of.push(v.volume.clone());
             }
         }
-        let (lifted, refused) = self.fence(&me, &blocks, false).await;
-        if !majority(lifted, refused.len()) {
+        let round = self.fence(&me, &blocks, false).await;
+        let refused = round.refused();
+        if !majority(round.held.len(), refused.len()) {
             anyhow::bail!("lifting the fence of {name}: a majority of the daemons did not: {}", refused.join("; "));
         }
         self.taint(&name, false).await?;
@@ -270,8 +293,8 @@ impl Failover {
     pub(super) async fn unfence_rest(&self, n: &Node) -> anyhow::Result<()> {
         let name = n.name_any();
         let blocks = self.recorded(&name, UNFENCE).unwrap_or_default();
-        let (_, refused) = self.fence(&BTreeSet::from([name.clone()]), &blocks, false).await;
-        if refused.is_empty() {
+        let round = self.fence(&BTreeSet::from([name.clone()]), &blocks, false).await;
+        if round.missing.is_empty() {
             self.annotate(&name, &[(UNFENCE, None)]).await?;
             tracing::info!(node = %name, "the fence is lifted on every daemon");
         }

@@ -33,6 +33,7 @@ pub struct Metrics {
     pub fence_rounds: Family<Change, Counter>,
     pub errors: Counter,
     pub recovery: Histogram,
+    pub release_withheld: Gauge,
 }
 
 /// Seconds from a node's loss to a writable primary elsewhere: the goal is a minute.
@@ -50,6 +51,7 @@ impl Default for Metrics {
             fence_rounds: Family::default(),
             errors: Counter::default(),
             recovery: Histogram::new(RECOVERY_BUCKETS),
+            release_withheld: Gauge::default(),
         };
         // Every labelled series from the start, at 0: a rate over them needs a first sample.
         for ok in [true, false] {
@@ -72,6 +74,12 @@ impl Default for Metrics {
             m.fence_rounds.clone(),
         );
         r.register("ferrite_failover_errors", "Failover steps that failed (each also an Event).", m.errors.clone());
+        r.register(
+            "ferrite_failover_release_withheld",
+            "Volumes of lost nodes whose pods and attachments wait for the fence on a daemon holding them \
+             (retried every pass; a FenceIncomplete Event on the Node names the daemons).",
+            m.release_withheld.clone(),
+        );
         r.register(
             "ferrite_cluster_ca_missing",
             "1 while the Secret ferrite-ca is missing but the cluster's CA is in use (no new CA is made).",
@@ -126,6 +134,7 @@ mod tests {
             "ferrite_failover_promotions",
             "ferrite_failover_fence_rounds",
             "ferrite_failover_errors",
+            "ferrite_failover_release_withheld",
             "ferrite_failover_recovery_seconds",
             "ferrite_cluster_ca_missing",
         ] {

@@ -33,7 +33,7 @@
 //! controller replicas only the holder of the `ferrite-failover` Lease runs the loop (`lease.rs`). A node that never reported a Ready
 //! condition is left alone.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,6 +55,7 @@ mod guard;
 mod lost;
 mod maintenance;
 pub mod metrics;
+mod protect;
 mod pv_move;
 mod records;
 mod replace;
@@ -414,6 +415,46 @@ impl Failover {
         }
     }
 
+    /// A lost node's release waits for its fence (`lost.rs`): a log line and a Warning Event on
+    /// the Node, each pass until it holds.
+    async fn fence_incomplete(&self, n: &Node, e: &anyhow::Error) {
+        tracing::warn!(node = %n.name_any(), "failover: {e:#}");
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: "FenceIncomplete".into(),
+            note: Some(format!("{e:#}")),
+            action: "Release".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.events.publish(&ev, &n.object_ref(&())).await {
+            tracing::warn!(node = %n.name_any(), "publishing an event: {e}");
+        }
+    }
+
+    /// The node each PersistentVolume of this driver names in its handle (a volume that lives
+    /// there, or is served from there), by engine volume; not replicated ones' `_`.
+    fn homes(&self) -> Vec<(String, String)> {
+        let pvs = self.volume_store.state();
+        let handles = pvs.iter().filter_map(|pv| pv.spec.as_ref()?.csi.as_ref().filter(|c| c.driver == self.driver));
+        handles
+            .filter_map(|c| crate::ids::parse(&c.volume_handle))
+            .filter(|(node, _)| *node != crate::ids::ANY)
+            .map(|(node, volume)| (volume.to_owned(), node.to_owned()))
+            .collect()
+    }
+
+    /// Each node by its addresses (`all`'s) and its daemon's endpoint host (the directory's).
+    fn by_host(&self, all: &[Arc<Node>]) -> BTreeMap<String, String> {
+        let mut by_host: BTreeMap<String, String> =
+            all.iter().flat_map(|n| addresses(n).map(|a| (a, n.name_any())).collect::<Vec<_>>()).collect();
+        for n in self.dir.nodes() {
+            if let Some(e) = self.dir.admin_endpoint(&n) {
+                by_host.insert(host(&e).to_owned(), n);
+            }
+        }
+        by_host
+    }
+
     /// Before every change: this replica still holds the failover Lease with time to spare. It
     /// renewed it within a third of its duration, else renews it now; a replica that lost it (a
     /// pause, cut off from the API server) changes nothing more, so that two never act at once.
@@ -454,32 +495,40 @@ impl Failover {
             .await
     }
 
-    /// Fences `blocks` (`fence`) or lifts them on every daemon outside `except`: how many did,
-    /// and which did not (with why).
-    async fn fence(&self, except: &BTreeSet<String>, blocks: &[String], fence: bool) -> (usize, Vec<String>) {
-        if let Err(e) = self.leading().await {
-            return (0, vec![e.to_string()]);
-        }
-        let nodes = self.dir.nodes().into_iter().filter(|n| !except.contains(n));
-        let results: Vec<Result<(), String>> = futures_util::stream::iter(nodes)
+    /// Fences `blocks` (`fence`) or lifts them on every daemon outside `except`: which did, and
+    /// why each other one did not. Each call checks leadership first: a round over hundreds of
+    /// daemons, some silent, outlasts one renewal.
+    async fn fence(&self, except: &BTreeSet<String>, blocks: &[String], fence: bool) -> protect::Fenced {
+        let nodes: Vec<String> = self.dir.nodes().into_iter().filter(|n| !except.contains(n)).collect();
+        let results: Vec<(String, Result<(), String>)> = futures_util::stream::iter(nodes)
             .map(|node| async move {
+                if let Err(e) = self.leading().await {
+                    return (node, Err(e.to_string()));
+                }
                 let req = pb::FenceRequest { cidrs: blocks.to_vec(), owner: FENCE_OWNER.into() };
                 let done = async {
                     let mut c = admin(&*self.dir, &node).await?;
                     if fence { c.fence_networks(req).await } else { c.unfence_networks(req).await }
                 };
-                match tokio::time::timeout(ANSWER, done).await {
+                let done = match tokio::time::timeout(ANSWER, done).await {
                     Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) => Err(format!("{node}: {}", e.message())),
-                    Err(_) => Err(format!("{node}: no answer")),
-                }
+                    Ok(Err(e)) => Err(e.message().to_owned()),
+                    Err(_) => Err("no answer".to_owned()),
+                };
+                (node, done)
             })
             .buffer_unordered(FAN_OUT)
             .collect()
             .await;
         self.metrics.fence_round(fence);
-        let done = results.iter().filter(|r| r.is_ok()).count();
-        (done, results.into_iter().filter_map(Result::err).collect())
+        let mut round = protect::Fenced::default();
+        for (node, done) in results {
+            match done {
+                Ok(()) => round.held.insert(node),
+                Err(why) => round.missing.insert(node, why).is_none(),
+            };
+        }
+        round
     }
 
     /// Adds (`on`) or removes our taints of node `n` (`taints`). A compare-and-swap on the

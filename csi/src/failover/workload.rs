@@ -12,9 +12,11 @@
 //!   volumes' attachments. The kubelet is alive: it stops the pod as it would any other, and a
 //!   pod whose volume stayed (a single copy) keeps running and resumes when its daemon does.
 //!
+//! Either way, nothing of a volume whose fence does not hold yet on every daemon holding it
+//! (`protect.rs`): a pod using one stays, and so do that volume's attachments, until it holds.
 //! Nothing else on the node is touched.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
@@ -39,19 +41,24 @@ fn claims(pod: &Pod) -> Vec<(String, String)> {
 
 /// What failover releases on a fenced node.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum Release<'a> {
-    /// Not Ready: every pod and attachment of our volumes, pods with no grace.
-    All,
-    /// Ready: those of the volumes (engine names) served elsewhere now, pods with their grace.
-    Moved(&'a BTreeSet<String>),
+pub(super) struct Release<'a> {
+    /// Not Ready: every pod and attachment of our volumes, pods with no grace. Ready: those of
+    /// the volumes (engine names) served elsewhere now (`moved`), pods with their grace.
+    pub ready: bool,
+    pub moved: &'a BTreeSet<String>,
+    /// Volumes whose fence does not hold yet (with the daemons it waits for): kept.
+    pub withheld: &'a BTreeMap<String, Vec<String>>,
 }
 
 impl Release<'_> {
+    /// Whether `volume`'s pods and attachments go once its fence holds.
+    fn wants(self, volume: &str) -> bool {
+        !self.ready || self.moved.contains(volume)
+    }
+
+    /// Whether they go now.
     fn covers(self, volume: &str) -> bool {
-        match self {
-            Release::All => true,
-            Release::Moved(moved) => moved.contains(volume),
-        }
+        self.wants(volume) && !self.withheld.contains_key(volume)
     }
 }
 
@@ -71,34 +78,47 @@ impl super::Failover {
             .collect()
     }
 
-    /// Deletes the pods on fenced node `node` that use a volume of this driver `which` covers,
-    /// each with an Event saying why.
-    pub(super) async fn delete_pods(&self, node: &str, which: Release<'_>) -> anyhow::Result<()> {
-        let ours: BTreeSet<(String, String)> =
-            self.our_volumes().into_iter().filter(|(_, _, v)| which.covers(v)).map(|(_, c, _)| c).collect();
+    /// Deletes the pods on fenced node `node` that use a volume of this driver `which` covers
+    /// and none it withholds, each with an Event saying why; the withheld volumes of the pods
+    /// kept.
+    pub(super) async fn delete_pods(&self, node: &str, which: Release<'_>) -> anyhow::Result<BTreeSet<String>> {
+        let ours: BTreeMap<(String, String), String> =
+            self.our_volumes().into_iter().map(|(_, claim, volume)| (claim, volume)).collect();
         let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));
+        let mut kept = BTreeSet::new();
         for pod in Api::<Pod>::all(self.client.clone()).list(&on_node).await? {
-            let uses: Vec<String> = claims(&pod).into_iter().filter(|c| ours.contains(c)).map(|(_, c)| c).collect();
+            let used: Vec<(String, &String)> =
+                claims(&pod).into_iter().filter_map(|c| Some((c.1.clone(), ours.get(&c)?))).collect();
             // A pod already stopping with its grace is left to its kubelet, unless the node is
             // not Ready: then no kubelet will end it.
             let stopping = pod.metadata.deletion_timestamp.is_some();
-            if uses.is_empty() || (stopping && matches!(which, Release::Moved(_))) {
+            if !used.iter().any(|(_, v)| which.wants(v)) || (stopping && which.ready) {
                 continue;
             }
+            // Restarted elsewhere, it would use a volume the lost node may still write.
+            let waits: Vec<&String> =
+                used.iter().map(|(_, v)| *v).filter(|v| which.withheld.contains_key(*v)).collect();
+            if !waits.is_empty() {
+                kept.extend(waits.into_iter().cloned());
+                continue;
+            }
+            let uses: Vec<String> = used.into_iter().filter(|(_, v)| which.covers(v)).map(|(c, _)| c).collect();
             let (ns, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
             self.leading().await?;
-            let grace = match which {
-                Release::All => DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() },
-                Release::Moved(_) => DeleteParams::default(),
+            let grace = if which.ready {
+                DeleteParams::default()
+            } else {
+                DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }
             };
             match Api::<Pod>::namespaced(self.client.clone(), &ns).delete(&name, &grace).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 404 => continue,
                 Err(e) => return Err(e.into()),
             }
-            let how = match which {
-                Release::All => format!("node {node} was lost and is fenced"),
-                Release::Moved(_) => format!("the daemon on node {node} was lost and is fenced (the node is Ready)"),
+            let how = if which.ready {
+                format!("the daemon on node {node} was lost and is fenced (the node is Ready)")
+            } else {
+                format!("node {node} was lost and is fenced")
             };
             let note = format!(
                 "{how}; deleted so that the pod restarts where its volumes ({}) are served now",
@@ -116,23 +136,28 @@ impl super::Failover {
                 tracing::warn!(pod = %name, "publishing an event: {e}");
             }
         }
-        Ok(())
+        Ok(kept)
     }
 
     /// Deletes the VolumeAttachments to fenced node `node` of this driver's volumes `which`
     /// covers: the attacher then unpublishes them (the fenced node can no longer use them) and
-    /// the volumes attach where their pods go next.
-    pub(super) async fn detach(&self, node: &str, which: Release<'_>) -> anyhow::Result<()> {
-        let covered: BTreeSet<String> =
-            self.our_volumes().into_iter().filter(|(_, _, v)| which.covers(v)).map(|(pv, _, _)| pv).collect();
+    /// the volumes attach where their pods go next. Returns the withheld volumes it kept.
+    pub(super) async fn detach(&self, node: &str, which: Release<'_>) -> anyhow::Result<BTreeSet<String>> {
+        let volumes: BTreeMap<String, String> =
+            self.our_volumes().into_iter().map(|(pv, _, volume)| (pv, volume)).collect();
         let api = Api::<VolumeAttachment>::all(self.client.clone());
+        let mut kept = BTreeSet::new();
         for va in api.list(&ListParams::default()).await? {
             let pv = va.spec.source.persistent_volume_name.as_deref().unwrap_or_default();
-            if va.spec.attacher != self.driver
-                || va.spec.node_name != node
-                || va.metadata.deletion_timestamp.is_some()
-                || !covered.contains(pv)
+            let Some(volume) = volumes.get(pv) else { continue };
+            if va.spec.attacher != self.driver || va.spec.node_name != node || va.metadata.deletion_timestamp.is_some()
             {
+                continue;
+            }
+            if !which.covers(volume) {
+                if which.wants(volume) {
+                    kept.insert(volume.clone());
+                }
                 continue;
             }
             self.leading().await?;
@@ -142,7 +167,7 @@ impl super::Failover {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(())
+        Ok(kept)
     }
 }
 
@@ -153,10 +178,16 @@ mod tests {
     use kube::api::ObjectMeta;
 
     #[test]
-    fn a_ready_node_releases_only_what_moved() {
+    fn a_ready_node_releases_only_what_moved_and_nothing_withheld() {
         let moved: BTreeSet<String> = ["v1".to_owned()].into();
-        assert!(Release::All.covers("v1") && Release::All.covers("v2"));
-        assert!(Release::Moved(&moved).covers("v1") && !Release::Moved(&moved).covers("v2"));
+        let none = BTreeMap::new();
+        let all = Release { ready: false, moved: &moved, withheld: &none };
+        assert!(all.covers("v1") && all.covers("v2"));
+        let ready = Release { ready: true, ..all };
+        assert!(ready.covers("v1") && !ready.covers("v2"));
+        let withheld: BTreeMap<String, Vec<String>> = [("v1".to_owned(), vec!["b".to_owned()])].into();
+        let waiting = Release { withheld: &withheld, ..all };
+        assert!(!waiting.covers("v1") && waiting.covers("v2"));
     }
 
     #[test]
