@@ -1,7 +1,9 @@
 //! deploy/kubernetes rendered as a user installs it, every optional component on and a real
 //! registry set in components/registry: every image of every container and init container names
 //! that registry (none keeps the placeholder), Ferrite's images carry the release's version, and
-//! each sidecar's tag is the version the Kubernetes tier builds and tests (../shared/k8s).
+//! each sidecar's tag is the version the Kubernetes tier builds and tests (../shared/k8s). A
+//! build with changes since a release does not carry that release's version (its images would
+//! carry the release's tag, which nodes that cached it keep).
 
 use crate::common;
 
@@ -61,6 +63,15 @@ fn every_image_follows_the_registry_and_the_tested_versions() {
         }
     }
 
+    // Both node DaemonSets on the host's network (node.yaml says why).
+    for daemon_set in ["ferrite-daemon", "ferrite-node-plugin"] {
+        let doc = rendered
+            .split("\n---\n")
+            .find(|d| d.contains("kind: DaemonSet") && d.contains(&format!("\n  name: {daemon_set}\n")))
+            .unwrap_or_else(|| panic!("no DaemonSet {daemon_set} rendered"));
+        assert!(doc.contains("\n      hostNetwork: true\n"), "{daemon_set} is not on the host's network");
+    }
+
     // The sidecar tags are the versions the tier runs, where its kit is at hand.
     let kit = ["FERRITE_K8S", "../../shared/k8s", "/work/shared/k8s"]
         .iter()
@@ -79,4 +90,27 @@ fn every_image_follows_the_registry_and_the_tested_versions() {
             assert!(image.ends_with(&format!(":{tested}")), "{image}: the tier tests {name} {tested}");
         }
     }
+}
+
+/// Whether `version` is a release CHANGELOG.md names while it also lists unreleased changes
+/// (Some(true): the images of this build would carry the tag of a release they are not, and a
+/// node that cached that release's image would keep running it), a release commit (Some(false)),
+/// or none (None: a version still to be released).
+fn released_or_unreleased(version: &str) -> Option<bool> {
+    let log = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../CHANGELOG.md")).unwrap();
+    let unreleased = log.split("\n## ").find(|s| s.starts_with("Unreleased")).unwrap_or_default();
+    let changes = unreleased.lines().skip(1).any(|l| !l.trim().is_empty());
+    let released = log.lines().any(|l| l.strip_prefix("## ") == Some(version));
+    released.then_some(changes)
+}
+
+#[test]
+fn a_build_with_unreleased_changes_does_not_carry_a_releases_version() {
+    assert_eq!(released_or_unreleased("0.2.0"), Some(true), "0.2.0 is released and main has changes since");
+    let version = env!("CARGO_PKG_VERSION");
+    assert_ne!(
+        released_or_unreleased(version),
+        Some(true),
+        "{version} is a release, and CHANGELOG lists changes since"
+    );
 }

@@ -108,14 +108,14 @@ impl Failover {
             return;
         }
         let blocks: Vec<String> = nodes.iter().flat_map(|l| l.blocks.iter().cloned()).collect();
-        let round = self.fence(&names, &blocks, true).await;
+        // The fence and the memberships at once: a silent daemon costs one wait, not two.
+        let (round, views) = tokio::join!(self.fence(&names, &blocks, true), self.views(&names));
         if !round.missing.is_empty() {
             tracing::warn!(nodes = ?names, "the fence does not hold everywhere yet: {}", round.refused().join("; "));
         }
         // Volumes whose primary was on a lost node, with the copies that answer; and the volumes
         // served elsewhere already (promoted by an earlier pass).
         let mut volumes: BTreeMap<String, (usize, Copies)> = BTreeMap::new();
-        let views = self.views(&names).await;
         // What the fence protects: each volume whose every holder outside the lost set has it.
         let by_host = self.by_host(&all);
         let holders = protect::holders(&views, self.homes(), |h| by_host.get(h).cloned());
