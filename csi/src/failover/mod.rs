@@ -121,6 +121,10 @@ struct Failover {
     /// [`MEMBERSHIPS_EVERY`]).
     passes: std::sync::atomic::AtomicU32,
     lost_since: replace::LostSince,
+    /// The last volume the last replacement sweep stepped (the next starts after it), and
+    /// whether a sweep is running (`replace.rs`).
+    replaced_up_to: std::sync::Mutex<String>,
+    sweeping: std::sync::atomic::AtomicBool,
     metrics: Arc<Metrics>,
 }
 
@@ -258,6 +262,8 @@ pub async fn start(
         out_of_service,
         passes: std::sync::atomic::AtomicU32::new(0),
         lost_since: replace::LostSince::default(),
+        replaced_up_to: std::sync::Mutex::default(),
+        sweeping: std::sync::atomic::AtomicBool::new(false),
         metrics,
     });
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
@@ -286,8 +292,15 @@ pub async fn start(
                         if let Err(e) = this.gone(&views).await {
                             tracing::warn!("failover of deleted nodes: {e:#}");
                         }
-                        if let Err(e) = this.replace(&views).await {
-                            tracing::warn!("replacing lost copies: {e:#}");
+                        // Replacement beside the passes, one sweep at a time (`replace.rs`).
+                        if !this.sweeping.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                            let sweep = Arc::clone(&this);
+                            tokio::spawn(async move {
+                                if let Err(e) = sweep.replace(&views).await {
+                                    tracing::warn!("replacing lost copies: {e:#}");
+                                }
+                                sweep.sweeping.store(false, std::sync::atomic::Ordering::Release);
+                            });
                         }
                     }
                 }

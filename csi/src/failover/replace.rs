@@ -19,12 +19,18 @@
 //!
 //! The controller keeps no state but when it first saw each member lost: after a restart (or a
 //! new leader) the delay starts over, which only ever makes a replacement later.
+//!
+//! A sweep runs in a task of its own beside the failover passes (a loss is acted on while copies
+//! are being replaced), one at a time, and takes at most [`STEPS`] steps, [`AT_ONCE`] at a time:
+//! after a zone's outage past `replace-after`, hundreds of volumes need a step each, at tens of
+//! seconds a step. The next sweep starts after the last volume this one stepped.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ferrite_proto::ferrite::v1 as pb;
+use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{
     NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolume, VolumeNodeAffinity,
 };
@@ -43,6 +49,10 @@ const RECLAIM: &str = "ferrite.dev/reclaim-policy";
 
 /// When each (volume, member endpoint) was first seen lost.
 pub(super) type LostSince = Mutex<BTreeMap<(String, String), Instant>>;
+
+/// Most membership steps one sweep takes, and how many at once.
+const STEPS: usize = 16;
+const AT_ONCE: usize = 4;
 
 /// One membership change, or a reason to wait.
 #[derive(Debug, PartialEq, Eq)]
@@ -111,6 +121,19 @@ fn replicated(pv: &PersistentVolume, driver: &str) -> Option<(String, Class)> {
     (class.replicas > 1).then(|| (name.to_owned(), class))
 }
 
+/// Keeps the first `max` of `items` by name (`name_of`) after `from`, wrapping around, and
+/// moves `from` to the last kept: successive sweeps go round every volume that needs a step.
+fn budget<T>(items: &mut Vec<T>, from: &mut String, max: usize, name_of: impl Fn(&T) -> &String) {
+    items.sort_by(|a, b| {
+        let (a, b) = (name_of(a), name_of(b));
+        (a <= &*from, a).cmp(&(b <= &*from, b))
+    });
+    items.truncate(max);
+    if let Some(last) = items.last() {
+        from.clone_from(name_of(last));
+    }
+}
+
 impl Failover {
     /// One look at every replicated PV, with every daemon's memberships (`views`).
     pub(super) async fn replace(&self, views: &[(String, Vec<pb::SyncVolume>)]) -> anyhow::Result<()> {
@@ -135,6 +158,7 @@ impl Failover {
             .iter()
             .filter_map(|n| Some((n.name_any(), super::maintenance::in_maintenance(n)?)))
             .collect();
+        let mut steps = Vec::new();
         for pv in self.volume_store.state() {
             let Some((name, class)) = replicated(&pv, &self.driver) else { continue };
             let Some((node, view)) = primaries.get(name.as_str()).copied() else { continue };
@@ -152,16 +176,28 @@ impl Failover {
                     lost.insert(m.endpoint.clone());
                 }
             }
-            let done = match plan(view, &lost, class.replicas) {
-                None => self.follow(&pv, view).await,
-                Some(Step::Wait) => Ok(()),
-                Some(step) => self.step(&name, node, view, (step, &lost, class.zone_spread)).await,
-            };
-            if let Err(e) = done {
-                tracing::warn!(volume = %name, "replacing a lost copy: {e:#}");
+            match plan(view, &lost, class.replicas) {
+                None => {
+                    if let Err(e) = self.follow(&pv, view).await {
+                        tracing::warn!(volume = %name, "the PV's affinity following its copies: {e:#}");
+                    }
+                }
+                Some(Step::Wait) => {}
+                Some(step) => steps.push((name, node, view, (step, lost, class.zone_spread))),
             }
         }
         self.lost_since.lock().expect("not poisoned").retain(|k, _| seen.contains(k));
+        {
+            let mut from = self.replaced_up_to.lock().expect("not poisoned");
+            budget(&mut steps, &mut from, STEPS, |s| &s.0);
+        }
+        futures_util::stream::iter(steps)
+            .for_each_concurrent(AT_ONCE, |(name, node, view, (step, lost, spread))| async move {
+                if let Err(e) = self.step(&name, node, view, (step, &lost, spread)).await {
+                    tracing::warn!(volume = %name, "replacing a lost copy: {e:#}");
+                }
+            })
+            .await;
         // Copies the current membership no longer has (replaced while their node was away).
         let mut stale = Vec::new();
         for (node, vs) in views {
@@ -325,6 +361,26 @@ impl Failover {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sweeps_take_turns_round_the_volumes() {
+        let names = |v: &[String]| v.join(",");
+        let all: Vec<String> = ["a", "b", "c", "d", "e"].iter().map(|s| (*s).to_owned()).collect();
+        let mut from = String::new();
+        let mut steps = all.clone();
+        super::budget(&mut steps, &mut from, 2, |s| s);
+        assert_eq!((names(&steps), from.as_str()), ("a,b".to_owned(), "b"));
+        let mut steps = all.clone();
+        super::budget(&mut steps, &mut from, 2, |s| s);
+        assert_eq!(names(&steps), "c,d");
+        let mut steps = all.clone();
+        super::budget(&mut steps, &mut from, 2, |s| s);
+        assert_eq!(names(&steps), "e,a", "wraps round");
+        // A volume done meanwhile is skipped; fewer than the budget: all of them.
+        let mut steps = vec!["c".to_owned(), "b".to_owned()];
+        super::budget(&mut steps, &mut from, 16, |s| s);
+        assert_eq!(names(&steps), "b,c");
+    }
+
     use super::*;
 
     fn member(endpoint: &str, state: &str) -> pb::SyncMember {
