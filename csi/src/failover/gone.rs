@@ -56,7 +56,7 @@ impl Failover {
                 "the primary of {} volumes is on no known node and silent: fencing it",
                 volumes.len()
             );
-            let round = self.fence(&BTreeSet::new(), std::slice::from_ref(&fence), true).await;
+            let round = self.fence(&BTreeSet::new(), std::slice::from_ref(&fence), true, false).await;
             if !round.missing.is_empty() {
                 tracing::warn!(primary, "the fence does not hold everywhere yet: {}", round.refused().join("; "));
             }

@@ -109,7 +109,7 @@ impl Failover {
         }
         let blocks: Vec<String> = nodes.iter().flat_map(|l| l.blocks.iter().cloned()).collect();
         // The fence and the memberships at once: a silent daemon costs one wait, not two.
-        let (round, views) = tokio::join!(self.fence(&names, &blocks, true), self.views(&names));
+        let (round, views) = tokio::join!(self.fence(&names, &blocks, true, true), self.views(&names, true));
         if !round.missing.is_empty() {
             tracing::warn!(nodes = ?names, "the fence does not hold everywhere yet: {}", round.refused().join("; "));
         }
@@ -271,7 +271,7 @@ impl Failover {
                 member_of.push(v.volume.clone());
             }
         }
-        let round = self.fence(&me, &blocks, false).await;
+        let round = self.fence(&me, &blocks, false, false).await;
         let refused = round.refused();
         if !majority(round.held.len(), refused.len()) {
             anyhow::bail!("lifting the fence of {name}: a majority of the daemons did not: {}", refused.join("; "));
@@ -293,7 +293,7 @@ impl Failover {
     pub(super) async fn unfence_rest(&self, n: &Node) -> anyhow::Result<()> {
         let name = n.name_any();
         let blocks = self.recorded(&name, UNFENCE).unwrap_or_default();
-        let round = self.fence(&BTreeSet::from([name.clone()]), &blocks, false).await;
+        let round = self.fence(&BTreeSet::from([name.clone()]), &blocks, false, false).await;
         if round.missing.is_empty() {
             self.annotate(&name, &[(UNFENCE, None)]).await?;
             tracing::info!(node = %name, "the fence is lifted on every daemon");

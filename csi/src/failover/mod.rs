@@ -84,6 +84,9 @@ const EVERY: Duration = Duration::from_secs(3);
 const MEMBERSHIPS_EVERY: u32 = 5;
 /// How long a daemon has to answer before it counts as unreachable.
 const ANSWER: Duration = Duration::from_secs(5);
+/// How long a failover waits for a daemon that did not answer the last time it was asked: a
+/// silent bystander costs a pass this, not [`ANSWER`] (the periodic reads give it [`ANSWER`]).
+const SILENT_ANSWER: Duration = Duration::from_secs(1);
 /// How many daemons (or volumes) failover talks to at once: a zone of lost nodes costs a few
 /// [`ANSWER`]s, not one per node.
 const FAN_OUT: usize = 32;
@@ -125,6 +128,8 @@ struct Failover {
     /// whether a sweep is running (`replace.rs`).
     replaced_up_to: std::sync::Mutex<String>,
     sweeping: std::sync::atomic::AtomicBool,
+    /// The daemons that did not answer the last time they were asked.
+    silent: std::sync::Mutex<BTreeSet<String>>,
     metrics: Arc<Metrics>,
 }
 
@@ -264,6 +269,7 @@ pub async fn start(
         lost_since: replace::LostSince::default(),
         replaced_up_to: std::sync::Mutex::default(),
         sweeping: std::sync::atomic::AtomicBool::new(false),
+        silent: std::sync::Mutex::default(),
         metrics,
     });
     tracing::info!(after = ?after, "automatic failover of replicated volumes is on");
@@ -288,7 +294,7 @@ pub async fn start(
                     let n = this.passes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if n.is_multiple_of(MEMBERSHIPS_EVERY) {
                         // Both read every daemon's memberships: one read serves the two.
-                        let views = this.views(&BTreeSet::new()).await;
+                        let views = this.views(&BTreeSet::new(), false).await;
                         if let Err(e) = this.gone(&views).await {
                             tracing::warn!("failover of deleted nodes: {e:#}");
                         }
@@ -355,7 +361,7 @@ impl Failover {
         // Returning nodes wait for their copies to be in sync: one read of the memberships
         // serves them all.
         let back = looks.iter().any(|(_, l)| matches!(l, Look::Back));
-        let views = if back { self.views(&BTreeSet::new()).await } else { Vec::new() };
+        let views = if back { self.views(&BTreeSet::new(), false).await } else { Vec::new() };
         let views = &views;
         futures_util::stream::iter(looks)
             .for_each_concurrent(FAN_OUT, |(n, look)| async move {
@@ -480,9 +486,26 @@ impl Failover {
         }
     }
 
+    /// How long to wait for `node`'s daemon: [`ANSWER`], or in a `hurry` (a failover) only
+    /// [`SILENT_ANSWER`] if it did not answer the last time.
+    fn wait_for(&self, node: &str, hurry: bool) -> Duration {
+        let silent = hurry && self.silent.lock().expect("not poisoned").contains(node);
+        if silent { SILENT_ANSWER } else { ANSWER }
+    }
+
+    /// Records whether `node`'s daemon answered.
+    fn answered(&self, node: &str, answered: bool) {
+        let mut silent = self.silent.lock().expect("not poisoned");
+        if answered {
+            silent.remove(node);
+        } else {
+            silent.insert(node.to_owned());
+        }
+    }
+
     /// The daemons outside `except` that answer, with their view of every synchronous volume
-    /// ([`FAN_OUT`] asked at a time, each within [`ANSWER`]).
-    async fn views(&self, except: &BTreeSet<String>) -> Vec<(String, Vec<pb::SyncVolume>)> {
+    /// ([`FAN_OUT`] asked at a time, each within [`Self::wait_for`]).
+    async fn views(&self, except: &BTreeSet<String>, hurry: bool) -> Vec<(String, Vec<pb::SyncVolume>)> {
         let nodes = self.dir.nodes().into_iter().filter(|n| !except.contains(n));
         futures_util::stream::iter(nodes)
             .map(|node| async move {
@@ -490,14 +513,17 @@ impl Failover {
                     let mut c = admin(&*self.dir, &node).await?;
                     c.list_sync_replicas(pb::ListReplicationsRequest::default()).await
                 };
-                match tokio::time::timeout(ANSWER, ask).await {
+                let wait = self.wait_for(&node, hurry);
+                let answer = tokio::time::timeout(wait, ask).await;
+                self.answered(&node, matches!(answer, Ok(Ok(_))));
+                match answer {
                     Ok(Ok(r)) => Some((node, r.into_inner().volumes)),
                     Ok(Err(e)) => {
                         tracing::warn!(node, error = %e.message(), "failover: daemon did not answer");
                         None
                     }
                     Err(_) => {
-                        tracing::warn!(node, "failover: daemon did not answer within {ANSWER:?}");
+                        tracing::warn!(node, "failover: daemon did not answer within {wait:?}");
                         None
                     }
                 }
@@ -511,7 +537,7 @@ impl Failover {
     /// Fences `blocks` (`fence`) or lifts them on every daemon outside `except`: which did, and
     /// why each other one did not. Each call checks leadership first: a round over hundreds of
     /// daemons, some silent, outlasts one renewal.
-    async fn fence(&self, except: &BTreeSet<String>, blocks: &[String], fence: bool) -> protect::Fenced {
+    async fn fence(&self, except: &BTreeSet<String>, blocks: &[String], fence: bool, hurry: bool) -> protect::Fenced {
         let nodes: Vec<String> = self.dir.nodes().into_iter().filter(|n| !except.contains(n)).collect();
         let results: Vec<(String, Result<(), String>)> = futures_util::stream::iter(nodes)
             .map(|node| async move {
@@ -523,7 +549,9 @@ impl Failover {
                     let mut c = admin(&*self.dir, &node).await?;
                     if fence { c.fence_networks(req).await } else { c.unfence_networks(req).await }
                 };
-                let done = match tokio::time::timeout(ANSWER, done).await {
+                let done = tokio::time::timeout(self.wait_for(&node, hurry), done).await;
+                self.answered(&node, matches!(done, Ok(Ok(_))));
+                let done = match done {
                     Ok(Ok(_)) => Ok(()),
                     Ok(Err(e)) => Err(e.message().to_owned()),
                     Err(_) => Err("no answer".to_owned()),
