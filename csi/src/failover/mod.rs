@@ -419,34 +419,29 @@ impl Failover {
 
     /// A node's failover step failed: a log line and a Warning Event on the Node; the pass goes on.
     async fn failed(&self, n: &Node, e: &anyhow::Error) {
-        let name = n.name_any();
         self.metrics.errors.inc();
-        tracing::warn!(node = %name, "failover: {e:#}");
-        let ev = Event {
-            type_: EventType::Warning,
-            reason: "FailoverError".into(),
-            note: Some(format!("{e:#}")),
-            action: "Failover".into(),
-            secondary: None,
-        };
-        if let Err(e) = self.events.publish(&ev, &n.object_ref(&())).await {
-            tracing::warn!(node = %name, "publishing an event: {e}");
-        }
+        self.warn(n, "FailoverError", "Failover", e).await;
     }
 
     /// A lost node's release waits for its fence (`lost.rs`): a log line and a Warning Event on
     /// the Node, each pass until it holds.
     async fn fence_incomplete(&self, n: &Node, e: &anyhow::Error) {
-        tracing::warn!(node = %n.name_any(), "failover: {e:#}");
+        self.warn(n, "FenceIncomplete", "Release", e).await;
+    }
+
+    /// A log line and a Warning Event `reason` on Node `n`.
+    async fn warn(&self, n: &Node, reason: &str, action: &str, e: &anyhow::Error) {
+        let name = n.name_any();
+        tracing::warn!(node = %name, "failover: {e:#}");
         let ev = Event {
             type_: EventType::Warning,
-            reason: "FenceIncomplete".into(),
+            reason: reason.into(),
             note: Some(format!("{e:#}")),
-            action: "Release".into(),
+            action: action.into(),
             secondary: None,
         };
         if let Err(e) = self.events.publish(&ev, &n.object_ref(&())).await {
-            tracing::warn!(node = %n.name_any(), "publishing an event: {e}");
+            tracing::warn!(node = %name, "publishing an event: {e}");
         }
     }
 
