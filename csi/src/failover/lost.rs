@@ -202,7 +202,7 @@ impl Failover {
     ) -> anyhow::Result<usize> {
         let name = node.name_any();
         let which = Release { ready: super::ready(node), moved: elsewhere, withheld };
-        let out_of_service = self.taint(&name, true).await?;
+        let out_of_service = self.taint(&name, true, withheld.is_empty()).await?;
         let mut kept = self.delete_pods(&name, which).await?;
         if !out_of_service {
             kept.extend(self.detach(&name, which).await?);
@@ -276,7 +276,7 @@ impl Failover {
         if !majority(round.held.len(), refused.len()) {
             anyhow::bail!("lifting the fence of {name}: a majority of the daemons did not: {}", refused.join("; "));
         }
-        self.taint(&name, false).await?;
+        self.taint(&name, false, false).await?;
         let pending = (!refused.is_empty()).then(|| blocks.join(","));
         self.annotate(&name, &[(FENCED, None), (UNFENCE, pending)]).await?;
         tracing::info!(node = %name, volumes = ?member_of, still_fenced_on = ?refused, "returned node in sync everywhere: fence lifted");

@@ -182,6 +182,13 @@ fn ours(n: &Node, out_of_service: bool) -> Vec<(&'static str, &'static str)> {
     ours
 }
 
+/// Whether failover's out-of-service taint goes on a fenced node: when `asked` for, and `safe`
+/// (no volume's release waits for its fence) or ours is on already (`held`).
+fn out_of_service_now(asked: bool, safe: bool, held: &[Taint]) -> bool {
+    let put = held.iter().any(|t| t.key == OUT_OF_SERVICE && t.value.as_deref() == Some(TAINT_VALUE));
+    asked && (safe || put)
+}
+
 /// A node's taints with ours (`wanted`, as key and effect) and no other of ours: the taints of
 /// others are kept as they are, and one with the key and effect of ours stands in for it
 /// (Kubernetes refuses two; we never remove or replace what we did not add).
@@ -571,10 +578,14 @@ impl Failover {
     /// Node's resourceVersion (the node lifecycle controller changes taints too): a concurrent
     /// change makes it fail, and the next pass tries again. Returns whether the out-of-service
     /// taint is on the node (ours or someone else's).
-    async fn taint(&self, name: &str, on: bool) -> anyhow::Result<bool> {
+    /// `out_of_service`: whether the out-of-service taint (if asked for) may go on now: it has
+    /// Kubernetes release every driver's volumes, so not while a volume's fence is withheld (one
+    /// put on earlier stays).
+    async fn taint(&self, name: &str, on: bool, out_of_service: bool) -> anyhow::Result<bool> {
         let n = self.nodes.get(name).await?;
         let held = n.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
-        let wanted = if on { ours(&n, self.out_of_service) } else { Vec::new() };
+        let wanted =
+            if on { ours(&n, out_of_service_now(self.out_of_service, out_of_service, &held)) } else { Vec::new() };
         let taints = taints(&held, &wanted);
         let out_of_service = taints.iter().any(|t| t.key == OUT_OF_SERVICE);
         if taints.len() == held.len() && held.iter().all(|t| taints.contains(t)) {
@@ -662,6 +673,16 @@ mod tests {
         assert!(ours(&node(Some("True")), true).is_empty(), "a Ready node is never tainted");
         assert_eq!(ours(&node(Some("Unknown")), false), vec![(FENCED, "NoSchedule")]);
         assert_eq!(ours(&node(Some("False")), true), vec![(FENCED, "NoSchedule"), (OUT_OF_SERVICE, "NoExecute")]);
+    }
+
+    #[test]
+    fn the_out_of_service_taint_waits_for_every_fence() {
+        let theirs = [taint(OUT_OF_SERVICE, "nodeshutdown", "NoExecute")];
+        let mine = [taint(OUT_OF_SERVICE, TAINT_VALUE, "NoExecute")];
+        assert!(!out_of_service_now(false, true, &[]), "only when asked for");
+        assert!(out_of_service_now(true, true, &[]));
+        assert!(!out_of_service_now(true, false, &[]) && !out_of_service_now(true, false, &theirs));
+        assert!(out_of_service_now(true, false, &mine), "one put on earlier stays");
     }
 
     #[test]
