@@ -17,7 +17,7 @@
 //! creation, and for three quarters of them ahead as long as it is kept and a prune runs at least
 //! every quarter.**
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use base64::Engine as _;
 use object_store::ClientOptions;
@@ -59,15 +59,21 @@ impl Lock {
         config.object_lock_days.map(|days| Lock { mode: config.object_lock_mode.unwrap_or(LockMode::Governance), days })
     }
 
-    /// A stored chunk older than this is uploaded again, and a backup reads the whole volume
-    /// once the last full backup is older than this.
+    /// A chunk stored or extended longer ago than this is extended before a backup relies on
+    /// it, and a prune extends every kept object once its last extension is older than this.
     pub(crate) fn refresh(self) -> Duration {
         Duration::from_secs(self.days * 86_400 / 4)
     }
 
-    /// Whether a version stored at `stored` is too old for a backup made at `now` to rely on.
-    pub(crate) fn is_stale(self, stored: SystemTime, now: SystemTime) -> bool {
-        now.duration_since(stored).is_ok_and(|age| age > self.refresh())
+    /// Whether a lock set (stored or extended) at `since` is too old at `now` to rely on (unix
+    /// seconds; a `since` ahead of `now`, another clock's, is not).
+    pub(crate) fn is_stale(self, since: i64, now: i64) -> bool {
+        u64::try_from(now.saturating_sub(since)).is_ok_and(|age| age > self.refresh().as_secs())
+    }
+
+    /// When a lock set at `from` (unix seconds) ends.
+    pub(crate) fn until(self, from: u64) -> u64 {
+        from + self.days * 86_400
     }
 }
 
@@ -207,7 +213,7 @@ impl Locker {
 
     /// The retention a PUT made now gives its new version.
     pub(crate) fn retain(&self) -> Retain {
-        let until = iso8601(crate::now_unix() + self.lock.days * 86_400);
+        let until = iso8601(self.lock.until(crate::now_unix()));
         Retain { mode: self.lock.mode, until, signer: self.signer.clone() }
     }
 
@@ -284,10 +290,11 @@ mod tests {
     #[test]
     fn a_version_older_than_a_quarter_of_the_lock_is_stale() {
         let lock = Lock { mode: LockMode::Governance, days: 8 };
-        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(100 * 86_400);
-        assert!(!lock.is_stale(now - Duration::from_secs(2 * 86_400 - 1), now));
-        assert!(lock.is_stale(now - Duration::from_secs(2 * 86_400 + 1), now));
-        assert!(!lock.is_stale(now + Duration::from_secs(60), now), "a clock ahead of ours is not stale");
+        let now = 100 * 86_400;
+        assert!(!lock.is_stale(now - (2 * 86_400 - 1), now));
+        assert!(lock.is_stale(now - (2 * 86_400 + 1), now));
+        assert!(!lock.is_stale(now + 60, now), "a clock ahead of ours is not stale");
+        assert_eq!(lock.until(10), 10 + 8 * 86_400);
     }
 
     #[test]

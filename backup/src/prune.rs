@@ -232,9 +232,8 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
     report.chunks_condemned = next.chunks.len() as u64;
     if let Some(lock) = target.object_lock() {
         // Every kept object is locked until `now` + days at least, once a quarter of the lock.
-        let refresh = i64::try_from(lock.refresh().as_secs()).unwrap_or(i64::MAX);
-        if locked_at.is_none_or(|at| now.saturating_sub(at) > refresh) {
-            let until = u64::try_from(now).unwrap_or(0) + lock.days * 86_400;
+        if locked_at.is_none_or(|at| lock.is_stale(at, now)) {
+            let until = lock.until(u64::try_from(now).unwrap_or(0));
             report.locks_extended = extend_locks(target, &next, until).await?;
             next.locked_at = Some(now);
         }

@@ -442,9 +442,9 @@ impl Target {
         let Some(stored) = self.head(path).await? else { return Ok(false) };
         let Some(lock) = self.object_lock() else { return Ok(true) };
         let since = stored.last_modified.timestamp().max(extended.unwrap_or(i64::MIN));
-        let since = std::time::UNIX_EPOCH + Duration::from_secs(u64::try_from(since).unwrap_or(0));
-        if lock.is_stale(since, std::time::SystemTime::now()) {
-            self.extend_lock(path, crate::now_unix() + lock.days * 86_400).await?;
+        let now = crate::now_unix();
+        if lock.is_stale(since, i64::try_from(now).unwrap_or(i64::MAX)) {
+            self.extend_lock(path, lock.until(now)).await?;
         }
         Ok(true)
     }

@@ -61,7 +61,7 @@ impl Failover {
                 tracing::warn!(primary, "the fence does not hold everywhere yet: {}", round.refused().join("; "));
             }
             // What the fence protects: a volume whose every holder has it (protect.rs).
-            let withheld = super::protect::withheld(&holders, &BTreeSet::new(), &round, self.dir.nodes().len());
+            let withheld = super::protect::withheld(&holders, &BTreeSet::new(), &round);
             for (volume, mut copies) in volumes {
                 copies.sort_by(|a, b| b.cmp(a));
                 let fenced = !withheld.contains_key(&volume);

@@ -48,11 +48,6 @@ pub(super) fn shared(name: &str, addrs: &BTreeSet<String>, all: &[Arc<Node>]) ->
     addrs.iter().filter(|a| others.iter().any(|o| ferrite_tls::same_name(o, a))).cloned().collect()
 }
 
-/// Whether `ok` of `ok + failed` daemons is a majority.
-pub(super) fn majority(ok: usize, failed: usize) -> bool {
-    ok * 2 > ok + failed
-}
-
 impl Failover {
     /// Fences every node of `lost` (each with why it is lost) and promotes a copy of every
     /// volume whose primary was on one of them.
@@ -119,7 +114,7 @@ impl Failover {
         // What the fence protects: each volume whose every holder outside the lost set has it.
         let by_host = self.by_host(&all);
         let holders = protect::holders(&views, self.homes(), |h| by_host.get(h).cloned());
-        let withheld = protect::withheld(&holders, &names, &round, self.dir.nodes().len());
+        let withheld = protect::withheld(&holders, &names, &round);
         let withheld = &withheld;
         let mut elsewhere: BTreeSet<String> = views
             .iter()
@@ -273,7 +268,7 @@ impl Failover {
         }
         let round = self.fence(&me, &blocks, false, false).await;
         let refused = round.refused();
-        if !majority(round.held.len(), refused.len()) {
+        if !round.majority() {
             anyhow::bail!("lifting the fence of {name}: a majority of the daemons did not: {}", refused.join("; "));
         }
         self.taint(&name, false, false).await?;
@@ -320,12 +315,5 @@ mod tests {
         let addrs: std::collections::BTreeSet<String> = ["10.0.0.5".to_owned(), "10.0.0.6".to_owned()].into();
         assert_eq!(super::shared("a", &addrs, &all), ["10.0.0.6".to_owned()].into());
         assert!(super::shared("b", &["10.0.0.6".to_owned()].into(), &all[1..]).is_empty());
-    }
-
-    #[test]
-    fn a_majority_is_more_than_half() {
-        use super::majority;
-        assert!(majority(1, 0) && majority(2, 1) && majority(5, 4));
-        assert!(!majority(0, 0) && !majority(1, 1) && !majority(4, 5));
     }
 }

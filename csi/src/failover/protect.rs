@@ -23,9 +23,14 @@ pub(super) struct Fenced {
 }
 
 impl Fenced {
-    /// Why the fence does not hold everywhere ("" when it does).
+    /// Why the fence does not hold on each daemon it missed (none when it holds everywhere).
     pub fn refused(&self) -> Vec<String> {
         self.missing.iter().map(|(node, why)| format!("{node}: {why}")).collect()
+    }
+
+    /// Whether a majority of the daemons asked hold it.
+    pub fn majority(&self) -> bool {
+        self.held.len() * 2 > self.held.len() + self.missing.len()
     }
 }
 
@@ -53,15 +58,14 @@ pub(super) fn holders(
 }
 
 /// The volumes whose release waits for the fence, each with the holders that lack it: a
-/// holder outside `lost` does not hold it, or none is known and no majority of the
-/// `daemons` holds it.
+/// holder outside `lost` does not hold it, or none is known and no majority of the daemons
+/// asked holds it.
 pub(super) fn withheld(
     holders: &BTreeMap<String, BTreeSet<String>>,
     lost: &BTreeSet<String>,
     fenced: &Fenced,
-    daemons: usize,
 ) -> BTreeMap<String, Vec<String>> {
-    let majority = fenced.held.len() * 2 > daemons.saturating_sub(lost.len());
+    let majority = fenced.majority();
     let mut withheld = BTreeMap::new();
     for (volume, held) in holders {
         let others: Vec<&String> = held.iter().filter(|n| !lost.contains(*n)).collect();
@@ -112,11 +116,23 @@ mod tests {
             held: set(&["b", "d", "e", "f"]),
             missing: [("c".to_owned(), "no answer".to_owned()), ("z".to_owned(), "no answer".to_owned())].into(),
         };
-        let withheld = withheld(&holders, &lost, &fenced, 7);
+        let withheld = withheld(&holders, &lost, &fenced);
         assert_eq!(withheld, [("v1".to_owned(), vec!["c".to_owned()])].into(), "z holds nothing: no wait for it");
         // Without a majority, a volume no live daemon is known to hold waits too.
-        let few = Fenced { held: set(&["d", "e"]), ..Fenced::default() };
-        let withheld = super::withheld(&holders, &lost, &few, 7);
+        let missing = ["b", "c", "f", "z"].iter().map(|n| ((*n).to_owned(), "no answer".to_owned())).collect();
+        let few = Fenced { held: set(&["d", "e"]), missing };
+        let withheld = super::withheld(&holders, &lost, &few);
         assert!(withheld.contains_key("v4") && withheld.contains_key("v1") && !withheld.contains_key("v2"));
+    }
+
+    #[test]
+    fn a_majority_is_more_than_half() {
+        let round = |ok: usize, failed: usize| Fenced {
+            held: (0..ok).map(|i| format!("ok{i}")).collect(),
+            missing: (0..failed).map(|i| (format!("no{i}"), String::new())).collect(),
+        };
+        let majority = |ok, failed| round(ok, failed).majority();
+        assert!(majority(1, 0) && majority(2, 1) && majority(5, 4));
+        assert!(!majority(0, 0) && !majority(1, 1) && !majority(4, 5));
     }
 }
