@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use ferrite_daemon::base::config::TlsFiles;
+use ferrite_daemon::sync::ack_sink::AckSink;
 use ferrite_daemon::sync::wire::{self, Frames};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::mirror_server::{Mirror, MirrorServer};
@@ -194,12 +195,11 @@ async fn framed_member(pki: &Pki) -> SocketAddr {
             tokio::spawn(async move {
                 let tls = acceptor.accept(tcp).await.expect("handshake");
                 let (r, w) = tokio::io::split(tls);
-                // As a member serves it: frames in on this task, acks out on the writer's.
-                let (tx, rx) = mpsc::channel(64);
-                tokio::spawn(wire::send_acks(w, rx));
+                // As a member serves it: frames in and acks out on this task.
+                let acks = AckSink::framed(w);
                 let mut frames = Frames::<_, MirrorMessage>::new(r, None);
                 while let Ok(Some(m)) = frames.next().await {
-                    if tx.send(Ok(ack_of(&m))).await.is_err() {
+                    if !acks.send(ack_of(&m)).await || (!frames.has_frame() && !acks.flush()) {
                         break;
                     }
                 }

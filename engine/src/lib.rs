@@ -47,6 +47,7 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+mod batch;
 mod ctx;
 mod error;
 mod fill;
@@ -69,6 +70,7 @@ mod volume;
 mod write;
 
 #[doc(hidden)]
+pub use batch::{Batch, Push};
 pub use ctx::FaultPoint;
 pub use ctx::{Discard, PoolOptions};
 pub use error::{Error, ErrorKind, Result};

@@ -71,13 +71,6 @@ pub trait Mirror: Send + Sync + std::fmt::Debug {
     /// Sends an admitted request to every member that must have it.
     fn send(&self, op: MirrorOp<'_>) -> Result<Box<dyn Pending>>;
 
-    /// Holds this thread's sends until the returned value drops, when they go out together
-    /// (one write to each member for a batch of requests, instead of one each). A thread that
-    /// waits for an answer meanwhile sends what it holds first.
-    fn batch(&self) -> Box<dyn std::any::Any> {
-        Box::new(())
-    }
-
     /// Whether every write and zeroing must reach the members as whole blocks (a member is
     /// being rebuilt). A request touching part of a block then runs here first, and the blocks
     /// it touched go to the members as they are afterwards. It changes only while no request is

@@ -728,11 +728,4 @@ impl Volume {
     pub fn is_mirrored(&self) -> bool {
         self.gate.as_ref().is_some_and(|g| g.mirror().is_some())
     }
-
-    /// Holds the requests this thread sends to the volume's synchronous replicas until the
-    /// returned value drops, then sends them together ([`crate::Mirror::batch`]): a server
-    /// holds it while it starts a batch of requests.
-    pub fn batch_sends(&self) -> Option<Box<dyn std::any::Any>> {
-        self.gate.as_ref().and_then(|g| g.mirror()).map(|m| m.batch())
-    }
 }

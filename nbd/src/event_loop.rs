@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use ferrite_engine::Reads;
 use ferrite_engine::io::AsyncIo;
+use ferrite_engine::{Batch, Push, Reads};
 use io_uring::{IoUring, opcode, squeue, types};
 use parking_lot::{Condvar, Mutex};
 
@@ -59,10 +59,13 @@ const ANSWERED: u64 = u64::MAX - 1;
 /// that reads the answers, and the eventfd that wakes the loop for them. A reply the socket takes
 /// at once is written by that thread itself ([`Outbox::try_send`]) and only noted for the loop,
 /// which takes the note when it next wakes (the client's next request wakes it): no wake-up of
-/// the loop per reply. The bell rings for a reply left to the loop, and for any while the loop
-/// sleeps with no receive in flight.
+/// the loop per reply. The replies posted during a thread's batch ([`Batch`]: an ack answering
+/// many requests) go out in one write at its end. The bell rings for a reply left to the loop,
+/// and for any while the loop sleeps with no receive in flight.
 struct Answered {
     posted: Mutex<Posted>,
+    /// Replies posted during a batch, not written yet.
+    held: Mutex<Vec<(Request, Reply, Instant)>>,
     wake: OwnedFd,
     /// The connection's socket (a duplicate) and replies, for a reply written here.
     sock: OwnedFd,
@@ -82,23 +85,16 @@ impl Answered {
     fn new(sock: OwnedFd, out: Arc<Outbox>) -> io::Result<Arc<Self>> {
         let wake =
             rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)?;
-        Ok(Arc::new(Self { posted: Mutex::default(), wake, sock, out, deaf: AtomicBool::new(false) }))
+        let held = Mutex::default();
+        Ok(Arc::new(Self { posted: Mutex::default(), held, wake, sock, out, deaf: AtomicBool::new(false) }))
     }
 
-    fn post(&self, req: Request, reply: Reply, start: Instant) {
-        let failed = reply.failed;
-        let (entry, needs_loop) = match self.out.try_send(self.sock.as_fd(), reply) {
-            Ok(rest_queued) => ((req, Reply { bytes: Vec::new(), failed }, start, Some(start.elapsed())), rest_queued),
-            Err(reply) => ((req, reply, start, None), true),
-        };
-        let mut posted = self.posted.lock();
-        posted.replies.push(entry);
-        if !posted.rung && (needs_loop || self.deaf.load(Ordering::SeqCst)) {
-            posted.rung = true;
-            self.ring_bell();
-        }
+    /// The reply of a request its members answered: written at once, or at the end of this
+    /// thread's batch.
+    fn post(self: &Arc<Self>, req: Request, reply: Reply, start: Instant) {
+        self.held.lock().push((req, reply, start));
+        Batch::push(self);
     }
-
     fn ring_bell(&self) {
         // Only a counter overflow fails an eventfd write, which one per batch cannot reach.
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
@@ -118,6 +114,38 @@ impl Answered {
     fn sleeping(&self, deaf: bool) -> bool {
         self.deaf.store(deaf, Ordering::SeqCst);
         !self.posted.lock().replies.is_empty()
+    }
+}
+
+impl Push for Answered {
+    /// Writes the replies held, all in one write if the socket takes them; what it does not is
+    /// left to the loop.
+    fn push_now(&self) {
+        let held = std::mem::take(&mut *self.held.lock());
+        if held.is_empty() {
+            return;
+        }
+        let (asked, replies): (Vec<(Request, Instant)>, Vec<Reply>) =
+            held.into_iter().map(|(req, reply, start)| ((req, start), reply)).unzip();
+        let failed: Vec<bool> = replies.iter().map(|r| r.failed).collect();
+        let (entries, needs_loop): (Vec<_>, bool) = match self.out.try_send(self.sock.as_fd(), replies) {
+            Ok(rest_queued) => {
+                let written = |((req, start), failed): ((Request, Instant), bool)| {
+                    (req, Reply { bytes: Vec::new(), failed }, start, Some(start.elapsed()))
+                };
+                (asked.into_iter().zip(failed).map(written).collect(), rest_queued)
+            }
+            Err(replies) => {
+                let left = |((req, start), reply): ((Request, Instant), Reply)| (req, reply, start, None);
+                (asked.into_iter().zip(replies).map(left).collect(), true)
+            }
+        };
+        let mut posted = self.posted.lock();
+        posted.replies.extend(entries);
+        if !posted.rung && (needs_loop || self.deaf.load(Ordering::SeqCst)) {
+            posted.rung = true;
+            self.ring_bell();
+        }
     }
 }
 
@@ -318,7 +346,7 @@ impl<'a, S: Socket> Loop<'a, S> {
         let mut later = 0;
         let answered = self.answered.clone();
         // The writes started here reach the volume's replicas together, when this returns.
-        let _sends = answered.as_ref().and_then(|_| session.export.volume.batch_sends());
+        let _sends = answered.as_ref().map(|_| Batch::hold());
         let mut batches: Vec<Vec<Request>> = Vec::new();
         let mut reads = Vec::new();
         self.paused = false;

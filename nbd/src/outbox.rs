@@ -93,20 +93,24 @@ impl Outbox {
         Sent::StartSender
     }
 
-    /// Writes `reply` now, from any thread, if no reply is ahead of it and the socket takes it
-    /// without waiting; gives it back, with nothing written, if not. `Ok(true)` when only part
-    /// went out: the rest is queued, and the loop must start a sender for it unless one runs
-    /// (the loop's next [`Outbox::send`] does).
-    pub fn try_send(&self, fd: BorrowedFd<'_>, reply: Reply) -> Result<bool, Reply> {
+    /// Writes `replies` now, from any thread, if no reply is ahead of them and the socket takes
+    /// some without waiting; gives them back, with nothing written, if not. `Ok(true)` when only
+    /// part went out: the rest is queued, and the loop must start a sender for it unless one
+    /// runs (the loop's next [`Outbox::send`] does).
+    pub fn try_send(&self, fd: BorrowedFd<'_>, mut replies: Vec<Reply>) -> Result<bool, Vec<Reply>> {
         let mut st = self.state.lock();
         if st.writing || st.stop || !st.queue.is_empty() {
-            return Err(reply);
+            return Err(replies);
         }
-        match write_nowait(fd, std::slice::from_ref(&reply)) {
-            0 => Err(reply),
-            n if n == reply.bytes.len() => Ok(false),
-            n => {
-                st.queue.push_back((vec![reply], n, (0, 0)));
+        let total: usize = replies.iter().map(|r| r.bytes.len()).sum();
+        match write_nowait(fd, &replies) {
+            n if n == total => Ok(false),
+            0 => Err(replies),
+            mut n => {
+                // The replies written whole are done; the rest waits from where the socket stopped.
+                let whole = replies.iter().take_while(|r| n >= r.bytes.len() && (n -= r.bytes.len(), true).1).count();
+                replies.drain(..whole);
+                st.queue.push_back((replies, n, (0, 0)));
                 self.ready.notify_one();
                 Ok(!st.sender)
             }
@@ -206,18 +210,22 @@ mod tests {
         let out = Outbox::default();
         // Far more than the socket buffer: only part of it goes out.
         let big = 4 << 20;
-        assert!(matches!(out.try_send(sock.as_fd(), reply(1, big)), Ok(true)), "the loop must start a sender");
-        assert!(out.try_send(sock.as_fd(), reply(9, 10)).is_err(), "nothing overtakes the rest");
+        let first = vec![reply(4, 10), reply(1, big)];
+        assert!(matches!(out.try_send(sock.as_fd(), first), Ok(true)), "the loop must start a sender");
+        assert!(out.try_send(sock.as_fd(), vec![reply(9, 10)]).is_err(), "nothing overtakes the rest");
         // A helper's reply queues behind it instead of writing.
         assert!(matches!(out.send(&sock, vec![reply(2, 10)], (10, 1), false), Sent::Queued));
         // The loop's next send, with nothing new, starts the sender.
         assert!(matches!(out.send(&sock, Vec::new(), (0, 0), true), Sent::StartSender));
         std::thread::scope(|s| {
             s.spawn(|| out.run_sender(&sock, true, |_| {}));
-            let mut got = vec![0u8; big + 10];
+            let mut got = vec![0u8; 10 + big + 10];
             peer.read_exact(&mut got).unwrap();
-            assert!(got[..big].iter().all(|&b| b == 1) && got[big..].iter().all(|&b| b == 2), "out of order");
+            let (first, rest) = got.split_at(10);
+            assert!(first.iter().all(|&b| b == 4), "the first reply, whole");
+            assert!(rest[..big].iter().all(|&b| b == 1) && rest[big..].iter().all(|&b| b == 2), "out of order");
         });
-        assert!(matches!(out.try_send(sock.as_fd(), reply(3, 10)), Ok(false)), "an empty queue: written whole");
+        let two = vec![reply(3, 10), reply(5, 10)];
+        assert!(matches!(out.try_send(sock.as_fd(), two), Ok(false)), "an empty queue: written whole");
     }
 }

@@ -18,13 +18,16 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use ferrite_tls::{ServerTls, Stream};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::authz::{PeerInfo, Role};
 use crate::base::config::Limits;
 use crate::records::fence::{Admission, Fences};
+
+/// What a connection reads from its socket at once (a TLS session asks for 4 KiB at a time).
+const READ_BUFFER: usize = 32 << 10;
 
 /// Counters of one listener.
 #[derive(Debug, Default)]
@@ -86,7 +89,8 @@ impl Gate {
 /// An admitted connection, holding its fence registration and its connection slot.
 #[derive(Debug)]
 pub struct Guarded {
-    stream: Stream<TcpStream>,
+    /// Read through a buffer: a TLS session asks the socket for 4 KiB at a time.
+    stream: Stream<BufReader<TcpStream>>,
     info: PeerInfo,
     _admission: Admission,
     _slot: OwnedSemaphorePermit,
@@ -148,7 +152,7 @@ pub fn accept(
             let _ = stream.set_nodelay(true);
             let (tx, tls, gate, stats) = (tx.clone(), tls.clone(), gate.clone(), Arc::clone(&stats));
             tokio::spawn(async move {
-                let mut stream = Stream::Plain(stream);
+                let mut stream = Stream::Plain(BufReader::with_capacity(READ_BUFFER, stream));
                 if let Some(acceptor) = &tls {
                     match tokio::time::timeout(handshake_timeout, stream.start_tls(acceptor)).await {
                         Ok(Ok(())) => {}

@@ -12,13 +12,14 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use ferrite_engine::{Batch, Push};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorOpen};
 use tokio::io::AsyncWrite;
 use tokio::sync::oneshot;
 use tonic::Status;
 
-use super::outbound::{Batch, Outbound, Push};
+use super::outbound::Outbound;
 use super::wire::{self, Frames};
 use crate::base::config::TlsFiles;
 
@@ -38,6 +39,9 @@ struct AckState {
     waiting: Vec<String>,
     failed: Failed,
     then: Option<Then>,
+    /// A thread waits in [`Acks::wait_until`]: only then does the last answer wake it (a
+    /// condvar's notify is a syscall even when nobody waits).
+    blocked: bool,
 }
 
 impl std::fmt::Debug for Acks {
@@ -52,7 +56,7 @@ const LATE: &str = "did not answer within the sync timeout";
 impl Acks {
     pub fn new(members: Vec<String>) -> Arc<Self> {
         Arc::new(Self {
-            state: Mutex::new(AckState { waiting: members, failed: Vec::new(), then: None }),
+            state: Mutex::new(AckState { waiting: members, failed: Vec::new(), then: None, blocked: false }),
             answered: Condvar::new(),
         })
     }
@@ -67,7 +71,9 @@ impl Acks {
             s.failed.push((member.to_owned(), e));
         }
         if s.waiting.is_empty() {
-            self.answered.notify_all();
+            if s.blocked {
+                self.answered.notify_all();
+            }
             if let Some(then) = s.then.take() {
                 let failed = std::mem::take(&mut s.failed);
                 drop(s);
@@ -95,6 +101,7 @@ impl Acks {
     pub fn wait_until(&self, deadline: Instant) -> Vec<(String, String)> {
         Batch::flush();
         let mut s = self.state.lock().expect("not poisoned");
+        s.blocked = true;
         while !s.waiting.is_empty() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -140,7 +147,7 @@ impl Link {
         let (r, w) = tokio::io::split(conn);
         let mut acks = Frames::<_, MirrorAck>::new(r, None);
         let me = Arc::new(OnceLock::<Weak<Self>>::new());
-        let out = Out::start(Box::new(w), {
+        let out = Out::start(Box::new(w), true, {
             let me = Arc::clone(&me);
             move |why| me.get().and_then(Weak::upgrade).into_iter().for_each(|l| l.end(&why))
         });
@@ -184,12 +191,14 @@ impl Link {
                     }
                     _ = &mut stopped => break "the stream was ended here".to_owned(),
                 };
-                match next {
-                    Ok(Some(MirrorAck { through, .. })) if through > 0 => l.answered_through(through),
-                    Ok(Some(MirrorAck { seq: 0, error, .. })) => break format!("the member ended the stream: {error}"),
-                    Ok(Some(a)) => l.answered(a.seq, a.error),
-                    Ok(None) => break "the member ended the stream".to_owned(),
-                    Err(e) => break format!("the stream failed: {e}"),
+                // Every ack that arrived, answered in one batch: the replies of all the requests
+                // they answer go out together (reading a whole frame that is there never waits).
+                let mut arrived = vec![next];
+                while matches!(arrived.last(), Some(Ok(Some(_)))) && acks.has_frame() {
+                    arrived.push(acks.next().await);
+                }
+                if let Some(why) = l.answer_all(arrived) {
+                    break why;
                 }
             };
             l.end(&why);
@@ -197,9 +206,10 @@ impl Link {
         Ok(link)
     }
 
-    /// Queues one request for the stream's next push; `acks` hears the member's answer (at
-    /// once if the stream has ended). Requests are queued in sequence order.
-    pub fn queue(&self, msg: &MirrorMessage, acks: &Arc<Acks>) {
+    /// Queues request `seq`, the frame `encode` appends, for the stream's next push; `acks`
+    /// hears the member's answer (at once if the stream has ended). Requests are queued in
+    /// sequence order.
+    pub fn queue(&self, seq: u64, encode: impl FnOnce(&mut Vec<u8>), acks: &Arc<Acks>) {
         let mut waiting = self.waiting.lock().expect("not poisoned");
         // `end` records why before it answers the waiting, so a request registered here after
         // that sees the reason instead.
@@ -208,8 +218,25 @@ impl Link {
             acks.answer(&self.endpoint, Some(why));
             return;
         }
-        waiting.insert(msg.seq, (Instant::now(), Arc::clone(acks)));
-        self.out.queue(msg);
+        waiting.insert(seq, (Instant::now(), Arc::clone(acks)));
+        self.out.queue_with(encode);
+    }
+
+    /// Answers what the member sent, in one batch: why the stream ends, if it does.
+    fn answer_all(&self, arrived: Vec<Result<Option<MirrorAck>, String>>) -> Option<String> {
+        let _replies = Batch::hold();
+        for next in arrived {
+            match next {
+                Ok(Some(MirrorAck { through, .. })) if through > 0 => self.answered_through(through),
+                Ok(Some(MirrorAck { seq: 0, error, .. })) => {
+                    return Some(format!("the member ended the stream: {error}"));
+                }
+                Ok(Some(a)) => self.answered(a.seq, a.error),
+                Ok(None) => return Some("the member ended the stream".to_owned()),
+                Err(e) => return Some(format!("the stream failed: {e}")),
+            }
+        }
+        None
     }
 
     fn answered(&self, seq: u64, error: String) {
@@ -322,7 +349,7 @@ mod tests {
         let link = Link {
             endpoint: "tcp://m:1".into(),
             rebuilding: AtomicBool::new(false),
-            out: Out::start(Box::new(tokio::io::sink()), |_| {}),
+            out: Out::start(Box::new(tokio::io::sink()), true, |_| {}),
             waiting: Mutex::default(),
             timeout: Duration::from_millis(30),
             ended: Mutex::default(),

@@ -7,6 +7,7 @@
 //! two primaries. `control.rs` holds adding and removing members, promotion, status and the
 //! start-up of primaries.
 
+pub mod ack_sink;
 mod applied;
 mod catch_up;
 pub mod control;

@@ -1,16 +1,17 @@
-//! The primary's side of a framed mirror connection. A request's frame is queued by the thread
-//! that sends it and written by that thread too, at once, while the connection takes it without
-//! waiting: no task wakes up for a request (here a wakeup costs tens of µs of CPU, more than
-//! the write). Only what would wait (a full socket buffer) goes to the connection's writer task,
-//! which also sends the keepalives; frames queued meanwhile go out after it. A thread may hold
-//! its writes for a batch ([`Batch`]): what it queued goes out in one write at the batch's end.
+//! The sending side of a framed mirror connection: the primary's requests, a member's acks. A
+//! frame is queued by the thread that sends it and written by that thread too, at once, while
+//! the connection takes it without waiting: no task wakes up for a frame (here a wakeup costs
+//! tens of µs of CPU, more than the write). Only what would wait (a full socket buffer) goes to
+//! the connection's writer task, which also sends the primary's keepalives; frames queued
+//! meanwhile go out after it. A thread may hold its writes for a batch
+//! ([`ferrite_engine::Batch`]): what it queued goes out in one write at the batch's end.
 
-use std::cell::RefCell;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 use ferrite_proto::ferrite::v1::MirrorMessage;
+use prost::Message;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -31,11 +32,26 @@ type Handed<W> = (W, Vec<u8>, usize);
 
 struct State<W> {
     queued: Vec<u8>,
+    /// A written buffer kept for the next frames (no allocation and growth per push).
+    spare: Vec<u8>,
     /// None while a thread or the writer task writes: that one looks at `queued` again when done.
     writer: Option<W>,
     /// Why nothing goes out any more, once so.
     ended: Option<String>,
 }
+
+impl<W> State<W> {
+    /// Keeps a written buffer for the next frames, unless it grew large (a burst of big writes).
+    fn keep(&mut self, mut buf: Vec<u8>) {
+        if buf.capacity() <= SPARE_MAX {
+            buf.clear();
+            self.spare = buf;
+        }
+    }
+}
+
+/// The largest written buffer kept for reuse.
+const SPARE_MAX: usize = 4 << 20;
 
 impl<W> std::fmt::Debug for Outbound<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -45,15 +61,16 @@ impl<W> std::fmt::Debug for Outbound<W> {
 }
 
 impl<W: Writer> Outbound<W> {
-    /// The outbound side of a connection, and its writer task (on the current runtime); a
-    /// failed write ends it, and `failed` hears why.
-    pub fn start(w: W, failed: impl FnOnce(String) + Send + 'static) -> Arc<Self> {
+    /// The outbound side of a connection, and its writer task (on the current runtime), which
+    /// sends a keepalive every [`KEEPALIVE`] if `keepalive` (the primary's side); a failed write
+    /// ends it, and `failed` hears why.
+    pub fn start(w: W, keepalive: bool, failed: impl FnOnce(String) + Send + 'static) -> Arc<Self> {
         let (handoff, handed) = mpsc::unbounded_channel();
         let out = Arc::new(Self {
-            state: Mutex::new(State { queued: Vec::new(), writer: Some(w), ended: None }),
+            state: Mutex::new(State { queued: Vec::new(), spare: Vec::new(), writer: Some(w), ended: None }),
             handoff: Mutex::new(Some(handoff)),
         });
-        tokio::spawn(write_handed(Arc::clone(&out), handed, failed));
+        tokio::spawn(write_handed(Arc::clone(&out), handed, keepalive, failed));
         out
     }
 
@@ -62,8 +79,13 @@ impl<W: Writer> Outbound<W> {
     }
 
     /// Queues `m` for the next push.
-    pub fn queue(&self, m: &MirrorMessage) {
+    pub fn queue(&self, m: &impl Message) {
         put(&mut self.lock().queued, m);
+    }
+
+    /// Queues the frame `encode` appends.
+    pub fn queue_with(&self, encode: impl FnOnce(&mut Vec<u8>)) {
+        encode(&mut self.lock().queued);
     }
 
     /// Writes what is queued: here, while the connection takes it without waiting; the rest
@@ -79,10 +101,15 @@ impl<W: Writer> Outbound<W> {
                     return Ok(());
                 }
                 let Some(w) = s.writer.take() else { return Ok(()) };
-                (w, std::mem::take(&mut s.queued))
+                let spare = std::mem::take(&mut s.spare);
+                (w, std::mem::replace(&mut s.queued, spare))
             };
             match write_now(&mut w, &buf) {
-                Ok(None) => self.lock().writer = Some(w),
+                Ok(None) => {
+                    let mut s = self.lock();
+                    s.writer = Some(w);
+                    s.keep(buf);
+                }
                 Ok(Some(from)) => {
                     let handoff = self.handoff.lock().expect("not poisoned");
                     if handoff.as_ref().is_some_and(|h| h.send((w, buf, from)).is_ok()) {
@@ -127,13 +154,14 @@ fn write_now<W: Writer>(w: &mut W, buf: &[u8]) -> std::io::Result<Option<usize>>
 }
 
 /// The writer task: finishes the writes handed to it and sends a keepalive every
-/// [`KEEPALIVE`]; shuts the connection down once it ends.
+/// [`KEEPALIVE`] if `keepalive`; shuts the connection down once it ends.
 async fn write_handed<W: Writer>(
     out: Arc<Outbound<W>>,
     mut handed: mpsc::UnboundedReceiver<Handed<W>>,
+    keepalive: bool,
     failed: impl FnOnce(String),
 ) {
-    let mut keepalive = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
     let why = loop {
         tokio::select! {
             h = handed.recv() => {
@@ -141,9 +169,11 @@ async fn write_handed<W: Writer>(
                 if let Err(e) = async { w.write_all(&buf[from..]).await?; w.flush().await }.await {
                     break Some(out.end(&format!("writing to the member failed: {e}")));
                 }
-                out.lock().writer = Some(w);
+                let mut s = out.lock();
+                s.writer = Some(w);
+                s.keep(buf);
             }
-            _ = keepalive.tick() => out.queue(&MirrorMessage { seq: 0, op: None }),
+            _ = tick.tick(), if keepalive => out.queue(&MirrorMessage { seq: 0, op: None }),
         }
         if let Err(why) = out.push() {
             break Some(why);
@@ -155,64 +185,6 @@ async fn write_handed<W: Writer>(
     }
     if let Some(why) = why {
         failed(why);
-    }
-}
-
-thread_local! {
-    /// The connections this thread pushes at the end of its batch, while it holds one.
-    static HELD: RefCell<Option<Vec<Arc<dyn Push>>>> = const { RefCell::new(None) };
-}
-
-/// What a batch pushes at its end.
-pub trait Push: Send + Sync {
-    fn push_now(&self);
-}
-
-/// While it lives, the connections this thread sends on are pushed when it drops, not at each
-/// send; nested batches are one.
-pub struct Batch {
-    outermost: bool,
-}
-
-impl Batch {
-    pub fn hold() -> Self {
-        let outermost = HELD.with_borrow_mut(|h| {
-            let outermost = h.is_none();
-            h.get_or_insert_with(Vec::new);
-            outermost
-        });
-        Self { outermost }
-    }
-
-    /// Pushes `p` now, or at the end of this thread's batch if it holds one.
-    pub fn push<P: Push + 'static>(p: &Arc<P>) {
-        let held = HELD.with_borrow_mut(|h| {
-            h.as_mut().map(|held| {
-                if !held.iter().any(|q| std::ptr::addr_eq(Arc::as_ptr(q), Arc::as_ptr(p))) {
-                    held.push(Arc::clone(p) as Arc<dyn Push>);
-                }
-            })
-        });
-        if held.is_none() {
-            p.push_now();
-        }
-    }
-
-    /// Pushes what this thread's batch holds so far (before it waits for an answer to it).
-    pub fn flush() {
-        let held = HELD.with_borrow_mut(|h| h.as_mut().map(std::mem::take));
-        for p in held.into_iter().flatten() {
-            p.push_now();
-        }
-    }
-}
-
-impl Drop for Batch {
-    fn drop(&mut self) {
-        if self.outermost {
-            Self::flush();
-            HELD.with_borrow_mut(|h| h.take());
-        }
     }
 }
 
@@ -230,7 +202,7 @@ mod tests {
     async fn frames_written_from_any_thread_arrive_in_order_and_a_full_pipe_goes_to_the_task() {
         // A pipe far smaller than what is sent: most pushes find it full.
         let (w, r) = tokio::io::duplex(64);
-        let out = Outbound::start(w, |why| panic!("{why}"));
+        let out = Outbound::start(w, true, |why| panic!("{why}"));
         let sender = {
             let out = Arc::clone(&out);
             std::thread::spawn(move || {
@@ -250,36 +222,5 @@ mod tests {
         assert!(out.push().is_err(), "nothing goes out after the end");
         let last = tokio::time::timeout(Duration::from_secs(10), frames.next()).await.unwrap();
         assert_eq!(last, Ok(None), "the writer task shut the connection down");
-    }
-
-    #[test]
-    fn a_batch_pushes_each_connection_once_at_its_end() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        struct Count(AtomicUsize);
-        impl Push for Count {
-            fn push_now(&self) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let c = Arc::new(Count(AtomicUsize::new(0)));
-        let n = || c.0.load(Ordering::SeqCst);
-        Batch::push(&c);
-        assert_eq!(n(), 1, "without a batch, at once");
-        {
-            let _b = Batch::hold();
-            Batch::push(&c);
-            Batch::push(&c);
-            drop(Batch::hold());
-            assert_eq!(n(), 1, "held, also past a nested batch's end");
-        }
-        assert_eq!(n(), 2, "once for the batch");
-        {
-            let _b = Batch::hold();
-            Batch::push(&c);
-            Batch::flush();
-            assert_eq!(n(), 3, "before waiting for an answer");
-            Batch::push(&c);
-        }
-        assert_eq!(n(), 4);
     }
 }

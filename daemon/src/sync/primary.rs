@@ -8,16 +8,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use ferrite_engine::{Error, ErrorKind, Mirror, MirrorOp, Pending};
+use ferrite_engine::{Batch, Error, ErrorKind, Mirror, MirrorOp, Pending};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
-use ferrite_proto::ferrite::v1::{MirrorFlush, MirrorMark, MirrorMessage, MirrorTrim, MirrorWrite, MirrorZero};
-use prost::bytes::Bytes;
+use ferrite_proto::ferrite::v1::{MirrorFlush, MirrorMark, MirrorMessage, MirrorTrim, MirrorZero};
 use tonic::Status;
 
 use super::SyncHub;
 use super::link::{Acks, Link};
-use super::outbound::Batch;
 use super::records::{Membership, State};
+use super::wire;
 
 #[derive(Debug)]
 pub struct Primary {
@@ -263,36 +262,27 @@ impl Primary {
 
     /// Sends `op` to every member with a stream: the streams, and their answers to come.
     fn send_all(&self, op: Op) -> (Vec<Arc<Link>>, Arc<Acks>) {
+        let op = Some(op);
+        self.send_frame(|seq, frame| wire::put(frame, &MirrorMessage { seq, op: op.clone() }))
+    }
+
+    /// Sends the request `encode` appends as a frame, given its sequence number, to every
+    /// member with a stream (into each stream's buffer: no frame of its own to copy from).
+    fn send_frame(&self, encode: impl Fn(u64, &mut Vec<u8>)) -> (Vec<Arc<Link>>, Arc<Acks>) {
         let (links, acks) = {
             let mut seq = self.seq.lock().expect("not poisoned");
             let links = self.links.lock().expect("not poisoned").clone();
             let acks = Acks::new(links.iter().map(|l| l.endpoint.clone()).collect());
-            let msg = MirrorMessage { seq: *seq, op: Some(op) };
-            *seq += 1;
             for l in &links {
-                l.queue(&msg, &acks);
+                l.queue(*seq, |buf| encode(*seq, buf), &acks);
             }
+            *seq += 1;
             (links, acks)
         };
         for l in &links {
             Batch::push(l);
         }
         (links, acks)
-    }
-
-    fn op(op: MirrorOp<'_>) -> Op {
-        match op {
-            // Zero data (NBD's NO_HOLE zeroing comes as such writes) crosses as a range.
-            MirrorOp::Write { offset, data, fua } if data.iter().all(|&b| b == 0) => {
-                Op::Zero(MirrorZero { offset, length: data.len() as u64, fua, allocate: true })
-            }
-            MirrorOp::Write { offset, data, fua } => {
-                Op::Write(MirrorWrite { offset, data: Bytes::copy_from_slice(data), fua, crc: crc32c::crc32c(data) })
-            }
-            MirrorOp::Trim { offset, len } => Op::Trim(MirrorTrim { offset, length: len }),
-            MirrorOp::Zero { offset, len, fua } => Op::Zero(MirrorZero { offset, length: len, fua, allocate: false }),
-            MirrorOp::Flush => Op::Flush(MirrorFlush {}),
-        }
     }
 }
 
@@ -325,10 +315,6 @@ impl Mirror for Primary {
         self.rebuilding.load(Ordering::SeqCst) > 0
     }
 
-    fn batch(&self) -> Box<dyn std::any::Any> {
-        Box::new(Batch::hold())
-    }
-
     fn admit(&self) -> ferrite_engine::Result<Box<dyn Send>> {
         Ok(Box::new(self.enter(true)?))
     }
@@ -348,7 +334,23 @@ impl Mirror for Primary {
     fn send(&self, op: MirrorOp<'_>) -> ferrite_engine::Result<Box<dyn Pending>> {
         // Its admission counts it in flight: a pause waits for it, so it must not wait for one.
         let mut waiting = self.enter(false)?;
-        waiting.acks = self.send_all(Self::op(op)).1;
+        waiting.acks = match op {
+            // Zero data (NBD's NO_HOLE zeroing comes as such writes) crosses as a range.
+            MirrorOp::Write { offset, data, fua } if data.iter().all(|&b| b == 0) => {
+                let len = data.len() as u64;
+                self.send_all(Op::Zero(MirrorZero { offset, length: len, fua, allocate: true })).1
+            }
+            // Encoded from the caller's buffer: no copy of the data into a message first.
+            MirrorOp::Write { offset, data, fua } => {
+                let crc = crc32c::crc32c(data);
+                self.send_frame(|seq, frame| wire::put_write(frame, seq, offset, data, fua, crc)).1
+            }
+            MirrorOp::Trim { offset, len } => self.send_all(Op::Trim(MirrorTrim { offset, length: len })).1,
+            MirrorOp::Zero { offset, len, fua } => {
+                self.send_all(Op::Zero(MirrorZero { offset, length: len, fua, allocate: false })).1
+            }
+            MirrorOp::Flush => self.send_all(Op::Flush(MirrorFlush {})).1,
+        };
         Ok(Box::new(waiting))
     }
 }
@@ -386,7 +388,8 @@ impl Drop for Waiting {
     fn drop(&mut self) {
         let mut n = self.primary.inflight.lock().expect("not poisoned");
         *n -= 1;
-        if *n == 0 {
+        // Only a pause waits for none in flight (it sets `paused` before it takes the lock).
+        if *n == 0 && self.primary.paused.load(Ordering::SeqCst) {
             self.primary.idle.notify_all();
         }
     }

@@ -24,6 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::SyncHub;
+use super::ack_sink::AckSink;
 use super::applied::{Applied, ack_of};
 use super::catch_up::CatchUp;
 use super::records::{Membership, State};
@@ -174,17 +175,27 @@ fn op_range(op: &Op) -> Option<(u64, u64, bool)> {
 /// Where a stream's requests come from: the gRPC stream, or a framed connection.
 pub trait Inbound: Send + 'static {
     fn message(&mut self) -> impl Future<Output = Result<Option<MirrorMessage>, String>> + Send;
+    /// Whether the next message has arrived already (the batch goes on).
+    fn ready(&self) -> bool;
 }
 
 impl Inbound for Streaming<MirrorMessage> {
     async fn message(&mut self) -> Result<Option<MirrorMessage>, String> {
         Streaming::message(self).await.map_err(|e| e.message().to_owned())
     }
+
+    fn ready(&self) -> bool {
+        false
+    }
 }
 
 impl<R: AsyncRead + Unpin + Send + 'static> Inbound for Frames<R, MirrorMessage> {
     async fn message(&mut self) -> Result<Option<MirrorMessage>, String> {
         self.next().await
+    }
+
+    fn ready(&self) -> bool {
+        self.has_frame()
     }
 }
 
@@ -235,11 +246,14 @@ impl MirrorService {
     }
 
     /// Applies the requests of an opened stream as they come; their acks (and an error that
-    /// ends the stream) go to `tx`.
-    async fn apply_all(self, s: Opened, mut inbound: impl Inbound, tx: mpsc::Sender<Result<MirrorAck, Status>>) {
+    /// ends the stream) go to `acks`, held for a batch: until no request waits to be read.
+    async fn apply_all(self, s: Opened, mut inbound: impl Inbound, acks: AckSink) {
         let slots = Arc::new(Semaphore::new(IN_FLIGHT as usize));
         let mut checked = u64::MAX;
         loop {
+            if !inbound.ready() && !acks.flush() {
+                break;
+            }
             let msg = match inbound.message().await {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
@@ -257,18 +271,18 @@ impl MirrorService {
             let changes = self.0.records.changes();
             if changes != checked {
                 if let Err(e) = self.still_writer(&s.volume_name, &s.primary) {
-                    let _ = tx.send(Err(e)).await;
+                    acks.fail(e).await;
                     break;
                 }
                 checked = changes;
             }
             if let Some(a) = s.cumulative.as_deref().filter(|a| !a.follows(msg.seq)) {
                 let why = format!("request {} came after a newer one (through {})", msg.seq, a.through());
-                let _ = tx.send(Err(Status::invalid_argument(why))).await;
+                acks.fail(Status::invalid_argument(why)).await;
                 break;
             }
             let Some(op) = msg.op else {
-                let _ = tx.send(Err(Status::invalid_argument("a mirror message without a request"))).await;
+                acks.fail(Status::invalid_argument("a mirror message without a request")).await;
                 break;
             };
             if let Op::Mark(m) = op {
@@ -280,7 +294,7 @@ impl MirrorService {
                 };
                 let error = taken.err().unwrap_or_default();
                 drop(all);
-                let _ = tx.send(Ok(MirrorAck { seq: msg.seq, error, through: 0 })).await;
+                acks.send(MirrorAck { seq: msg.seq, error, through: 0 }).await;
                 continue;
             }
             if s.catch_up.is_none() && runs_now(&op) {
@@ -293,7 +307,7 @@ impl MirrorService {
                     s.cumulative.as_deref().map(count);
                 }
                 if let Some(ack) = ack_of(msg.seq, r, s.cumulative.as_deref())
-                    && tx.send(Ok(ack)).await.is_err()
+                    && !acks.send(ack).await
                 {
                     break;
                 }
@@ -306,7 +320,7 @@ impl MirrorService {
                 a.received(msg.seq, true);
             }
             let permit = Arc::clone(&slots).acquire_owned().await.expect("never closed");
-            let (volume, tx, seq, catch_up) = (s.volume.clone(), tx.clone(), msg.seq, s.catch_up.clone());
+            let (volume, acks, seq, catch_up) = (s.volume.clone(), acks.clone(), msg.seq, s.catch_up.clone());
             let cumulative = s.cumulative.clone();
             tokio::task::spawn_blocking(move || {
                 let r = match (&catch_up, op_range(&op)) {
@@ -316,7 +330,7 @@ impl MirrorService {
                     _ => apply(&volume, op),
                 };
                 drop(permit);
-                let send = |ack: Option<MirrorAck>| ack.map(|ack| tx.blocking_send(Ok(ack)));
+                let send = |ack: Option<MirrorAck>| ack.map(|ack| acks.send_blocking(ack));
                 if r.is_err() || cumulative.is_none() {
                     // A failure is queued before it leaves `running`: no cumulative ack covers
                     // it first.
@@ -339,24 +353,20 @@ pub async fn serve_framed(svc: MirrorService, conn: Guarded) {
     let caller = svc.0.policy.caller(&conn.info().names);
     let (r, w) = tokio::io::split(conn);
     let mut inbound = Frames::new(r, Some(wire::IDLE));
-    let (tx, rx) = mpsc::channel(2 * IN_FLIGHT as usize);
-    let writer = tokio::spawn(wire::send_acks(w, rx));
+    let acks = AckSink::framed(w);
     let opened = match svc.0.policy.check(&caller, STREAM) {
         Ok(()) => svc.accept(&caller, &mut inbound).await,
         Err(e) => Err(e),
     };
     match opened {
         Ok(s) => {
-            if tx.send(Ok(MirrorAck { seq: 0, error: String::new(), through: 0 })).await.is_ok() {
-                svc.apply_all(s, inbound, tx).await;
+            if acks.send(MirrorAck { seq: 0, error: String::new(), through: 0 }).await {
+                svc.apply_all(s, inbound, acks.clone()).await;
             }
         }
-        Err(e) => {
-            let _ = tx.send(Err(e)).await;
-            drop(tx);
-        }
+        Err(e) => acks.fail(e).await,
     }
-    let _ = writer.await;
+    acks.close();
 }
 
 #[tonic::async_trait]
@@ -370,7 +380,7 @@ impl mirror_server::Mirror for MirrorService {
         let mut inbound = req.into_inner();
         let s = self.accept(&caller, &mut inbound).await?;
         let (tx, rx) = mpsc::channel(2 * IN_FLIGHT as usize);
-        tokio::spawn(self.clone().apply_all(s, inbound, tx));
+        tokio::spawn(self.clone().apply_all(s, inbound, AckSink::Stream(tx)));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

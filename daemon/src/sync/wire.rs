@@ -12,12 +12,9 @@
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use ferrite_proto::ferrite::v1::MirrorAck;
 use prost::Message;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, BufReader};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
-use tonic::Status;
 
 use super::MAX_MESSAGE;
 
@@ -33,7 +30,11 @@ pub const KEEPALIVE: Duration = Duration::from_secs(10);
 pub const IDLE: Duration = Duration::from_secs(35);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub type Connection = ferrite_tls::tokio_rustls::client::TlsStream<TcpStream>;
+pub type Connection = ferrite_tls::tokio_rustls::client::TlsStream<BufReader<TcpStream>>;
+
+/// What a TLS session under a mirror stream reads from the socket at once: rustls asks for 4 KiB
+/// at a time, a syscall each without this (several per 16 KiB record of frames).
+pub const READ_BUFFER: usize = 64 << 10;
 
 /// Opens a framed mirror connection to the member at `endpoint` (tcp://host:port), with this
 /// daemon's certificate.
@@ -49,6 +50,7 @@ pub async fn connect(tls: Option<&TlsFiles>, endpoint: &str) -> std::io::Result<
         .await
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no connection within 5 s"))??;
     tcp.set_nodelay(true)?;
+    let tcp = BufReader::with_capacity(READ_BUFFER, tcp);
     let conn = ferrite_tls::TlsConnector::from(cfg).connect(name, tcp).await?;
     if conn.get_ref().1.alpn_protocol() != Some(ALPN) {
         return Err(invalid("the peer does not take the framed mirror stream".into()));
@@ -68,6 +70,12 @@ impl<R: AsyncRead + Unpin, M: Message + Default> Frames<R, M> {
     /// With `idle`, a connection that sends nothing for that long fails.
     pub fn new(r: R, idle: Option<Duration>) -> Self {
         Self { r: BufReader::with_capacity(256 << 10, r), idle, _m: PhantomData }
+    }
+
+    /// Whether a whole frame has arrived and waits to be read.
+    pub fn has_frame(&self) -> bool {
+        let b = self.r.buffer();
+        b.len() >= 4 && b.len() - 4 >= u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize
     }
 
     /// The next message; None once the peer closed the connection.
@@ -105,43 +113,64 @@ pub fn put(buf: &mut Vec<u8>, m: &impl Message) {
     m.encode(buf).expect("a Vec grows");
 }
 
-/// Puts the cumulative ack gathered so far, if any.
-fn put_through(buf: &mut Vec<u8>, through: &mut u64) {
-    if *through > 0 {
-        put(buf, &MirrorAck { seq: 0, error: String::new(), through: std::mem::take(through) });
+/// Appends the frame of a write request, encoded from `data` where it is: the bytes
+/// [`put`] gives for a `MirrorMessage` with a `MirrorWrite` of them, without first copying
+/// `data` into the message.
+pub fn put_write(buf: &mut Vec<u8>, seq: u64, offset: u64, data: &[u8], fua: bool, crc: u32) {
+    use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
+    // Fields at their default value are left out, as prost does.
+    let field = |v: u64, len: usize| if v == 0 { 0 } else { 1 + len };
+    let write_len = field(offset, encoded_len_varint(offset))
+        + field(data.len() as u64, encoded_len_varint(data.len() as u64) + data.len())
+        + field(u64::from(fua), 1)
+        + field(u64::from(crc), 4);
+    let len = field(seq, encoded_len_varint(seq)) + 1 + encoded_len_varint(write_len as u64) + write_len;
+    buf.reserve(4 + len);
+    buf.extend_from_slice(&u32::try_from(len).expect("a frame is below 4 GiB").to_be_bytes());
+    if seq != 0 {
+        prost::encoding::uint64::encode(1, &seq, buf);
+    }
+    encode_key(3, WireType::LengthDelimited, buf);
+    encode_varint(write_len as u64, buf);
+    if offset != 0 {
+        prost::encoding::uint64::encode(1, &offset, buf);
+    }
+    if !data.is_empty() {
+        encode_key(2, WireType::LengthDelimited, buf);
+        encode_varint(data.len() as u64, buf);
+        buf.extend_from_slice(data);
+    }
+    if fua {
+        prost::encoding::bool::encode(3, &fua, buf);
+    }
+    if crc != 0 {
+        prost::encoding::fixed32::encode(4, &crc, buf);
     }
 }
 
-/// The member's side: sends the acks `rx` gives, every one that is ready in one write (of the
-/// cumulative ones among them, only the last before each ack of its own request); an error goes
-/// out as the stream's last ack, and the connection is shut down.
-pub async fn send_acks<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::Receiver<Result<MirrorAck, Status>>) {
-    let mut buf = Vec::new();
-    let mut last = false;
-    while let Some(first) = rx.recv().await {
-        let mut next = Some(first);
-        let mut through = 0;
-        while let Some(a) = next.take() {
-            match a {
-                Ok(a) if a.through > 0 => through = through.max(a.through),
-                Ok(a) => {
-                    put_through(&mut buf, &mut through);
-                    put(&mut buf, &a);
-                }
-                Err(s) => {
-                    put_through(&mut buf, &mut through);
-                    put(&mut buf, &MirrorAck { seq: 0, error: s.message().to_owned(), through: 0 });
-                    last = true;
-                    break;
-                }
-            }
-            next = rx.try_recv().ok();
+#[cfg(test)]
+mod tests {
+    use ferrite_proto::ferrite::v1::mirror_message::Op;
+    use ferrite_proto::ferrite::v1::{MirrorMessage, MirrorWrite};
+
+    use super::*;
+
+    #[test]
+    fn a_write_frame_is_encoded_as_prost_encodes_the_message() {
+        let data: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+        for (seq, offset, len, fua, crc) in [
+            (1, 0, 4096, false, 7),
+            (0, 1 << 40, 512, true, 0),
+            (u64::MAX, 4096, 0, true, u32::MAX),
+            (300, 9, 5000, false, 1),
+        ] {
+            let data = &data[..len];
+            let mut ours = Vec::new();
+            put_write(&mut ours, seq, offset, data, fua, crc);
+            let w = MirrorWrite { offset, data: prost::bytes::Bytes::copy_from_slice(data), fua, crc };
+            let mut theirs = Vec::new();
+            put(&mut theirs, &MirrorMessage { seq, op: Some(Op::Write(w)) });
+            assert_eq!(ours, theirs, "seq {seq} offset {offset} len {len} fua {fua} crc {crc}");
         }
-        put_through(&mut buf, &mut through);
-        if w.write_all(&buf).await.is_err() || w.flush().await.is_err() || last {
-            break;
-        }
-        buf.clear();
     }
-    let _ = w.shutdown().await;
 }
