@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use ferrite_engine::{Batch, Push};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorOpen};
-use tokio::io::AsyncWrite;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::oneshot;
 use tonic::Status;
 
@@ -145,6 +145,20 @@ impl Link {
         let at_peer = |e: String| format!("peer {endpoint}: {e}");
         let conn = wire::connect(tls, endpoint).await.map_err(|e| Status::unavailable(at_peer(e.to_string())))?;
         let (r, w) = tokio::io::split(conn);
+        Self::over(r, w, endpoint, volume, generation, rebuild, timeout).await
+    }
+
+    /// [`Link::open`] on a connection made already (its two halves).
+    pub(super) async fn over(
+        r: impl AsyncRead + Unpin + Send + 'static,
+        w: impl AsyncWrite + Unpin + Send + 'static,
+        endpoint: &str,
+        volume: &str,
+        generation: u64,
+        rebuild: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Arc<Self>, Status> {
+        let at_peer = |e: String| format!("peer {endpoint}: {e}");
         let mut acks = Frames::<_, MirrorAck>::new(r, None);
         let me = Arc::new(OnceLock::<Weak<Self>>::new());
         let out = Out::start(Box::new(w), true, {

@@ -13,6 +13,8 @@ mod catch_up;
 pub mod control;
 mod link;
 mod outbound;
+#[cfg(test)]
+mod path_tests;
 pub mod primary;
 mod rebuild;
 pub mod records;

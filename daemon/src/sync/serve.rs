@@ -200,13 +200,22 @@ impl<R: AsyncRead + Unpin + Send + 'static> Inbound for Frames<R, MirrorMessage>
 }
 
 /// A stream the member took: for which volume, from which primary, and where its writes go.
-struct Opened {
+pub(super) struct Opened {
     volume_name: String,
     primary: String,
     volume: Volume,
     catch_up: Option<Arc<CatchUp>>,
     /// The primary takes cumulative acks: what has been applied.
     cumulative: Option<Arc<Applied>>,
+}
+
+#[cfg(test)]
+impl Opened {
+    /// A stream of `volume` from `primary` with cumulative acks, as `accept` opens it.
+    pub(super) fn plain(volume_name: &str, primary: &str, volume: Volume) -> Self {
+        let (volume_name, primary) = (volume_name.to_owned(), primary.to_owned());
+        Self { volume_name, primary, volume, catch_up: None, cumulative: Some(Arc::default()) }
+    }
 }
 
 const STREAM: &str = "/ferrite.v1.Mirror/Stream";
@@ -247,7 +256,7 @@ impl MirrorService {
 
     /// Applies the requests of an opened stream as they come; their acks (and an error that
     /// ends the stream) go to `acks`, held for a batch: until no request waits to be read.
-    async fn apply_all(self, s: Opened, mut inbound: impl Inbound, acks: AckSink) {
+    pub(super) async fn apply_all(self, s: Opened, mut inbound: impl Inbound, acks: AckSink) {
         let slots = Arc::new(Semaphore::new(IN_FLIGHT as usize));
         let mut checked = u64::MAX;
         loop {
