@@ -28,7 +28,9 @@ git worktree add -q --detach "$DIR/base-src" "$BASE"
 (cd "$DIR/base-src" && cargo build --workspace --locked --bins >&2)
 cp "$CARGO_TARGET_DIR/debug/ferrite" "$DIR/base"
 cp "$CARGO_TARGET_DIR/debug/delay-line" "$DIR/delay-line" 2>/dev/null || true
-# Leave the working tree's binaries in the target dir, as they were.
+# Leave the working tree's binaries in the target dir, as they were (the base's build wrote over
+# them; touching the binary's root makes cargo link it again).
+touch daemon/src/main.rs
 cargo build --workspace --locked --bins >&2
 
 OUT=$DIR/rows.txt

@@ -24,6 +24,7 @@
 //!  map/      extent maps, layer views and chains, the segment table: pure, in memory
 //!  format    superblock and batch header: pure encode/decode
 //!  io/       the Backend trait: io_uring, pread/pwrite, memory, crash simulator
+//!  batch     a thread's batch of sends (mirror frames, NBD replies): one write at its end
 //! ```
 //!
 //! One 4 KiB write, top down: `Volume::write` -> `Log::send_all` (`write/queue.rs`): the first

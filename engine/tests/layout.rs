@@ -9,8 +9,8 @@ use std::path::Path;
 
 /// Lowest first. Each may use those before it (see `src/lib.rs` for what each owns).
 const BANDS: &[&str] = &[
-    "error", "rng", "io", "format", "map", "qos", "meta", "keys", "mirror", "fill", "gate", "state", "ctx", "write",
-    "read", "maint", "recovery", "pool", "volume", "ops", "lib",
+    "batch", "error", "rng", "io", "format", "map", "qos", "meta", "keys", "mirror", "fill", "gate", "state", "ctx",
+    "write", "read", "maint", "recovery", "pool", "volume", "ops", "lib",
 ];
 
 #[test]
