@@ -145,26 +145,6 @@ impl Link {
         let at_peer = |e: String| format!("peer {endpoint}: {e}");
         let conn = wire::connect(tls, endpoint).await.map_err(|e| Status::unavailable(at_peer(e.to_string())))?;
         let (r, w) = tokio::io::split(conn);
-        Self::over(r, w, endpoint, volume, generation, rebuild, timeout).await
-    }
-
-    /// [`Link::open`] on a connection made already (its two halves).
-    pub(super) async fn over(
-        r: impl AsyncRead + Unpin + Send + 'static,
-        w: impl AsyncWrite + Unpin + Send + 'static,
-        endpoint: &str,
-        volume: &str,
-        generation: u64,
-        rebuild: Option<&str>,
-        timeout: Duration,
-    ) -> Result<Arc<Self>, Status> {
-        let at_peer = |e: String| format!("peer {endpoint}: {e}");
-        let mut acks = Frames::<_, MirrorAck>::new(r, None);
-        let me = Arc::new(OnceLock::<Weak<Self>>::new());
-        let out = Out::start(Box::new(w), true, {
-            let me = Arc::clone(&me);
-            move |why| me.get().and_then(Weak::upgrade).into_iter().for_each(|l| l.end(&why))
-        });
         let open = MirrorOpen {
             volume: volume.to_owned(),
             generation,
@@ -172,6 +152,25 @@ impl Link {
             base: rebuild.unwrap_or_default().to_owned(),
             cumulative_acks: true,
         };
+        Self::over(r, w, endpoint, open, timeout).await
+    }
+
+    /// Opens a stream with `open` on a connection made already (its two halves).
+    pub(super) async fn over(
+        r: impl AsyncRead + Unpin + Send + 'static,
+        w: impl AsyncWrite + Unpin + Send + 'static,
+        endpoint: &str,
+        open: MirrorOpen,
+        timeout: Duration,
+    ) -> Result<Arc<Self>, Status> {
+        let at_peer = |e: String| format!("peer {endpoint}: {e}");
+        let rebuild = open.rebuild;
+        let mut acks = Frames::<_, MirrorAck>::new(r, None);
+        let me = Arc::new(OnceLock::<Weak<Self>>::new());
+        let out = Out::start(Box::new(w), true, {
+            let me = Arc::clone(&me);
+            move |why| me.get().and_then(Weak::upgrade).into_iter().for_each(|l| l.end(&why))
+        });
         out.queue(&MirrorMessage { seq: 0, op: Some(Op::Open(open)) });
         out.push().map_err(|e| Status::unavailable(at_peer(e)))?;
         match acks.next().await {
@@ -183,7 +182,7 @@ impl Link {
         let (stop, mut stopped) = oneshot::channel();
         let link = Arc::new(Self {
             endpoint: endpoint.to_owned(),
-            rebuilding: AtomicBool::new(rebuild.is_some()),
+            rebuilding: AtomicBool::new(rebuild),
             out,
             waiting: Mutex::default(),
             timeout,

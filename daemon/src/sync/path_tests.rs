@@ -14,7 +14,7 @@ use std::time::Duration;
 use ferrite_engine::io::MemoryBackend;
 use ferrite_engine::{Mirror, Pool, PoolOptions, Volume, WriteDone};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
-use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage};
+use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorOpen};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::SyncHub;
@@ -209,7 +209,8 @@ fn run(seed: u64) {
         rt.spawn(choppy(requests_r, requests_w, seed ^ (i as u64 + 11)));
         rt.spawn(choppy(acks_r, acks_w, seed ^ (i as u64 + 23)));
         rt.spawn(member(MirrorService(h.clone()), copy.clone(), member_r, member_w));
-        let open = Link::over(primary_r, primary_w, endpoint, "v", 2, None, Duration::from_secs(30));
+        let open = MirrorOpen { volume: "v".into(), generation: 2, cumulative_acks: true, ..Default::default() };
+        let open = Link::over(primary_r, primary_w, endpoint, open, Duration::from_secs(30));
         let link = rt.block_on(open).expect("a stream");
         primary.add_link(link);
         copies.push((h, copy));
