@@ -95,6 +95,7 @@ impl Answered {
         self.held.lock().push((req, reply, start));
         Batch::push(self);
     }
+
     fn ring_bell(&self) {
         // Only a counter overflow fails an eventfd write, which one per batch cannot reach.
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());

@@ -23,6 +23,9 @@ use super::outbound::Outbound;
 
 type Out = Outbound<Box<dyn AsyncWrite + Unpin + Send>>;
 
+/// The most ack bytes a member queues behind a connection the primary does not read.
+pub const MAX_BACKLOG: usize = 256 << 10;
+
 #[derive(Clone, Debug)]
 pub enum AckSink {
     /// The gRPC stream's body: every ack as it comes.
@@ -75,6 +78,18 @@ impl AckSink {
         match self {
             Self::Stream(_) => true,
             Self::Framed(f) => f.through.load(Ordering::SeqCst) == 0 || f.write(None),
+        }
+    }
+
+    /// Waits while the acks queued behind a write the primary does not read pass
+    /// [`MAX_BACKLOG`]: the stream's task then reads no further requests, so a primary that
+    /// sends without reading its acks is held back by its own socket (and a member's memory
+    /// stays bounded) instead of growing the queue.
+    pub async fn room(&self) {
+        if let Self::Framed(f) = self {
+            while f.out.backlog() > MAX_BACKLOG && f.out.push().is_ok() {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
         }
     }
 
@@ -136,6 +151,17 @@ mod tests {
         let s = sink.clone();
         assert!(tokio::task::spawn_blocking(move || s.send_blocking(through(10))).await.unwrap());
         assert_eq!(frames.next().await.unwrap().unwrap(), through(10), "from the blocking pool: at once");
+        // A primary that does not read its acks: the sink stops taking more at its backlog.
+        let (w, _unread) = tokio::io::duplex(64);
+        let stuck = AckSink::framed(w);
+        let mut n = 0;
+        while tokio::time::timeout(Duration::from_millis(20), stuck.room()).await.is_ok() {
+            n += 1;
+            assert!(stuck.send(through(n)).await && stuck.flush());
+            assert!(n < 1_000_000, "the backlog never filled");
+        }
+        let AckSink::Framed(f) = &stuck else { unreachable!() };
+        assert!(f.out.backlog() > MAX_BACKLOG && f.out.backlog() < MAX_BACKLOG + 64, "{}", f.out.backlog());
         sink.fail(Status::internal("a damaged frame")).await;
         assert_eq!(frames.next().await.unwrap().unwrap().error, "a damaged frame");
         assert_eq!(frames.next().await, Ok(None), "then the connection is shut down");

@@ -88,6 +88,11 @@ impl<W: Writer> Outbound<W> {
         encode(&mut self.lock().queued);
     }
 
+    /// Bytes queued behind a write that waits for the connection (none while it takes them).
+    pub fn backlog(&self) -> usize {
+        self.lock().queued.len()
+    }
+
     /// Writes what is queued: here, while the connection takes it without waiting; the rest
     /// goes to the writer task. An error once nothing goes out any more, saying why.
     pub fn push(&self) -> Result<(), String> {

@@ -263,6 +263,7 @@ impl MirrorService {
             if !inbound.ready() && !acks.flush() {
                 break;
             }
+            acks.room().await;
             let msg = match inbound.message().await {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
