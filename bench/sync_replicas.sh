@@ -102,6 +102,11 @@ for v in c1 c2 c3; do A export nbd $v >/dev/null; done
 rtt=$(ip netns exec "${NS[0]}" ping -q -c 50 -i 0.01 "${IP[1]}" | python3 -c "import sys; l=[x for x in sys.stdin if 'min/avg' in x][0]; print(float(l.split('=')[1].split('/')[1])*1000)")
 [ "$LINE" = 1 ] && rtt=$((${rtt%.*} + DELAY_MS * 1000))
 echo "link round trip host 0 -> host 1: ${rtt%.*} µs (ping avg$([ "$DELAY_MS" = 0 ] || echo ", with the ${DELAY_MS} ms added"))$([ "$LINE" = 1 ] && echo "; through delay lines")"
+# In a VM, an idle vCPU halts and its wake-up is a trip through the hypervisor: at QD1 each
+# mirrored write waits on several (bench/HISTORY.md, issue 86: p50 two copies 151-181 µs with
+# halting, 59-84 µs with the guest's halt polling on). Printed so rows from machines compare.
+poll=/sys/module/haltpoll/parameters/guest_halt_poll_ns
+[ -r $poll ] && echo "guest halt polling: guest_halt_poll_ns=$(cat $poll)$([ "$(cat $poll)" = 0 ] && echo " (off: idle vCPUs halt)")"
 
 # The machine's busy CPU time (user, system, irq, softirq: µs) and context switches so far,
 # from /proc/stat: the daemons, fio and the network stack together.
