@@ -1,53 +1,29 @@
-//! `ferrite csi`: the CSI 1.12 driver over the daemons' admin API.
+//! `ferrite csi`: the CSI 1.12 driver over the daemons' admin API, in rooms by what they serve:
 //!
-//! - [`identity`]: plugin info, capabilities, Probe.
-//! - [`controller`]: volumes (create from nothing, a snapshot or a volume; delete; list with
-//!   pagination; get; capacity; validate; expand), placed by topology `topology.ferrite.dev/node`.
-//! - `snapshots`: create (idempotent by name), delete, list (filters, pagination), get;
-//!   `backups`: snapshots of a class with `backup: <target>` are backups off the cluster.
-//! - [`nodes`]: the node directory (a static file, or the Kubernetes API's EndpointSlices).
-//! - [`qos`]: per-volume limits as mutable parameters (ModifyVolume, VolumeAttributesClass).
-//! - [`ids`]: volume ids are `<node>/<volume>`, so the controller keeps no state.
-//! - [`copies`]: replicated volumes (synchronous copies on distinct nodes); [`failover`]
-//!   promotes a copy when the primary's node is lost (on Kubernetes).
+//! - [`shared`]: what every service uses: the node directory ([`shared::nodes`]: a static file, or
+//!   the Kubernetes API's EndpointSlices), volume ids `<node>/<volume>` so the controller keeps no
+//!   state ([`shared::ids`]), argument and StorageClass checks, per-volume QoS limits
+//!   ([`shared::qos`]), where a replicated volume's copies are ([`shared::copies`]), the keys of
+//!   encrypted volumes, and snapshots that are backups off the cluster.
+//! - [`spec`]: the CSI services: identity; the controller (volumes created from nothing, a
+//!   snapshot or a volume, placed by topology `topology.ferrite.dev/node`; snapshots; publish);
+//!   group snapshots; SnapshotMetadata (allocated and changed ranges, for backups); the node
+//!   (stage, publish, expand, stats).
+//! - [`addons`]: the CSI-Addons services on their own endpoint: ReclaimSpace, NetworkFence,
+//!   VolumeGroup, Replication, EncryptionKeyRotation.
+//! - [`kube`]: the control loops over the Kubernetes API: failover of replicated volumes off a
+//!   lost node, the storage heartbeat, the Lease, the drain guard's webhook, the cluster's
+//!   certificates.
+//! - [`start`]: what `ferrite csi` runs before it serves; `ferrite_proto::busy`: one operation
+//!   per volume at a time (Aborted for the second).
 //!
-//! - [`group`]: crash-consistent group snapshots (GroupController).
-//! - [`metadata`]: SnapshotMetadata (allocated and changed ranges of snapshots, for backups).
-//! - [`node`]: stage (attach, mkfs if blank, mount), publish (bind), expand, stats; `host` runs
-//!   the mount table and the host tools.
-//! - `ferrite_proto::busy`: one operation per volume at a time (Aborted for the second).
-//! - CSI-Addons on its own endpoint ([`addons`]): [`reclaim`] (fstrim / zeroed-block discard on
-//!   the node, the cleaner on the controller), [`fence`] (NetworkFence enforced by the daemons),
-//!   [`volume_group`] (VolumeGroup on engine groups), [`replication`] (Replication over the
-//!   daemons' replication to a peer daemon).
+//! `spec` and `kube` do not use each other, and no room uses one above it (`tests/layout.rs`).
 
 pub mod addons;
-mod args;
-mod backups;
-pub mod certs;
-pub mod class;
-pub mod controller;
-pub mod copies;
-pub mod encryption;
-pub mod failover;
-pub mod fence;
-pub mod group;
-pub mod heartbeat;
-mod host;
-pub mod identity;
-pub mod ids;
-mod lease;
-pub mod metadata;
-pub mod node;
-pub mod nodes;
-mod publish;
-pub mod qos;
-pub mod reclaim;
-pub mod replication;
-mod snapshots;
+pub mod kube;
+pub mod shared;
+pub mod spec;
 pub mod start;
-pub mod volume_group;
-mod webhook;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -56,7 +32,7 @@ use anyhow::Context;
 use ferrite_proto::csi::v1 as csi;
 use tokio_stream::wrappers::UnixListenerStream;
 
-use crate::nodes::{NodeDirectory, StaticNodes};
+use crate::shared::nodes::{NodeDirectory, StaticNodes};
 
 /// Which CSI services this process serves (`--mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -102,19 +78,19 @@ pub struct Options {
     /// failover).
     pub webhook: Option<(std::net::SocketAddr, Arc<ferrite_tls::ServerTls>)>,
     /// Controller mode: sign the nodes' certificate requests.
-    pub signer: Option<certs::signer::Signer>,
+    pub signer: Option<kube::certs::signer::Signer>,
 }
 
 impl Options {
     async fn directory(&self) -> anyhow::Result<Arc<dyn NodeDirectory>> {
-        if !nodes::valid_node(&self.node_id) && self.mode != Mode::Controller {
+        if !shared::nodes::valid_node(&self.node_id) && self.mode != Mode::Controller {
             anyhow::bail!("node id {:?} is not a valid node name (lowercase letters, digits, '-', '.')", self.node_id);
         }
         let (tls, name) = (self.admin_tls.clone(), self.admin_server_name.clone());
         Ok(match (&self.node_directory, &self.node_service, self.mode) {
             (Some(_), Some(_), _) => anyhow::bail!("--node-directory and --node-service exclude each other"),
             (Some(p), None, _) => Arc::new(StaticNodes::load(p)?.with_tls(tls, name)),
-            (None, Some(s), _) => Arc::new(nodes::kubernetes::KubeNodes::watch(s, tls, name).await?),
+            (None, Some(s), _) => Arc::new(shared::nodes::kubernetes::KubeNodes::watch(s, tls, name).await?),
             (None, None, Mode::Controller) => anyhow::bail!("controller mode needs --node-directory or --node-service"),
             (None, None, _) => Arc::new(StaticNodes::single(&self.node_id, &self.admin_socket)),
         })
@@ -142,7 +118,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     let controller = opts.mode != Mode::Node;
     // One operation per volume at a time, across the controller and node services.
     let busy = ferrite_proto::busy::Busy::default();
-    let node = (opts.mode != Mode::Controller).then(|| node::Node {
+    let node = (opts.mode != Mode::Controller).then(|| spec::node::Node {
         node_id: opts.node_id.clone(),
         nodes: Arc::clone(&dir),
         transport: opts.transport.clone(),
@@ -152,10 +128,10 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     if let (true, Some(_), Some(after)) = (controller, &opts.node_service, opts.failover_after) {
         let lease_namespace = &opts.node_lease_namespace;
         let taint = opts.out_of_service_taint;
-        let metrics = Arc::new(failover::Metrics::default());
-        let guard = failover::start(
+        let metrics = Arc::new(kube::failover::Metrics::default());
+        let guard = kube::failover::start(
             Arc::clone(&dir),
-            identity::DRIVER_NAME,
+            spec::identity::DRIVER_NAME,
             after,
             lease_namespace,
             taint,
@@ -165,7 +141,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         if let Some((at, tls)) = &opts.webhook {
             let listener = tokio::net::TcpListener::bind(at).await.with_context(|| format!("binding {at}"))?;
             tracing::info!(%at, "the drain guard's admission webhook is on");
-            tokio::spawn(webhook::serve(listener, Arc::clone(tls), guard, metrics));
+            tokio::spawn(kube::webhook::serve(listener, Arc::clone(tls), guard, metrics));
         }
     } else if opts.webhook.is_some() {
         anyhow::bail!(
@@ -174,28 +150,30 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
     }
     let signer = match (&opts.signer, controller) {
         (None, _) => None,
-        (Some(s), true) => Some(certs::signer::start(s.clone()).await?),
+        (Some(s), true) => Some(kube::certs::signer::start(s.clone()).await?),
         (Some(_), false) => anyhow::bail!("--signer-ca needs controller mode"),
     };
     if node.is_some() {
         // The daemon may be away (restarting, or for good): its ublk devices' hold ends here.
         ferrite_ublk::hold::spawn(ferrite_ublk::hold::path(&opts.admin_socket))?;
     }
-    let identity = identity::Identity { controller };
+    let identity = spec::identity::Identity { controller };
     let router = tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::new(identity))
         .add_optional_service(controller.then(|| {
-            csi::controller_server::ControllerServer::new(controller::Controller {
+            csi::controller_server::ControllerServer::new(spec::controller::Controller {
                 nodes: Arc::clone(&dir),
                 busy: busy.clone(),
                 max_volumes: opts.max_volumes,
             })
         }))
         .add_optional_service(controller.then(|| {
-            csi::group_controller_server::GroupControllerServer::new(group::GroupController { nodes: Arc::clone(&dir) })
+            csi::group_controller_server::GroupControllerServer::new(spec::group::GroupController {
+                nodes: Arc::clone(&dir),
+            })
         }))
         .add_optional_service(controller.then(|| {
-            csi::snapshot_metadata_server::SnapshotMetadataServer::new(metadata::SnapshotMetadata {
+            csi::snapshot_metadata_server::SnapshotMetadataServer::new(spec::metadata::SnapshotMetadata {
                 nodes: Arc::clone(&dir),
             })
         }))
@@ -209,29 +187,31 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
             encryptionkeyrotation as ek, fence as f, identity as i, reclaimspace as r, replication as rp,
             volumegroup as v,
         };
-        let identity = addons::AddonsIdentity { controller, node: node.is_some() };
+        let identity = addons::identity::AddonsIdentity { controller, node: node.is_some() };
         tonic::transport::Server::builder()
             .add_service(i::identity_server::IdentityServer::new(identity))
             .add_optional_service(controller.then(|| {
-                r::reclaim_space_controller_server::ReclaimSpaceControllerServer::new(reclaim::ReclaimController {
+                r::reclaim_space_controller_server::ReclaimSpaceControllerServer::new(
+                    addons::reclaim::ReclaimController { nodes: Arc::clone(&dir) },
+                )
+            }))
+            .add_optional_service(controller.then(|| {
+                f::fence_controller_server::FenceControllerServer::new(addons::fence::Fence { nodes: Arc::clone(&dir) })
+            }))
+            .add_optional_service(controller.then(|| {
+                v::controller_server::ControllerServer::new(addons::volume_group::VolumeGroups {
                     nodes: Arc::clone(&dir),
                 })
             }))
             .add_optional_service(controller.then(|| {
-                f::fence_controller_server::FenceControllerServer::new(fence::Fence { nodes: Arc::clone(&dir) })
-            }))
-            .add_optional_service(controller.then(|| {
-                v::controller_server::ControllerServer::new(volume_group::VolumeGroups { nodes: Arc::clone(&dir) })
-            }))
-            .add_optional_service(controller.then(|| {
-                rp::controller_server::ControllerServer::new(replication::Replication {
+                rp::controller_server::ControllerServer::new(addons::replication::Replication {
                     nodes: Arc::clone(&dir),
                     busy: busy.clone(),
                 })
             }))
             .add_optional_service((controller || node.is_some()).then(|| {
                 ek::encryption_key_rotation_controller_server::EncryptionKeyRotationControllerServer::new(
-                    encryption::KeyRotation { nodes: Arc::clone(&dir), busy: busy.clone() },
+                    addons::key_rotation::KeyRotation { nodes: Arc::clone(&dir), busy: busy.clone() },
                 )
             }))
             .add_optional_service(node.map(r::reclaim_space_node_server::ReclaimSpaceNodeServer::new))

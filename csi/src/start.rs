@@ -54,7 +54,7 @@ pub struct Args {
     pub failover_after: u64,
     /// The namespace of the nodes' storage heartbeats (`ferrite heartbeat`): failover also
     /// takes a node whose Lease expired, its daemon unreachable or its pool failed, for lost.
-    #[arg(long, default_value = crate::heartbeat::NAMESPACE)]
+    #[arg(long, default_value = crate::kube::heartbeat::NAMESPACE)]
     pub node_lease_namespace: String,
     /// Controller mode with failover: serve the drain guard, the admission webhook that
     /// refuses a Node's cordon when it would leave a replicated volume without a majority,
@@ -185,10 +185,10 @@ fn webhook(a: &Args, tls: TlsFiles<'_>) -> Result<Option<(std::net::SocketAddr, 
 }
 
 /// The node certificates' signer, with --signer-ca.
-fn signer(a: &Args) -> Result<Option<crate::certs::signer::Signer>> {
+fn signer(a: &Args) -> Result<Option<crate::kube::certs::signer::Signer>> {
     Ok(match (&a.signer_ca, a.node_service.as_deref().and_then(|s| s.split_once('/')), &a.admin_server_name) {
         (None, _, _) => None,
-        (Some(ca), Some((ns, _)), Some(service)) => Some(crate::certs::signer::Signer {
+        (Some(ca), Some((ns, _)), Some(service)) => Some(crate::kube::certs::signer::Signer {
             ca_dir: ca.clone(),
             namespace: ns.to_owned(),
             accounts: a.signer_account.clone(),
@@ -205,7 +205,7 @@ fn signer(a: &Args) -> Result<Option<crate::certs::signer::Signer>> {
 
 /// Where `--cluster-certs` writes: the signer's directory and the --tls-* files, which it
 /// needs; the controller Service in the node Service's namespace.
-pub fn cluster_certs(a: &Args, tls: TlsFiles<'_>) -> Result<Option<crate::certs::cluster::Options>> {
+pub fn cluster_certs(a: &Args, tls: TlsFiles<'_>) -> Result<Option<crate::kube::certs::cluster::Options>> {
     if !a.cluster_certs {
         return Ok(None);
     }
@@ -214,7 +214,7 @@ pub fn cluster_certs(a: &Args, tls: TlsFiles<'_>) -> Result<Option<crate::certs:
     };
     let namespace = a.node_service.as_deref().and_then(|s| s.split_once('/')).map(|(ns, _)| ns.to_owned());
     let namespace = namespace.ok_or_else(|| anyhow::anyhow!("--cluster-certs needs --node-service NAMESPACE/NAME"))?;
-    Ok(Some(crate::certs::cluster::Options {
+    Ok(Some(crate::kube::certs::cluster::Options {
         service: format!("ferrite-controller.{namespace}.svc"),
         namespace,
         ca_dir: ca_dir.clone(),
@@ -230,7 +230,7 @@ pub async fn holds_storage(a: &Args, node: &str) -> Result<bool> {
     Ok(match a.storage_label.as_deref() {
         _ if a.no_storage => false,
         Some(label) => {
-            let (_, labels) = crate::nodes::kubernetes::node_annotations(node).await?;
+            let (_, labels) = crate::shared::nodes::kubernetes::node_annotations(node).await?;
             labels.get(label).is_some_and(|v| v == "true")
         }
         None => true,

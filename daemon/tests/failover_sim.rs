@@ -1,4 +1,4 @@
-//! Failover of a fleet, simulated: the real controller (`ferrite_csi::failover`: its watches of
+//! Failover of a fleet, simulated: the real controller (`ferrite_csi::kube::failover`: its watches of
 //! a real API server, its passes, its gRPC calls) against N daemons reduced to what failover
 //! calls, in this process, each on a loopback address of its own. Every volume has three copies
 //! in three zones. A zone (a third of the nodes) goes silent at once: its daemons stop answering
@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::kube::ControlPlane;
-use ferrite_csi::failover::Metrics;
-use ferrite_csi::nodes::{Connections, NodeDirectory};
+use ferrite_csi::kube::failover::Metrics;
+use ferrite_csi::shared::nodes::{Connections, NodeDirectory};
 use ferrite_proto::ClientTls;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::ferrite::v1::admin_server::{Admin, AdminServer};
@@ -301,7 +301,7 @@ async fn daemons_and_controller(world: &Arc<Mutex<World>>, n: usize) -> Arc<Metr
     let directory = Arc::new(Directory { names: (0..n).map(name).collect(), ips, kept: Connections::default() });
     let metrics = Arc::new(Metrics::default());
     let after = Duration::from_secs(20);
-    ferrite_csi::failover::start(directory, DRIVER, after, "ferrite-node-lease", false, Arc::clone(&metrics))
+    ferrite_csi::kube::failover::start(directory, DRIVER, after, "ferrite-node-lease", false, Arc::clone(&metrics))
         .await
         .unwrap();
     metrics

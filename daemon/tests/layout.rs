@@ -53,28 +53,7 @@ fn rooms_only_use_lower_rooms() {
 
 #[test]
 fn files_of_a_room_only_use_lower_files() {
-    let mut wrong = Vec::new();
-    for (room, order) in ROOMS {
-        let dir = src().join(room);
-        let rank = |name: &str| order.iter().position(|n| *n == name);
-        for f in files_of(&dir) {
-            let mine = name_in(&dir, &f);
-            if mine == "mod" {
-                continue;
-            }
-            let Some(me) = rank(&mine) else {
-                wrong.push(format!("{}: {room}/{mine} is not in ROOMS", f.display()));
-                continue;
-            };
-            let text = std::fs::read_to_string(&f).unwrap();
-            for (line, used) in paths_into(&text, room) {
-                match rank(&used) {
-                    Some(theirs) if theirs <= me => {}
-                    _ => wrong.push(format!("{}:{line}: {room}/{mine} uses {room}::{used}", f.display())),
-                }
-            }
-        }
-    }
+    let wrong = bands::wrong_uses_in_rooms(&src(), ROOMS);
     assert!(wrong.is_empty(), "a room's files must only use lower ones:\n{}", wrong.join("\n"));
 }
 
@@ -85,7 +64,7 @@ fn services_do_not_use_one_another() {
     for f in files_of(&dir) {
         let mine = name_in(&dir, &f);
         let text = std::fs::read_to_string(&f).unwrap();
-        for (line, used) in paths_into(&text, "api") {
+        for (line, used) in bands::paths_into(&text, "api") {
             if used != mine {
                 wrong.push(format!("{}:{line}: api/{mine} uses api::{used}", f.display()));
             }
@@ -110,31 +89,6 @@ fn the_library_names_neither_clap_nor_the_csi_driver() {
         }
     }
     assert!(wrong.is_empty(), "the library must not use clap or ferrite-csi:\n{}", wrong.join("\n"));
-}
-
-/// The names `crate::<room>::<name>` paths in `text` reach (each top-level name of a
-/// `crate::<room>::{a, b::c}` group too), with their line numbers.
-fn paths_into(text: &str, room: &str) -> Vec<(usize, String)> {
-    let code: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
-    let prefix = format!("crate::{room}::");
-    let mut out = Vec::new();
-    for (at, _) in code.match_indices(&prefix) {
-        let line = code[..at].matches('\n').count() + 1;
-        let rest = &code[at + prefix.len()..];
-        if rest.starts_with('{') {
-            // The group up to its closing brace, read as a `crate::{...}` group.
-            let mut depth = 0;
-            let end = rest.char_indices().find(|&(_, c)| {
-                depth += i32::from(c == '{') - i32::from(c == '}');
-                depth == 0
-            });
-            let group = &rest[..end.map_or(rest.len(), |(i, _)| i + 1)];
-            out.extend(bands::references(&format!("crate::{group}")).into_iter().map(|(l, n)| (line + l - 1, n)));
-        } else {
-            out.push((line, rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect()));
-        }
-    }
-    out
 }
 
 /// Every source file ARCHITECTURE.md names (`x.rs`, `dir/x.rs`) exists, and every item it points

@@ -110,7 +110,7 @@ fn a_daemon_serves_every_series_the_rules_and_the_dashboard_name() {
     // promtool 2.42 looks for a counter's HELP under its sample name (`x_total`); the
     // OpenMetrics text prometheus-client writes gives it under the family (`x`). That finding
     // alone is accepted, for counters whose family has its HELP.
-    let controller = ferrite_csi::failover::Metrics::default().render();
+    let controller = ferrite_csi::kube::failover::Metrics::default().render();
     for text in [body, &controller] {
         let (_, out) = promtool(&["check", "metrics"], Some(text));
         let findings: Vec<&str> = out

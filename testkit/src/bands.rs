@@ -91,6 +91,64 @@ pub fn wrong_uses(src: &Path, bands: &[&str]) -> Vec<String> {
     wrong
 }
 
+/// [`wrong_uses_in_room`] for each room and its order.
+pub fn wrong_uses_in_rooms(src: &Path, rooms: &[(&str, &[&str])]) -> Vec<String> {
+    rooms.iter().flat_map(|(room, order)| wrong_uses_in_room(src, room, order)).collect()
+}
+
+/// Every `crate::<room>::<name>` path in the files under `src/<room>` that names a file of the
+/// room ranked above its own in `order` (lowest first), or a file not in it: the room's own
+/// order, as [`wrong_uses`] keeps the crate's. A room's `mod.rs` is not ranked.
+pub fn wrong_uses_in_room(src: &Path, room: &str, order: &[&str]) -> Vec<String> {
+    let dir = src.join(room);
+    let rank = |name: &str| order.iter().position(|n| *n == name);
+    let mut all = Vec::new();
+    files(&dir, &mut all);
+    let mut wrong = Vec::new();
+    for f in all {
+        let mine = band_of(&dir, &f);
+        if mine == "mod" {
+            continue;
+        }
+        let Some(me) = rank(&mine) else {
+            wrong.push(format!("{}: {room}/{mine} is not in the room's order", f.display()));
+            continue;
+        };
+        for (line, used) in paths_into(&std::fs::read_to_string(&f).unwrap(), room) {
+            match rank(&used) {
+                Some(theirs) if theirs <= me => {}
+                _ => wrong.push(format!("{}:{line}: {room}/{mine} uses {room}::{used}", f.display())),
+            }
+        }
+    }
+    wrong
+}
+
+/// The names `crate::<room>::<name>` paths in `text` reach (each top-level name of a
+/// `crate::<room>::{a, b::c}` group too), with their line numbers.
+pub fn paths_into(text: &str, room: &str) -> Vec<(usize, String)> {
+    let code: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+    let prefix = format!("crate::{room}::");
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices(&prefix) {
+        let line = code[..at].matches('\n').count() + 1;
+        let rest = &code[at + prefix.len()..];
+        if rest.starts_with('{') {
+            // The group up to its closing brace, read as a `crate::{...}` group.
+            let mut depth = 0;
+            let end = rest.char_indices().find(|&(_, c)| {
+                depth += i32::from(c == '{') - i32::from(c == '}');
+                depth == 0
+            });
+            let group = &rest[..end.map_or(rest.len(), |(i, _)| i + 1)];
+            out.extend(references(&format!("crate::{group}")).into_iter().map(|(l, n)| (line + l - 1, n)));
+        } else {
+            out.push((line, rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect()));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::references;

@@ -25,7 +25,7 @@ pub enum ReplicaCmd {
         #[arg(long = "as")]
         replica: Option<String>,
         /// Time between mirror snapshots: 30s, 5m, 1h; 0 pushes only on `replica sync`.
-        #[arg(long, default_value = "1m", value_parser = ferrite_csi::replication::parse_interval)]
+        #[arg(long, default_value = "1m", value_parser = ferrite_csi::addons::replication::parse_interval)]
         interval: u64,
         /// VOLUME names a volume group: it replicates as one unit, each mirror point a group
         /// snapshot (members keep their names on the peer).

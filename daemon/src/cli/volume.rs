@@ -226,7 +226,7 @@ pub struct LimitArgs {
 pub fn parse_burst(s: &str) -> Result<u64, String> {
     let (n, unit) = s.split_at(s.find(char::is_alphabetic).unwrap_or(s.len()));
     let unit = if unit.is_empty() { "s" } else { unit };
-    ferrite_csi::qos::burst_ms(&format!("{}{unit}", n.trim()))
+    ferrite_csi::shared::qos::burst_ms(&format!("{}{unit}", n.trim()))
         .ok_or_else(|| format!("{s:?} is not a burst allowance like 500ms or 2s (at most an hour)"))
 }
 

@@ -17,7 +17,7 @@ pub fn run(a: &Args, g: &Globals) -> Result<()> {
     let tls = TlsFiles { ca: g.tls_ca.as_deref(), cert: g.tls_cert.as_deref(), key: g.tls_key.as_deref() };
     let cluster = start::cluster_certs(a, tls)?;
     if let Some(o) = &cluster {
-        rt.block_on(ferrite_csi::certs::cluster::make(o)).context("the cluster's certificates")?;
+        rt.block_on(ferrite_csi::kube::certs::cluster::make(o)).context("the cluster's certificates")?;
     }
     let opts = start::options(a, g.tls_files()?, tls, g.admin_socket())?;
     let attach_only = matches!(a.mode, ferrite_csi::Mode::Node).then(|| attach_only::Options {
@@ -34,7 +34,7 @@ pub fn run(a: &Args, g: &Globals) -> Result<()> {
     });
     rt.block_on(async move {
         if let Some(o) = cluster {
-            ferrite_csi::certs::cluster::keep(o);
+            ferrite_csi::kube::certs::cluster::keep(o);
         }
         let serving = match attach_only {
             Some(o) if !start::holds_storage(a, &opts.node_id).await? => Some(attach_only::start(o).await?),

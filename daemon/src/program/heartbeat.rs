@@ -10,7 +10,7 @@ pub struct Args {
     #[arg(long, env = "NODE_NAME")]
     pub node: String,
     /// The namespace of the nodes' Leases (the controller's --node-lease-namespace).
-    #[arg(long, default_value = ferrite_csi::heartbeat::NAMESPACE)]
+    #[arg(long, default_value = ferrite_csi::kube::heartbeat::NAMESPACE)]
     pub namespace: String,
     /// Seconds between renewals (and the time the daemon has to answer).
     #[arg(long, default_value_t = 2)]
@@ -30,11 +30,11 @@ pub fn run(a: &Args, socket: &Path) -> Result<()> {
     super::init_logging("info");
     let Args { node, namespace, every, lease_duration, restart_grace } = a;
     let secs = std::time::Duration::from_secs;
-    let t = ferrite_csi::heartbeat::Timing {
+    let t = ferrite_csi::kube::heartbeat::Timing {
         every: secs(*every),
         duration: secs(*lease_duration),
         grace: secs(*restart_grace),
     };
-    let run = ferrite_csi::heartbeat::run(node, namespace, socket, t, super::shutdown_signal());
+    let run = ferrite_csi::kube::heartbeat::run(node, namespace, socket, t, super::shutdown_signal());
     super::runtime().block_on(run)
 }

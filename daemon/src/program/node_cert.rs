@@ -36,7 +36,7 @@ pub fn run(a: &Args) -> Result<()> {
     super::init_logging("info");
     let Args { node, dir, service, days, wait, renew, check_every } = a;
     let secs = std::time::Duration::from_secs;
-    let o = ferrite_csi::certs::request::Options {
+    let o = ferrite_csi::kube::certs::request::Options {
         node: node.clone(),
         dir: dir.clone(),
         service: service.clone(),
@@ -46,10 +46,10 @@ pub fn run(a: &Args) -> Result<()> {
     };
     super::runtime().block_on(async {
         if *renew {
-            ferrite_csi::certs::request::renew(&o, super::shutdown_signal()).await;
+            ferrite_csi::kube::certs::request::renew(&o, super::shutdown_signal()).await;
             return Ok(());
         }
-        let h = ferrite_csi::certs::request::ensure(&o).await?;
+        let h = ferrite_csi::kube::certs::request::ensure(&o).await?;
         let what = if h.issued { "issued" } else { "already held" };
         println!(
             "node {node}: certificate {what}, valid until {} (renewed from {})",

@@ -82,7 +82,7 @@ pub fn prepare(node: &str, config: &Path, out: &Path, listen_ip: Option<std::net
     rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
     let text = std::fs::read_to_string(config).with_context(|| format!("reading config {}", config.display()))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (annotations, labels) = rt.block_on(ferrite_csi::nodes::kubernetes::node_annotations(node))?;
+    let (annotations, labels) = rt.block_on(ferrite_csi::shared::nodes::kubernetes::node_annotations(node))?;
     let text = match plan(&annotations).with_context(|| format!("node {node}"))? {
         Plan::Configured => {
             println!("node {node}: no {DEVICE} annotation; the pool is the configuration's");
