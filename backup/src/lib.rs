@@ -17,7 +17,9 @@
 //! then zstd, then AES-256-GCM bound to the object's name.
 
 mod bounded;
+mod clock;
 mod codec;
+mod config;
 mod copy;
 mod create;
 mod error;
@@ -30,16 +32,17 @@ mod quarantine;
 mod restore;
 mod target;
 
+pub use clock::{new_id, now_unix};
+pub use config::{LockMode, TargetConfig, TargetKind};
 pub use copy::copy;
-pub use create::{CreateOptions, Progress, create, new_id, now_unix};
+pub use create::{CreateOptions, Progress, create};
 pub use error::{Error, Result};
 pub use instant::{Filling, Save, Saved};
 pub use manifest::{BackupRef, ChunkRef, Index, IndexEntry, Manifest, SnapshotIdentity, list_volumes, valid_component};
-pub use object_lock::LockMode;
 pub use pace::Pace;
 pub use prune::{PruneReport, Retention, delete, prune};
 pub use restore::{VerifyReport, export, verify};
-pub use target::{Counters, Target, TargetConfig, TargetKind, key_fingerprint};
+pub use target::{Counters, Target, key_fingerprint};
 
 /// Whether `id` is one the CSI driver gives the backup of a snapshot (`csi.<snapshot name>`, or
 /// `csi-<digest>` for a name the engine does not take): the only backups the controller may

@@ -17,65 +17,11 @@
 //! creation, and for three quarters of them ahead as long as it is kept and a prune runs at least
 //! every quarter.**
 
-use std::time::Duration;
-
 use base64::Engine as _;
-use object_store::ClientOptions;
 use object_store::aws::{AwsAuthorizer, AwsCredential};
-use object_store::client::{HttpClient, HttpConnector, HttpRequest, HttpRequestBody};
-use serde::{Deserialize, Serialize};
+use object_store::client::{HttpClient, HttpRequest, HttpRequestBody};
 
-use crate::target::TargetConfig;
-
-/// How the bucket's lock treats its own administrators.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum LockMode {
-    /// Users with `s3:BypassGovernanceRetention` may still delete a locked version.
-    Governance,
-    /// Nobody may delete a locked version before its date, not even the account's root.
-    Compliance,
-}
-
-impl LockMode {
-    fn s3_name(self) -> &'static str {
-        match self {
-            LockMode::Governance => "GOVERNANCE",
-            LockMode::Compliance => "COMPLIANCE",
-        }
-    }
-}
-
-/// The lock a target's config asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Lock {
-    pub mode: LockMode,
-    pub days: u64,
-}
-
-impl Lock {
-    /// From `object-lock-days` / `object-lock-mode` (governance by default).
-    pub(crate) fn of(config: &TargetConfig) -> Option<Lock> {
-        config.object_lock_days.map(|days| Lock { mode: config.object_lock_mode.unwrap_or(LockMode::Governance), days })
-    }
-
-    /// A chunk stored or extended longer ago than this is extended before a backup relies on
-    /// it, and a prune extends every kept object once its last extension is older than this.
-    pub(crate) fn refresh(self) -> Duration {
-        Duration::from_secs(self.days * 86_400 / 4)
-    }
-
-    /// Whether a lock set (stored or extended) at `since` is too old at `now` to rely on (unix
-    /// seconds; a `since` ahead of `now`, another clock's, is not).
-    pub(crate) fn is_stale(self, since: i64, now: i64) -> bool {
-        u64::try_from(now.saturating_sub(since)).is_ok_and(|age| age > self.refresh().as_secs())
-    }
-
-    /// When a lock set at `from` (unix seconds) ends.
-    pub(crate) fn until(self, from: u64) -> u64 {
-        from + self.days * 86_400
-    }
-}
+use crate::config::{Lock, LockMode, TargetConfig};
 
 /// Whether an `ObjectLockConfiguration` document says the bucket has object lock (a default
 /// retention is not needed: every PUT sets its own).
@@ -183,7 +129,7 @@ impl Locker {
     /// target under `prefix`.
     pub(crate) async fn open(
         config: &TargetConfig,
-        options: &ClientOptions,
+        client: HttpClient,
         credential: Option<AwsCredential>,
         lock: Lock,
         prefix: &str,
@@ -192,7 +138,6 @@ impl Locker {
         let url = bucket_url(config, bucket);
         let region = config.region.clone().unwrap_or_else(|| "us-east-1".into());
         let signer = credential.map(|c| Signer(std::sync::Arc::new((c, region))));
-        let client = crate::bounded::BoundedConnector.connect(options).map_err(|e| e.to_string())?;
         let root = if prefix.is_empty() { url.clone() } else { format!("{url}/{}", encode_key(prefix)) };
         let locker = Locker { lock, signer, root, client };
         let (status, text) = locker.send(http::Method::GET, &format!("{url}?object-lock"), None).await?;

@@ -116,14 +116,14 @@ impl Retention {
         keep.extend(newest.iter().take(self.keep_last.max(1) as usize).map(|b| b.id.clone()));
         // Periods by days since the epoch; the epoch was a Thursday, so weeks start on Mondays at +3.
         let month = |d: u64| {
-            let (y, m, _) = crate::create::civil(d);
+            let (y, m, _) = crate::clock::civil(d);
             y * 12 + m
         };
         let periods: [(u32, &dyn Fn(u64) -> u64); 4] = [
             (self.keep_daily, &|d| d),
             (self.keep_weekly, &|d| (d + 3) / 7),
             (self.keep_monthly, &month),
-            (self.keep_yearly, &|d| crate::create::civil(d).0),
+            (self.keep_yearly, &|d| crate::clock::civil(d).0),
         ];
         for (n, period) in periods {
             let mut seen = HashSet::new();
@@ -399,7 +399,7 @@ mod tests {
         for year in 2024..=2026u64 {
             for month in 1..=12u64 {
                 for day in [1, 20] {
-                    let days = (0..40_000).find(|&d| crate::create::civil(d) == (year, month, day)).unwrap();
+                    let days = (0..40_000).find(|&d| crate::clock::civil(d) == (year, month, day)).unwrap();
                     all.push(entry(&format!("{year}-{month:02}-{day:02}"), days * DAY + 3600));
                 }
             }
@@ -419,7 +419,7 @@ mod tests {
             "the newest of each year there is"
         );
         // Leap day and year ends map to their calendar month.
-        assert_eq!(crate::create::civil(19_782), (2024, 2, 29));
-        assert_eq!(crate::create::civil(20_818), (2026, 12, 31));
+        assert_eq!(crate::clock::civil(19_782), (2024, 2, 29));
+        assert_eq!(crate::clock::civil(20_818), (2026, 12, 31));
     }
 }

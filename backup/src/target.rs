@@ -1,7 +1,7 @@
 //! A backup target: where backups go (an S3 bucket and prefix, or a directory), with which
 //! credentials and key, and the counted requests every other part makes through it.
 
-use std::path::{Path as FsPath, PathBuf};
+use std::path::Path as FsPath;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
@@ -19,77 +19,9 @@ use object_store::{
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{Codec, Kind};
-use crate::object_lock::{Lock, LockMode, Locker};
+use crate::config::{Lock, TargetConfig, TargetKind};
+use crate::object_lock::Locker;
 use crate::{Error, Result};
-
-/// Where a target keeps its objects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum TargetKind {
-    /// An S3-compatible object store (path-style requests unless `virtual-hosted`).
-    S3,
-    /// A directory, such as an NFS mount.
-    Dir,
-}
-
-/// A target as the daemon's config names it (`[backup-targets.NAME]`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
-pub struct TargetConfig {
-    pub kind: Option<TargetKind>,
-    /// S3: the endpoint URL (`https://s3.example:9000`); default AWS's for the region.
-    pub endpoint: Option<String>,
-    /// S3: default `us-east-1`.
-    pub region: Option<String>,
-    pub bucket: Option<String>,
-    /// S3: `bucket.endpoint` host names instead of `endpoint/bucket` paths.
-    pub virtual_hosted: bool,
-    /// Objects go under this prefix (several clusters can share a bucket).
-    pub prefix: Option<String>,
-    /// Dir: the directory (created 0700 if missing).
-    pub path: Option<PathBuf>,
-    /// S3: a directory holding `access-key-id` and `secret-access-key` files (a mounted
-    /// Kubernetes Secret); default `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`, else unsigned.
-    pub credentials: Option<PathBuf>,
-    /// S3 over https: trust this CA (PEM) besides the system's.
-    pub ca_file: Option<PathBuf>,
-    /// 32 bytes (raw, or 64 hex digits): chunks, manifests and indexes are sealed with
-    /// AES-256-GCM under keys derived from it. Keep a copy outside the cluster.
-    pub key_file: Option<PathBuf>,
-    /// Chunk size (1-4 MiB, whole 4 KiB blocks: "1M", or bytes); default 4M.
-    #[serde(deserialize_with = "size")]
-    pub chunk_size: Option<u64>,
-    /// Requests in flight; default 8.
-    pub concurrency: Option<usize>,
-    /// Bytes per second uploaded (and downloaded by restores): "100M", or bytes; default no
-    /// limit.
-    #[serde(deserialize_with = "size")]
-    pub bandwidth: Option<u64>,
-    /// Every Nth backup of a volume is full (reads everything); default 30.
-    pub full_every: Option<u32>,
-    /// How long a chunk stays unreferenced before a prune deletes it, and how long a backup may
-    /// run (see `prune.rs`); default 86400.
-    pub grace_s: Option<u64>,
-    /// Retries of a failed request (with backoff, within 30 s); default 10.
-    pub retries: Option<usize>,
-    /// Seconds one request may take, its answer's body included (S3); default 120. A whole
-    /// operation, its retries included, ends after twice this plus 30 s.
-    pub timeout_s: Option<u64>,
-    /// Seconds between verifies of the backups of the daemon's volumes on this target (none by
-    /// default); each checks `verify-sample` of their chunks (a share, default 0.1; 1: all).
-    pub verify_every_s: Option<u64>,
-    pub verify_sample: Option<f64>,
-    /// S3: update indexes with conditional PUTs (If-Match / If-None-Match, which AWS S3, MinIO and
-    /// SeaweedFS honour); false for a store that refuses them, where two daemons updating one
-    /// index at once may lose an update. Default true.
-    pub conditional_writes: Option<bool>,
-    /// S3 Object Lock: days each object version is kept from deletion and overwrite, set on
-    /// every upload and extended by prunes while a backup needs it (`object_lock.rs`; the bucket
-    /// needs object lock enabled). Uploads then carry SHA-256 checksums.
-    pub object_lock_days: Option<u64>,
-    /// The bucket's lock mode: governance (default) or compliance.
-    pub object_lock_mode: Option<LockMode>,
-}
 
 /// Requests made through a target, by kind (for the bench, the metrics and the tests' O(1)
 /// LIST checks).
@@ -183,7 +115,9 @@ impl Target {
             let key = credentials(config.credentials.as_deref()).map_err(invalid)?;
             let key = key.map(|(key_id, secret_key)| AwsCredential { key_id, secret_key, token: None });
             let options = s3_options(&config).map_err(invalid)?;
-            let opened = Locker::open(&config, &options, key, lock, root_of(&config)).await.map_err(invalid)?;
+            let client = object_store::client::HttpConnector::connect(&crate::bounded::BoundedConnector, &options)
+                .map_err(|e| invalid(e.to_string()))?;
+            let opened = Locker::open(&config, client, key, lock, root_of(&config)).await.map_err(invalid)?;
             locker = Some(Arc::new(opened));
         }
         let key = match &config.key_file {
@@ -682,28 +616,6 @@ impl Target {
         let sealed = tokio::task::spawn_blocking(move || codec.seal(kind, &name, &plain));
         sealed.await.expect("sealing does not panic").into()
     }
-}
-
-/// A size as bytes or a string with a binary suffix ("4M", "1G").
-fn size<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<u64>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Size {
-        Bytes(u64),
-        Text(String),
-    }
-    let text = match Size::deserialize(d)? {
-        Size::Bytes(n) => return Ok(Some(n)),
-        Size::Text(t) => t,
-    };
-    let t = text.trim();
-    let (digits, shift) = match t.char_indices().last() {
-        Some((i, c @ ('K' | 'M' | 'G' | 'T'))) => (&t[..i], 10 * (1 + "KMGT".find(c).expect("listed"))),
-        _ => (t, 0),
-    };
-    digits.parse::<u64>().ok().and_then(|n| n.checked_mul(1 << shift)).map(Some).ok_or_else(|| {
-        serde::de::Error::custom(format!("{text:?} is not a size (bytes, or a number with K, M, G or T)"))
-    })
 }
 
 /// The target's store (under its prefix) and, for S3, the bucket's store for paged listings.

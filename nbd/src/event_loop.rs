@@ -37,7 +37,8 @@ use crate::inbox::{Event, Inbox, MAX_HELD_WRITE};
 use crate::limits::{InFlight, Limits, cost};
 use crate::outbox::{Cost, Outbox, Sent};
 use crate::proto::*;
-use crate::transmission::{DATA_AT, Reply, Socket, Started, error_reply, handle, nbd_errno, read_reply, record};
+use crate::socket::Socket;
+use crate::transmission::{DATA_AT, Reply, Started, error_reply, handle, nbd_errno, read_reply, record};
 
 /// Submission queue entries of a connection's ring (completions: twice as many).
 const RING_ENTRIES: u32 = 128;

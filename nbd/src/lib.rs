@@ -25,6 +25,7 @@ mod outbox;
 pub mod proto;
 pub mod relay;
 pub mod server;
+pub mod socket;
 pub mod tls;
 pub mod transmission;
 

@@ -22,7 +22,8 @@ use parking_lot::{Condvar, Mutex};
 use rustix::io::Errno;
 use rustix::net;
 
-use crate::transmission::{Reply, Socket};
+use crate::socket::Socket;
+use crate::transmission::Reply;
 
 /// What a batch of replies cost their requests: (bytes, requests), given back once written.
 pub(crate) type Cost = (u64, usize);

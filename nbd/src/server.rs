@@ -20,8 +20,8 @@ use crate::event_loop;
 use crate::export::Exports;
 use crate::handshake::{Client, Session, negotiate};
 use crate::limits::Limits;
+use crate::socket::Socket;
 use crate::tls::{Stream, Tls, TlsSocket};
-use crate::transmission::Socket;
 
 /// Counters a metrics endpoint reads.
 #[derive(Debug, Default)]

@@ -11,7 +11,7 @@ pub use ferrite_tls::Stream;
 use ferrite_tls::rustls::ServerConnection;
 use parking_lot::Mutex;
 
-use crate::transmission::Socket;
+use crate::socket::Socket;
 
 /// Whether a listener offers TLS, and whether it insists on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -6,8 +6,6 @@
 //! connection once the requests in flight have replied. A client that disconnects in the middle
 //! of a write payload changes nothing: a write reaches the engine only with its whole payload.
 
-use std::io::{self, IoSlice, Read, Write};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
 use ferrite_engine::{Error, ErrorKind, Volume};
@@ -19,46 +17,6 @@ use crate::proto::*;
 pub(crate) const DATA_AT: usize = STRUCTURED_HEADER_LEN + 8;
 /// Most descriptors in one block status reply.
 const MAX_EXTENTS: usize = 1 << 16;
-
-/// A connected, blocking socket whose read and write sides can be used from different threads.
-pub trait Socket: AsRawFd + std::os::fd::AsFd + Send + Sync {
-    /// Reads at most `buf.len()` bytes; 0 means the peer closed its side.
-    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize>;
-    fn write_all(&self, buf: &[u8]) -> io::Result<()>;
-    /// Writes all of `bufs` (one syscall for all of them when the socket takes them).
-    fn write_all_vectored(&self, bufs: &mut [IoSlice<'_>]) -> io::Result<()>;
-    /// Whether the bytes on the descriptor are the protocol's own (not TLS records), so the
-    /// connection's io_uring may receive them itself.
-    fn receives_raw(&self) -> bool {
-        true
-    }
-}
-
-macro_rules! socket_impl {
-    ($t:ty) => {
-        impl Socket for $t {
-            fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
-                Read::read(&mut &*self, buf)
-            }
-            fn write_all(&self, buf: &[u8]) -> io::Result<()> {
-                Write::write_all(&mut &*self, buf)
-            }
-            fn write_all_vectored(&self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
-                while !bufs.is_empty() {
-                    match Write::write_vectored(&mut &*self, bufs) {
-                        Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                        Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                Ok(())
-            }
-        }
-    };
-}
-socket_impl!(std::os::unix::net::UnixStream);
-socket_impl!(std::net::TcpStream);
 
 /// The NBD error for an engine error.
 pub fn nbd_errno(e: &Error) -> u32 {

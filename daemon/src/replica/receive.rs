@@ -18,7 +18,7 @@ use ferrite_replication::apply::Transfer;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Replication;
-use super::admit::{check_epoch_bound, check_name, check_not_stale};
+use super::admit::{self, check_epoch_bound, check_name, check_not_stale};
 use super::records::{PendingRecord, Relation, Role};
 use crate::authz::{Caller, caller_of};
 use crate::base::rpc::{blocking, status};
@@ -85,9 +85,9 @@ impl replica_server::Replica for ReplicaService {
     async fn position(&self, req: Request<ReplicaPositionRequest>) -> Result<Response<ReplicaPosition>, Status> {
         let caller = caller_of(&req)?;
         let replica = req.into_inner().replica;
-        let rel = self.relation_of(&replica);
+        let rel = admit::relation_of(&self.0, &replica);
         match &rel {
-            Some(r) => self.check_peer(&caller, "/ferrite.v1.Replica/Position", r)?,
+            Some(r) => admit::check_peer(&self.0, &caller, "/ferrite.v1.Replica/Position", r)?,
             // What is not replicated here is nobody's business but an operator's, unless it
             // does not exist (a first sync asks before it makes it).
             None if !caller.is_operator() && self.0.pool.volume_info(&replica).is_ok() => {
@@ -130,7 +130,7 @@ impl replica_server::Replica for ReplicaService {
         check_epoch_bound(epoch)?;
         match self.0.relations.get(&volume) {
             Some(r) if r.role == Role::Primary => {
-                self.check_peer(&caller, "/ferrite.v1.Replica/Sync", &r)?;
+                admit::check_peer(&self.0, &caller, "/ferrite.v1.Replica/Sync", &r)?;
                 self.0.resync_requested(&volume, epoch);
                 Ok(Response::new(ReplicaSyncReply {}))
             }
@@ -151,7 +151,7 @@ impl replica_server::Replica for ReplicaService {
             .get(&r.group)
             .filter(|x| x.group && x.role == Role::Secondary)
             .ok_or_else(|| Status::failed_precondition(format!("{:?} is not a replicated group here", r.group)))?;
-        self.check_peer(&caller, "/ferrite.v1.Replica/GroupCommit", &rel)?;
+        admit::check_peer(&self.0, &caller, "/ferrite.v1.Replica/GroupCommit", &rel)?;
         check_not_stale("group commit", &r.group, r.epoch, rel.epoch)?;
         if let Some(m) = r.members.iter().find(|m| !rel.members.contains(m)) {
             return Err(hub.policy.refuse(
@@ -215,7 +215,7 @@ impl ReplicaService {
         let Some(Msg::Begin(b)) = self.next(&mut stream).await?.and_then(|m| m.msg) else {
             return Err(Status::invalid_argument("a push starts with its begin message"));
         };
-        self.check_begin(&b)?;
+        admit::check_begin(&self.0, &b)?;
         let incoming = hub.claim_incoming(&b.replica)?;
         // Promote, disable and resync of the relation wait for this push, and it for them.
         let lock = hub.op_lock(if b.group.is_empty() { &b.replica } else { &b.group });
@@ -225,7 +225,7 @@ impl ReplicaService {
                 return Err(Status::aborted(format!("replica {:?} was promoted or disabled", b.replica)));
             }
         };
-        let new_relation = self.admit(caller, &b)?;
+        let new_relation = admit::admit(&self.0, caller, &b)?;
         self.settle(&b.replica).await?;
         let mut rec =
             PendingRecord { replica: b.replica.clone(), snapshot: b.snapshot.clone(), base: b.base.clone(), resume: 0 };
