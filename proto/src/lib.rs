@@ -51,6 +51,7 @@ pub mod snapshot_metadata {
 
 pub mod busy;
 pub mod hand_over;
+pub mod kind;
 pub mod version;
 
 /// A gRPC channel to a server on a Unix socket (the daemon's admin API, a CSI endpoint).

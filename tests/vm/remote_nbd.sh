@@ -108,7 +108,7 @@ ip netns del node-a
 
 step "the CSI path: a node without the volume stages it from its primary"
 BIN=$(cat .vm-daemon-tests)
-(cd /tmp && timeout 600 "$BIN" --ignored --exact csi_node::a_node_without_the_volume_stages_it_from_its_primary --nocapture)
+(cd /tmp && timeout 600 "$BIN" --ignored --exact kubernetes::csi_node::a_node_without_the_volume_stages_it_from_its_primary --nocapture)
 step "the CSI path: a node without storage (no daemon) stages it in its node plugin, which survives kill -9"
-(cd /tmp && timeout 600 "$BIN" --ignored --exact csi_node::a_node_without_storage_stages_it_from_its_primary --nocapture)
+(cd /tmp && timeout 600 "$BIN" --ignored --exact kubernetes::csi_node::a_node_without_storage_stages_it_from_its_primary --nocapture)
 echo "REMOTE_NBD_OK"

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use ferrite_proto::csi::v1 as csi;
 use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::kind::Kind;
 use tokio_stream::StreamExt;
 use tonic::{Code, Status};
 
@@ -77,7 +78,7 @@ pub(crate) async fn create(
         // Running already (this snapshot's backup, begun by the call before, or another).
         Err(s) if s.code() == Code::Aborted => return pending(dir, node, volume, target, &id, source_volume_id).await,
         // The class names a target this daemon's config does not: the class is wrong.
-        Err(s) if s.code() == Code::NotFound && s.message().contains("no backup target") => {
+        Err(s) if Kind::UnknownTarget.is(&s) => {
             return Err(Status::invalid_argument(format!("the snapshot class's backup target: {}", s.message())));
         }
         Err(s) => {
@@ -152,7 +153,7 @@ pub(crate) async fn get(dir: &dyn NodeDirectory, id: &str) -> Result<(String, pb
         };
         match c.get_backup(req).await {
             Ok(b) => return Ok((node, b.into_inner())),
-            Err(s) if s.code() == Code::NotFound && s.message().contains("no backup target") => last = s,
+            Err(s) if Kind::UnknownTarget.is(&s) => last = s,
             Err(s) if s.code() == Code::NotFound => {
                 return Err(Status::not_found(format!("snapshot {id:?} does not exist")));
             }

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use ferrite_backup::{BackupRef, Error as BackupError, Index, Manifest, Progress, Target};
 use ferrite_engine::Pool;
 use ferrite_proto::ferrite::v1 as pb;
+use ferrite_proto::kind::Kind;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
@@ -163,10 +164,10 @@ impl BackupService {
         }
         let config = self.targets.get(name).ok_or_else(|| {
             let known: Vec<&str> = self.targets.keys().map(String::as_str).collect();
-            Status::not_found(format!(
+            Kind::UnknownTarget.tag(Status::not_found(format!(
                 "no backup target {name:?} in this daemon's config (it has: {})",
                 known.join(", ")
-            ))
+            )))
         })?;
         let t = Target::open(name, config.clone()).await.map_err(backup_status)?;
         opened.insert(name.to_owned(), t.clone());

@@ -1,5 +1,5 @@
-//! Asynchronous replication between daemons, snapshot-based (DESIGN.md §2, ARCHITECTURE.md
-//! "Replication"). A primary volume takes a mirror snapshot every interval and pushes what changed
+//! Asynchronous replication between daemons, snapshot-based (DESIGN.md §2, docs/design/
+//! replication.md). A primary volume takes a mirror snapshot every interval and pushes what changed
 //! since the newest mirror snapshot its peer holds (`send.rs`); the peer's `Replica` service
 //! applies it to a read-only secondary, all or nothing (`receive.rs`), once `admit.rs` has
 //! checked that the pushing peer may push it; `control.rs` holds the

@@ -1,4 +1,4 @@
-//! Synchronous replicas (ARCHITECTURE.md "Synchronous replicas"): a volume's primary sends every
+//! Synchronous replicas (docs/design/replication.md): a volume's primary sends every
 //! client request to each in-sync member over a persistent mutual-TLS stream and answers the client
 //! when all of them hold it (`primary.rs`, `link.rs`, through the engine's `Mirror` hook), on
 //! framed TLS connections (`wire.rs`); members apply what they receive (`serve.rs`). Every member

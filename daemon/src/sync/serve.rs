@@ -6,7 +6,7 @@
 //! a time), each acknowledged once applied (durable for FUA and flush). A membership is stored only
 //! from the primary it names, only with a higher generation, never as the first one of a volume
 //! that exists here, and never makes this daemon primary (only a promotion here does); the
-//! whole rule is `MirrorService::may_change` and ARCHITECTURE.md "Trust".
+//! whole rule is `MirrorService::may_change` and docs/design/replication.md "Trust".
 
 use std::future::Future;
 use std::sync::Arc;

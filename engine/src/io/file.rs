@@ -25,7 +25,7 @@ pub(crate) struct BackingFile {
 /// node is not, though /dev is itself a tmpfs. Such a file's reads and writes are memory copies,
 /// cheapest done on the spot: io_uring asks it for a read that cannot block, tmpfs cannot
 /// promise that, and the read goes to a worker thread (a wake-up and two context switches per
-/// request; see "Cost of a request" in ARCHITECTURE.md).
+/// request; see "Cost of a request" in docs/design/data-path.md).
 pub(crate) fn in_memory(path: &Path) -> bool {
     const TMPFS_MAGIC: u64 = 0x0102_1994;
     const RAMFS_MAGIC: u64 = 0x8584_58f6;

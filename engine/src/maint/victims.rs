@@ -5,7 +5,7 @@
 //! blocks are still dying on their own. It needs the moved (cold) blocks kept apart from fresh
 //! writes, which the cold head does (`write/cold.rs`); with it, measured (`cleaner-load`, 80%
 //! full): uniform traffic as greedy (2.96 against 2.97, the simulation's optimum 2.84), skewed
-//! traffic lower (see ARCHITECTURE.md, "Cleaner").
+//! traffic lower (see docs/design/engine.md, "Cleaner").
 
 use std::collections::BTreeSet;
 

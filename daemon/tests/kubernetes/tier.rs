@@ -14,17 +14,12 @@
 //! user and groups its securityContext names, probes readiness as the manifests say, and picks
 //! the node of a WaitForFirstConsumer claim.
 
-#[path = "kubernetes/backup.rs"]
 mod backup;
 use crate::common;
-#[path = "kubernetes/failover.rs"]
 mod failover;
-#[path = "kubernetes/storage_nodes.rs"]
 mod storage_nodes;
-#[path = "kubernetes/trust.rs"]
 mod trust;
 use crate::weed;
-#[path = "kubernetes/zone_loss.rs"]
 mod zone_loss;
 
 use std::path::{Path, PathBuf};

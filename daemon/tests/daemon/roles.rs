@@ -147,9 +147,9 @@ async fn every_rpc_with_every_role_is_allowed_or_refused_as_the_table_says() {
     std::fs::write(data.join("ferrite.toml"), cfg).unwrap();
     let mut d = Daemon::start(&data);
 
-    let mut all = rpcs("Admin", include_str!("../../proto/ferrite/v1/admin.proto"));
-    all.extend(rpcs("Replica", include_str!("../../proto/ferrite/v1/replica.proto")));
-    all.extend(rpcs("Mirror", include_str!("../../proto/ferrite/v1/mirror.proto")));
+    let mut all = rpcs("Admin", include_str!("../../../proto/ferrite/v1/admin.proto"));
+    all.extend(rpcs("Replica", include_str!("../../../proto/ferrite/v1/replica.proto")));
+    all.extend(rpcs("Mirror", include_str!("../../../proto/ferrite/v1/mirror.proto")));
     for rpc in &all {
         let rows = [CONTROLLER, OPERATOR, PEER].iter().filter(|t| t.contains(&rpc.name.as_str())).count();
         assert_eq!(rows, 1, "{} must have exactly one row in this test's role table", rpc.path);

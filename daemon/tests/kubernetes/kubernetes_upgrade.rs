@@ -158,7 +158,7 @@ fn an_upgrade_from_0_2_0_as_documented_keeps_every_daemon() {
     for n in NODES {
         node(&cp, n);
     }
-    let old = include_str!("fixtures/deploy-0.2.0.yaml");
+    let old = include_str!("../fixtures/deploy-0.2.0.yaml");
     cp.apply(old);
     settle(&mut cp, &NODES, &NODES, "0.2.0's daemon and node plugin on every node");
     let before = pods(&cp, DAEMON);

@@ -91,15 +91,45 @@ fn the_library_names_neither_clap_nor_the_csi_driver() {
     assert!(wrong.is_empty(), "the library must not use clap or ferrite-csi:\n{}", wrong.join("\n"));
 }
 
-/// Every source file ARCHITECTURE.md names (`x.rs`, `dir/x.rs`) exists, and every item it points
-/// at (`x.rs::name`) is declared in a file of that name: the map stays true as code moves.
+/// The design's pages: the map (ARCHITECTURE.md) and the topic pages under docs/design/.
+fn design_pages(root: &Path) -> Vec<PathBuf> {
+    let mut pages = vec![root.join("ARCHITECTURE.md")];
+    let mut topics: Vec<PathBuf> =
+        std::fs::read_dir(root.join("docs/design")).unwrap().map(|e| e.unwrap().path()).collect();
+    topics.sort();
+    pages.extend(topics);
+    pages
+}
+
+/// Every source file the design names (`x.rs`, `dir/x.rs`) exists, every item it points at
+/// (`x.rs::name`) is declared in a file of that name, and every page it links exists: the map
+/// and its pages stay true as code moves. The map stays a map (at most 300 lines).
 #[test]
 fn every_pointer_of_the_architecture_is_true() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
     let out = std::process::Command::new("git").arg("-C").arg(&root).args(["ls-files", "*.rs"]).output().unwrap();
     let files: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(|l| format!("/{l}")).collect();
     assert!(files.len() > 100, "git ls-files lists the tree");
+    let map = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    assert!(map.lines().count() <= 300, "ARCHITECTURE.md is a map: topics go to docs/design/");
+    let mut wrong = Vec::new();
+    for page in design_pages(&root) {
+        let text = std::fs::read_to_string(&page).unwrap();
+        let name = page.strip_prefix(&root).unwrap().display().to_string();
+        for (at, _) in text.match_indices("](") {
+            let link = &text[at + 2..];
+            let link = link[..link.find(')').unwrap_or(0)].split('#').next().unwrap();
+            if !link.is_empty() && !link.contains("://") && !page.parent().unwrap().join(link).exists() {
+                wrong.push(format!("{name}: the link {link} goes nowhere"));
+            }
+        }
+        wrong.extend(pointers_of(&root, &files, &text).into_iter().map(|w| format!("{name}: {w}")));
+    }
+    assert!(wrong.is_empty(), "the design points at what is not there:\n{}", wrong.join("\n"));
+}
+
+/// What `text`'s quoted pointers (`x.rs`, `x.rs::item`) name that is not there.
+fn pointers_of(root: &Path, files: &[String], text: &str) -> Vec<String> {
     let mut wrong = Vec::new();
     for quoted in text.split('`').skip(1).step_by(2) {
         let (file, item) = quoted.split_once("::").map_or((quoted, None), |(f, i)| (f, Some(i)));
@@ -129,7 +159,7 @@ fn every_pointer_of_the_architecture_is_true() {
             ));
         }
     }
-    assert!(wrong.is_empty(), "ARCHITECTURE.md points at what is not there:\n{}", wrong.join("\n"));
+    wrong
 }
 
 /// Every log filter the tests, docs and manifests give (`ferrite_daemon::records::attachments=info`)
