@@ -10,6 +10,7 @@ use bytes::Bytes;
 use futures_util::stream::BoxStream;
 use futures_util::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AwsCredential, Checksum};
+use object_store::client::HttpConnector;
 use object_store::list::{PaginatedListOptions, PaginatedListStore};
 use object_store::path::Path;
 use object_store::{
@@ -115,8 +116,7 @@ impl Target {
             let key = credentials(config.credentials.as_deref()).map_err(invalid)?;
             let key = key.map(|(key_id, secret_key)| AwsCredential { key_id, secret_key, token: None });
             let options = s3_options(&config).map_err(invalid)?;
-            let client = object_store::client::HttpConnector::connect(&crate::bounded::BoundedConnector, &options)
-                .map_err(|e| invalid(e.to_string()))?;
+            let client = crate::bounded::BoundedConnector.connect(&options).map_err(|e| invalid(e.to_string()))?;
             let opened = Locker::open(&config, client, key, lock, root_of(&config)).await.map_err(invalid)?;
             locker = Some(Arc::new(opened));
         }

@@ -10,6 +10,9 @@ use super::Replication;
 use super::records::{Relation, Role};
 use crate::authz::Caller;
 
+/// The call every check here answers for.
+const PUSH: &str = "/ferrite.v1.Replica/Push";
+
 /// Whether a name is fit to be a volume or snapshot name a peer gives (the engine checks its
 /// own rules too; this keeps control characters and oversized names out of logs and records).
 pub(crate) fn check_name(what: &str, name: &str) -> Result<(), Status> {
@@ -103,7 +106,6 @@ pub(super) fn check_peer(rep: &Replication, caller: &Caller, call: &str, rel: &R
 /// A volume that is not replicated here takes only a first sync, which creates it: then the
 /// relation it gets.
 pub(super) fn admit(rep: &Replication, caller: &Caller, b: &PushBegin) -> Result<Option<Relation>, Status> {
-    const PUSH: &str = "/ferrite.v1.Replica/Push";
     let grouped = !b.group.is_empty();
     let key = if grouped { &b.group } else { &b.replica };
     let Some(mut r) = rep.relations.get(key) else {
@@ -153,16 +155,12 @@ pub(super) fn new_relation(rep: &Replication, caller: &Caller, b: &PushBegin) ->
     // back (resync, promote) must be one the caller's certificate proves it is.
     if !caller.is_operator() {
         let Some(identity) = rep.peer_identity(&b.origin) else {
-            return Err(rep.policy.refuse(
-                caller,
-                "/ferrite.v1.Replica/Push",
-                &format!("origin {:?} is not a tcp:// endpoint", b.origin),
-            ));
+            return Err(rep.policy.refuse(caller, PUSH, &format!("origin {:?} is not a tcp:// endpoint", b.origin)));
         };
         if !caller.is_peer(&identity) {
             return Err(rep.policy.refuse(
                 caller,
-                "/ferrite.v1.Replica/Push",
+                PUSH,
                 &format!("origin {} is identity {identity:?}, which the caller's certificate does not name", b.origin),
             ));
         }
@@ -170,7 +168,7 @@ pub(super) fn new_relation(rep: &Replication, caller: &Caller, b: &PushBegin) ->
     let made = rep.relations.all().iter().filter(|r| r.peer == b.origin).count();
     if made >= rep.quota && !caller.is_operator() {
         let why = format!("{} is the peer of {made} relations here (peer-quota {})", b.origin, rep.quota);
-        return Err(rep.policy.exhausted(caller, "/ferrite.v1.Replica/Push", &why));
+        return Err(rep.policy.exhausted(caller, PUSH, &why));
     }
     // A first sync creates its volume; it never takes over one that exists.
     if rep.pool.volume_info(&b.replica).is_ok() || rep.pending.get(&b.replica).is_some() {
