@@ -52,13 +52,24 @@ pub async fn create(
     opts: &CreateOptions,
     progress: &(dyn Fn(&Progress) + Sync),
 ) -> Result<Manifest> {
+    let index = Index::load(target, &opts.volume).await?;
+    create_after(target, pool, opts, &index, progress).await
+}
+
+/// [`create`], the volume's `index` on the target loaded already.
+pub(crate) async fn create_after(
+    target: &Target,
+    pool: &Pool,
+    opts: &CreateOptions,
+    index: &Index,
+    progress: &(dyn Fn(&Progress) + Sync),
+) -> Result<Manifest> {
     let started = Instant::now();
     let this = BackupRef { volume: opts.volume.clone(), id: opts.id.clone() };
     // Read before anything else: chunks a prune condemned since are uploaded again (prune.rs).
     let swept = prune::load_swept(target).await?;
     // Chunks a verify found bad: read again even where the previous backup lists them.
     let quarantined = quarantine::load(target).await?;
-    let index = Index::load(target, &opts.volume).await?;
     if index.backups.iter().any(|b| b.id == opts.id) {
         return Err(Error::Conflict(format!("backup {this} already exists on target {}", target.name)));
     }
@@ -99,7 +110,7 @@ pub async fn create(
             Err("a full backup was asked for".to_owned())
         } else if since_full + 1 >= full_every {
             Err(format!("every {full_every}th backup is full (the target's full-every)"))
-        } else if let Some(why) = lock_wants_full(target, &index, swept.locked_at) {
+        } else if let Some(why) = lock_wants_full(target, index, swept.locked_at) {
             Err(why)
         } else if let Some(m) = m {
             base_snapshot(pool, &info, &source, &m, chunk).map(|name| (m, name))

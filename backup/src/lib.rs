@@ -16,6 +16,7 @@
 //! Every object but the marker is an envelope (`codec.rs`): a header with the format version,
 //! then zstd, then AES-256-GCM bound to the object's name.
 
+mod bases;
 mod bounded;
 mod clock;
 mod codec;
@@ -30,8 +31,10 @@ mod pace;
 mod prune;
 mod quarantine;
 mod restore;
+mod schedule;
 mod target;
 
+pub use bases::{Plan, Planned, plan};
 pub use clock::{new_id, now_unix};
 pub use config::{LockMode, TargetConfig, TargetKind};
 pub use copy::copy;
@@ -42,6 +45,7 @@ pub use manifest::{BackupRef, ChunkRef, Index, IndexEntry, Manifest, SnapshotIde
 pub use pace::Pace;
 pub use prune::{PruneReport, Retention, delete, prune};
 pub use restore::{VerifyReport, export, verify};
+pub use schedule::{Found, schedule_verifies};
 pub use target::{Counters, Target, key_fingerprint};
 
 /// Whether `id` is one the CSI driver gives the backup of a snapshot (`csi.<snapshot name>`, or

@@ -6,6 +6,7 @@ mod common;
 #[path = "common/pool.rs"]
 mod pool;
 
+mod bases;
 mod caps;
 mod concurrency;
 mod copy;

@@ -1,20 +1,13 @@
 //! The Backups gRPC service: backups of this pool's volumes to the targets the config names
 //! (`ferrite_backup`), and restores from them into new volumes.
 //!
-//! A backup with no snapshot named takes one, `VOLUME.backup.TARGET.ID`, and keeps it as the
-//! base of the volume's next incremental on that target (deleting the one before). Such a
-//! snapshot newer than the volume's last backup on its target is an interrupted backup: a
-//! `CreateBackup` of that volume to that target resumes it (same snapshot, same id, same point in
-//! time; what was uploaded is found and not sent again) when it asks for that id, or, for a
-//! time-named one, when the snapshot is younger than the target's grace. Older ones are not
-//! resumed (a backup labelled with its snapshot's time would be days old) and go with the next
-//! backup. Snapshots of other targets are never touched: each target's incrementals build on its
-//! own base (and `ferrite_backup::create` checks the base by identity, not by name).
+//! Which snapshot a backup reads and which stay as bases is `ferrite_backup::plan`'s to say;
+//! this service translates calls and errors, runs the jobs, and records how they went.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use ferrite_backup::{BackupRef, Error as BackupError, Index, Manifest, Progress, Target};
+use ferrite_backup::{BackupRef, Error as BackupError, Index, Manifest, Plan, Progress, Target};
 use ferrite_engine::Pool;
 use ferrite_proto::ferrite::v1 as pb;
 use ferrite_proto::kind::Kind;
@@ -139,11 +132,6 @@ fn restore_stream(
     Box::pin(ReceiverStream::new(rx))
 }
 
-/// The prefix of the snapshots backups to `target` take of `volume`.
-fn auto_prefix(volume: &str, target: &str) -> String {
-    ferrite_backup::auto_snapshot(volume, target, "")
-}
-
 impl BackupService {
     pub fn new(
         pool: Arc<Pool>,
@@ -207,151 +195,6 @@ async fn indexes(target: &Target, volume: &str) -> Result<Vec<Index>, Status> {
     Ok(out)
 }
 
-/// Whether `id` is one a backup is given by default (the time, `20261128T101500Z` or
-/// `20261128T101500Z-2`): only those are resumed unasked; a chosen id (a CSI snapshot's)
-/// resumes when asked for again.
-fn time_id(id: &str) -> bool {
-    id.starts_with(|c: char| c.is_ascii_digit()) && !id.contains('.')
-}
-
-/// The snapshot and id of a backup of `volume` to `target`: the one named; with a chosen `id`,
-/// its snapshot if an interrupted backup to this target took it, else a new one; with neither,
-/// an interrupted time-named backup's to this target (its snapshot newer than the last backup
-/// and younger than `grace`), else a new snapshot.
-async fn choose_snapshot(
-    pool: &Arc<Pool>,
-    index: &Index,
-    volume: &str,
-    target: &str,
-    grace: std::time::Duration,
-    named: &str,
-    id: &str,
-) -> Result<(String, String, bool), Status> {
-    let now_s = ferrite_backup::now_unix();
-    let now = if id.is_empty() { ferrite_backup::new_id(now_s) } else { id.to_owned() };
-    if !named.is_empty() {
-        return Ok((named.to_owned(), now, false));
-    }
-    let prefix = auto_prefix(volume, target);
-    let (pool2, v) = (Arc::clone(pool), volume.to_owned());
-    let snaps = blocking(move || pool2.snapshots(Some(&v))).await?;
-    let last = index.backups.last().map(|b| b.id.clone()).unwrap_or_default();
-    let pending = match id {
-        "" => snaps
-            .iter()
-            .filter(|s| s.created_unix.saturating_add(grace.as_secs()) > now_s)
-            .filter_map(|s| s.name.strip_prefix(&prefix))
-            .filter(|id| time_id(id) && *id > last.as_str() && !index.backups.iter().any(|b| b.id == *id))
-            .max()
-            .map(str::to_owned),
-        id => snaps.iter().any(|s| s.name == format!("{prefix}{id}")).then(|| id.to_owned()),
-    };
-    if let Some(id) = pending {
-        tracing::info!(volume, target, backup = %id, "resuming an interrupted backup");
-        return Ok((format!("{prefix}{id}"), id, true));
-    }
-    // Two backups within a second: the second is ID-2.
-    let taken =
-        |id: &str| index.backups.iter().any(|b| b.id == id) || snaps.iter().any(|s| s.name == format!("{prefix}{id}"));
-    let id = (1..)
-        .map(|n| if n == 1 { now.clone() } else { format!("{now}-{n}") })
-        .find(|id| !taken(id))
-        .expect("unbounded");
-    let name = format!("{prefix}{id}");
-    let (pool2, v, n) = (Arc::clone(pool), volume.to_owned(), name.clone());
-    blocking(move || pool2.create_snapshot(&v, &n)).await?;
-    Ok((name, id, true))
-}
-
-/// After a backup to `target` from automatic snapshot `kept`, that target's others go: `kept` is
-/// its next incremental's base. An interrupted backup's with a chosen id (not in `index`, the
-/// volume's backups before this one) stays, for the call that resumes it. Time-named base
-/// snapshots of earlier builds (`VOLUME.backup.ID`, no target) go too: no backup builds on
-/// them any more.
-async fn drop_older_bases(
-    pool: &Arc<Pool>,
-    index: Index,
-    volume: &str,
-    target: &str,
-    kept: &str,
-) -> Result<(), Status> {
-    let (prefix, legacy) = (auto_prefix(volume, target), format!("{volume}.backup."));
-    let (p, v, kept) = (Arc::clone(pool), volume.to_owned(), kept.to_owned());
-    blocking(move || {
-        for s in p.snapshots(Some(&v))? {
-            let ours =
-                s.name.strip_prefix(&prefix).is_some_and(|id| time_id(id) || index.backups.iter().any(|b| b.id == id));
-            let old = s.name.strip_prefix(&legacy).is_some_and(time_id);
-            if s.name != kept && (ours || old) {
-                p.delete_snapshot(&s.name)?;
-            }
-        }
-        Ok(())
-    })
-    .await
-}
-
-/// What a verify found, logged, as the metrics keep it.
-fn verify_outcome(
-    target: &Target,
-    report: &ferrite_backup::VerifyReport,
-) -> crate::records::backup_outcomes::VerifyOutcome {
-    if report.bad.is_empty() {
-        tracing::info!(target = %target.name, chunks = report.chunks_checked, quarantined = report.quarantined, "verify finished");
-    } else {
-        tracing::error!(target = %target.name, chunks = report.chunks_checked, bad = report.bad.len(),
-            "verify found damaged chunks; they are quarantined and the next backups upload them again");
-    }
-    crate::records::backup_outcomes::VerifyOutcome {
-        target: target.name.clone(),
-        finished_unix: ferrite_backup::now_unix(),
-        backups: report.backups,
-        chunks_checked: report.chunks_checked,
-        bad: report.bad.iter().map(|(chunk, why, _)| (chunk.clone(), why.clone())).collect(),
-        quarantined: report.quarantined,
-    }
-}
-
-/// Verifies, every `verify-every-s` of each target that sets it, a `verify-sample` share of the
-/// chunks of the backups of this pool's volumes there (each daemon checks its own volumes':
-/// the work is shared out), and keeps what it found (metrics, `backup-verify.json`).
-pub fn schedule_verifies(
-    pool: Arc<Pool>,
-    targets: &BTreeMap<String, ferrite_backup::TargetConfig>,
-    outcomes: Arc<crate::records::backup_outcomes::BackupOutcomes>,
-) {
-    for (name, config) in targets {
-        let Some(every) = config.verify_every_s.filter(|&s| s > 0).map(std::time::Duration::from_secs) else {
-            continue;
-        };
-        // A share of the chunks; 1 (or more): all of them.
-        let sample = config.verify_sample.map_or(Some(0.1), |s| (s < 1.0).then_some(s.max(0.01)));
-        let (pool, outcomes, name, config) = (Arc::clone(&pool), Arc::clone(&outcomes), name.clone(), config.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                let verified = async {
-                    let target = Target::open(&name, config.clone()).await?;
-                    let (volumes, ours) = (ferrite_backup::list_volumes(&target).await?, pool.volumes());
-                    let mut names = Vec::new();
-                    for v in volumes.iter().filter(|v| ours.iter().any(|o| &o.name == *v)) {
-                        let index = Index::load(&target, v).await?;
-                        names.extend(index.backups.iter().map(|e| BackupRef { volume: v.clone(), id: e.id.clone() }));
-                    }
-                    let report = ferrite_backup::verify(&target, &names, sample, &|_| {}).await?;
-                    Ok::<_, BackupError>(verify_outcome(&target, &report))
-                };
-                match verified.await {
-                    Ok(outcome) => outcomes.verified(outcome),
-                    Err(e) => {
-                        tracing::warn!(target = %name, error = %e, "the scheduled verify failed; tried again next time")
-                    }
-                }
-            }
-        });
-    }
-}
-
 /// The last message of a backup stream: backup `m`, done.
 fn done_msg(target: &str, m: &Manifest) -> pb::BackupProgress {
     pb::BackupProgress {
@@ -378,43 +221,31 @@ impl pb::backups_server::Backups for BackupService {
         let prepared = async {
             let target = self.target(&r.target).await?;
             let busy = self.claim(&r.volume, "this backup")?;
-            let index = Index::load(&target, &r.volume).await.map_err(backup_status)?;
-            if index.backups.iter().any(|b| b.id == r.id) {
-                let b = BackupRef { volume: r.volume.clone(), id: r.id.clone() };
-                let made = Manifest::load(&target, &b).await.map_err(backup_status)?;
-                return Ok((target, busy, Err(made)));
-            }
-            let chosen =
-                choose_snapshot(&self.pool, &index, &r.volume, &target.name, target.grace(), &r.snapshot, &r.id)
-                    .await?;
-            Ok::<_, Status>((target, busy, Ok((chosen, index))))
+            let plan = ferrite_backup::plan(&target, &self.pool, &r.volume, &r.snapshot, &r.id).await;
+            Ok::<_, Status>((target, busy, plan.map_err(backup_status)?))
         };
-        let (target, busy, chosen) = prepared.await.inspect_err(|_| {
+        let (target, busy, plan) = prepared.await.inspect_err(|_| {
             if self.targets.contains_key(&r.target) {
                 self.outcomes.record(&r.target, &r.volume, false);
             }
         })?;
-        let ((snapshot, id, auto), index) = match chosen {
-            Ok(chosen) => chosen,
+        let planned = match plan {
+            Plan::Make(planned) => planned,
             // Made before: asked again (a CSI snapshot's retry), it is what was made.
-            Err(m) => {
+            Plan::Made(m) => {
                 let last = done_msg(&target.name, &m);
                 return Ok(Response::new(stream(move |_| async move { Ok(last) })));
             }
         };
-        let (pool, outcomes) = (Arc::clone(&self.pool), Arc::clone(&self.outcomes));
-        let opts =
-            ferrite_backup::CreateOptions { volume: r.volume.clone(), snapshot: snapshot.clone(), id, full: r.full };
+        let (pool, outcomes, full) = (Arc::clone(&self.pool), Arc::clone(&self.outcomes), r.full);
         Ok(Response::new(stream(move |progress| async move {
             let _busy = busy;
-            let made = ferrite_backup::create(&target, &pool, &opts, &*progress).await;
-            outcomes.record(&target.name, &opts.volume, made.is_ok());
+            let made = planned.create(&target, &pool, full, &*progress).await;
+            outcomes.record(&target.name, &planned.volume, made.is_ok());
             let m = made.map_err(backup_status)?;
             tracing::info!(target = %target.name, backup = %m.backup_ref(), chunks = m.chunks.len(),
                 read = m.read_bytes, uploaded = m.uploaded_bytes, "backup made");
-            if auto {
-                drop_older_bases(&pool, index, &opts.volume, &target.name, &snapshot).await?;
-            }
+            planned.drop_older_bases(&target, &pool).await.map_err(backup_status)?;
             Ok(done_msg(&target.name, &m))
         })))
     }
@@ -487,7 +318,7 @@ impl pb::backups_server::Backups for BackupService {
         let outcomes = Arc::clone(&self.outcomes);
         Ok(Response::new(stream(move |progress| async move {
             let report = ferrite_backup::verify(&target, &names, sample, &*progress).await.map_err(backup_status)?;
-            outcomes.verified(verify_outcome(&target, &report));
+            outcomes.verified(&target.name, &report);
             Ok(pb::BackupProgress {
                 done: true,
                 chunks_done: report.chunks_checked,

@@ -43,8 +43,29 @@ impl BackupOutcomes {
         Self { verifies: std::sync::Mutex::new(verifies), file: Some(file.path().to_owned()), ..Self::default() }
     }
 
-    /// Records a verify's outcome, and keeps it.
-    pub fn verified(&self, outcome: VerifyOutcome) {
+    /// Logs what a verify of `target` found, records it, and keeps it.
+    pub fn verified(&self, target: &str, report: &ferrite_backup::VerifyReport) {
+        if report.bad.is_empty() {
+            tracing::info!(target, chunks = report.chunks_checked, quarantined = report.quarantined, "verify finished");
+        } else {
+            tracing::error!(
+                target,
+                chunks = report.chunks_checked,
+                bad = report.bad.len(),
+                "verify found damaged chunks; they are quarantined and the next backups upload them again"
+            );
+        }
+        self.keep(VerifyOutcome {
+            target: target.to_owned(),
+            finished_unix: ferrite_backup::now_unix(),
+            backups: report.backups,
+            chunks_checked: report.chunks_checked,
+            bad: report.bad.iter().map(|(chunk, why, _)| (chunk.clone(), why.clone())).collect(),
+            quarantined: report.quarantined,
+        });
+    }
+
+    fn keep(&self, outcome: VerifyOutcome) {
         let mut all = self.verifies.lock().expect("not poisoned");
         all.insert(outcome.target.clone(), outcome);
         let list: Vec<&VerifyOutcome> = all.values().collect();

@@ -284,7 +284,9 @@ pub async fn run(cfg: Config) -> Result<()> {
             Err(anyhow::anyhow!("metrics listener stopped"))
         });
     }
-    crate::api::backups::schedule_verifies(Arc::clone(&pool), &cfg.backup_targets, Arc::clone(&backup_outcomes));
+    let outcomes = Arc::clone(&backup_outcomes);
+    let found: ferrite_backup::Found = Arc::new(move |target, report| outcomes.verified(target, report));
+    ferrite_backup::schedule_verifies(Arc::clone(&pool), &cfg.backup_targets, found);
     let services = AdminServices {
         admin: AdminServer::new(AdminService {
             pool: Arc::clone(&pool),
