@@ -4,14 +4,13 @@
 
 use std::sync::Arc;
 
+use crate::base::error::Error;
 use ferrite_engine::{ErrorKind, Pool, Volume};
 use ferrite_nbd::export::Allow;
 use ferrite_nbd::{Export, Exports};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
-use tonic::Status;
 
-use crate::base::rpc::status;
 use crate::base::state::RecordFile;
 
 /// The names of the exports that are publications (`publications.rs`): an identity on their
@@ -113,48 +112,45 @@ impl ExportTable {
     }
 
     /// Starts export `rec` unless the same one runs; true if this call started it.
-    pub async fn ensure(&self, rec: &ExportRecord) -> Result<bool, Status> {
+    pub async fn ensure(&self, rec: &ExportRecord) -> Result<bool, Error> {
         self.ensure_matching(rec, |old| old == rec).await
     }
 
     /// Starts `rec` (an attachment's `local` export) unless an export of that name serves the
     /// same image already, whatever its allow list: the node's own client uses the Unix socket.
-    pub async fn ensure_local(&self, rec: &ExportRecord) -> Result<bool, Status> {
+    pub async fn ensure_local(&self, rec: &ExportRecord) -> Result<bool, Error> {
         self.ensure_matching(rec, |old| old.volume == rec.volume && old.read_only == rec.read_only).await
     }
 
-    async fn ensure_matching(&self, rec: &ExportRecord, same: impl Fn(&ExportRecord) -> bool) -> Result<bool, Status> {
+    async fn ensure_matching(&self, rec: &ExportRecord, same: impl Fn(&ExportRecord) -> bool) -> Result<bool, Error> {
         let mut records = self.records.lock().await;
         if let Some(old) = records.iter().find(|x| x.name == rec.name) {
             if same(old) {
                 return Ok(false);
             }
-            return Err(Status::already_exists(format!(
-                "export {:?} already serves volume {:?}",
-                old.name, old.volume
-            )));
+            return Err(Error::already_exists(format!("export {:?} already serves volume {:?}", old.name, old.volume)));
         }
         publish(&self.pool, &self.live, rec)?;
         records.push(rec.clone());
         if let Err(e) = self.file.save(&records) {
             records.pop();
             self.live.remove(&rec.name);
-            return Err(Status::internal(format!("saving the export list: {e}")));
+            return Err(Error::internal(format!("saving the export list: {e}")));
         }
         tracing::info!(export = %rec.name, volume = %rec.volume, "export started");
         Ok(true)
     }
 
     /// Stops export `name` and cuts its clients; returns how many were cut.
-    pub async fn stop(&self, name: &str) -> Result<usize, Status> {
+    pub async fn stop(&self, name: &str) -> Result<usize, Error> {
         let mut records = self.records.lock().await;
         let Some(i) = records.iter().position(|r| r.name == name) else {
-            return Err(Status::not_found(format!("export {name:?} not found")));
+            return Err(Error::not_found(format!("export {name:?} not found")));
         };
         let rec = records.remove(i);
         if let Err(e) = self.file.save(&records) {
             records.insert(i, rec);
-            return Err(Status::internal(format!("saving the export list (the export still runs): {e}")));
+            return Err(Error::internal(format!("saving the export list (the export still runs): {e}")));
         }
         let cut = self.live.remove(name).unwrap_or(0);
         tracing::info!(export = %name, connections_cut = cut, "export stopped");
@@ -164,7 +160,7 @@ impl ExportTable {
     /// Stops an export an attachment made (best effort: the device is already gone).
     pub async fn discard(&self, name: &str) {
         if let Err(e) = self.stop(name).await
-            && e.code() != tonic::Code::NotFound
+            && e.kind() != crate::base::error::Kind::NotFound
         {
             tracing::error!(export = %name, error = %e, "stopping the export of a detached device");
         }
@@ -173,15 +169,15 @@ impl ExportTable {
 
 /// Starts an export on the NBD server. An allow list that does not parse is refused whole
 /// (dropping an entry could open the export wider).
-fn publish(pool: &Pool, live: &Exports, r: &ExportRecord) -> Result<(), Status> {
+fn publish(pool: &Pool, live: &Exports, r: &ExportRecord) -> Result<(), Error> {
     let allow = r
         .allow
         .iter()
         .map(|a| a.parse::<Allow>())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Status::invalid_argument(format!("allow: {e}")))?;
+        .map_err(|e| Error::invalid(format!("allow: {e}")))?;
     crate::records::keys::refuse_if_locked(pool, &r.volume)?;
-    let handle = open_image(pool, &r.volume).map_err(status)?;
+    let handle = open_image(pool, &r.volume).map_err(Error::from)?;
     let what = if r.volume.contains('@') { "snapshot" } else { "volume" };
     live.add(
         Export::new(r.name.clone(), handle, r.read_only, format!("ferrite {what} {}", r.volume))
@@ -195,10 +191,10 @@ pub fn refuse_if_exported(
     records: &[ExportRecord],
     what: &str,
     serves: impl Fn(&ExportRecord) -> bool,
-) -> Result<(), Status> {
+) -> Result<(), Error> {
     let names: Vec<&str> = records.iter().filter(|r| serves(r)).map(|r| r.name.as_str()).collect();
     if names.is_empty() {
         return Ok(());
     }
-    Err(Status::failed_precondition(format!("{what} is exported as {}; stop the export first", names.join(", "))))
+    Err(Error::refused(format!("{what} is exported as {}; stop the export first", names.join(", "))))
 }

@@ -6,10 +6,10 @@
 
 use std::path::Path;
 
+use crate::base::error::Error;
 use ferrite_crypt::{Kek, KeyFiles, KeyProvider};
 use ferrite_engine::{Image, Pool};
 use ferrite_proto::ferrite::v1 as pb;
-use tonic::Status;
 
 /// The largest wrapped data key a peer may send: a wrapping is a few dozen bytes and a key id
 /// of at most 255.
@@ -22,10 +22,10 @@ pub const DEFAULT_KEY: &str = "default";
 #[derive(Debug, Clone)]
 pub struct KeyDir(KeyFiles);
 
-fn key_status(e: ferrite_crypt::Error) -> Status {
+fn key_error(e: ferrite_crypt::Error) -> Error {
     match e {
-        ferrite_crypt::Error::Io(_) | ferrite_crypt::Error::Random => Status::internal(e.to_string()),
-        _ => Status::failed_precondition(e.to_string()),
+        ferrite_crypt::Error::Io(_) | ferrite_crypt::Error::Random => Error::internal(e.to_string()),
+        _ => Error::refused(e.to_string()),
     }
 }
 
@@ -36,23 +36,24 @@ impl KeyDir {
 
     /// The KEK `r` names: the bytes it carries (32), or the key file of its id; `create` makes
     /// a missing key file (a new volume's, a rekey's new key).
-    pub fn kek(&self, r: &pb::KeyRef, create: bool) -> Result<Kek, Status> {
+    pub fn kek(&self, r: &pb::KeyRef, create: bool) -> Result<Kek, Error> {
         if r.key_id.is_empty() {
-            return Err(Status::invalid_argument("a key needs its id (key_id)"));
+            return Err(Error::invalid("a key needs its id (key_id)"));
         }
         if !r.key.is_empty() {
-            let bytes: [u8; 32] = r.key.as_slice().try_into().map_err(|_| {
-                Status::invalid_argument(format!("key {:?}: a key is 32 bytes, not {}", r.key_id, r.key.len()))
-            })?;
-            return Kek::new(&r.key_id, bytes).map_err(key_status);
+            let bytes: [u8; 32] =
+                r.key.as_slice().try_into().map_err(|_| {
+                    Error::invalid(format!("key {:?}: a key is 32 bytes, not {}", r.key_id, r.key.len()))
+                })?;
+            return Kek::new(&r.key_id, bytes).map_err(key_error);
         }
         match self.0.kek(&r.key_id) {
             Err(ferrite_crypt::Error::Unavailable { .. }) if create && !self.exists(&r.key_id) => {
-                let kek = self.0.create(&r.key_id).map_err(key_status)?;
+                let kek = self.0.create(&r.key_id).map_err(key_error)?;
                 tracing::info!(key = %r.key_id, "key-encryption key created in the key directory");
                 Ok(kek)
             }
-            r => r.map_err(key_status),
+            r => r.map_err(key_error),
         }
     }
 
@@ -99,11 +100,11 @@ impl KeyProvider for KeyDir {
 }
 
 /// The error for exporting or attaching a volume that is locked, if it is.
-pub fn refuse_if_locked(pool: &Pool, image: &str) -> Result<(), Status> {
+pub fn refuse_if_locked(pool: &Pool, image: &str) -> Result<(), Error> {
     let volume = image.split_once('@').map_or(image, |(v, _)| v);
     let Ok(info) = pool.volume_info(volume) else { return Ok(()) };
     match info.encryption {
-        Some(e) if !e.unlocked => Err(Status::failed_precondition(format!(
+        Some(e) if !e.unlocked => Err(Error::refused(format!(
             "volume {volume:?} is encrypted and locked: unlock it first (ferrite volume unlock {volume}) \
              with key {:?}",
             e.key_id

@@ -7,8 +7,8 @@
 //! exports' own check lets one through). The node opens it only while its identity also holds
 //! the `nbd-client` role: a controller cannot open a volume to a certificate without it.
 
+use crate::base::error::Error;
 use ferrite_proto::ferrite::v1 as pb;
-use tonic::Status;
 
 use crate::records::exports::{ExportRecord, ExportTable, PUBLICATION_PREFIX as PREFIX};
 
@@ -32,18 +32,18 @@ pub fn of(r: &ExportRecord, tcp_address: &str) -> Option<pb::Publication> {
 
 /// What a publication request asks to allow: the node's identity, or `local`; refused when it
 /// is anything wider (a network, no one named) or names a snapshot.
-pub fn allow_of(r: &pb::PublishVolumeRequest) -> Result<String, Status> {
-    crate::base::rpc::require("volume", &r.volume)?;
+pub fn allow_of(r: &pb::PublishVolumeRequest) -> Result<String, Error> {
+    crate::base::error::require("volume", &r.volume)?;
     if r.volume.contains('@') {
-        return Err(Status::invalid_argument("a publication is of a volume, not a snapshot"));
+        return Err(Error::invalid("a publication is of a volume, not a snapshot"));
     }
     match (r.local, r.node.as_str()) {
         (true, "") => Ok("local".to_owned()),
-        (true, _) => Err(Status::invalid_argument("a local publication names no node")),
-        (false, "") => Err(Status::invalid_argument("node is required (or local)")),
+        (true, _) => Err(Error::invalid("a local publication names no node")),
+        (false, "") => Err(Error::invalid("node is required (or local)")),
         (false, node) => match node.parse::<ferrite_nbd::export::Allow>() {
             Ok(ferrite_nbd::export::Allow::Identity(_)) => Ok(node.to_owned()),
-            _ => Err(Status::invalid_argument(format!("node {node:?} is not an identity (a DNS name)"))),
+            _ => Err(Error::invalid(format!("node {node:?} is not an identity (a DNS name)"))),
         },
     }
 }
@@ -54,7 +54,7 @@ pub async fn publish(
     r: &pb::PublishVolumeRequest,
     allow: String,
     tcp: &str,
-) -> Result<pb::Publication, Status> {
+) -> Result<pb::Publication, Error> {
     let rec = ExportRecord {
         name: export_name(&r.volume),
         volume: r.volume.clone(),
@@ -66,13 +66,10 @@ pub async fn publish(
         let p = of(&h, tcp).expect("named as a publication");
         let to = if p.local { "this daemon's node".to_owned() } else { p.node.clone() };
         if h.allow != rec.allow {
-            return Err(Status::failed_precondition(format!(
-                "volume {:?} is published to {to}; one node at a time",
-                r.volume
-            )));
+            return Err(Error::refused(format!("volume {:?} is published to {to}; one node at a time", r.volume)));
         }
         if h.read_only != rec.read_only {
-            return Err(Status::already_exists(format!(
+            return Err(Error::already_exists(format!(
                 "volume {:?} is published to {to} with read_only {}",
                 r.volume, h.read_only
             )));
@@ -85,14 +82,14 @@ pub async fn publish(
 }
 
 /// Ends the publication of `volume`, if any (its node's connections with it).
-pub async fn unpublish(exports: &ExportTable, volume: &str) -> Result<(), Status> {
-    crate::base::rpc::require("volume", volume)?;
+pub async fn unpublish(exports: &ExportTable, volume: &str) -> Result<(), Error> {
+    crate::base::error::require("volume", volume)?;
     match exports.stop(&export_name(volume)).await {
         Ok(cut) => {
             tracing::info!(volume, connections_cut = cut, "volume unpublished");
             Ok(())
         }
-        Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
+        Err(s) if s.kind() == crate::base::error::Kind::NotFound => Ok(()),
         Err(s) => Err(s),
     }
 }

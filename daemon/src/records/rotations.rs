@@ -6,12 +6,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::base::error::Error;
 use ferrite_crypt::Kek;
 use ferrite_engine::{Pool, RotationProgress};
 use std::sync::Mutex;
-use tonic::Status;
 
-use crate::base::rpc::{blocking, status};
+use crate::base::error::blocking;
 use crate::base::state::RecordFile;
 
 /// A rotation's state, as status shows it.
@@ -47,14 +47,14 @@ impl Rotations {
         Ok(me)
     }
 
-    fn save(&self) -> Result<(), Status> {
+    fn save(&self) -> Result<(), Error> {
         let names: Vec<String> = self.jobs.lock().expect("not poisoned").keys().cloned().collect();
-        self.file.save(&names).map_err(|e| Status::internal(format!("recording rotations: {e}")))
+        self.file.save(&names).map_err(|e| Error::internal(format!("recording rotations: {e}")))
     }
 
     /// Starts re-encrypting volume `name` under a new data key wrapped by `kek` (which must
     /// wrap its current one); returns at once, the job runs on. A running one is left alone.
-    pub async fn start(self: &Arc<Self>, name: &str, kek: Kek) -> Result<(), Status> {
+    pub async fn start(self: &Arc<Self>, name: &str, kek: Kek) -> Result<(), Error> {
         let unfinished = match self.jobs.lock().expect("not poisoned").get(name) {
             Some(j) if j.running => return Ok(()),
             j => j.is_some(),
@@ -103,7 +103,7 @@ impl Rotations {
                     tracing::warn!(volume = %name, error = %e, "data key rotation stopped; it resumes when started again");
                     if let Some(j) = me.jobs.lock().expect("not poisoned").get_mut(&name) {
                         j.running = false;
-                        j.error = Some(status(e).message().to_owned());
+                        j.error = Some(Error::from(e).message().to_owned());
                     }
                 }
             }

@@ -92,7 +92,7 @@ impl Replication {
     /// Makes the relation's volumes read-only for clients, or writable.
     async fn set_read_only(&self, rel: &Relation, read_only: bool) -> Result<(), Status> {
         let (pool, volumes) = (Arc::clone(&self.pool), self.volumes_of(rel).await?);
-        blocking(move || volumes.iter().try_for_each(|v| pool.set_read_only(v, read_only).map(drop))).await
+        Ok(blocking(move || volumes.iter().try_for_each(|v| pool.set_read_only(v, read_only).map(drop))).await?)
     }
 
     /// The status of a replicated volume.
@@ -237,7 +237,7 @@ impl Replication {
     /// snapshot `<at>.<member>`), and makes them writable; a group is made here if it is not.
     async fn writable_at(&self, rel: &Relation, volumes: &[String], at: Option<String>) -> Result<(), Status> {
         let (pool, group, volumes) = (Arc::clone(&self.pool), rel.group.then(|| rel.volume.clone()), volumes.to_vec());
-        blocking(move || {
+        Ok(blocking(move || {
             for v in &volumes {
                 if let Some(a) = &at {
                     let snapshot = if group.is_some() { format!("{a}.{v}") } else { a.clone() };
@@ -250,7 +250,7 @@ impl Replication {
             }
             Ok(())
         })
-        .await
+        .await?)
     }
 
     /// Pushes `volume` now, waiting for a push already running to finish first.

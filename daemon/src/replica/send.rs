@@ -333,13 +333,13 @@ async fn push_leg(
 /// A group relation's points here (its group snapshots), oldest first.
 pub async fn group_points(hub: &Replication, rel: &Relation) -> Result<Vec<GroupSnapshotInfo>, Status> {
     let (pool, rel) = (Arc::clone(&hub.pool), rel.clone());
-    blocking(move || {
+    Ok(blocking(move || {
         let mut points: Vec<_> =
             pool.group_snapshots(Some(&rel.volume))?.into_iter().filter(|g| rel.taken_ms(&g.name).is_some()).collect();
         points.sort_by_key(|g| rel.taken_ms(&g.name));
         Ok(points)
     })
-    .await
+    .await?)
 }
 
 /// Pushes a replicated group once: every member to the same group mirror point (a group

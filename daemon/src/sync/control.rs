@@ -251,7 +251,8 @@ impl SyncHub {
     /// `volume`'s wrapped data key here (empty: plaintext).
     async fn wrapped_key(&self, volume: &str) -> Result<Vec<u8>, Status> {
         let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
-        blocking(move || pool.wrapped_key(ferrite_engine::Image::Volume(&name)).map(Option::unwrap_or_default)).await
+        Ok(blocking(move || pool.wrapped_key(ferrite_engine::Image::Volume(&name)).map(Option::unwrap_or_default))
+            .await?)
     }
 
     async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {

@@ -615,7 +615,7 @@ impl SyncHub {
     /// the copy on whether it is encrypted, or that names another data key.
     async fn follow_key(&self, rec: &Membership) -> Result<(), Status> {
         let (pool, name, wrapped) = (Arc::clone(&self.pool), rec.volume.clone(), rec.wrapped_key.clone());
-        blocking(move || {
+        Ok(blocking(move || {
             let refuse = |why: String| {
                 Err(ferrite_engine::Error::new(ferrite_engine::ErrorKind::InvalidArgument, format!("volume {name:?}: {why}")))
             };
@@ -638,7 +638,7 @@ impl SyncHub {
                 )),
             }
         })
-        .await
+        .await?)
     }
 
     /// Refuses a copy of `size` bytes unless the pool could hold it.
@@ -669,7 +669,7 @@ impl SyncHub {
         self.check_size(rec.size)?;
         let (pool, name, size, wrapped) =
             (Arc::clone(&self.pool), rec.volume.clone(), rec.size, rec.wrapped_key.clone());
-        blocking(move || {
+        Ok(blocking(move || {
             // An encrypted volume's copy is made with its wrapped key: locked here, written
             // with the ciphertext the primary sends, and opened with the same key-encryption
             // key once promoted.
@@ -679,6 +679,6 @@ impl SyncHub {
             };
             pool.set_read_only(&name, true).map(drop)
         })
-        .await
+        .await?)
     }
 }

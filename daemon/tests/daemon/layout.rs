@@ -19,7 +19,7 @@ const BANDS: &[&str] = &[
 /// The library's rooms whose files are ordered among themselves, lowest first. `api` is not
 /// ordered: no service may use another ([`services_do_not_use_one_another`]).
 const ROOMS: &[(&str, &[&str])] = &[
-    ("base", &["size", "state", "rpc", "config"]),
+    ("base", &["size", "state", "error", "rpc", "config"]),
     (
         "records",
         &["rotations", "restores", "keys", "fence", "exports", "publications", "attachments", "backup_outcomes"],
@@ -73,22 +73,35 @@ fn services_do_not_use_one_another() {
     assert!(wrong.is_empty(), "a service must not use another:\n{}", wrong.join("\n"));
 }
 
-#[test]
-fn the_library_names_neither_clap_nor_the_csi_driver() {
-    let mut wrong = Vec::new();
-    for f in files_of(&src()) {
-        if BINARY.contains(&bands::band_of(&src(), &f).as_str()) {
-            continue;
-        }
+/// The lines of `files` whose code (not a comment) names one of `words`.
+fn lines_naming(files: impl IntoIterator<Item = PathBuf>, words: &[&str]) -> Vec<String> {
+    let mut found = Vec::new();
+    for f in files {
         let text = std::fs::read_to_string(&f).unwrap();
         for (n, line) in text.lines().enumerate() {
             let code = line.split("//").next().unwrap_or("");
-            if code.contains("clap::") || code.contains("ferrite_csi") || code.contains("#[arg(") {
-                wrong.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+            if words.iter().any(|w| code.contains(w)) {
+                found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
             }
         }
     }
+    found
+}
+
+#[test]
+fn the_library_names_neither_clap_nor_the_csi_driver() {
+    let library = files_of(&src()).into_iter().filter(|f| !BINARY.contains(&bands::band_of(&src(), f).as_str()));
+    let wrong = lines_naming(library, &["clap::", "ferrite_csi", "#[arg("]);
     assert!(wrong.is_empty(), "the library must not use clap or ferrite-csi:\n{}", wrong.join("\n"));
+}
+
+/// The rooms below the services return the library's own error (`base/error.rs`), never a
+/// gRPC status: only `base/rpc.rs` turns one into the other.
+#[test]
+fn the_rooms_below_the_services_speak_no_grpc() {
+    let below = ["base", "records"].iter().flat_map(|room| files_of(&src().join(room)));
+    let wrong = lines_naming(below.filter(|f| !f.ends_with("base/rpc.rs")), &["tonic", "Status"]);
+    assert!(wrong.is_empty(), "a room below the services names gRPC:\n{}", wrong.join("\n"));
 }
 
 /// The design's pages: the map (ARCHITECTURE.md) and the topic pages under docs/design/.

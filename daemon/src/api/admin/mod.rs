@@ -46,7 +46,7 @@ impl AdminService {
         f: impl FnOnce(&Pool) -> Result<T, ferrite_engine::Error> + Send + 'static,
     ) -> Result<T, Status> {
         let pool = Arc::clone(&self.pool);
-        blocking(move || f(&pool)).await
+        Ok(blocking(move || f(&pool)).await?)
     }
 
     /// The NBD TCP listener's address (empty without one).

@@ -16,10 +16,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::base::error::Error;
 use ferrite_nbd::kernel::{self, Hold};
 use ferrite_nbd::relay::blocking_or_end;
 use tokio::task::JoinHandle;
-use tonic::Status;
 
 use super::AttachRecord;
 use crate::base::config::TlsFiles;
@@ -234,13 +234,11 @@ impl Drop for Keeper {
 pub fn relay_tls(
     tls: Option<&TlsFiles>,
     address: &str,
-) -> Result<(Arc<ferrite_tls::rustls::ClientConfig>, ferrite_tls::ServerName<'static>), Status> {
+) -> Result<(Arc<ferrite_tls::rustls::ClientConfig>, ferrite_tls::ServerName<'static>), Error> {
     let Some(TlsFiles { cert, key, client_ca: Some(ca), peer_name }) = tls else {
-        return Err(Status::failed_precondition(
-            "reaching another node's volume needs tls-cert, tls-key and tls-client-ca",
-        ));
+        return Err(Error::refused("reaching another node's volume needs tls-cert, tls-key and tls-client-ca"));
     };
-    let bad = |e: std::io::Error| Status::failed_precondition(format!("TLS for {address}: {e}"));
+    let bad = |e: std::io::Error| Error::refused(format!("TLS for {address}: {e}"));
     let cfg = ferrite_tls::client_config(ca, Some((cert, key)), &[]).map_err(bad)?;
     let name = ferrite_tls::server_name(peer_name.as_deref().unwrap_or(address)).map_err(bad)?;
     Ok((cfg, name))

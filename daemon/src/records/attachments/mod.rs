@@ -10,12 +10,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::base::error::Error;
 use ferrite_engine::Pool;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
-use tonic::Status;
 
-use crate::base::rpc::status;
 use crate::base::state::RecordFile;
 use crate::records::exports::{ExportRecord, ExportTable, open_image};
 use kernel_nbd::{Keeper, Links};
@@ -80,17 +79,17 @@ pub struct Attachments {
 }
 
 /// The transport to use for `wanted` ("", "auto", "ublk", "nbd"), and why.
-pub fn choose_transport(wanted: &str) -> Result<(&'static str, String), Status> {
+pub fn choose_transport(wanted: &str) -> Result<(&'static str, String), Error> {
     match wanted {
         "" | "auto" => match ferrite_ublk::Features::probe() {
             Ok(f) => Ok(("ublk", f.describe())),
             Err(e) => Ok(("nbd", format!("ublk unavailable ({e}); using the kernel NBD client"))),
         },
-        "ublk" => ferrite_ublk::Features::probe()
-            .map(|f| ("ublk", f.describe()))
-            .map_err(|e| Status::failed_precondition(e.to_string())),
+        "ublk" => {
+            ferrite_ublk::Features::probe().map(|f| ("ublk", f.describe())).map_err(|e| Error::refused(e.to_string()))
+        }
         "nbd" => Ok(("nbd", "kernel NBD client, as asked".into())),
-        other => Err(Status::invalid_argument(format!("transport must be auto, ublk or nbd, not {other:?}"))),
+        other => Err(Error::invalid(format!("transport must be auto, ublk or nbd, not {other:?}"))),
     }
 }
 
@@ -160,19 +159,19 @@ impl Attachments {
         volume: &str,
         transport: &'static str,
         opts: ferrite_ublk::Options,
-    ) -> Result<AttachRecord, Status> {
+    ) -> Result<AttachRecord, Error> {
         let mut live = self.live.lock().await;
         if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == volume) {
-            return Err(Status::already_exists(format!("{volume} is already attached as {}", old.device)));
+            return Err(Error::already_exists(format!("{volume} is already attached as {}", old.device)));
         }
         let (rec, handle) = if transport == "ublk" {
             let (pool, spec) = (Arc::clone(pool), volume.to_owned());
             let dev = tokio::task::spawn_blocking(move || {
-                let v = open_image(&pool, &spec).map_err(status)?;
-                ferrite_ublk::Device::attach(v, &opts).map_err(|e| Status::internal(e.to_string()))
+                let v = open_image(&pool, &spec).map_err(Error::from)?;
+                ferrite_ublk::Device::attach(v, &opts).map_err(|e| Error::internal(e.to_string()))
             })
             .await
-            .map_err(|e| Status::internal(format!("attach task failed: {e}")))??;
+            .map_err(|e| Error::internal(format!("attach task failed: {e}")))??;
             let rec = AttachRecord {
                 volume: volume.to_owned(),
                 transport: transport.into(),
@@ -209,7 +208,7 @@ impl Attachments {
                     if created {
                         exports.discard(&export.name).await;
                     }
-                    return Err(Status::failed_precondition(format!("kernel NBD attach: {e}")));
+                    return Err(Error::refused(format!("kernel NBD attach: {e}")));
                 }
             }
         };
@@ -234,13 +233,13 @@ impl Attachments {
         address: &str,
         export: &str,
         copies: Vec<String>,
-    ) -> Result<AttachRecord, Status> {
+    ) -> Result<AttachRecord, Error> {
         for a in std::iter::once(address).chain(copies.iter().map(String::as_str)) {
             kernel_nbd::relay_tls(self.links.tls.as_ref(), a)?;
         }
         let mut live = self.live.lock().await;
         if let Some((old, _)) = live.iter().find(|(x, _)| x.volume == volume) {
-            return Err(Status::already_exists(format!("{volume} is already attached as {}", old.device)));
+            return Err(Error::already_exists(format!("{volume} is already attached as {}", old.device)));
         }
         let rec = AttachRecord {
             volume: volume.to_owned(),
@@ -252,7 +251,7 @@ impl Attachments {
             remote: Some(address.to_owned()),
             copies,
         };
-        let failed = |e: std::io::Error| Status::unavailable(format!("attaching {volume} from {address}: {e}"));
+        let failed = |e: std::io::Error| Error::unavailable(format!("attaching {volume} from {address}: {e}"));
         let attached = self.links.attach(&rec).await.map_err(failed)?;
         let (rec, handle) = self.keep(rec, attached);
         Ok(self.add(&mut live, rec, handle))
@@ -267,10 +266,10 @@ impl Attachments {
     }
 
     /// Detaches by device path or volume name; stops the export the attach made, if any.
-    pub async fn detach(&self, exports: Option<&ExportTable>, device: &str) -> Result<(), Status> {
+    pub async fn detach(&self, exports: Option<&ExportTable>, device: &str) -> Result<(), Error> {
         let mut live = self.live.lock().await;
         let Some(i) = live.iter().position(|(r, _)| r.device == device || r.volume == device) else {
-            return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
+            return Err(Error::not_found(format!("{device:?} is not attached by this daemon")));
         };
         let (rec, handle) = &mut live[i];
         let index = rec.index;
@@ -280,12 +279,12 @@ impl Attachments {
                 keeper.stopping(true);
                 let done = tokio::task::spawn_blocking(move || ferrite_nbd::kernel::detach(index))
                     .await
-                    .map_err(|e| Status::internal(format!("detach task failed: {e}")))?;
+                    .map_err(|e| Error::internal(format!("detach task failed: {e}")))?;
                 keeper.stopping(done.is_err());
                 done
             }
         };
-        done.map_err(|e| Status::internal(format!("detaching {}: {e}", rec.device)))?;
+        done.map_err(|e| Error::internal(format!("detaching {}: {e}", rec.device)))?;
         let (rec, _) = live.remove(i);
         if let (Some(export), Some(exports)) = (rec.export.as_ref().filter(|_| rec.remote.is_none()), exports) {
             exports.discard(export).await;
@@ -332,26 +331,25 @@ impl Attachments {
 
     /// Gives a remote volume's device (`device` or the volume's name) the volume's current size,
     /// after its primary grew it.
-    pub async fn resize_remote(&self, device: &str) -> Result<AttachRecord, Status> {
+    pub async fn resize_remote(&self, device: &str) -> Result<AttachRecord, Error> {
         let rec = self.list().await.into_iter().find(|r| r.device == device || r.volume == device);
         let Some(rec) = rec else {
-            return Err(Status::not_found(format!("{device:?} is not attached by this daemon")));
+            return Err(Error::not_found(format!("{device:?} is not attached by this daemon")));
         };
         let Some(address) = &rec.remote else {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "{} is a local volume's device: it follows its volume's size by itself",
                 rec.device
             )));
         };
         let export = rec.export.as_deref().unwrap_or_default();
-        let failed =
-            |e: std::io::Error| Status::unavailable(format!("asking {address} for {}'s size: {e}", rec.volume));
+        let failed = |e: std::io::Error| Error::unavailable(format!("asking {address} for {}'s size: {e}", rec.volume));
         let (cfg, name) = kernel_nbd::relay_tls(self.links.tls.as_ref(), address)?;
         let size = ferrite_nbd::relay::export_size(cfg, name, address, export).await.map_err(failed)?;
         let index = rec.index;
-        let now = ferrite_nbd::kernel::size(index).map_err(|e| Status::internal(format!("{}: {e}", rec.device)))?;
+        let now = ferrite_nbd::kernel::size(index).map_err(|e| Error::internal(format!("{}: {e}", rec.device)))?;
         if size < now {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "{} is {now} bytes but its volume on {address} only {size}; it does not shrink",
                 rec.device
             )));
@@ -360,8 +358,8 @@ impl Attachments {
             let backend = kernel_nbd::backend(&rec.volume);
             tokio::task::spawn_blocking(move || ferrite_nbd::kernel::resize(index, size, &backend))
                 .await
-                .map_err(|e| Status::internal(format!("resize task failed: {e}")))?
-                .map_err(|e| Status::internal(format!("resizing {}: {e}", rec.device)))?;
+                .map_err(|e| Error::internal(format!("resize task failed: {e}")))?
+                .map_err(|e| Error::internal(format!("resizing {}: {e}", rec.device)))?;
             tracing::info!(device = %rec.device, size, "remote volume's device resized");
         }
         Ok(rec)
@@ -457,11 +455,11 @@ pub fn refuse_if_attached(
     live: &[(AttachRecord, Handle)],
     what: &str,
     serves: impl Fn(&str) -> bool,
-) -> Result<(), Status> {
+) -> Result<(), Error> {
     let devs: Vec<&str> =
         live.iter().filter(|(r, _)| r.remote.is_none() && serves(&r.volume)).map(|(r, _)| r.device.as_str()).collect();
     if devs.is_empty() {
         return Ok(());
     }
-    Err(Status::failed_precondition(format!("{what} is attached as {}; detach it first", devs.join(", "))))
+    Err(Error::refused(format!("{what} is attached as {}; detach it first", devs.join(", "))))
 }
