@@ -19,8 +19,12 @@ pub enum Kind {
     Busy,
     /// A peer, the pool or a device is away for now.
     Unavailable,
-    /// Out of space.
-    NoSpace,
+    /// Out of space, or over a limit.
+    Exhausted,
+    /// The caller (or a peer, for us) may not do it.
+    Denied,
+    /// It took longer than it may.
+    TimedOut,
     /// Data is damaged.
     Corrupt,
     /// This build or this machine does not do it.
@@ -68,6 +72,10 @@ impl Error {
         Self::new(Kind::Internal, message)
     }
 
+    pub fn busy(message: impl Into<String>) -> Self {
+        Self::new(Kind::Busy, message)
+    }
+
     pub fn kind(&self) -> Kind {
         self.kind
     }
@@ -85,7 +93,7 @@ impl From<ferrite_engine::Error> for Error {
             ErrorKind::AlreadyExists => Kind::AlreadyExists,
             ErrorKind::InvalidArgument => Kind::Invalid,
             ErrorKind::OutOfRange => Kind::OutOfRange,
-            ErrorKind::NoSpace => Kind::NoSpace,
+            ErrorKind::NoSpace => Kind::Exhausted,
             ErrorKind::Closed | ErrorKind::Busy => Kind::Unavailable,
             ErrorKind::Corrupt => Kind::Corrupt,
             ErrorKind::Unsupported => Kind::Unsupported,

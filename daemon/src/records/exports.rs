@@ -4,13 +4,13 @@
 
 use std::sync::Arc;
 
-use crate::base::error::Error;
 use ferrite_engine::{ErrorKind, Pool, Volume};
 use ferrite_nbd::export::Allow;
 use ferrite_nbd::{Export, Exports};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 
+use crate::base::error::Error;
 use crate::base::state::RecordFile;
 
 /// The names of the exports that are publications (`publications.rs`): an identity on their

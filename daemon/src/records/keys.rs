@@ -6,10 +6,11 @@
 
 use std::path::Path;
 
-use crate::base::error::Error;
 use ferrite_crypt::{Kek, KeyFiles, KeyProvider};
 use ferrite_engine::{Image, Pool};
 use ferrite_proto::ferrite::v1 as pb;
+
+use crate::base::error::Error;
 
 /// The largest wrapped data key a peer may send: a wrapping is a few dozen bytes and a key id
 /// of at most 255.

@@ -7,9 +7,9 @@
 //! exports' own check lets one through). The node opens it only while its identity also holds
 //! the `nbd-client` role: a controller cannot open a volume to a certificate without it.
 
-use crate::base::error::Error;
 use ferrite_proto::ferrite::v1 as pb;
 
+use crate::base::error::Error;
 use crate::records::exports::{ExportRecord, ExportTable, PUBLICATION_PREFIX as PREFIX};
 
 fn export_name(volume: &str) -> String {

@@ -4,14 +4,12 @@
 //! volume is unlocked again.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use crate::base::error::Error;
 use ferrite_crypt::Kek;
 use ferrite_engine::{Pool, RotationProgress};
-use std::sync::Mutex;
 
-use crate::base::error::blocking;
+use crate::base::error::{Error, blocking};
 use crate::base::state::RecordFile;
 
 /// A rotation's state, as status shows it.

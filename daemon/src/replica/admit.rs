@@ -4,38 +4,38 @@
 //! only a first sync from an endpoint the caller's certificate names, which creates it.
 
 use ferrite_proto::ferrite::v1::PushBegin;
-use tonic::Status;
 
 use super::Replication;
 use super::records::{Relation, Role};
 use crate::authz::Caller;
+use crate::base::error::Error;
 
 /// The call every check here answers for.
 const PUSH: &str = "/ferrite.v1.Replica/Push";
 
 /// Whether a name is fit to be a volume or snapshot name a peer gives (the engine checks its
 /// own rules too; this keeps control characters and oversized names out of logs and records).
-pub(crate) fn check_name(what: &str, name: &str) -> Result<(), Status> {
+pub(crate) fn check_name(what: &str, name: &str) -> Result<(), Error> {
     if name.is_empty() || name.len() > 255 || name.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!("{what} {name:?}: 1 to 255 printable characters")));
+        return Err(Error::invalid(format!("{what} {name:?}: 1 to 255 printable characters")));
     }
     Ok(())
 }
 
 /// An epoch a peer sent, bounded: epochs count promotions, and one far past any real count is a
 /// peer pinning the relation.
-pub(super) fn check_epoch_bound(epoch: u64) -> Result<(), Status> {
+pub(super) fn check_epoch_bound(epoch: u64) -> Result<(), Error> {
     if epoch > super::MAX_EPOCH {
-        return Err(Status::invalid_argument(format!("epoch {epoch} is past {}", super::MAX_EPOCH)));
+        return Err(Error::invalid(format!("epoch {epoch} is past {}", super::MAX_EPOCH)));
     }
     Ok(())
 }
 
 /// Refuses a `what` made under epoch `sent` of relation `key`, which is at `here` on this side:
 /// a promotion happened since, and the sender must be demoted and resynced.
-pub(super) fn check_not_stale(what: &str, key: &str, sent: u64, here: u64) -> Result<(), Status> {
+pub(super) fn check_not_stale(what: &str, key: &str, sent: u64, here: u64) -> Result<(), Error> {
     if sent < here {
-        return Err(Status::failed_precondition(format!(
+        return Err(Error::refused(format!(
             "stale {what}: made under epoch {sent} of {key:?}, which is at epoch {here} here (a promotion \
              happened since); the sender must be demoted and resynced"
         )));
@@ -44,7 +44,7 @@ pub(super) fn check_not_stale(what: &str, key: &str, sent: u64, here: u64) -> Re
 }
 
 /// Checks every field of a begin message that does not depend on this daemon's records.
-pub(super) fn check_begin(rep: &Replication, b: &PushBegin) -> Result<(), Status> {
+pub(super) fn check_begin(rep: &Replication, b: &PushBegin) -> Result<(), Error> {
     check_name("replica", &b.replica)?;
     check_name("snapshot", &b.snapshot)?;
     if !b.base.is_empty() {
@@ -54,10 +54,10 @@ pub(super) fn check_begin(rep: &Replication, b: &PushBegin) -> Result<(), Status
         check_name("group", &b.group)?;
     }
     if b.prefix.len() > 255 || b.prefix.chars().any(char::is_control) {
-        return Err(Status::invalid_argument("the mirror-snapshot prefix is not a name"));
+        return Err(Error::invalid("the mirror-snapshot prefix is not a name"));
     }
     if b.interval_secs > super::MAX_INTERVAL_SECS {
-        return Err(Status::invalid_argument(format!(
+        return Err(Error::invalid(format!(
             "interval {} s: at most a week ({} s), or 0 for on request only",
             b.interval_secs,
             super::MAX_INTERVAL_SECS
@@ -65,7 +65,7 @@ pub(super) fn check_begin(rep: &Replication, b: &PushBegin) -> Result<(), Status
     }
     let most = super::largest_replica(&rep.pool, rep.overcommit);
     if b.size == 0 || b.size > most {
-        return Err(Status::invalid_argument(format!(
+        return Err(Error::invalid(format!(
             "replica {:?} of {} bytes: a replica must be larger than 0 and at most {most} bytes here (the \
              pool's size times its overcommit cap)",
             b.replica, b.size
@@ -73,7 +73,7 @@ pub(super) fn check_begin(rep: &Replication, b: &PushBegin) -> Result<(), Status
     }
     check_epoch_bound(b.epoch)?;
     if b.end > b.size {
-        return Err(Status::invalid_argument(format!("the delta ends at {} past the size {}", b.end, b.size)));
+        return Err(Error::invalid(format!("the delta ends at {} past the size {}", b.end, b.size)));
     }
     Ok(())
 }
@@ -87,17 +87,25 @@ pub(super) fn relation_of(rep: &Replication, name: &str) -> Option<Relation> {
 }
 
 /// Refuses `caller` unless it is the configured peer of `rel`.
-pub(super) fn check_peer(rep: &Replication, caller: &Caller, call: &str, rel: &Relation) -> Result<(), Status> {
+pub(super) fn check_peer(rep: &Replication, caller: &Caller, call: &str, rel: &Relation) -> Result<(), Error> {
     let identity = rep.peer_identity(&rel.peer);
     if identity.as_deref().is_some_and(|i| caller.is_peer(i)) || caller.is_operator() {
         return Ok(());
     }
     let what = if rel.group { "replicated group" } else { "replicated volume" };
-    Err(rep.policy.refuse(
-        caller,
-        call,
-        &format!("{what} {:?} here has peer {} (identity {:?})", rel.volume, rel.peer, identity.unwrap_or_default()),
-    ))
+    Err(rep
+        .policy
+        .refuse(
+            caller,
+            call,
+            &format!(
+                "{what} {:?} here has peer {} (identity {:?})",
+                rel.volume,
+                rel.peer,
+                identity.unwrap_or_default()
+            ),
+        )
+        .into())
 }
 
 /// Whether this daemon takes the push `b` from `caller` (the caller holds the relation's op
@@ -105,7 +113,7 @@ pub(super) fn check_peer(rep: &Replication, caller: &Caller, call: &str, rel: &R
 /// higher than the push's, and a group push names a member of the group (or creates one).
 /// A volume that is not replicated here takes only a first sync, which creates it: then the
 /// relation it gets.
-pub(super) fn admit(rep: &Replication, caller: &Caller, b: &PushBegin) -> Result<Option<Relation>, Status> {
+pub(super) fn admit(rep: &Replication, caller: &Caller, b: &PushBegin) -> Result<Option<Relation>, Error> {
     let grouped = !b.group.is_empty();
     let key = if grouped { &b.group } else { &b.replica };
     let Some(mut r) = rep.relations.get(key) else {
@@ -114,10 +122,10 @@ pub(super) fn admit(rep: &Replication, caller: &Caller, b: &PushBegin) -> Result
     check_peer(rep, caller, PUSH, &r)?;
     if r.group != grouped {
         let (is, not) = if r.group { ("a group", "a volume") } else { ("a volume", "a group") };
-        return Err(Status::failed_precondition(format!("{key:?} replicates as {is} here, and the push is for {not}")));
+        return Err(Error::refused(format!("{key:?} replicates as {is} here, and the push is for {not}")));
     }
     if r.role == Role::Primary {
-        return Err(Status::failed_precondition(format!(
+        return Err(Error::refused(format!(
             "{key:?} is a primary on this daemon: both sides are primary (split-brain); demote one and resync it"
         )));
     }
@@ -125,11 +133,14 @@ pub(super) fn admit(rep: &Replication, caller: &Caller, b: &PushBegin) -> Result
     if grouped && !r.members.contains(&b.replica) {
         let new_member = b.base.is_empty() && !b.resume && rep.pool.volume_info(&b.replica).is_err();
         if !new_member {
-            return Err(rep.policy.refuse(
-                caller,
-                PUSH,
-                &format!("volume {:?} is not a member of replicated group {key:?} here", b.replica),
-            ));
+            return Err(rep
+                .policy
+                .refuse(
+                    caller,
+                    PUSH,
+                    &format!("volume {:?} is not a member of replicated group {key:?} here", b.replica),
+                )
+                .into());
         }
     }
     // A promoted replica schedules as its primary did, and carries its epoch on.
@@ -141,38 +152,47 @@ pub(super) fn admit(rep: &Replication, caller: &Caller, b: &PushBegin) -> Result
 }
 
 /// The relation a first push makes: from an endpoint of the caller's own.
-pub(super) fn new_relation(rep: &Replication, caller: &Caller, b: &PushBegin) -> Result<Relation, Status> {
+pub(super) fn new_relation(rep: &Replication, caller: &Caller, b: &PushBegin) -> Result<Relation, Error> {
     if !b.base.is_empty() {
-        return Err(Status::failed_precondition(format!(
+        return Err(Error::refused(format!(
             "volume {:?} is not a replica on this daemon: a push over a base needs one",
             b.replica
         )));
     }
     if b.prefix.is_empty() {
-        return Err(Status::invalid_argument("a first push names the prefix of its relation's mirror snapshots"));
+        return Err(Error::invalid("a first push names the prefix of its relation's mirror snapshots"));
     }
     // Whoever pushes first becomes the relation's peer: the endpoint this daemon will call
     // back (resync, promote) must be one the caller's certificate proves it is.
     if !caller.is_operator() {
         let Some(identity) = rep.peer_identity(&b.origin) else {
-            return Err(rep.policy.refuse(caller, PUSH, &format!("origin {:?} is not a tcp:// endpoint", b.origin)));
+            return Err(rep
+                .policy
+                .refuse(caller, PUSH, &format!("origin {:?} is not a tcp:// endpoint", b.origin))
+                .into());
         };
         if !caller.is_peer(&identity) {
-            return Err(rep.policy.refuse(
-                caller,
-                PUSH,
-                &format!("origin {} is identity {identity:?}, which the caller's certificate does not name", b.origin),
-            ));
+            return Err(rep
+                .policy
+                .refuse(
+                    caller,
+                    PUSH,
+                    &format!(
+                        "origin {} is identity {identity:?}, which the caller's certificate does not name",
+                        b.origin
+                    ),
+                )
+                .into());
         }
     }
     let made = rep.relations.all().iter().filter(|r| r.peer == b.origin).count();
     if made >= rep.quota && !caller.is_operator() {
         let why = format!("{} is the peer of {made} relations here (peer-quota {})", b.origin, rep.quota);
-        return Err(rep.policy.exhausted(caller, PUSH, &why));
+        return Err(rep.policy.exhausted(caller, PUSH, &why).into());
     }
     // A first sync creates its volume; it never takes over one that exists.
     if rep.pool.volume_info(&b.replica).is_ok() || rep.pending.get(&b.replica).is_some() {
-        return Err(Status::already_exists(format!(
+        return Err(Error::already_exists(format!(
             "volume {:?} already exists here and is no replica of yours: a first sync creates its replica volume",
             b.replica
         )));
@@ -181,7 +201,7 @@ pub(super) fn new_relation(rep: &Replication, caller: &Caller, b: &PushBegin) ->
     let group = &b.group;
     if !group.is_empty() && (rep.pool.groups().iter().any(|g| g.name == *group) || rep.pool.volume_info(group).is_ok())
     {
-        return Err(Status::already_exists(format!(
+        return Err(Error::already_exists(format!(
             "{group:?} already exists here as a local group or volume and is no replica of yours: a first group sync creates its replica group"
         )));
     }

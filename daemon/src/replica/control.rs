@@ -19,12 +19,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferrite_proto::ferrite::v1 as pb;
-use tonic::Status;
 
 use super::records::{Relation, Role};
-use super::send::{at_peer, connect, group_points, position, prune, push, push_group};
+use super::send::{connect, group_points, position, prune, push, push_group};
 use super::{Replication, load, now_ms};
-use crate::base::rpc::blocking;
+use crate::base::error::Error;
+use crate::base::rpc::{at_peer, blocking};
 
 /// How often a demoted volume retries its final delta when it has no interval of its own.
 const HANDOVER_RETRY: Duration = Duration::from_secs(10);
@@ -46,19 +46,19 @@ fn retry_after(failing: u32, every: Duration) -> Duration {
     FAILED_RETRY.saturating_mul(1 << failing.saturating_sub(1).min(16)).min(every)
 }
 
-fn not_replicated(volume: &str) -> Status {
-    Status::not_found(format!("volume {volume:?} is not replicated on this daemon"))
+fn not_replicated(volume: &str) -> Error {
+    Error::not_found(format!("volume {volume:?} is not replicated on this daemon"))
 }
 
 impl Replication {
-    fn relation(&self, volume: &str) -> Result<Relation, Status> {
+    fn relation(&self, volume: &str) -> Result<Relation, Error> {
         self.relations.get(volume).ok_or_else(|| not_replicated(volume))
     }
 
     /// The newest complete point of this relation here: a volume's newest mirror snapshot; a
     /// group's last point every member reached (or, demoted with its final delta not landed,
     /// its newest group snapshot, taken read-only).
-    async fn newest_point(&self, rel: &Relation) -> Result<Option<String>, Status> {
+    async fn newest_point(&self, rel: &Relation) -> Result<Option<String>, Error> {
         match (rel.group, rel.handover) {
             (false, _) => {
                 let (pool, name) = (Arc::clone(&self.pool), rel.volume.clone());
@@ -71,7 +71,7 @@ impl Replication {
     }
 
     /// The volumes a relation covers here: its volume, or its group's members.
-    async fn volumes_of(&self, rel: &Relation) -> Result<Vec<String>, Status> {
+    async fn volumes_of(&self, rel: &Relation) -> Result<Vec<String>, Error> {
         if !rel.group {
             return Ok(vec![rel.volume.clone()]);
         }
@@ -81,7 +81,7 @@ impl Replication {
     }
 
     /// Ends the pushes coming into the relation's volumes, if any.
-    async fn cancel_incoming_of(&self, volume: &str) -> Result<(), Status> {
+    async fn cancel_incoming_of(&self, volume: &str) -> Result<(), Error> {
         let Some(rel) = self.relations.get(volume) else { return Ok(()) };
         for v in self.volumes_of(&rel).await? {
             self.cancel_incoming(&v).await;
@@ -90,9 +90,9 @@ impl Replication {
     }
 
     /// Makes the relation's volumes read-only for clients, or writable.
-    async fn set_read_only(&self, rel: &Relation, read_only: bool) -> Result<(), Status> {
+    async fn set_read_only(&self, rel: &Relation, read_only: bool) -> Result<(), Error> {
         let (pool, volumes) = (Arc::clone(&self.pool), self.volumes_of(rel).await?);
-        Ok(blocking(move || volumes.iter().try_for_each(|v| pool.set_read_only(v, read_only).map(drop))).await?)
+        blocking(move || volumes.iter().try_for_each(|v| pool.set_read_only(v, read_only).map(drop))).await
     }
 
     /// The status of a replicated volume.
@@ -134,7 +134,7 @@ impl Replication {
     }
 
     /// Every replicated volume, or one.
-    pub fn list(&self, volume: &str) -> Result<Vec<pb::Replication>, Status> {
+    pub fn list(&self, volume: &str) -> Result<Vec<pb::Replication>, Error> {
         if !volume.is_empty() {
             return Ok(vec![self.status_of(&self.relation(volume)?)]);
         }
@@ -152,12 +152,12 @@ impl Replication {
         interval_secs: u64,
         group: bool,
         snapshots: Vec<String>,
-    ) -> Result<pb::Replication, Status> {
+    ) -> Result<pb::Replication, Error> {
         if peer.is_empty() {
-            return Err(Status::invalid_argument("replication needs the peer daemon's admin endpoint"));
+            return Err(Error::invalid("replication needs the peer daemon's admin endpoint"));
         }
         if interval_secs > super::MAX_INTERVAL_SECS {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::invalid(format!(
                 "interval {interval_secs} s: at most a week (604800 s), or 0 for on request only"
             )));
         }
@@ -174,13 +174,13 @@ impl Replication {
         let remote = if remote.is_empty() { volume } else { remote };
         let rel = match self.relations.get(volume) {
             Some(r) if r.role == Role::Secondary => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::refused(format!(
                     "volume {volume:?} is a secondary of {:?} on {}: promote it to replicate it elsewhere",
                     r.remote, r.peer
                 )));
             }
             Some(r) if r.peer != peer || r.remote != remote || r.group != group => {
-                return Err(Status::already_exists(format!(
+                return Err(Error::already_exists(format!(
                     "volume {volume:?} already replicates to {:?} on {}: disable that first",
                     r.remote, r.peer
                 )));
@@ -210,7 +210,7 @@ impl Replication {
 
     /// Stops replicating `volume`; a secondary becomes writable at its newest complete mirror
     /// snapshot.
-    pub async fn disable(&self, volume: &str) -> Result<pb::Replication, Status> {
+    pub async fn disable(&self, volume: &str) -> Result<pb::Replication, Error> {
         let lock = self.op_lock(volume);
         self.cancel_incoming_of(volume).await?;
         let _g = lock.lock().await;
@@ -235,9 +235,9 @@ impl Replication {
 
     /// Rolls the relation's volumes back to point `at`, if given (a group member to its
     /// snapshot `<at>.<member>`), and makes them writable; a group is made here if it is not.
-    async fn writable_at(&self, rel: &Relation, volumes: &[String], at: Option<String>) -> Result<(), Status> {
+    async fn writable_at(&self, rel: &Relation, volumes: &[String], at: Option<String>) -> Result<(), Error> {
         let (pool, group, volumes) = (Arc::clone(&self.pool), rel.group.then(|| rel.volume.clone()), volumes.to_vec());
-        Ok(blocking(move || {
+        blocking(move || {
             for v in &volumes {
                 if let Some(a) = &at {
                     let snapshot = if group.is_some() { format!("{a}.{v}") } else { a.clone() };
@@ -250,11 +250,11 @@ impl Replication {
             }
             Ok(())
         })
-        .await?)
+        .await
     }
 
     /// Pushes `volume` now, waiting for a push already running to finish first.
-    pub async fn sync(&self, volume: &str) -> Result<pb::SyncReplicationResponse, Status> {
+    pub async fn sync(&self, volume: &str) -> Result<pb::SyncReplicationResponse, Error> {
         let lock = self.op_lock(volume);
         let _g = lock.lock().await;
         self.sync_locked(volume).await
@@ -279,7 +279,7 @@ impl Replication {
         self.sync_soon(volume);
     }
 
-    async fn sync_locked(&self, volume: &str) -> Result<pb::SyncReplicationResponse, Status> {
+    async fn sync_locked(&self, volume: &str) -> Result<pb::SyncReplicationResponse, Error> {
         let mut rel = self.relation(volume)?;
         let asked = self.live(volume, |l| std::mem::take(&mut l.asked_epoch));
         if rel.role == Role::Primary && asked > rel.epoch {
@@ -318,7 +318,7 @@ impl Replication {
     }
 
     /// Makes `volume` read-only here and sends its final delta.
-    pub async fn demote(&self, volume: &str) -> Result<pb::Replication, Status> {
+    pub async fn demote(&self, volume: &str) -> Result<pb::Replication, Error> {
         let lock = self.op_lock(volume);
         let _g = lock.lock().await;
         let mut rel = self.relation(volume)?;
@@ -337,7 +337,7 @@ impl Replication {
     }
 
     /// Makes `volume` writable here (see the module docs for when).
-    pub async fn promote(&self, volume: &str, force: bool) -> Result<pb::Replication, Status> {
+    pub async fn promote(&self, volume: &str, force: bool) -> Result<pb::Replication, Error> {
         let lock = self.op_lock(volume);
         // A push in flight holds the lock: a forced promotion ends it, a planned one waits for
         // it (it may be the peer's final delta).
@@ -357,7 +357,7 @@ impl Replication {
             self.cancel_incoming(v).await;
         }
         let Some(at) = self.newest_point(&rel).await? else {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "{volume:?} holds no complete mirror snapshot: there is nothing to promote"
             )));
         };
@@ -385,9 +385,9 @@ impl Replication {
 
     /// A promotion without force loses nothing only if the peer is demoted, its final delta is
     /// here, and this side holds the peer's newest mirror snapshot.
-    async fn check_peer_handed_over(&self, rel: &Relation) -> Result<(), Status> {
+    async fn check_peer_handed_over(&self, rel: &Relation) -> Result<(), Error> {
         let unsure = |why: String| {
-            Status::failed_precondition(format!(
+            Error::refused(format!(
                 "{why}; promote with force to take over at this side's last complete mirror snapshot"
             ))
         };
@@ -419,12 +419,12 @@ impl Replication {
     }
 
     /// On a secondary: discard what differs from the primary and ask it to push now.
-    pub async fn resync(&self, volume: &str) -> Result<pb::Replication, Status> {
+    pub async fn resync(&self, volume: &str) -> Result<pb::Replication, Error> {
         let lock = self.op_lock(volume);
         let _g = lock.lock().await;
         let mut rel = self.relation(volume)?;
         if rel.role == Role::Primary {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "volume {volume:?} is primary here: demote it before resyncing it from {}",
                 rel.peer
             )));

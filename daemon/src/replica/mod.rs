@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use ferrite_engine::Pool;
 use tokio::sync::Notify;
-use tonic::Status;
 
 use crate::authz::Policy;
 use crate::base::config::{Config, TlsFiles};
+use crate::base::error::Error;
 use crate::records::attachments::Attachments;
 use crate::records::exports::ExportTable;
 use records::{PendingRecord, Records, Relation};
@@ -201,10 +201,10 @@ impl Replication {
     }
 
     /// Marks an incoming transfer into `replica`; a second one at once is Aborted.
-    fn claim_incoming(&self, replica: &str) -> Result<Incoming<'_>, Status> {
+    fn claim_incoming(&self, replica: &str) -> Result<Incoming<'_>, Error> {
         let mut m = self.incoming.lock().expect("not poisoned");
         if m.contains_key(replica) {
-            return Err(Status::aborted(format!("a transfer to replica {replica:?} is already in flight")));
+            return Err(Error::busy(format!("a transfer to replica {replica:?} is already in flight")));
         }
         let cancelled = Arc::new(Notify::new());
         m.insert(replica.to_owned(), Arc::clone(&cancelled));

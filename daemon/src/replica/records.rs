@@ -7,8 +7,8 @@ use std::sync::Mutex;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tonic::Status;
 
+use crate::base::error::Error;
 use crate::base::state::RecordFile;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,7 +147,7 @@ impl<T: Keyed + Clone + Serialize + DeserializeOwned> Records<T> {
     }
 
     /// Replaces the record of `key` with `record` (None: forgets it), durably.
-    pub fn set(&self, key: &str, record: Option<T>) -> Result<(), Status> {
+    pub fn set(&self, key: &str, record: Option<T>) -> Result<(), Error> {
         let mut items = self.items.lock().expect("not poisoned");
         let before = items.clone();
         items.retain(|r| r.key() != key);
@@ -155,11 +155,11 @@ impl<T: Keyed + Clone + Serialize + DeserializeOwned> Records<T> {
         self.changes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.file.save(&items).map_err(|e| {
             *items = before;
-            Status::internal(format!("saving {}: {e}", self.file.path().display()))
+            Error::internal(format!("saving {}: {e}", self.file.path().display()))
         })
     }
 
-    pub fn put(&self, record: T) -> Result<(), Status> {
+    pub fn put(&self, record: T) -> Result<(), Error> {
         let key = record.key().to_owned();
         self.set(&key, Some(record))
     }

@@ -17,34 +17,34 @@ use ferrite_proto::ferrite::v1::{
 };
 use ferrite_replication::Piece;
 use ferrite_replication::delta::Delta;
-use tonic::Status;
 use tonic::transport::Channel;
 
 use super::records::{Relation, Role};
 use super::{Progress, Replication, now_ms};
 use crate::base::config::TlsFiles;
-use crate::base::rpc::{blocking, status};
+use crate::base::error::Error;
+use crate::base::rpc::{at_peer, blocking};
 use crate::records::exports::snapshot_of;
 
 /// Data bytes per push piece.
 pub const PIECE: usize = 1 << 20;
 
 /// A client of the peer's `Replica` service (mutual TLS to a tcp:// peer).
-pub async fn connect(tls: Option<&TlsFiles>, peer: &str) -> Result<ReplicaClient<Channel>, Status> {
+pub async fn connect(tls: Option<&TlsFiles>, peer: &str) -> Result<ReplicaClient<Channel>, Error> {
     Ok(ReplicaClient::new(channel(tls, peer).await?).max_decoding_message_size(super::MAX_PUSH_MESSAGE))
 }
 
 /// A channel to a peer daemon's admin API: mutual TLS with this daemon's identity to a tcp://
 /// peer, plain to a socket path.
-pub async fn channel(tls: Option<&TlsFiles>, peer: &str) -> Result<Channel, Status> {
+pub async fn channel(tls: Option<&TlsFiles>, peer: &str) -> Result<Channel, Error> {
     let client_tls = match (peer.starts_with("tcp://"), tls) {
         (false, _) => None,
         (true, Some(TlsFiles { cert, key, client_ca: Some(ca), .. })) => Some(
             ferrite_proto::admin_tls(ca, Some((cert, key)))
-                .map_err(|e| Status::failed_precondition(format!("TLS client identity for {peer}: {e}")))?,
+                .map_err(|e| Error::refused(format!("TLS client identity for {peer}: {e}")))?,
         ),
         (true, _) => {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "replicating to {peer} needs tls-cert, tls-key and tls-client-ca (mutual TLS with the peer)"
             )));
         }
@@ -52,20 +52,11 @@ pub async fn channel(tls: Option<&TlsFiles>, peer: &str) -> Result<Channel, Stat
     let name = tls.and_then(|t| t.peer_name.as_deref());
     ferrite_proto::connect_as(peer, client_tls, name)
         .await
-        .map_err(|e| Status::unavailable(format!("connecting to peer {peer}: {e}")))
-}
-
-/// A peer's error, saying which peer.
-pub fn at_peer(peer: &str) -> impl Fn(Status) -> Status + '_ {
-    move |e| Status::new(e.code(), format!("peer {peer}: {}", e.message()))
+        .map_err(|e| Error::unavailable(format!("connecting to peer {peer}: {e}")))
 }
 
 /// Where `volume` (or a group) stands on `peer`.
-pub async fn position(
-    client: &mut ReplicaClient<Channel>,
-    peer: &str,
-    volume: &str,
-) -> Result<ReplicaPosition, Status> {
+pub async fn position(client: &mut ReplicaClient<Channel>, peer: &str, volume: &str) -> Result<ReplicaPosition, Error> {
     let req = ReplicaPositionRequest { replica: volume.to_owned() };
     Ok(client.position(req).await.map_err(at_peer(peer))?.into_inner())
 }
@@ -134,7 +125,7 @@ struct Leg<'a> {
 }
 
 /// Pushes `rel.volume` to its peer once. The caller holds the volume's op lock.
-pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationResponse, Status> {
+pub async fn push(hub: &Replication, rel: &Relation) -> Result<SyncReplicationResponse, Error> {
     check_role(rel)?;
     let mut client = connect(hub.tls.as_ref(), &rel.peer).await?;
     let mut user_bytes = 0;
@@ -158,7 +149,7 @@ async fn user_snapshots_to_send(
     hub: &Replication,
     client: &mut ReplicaClient<Channel>,
     rel: &Relation,
-) -> Result<Vec<String>, Status> {
+) -> Result<Vec<String>, Error> {
     if rel.snapshots.is_empty() {
         return Ok(Vec::new());
     }
@@ -173,9 +164,9 @@ async fn user_snapshots_to_send(
         .collect())
 }
 
-fn check_role(rel: &Relation) -> Result<(), Status> {
+fn check_role(rel: &Relation) -> Result<(), Error> {
     if rel.role == Role::Secondary && !rel.handover {
-        return Err(Status::failed_precondition(format!(
+        return Err(Error::refused(format!(
             "{:?} is a secondary here: its primary on {} pushes to it",
             rel.volume, rel.peer
         )));
@@ -185,9 +176,9 @@ fn check_role(rel: &Relation) -> Result<(), Status> {
 
 /// A peer whose relation is at a higher epoch was promoted after this side's last promotion:
 /// this side was failed over, and pushing would overwrite its successor.
-fn check_epoch(rel: &Relation, pos: &ReplicaPosition) -> Result<(), Status> {
+fn check_epoch(rel: &Relation, pos: &ReplicaPosition) -> Result<(), Error> {
     if pos.epoch > rel.epoch {
-        return Err(Status::failed_precondition(format!(
+        return Err(Error::refused(format!(
             "{:?} on {} is at epoch {}, this side at {}: it was promoted since; demote this side and resync it",
             rel.remote, rel.peer, pos.epoch, rel.epoch
         )));
@@ -195,10 +186,8 @@ fn check_epoch(rel: &Relation, pos: &ReplicaPosition) -> Result<(), Status> {
     Ok(())
 }
 
-fn split_brain(peer: &str, remote: &str) -> Status {
-    Status::failed_precondition(format!(
-        "split-brain: {remote:?} on {peer} is a primary too; demote one side and resync it"
-    ))
+fn split_brain(peer: &str, remote: &str) -> Error {
+    Error::refused(format!("split-brain: {remote:?} on {peer} is a primary too; demote one side and resync it"))
 }
 
 /// Sends one volume's delta: asks the peer where its copy stands, finishes an unfinished
@@ -207,13 +196,13 @@ async fn push_leg(
     hub: &Replication,
     client: &mut ReplicaClient<Channel>,
     leg: Leg<'_>,
-) -> Result<SyncReplicationResponse, Status> {
+) -> Result<SyncReplicationResponse, Error> {
     let rel = leg.relation;
     let peer = rel.peer.as_str();
     let pos = position(client, peer, leg.remote).await?;
     // Asked first, so a push that would be refused sends no data.
     if pos.busy {
-        return Err(Status::aborted(format!(
+        return Err(Error::busy(format!(
             "peer {peer}: a transfer into {:?} is still in flight there (a cut one ends within 15 s)",
             leg.remote
         )));
@@ -246,7 +235,7 @@ async fn push_leg(
         // The newest snapshot the replica holds that is one of ours is the common point.
         let base = pos.snapshots.iter().rev().find(|n| ours.contains(n)).cloned().unwrap_or_default();
         if base.is_empty() && !pos.snapshots.is_empty() {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "{:?} on {peer} holds none of the mirror snapshots of {:?}: it needs a resync (or a new replica)",
                 leg.remote, leg.volume
             )));
@@ -319,9 +308,9 @@ async fn push_leg(
         })
     };
     let sent = client.push(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
-    let read = reader.await.map_err(|e| Status::internal(format!("replica reader: {e}")));
+    let read = reader.await.map_err(|e| Error::internal(format!("replica reader: {e}")));
     hub.live(&rel.volume, |l| l.running = None);
-    read?.map_err(status)?;
+    read?.map_err(Error::from)?;
     let reply = sent.map_err(at_peer(peer))?.into_inner();
     let secs = progress.started.elapsed().as_secs_f64();
     hub.live(&rel.volume, |l| (l.last_secs, l.last_bytes) = (secs, reply.data_bytes));
@@ -331,21 +320,21 @@ async fn push_leg(
 }
 
 /// A group relation's points here (its group snapshots), oldest first.
-pub async fn group_points(hub: &Replication, rel: &Relation) -> Result<Vec<GroupSnapshotInfo>, Status> {
+pub async fn group_points(hub: &Replication, rel: &Relation) -> Result<Vec<GroupSnapshotInfo>, Error> {
     let (pool, rel) = (Arc::clone(&hub.pool), rel.clone());
-    Ok(blocking(move || {
+    blocking(move || {
         let mut points: Vec<_> =
             pool.group_snapshots(Some(&rel.volume))?.into_iter().filter(|g| rel.taken_ms(&g.name).is_some()).collect();
         points.sort_by_key(|g| rel.taken_ms(&g.name));
         Ok(points)
     })
-    .await?)
+    .await
 }
 
 /// Pushes a replicated group once: every member to the same group mirror point (a group
 /// snapshot here, so crash-consistent across members), then tells the peer the point is
 /// complete; only then does it count, there and here. An unfinished point is finished first.
-pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplicationResponse, Status> {
+pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplicationResponse, Error> {
     check_role(rel)?;
     let peer = rel.peer.as_str();
     let mut client = connect(hub.tls.as_ref(), peer).await?;
@@ -359,7 +348,7 @@ pub async fn push_group(hub: &Replication, rel: &Relation) -> Result<SyncReplica
         .await?
         .unwrap_or_default();
     if members.is_empty() {
-        return Err(Status::failed_precondition(format!("group {:?} has no volumes here", rel.volume)));
+        return Err(Error::refused(format!("group {:?} has no volumes here", rel.volume)));
     }
     members.sort();
     let points = group_points(hub, rel).await?;

@@ -6,26 +6,26 @@ use std::time::Duration;
 
 use ferrite_engine::Mirror;
 use ferrite_proto::ferrite::v1::{SyncMember, SyncVolume};
-use tonic::Status;
 
 use super::link::Link;
 use super::records::{Member, Membership, State, check_endpoint};
 use super::{Primary, SyncHub};
+use crate::base::error::Error;
 use crate::base::rpc::blocking;
 
 impl SyncHub {
     /// Adds the daemon at `peer` as a member of `volume` (primary here): a witness holds the
     /// membership only; a replica joins in sync if the volume holds no data yet, else it is
     /// rebuilt (a copy of the allocated blocks) and then in sync.
-    pub async fn add(self: &Arc<Self>, volume: &str, peer: &str, witness: bool) -> Result<SyncVolume, Status> {
-        check_endpoint(peer).map_err(Status::invalid_argument)?;
+    pub async fn add(self: &Arc<Self>, volume: &str, peer: &str, witness: bool) -> Result<SyncVolume, Error> {
+        check_endpoint(peer).map_err(Error::invalid)?;
         if check_endpoint(&self.me).is_err() {
-            return Err(Status::failed_precondition(
+            return Err(Error::refused(
                 "synchronous replicas need replication-endpoint = \"tcp://host:port\" (how members reach this daemon)",
             ));
         }
         if peer == self.me {
-            return Err(Status::invalid_argument(format!("{peer} is this daemon")));
+            return Err(Error::invalid(format!("{peer} is this daemon")));
         }
         let op = self.op_lock(volume);
         let _op = op.lock().await;
@@ -35,21 +35,21 @@ impl SyncHub {
         };
         if filling {
             // Its copies are made from it once it is whole: the backup is fetched once.
-            return Err(Status::unavailable(format!(
+            return Err(Error::unavailable(format!(
                 "volume {volume:?} is being restored; add its replicas once the restore is done"
             )));
         }
         let primary = match (self.records.get(volume), self.primary(volume)) {
             (Some(_), Some(p)) => p,
             (Some(h), None) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::refused(format!(
                     "volume {volume:?} is a synchronous replica here; its primary is {}",
                     h.primary
                 )));
             }
             (None, _) => {
                 if info.read_only {
-                    return Err(Status::failed_precondition(format!("volume {volume:?} is read-only here")));
+                    return Err(Error::refused(format!("volume {volume:?} is read-only here")));
                 }
                 let wrapped_key = self.wrapped_key(volume).await?;
                 let first = Membership {
@@ -70,7 +70,7 @@ impl SyncHub {
             }
         };
         if let Some(why) = primary.refused() {
-            return Err(Status::unavailable(why));
+            return Err(Error::unavailable(why));
         }
         // No request in flight while the member joins: it gets every request after this point,
         // and whether the volume held data before it decides whether it needs a copy first.
@@ -84,10 +84,10 @@ impl SyncHub {
         let _c = primary.change.lock().await;
         let old = primary.record();
         if old.member(peer).is_some() {
-            return Err(Status::already_exists(format!("{peer} is already a member of {volume:?}")));
+            return Err(Error::already_exists(format!("{peer} is already a member of {volume:?}")));
         }
         let mut next = old.clone();
-        next.generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
+        next.generation = self.next_generation(&old).map_err(Error::refused)?;
         // A replica of a volume that holds data joins out of sync: its rebuild (a copy of the
         // allocated blocks) starts within a second, and it is in sync when that is done.
         let (state, reason) = match (witness, empty) {
@@ -110,7 +110,7 @@ impl SyncHub {
         };
         primary.adopt(if r.is_ok() { next } else { self.records.get(volume).unwrap_or(old) });
         drop((_c, hold));
-        r.map_err(Status::failed_precondition)?;
+        r.map_err(Error::refused)?;
         tracing::info!(volume, member = peer, witness, "synchronous member added");
         Ok(self.view(volume).expect("just recorded"))
     }
@@ -119,22 +119,20 @@ impl SyncHub {
     /// it, recorded on a majority of the old and the new members (the member forgets the
     /// membership; its copy stays read-only there). Without other members left the volume is a
     /// local one again.
-    pub async fn remove(self: &Arc<Self>, volume: &str, peer: &str) -> Result<SyncVolume, Status> {
+    pub async fn remove(self: &Arc<Self>, volume: &str, peer: &str) -> Result<SyncVolume, Error> {
         let op = self.op_lock(volume);
         let _op = op.lock().await;
         let Some(primary) = self.primary(volume) else {
             return Err(match self.records.get(volume) {
-                Some(h) => Status::failed_precondition(format!(
+                Some(h) => Error::refused(format!(
                     "volume {volume:?} is a synchronous replica here; remove members on its primary, {}",
                     h.primary
                 )),
-                None => Status::not_found(format!("volume {volume:?} has no synchronous members here")),
+                None => Error::not_found(format!("volume {volume:?} has no synchronous members here")),
             });
         };
         if peer == self.me {
-            return Err(Status::invalid_argument(format!(
-                "{peer} is the primary of {volume:?}: promote another member first"
-            )));
+            return Err(Error::invalid(format!("{peer} is the primary of {volume:?}: promote another member first")));
         }
         let hold = primary.hold().await;
         let _c = primary.change.lock().await;
@@ -144,9 +142,9 @@ impl SyncHub {
             return self.tell_removed(&old, peer).await;
         }
         let mut next = old.clone();
-        next.generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
+        next.generation = self.next_generation(&old).map_err(Error::refused)?;
         next.members.retain(|m| m.endpoint != peer);
-        self.propose(&old, &next).await.map_err(Status::failed_precondition)?;
+        self.propose(&old, &next).await.map_err(Error::refused)?;
         primary.adopt(next.clone());
         tracing::info!(volume, member = peer, generation = next.generation, "synchronous member removed");
         if next.members.len() > 1 {
@@ -168,19 +166,19 @@ impl SyncHub {
     /// volume (it was away when it was removed: a replaced copy whose node came back) gets the
     /// current one, in which it is no member: it forgets the membership, and its copy stays
     /// there read-only, to be deleted. NotFound when it holds none.
-    async fn tell_removed(self: &Arc<Self>, current: &Membership, peer: &str) -> Result<SyncVolume, Status> {
+    async fn tell_removed(self: &Arc<Self>, current: &Membership, peer: &str) -> Result<SyncVolume, Error> {
         let volume = &current.volume;
         let held = self.held_at(peer, volume).await.map_err(|e| {
-            Status::not_found(format!("{peer} is not a member of {volume:?} and holds no membership of it: {e}"))
+            Error::not_found(format!("{peer} is not a member of {volume:?} and holds no membership of it: {e}"))
         })?;
         if !current.outranks(&held) {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "{peer} holds generation {} of {volume:?}, not older than this one's {}",
                 held.generation, current.generation
             )));
         }
         let mut c = self.client(peer).await?;
-        c.record(current.to_proto()).await.map_err(crate::replica::send::at_peer(peer))?;
+        c.record(current.to_proto()).await.map_err(crate::base::rpc::at_peer(peer))?;
         tracing::info!(
             volume,
             member = peer,
@@ -194,12 +192,12 @@ impl SyncHub {
     /// next generation carries the size, and each member grows its copy as it records it (a
     /// majority must, as for any change). No request is in flight meanwhile, and none can reach
     /// past the old end until this daemon's volume grows, after the record.
-    pub async fn grow(self: &Arc<Self>, volume: &str, new_size: u64) -> Result<(), Status> {
+    pub async fn grow(self: &Arc<Self>, volume: &str, new_size: u64) -> Result<(), Error> {
         let op = self.op_lock(volume);
         let _op = op.lock().await;
         let Some(primary) = self.primary(volume) else {
             return match self.records.get(volume) {
-                Some(h) => Err(Status::failed_precondition(format!(
+                Some(h) => Err(Error::refused(format!(
                     "volume {volume:?} is a synchronous replica here: grow it on its primary, {}",
                     h.primary
                 ))),
@@ -213,11 +211,11 @@ impl SyncHub {
             return Ok(());
         }
         let mut next = old.clone();
-        next.generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
+        next.generation = self.next_generation(&old).map_err(Error::refused)?;
         next.size = new_size;
         self.propose(&old, &next)
             .await
-            .map_err(|e| Status::failed_precondition(format!("the members did not take the new size: {e}")))?;
+            .map_err(|e| Error::refused(format!("the members did not take the new size: {e}")))?;
         primary.adopt(next);
         drop((_c, hold));
         tracing::info!(volume, size = new_size, "synchronous members grown");
@@ -226,7 +224,7 @@ impl SyncHub {
 
     /// After a rekey of `volume` here (its primary): the members record its new wrapping, so
     /// that a promoted one opens with the new key-encryption key.
-    pub async fn rewrapped(self: &Arc<Self>, volume: &str) -> Result<(), Status> {
+    pub async fn rewrapped(self: &Arc<Self>, volume: &str) -> Result<(), Error> {
         let op = self.op_lock(volume);
         let _op = op.lock().await;
         let Some(primary) = self.primary(volume) else { return Ok(()) };
@@ -236,10 +234,10 @@ impl SyncHub {
         if old.wrapped_key == wrapped_key {
             return Ok(());
         }
-        let generation = self.next_generation(&old).map_err(Status::failed_precondition)?;
+        let generation = self.next_generation(&old).map_err(Error::refused)?;
         let next = Membership { generation, wrapped_key, ..old.clone() };
         self.propose(&old, &next).await.map_err(|e| {
-            Status::unavailable(format!(
+            Error::unavailable(format!(
                 "rekeyed here, but the members did not record the new wrapping ({e}): run the rekey again once they answer"
             ))
         })?;
@@ -249,19 +247,18 @@ impl SyncHub {
     }
 
     /// `volume`'s wrapped data key here (empty: plaintext).
-    async fn wrapped_key(&self, volume: &str) -> Result<Vec<u8>, Status> {
+    async fn wrapped_key(&self, volume: &str) -> Result<Vec<u8>, Error> {
         let (pool, name) = (Arc::clone(&self.pool), volume.to_owned());
-        Ok(blocking(move || pool.wrapped_key(ferrite_engine::Image::Volume(&name)).map(Option::unwrap_or_default))
-            .await?)
+        blocking(move || pool.wrapped_key(ferrite_engine::Image::Volume(&name)).map(Option::unwrap_or_default)).await
     }
 
-    async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Status> {
+    async fn open_link(&self, rec: &Membership, endpoint: &str) -> Result<Arc<Link>, Error> {
         tokio::time::timeout(
             self.timeout,
             Link::open(self.tls.as_ref(), endpoint, &rec.volume, rec.generation, None, self.timeout),
         )
         .await
-        .map_err(|_| Status::unavailable(format!("{endpoint} did not open the stream within {:?}", self.timeout)))?
+        .map_err(|_| Error::unavailable(format!("{endpoint} did not open the stream within {:?}", self.timeout)))?
     }
 
     /// Serves `rec` (whose primary is this daemon) from now on: the engine sends the volume's
@@ -305,19 +302,19 @@ impl SyncHub {
     /// content (rolled back to the newest mark both hold, then sent what changed since) before
     /// it is in sync again, so in-sync copies never differ and a write that failed to its client
     /// never reappears in a later failover.
-    pub async fn promote(self: &Arc<Self>, volume: &str, force: bool) -> Result<SyncVolume, Status> {
+    pub async fn promote(self: &Arc<Self>, volume: &str, force: bool) -> Result<SyncVolume, Error> {
         let op = self.op_lock(volume);
         let _op = op.lock().await;
         let held = self
             .records
             .get(volume)
-            .ok_or_else(|| Status::not_found(format!("volume {volume:?} has no synchronous replica here")))?;
+            .ok_or_else(|| Error::not_found(format!("volume {volume:?} has no synchronous replica here")))?;
         if held.primary == self.me && self.primary(volume).is_some() {
             return Ok(self.view(volume).expect("held"));
         }
         match held.state_of(&self.me) {
-            Some(State::Witness) => return Err(Status::failed_precondition("a witness holds no data to promote")),
-            None => return Err(Status::failed_precondition(format!("this daemon is no member of {volume:?}"))),
+            Some(State::Witness) => return Err(Error::refused("a witness holds no data to promote")),
+            None => return Err(Error::refused(format!("this daemon is no member of {volume:?}"))),
             _ => {}
         }
         // What the others hold: the newest generation among a majority is at least the newest
@@ -350,7 +347,7 @@ impl SyncHub {
             let why =
                 format!("only {answered} of {} members answer (a majority is {})", held.members.len(), held.majority());
             if !force {
-                return Err(Status::unavailable(format!(
+                return Err(Error::unavailable(format!(
                     "{why}: promoting now could make a second primary; promote with --force only if the others are known to be down"
                 )));
             }
@@ -372,14 +369,14 @@ impl SyncHub {
                     .join(", ")
             );
             if !force {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::refused(format!(
                     "{why}. Promote an in-sync member, or --force to promote this one and lose the writes acknowledged since it was ejected"
                 )));
             }
             lost.push(format!("{why}: the writes acknowledged since then are lost"));
         }
         let mut next = held.clone();
-        next.generation = self.next_generation(&newest).map_err(Status::failed_precondition)?;
+        next.generation = self.next_generation(&newest).map_err(Error::refused)?;
         next.primary = self.me.clone();
         for m in &mut next.members {
             if m.endpoint == self.me {
@@ -395,7 +392,7 @@ impl SyncHub {
         }
         if let Err(e) = self.propose(&held, &next).await {
             if !force {
-                return Err(Status::failed_precondition(format!("promotion not recorded: {e}")));
+                return Err(Error::refused(format!("promotion not recorded: {e}")));
             }
             lost.push(e);
             self.records.put(next.clone())?;

@@ -17,11 +17,11 @@ use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{MirrorAck, MirrorMessage, MirrorOpen};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::oneshot;
-use tonic::Status;
 
 use super::outbound::Outbound;
 use super::wire::{self, Frames};
 use crate::base::config::TlsFiles;
+use crate::base::error::Error;
 
 /// The members that failed a request or did not answer it in time, each with why.
 pub type Failed = Vec<(String, String)>;
@@ -141,9 +141,9 @@ impl Link {
         generation: u64,
         rebuild: Option<&str>,
         timeout: Duration,
-    ) -> Result<Arc<Self>, Status> {
+    ) -> Result<Arc<Self>, Error> {
         let at_peer = |e: String| format!("peer {endpoint}: {e}");
-        let conn = wire::connect(tls, endpoint).await.map_err(|e| Status::unavailable(at_peer(e.to_string())))?;
+        let conn = wire::connect(tls, endpoint).await.map_err(|e| Error::unavailable(at_peer(e.to_string())))?;
         let (r, w) = tokio::io::split(conn);
         let open = MirrorOpen {
             volume: volume.to_owned(),
@@ -162,7 +162,7 @@ impl Link {
         endpoint: &str,
         open: MirrorOpen,
         timeout: Duration,
-    ) -> Result<Arc<Self>, Status> {
+    ) -> Result<Arc<Self>, Error> {
         let at_peer = |e: String| format!("peer {endpoint}: {e}");
         let rebuild = open.rebuild;
         let mut acks = Frames::<_, MirrorAck>::new(r, None);
@@ -172,12 +172,12 @@ impl Link {
             move |why| me.get().and_then(Weak::upgrade).into_iter().for_each(|l| l.end(&why))
         });
         out.queue(&MirrorMessage { seq: 0, op: Some(Op::Open(open)) });
-        out.push().map_err(|e| Status::unavailable(at_peer(e)))?;
+        out.push().map_err(|e| Error::unavailable(at_peer(e)))?;
         match acks.next().await {
             Ok(Some(MirrorAck { seq: 0, error, through: 0 })) if error.is_empty() => {}
-            Ok(Some(MirrorAck { error, .. })) => return Err(Status::failed_precondition(at_peer(error))),
-            Ok(None) => return Err(Status::unavailable(at_peer("it closed the stream".into()))),
-            Err(e) => return Err(Status::unavailable(at_peer(e))),
+            Ok(Some(MirrorAck { error, .. })) => return Err(Error::refused(at_peer(error))),
+            Ok(None) => return Err(Error::unavailable(at_peer("it closed the stream".into()))),
+            Err(e) => return Err(Error::unavailable(at_peer(e))),
         }
         let (stop, mut stopped) = oneshot::channel();
         let link = Arc::new(Self {

@@ -28,13 +28,14 @@ use std::time::Duration;
 use ferrite_engine::Pool;
 use ferrite_proto::ferrite::v1::mirror_client::MirrorClient;
 use ferrite_proto::ferrite::v1::{self as pb, MembershipRequest, RecordReply};
-use tonic::Status;
 use tonic::transport::Channel;
 
 use crate::authz::Policy;
 use crate::base::config::{Config, TlsFiles};
+use crate::base::error::Error;
+use crate::base::rpc::at_peer;
 use crate::replica::records::Records;
-use crate::replica::send::{at_peer, channel};
+use crate::replica::send::channel;
 use crate::replica::{Limiter, PerKey};
 pub use primary::Primary;
 use records::{Membership, State};
@@ -126,7 +127,7 @@ impl SyncHub {
         crate::replica::identity_of(self.tls.as_ref(), endpoint)
     }
 
-    async fn client(&self, endpoint: &str) -> Result<MirrorClient<Channel>, Status> {
+    async fn client(&self, endpoint: &str) -> Result<MirrorClient<Channel>, Error> {
         Ok(MirrorClient::new(channel(self.tls.as_ref(), endpoint).await?))
     }
 
@@ -142,7 +143,7 @@ impl SyncHub {
         let call = async {
             let mut c = self.client(endpoint).await?;
             let r = c.get(MembershipRequest { volume: volume.to_owned() }).await.map_err(at_peer(endpoint))?;
-            Ok::<_, Status>(r.into_inner())
+            Ok::<_, Error>(r.into_inner())
         };
         match tokio::time::timeout(self.timeout, call).await {
             Ok(r) => r.map_err(|e| e.message().to_owned()),
@@ -185,7 +186,7 @@ impl SyncHub {
             calls.spawn(async move {
                 let call = async {
                     let mut c = hub.client(&e).await?;
-                    Ok::<RecordReply, Status>(c.record(rec).await.map_err(at_peer(&e))?.into_inner())
+                    Ok::<RecordReply, Error>(c.record(rec).await.map_err(at_peer(&e))?.into_inner())
                 };
                 let r = tokio::time::timeout(hub.timeout, call).await;
                 (e, r)

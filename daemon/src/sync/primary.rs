@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use ferrite_engine::{Batch, Error, ErrorKind, Mirror, MirrorOp, Pending};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{MirrorFlush, MirrorMark, MirrorMessage, MirrorTrim, MirrorZero};
-use tonic::Status;
 
 use super::SyncHub;
 use super::link::{Acks, Link};
@@ -245,12 +244,16 @@ impl Primary {
     /// one: the snapshot outlives this node. A member that cannot take it keeps streaming (a
     /// snapshot is no part of what it must hold alike); which members hold it is logged.
     /// Blocking.
-    pub fn snapshot(&self, pool: &ferrite_engine::Pool, name: &str) -> Result<ferrite_engine::SnapshotInfo, Status> {
+    pub fn snapshot(
+        &self,
+        pool: &ferrite_engine::Pool,
+        name: &str,
+    ) -> Result<ferrite_engine::SnapshotInfo, crate::base::error::Error> {
         let _pause = self.pause();
         if let Some(why) = self.refused() {
-            return Err(Status::unavailable(why));
+            return Err(crate::base::error::Error::unavailable(why));
         }
-        let s = pool.create_snapshot(&self.volume, name).map_err(crate::base::rpc::status)?;
+        let s = pool.create_snapshot(&self.volume, name)?;
         let (links, acks) = self.send_all(Op::Mark(MirrorMark { snapshot: name.to_owned(), kept: true }));
         let bad = acks.wait_until(Instant::now() + self.timeout);
         for (member, why) in &bad {

@@ -19,32 +19,30 @@ pub(super) async fn enable_replication(
     let r = req.into_inner();
     require("volume", &r.volume)?;
     admin.peer_holds_role(&caller, &r.peer, "EnableReplication").await?;
-    admin
-        .replication
-        .enable(&r.volume, &r.peer, &r.replica, r.interval_secs, r.group, r.snapshots)
-        .await
-        .map(Response::new)
+    let enabled =
+        admin.replication.enable(&r.volume, &r.peer, &r.replica, r.interval_secs, r.group, r.snapshots).await?;
+    Ok(Response::new(enabled))
 }
 
 pub(super) async fn disable_replication(
     admin: &AdminService,
     req: Request<pb::ReplicationRequest>,
 ) -> Result<Response<pb::Replication>, Status> {
-    admin.replication.disable(&req.into_inner().volume).await.map(Response::new)
+    Ok(Response::new(admin.replication.disable(&req.into_inner().volume).await?))
 }
 
 pub(super) async fn sync_replication(
     admin: &AdminService,
     req: Request<pb::ReplicationRequest>,
 ) -> Result<Response<pb::SyncReplicationResponse>, Status> {
-    admin.replication.sync(&req.into_inner().volume).await.map(Response::new)
+    Ok(Response::new(admin.replication.sync(&req.into_inner().volume).await?))
 }
 
 pub(super) async fn demote_replication(
     admin: &AdminService,
     req: Request<pb::ReplicationRequest>,
 ) -> Result<Response<pb::Replication>, Status> {
-    admin.replication.demote(&req.into_inner().volume).await.map(Response::new)
+    Ok(Response::new(admin.replication.demote(&req.into_inner().volume).await?))
 }
 
 pub(super) async fn promote_replication(
@@ -61,7 +59,7 @@ pub(super) async fn resync_replication(
     admin: &AdminService,
     req: Request<pb::ReplicationRequest>,
 ) -> Result<Response<pb::Replication>, Status> {
-    admin.replication.resync(&req.into_inner().volume).await.map(Response::new)
+    Ok(Response::new(admin.replication.resync(&req.into_inner().volume).await?))
 }
 
 pub(super) async fn list_replications(
@@ -82,7 +80,7 @@ pub(super) async fn add_sync_replica(
     require("peer", &r.peer)?;
     admin.peer_holds_role(&caller, &r.peer, "AddSyncReplica").await?;
     admin.refuse_if_rotating(&r.volume)?;
-    admin.sync.add(&r.volume, &r.peer, r.witness).await.map(Response::new)
+    Ok(Response::new(admin.sync.add(&r.volume, &r.peer, r.witness).await?))
 }
 
 pub(super) async fn remove_sync_replica(
@@ -92,7 +90,7 @@ pub(super) async fn remove_sync_replica(
     let r = req.into_inner();
     require("volume", &r.volume)?;
     require("peer", &r.peer)?;
-    admin.sync.remove(&r.volume, &r.peer).await.map(Response::new)
+    Ok(Response::new(admin.sync.remove(&r.volume, &r.peer).await?))
 }
 
 pub(super) async fn promote_sync_replica(

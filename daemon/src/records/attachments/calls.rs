@@ -2,11 +2,10 @@
 //! (`api/admin/devices.rs`) and, on a node without storage, the node plugin's attachment-only service
 //! (`serve/attach_only.rs`). What another node's volume needs is checked and answered here once.
 
-use crate::base::error::Error;
 use ferrite_proto::ferrite::v1 as pb;
 
 use super::{AttachRecord, Attachments};
-use crate::base::error::require;
+use crate::base::error::{Error, require};
 use crate::records::exports::ExportTable;
 
 /// Attaches another node's volume (`remote`, `export`): the kernel NBD client, relayed over TLS.

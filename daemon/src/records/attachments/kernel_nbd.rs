@@ -16,13 +16,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::base::error::Error;
 use ferrite_nbd::kernel::{self, Hold};
 use ferrite_nbd::relay::blocking_or_end;
 use tokio::task::JoinHandle;
 
 use super::AttachRecord;
 use crate::base::config::TlsFiles;
+use crate::base::error::Error;
 
 /// What every kernel NBD device of this daemon shares.
 #[derive(Debug)]

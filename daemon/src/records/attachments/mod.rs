@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::base::error::Error;
 use ferrite_engine::Pool;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 
+use crate::base::error::Error;
 use crate::base::state::RecordFile;
 use crate::records::exports::{ExportRecord, ExportTable, open_image};
 use kernel_nbd::{Keeper, Links};
