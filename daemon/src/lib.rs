@@ -8,7 +8,10 @@
 //!   exports, publications, attachments, fences, restores, rotations, key-encryption keys.
 //! - [`net`]: the listeners (limits, fences, TLS), Unix sockets, the gRPC server settings.
 //! - [`replica`], [`sync`]: asynchronous and synchronous replication between daemons.
-//! - [`api`]: the services: admin, backups, metrics. None imports another.
+//! - [`api`]: the services' gRPC faces: admin, backups, metrics, and the replication peers'
+//!   (replica, mirror). None imports another. `records`, `replica` and `sync` return the
+//!   library's own error (`base::error`, a status only by `base::rpc`); statuses are the
+//!   services' and the gRPC layers' (`authz`, `net`).
 //! - [`serve`]: the assembly that opens the pool and serves all of them (`ferrite daemon`), and
 //!   the attachment-only server of a node plugin on a node without storage.
 //!

@@ -1,5 +1,6 @@
-//! The receiving end: the `Replica` gRPC service on both admin listeners (so on TCP it sits
-//! behind mutual TLS, the fence list and the connection limits). A push is one client stream
+//! The receiving end: the calls of the `Replica` service on both admin listeners (so on TCP it
+//! sits behind mutual TLS, the fence list and the connection limits; its gRPC face is
+//! `api/replica.rs`). A push is one client stream
 //! (begin, pieces, commit); `ferrite_replication::apply::Transfer` checks every piece and takes
 //! the mirror snapshot only when the delta is complete. The resume point of an unfinished
 //! transfer is made durable every [`CHECKPOINT_BYTES`] and whenever a stream ends early, so a cut
@@ -10,18 +11,18 @@ use std::sync::Arc;
 use ferrite_engine::ErrorKind;
 use ferrite_proto::ferrite::v1::push_message::Msg;
 use ferrite_proto::ferrite::v1::{
-    GroupCommitReply, GroupCommitRequest, PushMessage, PushReply, ReplicaPosition, ReplicaPositionRequest,
-    ReplicaSyncReply, ReplicaSyncRequest, replica_server,
+    GroupCommitReply, GroupCommitRequest, PushMessage, PushReply, ReplicaPosition, ReplicaSyncReply, ReplicaSyncRequest,
 };
 use ferrite_replication::Piece;
 use ferrite_replication::apply::Transfer;
-use tonic::{Request, Response, Status, Streaming};
+use tokio_stream::{Stream, StreamExt};
 
 use super::Replication;
 use super::admit::{self, check_epoch_bound, check_name, check_not_stale};
 use super::records::{PendingRecord, Relation, Role};
-use crate::authz::{Caller, caller_of};
-use crate::base::rpc::{blocking, status};
+use crate::authz::Caller;
+use crate::base::error::{Error, Kind};
+use crate::base::rpc::blocking;
 use crate::records::keys::MAX_WRAPPED_KEY;
 
 /// Older data keys a push may name: one per data-key rotation its snapshots span.
@@ -30,13 +31,16 @@ const MAX_OLDER_KEYS: usize = 64;
 /// Bytes applied between two durable resume points.
 const CHECKPOINT_BYTES: u64 = 64 << 20;
 
+/// A push's messages as they arrive.
+pub type PushStream = std::pin::Pin<Box<dyn Stream<Item = Result<PushMessage, Error>> + Send>>;
+
 /// The receiving end, shared by the admin listeners.
 #[derive(Debug, Clone)]
 pub struct ReplicaService(pub Arc<Replication>);
 
 impl ReplicaService {
     /// Makes what `t` applied durable and records where it resumes.
-    async fn checkpoint(&self, t: Transfer, rec: &mut PendingRecord) -> Result<Transfer, Status> {
+    async fn checkpoint(&self, t: Transfer, rec: &mut PendingRecord) -> Result<Transfer, Error> {
         let (t, at) = blocking(move || t.durable().map(|at| (t, at))).await?;
         rec.resume = at;
         self.0.pending.put(rec.clone())?;
@@ -46,7 +50,7 @@ impl ReplicaService {
     /// A transfer whose commit landed before the daemon could record it (a crash between the
     /// two): the snapshot it brought is there, so it is recorded now rather than resumed (which
     /// would be refused for ever, the snapshot being held already).
-    async fn settle(&self, replica: &str) -> Result<(), Status> {
+    async fn settle(&self, replica: &str) -> Result<(), Error> {
         let hub = &self.0;
         let Some(p) = hub.pending.get(replica) else { return Ok(()) };
         let (pool, snap) = (Arc::clone(&hub.pool), p.snapshot.clone());
@@ -64,7 +68,7 @@ impl ReplicaService {
 
     /// After a commit: the replica's other mirror snapshots go (the new one is the common point),
     /// and the relation records it.
-    async fn committed(&self, replica: &str, snapshot: &str) -> Result<(), Status> {
+    async fn committed(&self, replica: &str, snapshot: &str) -> Result<(), Error> {
         let hub = &self.0;
         let Some(mut rel) = hub.relations.get(replica) else { return Ok(()) };
         rel.synced = snapshot.to_owned();
@@ -80,22 +84,25 @@ impl ReplicaService {
     }
 }
 
-#[tonic::async_trait]
-impl replica_server::Replica for ReplicaService {
-    async fn position(&self, req: Request<ReplicaPositionRequest>) -> Result<Response<ReplicaPosition>, Status> {
-        let caller = caller_of(&req)?;
-        let replica = req.into_inner().replica;
+/// The calls of the `Replica` service.
+impl ReplicaService {
+    /// Where `replica` stands here, for `caller`.
+    pub async fn position(&self, caller: &Caller, replica: String) -> Result<ReplicaPosition, Error> {
         let rel = admit::relation_of(&self.0, &replica);
         match &rel {
-            Some(r) => admit::check_peer(&self.0, &caller, "/ferrite.v1.Replica/Position", r)?,
+            Some(r) => admit::check_peer(&self.0, caller, "/ferrite.v1.Replica/Position", r)?,
             // What is not replicated here is nobody's business but an operator's, unless it
             // does not exist (a first sync asks before it makes it).
             None if !caller.is_operator() && self.0.pool.volume_info(&replica).is_ok() => {
-                return Err(self.0.policy.refuse(
-                    &caller,
-                    "/ferrite.v1.Replica/Position",
-                    &format!("volume {replica:?} is not replicated with it"),
-                ));
+                return Err(self
+                    .0
+                    .policy
+                    .refuse(
+                        caller,
+                        "/ferrite.v1.Replica/Position",
+                        &format!("volume {replica:?} is not replicated with it"),
+                    )
+                    .into());
             }
             None => {}
         }
@@ -121,26 +128,25 @@ impl replica_server::Replica for ReplicaService {
         if let Some(p) = self.0.pending.get(&replica) {
             (out.pending_snapshot, out.pending_base, out.resume_offset) = (p.snapshot, p.base, p.resume);
         }
-        Ok(Response::new(out))
+        Ok(out)
     }
 
-    async fn sync(&self, req: Request<ReplicaSyncRequest>) -> Result<Response<ReplicaSyncReply>, Status> {
-        let caller = caller_of(&req)?;
-        let ReplicaSyncRequest { volume, epoch } = req.into_inner();
+    /// The secondary at `caller` asks this primary to push now.
+    pub fn sync(&self, caller: &Caller, r: ReplicaSyncRequest) -> Result<ReplicaSyncReply, Error> {
+        let ReplicaSyncRequest { volume, epoch } = r;
         check_epoch_bound(epoch)?;
         match self.0.relations.get(&volume) {
             Some(r) if r.role == Role::Primary => {
-                admit::check_peer(&self.0, &caller, "/ferrite.v1.Replica/Sync", &r)?;
+                admit::check_peer(&self.0, caller, "/ferrite.v1.Replica/Sync", &r)?;
                 self.0.resync_requested(&volume, epoch);
-                Ok(Response::new(ReplicaSyncReply {}))
+                Ok(ReplicaSyncReply {})
             }
-            _ => Err(Status::failed_precondition(format!("volume {volume:?} is not a primary on this daemon"))),
+            _ => Err(Error::refused(format!("volume {volume:?} is not a primary on this daemon"))),
         }
     }
 
-    async fn group_commit(&self, req: Request<GroupCommitRequest>) -> Result<Response<GroupCommitReply>, Status> {
-        let caller = caller_of(&req)?;
-        let r = req.into_inner();
+    /// `caller` says every member of a group holds its new point.
+    pub async fn group_commit(&self, caller: &Caller, r: GroupCommitRequest) -> Result<GroupCommitReply, Error> {
         let hub = &self.0;
         check_name("group", &r.group)?;
         check_epoch_bound(r.epoch)?;
@@ -150,15 +156,12 @@ impl replica_server::Replica for ReplicaService {
             .relations
             .get(&r.group)
             .filter(|x| x.group && x.role == Role::Secondary)
-            .ok_or_else(|| Status::failed_precondition(format!("{:?} is not a replicated group here", r.group)))?;
-        admit::check_peer(&self.0, &caller, "/ferrite.v1.Replica/GroupCommit", &rel)?;
+            .ok_or_else(|| Error::refused(format!("{:?} is not a replicated group here", r.group)))?;
+        admit::check_peer(&self.0, caller, "/ferrite.v1.Replica/GroupCommit", &rel)?;
         check_not_stale("group commit", &r.group, r.epoch, rel.epoch)?;
         if let Some(m) = r.members.iter().find(|m| !rel.members.contains(m)) {
-            return Err(hub.policy.refuse(
-                &caller,
-                "/ferrite.v1.Replica/GroupCommit",
-                &format!("volume {m:?} is not a member of replicated group {:?} here", r.group),
-            ));
+            let why = format!("volume {m:?} is not a member of replicated group {:?} here", r.group);
+            return Err(hub.policy.refuse(caller, "/ferrite.v1.Replica/GroupCommit", &why).into());
         }
         let (pool, point, members) = (Arc::clone(&hub.pool), r.point.clone(), r.members.clone());
         blocking(move || {
@@ -184,36 +187,35 @@ impl replica_server::Replica for ReplicaService {
         });
         super::send::prune(hub, &Relation { members: r.members.clone(), ..rel }, &[&r.point]).await;
         tracing::info!(group = %r.group, point = %r.point, "replica group at a new point");
-        Ok(Response::new(GroupCommitReply {}))
+        Ok(GroupCommitReply {})
     }
 
-    async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushReply>, Status> {
-        let caller = caller_of(&req)?;
+    /// A push from `caller`, from its begin to its commit or early end.
+    pub async fn push(&self, caller: Caller, stream: PushStream) -> Result<PushReply, Error> {
         // In a task of its own: when the connection dies (a cut link found by keepalive) the
         // server drops this call, but the receive goes on to see its stream end and record its
         // resume point.
         let this = self.clone();
-        tokio::spawn(async move { this.receive(&caller, req.into_inner()).await })
+        tokio::spawn(async move { this.receive(&caller, stream).await })
             .await
-            .map_err(|e| Status::internal(format!("replica receive task: {e}")))?
-            .map(Response::new)
+            .map_err(|e| Error::internal(format!("replica receive task: {e}")))?
     }
 }
 
 impl ReplicaService {
     /// The next message of a push, or DeadlineExceeded when the sender is silent too long.
-    async fn next(&self, stream: &mut Streaming<PushMessage>) -> Result<Option<PushMessage>, Status> {
+    async fn next(&self, stream: &mut PushStream) -> Result<Option<PushMessage>, Error> {
         let idle = self.0.idle_timeout;
-        tokio::time::timeout(idle, stream.message()).await.unwrap_or_else(|_| {
-            Err(Status::deadline_exceeded(format!("the push sent nothing for {} s", idle.as_secs())))
+        tokio::time::timeout(idle, stream.next()).await.map(Option::transpose).unwrap_or_else(|_| {
+            Err(Error::new(Kind::TimedOut, format!("the push sent nothing for {} s", idle.as_secs())))
         })
     }
 
     /// One push, from its begin to its commit or early end.
-    async fn receive(&self, caller: &Caller, mut stream: Streaming<PushMessage>) -> Result<PushReply, Status> {
+    async fn receive(&self, caller: &Caller, mut stream: PushStream) -> Result<PushReply, Error> {
         let hub = &self.0;
         let Some(Msg::Begin(b)) = self.next(&mut stream).await?.and_then(|m| m.msg) else {
-            return Err(Status::invalid_argument("a push starts with its begin message"));
+            return Err(Error::invalid("a push starts with its begin message"));
         };
         admit::check_begin(&self.0, &b)?;
         let incoming = hub.claim_incoming(&b.replica)?;
@@ -222,7 +224,7 @@ impl ReplicaService {
         let _g = tokio::select! {
             g = lock.lock() => g,
             () = incoming.cancelled.notified() => {
-                return Err(Status::aborted(format!("replica {:?} was promoted or disabled", b.replica)));
+                return Err(Error::busy(format!("replica {:?} was promoted or disabled", b.replica)));
             }
         };
         let new_relation = admit::admit(&self.0, caller, &b)?;
@@ -233,7 +235,7 @@ impl ReplicaService {
         let resume = if b.resume {
             let found = pending.as_ref().filter(|p| p.snapshot == rec.snapshot && p.base == rec.base);
             Some(found.map(|p| p.resume).ok_or_else(|| {
-                Status::failed_precondition(format!(
+                Error::refused(format!(
                     "replica {:?} has no unfinished transfer of {:?} over {:?} to resume",
                     rec.replica, rec.snapshot, rec.base
                 ))
@@ -254,7 +256,7 @@ impl ReplicaService {
         if b.older_keys.len() > MAX_OLDER_KEYS
             || b.older_keys.iter().chain([&b.wrapped_key]).any(|k| k.len() > MAX_WRAPPED_KEY)
         {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::invalid(format!(
                 "a push carries at most {MAX_OLDER_KEYS} older keys, each wrapped key at most {MAX_WRAPPED_KEY} bytes"
             )));
         }
@@ -277,11 +279,11 @@ impl ReplicaService {
         hub.pending.put(rec.clone())?;
         let (mut received, mut since_checkpoint) = (0u64, 0u64);
         // Why the stream stopped short of its commit (None: the client ended it), if it did.
-        let stopped: Option<Option<Status>> = loop {
+        let stopped: Option<Option<Error>> = loop {
             let next = tokio::select! {
                 m = self.next(&mut stream) => m,
                 () = incoming.cancelled.notified() => {
-                    break Some(Some(Status::aborted(format!("replica {:?} was promoted or disabled", rec.replica))));
+                    break Some(Some(Error::busy(format!("replica {:?} was promoted or disabled", rec.replica))));
                 }
             };
             let piece = match next {
@@ -292,7 +294,7 @@ impl ReplicaService {
                     Some(Msg::Zero(z)) => Piece::Zero { offset: z.offset, len: z.length },
                     Some(Msg::Commit(_)) => break None,
                     Some(Msg::Begin(_)) | None => {
-                        break Some(Some(Status::invalid_argument("a push has one begin, then pieces, then a commit")));
+                        break Some(Some(Error::invalid("a push has one begin, then pieces, then a commit")));
                     }
                 },
             };
@@ -302,10 +304,10 @@ impl ReplicaService {
                 (t, r)
             })
             .await
-            .map_err(|e| Status::internal(format!("engine task failed: {e}")))?;
+            .map_err(|e| Error::internal(format!("engine task failed: {e}")))?;
             t = applied.0;
             if let Err(e) = applied.1 {
-                break Some(Some(status(e)));
+                break Some(Some(Error::from(e)));
             }
             received += bytes;
             since_checkpoint += bytes;
@@ -318,7 +320,7 @@ impl ReplicaService {
             // Whatever ended it, what was applied is kept for a resume.
             self.checkpoint(t, &mut rec).await?;
             return Err(why.unwrap_or_else(|| {
-                Status::aborted(format!(
+                Error::busy(format!(
                     "the push of {:?} ended before its commit; {} bytes applied, it resumes at byte {}",
                     rec.snapshot, received, rec.resume
                 ))

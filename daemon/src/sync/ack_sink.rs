@@ -14,12 +14,11 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::outbound::Outbound;
+use crate::base::error::Error;
 use ferrite_proto::ferrite::v1::MirrorAck;
 use tokio::io::AsyncWrite;
 use tokio::sync::mpsc;
-use tonic::Status;
-
-use super::outbound::Outbound;
 
 type Out = Outbound<Box<dyn AsyncWrite + Unpin + Send>>;
 
@@ -29,7 +28,7 @@ pub const MAX_BACKLOG: usize = 256 << 10;
 #[derive(Clone, Debug)]
 pub enum AckSink {
     /// The gRPC stream's body: every ack as it comes.
-    Stream(mpsc::Sender<Result<MirrorAck, Status>>),
+    Stream(mpsc::Sender<Result<MirrorAck, Error>>),
     /// A framed connection.
     Framed(Arc<Framed>),
 }
@@ -94,7 +93,7 @@ impl AckSink {
     }
 
     /// The stream ends with `e`: its last ack says why.
-    pub async fn fail(&self, e: Status) {
+    pub async fn fail(&self, e: Error) {
         match self {
             Self::Stream(tx) => drop(tx.send(Err(e)).await),
             Self::Framed(f) => {
@@ -162,7 +161,7 @@ mod tests {
         }
         let AckSink::Framed(f) = &stuck else { unreachable!() };
         assert!(f.out.backlog() > MAX_BACKLOG && f.out.backlog() < MAX_BACKLOG + 64, "{}", f.out.backlog());
-        sink.fail(Status::internal("a damaged frame")).await;
+        sink.fail(Error::internal("a damaged frame")).await;
         assert_eq!(frames.next().await.unwrap().unwrap().error, "a damaged frame");
         assert_eq!(frames.next().await, Ok(None), "then the connection is shut down");
         assert!(!sink.send_blocking(through(11)), "nothing goes out after the end");

@@ -1,6 +1,6 @@
-//! The member's side: the `Mirror` gRPC service on the admin listeners (mutual TLS on TCP, the
-//! fence list, connection limits), and the same stream as a framed connection on them ([`wire`],
-//! what primaries use). A stream is accepted only from the primary the member's own membership
+//! The member's side: the calls of the `Mirror` service on the admin listeners (mutual TLS on
+//! TCP, the fence list, connection limits; its gRPC face is `api/mirror.rs`), and the same stream
+//! as a framed connection on them ([`wire`], what primaries use). A stream is accepted only from the primary the member's own membership
 //! names, at the generation it holds, and only while this member gets writes in it; small writes
 //! are applied on the stream's task, other requests on the blocking pool (at most [`IN_FLIGHT`] at
 //! a time), each acknowledged once applied (durable for FUA and flush). A membership is stored only
@@ -14,14 +14,12 @@ use std::sync::Arc;
 use ferrite_engine::{Pool, Volume};
 use ferrite_proto::ferrite::v1::mirror_message::Op;
 use ferrite_proto::ferrite::v1::{
-    Membership as PbMembership, MembershipRequest, MirrorAck, MirrorMessage, RebuildMessage, RebuildReply, RecordReply,
-    mirror_server, rebuild_message,
+    Membership as PbMembership, MirrorAck, MirrorMessage, RebuildMessage, RebuildReply, RecordReply, rebuild_message,
 };
 use ferrite_replication::Piece;
 use tokio::io::AsyncRead;
-use tokio::sync::{Semaphore, mpsc};
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tokio::sync::Semaphore;
+use tokio_stream::{Stream, StreamExt};
 
 use super::SyncHub;
 use super::ack_sink::AckSink;
@@ -29,12 +27,16 @@ use super::applied::{Applied, ack_of};
 use super::catch_up::CatchUp;
 use super::records::{Membership, State};
 use super::wire::{self, Frames};
-use crate::authz::{Caller, caller_of};
-use crate::base::rpc::{blocking, status};
+use crate::authz::Caller;
+use crate::base::error::{Error, Kind};
+use crate::base::rpc::blocking;
 use crate::net::listen::Guarded;
 
 /// Requests a stream applies at once; the stream reads no further while they are all busy.
 const IN_FLIGHT: u32 = 64;
+
+/// Acks a gRPC stream queues before the member stops applying requests.
+pub const STREAM_ACKS: usize = 2 * IN_FLIGHT as usize;
 
 /// A rebuild that sends nothing for this long is ended.
 const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
@@ -44,30 +46,33 @@ pub struct MirrorService(pub Arc<SyncHub>);
 
 impl MirrorService {
     /// Refuses `caller` unless it may act as the member at `endpoint`.
-    fn check_is(&self, caller: &Caller, endpoint: &str, call: &str) -> Result<(), Status> {
+    fn check_is(&self, caller: &Caller, endpoint: &str, call: &str) -> Result<(), Error> {
         let hub = &self.0;
         match hub.identity(endpoint) {
             Some(id) if caller.is_peer(&id) => Ok(()),
-            _ => Err(hub.policy.refuse(caller, call, &format!("it is not {endpoint}, the primary of this membership"))),
+            _ => Err(hub
+                .policy
+                .refuse(caller, call, &format!("it is not {endpoint}, the primary of this membership"))
+                .into()),
         }
     }
 
     /// The membership `volume` holds here while `primary` may still write to this member.
-    fn still_writer(&self, volume: &str, primary: &str) -> Result<Membership, Status> {
+    fn still_writer(&self, volume: &str, primary: &str) -> Result<Membership, Error> {
         let hub = &self.0;
         let held = hub
             .records
             .get(volume)
-            .ok_or_else(|| Status::not_found(format!("volume {volume:?} has no synchronous membership here")))?;
+            .ok_or_else(|| Error::not_found(format!("volume {volume:?} has no synchronous membership here")))?;
         if held.primary != primary {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "stale primary: generation {} here names {} the primary of {volume:?}",
                 held.generation, held.primary
             )));
         }
         match held.state_of(&hub.me) {
             Some(State::InSync | State::Rebuilding) => Ok(held),
-            s => Err(Status::failed_precondition(format!(
+            s => Err(Error::refused(format!(
                 "this member is {} at generation {} of {volume:?}",
                 s.map_or("not a member", State::as_str),
                 held.generation
@@ -106,7 +111,7 @@ impl MirrorService {
     /// primary is the one held here, or a member in sync here (promoted while this member was
     /// away), or this daemon was the primary and takes no writes: the same primaries whose
     /// memberships it would take as a member.
-    async fn removed(&self, next: Membership) -> Result<Response<RecordReply>, Status> {
+    async fn removed(&self, next: Membership) -> Result<RecordReply, Error> {
         let hub = &self.0;
         let _op = hub.op_lock(&next.volume);
         let _op = _op.lock().await;
@@ -122,9 +127,9 @@ impl MirrorService {
                 hub.drop_marks(&next.volume).await;
                 tracing::info!(volume = %next.volume, generation = next.generation, primary = %next.primary,
                     "removed from the synchronous members: the copy here stays, read-only");
-                Ok(Response::new(RecordReply { stored: true, held: Some(next.to_proto()) }))
+                Ok(RecordReply { stored: true, held: Some(next.to_proto()) })
             }
-            _ => Err(Status::invalid_argument(format!("{} is not a member of that membership", hub.me))),
+            _ => Err(Error::invalid(format!("{} is not a member of that membership", hub.me))),
         }
     }
 }
@@ -179,16 +184,6 @@ pub trait Inbound: Send + 'static {
     fn ready(&self) -> bool;
 }
 
-impl Inbound for Streaming<MirrorMessage> {
-    async fn message(&mut self) -> Result<Option<MirrorMessage>, String> {
-        Streaming::message(self).await.map_err(|e| e.message().to_owned())
-    }
-
-    fn ready(&self) -> bool {
-        false
-    }
-}
-
 impl<R: AsyncRead + Unpin + Send + 'static> Inbound for Frames<R, MirrorMessage> {
     async fn message(&mut self) -> Result<Option<MirrorMessage>, String> {
         self.next().await
@@ -222,32 +217,32 @@ const STREAM: &str = "/ferrite.v1.Mirror/Stream";
 
 impl MirrorService {
     /// Takes the open a stream starts with, from `caller`, or refuses it saying why.
-    async fn accept(&self, caller: &Caller, inbound: &mut impl Inbound) -> Result<Opened, Status> {
+    async fn accept(&self, caller: &Caller, inbound: &mut impl Inbound) -> Result<Opened, Error> {
         let first = tokio::time::timeout(self.0.timeout, inbound.message())
             .await
-            .map_err(|_| Status::deadline_exceeded("no open on the stream"))?
-            .map_err(Status::unavailable)?;
+            .map_err(|_| Error::new(Kind::TimedOut, "no open on the stream"))?
+            .map_err(Error::unavailable)?;
         let Some(MirrorMessage { op: Some(Op::Open(open)), .. }) = first else {
-            return Err(Status::invalid_argument("a mirror stream starts with an open"));
+            return Err(Error::invalid("a mirror stream starts with an open"));
         };
         let held =
             self.0.records.get(&open.volume).ok_or_else(|| {
-                Status::not_found(format!("volume {:?} has no synchronous membership here", open.volume))
+                Error::not_found(format!("volume {:?} has no synchronous membership here", open.volume))
             })?;
         self.check_is(caller, &held.primary, STREAM)?;
         if open.generation != held.generation {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "stale generation {}: this member holds generation {} of {:?} (primary {})",
                 open.generation, held.generation, open.volume, held.primary
             )));
         }
         let state = self.still_writer(&open.volume, &held.primary)?.state_of(&self.0.me);
-        let volume = member_volume(&self.0.pool, &open.volume).map_err(status)?;
+        let volume = member_volume(&self.0.pool, &open.volume).map_err(Error::from)?;
         let catch_up = match (open.rebuild, state) {
             (false, _) => None,
             (true, Some(State::Rebuilding)) => Some(self.0.start_catch_up(&volume, &open.base).await?),
             (true, _) => {
-                return Err(Status::failed_precondition("only a member being rebuilt opens a stream for a rebuild"));
+                return Err(Error::refused("only a member being rebuilt opens a stream for a rebuild"));
             }
         };
         let cumulative = open.cumulative_acks.then(Arc::default);
@@ -288,11 +283,11 @@ impl MirrorService {
             }
             if let Some(a) = s.cumulative.as_deref().filter(|a| !a.follows(msg.seq)) {
                 let why = format!("request {} came after a newer one (through {})", msg.seq, a.through());
-                acks.fail(Status::invalid_argument(why)).await;
+                acks.fail(Error::invalid(why)).await;
                 break;
             }
             let Some(op) = msg.op else {
-                acks.fail(Status::invalid_argument("a mirror message without a request")).await;
+                acks.fail(Error::invalid("a mirror message without a request")).await;
                 break;
             };
             if let Op::Mark(m) = op {
@@ -366,7 +361,7 @@ pub async fn serve_framed(svc: MirrorService, conn: Guarded) {
     let acks = AckSink::framed(w);
     let opened = match svc.0.policy.check(&caller, STREAM) {
         Ok(()) => svc.accept(&caller, &mut inbound).await,
-        Err(e) => Err(e),
+        Err(e) => Err(e.into()),
     };
     match opened {
         Ok(s) => {
@@ -379,33 +374,29 @@ pub async fn serve_framed(svc: MirrorService, conn: Guarded) {
     acks.close();
 }
 
-#[tonic::async_trait]
-impl mirror_server::Mirror for MirrorService {
-    /// The same stream over gRPC (primaries use the framed connection; see [`wire`]).
-    async fn stream(
-        &self,
-        req: Request<Streaming<MirrorMessage>>,
-    ) -> Result<Response<crate::base::rpc::Stream<MirrorAck>>, Status> {
-        let caller = caller_of(&req)?;
-        let mut inbound = req.into_inner();
-        let s = self.accept(&caller, &mut inbound).await?;
-        let (tx, rx) = mpsc::channel(2 * IN_FLIGHT as usize);
-        tokio::spawn(self.clone().apply_all(s, inbound, AckSink::Stream(tx)));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+/// The calls of the `Mirror` service (its gRPC face is `api/mirror.rs`).
+impl MirrorService {
+    /// The same stream over gRPC (primaries use the framed connection; see [`wire`]): once
+    /// `caller`'s open is taken, its requests are applied in a task of their own, their acks
+    /// going to `acks`.
+    pub async fn stream(&self, caller: &Caller, mut inbound: impl Inbound, acks: AckSink) -> Result<(), Error> {
+        let s = self.accept(caller, &mut inbound).await?;
+        tokio::spawn(self.clone().apply_all(s, inbound, acks));
+        Ok(())
     }
 
-    async fn record(&self, req: Request<PbMembership>) -> Result<Response<RecordReply>, Status> {
+    /// Stores membership `next` as `caller` proposes it, if the rule lets it.
+    pub async fn record(&self, caller: &Caller, next: &PbMembership) -> Result<RecordReply, Error> {
         const CALL: &str = "/ferrite.v1.Mirror/Record";
-        let caller = caller_of(&req)?;
         let hub = &self.0;
-        let next = Membership::from_proto(req.get_ref()).map_err(Status::invalid_argument)?;
+        let next = Membership::from_proto(next).map_err(Error::invalid)?;
         crate::replica::check_name("volume", &next.volume)?;
         if hub.me.is_empty() {
-            return Err(Status::failed_precondition("replication-endpoint is not set on this daemon"));
+            return Err(Error::refused("replication-endpoint is not set on this daemon"));
         }
-        self.check_is(&caller, &next.primary, CALL)?;
+        self.check_is(caller, &next.primary, CALL)?;
         if next.primary == hub.me {
-            return Err(hub.policy.refuse(&caller, CALL, "only a promotion on this daemon makes it the primary"));
+            return Err(hub.policy.refuse(caller, CALL, "only a promotion on this daemon makes it the primary").into());
         }
         let Some(mine) = next.state_of(&hub.me) else {
             return self.removed(next).await;
@@ -421,21 +412,21 @@ impl mirror_server::Mirror for MirrorService {
                         "{} is the primary of {made} memberships here (peer-quota {})",
                         next.primary, hub.quota
                     );
-                    return Err(hub.policy.exhausted(&caller, CALL, &why));
+                    return Err(hub.policy.exhausted(caller, CALL, &why).into());
                 }
                 hub.create_member(&next, mine).await?;
             }
             Some(h) if !next.outranks(h) => {
-                return Ok(Response::new(RecordReply { stored: false, held: Some(h.to_proto()) }));
+                return Ok(RecordReply { stored: false, held: Some(h.to_proto()) });
             }
             Some(h) => {
                 if let Err(why) = self.may_change(h, &next, mine) {
                     // Answered with what this member holds (a failed-over primary learns it
                     // was), unless the caller is no member at all.
-                    let refused = hub.policy.refuse(&caller, CALL, &why);
+                    let refused = hub.policy.refuse(caller, CALL, &why);
                     return match h.state_of(&next.primary) {
-                        None => Err(refused),
-                        Some(_) => Ok(Response::new(RecordReply { stored: false, held: Some(h.to_proto()) })),
+                        None => Err(refused.into()),
+                        Some(_) => Ok(RecordReply { stored: false, held: Some(h.to_proto()) }),
                     };
                 }
             }
@@ -459,15 +450,15 @@ impl mirror_server::Mirror for MirrorService {
         hub.records.put(next.clone())?;
         tracing::info!(volume = %next.volume, generation = next.generation, primary = %next.primary,
             state = mine.as_str(), "synchronous membership recorded");
-        Ok(Response::new(RecordReply { stored: true, held: Some(next.to_proto()) }))
+        Ok(RecordReply { stored: true, held: Some(next.to_proto()) })
     }
 
-    async fn get(&self, req: Request<MembershipRequest>) -> Result<Response<PbMembership>, Status> {
+    /// The membership of `volume` held here, as `caller` may see it.
+    pub async fn get(&self, caller: &Caller, volume: &str) -> PbMembership {
         const CALL: &str = "/ferrite.v1.Mirror/Get";
-        let caller = caller_of(&req)?;
         let hub = &self.0;
-        let Some(held) = hub.records.get(&req.get_ref().volume) else {
-            return Ok(Response::new(PbMembership::default()));
+        let Some(held) = hub.records.get(volume) else {
+            return PbMembership::default();
         };
         let member = held.members.iter().any(|m| hub.identity(&m.endpoint).is_some_and(|id| caller.is_peer(&id)));
         if !member && !caller.is_operator() {
@@ -475,54 +466,64 @@ impl mirror_server::Mirror for MirrorService {
             // were held. Such a caller is usually a removed member that came back and asks its
             // old peers until its primary tells it; a refusal would log an attack each second.
             tracing::debug!(volume = %held.volume, %caller, call = CALL, "a non-member asked: answered with none");
-            return Ok(Response::new(PbMembership::default()));
+            return PbMembership::default();
         }
         let mut p = held.to_proto();
         p.marks = hub.marks(&held.volume).await;
-        Ok(Response::new(p))
+        p
     }
 
-    async fn rebuild(&self, req: Request<Streaming<RebuildMessage>>) -> Result<Response<RebuildReply>, Status> {
+    /// Applies the pieces of a rebuild `caller` sends to this member.
+    pub async fn rebuild(
+        &self,
+        caller: &Caller,
+        mut inbound: impl Stream<Item = Result<RebuildMessage, Error>> + Unpin,
+    ) -> Result<RebuildReply, Error> {
         const CALL: &str = "/ferrite.v1.Mirror/Rebuild";
-        let caller = caller_of(&req)?;
         let hub = &self.0;
-        let mut inbound = req.into_inner();
-        let first = tokio::time::timeout(hub.timeout, inbound.message())
+        let first = tokio::time::timeout(hub.timeout, inbound.next())
             .await
-            .map_err(|_| Status::deadline_exceeded("no begin on the rebuild"))??;
+            .map_err(|_| Error::new(Kind::TimedOut, "no begin on the rebuild"))?
+            .transpose()?;
         let Some(RebuildMessage { msg: Some(rebuild_message::Msg::Begin(begin)) }) = first else {
-            return Err(Status::invalid_argument("a rebuild starts with a begin"));
+            return Err(Error::invalid("a rebuild starts with a begin"));
         };
-        let held = hub.records.get(&begin.volume).ok_or_else(|| {
-            Status::not_found(format!("volume {:?} has no synchronous membership here", begin.volume))
-        })?;
-        self.check_is(&caller, &held.primary, CALL)?;
+        let held = hub
+            .records
+            .get(&begin.volume)
+            .ok_or_else(|| Error::not_found(format!("volume {:?} has no synchronous membership here", begin.volume)))?;
+        self.check_is(caller, &held.primary, CALL)?;
         if begin.generation != held.generation || held.state_of(&hub.me) != Some(State::Rebuilding) {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::refused(format!(
                 "this member is not being rebuilt at generation {} of {:?}",
                 begin.generation, begin.volume
             )));
         }
-        let catch_up = hub.catch_ups.lock().expect("not poisoned").get(&begin.volume).cloned().ok_or_else(|| {
-            Status::failed_precondition("no stream was opened for this rebuild (the member restarted?)")
-        })?;
-        let volume = member_volume(&hub.pool, &begin.volume).map_err(status)?;
-        let size = volume.size().map_err(status)?;
+        let catch_up = hub
+            .catch_ups
+            .lock()
+            .expect("not poisoned")
+            .get(&begin.volume)
+            .cloned()
+            .ok_or_else(|| Error::refused("no stream was opened for this rebuild (the member restarted?)"))?;
+        let volume = member_volume(&hub.pool, &begin.volume).map_err(Error::from)?;
+        let size = volume.size().map_err(Error::from)?;
         let (mut next, mut data_bytes) = (0u64, 0u64);
         loop {
-            let msg = tokio::time::timeout(IDLE, inbound.message())
+            let msg = tokio::time::timeout(IDLE, inbound.next())
                 .await
-                .map_err(|_| Status::deadline_exceeded("the rebuild sent nothing for a minute"))??
-                .ok_or_else(|| Status::aborted("the rebuild ended before its end"))?;
+                .map_err(|_| Error::new(Kind::TimedOut, "the rebuild sent nothing for a minute"))?
+                .transpose()?
+                .ok_or_else(|| Error::busy("the rebuild ended before its end"))?;
             let piece = match msg.msg {
                 Some(rebuild_message::Msg::Data(d)) => Piece::Data { offset: d.offset, data: d.data, crcs: d.crcs },
                 Some(rebuild_message::Msg::Zero(z)) => Piece::Zero { offset: z.offset, len: z.length },
                 Some(rebuild_message::Msg::End(_)) if next <= begin.end => break,
-                _ => return Err(Status::invalid_argument("a rebuild message out of place")),
+                _ => return Err(Error::invalid("a rebuild message out of place")),
             };
             let (offset, len) = piece.range();
             if offset < next || offset.checked_add(len).is_none_or(|e| e > size) {
-                return Err(Status::invalid_argument(format!(
+                return Err(Error::invalid(format!(
                     "a piece at {offset} of {len} bytes is out of order or past the end"
                 )));
             }
@@ -537,7 +538,7 @@ impl mirror_server::Mirror for MirrorService {
         blocking(move || v.flush()).await?;
         hub.catch_ups.lock().expect("not poisoned").remove(&begin.volume);
         tracing::info!(volume = %begin.volume, data_bytes, "rebuilt up to the primary's point");
-        Ok(Response::new(RebuildReply { data_bytes }))
+        Ok(RebuildReply { data_bytes })
     }
 }
 
@@ -590,10 +591,10 @@ impl SyncHub {
 
     /// A stream opened for a rebuild: the copy goes back to mark `base` (or, with none, holds
     /// nothing), and what the stream writes from now on is remembered against the pieces.
-    async fn start_catch_up(&self, volume: &Volume, base: &str) -> Result<Arc<CatchUp>, Status> {
+    async fn start_catch_up(&self, volume: &Volume, base: &str) -> Result<Arc<CatchUp>, Error> {
         let name = volume.name().to_owned();
         if !base.is_empty() && !self.marks(&name).await.iter().any(|m| m == base) {
-            return Err(Status::not_found(format!("this member holds no mark {base:?} of {name:?}")));
+            return Err(Error::not_found(format!("this member holds no mark {base:?} of {name:?}")));
         }
         let (pool, v, base) = (Arc::clone(&self.pool), volume.clone(), base.to_owned());
         blocking(move || {
@@ -613,9 +614,9 @@ impl SyncHub {
     /// Keeps this member's copy wrapped as `rec` says its primary's volume is now (after a
     /// rekey there: the same data key, sealed anew); refuses a membership that disagrees with
     /// the copy on whether it is encrypted, or that names another data key.
-    async fn follow_key(&self, rec: &Membership) -> Result<(), Status> {
+    async fn follow_key(&self, rec: &Membership) -> Result<(), Error> {
         let (pool, name, wrapped) = (Arc::clone(&self.pool), rec.volume.clone(), rec.wrapped_key.clone());
-        Ok(blocking(move || {
+        blocking(move || {
             let refuse = |why: String| {
                 Err(ferrite_engine::Error::new(ferrite_engine::ErrorKind::InvalidArgument, format!("volume {name:?}: {why}")))
             };
@@ -638,14 +639,14 @@ impl SyncHub {
                 )),
             }
         })
-        .await?)
+        .await
     }
 
     /// Refuses a copy of `size` bytes unless the pool could hold it.
-    fn check_size(&self, size: u64) -> Result<(), Status> {
+    fn check_size(&self, size: u64) -> Result<(), Error> {
         let most = crate::replica::largest_replica(&self.pool, self.overcommit);
         if size == 0 || size > most {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::invalid(format!(
                 "volume size {size} is out of bounds here (at most {most}: the pool's size times its overcommit cap)"
             )));
         }
@@ -655,10 +656,10 @@ impl SyncHub {
     /// Takes a first membership of `rec`'s volume here: the volume must not exist (a member
     /// never takes over a volume it did not create, whatever its role, witness included). A
     /// copy is made bounded by the pool and read-only to clients; a witness holds no volume.
-    async fn create_member(&self, rec: &Membership, mine: State) -> Result<(), Status> {
+    async fn create_member(&self, rec: &Membership, mine: State) -> Result<(), Error> {
         let (pool, name) = (Arc::clone(&self.pool), rec.volume.clone());
         if blocking(move || Ok(pool.volume_info(&name).is_ok())).await? {
-            return Err(Status::already_exists(format!(
+            return Err(Error::already_exists(format!(
                 "volume {:?} exists here and is no synchronous replica: a member never takes over a volume it did not create",
                 rec.volume
             )));
@@ -669,7 +670,7 @@ impl SyncHub {
         self.check_size(rec.size)?;
         let (pool, name, size, wrapped) =
             (Arc::clone(&self.pool), rec.volume.clone(), rec.size, rec.wrapped_key.clone());
-        Ok(blocking(move || {
+        blocking(move || {
             // An encrypted volume's copy is made with its wrapped key: locked here, written
             // with the ciphertext the primary sends, and opened with the same key-encryption
             // key once promoted.
@@ -679,6 +680,6 @@ impl SyncHub {
             };
             pool.set_read_only(&name, true).map(drop)
         })
-        .await?)
+        .await
     }
 }

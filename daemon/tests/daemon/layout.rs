@@ -102,16 +102,12 @@ fn the_library_names_neither_clap_nor_the_csi_driver() {
 }
 
 /// The rooms below the services return the library's own error (`base/error.rs`), never a
-/// gRPC status: `base/rpc.rs` turns one into the other, and only the services the daemons speak
-/// to one another answer with statuses (the Replica service, the Mirror service and the acks
-/// written on its stream).
+/// gRPC status: only `base/rpc.rs` turns one into the other, and the services (`api/`) answer.
 #[test]
 fn the_rooms_below_the_services_return_their_own_error() {
-    const FACES: &[&str] = &["base/rpc.rs", "replica/receive.rs", "sync/serve.rs", "sync/ack_sink.rs"];
     let below = ["base", "records", "replica", "sync"].iter().flat_map(|room| files_of(&src().join(room)));
-    let inside = below.filter(|f| !FACES.iter().any(|face| f.ends_with(face)));
-    let wrong = lines_naming(inside, &["Status"]);
-    assert!(wrong.is_empty(), "a room below the services returns a gRPC status:\n{}", wrong.join("\n"));
+    let wrong = lines_naming(below.filter(|f| !f.ends_with("base/rpc.rs")), &["Status", "Streaming", "tonic::Request"]);
+    assert!(wrong.is_empty(), "a room below the services speaks gRPC:\n{}", wrong.join("\n"));
 }
 
 /// The design's pages: the map (ARCHITECTURE.md) and the topic pages under docs/design/.
