@@ -65,10 +65,8 @@ pub(super) async fn publish_volume(
     // A volume that does not exist is NotFound, not an export that fails later.
     let name = r.volume.clone();
     admin.engine(move |p| p.volume_info(&name)).await?;
-    crate::records::publications::publish(&admin.exports, &r, allow, &admin.nbd_tcp())
-        .await
-        .map(Response::new)
-        .map_err(Into::into)
+    let published = crate::records::publications::publish(&admin.exports, &r, allow, &admin.nbd_tcp()).await?;
+    Ok(Response::new(published))
 }
 
 pub(super) async fn unpublish_volume(
