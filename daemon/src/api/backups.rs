@@ -14,7 +14,7 @@ use ferrite_proto::kind::Kind;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::base::rpc::{blocking, require};
+use crate::base::error::{blocking, require};
 
 /// What a backup call maps to a status.
 fn backup_status(e: BackupError) -> Status {

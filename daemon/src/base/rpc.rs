@@ -1,11 +1,10 @@
-//! What every gRPC service of the daemon shares: the daemon's errors as gRPC statuses (the one
-//! place a kind becomes a code), engine calls on the blocking pool, and field checks. Below the
-//! services (admin, replication, attachments, exports), so none of them imports another for these.
+//! Where the daemon's errors meet gRPC: an error as a status (the one place a kind becomes a
+//! code), a peer's status as an error, and the services' streamed answers. Engine calls on the
+//! blocking pool and field checks are `error.rs`'s.
 
 use tonic::Status;
 
 use super::error::{Error, Kind};
-pub use super::error::{blocking, require};
 
 /// A streamed answer (the generated servers' boxed stream).
 pub type Stream<M> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<M, Status>> + Send + 'static>>;

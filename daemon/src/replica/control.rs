@@ -23,8 +23,8 @@ use ferrite_proto::ferrite::v1 as pb;
 use super::records::{Relation, Role};
 use super::send::{connect, group_points, position, prune, push, push_group};
 use super::{Replication, load, now_ms};
-use crate::base::error::Error;
-use crate::base::rpc::{at_peer, blocking};
+use crate::base::error::{Error, blocking};
+use crate::base::rpc::at_peer;
 
 /// How often a demoted volume retries its final delta when it has no interval of its own.
 const HANDOVER_RETRY: Duration = Duration::from_secs(10);

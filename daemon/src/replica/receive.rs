@@ -21,8 +21,7 @@ use super::Replication;
 use super::admit::{self, check_epoch_bound, check_name, check_not_stale};
 use super::records::{PendingRecord, Relation, Role};
 use crate::authz::Caller;
-use crate::base::error::{Error, Kind};
-use crate::base::rpc::blocking;
+use crate::base::error::{Error, Kind, blocking};
 use crate::records::keys::MAX_WRAPPED_KEY;
 
 /// Older data keys a push may name: one per data-key rotation its snapshots span.

@@ -22,8 +22,8 @@ use tonic::transport::Channel;
 use super::records::{Relation, Role};
 use super::{Progress, Replication, now_ms};
 use crate::base::config::TlsFiles;
-use crate::base::error::Error;
-use crate::base::rpc::{at_peer, blocking};
+use crate::base::error::{Error, blocking};
+use crate::base::rpc::at_peer;
 use crate::records::exports::snapshot_of;
 
 /// Data bytes per push piece.

@@ -18,7 +18,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
 use crate::base::config::TlsFiles;
-use crate::base::rpc::require;
+use crate::base::error::require;
 use crate::records::attachments::kernel_nbd::Links;
 use crate::records::attachments::{Attachments, calls};
 

@@ -10,8 +10,7 @@ use ferrite_proto::ferrite::v1::{SyncMember, SyncVolume};
 use super::link::Link;
 use super::records::{Member, Membership, State, check_endpoint};
 use super::{Primary, SyncHub};
-use crate::base::error::Error;
-use crate::base::rpc::blocking;
+use crate::base::error::{Error, blocking};
 
 impl SyncHub {
     /// Adds the daemon at `peer` as a member of `volume` (primary here): a witness holds the

@@ -20,8 +20,8 @@ use ferrite_replication::delta::Delta;
 use super::link::Link;
 use super::records::State;
 use super::{Primary, SyncHub};
+use crate::base::error::blocking;
 use crate::base::rpc::at_peer;
-use crate::base::rpc::blocking;
 
 /// Data bytes per rebuild piece.
 const PIECE: usize = 1 << 20;

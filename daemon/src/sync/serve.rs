@@ -28,8 +28,7 @@ use super::catch_up::CatchUp;
 use super::records::{Membership, State};
 use super::wire::{self, Frames};
 use crate::authz::Caller;
-use crate::base::error::{Error, Kind};
-use crate::base::rpc::blocking;
+use crate::base::error::{Error, Kind, blocking};
 use crate::net::listen::Guarded;
 
 /// Requests a stream applies at once; the stream reads no further while they are all busy.

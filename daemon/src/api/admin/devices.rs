@@ -4,7 +4,7 @@
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::base::rpc::require;
+use crate::base::error::require;
 use crate::records::attachments::{AttachRecord, calls, choose_transport};
 use crate::records::exports::open_image;
 

@@ -15,7 +15,7 @@ use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use crate::base::config::Config;
-use crate::base::rpc::blocking;
+use crate::base::error::blocking;
 use crate::records::attachments::Attachments;
 use crate::records::exports::ExportTable;
 use crate::records::fence::Fences;

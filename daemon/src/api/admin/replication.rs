@@ -7,7 +7,7 @@ use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use crate::authz::{Caller, Role, caller_of};
-use crate::base::rpc::require;
+use crate::base::error::require;
 
 use super::AdminService;
 

@@ -6,7 +6,7 @@ use ferrite_engine::Image;
 use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::base::rpc::require;
+use crate::base::error::require;
 use crate::records::attachments::refuse_if_attached;
 use crate::records::exports::{refuse_if_exported, snapshot_of};
 

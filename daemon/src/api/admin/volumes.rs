@@ -8,7 +8,8 @@ use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use crate::authz::{Caller, caller_of};
-use crate::base::rpc::{require, status};
+use crate::base::error::require;
+use crate::base::rpc::status;
 use crate::records::attachments::refuse_if_attached;
 use crate::records::exports::refuse_if_exported;
 
