@@ -6,7 +6,6 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Instant;
 
 use futures_util::StreamExt;
 
@@ -23,7 +22,22 @@ pub async fn copy(
     b: &BackupRef,
     progress: &(dyn Fn(&Progress) + Sync),
 ) -> Result<Manifest> {
-    let started = Instant::now();
+    let attempt = crate::manifest::new_attempt();
+    crate::writers::with_lease(to, &attempt, async |lease| {
+        copy_leased(from, to, b, progress, lease, attempt.clone()).await
+    })
+    .await
+}
+
+/// [`copy`] under the writer's `lease` at the destination, as commit attempt `attempt`.
+async fn copy_leased(
+    from: &Target,
+    to: &Target,
+    b: &BackupRef,
+    progress: &(dyn Fn(&Progress) + Sync),
+    lease: &crate::writers::Lease,
+    attempt: String,
+) -> Result<Manifest> {
     let m = Manifest::load(from, b).await?;
     if m.chunk_size != to.chunk_size() {
         return Err(Error::Invalid(format!(
@@ -59,12 +73,15 @@ pub async fn copy(
         })
         .buffered(to.concurrency());
     let (mut chunks, mut uploaded, mut new_chunks) = (Vec::with_capacity(m.chunks.len()), 0, 0);
-    let mut sent = HashSet::new();
+    let (mut sent, mut again) = (HashSet::new(), Vec::new());
     while let Some(r) = copied.next().await {
         let (c, bytes) = r?;
         if bytes > 0 && sent.insert(c.id.clone()) {
             uploaded += bytes;
             new_chunks += 1;
+            if shared.condemned.contains(&c.id) {
+                again.push(c.clone());
+            }
         }
         done.chunks_done += 1;
         done.bytes_done += u64::from(c.len);
@@ -73,8 +90,30 @@ pub async fn copy(
         chunks.push(c);
     }
     drop(copied);
-    let copy = Manifest { chunks, uploaded_bytes: uploaded, new_chunks, copied_from: Some(from.name.clone()), ..m };
-    copy.commit(to, started).await?;
+    // The source's references of those (a copy under another key names them anew).
+    let again: Vec<(ChunkRef, String)> = again
+        .into_iter()
+        .filter_map(|c: ChunkRef| {
+            let at = m.chunks.binary_search_by_key(&c.i, |s| s.i).ok()?;
+            Some((m.chunks[at].clone(), c.id))
+        })
+        .collect();
+    let copy = Manifest {
+        chunks,
+        uploaded_bytes: uploaded,
+        new_chunks,
+        copied_from: Some(from.name.clone()),
+        attempt: Some(attempt),
+        ..m
+    };
+    copy.commit(to, lease).await?;
+    // As a backup does (create.rs): a condemned chunk sent again and swept meanwhile goes once more.
+    for (source, id) in again {
+        if to.head(&chunk_path(&id)).await?.is_none() {
+            let force = Swept { condemned: HashSet::from([id]), locked_at: shared.locked_at };
+            copy_chunk(from, to, source, same_key, &pace, &force).await?;
+        }
+    }
     Ok(copy)
 }
 

@@ -11,7 +11,6 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Instant;
 
 use ferrite_engine::{Image, Pool, SnapshotInfo};
 use futures_util::StreamExt;
@@ -20,6 +19,7 @@ use crate::codec::Kind;
 use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, SnapshotIdentity, chunk_path};
 use crate::prune::Swept;
 use crate::target::FORMAT;
+use crate::writers::Lease;
 use crate::{Error, Pace, Result, Target, prune, quarantine};
 
 /// What to back up.
@@ -64,9 +64,26 @@ pub(crate) async fn create_after(
     index: &Index,
     progress: &(dyn Fn(&Progress) + Sync),
 ) -> Result<Manifest> {
-    let started = Instant::now();
+    let attempt = crate::manifest::new_attempt();
+    crate::writers::with_lease(target, &attempt, async |lease| {
+        create_leased(target, pool, opts, index, progress, lease, attempt.clone()).await
+    })
+    .await
+}
+
+/// [`create_after`] under the writer's `lease`, as commit attempt `attempt`.
+async fn create_leased(
+    target: &Target,
+    pool: &Pool,
+    opts: &CreateOptions,
+    index: &Index,
+    progress: &(dyn Fn(&Progress) + Sync),
+    lease: &Lease,
+    attempt: String,
+) -> Result<Manifest> {
     let this = BackupRef { volume: opts.volume.clone(), id: opts.id.clone() };
-    // Read before anything else: chunks a prune condemned since are uploaded again (prune.rs).
+    // Read after the lease and before anything else: chunks a prune condemned since are
+    // uploaded again (prune.rs).
     let swept = prune::load_swept(target).await?;
     // Chunks a verify found bad: read again even where the previous backup lists them.
     let quarantined = quarantine::load(target).await?;
@@ -163,12 +180,15 @@ pub(crate) async fn create_after(
             }
         })
         .buffer_unordered(target.concurrency());
-    let (mut uploaded, mut new_chunks) = (0, 0);
+    let (mut uploaded, mut new_chunks, mut again) = (0, 0, Vec::new());
     while let Some(r) = results.next().await {
         let (i, len, stored) = r?;
         if let Some((id, bytes)) = stored {
             uploaded += bytes;
             new_chunks += u64::from(bytes > 0);
+            if bytes > 0 && shared.1.condemned.contains(&id) {
+                again.push((i, len, id.clone()));
+            }
             refs.push(ChunkRef { i, id, len: u32::try_from(len).expect("chunks are at most 4 MiB") });
         }
         done.chunks_done += 1;
@@ -197,8 +217,22 @@ pub(crate) async fn create_after(
         uploaded_bytes: uploaded,
         new_chunks,
         copied_from: None,
+        attempt: Some(attempt),
     };
-    manifest.commit(target, started).await?;
+    manifest.commit(target, lease).await?;
+    // A prune's HEAD and DELETE of a condemned chunk are two requests: one this backup uploaded
+    // again in between is gone. Its manifest is listed now, so a later prune keeps it: upload it
+    // once more.
+    for (i, len, id) in again {
+        let path = chunk_path(&id);
+        if target.head(&path).await?.is_none() {
+            tracing::warn!(target = %target.name, backup = %this, chunk = %id,
+                "a chunk uploaded again was swept by a prune meanwhile: uploading it once more");
+            let read = read_chunk(target, snap.clone(), i * chunk, len).await?;
+            let (_, buf) = read.expect("it held data when it was read");
+            upload(target, &path, buf, &pace).await?;
+        }
+    }
     Ok(manifest)
 }
 
@@ -311,6 +345,26 @@ async fn back_up_chunk(
     known: &HashSet<String>,
     swept: &Swept,
 ) -> Result<Option<(String, u64)>> {
+    let Some((id, buf)) = read_chunk(target, snap, offset, len).await? else { return Ok(None) };
+    let path = chunk_path(&id);
+    let fresh = !swept.condemned.contains(&id);
+    if (fresh && known.contains(&id)) || !sent.lock().insert(id.clone()) {
+        return Ok(Some((id, 0)));
+    }
+    if fresh && target.holds_fresh(&path, swept.locked_at).await? {
+        return Ok(Some((id, 0)));
+    }
+    let bytes = upload(target, &path, buf, pace).await?;
+    Ok(Some((id, bytes)))
+}
+
+/// The chunk at `offset` of `snap` and its name on `target`, or None when it reads as zeros.
+async fn read_chunk(
+    target: &Target,
+    snap: ferrite_engine::Volume,
+    offset: u64,
+    len: u64,
+) -> Result<Option<(String, Vec<u8>)>> {
     let codec = target.codec.clone();
     let read = tokio::task::spawn_blocking(move || -> Result<Option<(String, Vec<u8>)>> {
         let mut buf = vec![0u8; usize::try_from(len).expect("chunks are at most 4 MiB")];
@@ -320,22 +374,18 @@ async fn back_up_chunk(
         }
         Ok(Some((codec.chunk_id(&buf), buf)))
     });
-    let Some((id, buf)) = read.await.expect("reading a chunk does not panic")? else { return Ok(None) };
-    let path = chunk_path(&id);
-    let fresh = !swept.condemned.contains(&id);
-    if (fresh && known.contains(&id)) || !sent.lock().insert(id.clone()) {
-        return Ok(Some((id, 0)));
-    }
-    if fresh && target.holds_fresh(&path, swept.locked_at).await? {
-        return Ok(Some((id, 0)));
-    }
+    read.await.expect("reading a chunk does not panic")
+}
+
+/// Seals `plain` and stores it at `path`, paced; the bytes sent.
+async fn upload(target: &Target, path: &str, plain: Vec<u8>, pace: &Pace) -> Result<u64> {
     let codec = target.codec.clone();
-    let name = path.clone();
-    let sealed = tokio::task::spawn_blocking(move || codec.seal(Kind::Chunk, &name, &buf))
+    let name = path.to_owned();
+    let sealed = tokio::task::spawn_blocking(move || codec.seal(Kind::Chunk, &name, &plain))
         .await
         .expect("sealing does not panic");
     let bytes = sealed.len() as u64;
     pace.admit(bytes).await;
-    target.put(&path, sealed.into()).await?;
-    Ok(Some((id, bytes)))
+    target.put(path, sealed.into()).await?;
+    Ok(bytes)
 }

@@ -6,11 +6,16 @@
 //! backup's snapshot touch.
 //!
 //! The target's layout (all under its prefix):
-//! - `ferrite-backup.json`: the target's marker (format, chunk size, key check), plain JSON;
+//! - `ferrite-backup.json`: the target's marker (format, key check, grace, object lock), plain
+//!   JSON;
 //! - `chunks/<2 hex>/<64 hex>`: chunks, named by HMAC-SHA256 of their plaintext;
-//! - `volumes/<volume>/index`: the volume's backups, oldest first;
-//! - `volumes/<volume>/backups/<id>`: one manifest per backup;
-//! - `gc/condemned`: chunks the last prune found unreferenced (see `prune.rs`);
+//! - `volumes/<volume>/index`: the volume's backups, oldest first, and the manifests of deleted
+//!   ones not yet removed;
+//! - `volumes/<volume>/backups/<id>@<attempt>`: one manifest per backup, named by the commit
+//!   attempt that wrote it (`<id>` alone from earlier builds);
+//! - `gc/condemned`: chunks the last prune found unreferenced (see `prune.rs`); `gc/locking`: how
+//!   far an extension of the object lock got; `gc/clock`: written to read the store's clock;
+//! - `gc/writers/<attempt>`: the leases of the backups and copies running (`writers.rs`);
 //! - `gc/quarantined` and `quarantine/<64 hex>`: chunks a verify found bad (`quarantine.rs`).
 //!
 //! Every object but the marker is an envelope (`codec.rs`): a header with the format version,
@@ -32,7 +37,9 @@ mod prune;
 mod quarantine;
 mod restore;
 mod schedule;
+mod signed;
 mod target;
+mod writers;
 
 pub use bases::{Plan, Planned, plan};
 pub use clock::{new_id, now_unix};
@@ -43,7 +50,7 @@ pub use error::{Error, Result};
 pub use instant::{Filling, Save, Saved};
 pub use manifest::{BackupRef, ChunkRef, Index, IndexEntry, Manifest, SnapshotIdentity, list_volumes, valid_component};
 pub use pace::Pace;
-pub use prune::{PruneReport, Retention, delete, prune};
+pub use prune::{PruneReport, Retention, Sweep, delete, prune};
 pub use restore::{VerifyReport, export, verify};
 pub use schedule::{Found, schedule_verifies};
 pub use target::{Counters, Target, key_fingerprint};

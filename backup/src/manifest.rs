@@ -81,6 +81,12 @@ pub struct Manifest {
     /// The target it was copied from (`backup copy`): a copy is the operator's, whatever its id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copied_from: Option<String>,
+    /// The commit attempt that wrote it (random hex): each attempt stores its manifest under a
+    /// name of its own (`ID@ATTEMPT`), and the index entry names the one that committed, so a
+    /// prune tells an interrupted attempt's leftover from a backup by evidence, not by age.
+    /// Absent in backups of earlier builds (stored as `ID`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<String>,
 }
 
 /// A backup as its volume's index lists it.
@@ -100,9 +106,17 @@ pub struct IndexEntry {
     pub uploaded_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copied_from: Option<String>,
+    /// The attempt whose manifest is this backup ([`Manifest::attempt`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<String>,
 }
 
 impl IndexEntry {
+    /// The name of its manifest under `volumes/VOLUME/backups/`.
+    pub fn manifest_name(&self) -> String {
+        manifest_name(&self.id, self.attempt.as_deref())
+    }
+
     /// Whether a CSI snapshot owns it: made for one (its id says so) on this target, not copied
     /// here. Only these may the controller delete, and only these does a retention prune keep
     /// unasked.
@@ -117,6 +131,11 @@ pub struct Index {
     pub format: u32,
     pub volume: String,
     pub backups: Vec<IndexEntry>,
+    /// Manifests of deleted backups (their names under `backups/`) that may still be on the
+    /// target: the evidence on which a prune deletes them. A prune forgets a name once the
+    /// manifest is gone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deleted: Vec<String>,
 }
 
 /// A backup's name on its target: `VOLUME/ID`.
@@ -157,8 +176,33 @@ pub fn index_path(volume: &str) -> String {
     format!("volumes/{volume}/index")
 }
 
-pub fn manifest_path(b: &BackupRef) -> String {
-    format!("volumes/{}/backups/{}", b.volume, b.id)
+/// Where the manifest named `name` ([`manifest_name`]) of a backup of `volume` is.
+pub fn manifest_path(volume: &str, name: &str) -> String {
+    format!("volumes/{volume}/backups/{name}")
+}
+
+/// The name of the manifest of backup `id` as attempt `attempt` stored it: `ID@ATTEMPT` (`@`
+/// is in no id), or `ID` for a backup of an earlier build.
+pub fn manifest_name(id: &str, attempt: Option<&str>) -> String {
+    match attempt {
+        Some(a) => format!("{id}@{a}"),
+        None => id.to_owned(),
+    }
+}
+
+/// A manifest's name split into its backup's id and its attempt, if it is one.
+pub(crate) fn parse_manifest_name(name: &str) -> Option<(&str, Option<&str>)> {
+    let (id, attempt) = match name.split_once('@') {
+        Some((id, a)) => (id, Some(a)),
+        None => (name, None),
+    };
+    let hex = |a: &str| a.len() == 16 && a.bytes().all(|b| b.is_ascii_hexdigit());
+    (valid_component(id) && attempt.is_none_or(hex)).then_some((id, attempt))
+}
+
+/// A new attempt id.
+pub(crate) fn new_attempt() -> String {
+    crate::codec::hex(&crate::codec::random::<8>())
 }
 
 pub fn chunk_path(id: &str) -> String {
@@ -171,11 +215,20 @@ pub async fn list_volumes(target: &Target) -> Result<Vec<String>> {
 }
 
 impl Index {
-    /// The volume's index; an empty one when it has no backups on this target.
+    fn empty(volume: &str) -> Index {
+        Index { format: FORMAT, volume: volume.to_owned(), ..Index::default() }
+    }
+
+    /// The volume's index; an empty one when it has none on this target.
     pub async fn load(target: &Target, volume: &str) -> Result<Index> {
+        Ok(Self::load_if_any(target, volume).await?.unwrap_or_else(|| Self::empty(volume)))
+    }
+
+    /// The volume's index, None when the target has none.
+    pub(crate) async fn load_if_any(target: &Target, volume: &str) -> Result<Option<Index>> {
         match target.get_object(Kind::Index, &index_path(volume), MAX_INDEX).await {
-            Ok((data, _)) => Self::decode(target, volume, &data),
-            Err(e) if e.is_not_found() => Ok(Index { format: FORMAT, volume: volume.to_owned(), backups: Vec::new() }),
+            Ok((data, _)) => Self::decode(target, volume, &data).map(Some),
+            Err(e) if e.is_not_found() => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -193,11 +246,14 @@ impl Index {
             .update_object(Kind::Index, &path, MAX_INDEX, |plain| {
                 let mut index = match plain {
                     Some(data) => Self::decode(target, volume, &data)?,
-                    None => Index { format: FORMAT, volume: volume.to_owned(), backups: Vec::new() },
+                    None => Self::empty(volume),
                 };
                 if !change(&mut index)? {
                     return Ok(None);
                 }
+                // The oldest evidence goes first: a manifest it named comes back as a backup.
+                let over = index.deleted.len().saturating_sub(MAX_DELETED);
+                index.deleted.drain(..over);
                 let data = serde_json::to_vec(&index).expect("serialises");
                 if data.len() > MAX_INDEX {
                     return Err(Error::Invalid(format!(
@@ -222,6 +278,9 @@ impl Index {
     }
 }
 
+/// Most names of deleted manifests an index keeps (a prune forgets them as it deletes them).
+const MAX_DELETED: usize = 10_000;
+
 impl Manifest {
     /// Backup `b` as its volume's index lists it (a manifest the index does not list is no
     /// backup yet, or no more).
@@ -234,20 +293,65 @@ impl Manifest {
 
     /// Backup `b`, at most as large as its index entry `listed` says.
     pub async fn load_listed(target: &Target, b: &BackupRef, listed: &IndexEntry) -> Result<Manifest> {
-        Self::load_unlisted(target, b, manifest_cap(listed.chunks)).await
+        let m = Self::load_named(target, &b.volume, &listed.manifest_name(), manifest_cap(listed.chunks)).await;
+        m.map_err(|e| {
+            if e.is_not_found() { Error::NotFound(format!("backup {b} is not on target {}", target.name)) } else { e }
+        })
     }
 
-    /// Backup `b`'s manifest, refused past `max` bytes of plaintext.
-    pub(crate) async fn load_unlisted(target: &Target, b: &BackupRef, max: usize) -> Result<Manifest> {
-        let path = manifest_path(b);
-        let (data, _) = target.get_object(Kind::Manifest, &path, max).await.map_err(|e| {
-            if e.is_not_found() { Error::NotFound(format!("backup {b} is not on target {}", target.name)) } else { e }
-        })?;
+    /// The manifest named `name` of a backup of `volume`, refused past `max` bytes of
+    /// plaintext, or when it is not what its name says or breaks [`Manifest::check`].
+    pub(crate) async fn load_named(target: &Target, volume: &str, name: &str, max: usize) -> Result<Manifest> {
+        let path = manifest_path(volume, name);
+        let (data, _) = target.get_object(Kind::Manifest, &path, max).await?;
         let m: Manifest = decode(target, &path, &data)?;
-        if m.volume != b.volume || m.id != b.id {
-            return Err(Error::corrupt(&target.name, path, format!("it is the manifest of {}/{}", m.volume, m.id)));
+        if m.volume != volume || m.name() != name {
+            return Err(Error::corrupt(&target.name, path, format!("it is the manifest {}/{}", m.volume, m.name())));
         }
+        m.check().map_err(|why| Error::corrupt(&target.name, path, why))?;
         Ok(m)
+    }
+
+    /// A digest of what it says (SHA-256 of its JSON, hex): a restore's record keeps it, so
+    /// that a resumed restore applies its record of chunks done to the same chunk list.
+    pub fn digest(&self) -> String {
+        let json = serde_json::to_vec(self).expect("serialises");
+        crate::codec::hex(ring::digest::digest(&ring::digest::SHA256, &json).as_ref())
+    }
+
+    /// Its name under `volumes/VOLUME/backups/`.
+    pub fn name(&self) -> String {
+        manifest_name(&self.id, self.attempt.as_deref())
+    }
+
+    /// What every reader relies on: a chunk size a target may have, a size whose chunks can be
+    /// counted, and chunks in strictly increasing order inside it, each a chunk name and no
+    /// longer than its place (a manifest sealed by a target's key was checked when it was made;
+    /// a keyless store can hand out any).
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+        let chunk = self.chunk_size;
+        if !(crate::MIN_CHUNK..=crate::MAX_CHUNK).contains(&chunk) || !chunk.is_multiple_of(4096) {
+            return Err(format!("its chunk size {chunk} is not 1-4 MiB in whole 4 KiB blocks"));
+        }
+        if self.size > MAX_SIZE {
+            return Err(format!("its size {} is past {MAX_SIZE} bytes", self.size));
+        }
+        let count = self.size.div_ceil(chunk);
+        let mut next = 0;
+        for c in &self.chunks {
+            if c.i < next || c.i >= count {
+                return Err(format!("chunk {} is out of order or past its {count} chunks", c.i));
+            }
+            next = c.i + 1;
+            // Restores write a chunk's bytes at its place: never past it.
+            if c.len == 0 || u64::from(c.len) > chunk.min(self.size - c.i * chunk) {
+                return Err(format!("chunk {} says {} bytes, more than its place holds", c.i, c.len));
+            }
+            if c.id.len() != 64 || !c.id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+                return Err(format!("chunk {} has no chunk name ({:?})", c.i, c.id));
+            }
+        }
+        Ok(())
     }
 
     /// Writes the manifest within `limit`, refused past what a reader accepts
@@ -261,15 +365,19 @@ impl Manifest {
                 self.chunks.len()
             )));
         }
-        target.put_object_within(limit, Kind::Manifest, &manifest_path(&self.backup_ref()), data).await
+        let path = manifest_path(&self.volume, &self.name());
+        target.put_object_within(limit, Kind::Manifest, &path, data).await
     }
 
-    /// Commits a backup (made or copied) that began at `started`: its manifest must be on the
-    /// target before `started` + the target's grace (after that a prune may have deleted chunks
-    /// it relies on, see `prune.rs`): refused once it has run for 0.9 x grace, and its manifest's
-    /// PUT fails rather than land later. Then its entry in the volume's index.
-    pub(crate) async fn commit(&self, target: &Target, started: std::time::Instant) -> Result<()> {
-        let (b, grace, ran) = (self.backup_ref(), target.grace(), started.elapsed());
+    /// Commits a backup (made or copied) whose writer holds `lease`: its manifest must be on
+    /// the target before the lease's start + the target's grace, on the store's clock (after
+    /// that a prune may have deleted chunks it relies on, see `prune.rs`): refused once it has
+    /// run for 0.9 x grace, and its manifest's PUT fails rather than land later. Then its entry
+    /// in the volume's index. A commit that loses to another attempt of the same backup takes
+    /// its own manifest away.
+    pub(crate) async fn commit(&self, target: &Target, lease: &crate::writers::Lease) -> Result<()> {
+        let (b, grace) = (self.backup_ref(), target.grace());
+        let ran = lease.ran(target).await?;
         if !grace.is_zero() && ran > grace.mul_f64(0.9) {
             return Err(Error::Conflict(format!(
                 "backup {b} ran for {ran:?}, longer than 0.9 x target {}'s grace-s: a prune may have deleted chunks it relies on; run it again (what it sent is reused)",
@@ -284,7 +392,7 @@ impl Manifest {
             )),
             e => e,
         })?;
-        Index::update(target, &self.volume, |index| {
+        let listed = Index::update(target, &self.volume, |index| {
             if index.backups.iter().any(|e| e.id == self.id) {
                 return Err(Error::Conflict(format!(
                     "backup {b} was made on target {} by another call at the same time",
@@ -295,7 +403,12 @@ impl Manifest {
             index.backups.sort_by(|x, y| (x.created, &x.id).cmp(&(y.created, &y.id)));
             Ok(true)
         })
-        .await
+        .await;
+        if let Err(Error::Conflict(_)) = &listed {
+            // The index names the other attempt: this manifest is a leftover by evidence.
+            target.delete(&manifest_path(&self.volume, &self.name())).await?;
+        }
+        listed
     }
 
     pub fn backup_ref(&self) -> BackupRef {
@@ -315,9 +428,13 @@ impl Manifest {
             bytes: self.chunks.iter().map(|c| u64::from(c.len)).sum(),
             uploaded_bytes: self.uploaded_bytes,
             copied_from: self.copied_from.clone(),
+            attempt: self.attempt.clone(),
         }
     }
 }
+
+/// Largest volume a manifest may describe: 1 PiB (4 MiB chunks: 2^28 of them).
+const MAX_SIZE: u64 = 1 << 50;
 
 /// Decodes a manifest, an index or a list of the target's, refusing a newer format by name
 /// before anything else.
@@ -343,10 +460,55 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_manifest_is_checked_against_what_readers_rely_on() {
+        let chunk = |i: u64, len| ChunkRef { i, id: format!("{:02x}", i % 256).repeat(32), len };
+        let m = Manifest {
+            format: FORMAT,
+            volume: "v".into(),
+            id: "b".into(),
+            snapshot: "s".into(),
+            source: None,
+            created: 0,
+            size: 2 * crate::MIN_CHUNK + 4096,
+            chunk_size: crate::MIN_CHUNK,
+            previous: None,
+            full: true,
+            full_reason: None,
+            encrypted_volume: false,
+            chunks: vec![chunk(0, 1 << 20), chunk(2, 4096)],
+            read_bytes: 0,
+            uploaded_bytes: 0,
+            new_chunks: 0,
+            copied_from: None,
+            attempt: None,
+        };
+        assert_eq!(m.check(), Ok(()));
+        let bad = [
+            Manifest { chunk_size: 0, ..m.clone() },
+            Manifest { chunk_size: 4097, ..m.clone() },
+            Manifest { size: u64::MAX, ..m.clone() },
+            Manifest { chunks: vec![chunk(2, 4096), chunk(0, 1 << 20)], ..m.clone() },
+            Manifest { chunks: vec![chunk(0, 1 << 20), chunk(0, 1 << 20)], ..m.clone() },
+            Manifest { chunks: vec![chunk(3, 4096)], ..m.clone() },
+            Manifest { chunks: vec![chunk(2, 1 << 20)], ..m.clone() },
+            Manifest { chunks: vec![ChunkRef { id: "ab".into(), ..chunk(0, 1 << 20) }], ..m.clone() },
+        ];
+        for b in bad {
+            assert!(b.check().is_err(), "{b:?}");
+        }
+    }
+
+    #[test]
     fn backup_names() {
         let b: BackupRef = "vol-1/20261128T101500Z".parse().unwrap();
         assert_eq!(b.to_string(), "vol-1/20261128T101500Z");
-        assert_eq!(manifest_path(&b), "volumes/vol-1/backups/20261128T101500Z");
+        assert_eq!(manifest_path(&b.volume, &b.id), "volumes/vol-1/backups/20261128T101500Z");
+        assert_eq!(manifest_name("x.1", Some("00ff00ff00ff00ff")), "x.1@00ff00ff00ff00ff");
+        assert_eq!(parse_manifest_name("x.1@00ff00ff00ff00ff"), Some(("x.1", Some("00ff00ff00ff00ff"))));
+        assert_eq!(parse_manifest_name("x.1"), Some(("x.1", None)));
+        for bad in ["x@1", "x@00ff00ff00ff00fg", "@00ff00ff00ff00ff", ".x", "x@a@00ff00ff00ff00ff"] {
+            assert_eq!(parse_manifest_name(bad), None, "{bad}");
+        }
         for bad in ["vol", "/x", "v/", "v/../x", "../v/x", "v/x/y", "v/.x"] {
             assert!(bad.parse::<BackupRef>().is_err(), "{bad}");
         }

@@ -4,9 +4,10 @@
 //! - **on upload**: every PUT carries its own retention (`x-amz-object-lock-mode` and
 //!   `-retain-until-date`, now + `object-lock-days`); the bucket needs object lock enabled, not a
 //!   default retention;
-//! - **while referenced**: a prune extends the retention of every chunk it keeps, and of every
-//!   manifest and index (PutObjectRetention), once the last extension is older than a quarter of
-//!   the lock, and records when it did in `gc/condemned`.
+//! - **while referenced**: a prune extends the retention of every chunk (condemned ones too: a
+//!   backup may upload one again), manifest and index (PutObjectRetention), once the last
+//!   extension is older than a quarter of the lock, and records when it did in `gc/condemned`
+//!   ([`extend_all`]: checkpointed, and run even when the prune's mark or sweep fails).
 //!
 //! Dedup is what makes a lock subtle: a backup relies on chunks uploaded long before it. A chunk
 //! present and not condemned is locked until at least `max(its upload, the last extension) +
@@ -17,11 +18,15 @@
 //! creation, and for three quarters of them ahead as long as it is kept and a prune runs at least
 //! every quarter.**
 
-use base64::Engine as _;
-use object_store::aws::{AwsAuthorizer, AwsCredential};
-use object_store::client::{HttpClient, HttpRequest, HttpRequestBody};
+use object_store::client::HttpRequest;
 
-use crate::config::{Lock, LockMode, TargetConfig};
+use futures_util::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+
+use crate::codec::Kind;
+use crate::config::{Lock, LockMode};
+use crate::signed::{Signed, Signer, field};
+use crate::{Error, Target};
 
 /// Whether an `ObjectLockConfiguration` document says the bucket has object lock (a default
 /// retention is not needed: every PUT sets its own).
@@ -29,48 +34,10 @@ pub(crate) fn enabled(xml: &str) -> bool {
     field(xml, "ObjectLockEnabled") == Some("Enabled")
 }
 
-/// The text of the first `<name>` element of a flat S3 answer.
-fn field<'a>(xml: &'a str, name: &str) -> Option<&'a str> {
-    let (open, close) = (format!("<{name}>"), format!("</{name}>"));
-    let start = xml.find(&open)? + open.len();
-    let len = xml[start..].find(&close)?;
-    Some(xml[start..start + len].trim())
-}
-
-/// The bucket's URL, as object_store addresses it.
-fn bucket_url(config: &TargetConfig, bucket: &str) -> String {
-    let region = config.region.as_deref().unwrap_or("us-east-1");
-    match (config.endpoint.as_deref().map(|e| e.trim_end_matches('/')), config.virtual_hosted) {
-        // object_store takes a virtual-hosted endpoint with the bucket already in it.
-        (Some(e), true) => e.to_owned(),
-        (Some(e), false) => format!("{e}/{bucket}"),
-        (None, true) => format!("https://{bucket}.s3.{region}.amazonaws.com"),
-        (None, false) => format!("https://s3.{region}.amazonaws.com/{bucket}"),
-    }
-}
-
 /// An ISO 8601 UTC time, as S3 writes retention dates.
 fn iso8601(unix: u64) -> String {
     let id = crate::new_id(unix);
     format!("{}-{}-{}T{}:{}:{}Z", &id[..4], &id[4..6], &id[6..8], &id[9..11], &id[11..13], &id[13..15])
-}
-
-/// Who signs a target's requests: its key, and the region it signs for.
-#[derive(Clone)]
-struct Signer(std::sync::Arc<(AwsCredential, String)>);
-
-impl Signer {
-    /// Signs `req` (again), with the payload digest its `x-amz-content-sha256` names, if any.
-    fn sign(&self, req: &mut HttpRequest) {
-        let (credential, region) = &*self.0;
-        req.headers_mut().remove(http::header::AUTHORIZATION);
-        let digest = req.headers().get("x-amz-content-sha256").and_then(|v| crate::codec::unhex(v.to_str().ok()?));
-        let authorizer = AwsAuthorizer::new(credential, "s3", region);
-        match digest.filter(|d| d.len() == 32) {
-            Some(d) => authorizer.authorize(req, Some(&d)),
-            None => authorizer.with_sign_payload(false).authorize(req, None),
-        }
-    }
 }
 
 /// The retention a PUT's new version gets, carried to the HTTP client as a request extension:
@@ -99,48 +66,22 @@ pub(crate) fn stamp(req: &mut HttpRequest) {
 /// An S3 target's object lock: stamps its uploads and extends retention (PutObjectRetention).
 pub(crate) struct Locker {
     pub lock: Lock,
-    signer: Option<Signer>,
-    /// The bucket's URL with the target's prefix: an object's key follows.
-    root: String,
-    client: HttpClient,
+    signed: std::sync::Arc<Signed>,
 }
 
 impl std::fmt::Debug for Locker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Locker").field("lock", &self.lock).field("root", &self.root).finish_non_exhaustive()
+        f.debug_struct("Locker").field("lock", &self.lock).field("signed", &self.signed).finish()
     }
-}
-
-/// Characters left as they are in a key's URL path (S3's unreserved set and `/`).
-fn encode_key(key: &str) -> String {
-    let mut out = String::with_capacity(key.len());
-    for b in key.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 impl Locker {
-    /// Checks that the bucket has object lock (a signed `GET ?object-lock`); the locker of a
-    /// target under `prefix`.
-    pub(crate) async fn open(
-        config: &TargetConfig,
-        client: HttpClient,
-        credential: Option<AwsCredential>,
-        lock: Lock,
-        prefix: &str,
-    ) -> Result<Locker, String> {
-        let bucket = config.bucket.as_deref().unwrap_or_default();
-        let url = bucket_url(config, bucket);
-        let region = config.region.clone().unwrap_or_else(|| "us-east-1".into());
-        let signer = credential.map(|c| Signer(std::sync::Arc::new((c, region))));
-        let root = if prefix.is_empty() { url.clone() } else { format!("{url}/{}", encode_key(prefix)) };
-        let locker = Locker { lock, signer, root, client };
-        let (status, text) = locker.send(http::Method::GET, &format!("{url}?object-lock"), None).await?;
+    /// Checks that `bucket` has object lock (a signed `GET ?object-lock`); the locker of a
+    /// target that sends its own requests through `signed`.
+    pub(crate) async fn open(signed: std::sync::Arc<Signed>, bucket: &str, lock: Lock) -> Result<Locker, String> {
+        let url = signed.bucket.clone();
+        let locker = Locker { lock, signed };
+        let (status, text) = locker.signed.send(http::Method::GET, &format!("{url}?object-lock"), &[], None).await?;
         if status.is_success() && enabled(&text) {
             return Ok(locker);
         }
@@ -159,28 +100,32 @@ impl Locker {
     /// The retention a PUT made now gives its new version.
     pub(crate) fn retain(&self) -> Retain {
         let until = iso8601(self.lock.until(crate::now_unix()));
-        Retain { mode: self.lock.mode, until, signer: self.signer.clone() }
+        Retain { mode: self.lock.mode, until, signer: self.signed.signer.clone() }
     }
 
     /// Locks the current version of the object at `path` until `until` (unix seconds), or
-    /// later: a version locked longer already is left as it is.
-    pub(crate) async fn extend(&self, path: &str, until: u64) -> Result<(), String> {
-        let url = format!("{}/{}?retention", self.root, encode_key(path));
+    /// later: a version locked longer already is left as it is. False when the object is gone
+    /// (404, or 405: its current version is a delete marker).
+    pub(crate) async fn extend(&self, path: &str, until: u64) -> Result<bool, String> {
+        let url = self.signed.object_url(path, "?retention");
         let until = iso8601(until);
         let body = format!(
             r#"<Retention xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Mode>{}</Mode><RetainUntilDate>{until}</RetainUntilDate></Retention>"#,
             self.lock.mode.s3_name()
         );
-        let (status, text) = self.send(http::Method::PUT, &url, Some(body)).await?;
+        let (status, text) = self.signed.send(http::Method::PUT, &url, &[], Some(body)).await?;
         if status.is_success() {
-            return Ok(());
+            return Ok(true);
+        }
+        if matches!(status, http::StatusCode::NOT_FOUND | http::StatusCode::METHOD_NOT_ALLOWED) {
+            return Ok(false);
         }
         // A shorter retention is refused (403): longer already is what we want.
         if status == http::StatusCode::FORBIDDEN {
-            let (status, held) = self.send(http::Method::GET, &url, None).await?;
+            let (status, held) = self.signed.send(http::Method::GET, &url, &[], None).await?;
             let date = field(&held, "RetainUntilDate").unwrap_or_default();
             if status.is_success() && date.get(..19).is_some_and(|d| d >= &until[..19]) {
-                return Ok(());
+                return Ok(true);
             }
         }
         Err(format!(
@@ -188,32 +133,63 @@ impl Locker {
             field(&text, "Code").unwrap_or_default()
         ))
     }
+}
 
-    /// Sends one signed request; its status and (capped) body.
-    async fn send(
-        &self,
-        method: http::Method,
-        url: &str,
-        body: Option<String>,
-    ) -> Result<(http::StatusCode, String), String> {
-        let asked = format!("{method} {url}");
-        let mut req = http::Request::builder().method(method).uri(url);
-        if let Some(body) = &body {
-            let sum = ring::digest::digest(&ring::digest::SHA256, body.as_bytes());
-            req = req
-                .header("x-amz-checksum-sha256", base64::engine::general_purpose::STANDARD.encode(sum))
-                .header("x-amz-sdk-checksum-algorithm", "SHA256");
-        }
-        let body = body.map_or_else(HttpRequestBody::empty, |b| HttpRequestBody::from(b.into_bytes()));
-        let mut req = req.body(body).map_err(|e| format!("{asked}: {e}"))?;
-        if let Some(signer) = &self.signer {
-            signer.sign(&mut req);
-        }
-        let res = self.client.execute(req).await.map_err(|e| format!("{asked}: {e}"))?;
-        let status = res.status();
-        let text = res.into_body().bytes().await.map_err(|e| format!("{asked}: {e}"))?;
-        Ok((status, String::from_utf8_lossy(&text).into_owned()))
+/// How far a prune's extension of every lock got: the next prune resumes it after a failure.
+#[derive(Debug, Serialize, Deserialize)]
+struct Checkpoint {
+    /// When the run began (unix seconds, the store's clock): what it extended is locked until
+    /// then + the lock's days.
+    since: i64,
+    /// The last object it extended (in listing order, `volumes/` before `chunks/`), if any.
+    after: Option<String>,
+}
+
+/// Where the checkpoint is (an envelope of the GC's kind, bound to its name).
+const CHECKPOINT: &str = "gc/locking";
+/// Objects extended between two checkpoints.
+const CHECKPOINT_EVERY: usize = 10_000;
+
+/// Extends the lock of every object of `target` (the marker, manifests, indexes, chunks, the
+/// condemned ones too: a backup may upload one again) until `now` + the lock's days; objects
+/// deleted meanwhile are skipped. A run a failure cut short is resumed where it stopped while
+/// what it extended still holds for three quarters of the lock. How many it extended, and since
+/// when every object is locked (the run's start).
+pub(crate) async fn extend_all(target: &Target, lock: Lock, now: i64) -> Result<(u64, i64), Error> {
+    let resumed = match target.get_object(Kind::Condemned, CHECKPOINT, 64 << 10).await {
+        Ok((data, _)) => serde_json::from_slice::<Checkpoint>(&data).ok().filter(|c| !lock.is_stale(c.since, now)),
+        Err(e) if e.is_not_found() => None,
+        Err(e) => return Err(e),
+    };
+    let mut at = resumed.unwrap_or(Checkpoint { since: now, after: None });
+    let until = lock.until(u64::try_from(at.since).unwrap_or(0));
+    let mut extended = 0u64;
+    if at.after.is_none() && target.extend_lock(crate::target::MARKER, until).await? {
+        extended += 1;
     }
+    let phase = |path: &str| u8::from(path.starts_with("chunks/"));
+    for (prefix, max) in [("volumes", 10_000_000), ("chunks", 50_000_000)] {
+        let mut listed = target.list_stream(prefix, max).try_chunks(CHECKPOINT_EVERY);
+        while let Some(batch) = listed.try_next().await.map_err(|e| e.1)? {
+            let todo: Vec<String> = batch
+                .into_iter()
+                .map(|o| o.location.to_string())
+                .filter(|p| at.after.as_deref().is_none_or(|a| (phase(p), p.as_str()) > (phase(a), a)))
+                .collect();
+            let Some(last) = todo.last().cloned() else { continue };
+            let done: Vec<bool> = futures_util::stream::iter(todo)
+                .map(|path| async move { target.extend_lock(&path, until).await })
+                .buffer_unordered(target.concurrency())
+                .try_collect()
+                .await?;
+            extended += done.iter().filter(|&&d| d).count() as u64;
+            at.after = Some(last);
+            let data = serde_json::to_vec(&at).expect("serialises");
+            target.put_object(Kind::Condemned, CHECKPOINT, data).await?;
+        }
+    }
+    target.delete(CHECKPOINT).await?;
+    Ok((extended, at.since))
 }
 
 #[cfg(test)]
@@ -243,15 +219,7 @@ mod tests {
     }
 
     #[test]
-    fn addresses_the_bucket_as_object_store_does() {
-        let mut c = TargetConfig { endpoint: Some("http://127.0.0.1:9000/".into()), ..TargetConfig::default() };
-        assert_eq!(bucket_url(&c, "b"), "http://127.0.0.1:9000/b");
-        c.endpoint = None;
-        c.region = Some("eu-west-1".into());
-        assert_eq!(bucket_url(&c, "b"), "https://s3.eu-west-1.amazonaws.com/b");
-        c.virtual_hosted = true;
-        assert_eq!(bucket_url(&c, "b"), "https://b.s3.eu-west-1.amazonaws.com");
-        assert_eq!(encode_key("volumes/db 1/ä"), "volumes/db%201/%C3%A4");
+    fn writes_retention_dates_as_s3_does() {
         assert_eq!(iso8601(1_795_861_815), "2026-11-28T10:30:15Z");
     }
 
@@ -259,7 +227,8 @@ mod tests {
     /// headers the signature does not cover.
     #[test]
     fn a_stamped_put_signs_its_retention() {
-        let credential = AwsCredential { key_id: "id".into(), secret_key: "secret".into(), token: None };
+        let credential =
+            object_store::aws::AwsCredential { key_id: "id".into(), secret_key: "secret".into(), token: None };
         let retain = Retain {
             mode: LockMode::Compliance,
             until: iso8601(1_795_861_815),
@@ -271,7 +240,7 @@ mod tests {
             .uri("http://127.0.0.1:9000/b/chunks/ab/abc")
             .header("x-amz-content-sha256", digest)
             .header(http::header::AUTHORIZATION, "stale")
-            .body(HttpRequestBody::from("hello".to_owned()))
+            .body(object_store::client::HttpRequestBody::from("hello".to_owned()))
             .unwrap();
         req.extensions_mut().insert(retain);
         stamp(&mut req);
@@ -285,7 +254,8 @@ mod tests {
             "the retention is signed: {auth}"
         );
         // A request without the extension is left alone.
-        let mut plain = http::Request::builder().uri("http://h/b/k").body(HttpRequestBody::empty()).unwrap();
+        let mut plain =
+            http::Request::builder().uri("http://h/b/k").body(object_store::client::HttpRequestBody::empty()).unwrap();
         stamp(&mut plain);
         assert!(plain.headers().is_empty());
     }

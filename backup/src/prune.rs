@@ -1,5 +1,13 @@
 //! Deleting backups, retention, and removing the chunks no backup lists any more.
 //!
+//! Nothing is deleted for want of evidence. A manifest goes only when its volume's index says
+//! so: the index names it as deleted (`Index::deleted`, written by [`delete`] before the
+//! manifest is removed), or names another attempt of the same backup (each commit attempt
+//! stores its manifest under a name of its own, `ID@ATTEMPT`). A manifest no index lists is a
+//! backup being committed, or one whose index lost it (a lost update, a deleted or hidden
+//! index): its chunks are kept, and once it is older than the grace it is listed in its index
+//! again (the index is rebuilt from the manifests, which describe themselves) and reported.
+//!
 //! The sweep must not delete a chunk a running backup is about to list: that backup may have
 //! found the chunk on the target (a HEAD, or its previous manifest) and skipped the upload,
 //! just before a delete left the chunk unreferenced. So a chunk is deleted in two steps, as
@@ -10,20 +18,22 @@
 //!    `grace` ago, and was last written before it was condemned.
 //!
 //! A backup reads the condemned list first and uploads condemned chunks again (a fresh
-//! Last-Modified saves them), and refuses to commit once it has run for 0.9 x grace. A backup
-//! that relied on a chunk without seeing it condemned therefore started before the
-//! condemnation and commits before condemnation + grace, which is before step 2 may run: its
-//! manifest is there to be marked. With `grace` zero (`prune --grace-s 0`: nothing else uses
-//! the target), unreferenced chunks go at once.
+//! Last-Modified saves them), refuses to commit once it has run for 0.9 x grace on the store's
+//! clock (`writers.rs`), and checks after its commit that the chunks it uploaded again are
+//! still there (a prune's HEAD and DELETE are two requests). A backup that relied on a chunk
+//! without seeing it condemned therefore started before the condemnation and commits before
+//! condemnation + grace, which is before step 2 may run: its manifest is there to be marked.
+//! The grace is the target's (its marker's), one for every writer; a prune goes below it only
+//! when told that no backup runs (`Sweep::no_writers`), which the writers' leases must confirm.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use futures_util::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::codec::Kind;
-use crate::manifest::{BackupRef, Index, IndexEntry, Manifest, manifest_path};
+use crate::manifest::{BackupRef, Index, IndexEntry, Manifest, manifest_path, parse_manifest_name};
 use crate::target::FORMAT;
 use crate::{Error, Result, Target};
 
@@ -41,7 +51,6 @@ const MAX_CHUNKS: u64 = 50_000_000;
 /// being committed: its chunks are kept): a volume of ~2.5 TiB of data at 4 MiB chunks. A
 /// larger one stops the sweep until its backup has committed.
 const MAX_UNLISTED: usize = 64 << 20;
-const CLOCK: &str = "gc/clock";
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct Condemned {
@@ -152,29 +161,135 @@ pub struct PruneReport {
     pub chunks_condemned: u64,
     /// Objects whose object lock this prune extended (chunks, manifests, indexes).
     pub locks_extended: u64,
+    /// Manifests deleted on their index's word: deleted backups', and leftovers of attempts
+    /// another attempt of the same backup superseded.
+    pub manifests_deleted: u64,
+    /// Backups (`VOLUME/ID`) whose manifest no index listed, listed again.
+    pub backups_recovered: Vec<String>,
+    /// Volumes whose index was missing, rebuilt from their manifests.
+    pub indexes_rebuilt: Vec<String>,
+    /// Under an object lock: since when every object the target keeps is locked for the lock's
+    /// days (unix seconds, the store's clock).
+    pub locked_at: Option<i64>,
 }
 
-/// Deletes one backup (its manifest and its index entry). Its chunks go with a later prune.
+/// How a prune treats backups that may be running elsewhere.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sweep {
+    /// How long an unreferenced chunk stays condemned before it goes: at least the target's
+    /// grace unless `no_writers`; None: the target's.
+    pub grace: Option<Duration>,
+    /// The operator says no backup or copy to the target runs anywhere: the grace may be
+    /// shorter than the target's (zero: unreferenced chunks go at once). Refused while a
+    /// writer's lease is alive.
+    pub no_writers: bool,
+}
+
+/// Deletes one backup: its index entry (naming its manifest as deleted), then its manifest. Its
+/// chunks go with a later prune.
 pub async fn delete(target: &Target, b: &BackupRef) -> Result<()> {
-    // The index first: a manifest left by a crash here is only kept (marked), never listed.
-    let mut listed = false;
+    let mut name = None;
     Index::update(target, &b.volume, |index| {
-        let before = index.backups.len();
-        index.backups.retain(|e| e.id != b.id);
-        listed = index.backups.len() != before;
-        Ok(listed)
+        name = None;
+        let Some(at) = index.backups.iter().position(|e| e.id == b.id) else { return Ok(false) };
+        let n = index.backups.remove(at).manifest_name();
+        index.deleted.push(n.clone());
+        name = Some(n);
+        Ok(true)
     })
     .await?;
-    if !listed && target.head(&manifest_path(b)).await?.is_none() {
-        return Err(Error::NotFound(format!("backup {b} is not on target {}", target.name)));
-    }
-    target.delete(&manifest_path(b)).await
+    let name = name.ok_or_else(|| Error::NotFound(format!("backup {b} is not on target {}", target.name)))?;
+    target.delete(&manifest_path(&b.volume, &name)).await
 }
 
 /// Applies `retention` to every volume's backups (if given), then marks the chunks every
-/// manifest on the target lists and sweeps the others as the module comment says.
-pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Duration) -> Result<PruneReport> {
+/// manifest on the target lists and sweeps the others as the module comment says. Under an
+/// object lock, the locks of what the target keeps are extended when due, even when the mark
+/// or the sweep fails.
+pub async fn prune(target: &Target, retention: Option<&Retention>, sweep: Sweep) -> Result<PruneReport> {
+    let now = target.now().await?;
+    let grace = sweep.grace.unwrap_or_else(|| target.grace());
+    if grace < target.grace() {
+        if !sweep.no_writers {
+            return Err(Error::Invalid(format!(
+                "a prune's grace ({}s) may not be shorter than target {}'s ({}s): every backup to it relies on \
+                 that; only when no backup or copy to it runs anywhere (--no-writers) may it",
+                grace.as_secs(),
+                target.name,
+                target.grace().as_secs()
+            )));
+        }
+        let alive = crate::writers::alive(target, now).await?;
+        if !alive.is_empty() {
+            return Err(Error::Conflict(format!(
+                "{} backups or copies to target {} hold a writer's lease (gc/writers/: {}): a prune with a shorter \
+                 grace than the target's waits until they end (or their leases pass the grace)",
+                alive.len(),
+                target.name,
+                alive.join(", ")
+            )));
+        }
+    }
     let mut report = PruneReport::default();
+    let swept = mark_and_sweep(target, retention, now, grace, &mut report).await;
+    let (mut next, failed) = match swept {
+        Ok(next) => (Some(next), None),
+        Err(e) => (None, Some(e)),
+    };
+    let mut locked = Ok(());
+    if let Some(lock) = target.object_lock() {
+        // After a failed mark or sweep, the list the last prune left records the extension.
+        let mut list = match next.take() {
+            Some(list) => list,
+            None => {
+                let (previous, locked_at) = load(target).await?;
+                let chunks = previous.into_iter().map(|(id, since)| (id, Some(since))).collect();
+                Condemned { format: FORMAT, chunks, locked_at }
+            }
+        };
+        // Every object is locked until `now` + days at least, once a quarter of the lock.
+        if list.locked_at.is_none_or(|at| lock.is_stale(at, now)) {
+            match crate::object_lock::extend_all(target, lock, now).await {
+                Ok((extended, since)) => {
+                    report.locks_extended = extended;
+                    list.locked_at = Some(since);
+                }
+                Err(e) => locked = Err(e),
+            }
+        }
+        if failed.is_none() || report.locks_extended > 0 {
+            next = Some(list);
+        }
+        if report.chunks_deleted > 0 {
+            tracing::info!(
+                target = %target.name,
+                chunks = report.chunks_deleted,
+                "deleted chunks are hidden behind delete markers; the bucket's object lock keeps their versions \
+                 up to {} days (a lifecycle rule on noncurrent versions frees them after)",
+                lock.days
+            );
+        }
+    }
+    if let Some(next) = &next {
+        target.put_object(Kind::Condemned, CONDEMNED, serde_json::to_vec(next).expect("serialises")).await?;
+        report.chunks_condemned = next.chunks.len() as u64;
+        report.locked_at = next.locked_at;
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    locked?;
+    Ok(report)
+}
+
+/// Retention, mark and sweep: the condemned list the sweep leaves.
+async fn mark_and_sweep(
+    target: &Target,
+    retention: Option<&Retention>,
+    now: i64,
+    grace: Duration,
+    report: &mut PruneReport,
+) -> Result<Condemned> {
     if let Some(policy) = retention {
         for volume in crate::manifest::list_volumes(target).await? {
             let index = Index::load(target, &volume).await?;
@@ -186,23 +301,14 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
             }
         }
     }
-    // The store's time now: write an object and read its Last-Modified.
-    target.put(CLOCK, bytes::Bytes::new()).await?;
-    let now = target
-        .head(CLOCK)
-        .await?
-        .map(|m| m.last_modified.timestamp())
-        .ok_or_else(|| Error::corrupt(&target.name, CLOCK, "vanished"))?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
-    let referenced = mark(target, now, grace_s, &mut report).await?;
+    let referenced = mark(target, now, grace_s, report).await?;
     report.chunks_referenced = referenced.len() as u64;
     crate::quarantine::retain(target, |id| referenced.contains(&key(id))).await?;
 
     // Sweep, as the chunks are listed.
     let (previous, locked_at) = load(target).await?;
-    // Room for chunks condemned now beside those carried over: the list never outgrows its cap.
-    let room = CONDEMN_AT_MOST.saturating_sub(previous.len());
-    let (mut next, mut fresh) = (Condemned { format: FORMAT, chunks: BTreeMap::new(), locked_at }, 0);
+    let (mut next, mut fresh) = (BTreeMap::new(), Vec::new());
     let mut chunks = target.list_stream("chunks", MAX_CHUNKS);
     while let Some(object) = chunks.try_next().await? {
         let Some(id) = object.location.filename().map(str::to_owned) else { continue };
@@ -214,69 +320,30 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, grace: Durati
         let mut due = grace.is_zero() || since.is_some_and(|since| since.saturating_add(grace_s) <= now);
         if due && let Some(since) = since.filter(|_| !grace.is_zero()) {
             // Looked at again just before the delete: a backup that found it condemned may have
-            // uploaded it anew since the listing, and its manifest will list it.
-            let now = target.head(object.location.as_ref()).await?;
-            due = now.is_some_and(|m| m.last_modified.timestamp() < since);
+            // uploaded it anew since the listing, and its manifest will list it. The delete is
+            // conditional on the version looked at (and the backup checks after its commit that
+            // what it uploaded again is still there).
+            let path = object.location.as_ref();
+            due = match target.head(path).await? {
+                Some(now) if now.last_modified.timestamp() < since => target.delete_if(path, &now).await?,
+                _ => false,
+            };
+        } else if due {
+            target.delete(object.location.as_ref()).await?;
         }
         if due {
-            target.delete(object.location.as_ref()).await?;
             report.chunks_deleted += 1;
             report.bytes_deleted += object.size;
-        } else if since.is_some() && next.chunks.len() < CONDEMN_AT_MOST {
-            next.chunks.insert(id, since);
-        } else if since.is_none() && fresh < room {
-            fresh += 1;
-            next.chunks.insert(id, None);
+        } else if since.is_some() && next.len() < CONDEMN_AT_MOST {
+            next.insert(id, since);
+        } else if since.is_none() && fresh.len() < CONDEMN_AT_MOST {
+            fresh.push(id);
         }
     }
-    report.chunks_condemned = next.chunks.len() as u64;
-    if let Some(lock) = target.object_lock() {
-        // Every kept object is locked until `now` + days at least, once a quarter of the lock.
-        if locked_at.is_none_or(|at| lock.is_stale(at, now)) {
-            let until = lock.until(u64::try_from(now).unwrap_or(0));
-            report.locks_extended = extend_locks(target, &next, until).await?;
-            next.locked_at = Some(now);
-        }
-    }
-    if let Some(lock) = target.object_lock().filter(|_| report.chunks_deleted > 0) {
-        tracing::info!(
-            target = %target.name,
-            chunks = report.chunks_deleted,
-            "deleted chunks are hidden behind delete markers; the bucket's object lock keeps their versions \
-             up to {} days (a lifecycle rule on noncurrent versions frees them after)",
-            lock.days
-        );
-    }
-    target.put_object(Kind::Condemned, CONDEMNED, serde_json::to_vec(&next).expect("serialises")).await?;
-    Ok(report)
-}
-
-/// Extends the lock of every object the target keeps (chunks not in `next`'s condemned list,
-/// manifests, indexes, the marker) until `until`; how many. A chunk written since the prune
-/// began is listed too: extending it is harmless.
-async fn extend_locks(target: &Target, next: &Condemned, until: u64) -> Result<u64> {
-    let extended = std::sync::atomic::AtomicU64::new(0);
-    let extend = |path: String| {
-        let extended = &extended;
-        async move {
-            target.extend_lock(&path, until).await?;
-            extended.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            Ok::<_, Error>(())
-        }
-    };
-    extend(crate::target::MARKER.to_owned()).await?;
-    let kept = |object: object_store::ObjectMeta| {
-        let condemned = object.location.filename().is_some_and(|id| next.chunks.contains_key(id));
-        (!condemned).then(|| object.location.to_string())
-    };
-    for (prefix, max) in [("volumes", MAX_VOLUME_OBJECTS), ("chunks", MAX_CHUNKS)] {
-        target
-            .list_stream(prefix, max)
-            .try_filter_map(|object| std::future::ready(Ok(kept(object))))
-            .try_for_each_concurrent(target.concurrency(), extend)
-            .await?;
-    }
-    Ok(extended.into_inner())
+    // Room for the newly condemned beside those carried over, counted after the deletions.
+    let room = CONDEMN_AT_MOST.saturating_sub(next.len());
+    next.extend(fresh.into_iter().take(room).map(|id| (id, None)));
+    Ok(Condemned { format: FORMAT, chunks: next, locked_at })
 }
 
 /// A chunk's name as the mark keeps it: its first 64 bits (names are uniform). Two names that
@@ -287,49 +354,134 @@ fn key(id: &str) -> u64 {
 }
 
 /// Mark: the chunks every manifest under `volumes/` lists, in its index or not (one being
-/// committed is not yet), as the objects are listed, with one index in memory at a time. A
-/// manifest no index lists and older than the grace is no backup being committed: a crash's
-/// leftover, it is deleted.
+/// committed is not yet), a volume at a time as the objects are listed (their names and one
+/// index in memory). `grace_s` is at least the target's (or no writer runs): an unlisted
+/// manifest older than that is no backup being committed (`Manifest::commit`), and is listed
+/// again.
 async fn mark(target: &Target, now: i64, grace_s: i64, report: &mut PruneReport) -> Result<HashSet<u64>> {
     let mut referenced = HashSet::new();
-    let mut index: Option<Index> = None;
+    let mut volume: Option<(String, Vec<(String, i64)>)> = None;
     let mut objects = target.list_stream("volumes", MAX_VOLUME_OBJECTS);
-    while let Some(object) = objects.try_next().await? {
-        let parts: Vec<&str> = object.location.as_ref().split('/').collect();
-        let ["volumes", volume, "backups", id] = parts[..] else { continue };
-        if index.as_ref().is_none_or(|i| i.volume != volume) {
-            index = Some(Index::load(target, volume).await?);
+    loop {
+        let object = objects.try_next().await?;
+        let parts: Option<Vec<&str>> = object.as_ref().map(|o| o.location.as_ref().split('/').collect());
+        let (name, manifest) = match parts.as_deref() {
+            Some(["volumes", v, "backups", m]) => (Some(*v), Some(*m)),
+            Some(["volumes", v, ..]) => (Some(*v), None),
+            Some(_) => continue,
+            None => (None, None),
+        };
+        if volume.as_ref().is_some_and(|(v, _)| Some(v.as_str()) != name) {
+            let (v, manifests) = volume.take().expect("checked");
+            Marking { target, volume: &v, now, grace_s }.run(manifests, &mut referenced, report).await?;
         }
-        let listed = index.as_ref().and_then(|i| i.backups.iter().find(|e| e.id == id));
-        let b = BackupRef { volume: volume.to_owned(), id: id.to_owned() };
-        let loaded = match listed {
-            Some(e) => Manifest::load_listed(target, &b, e).await,
-            None if object.last_modified.timestamp().saturating_add(grace_s) <= now => {
-                tracing::info!(target = %target.name, backup = %b, "deleting a manifest no index lists (left by an interrupted backup or delete)");
-                target.delete(&manifest_path(&b)).await?;
+        let Some(name) = name else { return Ok(referenced) };
+        let (_, manifests) = volume.get_or_insert_with(|| (name.to_owned(), Vec::new()));
+        if let (Some(m), Some(o)) = (manifest, &object) {
+            manifests.push((m.to_owned(), o.last_modified.timestamp()));
+        }
+    }
+}
+
+/// The mark of one volume's manifests.
+struct Marking<'a> {
+    target: &'a Target,
+    volume: &'a str,
+    now: i64,
+    grace_s: i64,
+}
+
+impl Marking<'_> {
+    /// Marks what `manifests` (names and Last-Modified) list; deletes those the index says are
+    /// gone; lists again those it lost; forgets the deleted names no longer on the target.
+    async fn run(
+        &self,
+        manifests: Vec<(String, i64)>,
+        referenced: &mut HashSet<u64>,
+        report: &mut PruneReport,
+    ) -> Result<()> {
+        let (target, volume) = (self.target, self.volume);
+        let found = Index::load_if_any(target, volume).await?;
+        let missing = found.is_none() && !manifests.is_empty();
+        let index = found.unwrap_or_default();
+        let listed: HashMap<String, &IndexEntry> = index.backups.iter().map(|e| (e.manifest_name(), e)).collect();
+        let ids: HashSet<&str> = index.backups.iter().map(|e| e.id.as_str()).collect();
+        let deleted: HashSet<&str> = index.deleted.iter().map(String::as_str).collect();
+        let (mut recovered, mut gone) = (Vec::new(), HashSet::new());
+        for (name, written) in &manifests {
+            let b = |id: &str| BackupRef { volume: volume.to_owned(), id: id.to_owned() };
+            if let Some(e) = listed.get(name) {
+                match Manifest::load_listed(target, &b(&e.id), e).await {
+                    // Deleted since it was listed (`delete` takes the index entry first).
+                    Err(e) if e.is_not_found() => {}
+                    m => referenced.extend(m?.chunks.iter().map(|c| key(&c.id))),
+                }
+                report.manifests += 1;
                 continue;
             }
-            None => Manifest::load_unlisted(target, &b, MAX_UNLISTED).await.map_err(|e| {
-                if matches!(e, Error::Answer { .. }) {
-                    Error::Conflict(format!(
-                        "backup {b} is being committed on target {} and its manifest is larger than a prune reads \
-                         while it is ({e}): prune again once it has committed",
+            let Some((id, _)) = parse_manifest_name(name) else {
+                tracing::warn!(target = %target.name, volume, object = %name, "not a manifest's name: left alone");
+                continue;
+            };
+            if deleted.contains(name.as_str()) || ids.contains(id) {
+                tracing::info!(target = %target.name, volume, manifest = %name,
+                    "deleting a manifest its index names as deleted or superseded by another attempt");
+                target.delete(&manifest_path(volume, name)).await?;
+                gone.insert(name);
+                report.manifests_deleted += 1;
+                continue;
+            }
+            // No evidence: a backup being committed, or one its index lost. What it lists is kept.
+            let m = match Manifest::load_named(target, volume, name, MAX_UNLISTED).await {
+                Err(e) if e.is_not_found() => continue,
+                Err(e @ Error::Answer { .. }) => {
+                    return Err(Error::Conflict(format!(
+                        "manifest {volume}/{name} on target {} is not listed by its index and larger than a prune \
+                         reads while it is ({e}): prune again once its backup has committed",
                         target.name
-                    ))
-                } else {
-                    e
+                    )));
                 }
-            }),
-        };
-        let m = match loaded {
-            // Deleted since it was listed (`delete` takes the index entry first): nothing to keep.
-            Err(e) if e.is_not_found() => continue,
-            m => m?,
-        };
-        report.manifests += 1;
-        referenced.extend(m.chunks.iter().map(|c| key(&c.id)));
+                m => m?,
+            };
+            report.manifests += 1;
+            referenced.extend(m.chunks.iter().map(|c| key(&c.id)));
+            if written.saturating_add(self.grace_s) <= self.now {
+                recovered.push(m.entry());
+            }
+        }
+        // The deleted names this prune saw gone, or took away itself, are evidence no more.
+        let on_target: HashSet<&str> = manifests.iter().map(|(n, _)| n.as_str()).collect();
+        let forget: HashSet<String> =
+            index.deleted.iter().filter(|n| !on_target.contains(n.as_str()) || gone.contains(*n)).cloned().collect();
+        if recovered.is_empty() && forget.is_empty() {
+            return Ok(());
+        }
+        let mut added = Vec::new();
+        Index::update(target, volume, |index| {
+            let before = index.deleted.len();
+            index.deleted.retain(|n| !forget.contains(n));
+            added.clear();
+            for e in &recovered {
+                let named = index.deleted.contains(&e.manifest_name());
+                if !named && !index.backups.iter().any(|b| b.id == e.id) {
+                    index.backups.push(e.clone());
+                    added.push(e.id.clone());
+                }
+            }
+            index.backups.sort_by(|x, y| (x.created, &x.id).cmp(&(y.created, &y.id)));
+            Ok(!added.is_empty() || index.deleted.len() != before)
+        })
+        .await?;
+        if !added.is_empty() {
+            tracing::warn!(target = %target.name, volume, backups = ?added, index_missing = missing,
+                "backups whose index had lost them are listed again (their manifests describe them)");
+            report.backups_recovered.extend(added.iter().map(|id| format!("{volume}/{id}")));
+            if missing {
+                report.indexes_rebuilt.push(volume.to_owned());
+            }
+        }
+        Ok(())
     }
-    Ok(referenced)
 }
 
 #[cfg(test)]
@@ -349,6 +501,7 @@ mod tests {
             bytes: 0,
             uploaded_bytes: 0,
             copied_from: None,
+            attempt: None,
         }
     }
 

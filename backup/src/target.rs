@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::codec::{Codec, Kind};
 use crate::config::{Lock, TargetConfig, TargetKind};
 use crate::object_lock::Locker;
+use crate::signed::Signed;
 use crate::{Error, Result};
 
 /// Requests made through a target, by kind (for the bench, the metrics and the tests' O(1)
@@ -45,20 +46,47 @@ impl Counters {
     }
 }
 
-/// The marker at the target's root: format and key check.
+/// The marker at the target's root: format and key check, and what every writer and prune of
+/// the target must agree on: the grace, and the object lock.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 struct Marker {
     format: u32,
     /// HMAC of a fixed string under the chunk-naming key: present iff the target has a key.
     key_check: Option<String>,
+    /// The target's grace (`prune.rs`); absent in markers of earlier builds (the first daemon
+    /// that opens it records its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    grace_s: Option<u64>,
+    /// The target's object lock: changed only on purpose, never by a config that differs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    object_lock: Option<MarkedLock>,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+struct MarkedLock {
+    mode: crate::LockMode,
+    days: u64,
+}
+
+/// How far this host's clock may be from the store's for it to write locked objects: their
+/// retention dates are this host's time plus the lock's days.
+const MAX_SKEW_S: i64 = 120;
+
 pub(crate) const MARKER: &str = "ferrite-backup.json";
+/// What [`Target::now`] writes to read the store's clock.
+const CLOCK: &str = "gc/clock";
 /// Most bytes the marker may have (it has a few dozen).
 const MAX_MARKER: u64 = 64 << 10;
-/// The format of the marker, manifests and indexes this build writes and reads.
+/// The grace of a target whose config names none: a day.
+const DEFAULT_GRACE_S: u64 = 86_400;
+/// The format of the manifests and indexes this build writes and reads.
 pub const FORMAT: u32 = 1;
+/// The format of the marker: 2 since manifests are named by attempt (`ID@ATTEMPT`), which a
+/// build of format 1 would take for unlisted ones and delete by age. Such a build refuses the
+/// target ("upgrade it") once a newer daemon has opened it.
+const MARKER_FORMAT: u32 = 2;
 
 /// An opened target.
 #[derive(Debug, Clone)]
@@ -70,6 +98,8 @@ pub struct Target {
     pub counters: Arc<Counters>,
     /// An S3 target's store without the prefix: its listings are paged here, with a budget.
     s3: Option<Arc<AmazonS3>>,
+    /// An S3 target's own signed requests (`signed.rs`).
+    signed: Option<Arc<Signed>>,
     /// An S3 target's object lock.
     locker: Option<Arc<Locker>>,
 }
@@ -108,65 +138,141 @@ impl Target {
             return Err(invalid(format!("chunk-size {chunk} is not 1-4 MiB in whole 4 KiB blocks")));
         }
         let (store, s3) = build_store(&config).map_err(invalid)?;
-        let mut locker = None;
-        if let Some(lock) = Lock::of(&config) {
-            if config.kind != Some(TargetKind::S3) || lock.days == 0 {
-                return Err(invalid("object-lock-days (at least 1) is for s3 targets".into()));
-            }
+        let (mut signed, mut locker) = (None, None);
+        if config.kind == Some(TargetKind::S3) {
             let key = credentials(config.credentials.as_deref()).map_err(invalid)?;
             let key = key.map(|(key_id, secret_key)| AwsCredential { key_id, secret_key, token: None });
             let options = s3_options(&config).map_err(invalid)?;
             let client = crate::bounded::BoundedConnector.connect(&options).map_err(|e| invalid(e.to_string()))?;
-            let opened = Locker::open(&config, client, key, lock, root_of(&config)).await.map_err(invalid)?;
-            locker = Some(Arc::new(opened));
+            signed = Some(Arc::new(Signed::new(&config, client, key, root_of(&config))));
+        }
+        if let Some(lock) = Lock::of(&config) {
+            let Some(signed) = signed.clone().filter(|_| lock.days > 0) else {
+                return Err(invalid("object-lock-days (at least 1) is for s3 targets".into()));
+            };
+            let bucket = config.bucket.as_deref().unwrap_or_default();
+            locker = Some(Arc::new(Locker::open(signed, bucket, lock).await.map_err(invalid)?));
         }
         let key = match &config.key_file {
             Some(path) => Some(read_key(path).map_err(invalid)?),
             None => None,
         };
         let codec = Codec::new(name, key.as_ref());
-        let target = Target {
+        let mut target = Target {
             name: name.to_owned(),
             config,
             store,
             codec: Arc::new(codec),
             counters: Arc::default(),
             s3,
+            signed,
             locker,
         };
         target.check_marker().await?;
         Ok(target)
     }
 
-    async fn check_marker(&self) -> Result<()> {
+    /// Reads the marker (writing it on a new target, or completing one of an earlier build),
+    /// checks the key against it, and adopts its grace; refuses a config whose object lock
+    /// differs from the marker's.
+    async fn check_marker(&mut self) -> Result<()> {
         let ours = self.codec.is_sealed().then(|| self.codec.key_check());
-        let marker: Marker = match self.get(MARKER, MAX_MARKER).await {
-            Ok((data, _)) => {
-                serde_json::from_slice(&data).map_err(|e| Error::corrupt(&self.name, MARKER, e.to_string()))?
+        let lock = Lock::of(&self.config).map(|l| MarkedLock { mode: l.mode, days: l.days });
+        let grace_s = self.config.grace_s.unwrap_or(DEFAULT_GRACE_S);
+        let (mut marker, seen) = match self.get(MARKER, MAX_MARKER).await {
+            Ok((data, meta)) => {
+                let m: Marker =
+                    serde_json::from_slice(&data).map_err(|e| Error::corrupt(&self.name, MARKER, e.to_string()))?;
+                (m, Some(meta))
             }
             Err(e) if e.is_not_found() => {
-                let marker = Marker { format: FORMAT, key_check: ours };
-                return self.put(MARKER, serde_json::to_vec_pretty(&marker).expect("serialises").into()).await;
+                (Marker { format: MARKER_FORMAT, key_check: ours.clone(), grace_s: None, object_lock: None }, None)
             }
             Err(e) => return Err(e),
         };
-        if marker.format > FORMAT {
+        if marker.format > MARKER_FORMAT {
             return Err(Error::Newer {
                 target: self.name.clone(),
                 what: MARKER.into(),
                 found: marker.format,
-                supported: FORMAT,
+                supported: MARKER_FORMAT,
             });
         }
         let msg = match (&marker.key_check, &ours) {
-            (Some(a), Some(b)) if a != b => "its key-file is not the key this target was created with",
-            (Some(_), None) => "this target is encrypted: configure its key-file",
-            (None, Some(_)) => {
-                "this target was created without a key: its backups are not encrypted (use another prefix for an encrypted target)"
-            }
-            _ => return Ok(()),
+            (Some(a), Some(b)) if a != b => Some("its key-file is not the key this target was created with"),
+            (Some(_), None) => Some("this target is encrypted: configure its key-file"),
+            (None, Some(_)) => Some(
+                "this target was created without a key: its backups are not encrypted (use another prefix for an encrypted target)",
+            ),
+            _ => None,
         };
-        Err(Error::Key { target: self.name.clone(), msg: msg.into() })
+        if let Some(msg) = msg {
+            return Err(Error::Key { target: self.name.clone(), msg: msg.into() });
+        }
+        match (marker.object_lock, lock) {
+            (Some(marked), Some(asked)) if marked == asked => {}
+            (Some(marked), asked) => {
+                let said = asked.map_or("none".to_owned(), |l| format!("{:?} for {} days", l.mode, l.days));
+                return Err(Error::Invalid(format!(
+                    "backup target {}: its marker says object lock {:?} for {} days and this daemon's config says                      {said}: configure object-lock-mode and object-lock-days as the marker says (every writer                      of a target locks alike; a target's lock changes only on purpose)",
+                    self.name, marked.mode, marked.days
+                )));
+            }
+            (None, _) => {}
+        }
+        let mut changed = seen.is_none() || marker.format < MARKER_FORMAT;
+        marker.format = MARKER_FORMAT;
+        if marker.object_lock.is_none() && lock.is_some() {
+            // A lock is only ever added by a config: the target is locked from now on.
+            marker.object_lock = lock;
+            changed = true;
+        }
+        match marker.grace_s {
+            Some(g) if self.config.grace_s.is_some_and(|c| c != g) => tracing::warn!(
+                target = %self.name,
+                "this daemon's grace-s is {}, the target's marker says {g}: every writer and prune of a target keeps                  one grace, the marker's",
+                grace_s
+            ),
+            Some(_) => {}
+            None => {
+                marker.grace_s = Some(grace_s);
+                changed = true;
+            }
+        }
+        self.config.grace_s = marker.grace_s;
+        if changed {
+            let data = serde_json::to_vec_pretty(&marker).expect("serialises").into();
+            if !self.put_if(MARKER, data, seen.as_ref()).await? {
+                // Another daemon wrote it first: read what it wrote.
+                return Box::pin(self.check_marker()).await;
+            }
+        }
+        if self.locker.is_some() {
+            self.check_clock().await?;
+        }
+        Ok(())
+    }
+
+    /// Under an object lock: refuses a host whose clock is off the store's by minutes.
+    async fn check_clock(&self) -> Result<()> {
+        let before = crate::now_unix();
+        let store = self.now().await?;
+        self.check_skew(before, store)
+    }
+
+    /// Under an object lock, fails when this host's time `local` (read just before the store's
+    /// `store`, unix seconds) is off by more than [`MAX_SKEW_S`]: the retention dates it writes
+    /// are its time plus the lock's days.
+    pub(crate) fn check_skew(&self, local: u64, store: i64) -> Result<()> {
+        let skew = store.saturating_sub(i64::try_from(local).unwrap_or(i64::MAX));
+        if self.locker.is_none() || skew.abs() <= MAX_SKEW_S {
+            return Ok(());
+        }
+        Err(Error::Invalid(format!(
+            "backup target {}: this host's clock is {skew} s off the store's; under an object lock the retention \
+             dates it writes would be off as much: set its clock (NTP)",
+            self.name
+        )))
     }
 
     pub fn chunk_size(&self) -> u64 {
@@ -177,8 +283,9 @@ impl Target {
         self.config.concurrency.unwrap_or(8).clamp(1, 256)
     }
 
+    /// The grace every writer and prune of the target keeps: the marker's.
     pub fn grace(&self) -> Duration {
-        Duration::from_secs(self.config.grace_s.unwrap_or(86_400))
+        Duration::from_secs(self.config.grace_s.unwrap_or(DEFAULT_GRACE_S))
     }
 
     /// The bucket's object lock, if the target has one.
@@ -196,9 +303,9 @@ impl Target {
     }
 
     /// Under an object lock, locks the current version of `path` until `until` (unix seconds,
-    /// or later if it is already).
-    pub(crate) async fn extend_lock(&self, path: &str, until: u64) -> Result<()> {
-        let Some(locker) = &self.locker else { return Ok(()) };
+    /// or later if it is already); false when it is gone.
+    pub(crate) async fn extend_lock(&self, path: &str, until: u64) -> Result<bool> {
+        let Some(locker) = &self.locker else { return Ok(true) };
         let p = Path::from(path);
         self.counters.puts.fetch_add(1, Relaxed);
         self.timed("PUT ?retention", &p, async {
@@ -356,7 +463,7 @@ impl Target {
     }
 
     /// The object's metadata, or None when it is absent.
-    pub(crate) async fn head(&self, path: &str) -> Result<Option<ObjectMeta>> {
+    pub async fn head(&self, path: &str) -> Result<Option<ObjectMeta>> {
         let p = Path::from(path);
         self.counters.heads.fetch_add(1, Relaxed);
         self.timed("HEAD", &p, async {
@@ -369,6 +476,19 @@ impl Target {
         .await
     }
 
+    /// Writes an empty object at `path` and reads back when the store says it was written: the
+    /// store's time now (unix seconds), the one clock every daemon and prune shares.
+    pub(crate) async fn stamp(&self, path: &str) -> Result<i64> {
+        self.put(path, Bytes::new()).await?;
+        let written = self.head(path).await?.ok_or_else(|| Error::corrupt(&self.name, path, "vanished"))?;
+        Ok(written.last_modified.timestamp())
+    }
+
+    /// The store's time now (unix seconds).
+    pub(crate) async fn now(&self) -> Result<i64> {
+        self.stamp(CLOCK).await
+    }
+
     /// Whether the target holds the object at `path` in a version a new backup may rely on:
     /// present, and under an object lock locked long enough (`object_lock.rs`): stored or last
     /// extended (`extended`, unix seconds) at most the lock's refresh ago, else extended now.
@@ -378,9 +498,40 @@ impl Target {
         let since = stored.last_modified.timestamp().max(extended.unwrap_or(i64::MIN));
         let now = crate::now_unix();
         if lock.is_stale(since, i64::try_from(now).unwrap_or(i64::MAX)) {
-            self.extend_lock(path, lock.until(now)).await?;
+            return self.extend_lock(path, lock.until(now)).await;
         }
         Ok(true)
+    }
+
+    /// Deletes the object at `path` only if it is still the version `seen` (its ETag); false
+    /// when another version replaced it. S3: a DELETE with If-Match (where the store does not
+    /// honour it: a HEAD, then the DELETE); a directory: the check and the delete under the
+    /// target's lock.
+    pub async fn delete_if(&self, path: &str, seen: &ObjectMeta) -> Result<bool> {
+        let p = Path::from(path);
+        let e_tag = seen.e_tag.as_deref().unwrap_or_default();
+        if let Some(signed) = self.signed.as_ref().filter(|_| !e_tag.is_empty()) {
+            self.counters.deletes.fetch_add(1, Relaxed);
+            let done = self
+                .timed("DELETE", &p, async {
+                    signed.delete_if(path, e_tag).await.map_err(|why| Error::answer(&self.name, "DELETE", &p, why))
+                })
+                .await?;
+            match done {
+                Some(true) => return Ok(true),
+                // Absent counts as gone (a store may answer a condition on nothing with 412).
+                Some(false) => return Ok(self.head(path).await?.is_none()),
+                None => {}
+            }
+        }
+        let _lock = match self.config.kind {
+            Some(TargetKind::Dir) => Some(self.lock().await?),
+            _ => None,
+        };
+        match self.head(path).await? {
+            Some(now) if now.e_tag != seen.e_tag || now.last_modified != seen.last_modified => Ok(false),
+            _ => self.delete(path).await.map(|()| true),
+        }
     }
 
     pub(crate) async fn delete(&self, path: &str) -> Result<()> {
@@ -536,7 +687,12 @@ impl Target {
             names.sort();
             Ok(Some(names))
         });
-        match read.await.expect("reading a directory does not panic") {
+        // NFS may hang: the blocking read goes on, but the call ends within the deadline.
+        let limit = self.deadline();
+        let Ok(read) = tokio::time::timeout(limit, read).await else {
+            return Err(Error::answer(&self.name, "LIST", &p, format!("no answer within {limit:?}")));
+        };
+        match read.expect("reading a directory does not panic") {
             Ok(Some(names)) => Ok(names),
             Ok(None) => Err(Error::answer(&self.name, "LIST", &p, format!("more than {max} entries are listed"))),
             Err(e) => Err(Error::answer(&self.name, "LIST", &p, e.to_string())),

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::pool;
 
-use ferrite_backup::{Index, IndexEntry, Target, TargetConfig, TargetKind};
+use ferrite_backup::{Index, IndexEntry, Sweep, Target, TargetConfig, TargetKind};
 use pool::{MIB, backup, new_pool, noise};
 
 async fn dir_target(root: &std::path::Path) -> Target {
@@ -35,11 +35,10 @@ async fn the_condemned_list_never_outgrows_its_readers() {
     orphans(&root, 0, 210_000);
     // Condemned strictly after they were written (the store's times are whole seconds).
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let day = Duration::from_secs(86_400);
-    let first = ferrite_backup::prune(&target, None, day).await.unwrap();
+    let first = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!((first.chunks_condemned, first.chunks_deleted), (200_000, 0));
     orphans(&root, 210_000, 5_000);
-    let second = ferrite_backup::prune(&target, None, day).await.unwrap();
+    let second = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!((second.chunks_condemned, second.chunks_deleted), (200_000, 0), "carried first, none added");
     let list = std::fs::metadata(root.join("gc").join("condemned")).unwrap().len();
     assert!(list < 32 << 20, "the list ({list} bytes) stays under what its readers take");
@@ -68,6 +67,7 @@ async fn an_index_past_its_cap_is_refused() {
         bytes: 0,
         uploaded_bytes: 0,
         copied_from: None,
+        attempt: None,
     };
     Index::update(&target, "v", |i| {
         i.backups.push(entry(0));

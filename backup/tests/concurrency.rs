@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::Weed;
-use ferrite_backup::{BackupRef, Error, Index, Target, TargetConfig, TargetKind};
+use ferrite_backup::{BackupRef, Error, Index, Sweep, Target, TargetConfig, TargetKind};
 use pool::{MIB, backup, image, new_pool, noise, restore, volume_image};
 
 const ROUNDS: u64 = 16;
@@ -85,7 +85,7 @@ async fn backups_deletes_and_prunes_at_once_lose_nothing() {
                     made.lock().remove(&id);
                     deleted.push(id);
                 }
-                let report = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+                let report = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
                 eprintln!("prune {n}: {report:?}");
                 swept += report.chunks_deleted;
                 if made.lock().len() + deleted.len() == 2 * ROUNDS as usize {
@@ -114,7 +114,7 @@ async fn backups_deletes_and_prunes_at_once_lose_nothing() {
         assert_eq!(digest(&volume_image(&pool, &format!("r{n}"))), *want, "{id} does not restore its snapshot");
     }
     // Once nothing runs, a prune keeps every chunk they need.
-    ferrite_backup::prune(&target, None, Duration::ZERO).await.unwrap();
+    ferrite_backup::prune(&target, None, pool::no_writers()).await.unwrap();
     let report = ferrite_backup::verify(
         &target,
         &made.keys().map(|id| BackupRef { volume: "db".into(), id: id.clone() }).collect::<Vec<_>>(),

@@ -10,6 +10,7 @@ mod bases;
 mod caps;
 mod concurrency;
 mod copy;
+mod evidence;
 mod heal;
 mod object_lock;
 mod point_in_time;

@@ -10,7 +10,7 @@ use crate::common;
 use crate::pool;
 
 use common::Weed;
-use ferrite_backup::{LockMode, Target, TargetConfig, TargetKind};
+use ferrite_backup::{LockMode, Sweep, Target, TargetConfig, TargetKind};
 use pool::*;
 
 const BUCKET: &str = "ferrite-locked";
@@ -105,8 +105,8 @@ async fn a_locked_target_keeps_what_is_deleted() {
     assert_eq!(volume_image(&pool, "back"), image(&pool, "s2"));
 
     let chunk = format!("cluster-a/chunks/{}/{}", &m.chunks[3].id[..2], m.chunks[3].id);
-    let manifest = "cluster-a/volumes/db/backups/b1";
-    for key in [chunk.as_str(), manifest, "cluster-a/volumes/db/index", "cluster-a/ferrite-backup.json"] {
+    let manifest = format!("cluster-a/volumes/db/backups/b1@{}", m.attempt.as_deref().unwrap());
+    for key in [chunk.as_str(), &manifest, "cluster-a/volumes/db/index", "cluster-a/ferrite-backup.json"] {
         let (mode, until) = retention(&weed, key).unwrap_or_else(|| panic!("{key} is not locked"));
         assert_eq!(mode, "GOVERNANCE", "{key}");
         assert!(about(&until, 2 * 86_400), "{key} is locked until {until}");
@@ -116,17 +116,17 @@ async fn a_locked_target_keeps_what_is_deleted() {
     // manifests and the 5 chunks; the next one, a quarter of the lock later at the earliest.
     let (_, uploaded) = retention(&weed, &chunk).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    let r = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!((r.locks_extended, r.chunks_deleted), (1 + 1 + 2 + 5, 0), "{r:?}");
     let (_, extended) = retention(&weed, &chunk).unwrap();
     assert!(extended > uploaded, "extended from {uploaded} to {extended}");
-    let r = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!(r.locks_extended, 0, "{r:?}");
 
     // Both backups deleted and pruned at once: the chunks vanish from the target's view...
     ferrite_backup::delete(&target, &"db/b1".parse().unwrap()).await.unwrap();
     ferrite_backup::delete(&target, &"db/b2".parse().unwrap()).await.unwrap();
-    let r = ferrite_backup::prune(&target, None, std::time::Duration::ZERO).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, pool::no_writers()).await.unwrap();
     assert_eq!(r.chunks_deleted, 5, "{r:?}");
     let (ids, hidden) = versions(&weed, &chunk);
     assert!(hidden, "a delete leaves a marker in a versioned bucket");
@@ -148,7 +148,7 @@ async fn a_target_locked_later_is_locked_by_its_first_prune() {
     let said = weed.shell(&format!("s3.bucket.create -name {BUCKET} -withLock"));
     assert!(said.contains("created bucket"), "{said}");
     let unlocked = TargetConfig { object_lock_days: None, ..locked(&weed, BUCKET, 1, None) };
-    let target = Target::open("t", unlocked).await.unwrap();
+    let target = Target::open("t", unlocked.clone()).await.unwrap();
     pool.create_volume("db", SIZE).unwrap();
     pool.open_volume("db").unwrap().write(0, &noise(3, 2 * MIB as usize)).unwrap();
     pool.create_snapshot("db", "s1").unwrap();
@@ -157,7 +157,7 @@ async fn a_target_locked_later_is_locked_by_its_first_prune() {
     assert_eq!(retention(&weed, &chunk), None, "an unlocked target's PUT sets no retention");
 
     let target = Target::open("t", locked(&weed, BUCKET, 1, Some(LockMode::Compliance))).await.unwrap();
-    let r = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!(r.locks_extended, 1 + 1 + 1 + 2, "marker, index, manifest, 2 chunks: {r:?}");
     let (mode, until) = retention(&weed, &chunk).unwrap();
     assert!(mode == "COMPLIANCE" && about(&until, 86_400), "{mode} {until}");
@@ -169,6 +169,14 @@ async fn a_target_locked_later_is_locked_by_its_first_prune() {
     let fresh = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
     let (mode, until) = retention(&weed, &fresh).unwrap();
     assert!(mode == "COMPLIANCE" && about(&until, 86_400), "{mode} {until}");
+
+    // The target's marker holds its lock now: a daemon whose config says governance, other
+    // days or no lock at all is refused (AWS would not turn compliance back; a writer without
+    // the lock would store unlocked objects).
+    for other in [locked(&weed, BUCKET, 1, None), locked(&weed, BUCKET, 2, Some(LockMode::Compliance)), unlocked] {
+        let e = Target::open("t", other).await.unwrap_err().to_string();
+        assert!(e.contains("marker says object lock Compliance for 1 days"), "{e}");
+    }
 }
 
 /// The bucket's lock is asked for with a signed request: a store with authentication answers
@@ -200,6 +208,6 @@ async fn the_lock_is_read_with_the_targets_credentials() {
     pool.open_volume("db").unwrap().write(0, &noise(5, MIB as usize)).unwrap();
     pool.create_snapshot("db", "s1").unwrap();
     backup(&target, &pool, "db", "s1", "b1").await.unwrap();
-    let r = ferrite_backup::prune(&target, None, target.grace()).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!(r.locks_extended, 1 + 1 + 1 + 1, "marker, index, manifest, chunk: {r:?}");
 }

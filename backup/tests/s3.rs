@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use common::Weed;
-use ferrite_backup::{BackupRef, CreateOptions, Error, Manifest, Retention, Target, TargetConfig, TargetKind};
+use ferrite_backup::{BackupRef, CreateOptions, Error, Manifest, Retention, Sweep, Target, TargetConfig, TargetKind};
 use ferrite_engine::Image;
 use object_store::{ObjectStore, ObjectStoreExt};
 use pool::*;
@@ -372,17 +372,17 @@ async fn delete_prune_and_retention_on_a_directory() {
 
     // Delete b0; a prune with a grace only condemns its chunk.
     ferrite_backup::delete(&target, &"v/b0".parse().unwrap()).await.unwrap();
-    let r = ferrite_backup::prune(&target, None, Duration::from_secs(3600)).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!((r.chunks_deleted, r.chunks_condemned, r.manifests), (0, 1, 3));
     assert_eq!(chunks(&ids[0]), 1);
     // With no grace, unreferenced chunks go at once.
-    let r = ferrite_backup::prune(&target, None, Duration::ZERO).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, pool::no_writers()).await.unwrap();
     assert_eq!((r.chunks_deleted, r.chunks_condemned), (1, 0));
     assert_eq!(chunks(&ids[0]), 0);
 
     // Retention: keep the last 2; b1's own chunk goes with a grace-free prune.
     let keep = Retention { keep_last: 2, ..Retention::default() };
-    let r = ferrite_backup::prune(&target, Some(&keep), Duration::ZERO).await.unwrap();
+    let r = ferrite_backup::prune(&target, Some(&keep), pool::no_writers()).await.unwrap();
     assert_eq!(r.backups_deleted, ["v/b1"]);
     assert_eq!(chunks(&ids[1]), 0);
     assert!(matches!(ferrite_backup::delete(&target, &"v/b1".parse().unwrap()).await, Err(Error::NotFound(_))));
@@ -411,7 +411,7 @@ async fn a_condemned_chunk_uploaded_again_survives_the_sweep() {
     pool.create_snapshot("v", "s0").unwrap();
     backup(&target, &pool, "v", "s0", "b0").await.unwrap();
     ferrite_backup::delete(&target, &"v/b0".parse().unwrap()).await.unwrap();
-    let r = ferrite_backup::prune(&target, None, Duration::from_secs(2)).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!(r.chunks_condemned, 1);
     // Another volume with the same contents is backed up after the condemnation: the chunk is
     // uploaded again even though it is there.
@@ -422,7 +422,7 @@ async fn a_condemned_chunk_uploaded_again_survives_the_sweep() {
     let m = backup(&target, &pool, "w", "t0", "c0").await.unwrap();
     assert_eq!(m.new_chunks, 1, "a condemned chunk is uploaded again");
     tokio::time::sleep(Duration::from_millis(2100)).await;
-    let r = ferrite_backup::prune(&target, None, Duration::from_secs(2)).await.unwrap();
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!(r.chunks_deleted, 0);
     restore(&target, &pool, &"w/c0".parse().unwrap(), "back").await.unwrap();
     assert!(volume_image(&pool, "back") == data);
@@ -438,4 +438,25 @@ fn walk(dir: &std::path::Path) -> Vec<String> {
         }
     }
     out
+}
+
+/// A prune's DELETE of a condemned chunk is conditional on the version its HEAD saw: SeaweedFS
+/// honours If-Match (signed, as a store with authentication checks it), so a chunk a backup
+/// uploaded again in between stays, and the version seen goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_is_deleted_only_as_it_was_seen() {
+    let Some(weed) = Weed::start(true) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let target = Target::open("t", s3(&weed, Some(("ferrite", "ferrite-secret")), dir.path())).await.unwrap();
+    let store = raw(&weed, Some(("ferrite", "ferrite-secret")));
+    let path = "chunks/ab/ab00";
+    store.put(&path.into(), b"first".to_vec().into()).await.unwrap();
+    let seen = target.head(path).await.unwrap().unwrap();
+    store.put(&path.into(), b"again".to_vec().into()).await.unwrap();
+    assert!(!target.delete_if(path, &seen).await.unwrap(), "another version is there");
+    assert_eq!(store.get(&path.into()).await.unwrap().bytes().await.unwrap().as_ref(), b"again");
+    let seen = target.head(path).await.unwrap().unwrap();
+    assert!(target.delete_if(path, &seen).await.unwrap());
+    assert!(target.head(path).await.unwrap().is_none());
+    assert!(target.delete_if(path, &seen).await.unwrap(), "gone already is gone");
 }

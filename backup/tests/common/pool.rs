@@ -68,3 +68,8 @@ pub async fn restore(target: &Target, pool: &Pool, b: &BackupRef, name: &str) ->
     pool.set_fill(name, None).unwrap();
     copied
 }
+
+/// A prune's sweep when nothing else writes to the target: unreferenced chunks go at once.
+pub fn no_writers() -> ferrite_backup::Sweep {
+    ferrite_backup::Sweep { grace: Some(std::time::Duration::ZERO), no_writers: true }
+}

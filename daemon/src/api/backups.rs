@@ -346,10 +346,18 @@ impl pb::backups_server::Backups for BackupService {
             include_csi: r.include_csi,
         };
         let policy = retention.is_set().then_some(&retention);
-        let grace = r.grace_s.map_or(target.grace(), std::time::Duration::from_secs);
-        let p = ferrite_backup::prune(&target, policy, grace).await.map_err(backup_status)?;
+        let sweep =
+            ferrite_backup::Sweep { grace: r.grace_s.map(std::time::Duration::from_secs), no_writers: r.no_writers };
+        let p = ferrite_backup::prune(&target, policy, sweep).await.map_err(backup_status)?;
+        self.outcomes.pruned(&target.name, &p, target.config.object_lock_days);
         tracing::info!(target = %target.name, deleted = p.backups_deleted.len(), chunks_deleted = p.chunks_deleted,
-            condemned = p.chunks_condemned, locks_extended = p.locks_extended, "prune finished");
+            condemned = p.chunks_condemned, locks_extended = p.locks_extended,
+            manifests_deleted = p.manifests_deleted, "prune finished");
+        if !p.backups_recovered.is_empty() {
+            tracing::warn!(target = %target.name, backups = ?p.backups_recovered, indexes_rebuilt = ?p.indexes_rebuilt,
+                "the prune found backups their index did not list, and listed them again: an index update was lost \
+                 or an index was deleted (check the store's access)");
+        }
         Ok(Response::new(pb::PruneBackupsResponse {
             backups_deleted: p.backups_deleted,
             manifests: p.manifests,
@@ -358,6 +366,9 @@ impl pb::backups_server::Backups for BackupService {
             bytes_deleted: p.bytes_deleted,
             chunks_condemned: p.chunks_condemned,
             locks_extended: p.locks_extended,
+            manifests_deleted: p.manifests_deleted,
+            backups_recovered: p.backups_recovered,
+            indexes_rebuilt: p.indexes_rebuilt,
         }))
     }
 

@@ -96,10 +96,14 @@ pub enum BackupCmd {
         /// deleting their VolumeSnapshot deletes them).
         #[arg(long)]
         include_csi: bool,
-        /// Override the target's grace-s (0 deletes unreferenced chunks at once: only when no
-        /// backup to this target runs anywhere).
+        /// A grace other than the target's (its marker's): longer, or shorter only with
+        /// --no-writers (0 deletes unreferenced chunks at once).
         #[arg(long)]
         grace_s: Option<u64>,
+        /// No backup or copy to the target runs anywhere (checked against the writers' leases on
+        /// the target): allows a --grace-s shorter than the target's.
+        #[arg(long)]
+        no_writers: bool,
     },
     /// Restore VOLUME/ID into a new volume on this daemon. The volume serves at once (reads of
     /// what is not copied yet fetch it first); this follows the background copy to its end.
@@ -170,6 +174,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
             keep_yearly,
             include_csi,
             grace_s,
+            no_writers,
         } => {
             let req = pb::PruneBackupsRequest {
                 target,
@@ -180,6 +185,7 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
                 keep_yearly,
                 grace_s,
                 include_csi,
+                no_writers,
             };
             let r = c.prune_backups(req).await.map_err(rpc_error)?.into_inner();
             print_pruned(out, &r);
@@ -306,7 +312,8 @@ fn print_pruned(out: Output, r: &pb::PruneBackupsResponse) {
             json!({"backups_deleted": r.backups_deleted, "manifests": r.manifests,
                 "chunks_referenced": r.chunks_referenced, "chunks_deleted": r.chunks_deleted,
                 "bytes_deleted": r.bytes_deleted, "chunks_condemned": r.chunks_condemned,
-                "locks_extended": r.locks_extended})
+                "locks_extended": r.locks_extended, "manifests_deleted": r.manifests_deleted,
+                "backups_recovered": r.backups_recovered, "indexes_rebuilt": r.indexes_rebuilt})
         ),
         Output::Table => {
             for b in &r.backups_deleted {
@@ -322,6 +329,12 @@ fn print_pruned(out: Output, r: &pb::PruneBackupsResponse) {
             );
             if r.locks_extended > 0 {
                 println!("extended the object lock of {} objects", r.locks_extended);
+            }
+            for v in &r.indexes_rebuilt {
+                println!("warning: the index of volume {v} was missing: rebuilt from its manifests");
+            }
+            for b in &r.backups_recovered {
+                println!("warning: backup {b} was missing from its index: listed again");
             }
         }
     }

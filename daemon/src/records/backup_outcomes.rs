@@ -7,7 +7,23 @@
 pub struct BackupOutcomes {
     backups: std::sync::Mutex<std::collections::BTreeMap<(String, String), BackupOutcome>>,
     verifies: std::sync::Mutex<std::collections::BTreeMap<String, VerifyOutcome>>,
+    prunes: std::sync::Mutex<std::collections::BTreeMap<String, PruneOutcome>>,
     file: Option<std::path::PathBuf>,
+}
+
+/// What the last prune of a target this daemon ran found (since the daemon started).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PruneOutcome {
+    pub target: String,
+    pub finished_unix: u64,
+    /// Manifests and distinct chunks the target's backups list.
+    pub manifests: u64,
+    pub chunks_referenced: u64,
+    /// Under an object lock: its days, and since when everything kept is locked for them.
+    pub lock_days: Option<u64>,
+    pub locked_at: Option<i64>,
+    /// Backups whose index had lost them, listed again (summed over this daemon's prunes).
+    pub recovered: u64,
 }
 
 /// What a verify of a target found.
@@ -63,6 +79,27 @@ impl BackupOutcomes {
             bad: report.bad.iter().map(|(chunk, why, _)| (chunk.clone(), why.clone())).collect(),
             quarantined: report.quarantined,
         });
+    }
+
+    /// Records what a prune of `target` (locked for `lock_days`, if at all) found.
+    pub fn pruned(&self, target: &str, report: &ferrite_backup::PruneReport, lock_days: Option<u64>) {
+        let mut all = self.prunes.lock().expect("not poisoned");
+        let recovered = all.get(target).map_or(0, |o| o.recovered) + report.backups_recovered.len() as u64;
+        let outcome = PruneOutcome {
+            target: target.to_owned(),
+            finished_unix: ferrite_backup::now_unix(),
+            manifests: report.manifests,
+            chunks_referenced: report.chunks_referenced,
+            lock_days,
+            locked_at: report.locked_at.or_else(|| all.get(target).and_then(|o| o.locked_at)),
+            recovered,
+        };
+        all.insert(target.to_owned(), outcome);
+    }
+
+    /// The last prune of each target.
+    pub fn prunes(&self) -> Vec<PruneOutcome> {
+        self.prunes.lock().expect("not poisoned").values().cloned().collect()
     }
 
     fn keep(&self, outcome: VerifyOutcome) {

@@ -27,6 +27,11 @@ struct Record {
     backup: String,
     /// The chunks done ([`ferrite_backup::Save`]).
     done: String,
+    /// The digest of the manifest restored ([`Manifest::digest`]): the record's chunks are
+    /// positions in its list, so a restore resumes only from the same manifest. Absent in
+    /// records of earlier builds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    manifest: Option<String>,
 }
 
 /// Where a running restore is: its progress, then how it ended.
@@ -135,6 +140,16 @@ impl Restores {
         let target = Target::open(&r.target, config.clone()).await.map_err(passing)?;
         let b: BackupRef = r.backup.parse().map_err(passing)?;
         let m = Manifest::load(&target, &b).await.map_err(passing)?;
+        if let Some(digest) = r.manifest.as_ref().filter(|d| **d != m.digest()) {
+            return Err((
+                format!(
+                    "the manifest of backup {b} on target {} is not the one this restore began from (digest {digest}): \
+                     the target was changed under it; delete the volume and restore again",
+                    r.target
+                ),
+                false,
+            ));
+        }
         Ok((target, m))
     }
 
@@ -160,6 +175,7 @@ impl Restores {
                 target: target.name.clone(),
                 backup: manifest.backup_ref().to_string(),
                 done: String::new(),
+                manifest: Some(manifest.digest()),
             },
         );
         let backup = record.backup.clone();

@@ -11,7 +11,7 @@ use prometheus_client::metrics::MetricType;
 
 use super::families::{counters, gauges};
 use super::{Sources, load};
-use crate::records::backup_outcomes::{BackupOutcome, VerifyOutcome};
+use crate::records::backup_outcomes::{BackupOutcome, PruneOutcome, VerifyOutcome};
 
 impl Sources {
     /// Per replicated volume (labels: volume, role).
@@ -109,7 +109,62 @@ impl Sources {
                 ),
             ],
         )?;
+        self.encode_prunes(enc)?;
         self.encode_restores(enc)
+    }
+
+    /// What the last prune of each target found: the counts an alert watches for a drop, the
+    /// age of the object lock's last extension, backups an index had lost.
+    fn encode_prunes(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
+        let prunes = self.backups.prunes();
+        let labels: Vec<_> = prunes.iter().map(|p| [("target", p.target.as_str())]).collect();
+        type Pruned = fn(&PruneOutcome) -> u64;
+        gauges(
+            enc,
+            &prunes,
+            &labels,
+            &[
+                (
+                    "ferrite_backup_prune_last_timestamp_seconds",
+                    "When this daemon's last prune of the target ended (Unix seconds).",
+                    (|p| p.finished_unix) as Pruned,
+                ),
+                ("ferrite_backup_manifests", "Manifests on the target, as the last prune counted them.", |p| {
+                    p.manifests
+                }),
+                (
+                    "ferrite_backup_chunks_referenced",
+                    "Distinct chunks the target's backups list, as the last prune counted them.",
+                    |p| p.chunks_referenced,
+                ),
+            ],
+        )?;
+        let locked: Vec<&PruneOutcome> = prunes.iter().filter(|p| p.lock_days.is_some()).collect();
+        let lock_labels: Vec<_> = locked.iter().map(|p| [("target", p.target.as_str())]).collect();
+        type Locked = fn(&&PruneOutcome) -> u64;
+        gauges(
+            enc,
+            &locked,
+            &lock_labels,
+            &[
+                (
+                    "ferrite_backup_lock_extended_timestamp_seconds",
+                    "Since when every object the target keeps is locked for its object-lock-days (Unix seconds, the store's clock; 0: never).",
+                    (|p| p.locked_at.and_then(|t| u64::try_from(t).ok()).unwrap_or(0)) as Locked,
+                ),
+                ("ferrite_backup_lock_days", "The target's object-lock-days.", |p| p.lock_days.unwrap_or(0)),
+            ],
+        )?;
+        counters(
+            enc,
+            &prunes,
+            &labels,
+            &[(
+                "ferrite_backup_recovered",
+                "Backups whose index had lost them (a lost update, a deleted index), listed again by a prune.",
+                (|p| p.recovered) as Pruned,
+            )],
+        )
     }
 
     fn encode_restores(&self, enc: &mut DescriptorEncoder) -> fmt::Result {

@@ -1,0 +1,235 @@
+//! A prune deletes only on evidence: a lost index update, a deleted index, a forged manifest,
+//! an interrupted attempt's leftover and two daemons that disagree on the grace each leave
+//! every backup a user was told was made restorable.
+
+#![allow(clippy::cast_possible_truncation)]
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::pool;
+
+use ferrite_backup::{BackupRef, Error, Index, Manifest, Retention, Sweep, Target, TargetConfig, TargetKind};
+use pool::{MIB, backup, image, new_pool, noise, restore, volume_image};
+
+fn config(root: &Path, grace_s: u64) -> TargetConfig {
+    TargetConfig {
+        kind: Some(TargetKind::Dir),
+        path: Some(root.to_owned()),
+        chunk_size: Some(MIB),
+        grace_s: Some(grace_s),
+        ..TargetConfig::default()
+    }
+}
+
+/// Backs up `n` snapshots of volume `v`, each with a chunk of its own: their ids.
+async fn backups(target: &Target, pool: &ferrite_engine::Pool, n: u64) -> Vec<String> {
+    pool.create_volume("v", 4 * MIB).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    v.write(MIB, &noise(100, 3 * MIB as usize)).unwrap();
+    let mut ids = Vec::new();
+    for i in 0..n {
+        v.write(0, &noise(i, MIB as usize)).unwrap();
+        pool.create_snapshot("v", &format!("s{i}")).unwrap();
+        backup(target, pool, "v", &format!("s{i}"), &format!("b{i}")).await.unwrap();
+        ids.push(format!("b{i}"));
+    }
+    ids
+}
+
+/// Every backup in `ids` restores to its snapshot `s<N>`.
+async fn all_restore(target: &Target, pool: &ferrite_engine::Pool, ids: &[&str]) {
+    for id in ids {
+        let name = format!("r-{id}-{}", rand_suffix());
+        restore(target, pool, &format!("v/{id}").parse().unwrap(), &name).await.unwrap();
+        assert!(volume_image(pool, &name) == image(pool, &format!("s{}", &id[1..])), "{id} restores its snapshot");
+    }
+}
+
+fn rand_suffix() -> u32 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos()
+}
+
+/// An envelope of a keyless target holding `json` as it is (format 1, kind 2: a manifest).
+fn plain_manifest(m: &Manifest) -> Vec<u8> {
+    [&b"FRBK\x01\x02\x00"[..], &serde_json::to_vec(m).unwrap()].concat()
+}
+
+fn ids(index: &Index) -> Vec<&str> {
+    index.backups.iter().map(|b| b.id.as_str()).collect()
+}
+
+/// Two writers with `conditional-writes = false` (or a store that loses an update): the index
+/// is written back without the second backup. Prunes keep its chunks while it may be a backup
+/// being committed, then list it again; it restores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_index_update_loses_no_backup() {
+    let (dir, pool) = new_pool();
+    let root = dir.path().join("t");
+    // A grace of whole seconds beyond the store's (whole-second) times.
+    let target = Target::open("t", config(&root, 3)).await.unwrap();
+    let index_file = root.join("volumes/v/index");
+    backups(&target, &pool, 1).await;
+    let before = std::fs::read(&index_file).unwrap();
+    let v = pool.open_volume("v").unwrap();
+    v.write(0, &noise(1, MIB as usize)).unwrap();
+    pool.create_snapshot("v", "s1").unwrap();
+    backup(&target, &pool, "v", "s1", "b1").await.unwrap();
+    std::fs::write(&index_file, before).unwrap();
+
+    // While it may be a backup being committed: kept, not listed yet. A retention that keeps
+    // only the newest listed backup deletes nothing it cannot see.
+    let keep = Retention { keep_last: 1, ..Retention::default() };
+    let r = ferrite_backup::prune(&target, Some(&keep), Sweep::default()).await.unwrap();
+    assert!(r.backups_recovered.is_empty() && r.chunks_deleted == 0 && r.manifests == 2, "{r:?}");
+    tokio::time::sleep(Duration::from_millis(4100)).await;
+    for round in 0..2 {
+        let r = ferrite_backup::prune(&target, Some(&keep), Sweep::default()).await.unwrap();
+        if round == 0 {
+            assert_eq!(r.backups_recovered, ["v/b1"], "{r:?}");
+            assert!(r.indexes_rebuilt.is_empty(), "the index was there: {r:?}");
+        } else {
+            assert!(r.backups_recovered.is_empty(), "{r:?}");
+        }
+    }
+    let index = Index::load(&target, "v").await.unwrap();
+    assert_eq!(ids(&index), ["b1"], "b1 listed again; b0 deleted by the retention since");
+    all_restore(&target, &pool, &["b1"]).await;
+}
+
+/// The index deleted (a stolen credential, an operator's mistake, a replication lag): the next
+/// prunes delete no manifest and no chunk, and rebuild it from the manifests. A backup deleted
+/// before stays deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_index_is_rebuilt_from_the_manifests() {
+    let (dir, pool) = new_pool();
+    let root = dir.path().join("t");
+    let target = Target::open("t", config(&root, 1)).await.unwrap();
+    backups(&target, &pool, 3).await;
+    ferrite_backup::delete(&target, &"v/b0".parse().unwrap()).await.unwrap();
+    std::fs::remove_file(root.join("volumes/v/index")).unwrap();
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
+    assert_eq!((r.indexes_rebuilt.as_slice(), r.backups_recovered.len()), (&["v".to_owned()][..], 2), "{r:?}");
+    assert_eq!((r.manifests_deleted, r.chunks_deleted), (0, 0), "{r:?}");
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
+    assert!(r.backups_recovered.is_empty() && r.indexes_rebuilt.is_empty(), "{r:?}");
+    assert_eq!(ids(&Index::load(&target, "v").await.unwrap()), ["b1", "b2"]);
+    all_restore(&target, &pool, &["b1", "b2"]).await;
+}
+
+/// A manifest goes only on its index's word: an attempt another attempt of the same backup
+/// superseded, and a deleted backup's whose removal was interrupted. One nothing speaks for is
+/// listed again, whatever its age.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifests_go_on_evidence_only() {
+    let (dir, pool) = new_pool();
+    let root = dir.path().join("t");
+    let target = Target::open("t", config(&root, 1)).await.unwrap();
+    backups(&target, &pool, 2).await;
+    let m = Manifest::load(&target, &"v/b0".parse().unwrap()).await.unwrap();
+    let attempt = m.attempt.clone().expect("a backup names its attempt");
+    let backups_dir = root.join("volumes/v/backups");
+    assert!(backups_dir.join(format!("b0@{attempt}")).is_file());
+    // An interrupted attempt of b0, superseded by the one its index lists.
+    let leftover = Manifest { attempt: Some("00000000000000aa".into()), ..m.clone() };
+    std::fs::write(backups_dir.join("b0@00000000000000aa"), plain_manifest(&leftover)).unwrap();
+    // b1 deleted, its manifest left by a crash between the index update and its removal.
+    let b1 = Manifest::load(&target, &"v/b1".parse().unwrap()).await.unwrap();
+    let b1_file = backups_dir.join(format!("b1@{}", b1.attempt.as_deref().unwrap()));
+    let kept = std::fs::read(&b1_file).unwrap();
+    ferrite_backup::delete(&target, &"v/b1".parse().unwrap()).await.unwrap();
+    std::fs::write(&b1_file, kept).unwrap();
+    // A backup nothing lists (its commit's index update lost).
+    let orphan = Manifest { id: "b9".into(), attempt: Some("00000000000000bb".into()), ..m.clone() };
+    std::fs::write(backups_dir.join("b9@00000000000000bb"), plain_manifest(&orphan)).unwrap();
+    // Not a manifest's name: left alone.
+    std::fs::write(backups_dir.join("x@notes"), b"x").unwrap();
+
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
+    assert_eq!((r.manifests_deleted, r.backups_recovered.as_slice()), (2, &["v/b9".to_owned()][..]), "{r:?}");
+    let mut left: Vec<String> =
+        std::fs::read_dir(&backups_dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    left.sort();
+    assert_eq!(left, [format!("b0@{attempt}"), "b9@00000000000000bb".into(), "x@notes".into()]);
+    let index = Index::load(&target, "v").await.unwrap();
+    assert_eq!((ids(&index), index.deleted.len()), (vec!["b0", "b9"], 0), "the deleted name is forgotten once gone");
+    all_restore(&target, &pool, &["b0"]).await;
+    restore(&target, &pool, &"v/b9".parse().unwrap(), "b9").await.unwrap();
+    assert!(volume_image(&pool, "b9") == image(&pool, "s0"));
+}
+
+/// A manifest a keyless store forges (chunk size 0, chunks out of order or past the volume, a
+/// name no chunk has) is refused when it is read, by every reader: nothing panics, and a prune
+/// deletes nothing on its account.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_manifest_is_refused_at_load() {
+    let (dir, pool) = new_pool();
+    let root = dir.path().join("t");
+    let target = Target::open("t", config(&root, 1)).await.unwrap();
+    backups(&target, &pool, 1).await;
+    let b: BackupRef = "v/b0".parse().unwrap();
+    let m = Manifest::load(&target, &b).await.unwrap();
+    let file = root.join(format!("volumes/v/backups/b0@{}", m.attempt.as_deref().unwrap()));
+    let mut reversed = m.chunks.clone();
+    reversed.reverse();
+    let mut past = m.chunks.clone();
+    past[0].i = 99;
+    let mut unnamed = m.chunks.clone();
+    unnamed[0].id = "x".into();
+    let mut long = m.chunks.clone();
+    long[0].len = MIB as u32 + 1;
+    let mut empty = m.chunks.clone();
+    empty[0].len = 0;
+    let forgeries = [
+        Manifest { chunk_size: 0, ..m.clone() },
+        Manifest { chunks: reversed, ..m.clone() },
+        Manifest { chunks: past, ..m.clone() },
+        Manifest { chunks: unnamed, ..m.clone() },
+        Manifest { chunks: long, ..m.clone() },
+        Manifest { chunks: empty, ..m.clone() },
+        Manifest { size: u64::MAX, ..m.clone() },
+    ];
+    for forged in &forgeries {
+        std::fs::write(&file, plain_manifest(forged)).unwrap();
+        let e = Manifest::load(&target, &b).await.unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+        let e = restore(&target, &pool, &b, "r").await.unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+        let e = ferrite_backup::prune(&target, None, pool::no_writers()).await.unwrap_err();
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+    }
+    std::fs::write(&file, plain_manifest(&m)).unwrap();
+    all_restore(&target, &pool, &["b0"]).await;
+}
+
+/// Two daemons whose configs name other graces keep one, the target's marker's; a prune goes
+/// below it only with `no_writers`, and not while a writer's lease is alive. A backup takes its
+/// lease away when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_grace_for_every_writer() {
+    let (dir, pool) = new_pool();
+    let root = dir.path().join("t");
+    let first = Target::open("t", config(&root, 3600)).await.unwrap();
+    let second = Target::open("t", config(&root, 5)).await.unwrap();
+    assert_eq!((first.grace(), second.grace()), (Duration::from_secs(3600), Duration::from_secs(3600)));
+    backups(&second, &pool, 1).await;
+    let leases = root.join("gc/writers");
+    assert_eq!(std::fs::read_dir(&leases).map_or(0, Iterator::count), 0, "the backup's lease is gone");
+
+    let short = Sweep { grace: Some(Duration::from_secs(5)), no_writers: false };
+    let e = ferrite_backup::prune(&second, None, short).await.unwrap_err();
+    assert!(matches!(e, Error::Invalid(_)) && e.to_string().contains("no-writers"), "{e}");
+    // A backup running elsewhere (its lease is young).
+    std::fs::create_dir_all(&leases).unwrap();
+    std::fs::write(leases.join("0123456789abcdef"), b"").unwrap();
+    let e = ferrite_backup::prune(&second, None, Sweep { no_writers: true, ..short }).await.unwrap_err();
+    assert!(matches!(e, Error::Conflict(_)) && e.to_string().contains("0123456789abcdef"), "{e}");
+    std::fs::remove_file(leases.join("0123456789abcdef")).unwrap();
+    ferrite_backup::prune(&second, None, Sweep { no_writers: true, ..short }).await.unwrap();
+    // A longer grace needs nothing.
+    let long = Sweep { grace: Some(Duration::from_secs(7200)), no_writers: false };
+    ferrite_backup::prune(&first, None, long).await.unwrap();
+    all_restore(&first, &pool, &["b0"]).await;
+}
