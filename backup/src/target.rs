@@ -20,7 +20,7 @@ use object_store::{
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{Codec, Kind};
-use crate::config::{Lock, TargetConfig, TargetKind};
+use crate::config::{Lock, LockMode, TargetConfig, TargetKind};
 use crate::object_lock::Locker;
 use crate::signed::Signed;
 use crate::{Error, Result};
@@ -102,6 +102,9 @@ pub struct Target {
     signed: Option<Arc<Signed>>,
     /// An S3 target's object lock.
     locker: Option<Arc<Locker>>,
+    /// Opened to set its lock ([`Target::set_lock`]), and the lock that replaced.
+    set_lock: bool,
+    replaced_lock: Option<(LockMode, u64)>,
 }
 
 /// Every page of a listing costs at least this many of its entry budget.
@@ -132,6 +135,23 @@ impl Target {
     /// Opens target `name`: builds the client, reads the marker (writing it on a new target),
     /// and checks the key against it.
     pub async fn open(name: &str, config: TargetConfig) -> Result<Target> {
+        Self::open_as(name, config, false).await
+    }
+
+    /// Changes the object lock target `name`'s marker records to the one `config` names (its
+    /// `object-lock-mode` and `object-lock-days`): the one way a target's lock changes. The
+    /// lock before, if any. Every daemon using the target then needs the same lock in its
+    /// config: it refuses the target until then.
+    pub async fn set_lock(name: &str, config: TargetConfig) -> Result<Option<(LockMode, u64)>> {
+        if Lock::of(&config).is_none() {
+            return Err(Error::Invalid(format!("backup target {name}: a lock to set needs object-lock-days")));
+        }
+        let target = Self::open_as(name, config, true).await?;
+        Ok(target.replaced_lock)
+    }
+
+    /// [`Target::open`]; with `set_lock`, the config's lock replaces the marker's.
+    async fn open_as(name: &str, config: TargetConfig, set_lock: bool) -> Result<Target> {
         let invalid = |msg: String| Error::Invalid(format!("backup target {name}: {msg}"));
         let chunk = config.chunk_size.unwrap_or(crate::DEFAULT_CHUNK);
         if !(crate::MIN_CHUNK..=crate::MAX_CHUNK).contains(&chunk) || !chunk.is_multiple_of(4096) {
@@ -159,6 +179,8 @@ impl Target {
         };
         let codec = Codec::new(name, key.as_ref());
         let mut target = Target {
+            set_lock,
+            replaced_lock: None,
             name: name.to_owned(),
             config,
             store,
@@ -209,18 +231,26 @@ impl Target {
         if let Some(msg) = msg {
             return Err(Error::Key { target: self.name.clone(), msg: msg.into() });
         }
+        let mut changed = seen.is_none() || marker.format < MARKER_FORMAT;
         match (marker.object_lock, lock) {
             (Some(marked), Some(asked)) if marked == asked => {}
+            (Some(marked), Some(asked)) if self.set_lock => {
+                tracing::warn!(target = %self.name, from = ?marked, to = ?asked, "the target's object lock changes");
+                self.replaced_lock = Some((marked.mode, marked.days));
+                marker.object_lock = Some(asked);
+                changed = true;
+            }
             (Some(marked), asked) => {
                 let said = asked.map_or("none".to_owned(), |l| format!("{:?} for {} days", l.mode, l.days));
                 return Err(Error::Invalid(format!(
-                    "backup target {}: its marker says object lock {:?} for {} days and this daemon's config says                      {said}: configure object-lock-mode and object-lock-days as the marker says (every writer                      of a target locks alike; a target's lock changes only on purpose)",
+                    "backup target {}: its marker says object lock {:?} for {} days and this daemon's config says \
+                     {said}: configure object-lock-mode and object-lock-days as the marker says (every writer \
+                     of a target locks alike; a target's lock changes only on purpose)",
                     self.name, marked.mode, marked.days
                 )));
             }
             (None, _) => {}
         }
-        let mut changed = seen.is_none() || marker.format < MARKER_FORMAT;
         marker.format = MARKER_FORMAT;
         if marker.object_lock.is_none() && lock.is_some() {
             // A lock is only ever added by a config: the target is locked from now on.
@@ -230,7 +260,8 @@ impl Target {
         match marker.grace_s {
             Some(g) if self.config.grace_s.is_some_and(|c| c != g) => tracing::warn!(
                 target = %self.name,
-                "this daemon's grace-s is {}, the target's marker says {g}: every writer and prune of a target keeps                  one grace, the marker's",
+                "this daemon's grace-s is {}, the target's marker says {g}: every writer and prune of a target keeps \
+                 one grace, the marker's",
                 grace_s
             ),
             Some(_) => {}
@@ -244,6 +275,7 @@ impl Target {
             let data = serde_json::to_vec_pretty(&marker).expect("serialises").into();
             if !self.put_if(MARKER, data, seen.as_ref()).await? {
                 // Another daemon wrote it first: read what it wrote.
+                self.replaced_lock = None;
                 return Box::pin(self.check_marker()).await;
             }
         }

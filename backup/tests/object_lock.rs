@@ -177,6 +177,19 @@ async fn a_target_locked_later_is_locked_by_its_first_prune() {
         let e = Target::open("t", other).await.unwrap_err().to_string();
         assert!(e.contains("marker says object lock Compliance for 1 days"), "{e}");
     }
+    // Changed on purpose: then every daemon's config must say the new lock.
+    let longer = locked(&weed, BUCKET, 2, Some(LockMode::Compliance));
+    let before = Target::set_lock("t", longer.clone()).await.unwrap();
+    assert_eq!(before, Some((LockMode::Compliance, 1)));
+    let e = Target::open("t", locked(&weed, BUCKET, 1, Some(LockMode::Compliance))).await.unwrap_err().to_string();
+    assert!(e.contains("marker says object lock Compliance for 2 days"), "{e}");
+    let target = Target::open("t", longer).await.unwrap();
+    pool.open_volume("db").unwrap().write(0, &noise(5, MIB as usize)).unwrap();
+    pool.create_snapshot("db", "s3").unwrap();
+    let m = backup(&target, &pool, "db", "s3", "b3").await.unwrap();
+    let fresh = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
+    let (mode, until) = retention(&weed, &fresh).unwrap();
+    assert!(mode == "COMPLIANCE" && about(&until, 2 * 86_400), "{mode} {until}");
 }
 
 /// The bucket's lock is asked for with a signed request: a store with authentication answers

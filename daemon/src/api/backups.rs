@@ -438,4 +438,40 @@ impl pb::backups_server::Backups for BackupService {
             .collect();
         Ok(Response::new(pb::ListBackupTargetsResponse { targets }))
     }
+
+    async fn set_backup_lock(
+        &self,
+        req: Request<pb::SetBackupLockRequest>,
+    ) -> Result<Response<pb::SetBackupLockResponse>, Status> {
+        let r = req.into_inner();
+        require("target", &r.target)?;
+        let mode = match r.mode.as_str() {
+            "governance" => ferrite_backup::LockMode::Governance,
+            "compliance" => ferrite_backup::LockMode::Compliance,
+            m => return Err(Status::invalid_argument(format!("mode {m:?}: governance or compliance"))),
+        };
+        let config = self.targets.get(&r.target).ok_or_else(|| {
+            Kind::UnknownTarget
+                .tag(Status::not_found(format!("no backup target {:?} in this daemon's config", r.target)))
+        })?;
+        let config = ferrite_backup::TargetConfig {
+            object_lock_mode: Some(mode),
+            object_lock_days: Some(r.days),
+            ..config.clone()
+        };
+        let before = ferrite_backup::Target::set_lock(&r.target, config).await.map_err(backup_status)?;
+        // Opened again at its next use: refused until this daemon's config names the new lock.
+        self.opened.lock().await.remove(&r.target);
+        tracing::warn!(
+            target = r.target,
+            mode = r.mode,
+            days = r.days,
+            ?before,
+            "a backup target's object lock was set"
+        );
+        let (previous_mode, previous_days) = before.map_or((String::new(), 0), |(m, d)| {
+            (if m == ferrite_backup::LockMode::Compliance { "compliance" } else { "governance" }.to_owned(), d)
+        });
+        Ok(Response::new(pb::SetBackupLockResponse { previous_mode, previous_days }))
+    }
 }

@@ -77,6 +77,7 @@ pub const RULES: &[(&str, &[Role])] = &[
     ("/ferrite.v1.Backups/PruneBackups", &[]),
     ("/ferrite.v1.Backups/RestoreBackup", &[Controller]),
     ("/ferrite.v1.Backups/ListBackupTargets", &[]),
+    ("/ferrite.v1.Backups/SetBackupLock", &[]),
     ("/ferrite.v1.Replica/Position", &[ReplicationPeer]),
     ("/ferrite.v1.Replica/Push", &[ReplicationPeer]),
     ("/ferrite.v1.Replica/Sync", &[ReplicationPeer]),

@@ -122,6 +122,19 @@ pub enum BackupCmd {
     },
     /// The targets the daemon's config names.
     Targets,
+    /// Change the S3 Object Lock the target's marker records (the one way it changes). Then set
+    /// the same object-lock-mode and object-lock-days in every daemon's config for the target
+    /// and restart them: each refuses the target until its config agrees. AWS never shortens a
+    /// compliance retention already set.
+    SetLock {
+        #[arg(long, short)]
+        target: String,
+        /// governance or compliance.
+        #[arg(long)]
+        mode: String,
+        #[arg(long)]
+        days: u64,
+    },
 }
 
 pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> Result<()> {
@@ -205,6 +218,26 @@ pub async fn run(mut c: BackupsClient<Channel>, cmd: BackupCmd, out: Output) -> 
         BackupCmd::Targets => {
             let r = c.list_backup_targets(pb::ListBackupTargetsRequest {}).await.map_err(rpc_error)?.into_inner();
             print_targets(out, &r);
+        }
+        BackupCmd::SetLock { target, mode, days } => {
+            let req = pb::SetBackupLockRequest { target: target.clone(), mode: mode.clone(), days };
+            let r = c.set_backup_lock(req).await.map_err(rpc_error)?.into_inner();
+            match out {
+                Output::Json => println!(
+                    "{}",
+                    json!({"target": target, "mode": mode, "days": days,
+                        "previous_mode": r.previous_mode, "previous_days": r.previous_days})
+                ),
+                Output::Table => println!(
+                    "target {target}'s object lock is now {mode} for {days} days (was {}); set object-lock-mode and \
+                     object-lock-days so in every daemon's config for it",
+                    if r.previous_mode.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        format!("{} for {} days", r.previous_mode, r.previous_days)
+                    }
+                ),
+            }
         }
     }
     Ok(())

@@ -123,6 +123,14 @@ fn back_up_on_one_daemon_restore_on_another() {
         (vec!["backup", "create", "missing", "--target", "offsite"], "not found"),
         (vec!["backup", "show", "not-a-name", "--target", "offsite"], "VOLUME/ID"),
         (vec!["backup", "list", "../x", "--target", "offsite"], "invalid volume name"),
+        (
+            vec!["backup", "set-lock", "--target", "offsite", "--mode", "strict", "--days", "1"],
+            "governance or compliance",
+        ),
+        (
+            vec!["backup", "set-lock", "--target", "offsite", "--mode", "compliance", "--days", "1"],
+            "has no object lock",
+        ),
     ] {
         let out = b.cli(&args);
         let msg = String::from_utf8_lossy(&out.stderr);
