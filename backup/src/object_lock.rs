@@ -167,6 +167,7 @@ pub(crate) async fn extend_all(target: &Target, lock: Lock, now: i64) -> Result<
     if at.after.is_none() && target.extend_lock(crate::target::MARKER, until).await? {
         extended += 1;
     }
+    // S3 lists in key order (only S3 targets have a lock): a resumed run skips what sorts before.
     let phase = |path: &str| u8::from(path.starts_with("chunks/"));
     for (prefix, max) in [("volumes", 10_000_000), ("chunks", 50_000_000)] {
         let mut listed = target.list_stream(prefix, max).try_chunks(CHECKPOINT_EVERY);

@@ -241,11 +241,14 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, sweep: Sweep)
         // After a failed mark or sweep, the list the last prune left records the extension.
         let mut list = match next.take() {
             Some(list) => list,
-            None => {
-                let (previous, locked_at) = load(target).await?;
-                let chunks = previous.into_iter().map(|(id, since)| (id, Some(since))).collect();
-                Condemned { format: FORMAT, chunks, locked_at }
-            }
+            None => match load(target).await {
+                Ok((previous, locked_at)) => {
+                    let chunks = previous.into_iter().map(|(id, since)| (id, Some(since))).collect();
+                    Condemned { format: FORMAT, chunks, locked_at }
+                }
+                // The store is gone for now: the first failure says why.
+                Err(e) => return Err(failed.unwrap_or(e)),
+            },
         };
         // Every object is locked until `now` + days at least, once a quarter of the lock.
         if list.locked_at.is_none_or(|at| lock.is_stale(at, now)) {

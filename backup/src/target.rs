@@ -307,6 +307,15 @@ impl Target {
         )))
     }
 
+    /// The same target with its store seen through `layer`: for tests that put a store's faults
+    /// or pauses between the target and its store (a directory's listings included; an S3
+    /// target's listings page through the bucket's own client).
+    #[doc(hidden)]
+    pub fn with_store_layer(mut self, layer: impl FnOnce(Arc<dyn ObjectStore>) -> Arc<dyn ObjectStore>) -> Target {
+        self.store = layer(self.store);
+        self
+    }
+
     pub fn chunk_size(&self) -> u64 {
         self.config.chunk_size.unwrap_or(crate::DEFAULT_CHUNK)
     }

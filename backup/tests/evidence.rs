@@ -5,7 +5,15 @@
 #![allow(clippy::cast_possible_truncation)]
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use futures_util::stream::BoxStream;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, PutMultipartOptions,
+    PutOptions, PutPayload, PutResult,
+};
+use tokio::sync::oneshot;
 
 use crate::pool;
 
@@ -232,4 +240,108 @@ async fn one_grace_for_every_writer() {
     let long = Sweep { grace: Some(Duration::from_secs(7200)), no_writers: false };
     ferrite_backup::prune(&first, None, long).await.unwrap();
     all_restore(&first, &pool, &["b0"]).await;
+}
+
+/// A store that holds the first GET of one object until told to go: the prune that makes it
+/// waits there, between its listing and what it decides from the index.
+#[derive(Debug)]
+struct Paused {
+    inner: Arc<dyn ObjectStore>,
+    at: object_store::path::Path,
+    gate: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
+}
+
+impl std::fmt::Display for Paused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Paused({})", self.inner)
+    }
+}
+
+type StoreResult<T> = object_store::Result<T>;
+
+#[async_trait::async_trait]
+impl ObjectStore for Paused {
+    async fn put_opts(&self, at: &object_store::path::Path, p: PutPayload, o: PutOptions) -> StoreResult<PutResult> {
+        self.inner.put_opts(at, p, o).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        at: &object_store::path::Path,
+        o: PutMultipartOptions,
+    ) -> StoreResult<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(at, o).await
+    }
+
+    async fn get_opts(&self, at: &object_store::path::Path, o: GetOptions) -> StoreResult<GetResult> {
+        let gate = if *at == self.at { self.gate.lock().unwrap().take() } else { None };
+        if let Some((paused, go)) = gate {
+            paused.send(()).unwrap();
+            go.await.unwrap();
+        }
+        self.inner.get_opts(at, o).await
+    }
+
+    fn delete_stream(
+        &self,
+        at: BoxStream<'static, StoreResult<object_store::path::Path>>,
+    ) -> BoxStream<'static, StoreResult<object_store::path::Path>> {
+        self.inner.delete_stream(at)
+    }
+
+    fn list(&self, prefix: Option<&object_store::path::Path>) -> BoxStream<'static, StoreResult<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&object_store::path::Path>) -> StoreResult<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &object_store::path::Path,
+        to: &object_store::path::Path,
+        o: CopyOptions,
+    ) -> StoreResult<()> {
+        self.inner.copy_opts(from, to, o).await
+    }
+}
+
+/// A retried commit racing a prune: an interrupted attempt of b1 left its manifest (older than
+/// the grace); a prune lists it and pauses before it reads the index; meanwhile the retry
+/// commits b1 as a new attempt. The prune deletes the superseded attempt's manifest on the
+/// index's word and nothing of the retry's: b1 restores then and after two more prunes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_commit_racing_a_prune_keeps_its_manifest() {
+    let (dir, pool) = new_pool();
+    let root = dir.path().join("t");
+    let target = Target::open("t", config(&root, 1)).await.unwrap();
+    backups(&target, &pool, 1).await;
+    let v = pool.open_volume("v").unwrap();
+    v.write(0, &noise(1, MIB as usize)).unwrap();
+    pool.create_snapshot("v", "s1").unwrap();
+    let m0 = Manifest::load(&target, &"v/b0".parse().unwrap()).await.unwrap();
+    let interrupted = Manifest { id: "b1".into(), attempt: Some("00000000000000a1".into()), ..m0 };
+    let backups_dir = root.join("volumes/v/backups");
+    std::fs::write(backups_dir.join("b1@00000000000000a1"), plain_manifest(&interrupted)).unwrap();
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+
+    let ((paused, on_pause), (go, on_go)) = (oneshot::channel(), oneshot::channel());
+    let racing = target.clone().with_store_layer(|inner| {
+        Arc::new(Paused { inner, at: "volumes/v/index".into(), gate: Mutex::new(Some((paused, on_go))) })
+    });
+    let prune = tokio::spawn(async move { ferrite_backup::prune(&racing, None, Sweep::default()).await });
+    on_pause.await.unwrap();
+    let retried = backup(&target, &pool, "v", "s1", "b1").await.unwrap();
+    assert_ne!(retried.attempt.as_deref(), Some("00000000000000a1"), "each attempt has a name of its own");
+    go.send(()).unwrap();
+    let r = prune.await.unwrap().unwrap();
+    assert_eq!((r.manifests_deleted, r.backups_recovered.len(), r.chunks_deleted), (1, 0, 0), "{r:?}");
+    assert!(!backups_dir.join("b1@00000000000000a1").exists());
+    all_restore(&target, &pool, &["b0", "b1"]).await;
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(2100)).await;
+        ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
+    }
+    all_restore(&target, &pool, &["b0", "b1"]).await;
 }
