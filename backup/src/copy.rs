@@ -22,21 +22,16 @@ pub async fn copy(
     b: &BackupRef,
     progress: &(dyn Fn(&Progress) + Sync),
 ) -> Result<Manifest> {
-    let attempt = crate::manifest::new_attempt();
-    crate::writers::with_lease(to, &attempt, async |lease| {
-        copy_leased(from, to, b, progress, lease, attempt.clone()).await
-    })
-    .await
+    crate::writers::with_lease(to, async |lease| copy_leased(from, to, b, progress, lease).await).await
 }
 
-/// [`copy`] under the writer's `lease` at the destination, as commit attempt `attempt`.
+/// [`copy`] under the writer's `lease` at the destination.
 async fn copy_leased(
     from: &Target,
     to: &Target,
     b: &BackupRef,
     progress: &(dyn Fn(&Progress) + Sync),
     lease: &crate::writers::Lease,
-    attempt: String,
 ) -> Result<Manifest> {
     let m = Manifest::load(from, b).await?;
     if m.chunk_size != to.chunk_size() {
@@ -103,7 +98,7 @@ async fn copy_leased(
         uploaded_bytes: uploaded,
         new_chunks,
         copied_from: Some(from.name.clone()),
-        attempt: Some(attempt),
+        attempt: Some(lease.attempt().to_owned()),
         ..m
     };
     copy.commit(to, lease).await?;

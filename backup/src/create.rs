@@ -64,14 +64,11 @@ pub(crate) async fn create_after(
     index: &Index,
     progress: &(dyn Fn(&Progress) + Sync),
 ) -> Result<Manifest> {
-    let attempt = crate::manifest::new_attempt();
-    crate::writers::with_lease(target, &attempt, async |lease| {
-        create_leased(target, pool, opts, index, progress, lease, attempt.clone()).await
-    })
-    .await
+    crate::writers::with_lease(target, async |lease| create_leased(target, pool, opts, index, progress, lease).await)
+        .await
 }
 
-/// [`create_after`] under the writer's `lease`, as commit attempt `attempt`.
+/// [`create_after`] under the writer's `lease`.
 async fn create_leased(
     target: &Target,
     pool: &Pool,
@@ -79,7 +76,6 @@ async fn create_leased(
     index: &Index,
     progress: &(dyn Fn(&Progress) + Sync),
     lease: &Lease,
-    attempt: String,
 ) -> Result<Manifest> {
     let this = BackupRef { volume: opts.volume.clone(), id: opts.id.clone() };
     // Read after the lease and before anything else: chunks a prune condemned since are
@@ -217,7 +213,7 @@ async fn create_leased(
         uploaded_bytes: uploaded,
         new_chunks,
         copied_from: None,
-        attempt: Some(attempt),
+        attempt: Some(lease.attempt().to_owned()),
     };
     manifest.commit(target, lease).await?;
     // A prune's HEAD and DELETE of a condemned chunk are two requests: one this backup uploaded

@@ -273,10 +273,25 @@ impl Target {
         self.config.grace_s = marker.grace_s;
         if changed {
             let data = serde_json::to_vec_pretty(&marker).expect("serialises").into();
-            if !self.put_if(MARKER, data, seen.as_ref()).await? {
-                // Another daemon wrote it first: read what it wrote.
-                self.replaced_lock = None;
-                return Box::pin(self.check_marker()).await;
+            match self.put_if(MARKER, data, seen.as_ref()).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Another daemon wrote it first: read what it wrote.
+                    self.replaced_lock = None;
+                    return Box::pin(self.check_marker()).await;
+                }
+                // A read-only credential (a restore at another site) reads an earlier build's
+                // target as it is: it writes nothing a prune of that build could take.
+                Err(Error::Store { source, .. })
+                    if !self.set_lock
+                        && matches!(
+                            *source,
+                            object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
+                        ) =>
+                {
+                    tracing::warn!(target = %self.name, "the credential may not write the target's marker: read only");
+                }
+                Err(e) => return Err(e),
             }
         }
         if self.locker.is_some() {

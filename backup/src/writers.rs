@@ -18,9 +18,10 @@ const WRITERS: &str = "gc/writers";
 /// Most leases a prune lists (one per writer running, and those crashes left for a grace).
 const MAX_LEASES: u64 = 100_000;
 
-/// A running writer's lease.
+/// A running writer's lease, named by the writer's commit attempt.
 #[derive(Debug)]
 pub(crate) struct Lease {
+    attempt: String,
     path: String,
     /// When it was taken: the store's clock (unix seconds), and this host's monotonic one.
     started: i64,
@@ -34,12 +35,17 @@ impl Lease {
         let (local, wall) = (Instant::now(), crate::now_unix());
         let path = format!("{WRITERS}/{attempt}");
         let started = target.stamp(&path).await?;
-        let lease = Lease { path, started, local };
+        let lease = Lease { attempt: attempt.to_owned(), path, started, local };
         if let Err(e) = target.check_skew(wall, started) {
             lease.end(target).await;
             return Err(e);
         }
         Ok(lease)
+    }
+
+    /// The writer's commit attempt (`Manifest::attempt`).
+    pub(crate) fn attempt(&self) -> &str {
+        &self.attempt
     }
 
     /// How long the writer has run: on the store's clock, and at least as long as this host
@@ -69,14 +75,10 @@ pub(crate) async fn alive(target: &Target, now: i64) -> Result<Vec<String>> {
         .collect())
 }
 
-/// Runs `work` under a new lease for `attempt`, and takes the lease away after it, whatever
-/// it returned.
-pub(crate) async fn with_lease<T>(
-    target: &Target,
-    attempt: &str,
-    work: impl AsyncFnOnce(&Lease) -> Result<T>,
-) -> Result<T> {
-    let lease = Lease::take(target, attempt).await?;
+/// Runs `work` under a new lease for a new commit attempt, and takes the lease away after it,
+/// whatever it returned.
+pub(crate) async fn with_lease<T>(target: &Target, work: impl AsyncFnOnce(&Lease) -> Result<T>) -> Result<T> {
+    let lease = Lease::take(target, &crate::manifest::new_attempt()).await?;
     let done = work(&lease).await;
     lease.end(target).await;
     done

@@ -172,8 +172,20 @@ async fn encrypted_target_with_credentials() {
     let e = Target::open("vault", TargetConfig { key_file: Some(key.clone()), ..bad }).await.unwrap_err();
     assert!(matches!(e, Error::Store { .. }), "{e}");
     assert!(e.to_string().contains("vault"), "{e}");
+    // The marker as an earlier build wrote it: a read-only credential opens it as it is.
+    let store = raw(&weed, Some(("ferrite", "ferrite-secret")));
+    let marker = object_store::path::Path::from("ferrite-backup.json");
+    let mut old: serde_json::Value =
+        serde_json::from_slice(&store.get(&marker).await.unwrap().bytes().await.unwrap()).unwrap();
+    assert_eq!(old["format"], 2, "{old}");
+    old["format"] = 1.into();
+    old.as_object_mut().unwrap().remove("grace-s");
+    store.put(&marker, serde_json::to_vec(&old).unwrap().into()).await.unwrap();
     let reader = s3(&weed, Some(("reader", "reader-secret")), dir.path());
     let ro = Target::open("vault", TargetConfig { key_file: Some(key.clone()), ..reader }).await.unwrap();
+    let kept: serde_json::Value =
+        serde_json::from_slice(&store.get(&marker).await.unwrap().bytes().await.unwrap()).unwrap();
+    assert_eq!(kept["format"], 1, "a reader writes nothing");
     pool.create_snapshot("secret", "e2").unwrap();
     v.write(0, &noise(9, 4096)).unwrap();
     pool.create_snapshot("secret", "e3").unwrap();
