@@ -30,6 +30,14 @@ fn config(root: &Path, grace_s: u64) -> TargetConfig {
     }
 }
 
+/// A pool, and a directory target `t` of `grace_s` at `root`.
+async fn setup(grace_s: u64) -> (tempfile::TempDir, ferrite_engine::Pool, std::path::PathBuf, Target) {
+    let (dir, pool) = new_pool();
+    let root = dir.path().join("t");
+    let target = Target::open("t", config(&root, grace_s)).await.unwrap();
+    (dir, pool, root, target)
+}
+
 /// Backs up `n` snapshots of volume `v`, each with a chunk of its own: their ids.
 async fn backups(target: &Target, pool: &ferrite_engine::Pool, n: u64) -> Vec<String> {
     pool.create_volume("v", 4 * MIB).unwrap();
@@ -72,10 +80,8 @@ fn ids(index: &Index) -> Vec<&str> {
 /// being committed, then list it again; it restores.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_index_update_loses_no_backup() {
-    let (dir, pool) = new_pool();
-    let root = dir.path().join("t");
     // A grace of whole seconds beyond the store's (whole-second) times.
-    let target = Target::open("t", config(&root, 3)).await.unwrap();
+    let (_dir, pool, root, target) = setup(3).await;
     let index_file = root.join("volumes/v/index");
     backups(&target, &pool, 1).await;
     let before = std::fs::read(&index_file).unwrap();
@@ -110,9 +116,7 @@ async fn a_lost_index_update_loses_no_backup() {
 /// before stays deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_index_is_rebuilt_from_the_manifests() {
-    let (dir, pool) = new_pool();
-    let root = dir.path().join("t");
-    let target = Target::open("t", config(&root, 1)).await.unwrap();
+    let (_dir, pool, root, target) = setup(1).await;
     backups(&target, &pool, 3).await;
     ferrite_backup::delete(&target, &"v/b0".parse().unwrap()).await.unwrap();
     std::fs::remove_file(root.join("volumes/v/index")).unwrap();
@@ -131,9 +135,7 @@ async fn a_deleted_index_is_rebuilt_from_the_manifests() {
 /// listed again, whatever its age.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manifests_go_on_evidence_only() {
-    let (dir, pool) = new_pool();
-    let root = dir.path().join("t");
-    let target = Target::open("t", config(&root, 1)).await.unwrap();
+    let (_dir, pool, root, target) = setup(1).await;
     backups(&target, &pool, 2).await;
     let m = Manifest::load(&target, &"v/b0".parse().unwrap()).await.unwrap();
     let attempt = m.attempt.clone().expect("a backup names its attempt");
@@ -173,9 +175,7 @@ async fn manifests_go_on_evidence_only() {
 /// deletes nothing on its account.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_manifest_is_refused_at_load() {
-    let (dir, pool) = new_pool();
-    let root = dir.path().join("t");
-    let target = Target::open("t", config(&root, 1)).await.unwrap();
+    let (_dir, pool, root, target) = setup(1).await;
     backups(&target, &pool, 1).await;
     let b: BackupRef = "v/b0".parse().unwrap();
     let m = Manifest::load(&target, &b).await.unwrap();
@@ -217,9 +217,7 @@ async fn a_forged_manifest_is_refused_at_load() {
 /// lease away when it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_grace_for_every_writer() {
-    let (dir, pool) = new_pool();
-    let root = dir.path().join("t");
-    let first = Target::open("t", config(&root, 3600)).await.unwrap();
+    let (_dir, pool, root, first) = setup(3600).await;
     let second = Target::open("t", config(&root, 5)).await.unwrap();
     assert_eq!((first.grace(), second.grace()), (Duration::from_secs(3600), Duration::from_secs(3600)));
     backups(&second, &pool, 1).await;
@@ -313,9 +311,7 @@ impl ObjectStore for Paused {
 /// index's word and nothing of the retry's: b1 restores then and after two more prunes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_commit_racing_a_prune_keeps_its_manifest() {
-    let (dir, pool) = new_pool();
-    let root = dir.path().join("t");
-    let target = Target::open("t", config(&root, 1)).await.unwrap();
+    let (_dir, pool, root, target) = setup(1).await;
     backups(&target, &pool, 1).await;
     let v = pool.open_volume("v").unwrap();
     v.write(0, &noise(1, MIB as usize)).unwrap();
