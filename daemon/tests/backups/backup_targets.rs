@@ -1,7 +1,8 @@
 //! Backups to several targets keep to their own point in time: each target's incrementals build
 //! on that target's own base snapshot, a backup interrupted longer ago than the target's grace is
 //! not resumed (it would carry a stale time), and a backup's time is its snapshot's. A backup
-//! exports without a daemon; a scheduled verify finds damage, keeps it, and sees it healed.
+//! exports without a daemon; a scheduled verify finds damage, keeps it, and sees it healed; a
+//! lost index is rebuilt by a prune, reported and counted.
 
 use crate::common;
 
@@ -181,4 +182,35 @@ fn a_scheduled_verify_finds_damage_and_sees_it_healed() {
     assert!(again["uploaded_bytes"].as_u64().unwrap() > 0, "{again}");
     common::until("the verify to see it healed", 20, bad(0.0));
     assert!(restores(&d, "a", made["name"].as_str().unwrap(), "healed", 51), "the damaged backup restores again");
+}
+
+/// An index deleted under the daemon: `backup prune` deletes nothing, lists the backups again
+/// (and says so), the metrics count them for the alert, and the backups restore. A prune asked
+/// for a grace below the target's without `--no-writers` is refused.
+#[test]
+fn a_lost_index_is_rebuilt_and_reported() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let top = format!("metrics-listen = \"127.0.0.1:{port}\"\n");
+    let d = daemon(dir.path(), 1, &top, "");
+    d.ok(&["volume", "create", "db", "8MiB"]);
+    d.ok(&["export", "nbd", "db"]);
+    assert!(qemu_io(&d, "db", "write -P 51 0 1M"));
+    let made = d.json(&["backup", "create", "db", "--target", "a"]);
+    let name = made["name"].as_str().unwrap();
+    std::fs::remove_file(dir.path().join("target-a/volumes/db/index")).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(2100));
+    let p = d.json(&["backup", "prune", "--target", "a"]);
+    assert_eq!((p["indexes_rebuilt"][0].as_str(), p["backups_recovered"][0].as_str()), (Some("db"), Some(name)), "{p}");
+    assert_eq!((p["manifests_deleted"].as_u64(), p["chunks_deleted"].as_u64()), (Some(0), Some(0)), "{p}");
+    assert_eq!(metric(port, "ferrite_backup_recovered_total{target=\"a\"}"), Some(1.0));
+    assert_eq!(metric(port, "ferrite_backup_manifests{target=\"a\"}"), Some(1.0));
+    assert!(d.log().contains("listed them again"), "{}", d.log());
+    assert!(restores(&d, "a", name, "back", 51), "the backup its index had lost restores");
+    let out = d.cli(&["backup", "prune", "--target", "a", "--grace-s", "0"]);
+    let msg = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && msg.contains("--no-writers"), "{msg}");
 }
