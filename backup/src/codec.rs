@@ -2,7 +2,11 @@
 //!
 //! `FRBK`, format version, kind, flags (zstd, sealed), then the body; sealed bodies are
 //! AES-256-GCM with a random nonce after the flags, and the header plus the object's name as
-//! associated data, so a chunk, manifest or index moved to another name does not open.
+//! associated data, so a chunk, manifest or index moved to another name does not open. From
+//! format 2 the name of every object but a chunk includes the target's prefix: a store cannot
+//! serve one cluster's index or manifest as another's under a shared key. A chunk's name is
+//! its contents' keyed hash, the same under any prefix, and its sealed bytes travel between
+//! targets of one key as they are (`copy.rs`). Format 1 objects (unbound) are still read.
 
 use ring::{aead, hkdf, hmac, rand::SecureRandom};
 
@@ -10,7 +14,7 @@ use crate::{Error, Result};
 
 const MAGIC: &[u8; 4] = b"FRBK";
 /// The newest envelope format this build writes and reads.
-pub const FORMAT: u8 = 1;
+pub const FORMAT: u8 = 2;
 const HEADER: usize = 7;
 const ZSTD: u8 = 1;
 const SEALED: u8 = 2;
@@ -38,6 +42,8 @@ pub fn max_envelope(plain: usize) -> u64 {
 /// Names chunks and seals objects with one target's keys.
 pub struct Codec {
     target: String,
+    /// The target's prefix, bound into the seal of every object but a chunk (format 2).
+    prefix: String,
     id_key: hmac::Key,
     seal: Option<aead::LessSafeKey>,
 }
@@ -52,8 +58,8 @@ impl Codec {
     /// With a target key, both the chunk-naming key and the sealing key derive from it (HKDF);
     /// without, chunks are named under a fixed key (a plain content hash: the store holds the
     /// plaintext anyway) and nothing is sealed. Nothing random: two daemons that open a new
-    /// target at once agree on every name.
-    pub fn new(target: &str, key: Option<&[u8; 32]>) -> Codec {
+    /// target at once agree on every name. `prefix` is the target's in its store.
+    pub fn new(target: &str, prefix: &str, key: Option<&[u8; 32]>) -> Codec {
         let salt = SALT;
         let derive = |key: &[u8; 32], info: &[u8]| {
             let mut out = [0u8; 32];
@@ -75,7 +81,15 @@ impl Codec {
             }
             None => (hmac::Key::new(hmac::HMAC_SHA256, salt), None),
         };
-        Codec { target: target.to_owned(), id_key, seal }
+        Codec { target: target.to_owned(), prefix: prefix.to_owned(), id_key, seal }
+    }
+
+    /// The associated data of an object of `kind` at `name` whose header is `header`.
+    fn aad(&self, header: &[u8], kind: Kind, name: &str) -> Vec<u8> {
+        let bound = header[4] >= 2 && kind != Kind::Chunk;
+        let prefix = if bound { self.prefix.as_bytes() } else { &[] };
+        let cut: &[u8] = if bound { b"\0" } else { &[] };
+        [header, prefix, cut, name.as_bytes()].concat()
     }
 
     pub fn is_sealed(&self) -> bool {
@@ -94,6 +108,11 @@ impl Codec {
 
     /// The envelope of `plain`, stored under `name`.
     pub fn seal(&self, kind: Kind, name: &str, plain: &[u8]) -> Vec<u8> {
+        self.seal_as(FORMAT, kind, name, plain)
+    }
+
+    /// The same in envelope format `format`.
+    fn seal_as(&self, format: u8, kind: Kind, name: &str, plain: &[u8]) -> Vec<u8> {
         let packed = worth_packing(plain)
             .then(|| zstd::bulk::compress(plain, LEVEL).ok())
             .flatten()
@@ -102,14 +121,14 @@ impl Codec {
         let body = packed.as_deref().unwrap_or(plain);
         let mut out = Vec::with_capacity(HEADER + aead::NONCE_LEN + body.len() + aead::MAX_TAG_LEN);
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&[FORMAT, kind as u8, flags]);
+        out.extend_from_slice(&[format, kind as u8, flags]);
         let Some(key) = &self.seal else {
             out.extend_from_slice(body);
             return out;
         };
         let mut nonce = [0u8; aead::NONCE_LEN];
         ring::rand::SystemRandom::new().fill(&mut nonce).expect("the system RNG works");
-        let aad = [&out[..HEADER], name.as_bytes()].concat();
+        let aad = self.aad(&out[..HEADER], kind, name);
         out.extend_from_slice(&nonce);
         let start = out.len();
         out.extend_from_slice(body);
@@ -148,7 +167,7 @@ impl Codec {
                 if data.len() < HEADER + aead::NONCE_LEN + aead::MAX_TAG_LEN {
                     return Err(corrupt("truncated"));
                 }
-                let aad = [&data[..HEADER], name.as_bytes()].concat();
+                let aad = self.aad(&data[..HEADER], kind, name);
                 let nonce =
                     aead::Nonce::try_assume_unique_for_key(&data[HEADER..HEADER + aead::NONCE_LEN]).expect("12 bytes");
                 let sealed = &mut data[HEADER + aead::NONCE_LEN..];
@@ -212,7 +231,7 @@ mod tests {
     fn round_trips_plain_and_sealed() {
         let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         for key in [None, Some([7u8; 32])] {
-            let c = Codec::new("t", key.as_ref());
+            let c = Codec::new("t", "p", key.as_ref());
             let env = c.seal(Kind::Chunk, "chunks/ab/x", &data);
             assert!(env.len() < data.len(), "compressible data is compressed");
             assert_eq!(c.open(Kind::Chunk, "chunks/ab/x", env, data.len()).unwrap(), data);
@@ -221,17 +240,17 @@ mod tests {
 
     #[test]
     fn refuses_what_it_must() {
-        let sealed = Codec::new("t", Some(&[1; 32]));
+        let sealed = Codec::new("t", "p", Some(&[1; 32]));
         let env = sealed.seal(Kind::Manifest, "m", b"hello");
         // Another name, another kind, another key, a flipped bit, no key, a newer format.
         assert!(matches!(sealed.open(Kind::Manifest, "n", env.clone(), 99), Err(Error::Corrupt { .. })));
         assert!(matches!(sealed.open(Kind::Index, "m", env.clone(), 99), Err(Error::Corrupt { .. })));
-        let other = Codec::new("t", Some(&[2; 32]));
+        let other = Codec::new("t", "p", Some(&[2; 32]));
         assert!(matches!(other.open(Kind::Manifest, "m", env.clone(), 99), Err(Error::Corrupt { .. })));
         let mut flipped = env.clone();
         *flipped.last_mut().unwrap() ^= 1;
         assert!(matches!(sealed.open(Kind::Manifest, "m", flipped, 99), Err(Error::Corrupt { .. })));
-        let plain = Codec::new("t", None);
+        let plain = Codec::new("t", "p", None);
         assert!(matches!(plain.open(Kind::Manifest, "m", env.clone(), 99), Err(Error::Key { .. })));
         let mut newer = env;
         newer[4] = FORMAT + 1;
@@ -239,10 +258,25 @@ mod tests {
         assert!(e.to_string().contains("upgrade"), "{e}");
     }
 
+    /// A manifest, index or list sealed under one prefix does not open under another; a chunk
+    /// does (its name is its contents'); an object of format 1 opens unbound.
+    #[test]
+    fn the_prefix_is_sealed_but_for_chunks() {
+        let (a, b) = (Codec::new("t", "cluster-a", Some(&[1; 32])), Codec::new("t", "cluster-b", Some(&[1; 32])));
+        let index = a.seal(Kind::Index, "volumes/db/index", b"{}");
+        assert!(matches!(b.open(Kind::Index, "volumes/db/index", index.clone(), 99), Err(Error::Corrupt { .. })));
+        assert_eq!(a.open(Kind::Index, "volumes/db/index", index, 99).unwrap(), b"{}");
+        let chunk = a.seal(Kind::Chunk, "chunks/ab/x", b"data");
+        assert_eq!(b.open(Kind::Chunk, "chunks/ab/x", chunk, 99).unwrap(), b"data");
+        // Format 1, as an earlier build sealed it: the name alone.
+        let old = b.seal_as(1, Kind::Index, "volumes/db/index", b"{}");
+        assert_eq!(a.open(Kind::Index, "volumes/db/index", old, 99).unwrap(), b"{}");
+    }
+
     #[test]
     fn names_depend_on_the_key() {
-        let a = Codec::new("t", Some(&[1; 32]));
-        let b = Codec::new("t", Some(&[2; 32]));
+        let a = Codec::new("t", "p", Some(&[1; 32]));
+        let b = Codec::new("t", "p", Some(&[2; 32]));
         assert_eq!(a.chunk_id(b"x"), a.chunk_id(b"x"));
         assert_ne!(a.chunk_id(b"x"), b.chunk_id(b"x"));
         assert_eq!(a.chunk_id(b"x").len(), 64);

@@ -177,7 +177,7 @@ impl Target {
             Some(path) => Some(read_key(path).map_err(invalid)?),
             None => None,
         };
-        let codec = Codec::new(name, key.as_ref());
+        let codec = Codec::new(name, root_of(&config), key.as_ref());
         let mut target = Target {
             set_lock,
             replaced_lock: None,
@@ -925,7 +925,7 @@ fn credentials(dir: Option<&FsPath>) -> std::result::Result<Option<(String, Stri
 /// key). Two copies of a key have the same fingerprint; an escrowed copy is checked with it.
 pub fn key_fingerprint(path: &FsPath) -> std::result::Result<String, String> {
     let key = read_key(path)?;
-    Ok(Codec::new("", Some(&key)).key_check()[..16].to_owned())
+    Ok(Codec::new("", "", Some(&key)).key_check()[..16].to_owned())
 }
 
 /// A key file: 32 raw bytes, or 64 hex digits.

@@ -20,6 +20,12 @@ use crate::pool;
 use ferrite_backup::{BackupRef, Error, Index, Manifest, Retention, Sweep, Target, TargetConfig, TargetKind};
 use pool::{MIB, backup, image, new_pool, noise, restore, volume_image};
 
+/// The grace of the tests' targets: a backup must commit within 0.9 x of it on the store's clock,
+/// whose times are whole seconds (a backup of a second may count two).
+const GRACE_S: u64 = 3;
+/// Long enough for a manifest to be older than [`GRACE_S`] on the store's clock.
+const PAST_GRACE: Duration = Duration::from_millis(GRACE_S * 1000 + 1100);
+
 fn config(root: &Path, grace_s: u64) -> TargetConfig {
     TargetConfig {
         kind: Some(TargetKind::Dir),
@@ -80,8 +86,7 @@ fn ids(index: &Index) -> Vec<&str> {
 /// being committed, then list it again; it restores.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_index_update_loses_no_backup() {
-    // A grace of whole seconds beyond the store's (whole-second) times.
-    let (_dir, pool, root, target) = setup(3).await;
+    let (_dir, pool, root, target) = setup(GRACE_S).await;
     let index_file = root.join("volumes/v/index");
     backups(&target, &pool, 1).await;
     let before = std::fs::read(&index_file).unwrap();
@@ -96,7 +101,7 @@ async fn a_lost_index_update_loses_no_backup() {
     let keep = Retention { keep_last: 1, ..Retention::default() };
     let r = ferrite_backup::prune(&target, Some(&keep), Sweep::default()).await.unwrap();
     assert!(r.backups_recovered.is_empty() && r.chunks_deleted == 0 && r.manifests == 2, "{r:?}");
-    tokio::time::sleep(Duration::from_millis(4100)).await;
+    tokio::time::sleep(PAST_GRACE).await;
     for round in 0..2 {
         let r = ferrite_backup::prune(&target, Some(&keep), Sweep::default()).await.unwrap();
         if round == 0 {
@@ -116,11 +121,11 @@ async fn a_lost_index_update_loses_no_backup() {
 /// before stays deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_index_is_rebuilt_from_the_manifests() {
-    let (_dir, pool, root, target) = setup(1).await;
+    let (_dir, pool, root, target) = setup(GRACE_S).await;
     backups(&target, &pool, 3).await;
     ferrite_backup::delete(&target, &"v/b0".parse().unwrap()).await.unwrap();
     std::fs::remove_file(root.join("volumes/v/index")).unwrap();
-    tokio::time::sleep(Duration::from_millis(2100)).await;
+    tokio::time::sleep(PAST_GRACE).await;
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!((r.indexes_rebuilt.as_slice(), r.backups_recovered.len()), (&["v".to_owned()][..], 2), "{r:?}");
     assert_eq!((r.manifests_deleted, r.chunks_deleted), (0, 0), "{r:?}");
@@ -135,7 +140,7 @@ async fn a_deleted_index_is_rebuilt_from_the_manifests() {
 /// listed again, whatever its age.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manifests_go_on_evidence_only() {
-    let (_dir, pool, root, target) = setup(1).await;
+    let (_dir, pool, root, target) = setup(GRACE_S).await;
     backups(&target, &pool, 2).await;
     let m = Manifest::load(&target, &"v/b0".parse().unwrap()).await.unwrap();
     let attempt = m.attempt.clone().expect("a backup names its attempt");
@@ -156,7 +161,7 @@ async fn manifests_go_on_evidence_only() {
     // Not a manifest's name: left alone.
     std::fs::write(backups_dir.join("x@notes"), b"x").unwrap();
 
-    tokio::time::sleep(Duration::from_millis(2100)).await;
+    tokio::time::sleep(PAST_GRACE).await;
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!((r.manifests_deleted, r.backups_recovered.as_slice()), (2, &["v/b9".to_owned()][..]), "{r:?}");
     let mut left: Vec<String> =
@@ -175,7 +180,7 @@ async fn manifests_go_on_evidence_only() {
 /// deletes nothing on its account.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_manifest_is_refused_at_load() {
-    let (_dir, pool, root, target) = setup(1).await;
+    let (_dir, pool, root, target) = setup(GRACE_S).await;
     backups(&target, &pool, 1).await;
     let b: BackupRef = "v/b0".parse().unwrap();
     let m = Manifest::load(&target, &b).await.unwrap();
@@ -311,7 +316,7 @@ impl ObjectStore for Paused {
 /// index's word and nothing of the retry's: b1 restores then and after two more prunes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_commit_racing_a_prune_keeps_its_manifest() {
-    let (_dir, pool, root, target) = setup(1).await;
+    let (_dir, pool, root, target) = setup(GRACE_S).await;
     backups(&target, &pool, 1).await;
     let v = pool.open_volume("v").unwrap();
     v.write(0, &noise(1, MIB as usize)).unwrap();
@@ -320,7 +325,7 @@ async fn a_retried_commit_racing_a_prune_keeps_its_manifest() {
     let interrupted = Manifest { id: "b1".into(), attempt: Some("00000000000000a1".into()), ..m0 };
     let backups_dir = root.join("volumes/v/backups");
     std::fs::write(backups_dir.join("b1@00000000000000a1"), plain_manifest(&interrupted)).unwrap();
-    tokio::time::sleep(Duration::from_millis(2100)).await;
+    tokio::time::sleep(PAST_GRACE).await;
 
     let ((paused, on_pause), (go, on_go)) = (oneshot::channel(), oneshot::channel());
     let racing = target.clone().with_store_layer(|inner| {
@@ -336,8 +341,46 @@ async fn a_retried_commit_racing_a_prune_keeps_its_manifest() {
     assert!(!backups_dir.join("b1@00000000000000a1").exists());
     all_restore(&target, &pool, &["b0", "b1"]).await;
     for _ in 0..2 {
-        tokio::time::sleep(Duration::from_millis(2100)).await;
+        tokio::time::sleep(PAST_GRACE).await;
         ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     }
     all_restore(&target, &pool, &["b0", "b1"]).await;
+}
+
+/// Two clusters share a store and a key under their own prefixes: one's index and manifests
+/// copied under the other's prefix do not open there (the prefix is sealed into them), while
+/// chunks, named by their contents, are the same under both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_cannot_serve_one_clusters_backups_as_anothers() {
+    let (dir, pool) = new_pool();
+    let key = dir.path().join("key");
+    std::fs::write(&key, [9u8; 32]).unwrap();
+    let root = dir.path().join("store");
+    let at = |prefix: &str| TargetConfig {
+        prefix: Some(prefix.into()),
+        key_file: Some(key.clone()),
+        ..config(&root, GRACE_S)
+    };
+    let a = Target::open("a", at("cluster-a")).await.unwrap();
+    let b = Target::open("b", at("cluster-b")).await.unwrap();
+    backups(&a, &pool, 1).await;
+    let copy = |from: &Path, to: &Path| {
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(from, to).unwrap();
+    };
+    let m = Manifest::load(&a, &"v/b0".parse().unwrap()).await.unwrap();
+    let manifest = format!("volumes/v/backups/{}", m.name());
+    for path in ["volumes/v/index", manifest.as_str()] {
+        copy(&root.join("cluster-a").join(path), &root.join("cluster-b").join(path));
+    }
+    let e = Index::load(&b, "v").await.unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+    for c in &m.chunks {
+        let path = format!("chunks/{}/{}", &c.id[..2], c.id);
+        copy(&root.join("cluster-a").join(&path), &root.join("cluster-b").join(&path));
+    }
+    let e = Manifest::load(&b, &"v/b0".parse().unwrap()).await.unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+    let report = ferrite_backup::verify(&a, &["v/b0".parse().unwrap()], None, &|_| {}).await.unwrap();
+    assert!(report.bad.is_empty(), "{:?}", report.bad);
 }
