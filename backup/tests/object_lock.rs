@@ -224,3 +224,37 @@ async fn the_lock_is_read_with_the_targets_credentials() {
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
     assert_eq!(r.locks_extended, 1 + 1 + 1 + 1, "marker, index, manifest, chunk: {r:?}");
 }
+
+/// A prune whose mark fails (a manifest nothing lists that does not read) still extends every
+/// object's lock, the condemned chunks' too, and records it: the next prune, the manifest gone,
+/// has nothing to extend and deletes nothing it should keep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_prune_still_extends_the_lock() {
+    let Some(weed) = Weed::start(false) else { return };
+    let (_dir, pool) = new_pool();
+    let said = weed.shell(&format!("s3.bucket.create -name {BUCKET} -withLock"));
+    assert!(said.contains("created bucket"), "{said}");
+    let target = Target::open("t", locked(&weed, BUCKET, 1, None)).await.unwrap();
+    pool.create_volume("db", SIZE).unwrap();
+    pool.open_volume("db").unwrap().write(0, &noise(3, 2 * MIB as usize)).unwrap();
+    pool.create_snapshot("db", "s1").unwrap();
+    let m = backup(&target, &pool, "db", "s1", "b1").await.unwrap();
+    let chunk = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
+    let (_, uploaded) = retention(&weed, &chunk).unwrap();
+    // Garbage where a manifest of an interrupted attempt would be: the mark cannot read it.
+    let junk = format!("/{BUCKET}/cluster-a/volumes/db/backups/b2@00000000000000aa");
+    let (code, _) = weed.s3_request("PUT", &junk, &[], "not a manifest");
+    assert_eq!(code, 200);
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let e = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap_err();
+    assert!(matches!(e, ferrite_backup::Error::Corrupt { .. }), "{e}");
+    let (_, extended) = retention(&weed, &chunk).unwrap();
+    assert!(extended > uploaded, "extended from {uploaded} to {extended} although the mark failed");
+    let (code, _) = weed.s3_request("DELETE", &junk, &[], "");
+    assert_eq!(code, 204);
+    let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
+    assert_eq!((r.locks_extended, r.chunks_deleted, r.manifests), (0, 0, 1), "recorded as done: {r:?}");
+    assert!(r.locked_at.is_some(), "{r:?}");
+    restore(&target, &pool, &"db/b1".parse().unwrap(), "back").await.unwrap();
+    assert_eq!(volume_image(&pool, "back"), image(&pool, "s1"));
+}
