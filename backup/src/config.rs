@@ -86,6 +86,14 @@ pub enum LockMode {
 }
 
 impl LockMode {
+    /// Its name in a config (`object-lock-mode`) and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            LockMode::Governance => "governance",
+            LockMode::Compliance => "compliance",
+        }
+    }
+
     pub(crate) fn s3_name(self) -> &'static str {
         match self {
             LockMode::Governance => "GOVERNANCE",
@@ -94,8 +102,19 @@ impl LockMode {
     }
 }
 
-/// The lock a target's config asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+impl std::str::FromStr for LockMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<LockMode, String> {
+        [LockMode::Governance, LockMode::Compliance]
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("object lock mode {s:?}: governance or compliance"))
+    }
+}
+
+/// The lock a target's config asks for (and its marker records).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Lock {
     pub mode: LockMode,
     pub days: u64,

@@ -215,6 +215,11 @@ pub async fn list_volumes(target: &Target) -> Result<Vec<String>> {
 }
 
 impl Index {
+    /// Puts its backups in their order: oldest first (ids tell apart those of one second).
+    pub(crate) fn order(&mut self) {
+        self.backups.sort_by(|x, y| (x.created, &x.id).cmp(&(y.created, &y.id)));
+    }
+
     fn empty(volume: &str) -> Index {
         Index { format: FORMAT, volume: volume.to_owned(), ..Index::default() }
     }
@@ -400,7 +405,7 @@ impl Manifest {
                 )));
             }
             index.backups.push(self.entry());
-            index.backups.sort_by(|x, y| (x.created, &x.id).cmp(&(y.created, &y.id)));
+            index.order();
             Ok(true)
         })
         .await;

@@ -169,7 +169,7 @@ pub(crate) async fn extend_all(target: &Target, lock: Lock, now: i64) -> Result<
     }
     // S3 lists in key order (only S3 targets have a lock): a resumed run skips what sorts before.
     let phase = |path: &str| u8::from(path.starts_with("chunks/"));
-    for (prefix, max) in [("volumes", 10_000_000), ("chunks", 50_000_000)] {
+    for (prefix, max) in [("volumes", crate::prune::MAX_VOLUME_OBJECTS), ("chunks", crate::prune::MAX_CHUNKS)] {
         let mut listed = target.list_stream(prefix, max).try_chunks(CHECKPOINT_EVERY);
         while let Some(batch) = listed.try_next().await.map_err(|e| e.1)? {
             let todo: Vec<String> = batch

@@ -44,9 +44,9 @@ const CONDEMNED: &str = "gc/condemned";
 const CONDEMN_AT_MOST: usize = 200_000;
 const MAX_CONDEMNED: usize = 32 << 20;
 /// Most objects under `volumes/` (manifests and indexes) a prune lists.
-const MAX_VOLUME_OBJECTS: u64 = 10_000_000;
+pub(crate) const MAX_VOLUME_OBJECTS: u64 = 10_000_000;
 /// Most chunks a prune lists: 200 TiB of distinct data at 4 MiB chunks.
-const MAX_CHUNKS: u64 = 50_000_000;
+pub(crate) const MAX_CHUNKS: u64 = 50_000_000;
 /// Most a manifest its index does not list may decompress to when a prune reads it (a backup
 /// being committed: its chunks are kept): a volume of ~2.5 TiB of data at 4 MiB chunks. A
 /// larger one stops the sweep until its backup has committed.
@@ -471,7 +471,7 @@ impl Marking<'_> {
                     added.push(e.id.clone());
                 }
             }
-            index.backups.sort_by(|x, y| (x.created, &x.id).cmp(&(y.created, &y.id)));
+            index.order();
             Ok(!added.is_empty() || index.deleted.len() != before)
         })
         .await?;

@@ -60,14 +60,7 @@ struct Marker {
     grace_s: Option<u64>,
     /// The target's object lock: changed only on purpose, never by a config that differs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    object_lock: Option<MarkedLock>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-struct MarkedLock {
-    mode: crate::LockMode,
-    days: u64,
+    object_lock: Option<Lock>,
 }
 
 /// How far this host's clock may be from the store's for it to write locked objects: their
@@ -199,7 +192,7 @@ impl Target {
     /// differs from the marker's.
     async fn check_marker(&mut self) -> Result<()> {
         let ours = self.codec.is_sealed().then(|| self.codec.key_check());
-        let lock = Lock::of(&self.config).map(|l| MarkedLock { mode: l.mode, days: l.days });
+        let lock = Lock::of(&self.config);
         let grace_s = self.config.grace_s.unwrap_or(DEFAULT_GRACE_S);
         let (mut marker, seen) = match self.get(MARKER, MAX_MARKER).await {
             Ok((data, meta)) => {

@@ -445,11 +445,7 @@ impl pb::backups_server::Backups for BackupService {
     ) -> Result<Response<pb::SetBackupLockResponse>, Status> {
         let r = req.into_inner();
         require("target", &r.target)?;
-        let mode = match r.mode.as_str() {
-            "governance" => ferrite_backup::LockMode::Governance,
-            "compliance" => ferrite_backup::LockMode::Compliance,
-            m => return Err(Status::invalid_argument(format!("mode {m:?}: governance or compliance"))),
-        };
+        let mode: ferrite_backup::LockMode = r.mode.parse().map_err(Status::invalid_argument)?;
         let config = self.targets.get(&r.target).ok_or_else(|| {
             Kind::UnknownTarget
                 .tag(Status::not_found(format!("no backup target {:?} in this daemon's config", r.target)))
@@ -469,9 +465,7 @@ impl pb::backups_server::Backups for BackupService {
             ?before,
             "a backup target's object lock was set"
         );
-        let (previous_mode, previous_days) = before.map_or((String::new(), 0), |(m, d)| {
-            (if m == ferrite_backup::LockMode::Compliance { "compliance" } else { "governance" }.to_owned(), d)
-        });
+        let (previous_mode, previous_days) = before.map_or((String::new(), 0), |(m, d)| (m.name().to_owned(), d));
         Ok(Response::new(pb::SetBackupLockResponse { previous_mode, previous_days }))
     }
 }
