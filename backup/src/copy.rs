@@ -1,7 +1,7 @@
 //! Copying a backup from one target to another (a second site, another provider): only the
 //! chunks the destination lacks travel, each checked on the way. Under the same key (or both
 //! without one) a chunk keeps its name and its sealed bytes go as they are; under another key
-//! it is opened, named and sealed anew. At the destination a copy is a backup like any other:
+//! it is opened, named and sealed anew; so are the segments that list them, a segment at a time. At the destination a copy is a backup like any other:
 //! it reads the condemned list first and commits within 0.9 x grace (see `prune.rs`).
 
 use std::collections::HashSet;
@@ -13,6 +13,7 @@ use crate::codec::Kind;
 use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, chunk_path};
 use crate::prune::Swept;
 use crate::restore::{fetch_chunk, fetch_sealed};
+use crate::segment::SPAN;
 use crate::{Error, Pace, Progress, Result, Target, prune};
 
 /// Copies backup `b` from `from` to `to` (same volume and id there); the copy's manifest.
@@ -53,48 +54,47 @@ async fn copy_leased(
         return Err(Error::Conflict(format!("backup {b} already exists on target {}", to.name)));
     }
     let same_key = from.codec.key_check() == to.codec.key_check();
-    let mut done = Progress {
-        chunks_total: m.chunks.len() as u64,
-        bytes_total: m.chunks.iter().map(|c| u64::from(c.len)).sum(),
-        ..Progress::default()
-    };
+    let mut done = Progress { chunks_total: m.chunk_count(), bytes_total: m.chunk_bytes(), ..Progress::default() };
     progress(&done);
     let pace = Arc::new(Pace::new(to.config.bandwidth));
     let shared = Arc::new(swept);
-    let mut copied = futures_util::stream::iter(m.chunks.clone())
-        .map(|c| {
-            let (from, to, pace, swept) = (from.clone(), to.clone(), Arc::clone(&pace), Arc::clone(&shared));
-            async move { copy_chunk(&from, &to, c, same_key, &pace, &swept).await }
-        })
-        .buffered(to.concurrency());
-    let (mut chunks, mut uploaded, mut new_chunks) = (Vec::with_capacity(m.chunks.len()), 0, 0);
-    let (mut sent, mut again) = (HashSet::new(), Vec::new());
-    while let Some(r) = copied.next().await {
-        let (c, bytes) = r?;
-        if bytes > 0 && sent.insert(c.id.clone()) {
-            uploaded += bytes;
-            new_chunks += 1;
-            if shared.condemned.contains(&c.id) {
-                again.push(c.clone());
+    let (mut segments, mut uploaded, mut new_chunks) = (Vec::new(), 0, 0);
+    let (mut sent, mut again, mut again_segments) = (HashSet::new(), Vec::new(), Vec::new());
+    // A segment at a time: its chunks, then the segment as the destination names them.
+    for n in m.segment_numbers() {
+        let source = m.chunks_of_segment(from, n).await?;
+        let mut copied = futures_util::stream::iter(source)
+            .map(|c| {
+                let (from, to, pace, swept) = (from.clone(), to.clone(), Arc::clone(&pace), Arc::clone(&shared));
+                async move { copy_chunk(&from, &to, c.clone(), same_key, &pace, &swept).await.map(|r| (c, r)) }
+            })
+            .buffered(to.concurrency());
+        let mut chunks = Vec::new();
+        while let Some(r) = copied.next().await {
+            let (source, (c, bytes)) = r?;
+            if bytes > 0 && sent.insert(c.id.clone()) {
+                uploaded += bytes;
+                new_chunks += 1;
+                if shared.condemned.contains(&c.id) {
+                    // The source's reference of it (a copy under another key names it anew).
+                    again.push((source, c.id.clone()));
+                }
             }
+            done.chunks_done += 1;
+            done.bytes_done += u64::from(c.len);
+            done.bytes_transferred = uploaded;
+            progress(&done);
+            chunks.push(c);
         }
-        done.chunks_done += 1;
-        done.bytes_done += u64::from(c.len);
-        done.bytes_transferred = uploaded;
-        progress(&done);
-        chunks.push(c);
+        drop(copied);
+        let stored = crate::segment::store(to, n * SPAN, &chunks, None, &shared, &pace).await?;
+        uploaded += stored.uploaded;
+        again_segments.extend(stored.again.map(|data| (stored.seg.id.clone(), data)));
+        segments.push(stored.seg);
     }
-    drop(copied);
-    // The source's references of those (a copy under another key names them anew).
-    let again: Vec<(ChunkRef, String)> = again
-        .into_iter()
-        .filter_map(|c: ChunkRef| {
-            let at = m.chunks.binary_search_by_key(&c.i, |s| s.i).ok()?;
-            Some((m.chunks[at].clone(), c.id))
-        })
-        .collect();
     let copy = Manifest {
-        chunks,
+        segments,
+        inline: Vec::new(),
         uploaded_bytes: uploaded,
         new_chunks,
         copied_from: Some(from.name.clone()),
@@ -105,8 +105,13 @@ async fn copy_leased(
     // As a backup does (create.rs): a condemned chunk sent again and swept meanwhile goes once more.
     for (source, id) in again {
         if to.head(&chunk_path(&id)).await?.is_none() {
-            let force = Swept { condemned: HashSet::from([id]), locked_at: shared.locked_at };
+            let force = Swept { condemned: [&id].into_iter().collect(), locked_at: shared.locked_at };
             copy_chunk(from, to, source, same_key, &pace, &force).await?;
+        }
+    }
+    for (id, data) in again_segments {
+        if to.head(&chunk_path(&id)).await?.is_none() {
+            crate::create::upload(to, &chunk_path(&id), data, &pace).await?;
         }
     }
     Ok(copy)

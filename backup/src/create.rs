@@ -1,15 +1,16 @@
 //! Taking a backup of a snapshot.
 //!
-//! Plan (no media I/O): against the previous backup's snapshot, the chunks the changed ranges
-//! touch are read, every other chunk's reference is copied from the previous manifest; with no
-//! usable previous backup (none, its snapshot gone, another chunk size, or every `full-every`th
-//! backup) every allocated chunk is read. Then, `concurrency` at a time: read the chunk, skip it
-//! if it is all zeros, name it, skip the upload if the target already holds that name (the
-//! previous manifest lists it, or a HEAD finds it: this is also how an interrupted backup
-//! resumes: what it uploaded is found and not sent again), else compress, seal and PUT, paced.
-//! Last the manifest, then the volume's index.
+//! Against the previous backup's snapshot, the chunks the changed ranges touch are read, every
+//! other chunk's reference is the previous manifest's; with no usable previous backup (none, its
+//! snapshot gone, another chunk size, or every `full-every`th backup) every allocated chunk is
+//! read. A segment at a time (`segment.rs`): a segment in which nothing is read is the previous
+//! backup's, unread; otherwise the previous one is read, then `concurrency` chunks at a time:
+//! read the chunk, skip it if it is all zeros, name it, skip the upload if the target already
+//! holds that name (the previous segment lists it, or a HEAD finds it: this is also how an
+//! interrupted backup resumes: what it uploaded is found and not sent again), else compress,
+//! seal and PUT, paced; then the segment. Last the manifest, then the volume's index.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 
 use ferrite_engine::{Image, Pool, SnapshotInfo};
@@ -18,6 +19,7 @@ use futures_util::StreamExt;
 use crate::codec::Kind;
 use crate::manifest::{BackupRef, ChunkRef, Index, Manifest, SnapshotIdentity, chunk_path};
 use crate::prune::Swept;
+use crate::segment::SPAN;
 use crate::target::FORMAT;
 use crate::writers::Lease;
 use crate::{Error, Pace, Result, Target, prune, quarantine};
@@ -135,65 +137,108 @@ async fn create_leased(
             Err(why) => full_reason = Some(why),
         }
     }
-    let base = previous.as_ref().map(|(m, base)| (m, base.as_str()));
-    let (to_read, mut refs) = match plan(pool, &opts.snapshot, base, &quarantined, chunk, count) {
+    let base = previous.as_ref().map(|(_, base)| base.as_str());
+    let ranges = match pool.changed_ranges(Image::Snapshot(&opts.snapshot), base) {
         Err(e) if e.kind() == ferrite_engine::ErrorKind::InvalidArgument && previous.is_some() => {
             full_reason = Some(format!("the previous backup's snapshot is no ancestor of this one: {e}"));
             previous = None;
-            plan(pool, &opts.snapshot, None, &quarantined, chunk, count)?
+            pool.changed_ranges(Image::Snapshot(&opts.snapshot), None)?
         }
-        planned => planned?,
+        ranges => ranges?,
     };
     let previous = previous.map(|(m, _)| m);
     if let Some(why) = &full_reason {
         tracing::info!(target = %target.name, backup = %this, why, "this backup reads the whole volume");
     }
-    // Names the previous manifest lists are on the target (a prune keeps what a manifest lists).
-    let known: HashSet<String> = previous.iter().flat_map(|m| m.chunks.iter().map(|c| c.id.clone())).collect();
+    let reading = Reading::new(ranges, chunk, info.size, previous.as_ref().map(|m| m.size));
 
-    let total = Progress {
-        chunks_total: to_read.len() as u64,
-        bytes_total: to_read.iter().map(|&i| chunk.min(info.size - i * chunk)).sum(),
-        ..Progress::default()
-    };
-    let mut done = total;
+    let mut done = reading.total(count);
     progress(&done);
     let pace = Arc::new(Pace::new(target.config.bandwidth));
-    let sent = Arc::new(parking_lot::Mutex::new(HashSet::new()));
-    // A condemned chunk is uploaded again whatever the target says (its new Last-Modified saves
-    // it); a quarantined one when the target does not have it.
-    let known: HashSet<String> = known.into_iter().filter(|id| !quarantined.contains(id)).collect();
-    let shared = Arc::new((known, swept));
-    let mut results = futures_util::stream::iter(to_read)
-        .map(|i| {
-            let (target, snap, pace, sent, shared) =
-                (target.clone(), snap.clone(), pace.clone(), sent.clone(), shared.clone());
-            let len = chunk.min(info.size - i * chunk);
-            async move {
-                back_up_chunk(&target, snap, i * chunk, len, &pace, &sent, &shared.0, &shared.1)
-                    .await
-                    .map(|r| (i, len, r))
-            }
-        })
-        .buffer_unordered(target.concurrency());
-    let (mut uploaded, mut new_chunks, mut again) = (0, 0, Vec::new());
-    while let Some(r) = results.next().await {
-        let (i, len, stored) = r?;
-        if let Some((id, bytes)) = stored {
-            uploaded += bytes;
-            new_chunks += u64::from(bytes > 0);
-            if bytes > 0 && shared.1.condemned.contains(&id) {
-                again.push((i, len, id.clone()));
-            }
-            refs.push(ChunkRef { i, id, len: u32::try_from(len).expect("chunks are at most 4 MiB") });
+    let swept = Arc::new(swept);
+    let (mut segments, mut uploaded, mut new_chunks) = (Vec::new(), 0, 0);
+    let (mut again, mut again_segments) = (Vec::new(), Vec::new());
+    // A segment at a time: its previous version, the chunks to read in it, then the segment.
+    for n in 0..count.div_ceil(SPAN) {
+        let span = n * SPAN..count.min((n + 1) * SPAN);
+        let mut read = reading.positions(span.clone());
+        let mut reused = previous.as_ref().and_then(|m| m.segment(n));
+        // A segment none of whose chunks changed is the previous backup's, unread.
+        if let Some(seg) =
+            reused.filter(|s| read.is_empty() && quarantined.is_empty() && !swept.condemned.contains(&s.id))
+        {
+            segments.push(seg.clone());
+            continue;
         }
-        done.chunks_done += 1;
-        done.bytes_done += len;
-        done.bytes_transferred = uploaded;
-        progress(&done);
+        let before = match &previous {
+            Some(m) => match m.chunks_of_segment(target, n).await {
+                Ok(before) => before,
+                // Missing or damaged (a verify quarantines a bad one): its span is read whole.
+                Err(Error::Corrupt { what, why, .. }) => {
+                    tracing::warn!(target = %target.name, backup = %this, segment = %what, why,
+                        "a segment of the previous backup is unreadable: its span is read whole");
+                    let allocated = pool.changed_ranges(Image::Snapshot(&opts.snapshot), None)?;
+                    let whole = Reading::new(allocated, chunk, info.size, None);
+                    reused = None;
+                    for i in whole.positions(span.clone()) {
+                        if read.insert(i) {
+                            done.chunks_total += 1;
+                            done.bytes_total += chunk.min(info.size - i * chunk);
+                        }
+                    }
+                    Vec::new()
+                }
+                Err(e) => return Err(e),
+            },
+            None => Vec::new(),
+        };
+        // Chunks a verify found bad are read again.
+        for c in before.iter().filter(|c| quarantined.contains(&c.id)) {
+            if read.insert(c.i) {
+                done.chunks_total += 1;
+                done.bytes_total += chunk.min(info.size - c.i * chunk);
+            }
+        }
+        let mut refs: Vec<ChunkRef> = before.iter().filter(|c| !read.contains(&c.i)).cloned().collect();
+        // Names the previous manifest lists are on the target (a prune keeps what a manifest lists).
+        let known: HashSet<String> = before.into_iter().map(|c| c.id).filter(|id| !quarantined.contains(id)).collect();
+        let shared = Arc::new((known, Arc::clone(&swept), parking_lot::Mutex::new(HashSet::new())));
+        let mut results = futures_util::stream::iter(read)
+            .map(|i| {
+                let (target, snap, pace, shared) = (target.clone(), snap.clone(), pace.clone(), shared.clone());
+                let len = chunk.min(info.size - i * chunk);
+                async move {
+                    back_up_chunk(&target, snap, i * chunk, len, &pace, &shared.2, &shared.0, &shared.1)
+                        .await
+                        .map(|r| (i, len, r))
+                }
+            })
+            .buffer_unordered(target.concurrency());
+        while let Some(r) = results.next().await {
+            let (i, len, stored) = r?;
+            if let Some((id, bytes)) = stored {
+                uploaded += bytes;
+                new_chunks += u64::from(bytes > 0);
+                if bytes > 0 && swept.condemned.contains(&id) {
+                    again.push((i, len, id.clone()));
+                }
+                refs.push(ChunkRef { i, id, len: u32::try_from(len).expect("chunks are at most 4 MiB") });
+            }
+            done.chunks_done += 1;
+            done.bytes_done += len;
+            done.bytes_transferred = uploaded;
+            progress(&done);
+        }
+        drop(results);
+        if refs.is_empty() {
+            continue;
+        }
+        refs.sort_by_key(|c| c.i);
+        let stored = crate::segment::store(target, span.start, &refs, reused, &swept, &pace).await?;
+        uploaded += stored.uploaded;
+        again_segments.extend(stored.again.map(|data| (stored.seg.id.clone(), data)));
+        segments.push(stored.seg);
     }
-    drop(results);
-    refs.sort_by_key(|c| c.i);
 
     let manifest = Manifest {
         format: FORMAT,
@@ -208,8 +253,9 @@ async fn create_leased(
         full: previous.is_none(),
         full_reason,
         encrypted_volume: encrypted,
-        chunks: refs,
-        read_bytes: total.bytes_total,
+        segments,
+        inline: Vec::new(),
+        read_bytes: done.bytes_total,
         uploaded_bytes: uploaded,
         new_chunks,
         copied_from: None,
@@ -227,6 +273,14 @@ async fn create_leased(
             let read = read_chunk(target, snap.clone(), i * chunk, len).await?;
             let (_, buf) = read.expect("it held data when it was read");
             upload(target, &path, buf, &pace).await?;
+        }
+    }
+    for (id, data) in again_segments {
+        let path = chunk_path(&id);
+        if target.head(&path).await?.is_none() {
+            tracing::warn!(target = %target.name, backup = %this, segment = %id,
+                "a segment uploaded again was swept by a prune meanwhile: uploading it once more");
+            upload(target, &path, data, &pace).await?;
         }
     }
     Ok(manifest)
@@ -289,43 +343,50 @@ fn base_snapshot(
     Ok(base.name)
 }
 
-/// The chunks to read, and the references copied from `previous` (a manifest and the current
-/// name of the snapshot it read) for the others: those it lists under a `quarantined` name are
-/// read too.
-fn plan(
-    pool: &Pool,
-    snapshot: &str,
-    previous: Option<(&Manifest, &str)>,
-    quarantined: &HashSet<String>,
+/// What a backup reads: the chunks that the changed (or allocated) `ranges` touch, and those
+/// past the previous backup's size (`old_size`: a grown volume), its last one included when it
+/// was short.
+struct Reading {
+    ranges: Vec<(u64, u64)>,
     chunk: u64,
-    count: u64,
-) -> ferrite_engine::Result<(Vec<u64>, Vec<ChunkRef>)> {
-    let ranges = pool.changed_ranges(Image::Snapshot(snapshot), previous.map(|(_, base)| base))?;
-    let previous = previous.map(|(m, _)| m);
-    let mut touched = Vec::new();
-    for (offset, len) in ranges {
-        let (first, last) = (offset / chunk, (offset + len - 1) / chunk);
-        if touched.last() == Some(&first) {
-            touched.extend(first + 1..=last);
-        } else {
-            touched.extend(first..=last);
+    size: u64,
+    old_size: Option<u64>,
+}
+
+impl Reading {
+    fn new(mut ranges: Vec<(u64, u64)>, chunk: u64, size: u64, old_size: Option<u64>) -> Reading {
+        ranges.sort_unstable();
+        Reading { ranges, chunk, size, old_size }
+    }
+
+    /// The positions to read in `span`.
+    fn positions(&self, span: std::ops::Range<u64>) -> BTreeSet<u64> {
+        let chunk = self.chunk;
+        let (lo, hi) = (span.start * chunk, span.end * chunk);
+        let from = self.ranges.partition_point(|&(offset, len)| offset + len <= lo);
+        let mut read = BTreeSet::new();
+        for &(offset, len) in self.ranges[from..].iter().take_while(|(offset, _)| *offset < hi) {
+            let (first, last) = (offset.max(lo) / chunk, (offset + len).min(hi).div_ceil(chunk));
+            read.extend(first..last);
         }
+        if let Some(old) = self.old_size {
+            let grown = old.div_ceil(chunk) - u64::from(!old.is_multiple_of(chunk));
+            read.extend(grown.max(span.start)..span.end);
+        }
+        read
     }
-    touched.retain(|&i| i < count);
-    let Some(prev) = previous else { return Ok((touched, Vec::new())) };
-    // Chunks past the previous size are new (a grown volume): read them all.
-    let old_count = prev.size.div_ceil(chunk);
-    let mut read: HashSet<u64> = touched.into_iter().collect();
-    // The last old chunk may have been short: it grew.
-    if !prev.size.is_multiple_of(chunk) {
-        read.insert(old_count - 1);
+
+    /// The chunks and bytes to read in all (`count` positions), besides quarantined ones.
+    fn total(&self, count: u64) -> Progress {
+        let mut total = Progress::default();
+        for n in 0..count.div_ceil(SPAN) {
+            for i in self.positions(n * SPAN..count.min((n + 1) * SPAN)) {
+                total.chunks_total += 1;
+                total.bytes_total += self.chunk.min(self.size - i * self.chunk);
+            }
+        }
+        total
     }
-    read.extend(old_count..count);
-    read.extend(prev.chunks.iter().filter(|c| quarantined.contains(&c.id)).map(|c| c.i));
-    let refs = prev.chunks.iter().filter(|c| !read.contains(&c.i)).cloned().collect();
-    let mut read: Vec<u64> = read.into_iter().filter(|&i| i < count).collect();
-    read.sort_unstable();
-    Ok((read, refs))
 }
 
 /// Reads one chunk and stores it unless the target has it. Returns its name and the bytes
@@ -374,7 +435,7 @@ async fn read_chunk(
 }
 
 /// Seals `plain` and stores it at `path`, paced; the bytes sent.
-async fn upload(target: &Target, path: &str, plain: Vec<u8>, pace: &Pace) -> Result<u64> {
+pub(crate) async fn upload(target: &Target, path: &str, plain: Vec<u8>, pace: &Pace) -> Result<u64> {
     let codec = target.codec.clone();
     let name = path.to_owned();
     let sealed = tokio::task::spawn_blocking(move || codec.seal(Kind::Chunk, &name, &plain))

@@ -48,6 +48,8 @@ const ON_DEMAND: usize = 8;
 pub struct Filling {
     target: Target,
     manifest: Manifest,
+    /// Its chunk list (every segment read).
+    chunks: Vec<ChunkRef>,
     /// A handle that writes past the volume's fill (and gate): the restore's own writes.
     writer: Volume,
     rt: tokio::runtime::Handle,
@@ -93,19 +95,21 @@ fn done_bitmap(done: impl Iterator<Item = bool>) -> String {
 }
 
 impl Filling {
-    /// Restores `manifest` from `target` into the volume `writer` writes (new or resumed: `done`
-    /// is the record a previous run saved, None for a new restore). `writer` must write past
+    /// Restores `manifest`, whose chunk list is `chunks` ([`Manifest::chunk_list`]), from
+    /// `target` into the volume `writer` writes (new or resumed: `done` is the record a previous
+    /// run saved, None for a new restore). `writer` must write past
     /// the volume's fill (`Volume::past_read_only`); the runtime `rt` runs the fetches.
     /// `also_done` are positions the record added after its bitmap `done`.
     pub fn new(
         target: Target,
         manifest: Manifest,
+        chunks: Vec<ChunkRef>,
         writer: Volume,
         done: Option<(&str, &[usize])>,
         save: Save,
         rt: tokio::runtime::Handle,
     ) -> Result<Arc<Self>> {
-        let n = manifest.chunks.len();
+        let n = chunks.len();
         let unfit = || Error::Invalid(format!("the restore record of {:?} does not fit its backup", writer.name()));
         let mut state = vec![Slot::Pending; n];
         match done {
@@ -124,7 +128,7 @@ impl Filling {
             }
         }
         let mut slots = Slots { state, done: 0, done_bytes: 0 };
-        for (c, _) in manifest.chunks.iter().zip(&slots.state).filter(|(_, s)| **s == Slot::Done) {
+        for (c, _) in chunks.iter().zip(&slots.state).filter(|(_, s)| **s == Slot::Done) {
             slots.done += 1;
             slots.done_bytes += u64::from(c.len);
         }
@@ -132,6 +136,7 @@ impl Filling {
         Ok(Arc::new(Self {
             target,
             manifest,
+            chunks,
             writer,
             rt,
             pace,
@@ -157,7 +162,7 @@ impl Filling {
     fn positions(&self, offset: u64, len: u64) -> std::ops::Range<usize> {
         let cs = self.manifest.chunk_size;
         let (first, end) = (offset / cs, (offset + len).div_ceil(cs));
-        let chunks = &self.manifest.chunks;
+        let chunks = &self.chunks;
         chunks.partition_point(|c| c.i < first)..chunks.partition_point(|c| c.i < end)
     }
 
@@ -199,7 +204,7 @@ impl Filling {
     fn restore_blocking(&self, positions: &[usize], paced: bool) -> std::result::Result<(), (Error, Vec<usize>)> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let pace = if paced { Arc::clone(&self.pace) } else { Arc::new(Pace::new(None)) };
-        let chunks = positions.iter().map(|&p| (p, self.manifest.chunks[p].clone())).collect();
+        let chunks = positions.iter().map(|&p| (p, self.chunks[p].clone())).collect();
         let fetch = fetch_and_write(self.target.clone(), pace, self.writer.clone(), chunks, self.manifest.chunk_size);
         self.rt.spawn(async move { drop(tx.send(fetch.await)) });
         let Ok(results) = rx.recv() else {
@@ -234,7 +239,7 @@ impl Filling {
         }
         self.writer.flush()?;
         let mut added = self.saving.lock();
-        let n = self.manifest.chunks.len();
+        let n = self.chunks.len();
         let saved = if *added + positions.len() > n / 32 + 64 {
             let record = {
                 let slots = self.slots.lock();
@@ -253,7 +258,7 @@ impl Filling {
         for &p in positions {
             slots.state[p] = Slot::Done;
             slots.done += 1;
-            slots.done_bytes += u64::from(self.manifest.chunks[p].len);
+            slots.done_bytes += u64::from(self.chunks[p].len);
         }
         self.changed.notify_all();
         Ok(())
@@ -269,7 +274,7 @@ impl Filling {
         }
         let positions = self.positions(first * cs, (end - first) * cs);
         let whole = |p: &usize| {
-            let c = &self.manifest.chunks[*p];
+            let c = &self.chunks[*p];
             offset <= c.i * cs && c.i * cs + u64::from(c.len) <= offset + len
         };
         // Those being fetched are left to their fetch (the trim then discards them).
@@ -283,9 +288,9 @@ impl Filling {
     /// volume deleted) ends it at once.
     pub async fn run(self: &Arc<Self>, progress: &(dyn Fn(&Progress) + Sync)) -> Result<()> {
         let group = self.target.concurrency();
-        let n = self.manifest.chunks.len();
+        let n = self.chunks.len();
         let mut backoff = Duration::from_secs(1);
-        let total_bytes: u64 = self.manifest.chunks.iter().map(|c| u64::from(c.len)).sum();
+        let total_bytes: u64 = self.chunks.iter().map(|c| u64::from(c.len)).sum();
         let mut corrupt = std::collections::HashSet::new();
         let mut first_corrupt = None;
         // Claims go on from where the last one stopped: one pass over the chunks, then passes
@@ -375,7 +380,7 @@ impl ferrite_engine::Fill for Filling {
         let cs = self.manifest.chunk_size;
         let end = offset.saturating_add(len);
         let slots = self.slots.lock();
-        let chunks = &self.manifest.chunks;
+        let chunks = &self.chunks;
         Ok(self
             .positions(offset, len)
             .filter(|&p| slots.state[p] != Slot::Done)

@@ -1,14 +1,15 @@
 //! Backups that leave the cluster: a volume's snapshot cut into fixed-size chunks, each named
 //! by a keyed hash of its contents (identical chunks are stored once per target), compressed
 //! with zstd and sealed with AES-256-GCM when the target has a key, in an object store (S3 or
-//! a directory). One manifest per backup lists the chunks by offset; one index per volume lists
-//! its backups. Incremental backups read only the chunks the changed ranges since the previous
+//! a directory). One manifest per backup lists the chunks by offset, in segments that backups
+//! share; one index per volume lists its backups. Incremental backups read only the chunks the changed ranges since the previous
 //! backup's snapshot touch.
 //!
 //! The target's layout (all under its prefix):
 //! - `ferrite-backup.json`: the target's marker (format, key check, grace, object lock), plain
 //!   JSON;
-//! - `chunks/<2 hex>/<64 hex>`: chunks, named by HMAC-SHA256 of their plaintext;
+//! - `chunks/<2 hex>/<64 hex>`: chunks, named by HMAC-SHA256 of their plaintext, and the
+//!   segments of manifests (chunks too: `segment.rs`);
 //! - `volumes/<volume>/index`: the volume's backups, oldest first, and the manifests of deleted
 //!   ones not yet removed;
 //! - `volumes/<volume>/backups/<id>@<attempt>`: one manifest per backup, named by the commit
@@ -37,6 +38,7 @@ mod prune;
 mod quarantine;
 mod restore;
 mod schedule;
+mod segment;
 mod signed;
 mod target;
 mod writers;
@@ -53,6 +55,7 @@ pub use pace::Pace;
 pub use prune::{PruneReport, Retention, Sweep, delete, prune};
 pub use restore::{VerifyReport, export, verify};
 pub use schedule::{Found, schedule_verifies};
+pub use segment::{SPAN as SEGMENT_SPAN, SegmentRef};
 pub use target::{Counters, Target, key_fingerprint};
 
 /// Whether `id` is one the CSI driver gives the backup of a snapshot (`csi.<snapshot name>`, or

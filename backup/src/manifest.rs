@@ -3,20 +3,22 @@
 use serde::{Deserialize, Serialize};
 
 use crate::codec::Kind;
+use crate::segment::{SPAN, SegmentRef};
 use crate::target::FORMAT;
 use crate::{Error, Result, Target};
 
 /// Most an index may decompress to: some 40 000 backups of one volume (an update that would
 /// pass it is refused: prune the volume's backups).
 const MAX_INDEX: usize = 16 << 20;
-/// Most a manifest may decompress to: 1 GiB, a 40 TiB volume at 4 MiB chunks (a backup whose
-/// manifest would pass it is refused: a larger chunk size holds a larger volume).
+/// Most a manifest may decompress to: 1 GiB, a 40 TiB volume at 4 MiB chunks in an inline
+/// manifest of format 1 (a segmented one lists a 1 PiB volume in ~3 MiB).
 pub(crate) const MAX_MANIFEST: usize = 1 << 30;
 /// Most volumes a target lists (`backup list`, a prune's retention).
 const MAX_VOLUMES: u64 = 100_000;
 
-/// Most a manifest listing `chunks` chunks may decompress to: each is
-/// `{"i":N,"id":"<64 hex>","len":N}` (~100 bytes), beside a few hundred bytes of the rest.
+/// Most a manifest listing `chunks` chunks may decompress to: inline each is
+/// `{"i":N,"id":"<64 hex>","len":N}` (~100 bytes), beside a few hundred bytes of the rest (a
+/// segment, ~130 bytes, lists one chunk at least).
 fn manifest_cap(chunks: u64) -> usize {
     usize::try_from(chunks.saturating_mul(160).saturating_add(64 << 10)).unwrap_or(usize::MAX).min(MAX_MANIFEST)
 }
@@ -46,9 +48,9 @@ pub struct ChunkRef {
     pub len: u32,
 }
 
-/// One backup. Self-contained: it lists every non-zero chunk (an incremental copies the
-/// references of the chunks it did not read from its predecessor), so a restore reads one
-/// manifest and nothing else.
+/// One backup. Self-contained: its segments list every non-zero chunk (an incremental lists
+/// its predecessor's segments where no chunk changed), so a restore reads one manifest and its
+/// segments, and nothing else of other backups.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
     pub format: u32,
@@ -72,8 +74,13 @@ pub struct Manifest {
     pub full_reason: Option<String>,
     /// Whether the volume was encrypted (restores make an encrypted volume).
     pub encrypted_volume: bool,
-    /// Non-zero chunks in offset order; absent ones read as zeros.
-    pub chunks: Vec<ChunkRef>,
+    /// The non-zero chunks, a segment of [`SPAN`] positions at a time, in order (`segment.rs`);
+    /// absent ones read as zeros.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub segments: Vec<SegmentRef>,
+    /// The non-zero chunks, inline, in a manifest of format 1 (an earlier build).
+    #[serde(default, rename = "chunks", skip_serializing_if = "Vec::is_empty")]
+    pub inline: Vec<ChunkRef>,
     /// What this backup read and uploaded (for `backup show` and the bench).
     pub read_bytes: u64,
     pub uploaded_bytes: u64,
@@ -330,9 +337,10 @@ impl Manifest {
     }
 
     /// What every reader relies on: a chunk size a target may have, a size whose chunks can be
-    /// counted, and chunks in strictly increasing order inside it, each a chunk name and no
-    /// longer than its place (a manifest sealed by a target's key was checked when it was made;
-    /// a keyless store can hand out any).
+    /// counted, and segments (or chunks, inline) in strictly increasing order inside it, each
+    /// with a chunk name, a segment's chunks within its span and a chunk no longer than its place
+    /// (a manifest sealed by a target's key was checked when it was made; a keyless store can
+    /// hand out any). Segments are checked as they are read (`segment::decode`).
     pub(crate) fn check(&self) -> std::result::Result<(), String> {
         let chunk = self.chunk_size;
         if !(crate::MIN_CHUNK..=crate::MAX_CHUNK).contains(&chunk) || !chunk.is_multiple_of(4096) {
@@ -341,35 +349,81 @@ impl Manifest {
         if self.size > MAX_SIZE {
             return Err(format!("its size {} is past {MAX_SIZE} bytes", self.size));
         }
+        if !self.segments.is_empty() && !self.inline.is_empty() {
+            return Err("it lists chunks both inline and in segments".into());
+        }
         let count = self.size.div_ceil(chunk);
         let mut next = 0;
-        for c in &self.chunks {
-            if c.i < next || c.i >= count {
-                return Err(format!("chunk {} is out of order or past its {count} chunks", c.i));
+        for s in &self.segments {
+            if s.first < next || !s.first.is_multiple_of(SPAN) || s.first >= count {
+                return Err(format!("its segment at chunk {} is out of order or past its {count} chunks", s.first));
+            }
+            next = s.first + SPAN;
+            if s.chunks == 0 || u64::from(s.chunks) > SPAN || s.bytes > u64::from(s.chunks) * chunk || !is_name(&s.id) {
+                return Err(format!("its segment at chunk {} is not one a backup writes", s.first));
+            }
+        }
+        let mut next = 0;
+        for c in &self.inline {
+            if c.i < next {
+                return Err(format!("chunk {} is out of order", c.i));
             }
             next = c.i + 1;
-            // Restores write a chunk's bytes at its place: never past it.
-            if c.len == 0 || u64::from(c.len) > chunk.min(self.size - c.i * chunk) {
-                return Err(format!("chunk {} says {} bytes, more than its place holds", c.i, c.len));
-            }
-            if c.id.len() != 64 || !c.id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-                return Err(format!("chunk {} has no chunk name ({:?})", c.i, c.id));
-            }
+            check_place(c, chunk, self.size)?;
         }
         Ok(())
     }
 
-    /// Writes the manifest within `limit`, refused past what a reader accepts
-    /// ([`MAX_MANIFEST`]).
+    /// How many non-zero chunks it lists, and their plaintext bytes.
+    pub fn chunk_count(&self) -> u64 {
+        self.segments.iter().map(|s| u64::from(s.chunks)).sum::<u64>() + self.inline.len() as u64
+    }
+
+    pub fn chunk_bytes(&self) -> u64 {
+        let inline: u64 = self.inline.iter().map(|c| u64::from(c.len)).sum();
+        self.segments.iter().map(|s| s.bytes).sum::<u64>() + inline
+    }
+
+    /// The numbers of the segments it lists chunks in (position / [`SPAN`]), in order.
+    pub(crate) fn segment_numbers(&self) -> Vec<u64> {
+        let mut numbers: Vec<u64> = self.segments.iter().map(|s| s.first / SPAN).collect();
+        numbers.extend(self.inline.iter().map(|c| c.i / SPAN));
+        numbers.dedup();
+        numbers
+    }
+
+    /// Its segment `n` (positions from `n` x [`SPAN`]), if it lists one there.
+    pub(crate) fn segment(&self, n: u64) -> Option<&SegmentRef> {
+        let at = self.segments.binary_search_by_key(&(n * SPAN), |s| s.first).ok()?;
+        Some(&self.segments[at])
+    }
+
+    /// The chunks it lists at positions `n` x [`SPAN`] .. (`n` + 1) x [`SPAN`]: one segment read.
+    pub(crate) async fn chunks_of_segment(&self, target: &Target, n: u64) -> Result<Vec<ChunkRef>> {
+        if !self.inline.is_empty() {
+            let at = |i: u64| self.inline.partition_point(|c| c.i < i);
+            return Ok(self.inline[at(n * SPAN)..at((n + 1) * SPAN)].to_vec());
+        }
+        match self.segment(n) {
+            Some(seg) => crate::segment::load(target, seg, self.chunk_size, self.size).await,
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Every chunk it lists, in order: every segment read (~110 bytes a chunk in memory).
+    pub async fn chunk_list(&self, target: &Target) -> Result<Vec<ChunkRef>> {
+        let mut all = self.inline.clone();
+        for seg in &self.segments {
+            all.extend(crate::segment::load(target, seg, self.chunk_size, self.size).await?);
+        }
+        Ok(all)
+    }
+
+    /// Writes the manifest within `limit` (segmented, it is always smaller than a reader
+    /// accepts).
     async fn store(&self, target: &Target, limit: std::time::Duration) -> Result<()> {
         let data = serde_json::to_vec(self).expect("serialises");
-        if data.len() > MAX_MANIFEST.min(manifest_cap(self.chunks.len() as u64)) {
-            return Err(Error::Invalid(format!(
-                "backup {} lists {} chunks, more than one manifest holds: use a larger chunk-size",
-                self.backup_ref(),
-                self.chunks.len()
-            )));
-        }
+        assert!(data.len() <= manifest_cap(self.chunk_count()), "a segmented manifest holds any volume");
         let path = manifest_path(&self.volume, &self.name());
         target.put_object_within(limit, Kind::Manifest, &path, data).await
     }
@@ -429,13 +483,34 @@ impl Manifest {
             size: self.size,
             full: self.full,
             previous: self.previous.clone(),
-            chunks: self.chunks.len() as u64,
-            bytes: self.chunks.iter().map(|c| u64::from(c.len)).sum(),
+            chunks: self.chunk_count(),
+            bytes: self.chunk_bytes(),
             uploaded_bytes: self.uploaded_bytes,
             copied_from: self.copied_from.clone(),
             attempt: self.attempt.clone(),
         }
     }
+}
+
+/// What every reader relies on of chunk `c` of a manifest of `chunk` byte chunks and `size`
+/// bytes: a place inside the volume, at most as long as that place, and a chunk name.
+pub(crate) fn check_place(c: &ChunkRef, chunk: u64, size: u64) -> std::result::Result<(), String> {
+    if c.i >= size.div_ceil(chunk) {
+        return Err(format!("chunk {} is past the volume's {} chunks", c.i, size.div_ceil(chunk)));
+    }
+    // Restores write a chunk's bytes at its place: never past it.
+    if c.len == 0 || u64::from(c.len) > chunk.min(size - c.i * chunk) {
+        return Err(format!("chunk {} says {} bytes, more than its place holds", c.i, c.len));
+    }
+    if !is_name(&c.id) {
+        return Err(format!("chunk {} has no chunk name ({:?})", c.i, c.id));
+    }
+    Ok(())
+}
+
+/// Whether `id` is a chunk's name: 64 lowercase hex digits.
+fn is_name(id: &str) -> bool {
+    id.len() == 64 && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// Largest volume a manifest may describe: 1 PiB (4 MiB chunks: 2^28 of them).
@@ -480,7 +555,8 @@ mod tests {
             full: true,
             full_reason: None,
             encrypted_volume: false,
-            chunks: vec![chunk(0, 1 << 20), chunk(2, 4096)],
+            segments: Vec::new(),
+            inline: vec![chunk(0, 1 << 20), chunk(2, 4096)],
             read_bytes: 0,
             uploaded_bytes: 0,
             new_chunks: 0,
@@ -492,15 +568,33 @@ mod tests {
             Manifest { chunk_size: 0, ..m.clone() },
             Manifest { chunk_size: 4097, ..m.clone() },
             Manifest { size: u64::MAX, ..m.clone() },
-            Manifest { chunks: vec![chunk(2, 4096), chunk(0, 1 << 20)], ..m.clone() },
-            Manifest { chunks: vec![chunk(0, 1 << 20), chunk(0, 1 << 20)], ..m.clone() },
-            Manifest { chunks: vec![chunk(3, 4096)], ..m.clone() },
-            Manifest { chunks: vec![chunk(2, 1 << 20)], ..m.clone() },
-            Manifest { chunks: vec![ChunkRef { id: "ab".into(), ..chunk(0, 1 << 20) }], ..m.clone() },
+            Manifest { inline: vec![chunk(2, 4096), chunk(0, 1 << 20)], ..m.clone() },
+            Manifest { inline: vec![chunk(0, 1 << 20), chunk(0, 1 << 20)], ..m.clone() },
+            Manifest { inline: vec![chunk(3, 4096)], ..m.clone() },
+            Manifest { inline: vec![chunk(2, 1 << 20)], ..m.clone() },
+            Manifest { inline: vec![ChunkRef { id: "ab".into(), ..chunk(0, 1 << 20) }], ..m.clone() },
         ];
         for b in bad {
             assert!(b.check().is_err(), "{b:?}");
         }
+        // Segmented: in order, each inside the volume, at a span's start, with a name.
+        let seg = |first, chunks| SegmentRef { first, id: "ab".repeat(32), chunks, bytes: 4096 };
+        let big = Manifest { size: 3 * SPAN * crate::MIN_CHUNK, inline: Vec::new(), ..m.clone() };
+        assert_eq!(Manifest { segments: vec![seg(0, 1), seg(2 * SPAN, 1)], ..big.clone() }.check(), Ok(()));
+        let bad = [
+            vec![seg(SPAN, 1), seg(0, 1)],
+            vec![seg(0, 1), seg(0, 1)],
+            vec![seg(1, 1)],
+            vec![seg(3 * SPAN, 1)],
+            vec![seg(0, 0)],
+            vec![SegmentRef { bytes: crate::MIN_CHUNK + 1, ..seg(0, 1) }],
+            vec![SegmentRef { id: "AB".repeat(32), ..seg(0, 1) }],
+        ];
+        for segments in bad {
+            assert!(Manifest { segments: segments.clone(), ..big.clone() }.check().is_err(), "{segments:?}");
+        }
+        let both = Manifest { segments: vec![seg(0, 1)], inline: m.inline.clone(), ..big };
+        assert!(both.check().is_err());
     }
 
     #[test]

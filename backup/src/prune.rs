@@ -30,38 +30,83 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use futures_util::TryStreamExt;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use crate::codec::Kind;
 use crate::manifest::{BackupRef, Index, IndexEntry, Manifest, manifest_path, parse_manifest_name};
-use crate::target::FORMAT;
 use crate::{Error, Result, Target};
 
 const CONDEMNED: &str = "gc/condemned";
 /// Most chunks the condemned list holds, those carried from the last prune included (the rest
-/// wait for the next prune): ~80 bytes each, it stays well below [`MAX_CONDEMNED`], which every
-/// backup reads (and which lists of earlier builds, uncapped, may reach).
+/// wait for the next prune): 40 bytes each (8 MB at most, which every backup reads), some
+/// 800 GB of 4 MiB chunks deleted a prune.
 const CONDEMN_AT_MOST: usize = 200_000;
+/// Most its object may decompress to (lists of earlier builds, in JSON, uncapped, may reach it).
 const MAX_CONDEMNED: usize = 32 << 20;
 /// Most objects under `volumes/` (manifests and indexes) a prune lists.
 pub(crate) const MAX_VOLUME_OBJECTS: u64 = 10_000_000;
 /// Most chunks a prune lists: 200 TiB of distinct data at 4 MiB chunks.
 pub(crate) const MAX_CHUNKS: u64 = 50_000_000;
 /// Most a manifest its index does not list may decompress to when a prune reads it (a backup
-/// being committed: its chunks are kept): a volume of ~2.5 TiB of data at 4 MiB chunks. A
-/// larger one stops the sweep until its backup has committed.
+/// being committed: its chunks are kept): an inline one of format 1 (~2.5 TiB of data at 4 MiB
+/// chunks), or a segmented one of any size. A larger one stops the sweep until its backup has
+/// committed.
 const MAX_UNLISTED: usize = 64 << 20;
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+/// The list a prune leaves in `gc/condemned`, binary: `FRCD`, version (1), `locked_at` (i64 LE,
+/// [`NONE`] for none), a count (u32 LE), then per chunk its name (32 bytes) and since when it is
+/// condemned (i64 LE, [`NONE`]: since the list was written). Lists of earlier builds are JSON.
+#[derive(Debug, Default)]
 struct Condemned {
-    format: u32,
     /// Chunk name -> condemned since (unix seconds, the store's clock); None: since this list
     /// was written (its Last-Modified).
     chunks: BTreeMap<String, Option<i64>>,
     /// Under an object lock: when a prune last extended the lock of every object it kept
     /// (unix seconds, the store's clock), to that time plus the lock's days.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     locked_at: Option<i64>,
+}
+
+const MAGIC: &[u8; 4] = b"FRCD";
+const NONE: i64 = i64::MIN;
+
+impl Condemned {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(17 + 40 * self.chunks.len());
+        out.extend_from_slice(MAGIC);
+        out.push(1);
+        out.extend_from_slice(&self.locked_at.unwrap_or(NONE).to_le_bytes());
+        out.extend_from_slice(&u32::try_from(self.chunks.len()).expect("capped").to_le_bytes());
+        for (id, since) in &self.chunks {
+            out.extend_from_slice(&crate::codec::unhex(id).expect("chunk names are hex"));
+            out.extend_from_slice(&since.unwrap_or(NONE).to_le_bytes());
+        }
+        out
+    }
+
+    /// The list in `data`; why not.
+    fn decode(data: &[u8]) -> std::result::Result<Condemned, String> {
+        #[derive(Deserialize)]
+        struct Json {
+            chunks: BTreeMap<String, Option<i64>>,
+            #[serde(default)]
+            locked_at: Option<i64>,
+        }
+        if data.first() == Some(&b'{') {
+            let list: Json = serde_json::from_slice(data).map_err(|e| e.to_string())?;
+            return Ok(Condemned { chunks: list.chunks, locked_at: list.locked_at });
+        }
+        let Some((head, body)) = data.split_at_checked(17) else { return Err("it is cut short".into()) };
+        if &head[..4] != MAGIC || head[4] != 1 {
+            return Err("it is no condemned list (or one of a newer build)".into());
+        }
+        let at = |b: &[u8]| Some(i64::from_le_bytes(b.try_into().expect("8 bytes"))).filter(|&t| t != NONE);
+        let count = u32::from_le_bytes(head[13..17].try_into().expect("4 bytes")) as usize;
+        if body.len() != 40 * count {
+            return Err("its length is not its count's".into());
+        }
+        let chunks = body.chunks_exact(40).map(|e| (crate::codec::hex(&e[..32]), at(&e[32..]))).collect();
+        Ok(Condemned { chunks, locked_at: at(&head[5..13]) })
+    }
 }
 
 /// What the last prune left: condemned chunks with the time each was condemned, and
@@ -69,7 +114,7 @@ struct Condemned {
 async fn load(target: &Target) -> Result<(BTreeMap<String, i64>, Option<i64>)> {
     match target.get_object(Kind::Condemned, CONDEMNED, MAX_CONDEMNED).await {
         Ok((data, meta)) => {
-            let list: Condemned = crate::manifest::decode(target, CONDEMNED, &data)?;
+            let list = Condemned::decode(&data).map_err(|why| Error::corrupt(&target.name, CONDEMNED, why))?;
             let written = meta.last_modified.timestamp();
             let chunks = list.chunks.into_iter().map(|(id, since)| (id, since.unwrap_or(written))).collect();
             Ok((chunks, list.locked_at))
@@ -79,10 +124,30 @@ async fn load(target: &Target) -> Result<(BTreeMap<String, i64>, Option<i64>)> {
     }
 }
 
+/// Chunk names as their 32 bytes (a third of their hex's memory).
+#[derive(Debug, Default)]
+pub(crate) struct ChunkSet(HashSet<[u8; 32]>);
+
+impl ChunkSet {
+    pub fn contains(&self, id: &str) -> bool {
+        binary(id).is_some_and(|b| self.0.contains(&b))
+    }
+}
+
+impl<S: AsRef<str>> FromIterator<S> for ChunkSet {
+    fn from_iter<I: IntoIterator<Item = S>>(ids: I) -> Self {
+        ChunkSet(ids.into_iter().filter_map(|id| binary(id.as_ref())).collect())
+    }
+}
+
+fn binary(id: &str) -> Option<[u8; 32]> {
+    crate::codec::unhex(id)?.try_into().ok()
+}
+
 /// What a backup (or a copy) needs of the last prune.
 pub(crate) struct Swept {
     /// The chunks it condemned: a backup uploads these again.
-    pub condemned: HashSet<String>,
+    pub condemned: ChunkSet,
     /// Under an object lock, when it extended the lock of every chunk it kept.
     pub locked_at: Option<i64>,
 }
@@ -244,7 +309,7 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, sweep: Sweep)
             None => match load(target).await {
                 Ok((previous, locked_at)) => {
                     let chunks = previous.into_iter().map(|(id, since)| (id, Some(since))).collect();
-                    Condemned { format: FORMAT, chunks, locked_at }
+                    Condemned { chunks, locked_at }
                 }
                 // The store is gone for now: the first failure says why.
                 Err(e) => return Err(failed.unwrap_or(e)),
@@ -274,7 +339,7 @@ pub async fn prune(target: &Target, retention: Option<&Retention>, sweep: Sweep)
         }
     }
     if let Some(next) = &next {
-        target.put_object(Kind::Condemned, CONDEMNED, serde_json::to_vec(next).expect("serialises")).await?;
+        target.put_object(Kind::Condemned, CONDEMNED, next.encode()).await?;
         report.chunks_condemned = next.chunks.len() as u64;
         report.locked_at = next.locked_at;
     }
@@ -346,7 +411,7 @@ async fn mark_and_sweep(
     // Room for the newly condemned beside those carried over, counted after the deletions.
     let room = CONDEMN_AT_MOST.saturating_sub(next.len());
     next.extend(fresh.into_iter().take(room).map(|id| (id, None)));
-    Ok(Condemned { format: FORMAT, chunks: next, locked_at })
+    Ok(Condemned { chunks: next, locked_at })
 }
 
 /// A chunk's name as the mark keeps it: its first 64 bits (names are uniform). Two names that
@@ -362,7 +427,7 @@ fn key(id: &str) -> u64 {
 /// manifest older than that is no backup being committed (`Manifest::commit`), and is listed
 /// again.
 async fn mark(target: &Target, now: i64, grace_s: i64, report: &mut PruneReport) -> Result<HashSet<u64>> {
-    let mut referenced = HashSet::new();
+    let mut referenced = Referenced::default();
     let mut volume: Option<(String, Vec<(String, i64)>)> = None;
     let mut objects = target.list_stream("volumes", MAX_VOLUME_OBJECTS);
     loop {
@@ -378,7 +443,7 @@ async fn mark(target: &Target, now: i64, grace_s: i64, report: &mut PruneReport)
             let (v, manifests) = volume.take().expect("checked");
             Marking { target, volume: &v, now, grace_s }.run(manifests, &mut referenced, report).await?;
         }
-        let Some(name) = name else { return Ok(referenced) };
+        let Some(name) = name else { return Ok(referenced.chunks) };
         let (_, manifests) = volume.get_or_insert_with(|| (name.to_owned(), Vec::new()));
         if let (Some(m), Some(o)) = (manifest, &object) {
             manifests.push((m.to_owned(), o.last_modified.timestamp()));
@@ -394,13 +459,47 @@ struct Marking<'a> {
     grace_s: i64,
 }
 
+/// What the mark found referenced: chunks by [`key`], and segments (which are chunks too) by
+/// name, each read once whatever the number of manifests that list it.
+#[derive(Default)]
+struct Referenced {
+    chunks: HashSet<u64>,
+    segments: HashSet<String>,
+}
+
 impl Marking<'_> {
+    /// Marks what manifest `m` lists: its chunks, and its segments and theirs.
+    async fn mark_manifest(&self, m: &Manifest, referenced: &mut Referenced) -> Result<()> {
+        referenced.chunks.extend(m.inline.iter().map(|c| key(&c.id)));
+        for seg in &m.segments {
+            if referenced.segments.insert(seg.id.clone()) {
+                referenced.chunks.insert(key(&seg.id));
+                // A segment missing or damaged hides which chunks its backup needs: the prune
+                // stops rather than take them for unreferenced.
+                let read = crate::segment::load(self.target, seg, m.chunk_size, m.size).await;
+                let chunks = read.map_err(|e| match e {
+                    Error::Corrupt { target, why, .. } => Error::Corrupt {
+                        target,
+                        what: format!("segment {} of backup {}", seg.id, m.backup_ref()),
+                        why: format!(
+                            "{why}; the prune stops and deletes nothing (`backup verify` that backup, and delete it \
+                             if it is lost)"
+                        ),
+                    },
+                    e => e,
+                })?;
+                referenced.chunks.extend(chunks.iter().map(|c| key(&c.id)));
+            }
+        }
+        Ok(())
+    }
+
     /// Marks what `manifests` (names and Last-Modified) list; deletes those the index says are
     /// gone; lists again those it lost; forgets the deleted names no longer on the target.
     async fn run(
         &self,
         manifests: Vec<(String, i64)>,
-        referenced: &mut HashSet<u64>,
+        referenced: &mut Referenced,
         report: &mut PruneReport,
     ) -> Result<()> {
         let (target, volume) = (self.target, self.volume);
@@ -417,7 +516,7 @@ impl Marking<'_> {
                 match Manifest::load_listed(target, &b(&e.id), e).await {
                     // Deleted since it was listed (`delete` takes the index entry first).
                     Err(e) if e.is_not_found() => {}
-                    m => referenced.extend(m?.chunks.iter().map(|c| key(&c.id))),
+                    m => self.mark_manifest(&m?, referenced).await?,
                 }
                 report.manifests += 1;
                 continue;
@@ -447,7 +546,7 @@ impl Marking<'_> {
                 m => m?,
             };
             report.manifests += 1;
-            referenced.extend(m.chunks.iter().map(|c| key(&c.id)));
+            self.mark_manifest(&m, referenced).await?;
             if written.saturating_add(self.grace_s) <= self.now {
                 recovered.push(m.entry());
             }
@@ -506,6 +605,24 @@ mod tests {
             copied_from: None,
             attempt: None,
         }
+    }
+
+    #[test]
+    fn the_condemned_list_round_trips_and_reads_the_json_of_earlier_builds() {
+        let (a, b) = ("ab".repeat(32), "0f".repeat(32));
+        let list = Condemned { chunks: BTreeMap::from([(a.clone(), Some(7)), (b.clone(), None)]), locked_at: Some(-3) };
+        let data = list.encode();
+        assert_eq!(data.len(), 17 + 2 * 40, "40 bytes a chunk");
+        let back = Condemned::decode(&data).unwrap();
+        assert_eq!((back.chunks, back.locked_at), (list.chunks.clone(), list.locked_at));
+        let json = format!(r#"{{"format":1,"chunks":{{"{a}":7,"{b}":null}},"locked_at":-3}}"#);
+        let old = Condemned::decode(json.as_bytes()).unwrap();
+        assert_eq!((old.chunks, old.locked_at), (list.chunks, list.locked_at));
+        for bad in [&data[..data.len() - 1], &data[..10], &[b"FRCD\x02", &data[5..]].concat()] {
+            assert!(Condemned::decode(bad).is_err());
+        }
+        let set: ChunkSet = [&a].into_iter().collect();
+        assert!(set.contains(&a) && !set.contains(&b) && !set.contains("not a name"));
     }
 
     #[test]

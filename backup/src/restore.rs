@@ -91,8 +91,8 @@ pub async fn export(
 ) -> Result<Manifest> {
     let m = Manifest::load(target, b).await?;
     let (cs, size) = (m.chunk_size, m.size);
-    let listed: BTreeMap<u64, ChunkRef> = m.chunks.iter().map(|c| (c.i, c.clone())).collect();
-    let mut done = Progress { chunks_total: m.chunks.len() as u64, bytes_total: m.size, ..Progress::default() };
+    let listed: BTreeMap<u64, ChunkRef> = m.chunk_list(target).await?.into_iter().map(|c| (c.i, c)).collect();
+    let mut done = Progress { chunks_total: m.chunk_count(), bytes_total: m.size, ..Progress::default() };
     let pace = Arc::new(Pace::new(target.config.bandwidth));
     let mut pieces = futures_util::stream::iter(0..size.div_ceil(cs))
         .map(|i| {
@@ -133,7 +133,7 @@ pub struct VerifyReport {
 /// Reads back the chunks of `backups` and checks each against its name; with `sample` (0-1),
 /// a random share of them. One GET per chunk, each chunk once however many backups list it; a
 /// chunk found bad is read again after a pause and only counts as bad if that read fails too.
-/// Memory: the sampled chunks only (with the backups that list each), and one manifest at a time.
+/// Memory: the sampled chunks only (with the backups that list each), and one segment at a time.
 pub async fn verify(
     target: &Target,
     backups: &[BackupRef],
@@ -150,17 +150,32 @@ pub async fn verify(
     };
     // Chunk name -> its length and the backups (by their place in `backups`) that list it.
     let mut users: BTreeMap<String, (u32, Vec<u32>)> = BTreeMap::new();
+    let mut unreadable = Vec::new();
     for (n, b) in backups.iter().enumerate() {
         let m = Manifest::load(target, b).await?;
-        for c in m.chunks.into_iter().filter(|c| sampled(&c.id)) {
-            users
-                .entry(c.id)
-                .or_insert_with(|| (c.len, Vec::new()))
-                .1
-                .push(u32::try_from(n).expect("under 4 G backups"));
+        let n = u32::try_from(n).expect("under 4 G backups");
+        // Its segments are chunks too: sampled alike.
+        let mut add = |c: ChunkRef| {
+            if sampled(&c.id) {
+                users.entry(c.id).or_insert_with(|| (c.len, Vec::new())).1.push(n);
+            }
+        };
+        m.segments.iter().for_each(|s| add(s.as_chunk()));
+        for s in m.segment_numbers() {
+            match m.chunks_of_segment(target, s).await {
+                Ok(chunks) => chunks.into_iter().for_each(&mut add),
+                // A segment missing or damaged is a bad chunk of its backup, found unsampled.
+                Err(Error::Corrupt { why, .. }) => {
+                    let id = m.segment(s).map_or_else(String::new, |seg| seg.id.clone());
+                    unreadable.push((id, why, vec![b.to_string()]));
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
-    let mut report = VerifyReport { backups: backups.len() as u64, ..VerifyReport::default() };
+    // A sampled one is checked below, with every backup that lists it.
+    unreadable.retain(|(id, _, _)| !users.contains_key(id));
+    let mut report = VerifyReport { backups: backups.len() as u64, bad: unreadable, ..VerifyReport::default() };
     let mut good = std::collections::HashSet::new();
     let mut done = Progress {
         chunks_total: users.len() as u64,

@@ -74,12 +74,14 @@ const CLOCK: &str = "gc/clock";
 const MAX_MARKER: u64 = 64 << 10;
 /// The grace of a target whose config names none: a day.
 const DEFAULT_GRACE_S: u64 = 86_400;
-/// The format of the manifests and indexes this build writes and reads.
-pub const FORMAT: u32 = 1;
+/// The format of the manifests and indexes this build writes and reads: 2 since manifests
+/// list their chunks in segments (`segment.rs`) and the condemned list is binary.
+pub const FORMAT: u32 = 2;
 /// The format of the marker: 2 since manifests are named by attempt (`ID@ATTEMPT`), which a
-/// build of format 1 would take for unlisted ones and delete by age. Such a build refuses the
-/// target ("upgrade it") once a newer daemon has opened it.
-const MARKER_FORMAT: u32 = 2;
+/// build of format 1 would take for unlisted ones and delete by age; 3 since manifests are
+/// segmented, whose chunks a build of format 2 would not see. Such a build refuses the target
+/// ("upgrade it") once a newer daemon has opened it.
+const MARKER_FORMAT: u32 = 3;
 
 /// An opened target.
 #[derive(Debug, Clone)]

@@ -49,7 +49,7 @@ async fn a_copy_sends_what_the_other_target_lacks() {
 
     // The same key: sealed chunks travel as they are, under the same names.
     let first = ferrite_backup::copy(&a, &b, &b1, &|_| {}).await.unwrap();
-    assert_eq!((first.chunks.len(), first.new_chunks), (6, 6));
+    assert_eq!((first.chunk_count(), first.new_chunks), (6, 6));
     assert_eq!(chunk_names(&dir.path().join("a")), chunk_names(&dir.path().join("b")));
     restore(&b, &pool, &b1, "from-b").await.unwrap();
     assert!(volume_image(&pool, "from-b") == image(&pool, "s1"));
@@ -61,7 +61,7 @@ async fn a_copy_sends_what_the_other_target_lacks() {
     backup(&a, &pool, "v", "s2", "b2").await.unwrap();
     let b2 = BackupRef { volume: "v".into(), id: "b2".into() };
     let second = ferrite_backup::copy(&a, &b, &b2, &|_| {}).await.unwrap();
-    assert_eq!((second.chunks.len(), second.new_chunks), (6, 1), "{second:?}");
+    assert_eq!((second.chunk_count(), second.new_chunks), (6, 1), "{second:?}");
     restore(&b, &pool, &b2, "from-b2").await.unwrap();
     assert!(volume_image(&pool, "from-b2") == image(&pool, "s2"));
 

@@ -17,7 +17,9 @@ use tokio::sync::oneshot;
 
 use crate::pool;
 
-use ferrite_backup::{BackupRef, Error, Index, Manifest, Retention, Sweep, Target, TargetConfig, TargetKind};
+use ferrite_backup::{
+    BackupRef, Error, Index, Manifest, Retention, SegmentRef, Sweep, Target, TargetConfig, TargetKind,
+};
 use pool::{MIB, backup, image, new_pool, noise, restore, volume_image};
 
 /// The grace of the tests' targets: a backup must commit within 0.9 x of it on the store's clock,
@@ -175,9 +177,9 @@ async fn manifests_go_on_evidence_only() {
     assert!(volume_image(&pool, "b9") == image(&pool, "s0"));
 }
 
-/// A manifest a keyless store forges (chunk size 0, chunks out of order or past the volume, a
-/// name no chunk has) is refused when it is read, by every reader: nothing panics, and a prune
-/// deletes nothing on its account.
+/// A manifest a keyless store forges (chunk size 0, segments out of order or unnamed, a segment
+/// that lists chunks out of order, past the volume, or longer than their place) is refused when
+/// it is read, by every reader: nothing panics, and a prune deletes nothing on its account.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_manifest_is_refused_at_load() {
     let (_dir, pool, root, target) = setup(GRACE_S).await;
@@ -185,28 +187,43 @@ async fn a_forged_manifest_is_refused_at_load() {
     let b: BackupRef = "v/b0".parse().unwrap();
     let m = Manifest::load(&target, &b).await.unwrap();
     let file = root.join(format!("volumes/v/backups/b0@{}", m.attempt.as_deref().unwrap()));
-    let mut reversed = m.chunks.clone();
-    reversed.reverse();
-    let mut past = m.chunks.clone();
-    past[0].i = 99;
-    let mut unnamed = m.chunks.clone();
-    unnamed[0].id = "x".into();
-    let mut long = m.chunks.clone();
-    long[0].len = MIB as u32 + 1;
-    let mut empty = m.chunks.clone();
-    empty[0].len = 0;
+    let seg = m.segments[0].clone();
+    let listed = m.chunk_list(&target).await.unwrap();
+    // A segment as the store can forge one (it is named by an unkeyed hash), and a manifest
+    // that lists it.
+    let forge = |chunks: &[(u64, u32, &str)]| {
+        let mut plain = [&b"FRSG\x01"[..], &0u64.to_le_bytes(), &(chunks.len() as u32).to_le_bytes()].concat();
+        for (i, len, id) in chunks {
+            plain.extend((*i as u32).to_le_bytes().iter().chain(&len.to_le_bytes()));
+            plain.extend((0..32).map(|n| u8::from_str_radix(&id[2 * n..2 * n + 2], 16).unwrap()));
+        }
+        let id = target.chunk_name(&plain);
+        let path = root.join("chunks").join(&id[..2]).join(&id);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, [&b"FRBK\x01\x01\x00"[..], &plain].concat()).unwrap();
+        let bytes = chunks.iter().map(|c| u64::from(c.1)).sum();
+        let forged = SegmentRef { first: 0, id, chunks: chunks.len() as u32, bytes };
+        Manifest { segments: vec![forged], ..m.clone() }
+    };
+    let (a, z) = (listed[0].id.as_str(), listed[1].id.as_str());
     let forgeries = [
         Manifest { chunk_size: 0, ..m.clone() },
-        Manifest { chunks: reversed, ..m.clone() },
-        Manifest { chunks: past, ..m.clone() },
-        Manifest { chunks: unnamed, ..m.clone() },
-        Manifest { chunks: long, ..m.clone() },
-        Manifest { chunks: empty, ..m.clone() },
         Manifest { size: u64::MAX, ..m.clone() },
+        Manifest { segments: vec![seg.clone(), seg.clone()], ..m.clone() },
+        Manifest { segments: vec![SegmentRef { id: "x".into(), ..seg.clone() }], ..m.clone() },
+        Manifest { segments: vec![SegmentRef { first: 1, ..seg.clone() }], ..m.clone() },
+        Manifest { segments: vec![SegmentRef { chunks: seg.chunks + 1, ..seg.clone() }], ..m.clone() },
+        forge(&[(1, MIB as u32, a), (0, MIB as u32, z)]),
+        forge(&[(99, MIB as u32, a)]),
+        forge(&[(0, MIB as u32 + 1, a)]),
+        forge(&[(0, 0, a)]),
     ];
     for forged in &forgeries {
         std::fs::write(&file, plain_manifest(forged)).unwrap();
-        let e = Manifest::load(&target, &b).await.unwrap_err();
+        let e = match Manifest::load(&target, &b).await {
+            Ok(m) => m.chunk_list(&target).await.unwrap_err(),
+            Err(e) => e,
+        };
         assert!(matches!(e, Error::Corrupt { .. }), "{e}");
         let e = restore(&target, &pool, &b, "r").await.unwrap_err();
         assert!(matches!(e, Error::Corrupt { .. }), "{e}");
@@ -375,8 +392,9 @@ async fn a_store_cannot_serve_one_clusters_backups_as_anothers() {
     }
     let e = Index::load(&b, "v").await.unwrap_err();
     assert!(matches!(e, Error::Corrupt { .. }), "{e}");
-    for c in &m.chunks {
-        let path = format!("chunks/{}/{}", &c.id[..2], c.id);
+    let chunks = m.chunk_list(&a).await.unwrap().into_iter().map(|c| c.id);
+    for id in m.segments.iter().map(|s| s.id.clone()).chain(chunks) {
+        let path = format!("chunks/{}/{id}", &id[..2]);
         copy(&root.join("cluster-a").join(&path), &root.join("cluster-b").join(&path));
     }
     let e = Manifest::load(&b, &"v/b0".parse().unwrap()).await.unwrap_err();

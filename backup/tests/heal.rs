@@ -44,7 +44,7 @@ async fn a_bad_chunk_is_quarantined_and_uploaded_again() {
     let b1 = backup(&target, &pool, "v", "s1", "b1").await.unwrap();
 
     // The store damages one chunk.
-    let bad = b1.chunks[2].id.clone();
+    let bad = b1.chunk_list(&target).await.unwrap()[2].id.clone();
     let chunk = root.join("chunks").join(&bad[..2]).join(&bad);
     let mut data = std::fs::read(&chunk).unwrap();
     data[100] ^= 1;
@@ -83,15 +83,16 @@ async fn a_single_misread_moves_nothing() {
     pool.open_volume("v").unwrap().write(0, &noise(9, MIB as usize)).unwrap();
     pool.create_snapshot("v", "s1").unwrap();
     let b1 = backup(&target, &pool, "v", "s1", "b1").await.unwrap();
-    let id = b1.chunks[0].id.clone();
+    let id = b1.chunk_list(&target).await.unwrap()[0].id.clone();
     let chunk = root.join("chunks").join(&id[..2]).join(&id);
     let good = std::fs::read(&chunk).unwrap();
     let mut damaged = good.clone();
     damaged[100] ^= 1;
     std::fs::write(&chunk, &damaged).unwrap();
 
-    // The verify reads the index, the manifest, then the chunk (bad); while it pauses before
-    // reading it again, the store answers truly again.
+    // The verify reads the index, the manifest and its segment, then checks the segment and the
+    // chunk (bad) at once; while it pauses before reading the chunk again, the store answers
+    // truly again.
     let gets = || target.counters.gets.load(std::sync::atomic::Ordering::Relaxed);
     let before = gets();
     let verifying = {
@@ -101,14 +102,14 @@ async fn a_single_misread_moves_nothing() {
             ferrite_backup::verify(&target, &[b1], None, &|_| {}).await
         })
     };
-    while gets() < before + 3 {
+    while gets() < before + 5 {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     std::fs::write(&chunk, &good).unwrap();
     let report = verifying.await.unwrap().unwrap();
     assert!(report.bad.is_empty() && report.quarantined == 0, "{report:?}");
-    // The index, the manifest, the chunk twice, the quarantine list.
-    assert_eq!(gets(), before + 5, "the chunk was read twice");
+    // The index, the manifest, the segment twice, the chunk twice, the quarantine list.
+    assert_eq!(gets(), before + 7, "the chunk was read twice");
     assert!(chunk.exists() && !root.join("quarantine").exists(), "{:?}", files(&root));
     pool.create_snapshot("v", "s2").unwrap();
     let b2 = backup(&target, &pool, "v", "s2", "b2").await.unwrap();

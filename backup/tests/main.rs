@@ -15,3 +15,4 @@ mod heal;
 mod object_lock;
 mod point_in_time;
 mod s3;
+mod segments;

@@ -96,7 +96,7 @@ async fn a_locked_target_keeps_what_is_deleted() {
     v.write(0, &noise(7, 4 * MIB as usize)).unwrap();
     pool.create_snapshot("db", "s1").unwrap();
     let m = backup(&target, &pool, "db", "s1", "b1").await.unwrap();
-    assert_eq!(m.chunks.len(), 4);
+    assert_eq!(m.chunk_count(), 4);
     v.write(0, &noise(8, MIB as usize)).unwrap();
     pool.create_snapshot("db", "s2").unwrap();
     let m2 = backup(&target, &pool, "db", "s2", "b2").await.unwrap();
@@ -104,7 +104,7 @@ async fn a_locked_target_keeps_what_is_deleted() {
     restore(&target, &pool, &"db/b2".parse().unwrap(), "back").await.unwrap();
     assert_eq!(volume_image(&pool, "back"), image(&pool, "s2"));
 
-    let chunk = format!("cluster-a/chunks/{}/{}", &m.chunks[3].id[..2], m.chunks[3].id);
+    let chunk = chunk_key(&target, &m, 3).await;
     let manifest = format!("cluster-a/volumes/db/backups/b1@{}", m.attempt.as_deref().unwrap());
     for key in [chunk.as_str(), &manifest, "cluster-a/volumes/db/index", "cluster-a/ferrite-backup.json"] {
         let (mode, until) = retention(&weed, key).unwrap_or_else(|| panic!("{key} is not locked"));
@@ -113,11 +113,11 @@ async fn a_locked_target_keeps_what_is_deleted() {
     }
 
     // The first prune extends the lock of everything it keeps: the marker, the index, both
-    // manifests and the 5 chunks; the next one, a quarter of the lock later at the earliest.
+    // manifests, the 5 chunks and the manifests' 2 segments; the next one, a quarter of the lock later at the earliest.
     let (_, uploaded) = retention(&weed, &chunk).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
-    assert_eq!((r.locks_extended, r.chunks_deleted), (1 + 1 + 2 + 5, 0), "{r:?}");
+    assert_eq!((r.locks_extended, r.chunks_deleted), (1 + 1 + 2 + 5 + 2, 0), "{r:?}");
     let (_, extended) = retention(&weed, &chunk).unwrap();
     assert!(extended > uploaded, "extended from {uploaded} to {extended}");
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
@@ -127,7 +127,7 @@ async fn a_locked_target_keeps_what_is_deleted() {
     ferrite_backup::delete(&target, &"db/b1".parse().unwrap()).await.unwrap();
     ferrite_backup::delete(&target, &"db/b2".parse().unwrap()).await.unwrap();
     let r = ferrite_backup::prune(&target, None, pool::no_writers()).await.unwrap();
-    assert_eq!(r.chunks_deleted, 5, "{r:?}");
+    assert_eq!(r.chunks_deleted, 5 + 2, "and the 2 segments: {r:?}");
     let (ids, hidden) = versions(&weed, &chunk);
     assert!(hidden, "a delete leaves a marker in a versioned bucket");
     // ...but their locked versions stay, and deleting one for good is refused.
@@ -153,12 +153,12 @@ async fn a_target_locked_later_is_locked_by_its_first_prune() {
     pool.open_volume("db").unwrap().write(0, &noise(3, 2 * MIB as usize)).unwrap();
     pool.create_snapshot("db", "s1").unwrap();
     let m = backup(&target, &pool, "db", "s1", "b1").await.unwrap();
-    let chunk = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
+    let chunk = chunk_key(&target, &m, 0).await;
     assert_eq!(retention(&weed, &chunk), None, "an unlocked target's PUT sets no retention");
 
     let target = Target::open("t", locked(&weed, BUCKET, 1, Some(LockMode::Compliance))).await.unwrap();
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
-    assert_eq!(r.locks_extended, 1 + 1 + 1 + 2, "marker, index, manifest, 2 chunks: {r:?}");
+    assert_eq!(r.locks_extended, 1 + 1 + 1 + 2 + 1, "marker, index, manifest, 2 chunks, a segment: {r:?}");
     let (mode, until) = retention(&weed, &chunk).unwrap();
     assert!(mode == "COMPLIANCE" && about(&until, 86_400), "{mode} {until}");
 
@@ -166,7 +166,7 @@ async fn a_target_locked_later_is_locked_by_its_first_prune() {
     pool.create_snapshot("db", "s2").unwrap();
     let m = backup(&target, &pool, "db", "s2", "b2").await.unwrap();
     assert_eq!(m.new_chunks, 1, "{m:?}");
-    let fresh = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
+    let fresh = chunk_key(&target, &m, 0).await;
     let (mode, until) = retention(&weed, &fresh).unwrap();
     assert!(mode == "COMPLIANCE" && about(&until, 86_400), "{mode} {until}");
 
@@ -187,7 +187,7 @@ async fn a_target_locked_later_is_locked_by_its_first_prune() {
     pool.open_volume("db").unwrap().write(0, &noise(5, MIB as usize)).unwrap();
     pool.create_snapshot("db", "s3").unwrap();
     let m = backup(&target, &pool, "db", "s3", "b3").await.unwrap();
-    let fresh = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
+    let fresh = chunk_key(&target, &m, 0).await;
     let (mode, until) = retention(&weed, &fresh).unwrap();
     assert!(mode == "COMPLIANCE" && about(&until, 2 * 86_400), "{mode} {until}");
 }
@@ -222,7 +222,7 @@ async fn the_lock_is_read_with_the_targets_credentials() {
     pool.create_snapshot("db", "s1").unwrap();
     backup(&target, &pool, "db", "s1", "b1").await.unwrap();
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
-    assert_eq!(r.locks_extended, 1 + 1 + 1 + 1, "marker, index, manifest, chunk: {r:?}");
+    assert_eq!(r.locks_extended, 1 + 1 + 1 + 1 + 1, "marker, index, manifest, chunk, segment: {r:?}");
 }
 
 /// A prune whose mark fails (a manifest nothing lists that does not read) still extends every
@@ -239,7 +239,7 @@ async fn a_failed_prune_still_extends_the_lock() {
     pool.open_volume("db").unwrap().write(0, &noise(3, 2 * MIB as usize)).unwrap();
     pool.create_snapshot("db", "s1").unwrap();
     let m = backup(&target, &pool, "db", "s1", "b1").await.unwrap();
-    let chunk = format!("cluster-a/chunks/{}/{}", &m.chunks[0].id[..2], m.chunks[0].id);
+    let chunk = chunk_key(&target, &m, 0).await;
     let (_, uploaded) = retention(&weed, &chunk).unwrap();
     // Garbage where a manifest of an interrupted attempt would be: the mark cannot read it.
     let junk = format!("/{BUCKET}/cluster-a/volumes/db/backups/b2@00000000000000aa");
@@ -257,4 +257,10 @@ async fn a_failed_prune_still_extends_the_lock() {
     assert!(r.locked_at.is_some(), "{r:?}");
     restore(&target, &pool, &"db/b1".parse().unwrap(), "back").await.unwrap();
     assert_eq!(volume_image(&pool, "back"), image(&pool, "s1"));
+}
+
+/// The key of chunk `n` of backup `m` under the target's prefix.
+async fn chunk_key(target: &Target, m: &ferrite_backup::Manifest, n: usize) -> String {
+    let id = m.chunk_list(target).await.unwrap()[n].id.clone();
+    format!("cluster-a/chunks/{}/{id}", &id[..2])
 }

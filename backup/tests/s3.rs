@@ -69,7 +69,7 @@ async fn incremental_dedup_and_restore_on_s3() {
     let full = backup(&target, &pool, "db", "s1", "b1").await.unwrap();
     let after = target.counters.snapshot();
     assert!(full.full && full.previous.is_none());
-    assert_eq!(full.chunks.len(), 40, "the 8 zero MiB have no chunks");
+    assert_eq!(full.chunk_count(), 40, "the 8 zero MiB have no chunks");
     assert_eq!(full.new_chunks, 40);
     assert_eq!(after[5] - before[5], 0, "a backup lists nothing");
 
@@ -177,7 +177,7 @@ async fn encrypted_target_with_credentials() {
     let marker = object_store::path::Path::from("ferrite-backup.json");
     let mut old: serde_json::Value =
         serde_json::from_slice(&store.get(&marker).await.unwrap().bytes().await.unwrap()).unwrap();
-    assert_eq!(old["format"], 2, "{old}");
+    assert_eq!(old["format"], 3, "{old}");
     old["format"] = 1.into();
     old.as_object_mut().unwrap().remove("grace-s");
     store.put(&marker, serde_json::to_vec(&old).unwrap().into()).await.unwrap();
@@ -252,7 +252,7 @@ async fn interrupted_backup_resumes() {
     let m = backup(&target, &pool, "vol", "s", "r1").await.unwrap();
     let again = target.counters.put_bytes.load(Relaxed);
     assert!(again + uploaded_before <= 33 * MIB, "the rerun sent {again} more after {uploaded_before}: nothing twice");
-    assert_eq!(m.chunks.len(), 32);
+    assert_eq!(m.chunk_count(), 32);
     restore(&target, &pool, &"vol/r1".parse().unwrap(), "back").await.unwrap();
     assert!(volume_image(&pool, "back") == image(&pool, "s"));
 }
@@ -270,10 +270,10 @@ async fn corruption_and_newer_formats_are_named() {
     let m = backup(&target, &pool, "v", "s", "b").await.unwrap();
     let b: BackupRef = "v/b".parse().unwrap();
     let clean = ferrite_backup::verify(&target, std::slice::from_ref(&b), None, &|_| {}).await.unwrap();
-    assert_eq!((clean.chunks_checked, clean.bad.len()), (8, 0));
+    assert_eq!((clean.chunks_checked, clean.bad.len()), (8 + 1, 0), "8 chunks and the segment");
 
     let store = raw(&weed, None);
-    let victim = &m.chunks[3].id;
+    let victim = &m.chunk_list(&target).await.unwrap()[3].id.clone();
     let path = object_store::path::Path::from(format!("chunks/{}/{victim}", &victim[..2]));
     let mut data = store.get(&path).await.unwrap().bytes().await.unwrap().to_vec();
     let mid = data.len() / 2;
@@ -312,7 +312,8 @@ async fn corruption_and_newer_formats_are_named() {
     };
     let writer = pool.open_volume("fast").unwrap().past_read_only();
     let rt = tokio::runtime::Handle::current();
-    let f = ferrite_backup::Filling::new(target.clone(), m.clone(), writer, None, save, rt).unwrap();
+    let chunks = m.chunk_list(&target).await.unwrap();
+    let f = ferrite_backup::Filling::new(target.clone(), m.clone(), chunks, writer, None, save, rt).unwrap();
     pool.set_fill("fast", Some(f.clone())).unwrap();
     assert_eq!(*saved.lock().unwrap(), "00", "recorded before it serves, nothing done");
     let v = pool.open_volume("fast").unwrap();
@@ -340,7 +341,7 @@ async fn corruption_and_newer_formats_are_named() {
 
     // An index written by a newer Ferrite (plain target: the envelope holds JSON), and a
     // manifest it does not list (no backup: not found).
-    let json = serde_json::json!({"format": 2, "volume": "w", "backups": []}).to_string();
+    let json = serde_json::json!({"format": 3, "volume": "w", "backups": []}).to_string();
     let newer = [b"FRBK".as_slice(), &[1, 3, 0], json.as_bytes()].concat();
     store.put(&object_store::path::Path::from("volumes/w/index"), newer.into()).await.unwrap();
     let unlisted = [b"FRBK".as_slice(), &[1, 2, 0], br#"{"format":1}"#].concat();
@@ -348,7 +349,7 @@ async fn corruption_and_newer_formats_are_named() {
     let e = Manifest::load(&target, &"v/n".parse().unwrap()).await.unwrap_err();
     assert!(e.is_not_found(), "{e}");
     let e = Manifest::load(&target, &"w/n".parse().unwrap()).await.unwrap_err();
-    assert!(matches!(e, Error::Newer { found: 2, .. }) && e.to_string().contains("upgrade"), "{e}");
+    assert!(matches!(e, Error::Newer { found: 3, .. }) && e.to_string().contains("upgrade"), "{e}");
 }
 
 /// Delete and prune on a directory target: what only deleted backups listed goes (at once with
@@ -378,18 +379,18 @@ async fn delete_prune_and_retention_on_a_directory() {
         }
         pool.create_snapshot("v", &format!("s{n}")).unwrap();
         let m = backup(&target, &pool, "v", &format!("s{n}"), &format!("b{n}")).await.unwrap();
-        ids.push(m.chunks[0].id.clone());
+        ids.push(m.chunk_list(&target).await.unwrap()[0].id.clone());
     }
-    assert_eq!(chunks(""), 4 + 3);
+    assert_eq!(chunks(""), 4 + 3 + 4, "and a segment for each backup");
 
-    // Delete b0; a prune with a grace only condemns its chunk.
+    // Delete b0; a prune with a grace only condemns its chunk and its segment.
     ferrite_backup::delete(&target, &"v/b0".parse().unwrap()).await.unwrap();
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
-    assert_eq!((r.chunks_deleted, r.chunks_condemned, r.manifests), (0, 1, 3));
+    assert_eq!((r.chunks_deleted, r.chunks_condemned, r.manifests), (0, 2, 3));
     assert_eq!(chunks(&ids[0]), 1);
     // With no grace, unreferenced chunks go at once.
     let r = ferrite_backup::prune(&target, None, pool::no_writers()).await.unwrap();
-    assert_eq!((r.chunks_deleted, r.chunks_condemned), (1, 0));
+    assert_eq!((r.chunks_deleted, r.chunks_condemned), (2, 0));
     assert_eq!(chunks(&ids[0]), 0);
 
     // Retention: keep the last 2; b1's own chunk goes with a grace-free prune.
@@ -424,7 +425,7 @@ async fn a_condemned_chunk_uploaded_again_survives_the_sweep() {
     backup(&target, &pool, "v", "s0", "b0").await.unwrap();
     ferrite_backup::delete(&target, &"v/b0".parse().unwrap()).await.unwrap();
     let r = ferrite_backup::prune(&target, None, Sweep::default()).await.unwrap();
-    assert_eq!(r.chunks_condemned, 1);
+    assert_eq!(r.chunks_condemned, 2, "its chunk and its segment");
     // Another volume with the same contents is backed up after the condemnation: the chunk is
     // uploaded again even though it is there.
     tokio::time::sleep(Duration::from_millis(1100)).await;

@@ -59,10 +59,11 @@ pub async fn backup(target: &Target, pool: &Pool, volume: &str, snapshot: &str, 
 /// record kept nowhere), to the end of its copy.
 pub async fn restore(target: &Target, pool: &Pool, b: &BackupRef, name: &str) -> Result<(), Error> {
     let m = Manifest::load(target, b).await?;
+    let chunks = m.chunk_list(target).await?;
     pool.create_volume(name, m.size).unwrap();
     let writer = pool.open_volume(name).unwrap().past_read_only();
     let rt = tokio::runtime::Handle::current();
-    let f = ferrite_backup::Filling::new(target.clone(), m, writer, None, Box::new(|_| Ok(())), rt)?;
+    let f = ferrite_backup::Filling::new(target.clone(), m, chunks, writer, None, Box::new(|_| Ok(())), rt)?;
     pool.set_fill(name, Some(f.clone())).unwrap();
     let copied = f.run(&|_| {}).await;
     pool.set_fill(name, None).unwrap();

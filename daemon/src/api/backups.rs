@@ -201,8 +201,8 @@ fn done_msg(target: &str, m: &Manifest) -> pb::BackupProgress {
         done: true,
         backup: Some(backup_msg(target, m)),
         ..progress_msg(&Progress {
-            chunks_total: m.chunks.len() as u64,
-            chunks_done: m.chunks.len() as u64,
+            chunks_total: m.chunk_count(),
+            chunks_done: m.chunk_count(),
             bytes_total: m.read_bytes,
             bytes_done: m.read_bytes,
             bytes_transferred: m.uploaded_bytes,
@@ -243,7 +243,7 @@ impl pb::backups_server::Backups for BackupService {
             let made = planned.create(&target, &pool, full, &*progress).await;
             outcomes.record(&target.name, &planned.volume, made.is_ok());
             let m = made.map_err(backup_status)?;
-            tracing::info!(target = %target.name, backup = %m.backup_ref(), chunks = m.chunks.len(),
+            tracing::info!(target = %target.name, backup = %m.backup_ref(), chunks = m.chunk_count(),
                 read = m.read_bytes, uploaded = m.uploaded_bytes, "backup made");
             planned.drop_older_bases(&target, &pool).await.map_err(backup_status)?;
             Ok(done_msg(&target.name, &m))
@@ -381,6 +381,7 @@ impl pb::backups_server::Backups for BackupService {
             return Ok(Response::new(restore_stream(state, r.detach, None)));
         }
         let m = Manifest::load(&target, &b).await.map_err(backup_status)?;
+        let chunks = m.chunk_list(&target).await.map_err(backup_status)?;
         let kek = match (m.encrypted_volume, r.encryption) {
             (false, _) => None,
             (true, Some(k)) if !(k.key_id.is_empty() && k.key.is_empty()) => Some(self.keys.kek(&k, true)?),
@@ -396,7 +397,7 @@ impl pb::backups_server::Backups for BackupService {
         })
         .await?;
         let backup = backup_msg(&target.name, &m);
-        if let Err(e) = self.restores.start(target, m, &r.volume, None) {
+        if let Err(e) = self.restores.start(target, m, chunks, &r.volume, None) {
             // A restore that cannot start leaves no volume behind.
             let (p, n) = (Arc::clone(&self.pool), r.volume.clone());
             if let Err(d) = blocking(move || p.delete_volume(&n)).await {

@@ -459,7 +459,7 @@ async fn copy(name: &str, from: &str, to: &str, config: Option<&std::path::Path>
     match out {
         Output::Json => println!(
             "{}",
-            json!({"name": name, "from": from.name, "to": to.name, "chunks": m.chunks.len(),
+            json!({"name": name, "from": from.name, "to": to.name, "chunks": m.chunk_count(),
                 "new_chunks": m.new_chunks, "uploaded_bytes": m.uploaded_bytes})
         ),
         Output::Table => {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use ferrite_backup::{BackupRef, Filling, Manifest, Progress, Saved, Target, TargetConfig};
+use ferrite_backup::{BackupRef, ChunkRef, Filling, Manifest, Progress, Saved, Target, TargetConfig};
 use ferrite_engine::{Access, ErrorKind, Fill, Pool};
 use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
@@ -107,12 +107,12 @@ impl Restores {
                         }
                     }
                 };
-                let (target, m) = manifest;
+                let (target, m, chunks) = manifest;
                 let started = me
                     .journals
                     .read(&r.volume)
                     .map_err(|e| ferrite_backup::Error::Invalid(format!("reading the restore's journal: {e}")))
-                    .and_then(|also| me.start(target, m, &r.volume, Some((&r.done, &also))));
+                    .and_then(|also| me.start(target, m, chunks, &r.volume, Some((&r.done, &also))));
                 match started {
                     Ok(f) => {
                         tracing::info!(volume = %r.volume, backup = %r.backup, "an unfinished restore resumed");
@@ -129,7 +129,7 @@ impl Restores {
         &self,
         r: &Record,
         targets: &BTreeMap<String, TargetConfig>,
-    ) -> Result<(Target, Manifest), (String, bool)> {
+    ) -> Result<(Target, Manifest, Vec<ChunkRef>), (String, bool)> {
         let config = targets
             .get(&r.target)
             .ok_or_else(|| (format!("its backup target {:?} is no longer in this daemon's config", r.target), false))?;
@@ -150,7 +150,8 @@ impl Restores {
                 false,
             ));
         }
-        Ok((target, m))
+        let chunks = m.chunk_list(&target).await.map_err(passing)?;
+        Ok((target, m, chunks))
     }
 
     fn save_all(&self) -> std::io::Result<()> {
@@ -158,12 +159,13 @@ impl Restores {
         self.file.save(&records.values().collect::<Vec<_>>())
     }
 
-    /// Starts restoring `manifest` into `volume` (created, empty; or resumed from `done`): the
+    /// Starts restoring `manifest` (its chunk list `chunks`) into `volume` (created, empty; or resumed from `done`): the
     /// volume serves at once, the copy runs in the background. Returns its fill.
     pub fn start(
         self: &Arc<Self>,
         target: Target,
         manifest: Manifest,
+        chunks: Vec<ChunkRef>,
         volume: &str,
         done: Option<(&str, &[usize])>,
     ) -> Result<Arc<Filling>, ferrite_backup::Error> {
@@ -191,7 +193,7 @@ impl Restores {
                 Saved::Done(positions) => me.journals.append(&record.volume, positions),
             }
         });
-        let filling = Filling::new(target, manifest, writer, done, save, tokio::runtime::Handle::current())?;
+        let filling = Filling::new(target, manifest, chunks, writer, done, save, tokio::runtime::Handle::current())?;
         self.pool.set_fill(volume, Some(Arc::clone(&filling) as Arc<dyn Fill>))?;
         let (tx, rx) = watch::channel(State::default());
         self.running.lock().insert(volume.to_owned(), Running { filling: Arc::clone(&filling), backup, state: rx });
