@@ -201,7 +201,8 @@ async fn main() {
         f.sync_data()
     });
     let rt = tokio::runtime::Handle::current();
-    let f = ferrite_backup::Filling::new(t.clone(), m, writer, None, save, rt).expect("restore");
+    let chunks = m.chunk_list(&t).await.expect("its segments");
+    let f = ferrite_backup::Filling::new(t.clone(), m, chunks, writer, None, save, rt).expect("restore");
     pool.set_fill("restored", Some(f.clone())).expect("fill");
     let target_vol = pool.open_volume("restored").expect("open");
     let read_at = |off: u64| {
@@ -236,8 +237,8 @@ async fn main() {
     );
     println!(
         "full restore:     {:.1} GiB in {secs:.1} s = {:.0} MiB/s; {}",
-        inc.chunks.len() as f64 * chunk as f64 / (1u64 << 30) as f64,
-        mib_s(inc.chunks.len() as u64 * chunk, secs),
+        inc.chunk_count() as f64 * chunk as f64 / (1u64 << 30) as f64,
+        mib_s(inc.chunk_count() * chunk, secs),
         requests(&t, before)
     );
     // Spot-check the restore against the snapshot, 64 places.
