@@ -109,11 +109,7 @@ async fn copy_leased(
             copy_chunk(from, to, source, same_key, &pace, &force).await?;
         }
     }
-    for (id, data) in again_segments {
-        if to.head(&chunk_path(&id)).await?.is_none() {
-            crate::create::upload(to, &chunk_path(&id), data, &pace).await?;
-        }
-    }
+    crate::segment::store_again(to, again_segments, &pace).await?;
     Ok(copy)
 }
 

@@ -275,14 +275,7 @@ async fn create_leased(
             upload(target, &path, buf, &pace).await?;
         }
     }
-    for (id, data) in again_segments {
-        let path = chunk_path(&id);
-        if target.head(&path).await?.is_none() {
-            tracing::warn!(target = %target.name, backup = %this, segment = %id,
-                "a segment uploaded again was swept by a prune meanwhile: uploading it once more");
-            upload(target, &path, data, &pace).await?;
-        }
-    }
+    crate::segment::store_again(target, again_segments, &pace).await?;
     Ok(manifest)
 }
 

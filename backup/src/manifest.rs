@@ -11,7 +11,7 @@ use crate::{Error, Result, Target};
 /// pass it is refused: prune the volume's backups).
 const MAX_INDEX: usize = 16 << 20;
 /// Most a manifest may decompress to: 1 GiB, a 40 TiB volume at 4 MiB chunks in an inline
-/// manifest of format 1 (a segmented one lists a 1 PiB volume in ~3 MiB).
+/// manifest of format 1 (a segmented one lists a 1 PiB volume in ~2 MiB).
 pub(crate) const MAX_MANIFEST: usize = 1 << 30;
 /// Most volumes a target lists (`backup list`, a prune's retention).
 const MAX_VOLUMES: u64 = 100_000;

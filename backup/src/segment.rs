@@ -144,6 +144,22 @@ pub(crate) async fn store(
     Ok(Stored { seg, uploaded, again: (!fresh).then_some(data) })
 }
 
+/// After a commit: each segment that [`store`] uploaded again because it was condemned
+/// (`again`: its name and bytes), once more if a prune's DELETE took it meanwhile (a prune's
+/// HEAD and DELETE are two requests; the manifest listing it is there now, so no later prune
+/// takes it).
+pub(crate) async fn store_again(target: &Target, again: Vec<(String, Vec<u8>)>, pace: &Pace) -> Result<()> {
+    for (id, data) in again {
+        let path = chunk_path(&id);
+        if target.head(&path).await?.is_none() {
+            tracing::warn!(target = %target.name, segment = %id,
+                "a segment uploaded again was swept by a prune meanwhile: uploading it once more");
+            crate::create::upload(target, &path, data, pace).await?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
