@@ -150,7 +150,7 @@ def canonical(value):
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
-def write(layout, name, tree, cmd_user, tag, epoch, sources, version):
+def write(layout, name, tree, cmd_user, tag, epoch, sources, version, entrypoint=("/usr/bin/ferrite",)):
     os.makedirs(os.path.join(layout, "blobs", "sha256"), exist_ok=True)
     for old in os.listdir(os.path.join(layout, "blobs", "sha256")):
         os.remove(os.path.join(layout, "blobs", "sha256", old))
@@ -172,7 +172,7 @@ def write(layout, name, tree, cmd_user, tag, epoch, sources, version):
         "created": created.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "config": {
             "User": cmd_user,
-            "Entrypoint": ["/usr/bin/ferrite"],
+            "Entrypoint": list(entrypoint),
             "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
             "WorkingDir": "/",
             "Labels": labels,
