@@ -89,7 +89,7 @@ spawn apiserver "$K8S_BIN/kube-apiserver" --etcd-servers=http://127.0.0.1:$ETCD_
   --bind-address="$HOST_IP" --advertise-address="$HOST_IP" --secure-port=6443 \
   --tls-cert-file="$P/apiserver.crt" --tls-private-key-file="$P/apiserver.key" --client-ca-file="$P/ca.crt" \
   --kubelet-client-certificate="$P/apiserver-kubelet.crt" --kubelet-client-key="$P/apiserver-kubelet.key" \
-  --kubelet-certificate-authority="$P/ca.crt" \
+  --kubelet-certificate-authority="$P/ca.crt" --kubelet-preferred-address-types=InternalIP \
   --service-account-key-file="$P/sa.pub" --service-account-signing-key-file="$P/sa.key" \
   --service-account-issuer=https://kubernetes.default.svc --allow-privileged=true \
   --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \

@@ -1,6 +1,7 @@
 //! Kubernetes: the CSI driver and CSI-Addons through their sockets, the manifests and images,
 //! failover decisions, and the tier (`tier.rs`: a real control plane, kubelets and the sidecars).
 
+mod cluster_certs;
 mod csi;
 mod csi_addons;
 mod csi_copies;

@@ -17,7 +17,7 @@
 //! in-memory emptyDir in the manifests, so no key touches a node's disk), and looked at again
 //! every [`EVERY`]: a renewed certificate or a rotated CA reaches the files, which the listeners
 //! reload. Two replicas starting together race only through the API server: a create that finds
-//! the Secret made (409) or an update that lost (409) re-reads it.
+//! the Secret made (409) or an update that lost (409), the caBundle's patch too, re-reads it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -227,29 +227,36 @@ fn put(path: &Path, text: &str, mode: u32) -> Result<()> {
     super::request::replace(dir, name, text, mode)
 }
 
-/// The drain guard's caBundle, set to `ca` unless it is (a merge patch of its webhooks with
-/// the resourceVersion read: a concurrent change makes it fail, and the next round tries again).
+/// The drain guard's caBundle, set to `ca` unless it is: a merge patch of its webhooks with the
+/// resourceVersion read, so a concurrent change (the other replica setting the same CA on its
+/// first start, or an apply) fails it with 409, and it reads again.
 async fn ca_bundle(client: &kube::Client, ca: &str) -> Result<()> {
     let api = Api::<ValidatingWebhookConfiguration>::all(client.clone());
-    let read =
-        api.get_opt(WEBHOOK).await.with_context(|| format!("reading ValidatingWebhookConfiguration {WEBHOOK}"))?;
-    let Some(w) = read else {
-        tracing::warn!("no ValidatingWebhookConfiguration {WEBHOOK}: the drain guard is not installed");
-        return Ok(());
-    };
-    let mut hooks = w.webhooks.unwrap_or_default();
-    if hooks.iter().all(|h| h.client_config.ca_bundle.as_ref().is_some_and(|b| b.0 == ca.as_bytes())) {
-        return Ok(());
+    loop {
+        let read =
+            api.get_opt(WEBHOOK).await.with_context(|| format!("reading ValidatingWebhookConfiguration {WEBHOOK}"))?;
+        let Some(w) = read else {
+            tracing::warn!("no ValidatingWebhookConfiguration {WEBHOOK}: the drain guard is not installed");
+            return Ok(());
+        };
+        let mut hooks = w.webhooks.unwrap_or_default();
+        if hooks.iter().all(|h| h.client_config.ca_bundle.as_ref().is_some_and(|b| b.0 == ca.as_bytes())) {
+            return Ok(());
+        }
+        for h in &mut hooks {
+            h.client_config.ca_bundle = Some(ByteString(ca.as_bytes().to_vec()));
+        }
+        let patch =
+            serde_json::json!({"metadata": {"resourceVersion": w.metadata.resource_version}, "webhooks": hooks});
+        match api.patch(WEBHOOK, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) => {
+                tracing::info!("the drain guard's caBundle is the cluster CA");
+                return Ok(());
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(e).with_context(|| format!("setting the caBundle of {WEBHOOK}")),
+        }
     }
-    for h in &mut hooks {
-        h.client_config.ca_bundle = Some(ByteString(ca.as_bytes().to_vec()));
-    }
-    let patch = serde_json::json!({"metadata": {"resourceVersion": w.metadata.resource_version}, "webhooks": hooks});
-    api.patch(WEBHOOK, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .with_context(|| format!("setting the caBundle of {WEBHOOK}"))?;
-    tracing::info!("the drain guard's caBundle is the cluster CA");
-    Ok(())
 }
 
 /// One round: the Secrets made or renewed as needed, the files and the caBundle brought in line.
