@@ -13,8 +13,9 @@ say() { echo "node: $* (at $SECONDS s)"; }
 
 say "kernel $(uname -r)"
 hostname "$NODE"
+# loop: the kubelet holds each raw block volume published to a pod open through a loop device.
 for m in virtio_net virtio_blk bridge veth overlay br_netfilter nf_conntrack nf_nat xt_MASQUERADE xt_comment \
-  xt_mark xt_conntrack xt_addrtype iptable_nat iptable_filter ublk_drv nbd; do
+  xt_mark xt_conntrack xt_addrtype iptable_nat iptable_filter ublk_drv nbd loop; do
   modprobe "$m"
 done
 

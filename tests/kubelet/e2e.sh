@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# e2e.sh: Kubernetes' external storage e2e suite (test/e2e/storage/external) against csi.ferrite.dev
+# on the cluster up.sh brought up, driven by testdriver.yaml.
+#
+# Usage: e2e.sh [FOCUS [SKIP]] (ginkgo regular expressions over the spec names). Without FOCUS it
+# runs the subset CI runs (SUBSET below); FOCUS=all runs every spec that is not [Slow], [Serial],
+# [Disruptive] or Windows-only (hours under TCG). Prints ginkgo's "Ran N of M Specs" and
+# "N Passed | N Failed | N Pending | N Skipped" lines; the JUnit report is in $STATE/e2e/.
+# Env: FERRITE_NODE_BIN (build-node.sh's bin directory, with e2e.test).
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+. "$HERE/lib.sh"
+[ -e "$STATE/up" ] || die "no cluster: tests/kubelet/up.sh first"
+. "$STATE/node.env"
+E2E=${FERRITE_NODE_BIN:-$NODE_BIN}/e2e.test
+[ -x "$E2E" ] || die "no $E2E (build-node.sh with e2e.test in ONLY)"
+
+# What CI runs: one spec per family of the driver's capabilities (each one provisions, attaches,
+# mounts and deletes through the kubelet; ~2-4 min each under TCG).
+SUBSET=(
+  'Dynamic PV \(default fs\)\] volumes should store data'
+  'Dynamic PV \(block volmode\)\] volumes should store data'
+  'Dynamic PV \(default fs\)\] provisioning should provision storage with snapshot data source \[Feature:VolumeSnapshotDataSource\]'
+  'Dynamic PV \(default fs\)\] provisioning should provision correct filesystem size when restoring snapshot to larger size pvc'
+  'Dynamic PV \(block volmode\)\] provisioning should provision storage with pvc data source$'
+  'Dynamic PV \(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited while pod is using it'
+  'Dynamic PV \(default fs\)\] fsgroupchangepolicy \(OnRootMismatch\)\[LinuxOnly\], pod created with an initial fsgroup, new pod fsgroup applied to volume contents'
+  'Dynamic PV \(delayed binding\)\] topology should provision a volume and schedule a pod with AllowedTopologies'
+  'Generic Ephemeral-volume \(default fs\) \(late-binding\)\] ephemeral should create read-only inline ephemeral volume'
+  'Dynamic PV \(default fs\)\] capacity provides storage capacity information'
+)
+FOCUS=${1:-}
+SKIP=${2:-'\[Slow\]|\[Serial\]|\[Disruptive\]|\[Feature:Windows\]'}
+case $FOCUS in
+  "") FOCUS="External.Storage.*($(IFS='|'; echo "${SUBSET[*]}"))" ;;
+  all) FOCUS='External.Storage' ;;
+esac
+
+OUT=$STATE/e2e
+rm -rf "$OUT"; mkdir -p "$OUT"
+step "e2e.test: $FOCUS"
+set +e
+KUBE_TEST_REPO_LIST=$STATE/repo-list.yaml "$E2E" --provider=skeleton --kubeconfig="$STATE/admin.kubeconfig" \
+  --storage.testdriver="$HERE/testdriver.yaml" --report-dir="$OUT" \
+  --ginkgo.focus="$FOCUS" --ginkgo.skip="$SKIP" \
+  --ginkgo.no-color --ginkgo.timeout=24h --ginkgo.junit-report=junit.xml > "$OUT/e2e.log" 2>&1
+rc=$?
+set -e
+grep -E '^Ran [0-9]+ of [0-9]+ Specs|Passed \| [0-9]+ Failed' "$OUT/e2e.log" >&2 || tail -40 "$OUT/e2e.log" >&2
+# Failures by name, so CI's log says which without the report.
+grep -E '^\s*\[FAIL\]' "$OUT/e2e.log" | sort -u >&2 || true
+[ $rc = 0 ] || die "e2e.test failed ($rc): $OUT/e2e.log"
