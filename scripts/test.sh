@@ -64,6 +64,29 @@ if [ -z "${FERRITE_K8S_BIN:-}" ]; then
     break
   done
 fi
+# The kubelet tier: a one-node cluster whose node is a QEMU guest (containerd, runc, the kubelet)
+# with Ferrite installed from deploy/kubernetes; pods mount its volumes, then a subset of
+# Kubernetes' external storage e2e suite runs (tests/kubelet/). The node's binaries are built
+# from ../shared/k8s as the control plane's are, only those the tier runs, and cached.
+if [ "${FERRITE_VM:-1}" != 0 ] && [ "${FERRITE_KUBELET:-1}" != 0 ] && [ -n "${FERRITE_K8S:-}" ] && command -v kubectl >/dev/null && [ "$(id -u)" = 0 ]; then
+  step "kubelet tier: Ferrite's pods on a real kubelet in a QEMU guest (6.17), pods with its volumes, e2e subset (~25 min)"
+  if [ -z "${FERRITE_NODE_BIN:-}" ]; then
+    FERRITE_NODE_BIN=$(ONLY="kubelet kube-scheduler containerd containerd-shim-runc-v2 runc pause agnhost cni/bridge cni/loopback cni/host-local cni/portmap e2e.test" \
+      bash "$FERRITE_K8S/build-node.sh" | tail -1)
+    export FERRITE_NODE_BIN
+  fi
+  export FERRITE_KUBELET_DIR; FERRITE_KUBELET_DIR=$(mktemp -d)
+  trap 'bash tests/kubelet/down.sh >/dev/null 2>&1 || true; rm -rf "$FERRITE_KUBELET_DIR" .vm-ferrite .vm-ferrite-next .vm-daemon-tests .vm-long "$FERRITE_SKIPS"' EXIT
+  FERRITE="$CARGO_TARGET_DIR/debug/ferrite" FERRITE_VM_KERNEL=6.17 bash tests/kubelet/up.sh
+  bash tests/kubelet/pods.sh
+  bash tests/kubelet/e2e.sh
+  bash tests/kubelet/down.sh
+elif [ "${FERRITE_VM:-1}" = 0 ] || [ "${FERRITE_KUBELET:-1}" = 0 ]; then
+  echo "kubelet tier (FERRITE_VM=0 or FERRITE_KUBELET=0)" >> "$FERRITE_SKIPS"
+else
+  # kubectl comes with the machine, ../shared/k8s beside the clone: neither is the suite's to install.
+  echo "kubelet tier (no kubectl, no ../shared/k8s, or not root: a tap device)" >> "$FERRITE_SKIPS"
+fi
 # nextest last: its summary line is the suite's closing line (repeated after the skip line).
 step "tests"
 log=$(mktemp)
