@@ -65,21 +65,29 @@ if [ -z "${FERRITE_K8S_BIN:-}" ]; then
   done
 fi
 # The kubelet tier: a one-node cluster whose node is a QEMU guest (containerd, runc, the kubelet)
-# with Ferrite installed from deploy/kubernetes; pods mount its volumes, then a subset of
-# Kubernetes' external storage e2e suite runs (tests/kubelet/). The node's binaries are built
-# from ../shared/k8s as the control plane's are, only those the tier runs, and cached.
+# with Ferrite installed from deploy/kubernetes; pods mount its volumes (tests/kubelet/). The
+# node's binaries are built from ../shared/k8s as the control plane's are, only those the tier
+# runs, and cached.
 if [ "${FERRITE_VM:-1}" != 0 ] && [ "${FERRITE_KUBELET:-1}" != 0 ] && [ -n "${FERRITE_K8S:-}" ] && command -v kubectl >/dev/null && [ "$(id -u)" = 0 ]; then
-  step "kubelet tier: Ferrite's pods on a real kubelet in a QEMU guest (6.17), pods with its volumes, e2e subset (~25 min)"
+  step "kubelet tier: Ferrite's pods on a real kubelet in a QEMU guest (6.12), pods with its volumes (~17 min)"
   if [ -z "${FERRITE_NODE_BIN:-}" ]; then
-    FERRITE_NODE_BIN=$(ONLY="kubelet kube-scheduler containerd containerd-shim-runc-v2 runc pause agnhost cni/bridge cni/loopback cni/host-local cni/portmap e2e.test" \
-      bash "$FERRITE_K8S/build-node.sh" | tail -1)
+    only="kubelet kube-scheduler containerd containerd-shim-runc-v2 runc pause agnhost cni/bridge cni/loopback cni/host-local cni/portmap"
+    [ "${FERRITE_KUBELET_E2E:-0}" != 1 ] || only="$only e2e.test"
+    FERRITE_NODE_BIN=$(ONLY="$only" bash "$FERRITE_K8S/build-node.sh" | tail -1)
     export FERRITE_NODE_BIN
   fi
   export FERRITE_KUBELET_DIR; FERRITE_KUBELET_DIR=$(mktemp -d)
   trap 'bash tests/kubelet/down.sh >/dev/null 2>&1 || true; rm -rf "$FERRITE_KUBELET_DIR" .vm-ferrite .vm-ferrite-next .vm-daemon-tests .vm-long "$FERRITE_SKIPS"' EXIT
-  FERRITE="$CARGO_TARGET_DIR/debug/ferrite" FERRITE_VM_KERNEL=6.17 bash tests/kubelet/up.sh
+  # 6.12: what most users run, and a lighter guest than 6.17 under TCG (pods.sh takes the
+  # at-the-next-staging branch of expansion there; 6.17's online one is run by hand).
+  FERRITE="$CARGO_TARGET_DIR/debug/ferrite" FERRITE_VM_KERNEL=6.12 bash tests/kubelet/up.sh
   bash tests/kubelet/pods.sh
-  bash tests/kubelet/e2e.sh
+  # The e2e subset (~6 min more) is not yet measured inside CI's budget: FERRITE_KUBELET_E2E=1.
+  if [ "${FERRITE_KUBELET_E2E:-0}" = 1 ]; then
+    bash tests/kubelet/e2e.sh
+  else
+    echo "kubelet tier's e2e subset (opt-in: FERRITE_KUBELET_E2E=1)" >> "$FERRITE_SKIPS"
+  fi
   bash tests/kubelet/down.sh
 elif [ "${FERRITE_VM:-1}" = 0 ] || [ "${FERRITE_KUBELET:-1}" = 0 ]; then
   echo "kubelet tier (FERRITE_VM=0 or FERRITE_KUBELET=0)" >> "$FERRITE_SKIPS"

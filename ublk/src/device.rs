@@ -56,11 +56,15 @@ const BLOCK_BYTES: u32 = ferrite_engine::io::BLOCK as u32;
 const MAX_DISCARD_SECTORS: u32 = 1 << 21;
 
 fn ublk_error(what: &str, e: UblkError) -> io::Error {
-    let kind = match e {
-        UblkError::IOError(ref io) => io.kind(),
-        _ => io::ErrorKind::Other,
-    };
-    io::Error::new(kind, format!("ublk: {what}: {e}"))
+    match e {
+        UblkError::IOError(io) => io::Error::new(io.kind(), format!("ublk: {what}: {io}")),
+        // A command the kernel refused: its errno says why (libublk's message does not).
+        UblkError::UringIOError(res) => {
+            let os = io::Error::from_raw_os_error(res.abs());
+            io::Error::new(os.kind(), format!("ublk: {what}: the kernel refused a command: {os}"))
+        }
+        e => io::Error::other(format!("ublk: {what}: {e}")),
+    }
 }
 
 /// An attached device. Dropping the handle leaves the device to the kernel: with USER_RECOVERY it
@@ -258,7 +262,29 @@ fn run(
         move |qid, dev: &UblkDev| crate::queue::serve(qid, dev, queue_volume.clone(), Arc::clone(&gate)),
         move |ctrl: &UblkCtrl| started(ctrl.dev_info().dev_id),
     )
-    .map_err(|e| ublk_error("running the device", e))?;
+    .map_err(|e| match e {
+        // Some kernels (Debian's 6.17) compare START_DEV's pid with the host's view of ours.
+        UblkError::UringIOError(res) if res.abs() == libc::EINVAL => ublk_error(
+            "running the device (if this server runs in a PID namespace other than the host's: some kernels, \
+             Debian's 6.17 among them, refuse its START_DEV; run it in the host's, e.g. hostPID in a pod)",
+            e,
+        ),
+        e => ublk_error("running the device", e),
+    })?;
     tracing::info!(volume = volume.name(), "ublk device stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_command_names_its_errno() {
+        let e = ublk_error("running the device", UblkError::UringIOError(-libc::EINVAL));
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("Invalid argument"), "{e}");
+        let e = ublk_error("adding the device", UblkError::IOError(io::Error::from(io::ErrorKind::NotFound)));
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+    }
 }
