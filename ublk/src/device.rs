@@ -58,10 +58,11 @@ const MAX_DISCARD_SECTORS: u32 = 1 << 21;
 fn ublk_error(what: &str, e: UblkError) -> io::Error {
     match e {
         UblkError::IOError(io) => io::Error::new(io.kind(), format!("ublk: {what}: {io}")),
-        // A command the kernel refused: its errno says why (libublk's message does not).
+        // A command the kernel refused: its errno says why (libublk's message does not). The kind
+        // stays Other: the refusal is the host's, not the caller's (no InvalidInput for EINVAL).
         UblkError::UringIOError(res) => {
             let os = io::Error::from_raw_os_error(res.abs());
-            io::Error::new(os.kind(), format!("ublk: {what}: the kernel refused a command: {os}"))
+            io::Error::other(format!("ublk: {what}: the kernel refused a command: {os}"))
         }
         e => io::Error::other(format!("ublk: {what}: {e}")),
     }
@@ -282,7 +283,7 @@ mod tests {
     #[test]
     fn a_refused_command_names_its_errno() {
         let e = ublk_error("running the device", UblkError::UringIOError(-libc::EINVAL));
-        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(e.kind(), io::ErrorKind::Other);
         assert!(e.to_string().contains("Invalid argument"), "{e}");
         let e = ublk_error("adding the device", UblkError::IOError(io::Error::from(io::ErrorKind::NotFound)));
         assert_eq!(e.kind(), io::ErrorKind::NotFound);
