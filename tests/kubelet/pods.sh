@@ -12,7 +12,7 @@ export KUBECONFIG=$STATE/admin.kubeconfig
 IMAGE=$REGISTRY/$BUSYBOX_IMAGE
 NS=pods
 k() { kubectl -n "$NS" "$@"; }
-# in POD COMMAND: runs COMMAND (sh) in POD's container.
+# inpod POD COMMAND: runs COMMAND (sh) in POD's container.
 inpod() { k exec "$1" -- sh -c "$2"; }
 fail() { echo "pods: $*" >&2; k get pods,pvc -o wide >&2 || true; exit 1; }
 

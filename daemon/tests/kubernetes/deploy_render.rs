@@ -26,6 +26,14 @@ fn images(rendered: &str) -> Vec<String> {
         .collect()
 }
 
+/// The rendered object of `kind` named `name`.
+fn document<'a>(rendered: &'a str, kind: &str, name: &str) -> &'a str {
+    rendered
+        .split("\n---\n")
+        .find(|d| d.contains(&format!("kind: {kind}\n")) && d.contains(&format!("\n  name: {name}\n")))
+        .unwrap_or_else(|| panic!("no {kind} {name} rendered"))
+}
+
 #[test]
 fn every_image_follows_the_registry_and_the_tested_versions() {
     if Command::new("kubectl").args(["version", "--client"]).output().is_err() {
@@ -66,21 +74,15 @@ fn every_image_follows_the_registry_and_the_tested_versions() {
     // Both node DaemonSets on the host's network (node.yaml says why) and in its PID namespace
     // (daemon.yaml: some kernels' ublk refuses a server in a pod's; found on a real kubelet).
     for daemon_set in ["ferrite-daemon", "ferrite-node-plugin"] {
-        let doc = rendered
-            .split("\n---\n")
-            .find(|d| d.contains("kind: DaemonSet") && d.contains(&format!("\n  name: {daemon_set}\n")))
-            .unwrap_or_else(|| panic!("no DaemonSet {daemon_set} rendered"));
+        let doc = document(&rendered, "DaemonSet", daemon_set);
         assert!(doc.contains("\n      hostNetwork: true\n"), "{daemon_set} is not on the host's network");
         assert!(doc.contains("\n      hostPID: true\n"), "{daemon_set} is not in the host's PID namespace");
     }
 
     // Each CSI driver's liveness: the kubelet waits longer than the sidecar's Probe does (a
     // busy node's driver answers in seconds; a 1 s limit restarted it mid-call on a real kubelet).
-    for name in ["ferrite-controller", "ferrite-node-plugin"] {
-        let doc = rendered
-            .split("\n---\n")
-            .find(|d| d.contains("\nkind: D") && d.contains(&format!("\n  name: {name}\n")))
-            .unwrap_or_else(|| panic!("no {name} rendered"));
+    for (kind, name) in [("Deployment", "ferrite-controller"), ("DaemonSet", "ferrite-node-plugin")] {
+        let doc = document(&rendered, kind, name);
         assert!(doc.contains("--probe-timeout=9s") && doc.contains("timeoutSeconds: 10"), "{name}: probe timeouts");
     }
 
