@@ -79,6 +79,8 @@ pub struct Options {
     pub webhook: Option<(std::net::SocketAddr, Arc<ferrite_tls::ServerTls>)>,
     /// Controller mode: sign the nodes' certificate requests.
     pub signer: Option<kube::certs::signer::Signer>,
+    /// Controller mode: the peers replication may push to, by name (`--replication-peer`).
+    pub replication_peers: std::collections::BTreeMap<String, String>,
 }
 
 impl Options {
@@ -207,6 +209,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
                 rp::controller_server::ControllerServer::new(addons::replication::Replication {
                     nodes: Arc::clone(&dir),
                     busy: busy.clone(),
+                    peers: opts.replication_peers.clone(),
                 })
             }))
             .add_optional_service((controller || node.is_some()).then(|| {

@@ -104,6 +104,12 @@ pub struct Args {
     /// The longest lifetime the signer gives a node certificate, in days.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=365))]
     pub signer_max_days: u64,
+    /// A peer asynchronous replication may push to (repeatable): NAME=tcp://host:port (a
+    /// daemon elsewhere, over mutual TLS), NAME=/path/to/admin.sock, or NAME=node:NODE (a node
+    /// of the directory). A VolumeReplicationClass names one (`peer: NAME`); none listed:
+    /// replication is refused.
+    #[arg(long = "replication-peer", value_name = "NAME=ENDPOINT")]
+    pub replication_peers: Vec<String>,
 }
 
 /// The `--tls-*` files of the command line: the CA the daemons' certificates are checked
@@ -167,6 +173,7 @@ pub fn options(
         out_of_service_taint: *out_of_service_taint,
         webhook,
         signer,
+        replication_peers: crate::addons::replication::parse_peers(&a.replication_peers).map_err(anyhow::Error::msg)?,
     })
 }
 

@@ -5,7 +5,7 @@
 # right after writes no flush covered (raw device and ext4 files): every one reads back, and
 # fsck finds the filesystem clean; a clean
 # daemon restart keeps the device too; growing a volume (online where the kernel has UPDATE_SIZE,
-# else the fallback); the daemon replaced three times under fio on ext4: a pause, no I/O error;
+# else the fallback), and the grown device kept through two more restarts; the daemon replaced three times under fio on ext4: a pause, no I/O error;
 # a daemon that never comes back: the watchdog fails the held I/O with EIO after the hold (timed).
 set -euo pipefail
 D=/tmp/ferrite-ublk; mkdir -p $D
@@ -87,6 +87,13 @@ else
 fi
 resize2fs "$UDEV"
 [ "$(df -B1M --output=size /mnt/ext4 | tail -1)" -gt 700 ]
+(cd /mnt/ext4 && sha256sum --quiet -c /tmp/all.sums)
+step "a grown device survives the daemon's restarts (SIGTERM, then kill -9)"
+kill -TERM $DAEMON; wait $DAEMON; start_daemon
+kill -9 $DAEMON; wait $DAEMON 2>/dev/null || true; start_daemon
+[ "$(blockdev --getsize64 "$UDEV")" = $((768 << 20)) ]
+head -c 4M /dev/urandom > /mnt/ext4/after-grow; sync -f /mnt/ext4
+sleep 3; f attachments | grep -q "$UDEV"
 (cd /mnt/ext4 && sha256sum --quiet -c /tmp/all.sums)
 umount /mnt/ext4
 # Everything above, kills included, left a consistent filesystem.

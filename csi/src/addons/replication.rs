@@ -2,15 +2,19 @@
 //! goes to the daemon of the node the volume id names. The peer is another daemon (usually in
 //! another cluster), reached by its admin endpoint over mutual TLS with the node's own identity.
 //!
-//! Parameters (of the VolumeReplicationClass): `peerEndpoint` (the peer daemon's admin endpoint,
-//! `tcp://host:port` or a socket path) or `peerNode` (a node of this driver's directory),
-//! `schedulingInterval` (`30s`, `5m`, `1h`, `1d`; default 1m), `remoteVolume` (the volume's name
+//! The peers are the operator's: only those the controller was started with
+//! (`--replication-peer NAME=ENDPOINT`, [`parse_peers`]) are pushed to, so whoever reaches the
+//! CSI-Addons endpoint cannot send a volume anywhere else.
+//!
+//! Parameters (of the VolumeReplicationClass): `peer` (a listed peer's name), or `peerEndpoint`
+//! (a listed peer's admin endpoint, `tcp://host:port` or a socket path) or `peerNode` (a node of
+//! this driver's directory listed as `node:NODE`), `schedulingInterval` (`30s`, `5m`, `1h`, `1d`; default 1m), `remoteVolume` (the volume's name
 //! on the peer; default the same name), `mirroringMode` (only `snapshot`). Keys the CSI-Addons
 //! controller adds under its own prefixes are ignored; any other key is InvalidArgument.
 //! GetReplicationDestinationInfo names the destination when the peer is a node of this
 //! driver's directory (a volume id `<peer node>/<remote name>`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use ferrite_proto::csi_addons::replication as rp;
@@ -40,10 +44,37 @@ pub fn parse_interval(s: &str) -> Result<u64, String> {
 /// Prefixes of keys the CSI-Addons controller passes along for itself.
 const FOREIGN: [&str; 2] = ["replication.storage.openshift.io/", "csi.storage.k8s.io/"];
 
+/// The parameters that name the peer: one of them.
+const PEER_KEYS: [&str; 3] = ["peer", "peerEndpoint", "peerNode"];
+
+/// A listed peer that is a node of this driver's directory: `node:NODE`.
+const NODE_PEER: &str = "node:";
+
+/// The operator's peers from `NAME=ENDPOINT` entries: a `tcp://host:port` or socket-path admin
+/// endpoint, or `node:NODE`.
+pub fn parse_peers(list: &[String]) -> Result<BTreeMap<String, String>, String> {
+    let mut peers = BTreeMap::new();
+    for entry in list {
+        let (name, at) =
+            entry.split_once('=').filter(|(n, a)| crate::shared::ids::valid_name(n) && !a.is_empty()).ok_or_else(
+                || format!("replication peer {entry:?}: expected NAME=tcp://host:port, NAME=/socket or NAME=node:NODE"),
+            )?;
+        if at.strip_prefix(NODE_PEER).is_some_and(|n| !crate::shared::nodes::valid_node(n)) {
+            return Err(format!("replication peer {entry:?}: not a node name after {NODE_PEER}"));
+        }
+        if peers.insert(name.to_owned(), at.to_owned()).is_some() {
+            return Err(format!("replication peer {name:?} is listed twice"));
+        }
+    }
+    Ok(peers)
+}
+
 #[derive(Debug)]
 pub struct Replication {
     pub nodes: Arc<dyn NodeDirectory>,
     pub busy: Busy,
+    /// The operator's peers, by name ([`parse_peers`]).
+    pub peers: BTreeMap<String, String>,
 }
 
 /// The node, a client of its daemon and the volume's (or group's) name there, for a
@@ -79,16 +110,16 @@ impl Replication {
     /// The peer endpoint, interval and remote name from the class parameters.
     fn settings(&self, params: &HashMap<String, String>, volume: &str) -> Result<(String, u64, String), Status> {
         let bad = |key: &str, why: String| Status::invalid_argument(format!("parameter {key}: {why}"));
-        let (mut peer, mut interval, mut remote) = (String::new(), 60, volume.to_owned());
+        let named: Vec<_> = params.iter().filter(|(k, _)| PEER_KEYS.contains(&k.as_str())).collect();
+        let peer = match named[..] {
+            [(k, v)] => self.listed(k, v)?,
+            [] => return Err(Status::invalid_argument("parameters: peer, peerEndpoint or peerNode is required")),
+            _ => return Err(Status::invalid_argument("parameters: name one peer (peer, peerEndpoint or peerNode)")),
+        };
+        let (mut interval, mut remote) = (60, volume.to_owned());
         for (k, v) in params {
             match k.as_str() {
-                "peerEndpoint" => peer.clone_from(v),
-                "peerNode" => {
-                    peer = self
-                        .nodes
-                        .admin_endpoint(v)
-                        .ok_or_else(|| bad(k, format!("{v:?} is not a node of the directory")))?;
-                }
+                _ if PEER_KEYS.contains(&k.as_str()) => {}
                 "schedulingInterval" => interval = parse_interval(v).map_err(|e| bad(k, e))?,
                 "remoteVolume" if crate::shared::ids::valid_name(v) => remote.clone_from(v),
                 "remoteVolume" => return Err(bad(k, format!("{v:?} is not a volume name"))),
@@ -98,13 +129,35 @@ impl Replication {
                 _ => return Err(bad(k, "unknown parameter".into())),
             }
         }
-        if peer.is_empty() {
-            return Err(Status::invalid_argument("parameters: peerEndpoint or peerNode is required"));
-        }
         if interval == 0 {
             return Err(bad("schedulingInterval", "must be at least 1s".into()));
         }
         Ok((peer, interval, remote))
+    }
+
+    /// The admin endpoint of the listed peer a parameter names (`peer`: by name; `peerEndpoint`:
+    /// by endpoint; `peerNode`: a node listed as `node:NODE`). PermissionDenied for one the
+    /// operator did not list.
+    fn listed(&self, key: &str, value: &str) -> Result<String, Status> {
+        let found = self.peers.iter().find(|(name, at)| match key {
+            "peer" => *name == value,
+            "peerEndpoint" => *at == value && !at.starts_with(NODE_PEER),
+            _ => at.strip_prefix(NODE_PEER) == Some(value),
+        });
+        let Some((name, at)) = found else {
+            tracing::warn!(parameter = key, value, "replication to a peer the operator did not list refused");
+            return Err(Status::permission_denied(format!(
+                "parameter {key}: {value:?} is not a replication peer of this driver (the operator lists them: \
+                 --replication-peer NAME=ENDPOINT{})",
+                if self.peers.is_empty() { "; none is listed".to_owned() } else { String::new() }
+            )));
+        };
+        match at.strip_prefix(NODE_PEER) {
+            Some(node) => self.nodes.admin_endpoint(node).ok_or_else(|| {
+                Status::failed_precondition(format!("replication peer {name:?}: node {node:?} runs no daemon now"))
+            }),
+            None => Ok(at.clone()),
+        }
     }
 
     /// The volume's replication status; FailedPrecondition if it is not replicated.
@@ -327,5 +380,17 @@ mod tests {
         assert!(parse_interval("3x").unwrap_err().contains("unit"));
         assert!(parse_interval("m").is_err());
         assert!(parse_interval("99999999999999999999d").is_err());
+    }
+
+    #[test]
+    fn peers_are_names_with_an_endpoint_or_a_node() {
+        let list = |l: &[&str]| parse_peers(&l.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
+        let p = list(&["dr=tcp://192.0.2.7:7070", "b=node:node-b", "local=/run/ferrite/admin.sock"]).unwrap();
+        assert_eq!(p["dr"], "tcp://192.0.2.7:7070");
+        assert_eq!(p["b"], "node:node-b");
+        for bad in ["dr", "=tcp://x:1", "dr=", "b=node:Node_B", "a b=tcp://x:1"] {
+            assert!(list(&[bad]).is_err(), "{bad}");
+        }
+        assert!(list(&["a=node:x", "a=node:y"]).unwrap_err().contains("twice"));
     }
 }

@@ -114,6 +114,13 @@ async fn addons_conformance_with_two_nodes_on_loopback_addresses() {
     assert_eq!(code(f.fence_cluster_network(fence_req(&[""])).await), Code::InvalidArgument);
     assert_eq!(code(f.fence_cluster_network(fence_req(&["300.1.1.1/8"])).await), Code::InvalidArgument);
     assert_eq!(code(f.fence_cluster_network(fence_req(&["10.0.0.0/40"])).await), Code::InvalidArgument);
+    // A fence takes one node's clients at most: nothing wider than 256 addresses, nothing that
+    // covers two nodes' addresses (node-a is 127.0.0.2, node-b 127.0.0.3).
+    for wide in [&["0.0.0.0/0"][..], &["127.0.0.9", "127.0.0.0/8"], &["127.0.0.2/31"], &["::/0"]] {
+        let s = f.fence_cluster_network(fence_req(wide)).await.unwrap_err();
+        assert_eq!(s.code(), Code::InvalidArgument, "{wide:?}: {s:?}");
+        assert!(s.message().starts_with("fence refused:"), "{wide:?}: {}", s.message());
+    }
     let mut with_param = fence_req(&["127.0.0.9"]);
     with_param.parameters.insert("clusterID".into(), "x".into());
     assert_eq!(code(f.fence_cluster_network(with_param).await), Code::InvalidArgument);

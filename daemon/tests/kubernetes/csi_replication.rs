@@ -67,7 +67,15 @@ async fn replication_conformance_between_two_nodes() {
     let _csi = start_csi_with(
         dir.path(),
         &[("node-a", format!("tcp://{a_admin}")), ("node-b", format!("tcp://{b_admin}"))],
-        &["--mode", "controller", "--addons-endpoint", &dir.path().join("addons.sock").display().to_string()],
+        &[
+            "--mode",
+            "controller",
+            "--addons-endpoint",
+            &dir.path().join("addons.sock").display().to_string(),
+            // The operator's peers: replication goes to these and nowhere else.
+            "--replication-peer=b=node:node-b",
+            "--replication-peer=a=node:node-a",
+        ],
     );
     let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
     let addons = channel(&dir.path().join("addons.sock")).await;
@@ -88,7 +96,7 @@ async fn replication_conformance_between_two_nodes() {
     let v = ctl.create_volume(create("pvc-1", 8 << 20, Some("node-a"))).await.unwrap().into_inner().volume.unwrap();
     let id = v.volume_id.clone();
     assert_eq!(write_on(&mut open(&a, "pvc-1"), 0, &[7u8; 1 << 20]), 0);
-    let peer = [("peerNode", "node-b"), ("schedulingInterval", "1s")];
+    let peer = [("peer", "b"), ("schedulingInterval", "1s")];
 
     // Bad requests.
     let none = rp::EnableVolumeReplicationRequest { parameters: params(&peer), ..Default::default() };
@@ -102,7 +110,20 @@ async fn replication_conformance_between_two_nodes() {
         code(rc.enable_volume_replication(enable(&id, &[("schedulingInterval", "1m")])).await),
         Code::InvalidArgument
     );
-    assert_eq!(code(rc.enable_volume_replication(enable(&id, &[("peerNode", "node-z")])).await), Code::InvalidArgument);
+    // A peer the operator did not list, whichever way it is named: refused, and nothing is pushed.
+    let b_endpoint = format!("tcp://{b_admin}");
+    for unlisted in [
+        ("peerNode", "node-z"),
+        ("peer", "c"),
+        ("peerEndpoint", "tcp://127.0.0.9:7070"),
+        ("peerEndpoint", "node:node-b"),
+    ] {
+        let err = rc.enable_volume_replication(enable(&id, &[unlisted])).await.unwrap_err();
+        assert_eq!(err.code(), Code::PermissionDenied, "{unlisted:?}: {err}");
+        assert!(err.message().contains("--replication-peer"), "{err}");
+    }
+    let two = enable(&id, &[("peer", "b"), ("peerEndpoint", b_endpoint.as_str())]);
+    assert_eq!(code(rc.enable_volume_replication(two).await), Code::InvalidArgument);
     assert_eq!(code(rc.enable_volume_replication(enable("node-a/missing", &peer)).await), Code::NotFound);
     let group = rp::EnableVolumeReplicationRequest {
         replication_source: Some(rp::ReplicationSource {

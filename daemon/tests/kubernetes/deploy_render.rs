@@ -86,6 +86,20 @@ fn every_image_follows_the_registry_and_the_tested_versions() {
         assert!(doc.contains("--probe-timeout=9s") && doc.contains("timeoutSeconds: 10"), "{name}: probe timeouts");
     }
 
+    // Only the CSI-Addons manager reaches the controller's sidecar (which takes any token); the
+    // drain guard and the liveness port stay open.
+    let policy: String =
+        document(&rendered, "NetworkPolicy", "ferrite-controller").split_whitespace().collect::<Vec<_>>().concat();
+    for part in [
+        "podSelector:matchLabels:app.kubernetes.io/name:ferrite-controllerpolicyTypes:-Ingress",
+        "-from:-namespaceSelector:matchLabels:kubernetes.io/metadata.name:csi-addons-system\
+         podSelector:matchLabels:app.kubernetes.io/name:csi-addonscontrol-plane:controller-managerports:-port:9070",
+    ] {
+        assert!(policy.contains(part), "the controller's NetworkPolicy lacks {part}: {policy}");
+    }
+    let sidecar = document(&rendered, "Deployment", "ferrite-controller");
+    assert!(sidecar.contains("--controller-port=9070"), "the policy's port is the sidecar's");
+
     // The sidecar tags are the versions the tier runs, where its kit is at hand.
     let kit = ["FERRITE_K8S", "../../shared/k8s", "/work/shared/k8s"]
         .iter()

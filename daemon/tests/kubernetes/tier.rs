@@ -220,7 +220,8 @@ impl Cluster {
         // Failover waits 20 s as shipped; the tier's nodes are lost on purpose. The out-of-service
         // taint is off as shipped: (a) turns it on, as an operator with power fencing would.
         let failover_after = format!("--failover-after={}", FAILOVER_AFTER.as_secs());
-        let args = [failover_after.as_str(), "--out-of-service-taint=true"];
+        // Replication may push to node-b, as the operator lists it for the shipped class.
+        let args = [failover_after.as_str(), "--out-of-service-taint=true", "--replication-peer=node-b=node:node-b"];
         c.set_arg("deployment/ferrite-controller", "ferrite", "--failover-after=20", &args);
         // The controller first: it signs the certificates the daemons' init containers ask for.
         c.start_controller();
@@ -1194,6 +1195,20 @@ fn ferrite_on_kubernetes() {
     });
     let f = c.cp.get(&["networkfence", "fence"]);
     assert_eq!(f["status"]["result"], "Succeeded", "{}", f["status"]);
+    // A fence of everyone (whoever asks: the manager here) is refused by the driver, and no
+    // daemon fences anything.
+    c.cp.apply(
+        &json!({"apiVersion": "csiaddons.openshift.io/v1alpha1", "kind": "NetworkFence", "metadata": {"name": "everyone"},
+            "spec": {"networkFenceClassName": "ferrite", "fenceState": "Fenced", "cidrs": ["0.0.0.0/0"]}})
+        .to_string(),
+    );
+    let f = c.wait_field("the fence of everyone", &["networkfence", "everyone"], |v| v["status"]["result"].is_string());
+    assert_eq!(f["status"]["result"], "Failed", "{}", f["status"]);
+    assert!(f["status"]["message"].as_str().unwrap_or("").contains("fence refused"), "{}", f["status"]);
+    for d in &c.daemons {
+        assert!(!d.ok(&["fence", "list"]).contains("0.0.0.0/0"), "a daemon fenced everyone");
+    }
+    c.cp.ok(&["delete", "networkfence", "everyone", "--wait=true", "--timeout=120s"]);
 
     c.cp.apply(
         &json!({"apiVersion": "replication.storage.openshift.io/v1alpha1", "kind": "VolumeReplication", "metadata": {"name": "data", "namespace": "default"},

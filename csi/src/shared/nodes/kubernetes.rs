@@ -3,9 +3,10 @@
 //! and this directory watches those slices (kube-rs reflector), so a node that joins, moves or
 //! leaves is seen without a restart and nothing on the node side writes to the API.
 //!
-//! Each node maps to `tcp://<pod address>:<port named admin>`. The daemons' certificates carry
-//! one name (the Service's DNS name), since a pod's address is not known when its certificate
-//! is made; `server_name` says which.
+//! Each node maps to `tcp://<pod address>:<port named admin>`, and its daemon must prove the
+//! node's name (`node_server_name`: the signer issues each node's certificate for its node), so
+//! an entry whose address leads to another node's daemon fails. `server_name`, the Service's
+//! DNS name every node certificate also carries, is for a daemon of no known node.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,7 +17,6 @@ use ferrite_tls::Reloading;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
@@ -31,7 +31,7 @@ const FIRST_LIST: std::time::Duration = std::time::Duration::from_secs(30);
 /// without a daemon hold no storage).
 pub struct KubeNodes {
     store: Store<EndpointSlice>,
-    all: Store<PartialObjectMeta<Node>>,
+    all: Store<Node>,
     tls: Option<Arc<Reloading<ClientTls>>>,
     server_name: Option<String>,
     watch: tokio::task::JoinHandle<()>,
@@ -68,8 +68,15 @@ impl KubeNodes {
         let (store, writer) = reflector::store();
         let slices = reflector::reflector(writer, watcher(api, config)).default_backoff();
         let (all, writer) = reflector::store();
-        let nodes = kube::Api::<PartialObjectMeta<Node>>::all(client);
-        let nodes = reflector::reflector(writer, watcher(nodes, watcher::Config::default())).default_backoff();
+        let nodes = kube::Api::<Node>::all(client);
+        // Kept: names, addresses and pod networks; not the image lists and field owners.
+        let nodes = watcher(nodes, watcher::Config::default()).modify(|n| {
+            n.metadata.managed_fields = None;
+            if let Some(s) = n.status.as_mut() {
+                s.images = None;
+            }
+        });
+        let nodes = reflector::reflector(writer, nodes).default_backoff();
         let service = service.to_owned();
         let watch = tokio::spawn(async move {
             let mut slices = std::pin::pin!(slices);
@@ -124,9 +131,42 @@ impl NodeDirectory for KubeNodes {
         self.server_name.clone()
     }
 
+    /// The node's own name: every node certificate the signer issues names its node (and the
+    /// node Service, which [`Self::server_name`] is, for a daemon of no known node).
+    fn node_server_name(&self, node: &str) -> Option<String> {
+        Some(node.to_owned())
+    }
+
     fn connections(&self) -> Option<&super::Connections> {
         Some(&self.connections)
     }
+
+    fn network(&self) -> super::Network {
+        let mut net = network(&self.all.state());
+        for (node, at) in self.map() {
+            if let Some(ip) = super::endpoint_ip(&at) {
+                net.nodes.entry(node).or_default().insert(ip);
+            }
+        }
+        net
+    }
+}
+
+/// The Nodes' InternalIP and ExternalIP addresses and their pod networks.
+fn network(nodes: &[Arc<Node>]) -> super::Network {
+    let mut net = super::Network::default();
+    for n in nodes {
+        let Some(name) = n.metadata.name.clone() else { continue };
+        let addresses = n.status.iter().flat_map(|s| s.addresses.iter().flatten());
+        let ips = addresses
+            .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+            .filter_map(|a| a.address.parse::<std::net::IpAddr>().ok());
+        net.nodes.entry(name).or_default().extend(ips.map(|ip| ip.to_canonical()));
+        let spec = n.spec.iter();
+        let cidrs = spec.flat_map(|s| s.pod_cidrs.iter().flatten().chain(s.pod_cidr.as_ref()));
+        net.pods.extend(cidrs.filter_map(|c| c.parse::<ipnet::IpNet>().ok()).map(|c| c.trunc()));
+    }
+    net
 }
 
 /// Node name → admin endpoint over all slices. A node with several endpoints (a rolling update)
@@ -220,5 +260,45 @@ mod tests {
         assert_eq!(m.get("node-c").unwrap(), "tcp://10.0.0.4:7070", "a node not ready yet is still listed");
         assert_eq!(m.get("node-d").unwrap(), "tcp://[fd00::4]:7070");
         assert_eq!(m.len(), 4, "{m:?}");
+    }
+
+    #[test]
+    fn a_nodes_network_is_its_addresses_and_pod_networks() {
+        use k8s_openapi::api::core::v1::{NodeAddress, NodeSpec, NodeStatus};
+        let node = |name: &str, addresses: &[(&str, &str)], pods: &[&str]| {
+            Arc::new(Node {
+                metadata: kube::api::ObjectMeta { name: Some(name.into()), ..Default::default() },
+                spec: Some(NodeSpec {
+                    pod_cidrs: Some(pods.iter().map(|p| (*p).into()).collect()),
+                    ..Default::default()
+                }),
+                status: Some(NodeStatus {
+                    addresses: Some(
+                        addresses
+                            .iter()
+                            .map(|(t, a)| NodeAddress { type_: (*t).into(), address: (*a).into() })
+                            .collect(),
+                    ),
+                    ..Default::default()
+                }),
+            })
+        };
+        let n = network(&[
+            node(
+                "a",
+                &[("InternalIP", "10.0.0.1"), ("Hostname", "a"), ("ExternalIP", "2001:db8::1")],
+                &["10.244.0.0/24"],
+            ),
+            node(
+                "b",
+                &[("InternalIP", "::ffff:10.0.0.2"), ("InternalDNS", "b.local")],
+                &["10.244.1.1/24", "fd00::/64"],
+            ),
+        ]);
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        assert_eq!(n.nodes["a"], [ip("10.0.0.1"), ip("2001:db8::1")].into());
+        assert_eq!(n.nodes["b"], [ip("10.0.0.2")].into(), "mapped IPv4 read as IPv4");
+        let pods: Vec<String> = n.pods.iter().map(ToString::to_string).collect();
+        assert_eq!(pods, ["10.244.0.0/24", "10.244.1.0/24", "fd00::/64"]);
     }
 }

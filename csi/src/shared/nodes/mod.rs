@@ -11,8 +11,9 @@
 
 pub mod kubernetes;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,10 +46,42 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     fn server_name(&self) -> Option<String> {
         None
     }
+    /// The name `node`'s daemon must prove: its own where the directory binds each entry to
+    /// its node (in Kubernetes the signer names every node's certificate for its node, so an
+    /// address listed for one node that leads to another's daemon fails the handshake), else
+    /// the shared one.
+    fn node_server_name(&self, _node: &str) -> Option<String> {
+        self.server_name()
+    }
     /// The connections this directory keeps for reuse (None: a connection per call).
     fn connections(&self) -> Option<&Connections> {
         None
     }
+    /// The addresses a fence must not take whole: each node's and the pod networks. Here, the
+    /// hosts of the daemons' TCP endpoints; in Kubernetes the Nodes' own too.
+    fn network(&self) -> Network {
+        let nodes = self.nodes().into_iter().filter_map(|n| Some((endpoint_ip(&self.admin_endpoint(&n)?)?, n)));
+        let mut net = Network::default();
+        for (ip, node) in nodes {
+            net.nodes.entry(node).or_default().insert(ip);
+        }
+        net
+    }
+}
+
+/// The cluster's addresses as a fence sees them.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Network {
+    /// Node name → its addresses.
+    pub nodes: BTreeMap<String, BTreeSet<IpAddr>>,
+    /// The pod networks (each Node's `spec.podCIDRs`).
+    pub pods: BTreeSet<ipnet::IpNet>,
+}
+
+/// The IP of a `tcp://IP:port` endpoint (None for a socket path or a host name).
+pub fn endpoint_ip(endpoint: &str) -> Option<IpAddr> {
+    let at = endpoint.strip_prefix("tcp://")?;
+    at.parse::<std::net::SocketAddr>().ok().map(|a| a.ip().to_canonical())
 }
 
 #[derive(Debug, Deserialize)]
@@ -161,7 +194,7 @@ pub async fn backups(dir: &dyn NodeDirectory, node: &str) -> Result<BackupsClien
 
 async fn channel(dir: &dyn NodeDirectory, node: &str) -> Result<Channel, Status> {
     let at = dir.admin_endpoint(node).ok_or_else(|| Status::not_found(format!("unknown node {node:?}")))?;
-    let (tls, server_name) = (dir.tls(), dir.server_name());
+    let (tls, server_name) = (dir.tls(), dir.node_server_name(node));
     let ptr = |t: &Option<Arc<ClientTls>>| t.as_ref().map(Arc::as_ptr);
     let kept = dir.connections().map(|c| &c.0);
     if let Some(kept) = kept {
