@@ -8,8 +8,9 @@
 //!
 //! Parameters (of the VolumeReplicationClass): `peer` (a listed peer's name), or `peerEndpoint`
 //! (a listed peer's admin endpoint, `tcp://host:port` or a socket path) or `peerNode` (a node of
-//! this driver's directory listed as `node:NODE`), `schedulingInterval` (`30s`, `5m`, `1h`, `1d`; default 1m), `remoteVolume` (the volume's name
-//! on the peer; default the same name), `mirroringMode` (only `snapshot`). Keys the CSI-Addons
+//! this driver's directory listed as `node:NODE`); `schedulingInterval` (`30s`, `5m`, `1h`,
+//! `1d`; default 1m), `remoteVolume` (the volume's name on the peer; default the same name),
+//! `mirroringMode` (only `snapshot`). Keys the CSI-Addons
 //! controller adds under its own prefixes are ignored; any other key is InvalidArgument.
 //! GetReplicationDestinationInfo names the destination when the peer is a node of this
 //! driver's directory (a volume id `<peer node>/<remote name>`).
