@@ -102,6 +102,32 @@ pub fn tenant_attacks(c: &mut Cluster) {
     ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("only PersistentVolumes of csi.ferrite.dev"), "{err}");
+    // Nor one of this driver that names a secret outside `ferrite` (a tenant's, handed to a node).
+    let csi = |ns: &str| json!({"csi": {"driver": "csi.ferrite.dev", "volumeHandle": "node-a/none", "nodeStageSecretRef": {"name": "key", "namespace": ns}}});
+    let as_controller = |verb: &str, object: &Value| {
+        std::fs::write(&path, object.to_string()).unwrap();
+        c.cp.kubectl(&[
+            verb,
+            "--as=system:serviceaccount:ferrite:ferrite-controller",
+            "-f",
+            &path.display().to_string(),
+        ])
+    };
+    // (bound to no claim that exists, so nothing binds them)
+    let nobody = "00000000-0000-0000-0000-000000000000";
+    let o = as_controller("create", &pv("by-the-controller", "nobody", nobody, csi(TENANT)));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("secrets in the ferrite namespace only"), "{err}");
+    let o = as_controller("create", &pv("by-the-controller", "nobody", nobody, csi(NS)));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    c.cp.ok(&["delete", "pv", "by-the-controller"]);
+    // Nor may it delete another driver's PV (made here by the administrator).
+    let not_ours = pv("not-ours", "nobody", nobody, json!({"hostPath": {"path": "/tmp"}}));
+    c.cp.with_stdin(&["create", "-f", "-"], &not_ours.to_string());
+    let o = as_controller("delete", &not_ours);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("only PersistentVolumes of csi.ferrite.dev"), "{err}");
+    c.cp.ok(&["delete", "pv", "not-ours"]);
     // A record in the controller's namespace (written by nobody but it: here by the admin) for
     // the claim's PV, of this driver, but of a volume no daemon holds: not created either.
     let record = json!({"old_uid": "none", "pv": ours}).to_string();
