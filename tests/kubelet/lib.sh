@@ -7,6 +7,9 @@ ETCD_PORT=23790 REGISTRY_PORT=5443
 PAUSE_IMAGE=pause:3.10.2
 BUSYBOX_IMAGE=e2e-test-images/busybox:1.37.0-1
 AGNHOST_IMAGE=e2e-test-images/agnhost:2.63.0
+# The e2e suite's "exec of files on the volume" specs run their own `sh -c` in this image: the
+# static busybox serves under its name (no nginx is needed, nor built here).
+NGINX_IMAGE=e2e-test-images/nginx:1.15-4
 
 die() { echo "kubelet tier: $*" >&2; exit 1; }
 step() { echo "== $* (at $SECONDS s)" >&2; }

@@ -153,7 +153,8 @@ for image in $(kubectl kustomize "$REPO/deploy/kubernetes" | sed -n 's/^ *image:
   statics+=("$image=$K8S_BIN/$name")
 done
 # The node's sandbox and what test pods run (the e2e suite's names and tags: KUBE_TEST_REPO_LIST).
-statics+=("$PAUSE_IMAGE=$NODE_BIN/pause" "$BUSYBOX_IMAGE=/bin/busybox:/usr/bin/busybox+sh" "$AGNHOST_IMAGE=$NODE_BIN/agnhost+sh")
+statics+=("$PAUSE_IMAGE=$NODE_BIN/pause" "$BUSYBOX_IMAGE=/bin/busybox:/usr/bin/busybox+sh" "$AGNHOST_IMAGE=$NODE_BIN/agnhost+sh"
+  "$NGINX_IMAGE=/bin/busybox:/usr/bin/busybox+sh")
 specs=(); for s in "${statics[@]}"; do specs+=("$(echo "${s%%=*}" | tr '/:' '__')=${s#*=}"); done
 python3 "$HERE/static_images.py" "$STATE/images" "${specs[@]}" >/dev/null
 for s in "${statics[@]}"; do push "$STATE/images/$(echo "${s%%=*}" | tr '/:' '__')" "${s%%=*}"; done
