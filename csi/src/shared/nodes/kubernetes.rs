@@ -143,11 +143,7 @@ impl NodeDirectory for KubeNodes {
 
     fn network(&self) -> super::Network {
         let mut net = network(&self.all.state());
-        for (node, at) in self.map() {
-            if let Some(ip) = super::endpoint_ip(&at) {
-                net.nodes.entry(node).or_default().insert(ip);
-            }
-        }
+        net.add_endpoints(self.map());
         net
     }
 }

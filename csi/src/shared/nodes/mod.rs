@@ -60,11 +60,8 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     /// The addresses a fence must not take whole: each node's and the pod networks. Here, the
     /// hosts of the daemons' TCP endpoints; in Kubernetes the Nodes' own too.
     fn network(&self) -> Network {
-        let nodes = self.nodes().into_iter().filter_map(|n| Some((endpoint_ip(&self.admin_endpoint(&n)?)?, n)));
         let mut net = Network::default();
-        for (ip, node) in nodes {
-            net.nodes.entry(node).or_default().insert(ip);
-        }
+        net.add_endpoints(self.nodes().into_iter().filter_map(|n| self.admin_endpoint(&n).map(|at| (n, at))));
         net
     }
 }
@@ -76,6 +73,17 @@ pub struct Network {
     pub nodes: BTreeMap<String, BTreeSet<IpAddr>>,
     /// The pod networks (each Node's `spec.podCIDRs`).
     pub pods: BTreeSet<ipnet::IpNet>,
+}
+
+impl Network {
+    /// Adds the host of each node's TCP admin endpoint (node, endpoint) to its addresses.
+    pub fn add_endpoints(&mut self, endpoints: impl IntoIterator<Item = (String, String)>) {
+        for (node, at) in endpoints {
+            if let Some(ip) = endpoint_ip(&at) {
+                self.nodes.entry(node).or_default().insert(ip);
+            }
+        }
+    }
 }
 
 /// The IP of a `tcp://IP:port` endpoint (None for a socket path or a host name).
