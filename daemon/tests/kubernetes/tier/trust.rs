@@ -92,18 +92,6 @@ pub fn tenant_attacks(c: &mut Cluster) {
     // The controller's own account is refused any PV but this driver's, whatever it was made to
     // believe (the admission policy; RBAC lets it create PVs).
     let path = c.cp.dir.join("controller-hostpath.json");
-    let by_the_controller = pv("by-the-controller", "grab", &uid, json!({"hostPath": {"path": "/"}}));
-    std::fs::write(&path, by_the_controller.to_string()).unwrap();
-    let o = c.cp.kubectl(&[
-        "create",
-        "--as=system:serviceaccount:ferrite:ferrite-controller",
-        "-f",
-        &path.display().to_string(),
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("only PersistentVolumes of csi.ferrite.dev"), "{err}");
-    // Nor one of this driver that names a secret outside `ferrite` (a tenant's, handed to a node).
-    let csi = |ns: &str| json!({"csi": {"driver": "csi.ferrite.dev", "volumeHandle": "node-a/none", "nodeStageSecretRef": {"name": "key", "namespace": ns}}});
     let as_controller = |verb: &str, object: &Value| {
         std::fs::write(&path, object.to_string()).unwrap();
         c.cp.kubectl(&[
@@ -113,6 +101,11 @@ pub fn tenant_attacks(c: &mut Cluster) {
             &path.display().to_string(),
         ])
     };
+    let o = as_controller("create", &pv("by-the-controller", "grab", &uid, json!({"hostPath": {"path": "/"}})));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("only PersistentVolumes of csi.ferrite.dev"), "{err}");
+    // Nor one of this driver that names a secret outside `ferrite` (a tenant's, handed to a node).
+    let csi = |ns: &str| json!({"csi": {"driver": "csi.ferrite.dev", "volumeHandle": "node-a/none", "nodeStageSecretRef": {"name": "key", "namespace": ns}}});
     // (bound to no claim that exists, so nothing binds them)
     let nobody = "00000000-0000-0000-0000-000000000000";
     let o = as_controller("create", &pv("by-the-controller", "nobody", nobody, csi(TENANT)));
