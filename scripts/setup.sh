@@ -4,9 +4,9 @@
 set -euo pipefail
 
 # e2fsprogs, xfsprogs: what the node image carries (deploy/images.py); umoci, skopeo, docker-registry:
-# the image test unpacks, pushes and pulls them.
+# the image test unpacks, pushes and pulls them; libseccomp-dev: runc, built for the kubelet tier.
 PKGS=(libclang-dev clang build-essential pkg-config fio qemu-utils libnbd-bin nbdkit python3-libnbd openssl iputils-ping python3-venv prometheus
-  e2fsprogs xfsprogs umoci skopeo docker-registry)
+  e2fsprogs xfsprogs umoci skopeo docker-registry libseccomp-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -159,6 +159,11 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
         // The daemon may be away (restarting, or for good): its ublk devices' hold ends here.
         ferrite_ublk::hold::spawn(ferrite_ublk::hold::path(&opts.admin_socket))?;
     }
+    // The controller reads PVs where the directory is the cluster's (`shared::pvs`).
+    let kube_client = match (controller, &opts.node_service) {
+        (true, Some(_)) => Some(::kube::Client::try_default().await.context("connecting to the Kubernetes API")?),
+        _ => None,
+    };
     let identity = spec::identity::Identity { controller };
     let router = tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::new(identity))
@@ -167,6 +172,7 @@ pub async fn serve(opts: Options, shutdown: impl Future<Output = ()>) -> anyhow:
                 nodes: Arc::clone(&dir),
                 busy: busy.clone(),
                 max_volumes: opts.max_volumes,
+                kube: kube_client.clone(),
             })
         }))
         .add_optional_service(controller.then(|| {

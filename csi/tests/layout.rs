@@ -14,7 +14,7 @@ const BANDS: &[&str] = &["shared", "spec", "addons", "kube", "start", "lib"];
 
 /// Each room's files, lowest first.
 const ROOMS: &[(&str, &[&str])] = &[
-    ("shared", &["qos", "class", "host", "nodes", "ids", "args", "copies", "keys", "backups"]),
+    ("shared", &["qos", "class", "pvs", "host", "nodes", "ids", "args", "copies", "keys", "backups"]),
     ("spec", &["identity", "controller", "snapshots", "publish", "group", "metadata", "node"]),
     ("addons", &["identity", "fence", "volume_group", "replication", "reclaim", "key_rotation"]),
     ("kube", &["certs", "lease", "webhook", "heartbeat", "failover"]),

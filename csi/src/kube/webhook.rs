@@ -3,7 +3,7 @@
 //! ValidatingWebhookConfiguration, deploy/kubernetes/base/webhook.yaml). What it answers is the
 //! drain guard's (`failover/guard.rs`); this module is the listener: TLS with the controller's
 //! certificate (which names the controller Service; reloaded when it changes), and bounded like
-//! every listener: connections, request size, time. `GET /metrics` serves the failover
+//! every listener: connections (overall and per source address), request size, time. `GET /metrics` serves the failover
 //! controller's metrics (`failover/metrics.rs`) on the same port.
 
 use std::convert::Infallible;
@@ -24,8 +24,10 @@ use tokio::net::TcpListener;
 
 /// The path the drain guard answers on.
 pub const PATH: &str = "/drain-guard";
-/// At most this many connections at once (the API server sends one review per cordon).
+/// At most this many connections at once (the API server sends one review per cordon), and
+/// from one address: anyone in the cluster can connect, and none may take the API server's slots.
 const MAX_CONNECTIONS: usize = 32;
+const PER_SOURCE: usize = 8;
 /// The largest review taken: a Node twice (object and oldObject), with its image list.
 const MAX_BODY: usize = 4 << 20;
 /// For the TLS handshake and the request head; for the whole exchange (the API server's own
@@ -65,6 +67,7 @@ pub async fn serve(
     metrics: Arc<dyn Exposition>,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let sources = Sources::default();
     loop {
         let (tcp, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -75,6 +78,10 @@ pub async fn serve(
                 continue;
             }
         };
+        let Some(from) = sources.take(peer.ip()) else {
+            tracing::warn!(%peer, "webhook: {PER_SOURCE} connections from this address open already; refused");
+            continue;
+        };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             tracing::warn!(%peer, "webhook: {MAX_CONNECTIONS} connections open already; refused");
             continue;
@@ -83,7 +90,7 @@ pub async fn serve(
         let judge = Arc::clone(&judge);
         let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
-            let _slot = slot;
+            let _slots = (slot, from);
             let exchange = async {
                 let stream = tokio::time::timeout(HANDSHAKE, acceptor.accept(tcp))
                     .await
@@ -103,6 +110,38 @@ pub async fn serve(
                 Err(_) => tracing::debug!(%peer, "webhook client cut: too slow"),
             }
         });
+    }
+}
+
+/// Connections open per source address.
+#[derive(Clone, Default)]
+struct Sources(Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>);
+
+/// One connection of a source; its count drops with it.
+struct SourceSlot(Sources, std::net::IpAddr);
+
+impl Sources {
+    /// A slot for a connection from `ip`, unless [`PER_SOURCE`] are open from there.
+    fn take(&self, ip: std::net::IpAddr) -> Option<SourceSlot> {
+        let mut open = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = open.entry(ip.to_canonical()).or_default();
+        if *n >= PER_SOURCE {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot(self.clone(), ip.to_canonical()))
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut open = self.0.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = open.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.1);
+            }
+        }
     }
 }
 
@@ -172,6 +211,19 @@ mod tests {
                 }
             })
         }
+    }
+
+    #[test]
+    fn one_address_takes_its_share_of_connections_only() {
+        let sources = Sources::default();
+        let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let held: Vec<SourceSlot> = (0..PER_SOURCE).map(|_| sources.take(a).unwrap()).collect();
+        assert!(sources.take(a).is_none(), "a ninth from one address");
+        assert!(sources.take("::ffff:10.0.0.1".parse().unwrap()).is_none(), "the same address, mapped");
+        assert!(sources.take(b).is_some(), "another address is served");
+        drop(held);
+        assert!(sources.take(a).is_some());
+        assert_eq!(sources.0.lock().unwrap().len(), 0, "closed connections leave nothing counted");
     }
 
     #[tokio::test]

@@ -12,9 +12,7 @@ use crate::shared::ids;
 
 /// Topology key naming the node a volume lives on.
 pub const TOPOLOGY_KEY: &str = "topology.ferrite.dev/node";
-/// Kubernetes' well-known topology labels, reported as segments where the node has them.
-pub const ZONE_KEY: &str = "topology.kubernetes.io/zone";
-pub const REGION_KEY: &str = "topology.kubernetes.io/region";
+pub use crate::shared::nodes::{REGION_KEY, ZONE_KEY};
 
 pub(crate) fn require(field: &str, value: &str) -> Result<(), Status> {
     if value.is_empty() {

@@ -331,10 +331,14 @@ pub fn pick(
 /// this many, not one per node (past the provisioner's timeout with a handful of them).
 const ASK_AT_ONCE: usize = 32;
 
-/// The zones of `nodes` (in their order), as their daemons report them (a silent one: none);
+/// The zones of `nodes` (in their order), as the directory records them or else as their
+/// daemons report them (a silent one: none);
 /// [`ASK_AT_ONCE`] asked at a time, each within [`SCAN`].
 pub async fn zones_of(dir: &dyn NodeDirectory, nodes: &[String]) -> Vec<String> {
     let zone = |n: String| async move {
+        if let Some(z) = dir.zone(&n) {
+            return z;
+        }
         let ask = async { admin(dir, &n).await.ok()?.pool_status(pb::PoolStatusRequest {}).await.ok() };
         tokio::time::timeout(SCAN, ask).await.ok().flatten().map(|s| s.into_inner().zone).unwrap_or_default()
     };
@@ -357,6 +361,7 @@ pub async fn candidates(dir: &dyn NodeDirectory, exclude: &[String], volume: &st
             }
         };
         let (free, zone) = tokio::time::timeout(SCAN, ask).await.ok().flatten()?;
+        let zone = dir.zone(&other).unwrap_or(zone);
         Some((free, Candidate { node: other, zone }))
     };
     let mut found: Vec<(u64, Candidate)> = futures_util::stream::iter(others)

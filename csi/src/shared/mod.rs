@@ -2,7 +2,8 @@
 //! daemons' clients ([`nodes`]), volume ids ([`ids`]), the checks of a call's arguments and of a
 //! StorageClass's parameters ([`args`], [`class`], [`qos`]), the host's mount table and tools
 //! ([`host`]), where a replicated volume's copies are ([`copies`]), the keys of encrypted
-//! volumes ([`keys`]), and snapshots that are backups ([`backups`]).
+//! volumes ([`keys`]), snapshots that are backups ([`backups`]), and what a volume's PV says
+//! ([`pvs`]).
 
 pub(crate) mod args;
 pub(crate) mod backups;
@@ -12,4 +13,5 @@ pub(crate) mod host;
 pub mod ids;
 pub mod keys;
 pub mod nodes;
+pub(crate) mod pvs;
 pub mod qos;

@@ -21,13 +21,21 @@ use crate::{shared::copies, shared::ids};
 const DEFAULT_SIZE: u64 = 1 << 30;
 const BLOCK: u64 = 4096;
 
-#[derive(Debug)]
 pub struct Controller {
     pub nodes: Arc<dyn NodeDirectory>,
     /// Operations in flight, by volume id or CSI name (shared with the node service).
     pub busy: ferrite_proto::busy::Busy,
     /// Most volumes published to one node (what NodeGetInfo reports).
     pub max_volumes: i64,
+    /// The Kubernetes API, where the directory is the cluster's: what a volume made before its
+    /// context said whether it is remote-access is looked up in its PV (`shared::pvs`).
+    pub kube: Option<kube::Client>,
+}
+
+impl std::fmt::Debug for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controller").field("nodes", &self.nodes).field("kube", &self.kube.is_some()).finish()
+    }
 }
 
 /// The size to create or grow to for a capacity range: `required` rounded up to whole blocks,
@@ -165,10 +173,13 @@ impl Controller {
             let context = std::iter::once(("copies", at.join(","))).chain(class.context());
             volume.volume_context.extend(context.map(|(k, v)| (k.to_owned(), v)));
         }
-        // Accessible from every node: no topology, so the PV has no node affinity.
+        // Accessible from every node: no topology, so the PV has no node affinity. The context
+        // says which, for ControllerPublish (a node holding no copy gets only a remote-access
+        // volume); its PV is the controller's to write (the admission policy `ferrite-controller-pvs`).
         if class.remote_access {
             volume.accessible_topology.clear();
         }
+        volume.volume_context.insert(crate::shared::class::REMOTE_ACCESS.to_owned(), class.remote_access.to_string());
         Ok(volume)
     }
 

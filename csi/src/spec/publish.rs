@@ -4,6 +4,10 @@
 //! own), so the controller stays stateless, a daemon restart keeps it, and unpublishing cuts the
 //! node's connections.
 //!
+//! A volume is published only where its data is (a node holding a copy), unless its class made
+//! it remote-access: its context says which (its PV, for a volume made before it did), not the
+//! node's labels, which its kubelet writes.
+//!
 //! Every access mode this driver serves is single-node: a volume is published to one node at a
 //! time. Publishing to a node that holds an in-sync copy of a replicated volume makes that copy
 //! the primary first (data locality), when the volume is published nowhere; a node whose copy
@@ -21,6 +25,7 @@ use ferrite_proto::ferrite::v1 as pb;
 use tonic::{Code, Status};
 
 use crate::shared::args::{check_capabilities, require};
+use crate::shared::class::REMOTE_ACCESS;
 use crate::shared::nodes::admin;
 use crate::spec::controller::Controller;
 use crate::{shared::copies, shared::ids};
@@ -53,6 +58,16 @@ impl Controller {
         let (node, name) = ids::parse(&r.volume_id)
             .ok_or_else(|| Status::not_found(format!("volume {:?} does not exist", r.volume_id)))?;
         let (mut primary, mut c, vol, view) = copies::primary(&*self.nodes, node, name).await?;
+        let holders = view.as_ref().map_or_else(|| vec![primary.clone()], |v| copies::nodes_of(&*self.nodes, v));
+        if !holders.contains(&r.node_id) && !self.remote_access(&r.volume_id, &r.volume_context).await? {
+            return Err(Status::failed_precondition(format!(
+                "volume {:?} is accessible only on the nodes holding its copies ({}): node {} holds none, and \
+                 the volume is not remote-access (a class with {REMOTE_ACCESS}: \"true\")",
+                r.volume_id,
+                holders.join(", "),
+                r.node_id
+            )));
+        }
         // The primary serves an encrypted volume only with its key open; its copies get the key
         // too, so that the one promoted (here for locality, or when the primary's node is lost)
         // serves at once.
@@ -108,6 +123,20 @@ impl Controller {
         let copies = self.standbys(&primary, view.as_ref(), name, &r.node_id, r.readonly).await;
         tracing::info!(volume_id = %r.volume_id, node = %r.node_id, primary = %primary, ?copies, "CSI volume published");
         Ok(self.context(&primary, &p, &copies))
+    }
+
+    /// Whether volume `id` is accessible from every node: its context says (CreateVolume writes
+    /// it), or, for a volume made before it did, its PV (one without node affinity). Outside
+    /// Kubernetes such a volume is not.
+    async fn remote_access(&self, id: &str, context: &HashMap<String, String>) -> Result<bool, Status> {
+        if let Some(v) = context.get(REMOTE_ACCESS) {
+            return Ok(v == "true");
+        }
+        let Some(client) = &self.kube else { return Ok(false) };
+        let pv = crate::shared::pvs::remote_access(client, crate::spec::identity::DRIVER_NAME, id)
+            .await
+            .map_err(|e| Status::unavailable(format!("reading the PersistentVolume of {id:?}: {e}")))?;
+        Ok(pv == Some(true))
     }
 
     /// Publishes `volume` to `node` on each copy but the primary's and the node's own, for a node

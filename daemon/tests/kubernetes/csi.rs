@@ -513,33 +513,58 @@ async fn publish_and_unpublish_follow_the_spec() {
         ctl.controller_unpublish_volume(unpublish(gone, "node-a")).await.unwrap();
     }
 
+    // A node holding no copy gets only a remote-access volume: the context CreateVolume wrote
+    // says which (outside Kubernetes, a context without it is not), whatever the node's labels.
+    assert_eq!(v.volume_context["remoteAccess"], "false");
+    for context in [v.volume_context.clone(), HashMap::new()] {
+        let r =
+            csi::ControllerPublishVolumeRequest { volume_context: context, ..publish(&v.volume_id, "node-b", true) };
+        let e = ctl.controller_publish_volume(r).await.unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("node-b holds none"), "{}", e.message());
+    }
+    assert!(!a.ok(&["export", "list"]).contains("csi-publish-p1"), "a refused publication leaves no export");
+    let mut remote = create("r1", 1 << 20, Some("node-a"));
+    remote.parameters = HashMap::from([("remoteAccess".to_owned(), "true".to_owned())]);
+    let v = ctl.create_volume(remote).await.unwrap().into_inner().volume.unwrap();
+    assert_eq!((v.volume_context["remoteAccess"].as_str(), v.accessible_topology.len()), ("true", 0));
+    let remote = |vol: &csi::Volume, node: &str, readonly: bool| csi::ControllerPublishVolumeRequest {
+        volume_context: vol.volume_context.clone(),
+        ..publish(&vol.volume_id, node, readonly)
+    };
+
     // Over the network: allowed to the node's identity, read-only when asked.
-    let ctx = ctl.controller_publish_volume(publish(&v.volume_id, "node-b", true)).await.unwrap().into_inner();
+    let ctx = ctl.controller_publish_volume(remote(&v, "node-b", true)).await.unwrap().into_inner();
     assert_eq!(ctx.publish_context["primary"], "node-a");
     assert!(!ctx.publish_context["nbd"].is_empty(), "{:?}", ctx.publish_context);
     let e = a.json(&["export", "list"]);
-    let e = e.as_array().unwrap().iter().find(|e| e["name"] == "csi-publish-p1").cloned().unwrap();
+    let e = e.as_array().unwrap().iter().find(|e| e["name"] == "csi-publish-r1").cloned().unwrap();
     assert_eq!((e["allow"].clone(), e["read_only"].clone()), (serde_json::json!(["node-b"]), true.into()), "{e}");
+    // One node at a time: node-a, which holds it, is refused while node-b has it.
+    let e = ctl.controller_publish_volume(remote(&v, "node-a", true)).await.unwrap_err();
+    assert!(e.code() == Code::FailedPrecondition && e.message().contains("one node at a time"), "{e:?}");
     // Only node-b's certificate opens it: node-a's daemon relaying for itself is refused before
     // any device is made, and keeps no attachment.
     let (nbd, export) = (&ctx.publish_context["nbd"], &ctx.publish_context["export"]);
-    let o = a.cli(&["attach", "p1", "--remote", nbd, "--export", export]);
+    let o = a.cli(&["attach", "r1", "--remote", nbd, "--export", export]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("refused"), "{err}");
     assert!(a.json(&["attachments"]).as_array().unwrap().is_empty());
     ctl.controller_unpublish_volume(unpublish(&v.volume_id, "node-b")).await.unwrap();
 
     // The attach limit (2 here) counts every daemon's publications to the node.
-    let mut ids = Vec::new();
+    let mut vols = Vec::new();
     for (i, on) in ["node-a", "node-b", "node-a"].iter().enumerate() {
-        let id = ctl.create_volume(create(&format!("q{i}"), 1 << 20, Some(on))).await.unwrap().into_inner();
-        ids.push(id.volume.unwrap().volume_id);
+        let mut r = create(&format!("q{i}"), 1 << 20, Some(on));
+        r.parameters = HashMap::from([("remoteAccess".to_owned(), "true".to_owned())]);
+        vols.push(ctl.create_volume(r).await.unwrap().into_inner().volume.unwrap());
     }
-    ctl.controller_publish_volume(publish(&ids[0], "node-b", false)).await.unwrap();
-    ctl.controller_publish_volume(publish(&ids[1], "node-b", false)).await.unwrap();
-    assert_eq!(code(ctl.controller_publish_volume(publish(&ids[2], "node-b", false)).await), Code::ResourceExhausted);
+    let ids: Vec<String> = vols.iter().map(|v| v.volume_id.clone()).collect();
+    ctl.controller_publish_volume(remote(&vols[0], "node-b", false)).await.unwrap();
+    ctl.controller_publish_volume(remote(&vols[1], "node-b", false)).await.unwrap();
+    assert_eq!(code(ctl.controller_publish_volume(remote(&vols[2], "node-b", false)).await), Code::ResourceExhausted);
     ctl.controller_unpublish_volume(unpublish(&ids[0], "node-b")).await.unwrap();
-    ctl.controller_publish_volume(publish(&ids[2], "node-b", false)).await.unwrap();
+    ctl.controller_publish_volume(remote(&vols[2], "node-b", false)).await.unwrap();
 
     // What the daemon takes from the controller: one node's identity or local, nothing wider.
     let mut admin = ferrite_proto::ferrite::v1::admin_client::AdminClient::new(

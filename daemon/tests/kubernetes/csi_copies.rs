@@ -221,6 +221,7 @@ async fn replicated_volumes_through_the_controller() {
         volume_id: r3.volume_id.clone(),
         node_id: node.into(),
         volume_capability: Some(common::csi::mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)),
+        volume_context: r3.volume_context.clone(),
         ..Default::default()
     };
     let ctx = ctl.controller_publish_volume(publish(no_copy)).await.unwrap().into_inner().publish_context;
@@ -254,6 +255,23 @@ async fn replicated_volumes_through_the_controller() {
     ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: r3.volume_id.clone(), ..Default::default() })
         .await
         .unwrap();
+
+    println!("== without remoteAccess, a node holding no copy (the witness's) is refused");
+    let r5 = ctl.create_volume(replicated("r5", 16 * MIB, "node-a", "2")).await.unwrap().into_inner().volume.unwrap();
+    let members = sync(&a, "r5")["members"].clone();
+    let witness = members.as_array().unwrap().iter().find(|m| m["state"] == "witness").unwrap();
+    let no_copy = nodes.iter().find(|(_, e)| witness["endpoint"] == *e).unwrap().0;
+    let req = csi::ControllerPublishVolumeRequest {
+        volume_id: r5.volume_id.clone(),
+        node_id: no_copy.into(),
+        volume_capability: Some(common::csi::mount_cap(csi::volume_capability::access_mode::Mode::SingleNodeWriter)),
+        volume_context: r5.volume_context.clone(),
+        ..Default::default()
+    };
+    let e = ctl.controller_publish_volume(req).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains(&format!("node {no_copy} holds none")), "{e}");
+    ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: r5.volume_id, ..Default::default() }).await.unwrap();
 
     println!("== deletion removes every copy");
     ctl.delete_volume(csi::DeleteVolumeRequest { volume_id: clone.volume_id, ..Default::default() }).await.unwrap();

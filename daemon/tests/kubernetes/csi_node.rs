@@ -645,8 +645,10 @@ async fn stage_from_primary(no_storage: bool) {
     let mut ctl = csi::controller_client::ControllerClient::new(channel(&dir.path().join("csi.sock")).await);
     let mut node = csi::node_client::NodeClient::new(channel(&node_dir.join("csi.sock")).await);
     let cap = mount_cap(Mode::SingleNodeWriter);
-    let id =
-        ctl.create_volume(create("far", 256 << 20, Some(na))).await.unwrap().into_inner().volume.unwrap().volume_id;
+    let mut far = create("far", 256 << 20, Some(na));
+    far.parameters.insert("remoteAccess".into(), "true".into());
+    let far = ctl.create_volume(far).await.unwrap().into_inner().volume.unwrap();
+    let id = far.volume_id.clone();
     let (staging, target) = (dir.path().join("staging"), dir.path().join("target"));
 
     // Without a publication the node has nothing to reach it with.
@@ -656,6 +658,7 @@ async fn stage_from_primary(no_storage: bool) {
         volume_id: id.clone(),
         node_id: nb.into(),
         volume_capability: Some(cap.clone()),
+        volume_context: far.volume_context.clone(),
         ..Default::default()
     };
     let ctx = ctl.controller_publish_volume(publish_req).await.unwrap().into_inner().publish_context;

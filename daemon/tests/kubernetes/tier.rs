@@ -606,11 +606,13 @@ fn zone_of(name: &str) -> &'static str {
     }
 }
 
-/// A node plugin pod's CSI-Addons sidecar: it reads the in-cluster configuration (a pod's token,
-/// the API server by address: the switch's `gateway`).
+/// A node plugin pod's CSI-Addons sidecar: it reads the in-cluster configuration (the pod's
+/// bound token, which names its pod and node for the policy `ferrite-node-csi-addons`; the API
+/// server by address: the switch's `gateway`).
 fn start_addons_sidecar(cp: &mut ControlPlane, gateway: &str, pod: &Pod) {
     let cmd = pod.command("csi-addons", &cp.bin.join("csi-addons-sidecar"), &[], &[], false);
-    cp.spawn_in_pod(&pod.process("csi-addons"), &cmd, NS, "ferrite-node", Some((&pod.node.netns, gateway)));
+    let (account, bound) = ((NS, "ferrite-node"), (pod.name(), pod.uid()));
+    cp.spawn_in_bound_pod(&pod.process("csi-addons"), &cmd, account, bound, Some((&pod.node.netns, gateway)));
 }
 
 /// Environment variables of a container.
@@ -1016,7 +1018,7 @@ fn ferrite_on_kubernetes() {
     drop(s);
     c.daemon("node-a").ok(&["export", "stop", &data_vol]);
 
-    println!("== attach: one node at a time, recorded on the daemon serving the volume");
+    println!("== attach: where its copy is, recorded on the daemon serving the volume");
     let data_pv = c.cp.get(&["pvc", "data"])["spec"]["volumeName"].as_str().unwrap().to_owned();
     let attach = |cp: &ControlPlane, name: &str, node: &str| {
         cp.apply(
@@ -1034,12 +1036,14 @@ fn ferrite_on_kubernetes() {
     assert_eq!(va["status"]["attachmentMetadata"]["nbd"], format!("{}:10809", c.nodes[0].ip).as_str());
     let publication = format!("csi-publish-{data_vol}");
     assert!(c.daemon("node-a").ok(&["export", "list"]).contains(&publication));
+    // node-b holds no copy of this local volume: refused whatever its labels say (the volume's
+    // context says it is not remote-access).
     attach(&c.cp, "data-b", "node-b");
     let va = c.wait_field("a second node's attach to be refused", &["volumeattachment", "data-b"], |v| {
         v["status"]["attachError"]["message"].is_string()
     });
     let why = va["status"]["attachError"]["message"].as_str().unwrap();
-    assert!(why.contains("one node at a time") && va["status"]["attached"] != true, "{why}");
+    assert!(why.contains("node node-b holds none") && va["status"]["attached"] != true, "{why}");
     for va in ["data-b", "data-a"] {
         c.cp.ok(&["delete", "volumeattachment", va, "--wait=true", "--timeout=60s"]);
     }

@@ -19,6 +19,7 @@
 //! of the `sign` right on the signer name may write `status.certificate` (the API server checks
 //! it), so the chain is as trustworthy as the signer.
 
+pub mod addresses;
 pub mod cluster;
 pub mod request;
 pub mod signer;

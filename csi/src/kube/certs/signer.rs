@@ -2,7 +2,9 @@
 //! of that signer and answers each once: approved and signed when the request comes from a
 //! daemon pod's own token and names exactly what that pod's node is, denied (with the reason in
 //! the condition's message) otherwise. A request someone else approved is checked all the same:
-//! one that fails is marked Failed, never signed.
+//! one that fails is marked Failed, never signed. An IP address issued to a node is recorded
+//! (`addresses.rs`): no other node is issued it while that Node exists, and a certificate naming
+//! one lives a day at most.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -17,7 +19,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 
-use super::{SIGNER, USAGES, node_names};
+use super::{SIGNER, USAGES, addresses, node_names};
 
 /// What a pod-bound ServiceAccount token adds to its user's extra information.
 const POD_NAME: &str = "authentication.kubernetes.io/pod-name";
@@ -25,6 +27,8 @@ const POD_UID: &str = "authentication.kubernetes.io/pod-uid";
 const NODE_NAME: &str = "authentication.kubernetes.io/node-name";
 /// The shortest lifetime Kubernetes lets a request ask for.
 const MIN_LIFETIME: Duration = Duration::from_secs(600);
+/// The longest lifetime of a certificate that names an IP address.
+const IP_LIFETIME: Duration = Duration::from_secs(86_400);
 
 /// Who may be issued what.
 #[derive(Debug, Clone)]
@@ -54,6 +58,13 @@ fn one<'a>(spec: &'a CertificateSigningRequestSpec, key: &str) -> Option<&'a str
         [v] => Some(v.as_str()),
         _ => None,
     }
+}
+
+/// The IP addresses a request names (none when it does not parse: it is refused then).
+fn ip_names(spec: &CertificateSigningRequestSpec) -> Vec<String> {
+    let text = std::str::from_utf8(&spec.request.0).unwrap_or_default();
+    let names = ferrite_tls::certs::Request::parse(text).ok().and_then(|r| r.names().ok()).unwrap_or_default();
+    names.into_iter().filter(|n| n.parse::<std::net::IpAddr>().is_ok()).collect()
 }
 
 impl Signer {
@@ -146,17 +157,26 @@ impl Signer {
         let Some(node) = all.items.iter().find(|n| n.metadata.name.as_deref() == Some(&node_name)) else {
             return Ok(Verdict::Refuse(format!("node {node_name} does not exist")));
         };
-        let others = all
-            .iter()
-            .filter(|n| n.metadata.name.as_deref() != Some(&node_name))
-            .flat_map(|n| super::ip_addresses(n).map(|a| (a, n.metadata.name.clone().unwrap_or_default())))
-            .collect();
+        let record = addresses::read(client, &self.namespace).await?;
+        let exists = |n: &str| all.items.iter().any(|o| o.metadata.name.as_deref() == Some(n));
+        let recorded = addresses::owners(record.as_ref(), exists);
+        let listed =
+            all.iter().flat_map(|n| super::ip_addresses(n).map(|a| (a, n.metadata.name.clone().unwrap_or_default())));
+        let others = addresses::others(&node_name, &recorded, listed);
         if let Err(why) = self.check(spec, (account, &pod, uid), node, &others) {
             return Ok(Verdict::Refuse(why));
         }
         let asked =
             spec.expiration_seconds.map_or(self.max_lifetime, |s| Duration::from_secs(s.max(0).unsigned_abs().into()));
-        Ok(Verdict::Sign { lifetime: asked.clamp(MIN_LIFETIME, self.max_lifetime.max(MIN_LIFETIME)), node: node_name })
+        let mut lifetime = asked.clamp(MIN_LIFETIME, self.max_lifetime.max(MIN_LIFETIME));
+        // An address can pass to another machine (a lease, a replaced node): a certificate naming
+        // one is issued for a day at most, so an address's old holder is not its identity for long.
+        let ips = ip_names(spec);
+        if !ips.is_empty() {
+            lifetime = lifetime.min(IP_LIFETIME);
+        }
+        addresses::record(client, &self.namespace, record, &node_name, &ips).await?;
+        Ok(Verdict::Sign { lifetime, node: node_name })
     }
 
     /// Issues the certificate: the request's names, signed by the CA, then the CA itself.

@@ -53,6 +53,11 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     fn node_server_name(&self, _node: &str) -> Option<String> {
         self.server_name()
     }
+    /// The zone of `node` as the directory records it, for placing copies; None: as the node's
+    /// daemon reports it (a directory the operator wrote).
+    fn zone(&self, _node: &str) -> Option<String> {
+        None
+    }
     /// The connections this directory keeps for reuse (None: a connection per call).
     fn connections(&self) -> Option<&Connections> {
         None
@@ -65,6 +70,10 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
         net
     }
 }
+
+/// Kubernetes' well-known topology labels, reported as segments where the node has them.
+pub const ZONE_KEY: &str = "topology.kubernetes.io/zone";
+pub const REGION_KEY: &str = "topology.kubernetes.io/region";
 
 /// The cluster's addresses as a fence sees them.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

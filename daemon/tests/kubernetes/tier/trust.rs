@@ -214,8 +214,16 @@ pub fn node_climbs(c: &mut Cluster, node: &str) {
     // The node's renewal (its cert-renew container looks every 2 s) asks for its new names: the
     // other node's address among them, refused.
     let tls = c.nodes[d].host("/etc/ferrite/tls");
-    let before = ferrite_tls::identities(&ferrite_tls::load_certs(&tls.join("tls.crt")).unwrap()[0]);
+    let held = &ferrite_tls::load_certs(&tls.join("tls.crt")).unwrap()[0];
+    let before = ferrite_tls::identities(held);
     assert_eq!(before, [node, ip.as_str(), "ferrite-node.ferrite.svc"]);
+    let (from, to) = ferrite_tls::validity(held).unwrap();
+    // A day, and the hour of slack it starts with.
+    assert!(to - from <= 86_400 + 3_600 + 60, "a certificate naming an IP address lives a day: {}", to - from);
+    // The signer's record: each address with the node first issued it.
+    let record = c.cp.get(&["configmap", "ferrite-node-addresses", "-n", NS]);
+    assert_eq!(record["data"][ip.as_str()], node, "{record}");
+    assert_eq!(record["data"][other_ip.as_str()], "node-a", "{record}");
     let mut denied = String::new();
     c.cp.wait(&format!("{node}'s renewal with another node's address to be denied"), LONG, |cp| {
         let csrs = cp.get(&["csr", "-l", &label]);
@@ -271,6 +279,46 @@ pub fn node_climbs(c: &mut Cluster, node: &str) {
     assert_eq!(touch_lease(c, &token, node), "", "its own Lease");
     let err = touch_lease(c, &unbound, node);
     assert!(err.contains("only its own node's heartbeat Lease"), "a token bound to no pod names no node: {err}");
+
+    println!("== root on {node}: its node plugin's token writes only its own node's CSIAddonsNode");
+    let plugin = &c.plugin_pods[d];
+    let kc = c.cp.pod_token_kubeconfig(NS, "ferrite-node", plugin.name(), plugin.uid(), "node-d-addons.kubeconfig");
+    let own_endpoint = format!("pod://{}.{NS}:9071", plugin.name());
+    let write = |verb: &str, obj: &Value| {
+        let path = c.cp.dir.join("csiaddonsnode.json");
+        std::fs::write(&path, obj.to_string()).unwrap();
+        let o = c.cp.kubectl_as(&kc, &[verb, "-f", &path.display().to_string()]);
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let entry = |name: &str, node_id: &str, endpoint: &str| {
+        json!({"apiVersion": "csiaddons.openshift.io/v1alpha1", "kind": "CSIAddonsNode",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"driver": {"name": "csi.ferrite.dev", "nodeID": node_id, "endpoint": endpoint}}})
+    };
+    // An entry for another node, pointing the manager at itself: refused.
+    let err = write("create", &entry("forged-node-a", "node-a", &own_endpoint));
+    assert!(err.contains("names its own node, csi.ferrite.dev and its own pod's endpoint"), "{err}");
+    // Another node's entry (the controller's sidecar registers node-a's), taken over: refused.
+    let all = c.cp.get(&["csiaddonsnodes", "-n", NS]);
+    let mut theirs =
+        all["items"].as_array().unwrap().iter().find(|o| o["spec"]["driver"]["nodeID"] == "node-a").cloned();
+    let theirs = theirs.as_mut().expect("node-a's CSIAddonsNode (the controller's sidecar)");
+    let name = theirs["metadata"]["name"].as_str().unwrap().to_owned();
+    theirs["spec"]["driver"]["endpoint"] = json!(own_endpoint);
+    assert!(write("replace", theirs).contains("only its own node's CSIAddonsNode"));
+    let o = c.cp.kubectl_as(&kc, &["delete", "csiaddonsnode", &name, "-n", NS]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("only its own node's CSIAddonsNode"), "{o:?}");
+    // Its own, naming its own pod: taken, and removed.
+    let own = entry(&format!("{node}-check"), node, &own_endpoint);
+    assert_eq!(write("create", &own), "");
+    let o = c.cp.kubectl_as(&kc, &["delete", "csiaddonsnode", &format!("{node}-check"), "-n", NS]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // A token bound to no pod names none: refused.
+    let unbound = c.cp.token_kubeconfig(NS, "ferrite-node", "unbound-addons.kubeconfig");
+    let path = c.cp.dir.join("csiaddonsnode.json");
+    std::fs::write(&path, own.to_string()).unwrap();
+    let o = c.cp.kubectl_as(&unbound, &["create", "-f", &path.display().to_string()]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("only with its pod's token"), "{o:?}");
 }
 
 /// Writes (updates, as the heartbeat does) node `n`'s heartbeat Lease with the credentials of
