@@ -1,7 +1,8 @@
 //! Replicated volumes (a StorageClass's `replicas: "2"` or `"3"`): copies of one volume on
-//! distinct nodes, kept in step by the daemons' synchronous replicas. The controller still keeps
-//! no state: a replicated volume's id names no node, and where it is served now is asked of the
-//! daemons ([`locate`]: the copy that calls itself primary, newest generation first).
+//! distinct nodes, kept in step by the daemons' synchronous replicas. A replicated volume's id
+//! names no node: which nodes hold its copies is the controller's record where the directory
+//! keeps one (Kubernetes: `nodes::placements`), and which copy serves it now is asked of them
+//! ([`locate`]: the copy that calls itself primary with a majority of the members behind it).
 
 use std::collections::BTreeMap;
 
@@ -14,6 +15,7 @@ use tonic::{Code, Status};
 
 use crate::shared::class::Spread;
 use crate::shared::ids;
+use crate::shared::nodes::placements::{Placed, confirmed, recorded_on, share_cap};
 use crate::shared::nodes::{NodeDirectory, SCAN, admin, scan};
 
 /// The node serving the volume a CSI volume id names (for a replicated volume, the node of its
@@ -29,8 +31,8 @@ pub async fn volume(
 }
 
 /// The nodes that hold snapshot `id` with what each says of it (for an id naming a node, only
-/// that one, if the directory knows it), and the nodes that did not answer; NotFound for an id
-/// we never made.
+/// that one, if the directory knows it; of a recorded volume, only its recorded nodes), and the
+/// nodes that did not answer; NotFound for an id we never made.
 pub(crate) async fn holders(
     dir: &dyn NodeDirectory,
     id: &str,
@@ -50,7 +52,10 @@ pub(crate) async fn holders(
     })
     .await?;
     let silent = found.silent.iter().map(|(n, _)| n.clone()).collect();
-    let mut at: Vec<(String, pb::Snapshot)> = found.answers.into_iter().filter_map(|(n, s)| Some((n, s?))).collect();
+    // A node's snapshot of a volume counts only where the volume is recorded on it.
+    let ours = |n: &str, s: &pb::Snapshot| recorded_on(dir.placements(), n, &s.volume);
+    let mut at: Vec<(String, pb::Snapshot)> =
+        found.answers.into_iter().filter_map(|(n, s)| Some((n, s?))).filter(|(n, s)| ours(n, s)).collect();
     at.sort_by(|a, b| a.0.cmp(&b.0));
     Ok((at, silent))
 }
@@ -137,14 +142,110 @@ fn last_seen(name: &str) -> Option<String> {
     LAST_SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(name).cloned()
 }
 
-/// Finds volume `name`: at `hint` (the node its id names, or [`crate::shared::ids::ANY`]), else where it
+/// Finds volume `name`. Where the directory keeps the controller's record of where volumes
+/// live, only the recorded nodes are asked, all at once, and a copy that calls itself primary
+/// counts only with a majority of the recorded members behind it ([`confirmed`]); a volume made
+/// before the record is found as below, then recorded once its primary is so confirmed by its
+/// own members. Without a record (a directory the operator wrote), see [`ask_around`].
+pub async fn locate(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<Found, Status> {
+    let Some(records) = dir.placements() else { return ask_around(dir, hint, name).await };
+    if let Some(placed) = records.get(name) {
+        return recorded(dir, &placed, name).await;
+    }
+    let found = ask_around(dir, hint, name).await?;
+    let Some((node, _, _, view)) = &found.primary else { return Ok(found) };
+    let placed = match view {
+        None => Placed { copies: vec![node.clone()], witness: None },
+        Some(v) => placed_of(dir, v),
+    };
+    let checked = recorded(dir, &placed, name).await?;
+    if checked.primary.as_ref().is_some_and(|p| p.0 == *node) {
+        // Recorded at the next lookup if this one fails: the volume is served meanwhile.
+        match records.update(name, |p| p.clone_from(&placed)).await {
+            Ok(_) => tracing::warn!(volume = name, copies = ?placed.copies, witness = ?placed.witness,
+                "a volume made before placement records: recorded where its copies answered"),
+            Err(e) => tracing::warn!(volume = name, "recording a volume made before placement records: {e}"),
+        }
+    }
+    Ok(checked)
+}
+
+/// The nodes of `view`'s members as a record: its copies (the primary's first) and witness.
+fn placed_of(dir: &dyn NodeDirectory, view: &pb::SyncVolume) -> Placed {
+    let witness = view.members.iter().find(|m| m.state == "witness").and_then(|m| node_of(dir, &m.endpoint));
+    Placed { copies: nodes_of(dir, view), witness }
+}
+
+/// Finds volume `name` on the nodes `placed` records (those the directory knows), each asked
+/// within [`SCAN`], all at once: the primary is the newest generation's copy that calls itself
+/// primary and is [`confirmed`]; a single recorded copy with no membership is a local volume.
+async fn recorded(dir: &dyn NodeDirectory, placed: &Placed, name: &str) -> Result<Found, Status> {
+    let known = dir.nodes();
+    let nodes: Vec<String> = placed.members().filter(|n| known.iter().any(|k| k == n)).map(str::to_owned).collect();
+    let found = scan(dir, nodes, |_, mut c| async move {
+        let v = match c.get_volume(pb::GetVolumeRequest { name: name.to_owned() }).await {
+            Ok(v) => Some(v.into_inner()),
+            Err(s) if s.code() == Code::NotFound => None,
+            Err(s) => return Err(s),
+        };
+        let s = view(&mut c, name).await?;
+        Ok((c, v, s))
+    })
+    .await?;
+    let views: Vec<(&str, &pb::SyncVolume)> =
+        found.answers.iter().filter_map(|(n, (_, _, s))| Some((n.as_str(), s.as_ref()?))).collect();
+    let backed: Vec<bool> = found
+        .answers
+        .iter()
+        .map(|(n, (_, _, s))| s.as_ref().is_some_and(|s| confirmed(placed, n, s, views.iter().copied())))
+        .collect();
+    let local = placed.copies.len() == 1 && placed.witness.is_none();
+    let silent = found.silent.into_iter().map(|(n, _)| n).collect();
+    let mut out = Found { primary: None, copies: Vec::new(), silent };
+    for ((node, (c, v, s)), backed) in found.answers.into_iter().zip(backed) {
+        let Some(v) = v else { continue };
+        match s {
+            None if local => out.primary = Some((node, c, v, None)),
+            None => {}
+            Some(s) if s.role != "primary" => out.copies.push((node, s)),
+            Some(s) if !backed => {
+                tracing::warn!(
+                    volume = name,
+                    node,
+                    generation = s.generation,
+                    "a copy calls itself primary without a majority of the recorded members behind it"
+                );
+                out.copies.push((node, s));
+            }
+            Some(s) => {
+                let newer =
+                    out.primary.as_ref().is_none_or(|p| p.3.as_ref().is_none_or(|p| s.generation > p.generation));
+                if newer {
+                    out.primary = Some((node, c, v, Some(s)));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Changes the controller's record of where `volume` lives, where the directory keeps one.
+pub async fn record(dir: &dyn NodeDirectory, volume: &str, change: impl Fn(&mut Placed)) -> Result<(), Status> {
+    match dir.placements() {
+        Some(records) => records.update(volume, change).await.map(drop),
+        None => Ok(()),
+    }
+}
+
+/// Finds volume `name` by asking the daemons: at `hint` (the node its id names, or
+/// [`crate::shared::ids::ANY`]), else where it
 /// was last served as a replicated volume's primary, following a copy that names another
 /// primary; when none of those answers as its primary, every other node is asked at once, each
 /// within [`SCAN`], and the copy of the newest generation that calls itself primary wins. A
 /// node the directory no longer knows (its Node deleted) or that lost the volume is no answer:
 /// the others are asked. Only the node an id names may answer with a local volume: elsewhere a
 /// volume of that name (an asynchronous replica's secondary, say) is another volume.
-pub async fn locate(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<Found, Status> {
+async fn ask_around(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<Found, Status> {
     let known = dir.nodes();
     let mut tried: Vec<String> = Vec::new();
     // (node, whether a local volume there is the one), asked last first.
@@ -349,7 +450,8 @@ pub async fn zones_of(dir: &dyn NodeDirectory, nodes: &[String]) -> Vec<String> 
 /// not in `exclude` and hold no volume of that name; the most free space first. [`ASK_AT_ONCE`]
 /// are asked at a time.
 pub async fn candidates(dir: &dyn NodeDirectory, exclude: &[String], volume: &str) -> Vec<Candidate> {
-    let others = dir.nodes().into_iter().filter(|o| !exclude.contains(o));
+    let full = over_share(dir);
+    let others = dir.nodes().into_iter().filter(|o| !exclude.contains(o) && !full.contains(o));
     let ask = |other: String| async move {
         let ask = async {
             let mut oc = admin(dir, &other).await.ok()?;
@@ -374,7 +476,22 @@ pub async fn candidates(dir: &dyn NodeDirectory, exclude: &[String], volume: &st
     found.into_iter().map(|(_, c)| c).collect()
 }
 
-/// Adds a copy (or a `witness`) of `volume` on node `other` through its primary's client `c`.
+/// The nodes that take no new copy: those holding their share of the recorded ones already
+/// ([`share_cap`]), so that a daemon that claims more free space than it has does not take
+/// every new volume. Empty without a record.
+pub fn over_share(dir: &dyn NodeDirectory) -> Vec<String> {
+    let Some(records) = dir.placements() else { return Vec::new() };
+    let counts = records.counts();
+    let cap = share_cap(&counts, dir.nodes().len());
+    let full: Vec<String> = counts.into_iter().filter(|(_, n)| *n >= cap).map(|(node, _)| node).collect();
+    if !full.is_empty() {
+        tracing::info!(nodes = ?full, cap, "nodes at their share of the copies take no new one");
+    }
+    full
+}
+
+/// Adds a copy (or a `witness`) of `volume` on node `other` through its primary's client `c`,
+/// recording it first (and forgetting it again if the primary refuses).
 pub async fn add_member(
     dir: &dyn NodeDirectory,
     c: &mut AdminClient<Channel>,
@@ -385,9 +502,14 @@ pub async fn add_member(
     let peer = dir.admin_endpoint(other).ok_or_else(|| Status::not_found(format!("unknown node {other:?}")))?;
     let r = pb::AddSyncReplicaRequest { volume: volume.to_owned(), peer, witness };
     let what = if witness { "a witness" } else { "a copy" };
-    c.add_sync_replica(r)
-        .await
-        .map_err(|s| Status::new(s.code(), format!("adding {what} of {volume:?} on {other}: {}", s.message())))?;
+    // Recorded first: the record names every node that may hold a member.
+    record(dir, volume, |p| p.add(other, witness)).await?;
+    if let Err(s) = c.add_sync_replica(r).await {
+        if let Err(e) = record(dir, volume, |p| p.remove(other)).await {
+            tracing::warn!(volume, node = %other, "a member not added stays recorded: {e}");
+        }
+        return Err(Status::new(s.code(), format!("adding {what} of {volume:?} on {other}: {}", s.message())));
+    }
     tracing::info!(volume, node = %other, witness, "member added");
     Ok(other.to_owned())
 }
@@ -407,7 +529,7 @@ pub async fn delete(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<(
     }
     let Some((node, mut c, _, view)) = found.primary else {
         return match found.silent.is_empty() {
-            true => Ok(()),
+            true => record(dir, name, |p| *p = Placed::default()).await,
             false => Err(Status::unavailable(format!(
                 "volume {name:?}: no copy found, and {} did not answer; deletion is retried",
                 found.silent.join(", ")
@@ -418,10 +540,11 @@ pub async fn delete(dir: &dyn NodeDirectory, hint: &str, name: &str) -> Result<(
         remove_copies(dir, &node, &view).await?;
     }
     match c.delete_volume(pb::DeleteVolumeRequest { name: name.to_owned() }).await {
-        Ok(_) => Ok(()),
-        Err(s) if s.code() == Code::NotFound => Ok(()),
-        Err(s) => Err(s),
+        Ok(_) => {}
+        Err(s) if s.code() == Code::NotFound => {}
+        Err(s) => return Err(s),
     }
+    record(dir, name, |p| *p = Placed::default()).await
 }
 
 /// Promotes the first of `copies` (newest generation first, in-sync ones first) the daemons
@@ -489,6 +612,7 @@ async fn remove_copies(dir: &dyn NodeDirectory, node: &str, view: &pb::SyncVolum
         delete_copy(&mut admin(dir, &other).await?, volume)
             .await
             .map_err(|s| Status::new(s.code(), format!("deleting the copy on {other}: {}", s.message())))?;
+        record(dir, volume, |p| p.remove(&other)).await?;
     }
     Ok(())
 }

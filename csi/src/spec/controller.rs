@@ -14,6 +14,7 @@ use crate::shared::args::{
     TOPOLOGY_KEY, check_capabilities, no_parameters, paginate, require, topology, unread_header, volume_msg,
 };
 use crate::shared::class::Class;
+use crate::shared::nodes::placements::Placed;
 use crate::shared::nodes::{NodeDirectory, admin, scan};
 use crate::{shared::copies, shared::ids};
 
@@ -144,8 +145,23 @@ impl Controller {
             Ok((None, free))
         })
         .await?;
-        let free = found.answers.iter().map(|(node, (_, free))| (node.clone(), *free)).collect();
-        match found.answers.into_iter().find_map(|(node, (name, _))| name.map(|n| (node, n))) {
+        // Where the controller records placements, a volume counts only on a node recorded for
+        // it: a daemon's claim to hold a name makes no volume of ours, and that node takes no
+        // new one of the name. Nor does a node at its share of the copies.
+        let records = self.nodes.placements();
+        let ours = |node: &str, name: &str| records.is_none_or(|r| r.get(name).is_some_and(|p| p.holds(node)));
+        let full = copies::over_share(&*self.nodes);
+        let mut free = Vec::new();
+        let mut held = None;
+        for (node, (name, room)) in found.answers {
+            match name {
+                Some(name) if ours(&node, &name) => held = held.or(Some((node, name))),
+                Some(name) => tracing::warn!(node, volume = name, "a node holds a volume it was never given: ignored"),
+                None if !full.contains(&node) => free.push((node, room)),
+                None => {}
+            }
+        }
+        match held {
             Some((node, name)) => {
                 let (node, _, v, _) = copies::primary(&*self.nodes, &node, &name).await?;
                 Ok((Some((node, v)), free))
@@ -181,6 +197,12 @@ impl Controller {
         }
         volume.volume_context.insert(crate::shared::class::REMOTE_ACCESS.to_owned(), class.remote_access.to_string());
         Ok(volume)
+    }
+
+    /// Records `node` as the one node of new volume `name`, before its daemon is asked to make
+    /// it (a retry that finds it there then knows it for ours).
+    async fn record(&self, name: &str, node: &str) -> Result<(), Status> {
+        copies::record(&*self.nodes, name, |p| *p = Placed { copies: vec![node.to_owned()], witness: None }).await
     }
 
     async fn get(&self, volume_id: &str) -> Result<(String, pb::Volume), Status> {
@@ -262,6 +284,7 @@ impl csi::controller_server::Controller for Controller {
             // Restored where the topology asks (any node with the target), serving at once; a
             // replicated class's copies are added once the copy is done (retried until then).
             let node = self.place(r.accessibility_requirements.as_ref(), free, remote)?;
+            self.record(&name, &node).await?;
             let v = crate::shared::backups::restore(&*self.nodes, &backup, &node, &name, encryption).await?;
             let v = fit(&mut admin(&*self.nodes, &node).await?, v, size, limits).await?;
             let volume = self.copies(&node, volume_msg(&node, &v, source), &v.name, &class).await?;
@@ -295,12 +318,14 @@ impl csi::controller_server::Controller for Controller {
         let (node, v) = match clone_of {
             // A clone lives where its source does, whatever the topology asked for.
             Some((node, src)) => {
+                self.record(&name, &node).await?;
                 let mut c = admin(&*self.nodes, &node).await?;
                 let v = c.clone_volume(pb::CloneVolumeRequest { name, source: Some(src) }).await?.into_inner();
                 (node, fit(&mut c, v, size, limits).await?)
             }
             None => {
                 let node = self.place(r.accessibility_requirements.as_ref(), free, remote)?;
+                self.record(&name, &node).await?;
                 let mut c = admin(&*self.nodes, &node).await?;
                 let req = pb::CreateVolumeRequest { name, size, limits: Some(limits), encryption };
                 let v = c.create_volume(req).await?.into_inner();

@@ -53,6 +53,8 @@
 //!                                   # this long is ejected; default 3000
 //! peer-quota = 2000                 # what one replication peer may make here: at most this many
 //!                                   # relations and as many synchronous memberships; default 2000
+//! peer-space-percent = 50           # and volumes adding up to at most this share of what the pool
+//!                                   # may hold (its size times the overcommit cap); default 50
 //! sync-mark-interval-ms = 60000     # how often a synchronous primary that took writes takes a
 //!                                   # mark with its members (where a returning member's rebuild
 //!                                   # starts); default 60000
@@ -155,6 +157,7 @@ pub struct ConfigFile {
     pub sync_timeout_ms: Option<u64>,
     pub sync_mark_interval_ms: Option<u64>,
     pub peer_quota: Option<usize>,
+    pub peer_space_percent: Option<u64>,
     pub device_hold_s: Option<u64>,
     pub nbd_device_timeout_s: Option<u64>,
     /// The failure domains of this daemon's node (its `topology.kubernetes.io/zone` and
@@ -274,6 +277,8 @@ pub struct Config {
     pub sync_mark_interval: Duration,
     /// Relations, and synchronous memberships, one replication peer may make here.
     pub peer_quota: usize,
+    /// The share of what the pool may hold (percent) that one peer's volumes here may add up to.
+    pub peer_space_percent: u64,
     /// How long a kernel NBD device holds its I/O for a new connection.
     pub device_hold: Duration,
     /// A kernel NBD request unanswered this long is re-sent on the next connection.
@@ -580,6 +585,8 @@ impl Config {
             )?),
             // 50 nodes, each primary of a few dozen volumes with a copy here: far below this.
             peer_quota: between(f.peer_quota, 2000, 1..=1_000_000, "peer-quota")?,
+            // Two peers that each fill their share cannot take the whole pool.
+            peer_space_percent: between(f.peer_space_percent, 50, 1..=100, "peer-space-percent")?,
             roles: parse_roles(f.roles.unwrap_or_default())?,
             backup_targets: check_targets(f.backup_targets.unwrap_or_default(), f.backup_targets_file.as_deref())?,
             zone: check_domain("zone", f.zone)?,

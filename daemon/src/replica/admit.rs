@@ -185,10 +185,22 @@ pub(super) fn new_relation(rep: &Replication, caller: &Caller, b: &PushBegin) ->
                 .into());
         }
     }
-    let made = rep.relations.all().iter().filter(|r| r.peer == b.origin).count();
-    if made >= rep.quota && !caller.is_operator() {
-        let why = format!("{} is the peer of {made} relations here (peer-quota {})", b.origin, rep.quota);
+    let made: Vec<Relation> = rep.relations.all().into_iter().filter(|r| r.peer == b.origin).collect();
+    if made.len() >= rep.quota && !caller.is_operator() {
+        let why = format!("{} is the peer of {} relations here (peer-quota {})", b.origin, made.len(), rep.quota);
         return Err(rep.policy.exhausted(caller, PUSH, &why).into());
+    }
+    // Nor more than its share of the pool.
+    let size = |v: &String| rep.pool.volume_info(v).map_or(0, |i| i.size);
+    let held: u64 = made
+        .iter()
+        .flat_map(|r| if r.group { r.members.iter() } else { std::slice::from_ref(&r.volume).iter() })
+        .map(size)
+        .sum();
+    if !caller.is_operator()
+        && let Err(why) = super::check_peer_space(&rep.pool, rep.overcommit, rep.space_percent, held, b.size)
+    {
+        return Err(rep.policy.exhausted(caller, PUSH, &format!("{}: {why}", b.origin)).into());
     }
     // A first sync creates its volume; it never takes over one that exists.
     if rep.pool.volume_info(&b.replica).is_ok() || rep.pending.get(&b.replica).is_some() {

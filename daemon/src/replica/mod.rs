@@ -138,8 +138,10 @@ pub struct Replication {
     idle_timeout: Duration,
     /// The overcommit cap (at least 1): a replica may be at most this many times the pool.
     overcommit: f64,
-    /// Relations one peer may make here (`peer-quota`).
+    /// Relations one peer may make here (`peer-quota`), and the share of the pool their
+    /// volumes may add up to (`peer-space-percent`).
     quota: usize,
+    space_percent: u64,
 }
 
 /// An incoming transfer in flight (promoting or disabling the replica cancels it through
@@ -183,6 +185,7 @@ impl Replication {
             idle_timeout: cfg.replication_idle_timeout,
             overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
             quota: cfg.peer_quota,
+            space_percent: cfg.peer_space_percent,
         }))
     }
 
@@ -244,6 +247,21 @@ pub fn largest_replica(pool: &Pool, overcommit: f64) -> u64 {
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
     let most = (pool.stats().size as f64 * overcommit) as u64;
     most
+}
+
+/// Refuses `adding` bytes of volumes made by one peer that holds `held` here already, past
+/// `percent` of what the pool may hold (its size times the `overcommit` cap). Err says why.
+pub fn check_peer_space(pool: &Pool, overcommit: f64, percent: u64, held: u64, adding: u64) -> Result<(), String> {
+    let room = u128::from(largest_replica(pool, overcommit)) * u128::from(percent) / 100;
+    let total = u128::from(held) + u128::from(adding);
+    if total > room {
+        return Err(format!(
+            "its volumes here would add up to {total} bytes, past its share ({percent}% of the {} the pool may hold: \
+             peer-space-percent)",
+            largest_replica(pool, overcommit)
+        ));
+    }
+    Ok(())
 }
 
 /// Milliseconds since the Unix epoch.

@@ -70,8 +70,10 @@ pub struct SyncHub {
     pub timeout: Duration,
     pub rt: tokio::runtime::Handle,
     overcommit: f64,
-    /// Memberships one primary may make here (`peer-quota`).
+    /// Memberships one primary may make here (`peer-quota`), and the share of the pool their
+    /// copies may add up to (`peer-space-percent`).
     quota: usize,
+    space_percent: u64,
     /// Told the name of every volume this daemon stepped down as primary of (its
     /// publications end: see `daemon.rs`).
     stepped_down: Mutex<Option<tokio::sync::mpsc::UnboundedSender<String>>>,
@@ -95,6 +97,7 @@ impl SyncHub {
             rt: tokio::runtime::Handle::current(),
             overcommit: cfg.overcommit_ratio.unwrap_or(1.0).max(1.0),
             quota: cfg.peer_quota,
+            space_percent: cfg.peer_space_percent,
             stepped_down: Mutex::default(),
         }))
     }

@@ -413,6 +413,10 @@ impl MirrorService {
                     );
                     return Err(hub.policy.exhausted(caller, CALL, &why).into());
                 }
+                if mine != State::Witness {
+                    hub.check_size(next.size)?;
+                    hub.check_share(caller, &next.primary, next.size, CALL)?;
+                }
                 hub.create_member(&next, mine).await?;
             }
             Some(h) if !next.outranks(h) => {
@@ -437,6 +441,7 @@ impl MirrorService {
             && mine != State::Witness
         {
             hub.check_size(next.size)?;
+            hub.check_share(caller, &next.primary, next.size - h.size, CALL)?;
             let (pool, name, size) = (Arc::clone(&hub.pool), next.volume.clone(), next.size);
             blocking(move || pool.grow_volume(&name, size).map(drop)).await?;
         }
@@ -650,6 +655,18 @@ impl SyncHub {
             )));
         }
         Ok(())
+    }
+
+    /// Refuses `adding` bytes more of copies made for `primary` past its share of the pool
+    /// (`peer-space-percent`): the copies it is the primary of here, witnesses aside.
+    fn check_share(&self, caller: &Caller, primary: &str, adding: u64, call: &str) -> Result<(), Error> {
+        if caller.is_operator() {
+            return Ok(());
+        }
+        let copies = self.records.all().into_iter().filter(|r| r.primary == primary);
+        let held: u64 = copies.filter(|r| r.state_of(&self.me) != Some(State::Witness)).map(|r| r.size).sum();
+        crate::replica::check_peer_space(&self.pool, self.overcommit, self.space_percent, held, adding)
+            .map_err(|why| self.policy.exhausted(caller, call, &format!("{primary}: {why}")).into())
     }
 
     /// Takes a first membership of `rec`'s volume here: the volume must not exist (a member

@@ -366,6 +366,26 @@ async fn pushes_and_forced_promotions_race_without_a_partial_replica() {
 }
 
 #[test]
+fn a_peer_fills_at_most_its_share_of_the_pool() {
+    let Some(pair) = Pair::with("peer-space-percent = 10") else { return };
+    let pool = pair.b.json(&["pool", "status"])["size"].as_u64().unwrap();
+    // Each 6% of b's pool (whole MiB): the second would take the peer past its 10%.
+    let size = format!("{}M", (pool * 6 / 100) >> 20);
+    for i in 0..2 {
+        let v = format!("s{i}");
+        pair.a.ok(&["volume", "create", &v, &size]);
+        pair.a.ok(&["replica", "enable", &v, &pair.endpoint(1), "--interval", "0"]);
+        let o = pair.a.cli(&["replica", "sync", &v]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.success(), i == 0, "{v}: {err}");
+        if i == 1 {
+            assert!(err.contains("peer-space-percent"), "{err}");
+            assert!(pair.b.cli(&["volume", "show", &v]).status.code() != Some(0), "the refused replica exists");
+        }
+    }
+}
+
+#[test]
 fn a_peer_makes_at_most_its_quota_of_relations() {
     let Some(pair) = Pair::with("peer-quota = 2") else { return };
     for i in 0..3 {

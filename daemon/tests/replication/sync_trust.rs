@@ -103,6 +103,14 @@ async fn a_peer_cannot_take_over_grow_or_rekey_a_volume_through_a_membership() {
     let r = as1.record(membership("ghost", 2, &e1, &[(&e1, "in-sync"), (&e0, "in-sync")])).await;
     assert!(!r.unwrap().into_inner().stored, "a witness became a copy");
 
+    // A peer makes no copy past its share of the pool (peer-space-percent, 50 by default).
+    let pool = d[0].json(&["pool", "status"])["size"].as_u64().unwrap();
+    let mut big = membership("big", 1, &e1, &[(&e1, "in-sync"), (&e0, "in-sync")]);
+    big.size = (pool / 2 + (1 << 20)) & !((1 << 20) - 1);
+    let e = as1.record(big).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
+    assert!(e.message().contains("peer-space-percent"), "{e}");
+
     // A peer makes at most peer-quota memberships here (ghost is one).
     for (i, name) in ["q1", "q2", "q3"].iter().enumerate() {
         let r = as1.record(membership(name, 1, &e1, &[(&e1, "in-sync"), (&e0, "witness")])).await;

@@ -4,7 +4,8 @@
 //! ```text
 //!  daemon pod (ServiceAccount ferrite-daemon, token bound to the pod)
 //!    init container `ferrite node-cert`: key (kept on the node) ─► CSR: CN = node,
-//!        SANs = node name, the Node's addresses, the node Service ─► CertificateSigningRequest
+//!        SANs = node name, the Node's addresses, the node Service (on a node without storage
+//!        `client.<Service>`) ─► CertificateSigningRequest
 //!        signerName ferrite.dev/node ─► waits ─► tls.crt, ca.crt beside tls.key
 //!    container `node-cert --renew`: the same once two thirds of the lifetime have passed
 //!  controller (the CA key from the Secret ferrite-ca, read by nobody else)
@@ -26,6 +27,8 @@ pub mod signer;
 
 use k8s_openapi::api::core::v1::Node;
 
+use crate::shared::nodes::kubernetes::RESTRICTED_STORAGE;
+
 /// The signer name of the certificates the controller issues to the nodes' daemons.
 pub const SIGNER: &str = "ferrite.dev/node";
 
@@ -34,18 +37,36 @@ pub const USAGES: [&str; 4] = ["digital signature", "key encipherment", "server 
 
 /// The names a node's certificate carries: the node's name (who it is to the NBD exports
 /// published to it), its addresses that are IP addresses (who it is to its replication peers),
-/// the node Service (what the controller checks, and what binds the node's role in `[roles]`).
+/// and on a `storage` node the node Service (what the controller checks, and what binds the
+/// replication-peer role in `[roles]`), elsewhere [`client_name`] (which binds only the NBD
+/// client's role: a node without storage is no replication peer).
 /// A kubelet writes its Node's addresses as it likes: one that is no IP address is left out,
 /// so that no string there becomes a DNS name of the certificate.
-pub fn node_names(node: &Node, service: &str) -> Vec<String> {
+pub fn node_names(node: &Node, service: &str, storage: bool) -> Vec<String> {
     let mut names = vec![node.metadata.name.clone().unwrap_or_default()];
     for ip in ip_addresses(node) {
         if !names.contains(&ip) {
             names.push(ip);
         }
     }
-    names.push(service.to_owned());
+    names.push(if storage { service.to_owned() } else { client_name(service) });
     names
+}
+
+/// The name a node without storage carries instead of the node Service's: a subdomain of it, so
+/// no Node can be named so ([`refused_node_name`] refuses a `svc` label).
+pub fn client_name(service: &str) -> String {
+    format!("client.{service}")
+}
+
+/// Whether `node`'s certificate names the node Service, which binds the replication-peer role:
+/// once any Node is labelled [`RESTRICTED_STORAGE`] (`restricted`; a kubelet cannot write it),
+/// only a Node labelled so `"true"`; until then every node (one without storage keeps the
+/// Service's name until the cluster opts in, so that daemons configured before
+/// [`client_name`] existed still let it open the exports published to it).
+pub fn names_service(node: &Node, restricted: bool) -> bool {
+    let label = node.metadata.labels.as_ref().and_then(|l| l.get(RESTRICTED_STORAGE));
+    !restricted || label.is_some_and(|v| v == "true")
 }
 
 /// A Node's InternalIP and ExternalIP addresses that parse as IP addresses, written the one way.
@@ -132,8 +153,23 @@ mod tests {
             ],
         );
         assert_eq!(
-            node_names(&n, "ferrite-node.ferrite.svc"),
+            node_names(&n, "ferrite-node.ferrite.svc", true),
             ["node-a", "10.0.0.5", "fd00::5", "ferrite-node.ferrite.svc"]
         );
+        assert_eq!(
+            node_names(&n, "ferrite-node.ferrite.svc", false),
+            ["node-a", "10.0.0.5", "fd00::5", "client.ferrite-node.ferrite.svc"]
+        );
+    }
+
+    #[test]
+    fn a_node_names_the_service_where_it_holds_storage() {
+        let mut n = node("node-a", &[]);
+        assert!(names_service(&n, false), "every node, until the cluster labels its storage nodes");
+        assert!(!names_service(&n, true), "then only those");
+        n.metadata.labels = Some([(RESTRICTED_STORAGE.to_owned(), "true".to_owned())].into());
+        assert!(names_service(&n, true));
+        // No Node may be named as a node without storage is known.
+        assert!(refused_node_name(&client_name("ferrite-node.ferrite.svc"), "ferrite-node.ferrite.svc").is_some());
     }
 }

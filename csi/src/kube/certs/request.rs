@@ -17,7 +17,8 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{ObjectMeta, PostParams};
 use sha2::Digest;
 
-use super::{SIGNER, USAGES, node_names};
+use super::{SIGNER, USAGES, names_service, node_names};
+use crate::shared::nodes::kubernetes::RESTRICTED_STORAGE;
 
 /// What `ferrite node-cert` is asked for.
 #[derive(Debug, Clone)]
@@ -111,6 +112,15 @@ fn split(pem: &str) -> Result<(String, String)> {
     Ok((format!("{}\n", leaf.trim()), format!("{}\n", rest.trim())))
 }
 
+/// Whether the certificate of `node` names the node Service ([`names_service`]), judged as the
+/// signer does: whether any Node is labelled [`RESTRICTED_STORAGE`].
+async fn storage(client: &kube::Client, node: &Node) -> Result<bool> {
+    let lp = kube::api::ListParams::default().labels(RESTRICTED_STORAGE).limit(1);
+    let any = kube::Api::<Node>::all(client.clone()).list_metadata(&lp).await.context("listing the Nodes")?;
+    let restricted = !any.items.is_empty();
+    Ok(names_service(node, restricted))
+}
+
 /// Makes sure the node has a certificate for its current names that is not due for renewal,
 /// having one issued if not; the directory is locked meanwhile (two pods of the node may ask).
 pub async fn ensure(o: &Options) -> Result<Held> {
@@ -128,7 +138,7 @@ pub async fn ensure(o: &Options) -> Result<Held> {
     let client = kube::Client::try_default().await.context("connecting to the Kubernetes API")?;
     let node: Node =
         kube::Api::all(client.clone()).get(&o.node).await.with_context(|| format!("reading Node {}", o.node))?;
-    let names = node_names(&node, &o.service);
+    let names = node_names(&node, &o.service, storage(&client, &node).await?);
     if let Some(h) = current(&o.dir, &names).filter(|h| h.renew_at > now()) {
         return Ok(h);
     }

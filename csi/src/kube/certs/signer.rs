@@ -14,12 +14,16 @@ use anyhow::{Context, Result};
 use futures_util::StreamExt;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{CertificateSigningRequest, CertificateSigningRequestSpec};
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 
-use super::{SIGNER, USAGES, addresses, node_names};
+use super::{SIGNER, USAGES, addresses, names_service, node_names};
+use crate::shared::nodes::kubernetes::RESTRICTED_STORAGE;
 
 /// What a pod-bound ServiceAccount token adds to its user's extra information.
 const POD_NAME: &str = "authentication.kubernetes.io/pod-name";
@@ -49,8 +53,30 @@ pub struct Signer {
 /// The answer to one request.
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
-    Sign { lifetime: Duration, node: String },
+    Sign {
+        lifetime: Duration,
+        node: String,
+    },
     Refuse(String),
+    /// Refused because `node` asked for `address`, which belongs to node `owner`.
+    Claimed {
+        why: String,
+        node: String,
+        address: String,
+        owner: String,
+    },
+}
+
+/// A request's condition of `kind` (Approved, Denied, Failed), saying why.
+fn condition(kind: &str, message: &str) -> serde_json::Value {
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
+    json!({"type": kind, "status": "True", "reason": "FerriteNodeIdentity", "message": message, "lastUpdateTime": now})
+}
+
+/// The names a request asks for (none where it does not parse).
+fn req_names(spec: &CertificateSigningRequestSpec) -> Vec<String> {
+    let text = std::str::from_utf8(&spec.request.0).unwrap_or_default();
+    ferrite_tls::certs::Request::parse(text).ok().and_then(|r| r.names().ok()).unwrap_or_default()
 }
 
 fn one<'a>(spec: &'a CertificateSigningRequestSpec, key: &str) -> Option<&'a str> {
@@ -92,7 +118,7 @@ impl Signer {
         &self,
         spec: &CertificateSigningRequestSpec,
         (account, pod, uid): (&str, &Pod, &str),
-        node: &Node,
+        (node, restricted): (&Node, bool),
         others: &BTreeMap<String, String>,
     ) -> Result<(), String> {
         let pod_name = pod.metadata.name.as_deref().unwrap_or("");
@@ -129,7 +155,7 @@ impl Signer {
         {
             return Err(format!("{n:?} is also an address of node {owner}: not issued to {node_name}"));
         }
-        let mut allowed = node_names(node, &self.service);
+        let mut allowed = node_names(node, &self.service, names_service(node, restricted));
         allowed.retain(|a| !others.keys().any(|o| ferrite_tls::same_name(o, a)));
         if let Some(n) = names.iter().find(|n| !allowed.iter().any(|a| ferrite_tls::same_name(a, n))) {
             return Err(format!("{n:?} is not a name of node {node_name} (it may have {})", allowed.join(", ")));
@@ -157,14 +183,23 @@ impl Signer {
         let Some(node) = all.items.iter().find(|n| n.metadata.name.as_deref() == Some(&node_name)) else {
             return Ok(Verdict::Refuse(format!("node {node_name} does not exist")));
         };
+        // Once any Node carries the label kubelets cannot write, only it makes a storage node.
+        let restricted = all.items.iter().any(|n| n.labels().contains_key(RESTRICTED_STORAGE));
         let record = addresses::read(client, &self.namespace).await?;
         let exists = |n: &str| all.items.iter().any(|o| o.metadata.name.as_deref() == Some(n));
         let recorded = addresses::owners(record.as_ref(), exists);
         let listed =
             all.iter().flat_map(|n| super::ip_addresses(n).map(|a| (a, n.metadata.name.clone().unwrap_or_default())));
         let others = addresses::others(&node_name, &recorded, listed);
-        if let Err(why) = self.check(spec, (account, &pod, uid), node, &others) {
-            return Ok(Verdict::Refuse(why));
+        if let Err(why) = self.check(spec, (account, &pod, uid), (node, restricted), &others) {
+            let claimed = req_names(spec).into_iter().find_map(|n| {
+                let (a, owner) = others.iter().find(|(a, _)| ferrite_tls::same_name(a, &n))?;
+                Some((a.clone(), owner.clone()))
+            });
+            return Ok(match claimed {
+                Some((address, owner)) => Verdict::Claimed { why, node: node_name, address, owner },
+                None => Verdict::Refuse(why),
+            });
         }
         let asked =
             spec.expiration_seconds.map_or(self.max_lifetime, |s| Duration::from_secs(s.max(0).unsigned_abs().into()));
@@ -198,14 +233,12 @@ impl Signer {
         let approved = conditions.iter().any(|c| c.type_ == "Approved");
         let api = Api::<CertificateSigningRequest>::all(client.clone());
         let pp = PatchParams::default();
-        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
-        let condition = |kind: &str, reason: &str, message: &str| json!({"type": kind, "status": "True", "reason": reason, "message": message, "lastUpdateTime": now});
         match self.decide(client, csr).await? {
             Verdict::Sign { lifetime, node } => {
                 if !approved {
                     let msg =
                         format!("names node {node}'s own addresses and the node Service; asked by its daemon pod");
-                    let c = condition("Approved", "FerriteNodeIdentity", &msg);
+                    let c = condition("Approved", &msg);
                     api.patch_approval(name, &pp, &Patch::Merge(json!({"status": {"conditions": [c]}}))).await?;
                 }
                 let cert = self.sign(csr, lifetime)?;
@@ -213,20 +246,62 @@ impl Signer {
                 api.patch_status(name, &pp, &Patch::Merge(status)).await?;
                 tracing::info!(csr = name, node, ?lifetime, "node certificate issued");
             }
-            Verdict::Refuse(why) => {
-                tracing::warn!(csr = name, reason = %why, "node certificate refused");
-                if approved {
-                    // Approved by someone else: not signed, and marked so.
-                    let mut all = serde_json::to_value(&conditions)?;
-                    all.as_array_mut().expect("a list").push(condition("Failed", "FerriteNodeIdentity", &why));
-                    api.patch_status(name, &pp, &Patch::Merge(json!({"status": {"conditions": all}}))).await?;
-                } else {
-                    let c = condition("Denied", "FerriteNodeIdentity", &why);
-                    api.patch_approval(name, &pp, &Patch::Merge(json!({"status": {"conditions": [c]}}))).await?;
-                }
+            Verdict::Claimed { why, node, address, owner } => {
+                self.claimed(client, &node, &address, &owner).await;
+                self.refuse(&api, csr, &why).await?;
             }
+            Verdict::Refuse(why) => self.refuse(&api, csr, &why).await?,
         }
         Ok(())
+    }
+
+    /// Marks request `name` refused for `why`: Denied, or Failed where someone else approved it.
+    async fn refuse(
+        &self,
+        api: &Api<CertificateSigningRequest>,
+        csr: &CertificateSigningRequest,
+        why: &str,
+    ) -> Result<()> {
+        let name = csr.metadata.name.as_deref().unwrap_or("");
+        tracing::warn!(csr = name, reason = %why, "node certificate refused");
+        let conditions = csr.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+        let pp = PatchParams::default();
+        if conditions.iter().any(|c| c.type_ == "Approved") {
+            // Approved by someone else: not signed, and marked so.
+            let mut all = serde_json::to_value(&conditions)?;
+            all.as_array_mut().expect("a list").push(condition("Failed", why));
+            api.patch_status(name, &pp, &Patch::Merge(json!({"status": {"conditions": all}}))).await?;
+        } else {
+            let c = condition("Denied", why);
+            api.patch_approval(name, &pp, &Patch::Merge(json!({"status": {"conditions": [c]}}))).await?;
+        }
+        Ok(())
+    }
+
+    /// An Event on Node `node`, which asked for `address`, node `owner`'s: the operator sees who
+    /// claims whose address (the owner keeps it).
+    async fn claimed(&self, client: &kube::Client, node: &str, address: &str, owner: &str) {
+        let note = format!(
+            "node {node} asked for a certificate naming {address}, which was issued to node {owner} first: refused \
+             (a Node listing another's address is misconfigured or compromised)"
+        );
+        let reporter = Reporter { controller: "ferrite-signer".into(), instance: std::env::var("POD_NAME").ok() };
+        let on = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(node.into()),
+            ..Default::default()
+        };
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: "AddressClaimed".into(),
+            note: Some(note),
+            action: "Sign".into(),
+            secondary: None,
+        };
+        if let Err(e) = Recorder::new(client.clone(), reporter).publish(&ev, &on).await {
+            tracing::warn!(node, "publishing an event: {e}");
+        }
     }
 
     /// Answers the signer's requests as they come, until the task is dropped. A request whose
@@ -331,10 +406,19 @@ mod tests {
         let bound = [(POD_NAME, "ferrite-daemon-x"), (POD_UID, "u1"), (NODE_NAME, "node-a")];
         let good = spec(SA, "node-a", &["node-a", "10.0.0.5", SVC], &bound);
         assert_eq!(s.requester(&good), Ok(("ferrite-daemon", "ferrite-daemon-x", "u1")));
-        assert_eq!(s.check(&good, ("ferrite-daemon", &pod("node-a"), "u1"), &a, &none), Ok(()));
+        assert_eq!(s.check(&good, ("ferrite-daemon", &pod("node-a"), "u1"), (&a, false), &none), Ok(()));
+        // Once the cluster labels its storage nodes, a node without the label is no replication
+        // peer: the node Service's name is refused, the client's name issued.
+        let e = s.check(&good, ("ferrite-daemon", &pod("node-a"), "u1"), (&a, true), &none).unwrap_err();
+        assert!(e.contains("\"ferrite-node.ferrite.svc\" is not a name of node node-a"), "{e}");
+        let client = spec(SA, "node-a", &["node-a", "10.0.0.5", "client.ferrite-node.ferrite.svc"], &bound);
+        assert_eq!(s.check(&client, ("ferrite-daemon", &pod("node-a"), "u1"), (&a, true), &none), Ok(()));
+        let mut storage = a.clone();
+        storage.metadata.labels = Some([(RESTRICTED_STORAGE.to_owned(), "true".to_owned())].into());
+        assert_eq!(s.check(&good, ("ferrite-daemon", &pod("node-a"), "u1"), (&storage, true), &none), Ok(()));
 
         let refused = |sp: &CertificateSigningRequestSpec, p: &Pod, n: &Node| {
-            s.check(sp, ("ferrite-daemon", p, "u1"), n, &none).unwrap_err()
+            s.check(sp, ("ferrite-daemon", p, "u1"), (n, false), &none).unwrap_err()
         };
         // Another node's address, or another node's name.
         let other_ip = spec(SA, "node-a", &["node-a", "10.0.0.6", SVC], &bound);
@@ -344,11 +428,15 @@ mod tests {
         let no_node_name = spec(SA, "node-a", &["10.0.0.5", SVC], &bound);
         assert!(refused(&no_node_name, &pod("node-a"), &a).contains("does not name its node"));
         // The pod replaced since its token asked, a token issued on another node.
-        assert!(s.check(&good, ("ferrite-daemon", &pod("node-a"), "u2"), &a, &none).unwrap_err().contains("replaced"));
+        assert!(
+            s.check(&good, ("ferrite-daemon", &pod("node-a"), "u2"), (&a, false), &none)
+                .unwrap_err()
+                .contains("replaced")
+        );
         // The node plugin's token asking for a pod that runs as the daemon: refused.
         let plugin = spec("system:serviceaccount:ferrite:ferrite-node", "node-a", &["node-a", SVC], &bound);
         let (account, _, _) = s.requester(&plugin).unwrap();
-        let e = s.check(&plugin, (account, &pod("node-a"), "u1"), &a, &none).unwrap_err();
+        let e = s.check(&plugin, (account, &pod("node-a"), "u1"), (&a, false), &none).unwrap_err();
         assert!(e.contains("does not run as ferrite-node"), "{e}");
         let elsewhere =
             spec(SA, "node-a", &["node-a", SVC], &[(POD_NAME, "p"), (POD_UID, "u1"), (NODE_NAME, "node-b")]);
@@ -382,20 +470,20 @@ mod tests {
         let none = BTreeMap::new();
         for name in ["ferrite-controller", "ferrite-controller.ferrite.svc", "spiffe://ferrite.dev/controller"] {
             let asked = spec(SA, "node-a", &["node-a", "10.0.0.5", name, SVC], &bound);
-            assert!(s.check(&asked, who, &a, &none).is_err(), "{name}");
+            assert!(s.check(&asked, who, (&a, false), &none).is_err(), "{name}");
         }
         // Another node's address, written into this node's status.
         let b = BTreeMap::from([("10.0.0.6".to_owned(), "node-b".to_owned())]);
         let theirs = spec(SA, "node-a", &["node-a", "10.0.0.5", "10.0.0.6", SVC], &bound);
-        assert!(s.check(&theirs, who, &a, &none).is_ok(), "an address no other node lists");
-        let e = s.check(&theirs, who, &a, &b).unwrap_err();
+        assert!(s.check(&theirs, who, (&a, false), &none).is_ok(), "an address no other node lists");
+        let e = s.check(&theirs, who, (&a, false), &b).unwrap_err();
         assert!(e.contains("also an address of node node-b"), "{e}");
         // A Node named like a role's identity or a Service gets nothing.
         for name in ["ferrite-controller", "ferrite-node.ferrite.svc", "10.0.0.9"] {
             let n = node(name, &[("InternalIP", "10.0.0.5")]);
             let asked =
                 spec(SA, name, &[name, "10.0.0.5", SVC], &[(POD_NAME, "p"), (POD_UID, "u1"), (NODE_NAME, name)]);
-            let e = s.check(&asked, ("ferrite-daemon", &pod(name), "u1"), &n, &none).unwrap_err();
+            let e = s.check(&asked, ("ferrite-daemon", &pod(name), "u1"), (&n, false), &none).unwrap_err();
             assert!(e.contains("no certificate names it"), "{name}: {e}");
         }
     }

@@ -19,6 +19,7 @@ use kube::runtime::events::EventType;
 
 use super::{ANSWER, FENCE_OWNER, FENCED, Failover, addresses, block, host};
 use crate::shared::nodes::admin;
+use crate::shared::nodes::placements::recorded_on;
 
 /// Copies of one volume that answer: (generation, node, in sync).
 type Copies = Vec<(u64, String, bool)>;
@@ -38,7 +39,8 @@ impl Failover {
         let mut orphans: BTreeMap<String, BTreeMap<String, Copies>> = BTreeMap::new();
         for (node, views) in views {
             let me = self.dir.admin_endpoint(node).map(|e| host(&e).to_owned()).unwrap_or_default();
-            for v in views.iter().filter(|v| v.role == "replica" && !known.contains(host(&v.primary))) {
+            let mine = |v: &&pb::SyncVolume| recorded_on(self.dir.placements(), node, &v.volume);
+            for v in views.iter().filter(mine).filter(|v| v.role == "replica" && !known.contains(host(&v.primary))) {
                 let in_sync = v.members.iter().any(|m| host(&m.endpoint) == me && m.state == "in-sync");
                 let copies = orphans.entry(v.primary.clone()).or_default().entry(v.volume.clone()).or_default();
                 copies.push((v.generation, node.clone(), in_sync));

@@ -23,6 +23,7 @@ use tonic::Code;
 use super::workload::Release;
 use super::{FAN_OUT, FENCED, Failover, addresses, block, host, protect};
 use crate::shared::nodes::admin;
+use crate::shared::nodes::placements::recorded_on;
 
 /// The annotation on a Node whose fence a majority of daemons lifted, while the rest (down or
 /// unreachable then) still hold it: the blocks, lifted on them as they answer again.
@@ -48,12 +49,54 @@ pub(super) fn shared(name: &str, addrs: &BTreeSet<String>, all: &[Arc<Node>]) ->
     addrs.iter().filter(|a| others.iter().any(|o| ferrite_tls::same_name(o, a))).cloned().collect()
 }
 
+/// What failover fences for lost node `name`: its addresses (`addrs`, as its Node and the
+/// directory say) and those the signer recorded as first issued to it (`owners`: address →
+/// node), less those that are another node's: recorded as another's, or listed by another Node
+/// and not recorded as this one's. Kubelets write their Nodes' addresses; the record is the
+/// controller's, so a node listing a lost peer's address does not spare it, and a lost node
+/// listing a live one's does not fence it. Returns (to fence, left out as another's).
+pub(super) fn fenced_addresses(
+    name: &str,
+    mut addrs: BTreeSet<String>,
+    all: &[Arc<Node>],
+    owners: &BTreeMap<String, String>,
+) -> (BTreeSet<String>, BTreeSet<String>) {
+    let owner = |a: &str| owners.iter().find(|(r, _)| ferrite_tls::same_name(r, a)).map(|(_, o)| o.as_str());
+    addrs.extend(owners.iter().filter(|(_, o)| *o == name).map(|(a, _)| a.clone()));
+    let listed = shared(name, &addrs, all);
+    let theirs: BTreeSet<String> = addrs
+        .iter()
+        .filter(|a| match owner(a) {
+            Some(o) => o != name,
+            None => listed.contains(*a),
+        })
+        .cloned()
+        .collect();
+    addrs.retain(|a| !theirs.contains(a));
+    (addrs, theirs)
+}
+
 impl Failover {
+    /// The signer's record of which node each address was first issued to, of the Nodes in
+    /// `all` (empty without a record, or when it cannot be read: the Nodes' own lists then).
+    async fn address_owners(&self, all: &[Arc<Node>]) -> BTreeMap<String, String> {
+        let record = match crate::kube::certs::addresses::read(&self.client, &self.namespace).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("failover: the signer's address record: {e:#}");
+                None
+            }
+        };
+        let exists = |n: &str| all.iter().any(|o| o.name_any() == n);
+        crate::kube::certs::addresses::owners(record.as_ref(), exists)
+    }
+
     /// Fences every node of `lost` (each with why it is lost) and promotes a copy of every
     /// volume whose primary was on one of them.
     pub(super) async fn fail_over(&self, lost: Vec<(Arc<Node>, String, Timestamp)>) {
         let names: BTreeSet<String> = lost.iter().map(|(n, ..)| n.name_any()).collect();
         let all = self.node_store.state();
+        let owners = self.address_owners(&all).await;
         let mut nodes = Vec::new();
         for (node, why, since) in lost {
             let name = node.name_any();
@@ -61,13 +104,10 @@ impl Failover {
             if let Some(at) = self.dir.admin_endpoint(&name) {
                 addrs.insert(host(&at).to_owned());
             }
-            // A kubelet writes its Node's addresses: one another Node lists too is that node's,
-            // and fencing it would cut off a node that is not lost.
-            let theirs = shared(&name, &addrs, &all);
+            let (addrs, theirs) = fenced_addresses(&name, addrs, &all, &owners);
             if !theirs.is_empty() {
                 let e = anyhow::anyhow!("addresses {theirs:?} of lost node {name} are other nodes' too: not fenced");
                 self.failed(&node, &e).await;
-                addrs.retain(|a| !theirs.contains(a));
             }
             let blocks: Vec<String> = addrs.iter().filter_map(|a| block(a)).collect();
             if blocks.is_empty() {
@@ -116,14 +156,16 @@ impl Failover {
         let holders = protect::holders(&views, self.homes(), |h| by_host.get(h).cloned());
         let withheld = protect::withheld(&holders, &names, &round);
         let withheld = &withheld;
+        // Only the nodes recorded for a volume speak for it.
+        let mine = |node: &str, v: &pb::SyncVolume| recorded_on(self.dir.placements(), node, &v.volume);
         let mut elsewhere: BTreeSet<String> = views
             .iter()
-            .flat_map(|(_, vs)| vs.iter().filter(|v| v.role == "primary"))
+            .flat_map(|(n, vs)| vs.iter().filter(|v| v.role == "primary" && mine(n, v)))
             .map(|v| v.volume.clone())
             .collect();
         for (node, views) in views {
             let me = self.dir.admin_endpoint(&node).map(|e| host(&e).to_owned()).unwrap_or_default();
-            for v in views.into_iter().filter(|v| v.role == "replica") {
+            for v in views.into_iter().filter(|v| v.role == "replica" && mine(&node, v)) {
                 let Some(at) = nodes.iter().position(|l| l.addrs.contains(host(&v.primary))) else { continue };
                 let in_sync = v.members.iter().any(|m| host(&m.endpoint) == me && m.state == "in-sync");
                 volumes.entry(v.volume).or_insert_with(|| (at, Vec::new())).1.push((
@@ -315,5 +357,18 @@ mod tests {
         let addrs: std::collections::BTreeSet<String> = ["10.0.0.5".to_owned(), "10.0.0.6".to_owned()].into();
         assert_eq!(super::shared("a", &addrs, &all), ["10.0.0.6".to_owned()].into());
         assert!(super::shared("b", &["10.0.0.6".to_owned()].into(), &all[1..]).is_empty());
+        let set = |v: &[&str]| v.iter().map(|a| (*a).to_owned()).collect::<std::collections::BTreeSet<String>>();
+        // Without the signer's record: what another Node lists is spared.
+        let none = std::collections::BTreeMap::new();
+        assert_eq!(super::fenced_addresses("a", addrs.clone(), &all, &none), (set(&["10.0.0.5"]), set(&["10.0.0.6"])));
+        // The record says 10.0.0.6 was issued to a first: b listing it does not spare it, and an
+        // address recorded for a but missing from its Node's list is fenced too.
+        let owners =
+            [("10.0.0.6", "a"), ("10.0.0.7", "a"), ("10.0.0.5", "b")].map(|(a, n)| (a.to_owned(), n.to_owned())).into();
+        assert_eq!(
+            super::fenced_addresses("a", addrs.clone(), &all, &owners),
+            (set(&["10.0.0.6", "10.0.0.7"]), set(&["10.0.0.5"])),
+            "10.0.0.5, recorded as b's, is never a's to fence"
+        );
     }
 }

@@ -43,6 +43,7 @@ use crate::shared::args::TOPOLOGY_KEY;
 use crate::shared::class::{Class, REPLACE_AFTER, Spread};
 use crate::shared::copies::{self, node_of};
 use crate::shared::nodes::admin;
+use crate::shared::nodes::placements::confirmed;
 
 /// The annotation that keeps a PV's own reclaim policy while it is re-created.
 const RECLAIM: &str = "ferrite.dev/reclaim-policy";
@@ -139,10 +140,22 @@ impl Failover {
     pub(super) async fn replace(&self, views: &[(String, Vec<pb::SyncVolume>)]) -> anyhow::Result<()> {
         self.resume_moves().await;
         let answered: BTreeSet<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
-        // Each volume's primary that takes writes, the newest generation's.
+        // Each volume's primary that takes writes, the newest generation's, with a majority of
+        // its recorded members behind it where the volume has a record.
+        let records = self.dir.placements();
+        let mut by_volume: BTreeMap<&str, Vec<(&str, &pb::SyncVolume)>> = BTreeMap::new();
+        for (node, v) in views.iter().flat_map(|(n, vs)| vs.iter().map(move |v| (n.as_str(), v))) {
+            by_volume.entry(&v.volume).or_default().push((node, v));
+        }
+        let backed = |node: &str, v: &pb::SyncVolume| match records.and_then(|r| r.get(&v.volume)) {
+            Some(placed) => {
+                confirmed(&placed, node, v, by_volume.get(v.volume.as_str()).into_iter().flatten().copied())
+            }
+            None => true,
+        };
         let mut primaries: BTreeMap<&str, (&str, &pb::SyncVolume)> = BTreeMap::new();
         for (node, v) in views.iter().flat_map(|(n, vs)| vs.iter().map(move |v| (n, v))) {
-            if v.role == "primary" && v.refused.is_empty() {
+            if v.role == "primary" && v.refused.is_empty() && backed(node, v) {
                 let newer = primaries.get(v.volume.as_str()).is_none_or(|(_, p)| v.generation > p.generation);
                 if newer {
                     primaries.insert(&v.volume, (node, v));
@@ -268,6 +281,19 @@ impl Failover {
             Step::Remove(endpoint) => {
                 let r = pb::RemoveSyncReplicaRequest { volume: volume.to_owned(), peer: endpoint.clone() };
                 c.remove_sync_replica(r).await?;
+                // The record keeps the nodes of the members that stay (a lost node the
+                // directory no longer knows has none).
+                let stay: Vec<String> = view
+                    .members
+                    .iter()
+                    .filter(|m| m.endpoint != endpoint)
+                    .filter_map(|m| node_of(&*self.dir, &m.endpoint))
+                    .collect();
+                copies::record(&*self.dir, volume, |p| {
+                    p.copies.retain(|n| stay.contains(n));
+                    p.witness = p.witness.take().filter(|w| stay.contains(w));
+                })
+                .await?;
                 format!("the lost member {endpoint} was replaced and removed from the volume's members")
             }
             Step::Wait => return Ok(()),

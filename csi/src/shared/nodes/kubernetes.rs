@@ -22,11 +22,12 @@ use anyhow::Context;
 use ferrite_proto::ClientTls;
 use ferrite_tls::Reloading;
 use futures_util::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
+use super::placements::{self, Placements};
 use super::{NodeDirectory, valid_node};
 
 /// The EndpointSlice port that carries the daemons' admin API.
@@ -48,6 +49,7 @@ pub struct KubeNodes {
     server_name: Option<String>,
     watch: tokio::task::JoinHandle<()>,
     connections: super::Connections,
+    placements: Placements,
 }
 
 impl std::fmt::Debug for KubeNodes {
@@ -90,19 +92,26 @@ impl KubeNodes {
         });
         let nodes = reflector::reflector(writer, nodes).default_backoff();
         let (pods, writer) = reflector::store();
-        let pod_api = kube::Api::<Pod>::namespaced(client, ns);
+        let pod_api = kube::Api::<Pod>::namespaced(client.clone(), ns);
         let pod_watch = watcher(pod_api, watcher::Config::default()).modify(strip_pod);
         let pod_watch = reflector::reflector(writer, pod_watch).default_backoff();
+        let (records, writer) = reflector::store();
+        let record_api = kube::Api::<ConfigMap>::namespaced(client, ns);
+        let config = watcher::Config::default().labels(placements::LABEL);
+        let record_watch = watcher(record_api.clone(), config).modify(|c| c.metadata.managed_fields = None);
+        let record_watch = reflector::reflector(writer, record_watch).default_backoff();
         let service = service.to_owned();
         let watch = tokio::spawn(async move {
             let mut slices = std::pin::pin!(slices);
             let mut nodes = std::pin::pin!(nodes);
             let mut pod_watch = std::pin::pin!(pod_watch);
+            let mut record_watch = std::pin::pin!(record_watch);
             loop {
                 let (what, ev) = tokio::select! {
                     Some(ev) = slices.next() => ("the node service's EndpointSlices", ev.map(drop)),
                     Some(ev) = nodes.next() => ("the Nodes", ev.map(drop)),
                     Some(ev) = pod_watch.next() => ("the pods of the node service's namespace", ev.map(drop)),
+                    Some(ev) = record_watch.next() => ("the placement records", ev.map(drop)),
                     else => return,
                 };
                 if let Err(e) = ev {
@@ -113,24 +122,35 @@ impl KubeNodes {
         let ready = async {
             store.wait_until_ready().await?;
             pods.wait_until_ready().await?;
+            records.wait_until_ready().await?;
             all.wait_until_ready().await
         };
         tokio::time::timeout(FIRST_LIST, ready)
             .await
             .map_err(|_| {
-                anyhow::anyhow!("no EndpointSlice, Pod or Node list from the Kubernetes API within {FIRST_LIST:?}")
+                anyhow::anyhow!(
+                    "no EndpointSlice, Pod, ConfigMap or Node list from the Kubernetes API within {FIRST_LIST:?}"
+                )
             })?
-            .context("the EndpointSlice, Pod or Node watch ended")?;
+            .context("the EndpointSlice, Pod, ConfigMap or Node watch ended")?;
         let (namespace, refused) = (ns.to_owned(), Mutex::default());
         let connections = super::Connections::default();
-        Ok(Self { store, all, pods, namespace, refused, tls, server_name, watch, connections })
+        let placements = Placements::new(record_api, records);
+        Ok(Self { store, all, pods, namespace, refused, tls, server_name, watch, connections, placements })
     }
 
     /// Node name → admin endpoint, of the endpoints bound to their nodes; logs each one left out
     /// once.
     fn map(&self) -> BTreeMap<String, String> {
         let pod = |name: &str| self.pods.get(&reflector::ObjectRef::new(name).within(&self.namespace));
-        let ips = |node: &str| self.all.get(&reflector::ObjectRef::new(node)).map(|n| node_ips(&n)).unwrap_or_default();
+        let restricted = self.all.state().iter().any(|n| labelled(n, RESTRICTED_STORAGE).is_some());
+        let ips = |node: &str| {
+            let n = self.all.get(&reflector::ObjectRef::new(node));
+            if restricted && n.as_deref().and_then(|n| labelled(n, RESTRICTED_STORAGE)) != Some("true") {
+                return Err(format!("Node {node} is not labelled {RESTRICTED_STORAGE}=true"));
+            }
+            Ok(n.map(|n| node_ips(&n)).unwrap_or_default())
+        };
         let (map, refused) = endpoints(&self.store.state(), pod, ips);
         let mut logged = self.refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for why in refused.difference(&logged) {
@@ -176,6 +196,10 @@ impl NodeDirectory for KubeNodes {
         Some(zone(&self.all.state(), node))
     }
 
+    fn placements(&self) -> Option<&Placements> {
+        Some(&self.placements)
+    }
+
     fn network(&self) -> super::Network {
         let mut net = network(&self.all.state());
         net.add_endpoints(self.map());
@@ -196,6 +220,11 @@ fn network(nodes: &[Arc<Node>]) -> super::Network {
     net
 }
 
+/// The storage-node label a kubelet cannot write: once any Node has it, only the Nodes labelled
+/// `"true"` are storage nodes (the directory takes no daemon elsewhere, and the signer names the
+/// node Service in no other node's certificate).
+pub const RESTRICTED_STORAGE: &str = "node-restriction.kubernetes.io/ferrite-storage";
+
 /// The zone label a kubelet cannot write (NodeRestriction keeps `node-restriction.kubernetes.io/`
 /// to the cluster's administrators).
 pub const RESTRICTED_ZONE: &str = "node-restriction.kubernetes.io/ferrite-zone";
@@ -204,11 +233,15 @@ pub const RESTRICTED_ZONE: &str = "node-restriction.kubernetes.io/ferrite-zone";
 /// (then a Node without it is in zone ""), else its `topology.kubernetes.io/zone`, which its own
 /// kubelet may write (docs/security.md).
 fn zone(nodes: &[Arc<Node>], node: &str) -> String {
-    let label = |n: &Node, key: &str| n.metadata.labels.as_ref().and_then(|l| l.get(key)).cloned();
-    let restricted = nodes.iter().any(|n| label(n, RESTRICTED_ZONE).is_some());
+    let restricted = nodes.iter().any(|n| labelled(n, RESTRICTED_ZONE).is_some());
     let key = if restricted { RESTRICTED_ZONE } else { super::ZONE_KEY };
     let n = nodes.iter().find(|n| n.metadata.name.as_deref() == Some(node));
-    n.and_then(|n| label(n, key)).unwrap_or_default()
+    n.and_then(|n| labelled(n, key)).unwrap_or_default().to_owned()
+}
+
+/// Node `n`'s label `key`.
+fn labelled<'a>(n: &'a Node, key: &str) -> Option<&'a str> {
+    n.metadata.labels.as_ref()?.get(key).map(String::as_str)
 }
 
 /// A Node's InternalIP and ExternalIP addresses.
@@ -237,13 +270,14 @@ const MIRROR: &str = "kubernetes.io/config.mirror";
 
 /// Whether endpoint `e` (on node `node`, at `addr`) is that node's daemon: its pod is owned by
 /// a DaemonSet (NodeRestriction lets a kubelet create only mirror pods, owned by its Node) and
-/// runs on `node`, and `addr` is one of the Node's addresses (`ips`). Err says why not.
+/// runs on `node`, and `addr` is one of the Node's addresses (`ips`: Err for a Node that is no
+/// storage node). Err says why not.
 fn bound(
     e: &Endpoint,
     node: &str,
     addr: &str,
     pod: impl Fn(&str) -> Option<Arc<Pod>>,
-    ips: impl Fn(&str) -> BTreeSet<IpAddr>,
+    ips: impl Fn(&str) -> Result<BTreeSet<IpAddr>, String>,
 ) -> Result<(), String> {
     let at = format!("{addr} (node {node})");
     let target = e.target_ref.as_ref().filter(|t| t.kind.as_deref() == Some("Pod"));
@@ -261,7 +295,7 @@ fn bound(
         return Err(format!("{at}: pod {name} runs on {}", runs_on.unwrap_or("no node")));
     }
     let ip = addr.parse::<IpAddr>().map_err(|_| format!("{at}: not an IP address"))?.to_canonical();
-    if !ips(node).contains(&ip) {
+    if !ips(node).map_err(|why| format!("{at}: {why}"))?.contains(&ip) {
         return Err(format!("{at}: Node {node} does not list that address"));
     }
     Ok(())
@@ -273,7 +307,7 @@ fn bound(
 fn endpoints(
     slices: &[Arc<EndpointSlice>],
     pod: impl Fn(&str) -> Option<Arc<Pod>>,
-    ips: impl Fn(&str) -> BTreeSet<IpAddr>,
+    ips: impl Fn(&str) -> Result<BTreeSet<IpAddr>, String>,
 ) -> (BTreeMap<String, String>, BTreeSet<String>) {
     let mut best: BTreeMap<String, (u8, String)> = BTreeMap::new();
     let mut refused = BTreeSet::new();
@@ -378,9 +412,9 @@ mod tests {
             let addr = name.strip_prefix("daemon-")?;
             slices.iter().flat_map(|s| &s.endpoints).find(|e| e.addresses[0] == addr)?.node_name.clone()
         };
-        let ips = |node: &str| -> BTreeSet<IpAddr> {
+        let ips = |node: &str| -> Result<BTreeSet<IpAddr>, String> {
             let eps = slices.iter().flat_map(|s| &s.endpoints).filter(|e| e.node_name.as_deref() == Some(node));
-            eps.map(|e| e.addresses[0].parse().unwrap()).collect()
+            Ok(eps.map(|e| e.addresses[0].parse().unwrap()).collect())
         };
         let (map, refused) = endpoints(slices, |name| on(name).map(|n| pod(&n, "DaemonSet", false)), ips);
         assert!(refused.is_empty(), "{refused:?}");
@@ -431,6 +465,7 @@ mod tests {
                 ep("node-d", "10.0.0.4", Some(true), false),
                 ep("node-e", "10.0.0.5", Some(true), false),
                 ep("node-f", "10.0.0.6", Some(true), false),
+                ep("node-h", "10.0.0.9", Some(true), false),
                 no_pod,
             ],
         )];
@@ -440,15 +475,17 @@ mod tests {
             "daemon-10.0.0.3" => Some(pod("node-c", "ReplicaSet", false)),
             "daemon-10.0.0.4" => Some(pod("node-a", "DaemonSet", false)),
             "daemon-10.0.0.5" => Some(pod("node-e", "DaemonSet", false)),
+            "daemon-10.0.0.9" => Some(pod("node-h", "DaemonSet", false)),
             _ => None,
         };
-        // node-e lists node-a's address, not its own pod's.
-        let ips = |node: &str| -> BTreeSet<IpAddr> {
+        // node-e lists node-a's address, not its own pod's; node-h is no storage node.
+        let ips = |node: &str| -> Result<BTreeSet<IpAddr>, String> {
             let ip = match node {
                 "node-e" => "10.0.0.1",
+                "node-h" => return Err("not a storage node".into()),
                 n => &format!("10.0.0.{}", n.as_bytes()[5] - b'a' + 1),
             };
-            BTreeSet::from([ip.parse().unwrap()])
+            Ok(BTreeSet::from([ip.parse().unwrap()]))
         };
         let (m, refused) = endpoints(&slices, pods, ips);
         assert_eq!(m, BTreeMap::from([("node-a".to_owned(), "tcp://10.0.0.1:7070".to_owned())]));
@@ -462,6 +499,7 @@ mod tests {
                 "10.0.0.5 (node node-e): Node node-e does not list that address",
                 "10.0.0.6 (node node-f): pod daemon-10.0.0.6 is not in the Service's namespace",
                 "10.0.0.8 (node node-g): names no pod",
+                "10.0.0.9 (node node-h): not a storage node",
             ]
         );
     }

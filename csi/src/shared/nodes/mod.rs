@@ -1,6 +1,7 @@
-//! Where each node's daemon answers. The controller keeps no state: a volume id names its node,
-//! and this directory maps node names to admin endpoints: a static file (standalone use) or,
-//! in Kubernetes, the node Service's EndpointSlices ([`kubernetes`]).
+//! Where each node's daemon answers. A volume id names its node, and this directory maps node
+//! names to admin endpoints: a static file (standalone use) or, in Kubernetes, the node
+//! Service's EndpointSlices ([`kubernetes`]), where the controller also records which nodes
+//! hold each volume ([`placements`]).
 //!
 //! ```toml
 //! without-storage = ["node-c"]        # nodes without a daemon, which volumes may be published to
@@ -10,6 +11,7 @@
 //! ```
 
 pub mod kubernetes;
+pub mod placements;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -60,6 +62,11 @@ pub trait NodeDirectory: Send + Sync + std::fmt::Debug {
     }
     /// The connections this directory keeps for reuse (None: a connection per call).
     fn connections(&self) -> Option<&Connections> {
+        None
+    }
+    /// The controller's record of where volumes live ([`placements`]); None: a directory the
+    /// operator wrote, whose daemons are all the operator's and trusted.
+    fn placements(&self) -> Option<&placements::Placements> {
         None
     }
     /// The addresses a fence must not take whole: each node's and the pod networks. Here, the

@@ -110,7 +110,50 @@ pub fn label_less_node(c: &mut Cluster, dir: &Path) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let size = rt.block_on(ferrite_nbd::relay::export_size(cfg, name, nbd, export)).unwrap();
     assert_eq!(size, 32 << 20);
+    client_only(c, e, (nbd, export));
     c.cp.ok(&["delete", "volumeattachment", "far-e", "--wait=true", "--timeout=60s"]);
+}
+
+/// The label kubelets cannot write that makes storage nodes, once the cluster uses it.
+const RESTRICTED_STORAGE: &str = "node-restriction.kubernetes.io/ferrite-storage";
+
+/// The cluster labels its storage nodes with [`RESTRICTED_STORAGE`]: node `e` (no storage) is
+/// then issued `client.<Service>` instead of the Service's name, still opens the export
+/// `(nbd, export)` published to it, and may not act as a replication peer. The labels off, it
+/// is issued the Service's name again.
+fn client_only(c: &mut Cluster, e: usize, (nbd, export): (&str, &str)) {
+    println!("== storage nodes labelled {RESTRICTED_STORAGE}: a node without storage is no replication peer");
+    let storage: Vec<String> = c.daemon_pods.iter().map(|p| p.node.name.clone()).collect();
+    for n in &storage {
+        c.cp.ok(&["label", "node", n, &format!("{RESTRICTED_STORAGE}=true")]);
+    }
+    let (name, ip) = (c.nodes[e].name.clone(), c.nodes[e].ip.clone());
+    let tls = c.nodes[e].host("/etc/ferrite/tls");
+    let names = |tls: &Path| ferrite_tls::identities(&ferrite_tls::load_certs(&tls.join("tls.crt")).unwrap()[0]);
+    let client = [name.as_str(), ip.as_str(), "client.ferrite-node.ferrite.svc"];
+    c.cp.wait(&format!("{name}'s certificate to name the client"), LONG, |_| names(&tls) == client);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let cfg = ferrite_tls::client_config(&tls.join("ca.crt"), Some((&tls.join("tls.crt"), &tls.join("tls.key"))), &[])
+        .unwrap();
+    let svc = ferrite_tls::server_name("ferrite-node.ferrite.svc").unwrap();
+    let size = rt.block_on(ferrite_nbd::relay::export_size(cfg, svc, nbd, export)).unwrap();
+    assert_eq!(size, 32 << 20, "the export published to it opens with the client's name");
+    let peer = rt.block_on(async {
+        let id = ferrite_proto::admin_tls(&tls.join("ca.crt"), Some((&tls.join("tls.crt"), &tls.join("tls.key"))))?;
+        let endpoint = format!("tcp://{}:7070", c.nodes[0].ip);
+        let ch = ferrite_proto::connect_as(&endpoint, Some(id), Some("ferrite-node.ferrite.svc")).await?;
+        let mut replica = ferrite_proto::ferrite::v1::replica_client::ReplicaClient::new(ch);
+        let r = ferrite_proto::ferrite::v1::ReplicaPositionRequest { replica: "any".into() };
+        anyhow::Ok(replica.position(r).await)
+    });
+    let refused = peer.unwrap().unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused}");
+    println!("   as a replication peer: {}", refused.message());
+    for n in &storage {
+        c.cp.ok(&["label", "node", n, &format!("{RESTRICTED_STORAGE}-")]);
+    }
+    let service = [name.as_str(), ip.as_str(), "ferrite-node.ferrite.svc"];
+    c.cp.wait(&format!("{name}'s certificate to name the Service again"), LONG, |_| names(&tls) == service);
 }
 
 /// A resource quantity's bytes ("1234", "64Mi", "2Gi", "1G"); 0 for what it cannot read.

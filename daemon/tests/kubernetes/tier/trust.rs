@@ -10,6 +10,8 @@
 //!   daemon pod's token asks for them outright: never issued, and a certificate naming the
 //!   controller's old plain name is refused by the daemons; that token writes only its own
 //!   node's heartbeat Lease;
+//! - root on a storage node makes its daemon hold the volume a pending claim will get: the
+//!   controller's placement record decides where that volume is, not the daemon's word;
 //! - the CA Secret deleted while the nodes' certificates chain to it: a controller starting then
 //!   makes no new CA, and says why.
 
@@ -236,6 +238,12 @@ pub fn node_climbs(c: &mut Cluster, node: &str) {
     });
     assert!(denied.contains("also an address of node node-a"), "{denied}");
     println!("   denied: {denied}");
+    // What the operator sees: an Event on the claimant's Node naming both.
+    let claimed = |cp: &super::common::kube::ControlPlane| events(cp, node, "AddressClaimed");
+    c.cp.wait(&format!("an AddressClaimed Event on {node}"), LONG, |cp| !claimed(cp).is_empty());
+    let note = claimed(&c.cp).remove(0);
+    assert!(note.contains(&format!("node {node} asked")) && note.contains("to node node-a first"), "{note}");
+    println!("   event: {note}");
     // Its daemon pod's token asking outright: the controller's identities, refused.
     let pod = &c.daemon_pods[d];
     let token = c.cp.pod_token_kubeconfig(NS, "ferrite-daemon", pod.name(), pod.uid(), "node-d-climb.kubeconfig");
@@ -367,4 +375,61 @@ pub fn ca_kept(c: &mut Cluster) {
     println!("   {}", err.lines().last().unwrap_or_default());
     c.cp.apply(&secret.to_string());
     c.cp.ok(&["delete", "pod", pod.name(), "-n", NS, "--grace-period=0", "--force"]);
+}
+
+/// The controller's placement record of `volume`: (copies, witness).
+fn placed(c: &Cluster, volume: &str) -> (Vec<String>, String) {
+    let cm = c.cp.get(&["configmap", &format!("ferrite-volume-{volume}"), "-n", NS]);
+    assert_eq!(cm["metadata"]["labels"]["storage.ferrite.dev/placement"], "true", "{cm}");
+    assert_eq!(cm["data"]["volume"], volume, "{cm}");
+    let copies = cm["data"]["copies"].as_str().unwrap_or_default().split(',').map(str::to_owned).collect();
+    (copies, cm["data"]["witness"].as_str().unwrap_or_default().to_owned())
+}
+
+/// Each volume's nodes are the controller's record (`replicated`: a volume with a copy on every
+/// node of `nodes`; `local`: one on `node`); root on `liar`, through its own daemon, makes the
+/// volume a pending claim will get, under the name the provisioner will ask for: the claim
+/// binds where the scheduler put it, not on the liar, and the controller says why.
+pub fn daemon_claims(c: &mut Cluster, replicated: (&str, &[&str]), local: (&str, &str), liar: &str) {
+    println!("== the controller's record says where each volume lives");
+    let (copies, _) = placed(c, replicated.0);
+    let mut sorted = copies.clone();
+    sorted.sort();
+    assert_eq!(sorted, replicated.1, "the record of {}", replicated.0);
+    assert_eq!(placed(c, local.0), (vec![local.1.to_owned()], String::new()));
+
+    println!("== root on {liar}: its daemon holds the volume of a pending claim first");
+    let spec = json!({"storageClassName": "ferrite-ext4", "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "32Mi"}}});
+    c.cp.apply(
+        &json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "lure", "namespace": "default"}, "spec": spec})
+        .to_string(),
+    );
+    let uid = c.cp.get(&["pvc", "lure", "-n", "default"])["metadata"]["uid"].as_str().unwrap().to_owned();
+    let volume = format!("pvc-{uid}");
+    c.daemon(liar).ok(&["volume", "create", &volume, "32MiB"]);
+    let target = if liar == "node-a" { "node-b" } else { "node-a" };
+    c.cp.ok(&["annotate", "pvc", "lure", "-n", "default", &format!("volume.kubernetes.io/selected-node={target}")]);
+    assert_eq!(c.bound("lure"), format!("{target}/{volume}"), "the claim binds where the scheduler put it");
+    assert_eq!(placed(c, &volume), (vec![target.to_owned()], String::new()));
+    let log = c.controller.as_ref().unwrap().log("ferrite");
+    let said = log.lines().find(|l| l.contains("a node holds a volume it was never given") && l.contains(&volume));
+    println!("   {}", said.unwrap_or_else(|| panic!("the controller said nothing of {liar}'s claim:\n{log}")));
+    c.cp.ok(&["delete", "pvc", "lure", "-n", "default", "--wait=true", "--timeout=60s"]);
+    c.cp.wait("the lure's PV to go", LONG, |cp| {
+        !cp.get(&["pv"])["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["spec"]["csi"]["volumeHandle"].as_str().is_some_and(|h| h.ends_with(&volume)))
+    });
+    c.cp.wait("the lure's record to go", LONG, |cp| {
+        !cp.get(&["configmap", "-n", NS])["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["data"]["volume"] == volume.as_str())
+    });
+    c.daemon(liar).ok(&["volume", "delete", &volume]);
 }
