@@ -28,6 +28,11 @@
 # per row, the median latency (p50, p99, p99.9 in microseconds, fio's completion latency) and
 # the server's CPU microseconds per request.
 #
+# Both regimes: the QD1 rows run again under a fixed background load ("-busy": one spinning
+# process per CPU at nice 19), since a server that waits the costly way is slow on an idle
+# machine and fast on a busy one (a vCPU that never halts wakes at no cost). BUSY=0 leaves them
+# out. The load's own CPU is not the servers'.
+#
 # After the rounds (except in MODE=memory), Ferrite's volume (scattered by the random-write
 # rows) is defragmented (`ferrite volume defrag`) and the 128 KiB QD1 read row runs once more on
 # every server ("read-128k-qd1-c1-defrag"; the peers' files were never scattered).
@@ -186,12 +191,23 @@ row() { # rw bs qd conns name-suffix: one row on every server, appended to $resu
     python3 -c "$PARSE" "$server" "$name" "$c0" "$c1" "${stats[@]}" <<<"$json" >>"$results"
   done
 }
+SPIN=()
+spin() { for _ in $(seq "$(nproc)"); do nice -n 19 sh -c 'while :; do :; done' & SPIN+=($!); done; }
+unspin() { for p in "${SPIN[@]}"; do kill "$p" 2>/dev/null || true; done; SPIN=(); }
+trap 'unspin; cleanup' EXIT
 for round in $(seq 1 "$ROUNDS"); do
   while read -r rw bs qd conns; do
     # Each round starts with a different server, so a machine that speeds up or slows down
     # during a row does not always favour the same one.
     row "$rw" "$bs" "$qd" "$conns" "$round"
   done <<<"$WORKLOADS"
+  if [ "${BUSY:-1}" = 1 ]; then
+    spin
+    while read -r rw bs qd conns; do
+      [ "$qd" = 1 ] && row "$rw" "$bs" "$qd" "$conns" "$round" -busy
+    done <<<"$WORKLOADS"
+    unspin
+  fi
 done
 if [ "$MODE" != memory ]; then
   echo "defragmenting Ferrite's volume..." >&2

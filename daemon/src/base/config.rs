@@ -54,7 +54,8 @@
 //! peer-quota = 2000                 # what one replication peer may make here: at most this many
 //!                                   # relations and as many synchronous memberships; default 2000
 //! peer-space-percent = 50           # and volumes adding up to at most this share of what the pool
-//!                                   # may hold (its size times the overcommit cap); default 50
+//!                                   # may hold (its size times the overcommit cap); default: no
+//!                                   # bound but each volume's (set it where copies spread evenly)
 //! sync-mark-interval-ms = 60000     # how often a synchronous primary that took writes takes a
 //!                                   # mark with its members (where a returning member's rebuild
 //!                                   # starts); default 60000
@@ -277,8 +278,9 @@ pub struct Config {
     pub sync_mark_interval: Duration,
     /// Relations, and synchronous memberships, one replication peer may make here.
     pub peer_quota: usize,
-    /// The share of what the pool may hold (percent) that one peer's volumes here may add up to.
-    pub peer_space_percent: u64,
+    /// The share of what the pool may hold (percent) that one peer's volumes here may add up to
+    /// (None: no bound but each volume's).
+    pub peer_space_percent: Option<u64>,
     /// How long a kernel NBD device holds its I/O for a new connection.
     pub device_hold: Duration,
     /// A kernel NBD request unanswered this long is re-sent on the next connection.
@@ -585,8 +587,12 @@ impl Config {
             )?),
             // 50 nodes, each primary of a few dozen volumes with a copy here: far below this.
             peer_quota: between(f.peer_quota, 2000, 1..=1_000_000, "peer-quota")?,
-            // Two peers that each fill their share cannot take the whole pool.
-            peer_space_percent: between(f.peer_space_percent, 50, 1..=100, "peer-space-percent")?,
+            // Off by default: where one node holds the primaries of most volumes (two nodes, or
+            // a node the others copy), its copies are most of each other node's pool.
+            peer_space_percent: f
+                .peer_space_percent
+                .map(|p| between(Some(p), p, 1..=100, "peer-space-percent"))
+                .transpose()?,
             roles: parse_roles(f.roles.unwrap_or_default())?,
             backup_targets: check_targets(f.backup_targets.unwrap_or_default(), f.backup_targets_file.as_deref())?,
             zone: check_domain("zone", f.zone)?,

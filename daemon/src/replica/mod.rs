@@ -141,7 +141,7 @@ pub struct Replication {
     /// Relations one peer may make here (`peer-quota`), and the share of the pool their
     /// volumes may add up to (`peer-space-percent`).
     quota: usize,
-    space_percent: u64,
+    space_percent: Option<u64>,
 }
 
 /// An incoming transfer in flight (promoting or disabling the replica cancels it through
@@ -250,8 +250,16 @@ pub fn largest_replica(pool: &Pool, overcommit: f64) -> u64 {
 }
 
 /// Refuses `adding` bytes of volumes made by one peer that holds `held` here already, past
-/// `percent` of what the pool may hold (its size times the `overcommit` cap). Err says why.
-pub fn check_peer_space(pool: &Pool, overcommit: f64, percent: u64, held: u64, adding: u64) -> Result<(), String> {
+/// `percent` of what the pool may hold (its size times the `overcommit` cap), where a percent is
+/// set. Err says why.
+pub fn check_peer_space(
+    pool: &Pool,
+    overcommit: f64,
+    percent: Option<u64>,
+    held: u64,
+    adding: u64,
+) -> Result<(), String> {
+    let Some(percent) = percent else { return Ok(()) };
     let room = u128::from(largest_replica(pool, overcommit)) * u128::from(percent) / 100;
     let total = u128::from(held) + u128::from(adding);
     if total > room {

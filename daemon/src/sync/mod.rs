@@ -73,7 +73,7 @@ pub struct SyncHub {
     /// Memberships one primary may make here (`peer-quota`), and the share of the pool their
     /// copies may add up to (`peer-space-percent`).
     quota: usize,
-    space_percent: u64,
+    space_percent: Option<u64>,
     /// Told the name of every volume this daemon stepped down as primary of (its
     /// publications end: see `daemon.rs`).
     stepped_down: Mutex<Option<tokio::sync::mpsc::UnboundedSender<String>>>,

@@ -56,7 +56,7 @@ fn read(s: &mut std::os::unix::net::UnixStream, offset: u64, len: u32) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_cannot_take_over_grow_or_rekey_a_volume_through_a_membership() {
     let root = tempfile::tempdir().unwrap();
-    let Some((sw, d)) = cluster(2, root.path(), "peer-quota = 3") else { return };
+    let Some((sw, d)) = cluster(2, root.path(), "peer-quota = 3\npeer-space-percent = 50") else { return };
     let (e0, e1) = (sw.endpoint(0), sw.endpoint(1));
     let run = |args: &[&str]| {
         let (dir, args) = (d[0].dir.clone(), args.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>());
@@ -103,7 +103,7 @@ async fn a_peer_cannot_take_over_grow_or_rekey_a_volume_through_a_membership() {
     let r = as1.record(membership("ghost", 2, &e1, &[(&e1, "in-sync"), (&e0, "in-sync")])).await;
     assert!(!r.unwrap().into_inner().stored, "a witness became a copy");
 
-    // A peer makes no copy past its share of the pool (peer-space-percent, 50 by default).
+    // A peer makes no copy past its share of the pool (peer-space-percent, 50 here).
     let pool = d[0].json(&["pool", "status"])["size"].as_u64().unwrap();
     let mut big = membership("big", 1, &e1, &[(&e1, "in-sync"), (&e0, "in-sync")]);
     big.size = (pool / 2 + (1 << 20)) & !((1 << 20) - 1);
