@@ -11,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${SECS:-10}
+WINDOW=$(( SECS - 2 ))
 SIZE=${SIZE:-256M}
 DIR=${BENCH_DIR:-/dev/shm/ferrite-idle-probe}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ferrite/target}"
@@ -21,7 +22,7 @@ if [ -z "${FERRITE_BIN:-}" ]; then cargo build --workspace --locked --bin ferrit
 FERRITE="${FERRITE_BIN:-$CARGO_TARGET_DIR/debug/ferrite}"
 PERF=${PERF:-$(command -v perf >/dev/null && echo 1 || echo 0)}
 
-rm -rf "$DIR"; mkdir -p -m 700 "$DIR"
+rm -rf "$DIR"; mkdir -p -m 700 "$DIR" "$DIR/f"
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -50,7 +51,7 @@ for s in ferrite nbdkit; do
   fio --name=fill --ioengine=nbd --uri="${URI[$s]}" --size="$SIZE" --rw=write --bs=1M --iodepth=4 --output=/dev/null
 done
 
-# Per thread of a process: "name ticks voluntary involuntary" (utime+stime in clock ticks).
+# Per thread of a process: "tid name ticks voluntary involuntary" (utime+stime in clock ticks).
 threads() {
   for t in /proc/"$1"/task/*; do
     local name ticks vol inv
@@ -63,10 +64,10 @@ threads() {
 }
 REPORT='
 import json, sys
-server, rw, before, after, text = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.stdin.read()
+server, rw, before, after, window, text = *sys.argv[1:6], sys.stdin.read()
 j = json.loads(text[text.index("{"):])["jobs"][0]
-ios = j["read"]["total_ios"] + j["write"]["total_ios"]
 iops = j["read"]["iops"] + j["write"]["iops"]
+ios = iops * float(window)  # the requests of the window counted
 parse = lambda s: {l.split()[0]: l.split()[1:] for l in s.strip().splitlines()}
 b, a = parse(before), parse(after)
 by_name, tot, vol, inv = {}, 0, 0, 0
@@ -84,16 +85,22 @@ print(f"{server:<8} {rw:<10} {iops:>9.0f} {us(tot):>9.1f} {vol / ios:>7.2f} {inv
 echo "server   row             IOPS   CPU us/req  vol/req inv/req   CPU us/req by thread"
 for rw in randwrite randread; do
   for s in ferrite nbdkit; do
+    # The threads are counted while the connection is up (a connection's thread ends with it),
+    # from a second in to a second before the end: WINDOW seconds of the run.
+    fio --name="$rw" --ioengine=nbd --uri="${URI[$s]}" --size="$SIZE" --rw="$rw" --bs=4k --iodepth=1 \
+      --runtime="$SECS" --time_based --randrepeat=0 --output-format=json >"$DIR/fio.json" &
+    FIO=$!
+    sleep 1
     before=$(threads "${PID[$s]}")
     if [ "$PERF" = 1 ] && [ "$s" = ferrite ]; then
-      perf record -q -g -o "$DIR/perf-$rw.data" -p "${PID[$s]}" -- sleep "$SECS" >/dev/null 2>&1 &
+      perf record -q -g -o "$DIR/perf-$rw.data" -p "${PID[$s]}" -- sleep "$WINDOW" >/dev/null 2>&1 &
       PERFPID=$!
     fi
-    json=$(fio --name="$rw" --ioengine=nbd --uri="${URI[$s]}" --size="$SIZE" --rw="$rw" --bs=4k --iodepth=1 \
-      --runtime="$SECS" --time_based --randrepeat=0 --output-format=json)
+    sleep "$WINDOW"
     after=$(threads "${PID[$s]}")
+    wait "$FIO"
     [ -n "${PERFPID:-}" ] && { wait "$PERFPID" || true; PERFPID=; }
-    python3 -c "$REPORT" "$s" "$rw-qd1" "$before" "$after" <<<"$json"
+    python3 -c "$REPORT" "$s" "$rw-qd1" "$before" "$after" "$WINDOW" <"$DIR/fio.json"
   done
 done
 if [ "$PERF" = 1 ]; then
