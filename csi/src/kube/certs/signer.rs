@@ -88,9 +88,7 @@ fn one<'a>(spec: &'a CertificateSigningRequestSpec, key: &str) -> Option<&'a str
 
 /// The IP addresses a request names (none when it does not parse: it is refused then).
 fn ip_names(spec: &CertificateSigningRequestSpec) -> Vec<String> {
-    let text = std::str::from_utf8(&spec.request.0).unwrap_or_default();
-    let names = ferrite_tls::certs::Request::parse(text).ok().and_then(|r| r.names().ok()).unwrap_or_default();
-    names.into_iter().filter(|n| n.parse::<std::net::IpAddr>().is_ok()).collect()
+    req_names(spec).into_iter().filter(|n| n.parse::<std::net::IpAddr>().is_ok()).collect()
 }
 
 impl Signer {
